@@ -1,0 +1,9 @@
+"""nnx-zero1: ZeRO stage 1 (optimizer state sharded over data parallelism) for Flax NNX."""
+
+from nnx_zero1.errors import Zero1Error
+from nnx_zero1.layout import zero1_sharding
+from nnx_zero1.optimizer import Zero1Optimizer
+from nnx_zero1.report import Zero1Report, report
+
+__all__ = ["Zero1Error", "Zero1Optimizer", "Zero1Report", "report", "zero1_sharding"]
+__version__ = "0.1.0"

@@ -1,0 +1,12 @@
+"""Eight virtual CPU devices for every test; XLA_FLAGS must be set before jax is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+assert jax.device_count() == 8, "tests need 8 virtual CPU devices; import jax after conftest"
