@@ -2,8 +2,9 @@
 
 from nnx_zero1.errors import Zero1Error
 from nnx_zero1.layout import zero1_sharding
+from nnx_zero1.mixin import ShardedOptimizerMixin
 from nnx_zero1.optimizer import Zero1Optimizer
 from nnx_zero1.report import Zero1Report, report
 
-__all__ = ["Zero1Error", "Zero1Optimizer", "Zero1Report", "report", "zero1_sharding"]
+__all__ = ["ShardedOptimizerMixin", "Zero1Error", "Zero1Optimizer", "Zero1Report", "report", "zero1_sharding"]
 __version__ = "0.1.0"
