@@ -1,0 +1,145 @@
+"""The engine's kernels as module-level functions of a hashable static spec.
+
+Each engine wraps them in ``jax.jit`` with shardings read off its live arrays.
+Because the traced function and its static spec compare equal across engines
+of one shape, a second engine (a restart, a restore) reuses the compiled code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _reduce
+
+__all__ = ["DEFERRED", "EACH_MICRO_BATCH", "GLOBAL", "KernelSpec", "jit_fwd_bwd", "jit_update", "jit_eval"]
+
+DEFERRED = "deferred"  # per-replica partial sums; update() reduces once
+EACH_MICRO_BATCH = "each micro-batch"  # per-replica gradients all-reduced every micro-batch
+GLOBAL = "global"  # XLA differentiates the global program and reduces every micro-batch
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+  """What the kernels need besides arrays: graph definitions, loss, mesh and layouts.
+
+  Example::
+
+    >>> import jax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> spec = KernelSpec(nnx.graphdef(model), None, print, mesh, ("data",), nnx.Param, (), ())
+    >>> hash(spec) == hash(dataclasses.replace(spec))
+    True
+  """
+
+  model_def: Any
+  opt_def: Any
+  loss_fn: Callable
+  mesh: Mesh
+  axes: tuple[str, ...]
+  wrt: Any
+  homes: tuple[NamedSharding, ...]  # the parameters' layouts
+  targets: tuple[NamedSharding, ...]  # where update() puts the reduced gradients
+  mode: str = DEFERRED
+
+
+def _loss_of_params(spec: KernelSpec, rest: Any) -> Callable[[Any, Any], jax.Array]:
+  return lambda params, batch: spec.loss_fn(nnx.merge(spec.model_def, params, rest), batch)
+
+
+def _fwd_bwd(spec: KernelSpec, params, rest, acc, micro_steps, batch):
+  loss_of_params = _loss_of_params(spec, rest)
+  if spec.mode == GLOBAL:
+    loss, grads = jax.value_and_grad(loss_of_params)(params, batch)
+    acc = _reduce.add_to_first_row(acc, grads, spec.homes, spec.mesh, spec.axes)
+  else:
+    loss, acc = _reduce.local_grads(
+        loss_of_params, params, acc, batch, spec.mesh, spec.axes, reduce_now=spec.mode == EACH_MICRO_BATCH
+    )
+  return loss, acc, micro_steps + 1
+
+
+def _update(spec: KernelSpec, params, rest, opt_state, acc, micro_steps):
+  model = nnx.merge(spec.model_def, params, rest)
+  optimizer = nnx.merge(spec.opt_def, opt_state)
+  summed = _reduce.reduce_rows(acc, spec.homes, spec.targets, spec.mesh, spec.axes)
+  grads = jax.tree.map(lambda g: g / micro_steps.astype(g.dtype), summed)
+  # The optimizer selects gradients by ``wrt``, so they travel as variables.
+  variables = jax.tree.structure(nnx.state(model, spec.wrt))
+  optimizer.update(model, jax.tree.unflatten(variables, jax.tree.leaves(grads)))
+  zeros = jax.tree.map(jnp.zeros_like, acc)
+  new_params = nnx.as_pure(nnx.state(model, spec.wrt))
+  return new_params, nnx.as_pure(nnx.state(optimizer)), zeros, jnp.zeros_like(micro_steps), optax.global_norm(
+      grads
+  )
+
+
+def _evaluate(spec: KernelSpec, params, rest, batch):
+  loss_of_params = _loss_of_params(spec, rest)
+  if spec.mode == GLOBAL:
+    return loss_of_params(params, batch)
+  return _reduce.local_loss(loss_of_params, params, batch, spec.mesh, spec.axes)
+
+
+def _shardings(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def jit_fwd_bwd(spec: KernelSpec, params, rest, acc, micro_steps, batch):
+  """The micro-batch kernel ``(spec, params, rest, acc, micro_steps, batch) -> (loss, acc, micro_steps)``.
+
+  In/out shardings are those of the arrays given; ``acc`` and ``micro_steps`` are donated.
+
+  Example::
+
+    kernel = jit_fwd_bwd(spec, params, rest, acc, micro_steps, batch)
+    loss, acc, micro_steps = kernel(spec, params, rest, acc, micro_steps, batch)
+  """
+  replicated = NamedSharding(spec.mesh, P())
+  return jax.jit(
+      _fwd_bwd, static_argnums=0,
+      in_shardings=_shardings((params, rest, acc, micro_steps, batch)),
+      out_shardings=(replicated, *_shardings((acc, micro_steps))),
+      donate_argnums=(3, 4),
+  )
+
+
+def jit_update(spec: KernelSpec, params, rest, opt_state, acc, micro_steps):
+  """The update kernel ``(spec, params, rest, opt_state, acc, micro_steps) ->
+  (params, opt_state, acc, micro_steps, grad_norm)``, on the given arrays' shardings.
+
+  Example::
+
+    kernel = jit_update(spec, params, rest, opt_state, acc, micro_steps)
+    params, opt_state, acc, micro_steps, grad_norm = kernel(spec, params, rest, opt_state, acc, micro_steps)
+  """
+  replicated = NamedSharding(spec.mesh, P())
+  return jax.jit(
+      _update, static_argnums=0,
+      in_shardings=_shardings((params, rest, opt_state, acc, micro_steps)),
+      out_shardings=(*_shardings((params, opt_state, acc, micro_steps)), replicated),
+      donate_argnums=(1, 3, 4, 5),
+  )
+
+
+def jit_eval(spec: KernelSpec, params, rest, batch):
+  """The evaluation kernel ``(spec, params, rest, batch) -> mean loss``.
+
+  Example::
+
+    loss = jit_eval(spec, params, rest, batch)(spec, params, rest, batch)
+  """
+  return jax.jit(
+      _evaluate, static_argnums=0, in_shardings=_shardings((params, rest, batch)),
+      out_shardings=NamedSharding(spec.mesh, P()),
+  )

@@ -1,0 +1,293 @@
+"""Deferred gradient reduction for engines that accumulate micro-batches.
+
+The accumulator keeps one partial gradient sum per data-parallel replica: a
+leading dimension of size N (the data-axis size) sharded over the data axis,
+so each replica holds exactly its own row and a micro-batch costs no
+collective. Rows sum to the sum, over micro-batches, of the gradient of the
+global mean loss. ``reduce_rows`` turns them into one gradient per parameter
+with a single collective per leaf: ``psum`` (an all-reduce) onto the
+parameter's layout, or ``psum_scatter`` (a reduce-scatter) straight onto a
+layout that adds the data axis to one dimension, such as the Zero-1 layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "accumulator_sharding",
+    "batch_sharding",
+    "deferral_blocker",
+    "local_grads",
+    "local_loss",
+    "reduce_rows",
+    "add_to_first_row",
+    "zeros_accumulator",
+]
+
+
+def _entries(spec: P, ndim: int) -> list:
+  entries = list(spec)
+  return entries + [None] * (ndim - len(entries))
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+  # A spec entry is None, one axis name or a tuple of names; PartitionSpec is a
+  # pytree leaf, so jax.tree.leaves(spec) would never look inside it.
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _data_entry(axes: Sequence[str]):
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _spec_axes(spec: P) -> list[str]:
+  return [a for e in spec for a in _axes_of(e)]
+
+
+def batch_sharding(shape: Sequence[int], sharding: Any, mesh: Mesh, axes: tuple[str, ...]) -> NamedSharding:
+  """Where one batch leaf goes: its own spec, with the data axes on dimension 0
+  unless some dimension already carries one of them (so it is idempotent).
+
+  Example::
+
+    >>> import jax
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> s = batch_sharding((4, 3), None, mesh, ("data",))
+    >>> s.spec, batch_sharding((4, 3), s, mesh, ("data",)).spec
+    (PartitionSpec('data',), PartitionSpec('data',))
+  """
+  spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+  entries = _entries(spec, len(shape))
+  if any(a in _axes_of(e) for e in entries for a in axes):
+    return NamedSharding(mesh, spec)
+  if not shape:
+    raise ValueError("a batch leaf must have a batch dimension, got a scalar")
+  entries[0] = _data_entry(_axes_of(entries[0]) + tuple(axes))
+  return NamedSharding(mesh, P(*entries))
+
+
+def deferral_blocker(
+    batch_shardings: Sequence[NamedSharding], param_shardings: Sequence[NamedSharding], axes: tuple[str, ...]
+) -> str | None:
+  """Why per-replica gradients cannot be kept for this batch, or None when they can.
+
+  Deferral needs each replica to compute a whole gradient from its own rows:
+  the batch split over the data axes only, and the parameters replicated.
+
+  Example::
+
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
+    >>> deferral_blocker([NamedSharding(mesh, P(("data", "model")))], [], ("data",))
+    "the batch is sharded over ('model',) as well as the data axis"
+  """
+  for s in batch_shardings:
+    other = tuple(a for a in _spec_axes(s.spec) if a not in axes)
+    if other:
+      return f"the batch is sharded over {other} as well as the data axis"
+  for s in param_shardings:
+    if _spec_axes(s.spec):
+      return f"a parameter is sharded ({s.spec}), so no replica holds whole gradients"
+  return None
+
+
+def accumulator_sharding(param_sharding: NamedSharding, ndim: int, axes: tuple[str, ...]) -> NamedSharding:
+  """The layout of a parameter's accumulator: a leading replica dimension over the data axes.
+
+  Example::
+
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> accumulator_sharding(NamedSharding(mesh, P()), 2, ("data",)).spec
+    PartitionSpec('data', None, None)
+  """
+  spec = param_sharding.spec
+  return NamedSharding(param_sharding.mesh, P(_data_entry(axes), *_entries(spec, ndim)))
+
+
+def zeros_accumulator(params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
+  """Zeros of shape ``(N, *param.shape)`` for each parameter, one row per replica.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> zeros_accumulator({"w": jnp.ones(3)}, mesh, ("data",))["w"].shape
+    (1, 3)
+  """
+  n = _replicas(mesh, axes)
+
+  def zeros(p):
+    sharding = accumulator_sharding(p.sharding, p.ndim, axes)
+    return jax.device_put(jnp.zeros((n, *p.shape), p.dtype), sharding)
+
+  return jax.tree.map(zeros, params)
+
+
+def _replicas(mesh: Mesh, axes: tuple[str, ...]) -> int:
+  n = 1
+  for a in axes:
+    n *= mesh.shape[a]
+  return n
+
+
+def local_grads(
+    loss_of_params: Callable[[Any, Any], jax.Array], params: Any, acc: Any, batch: Any,
+    mesh: Mesh, axes: tuple[str, ...], *, reduce_now: bool = False,
+) -> tuple[jax.Array, Any]:
+  """One micro-batch, each replica on its own rows of ``batch``.
+
+  ``loss_of_params(params, batch)`` is the mean loss over the batch it is
+  given; each replica's loss is scaled by 1/N so gradients summed over replicas
+  are the gradient of the global mean. By default each replica adds its own
+  gradient to its row of ``acc`` and no gradient collective runs;
+  ``reduce_now=True`` all-reduces the gradient first and adds it to row 0 (the
+  per-micro-batch reduction deferral avoids). Parameters must be replicated.
+  Returns the global mean loss (a scalar all-reduce) and the new accumulator.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> loss = lambda p, b: jnp.mean(b * p["w"])
+    >>> acc = zeros_accumulator({"w": jnp.ones(())}, mesh, ("data",))
+    >>> l, acc = local_grads(loss, {"w": jnp.ones(())}, acc, jnp.ones(4), mesh, ("data",))
+    >>> float(acc["w"][0])
+    1.0
+  """
+  n = _replicas(mesh, axes)
+
+  def per_replica(params, acc, batch):
+    # Params enter invariant over the data axis; without this cast the
+    # transpose would psum their gradients, the very reduction we defer.
+    params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
+    loss, grads = jax.value_and_grad(lambda p: loss_of_params(p, batch) / n)(params)
+    if reduce_now:
+      first = jax.lax.axis_index(axes) == 0
+      grads = jax.tree.map(lambda g: jnp.where(first, jax.lax.psum(g, axes), jnp.zeros_like(g)), grads)
+    acc = jax.tree.map(lambda a, g: a + g[None], acc, grads)
+    return jax.lax.psum(loss, axes), acc
+
+  acc_specs = jax.tree.map(lambda a: P(_data_entry(axes)), acc)
+  batch_specs = jax.tree.map(lambda b: P(_data_entry(axes)), batch)
+  return jax.shard_map(
+      per_replica, mesh=mesh,
+      in_specs=(jax.tree.map(lambda p: P(), params), acc_specs, batch_specs),
+      out_specs=(P(), acc_specs),
+  )(params, acc, batch)
+
+
+def local_loss(
+    loss_of_params: Callable[[Any, Any], jax.Array], params: Any, batch: Any, mesh: Mesh,
+    axes: tuple[str, ...],
+) -> jax.Array:
+  """The global mean loss, each replica computing its own rows' mean (as ``local_grads`` does).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> float(local_loss(lambda p, b: jnp.mean(b * p), jnp.ones(()), jnp.ones(4), mesh, ("data",)))
+    1.0
+  """
+  n = _replicas(mesh, axes)
+  batch_specs = jax.tree.map(lambda b: P(_data_entry(axes)), batch)
+  return jax.shard_map(
+      lambda p, b: jax.lax.psum(loss_of_params(p, b) / n, axes), mesh=mesh,
+      in_specs=(jax.tree.map(lambda p: P(), params), batch_specs), out_specs=P(),
+  )(params, batch)
+
+
+def add_to_first_row(
+    acc: Any, grads: Any, param_shardings: Sequence[NamedSharding], mesh: Mesh, axes: tuple[str, ...]
+) -> Any:
+  """Adds already-reduced gradients to replica 0's row (the other rows add zero),
+  so the accumulator format and its row sum are the same as with deferral.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> acc = zeros_accumulator({"w": jnp.ones(2)}, mesh, ("data",))
+    >>> home = [NamedSharding(mesh, P())]
+    >>> add_to_first_row(acc, {"w": jnp.ones(2)}, home, mesh, ("data",))["w"].tolist()
+    [[1.0, 1.0]]
+  """
+  def per_replica(acc, grads):
+    first = jax.lax.axis_index(axes) == 0
+    return jax.tree.map(lambda a, g: a + jnp.where(first, g, jnp.zeros_like(g))[None], acc, grads)
+
+  leaves, treedef = jax.tree.flatten(grads)
+  grad_specs = jax.tree.unflatten(treedef, [s.spec for s in param_shardings])
+  acc_specs = jax.tree.unflatten(
+      treedef,
+      [accumulator_sharding(s, g.ndim, axes).spec for g, s in zip(leaves, param_shardings, strict=True)],
+  )
+  return jax.shard_map(per_replica, mesh=mesh, in_specs=(acc_specs, grad_specs), out_specs=acc_specs)(
+      acc, grads
+  )
+
+
+def _scatter_dim(param_spec: P, target_spec: P, ndim: int, axes: tuple[str, ...]) -> int | None:
+  """The dimension where ``target_spec`` adds the data axes to ``param_spec``; None if it does not."""
+  for dim, (before, after) in enumerate(zip(_entries(param_spec, ndim), _entries(target_spec, ndim))):
+    if _axes_of(after) == _axes_of(before) + tuple(axes):
+      return dim
+    if _axes_of(after) != _axes_of(before):
+      raise ValueError(f"cannot reduce-scatter {param_spec} onto {target_spec} over {axes}")
+  return None
+
+
+def reduce_rows(
+    acc: Any, param_shardings: Sequence[NamedSharding], targets: Sequence[NamedSharding],
+    mesh: Mesh, axes: tuple[str, ...],
+) -> Any:
+  """Sums each accumulator over its replica rows with one collective per leaf.
+
+  A leaf whose target adds the data axes to one dimension of its parameter's
+  layout is reduce-scattered onto it (``psum_scatter``, a literal
+  ``reduce-scatter`` in the HLO); a leaf whose target is the parameter's own
+  layout is all-reduced (``psum``).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> acc = zeros_accumulator({"w": jnp.ones(4)}, mesh, ("data",))
+    >>> home = NamedSharding(mesh, P())
+    >>> reduce_rows(acc, [home], [NamedSharding(mesh, P("data"))], mesh, ("data",))["w"].sharding.spec
+    PartitionSpec('data',)
+  """
+  leaves, treedef = jax.tree.flatten(acc)
+  dims = [
+      _scatter_dim(p.spec, t.spec, a.ndim - 1, axes)
+      for a, p, t in zip(leaves, param_shardings, targets, strict=True)
+  ]
+
+  def per_replica(*rows):
+    out = []
+    for row, dim in zip(rows, dims):
+      row = row[0]
+      if dim is None:
+        out.append(jax.lax.psum(row, axes))
+      else:
+        out.append(jax.lax.psum_scatter(row, axes, scatter_dimension=dim, tiled=True))
+    return tuple(out)
+
+  in_specs = tuple(accumulator_sharding(p, a.ndim - 1, axes).spec for a, p in zip(leaves, param_shardings))
+  out_specs = tuple(t.spec for t in targets)
+  reduced = jax.shard_map(per_replica, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*leaves)
+  return jax.tree.unflatten(treedef, reduced)

@@ -1,0 +1,348 @@
+"""A MaxText-style training engine and its Zero-1 adapter.
+
+The engine splits a training step into ``fwd_bwd(batch)`` (forward and
+backward of one micro-batch; gradients accumulated, nothing updated) and
+``update()`` (applies the averaged gradients). Both are jitted kernels whose
+in/out shardings are read off the live arrays. Gradients stay unreduced over
+the data axis while they accumulate (one partial sum per replica) and
+``update`` reduces them once per optimizer step: an all-reduce in ``Engine``,
+a reduce-scatter straight onto the Zero-1 layout in ``Zero1Engine``.
+
+Example::
+
+  engine = Zero1Engine(model, optax.adamw(3e-4), mesh, loss_fn=loss_fn)
+  for micro_batch in micro_batches:
+    loss = engine.fwd_bwd(micro_batch)
+  step = engine.update()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from flax.nnx import filterlib
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
+from nnx_zero1.optimizer import Zero1Optimizer
+
+from . import _kernels, _reduce
+
+__all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nnx.Module, dict], jax.Array]
+
+
+def _shardings(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _on_mesh(tree: Any, mesh: Mesh) -> Any:
+  """Arrays not yet on ``mesh`` go there replicated, so every kernel sharding is a mesh sharding."""
+  def put(x):
+    if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh:
+      return x
+    return jax.device_put(x, NamedSharding(mesh, P()))
+
+  return jax.tree.map(put, tree)
+
+
+class Engine:
+  """A compact training engine of MaxText's shape: ``fwd_bwd`` / ``update`` kernels.
+
+  ``loss_fn(model, batch) -> scalar`` is the mean loss over ``batch``, a dict of
+  arrays whose leading dimension is the batch (put on the data axis when it is
+  not already). Call ``fwd_bwd`` once per micro-batch and ``update`` once per
+  optimizer step. Checkpoints hold the parameters, the optimizer state, the
+  accumulated gradients and the micro-batch count, so a save between two
+  micro-batches resumes exactly.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    >>> engine = Engine(model, optax.sgd(0.1), mesh, loss_fn=loss_fn)
+    >>> _ = engine.fwd_bwd({"x": jnp.ones((4, 2)), "y": jnp.zeros((4, 1))})
+    >>> engine.update()
+    1
+
+  Args:
+    model: the NNX model; parameters not yet on ``mesh`` are put there replicated.
+    tx: the optax transformation.
+    mesh: the device mesh.
+    loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss.
+    checkpoint_dir: where ``save_checkpoint`` writes (orbax); None for no checkpoints.
+    wrt: which variables are trained.
+    data_axis: the data-parallel mesh axis (or tuple of axes).
+    defer_reduction: keep gradients unreduced until ``update`` (default: the
+      class attribute ``DEFER_REDUCTION``, True). False reduces every micro-batch.
+  """
+
+  DEFER_REDUCTION = True
+
+  def __init__(
+      self,
+      model: nnx.Module,
+      tx: optax.GradientTransformation,
+      mesh: Mesh,
+      *,
+      loss_fn: LossFn,
+      checkpoint_dir: str | os.PathLike | None = None,
+      wrt: filterlib.Filter = nnx.Param,
+      data_axis: DataAxis = "data",
+      defer_reduction: bool | None = None,
+  ):
+    self.mesh = mesh
+    self.data_axis = data_axes(data_axis)
+    self.data_size = data_axis_size(mesh, self.data_axis)
+    self.loss_fn = loss_fn
+    self.wrt = wrt
+    self.defer_reduction = self.DEFER_REDUCTION if defer_reduction is None else defer_reduction
+    nnx.update(model, _on_mesh(nnx.state(model), mesh))
+    self.model = model
+    self.optimizer = self._make_optimizer(model, tx)
+    nnx.update(self.optimizer, _on_mesh(nnx.state(self.optimizer), mesh))
+    params = nnx.as_pure(nnx.state(model, wrt))
+    self._grad_acc = _reduce.zeros_accumulator(params, mesh, self.data_axis)
+    self._micro_steps = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    self._pending = 0  # host mirror of _micro_steps, so update() can refuse an empty step
+    self.grad_norm: jax.Array | None = None
+    self._fwd_bwd_kernels: dict = {}
+    self._eval_kernels: dict = {}
+    self._update_kernel = None
+    self._manager = None
+    if checkpoint_dir is not None:
+      self._manager = ocp.CheckpointManager(
+          os.fspath(os.path.abspath(checkpoint_dir)), options=ocp.CheckpointManagerOptions(create=True)
+      )
+
+  # -- hooks a Zero-1 mixin overrides ---------------------------------------------------------
+  def _make_optimizer(self, model: nnx.Module, tx: optax.GradientTransformation) -> nnx.Optimizer:
+    """The optimizer; built before any kernel reads its shardings."""
+    return nnx.Optimizer(model, tx, wrt=self.wrt)
+
+  def _gradient_targets(self) -> tuple[NamedSharding, ...]:
+    """Where ``update`` puts the reduced gradients, per parameter: their own layout (all-reduce)."""
+    return tuple(_shardings(jax.tree.leaves(self._params())))
+
+  # -- live state -------------------------------------------------------------------------------
+  def _params(self) -> Any:
+    return nnx.as_pure(nnx.state(self.model, self.wrt))
+
+  def _rest(self) -> Any:
+    return nnx.as_pure(nnx.state(self.model, nnx.Not(self.wrt)))
+
+  def _opt_state(self) -> Any:
+    return nnx.as_pure(nnx.state(self.optimizer))
+
+  def _place_batch(self, batch: dict) -> dict:
+    def put(x):
+      target = _reduce.batch_sharding(jnp.shape(x), getattr(x, "sharding", None), self.mesh, self.data_axis)
+      if isinstance(x, jax.Array) and x.sharding == target:
+        return x
+      return jax.device_put(x, target)
+
+    return jax.tree.map(put, batch)
+
+  def _batch_key(self, batch: dict) -> tuple:
+    leaves, treedef = jax.tree.flatten(batch)
+    return (treedef, *((x.shape, x.dtype, x.sharding.spec) for x in leaves))
+
+  def _spec(self, mode: str = _kernels.DEFERRED) -> _kernels.KernelSpec:
+    homes = tuple(jax.tree.leaves(_shardings(self._params())))
+    return _kernels.KernelSpec(
+        nnx.graphdef(self.model), nnx.graphdef(self.optimizer), self.loss_fn, self.mesh, self.data_axis,
+        self.wrt, homes, tuple(self._gradient_targets()), mode,
+    )
+
+  def _mode(self, batch: dict, *, log: bool = False) -> str:
+    """How ``batch``'s gradients are reduced: deferred when each replica can compute whole
+    gradients of its own rows and deferral is on; otherwise every micro-batch."""
+    blocker = _reduce.deferral_blocker(
+        jax.tree.leaves(_shardings(batch)), jax.tree.leaves(_shardings(self._params())), self.data_axis
+    )
+    name = type(self).__name__
+    if blocker:
+      if log:
+        logger.info("%s: cannot defer the gradient reduction (%s); reducing every micro-batch", name, blocker)
+      return _kernels.GLOBAL
+    if not self.defer_reduction:
+      if log:
+        logger.info("%s: defer_reduction=False; reducing gradients every micro-batch", name)
+      return _kernels.EACH_MICRO_BATCH
+    return _kernels.DEFERRED
+
+  def _fwd_bwd_call(self, batch: dict) -> tuple:
+    key = self._batch_key(batch)
+    if key not in self._fwd_bwd_kernels:
+      spec = self._spec(self._mode(batch, log=True))
+      state = (self._params(), self._rest(), self._grad_acc, self._micro_steps)
+      self._fwd_bwd_kernels[key] = (spec, _kernels.jit_fwd_bwd(spec, *state, batch))
+    spec, kernel = self._fwd_bwd_kernels[key]
+    return kernel, (spec, self._params(), self._rest(), self._grad_acc, self._micro_steps, batch)
+
+  def _update_call(self) -> tuple:
+    args = (self._params(), self._rest(), self._opt_state(), self._grad_acc, self._micro_steps)
+    if self._update_kernel is None:
+      spec = self._spec()
+      self._update_kernel = (spec, _kernels.jit_update(spec, *args))
+    spec, kernel = self._update_kernel
+    return kernel, (spec, *args)
+
+  # -- public API -------------------------------------------------------------------------------
+  def fwd_bwd(self, batch: dict) -> jax.Array:
+    """Forward and backward of one micro-batch; adds its gradients, updates nothing.
+
+    Returns the micro-batch's mean loss. Under deferral no gradient collective
+    runs here: each replica adds its own gradient to its row of the accumulator.
+    """
+    with jax.set_mesh(self.mesh):
+      batch = self._place_batch(batch)
+      kernel, args = self._fwd_bwd_call(batch)
+      loss, self._grad_acc, self._micro_steps = kernel(*args)
+    self._pending += 1
+    return loss
+
+  def update(self) -> int:
+    """Reduces the accumulated gradients once, averages them over the micro-batches,
+    applies them, resets the accumulator and returns the new step. The averaged
+    gradients' global norm is kept in ``self.grad_norm``."""
+    if self._pending == 0:
+      raise ValueError("update() needs at least one fwd_bwd() since the last update")
+    with jax.set_mesh(self.mesh):
+      kernel, args = self._update_call()
+      params, opt_state, self._grad_acc, self._micro_steps, self.grad_norm = kernel(*args)
+    nnx.update(self.model, params)
+    nnx.update(self.optimizer, opt_state)
+    self._pending = 0
+    return int(self.optimizer.step[...])
+
+  def eval_step(self, batch: dict) -> jax.Array:
+    """The mean loss of ``batch``; changes nothing."""
+    with jax.set_mesh(self.mesh):
+      batch = self._place_batch(batch)
+      key = self._batch_key(batch)
+      if key not in self._eval_kernels:
+        spec = self._spec(self._mode(batch))
+        self._eval_kernels[key] = (spec, _kernels.jit_eval(spec, self._params(), self._rest(), batch))
+      spec, kernel = self._eval_kernels[key]
+      return kernel(spec, self._params(), self._rest(), batch)
+
+  def lowered_fwd_bwd(self, batch: dict) -> jax.stages.Lowered:
+    """The micro-batch kernel lowered for ``batch``, to read its compiled HLO."""
+    with jax.set_mesh(self.mesh):
+      kernel, args = self._fwd_bwd_call(self._place_batch(batch))
+      return kernel.lower(*args)
+
+  def lowered_update(self) -> jax.stages.Lowered:
+    """The update kernel lowered, to read its compiled HLO."""
+    with jax.set_mesh(self.mesh):
+      kernel, args = self._update_call()
+      return kernel.lower(*args)
+
+  def _checkpoint_tree(self) -> dict:
+    return {
+        "params": nnx.state(self.model, self.wrt).to_pure_dict(),
+        "optimizer": nnx.state(self.optimizer).to_pure_dict(),
+        "grad_acc": self._grad_acc.to_pure_dict(),
+        "micro_steps": self._micro_steps,
+    }
+
+  def _require_manager(self) -> ocp.CheckpointManager:
+    if self._manager is None:
+      raise ValueError("this engine was built without checkpoint_dir")
+    return self._manager
+
+  def save_checkpoint(self, step: int) -> None:
+    """Saves params, optimizer state, accumulated gradients and micro-batch count as ``step``."""
+    self._require_manager().save(step, args=ocp.args.StandardSave(self._checkpoint_tree()))
+
+  def restore_checkpoint(self, step: int | None = None) -> int:
+    """Restores ``step`` (the latest when None) onto this engine's own layouts; returns the step."""
+    manager = self._require_manager()
+    manager.wait_until_finished()
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      raise ValueError(f"no checkpoint in {manager.directory}")
+    tree = manager.restore(step, args=ocp.args.StandardRestore(_abstract(self._checkpoint_tree())))
+    for target, pure in ((self.model, tree["params"]), (self.optimizer, tree["optimizer"])):
+      state = nnx.state(target, self.wrt) if target is self.model else nnx.state(target)
+      nnx.replace_by_pure_dict(state, pure)
+      nnx.update(target, state)
+    nnx.replace_by_pure_dict(self._grad_acc, tree["grad_acc"])
+    self._micro_steps = tree["micro_steps"]
+    self._pending = int(self._micro_steps)
+    return step
+
+  def close(self) -> None:
+    """Waits for pending checkpoint writes and releases the checkpoint manager."""
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+      self._manager.close()
+      self._manager = None
+
+
+class Zero1EngineMixin:
+  """Zero-1 for an engine of ``Engine``'s shape: moments split over the data axis.
+
+  Put it first in the bases: ``class MyZero1Engine(Zero1EngineMixin, MyEngine)``.
+  It needs the engine to (1) build its optimizer through
+  ``_make_optimizer(model, tx)`` before any kernel reads shardings off the live
+  arrays, and (2) reduce its accumulated gradient rows with
+  ``_reduce.reduce_rows`` onto ``_gradient_targets()`` inside the update
+  kernel. The mixin returns a ``Zero1Optimizer`` from the first (moments on the
+  Zero-1 layout from the start) and the Zero-1 layout from the second, so the
+  one gradient reduction per step becomes a reduce-scatter; the optimizer
+  slices the parameters locally and all-gathers them back. Kernel signatures
+  and the checkpoint tree are unchanged, so checkpoints cross both ways.
+
+  Example::
+
+    >>> class MyZero1Engine(Zero1EngineMixin, Engine):
+    ...   pass
+  """
+
+  def _make_optimizer(self, model: nnx.Module, tx: optax.GradientTransformation) -> Zero1Optimizer:
+    return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis)
+
+  def _gradient_targets(self) -> tuple[NamedSharding, ...]:
+    return self.optimizer.zero1_plan.zero1_param_shardings
+
+
+class Zero1Engine(Zero1EngineMixin, Engine):
+  """``Engine`` with Zero-1: same signature, kernels and checkpoint format.
+
+  Each of the N data-parallel replicas holds 1/N of the optimizer moments;
+  ``update`` reduce-scatters the accumulated gradients onto that layout once,
+  runs the optimizer on the slices and all-gathers the parameters back.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> loss_fn = lambda m, b: jnp.mean(m(b["x"]) ** 2)
+    >>> engine = Zero1Engine(model, optax.adam(1e-3), mesh, loss_fn=loss_fn)
+    >>> _ = engine.fwd_bwd({"x": jnp.ones((2, 2))})
+    >>> engine.update()
+    1
+  """
