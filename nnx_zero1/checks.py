@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from nnx_zero1.errors import Zero1Error
 from nnx_zero1.plan import Zero1Plan
 
-__all__ = ["resolve_mesh", "check_params", "check_model", "check_grads", "check_strict"]
+__all__ = ["resolve_mesh", "check_params", "check_model", "check_grads", "check_state", "check_strict"]
 
 
 def _axes(mesh: Mesh) -> str:
@@ -45,6 +45,21 @@ def resolve_mesh(mesh: Mesh | None) -> Mesh:
   return current
 
 
+def _check_devices(tree: Any, mesh: Mesh, what: str, fix: str) -> None:
+  # Tracers have no devices; jit refuses mixed device sets itself.
+  mesh_devices = set(mesh.devices.flat)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(leaf, jax.core.Tracer):
+      continue
+    devices = getattr(getattr(leaf, "sharding", None), "device_set", set())
+    outside = devices - mesh_devices
+    if outside:
+      raise Zero1Error(
+          f"{what} {jax.tree_util.keystr(path)} lives on devices {sorted(d.id for d in outside)} "
+          f"that are not in the mesh ({_axes(mesh)}); {fix}"
+      )
+
+
 def check_params(params: Any, wrt, mesh: Mesh) -> None:
   """Refuses a ``wrt`` that selects nothing and parameters on devices outside the mesh."""
   leaves = jax.tree.leaves(params)
@@ -53,16 +68,7 @@ def check_params(params: Any, wrt, mesh: Mesh) -> None:
         f"wrt={wrt!r} selects no parameters of the model, so there is no optimizer "
         f"state to shard; {_axes(mesh)}"
     )
-  mesh_devices = set(mesh.devices.flat)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    sharding = getattr(leaf, "sharding", None)
-    devices = getattr(sharding, "device_set", set())
-    outside = devices - mesh_devices
-    if outside:
-      raise Zero1Error(
-          f"parameter {jax.tree_util.keystr(path)} lives on devices {sorted(d.id for d in outside)} "
-          f"that are not in the mesh ({_axes(mesh)}); place the model on the mesh first"
-      )
+  _check_devices(params, mesh, "parameter", "place the model on the mesh first")
 
 
 def check_model(params: Any, plan: Zero1Plan) -> None:
@@ -75,6 +81,7 @@ def check_model(params: Any, plan: Zero1Plan) -> None:
         f"was built for ({len(leaves)} leaves vs {len(plan.param_shapes)}); "
         f"{_axes(plan.mesh)}"
     )
+  _check_devices(params, plan.mesh, "parameter", "place the model on the mesh first")
 
 
 def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
@@ -91,6 +98,35 @@ def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
       raise Zero1Error(
           f"gradient for {jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but the "
           f"parameter is {p.dtype}{list(p.shape)}; {_axes(plan.mesh)}"
+      )
+  _check_devices(grads, plan.mesh, "gradient", "compute the gradients on the mesh")
+
+
+def _mesh_of(leaf: Any):
+  if isinstance(leaf, jax.core.Tracer):
+    mesh = jax.typeof(leaf).sharding.mesh  # an Explicit mesh travels in the type
+    return None if mesh.empty else mesh
+  sharding = getattr(leaf, "sharding", None)
+  return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+
+def check_state(opt_state: Any, plan: Zero1Plan) -> None:
+  """Refuses optimizer state that lives on another mesh than the optimizer's.
+
+  State on the right mesh but another layout (e.g. restored replicated) is
+  fine: ``update`` re-places it onto the plan. State from another mesh must be
+  restored onto this one, e.g. with ``nnx_zero1.abstract_state(opt)`` as the
+  orbax target.
+  """
+  fix = "restore it onto this mesh, e.g. with nnx_zero1.abstract_state(optimizer) as the orbax target"
+  _check_devices(opt_state, plan.mesh, "optimizer state", fix)
+  expected = (tuple(plan.mesh.axis_names), tuple(plan.mesh.axis_sizes))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    mesh = _mesh_of(leaf)
+    if mesh is not None and (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != expected:
+      raise Zero1Error(
+          f"optimizer state {jax.tree_util.keystr(path)} lives on a mesh with shape "
+          f"{dict(mesh.shape)}, but this optimizer was built for {_axes(plan.mesh)}; {fix}"
       )
 
 

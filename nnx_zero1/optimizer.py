@@ -11,7 +11,14 @@ from flax import nnx
 from flax.nnx import filterlib
 from flax.nnx.training.optimizer import OptState, to_opt_state
 
-from nnx_zero1.checks import check_grads, check_model, check_params, check_strict, resolve_mesh
+from nnx_zero1.checks import (
+    check_grads,
+    check_model,
+    check_params,
+    check_state,
+    check_strict,
+    resolve_mesh,
+)
 from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
 from nnx_zero1.placement import current_sharding, place
 from nnx_zero1.plan import Zero1Plan, make_plan
@@ -156,15 +163,18 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
     check_model(params, plan)
     check_grads(grads, params, plan)
+    state = nnx.as_pure(self.opt_state)
+    check_state(state, plan)
     homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
+    state_shardings = [row.sharding for row in plan.state_leaves]
 
     sliced_grads = _place_all(grads, plan.zero1_param_shardings)
     sliced_params = _place_all(params, plan.zero1_param_shardings)
-    updates, new_state = self.tx.update(
-        sliced_grads, nnx.as_pure(self.opt_state), sliced_params, **nnx.as_pure(kwargs)
-    )
+    # A no-op when the state is on the plan; re-places state restored onto another layout.
+    state = _place_all(state, state_shardings)
+    updates, new_state = self.tx.update(sliced_grads, state, sliced_params, **nnx.as_pure(kwargs))
     new_params = optax.apply_updates(sliced_params, updates)
-    new_state = _place_all(new_state, [row.sharding for row in plan.state_leaves])
+    new_state = _place_all(new_state, state_shardings)
 
     nnx.update(model, _place_all(new_params, homes))
     nnx.update(self.opt_state, nnx.state(new_state, graph=self.graph))
