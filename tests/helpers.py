@@ -88,3 +88,17 @@ def shardings(tree):
   if isinstance(tree, nnx.Module | nnx.Optimizer):
     tree = nnx.state(tree)
   return [x.sharding for x in jax.tree.leaves(nnx.as_pure(tree))]
+
+
+def snapshot(*objs):
+  """Values and shardings of every array of some modules / optimizers, to check nothing changed."""
+  return [(np.asarray(x), x.sharding) for obj in objs for x in jax.tree.leaves(nnx.as_pure(nnx.state(obj)))]
+
+
+def assert_unchanged(before, *objs):
+  """Every array equals its ``snapshot`` value (NaN-equal) and has the same sharding."""
+  after = snapshot(*objs)
+  assert len(after) == len(before)
+  for (a, sa), (b, sb) in zip(before, after, strict=True):
+    np.testing.assert_array_equal(a, b)
+    assert sa == sb, (sa, sb)
