@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_zero1.errors import Zero1Error
 
-__all__ = ["DataAxis", "data_axes", "data_axis_size", "zero1_layout", "zero1_sharding"]
+__all__ = ["DataAxis", "data_axes", "data_axis_size", "spec_entries", "zero1_layout", "zero1_sharding"]
 
 DataAxis = str | Sequence[str]
 
@@ -71,8 +71,16 @@ def _entry_axes(entry) -> tuple[str, ...]:
   return tuple(entry)
 
 
-def _partitions(spec: PartitionSpec) -> tuple:
-  return tuple(spec._partitions) if hasattr(spec, "_partitions") else tuple(spec)
+def spec_entries(spec: PartitionSpec) -> tuple:
+  """The per-dimension entries of a spec, also when it carries unreduced/reduced axes.
+
+  Example::
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> spec_entries(P("data", None))
+    ('data', None)
+  """
+  return tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec)
 
 
 def zero1_layout(
@@ -95,7 +103,7 @@ def zero1_layout(
   mesh = sharding.mesh
   axes = data_axes(data_axis)
   n = data_axis_size(mesh, axes)
-  entries = list(_partitions(sharding.spec))
+  entries = list(spec_entries(sharding.spec))
   if len(entries) > len(shape):
     raise Zero1Error(f"sharding spec {sharding.spec} has more entries than shape {tuple(shape)}")
   entries += [None] * (len(shape) - len(entries))

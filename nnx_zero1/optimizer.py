@@ -19,7 +19,7 @@ from nnx_zero1.checks import (
     check_strict,
     resolve_mesh,
 )
-from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
+from nnx_zero1.layout import DataAxis, data_axes, data_axis_size, spec_entries
 from nnx_zero1.placement import current_sharding, place
 from nnx_zero1.plan import Zero1Plan, make_plan
 
@@ -31,10 +31,6 @@ M = TypeVar("M")
 def _place_all(tree: Any, shardings) -> Any:
   leaves, treedef = jax.tree.flatten(tree)
   return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, shardings, strict=True)])
-
-
-def _spec_names(sharding) -> tuple:
-  return tuple(sharding.spec)
 
 
 def init_sharded_state(tx: optax.GradientTransformation, param_state: Any, plan: Zero1Plan) -> Any:
@@ -63,10 +59,8 @@ def init_sharded_state(tx: optax.GradientTransformation, param_state: Any, plan:
   state = jax.jit(init, out_shardings=targets)(param_state)
   variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   for var, row in zip(variables, plan.state_leaves, strict=True):
-    if isinstance(var, nnx.Variable) and var.has_metadata("out_sharding"):
-      var.set_metadata(out_sharding=_spec_names(row.sharding))
-    elif isinstance(var, nnx.Variable) and row.reason is None:
-      var.set_metadata(out_sharding=_spec_names(row.sharding))
+    if isinstance(var, nnx.Variable) and (var.has_metadata("out_sharding") or row.reason is None):
+      var.set_metadata(out_sharding=spec_entries(row.sharding.spec))
   return state
 
 
