@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zero1.plan import base_sharding
+
 __all__ = [
     "accumulator_sharding",
     "batch_sharding",
@@ -60,18 +62,24 @@ def batch_sharding(shape: Sequence[int], sharding: Any, mesh: Mesh, axes: tuple[
   Example::
 
     >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> s = batch_sharding((4, 3), None, mesh, ("data",))
     >>> s.spec, batch_sharding((4, 3), s, mesh, ("data",)).spec
-    (PartitionSpec('data',), PartitionSpec('data',))
+    (P('data',), P('data',))
+    >>> batch_sharding((4, 3), NamedSharding(mesh, P(("data",), None)), mesh, ("data",)).spec
+    P('data',)
   """
   spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
-  entries = _entries(spec, len(shape))
-  if any(a in _axes_of(e) for e in entries for a in axes):
-    return NamedSharding(mesh, spec)
-  if not shape:
-    raise ValueError("a batch leaf must have a batch dimension, got a scalar")
-  entries[0] = _data_entry(_axes_of(entries[0]) + tuple(axes))
+  entries = [_axes_of(e) for e in _entries(spec, len(shape))]
+  if not any(a in e for e in entries for a in axes):
+    if not shape:
+      raise ValueError("a batch leaf must have a batch dimension, got a scalar")
+    entries[0] = entries[0] + tuple(axes)
+  # One spelling per layout (no 1-tuples, no trailing None), so equal layouts share a kernel.
+  entries = [None if not e else _data_entry(e) for e in entries]
+  while entries and entries[-1] is None:
+    entries.pop()
   return NamedSharding(mesh, P(*entries))
 
 
@@ -110,7 +118,7 @@ def accumulator_sharding(param_sharding: NamedSharding, ndim: int, axes: tuple[s
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> accumulator_sharding(NamedSharding(mesh, P()), 2, ("data",)).spec
-    PartitionSpec('data', None, None)
+    P('data', None, None)
   """
   spec = param_sharding.spec
   return NamedSharding(param_sharding.mesh, P(_data_entry(axes), *_entries(spec, ndim)))
@@ -129,7 +137,7 @@ def zeros_accumulator(params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
   n = _replicas(mesh, axes)
 
   def zeros(p):
-    sharding = accumulator_sharding(p.sharding, p.ndim, axes)
+    sharding = accumulator_sharding(base_sharding(p, mesh), p.ndim, axes)
     return jax.device_put(jnp.zeros((n, *p.shape), p.dtype), sharding)
 
   return jax.tree.map(zeros, params)
@@ -159,10 +167,12 @@ def local_grads(
   Example::
 
     >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> loss = lambda p, b: jnp.mean(b * p["w"])
-    >>> acc = zeros_accumulator({"w": jnp.ones(())}, mesh, ("data",))
-    >>> l, acc = local_grads(loss, {"w": jnp.ones(())}, acc, jnp.ones(4), mesh, ("data",))
+    >>> w = {"w": jax.device_put(jnp.ones(()), NamedSharding(mesh, P()))}
+    >>> batch = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("data")))
+    >>> acc = zeros_accumulator(w, mesh, ("data",))
+    >>> loss, acc = local_grads(lambda p, b: jnp.mean(b * p["w"]), w, acc, batch, mesh, ("data",))
     >>> float(acc["w"][0])
     1.0
   """
@@ -197,8 +207,11 @@ def local_loss(
   Example::
 
     >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> float(local_loss(lambda p, b: jnp.mean(b * p), jnp.ones(()), jnp.ones(4), mesh, ("data",)))
+    >>> w = jax.device_put(jnp.ones(()), NamedSharding(mesh, P()))
+    >>> batch = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("data")))
+    >>> float(local_loss(lambda p, b: jnp.mean(b * p), w, batch, mesh, ("data",)))
     1.0
   """
   n = _replicas(mesh, axes)
@@ -220,9 +233,9 @@ def add_to_first_row(
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> home = NamedSharding(mesh, P())
     >>> acc = zeros_accumulator({"w": jnp.ones(2)}, mesh, ("data",))
-    >>> home = [NamedSharding(mesh, P())]
-    >>> add_to_first_row(acc, {"w": jnp.ones(2)}, home, mesh, ("data",))["w"].tolist()
+    >>> add_to_first_row(acc, {"w": jax.device_put(jnp.ones(2), home)}, [home], mesh, ("data",))["w"].tolist()
     [[1.0, 1.0]]
   """
   def per_replica(acc, grads):
@@ -269,7 +282,7 @@ def reduce_rows(
     >>> acc = zeros_accumulator({"w": jnp.ones(4)}, mesh, ("data",))
     >>> home = NamedSharding(mesh, P())
     >>> reduce_rows(acc, [home], [NamedSharding(mesh, P("data"))], mesh, ("data",))["w"].sharding.spec
-    PartitionSpec('data',)
+    P('data',)
   """
   leaves, treedef = jax.tree.flatten(acc)
   dims = [

@@ -166,11 +166,17 @@ class Engine:
     leaves, treedef = jax.tree.flatten(batch)
     return (treedef, *((x.shape, x.dtype, x.sharding.spec) for x in leaves))
 
-  def _spec(self, mode: str = _kernels.DEFERRED) -> _kernels.KernelSpec:
+  def _spec(self, mode: str | None = None) -> _kernels.KernelSpec:
+    """The update kernel's static spec (``mode=None``) or a micro-batch/eval kernel's, which
+    leaves the optimizer out so engines that differ only in it share compiled kernels."""
     homes = tuple(jax.tree.leaves(_shardings(self._params())))
+    if mode is not None:
+      return _kernels.KernelSpec(
+          nnx.graphdef(self.model), None, self.loss_fn, self.mesh, self.data_axis, self.wrt, homes, (), mode
+      )
     return _kernels.KernelSpec(
         nnx.graphdef(self.model), nnx.graphdef(self.optimizer), self.loss_fn, self.mesh, self.data_axis,
-        self.wrt, homes, tuple(self._gradient_targets()), mode,
+        self.wrt, homes, tuple(self._gradient_targets()),
     )
 
   def _mode(self, batch: dict, *, log: bool = False) -> str:
