@@ -34,10 +34,12 @@ def abstract_state(obj: Any) -> nnx.State:
 
   For a ``Zero1Optimizer`` every optimizer-state leaf gets its Zero-1 layout on
   the optimizer's mesh (from ``zero1_plan``) and the step count is replicated
-  on that mesh; for anything else (a model, a plain ``nnx.Optimizer``) each
-  leaf keeps the sharding it has now. Pass the result as the orbax restore
-  target; the tree matches ``nnx.state`` of a plain optimizer too, so
-  checkpoints cross both ways and between data-parallel sizes.
+  on that mesh. For anything else (a model, a plain ``nnx.Optimizer``) each
+  leaf keeps the sharding it has now, except that a leaf on a single device
+  (such as a step count) is replicated on the mesh the other leaves are on.
+  Pass the result as the orbax restore target: the tree is ``nnx.state``'s,
+  the same for a plain optimizer, so checkpoints cross both ways and between
+  data-parallel sizes.
 
   Example::
 
@@ -50,18 +52,28 @@ def abstract_state(obj: Any) -> nnx.State:
     >>> target["step"].sharding.spec
     P()
     >>> # restored = ocp.StandardCheckpointer().restore(path, target)
-    >>> # nnx.update(opt, restored)
+    >>> # restore_into(opt, restored)
   """
   targets = _target_shardings(obj)
-  mesh = obj.zero1_plan.mesh if targets else None
+  state = nnx.state(obj)
+  mesh = obj.zero1_plan.mesh if targets else _mesh_of_any(state)
 
   def target(x):
-    sharding = targets.get(id(x))
-    if sharding is None:
-      sharding = NamedSharding(mesh, PartitionSpec()) if mesh is not None else x.sharding
+    sharding = targets.get(id(x), x.sharding)
+    if not isinstance(sharding, NamedSharding) and mesh is not None:
+      # e.g. a step count created on one device: restored there it would be committed
+      # to that device and clash with the mesh under jit, so replicate it on the mesh.
+      sharding = NamedSharding(mesh, PartitionSpec())
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-  return jax.tree.map(target, nnx.state(obj))
+  return jax.tree.map(target, state)
+
+
+def _mesh_of_any(state: Any):
+  for x in jax.tree.leaves(state):
+    if isinstance(getattr(x, "sharding", None), NamedSharding):
+      return x.sharding.mesh
+  return None
 
 
 def restore_into(obj: Any, restored: Any) -> None:
