@@ -14,6 +14,8 @@ is scoped to that block.
 import dataclasses
 import inspect
 import os
+import subprocess
+import sys
 
 import flax
 import jax
@@ -259,3 +261,12 @@ def test_zero1_training_config_chooses_the_data_axis():
   specs = {row.path: row.sharding.spec for row in trainer.optimizer.zero1_plan.state_leaves}
   assert specs["[0].mu['emb']['embedding']"] == P("tp")
   assert not any("data" in str(spec) for spec in specs.values())
+
+
+def test_example_runs_tiny():
+  script = os.path.join(os.path.dirname(__file__), "..", "examples", "tunix_lora_sft.py")
+  env = {**os.environ, "NNX_ZERO1_TINY": "1", "XLA_FLAGS": ""}
+  out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "step   3  loss" in out.stdout
+  assert "optimizer state per device" in out.stdout and "sharded" in out.stdout
