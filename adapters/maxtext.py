@@ -116,9 +116,14 @@ class Engine:
     self.loss_fn = loss_fn
     self.wrt = wrt
     self.defer_reduction = self.DEFER_REDUCTION if defer_reduction is None else defer_reduction
-    nnx.update(model, _on_mesh(nnx.state(model), mesh))
+    before = nnx.as_pure(nnx.state(model))
+    nnx.update(model, _on_mesh(before, mesh))
+    try:
+      self.optimizer = self._make_optimizer(model, tx)
+    except Exception:
+      nnx.update(model, before)  # a refused engine leaves the model as it was
+      raise
     self.model = model
-    self.optimizer = self._make_optimizer(model, tx)
     nnx.update(self.optimizer, _on_mesh(nnx.state(self.optimizer), mesh))
     params = nnx.as_pure(nnx.state(model, wrt))
     self._grad_acc = _reduce.zeros_accumulator(params, mesh, self.data_axis)
