@@ -1,0 +1,1 @@
+"""``python -m nnx_zero1.bench``: memory, time and collectives of plain vs Zero-1 training."""

@@ -1,0 +1,145 @@
+"""The command line of ``python -m nnx_zero1.bench``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from nnx_zero1.bench import devices
+
+__all__ = ["parse_args", "default_arms", "main"]
+
+STEP_ARMS = ("baseline", "zero1")
+ENGINE_ARMS = ("engine", "zero1-engine")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  """The bench's options; ``--quick`` picks small settings unless they are given explicitly.
+
+  Example::
+
+    >>> args = parse_args(["--quick", "--dp", "2,4"])
+    >>> args.dp, args.model, args.steps
+    ((2, 4), 'small', 10)
+  """
+  p = argparse.ArgumentParser(
+      prog="python -m nnx_zero1.bench",
+      description="Memory, time and collectives of plain nnx.Optimizer vs Zero1Optimizer training.",
+  )
+  p.add_argument("--quick", action="store_true", help="small model, few steps: minutes on 2 CPU cores")
+  p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, memory.png")
+  p.add_argument("--dp", type=_ints, default=(2, 4, 8), help="data-parallel sizes, e.g. 2,4,8")
+  p.add_argument("--ga", type=_ints, default=(1, 8), help="gradient-accumulation steps, e.g. 1,8")
+  p.add_argument("--model", default=None, help="a name from nnx_zero1.bench.model.CONFIGS")
+  p.add_argument("--optimizer", default="adamw", help="adamw, adam, lion or sgd")
+  p.add_argument("--steps", type=int, default=None, help="timed steps per arm (median reported)")
+  p.add_argument("--warmup", type=int, default=None, help="untimed steps per arm first")
+  p.add_argument("--batch", type=int, default=8, help="global micro-batch, in sequences")
+  p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+  p.add_argument("--arms", default=None, help="comma list of baseline,zero1,engine,zero1-engine")
+  p.add_argument("--no-shapes", action="store_true", help="skip the real-LLM-shapes table")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+  args = p.parse_args(list(argv))
+  quick = {"model": "small", "steps": 10, "warmup": 1, "seq_len": 32}
+  full = {"model": "base", "steps": 20, "warmup": 2, "seq_len": None}
+  for key, value in (quick if args.quick else full).items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  args.arms = tuple(args.arms.split(",")) if args.arms else default_arms()
+  return args
+
+
+def default_arms() -> tuple[str, ...]:
+  """Plain and Zero-1 optimizers, plus the MaxText-style engines when that adapter is installed.
+
+  Example::
+
+    >>> default_arms()[:2]
+    ('baseline', 'zero1')
+  """
+  has_engine = importlib.util.find_spec("nnx_zero1.adapters.maxtext") is not None
+  return STEP_ARMS + (ENGINE_ARMS if has_engine else ())
+
+
+def _devices_or_rerun(need: int, argv: Sequence[str]) -> int | None:
+  """None when this process can run the bench; otherwise the exit code of a fresh run."""
+  if devices.request_cpu_devices(need):
+    return None
+  if os.environ.get(devices.CHILD_ENV):
+    raise SystemExit(f"nnx_zero1.bench: needs {need} devices and could not get them")
+  cmd, env = devices.rerun_command(need, list(argv))
+  print(f"nnx_zero1.bench: jax already started with too few devices; rerunning with {need}", file=sys.stderr)
+  return subprocess.call(cmd, env=env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the bench and writes its files; returns the process exit code.
+
+  Example::
+
+    >>> main(["--quick", "--dp", "2", "--ga", "1", "--model", "tiny", "--out", "/tmp/b"])  # doctest: +SKIP
+    0
+  """
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  rerun = _devices_or_rerun(max(args.dp), argv)
+  if rerun is not None:
+    return rerun
+
+  import jax
+  from tqdm import tqdm
+
+  from nnx_zero1.bench import output, run, shapes
+
+  settings = run.Settings(
+      model=args.model, dp=args.dp, ga=args.ga, steps=args.steps, warmup=args.warmup, batch=args.batch,
+      seq_len=args.seq_len, optimizer=args.optimizer,
+  )
+  shape_names = () if args.no_shapes else shapes.REAL_SHAPES[::2] if args.quick else shapes.REAL_SHAPES
+  shape_dps = (2, 4, 8, 16)
+  ticks = len(args.dp) * len(args.ga) * len(args.arms) * (1 + args.warmup + args.steps)
+  start = time.perf_counter()
+  with tqdm(total=ticks + len(shape_names) * len(shape_dps), file=sys.stderr, disable=args.no_progress,
+            desc="bench", unit="step") as bar:
+    rows = [
+        row for dp in args.dp for ga in args.ga
+        for row in run.run_cell(settings, dp, ga, args.arms, tick=bar.update)
+    ]
+    shape_rows = []
+    for name in shape_names:
+      for dp in shape_dps:
+        shape_rows.append({"model": name, **shapes.replicated_fraction(shapes.CONFIGS[name], dp)})
+        bar.update()
+  device = jax.devices()[0]
+  meta = {
+      **run.describe(settings),
+      "arms": list(args.arms),
+      "platform": device.platform,
+      "device_kind": device.device_kind,
+      "devices": jax.device_count(),
+      "host_cpus": os.cpu_count(),
+      "machine": f"{platform.machine()} {platform.system()}, python {platform.python_version()}",
+      "jax": jax.__version__,
+      "wall_s": round(time.perf_counter() - start, 1),
+  }
+  result = {"meta": meta, "rows": rows, "shapes": shape_rows}
+  paths = output.write_all(result, args.out)
+  print(f"nnx_zero1.bench: model {args.model} ({meta['params']:,} params), {args.optimizer}, "
+        f"{meta['devices']} {device.platform} devices on {meta['host_cpus']} host CPUs, {meta['wall_s']} s")
+  print(output.table(rows))
+  print("\n".join(output.targets(rows)))
+  if shape_rows:
+    print("\nOptimizer bytes Zero-1 leaves replicated on real LLM shapes (adamw, float32):")
+    print(output.shapes_table(shape_rows))
+  print("wrote " + ", ".join(paths))
+  return 0

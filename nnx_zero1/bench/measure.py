@@ -1,0 +1,184 @@
+"""Measuring a compiled training step: collectives, memory and time, as small pure functions."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "COLLECTIVES",
+    "shape_bytes",
+    "collectives",
+    "memory",
+    "median_ms",
+    "time_call",
+]
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OP = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s"
+    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\("
+)
+_CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+  size = 1
+  for d in filter(None, dims.split(",")):
+    size *= int(d)
+  # fp8 variants (f8e4m3fn, ...) are one byte.
+  return size * _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+
+
+def shape_bytes(shape: str, *, second_half: bool = False) -> int:
+  """Bytes of an HLO shape string; a tuple's elements are summed.
+
+  ``second_half=True`` counts only the last half of the tuple's arrays: the
+  results of an async ``all-gather-start``, whose shape is (operands, results).
+
+  Example::
+
+    >>> shape_bytes("f32[4,8]{1,0}")
+    128
+    >>> shape_bytes("(f32[2]{0}, bf16[2,2]{1,0})")
+    16
+    >>> shape_bytes("(f32[2]{0}, f32[8]{0})", second_half=True)
+    32
+  """
+  arrays = _ARRAY.findall(shape)
+  if second_half:
+    arrays = arrays[len(arrays) // 2:]
+  return sum(_array_bytes(dtype, dims) for dtype, dims in arrays)
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+  """Splits HLO text into {computation name: its instruction lines} and the entry's name."""
+  bodies: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo.splitlines():
+    header = _HEADER.match(line)
+    if header and "=" not in line.split("{", 1)[0].split("(", 1)[0]:
+      current = header.group(2)
+      bodies[current] = []
+      entry = current if header.group(1) else entry
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      bodies[current].append(line)
+  return bodies, entry
+
+
+def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
+  """How many times each computation runs per call of the entry (while bodies x trip count)."""
+  runs: dict[str, int] = {}
+
+  def visit(name: str, times: int) -> None:
+    runs[name] = runs.get(name, 0) + times
+    for line in bodies.get(name, ()):
+      trip = _TRIP.search(line)
+      callees = [(kind, callee) for kind, callee in _CALLEE.findall(line)]
+      for branches in _BRANCHES.findall(line):
+        callees += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
+      for kind, callee in callees:
+        if callee in bodies:
+          visit(callee, times * (int(trip.group(1)) if kind == "body" and trip else 1))
+
+  if entry is not None:
+    visit(entry, 1)
+  return runs
+
+
+def collectives(hlo: str) -> dict[str, dict[str, int]]:
+  """Count and bytes of all-reduce, reduce-scatter and all-gather per call of a compiled kernel.
+
+  Parses ``compiled.as_text()``. Async forms (``all-gather-start``) count once
+  (their ``-done`` halves are skipped); combined collectives have tuple shapes,
+  whose arrays are summed; bytes are the results' bytes on one device. An op
+  inside a while loop with a known trip count counts once per trip.
+
+  Example::
+
+    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   ROOT %all-reduce = f32[8]{0} all-reduce(%p), to_apply=%add
+    ... }'''
+    >>> collectives(hlo)["all-reduce"]
+    {'count': 1, 'bytes': 32}
+  """
+  bodies, entry = _computations(hlo)
+  runs = _executions(bodies, entry)
+  out = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+  for name, lines in bodies.items():
+    times = runs.get(name, 0)
+    for line in lines:
+      m = _OP.match(line)
+      if m and times:
+        nbytes = shape_bytes(m["shape"], second_half=bool(m["start"]) and m["op"] != "all-reduce")
+        out[m["op"]]["count"] += times
+        out[m["op"]]["bytes"] += times * nbytes
+  return out
+
+
+def memory(compiled: Any) -> dict[str, int]:
+  """Per-device argument, output, temp and peak bytes of a compiled kernel.
+
+  ``peak`` is argument + output - aliased (donated) + temp bytes: what the
+  kernel needs resident at once, computed the same way on every backend.
+  ``xla_peak`` is the backend's own figure where it reports one (0 otherwise;
+  on CPU it leaves out the temp buffers).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> memory(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile())["argument"]
+    16
+  """
+  stats = compiled.memory_analysis()
+  sizes = {
+      "argument": int(stats.argument_size_in_bytes),
+      "output": int(stats.output_size_in_bytes),
+      "alias": int(stats.alias_size_in_bytes),
+      "temp": int(stats.temp_size_in_bytes),
+  }
+  sizes["peak"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
+  sizes["xla_peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+  return sizes
+
+
+def median_ms(seconds: list[float]) -> float:
+  """The median of step times given in seconds, in milliseconds.
+
+  Example::
+
+    >>> median_ms([0.010, 0.030, 0.020])
+    20.0
+  """
+  return round(statistics.median(seconds) * 1e3, 3)
+
+
+def time_call(fn: Callable[[], Any]) -> tuple[Any, float]:
+  """Runs ``fn()`` until its result is ready; returns (result, seconds).
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> out, seconds = time_call(lambda: jnp.ones(2) + 1)
+    >>> seconds >= 0
+    True
+  """
+  import jax  # only here, so importing this module never initialises a backend
+
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  return out, time.perf_counter() - start

@@ -1,0 +1,202 @@
+"""The bench's results as an aligned table, bench.json, bench.md and memory.png."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["table", "shapes_table", "targets", "markdown", "write_all", "plot_memory"]
+
+# Goals from the issue; the bench reports them, tests do not assert the timed one.
+OPT_BYTES_SLACK = 1.02
+STEP_RATIO_GOAL = 1.05
+STEP_RATIO_GA = 8
+
+
+def _mib(n: float) -> str:
+  return f"{n / 2**20:.3f}"
+
+
+def _collective_cell(c: dict[str, dict[str, int]]) -> str:
+  short = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG"}
+  parts = [f"{short[k]} {v['count']}x {_mib(v['bytes'])}" for k, v in c.items() if v["count"]]
+  return ", ".join(parts) or "-"
+
+
+def _baseline(rows: Sequence[dict], row: dict) -> dict:
+  return next(r for r in rows if r["arm"] == "baseline" and r["dp"] == row["dp"] and r["ga"] == row["ga"])
+
+
+_HEADER = ("arm", "dp", "ga", "opt MiB/dev", "x ideal", "peak MiB/dev", "step ms", "x plain",
+           "compile s", "collectives per step (count x MiB)", "loss diff")
+
+
+def _cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
+  out = []
+  for r in rows:
+    base = _baseline(rows, r)
+    ideal = base["opt_state_bytes_per_device"] / r["dp"]
+    out.append((
+        r["arm"], str(r["dp"]), str(r["ga"]), _mib(r["opt_state_bytes_per_device"]),
+        f"{r['opt_state_bytes_per_device'] / ideal:.3f}", _mib(r["peak_bytes_per_device"]),
+        f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.3f}", f"{r['compile_s']:.1f}",
+        _collective_cell(r["collectives"]), f"{r['loss_diff']:.3g}",
+    ))
+  return out
+
+
+def _aligned(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+  widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+  line = lambda row: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+  return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def table(rows: Sequence[dict]) -> str:
+  """The main results as an aligned text table; ``x ideal`` is opt bytes / (plain / dp).
+
+  Example::
+
+    >>> row = {"arm": "baseline", "dp": 2, "ga": 1, "opt_state_bytes_per_device": 2**20,
+    ...        "peak_bytes_per_device": 2**21, "step_ms": 10.0, "compile_s": 1.0, "loss_diff": 0.0,
+    ...        "collectives": {"all-reduce": {"count": 1, "bytes": 2**20}}}
+    >>> table([row]).splitlines()[2].split()[:5]
+    ['baseline', '2', '1', '1.000', '2.000']
+  """
+  return _aligned(_HEADER, _cells(rows))
+
+
+def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+  return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
+
+
+_SHAPES_HEADER = ("model", "dp", "optimizer state", "replicated", "replicated %", "per device x ideal",
+                  "unsplit leaves")
+
+
+def _shape_cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
+  return [
+      (r["model"], str(r["dp"]), f"{r['total_bytes'] / 2**30:.2f} GiB", f"{r['replicated_bytes']:,} B",
+       f"{100 * r['replicated_fraction']:.2e}", f"{r['per_device_vs_ideal']:.6f}",
+       str(r["replicated_leaves"]))
+      for r in rows
+  ]
+
+
+def shapes_table(rows: Sequence[dict]) -> str:
+  """The replicated-fraction table for real LLM shapes (adamw, float32 moments).
+
+  Example::
+
+    >>> row = {"model": "m", "dp": 2, "total_bytes": 2**30, "replicated_bytes": 4,
+    ...        "replicated_fraction": 4 / 2**30, "per_device_vs_ideal": 1.0, "replicated_leaves": 0}
+    >>> "m" in shapes_table([row])
+    True
+  """
+  return _aligned(_SHAPES_HEADER, _shape_cells(rows))
+
+
+def targets(rows: Sequence[dict]) -> list[str]:
+  """The issue's goals, each with the measured figure and whether it was met.
+
+  Example::
+
+    >>> targets([])[0].startswith("Zero-1 optimizer bytes")
+    True
+  """
+  zero1 = [r for r in rows if r["arm"] == "zero1"]
+  opt = [r["opt_state_bytes_per_device"] / (_baseline(rows, r)["opt_state_bytes_per_device"] / r["dp"])
+         for r in zero1]
+  step = [r["step_ms"] / _baseline(rows, r)["step_ms"] for r in zero1 if r["ga"] == STEP_RATIO_GA]
+  diff = [r["loss_diff"] for r in zero1]
+  ok = lambda good: "met" if good else "MISSED"
+  fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs) or "not measured"
+  return [
+      f"Zero-1 optimizer bytes/device <= {OPT_BYTES_SLACK} x plain/dp: {fmt(opt)} "
+      f"-> {ok(opt and max(opt) <= OPT_BYTES_SLACK)}",
+      f"step time Zero-1/plain <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}: {fmt(step)} "
+      f"-> {ok(step and max(step) <= STEP_RATIO_GOAL)}",
+      f"final-loss difference == 0: {', '.join(f'{d:g}' for d in diff) or 'not measured'} "
+      f"-> {ok(diff and max(diff) == 0)}",
+  ]
+
+
+def markdown(result: dict[str, Any]) -> str:
+  """bench.md: the settings, both tables and the goals, as Markdown.
+
+  Example::
+
+    >>> md = markdown({"meta": {"model": "tiny"}, "rows": [], "shapes": []})
+    >>> md.startswith("# nnx-zero1 bench")
+    True
+  """
+  meta = result["meta"]
+  lines = ["# nnx-zero1 bench", "", "```", json.dumps(meta, indent=1, default=str), "```", ""]
+  if result["rows"]:
+    lines += ["## Plain `nnx.Optimizer` vs `Zero1Optimizer`", "",
+              _markdown_table(_HEADER, _cells(result["rows"]))]
+  lines += ["", "## Goals", ""] + [f"- {t}" for t in targets(result["rows"])]
+  if result.get("shapes"):
+    lines += ["", "## Optimizer bytes Zero-1 leaves replicated on real LLM shapes (adamw)", "",
+              _markdown_table(_SHAPES_HEADER, _shape_cells(result["shapes"]))]
+  return "\n".join(lines) + "\n"
+
+
+_PLOT_STYLES = {"baseline": "o-", "zero1": "s-", "engine": "^:", "zero1-engine": "v:"}
+_PLOT_LABELS = {"baseline": "nnx.Optimizer", "zero1": "Zero1Optimizer", "engine": "Engine",
+                "zero1-engine": "Zero1Engine"}
+
+
+def plot_memory(rows: Sequence[dict], path: str) -> None:
+  """memory.png: optimizer bytes per device against dp, plain vs Zero-1, with the ideal 1/dp line.
+
+  Example::
+
+    >>> plot_memory([], "/tmp/memory.png")  # doctest: +SKIP
+  """
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ga = min((r["ga"] for r in rows), default=1)
+  points = lambda arm: sorted(
+      (r["dp"], r["opt_state_bytes_per_device"]) for r in rows if r["arm"] == arm and r["ga"] == ga
+  )
+  for arm, style in _PLOT_STYLES.items():
+    if points(arm):
+      dps, sizes = zip(*points(arm))
+      ax.plot(dps, [b / 2**20 for b in sizes], style, label=_PLOT_LABELS[arm])
+  base = points("baseline")
+  if base:
+    dps = [dp for dp, _ in base]
+    ax.plot(dps, [b / dp / 2**20 for dp, b in base], "k--", label="ideal: plain / dp")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(dps, [str(d) for d in dps])
+  ax.set_xlabel("data-parallel size (dp)")
+  ax.set_ylabel("optimizer state per device (MiB)")
+  ax.set_title("Optimizer memory per device")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write_all(result: dict[str, Any], out_dir: str) -> list[str]:
+  """Writes bench.json, bench.md and memory.png into ``out_dir``; returns their paths.
+
+  Example::
+
+    >>> write_all({"meta": {}, "rows": [], "shapes": []}, "/tmp/bench-doc")  # doctest: +SKIP
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  paths = [os.path.join(out_dir, n) for n in ("bench.json", "bench.md", "memory.png")]
+  with open(paths[0], "w") as f:
+    json.dump(result, f, indent=1, default=str)
+  with open(paths[1], "w") as f:
+    f.write(markdown(result))
+  plot_memory(result["rows"], paths[2])
+  return paths

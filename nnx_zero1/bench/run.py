@@ -1,0 +1,290 @@
+"""Training plain ``nnx.Optimizer`` and ``Zero1Optimizer`` side by side and measuring both.
+
+One cell of the bench is one (dp, ga): every arm gets a freshly built model
+(same seed), the same batches, one compiled step, and its steps interleaved
+with the other arms' so that a change in machine load hits all arms alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_zero1.bench import measure
+from nnx_zero1.bench.model import CONFIGS, Config, Transformer, count_params, loss_fn
+from nnx_zero1.optimizer import Zero1Optimizer
+from nnx_zero1.report import bytes_per_device
+
+__all__ = [
+    "Settings", "OPTIMIZERS", "StepArm", "accumulate_grads", "new_model", "tokens", "run_cell", "describe",
+]
+
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+    "adam": lambda: optax.adam(1e-3),
+    "lion": lambda: optax.lion(1e-4),
+    "sgd": lambda: optax.sgd(1e-2, momentum=0.9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What the bench runs: one model, a grid of (dp, ga), and how long to time each cell.
+
+  ``batch`` is the global micro-batch in sequences (fixed across dp, so each
+  device gets ``batch / dp``); one optimizer step sees ``ga`` micro-batches.
+
+  Example::
+
+    >>> Settings(model="tiny", dp=(2,), ga=(1,), steps=2, warmup=1).batch
+    8
+  """
+
+  model: str = "base"
+  dp: tuple[int, ...] = (2, 4, 8)
+  ga: tuple[int, ...] = (1, 8)
+  steps: int = 10
+  warmup: int = 2
+  batch: int = 8
+  seq_len: int | None = None  # None: the model config's
+  optimizer: str = "adamw"
+  seed: int = 0
+  mesh: str = "explicit"  # or "auto": the mesh's axis type
+
+  @property
+  def config(self) -> Config:
+    """The model's shape."""
+    return CONFIGS[self.model]
+
+
+def accumulate_grads(model: nnx.Module, batches: jax.Array) -> tuple[jax.Array, Any]:
+  """Mean loss and gradient over ``batches`` shaped (ga, batch, seq + 1), one micro-batch at a time.
+
+  A ``lax.scan`` over the micro-batches inside the step: activations of one
+  micro-batch at a time, one optimizer update per step (as MaxText and Tunix
+  do). The gradient reduction across replicas happens wherever XLA puts it;
+  the bench's collective counts show where that is.
+
+  Example::
+
+    >>> from nnx_zero1.bench.model import CONFIGS, Transformer
+    >>> model = Transformer(CONFIGS["tiny"], rngs=nnx.Rngs(0))
+    >>> loss, grads = accumulate_grads(model, jnp.zeros((2, 2, 9), jnp.int32))
+    >>> loss.shape
+    ()
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  grad_fn = jax.value_and_grad(lambda p, tokens: loss_fn(nnx.merge(graphdef, p, rest), tokens))
+
+  def micro(total, tokens):
+    return jax.tree.map(jnp.add, total, grad_fn(params, tokens)), None
+
+  zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  (loss, grads), _ = jax.lax.scan(micro, zero, batches)
+  n = batches.shape[0]
+  return loss / n, jax.tree.map(lambda g: g / n, grads)
+
+
+def _train_step(graphdef, state, batches):
+  # nnx.jit's functional form: one merge per trace, no graph traversal per call.
+  model, optimizer = nnx.merge(graphdef, state)
+  loss, grads = accumulate_grads(model, batches)
+  optimizer.update(model, grads)
+  return nnx.state((model, optimizer)), loss
+
+
+def _make_optimizer(arm: str, model, tx, mesh):
+  if arm == "baseline":
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+  return Zero1Optimizer(model, tx, mesh, data_axis="data")
+
+
+def new_model(settings: Settings, mesh) -> Transformer:
+  """A fresh model from ``settings.seed``, replicated on ``mesh``: every arm starts from it.
+
+  Example::
+
+    >>> import jax
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> new_model(Settings(model="tiny"), mesh).cfg.vocab
+    256
+  """
+  model = Transformer(settings.config, rngs=nnx.Rngs(settings.seed))
+  nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+  return model
+
+
+def tokens(settings: Settings, ga: int, step: int) -> np.ndarray:
+  """The token ids of one optimizer step, shaped (ga, batch, seq + 1); the same for every arm.
+
+  Example::
+
+    >>> tokens(Settings(model="tiny"), ga=2, step=0).shape
+    (2, 8, 33)
+  """
+  cfg = settings.config
+  rng = np.random.default_rng((settings.seed, ga, step))
+  shape = (ga, settings.batch, (settings.seq_len or cfg.seq_len) + 1)
+  return rng.integers(0, cfg.vocab, size=shape, dtype=np.int32)
+
+
+class StepArm:
+  """One arm that trains with a single compiled step: ``nnx.Optimizer`` or ``Zero1Optimizer``.
+
+  The model and optimizer are split once (``nnx.split``) and the step is one
+  ``jax.jit`` of ``nnx.merge`` + micro-batch loop + ``optimizer.update``,
+  compiled ahead of time with the state's own shardings in and out and the
+  state donated, as a training loop would run it.
+
+  Example::
+
+    arm = StepArm("zero1", settings, mesh, tokens(settings, ga, 0))
+    loss = arm.step(arm.prepare(tokens(settings, ga, 1)))
+  """
+
+  def __init__(self, name: str, settings: Settings, mesh, example: np.ndarray):
+    self.name = name
+    model = new_model(settings, mesh)
+    optimizer = _make_optimizer(name, model, OPTIMIZERS[settings.optimizer](), mesh)
+    self.graphdef, state = nnx.split((model, optimizer))
+    replicated = NamedSharding(mesh, P())
+    self.batch_sharding = NamedSharding(mesh, P(None, "data"))
+    # Scalars that optax makes on the default device (adam's count) join the mesh, replicated.
+    on_mesh = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated
+    shardings = jax.tree.map(on_mesh, state)
+    self.state = jax.device_put(state, shardings)
+    step = jax.jit(
+        lambda s, b: _train_step(self.graphdef, s, b),
+        in_shardings=(shardings, self.batch_sharding),
+        out_shardings=(shardings, replicated),
+        donate_argnums=0,
+    )
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):  # Explicit-mode ops (the embedding lookup) read the mesh from here
+      self.compiled = step.lower(self.state, self.prepare(example)).compile()
+    self.compile_s = time.perf_counter() - start
+
+  def prepare(self, step_tokens: np.ndarray) -> jax.Array:
+    """Puts one step's tokens on the mesh (outside the timed region)."""
+    return jax.device_put(step_tokens, self.batch_sharding)
+
+  def step(self, batch: jax.Array) -> jax.Array:
+    """One optimizer step; returns the mean micro-batch loss (not yet synchronised)."""
+    self.state, loss = self.compiled(self.state, batch)
+    return loss
+
+  def optimizer_bytes(self) -> int:
+    """Optimizer-state bytes on the fullest device."""
+    return bytes_per_device(nnx.state(nnx.merge(self.graphdef, self.state)[1]))
+
+  def params(self) -> list[np.ndarray]:
+    """The parameters, as host arrays."""
+    model = nnx.merge(self.graphdef, self.state)[0]
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+  def memory(self) -> dict[str, int]:
+    """Per-device bytes of the compiled step."""
+    return measure.memory(self.compiled)
+
+  def collectives(self) -> dict[str, dict[str, int]]:
+    """Collectives of one step."""
+    return measure.collectives(self.compiled.as_text())
+
+
+def _row(arm, times: list[float], loss: float, base_loss: float, same: bool, dp: int, ga: int,
+         settings: Settings) -> dict[str, Any]:
+  mem = arm.memory()
+  return {
+      "arm": arm.name,
+      "dp": dp,
+      "ga": ga,
+      "model": settings.model,
+      "optimizer": settings.optimizer,
+      "opt_state_bytes_per_device": arm.optimizer_bytes(),
+      "argument_bytes_per_device": mem["argument"],
+      "temp_bytes_per_device": mem["temp"],
+      "peak_bytes_per_device": mem["peak"],
+      "step_ms": measure.median_ms(times),
+      "compile_s": round(arm.compile_s, 3),
+      "collectives": arm.collectives(),
+      "loss": loss,
+      "loss_diff": abs(loss - base_loss),
+      "params_equal": same,
+  }
+
+
+def _make_arm(name: str, settings: Settings, mesh, example: np.ndarray):
+  if name in ("baseline", "zero1"):
+    return StepArm(name, settings, mesh, example)
+  from nnx_zero1.bench import engine_arms  # only when the MaxText-style adapter is asked for
+
+  return engine_arms.EngineArm(name, settings, mesh, example)
+
+
+def run_cell(
+    settings: Settings, dp: int, ga: int, arms: Sequence[str] = ("baseline", "zero1"), tick=None
+) -> list[dict[str, Any]]:
+  """Trains every arm at one (dp, ga) and returns one row per arm; ``arms[0]`` is the reference.
+
+  Each arm is built and compiled, then the arms take their steps in turn
+  (step i of every arm, then step i + 1), so a change in machine load hits
+  every arm alike. ``tick()`` is called after each compile and each step.
+
+  Example::
+
+    >>> rows = run_cell(Settings(model="tiny", steps=1, warmup=0), dp=1, ga=1)  # doctest: +SKIP
+  """
+  tick = tick or (lambda: None)
+  devices = jax.devices()
+  if len(devices) < dp:
+    raise ValueError(f"dp={dp} needs {dp} devices; this process has {len(devices)}")
+  axis_type = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[settings.mesh]
+  mesh = jax.make_mesh((dp,), ("data",), axis_types=(axis_type,), devices=devices[:dp])
+  built = []
+  for name in arms:
+    built.append(_make_arm(name, settings, mesh, tokens(settings, ga, 0)))
+    tick()
+  times: dict[str, list[float]] = {arm.name: [] for arm in built}
+  losses: dict[str, float] = {}
+  for i in range(settings.warmup + settings.steps):
+    step_tokens = tokens(settings, ga, i)
+    for arm in built:
+      batch = arm.prepare(step_tokens)
+      loss, seconds = measure.time_call(lambda a=arm, b=batch: a.step(b))
+      losses[arm.name] = float(loss)
+      if i >= settings.warmup:
+        times[arm.name].append(seconds)
+      tick()
+  reference = built[0]
+  ref_params = reference.params()
+  rows = []
+  for arm in built:
+    same = all(np.array_equal(a, b) for a, b in zip(arm.params(), ref_params, strict=True))
+    rows.append(_row(arm, times[arm.name], losses[arm.name], losses[reference.name], same, dp, ga, settings))
+  return rows
+
+
+def describe(settings: Settings) -> dict[str, Any]:
+  """The settings and model shape, for the bench's outputs.
+
+  Example::
+
+    >>> describe(Settings(model="tiny"))["params"]
+    90432
+  """
+  return {
+      "model": settings.model,
+      "params": count_params(settings.config),
+      "config": dataclasses.asdict(settings.config),
+      "settings": {**dataclasses.asdict(settings), "seq_len": settings.seq_len or settings.config.seq_len},
+  }
