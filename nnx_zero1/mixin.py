@@ -47,27 +47,38 @@ class _Route:
 _ROUTE: contextvars.ContextVar[_Route | None] = contextvars.ContextVar("nnx_zero1_route", default=None)
 
 
-def _routed_optimizer(model, tx, *args, **kwargs):
-  """Stands in for ``nnx.Optimizer`` inside a trainer's module while a mixin trainer is built.
+class _RoutedOptimizerType(type):
+  """Calls build a ``Zero1Optimizer`` while this thread constructs a mixin trainer, else a
+  plain ``nnx.Optimizer``; ``isinstance``/``issubclass`` answer as for ``nnx.Optimizer``."""
 
-  Outside that construction (another thread, or after it) it is exactly ``nnx.Optimizer``.
-  """
-  route = _ROUTE.get()
-  if route is None:
-    return _OPTIMIZER(model, tx, *args, **kwargs)
-  if args:
-    raise TypeError(f"nnx.Optimizer takes 2 positional arguments but {2 + len(args)} were given")
-  opt = Zero1Optimizer(
-      model, tx, route.mesh, data_axis=route.data_axis, strict=route.strict, **kwargs
-  )
-  route.built.append(opt)
-  return opt
+  def __call__(cls, model, tx, *args, **kwargs):
+    route = _ROUTE.get()
+    if route is None:
+      return _OPTIMIZER(model, tx, *args, **kwargs)
+    if args:
+      raise TypeError(f"nnx.Optimizer takes 2 positional arguments but {2 + len(args)} were given")
+    opt = Zero1Optimizer(model, tx, route.mesh, data_axis=route.data_axis, strict=route.strict, **kwargs)
+    route.built.append(opt)
+    return opt
+
+  def __instancecheck__(cls, obj) -> bool:
+    return isinstance(obj, _OPTIMIZER)
+
+  def __subclasscheck__(cls, sub) -> bool:
+    return issubclass(sub, _OPTIMIZER)
+
+  def __getattr__(cls, name: str) -> Any:
+    return getattr(_OPTIMIZER, name)
+
+
+class _RoutedOptimizer(metaclass=_RoutedOptimizerType):
+  """What ``nnx.Optimizer`` names in a trainer's module while a mixin trainer is being built."""
 
 
 class _RoutedNnx(types.ModuleType):
   """``flax.nnx`` as seen from a trainer's module during construction: only ``Optimizer`` differs."""
 
-  Optimizer = staticmethod(_routed_optimizer)
+  Optimizer = _RoutedOptimizer
 
   def __init__(self):
     super().__init__(_NNX.__name__, _NNX.__doc__)
@@ -116,7 +127,7 @@ def _install(module_globals: dict) -> bool:
     if not originals:
       return False
     for name, value in originals.items():
-      module_globals[name] = _ROUTED_NNX if value is _NNX else _routed_optimizer
+      module_globals[name] = _ROUTED_NNX if value is _NNX else _RoutedOptimizer
     _PATCHED[key] = (module_globals, originals, 1)
     return True
 

@@ -184,6 +184,9 @@ def test_other_threads_get_the_plain_optimizer_meanwhile():
     with jax.set_mesh(MESH):
       built["plain"] = Trainer(model(), optax.sgd(0.1))
       built["nested"] = Zero1Trainer(model(), optax.sgd(0.1))
+    # type checks against the routed name still answer as for nnx.Optimizer
+    assert isinstance(built["plain"].optimizer, nnx.Optimizer) and issubclass(Zero1Optimizer, Optimizer)
+    assert not isinstance(built["plain"].model, nnx.Optimizer)
   finally:
     release.set()
     worker.join()
