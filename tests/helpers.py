@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -102,3 +103,37 @@ def assert_unchanged(before, *objs):
   for (a, sa), (b, sb) in zip(before, after, strict=True):
     np.testing.assert_array_equal(a, b)
     assert sa == sb, (sa, sb)
+
+
+class Decoder(nnx.Module):
+  """A one-layer decoder-only transformer over token ids: (batch, seq) -> (batch, seq, vocab).
+
+  Written to run both on global arrays of an Explicit mesh and per replica inside
+  ``shard_map``: the embedding lookup is a one-hot matmul (a gather would need an
+  ``out_sharding`` in Explicit mode, and ``auto_axes`` cannot run in Manual mode).
+  Every dimension is a multiple of 16 so split leaves keep >= 16 elements per
+  device at dp=4 (see ``MLP``).
+  """
+
+  def __init__(self, rngs: nnx.Rngs, vocab: int = 64, dim: int = 64, heads: int = 4, ffn: int = 128):
+    linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)  # noqa: E731
+    self.heads = heads
+    self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+    self.attn_norm, self.mlp_norm, self.final_norm = (nnx.RMSNorm(dim, rngs=rngs) for _ in range(3))
+    self.qkv, self.out = linear(dim, 3 * dim), linear(dim, dim)
+    self.up, self.down = linear(dim, ffn), linear(ffn, dim)
+
+  def __call__(self, tokens):
+    x = jax.nn.one_hot(tokens, self.embed.num_embeddings) @ self.embed.embedding[...]
+    b, t, d = x.shape
+    q, k, v = jnp.split(self.qkv(self.attn_norm(x)).reshape(b, t, 3 * self.heads, d // self.heads), 3, axis=2)
+    x = x + self.out(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d))
+    x = x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+    return self.embed.attend(self.final_norm(x))
+
+
+def lm_loss(model, batch):
+  """Mean next-token cross-entropy of ``batch["tokens"]`` shaped (batch, seq + 1)."""
+  tokens = batch["tokens"]
+  logits = model(tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
