@@ -218,6 +218,15 @@ class ShardedOptimizerMixin:
   zero1_data_axis: DataAxis = "data"
   zero1_strict: bool = False
 
+  def __init_subclass__(cls, **kwargs: Any):
+    super().__init_subclass__(**kwargs)
+    # Show the trainer's own constructor, unless a class before the mixin defines another.
+    mro = cls.__mro__
+    at = mro.index(ShardedOptimizerMixin)
+    own_init = any("__init__" in klass.__dict__ for klass in mro[:at])
+    trainer = mro[at + 1]
+    cls.__signature__ = None if own_init or trainer is object else inspect.signature(trainer)
+
   def __init__(self, *args: Any, **kwargs: Any):
     options = self.zero1_options(*args, **kwargs)
     axes = data_axes(options["data_axis"])

@@ -1,6 +1,7 @@
 """ShardedOptimizerMixin on small hand-written trainers: what it routes, what it refuses,
 and that it leaves no trace (other threads, other modules, after errors)."""
 
+import inspect
 import threading
 
 import jax
@@ -70,6 +71,15 @@ def test_routes_nnx_optimizer_to_zero1_with_the_same_arguments():
   count = 4  # adam's step count: a scalar every device keeps whole
   zero1_bytes, plain_bytes = (bytes_per_device(nnx.as_pure(o.opt_state)) for o in (opt, plain))
   assert zero1_bytes - count == (plain_bytes - count) // 4
+
+
+def test_constructor_signature_is_the_trainers():
+  class OwnInit(Zero1Trainer):
+    def __init__(self, model):
+      super().__init__(model, optax.sgd(0.1))
+
+  assert inspect.signature(Zero1Trainer) == inspect.signature(Trainer)
+  assert list(inspect.signature(OwnInit).parameters) == ["model"]
 
 
 def test_imported_optimizer_name_is_routed_too():
