@@ -20,10 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from . import _reduce
 
-__all__ = ["DEFERRED", "EACH_MICRO_BATCH", "GLOBAL", "KernelSpec", "jit_fwd_bwd", "jit_update", "jit_eval"]
+__all__ = ["DEFERRED", "GLOBAL", "KernelSpec", "jit_fwd_bwd", "jit_update", "jit_eval"]
 
-DEFERRED = "deferred"  # per-replica partial sums; update() reduces once
-EACH_MICRO_BATCH = "each micro-batch"  # per-replica gradients all-reduced every micro-batch
+DEFERRED = "deferred"  # per-replica partial sums in shard_map; update() reduces once
 GLOBAL = "global"  # XLA differentiates the global program and reduces every micro-batch
 
 
@@ -63,9 +62,7 @@ def _fwd_bwd(spec: KernelSpec, params, rest, acc, micro_steps, batch):
     loss, grads = jax.value_and_grad(loss_of_params)(params, batch)
     acc = _reduce.add_to_first_row(acc, grads, spec.homes, spec.mesh, spec.axes)
   else:
-    loss, acc = _reduce.local_grads(
-        loss_of_params, params, acc, batch, spec.mesh, spec.axes, reduce_now=spec.mode == EACH_MICRO_BATCH
-    )
+    loss, acc = _reduce.local_grads(loss_of_params, params, acc, batch, spec.mesh, spec.axes)
   return loss, acc, micro_steps + 1
 
 

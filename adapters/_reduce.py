@@ -152,17 +152,15 @@ def _replicas(mesh: Mesh, axes: tuple[str, ...]) -> int:
 
 def local_grads(
     loss_of_params: Callable[[Any, Any], jax.Array], params: Any, acc: Any, batch: Any,
-    mesh: Mesh, axes: tuple[str, ...], *, reduce_now: bool = False,
+    mesh: Mesh, axes: tuple[str, ...],
 ) -> tuple[jax.Array, Any]:
-  """One micro-batch, each replica on its own rows of ``batch``.
+  """One micro-batch with no gradient collective: each replica adds its own gradient to its row.
 
   ``loss_of_params(params, batch)`` is the mean loss over the batch it is
-  given; each replica's loss is scaled by 1/N so gradients summed over replicas
-  are the gradient of the global mean. By default each replica adds its own
-  gradient to its row of ``acc`` and no gradient collective runs;
-  ``reduce_now=True`` all-reduces the gradient first and adds it to row 0 (the
-  per-micro-batch reduction deferral avoids). Parameters must be replicated.
-  Returns the global mean loss (a scalar all-reduce) and the new accumulator.
+  given; it runs per replica (inside ``shard_map``) on that replica's rows, and
+  its loss is scaled by 1/N so the rows sum to the gradient of the global mean.
+  Parameters must be replicated. Returns the global mean loss (a scalar
+  all-reduce) and the new accumulator.
 
   Example::
 
@@ -183,9 +181,6 @@ def local_grads(
     # transpose would psum their gradients, the very reduction we defer.
     params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
     loss, grads = jax.value_and_grad(lambda p: loss_of_params(p, batch) / n)(params)
-    if reduce_now:
-      first = jax.lax.axis_index(axes) == 0
-      grads = jax.tree.map(lambda g: jnp.where(first, jax.lax.psum(g, axes), jnp.zeros_like(g)), grads)
     acc = jax.tree.map(lambda a, g: a + g[None], acc, grads)
     return jax.lax.psum(loss, axes), acc
 

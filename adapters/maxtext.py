@@ -136,7 +136,8 @@ class Engine:
     self._manager = None
     if checkpoint_dir is not None:
       self._manager = ocp.CheckpointManager(
-          os.fspath(os.path.abspath(checkpoint_dir)), options=ocp.CheckpointManagerOptions(create=True)
+          os.fspath(os.path.abspath(checkpoint_dir)), options=ocp.CheckpointManagerOptions(create=True),
+          item_handlers=ocp.StandardCheckpointHandler(),
       )
 
   # -- hooks a Zero-1 mixin overrides ---------------------------------------------------------
@@ -198,7 +199,7 @@ class Engine:
     if not self.defer_reduction:
       if log:
         logger.info("%s: defer_reduction=False; reducing gradients every micro-batch", name)
-      return _kernels.EACH_MICRO_BATCH
+      return _kernels.GLOBAL
     return _kernels.DEFERRED
 
   def _fwd_bwd_call(self, batch: dict) -> tuple:
@@ -287,18 +288,42 @@ class Engine:
     self._require_manager().save(step, args=ocp.args.StandardSave(self._checkpoint_tree()))
 
   def restore_checkpoint(self, step: int | None = None) -> int:
-    """Restores ``step`` (the latest when None) onto this engine's own layouts; returns the step."""
+    """Restores ``step`` (the latest when None) onto this engine's own layouts; returns the step.
+
+    Orbax lays every array out as this engine's live one is, so checkpoints
+    cross between ``Engine`` and ``Zero1Engine``. An accumulator saved at
+    another data-parallel size (another number of rows) is summed into row 0:
+    the same gradient, though not bit-for-bit the same reduction order.
+    """
     manager = self._require_manager()
     manager.wait_until_finished()
     step = manager.latest_step() if step is None else step
     if step is None:
       raise ValueError(f"no checkpoint in {manager.directory}")
-    tree = manager.restore(step, args=ocp.args.StandardRestore(_abstract(self._checkpoint_tree())))
-    for target, pure in ((self.model, tree["params"]), (self.optimizer, tree["optimizer"])):
-      state = nnx.state(target, self.wrt) if target is self.model else nnx.state(target)
+    target = _abstract(self._checkpoint_tree())
+    saved_rows = jax.tree.leaves(manager.item_metadata(step)["grad_acc"])[0].shape[0]
+    if saved_rows != self.data_size:
+      replicated = NamedSharding(self.mesh, P())
+      target["grad_acc"] = jax.tree.map(
+          lambda t: jax.ShapeDtypeStruct((saved_rows, *t.shape[1:]), t.dtype, sharding=replicated),
+          target["grad_acc"],
+      )
+    tree = manager.restore(step, args=ocp.args.StandardRestore(target))
+    for obj, pure in ((self.model, tree["params"]), (self.optimizer, tree["optimizer"])):
+      state = nnx.state(obj, self.wrt) if obj is self.model else nnx.state(obj)
       nnx.replace_by_pure_dict(state, pure)
-      nnx.update(target, state)
-    nnx.replace_by_pure_dict(self._grad_acc, tree["grad_acc"])
+      nnx.update(obj, state)
+    grad_acc = tree["grad_acc"]
+    if saved_rows != self.data_size:
+      logger.info("%s: accumulator saved with %d rows, restored with %d; summed into row 0",
+                  type(self).__name__, saved_rows, self.data_size)
+      with jax.set_mesh(self.mesh):
+        params = self._params()
+        zeros = _reduce.zeros_accumulator(params, self.mesh, self.data_axis).to_pure_dict()
+        summed = jax.tree.map(lambda a: a.sum(0), grad_acc)
+        homes = jax.tree.leaves(_shardings(params))
+        grad_acc = _reduce.add_to_first_row(zeros, summed, homes, self.mesh, self.data_axis)
+    nnx.replace_by_pure_dict(self._grad_acc, grad_acc)
     self._micro_steps = tree["micro_steps"]
     self._pending = int(self._micro_steps)
     return step
