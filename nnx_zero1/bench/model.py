@@ -176,8 +176,10 @@ class Transformer(nnx.Module):
     self.lm_head = None if cfg.tied else _linear(cfg.dim, cfg.vocab, rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    # On an Explicit mesh the lookup must be told its output layout: the ids' layout plus features.
-    x = self.embed(tokens, out_sharding=P(*jax.typeof(tokens).sharding.spec, None))
+    # With ids sharded on an Explicit mesh the lookup must be told its output layout (the ids'
+    # plus features); on Auto meshes and inside shard_map the ids' type carries no axes.
+    spec = tuple(jax.typeof(tokens).sharding.spec)
+    x = self.embed(tokens, out_sharding=P(*spec, None)) if any(spec) else self.embed(tokens)
     for block in self.blocks:
       x = block(x)
     x = self.final_norm(x)
