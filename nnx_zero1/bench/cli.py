@@ -46,6 +46,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--warmup", type=int, default=None, help="untimed steps per arm first")
   p.add_argument("--batch", type=int, default=8, help="global micro-batch, in sequences")
   p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+  p.add_argument("--mesh", choices=("explicit", "auto"), default="explicit",
+                 help="axis type of the data axis (explicit: jax's default, bit-identical Zero-1)")
   p.add_argument("--arms", default=None, help="comma list of baseline,zero1,engine,zero1-engine")
   p.add_argument("--no-shapes", action="store_true", help="skip the real-LLM-shapes table")
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -103,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   settings = run.Settings(
       model=args.model, dp=args.dp, ga=args.ga, steps=args.steps, warmup=args.warmup, batch=args.batch,
-      seq_len=args.seq_len, optimizer=args.optimizer,
+      seq_len=args.seq_len, optimizer=args.optimizer, mesh=args.mesh,
   )
   shape_names = () if args.no_shapes else shapes.REAL_SHAPES[::2] if args.quick else shapes.REAL_SHAPES
   shape_dps = (2, 4, 8, 16)
@@ -135,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   result = {"meta": meta, "rows": rows, "shapes": shape_rows}
   paths = output.write_all(result, args.out)
   print(f"nnx_zero1.bench: model {args.model} ({meta['params']:,} params), {args.optimizer}, "
-        f"{meta['devices']} {device.platform} devices on {meta['host_cpus']} host CPUs, {meta['wall_s']} s")
+        f"{args.mesh} mesh, {meta['devices']} {device.platform} devices ({device.device_kind}) "
+        f"on {meta['host_cpus']} host CPUs; {meta['wall_s']} s")
   print(output.table(rows))
   print("\n".join(output.targets(rows)))
   if shape_rows:

@@ -111,15 +111,17 @@ def targets(rows: Sequence[dict]) -> list[str]:
          for r in zero1]
   step = [r["step_ms"] / _baseline(rows, r)["step_ms"] for r in zero1 if r["ga"] == STEP_RATIO_GA]
   diff = [r["loss_diff"] for r in zero1]
-  ok = lambda good: "met" if good else "MISSED"
-  fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs) or "not measured"
+  def verdict(values: list[float], good: bool, fmt: str = ".3f") -> str:
+    if not values:
+      return "not measured"
+    return ", ".join(f"{v:{fmt}}" for v in values) + (" -> met" if good else " -> MISSED")
+
   return [
-      f"Zero-1 optimizer bytes/device <= {OPT_BYTES_SLACK} x plain/dp: {fmt(opt)} "
-      f"-> {ok(opt and max(opt) <= OPT_BYTES_SLACK)}",
-      f"step time Zero-1/plain <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}: {fmt(step)} "
-      f"-> {ok(step and max(step) <= STEP_RATIO_GOAL)}",
-      f"final-loss difference == 0: {', '.join(f'{d:g}' for d in diff) or 'not measured'} "
-      f"-> {ok(diff and max(diff) == 0)}",
+      f"Zero-1 optimizer bytes/device <= {OPT_BYTES_SLACK} x plain/dp: "
+      + verdict(opt, bool(opt) and max(opt) <= OPT_BYTES_SLACK),
+      f"step time Zero-1/plain <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}: "
+      + verdict(step, bool(step) and max(step) <= STEP_RATIO_GOAL),
+      "final-loss difference == 0: " + verdict(diff, bool(diff) and max(diff) == 0, "g"),
   ]
 
 

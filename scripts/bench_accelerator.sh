@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The bench on a real accelerator (GPU or TPU host): the same `python -m nnx_zero1.bench`,
+# a real model shape and real devices instead of virtual CPU ones.
+#
+#   scripts/bench_accelerator.sh [MODEL] [OUT]        # defaults: qwen3-0.6b, bench-accelerator
+#   GA=1,8 STEPS=20 SEQ_LEN=1024 BATCH=32 ARMS=baseline,zero1 scripts/bench_accelerator.sh llama-3.2-1b
+#
+# MODEL is a name from nnx_zero1.bench.model.CONFIGS (qwen3-0.6b, llama-3.2-1b, gemma-3-1b, ...).
+# dp runs over the powers of two up to the host's device count. Parameters and moments are
+# float32 and every arm of one (dp, ga) is resident at once, so a 0.6B model needs about
+# (4 arms x 10 GiB) / dp + activations per device; use ARMS=baseline,zero1 on small-HBM chips.
+set -euo pipefail
+
+MODEL=${1:-qwen3-0.6b}
+OUT=${2:-bench-accelerator}
+DEVICES=$(python -c "import jax; print(jax.device_count())")
+if [ "$DEVICES" -lt 2 ]; then
+  echo "bench_accelerator: $DEVICES device(s); Zero-1 needs a data-parallel size of at least 2" >&2
+  exit 1
+fi
+DP=""
+for n in 2 4 8 16 32 64 128 256; do
+  if [ "$n" -le "$DEVICES" ]; then DP="${DP:+$DP,}$n"; fi
+done
+MAX_DP=${DP##*,}
+ARMS_FLAG=()
+if [ -n "${ARMS:-}" ]; then ARMS_FLAG=(--arms "$ARMS"); fi
+
+# No preallocation: the arms of one cell are built and freed one cell at a time.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+exec python -m nnx_zero1.bench \
+  --model "$MODEL" --dp "${DP_LIST:-$DP}" --ga "${GA:-1,8}" \
+  --batch "${BATCH:-$((4 * MAX_DP))}" --seq-len "${SEQ_LEN:-1024}" \
+  --steps "${STEPS:-20}" --warmup "${WARMUP:-3}" "${ARMS_FLAG[@]}" --out "$OUT"
