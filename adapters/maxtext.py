@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
 from nnx_zero1.optimizer import Zero1Optimizer
 
-from . import _kernels, _reduce
+from . import _checkpoint, _kernels, _reduce
 
 __all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine"]
 
@@ -46,10 +46,6 @@ LossFn = Callable[[nnx.Module, dict], jax.Array]
 
 def _shardings(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.sharding, tree)
-
-
-def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:
@@ -71,6 +67,15 @@ class Engine:
   optimizer step. Checkpoints hold the parameters, the optimizer state, the
   accumulated gradients and the micro-batch count, so a save between two
   micro-batches resumes exactly.
+
+  With deferral (the default) ``loss_fn`` runs once per replica inside
+  ``shard_map``, on that replica's rows: the model must work on local arrays
+  (no ``out_sharding=`` requests, which ``auto_axes`` cannot serve in Manual
+  mode). Deferral needs replicated parameters and a batch split over the data
+  axes only; otherwise (or with ``defer_reduction=False``) XLA differentiates
+  the global program and reduces every micro-batch, logged at info level.
+  Only ``wrt`` variables change; other model state (batch statistics, RNG
+  counters) is read, never written back.
 
   Example::
 
@@ -135,10 +140,7 @@ class Engine:
     self._update_kernel = None
     self._manager = None
     if checkpoint_dir is not None:
-      self._manager = ocp.CheckpointManager(
-          os.fspath(os.path.abspath(checkpoint_dir)), options=ocp.CheckpointManagerOptions(create=True),
-          item_handlers=ocp.StandardCheckpointHandler(),
-      )
+      self._manager = _checkpoint.make_manager(checkpoint_dir)
 
   # -- hooks a Zero-1 mixin overrides ---------------------------------------------------------
   def _make_optimizer(self, model: nnx.Module, tx: optax.GradientTransformation) -> nnx.Optimizer:
@@ -225,6 +227,11 @@ class Engine:
 
     Returns the micro-batch's mean loss. Under deferral no gradient collective
     runs here: each replica adds its own gradient to its row of the accumulator.
+
+    Example::
+
+      for micro_batch in micro_batches:  # dicts of arrays, batch dimension first
+        loss = engine.fwd_bwd(micro_batch)
     """
     with jax.set_mesh(self.mesh):
       batch = self._place_batch(batch)
@@ -236,7 +243,13 @@ class Engine:
   def update(self) -> int:
     """Reduces the accumulated gradients once, averages them over the micro-batches,
     applies them, resets the accumulator and returns the new step. The averaged
-    gradients' global norm is kept in ``self.grad_norm``."""
+    gradients' global norm is kept in ``self.grad_norm``.
+
+    Example::
+
+      step = engine.update()
+      print(step, float(engine.grad_norm))
+    """
     if self._pending == 0:
       raise ValueError("update() needs at least one fwd_bwd() since the last update")
     with jax.set_mesh(self.mesh):
@@ -248,7 +261,12 @@ class Engine:
     return int(self.optimizer.step[...])
 
   def eval_step(self, batch: dict) -> jax.Array:
-    """The mean loss of ``batch``; changes nothing."""
+    """The mean loss of ``batch``; changes nothing.
+
+    Example::
+
+      val_loss = float(engine.eval_step(val_batch))
+    """
     with jax.set_mesh(self.mesh):
       batch = self._place_batch(batch)
       key = self._batch_key(batch)
@@ -259,13 +277,23 @@ class Engine:
       return kernel(spec, self._params(), self._rest(), batch)
 
   def lowered_fwd_bwd(self, batch: dict) -> jax.stages.Lowered:
-    """The micro-batch kernel lowered for ``batch``, to read its compiled HLO."""
+    """The micro-batch kernel lowered for ``batch``, to read its compiled HLO.
+
+    Example::
+
+      hlo = engine.lowered_fwd_bwd(batch).compile().as_text()
+    """
     with jax.set_mesh(self.mesh):
       kernel, args = self._fwd_bwd_call(self._place_batch(batch))
       return kernel.lower(*args)
 
   def lowered_update(self) -> jax.stages.Lowered:
-    """The update kernel lowered, to read its compiled HLO."""
+    """The update kernel lowered, to read its compiled HLO.
+
+    Example::
+
+      hlo = engine.lowered_update().compile().as_text()
+    """
     with jax.set_mesh(self.mesh):
       kernel, args = self._update_call()
       return kernel.lower(*args)
@@ -284,7 +312,15 @@ class Engine:
     return self._manager
 
   def save_checkpoint(self, step: int) -> None:
-    """Saves params, optimizer state, accumulated gradients and micro-batch count as ``step``."""
+    """Saves params, optimizer state, accumulated gradients and micro-batch count as ``step``.
+
+    The tree is ``{"params", "optimizer", "grad_acc", "micro_steps"}`` with the
+    same paths, shapes and dtypes for ``Engine`` and ``Zero1Engine``.
+
+    Example::
+
+      engine.save_checkpoint(step)  # also fine between two fwd_bwd calls
+    """
     self._require_manager().save(step, args=ocp.args.StandardSave(self._checkpoint_tree()))
 
   def restore_checkpoint(self, step: int | None = None) -> int:
@@ -294,21 +330,17 @@ class Engine:
     cross between ``Engine`` and ``Zero1Engine``. An accumulator saved at
     another data-parallel size (another number of rows) is summed into row 0:
     the same gradient, though not bit-for-bit the same reduction order.
+
+    Example::
+
+      step = engine.restore_checkpoint()  # the latest
     """
     manager = self._require_manager()
     manager.wait_until_finished()
     step = manager.latest_step() if step is None else step
     if step is None:
       raise ValueError(f"no checkpoint in {manager.directory}")
-    target = _abstract(self._checkpoint_tree())
-    saved_rows = jax.tree.leaves(manager.item_metadata(step)["grad_acc"])[0].shape[0]
-    if saved_rows != self.data_size:
-      replicated = NamedSharding(self.mesh, P())
-      target["grad_acc"] = jax.tree.map(
-          lambda t: jax.ShapeDtypeStruct((saved_rows, *t.shape[1:]), t.dtype, sharding=replicated),
-          target["grad_acc"],
-      )
-    tree = manager.restore(step, args=ocp.args.StandardRestore(target))
+    tree, saved_rows = _checkpoint.restore(manager, step, self._checkpoint_tree(), self.mesh)
     for obj, pure in ((self.model, tree["params"]), (self.optimizer, tree["optimizer"])):
       state = nnx.state(obj, self.wrt) if obj is self.model else nnx.state(obj)
       nnx.replace_by_pure_dict(state, pure)
@@ -318,18 +350,19 @@ class Engine:
       logger.info("%s: accumulator saved with %d rows, restored with %d; summed into row 0",
                   type(self).__name__, saved_rows, self.data_size)
       with jax.set_mesh(self.mesh):
-        params = self._params()
-        zeros = _reduce.zeros_accumulator(params, self.mesh, self.data_axis).to_pure_dict()
-        summed = jax.tree.map(lambda a: a.sum(0), grad_acc)
-        homes = jax.tree.leaves(_shardings(params))
-        grad_acc = _reduce.add_to_first_row(zeros, summed, homes, self.mesh, self.data_axis)
+        grad_acc = _checkpoint.fold_rows(grad_acc, self._params().to_pure_dict(), self.mesh, self.data_axis)
     nnx.replace_by_pure_dict(self._grad_acc, grad_acc)
     self._micro_steps = tree["micro_steps"]
     self._pending = int(self._micro_steps)
     return step
 
   def close(self) -> None:
-    """Waits for pending checkpoint writes and releases the checkpoint manager."""
+    """Waits for pending checkpoint writes and releases the checkpoint manager.
+
+    Example::
+
+      engine.close()
+    """
     if self._manager is not None:
       self._manager.wait_until_finished()
       self._manager.close()

@@ -276,6 +276,19 @@ def test_batch_sharded_over_second_axis_reduces_each_micro_batch(caplog):
   assert bytes_per_device(moments(engines[1])) * 2 == bytes_per_device(moments(engines[0]))
 
 
+def test_data_axis_tuple_reduce_scatters_over_both_axes():
+  mesh = jax.make_mesh((2, 2), ("replica", "data"), devices=jax.devices()[:4])
+  axes = ("replica", "data")
+  engines = [make(cls, optax.adamw(1e-2), mesh, data_axis=axes) for cls in (Engine, Zero1Engine)]
+  for e in engines:
+    run(e, micro_batches(2, seed=8), 2)
+  assert_trees_equal(params(engines[1]), params(engines[0]))
+  assert bytes_per_device(moments(engines[1])) * 4 == bytes_per_device(moments(engines[0]))
+  sizes = _param_bytes(engines[1])
+  update = collectives(engines[1].lowered_update().compile().as_text())
+  assert update["reduce-scatter"] == {"count": len(sizes), "bytes": sum(sizes) // 4}
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [({"data_axis": "batch"}, "data axis 'batch'"), ({"wrt": nnx.LoRAParam}, "selects no parameters")],
