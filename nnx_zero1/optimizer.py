@@ -33,6 +33,27 @@ def _place_all(tree: Any, shardings) -> Any:
   return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, shardings, strict=True)])
 
 
+def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, params, kwargs):
+  """``tx.update`` on the slices. On an Explicit mesh the data axis is Auto inside it.
+
+  optax code was written for arrays the data axis does not split; with Explicit
+  sharding types some of it is then illegal (Muon's ``X @ X.T`` on a row-split
+  ``X``). Inside ``auto_axes`` the compiler places the intermediates and the
+  outputs land on the plan's layout; elementwise arithmetic is unchanged.
+  """
+  types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types))
+  if all(types[a] != jax.sharding.AxisType.Explicit for a in plan.data_axis):
+    return tx.update(grads, state, params, **kwargs)
+  out_sharding = (
+      jax.tree.unflatten(plan.param_treedef, plan.zero1_param_shardings),
+      jax.tree.unflatten(jax.tree.structure(state), [row.sharding for row in plan.state_leaves]),
+  )
+  run = lambda g, s, p, kw: tx.update(g, s, p, **kw)  # noqa: E731
+  return jax.sharding.auto_axes(run, axes=plan.data_axis, out_sharding=out_sharding)(
+      grads, state, params, kwargs
+  )
+
+
 def init_sharded_state(tx: optax.GradientTransformation, param_state: Any, plan: Zero1Plan) -> Any:
   """``to_opt_state(tx.init(param_state))``, created directly on the Zero-1 layout.
 
@@ -58,6 +79,7 @@ def init_sharded_state(tx: optax.GradientTransformation, param_state: Any, plan:
   targets = jax.tree.unflatten(treedef, [leaf.sharding for leaf in plan.state_leaves])
   state = jax.jit(init, out_shardings=targets)(param_state)
   variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  variables = [v for v in variables if jax.tree.leaves(v)]  # not masked-out (MaskedNode) ones
   for var, row in zip(variables, plan.state_leaves, strict=True):
     if isinstance(var, nnx.Variable) and (var.has_metadata("out_sharding") or row.reason is None):
       var.set_metadata(out_sharding=spec_entries(row.sharding.spec))
@@ -166,7 +188,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     sliced_params = _place_all(params, plan.zero1_param_shardings)
     # A no-op when the state is on the plan; re-places state restored onto another layout.
     state = _place_all(state, state_shardings)
-    updates, new_state = self.tx.update(sliced_grads, state, sliced_params, **nnx.as_pure(kwargs))
+    updates, new_state = _run_tx(self.tx, plan, sliced_grads, state, sliced_params, nnx.as_pure(kwargs))
     new_params = optax.apply_updates(sliced_params, updates)
     new_state = _place_all(new_state, state_shardings)
 

@@ -8,15 +8,17 @@ read at trace time without touching any array.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnx_zero1.errors import Zero1Error
 from nnx_zero1.layout import ALREADY_SHARDED, SCALAR, zero1_layout
 
-__all__ = ["LeafPlan", "Zero1Plan", "make_plan", "base_sharding"]
+__all__ = ["LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "statistic_layout"]
 
 NOT_PARAM_SHAPED = "not parameter-shaped"
 
@@ -62,21 +64,96 @@ def base_sharding(array: Any, mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-FACTORED = -1  # tagged per-parameter by optax, but not the parameter's shape
-OTHER = -2
+NOT_ALIGNED = "statistic over the dimension its parameter is split on"
+PARAM_NOT_SPLIT = "statistic of a parameter that is not split"
+AMBIGUOUS = "per-parameter statistic whose dimensions match its parameter's in more than one way"
 
 
-def _param_index_of_state_leaves(tx, abstract_state, param_shapes, treedef) -> list[int]:
-  """For each state leaf: the index of its parameter, FACTORED or OTHER."""
+@dataclasses.dataclass(frozen=True)
+class _Owner:
+  """Which parameter a state leaf belongs to (``index`` None: none), and whether it has its shape."""
+
+  index: int | None
+  same_shape: bool = False
+
+
+def _owners_of_state_leaves(tx, abstract_state, param_shapes, treedef) -> list[_Owner]:
+  """For each state leaf, in tree-leaf order: the parameter optax says it belongs to."""
   indices = jax.tree.unflatten(treedef, range(len(param_shapes)))
-  tagged = optax.tree_utils.tree_map_params(
-      tx,
-      lambda leaf, i: i if tuple(leaf.shape) == param_shapes[i] else FACTORED,
-      abstract_state,
-      indices,
-      transform_non_params=lambda leaf: OTHER,
-  )
-  return jax.tree.leaves(tagged)
+
+  def tag(leaf, i):
+    if isinstance(leaf, optax.MaskedNode):  # a masked-out parameter: no leaves to place
+      return leaf
+    return _Owner(i, tuple(leaf.shape) == param_shapes[i])
+
+  try:
+    tagged = optax.tree_utils.tree_map_params(
+        tx, tag, abstract_state, indices,
+        transform_non_params=lambda leaf: _Owner(None),
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    )
+  except Exception as e:  # noqa: BLE001 -- any optax failure means we cannot plan
+    name = getattr(tx.init, "__qualname__", type(tx).__name__).split(".<locals>")[0]
+    raise Zero1Error(
+        f"cannot tell which optimizer-state leaves of {name} are parameter-shaped: "
+        f"optax.tree_utils.tree_map_params failed ({type(e).__name__}: {e})"
+    ) from e
+  return jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Owner))
+
+
+def _uses(entries, data_axis) -> bool:
+  names = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+  return bool(names & set(data_axis))
+
+
+def _entries(sharding: NamedSharding, rank: int) -> list:
+  entries = list(sharding.spec)
+  return entries + [None] * (rank - len(entries))
+
+
+def statistic_layout(
+    shape: tuple[int, ...], param_shape: tuple[int, ...], param_zero1: NamedSharding, data_axis
+) -> tuple[NamedSharding, str | None]:
+  """Layout of a per-parameter statistic that keeps some of its parameter's dimensions.
+
+  Adafactor's factored second moments drop one dimension of their parameter.
+  Each dimension the statistic keeps keeps its entry of the parameter's Zero-1
+  spec, so the statistic lines up with the sliced gradient (on an Explicit mesh
+  anything else is an illegal sharding). It is split over the data axis only
+  if it keeps the dimension that carries it; ``reason`` says why not otherwise.
+  If its dimensions match the parameter's in more than one way with different
+  layouts (a square matrix), it stays replicated.
+
+  Example::
+
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> zero1 = NamedSharding(mesh, P("data"))
+    >>> statistic_layout((16,), (16, 32), zero1, ("data",))[0].spec
+    P('data',)
+    >>> statistic_layout((32,), (16, 32), zero1, ("data",))[1]
+    'statistic over the dimension its parameter is split on'
+  """
+  mesh = param_zero1.mesh
+  replicated = NamedSharding(mesh, PartitionSpec())
+  entries = _entries(param_zero1, len(param_shape))
+  specs = {
+      tuple(entries[k] for k in kept)
+      for kept in itertools.combinations(range(len(param_shape)), len(shape))
+      if tuple(param_shape[k] for k in kept) == tuple(shape)
+  }
+  if not specs:
+    return replicated, SCALAR if not shape else NOT_PARAM_SHAPED
+  if len(specs) > 1:
+    return replicated, AMBIGUOUS
+  kept_entries = list(specs.pop())
+  while kept_entries and kept_entries[-1] is None:
+    kept_entries.pop()
+  sharding = NamedSharding(mesh, PartitionSpec(*kept_entries), memory_kind=param_zero1.memory_kind)
+  if _uses(kept_entries, data_axis):
+    return sharding, None
+  return sharding, NOT_ALIGNED if _uses(entries, data_axis) else PARAM_NOT_SPLIT
 
 
 def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_axis) -> Zero1Plan:
@@ -85,7 +162,9 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
   ``params`` is a pure pytree of arrays (or ``ShapeDtypeStruct``s with a
   ``sharding``). Parameter-shaped state takes its parameter's Zero-1 layout;
   other state that optax tags as per-parameter (adafactor's factored
-  statistics) is split on its own shape; everything else stays replicated.
+  statistics) follows it on the dimensions it keeps (:func:`statistic_layout`);
+  everything else stays replicated. Masked-out parameters (``MaskedNode``) have
+  no state leaves.
 
   Example::
 
@@ -101,16 +180,17 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
   zero1 = tuple(zero1_layout(s, sh, data_axis)[0] for s, sh in zip(shapes, shardings))
   abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   abstract_state = jax.eval_shape(tx.init, abstract_params)
-  owners = _param_index_of_state_leaves(tx, abstract_state, shapes, treedef)
+  owners = _owners_of_state_leaves(tx, abstract_state, shapes, treedef)
   replicated = NamedSharding(mesh, PartitionSpec())
   rows = []
   flat_state = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
   for (path, leaf), owner in zip(flat_state, owners, strict=True):
     shape = tuple(leaf.shape)
-    if owner >= 0:
-      sharding, reason = zero1_layout(shape, shardings[owner], data_axis)
-    elif owner == FACTORED:
-      sharding, reason = zero1_layout(shape, replicated, data_axis)
+    if owner.index is not None and owner.same_shape:
+      sharding, reason = zero1_layout(shape, shardings[owner.index], data_axis)
+    elif owner.index is not None:
+      i = owner.index
+      sharding, reason = statistic_layout(shape, shapes[i], zero1[i], data_axis)
     else:
       sharding, reason = replicated, SCALAR if not shape else NOT_PARAM_SHAPED
     reason = None if reason == ALREADY_SHARDED else reason
