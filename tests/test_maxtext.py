@@ -276,6 +276,26 @@ def test_batch_sharded_over_second_axis_reduces_each_micro_batch(caplog):
   assert bytes_per_device(moments(engines[1])) * 2 == bytes_per_device(moments(engines[0]))
 
 
+def test_tensor_parallel_params_fall_back_and_compose_with_zero1(caplog):
+  mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4], axis_types=(AxisType.Auto,) * 2)
+
+  def build(cls):
+    model = Decoder(nnx.Rngs(0), vocab=VOCAB)
+    for layer, spec in ((model.up, P(None, "model")), (model.down, P("model", None))):
+      layer.kernel.value = jax.device_put(layer.kernel[...], NamedSharding(mesh, spec))
+    return cls(model, optax.adamw(1e-2), mesh, loss_fn=lm_loss)
+
+  with caplog.at_level(logging.INFO, logger="nnx_zero1.adapters.maxtext"):
+    engines = [build(cls) for cls in (Engine, Zero1Engine)]
+    for e in engines:
+      run(e, micro_batches(2, seed=9), 2)
+  assert "a parameter is sharded" in caplog.text
+  assert_trees_equal(params(engines[1]), params(engines[0]))
+  zero1 = engines[1]
+  assert zero1.model.up.kernel[...].sharding.spec == P(None, "model")
+  assert zero1.optimizer.opt_state[0].mu["up"]["kernel"][...].sharding.spec == P("data", "model")
+
+
 def test_data_axis_tuple_reduce_scatters_over_both_axes():
   mesh = jax.make_mesh((2, 2), ("replica", "data"), devices=jax.devices()[:4])
   axes = ("replica", "data")
