@@ -220,8 +220,6 @@ def test_same_checkpoint_directories_and_files(pair):
 
 
 def test_restored_trainer_keeps_layout_through_shard_optimizer_and_clear_jit_cache(pair):
-  if pair.lora is False or pair.ga is None:
-    pytest.skip("one case is enough: LoRA with gradient accumulation")
   resumed = _resume(Zero1PeftTrainer, pair, pair.zero1_dir)
   expected = shardings(opt_state(pair.zero1))
   with MESH:
