@@ -25,7 +25,7 @@ def test_wheel_installs_adapters_as_nnx_zero1_adapters(tmp_path):
   zipfile.ZipFile(wheel).extractall(site)
   probe = (
       "import nnx_zero1.adapters.tunix as t, nnx_zero1.adapters.maxtext as m, nnx_zero1; "
-      "assert t.__file__.startswith(%r), t.__file__; print(nnx_zero1.__file__)" % str(site)
+      f"assert t.__file__.startswith({str(site)!r}), t.__file__; print(nnx_zero1.__file__)"
   )
   out = subprocess.run(
       [sys.executable, "-c", probe], env={"PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"},
