@@ -36,7 +36,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
       prog="python -m nnx_zero1.bench",
       description="Memory, time and collectives of plain nnx.Optimizer vs Zero1Optimizer training.",
   )
-  p.add_argument("--quick", action="store_true", help="small model, few steps: minutes on 2 CPU cores")
+  p.add_argument("--quick", action="store_true",
+                 help="small model, 10 timed steps, baseline and zero1 arms only: minutes on 2 CPU cores")
   p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, memory.png")
   p.add_argument("--dp", type=_ints, default=(2, 4, 8), help="data-parallel sizes, e.g. 2,4,8")
   p.add_argument("--ga", type=_ints, default=(1, 8), help="gradient-accumulation steps, e.g. 1,8")
@@ -48,7 +49,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
   p.add_argument("--mesh", choices=("explicit", "auto"), default="explicit",
                  help="axis type of the data axis (explicit: jax's default, bit-identical Zero-1)")
-  p.add_argument("--arms", default=None, help="comma list of baseline,zero1,engine,zero1-engine")
+  p.add_argument("--arms", default=None,
+                 help="comma list of baseline,zero1,engine,zero1-engine (default: all available; "
+                 "--quick: baseline,zero1); the first is the reference for loss_diff")
   p.add_argument("--no-shapes", action="store_true", help="skip the real-LLM-shapes table")
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   args = p.parse_args(list(argv))
@@ -57,7 +60,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   for key, value in (quick if args.quick else full).items():
     if getattr(args, key) is None:
       setattr(args, key, value)
-  args.arms = tuple(args.arms.split(",")) if args.arms else default_arms()
+  # --quick keeps to the two optimizer arms: the engines double the compiles (minutes on 2 cores).
+  args.arms = tuple(args.arms.split(",")) if args.arms else STEP_ARMS if args.quick else default_arms()
   return args
 
 

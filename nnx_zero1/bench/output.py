@@ -122,7 +122,16 @@ def targets(rows: Sequence[dict]) -> list[str]:
       f"step time Zero-1/plain <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}: "
       + verdict(step, bool(step) and max(step) <= STEP_RATIO_GOAL),
       "final-loss difference == 0: " + verdict(diff, bool(diff) and max(diff) == 0, "g"),
-  ]
+  ] + _engine_line(rows)
+
+
+def _engine_line(rows: Sequence[dict]) -> list[str]:
+  pairs = [(r, e) for r in rows if r["arm"] == "zero1-engine" and r["ga"] == STEP_RATIO_GA
+           for e in rows if e["arm"] == "engine" and (e["dp"], e["ga"]) == (r["dp"], r["ga"])]
+  if not pairs:
+    return []
+  ratios = ", ".join(f"{z['step_ms'] / e['step_ms']:.3f}" for z, e in pairs)
+  return [f"(no goal) step time Zero1Engine/Engine at GA={STEP_RATIO_GA}: {ratios}"]
 
 
 def markdown(result: dict[str, Any]) -> str:
