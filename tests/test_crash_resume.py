@@ -9,7 +9,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from subprocesses import children, load
 
-STEPS = 8
+STEPS = 12  # the kill lands long before the end: every save waits for the previous one
 KILL_AFTER = 3
 
 
