@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from nnx_zero1.layout import spec_entries
 
 __all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device"]
 
@@ -37,6 +41,7 @@ class ReportRow:
   spec: str
   bytes_per_device: int
   full_bytes: int
+  replicated_optimizer_bytes: int  # what nnx.Optimizer holds of it per device
   sharded: bool
   reason: str  # "" when sharded
 
@@ -67,7 +72,7 @@ class Zero1Report:
   @property
   def unsharded_bytes(self) -> int:
     """What one device would hold with a replicated optimizer (``nnx.Optimizer``)."""
-    return sum(r.full_bytes for r in self.rows)
+    return sum(r.replicated_optimizer_bytes for r in self.rows)
 
   def __str__(self) -> str:
     header = ("leaf", "shape", "dtype", "spec", "bytes/device", "status")
@@ -85,6 +90,18 @@ class Zero1Report:
         f"replicated optimizer: {self.unsharded_bytes:,} B; data axis {axis} = {self.data_size}"
     )
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body), total])
+
+
+def _without_data_axes(sharding, data_axis: tuple[str, ...]):
+  """The layout ``nnx.Optimizer`` would give this leaf: the same spec less the data axes."""
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return sharding
+  entries = []
+  for entry in spec_entries(spec):
+    names = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a not in data_axis)
+    entries.append(names[0] if len(names) == 1 else (names or None))
+  return NamedSharding(sharding.mesh, PartitionSpec(*entries))
 
 
 def report(opt) -> Zero1Report:
@@ -112,6 +129,9 @@ def report(opt) -> Zero1Report:
             spec=str(getattr(leaf.sharding, "spec", leaf.sharding)),
             bytes_per_device=bytes_per_device(leaf),
             full_bytes=leaf.nbytes,
+            replicated_optimizer_bytes=math.prod(
+                _without_data_axes(leaf.sharding, plan.data_axis).shard_shape(leaf.shape)
+            ) * leaf.dtype.itemsize,
             sharded=row.reason is None,
             reason=row.reason or "",
         )

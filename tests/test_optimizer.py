@@ -104,6 +104,16 @@ def test_tensor_parallel_kernel_on_an_auto_mesh_keeps_its_layout():
   assert bytes_per_device(o0.opt_state[0].mu["l1"]["kernel"][...]) == mu.nbytes // 2
 
 
+def test_report_baseline_is_what_nnx_optimizer_holds_with_tensor_parallel_params():
+  with jax.set_mesh(AUTO_TP):
+    model = MLP(nnx.Rngs(0), (None, "tp"))
+    plain = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    zero1 = Zero1Optimizer(model, optax.adam(1e-3))
+  rep = report(zero1)
+  assert rep.unsharded_bytes == bytes_per_device(nnx.as_pure(plain.opt_state))
+  assert rep.unsharded_bytes < sum(r.full_bytes for r in rep.rows)  # the tp split is not Zero-1's
+
+
 def test_parameters_keep_their_sharding_on_an_explicit_mesh():
   (m0, _, _), (m1, _, _) = run_pair(ELEMENTWISE["adam"], steps=2)
   assert shardings(m1) == shardings(m0)
