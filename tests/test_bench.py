@@ -91,7 +91,8 @@ def test_engine_arms_reduce_once_per_step():
   assert engine["collectives"]["reduce-scatter"]["count"] == 0
   gradient_bytes = engine["opt_state_bytes_per_device"] // 2  # adamw: two moments per parameter
   assert engine["collectives"]["all-reduce"]["bytes"] < 1.1 * gradient_bytes
-  assert zero1["loss_diff"] < 1e-5
+  # Zero1Engine changes where the moments live, not the arithmetic: bit-identical to Engine.
+  assert zero1["loss_diff"] == 0 and zero1["params_equal"]
 
 
 def test_real_llm_shapes_leave_almost_nothing_replicated():

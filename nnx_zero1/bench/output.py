@@ -29,7 +29,7 @@ def _baseline(rows: Sequence[dict], row: dict) -> dict:
   return next(r for r in rows if r["arm"] == "baseline" and r["dp"] == row["dp"] and r["ga"] == row["ga"])
 
 
-_HEADER = ("arm", "dp", "ga", "opt MiB/dev", "x ideal", "peak MiB/dev", "step ms", "x plain",
+_HEADER = ("arm", "dp", "ga", "opt MiB/dev", "x ideal", "peak MiB/dev", "step ms", "x plain", "min ms",
            "compile s", "collectives per step (count x MiB)", "loss diff")
 
 
@@ -41,7 +41,8 @@ def _cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
     out.append((
         r["arm"], str(r["dp"]), str(r["ga"]), _mib(r["opt_state_bytes_per_device"]),
         f"{r['opt_state_bytes_per_device'] / ideal:.3f}", _mib(r["peak_bytes_per_device"]),
-        f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.3f}", f"{r['compile_s']:.1f}",
+        f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.3f}", f"{r.get('step_ms_min', 0):.1f}",
+        f"{r['compile_s']:.1f}",
         _collective_cell(r["collectives"]), f"{r['loss_diff']:.3g}",
     ))
   return out
@@ -109,7 +110,9 @@ def targets(rows: Sequence[dict]) -> list[str]:
   zero1 = [r for r in rows if r["arm"] == "zero1"]
   opt = [r["opt_state_bytes_per_device"] / (_baseline(rows, r)["opt_state_bytes_per_device"] / r["dp"])
          for r in zero1]
-  step = [r["step_ms"] / _baseline(rows, r)["step_ms"] for r in zero1 if r["ga"] == STEP_RATIO_GA]
+  at_ga = [r for r in zero1 if r["ga"] == STEP_RATIO_GA]
+  step = [r["step_ms"] / _baseline(rows, r)["step_ms"] for r in at_ga]
+  fastest = [r["step_ms_min"] / _baseline(rows, r)["step_ms_min"] for r in at_ga if "step_ms_min" in r]
   diff = [r["loss_diff"] for r in zero1]
   def verdict(values: list[float], good: bool, fmt: str = ".3f") -> str:
     if not values:
@@ -119,8 +122,10 @@ def targets(rows: Sequence[dict]) -> list[str]:
   return [
       f"Zero-1 optimizer bytes/device <= {OPT_BYTES_SLACK} x plain/dp: "
       + verdict(opt, bool(opt) and max(opt) <= OPT_BYTES_SLACK),
-      f"step time Zero-1/plain <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}: "
+      f"step time Zero-1/plain <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}, medians: "
       + verdict(step, bool(step) and max(step) <= STEP_RATIO_GOAL),
+      f"step time Zero-1/plain <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}, fastest steps: "
+      + verdict(fastest, bool(fastest) and max(fastest) <= STEP_RATIO_GOAL),
       "final-loss difference == 0: " + verdict(diff, bool(diff) and max(diff) == 0, "g"),
   ] + _engine_line(rows)
 
