@@ -3,6 +3,7 @@ dp=4, 2, 1 and into a plain ``nnx.Optimizer`` (and back) through real orbax on d
 with ``abstract_state`` as the restore target; training continues as if never stopped."""
 
 import jax
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
@@ -10,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import MLP, assert_trees_close, assert_unchanged, batches, snapshot, train
+from helpers import MLP, assert_trees_close, assert_unchanged, batches, pure, snapshot, train
 from nnx_zero1 import Zero1Error, Zero1Optimizer, abstract_state, report, restore_into
 from nnx_zero1.report import bytes_per_device
 
@@ -33,8 +34,17 @@ def build(dp, zero1=True, seed=None):
 
 
 def save(checkpointer, path, model, opt):
+  """Saves both; returns their values, to check the restore is exact."""
   checkpointer.save(path, {"model": nnx.state(model), "opt": nnx.state(opt)})
   checkpointer.wait_until_finished()
+  return pure(model), pure(opt)
+
+
+def assert_restored_exactly(saved, model, opt):
+  for want, got in zip(saved, (pure(model), pure(opt)), strict=True):
+    assert len(want) == len(got)
+    for a, b in zip(want, got, strict=True):
+      np.testing.assert_array_equal(a, b)
 
 
 def restore(checkpointer, path, model, opt):
@@ -70,11 +80,13 @@ def assert_layout_of(opt, dp):
 def test_chain_8_4_2_1_equals_an_uninterrupted_run(tmp_path, reference):
   checkpointer = ocp.StandardCheckpointer()
   mesh, model, opt = build(8, seed=0)
+  saved = None
   for leg, dp in enumerate([8, 4, 2, 1]):
     if dp != 8:
       mesh, model, opt = build(dp)
       fresh_bytes = bytes_per_device(nnx.as_pure(opt.opt_state))
       restored = restore(checkpointer, tmp_path / f"leg{leg - 1}", model, opt)
+      assert_restored_exactly(saved, model, opt)
       # orbax read straight into the Zero-1 layout: no replicated copy of the moments
       assert bytes_per_device(nnx.as_pure(restored["opt"]["opt_state"])) == fresh_bytes
       assert bytes_per_device(nnx.as_pure(opt.opt_state)) == fresh_bytes
@@ -84,7 +96,7 @@ def test_chain_8_4_2_1_equals_an_uninterrupted_run(tmp_path, reference):
     ref_model, ref_opt = reference[leg]
     assert_trees_close(model, ref_model)
     assert_trees_close(opt, ref_opt)
-    save(checkpointer, tmp_path / f"leg{leg}", model, opt)
+    saved = save(checkpointer, tmp_path / f"leg{leg}", model, opt)
   assert int(opt.step[...]) == 4 * STEPS
 
 
@@ -92,19 +104,21 @@ def test_zero1_to_plain_and_plain_to_zero1(tmp_path, reference):
   checkpointer = ocp.StandardCheckpointer()
   mesh, model, opt = build(8, seed=0)
   train(model, opt, mesh, DATA[:STEPS])
-  save(checkpointer, tmp_path / "zero1", model, opt)
+  saved = save(checkpointer, tmp_path / "zero1", model, opt)
 
   mesh, model, plain = build(8, zero1=False)
   restore(checkpointer, tmp_path / "zero1", model, plain)
+  assert_restored_exactly(saved, model, plain)
   replicated = bytes_per_device(nnx.as_pure(plain.opt_state))
   assert replicated == sum(x.nbytes for x in jax.tree.leaves(nnx.as_pure(plain.opt_state)))
   train(model, plain, mesh, DATA[STEPS:2 * STEPS])
   assert_trees_close(model, reference[1][0])
   assert_trees_close(plain, reference[1][1])
-  save(checkpointer, tmp_path / "plain", model, plain)
+  saved = save(checkpointer, tmp_path / "plain", model, plain)
 
   mesh, model, opt = build(4)
   restore(checkpointer, tmp_path / "plain", model, opt)
+  assert_restored_exactly(saved, model, opt)
   assert_layout_of(opt, 4)
   assert bytes_per_device(nnx.as_pure(opt.opt_state)) < replicated / 3
   train(model, opt, mesh, DATA[2 * STEPS:3 * STEPS])
