@@ -105,7 +105,14 @@ def _linear(n_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:
 
 
 class Attention(nnx.Module):
-  """Causal grouped-query self-attention with rotary positions."""
+  """Causal grouped-query self-attention with rotary positions (and q/k norms if configured).
+
+  Example::
+
+    >>> attn = Attention(CONFIGS["tiny"], nnx.Rngs(0))
+    >>> attn(jnp.ones((2, 8, 64))).shape
+    (2, 8, 64)
+  """
 
   def __init__(self, cfg: Config, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -129,7 +136,13 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-  """The gated MLP of Llama-family models: ``down(silu(gate(x)) * up(x))``."""
+  """The gated MLP of Llama-family models: ``down(silu(gate(x)) * up(x))``.
+
+  Example::
+
+    >>> SwiGLU(CONFIGS["tiny"], nnx.Rngs(0))(jnp.ones((2, 64))).shape
+    (2, 64)
+  """
 
   def __init__(self, cfg: Config, rngs: nnx.Rngs):
     self.gate = _linear(cfg.dim, cfg.ffn, rngs)
@@ -141,7 +154,13 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-  """One pre-norm decoder layer (with Gemma-style sandwich norms when configured)."""
+  """One pre-norm decoder layer (with Gemma-style sandwich norms when configured).
+
+  Example::
+
+    >>> Block(CONFIGS["tiny"], nnx.Rngs(0))(jnp.ones((1, 4, 64))).shape
+    (1, 4, 64)
+  """
 
   def __init__(self, cfg: Config, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(cfg.dim)

@@ -139,6 +139,15 @@ def _engine_line(rows: Sequence[dict]) -> list[str]:
   return [f"(no goal) step time Zero1Engine/Engine at GA={STEP_RATIO_GA}: {ratios}"]
 
 
+_COLUMNS = (
+    "Per device: `opt` is the optimizer state held (from `addressable_shards`), `x ideal` that over "
+    "(plain / dp); `peak` is the compiled step's argument + output - donated + temp bytes. `step ms` is "
+    "the median over the timed steps, `x plain` its ratio to the baseline at the same (dp, ga), `min ms` "
+    "the fastest step. Collectives are per optimizer step, read from the compiled HLO (ops in a loop "
+    "count once per trip). `loss diff` is |final loss - the first arm's final loss|."
+)
+
+
 def markdown(result: dict[str, Any]) -> str:
   """bench.md: the settings, both tables and the goals, as Markdown.
 
@@ -149,10 +158,12 @@ def markdown(result: dict[str, Any]) -> str:
     True
   """
   meta = result["meta"]
-  lines = ["# nnx-zero1 bench", "", "```", json.dumps(meta, indent=1, default=str), "```", ""]
+  lines = ["# nnx-zero1 bench", ""]
+  lines += [f"- {k}: {json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in meta.items()] + [""]
   if result["rows"]:
     lines += ["## Plain `nnx.Optimizer` vs `Zero1Optimizer`", "",
               _markdown_table(_HEADER, _cells(result["rows"]))]
+    lines += ["", _COLUMNS]
   lines += ["", "## Goals", ""] + [f"- {t}" for t in targets(result["rows"])]
   if result.get("shapes"):
     lines += ["", "## Optimizer bytes Zero-1 leaves replicated on real LLM shapes (adamw)", "",
