@@ -56,7 +56,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   args = p.parse_args(list(argv))
   quick = {"model": "small", "steps": 10, "warmup": 1, "seq_len": 32}
-  full = {"model": "base", "steps": 20, "warmup": 2, "seq_len": None}
+  full = {"model": "base", "steps": 15, "warmup": 2, "seq_len": None}
   for key, value in (quick if args.quick else full).items():
     if getattr(args, key) is None:
       setattr(args, key, value)
