@@ -2,7 +2,7 @@
 # The bench on a real accelerator (GPU or TPU host): the same `python -m nnx_zero1.bench`,
 # a real model shape and real devices instead of virtual CPU ones.
 #
-#   scripts/bench_accelerator.sh [MODEL] [OUT]        # defaults: qwen3-0.6b, bench-accelerator
+#   scripts/bench_accelerator.sh [MODEL] [OUT]        # defaults: qwen3-0.6b, bench_out/accelerator
 #   GA=1,8 STEPS=20 SEQ_LEN=1024 BATCH=32 ARMS=baseline,zero1 scripts/bench_accelerator.sh llama-3.2-1b
 #
 # MODEL is a name from nnx_zero1.bench.model.CONFIGS (qwen3-0.6b, llama-3.2-1b, gemma-3-1b, ...).
@@ -12,7 +12,7 @@
 set -euo pipefail
 
 MODEL=${1:-qwen3-0.6b}
-OUT=${2:-bench-accelerator}
+OUT=${2:-bench_out/accelerator}
 DEVICES=$(python -c "import jax; print(jax.device_count())")
 if [ "$DEVICES" -lt 2 ]; then
   echo "bench_accelerator: $DEVICES device(s); Zero-1 needs a data-parallel size of at least 2" >&2

@@ -38,7 +38,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   )
   p.add_argument("--quick", action="store_true",
                  help="small model, 10 timed steps, baseline and zero1 arms only: minutes on 2 CPU cores")
-  p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, memory.png")
+  p.add_argument("--out", default="bench_out", help="folder for bench.json, bench.md, memory.png")
   p.add_argument("--dp", type=_ints, default=(2, 4, 8), help="data-parallel sizes, e.g. 2,4,8")
   p.add_argument("--ga", type=_ints, default=(1, 8), help="gradient-accumulation steps, e.g. 1,8")
   p.add_argument("--model", default=None, help="a name from nnx_zero1.bench.model.CONFIGS")
