@@ -249,6 +249,8 @@ def run_cell(
   devices = jax.devices()
   if len(devices) < dp:
     raise ValueError(f"dp={dp} needs {dp} devices; this process has {len(devices)}")
+  if settings.batch % dp:
+    raise ValueError(f"the global micro-batch of {settings.batch} sequences does not split over dp={dp}")
   axis_type = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[settings.mesh]
   mesh = jax.make_mesh((dp,), ("data",), axis_types=(axis_type,), devices=devices[:dp])
   built = []
