@@ -32,6 +32,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     >>> args.dp, args.model, args.steps
     ((2, 4), 'small', 10)
   """
+  from nnx_zero1.bench.model import CONFIGS  # imports jax without starting a backend
+  from nnx_zero1.bench.run import OPTIMIZERS
+
   p = argparse.ArgumentParser(
       prog="python -m nnx_zero1.bench",
       description="Memory, time and collectives of plain nnx.Optimizer vs Zero1Optimizer training.",
@@ -41,8 +44,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--out", default="bench_out", help="folder for bench.json, bench.md, memory.png")
   p.add_argument("--dp", type=_ints, default=(2, 4, 8), help="data-parallel sizes, e.g. 2,4,8")
   p.add_argument("--ga", type=_ints, default=(1, 8), help="gradient-accumulation steps, e.g. 1,8")
-  p.add_argument("--model", default=None, help="a name from nnx_zero1.bench.model.CONFIGS")
-  p.add_argument("--optimizer", default="adamw", help="adamw, adam, lion or sgd")
+  p.add_argument("--model", default=None, choices=list(CONFIGS),
+                 help="model shape (default: base; --quick: small); the real shapes are for accelerators")
+  p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
   p.add_argument("--steps", type=int, default=None, help="timed steps per arm (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed steps per arm first")
   p.add_argument("--batch", type=int, default=8, help="global micro-batch, in sequences")
