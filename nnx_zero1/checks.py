@@ -9,6 +9,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from nnx_zero1.errors import Zero1Error
+from nnx_zero1.layout import NOT_DIVISIBLE
 from nnx_zero1.plan import Zero1Plan
 
 __all__ = ["resolve_mesh", "check_params", "check_model", "check_grads", "check_state", "check_strict"]
@@ -131,10 +132,16 @@ def check_state(opt_state: Any, plan: Zero1Plan) -> None:
 
 
 def check_strict(plan: Zero1Plan) -> None:
-  """With ``strict=True``: refuses any non-scalar leaf that stays replicated."""
-  left = [row for row in plan.state_leaves if row.reason is not None and row.shape]
+  """With ``strict=True``: refuses any parameter-shaped leaf that stays replicated.
+
+  Those are the leaves no dimension of which divides by the data-axis size.
+  State that does not follow a parameter's shape (step counters, Muon's
+  Newton-Schulz coefficients, adafactor's factored statistics) is not counted;
+  ``report`` lists it with its reason.
+  """
+  left = [row for row in plan.state_leaves if row.reason == NOT_DIVISIBLE]
   if left:
-    names = ", ".join(f"{row.path} {list(row.shape)} ({row.reason})" for row in left)
+    names = ", ".join(f"{row.path} {row.dtype}{list(row.shape)} ({row.reason})" for row in left)
     raise Zero1Error(
         f"strict=True, but these optimizer leaves cannot be split over "
         f"{plan.data_axis}: {names}; {_axes(plan.mesh)}"
