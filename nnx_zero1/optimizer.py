@@ -184,7 +184,10 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
     state_shardings = [row.sharding for row in plan.state_leaves]
 
-    sliced_grads = _place_all(grads, plan.zero1_param_shardings)
+    # Pinning the gradients to their parameters' layout first keeps XLA's sharding
+    # propagation (Auto meshes) from carrying the Zero-1 layout back into the backward
+    # pass, where it would reorder gradient sums. A no-op on Explicit meshes.
+    sliced_grads = _place_all(_place_all(grads, homes), plan.zero1_param_shardings)
     sliced_params = _place_all(params, plan.zero1_param_shardings)
     # A no-op when the state is on the plan; re-places state restored onto another layout.
     state = _place_all(state, state_shardings)

@@ -19,6 +19,7 @@ def test_wheel_installs_adapters_as_nnx_zero1_adapters(tmp_path):
   assert "nnx_zero1/adapters/tunix.py" in names
   assert "nnx_zero1/adapters/maxtext.py" in names
   assert "nnx_zero1/py.typed" in names
+  assert "nnx_zero1/bench/__main__.py" in names
   assert not any(n.startswith("adapters/") for n in names)
 
   site = tmp_path / "site"
