@@ -137,6 +137,8 @@ def statistic_layout(
   """
   mesh = param_zero1.mesh
   replicated = NamedSharding(mesh, PartitionSpec())
+  if not shape:  # a per-parameter scalar (NovoGrad's second moment)
+    return replicated, SCALAR
   entries = _entries(param_zero1, len(param_shape))
   specs = {
       tuple(entries[k] for k in kept)
@@ -144,7 +146,7 @@ def statistic_layout(
       if tuple(param_shape[k] for k in kept) == tuple(shape)
   }
   if not specs:
-    return replicated, SCALAR if not shape else NOT_PARAM_SHAPED
+    return replicated, NOT_PARAM_SHAPED
   if len(specs) > 1:
     return replicated, AMBIGUOUS
   kept_entries = list(specs.pop())

@@ -34,6 +34,7 @@ def zero1(spec, mesh=TP):
         ((3,), (3, 5), P(), P(), PARAM_NOT_SPLIT),  # the parameter itself is not split
         ((1,), (16, 32), P("data"), P(), NOT_PARAM_SHAPED),  # adafactor's unused placeholders
         ((16,), (16, 16), P("data"), P(), AMBIGUOUS),  # square: row or column statistic?
+        ((), (16, 32), P("data"), P(), "scalar"),  # NovoGrad's per-parameter second moment
     ],
 )
 def test_statistic_follows_the_dimensions_it_keeps(shape, param_shape, param_spec, want_spec, want_reason):
