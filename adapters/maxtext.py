@@ -390,7 +390,8 @@ class Zero1EngineMixin:
   """
 
   def _make_optimizer(self, model: nnx.Module, tx: optax.GradientTransformation) -> Zero1Optimizer:
-    return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis)
+    # The update kernel reduce-scatters the gradients onto the Zero-1 layout itself.
+    return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, pin_gradients=False)
 
   def _gradient_targets(self) -> tuple[NamedSharding, ...]:
     return self.optimizer.zero1_plan.zero1_param_shardings

@@ -116,6 +116,11 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     data_axis: the mesh axis (or tuple of axes) that data parallelism runs over.
     graph: passed through as for ``nnx.Optimizer``.
     strict: raise ``Zero1Error`` when some parameter-shaped leaf cannot be split.
+    pin_gradients: on Auto meshes, hold traced gradients on their parameters'
+      layout before slicing them, so the backward pass compiles as it would for
+      ``nnx.Optimizer`` (bit-identical). Pass ``False`` when the gradients already
+      arrive on the Zero-1 layout (reduce-scattered), or to let XLA turn the
+      gradient all-reduce into a reduce-scatter at the price of reordered sums.
   """
 
   def __init__(
@@ -128,6 +133,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       data_axis: DataAxis = "data",
       graph: bool | None = None,
       strict: bool = False,
+      pin_gradients: bool = True,
   ):
     mesh = resolve_mesh(mesh)
     axes = data_axes(data_axis)
@@ -144,6 +150,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan))
     self.wrt = wrt
     self.zero1_plan = plan
+    self.pin_gradients = pin_gradients
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
@@ -184,10 +191,13 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
     state_shardings = [row.sharding for row in plan.state_leaves]
 
-    # Pinning the gradients to their parameters' layout first keeps XLA's sharding
-    # propagation (Auto meshes) from carrying the Zero-1 layout back into the backward
-    # pass, where it would reorder gradient sums. A no-op on Explicit meshes.
-    sliced_grads = _place_all(_place_all(grads, homes), plan.zero1_param_shardings)
+    if self.pin_gradients:
+      # Pinned where they are (on an Auto mesh under jit: their parameters' layout), the
+      # gradients keep XLA's sharding propagation from carrying the Zero-1 layout back
+      # into the backward pass, where it would reorder sums. A no-op on Explicit meshes.
+      pins = [current_sharding(g, s) for g, s in zip(jax.tree.leaves(grads), plan.param_shardings)]
+      grads = _place_all(grads, pins)
+    sliced_grads = _place_all(grads, plan.zero1_param_shardings)
     sliced_params = _place_all(params, plan.zero1_param_shardings)
     # A no-op when the state is on the plan; re-places state restored onto another layout.
     state = _place_all(state, state_shardings)

@@ -143,6 +143,17 @@ def test_hlo_one_reduce_scatter_per_step(adamw_runs):
   assert plain["all-reduce"]["bytes"] >= sum(sizes)
 
 
+def test_auto_mesh_update_gathers_parameters_once():
+  # The reduce-scattered gradients arrive on the Zero-1 layout; nothing may gather them.
+  auto = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N], axis_types=(AxisType.Auto,))
+  engine = make(Zero1Engine, optax.adamw(1e-2), auto)
+  engine.fwd_bwd(micro_batches(1)[0])
+  sizes = _param_bytes(engine)
+  update = collectives(engine.lowered_update().compile().as_text())
+  assert update["reduce-scatter"] == {"count": len(sizes), "bytes": sum(sizes) // N}
+  assert update["all-gather"]["bytes"] == sum(sizes)
+
+
 def test_hlo_probe_fails_without_deferral(mesh, caplog):
   engine = make(Zero1Engine, optax.sgd(0.1), mesh, defer_reduction=False)
   batch = micro_batches(1)[0]
