@@ -173,16 +173,23 @@ def test_deferred_reduction_matches_xla_reduction_up_to_last_bits(mesh):
   assert_trees_close(params(each), params(deferred))
 
 
+def run_saving_mid_accumulation(tx, mesh, ckpt_dir, batches):
+  """One Zero1Engine step over ``batches``, checkpointed (as step 0) halfway through them."""
+  engine = make(Zero1Engine, tx, mesh, checkpoint_dir=ckpt_dir)
+  half = len(batches) // 2
+  for b in batches[:half]:
+    engine.fwd_bwd(b)
+  engine.save_checkpoint(0)
+  for b in batches[half:]:
+    engine.fwd_bwd(b)
+  engine.update()
+  engine.close()
+  return engine
+
+
 def test_mid_accumulation_checkpoint_resumes_exactly(adamw_runs, mesh, tmp_path):
   batches = micro_batches(4, seed=2)
-  first = make(Zero1Engine, optax.adamw(1e-2), mesh, checkpoint_dir=tmp_path)
-  for b in batches[:2]:
-    first.fwd_bwd(b)
-  first.save_checkpoint(0)
-  for b in batches[2:]:
-    first.fwd_bwd(b)
-  first.update()
-  first.close()
+  first = run_saving_mid_accumulation(optax.adamw(1e-2), mesh, tmp_path, batches)
 
   for cls in (Zero1Engine, Engine):  # the Zero1Engine checkpoint restores into both
     resumed = make(cls, optax.adamw(1e-2), mesh, checkpoint_dir=tmp_path)
@@ -217,14 +224,7 @@ def test_engine_checkpoint_restores_into_zero1_engine(adamw_runs, mesh, tmp_path
 
 def test_mid_accumulation_checkpoint_restores_at_another_data_parallel_size(mesh, tmp_path, caplog):
   batches = micro_batches(4, seed=7)
-  first = make(Zero1Engine, optax.sgd(0.1), mesh, checkpoint_dir=tmp_path)
-  for b in batches[:2]:
-    first.fwd_bwd(b)
-  first.save_checkpoint(0)
-  for b in batches[2:]:
-    first.fwd_bwd(b)
-  first.update()
-  first.close()
+  first = run_saving_mid_accumulation(optax.sgd(0.1), mesh, tmp_path, batches)
 
   half = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
   resumed = make(Zero1Engine, optax.sgd(0.1), half, checkpoint_dir=tmp_path)
