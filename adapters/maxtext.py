@@ -33,9 +33,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
-from nnx_zero1.optimizer import Zero1Optimizer
 
 from . import _checkpoint, _kernels, _reduce
+from ._zero1_engine import Zero1EngineMixin
 
 __all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine"]
 
@@ -367,34 +367,6 @@ class Engine:
       self._manager.wait_until_finished()
       self._manager.close()
       self._manager = None
-
-
-class Zero1EngineMixin:
-  """Zero-1 for an engine of ``Engine``'s shape: moments split over the data axis.
-
-  Put it first in the bases: ``class MyZero1Engine(Zero1EngineMixin, MyEngine)``.
-  It needs the engine to (1) build its optimizer through
-  ``_make_optimizer(model, tx)`` before any kernel reads shardings off the live
-  arrays, and (2) reduce its accumulated gradient rows with
-  ``_reduce.reduce_rows`` onto ``_gradient_targets()`` inside the update
-  kernel. The mixin returns a ``Zero1Optimizer`` from the first (moments on the
-  Zero-1 layout from the start) and the Zero-1 layout from the second, so the
-  one gradient reduction per step becomes a reduce-scatter; the optimizer
-  slices the parameters locally and all-gathers them back. Kernel signatures
-  and the checkpoint tree are unchanged, so checkpoints cross both ways.
-
-  Example::
-
-    >>> class MyZero1Engine(Zero1EngineMixin, Engine):
-    ...   pass
-  """
-
-  def _make_optimizer(self, model: nnx.Module, tx: optax.GradientTransformation) -> Zero1Optimizer:
-    # The update kernel reduce-scatters the gradients onto the Zero-1 layout itself.
-    return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, pin_gradients=False)
-
-  def _gradient_targets(self) -> tuple[NamedSharding, ...]:
-    return self.optimizer.zero1_plan.zero1_param_shardings
 
 
 class Zero1Engine(Zero1EngineMixin, Engine):
