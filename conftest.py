@@ -1,4 +1,4 @@
-"""Eight virtual CPU devices for every test; XLA_FLAGS must be set before jax is imported."""
+"""Eight virtual CPU devices for every test and doctest; XLA_FLAGS must be set before jax is imported."""
 
 import os
 
