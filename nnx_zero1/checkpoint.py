@@ -56,7 +56,8 @@ def abstract_state(obj: Any) -> nnx.State:
   """
   targets = _target_shardings(obj)
   state = nnx.state(obj)
-  mesh = obj.zero1_plan.mesh if targets else _mesh_of_any(state)
+  plan = getattr(obj, "zero1_plan", None)
+  mesh = plan.mesh if plan is not None else _mesh_of_any(state)
 
   def target(x):
     sharding = targets.get(id(x), x.sharding)

@@ -117,7 +117,8 @@ def zero1_layout(
       entries[dim] = existing + axes if len(existing + axes) > 1 else axes[0]
       while entries and entries[-1] is None:
         entries.pop()
-      spec = PartitionSpec(*entries, unreduced=sharding.spec.unreduced, reduced=sharding.spec.reduced)
+      # Optimizer state holds whole values: never partial sums (unreduced) or reduced copies.
+      spec = PartitionSpec(*entries)
       return NamedSharding(mesh, spec, memory_kind=sharding.memory_kind), None
   return sharding, NOT_DIVISIBLE
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import jax
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_zero1.errors import Zero1Error
-from nnx_zero1.layout import ALREADY_SHARDED, SCALAR, zero1_layout
+from nnx_zero1.layout import ALREADY_SHARDED, SCALAR, data_axis_size, spec_entries, zero1_layout
 
 __all__ = ["LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "statistic_layout"]
 
@@ -107,8 +107,18 @@ def _uses(entries, data_axis) -> bool:
 
 
 def _entries(sharding: NamedSharding, rank: int) -> list:
-  entries = list(sharding.spec)
+  entries = list(spec_entries(sharding.spec))
   return entries + [None] * (rank - len(entries))
+
+
+def _as_jit_returns_it(sharding: NamedSharding, rank: int) -> NamedSharding:
+  """On an Explicit mesh a jitted step hands arrays back with one spec entry per
+  dimension (``P('data', None)``); state born that way does not cost a second
+  dispatch-cache entry on the next step."""
+  if not any(t == AxisType.Explicit for t in sharding.mesh.axis_types):
+    return sharding
+  entries = _entries(sharding, rank)
+  return NamedSharding(sharding.mesh, PartitionSpec(*entries), memory_kind=sharding.memory_kind)
 
 
 def statistic_layout(
@@ -158,6 +168,20 @@ def statistic_layout(
   return sharding, NOT_ALIGNED if _uses(entries, data_axis) else PARAM_NOT_SPLIT
 
 
+def _refuse_unmapped(tx, rows, mesh, data_axis) -> None:
+  """Non-scalar state of which optax could tie none to a parameter would stay whole on
+  every replica: a silently replicated optimizer. Refuse it by name."""
+  tensors = [r for r in rows if r.shape]
+  if data_axis_size(mesh, data_axis) > 1 and tensors and all(r.reason == NOT_PARAM_SHAPED for r in tensors):
+    name = getattr(tx.init, "__qualname__", type(tx).__name__).split(".<locals>")[0]
+    raise Zero1Error(
+        f"none of the optimizer state of {name} can be tied to a parameter "
+        f"(optax.tree_utils.tree_map_params finds no parameter-shaped leaf among "
+        f"{', '.join(r.path for r in tensors[:4])}), so Zero-1 would split nothing; "
+        f"mesh axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)})"
+    )
+
+
 def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_axis) -> Zero1Plan:
   """Works out the Zero-1 layout of every leaf of ``tx.init(params)``.
 
@@ -196,7 +220,9 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
     else:
       sharding, reason = replicated, SCALAR if not shape else NOT_PARAM_SHAPED
     reason = None if reason == ALREADY_SHARDED else reason
+    sharding = _as_jit_returns_it(sharding, len(shape))
     rows.append(LeafPlan(jax.tree_util.keystr(path), shape, str(leaf.dtype), sharding, reason))
+  _refuse_unmapped(tx, rows, mesh, data_axis)
   return Zero1Plan(
       mesh=mesh,
       data_axis=tuple(data_axis),

@@ -10,7 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, assert_trees_close, assert_trees_equal, batches, shardings, train
-from nnx_zero1 import Zero1Optimizer, report
+from nnx_zero1 import Zero1Error, Zero1Optimizer, report
 from nnx_zero1.report import bytes_per_device
 
 MESH = jax.make_mesh((8,), ("data",))
@@ -160,9 +160,9 @@ def test_the_mesh_comes_from_set_mesh_and_the_state_tree_is_nnx_optimizers():
   assert leaves(opt) == leaves(plain)
   # The layout is recorded in the variables' metadata, where nnx.get_named_sharding reads it.
   mu = opt.opt_state[0].mu["l1"]["kernel"]
-  assert mu.get_metadata()["out_sharding"] == ("data",)
+  assert mu.get_metadata()["out_sharding"] == ("data", None)
   named = nnx.get_named_sharding(nnx.state(opt.opt_state), MESH)
-  assert named[0].mu["l1"]["kernel"].get_value().spec == P("data")
+  assert named[0].mu["l1"]["kernel"].get_value().spec == P("data", None)
 
 
 def test_data_axis_of_size_one_saves_nothing_and_changes_nothing():
@@ -173,3 +173,35 @@ def test_data_axis_of_size_one_saves_nothing_and_changes_nothing():
   rep = report(opt)
   assert rep.per_device_bytes == rep.unsharded_bytes
   assert NamedSharding(mesh, P()).is_equivalent_to(opt.opt_state[0].mu["l1"]["kernel"][...].sharding, 2)
+
+
+def test_a_jitted_step_dispatches_from_one_cache_entry():
+  # State born with the specs a jitted step hands back: no second entry on step 2.
+  with jax.set_mesh(MESH):
+    model = MLP(nnx.Rngs(0))
+    opt = Zero1Optimizer(model, optax.adamw(1e-3))
+    graphdef, state = nnx.split((model, opt))
+
+    @jax.jit
+    def step(state, x, y):
+      model, opt = nnx.merge(graphdef, state)
+      opt.update(model, nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model))
+      return nnx.state((model, opt))
+
+    shard = NamedSharding(MESH, P("data"))
+    for x, y in batches(3):
+      state = step(state, jax.device_put(x, shard), jax.device_put(y, shard))
+  assert step._cache_size() == 1
+
+
+def test_state_optax_cannot_tie_to_parameters_is_refused_not_replicated():
+  def init(params):
+    return {"flat": jnp.zeros(sum(x.size for x in jax.tree.leaves(params)))}
+
+  def update(grads, state, params=None):
+    return grads, state
+
+  with jax.set_mesh(MESH):
+    model = MLP(nnx.Rngs(0))
+    with pytest.raises(Zero1Error, match="split nothing|parameter-shaped"):
+      Zero1Optimizer(model, optax.GradientTransformation(init, update))
