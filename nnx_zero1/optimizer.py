@@ -78,6 +78,10 @@ def init_sharded_state(tx: optax.GradientTransformation, param_state: Any, plan:
   leaves, treedef = jax.tree.flatten(abstract)
   targets = jax.tree.unflatten(treedef, [leaf.sharding for leaf in plan.state_leaves])
   state = jax.jit(init, out_shardings=targets)(param_state)
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+    # Built under a trace (nnx.eval_shape, inside jit): an inner jit's out_shardings do not
+    # reach the traced types, so give them the Zero-1 layout explicitly.
+    state = _place_all(state, [row.sharding for row in plan.state_leaves])
   variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   variables = [v for v in variables if jax.tree.leaves(v)]  # not masked-out (MaskedNode) ones
   for var, row in zip(variables, plan.state_leaves, strict=True):
