@@ -70,14 +70,6 @@ def check_params(params: Any, wrt, mesh: Mesh) -> None:
         f"state to shard; {_axes(mesh)}"
     )
   _check_devices(params, mesh, "parameter", "place the model on the mesh first")
-  if mesh.devices.size > 1:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-      sharding = getattr(leaf, "sharding", None)
-      if not isinstance(leaf, jax.core.Tracer) and not isinstance(sharding, NamedSharding):
-        raise Zero1Error(
-            f"parameter {jax.tree_util.keystr(path)} is not placed on the mesh ({type(sharding).__name__}); "
-            f"build the model under jax.set_mesh(mesh) or device_put it onto {_axes(mesh)} first"
-        )
 
 
 def check_model(params: Any, plan: Zero1Plan) -> None:
