@@ -88,7 +88,8 @@ def _evaluate(spec: KernelSpec, params, rest, batch):
   return _reduce.local_loss(loss_of_params, params, batch, spec.mesh, spec.axes)
 
 
-def _shardings(tree: Any) -> Any:
+def shardings_of(tree: Any) -> Any:
+  """The sharding of every array in ``tree``, as a tree of the same shape."""
   return jax.tree.map(lambda x: x.sharding, tree)
 
 
@@ -105,8 +106,8 @@ def jit_fwd_bwd(spec: KernelSpec, params, rest, acc, micro_steps, batch):
   replicated = NamedSharding(spec.mesh, P())
   return jax.jit(
       _fwd_bwd, static_argnums=0,
-      in_shardings=_shardings((params, rest, acc, micro_steps, batch)),
-      out_shardings=(replicated, *_shardings((acc, micro_steps))),
+      in_shardings=shardings_of((params, rest, acc, micro_steps, batch)),
+      out_shardings=(replicated, *shardings_of((acc, micro_steps))),
       donate_argnums=(3, 4),
   )
 
@@ -123,8 +124,8 @@ def jit_update(spec: KernelSpec, params, rest, opt_state, acc, micro_steps):
   replicated = NamedSharding(spec.mesh, P())
   return jax.jit(
       _update, static_argnums=0,
-      in_shardings=_shardings((params, rest, opt_state, acc, micro_steps)),
-      out_shardings=(*_shardings((params, opt_state, acc, micro_steps)), replicated),
+      in_shardings=shardings_of((params, rest, opt_state, acc, micro_steps)),
+      out_shardings=(*shardings_of((params, opt_state, acc, micro_steps)), replicated),
       donate_argnums=(1, 3, 4, 5),
   )
 
@@ -137,6 +138,6 @@ def jit_eval(spec: KernelSpec, params, rest, batch):
     loss = jit_eval(spec, params, rest, batch)(spec, params, rest, batch)
   """
   return jax.jit(
-      _evaluate, static_argnums=0, in_shardings=_shardings((params, rest, batch)),
+      _evaluate, static_argnums=0, in_shardings=shardings_of((params, rest, batch)),
       out_shardings=NamedSharding(spec.mesh, P()),
   )

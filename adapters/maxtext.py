@@ -44,10 +44,6 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[nnx.Module, dict], jax.Array]
 
 
-def _shardings(tree: Any) -> Any:
-  return jax.tree.map(lambda x: x.sharding, tree)
-
-
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:
   """Arrays not yet on ``mesh`` go there replicated, so every kernel sharding is a mesh sharding."""
   def put(x):
@@ -149,7 +145,7 @@ class Engine:
 
   def _gradient_targets(self) -> tuple[NamedSharding, ...]:
     """Where ``update`` puts the reduced gradients, per parameter: their own layout (all-reduce)."""
-    return tuple(_shardings(jax.tree.leaves(self._params())))
+    return tuple(_kernels.shardings_of(jax.tree.leaves(self._params())))
 
   # -- live state -------------------------------------------------------------------------------
   def _params(self) -> Any:
@@ -177,7 +173,7 @@ class Engine:
   def _spec(self, mode: str | None = None) -> _kernels.KernelSpec:
     """The update kernel's static spec (``mode=None``) or a micro-batch/eval kernel's, which
     leaves the optimizer out so engines that differ only in it share compiled kernels."""
-    homes = tuple(jax.tree.leaves(_shardings(self._params())))
+    homes = tuple(jax.tree.leaves(_kernels.shardings_of(self._params())))
     if mode is not None:
       return _kernels.KernelSpec(
           nnx.graphdef(self.model), None, self.loss_fn, self.mesh, self.data_axis, self.wrt, homes, (), mode
@@ -191,7 +187,9 @@ class Engine:
     """How ``batch``'s gradients are reduced: deferred when each replica can compute whole
     gradients of its own rows and deferral is on; otherwise every micro-batch."""
     blocker = _reduce.deferral_blocker(
-        jax.tree.leaves(_shardings(batch)), jax.tree.leaves(_shardings(self._params())), self.data_axis
+        jax.tree.leaves(_kernels.shardings_of(batch)),
+        jax.tree.leaves(_kernels.shardings_of(self._params())),
+        self.data_axis,
     )
     name = type(self).__name__
     if blocker:

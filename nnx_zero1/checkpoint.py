@@ -15,6 +15,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_zero1.checks import describe_mesh
 from nnx_zero1.errors import Zero1Error
 
 __all__ = ["abstract_state", "restore_into"]
@@ -117,6 +118,4 @@ def restore_into(obj: Any, restored: Any) -> None:
 
 def _mesh_words(obj: Any) -> str:
   plan = getattr(obj, "zero1_plan", None)
-  if plan is None:
-    return ""
-  return f"; mesh axes {tuple(plan.mesh.axis_names)} (shape {dict(plan.mesh.shape)})"
+  return "" if plan is None else f"; {describe_mesh(plan.mesh)}"

@@ -15,7 +15,15 @@ from nnx_zero1.plan import Zero1Plan
 __all__ = ["resolve_mesh", "check_params", "check_model", "check_grads", "check_state", "check_strict"]
 
 
-def _axes(mesh: Mesh) -> str:
+def describe_mesh(mesh: Mesh) -> str:
+  """How every ``Zero1Error`` names a mesh.
+
+  Example::
+
+    >>> import jax
+    >>> describe_mesh(jax.make_mesh((1,), ("data",)))
+    "mesh axes ('data',) (shape {'data': 1})"
+  """
   return f"mesh axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)})"
 
 
@@ -57,7 +65,7 @@ def _check_devices(tree: Any, mesh: Mesh, what: str, fix: str) -> None:
     if outside:
       raise Zero1Error(
           f"{what} {jax.tree_util.keystr(path)} lives on devices {sorted(d.id for d in outside)} "
-          f"that are not in the mesh ({_axes(mesh)}); {fix}"
+          f"that are not in the mesh ({describe_mesh(mesh)}); {fix}"
       )
 
 
@@ -67,7 +75,7 @@ def check_params(params: Any, wrt, mesh: Mesh) -> None:
   if not leaves:
     raise Zero1Error(
         f"wrt={wrt!r} selects no parameters of the model, so there is no optimizer "
-        f"state to shard; {_axes(mesh)}"
+        f"state to shard; {describe_mesh(mesh)}"
     )
   _check_devices(params, mesh, "parameter", "place the model on the mesh first")
 
@@ -80,7 +88,7 @@ def check_model(params: Any, plan: Zero1Plan) -> None:
     raise Zero1Error(
         "update() got a model whose parameters differ from the ones this Zero1Optimizer "
         f"was built for ({len(leaves)} leaves vs {len(plan.param_shapes)}); "
-        f"{_axes(plan.mesh)}"
+        f"{describe_mesh(plan.mesh)}"
     )
   _check_devices(params, plan.mesh, "parameter", "place the model on the mesh first")
 
@@ -91,14 +99,14 @@ def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
   if g_def != plan.param_treedef:
     raise Zero1Error(
         "gradients do not match the parameters: tree "
-        f"{g_def} is not {plan.param_treedef}; {_axes(plan.mesh)}"
+        f"{g_def} is not {plan.param_treedef}; {describe_mesh(plan.mesh)}"
     )
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   for (path, p), g in zip(flat, g_leaves):
     if tuple(g.shape) != tuple(p.shape) or g.dtype != p.dtype:
       raise Zero1Error(
           f"gradient for {jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but the "
-          f"parameter is {p.dtype}{list(p.shape)}; {_axes(plan.mesh)}"
+          f"parameter is {p.dtype}{list(p.shape)}; {describe_mesh(plan.mesh)}"
       )
   _check_devices(grads, plan.mesh, "gradient", "compute the gradients on the mesh")
 
@@ -127,7 +135,7 @@ def check_state(opt_state: Any, plan: Zero1Plan) -> None:
     if mesh is not None and (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != expected:
       raise Zero1Error(
           f"optimizer state {jax.tree_util.keystr(path)} lives on a mesh with shape "
-          f"{dict(mesh.shape)}, but this optimizer was built for {_axes(plan.mesh)}; {fix}"
+          f"{dict(mesh.shape)}, but this optimizer was built for {describe_mesh(plan.mesh)}; {fix}"
       )
 
 
@@ -144,5 +152,5 @@ def check_strict(plan: Zero1Plan) -> None:
     names = ", ".join(f"{row.path} {row.dtype}{list(row.shape)} ({row.reason})" for row in left)
     raise Zero1Error(
         f"strict=True, but these optimizer leaves cannot be split over "
-        f"{plan.data_axis}: {names}; {_axes(plan.mesh)}"
+        f"{plan.data_axis}: {names}; {describe_mesh(plan.mesh)}"
     )

@@ -42,7 +42,6 @@ class Zero1Plan:
   data_axis: tuple[str, ...]
   param_treedef: Any
   param_shapes: tuple[tuple[int, ...], ...]
-  param_dtypes: tuple[str, ...]
   param_shardings: tuple[NamedSharding, ...]  # as the parameters were placed
   zero1_param_shardings: tuple[NamedSharding, ...]
   state_leaves: tuple[LeafPlan, ...]
@@ -228,7 +227,6 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
       data_axis=tuple(data_axis),
       param_treedef=treedef,
       param_shapes=shapes,
-      param_dtypes=tuple(str(x.dtype) for x in leaves),
       param_shardings=shardings,
       zero1_param_shardings=zero1,
       state_leaves=tuple(rows),

@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_zero1.layout import spec_entries
+from nnx_zero1.layout import data_axis_size, spec_entries
 
 __all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device"]
 
@@ -136,7 +136,5 @@ def report(opt) -> Zero1Report:
             reason=row.reason or "",
         )
     )
-  size = 1
-  for a in plan.data_axis:
-    size *= plan.mesh.shape[a]
+  size = data_axis_size(plan.mesh, plan.data_axis)
   return Zero1Report(rows=tuple(rows), data_axis=plan.data_axis, data_size=size)
