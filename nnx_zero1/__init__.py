@@ -6,6 +6,7 @@ from nnx_zero1.layout import zero1_sharding
 from nnx_zero1.mixin import ShardedOptimizerMixin
 from nnx_zero1.optimizer import Zero1Optimizer
 from nnx_zero1.report import Zero1Report, report
+from nnx_zero1.scope import zero1_optimizers
 
 __all__ = [
     "ShardedOptimizerMixin",
@@ -15,6 +16,7 @@ __all__ = [
     "abstract_state",
     "report",
     "restore_into",
+    "zero1_optimizers",
     "zero1_sharding",
 ]
 __version__ = "0.1.0"

@@ -27,31 +27,77 @@ def describe_mesh(mesh: Mesh) -> str:
   return f"mesh axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)})"
 
 
-def resolve_mesh(mesh: Mesh | None) -> Mesh:
-  """The mesh to use: the argument, else ``jax.set_mesh``'s, else a legacy ``with mesh:``.
+def _context_mesh() -> Mesh | None:
+  """The mesh set by ``jax.set_mesh``, else by a legacy ``with mesh:`` block, else None."""
+  current = jax.sharding.get_mesh()
+  if current.empty:
+    from jax._src.mesh import thread_resources  # Tunix still uses `with mesh:`
+
+    current = thread_resources.env.physical_mesh
+  return None if current.empty else current
+
+
+def _placement_of(params: Any) -> tuple[list[Mesh], set, bool]:
+  """The distinct meshes the concrete parameters' NamedShardings name, all their devices,
+  and whether some parameters are traced (they tell neither)."""
+  meshes, devices, traced = [], set(), False
+  for leaf in jax.tree.leaves(params):
+    if isinstance(leaf, jax.core.Tracer):
+      traced = True
+      continue
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh not in meshes:
+      meshes.append(sharding.mesh)
+    devices |= set(getattr(sharding, "device_set", ()))
+  return meshes, devices, traced
+
+
+def resolve_mesh(mesh: Mesh | None, params: Any = None) -> Mesh | None:
+  """The mesh to use: the argument, else ``jax.set_mesh``'s, else a legacy ``with mesh:``,
+  else the one mesh the parameters ``params`` live on (their ``NamedSharding``).
+
+  Returns None when there is no mesh and ``params`` all sit on one device:
+  data-parallel size 1. Parameters spread over several devices with no mesh,
+  or over several meshes, are a ``Zero1Error``.
 
   Example::
 
-    >>> import jax
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> with jax.set_mesh(mesh):
     ...   resolve_mesh(None) == mesh
+    True
+    >>> resolve_mesh(None, {"w": jax.device_put(jnp.ones(2), NamedSharding(mesh, P()))}) == mesh
+    True
+    >>> resolve_mesh(None, {"w": jnp.ones(2)}) is None  # one device, no mesh
     True
   """
   if mesh is not None:
     if not isinstance(mesh, Mesh):
       raise Zero1Error(f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}")
     return mesh
-  current = jax.sharding.get_mesh()
-  if current.empty:
-    from jax._src.mesh import thread_resources  # Tunix still uses `with mesh:`
-
-    current = thread_resources.env.physical_mesh
-  if current.empty:
+  current = _context_mesh()
+  if current is not None:
+    return current
+  fix = "pass mesh= or call it under jax.set_mesh(mesh)"
+  if params is None:
+    raise Zero1Error(f"Zero-1 needs a device mesh: {fix}")
+  meshes, devices, traced = _placement_of(params)
+  if len(meshes) > 1:
     raise Zero1Error(
-        "Zero-1 needs a device mesh: pass mesh= or call it under jax.set_mesh(mesh)"
+        f"the parameters live on {len(meshes)} different meshes "
+        f"({'; '.join(describe_mesh(m) for m in meshes)}), so there is no one mesh to use; {fix}"
     )
-  return current
+  if meshes:
+    return meshes[0]
+  if len(devices) > 1 or (traced and not devices and jax.device_count() > 1):
+    where = f"devices {sorted(d.id for d in devices)}" if devices else "traced arrays"
+    raise Zero1Error(
+        f"Zero-1 needs a device mesh: the parameters are on {where} with no NamedSharding "
+        f"and no mesh is set; {fix}"
+    )
+  return None
 
 
 def _check_devices(tree: Any, mesh: Mesh, what: str, fix: str) -> None:

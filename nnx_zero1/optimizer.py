@@ -19,9 +19,10 @@ from nnx_zero1.checks import (
     check_strict,
     resolve_mesh,
 )
+from nnx_zero1.errors import Zero1Error
 from nnx_zero1.layout import DataAxis, data_axes, data_axis_size, spec_entries
 from nnx_zero1.placement import current_sharding, place
-from nnx_zero1.plan import Zero1Plan, make_plan
+from nnx_zero1.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
 
 __all__ = ["Zero1Optimizer", "init_sharded_state"]
 
@@ -31,6 +32,15 @@ M = TypeVar("M")
 def _place_all(tree: Any, shardings) -> Any:
   leaves, treedef = jax.tree.flatten(tree)
   return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, shardings, strict=True)])
+
+
+def _device_of(params: Any) -> jax.Device:
+  """The one device unplaced parameters sit on (the default device if none is known)."""
+  for leaf in jax.tree.leaves(params):
+    devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
+    if devices:
+      return next(iter(devices))
+  return jax.devices()[0]
 
 
 def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, params, kwargs):
@@ -115,11 +125,15 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     model: the NNX module whose ``wrt`` variables are optimised.
     tx: any optax transformation.
     mesh: the device mesh; defaults to the one set by ``jax.set_mesh`` (or a
-      legacy ``with mesh:`` block).
+      legacy ``with mesh:`` block), else the mesh the parameters' ``NamedSharding``
+      names. With neither and the model on one device, the data-parallel size is
+      1: nothing is split and the optimizer behaves exactly as ``nnx.Optimizer``
+      (``report`` says so).
     wrt: which variables to optimise, as for ``nnx.Optimizer``.
     data_axis: the mesh axis (or tuple of axes) that data parallelism runs over.
     graph: passed through as for ``nnx.Optimizer``.
-    strict: raise ``Zero1Error`` when some parameter-shaped leaf cannot be split.
+    strict: raise ``Zero1Error`` when some parameter-shaped leaf cannot be split,
+      or when there is no mesh and the model is on one device.
     pin_gradients: on Auto meshes, hold traced gradients on their parameters'
       layout before slicing them, so the backward pass compiles as it would for
       ``nnx.Optimizer`` (bit-identical). Pass ``False`` when the gradients already
@@ -139,19 +153,34 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       strict: bool = False,
       pin_gradients: bool = True,
   ):
-    mesh = resolve_mesh(mesh)
     axes = data_axes(data_axis)
-    data_axis_size(mesh, axes)
     param_state = nnx.state(model, wrt, graph=graph)
     params = nnx.as_pure(param_state)
+    mesh = resolve_mesh(mesh, params)
+    device = None
+    if mesh is None:  # one device, no mesh: data-parallel size 1
+      device = _device_of(params)
+      mesh = one_device_mesh(device, axes)
+      if strict:
+        raise Zero1Error(
+            f"strict=True, but the model is on one device ({device}) and no mesh is set: "
+            "data-parallel size 1, so Zero-1 would split nothing; pass mesh= or call it under "
+            "jax.set_mesh(mesh)"
+        )
+    data_axis_size(mesh, axes)
     check_params(params, wrt, mesh)
     plan = make_plan(tx, params, mesh, axes)
+    if device is not None:
+      plan = single_device_plan(plan, device)
     if strict:
       check_strict(plan)
     self.graph = graph
     self.step = OptState(jnp.array(0, dtype=jnp.uint32))
     self.tx = tx
-    self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan))
+    if plan.single_device:  # exactly nnx.Optimizer's state
+      self.opt_state = nnx.data(to_opt_state(tx.init(param_state)))
+    else:
+      self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan))
     self.wrt = wrt
     self.zero1_plan = plan
     self.pin_gradients = pin_gradients
@@ -187,11 +216,13 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     """
     plan = self.zero1_plan
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
-    grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+    given_grads, grads = grads, nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
     check_model(params, plan)
     check_grads(grads, params, plan)
     state = nnx.as_pure(self.opt_state)
     check_state(state, plan)
+    if plan.single_device:  # data-parallel size 1: nothing to split or move
+      return super().update(model, given_grads, **kwargs)
     homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
     state_shardings = [row.sharding for row in plan.state_leaves]
 

@@ -12,15 +12,20 @@ import itertools
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_zero1.errors import Zero1Error
 from nnx_zero1.layout import ALREADY_SHARDED, SCALAR, data_axis_size, spec_entries, zero1_layout
 
-__all__ = ["LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "statistic_layout"]
+__all__ = [
+    "LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "statistic_layout", "one_device_mesh",
+    "single_device_plan",
+]
 
 NOT_PARAM_SHAPED = "not parameter-shaped"
+ONE_DEVICE = "data-parallel size 1 (one device, no mesh)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +50,7 @@ class Zero1Plan:
   param_shardings: tuple[NamedSharding, ...]  # as the parameters were placed
   zero1_param_shardings: tuple[NamedSharding, ...]
   state_leaves: tuple[LeafPlan, ...]
+  single_device: bool = False  # no mesh, one device: nothing is placed, as nnx.Optimizer
 
 
 def base_sharding(array: Any, mesh: Mesh) -> NamedSharding:
@@ -232,3 +238,36 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
       state_leaves=tuple(rows),
   )
 
+
+
+def one_device_mesh(device: jax.Device, data_axis: tuple[str, ...]) -> Mesh:
+  """A mesh of one device whose axes are the data axes, each of size 1.
+
+  Example::
+
+    >>> import jax
+    >>> dict(one_device_mesh(jax.devices()[0], ("data",)).shape)
+    {'data': 1}
+  """
+  devices = np.array([device], dtype=object).reshape((1,) * len(data_axis))
+  return Mesh(devices, data_axis, axis_types=(AxisType.Auto,) * len(data_axis))
+
+
+def single_device_plan(plan: Zero1Plan, device: jax.Device) -> Zero1Plan:
+  """``plan`` for a model on one device with no mesh: every leaf stays where
+  ``nnx.Optimizer`` puts it (``SingleDeviceSharding``), and says why.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> device = jax.devices()[0]
+    >>> plan = make_plan(optax.sgd(0.1, momentum=0.9), {"w": jnp.ones(4)},
+    ...                  one_device_mesh(device, ("data",)), ("data",))
+    >>> [leaf.reason for leaf in single_device_plan(plan, device).state_leaves]
+    ['data-parallel size 1 (one device, no mesh)']
+  """
+  here = jax.sharding.SingleDeviceSharding(device)
+  rows = tuple(
+      dataclasses.replace(row, sharding=here, reason=row.reason or ONE_DEVICE) for row in plan.state_leaves
+  )
+  return dataclasses.replace(plan, state_leaves=rows, single_device=True)

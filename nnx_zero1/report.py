@@ -126,7 +126,7 @@ def report(opt) -> Zero1Report:
             path=row.path,
             shape=row.shape,
             dtype=str(leaf.dtype),
-            spec=str(getattr(leaf.sharding, "spec", leaf.sharding)),
+            spec=str(leaf.sharding.spec) if hasattr(leaf.sharding, "spec") else type(leaf.sharding).__name__,
             bytes_per_device=bytes_per_device(leaf),
             full_bytes=leaf.nbytes,
             replicated_optimizer_bytes=math.prod(
