@@ -29,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_trees_close, assert_trees_equal, pure, shardings
-from nnx_zero1 import Zero1Error, Zero1Optimizer, report
+from nnx_zero1 import Zero1Error, Zero1Optimizer, report, zero1_sharding
 from nnx_zero1.report import bytes_per_device
 
 _always_shard = flax.config.flax_always_shard_variable
@@ -154,9 +154,24 @@ def test_same_parameters_and_losses_as_peft_trainer(pair):
   assert len(losses[0]) == STEPS
 
 
-def test_optimizer_bytes_per_device_about_half(pair):
+def expected_zero1_bytes(plain_state, axes) -> int:
+  """Per-device bytes of ``plain_state`` with each leaf laid out by the Zero-1 rule (``zero1_sharding``)."""
+  total = 0
+  for x in jax.tree.leaves(nnx.as_pure(plain_state)):
+    shard = zero1_sharding(x.shape, x.sharding, axes).shard_shape(x.shape)
+    total += int(np.prod(shard)) * x.dtype.itemsize
+  return total
+
+
+def test_optimizer_bytes_per_device_follow_the_layout_rule(pair):
+  """Data axes default to the batch axes ("data", "fsdp"): 4 replicas. Leaves FSDP already
+  splits keep their layout; the rest drop to 1/4. Measured: 0.27 (full), 0.50 (LoRA, whose
+  factors mostly carry "fsdp" already)."""
+  axes = ("data", "fsdp")
+  assert pair.zero1.optimizer.data_axis == axes
   plain, zero1 = bytes_per_device(opt_state(pair.plain)), bytes_per_device(opt_state(pair.zero1))
-  assert 0.5 <= zero1 / plain < 0.51, (zero1, plain)
+  assert zero1 == expected_zero1_bytes(opt_state(pair.plain), axes)
+  assert zero1 / plain < (0.28 if not pair.lora else 0.51), (zero1, plain)
   assert report(pair.zero1.optimizer).per_device_bytes == zero1 - 4  # report leaves out `step`
 
 
@@ -165,10 +180,10 @@ def test_state_stays_on_the_zero1_layout(pair):
   state = jax.tree.leaves(nnx.as_pure(pair.zero1.optimizer.opt_state))
   assert [x.sharding for x in state] == [row.sharding for row in plan.state_leaves]
   split = [row for row in plan.state_leaves if row.reason is None]
-  assert split and all("data" in str(row.sharding.spec) for row in split)
+  assert split and all("data" in str(row.sharding.spec) or "fsdp" in str(row.sharding.spec) for row in split)
   if pair.ga:
     acc = nnx.as_pure(pair.zero1.optimizer.opt_state).acc_grads
-    assert all("data" in str(x.sharding.spec) for x in jax.tree.leaves(acc))
+    assert all("data" in str(x.sharding.spec) or "fsdp" in str(x.sharding.spec) for x in jax.tree.leaves(acc))
 
 
 def test_compiles_once_and_parameters_keep_their_shardings(pair):
@@ -246,9 +261,6 @@ def test_mesh_without_data_axis_raises_before_anything_changes(tmp_path):
   assert not (tmp_path / "ckpt").exists()
 
 
-def test_no_mesh_raises():
-  with pytest.raises(Zero1Error, match="mesh"):
-    Zero1PeftTrainer(toy_model(lora=True), optax.adamw(1e-2), config(None))
 
 
 def test_zero1_training_config_chooses_the_data_axis():
