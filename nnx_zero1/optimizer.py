@@ -10,6 +10,7 @@ import optax
 from flax import nnx
 from flax.nnx import filterlib
 from flax.nnx.training.optimizer import OptState, to_opt_state
+from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_zero1.checks import (
     check_grads,
@@ -175,11 +176,14 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     if strict:
       check_strict(plan)
     self.graph = graph
-    self.step = OptState(jnp.array(0, dtype=jnp.uint32))
     self.tx = tx
     if plan.single_device:  # exactly nnx.Optimizer's state
+      self.step = OptState(jnp.array(0, dtype=jnp.uint32))
       self.opt_state = nnx.data(to_opt_state(tx.init(param_state)))
     else:
+      # The step count lives on the mesh from the start, replicated, as a jitted step returns
+      # it: a trainer that does not re-place its optimizer before jit compiles once, not twice.
+      self.step = OptState(place(jnp.array(0, dtype=jnp.uint32), NamedSharding(mesh, PartitionSpec())))
       self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan))
     self.wrt = wrt
     self.zero1_plan = plan

@@ -37,6 +37,7 @@ class LeafPlan:
   dtype: str
   sharding: NamedSharding
   reason: str | None  # None: split over the data axis
+  by_parameter: bool = False  # split already by its parameter's own layout (FSDP): nothing added
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +225,10 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
       sharding, reason = statistic_layout(shape, shapes[i], zero1[i], data_axis)
     else:
       sharding, reason = replicated, SCALAR if not shape else NOT_PARAM_SHAPED
-    reason = None if reason == ALREADY_SHARDED else reason
+    by_parameter = reason == ALREADY_SHARDED
+    reason = None if by_parameter else reason
     sharding = _as_jit_returns_it(sharding, len(shape))
-    rows.append(LeafPlan(jax.tree_util.keystr(path), shape, str(leaf.dtype), sharding, reason))
+    rows.append(LeafPlan(jax.tree_util.keystr(path), shape, str(leaf.dtype), sharding, reason, by_parameter))
   _refuse_unmapped(tx, rows, mesh, data_axis)
   return Zero1Plan(
       mesh=mesh,
