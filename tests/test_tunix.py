@@ -1,14 +1,10 @@
 """Zero1PeftTrainer against the real Tunix PeftTrainer, on Tunix's own toy transformer.
 
-Mesh ("data", "fsdp", "tp") = (2, 2, 2), batch split over ("data", "fsdp"), Zero-1
-over "data". Each case (full / LoRA, with / without gradient accumulation) trains
-both trainers once (module-scoped fixture) and the tests read the results.
-
-Importing ``tunix.tests.test_common`` sets flax's global ``flax_always_shard_variable``
-to False (Tunix's models are written for that). We put the flag back right after
-the import so other test files in the same pytest process keep flax's default,
-and build the toy models inside ``nnx.use_eager_sharding(False)`` instead, which
-is scoped to that block.
+Mesh ("data", "fsdp", "tp") = (2, 2, 2), batch split over ("data", "fsdp"), which is
+also what Zero-1 splits over by default. Each case (full / LoRA, with / without gradient
+accumulation) trains both trainers once (module-scoped fixture) and the tests read the
+results. (Toy models and the flax-flag care around ``tunix.tests.test_common``:
+``tunix_toys``.)
 """
 
 import dataclasses
@@ -17,28 +13,21 @@ import os
 import subprocess
 import sys
 
-import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from tunix.sft import peft_trainer
+from tunix_toys import cache_size, expected_zero1_bytes, model_input, opt_state, sft_batches, toy
 
 from helpers import assert_trees_close, assert_trees_equal, pure, shardings
-from nnx_zero1 import Zero1Error, Zero1Optimizer, report, zero1_sharding
+from nnx_zero1 import Zero1Error, Zero1Optimizer, report
+from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
 from nnx_zero1.report import bytes_per_device
-
-_always_shard = flax.config.flax_always_shard_variable
-from tunix.sft import peft_trainer  # noqa: E402
-from tunix.tests import test_common  # noqa: E402
-
-flax.config.update("flax_always_shard_variable", _always_shard)
-
-from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig  # noqa: E402
 
 PeftTrainer = peft_trainer.PeftTrainer
 AUTO = (AxisType.Auto,) * 3
@@ -48,41 +37,12 @@ STEPS = 3
 CASES = {"full": (False, None), "full-ga2": (False, 2), "lora": (True, None), "lora-ga2": (True, 2)}
 
 
-def canonical(spec: P) -> P:
-  """``spec`` without trailing ``None``s: the form jit gives its outputs, so the step compiles once."""
-  entries = list(spec)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return P(*entries)
-
-
 def toy_model(lora: bool, mesh=MESH) -> nnx.Module:
-  """Tunix's ToyTransformer (one layer), LoRA on w1/w2 if asked, placed on ``mesh`` by its metadata."""
-  with nnx.use_eager_sharding(False):
-    model = test_common.ToyTransformer(test_common.ModelConfig(num_layers=1), rngs=nnx.Rngs(0))
-    if lora:
-      model = test_common.get_lora_model(model)
-  state = nnx.state(model)
-  targets = jax.tree.map(lambda s: NamedSharding(mesh, canonical(s)), nnx.get_partition_spec(state))
-  nnx.update(model, jax.device_put(state, targets))
-  return model
+  return toy(mesh, lora=lora)
 
 
 def batches(n: int) -> list:
-  rng = np.random.default_rng(0)
-  tokens = [rng.integers(1, 256, (8, 8)).astype(np.int32) for _ in range(n)]
-  return [peft_trainer.TrainingInput(input_tokens=t, input_mask=np.ones(t.shape, bool)) for t in tokens]
-
-
-def model_input(x: peft_trainer.TrainingInput) -> dict:
-  length = x.input_tokens.shape[1]
-  causal = jnp.tril(jnp.ones((length, length), bool))
-  return {
-      "input_tokens": x.input_tokens,
-      "input_mask": x.input_mask,
-      "positions": jnp.broadcast_to(jnp.arange(length), x.input_tokens.shape),
-      "attention_mask": causal[None] & x.input_mask[:, None, :],
-  }
+  return sft_batches(n)
 
 
 def config(ga, ckpt_dir=None, cls=peft_trainer.TrainingConfig, **kwargs):
@@ -102,14 +62,6 @@ def new_trainer(cls, lora, ga, ckpt_dir=None):
   with MESH:
     trainer = cls(toy_model(lora), optax.adamw(1e-2), config(ga, ckpt_dir))
   return trainer.with_gen_model_input_fn(model_input)
-
-
-def opt_state(trainer) -> nnx.State:
-  return nnx.state(trainer.optimizer, nnx.optimizer.OptState)
-
-
-def cache_size(trainer) -> int:
-  return trainer._jitted_train_step_fn.func.jitted_fn._cache_size()
 
 
 @dataclasses.dataclass
@@ -152,15 +104,6 @@ def test_same_parameters_and_losses_as_peft_trainer(pair):
   losses = [t.metrics_logger.get_metric_history("", "loss", "train") for t in (pair.plain, pair.zero1)]
   np.testing.assert_allclose(losses[1], losses[0], atol=1e-6, rtol=1e-6)
   assert len(losses[0]) == STEPS
-
-
-def expected_zero1_bytes(plain_state, axes) -> int:
-  """Per-device bytes of ``plain_state`` with each leaf laid out by the Zero-1 rule (``zero1_sharding``)."""
-  total = 0
-  for x in jax.tree.leaves(nnx.as_pure(plain_state)):
-    shard = zero1_sharding(x.shape, x.sharding, axes).shard_shape(x.shape)
-    total += int(np.prod(shard)) * x.dtype.itemsize
-  return total
 
 
 def test_optimizer_bytes_per_device_follow_the_layout_rule(pair):
