@@ -12,7 +12,10 @@ from nnx_zero1.errors import Zero1Error
 from nnx_zero1.layout import NOT_DIVISIBLE
 from nnx_zero1.plan import Zero1Plan
 
-__all__ = ["resolve_mesh", "check_params", "check_model", "check_grads", "check_state", "check_strict"]
+__all__ = [
+    "current_mesh", "resolve_mesh", "check_params", "check_model", "check_grads", "check_state",
+    "check_strict",
+]
 
 
 def describe_mesh(mesh: Mesh) -> str:
@@ -27,8 +30,19 @@ def describe_mesh(mesh: Mesh) -> str:
   return f"mesh axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)})"
 
 
-def _context_mesh() -> Mesh | None:
-  """The mesh set by ``jax.set_mesh``, else by a legacy ``with mesh:`` block, else None."""
+def current_mesh() -> Mesh | None:
+  """The mesh set by ``jax.set_mesh``, else by a legacy ``with mesh:`` block, else None.
+
+  Example::
+
+    >>> import jax
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> with mesh:
+    ...   current_mesh() == mesh
+    True
+    >>> current_mesh() is None
+    True
+  """
   current = jax.sharding.get_mesh()
   if current.empty:
     from jax._src.mesh import thread_resources  # Tunix still uses `with mesh:`
@@ -77,7 +91,7 @@ def resolve_mesh(mesh: Mesh | None, params: Any = None) -> Mesh | None:
     if not isinstance(mesh, Mesh):
       raise Zero1Error(f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}")
     return mesh
-  current = _context_mesh()
+  current = current_mesh()
   if current is not None:
     return current
   fix = "pass mesh= or call it under jax.set_mesh(mesh)"

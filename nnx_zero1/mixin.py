@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from nnx_zero1.checks import _context_mesh
+from nnx_zero1.checks import current_mesh
 from nnx_zero1.errors import Zero1Error
 from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
 from nnx_zero1.scope import zero1_optimizers
@@ -114,5 +114,5 @@ class ShardedOptimizerMixin:
   def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list[jax.sharding.Mesh]:
     """Meshes the optimizers will be built on, checked for the data axis before
     ``__init__`` starts: the current mesh, if any."""
-    current = _context_mesh()
+    current = current_mesh()
     return [] if current is None else [current]
