@@ -15,8 +15,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_zero1.checks import describe_mesh
-from nnx_zero1.errors import Zero1Error
+from nnx_zero1.errors import Zero1Error, describe_mesh
 
 __all__ = ["abstract_state", "restore_into"]
 
