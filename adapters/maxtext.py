@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._compat import Filter
+from nnx_zero1.checkpoint import restore_into
 from nnx_zero1.errors import Zero1Error, describe_mesh
 from nnx_zero1.specs import DataAxis, data_axes, data_axis_size
 
@@ -342,10 +343,12 @@ class Engine:
     if step is None:
       raise Zero1Error(f"no checkpoint in {manager.directory}; {describe_mesh(self.mesh)}")
     tree, saved_rows = _checkpoint.restore(manager, step, self._checkpoint_tree(), self.mesh)
-    for obj, pure in ((self.model, tree["params"]), (self.optimizer, tree["optimizer"])):
-      state = nnx.state(obj, self.wrt) if obj is self.model else nnx.state(obj)
-      nnx.replace_by_pure_dict(state, pure)
-      nnx.update(obj, state)
+    params = nnx.state(self.model, self.wrt)
+    nnx.replace_by_pure_dict(params, tree["params"])
+    nnx.update(self.model, params)
+    optimizer = nnx.state(self.optimizer)
+    nnx.replace_by_pure_dict(optimizer, tree["optimizer"])
+    restore_into(self.optimizer, optimizer)  # the core restore path: checked, on the optimizer's layout
     grad_acc = tree["grad_acc"]
     if saved_rows != self.data_size:
       logger.info("%s: accumulator saved with %d rows, restored with %d; summed into row 0",

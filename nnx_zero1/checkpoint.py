@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_zero1.errors import Zero1Error, describe_mesh
 
-__all__ = ["abstract_state", "key_names", "restore_into"]
+__all__ = ["abstract_arrays", "abstract_state", "key_names", "restore_into", "restore_target"]
 
 
 def key_names(path: tuple) -> tuple:
@@ -42,6 +42,38 @@ def _target_shardings(obj: Any) -> dict[tuple, Any]:
       ("opt_state", *key_names(path)): row.sharding
       for (path, _), row in zip(flat, plan.state_leaves, strict=True)
   }
+
+
+def restore_target(x: Any, mesh: Any = None, sharding: Any = None) -> jax.ShapeDtypeStruct:
+  """One array's orbax restore target: its shape and dtype on ``sharding`` (default: its own).
+
+  A sharding that is not a mesh sharding (a step count created on one device)
+  becomes replicated on ``mesh``: restored onto one device it would be
+  committed there and clash with the mesh under jit.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> restore_target(jnp.zeros((), jnp.int32), mesh).sharding.spec
+    P()
+  """
+  sharding = x.sharding if sharding is None else sharding
+  if not isinstance(sharding, NamedSharding) and mesh is not None:
+    sharding = NamedSharding(mesh, PartitionSpec())
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def abstract_arrays(tree: Any, mesh: Any = None) -> Any:
+  """``tree`` (pure arrays) as restore targets on the arrays' own layouts (see :func:`restore_target`).
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> abstract_arrays({"w": jnp.ones(2)})["w"].shape
+    (2,)
+  """
+  return jax.tree.map(lambda x: restore_target(x, mesh), tree)
 
 
 def abstract_state(obj: Any) -> nnx.State:
@@ -75,15 +107,8 @@ def abstract_state(obj: Any) -> nnx.State:
   mesh = plan.mesh if plan is not None else _mesh_of_any(state)
 
   def target(path, variable):
-    def abstract(x):
-      sharding = targets.get(key_names(path), x.sharding)
-      if not isinstance(sharding, NamedSharding) and mesh is not None:
-        # e.g. a step count created on one device: restored there it would be committed
-        # to that device and clash with the mesh under jit, so replicate it on the mesh.
-        sharding = NamedSharding(mesh, PartitionSpec())
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return jax.tree.map(abstract, variable)
+    sharding = targets.get(key_names(path))
+    return jax.tree.map(lambda x: restore_target(x, mesh, sharding), variable)
 
   is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731 -- paths end at the variable
   flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
