@@ -13,7 +13,7 @@ import flax
 import jax
 from flax.nnx import filterlib  # a documented flax module; nnx has no top-level ``Filter``
 
-__all__ = ["Filter", "legacy_context_mesh", "to_opt_state"]
+__all__ = ["Filter", "jit_cache_size", "legacy_context_mesh", "to_opt_state"]
 
 Filter = filterlib.Filter
 """The type of ``wrt`` (``nnx.Optimizer``'s filter): a Variable type, a string, a predicate, ..."""
@@ -64,3 +64,23 @@ def to_opt_state(tree: Any) -> Any:
   except ImportError as e:  # pragma: no cover -- only on a flax that moved it
     raise _missing("flax.nnx.training.optimizer.to_opt_state", "flax", flax.__version__, e) from e
   return flax_to_opt_state(tree)
+
+
+def jit_cache_size(jitted: Any) -> int:
+  """How many compiled versions a ``jax.jit`` function holds (``jitted._cache_size()``).
+
+  Tests and the bench use it to prove a step compiles once; jax has no public
+  equivalent.
+
+  Example::
+
+    >>> import jax
+    >>> f = jax.jit(lambda x: x + 1)
+    >>> _ = f(1.0)
+    >>> jit_cache_size(f)
+    1
+  """
+  try:
+    return jitted._cache_size()
+  except AttributeError as e:  # pragma: no cover -- only on a jax that dropped it
+    raise _missing("the jitted function's _cache_size()", "jax", jax.__version__, e) from e

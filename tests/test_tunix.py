@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import assert_trees_close, assert_trees_equal, pure, shardings
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
+from nnx_zero1._compat import jit_cache_size
 from nnx_zero1.report import bytes_per_device
 
 _always_shard = flax.config.flax_always_shard_variable
@@ -109,7 +110,7 @@ def opt_state(trainer) -> nnx.State:
 
 
 def cache_size(trainer) -> int:
-  return trainer._jitted_train_step_fn.func.jitted_fn._cache_size()
+  return jit_cache_size(trainer._jitted_train_step_fn.func.jitted_fn)  # a Tunix 0.1.7 private
 
 
 @dataclasses.dataclass
