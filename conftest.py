@@ -10,3 +10,35 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, "tests need 8 virtual CPU devices; import jax after conftest"
+
+import importlib  # noqa: E402
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+from _pytest.doctest import DoctestModule  # noqa: E402
+
+ADAPTERS = pathlib.Path(__file__).parent / "adapters"
+
+
+class _AdapterDoctests(DoctestModule):
+  """Doctests of ``adapters/X.py`` run on ``nnx_zero1.adapters.X``, the one name the package has.
+
+  Imported by path, pytest would load each file a second time as a top-level
+  ``adapters.X`` (a name that belongs to an unrelated PyPI project), with its own
+  copies of every class and module-level cache.
+  """
+
+  def _getobj(self):
+    name = "nnx_zero1.adapters" + ("" if self.path.stem == "__init__" else f".{self.path.stem}")
+    return importlib.import_module(name)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(file_path, parent):
+  collectors = yield
+  if file_path.parent != ADAPTERS:
+    return collectors
+  return [
+      _AdapterDoctests.from_parent(parent, path=file_path) if type(c) is DoctestModule else c
+      for c in collectors
+  ]
