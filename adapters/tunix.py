@@ -43,8 +43,8 @@ from tunix.sft.dpo.dpo_trainer import DPOTrainer
 from tunix.sft.peft_trainer import PeftTrainer, TrainingConfig
 
 from nnx_zero1.errors import Zero1Error
-from nnx_zero1.layout import DataAxis, data_axes
 from nnx_zero1.mixin import ShardedOptimizerMixin
+from nnx_zero1.specs import DataAxis, data_axes
 
 __all__ = [
     "Zero1DPOTrainer",

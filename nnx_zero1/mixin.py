@@ -17,8 +17,8 @@ import jax
 
 from nnx_zero1.checks import current_mesh
 from nnx_zero1.errors import Zero1Error
-from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
 from nnx_zero1.scope import zero1_optimizers
+from nnx_zero1.specs import DataAxis, data_axes, data_axis_size
 
 __all__ = ["ShardedOptimizerMixin"]
 

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import zero1_sharding
+from nnx_zero1._compat import jit_cache_size
+from nnx_zero1.specs import canonical_spec
 
 _always_shard = flax.config.flax_always_shard_variable
 from tunix.sft import peft_trainer  # noqa: E402
@@ -29,19 +30,11 @@ def tunix_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
   return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
 
 
-def canonical(spec: P) -> P:
-  """``spec`` without trailing ``None``s: the form jit gives its outputs, so the step compiles once."""
-  entries = list(spec)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return P(*entries)
-
-
 def place(model: nnx.Module, mesh: Mesh | None) -> nnx.Module:
   """Every array of ``model`` on ``mesh`` as its sharding metadata says (``None``: left where it is)."""
   if mesh is not None:
     state = nnx.state(model)
-    targets = jax.tree.map(lambda s: NamedSharding(mesh, canonical(s)), nnx.get_partition_spec(state))
+    targets = jax.tree.map(lambda s: NamedSharding(mesh, canonical_spec(s)), nnx.get_partition_spec(state))
     nnx.update(model, jax.device_put(state, targets))
   return model
 
@@ -81,7 +74,7 @@ def opt_state(trainer) -> nnx.State:
 
 def cache_size(trainer) -> int:
   """How many times the trainer's jitted train step compiled."""
-  return trainer._jitted_train_step_fn.func.jitted_fn._cache_size()
+  return jit_cache_size(trainer._jitted_train_step_fn.func.jitted_fn)  # a Tunix 0.1.7 private
 
 
 def expected_zero1_bytes(plain_state, axes) -> int:
