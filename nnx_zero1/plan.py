@@ -204,7 +204,7 @@ def single_device_plan(plan: Zero1Plan, device: jax.Device) -> Zero1Plan:
     >>> device = jax.devices()[0]
     >>> plan = make_plan(optax.sgd(0.1, momentum=0.9), {"w": jnp.ones(4)},
     ...                  one_device_mesh(device, ("data",)), ("data",))
-    >>> [leaf.reason for leaf in single_device_plan(plan, device).state_leaves]
+    >>> [str(leaf.reason) for leaf in single_device_plan(plan, device).state_leaves]
     ['data-parallel size 1 (one device, no mesh)']
   """
   here = jax.sharding.SingleDeviceSharding(device)
