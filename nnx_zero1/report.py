@@ -72,7 +72,7 @@ class Zero1Report:
 
   @property
   def unsharded_bytes(self) -> int:
-    """What one device would hold with a replicated optimizer (``nnx.Optimizer``)."""
+    """What one device would hold with ``nnx.Optimizer`` (its state laid out like the parameters)."""
     return sum(r.replicated_optimizer_bytes for r in self.rows)
 
   def __str__(self) -> str:

@@ -281,6 +281,10 @@ def test_grpo_actor_trains_with_zero1_state(grpo):
   pair, _ = grpo
   ratio = check_pair(pair, steps=2)
   assert ratio < 0.6, ratio
+  r = report(pair.zero1.optimizer)  # on FSDP: its baseline is what the Tunix class holds
+  assert r.unsharded_bytes == bytes_per_device(opt_state(pair.plain)) - 4
+  fsdp_kept = {row.path for row in r.rows if row.by_parameter}
+  assert "[0].mu['layers'][0]['w1']['kernel']" in fsdp_kept and "[0].mu['emb']['embedding']" not in fsdp_kept
 
 
 @pytest.mark.parametrize("writer,reader", [("RLCluster", "Zero1RLCluster"), ("Zero1RLCluster", "RLCluster")])
