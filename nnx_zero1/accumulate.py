@@ -46,6 +46,7 @@ def value_and_grad_accumulated(
     optimizer: nnx.Optimizer,
     data_axis: DataAxis | None = None,
     strict: bool | None = None,
+    defer_reduction: bool = True,
 ) -> tuple[jax.Array, nnx.State]:
   """The mean loss and gradients of ``batch``, accumulated over micro-batches and reduced once.
 
@@ -113,6 +114,8 @@ def value_and_grad_accumulated(
     strict: raise ``Zero1Error`` instead of reducing every micro-batch when the
       reduction cannot be deferred; default: ``optimizer.strict`` (False for
       ``nnx.Optimizer``).
+    defer_reduction: False reduces every micro-batch (the global program in a
+      ``lax.scan``), e.g. to measure what deferral saves.
 
   Returns:
     ``(loss, grads)``: the mean loss over the batch (a replicated scalar) and
@@ -128,10 +131,13 @@ def value_and_grad_accumulated(
   _check_micro_batches(batch, micro_batches, n, mesh)
   homes = _homes(pure_params, optimizer, mesh)
   targets = optimizer.zero1_plan.zero1_param_shardings if zero1 else homes
-  loss_of_params = _loss_of_params(loss_fn, graphdef, pure_rest, optimizer.wrt)
-  args = (loss_of_params, pure_params, batch, micro_batches, mesh, axes)
+  loss_of_params = _loss_of_params(loss_fn, graphdef, optimizer.wrt)
+  args = (loss_of_params, pure_params, pure_rest, batch, micro_batches, mesh, axes)
 
   blocker = deferred.deferral_blocker(_batch_shardings(batch, mesh), homes, axes)
+  if not defer_reduction:
+    loss, grads = _reduce_each_micro_batch(*args)
+    return loss, _as_state(params, grads)
   if blocker is not None:
     if strict:
       raise Zero1Error(f"strict: cannot defer the gradient reduction: {blocker}; {describe_mesh(mesh)}")
@@ -202,15 +208,14 @@ def _batch_shardings(batch: Any, mesh) -> list[NamedSharding]:
   return out
 
 
-def _loss_of_params(loss_fn: LossFn, graphdef, rest: Any, wrt) -> Callable[[Any, Any], jax.Array]:
-  """``loss_fn`` as a function of the ``wrt`` arrays, refusing updates to other model state."""
-  rest_leaves = jax.tree_util.tree_flatten_with_path(rest)[0]
-
-  def loss_of_params(params, batch):
+def _loss_of_params(loss_fn: LossFn, graphdef, wrt) -> Callable[[Any, Any, Any], jax.Array]:
+  """``loss_fn`` as a function of (``wrt`` arrays, other state, batch); refuses updates to the other state."""
+  def loss_of_params(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
     loss = loss_fn(model, batch)
     after = jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Not(wrt))))
-    changed = [jax.tree_util.keystr(p) for (p, x), y in zip(rest_leaves, after, strict=True) if x is not y]
+    before = jax.tree_util.tree_flatten_with_path(rest)[0]
+    changed = [jax.tree_util.keystr(p) for (p, x), y in zip(before, after, strict=True) if x is not y]
     if changed:
       raise Zero1Error(
           f"loss_fn updates model state other than the trained parameters ({', '.join(changed[:4])}): "
@@ -232,17 +237,19 @@ def _local_micro_batches(batch: Any, micro_batches: int) -> Any:
   return jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
 
 
-def _reduce_once(loss_of_params, params, batch, micro_batches, mesh, axes, homes, targets):
+def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets):
   """Per replica: a scan over its micro-batches with no collective, then one reduction per leaf."""
   n = data_axis_size(mesh, axes)
-  leaves, treedef = jax.tree.flatten(params)
+  leaves = jax.tree.leaves(params)
   dims = deferred.scatter_dims([p.ndim for p in leaves], homes, targets, axes)
   data = P(axes[0] if len(axes) == 1 else axes)
 
-  def per_replica(params, batch):
+  def per_replica(params, rest, batch):
+    local_loss = lambda p, b: loss_of_params(p, rest, b)  # noqa: E731
+
     def micro(carry, micro_batch):
       loss_sum, acc = carry
-      loss, grads = deferred.replica_value_and_grad(loss_of_params, params, micro_batch, n, axes)
+      loss, grads = deferred.replica_value_and_grad(local_loss, params, micro_batch, n, axes)
       return (loss_sum + loss, jax.tree.map(jnp.add, acc, grads)), None
 
     varying = lambda x: jax.lax.pcast(x, axes, to="varying")  # noqa: E731
@@ -251,13 +258,14 @@ def _reduce_once(loss_of_params, params, batch, micro_batches, mesh, axes, homes
     grads = [deferred.reduce_local(a, d, axes) for a, d in zip(jax.tree.leaves(acc), dims, strict=True)]
     return jax.lax.psum(loss_sum, axes) / micro_batches, [g / micro_batches for g in grads]
 
-  params = jax.tree.unflatten(treedef, [place(p, NamedSharding(mesh, P())) for p in leaves])
+  replicated = lambda tree: jax.tree.map(lambda x: place(x, NamedSharding(mesh, P())), tree)  # noqa: E731
+  params, rest = replicated(params), replicated(rest)
   batch = jax.tree.map(lambda x: place(x, NamedSharding(mesh, data)), batch)
   loss, grads = jax.shard_map(
       per_replica, mesh=mesh,
-      in_specs=(jax.tree.map(lambda _: P(), params), jax.tree.map(lambda _: data, batch)),
+      in_specs=(jax.tree.map(lambda _: P(), (params, rest)) + (jax.tree.map(lambda _: data, batch),)),
       out_specs=(P(), [t.spec for t in targets]),
-  )(params, batch)
+  )(params, rest, batch)
   return loss, grads
 
 
@@ -271,10 +279,10 @@ def _global_micro_batches(batch: Any, micro_batches: int, n: int) -> Any:
   return jax.tree.map(split, batch)
 
 
-def _reduce_each_micro_batch(loss_of_params, params, batch, micro_batches, mesh, axes):
+def _reduce_each_micro_batch(loss_of_params, params, rest, batch, micro_batches, mesh, axes):
   """The global program in a scan: XLA reduces the gradients of every micro-batch."""
   n = data_axis_size(mesh, axes)
-  grad_fn = jax.value_and_grad(loss_of_params)
+  grad_fn = jax.value_and_grad(lambda p, b: loss_of_params(p, rest, b))
 
   def micro(carry, micro_batch):
     loss_sum, acc = carry

@@ -98,7 +98,8 @@ def deferral_blocker(
   """Why per-replica gradients cannot be kept for this batch, or None when they can.
 
   Deferral needs each replica to compute a whole gradient from its own rows:
-  the batch split over the data axes only, and the parameters replicated.
+  the batch split over the data axes only (on dimension 0), and the
+  parameters replicated.
 
   Example::
 
@@ -112,6 +113,9 @@ def deferral_blocker(
     other = tuple(a for a in _spec_axes(s.spec) if a not in axes)
     if other:
       return f"the batch is sharded over {other} as well as the data axis"
+    later = [d for d, e in enumerate(s.spec) if d and any(a in axes for a in _axes_of(e))]
+    if later:
+      return f"the batch is split over the data axis on dimension {later[0]}, not dimension 0"
   for s in param_shardings:
     if _spec_axes(s.spec):
       return f"a parameter is sharded ({s.spec}), so no replica holds whole gradients"
