@@ -70,7 +70,7 @@ def _update(spec: KernelSpec, params, rest, opt_state, acc, micro_steps):
   model = nnx.merge(spec.model_def, params, rest)
   optimizer = nnx.merge(spec.opt_def, opt_state)
   summed = deferred.reduce_rows(acc, spec.homes, spec.targets, spec.mesh, spec.axes)
-  grads = jax.tree.map(lambda g: g / micro_steps.astype(g.dtype), summed)
+  grads = deferred.mean_of_sums(summed, micro_steps)
   # The optimizer selects gradients by ``wrt``, so they travel as variables.
   variables = jax.tree.structure(nnx.state(model, spec.wrt))
   optimizer.update(model, jax.tree.unflatten(variables, jax.tree.leaves(grads)))

@@ -256,7 +256,9 @@ def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes,
     zeros = (varying(jnp.zeros((), jnp.float32)), jax.tree.map(lambda p: varying(jnp.zeros_like(p)), params))
     (loss_sum, acc), _ = jax.lax.scan(micro, zeros, _local_micro_batches(batch, micro_batches))
     grads = [deferred.reduce_local(a, d, axes) for a, d in zip(jax.tree.leaves(acc), dims, strict=True)]
-    return jax.lax.psum(loss_sum, axes) / micro_batches, [g / micro_batches for g in grads]
+    # A count XLA cannot see through: the mean is then computed as the engines compute it.
+    count = jax.lax.optimization_barrier(jnp.asarray(micro_batches, jnp.int32))
+    return jax.lax.psum(loss_sum, axes) / micro_batches, deferred.mean_of_sums(grads, count)
 
   replicated = lambda tree: jax.tree.map(lambda x: place(x, NamedSharding(mesh, P())), tree)  # noqa: E731
   params, rest = replicated(params), replicated(rest)

@@ -30,6 +30,7 @@ from nnx_zero1.plan import base_sharding
 
 __all__ = [
     "accumulator_sharding",
+    "mean_of_sums",
     "reduce_local",
     "replica_value_and_grad",
     "scatter_dims",
@@ -315,6 +316,22 @@ def _scatter_dim(param_spec: P, target_spec: P, ndim: int, axes: tuple[str, ...]
     if _axes_of(after) != _axes_of(before):
       raise ValueError(f"cannot reduce-scatter {param_spec} onto {target_spec} over {axes}")
   return None
+
+
+def mean_of_sums(sums: Any, count: jax.Array) -> Any:
+  """Gradients summed over ``count`` micro-batches -> their mean.
+
+  ``count`` is a traced integer, so XLA keeps a division here instead of
+  folding a constant reciprocal into the optimizer's multiply-adds: the
+  engines and ``value_and_grad_accumulated`` compute the same bits.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> mean_of_sums({"w": jnp.full(2, 6.0)}, jnp.asarray(3))["w"].tolist()
+    [2.0, 2.0]
+  """
+  return jax.tree.map(lambda g: g / count.astype(g.dtype), sums)
 
 
 def scatter_dims(

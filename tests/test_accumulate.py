@@ -133,27 +133,19 @@ def engine_micro_batches(batch):
   return [{"tokens": t.reshape(ROWS // M, SEQ + 1)} for t in tokens]
 
 
-@pytest.mark.parametrize("tx, steps, identical_steps", [
-    (optax.sgd(0.1), 2, 2),
-    # adamw: identical while its moments start from zero. From the second step the engine's
-    # separate update kernel and this fused step contract different multiply-adds into FMAs
-    # (measured: identical for 3 steps with XLA_FLAGS=--xla_cpu_max_isa=SSE4_2, i.e. no FMA).
-    (optax.adamw(1e-2), 2, 1),
-])
-def test_same_gradients_as_zero1_engine(tx, steps, identical_steps):
+@pytest.mark.parametrize("tx", [optax.sgd(0.1), optax.adamw(1e-2)])
+def test_bit_identical_to_zero1_engine(tx):
   from nnx_zero1.adapters.maxtext import Zero1Engine
 
   model, opt = build(Zero1Optimizer, tx)
   engine = Zero1Engine(Decoder(nnx.Rngs(0), vocab=VOCAB), tx, MESH, loss_fn=lm_loss)
-  for i, batch in enumerate(token_batches(steps, seed=2)):
+  for batch in token_batches(2, seed=2):
     train(accum_step, model, opt, [batch])
     for micro_batch in engine_micro_batches(batch):
       engine.fwd_bwd(micro_batch)
     engine.update()
-    if i < identical_steps:
-      assert_trees_equal(params(model), params(engine.model))
-      assert_trees_equal(nnx.state(opt), nnx.state(engine.optimizer))
-  assert_trees_close(params(model), params(engine.model), atol=1e-6, rtol=0)
+  assert_trees_equal(params(model), params(engine.model))
+  assert_trees_equal(nnx.state(opt), nnx.state(engine.optimizer))
 
 
 def step_hlo(cls, mesh=MESH, **kwargs):
