@@ -188,7 +188,11 @@ def replica_value_and_grad(
     (1.5, 1.5)
   """
   params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
-  return jax.value_and_grad(lambda p: loss_of_params(p, batch) / n)(params)
+  loss, grads = jax.value_and_grad(lambda p: loss_of_params(p, batch) / n)(params)
+  # Whole gradients before they join an accumulator: XLA may otherwise fold the accumulator
+  # into the backward pass's last scatter-add (a tied embedding's) in one program and not in
+  # another, and the engine's kernel and a scan body would then add in different orders.
+  return loss, jax.lax.optimization_barrier(grads)
 
 
 def reduce_local(partial: jax.Array, dim: int | None, axes: tuple[str, ...]) -> jax.Array:

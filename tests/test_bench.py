@@ -111,10 +111,8 @@ def test_accumulated_arms_reduce_once_and_match_the_engine():
   assert base["collectives"]["all-reduce"]["bytes"] >= 2 * grads
   for row in (accum, zero1, engine):
     assert row["params_max_diff"] <= 1e-5
-  # The same reduction with and without Zero-1. (Against zero1-engine this transformer's gradients
-  # differ in the last bits: its backward pass compiles differently inside the scan's loop body
-  # than as a kernel of its own; tests/test_accumulate.py has a model where they agree exactly.)
-  assert "accum" in zero1["params_equal_arms"]
+  # One implementation of deferred reduction: bit-identical to the engine, with and without Zero-1.
+  assert {"accum", "zero1-engine"} <= set(zero1["params_equal_arms"])
 
 
 def test_real_llm_shapes_leave_almost_nothing_replicated():
