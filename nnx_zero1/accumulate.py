@@ -24,11 +24,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import deferred
-from nnx_zero1.checks import describe_mesh
-from nnx_zero1.errors import Zero1Error
-from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
+from nnx_zero1.errors import Zero1Error, describe_mesh
 from nnx_zero1.optimizer import Zero1Optimizer, mark_zero1_grads
 from nnx_zero1.placement import current_sharding, place
+from nnx_zero1.specs import DataAxis, axes_entry, data_axes, data_axis_size
 
 __all__ = ["value_and_grad_accumulated"]
 
@@ -242,7 +241,7 @@ def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes,
   n = data_axis_size(mesh, axes)
   leaves = jax.tree.leaves(params)
   dims = deferred.scatter_dims([p.ndim for p in leaves], homes, targets, axes)
-  data = P(axes[0] if len(axes) == 1 else axes)
+  data = P(axes_entry(axes))
 
   def per_replica(params, rest, batch):
     local_loss = lambda p, b: loss_of_params(p, rest, b)  # noqa: E731
