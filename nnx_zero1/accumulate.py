@@ -127,6 +127,9 @@ def value_and_grad_accumulated(
   pure_params, pure_rest = nnx.as_pure(params), nnx.as_pure(rest)
   mesh = optimizer.mesh if zero1 else _mesh_of(pure_params, batch)
   n = data_axis_size(mesh, axes)
+  if zero1 and axes != optimizer.data_axis:
+    raise Zero1Error(f"data_axis={axes} but the Zero1Optimizer splits its state over "
+                     f"{optimizer.data_axis}; {describe_mesh(mesh)}")
   _check_micro_batches(batch, micro_batches, n, mesh)
   homes = _homes(pure_params, optimizer, mesh)
   targets = optimizer.zero1_plan.zero1_param_shardings if zero1 else homes

@@ -190,6 +190,21 @@ def test_hlo_probe_fails_when_reducing_every_micro_batch():
   assert collectives(hlo)["all-reduce"]["bytes"] >= M * sum(sizes)
 
 
+def test_data_axis_tuple_reduce_scatters_over_both_axes():
+  mesh = explicit_mesh((2, 2), ("replica", "data"))
+  axes = ("replica", "data")
+  model, opt = build(Zero1Optimizer, optax.adamw(1e-3), mesh, data_axis=axes)
+  batch = jax.device_put(token_batches(1)[0], NamedSharding(mesh, P(axes)))
+  with jax.set_mesh(mesh):
+    loss, grads = accumulated(model, opt, batch)
+    ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(lm_loss))(model, batch)
+    hlo = accum_step.lower(model, opt, batch).compile().as_text()
+  assert_trees_close(grads, ref_grads, atol=1e-6, rtol=1e-6)
+  sizes = [x.nbytes for x in jax.tree.leaves(params(model))]
+  assert bytes_per_device(grads) * 4 == sum(sizes)
+  assert collectives(hlo)["reduce-scatter"] == {"count": len(sizes), "bytes": sum(sizes) // 4}
+
+
 def tensor_parallel(cls, mesh):
   with jax.set_mesh(mesh):
     model = Decoder(nnx.Rngs(0), vocab=VOCAB)
@@ -221,18 +236,21 @@ def test_strict_refuses_sharded_parameters_and_changes_nothing():
   assert_unchanged(before, model, opt)
 
 
-@pytest.mark.parametrize("rows, micro_batches, message", [
-    (12, M, "does not split into 4 replicas x 2 micro-batches"),
-    (ROWS, 3, "does not split into 4 replicas x 3 micro-batches"),
-    (ROWS, 0, "micro_batches must be a positive int"),
+@pytest.mark.parametrize("rows, kwargs, message", [
+    (12, {}, "does not split into 4 replicas x 2 micro-batches"),
+    (ROWS, {"micro_batches": 3}, "does not split into 4 replicas x 3 micro-batches"),
+    (ROWS, {"micro_batches": 0}, "micro_batches must be a positive int"),
+    (ROWS, {"data_axis": "batch"}, "data axis 'batch'"),
 ])
-def test_batch_that_does_not_split_is_refused(rows, micro_batches, message):
+def test_bad_request_is_refused_and_changes_nothing(rows, kwargs, message):
   model, opt = build(Zero1Optimizer, optax.adamw(1e-3))
   before = snapshot(model, opt)
   batch = {"tokens": token_batches(1, rows=rows)[0]["tokens"]}
+  step = nnx.jit(lambda m, o, b: value_and_grad_accumulated(
+      lm_loss, m, b, **{"micro_batches": M, "optimizer": o, **kwargs}))
   with pytest.raises(Zero1Error, match=message):
     with jax.set_mesh(MESH):
-      accum_step(model, opt, batch, micro_batches=micro_batches)
+      step(model, opt, batch)
   assert_unchanged(before, model, opt)
 
 
