@@ -167,7 +167,7 @@ def _accum_lines(rows: Sequence[dict]) -> list[str]:
       f"step time zero1-accum/baseline <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}, fastest steps: "
       + _verdict(fastest, bool(fastest) and max(fastest) <= STEP_RATIO_GOAL),
       f"zero1-accum final parameters within {PARAMS_ATOL:g} of the first arm's: "
-      + _verdict(diff, max(diff) <= PARAMS_ATOL, ".2g"),
+      + _verdict(diff, max(diff) <= PARAMS_ATOL, ".3g"),
   ]
   if engine:
     lines.append("zero1-accum parameters bit-identical to zero1-engine: "
