@@ -131,7 +131,7 @@ def value_and_grad_accumulated(
     raise Zero1Error(f"data_axis={axes} but the Zero1Optimizer splits its state over "
                      f"{optimizer.data_axis}; {describe_mesh(mesh)}")
   _check_micro_batches(batch, micro_batches, n, mesh)
-  homes = _homes(pure_params, optimizer, mesh)
+  homes = _homes(params, optimizer, mesh)
   targets = optimizer.zero1_plan.zero1_param_shardings if zero1 else homes
   loss_of_params = _loss_of_params(loss_fn, graphdef, optimizer.wrt)
   args = (loss_of_params, pure_params, pure_rest, batch, micro_batches, mesh, axes)
@@ -188,12 +188,19 @@ def _check_micro_batches(batch: Any, micro_batches: int, n: int, mesh) -> None:
       )
 
 
-def _homes(params: Any, optimizer: nnx.Optimizer, mesh) -> tuple[NamedSharding, ...]:
-  """The parameters' layouts, as far as they can be seen (on an Auto mesh under jit: the
-  Zero1Optimizer's record, else replicated, which ``shard_map`` then makes them)."""
-  leaves = jax.tree.leaves(params)
-  recorded = getattr(getattr(optimizer, "zero1_plan", None), "param_shardings", None)
-  recorded = recorded or [NamedSharding(mesh, P())] * len(leaves)
+def _homes(params: nnx.State, optimizer: nnx.Optimizer, mesh) -> tuple[NamedSharding, ...]:
+  """The parameters' layouts, as far as they can be seen. Concrete arrays and Explicit meshes
+  carry them; on an Auto mesh under jit they come from the Zero1Optimizer's record, or from the
+  variables' ``out_sharding`` metadata (``nnx.with_partitioning``); else replicated is assumed
+  (and ``shard_map`` makes them so)."""
+  leaves = jax.tree.leaves(nnx.as_pure(params))
+  plan = getattr(optimizer, "zero1_plan", None)
+  if plan is not None:
+    recorded = plan.param_shardings
+  else:
+    variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    specs = [P(*(v.get_metadata().get("out_sharding") or ())) for v in variables]
+    recorded = [NamedSharding(mesh, spec) for spec in specs]
   return tuple(current_sharding(x, s) for x, s in zip(leaves, recorded, strict=True))
 
 

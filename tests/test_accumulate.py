@@ -17,7 +17,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import Decoder, assert_trees_close, assert_trees_equal, assert_unchanged, lm_loss, snapshot
+from helpers import MLP, Decoder, assert_trees_close, assert_trees_equal, assert_unchanged, lm_loss, snapshot
+from helpers import loss_fn as mlp_loss
 from nnx_zero1 import Zero1Error, Zero1Optimizer, value_and_grad_accumulated
 from nnx_zero1.bench.measure import collectives, loop_collectives
 from nnx_zero1.optimizer import _is_marked
@@ -233,6 +234,24 @@ def test_strict_refuses_sharded_parameters_and_changes_nothing():
   before = snapshot(model, opt)
   with pytest.raises(Zero1Error, match="strict: cannot defer .* a parameter is sharded"):
     train(accum_step, model, opt, token_batches(1), mesh, strict=True)
+  assert_unchanged(before, model, opt)
+
+
+def test_plain_optimizer_reads_partitioning_metadata_on_auto_meshes():
+  # Under jit on an Auto mesh a traced parameter has no visible layout; nnx.with_partitioning's
+  # metadata tells that l1's kernel is split over "model", so deferral is refused under strict.
+  mesh = explicit_mesh((2, 2), ("data", "model"), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    model = MLP(nnx.Rngs(0), kernel_sharding=(None, "model"))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  before = snapshot(model, opt)
+  batch = {"x": np.ones((8, 16), np.float32), "y": np.zeros((8, 3), np.float32)}
+  loss_fn = lambda m, b: mlp_loss(m, b["x"], b["y"])  # noqa: E731
+  step = nnx.jit(lambda m, o, b: value_and_grad_accumulated(loss_fn, m, b, micro_batches=2, optimizer=o,
+                                                             strict=True))
+  with pytest.raises(Zero1Error, match=r"a parameter is sharded \(P\(None, 'model'\)\)"):
+    with jax.set_mesh(mesh):
+      step(model, opt, on_mesh(batch, mesh))
   assert_unchanged(before, model, opt)
 
 
