@@ -159,6 +159,7 @@ def step_hlo(cls, mesh=MESH, **kwargs):
 
 def assert_deferred(hlo, sizes):
   """The micro-batch loop holds no collective as large as the smallest gradient."""
+  assert f'"known_trip_count":{{"n":"{M}"}}' in hlo  # the loop is there (not unrolled away)
   in_loop = loop_collectives(hlo)
   assert max(v["bytes"] for v in in_loop.values()) < min(sizes), f"gradients reduced in the loop: {in_loop}"
 
