@@ -1,5 +1,6 @@
 """nnx-zero1: ZeRO stage 1 (optimizer state sharded over data parallelism) for Flax NNX."""
 
+from nnx_zero1.accumulate import value_and_grad_accumulated
 from nnx_zero1.checkpoint import abstract_state, restore_into
 from nnx_zero1.errors import Zero1Error
 from nnx_zero1.layout import zero1_sharding
@@ -16,6 +17,7 @@ __all__ = [
     "abstract_state",
     "report",
     "restore_into",
+    "value_and_grad_accumulated",
     "zero1_optimizers",
     "zero1_sharding",
 ]

@@ -26,9 +26,40 @@ from nnx_zero1.placement import current_sharding, place
 from nnx_zero1.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
 from nnx_zero1.specs import DataAxis, data_axes, data_axis_size, is_explicit, spec_entries
 
-__all__ = ["Zero1Optimizer", "init_sharded_state", "opt_state_init"]
+__all__ = ["Zero1Optimizer", "init_sharded_state", "mark_zero1_grads", "opt_state_init"]
 
 M = TypeVar("M")
+
+# Variable metadata on gradients that arrive already reduced onto the Zero-1 layout.
+ON_ZERO1_LAYOUT = "zero1_layout"
+
+
+def _grad_variables(grads: Any) -> list[nnx.Variable]:
+  return [v for v in jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
+          if isinstance(v, nnx.Variable)]
+
+
+def mark_zero1_grads(grads: nnx.State) -> nnx.State:
+  """Marks gradients that are already on their optimizer's Zero-1 layout (reduce-scattered).
+
+  ``Zero1Optimizer.update`` then does not pin them to their parameters' layout
+  first (on an Auto mesh that pin would gather them back). Returns ``grads``.
+
+  Example::
+
+    >>> from flax import nnx
+    >>> grads = nnx.state(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Param)
+    >>> _is_marked(mark_zero1_grads(grads))
+    True
+  """
+  for var in _grad_variables(grads):
+    var.set_metadata(**{ON_ZERO1_LAYOUT: True})
+  return grads
+
+
+def _is_marked(grads: Any) -> bool:
+  variables = _grad_variables(grads)
+  return bool(variables) and all(v.get_metadata().get(ON_ZERO1_LAYOUT, False) for v in variables)
 
 
 def _place_all(tree: Any, shardings) -> Any:
@@ -151,13 +182,16 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     wrt: which variables to optimise, as for ``nnx.Optimizer``.
     data_axis: the mesh axis (or tuple of axes) that data parallelism runs over.
     graph: passed through as for ``nnx.Optimizer``.
-    strict: raise ``Zero1Error`` when some parameter-shaped leaf cannot be split,
-      or when there is no mesh and the model is on one device.
+    strict: raise ``Zero1Error`` when some parameter-shaped leaf cannot be split
+      (and, in ``value_and_grad_accumulated``, when the gradient reduction cannot
+      be deferred), or when there is no mesh and the model is on one device.
     pin_gradients: on Auto meshes, hold traced gradients on their parameters'
       layout before slicing them, so the backward pass compiles as it would for
       ``nnx.Optimizer`` (bit-identical). Pass ``False`` when the gradients already
       arrive on the Zero-1 layout (reduce-scattered), or to let XLA turn the
       gradient all-reduce into a reduce-scatter at the price of reordered sums.
+      Gradients from ``value_and_grad_accumulated`` are marked as on the Zero-1
+      layout and never pinned.
   """
 
   def __init__(
@@ -208,6 +242,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     self.wrt = wrt
     self.zero1_plan = plan
     self.pin_gradients = pin_gradients
+    self.strict = strict
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
@@ -240,6 +275,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     """
     plan = self.zero1_plan
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+    on_zero1 = _is_marked(grads)  # reduce-scattered already: nothing to pin
     given_grads, grads = grads, nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
     check_model(params, plan)
     check_grads(grads, params, plan)
@@ -250,7 +286,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
     state_shardings = [row.sharding for row in plan.state_leaves]
 
-    if self.pin_gradients:
+    if self.pin_gradients and not on_zero1:
       # Pinned where they are (on an Auto mesh under jit: their parameters' layout), the
       # gradients keep XLA's sharding propagation from carrying the Zero-1 layout back
       # into the backward pass, where it would reorder sums. A no-op on Explicit meshes.
