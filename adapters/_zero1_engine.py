@@ -6,13 +6,30 @@ of ``Engine`` but its two hooks.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
+from nnx_zero1._compat import Filter
 from nnx_zero1.optimizer import Zero1Optimizer
+from nnx_zero1.specs import DataAxis
 
 __all__ = ["Zero1EngineMixin"]
+
+
+class _EngineHost(Protocol):
+  """What ``Zero1EngineMixin`` reads off the engine it is mixed into."""
+
+  @property
+  def mesh(self) -> Mesh: ...
+  @property
+  def wrt(self) -> Filter: ...
+  @property
+  def data_axis(self) -> DataAxis: ...
+  @property
+  def optimizer(self) -> nnx.Optimizer: ...
 
 
 class Zero1EngineMixin:
@@ -36,9 +53,13 @@ class Zero1EngineMixin:
     ...   pass
   """
 
-  def _make_optimizer(self, model: nnx.Module, tx: optax.GradientTransformation) -> Zero1Optimizer:
+  def _make_optimizer(
+      self: _EngineHost, model: nnx.Module, tx: optax.GradientTransformation
+  ) -> Zero1Optimizer:
     # The update kernel reduce-scatters the gradients onto the Zero-1 layout itself.
     return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, pin_gradients=False)
 
-  def _gradient_targets(self) -> tuple[NamedSharding, ...]:
-    return self.optimizer.zero1_plan.zero1_param_shardings
+  def _gradient_targets(self: _EngineHost) -> tuple[NamedSharding, ...]:
+    optimizer = self.optimizer
+    assert isinstance(optimizer, Zero1Optimizer)  # built by _make_optimizer
+    return optimizer.zero1_plan.zero1_param_shardings

@@ -44,7 +44,7 @@ __all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine"]
 
 logger = logging.getLogger(__name__)
 
-LossFn = Callable[[nnx.Module, dict], jax.Array]
+LossFn = Callable[[Any, dict], jax.Array]  # (model, batch) -> mean loss; the model: any nnx.Module
 
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:
@@ -136,7 +136,7 @@ class Engine:
     self.grad_norm: jax.Array | None = None
     self._fwd_bwd_kernels: dict = {}
     self._eval_kernels: dict = {}
-    self._update_kernel = None
+    self._update_kernel: tuple[_kernels.KernelSpec, Callable] | None = None
     self._manager = None
     if checkpoint_dir is not None:
       self._manager = _checkpoint.make_manager(checkpoint_dir)

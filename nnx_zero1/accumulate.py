@@ -33,7 +33,7 @@ __all__ = ["value_and_grad_accumulated"]
 
 logger = logging.getLogger(__name__)
 
-LossFn = Callable[[nnx.Module, Any], jax.Array]
+LossFn = Callable[[Any, Any], jax.Array]  # (model, batch) -> mean loss; the model: any nnx.Module
 
 
 def value_and_grad_accumulated(
@@ -120,19 +120,19 @@ def value_and_grad_accumulated(
     ``(loss, grads)``: the mean loss over the batch (a replicated scalar) and
     the mean gradients as an ``nnx.State`` of the ``wrt`` variables.
   """
-  zero1 = isinstance(optimizer, Zero1Optimizer)
-  axes = data_axes(data_axis if data_axis is not None else optimizer.data_axis if zero1 else "data")
+  zero1 = optimizer if isinstance(optimizer, Zero1Optimizer) else None
+  axes = data_axes(data_axis if data_axis is not None else zero1.data_axis if zero1 is not None else "data")
   strict = bool(getattr(optimizer, "strict", False) if strict is None else strict)
-  graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+  graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)  # type: ignore[misc]  # flax types split as variadic
   pure_params, pure_rest = nnx.as_pure(params), nnx.as_pure(rest)
-  mesh = optimizer.mesh if zero1 else _mesh_of(pure_params, batch)
+  mesh = zero1.mesh if zero1 is not None else _mesh_of(pure_params, batch)
   n = data_axis_size(mesh, axes)
-  if zero1 and axes != optimizer.data_axis:
+  if zero1 is not None and axes != zero1.data_axis:
     raise Zero1Error(f"data_axis={axes} but the Zero1Optimizer splits its state over "
-                     f"{optimizer.data_axis}; {describe_mesh(mesh)}")
+                     f"{zero1.data_axis}; {describe_mesh(mesh)}")
   _check_micro_batches(batch, micro_batches, n, mesh)
   homes = _homes(params, optimizer, mesh)
-  targets = optimizer.zero1_plan.zero1_param_shardings if zero1 else homes
+  targets = zero1.zero1_plan.zero1_param_shardings if zero1 is not None else homes
   loss_of_params = _loss_of_params(loss_fn, graphdef, optimizer.wrt)
   args = (loss_of_params, pure_params, pure_rest, batch, micro_batches, mesh, axes)
 

@@ -149,7 +149,7 @@ def restore_into(obj: Any, restored: Any) -> None:
   t_leaves, t_def = jax.tree.flatten(nnx.as_pure(target))
   r_leaves, r_def = jax.tree.flatten(nnx.as_pure(restored))
   axes = _mesh_words(obj)
-  if t_def != r_def:
+  if t_def != r_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub has no __ne__ mypy can see
     raise Zero1Error(f"restored state does not match {type(obj).__name__}: tree {r_def} is not {t_def}{axes}")
   paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(nnx.as_pure(target))[0]]
   for path, t, r in zip(paths, t_leaves, r_leaves):

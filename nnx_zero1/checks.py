@@ -41,14 +41,17 @@ def current_mesh() -> Mesh | None:
 def _placement_of(params: Any) -> tuple[list[Mesh], set, bool]:
   """The distinct meshes the concrete parameters' NamedShardings name, all their devices,
   and whether some parameters are traced (they tell neither)."""
-  meshes, devices, traced = [], set(), False
+  meshes: list[Mesh] = []
+  devices: set[jax.Device] = set()
+  traced = False
   for leaf in jax.tree.leaves(params):
     if isinstance(leaf, jax.core.Tracer):
       traced = True
       continue
     sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding) and sharding.mesh not in meshes:
-      meshes.append(sharding.mesh)
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    if isinstance(mesh, Mesh) and mesh not in meshes:  # concrete arrays: never an AbstractMesh
+      meshes.append(mesh)
     devices |= set(getattr(sharding, "device_set", ()))
   return meshes, devices, traced
 
@@ -107,7 +110,7 @@ def _check_devices(tree: Any, mesh: Mesh, what: str, fix: str) -> None:
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if isinstance(leaf, jax.core.Tracer):
       continue
-    devices = getattr(getattr(leaf, "sharding", None), "device_set", set())
+    devices: set[jax.Device] = getattr(getattr(leaf, "sharding", None), "device_set", set())
     outside = devices - mesh_devices
     if outside:
       raise Zero1Error(

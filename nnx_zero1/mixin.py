@@ -69,7 +69,7 @@ class ShardedOptimizerMixin:
       split, or when the data-parallel size is 1 for lack of a mesh.
   """
 
-  zero1_data_axis: DataAxis = "data"
+  zero1_data_axis: DataAxis | None = "data"  # None: left to zero1_options (the Tunix adapters' config)
   zero1_strict: bool = False
 
   def __init_subclass__(cls, **kwargs: Any):
@@ -79,7 +79,8 @@ class ShardedOptimizerMixin:
     at = mro.index(ShardedOptimizerMixin)
     own_init = any("__init__" in klass.__dict__ for klass in mro[:at])
     trainer = mro[at + 1]
-    cls.__signature__ = None if own_init or trainer is object else inspect.signature(trainer)
+    signature = None if own_init or trainer is object else inspect.signature(trainer)
+    cls.__signature__ = signature  # type: ignore[attr-defined]  # the attribute inspect.signature reads
 
   def __init__(self, *args: Any, **kwargs: Any):
     options = self.zero1_options(*args, **kwargs)

@@ -145,6 +145,7 @@ def init_sharded_state(
   variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   variables = [v for v in variables if jax.tree.leaves(v)]  # not masked-out (MaskedNode) ones
   for var, row in zip(variables, plan.state_leaves, strict=True):
+    assert isinstance(row.sharding, NamedSharding)  # single-device plans never get here
     if var.has_metadata("out_sharding") or row.reason is None:
       var.set_metadata(out_sharding=spec_entries(row.sharding.spec))
   return state

@@ -25,7 +25,7 @@ from nnx_zero1.layout import (  # noqa: F401 -- the reason names are re-exported
   statistic_layout,
   zero1_layout,
 )
-from nnx_zero1.specs import data_axis_size, full_rank_sharding
+from nnx_zero1.specs import DataAxis, data_axis_size, full_rank_sharding
 
 __all__ = [
     "LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "statistic_layout", "one_device_mesh",
@@ -40,7 +40,7 @@ class LeafPlan:
   path: str
   shape: tuple[int, ...]
   dtype: str
-  sharding: NamedSharding
+  sharding: jax.sharding.Sharding  # a NamedSharding; SingleDeviceSharding in a single-device plan
   reason: Reason | None  # None: split over the data axis
   by_parameter: bool = False  # split already by its parameter's own layout (FSDP): nothing added
 
@@ -123,7 +123,8 @@ def _refuse_unmapped(tx, rows, mesh, data_axis) -> None:
 
 
 def make_plan(
-    tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_axis, *, abstract_state: Any = None
+    tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_axis: DataAxis, *,
+    abstract_state: Any = None,
 ) -> Zero1Plan:
   """Works out the Zero-1 layout of every leaf of ``tx.init(params)``.
 

@@ -55,7 +55,7 @@ class _Scope:
 _SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("nnx_zero1_scope", default=None)
 
 
-class _ScopedOptimizerMeta(type(_OPTIMIZER)):
+class _ScopedOptimizerMeta(type(_OPTIMIZER)):  # type: ignore[misc]  # flax's metaclass, read at import
   """``nnx.Optimizer``'s metaclass, asking the active scope (if any) to build it instead."""
 
   def __call__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -73,7 +73,7 @@ def _install() -> None:
   """Gives ``nnx.Optimizer`` the scope-aware metaclass, once per process."""
   with _INSTALL:
     if type(_OPTIMIZER) is not _ScopedOptimizerMeta:
-      _OPTIMIZER.__class__ = _ScopedOptimizerMeta
+      _OPTIMIZER.__class__ = _ScopedOptimizerMeta  # type: ignore[method-assign]  # swaps the metaclass in place
 
 
 @contextlib.contextmanager
@@ -116,8 +116,9 @@ def zero1_optimizers(
   if mesh is not None:
     data_axis_size(resolve_mesh(mesh), axes)
   _install()
-  token = _SCOPE.set(_Scope(mesh=mesh, data_axis=axes, strict=bool(strict), built=[]))
+  scope = _Scope(mesh=mesh, data_axis=axes, strict=bool(strict), built=[])
+  token = _SCOPE.set(scope)
   try:
-    yield _SCOPE.get().built
+    yield scope.built
   finally:
     _SCOPE.reset(token)

@@ -19,14 +19,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1.bench import measure
-from nnx_zero1.bench.model import loss_fn
+from nnx_zero1.bench.model import Transformer, loss_fn
 from nnx_zero1.bench.run import OPTIMIZERS, Settings, new_model
 from nnx_zero1.report import bytes_per_device
 
 __all__ = ["EngineArm", "token_loss"]
 
 
-def token_loss(model: nnx.Module, batch: dict) -> jax.Array:
+def token_loss(model: Transformer, batch: dict) -> jax.Array:
   """The engine's ``loss_fn(model, batch)``: next-token loss of ``batch["tokens"]``.
 
   Example::

@@ -130,7 +130,7 @@ class Attention(nnx.Module):
     q = self.q(x).reshape(b, t, cfg.heads, cfg.head_dim)
     k = self.k(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
     v = self.v(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
-    if self.q_norm is not None:
+    if self.q_norm is not None and self.k_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rotate(q, cfg.rope_theta), rotate(k, cfg.rope_theta)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)

@@ -34,7 +34,7 @@ _HEADER = ("arm", "dp", "ga", "opt MiB/dev", "x ideal", "peak MiB/dev", "step ms
 
 
 def _cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
-  out = []
+  out: list[tuple[str, ...]] = []
   for r in rows:
     base = _baseline(rows, r)
     ideal = base["opt_state_bytes_per_device"] / r["dp"]
@@ -260,10 +260,10 @@ def plot_memory(rows: Sequence[dict], path: str) -> None:
       ax.plot(dps, [b / 2**20 for b in sizes], style, label=_PLOT_LABELS[arm])
   base = points("baseline")
   if base:
-    dps = [dp for dp, _ in base]
-    ax.plot(dps, [b / dp / 2**20 for dp, b in base], "k--", label="ideal: plain / dp")
+    base_dps = [dp for dp, _ in base]
+    ax.plot(base_dps, [b / dp / 2**20 for dp, b in base], "k--", label="ideal: plain / dp")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(dps, [str(d) for d in dps])
+    ax.set_xticks(base_dps, [str(d) for d in base_dps])
   ax.set_xlabel("data-parallel size (dp)")
   ax.set_ylabel("optimizer state per device (MiB)")
   ax.set_title("Optimizer memory per device")

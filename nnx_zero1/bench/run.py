@@ -8,6 +8,7 @@ with the other arms' so that a change in machine load hits all arms alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,7 +94,7 @@ def accumulate_grads(model: nnx.Module, batches: jax.Array) -> tuple[jax.Array, 
     >>> loss.shape
     ()
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax types split as variadic
   grad_fn = jax.value_and_grad(lambda p, tokens: loss_fn(nnx.merge(graphdef, p, rest), tokens))
 
   def micro(total, tokens):
@@ -234,7 +235,9 @@ class StepArm:
 
   def collectives(self) -> dict[str, dict[str, int]]:
     """Collectives of one step."""
-    return measure.collectives(self.compiled.as_text())
+    hlo = self.compiled.as_text()
+    assert hlo is not None  # None only for executables XLA cannot print
+    return measure.collectives(hlo)
 
 
 def _row(arm, times: list[float], loss: float, base_loss: float, same: bool, dp: int, ga: int,
@@ -302,7 +305,7 @@ def run_cell(
     step_tokens = tokens(settings, ga, i)
     for arm in built:
       batch = arm.prepare(step_tokens)
-      loss, seconds = measure.time_call(lambda a=arm, b=batch: a.step(b))
+      loss, seconds = measure.time_call(functools.partial(arm.step, batch))
       losses[arm.name] = float(loss)
       if i >= settings.warmup:
         times[arm.name].append(seconds)

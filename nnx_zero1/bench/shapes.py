@@ -68,7 +68,8 @@ def replicated_fraction(cfg: Config, dp: int, tx: optax.GradientTransformation |
     True
   """
   mesh = AbstractMesh((dp,), ("data",))
-  plan = make_plan(tx or optax.adamw(1e-3), abstract_params(cfg, mesh), mesh, ("data",))
+  # make_plan reads only the mesh's axis sizes and types, which an AbstractMesh has too.
+  plan = make_plan(tx or optax.adamw(1e-3), abstract_params(cfg, mesh), mesh, ("data",))  # type: ignore[arg-type]
   total = sum(_nbytes(r) for r in plan.state_leaves)
   replicated = sum(_nbytes(r) for r in plan.state_leaves if r.reason is not None)
   per_device = replicated + (total - replicated) / dp
