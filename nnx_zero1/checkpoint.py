@@ -15,6 +15,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_zero1.checks import first_mismatch
 from nnx_zero1.errors import Zero1Error, describe_mesh
 
 __all__ = ["abstract_arrays", "abstract_state", "key_names", "restore_into", "restore_target"]
@@ -151,13 +152,13 @@ def restore_into(obj: Any, restored: Any) -> None:
   axes = _mesh_words(obj)
   if t_def != r_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub has no __ne__ mypy can see
     raise Zero1Error(f"restored state does not match {type(obj).__name__}: tree {r_def} is not {t_def}{axes}")
-  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(nnx.as_pure(target))[0]]
-  for path, t, r in zip(paths, t_leaves, r_leaves):
-    if tuple(r.shape) != tuple(t.shape) or r.dtype != t.dtype:
-      raise Zero1Error(
-          f"restored {jax.tree_util.keystr(path)} is {r.dtype}{list(r.shape)} but "
-          f"{type(obj).__name__} has {t.dtype}{list(t.shape)}{axes}"
-      )
+  mismatch = first_mismatch(nnx.as_pure(target), r_leaves)
+  if mismatch is not None:
+    path, t, r = mismatch
+    raise Zero1Error(
+        f"restored {path} is {r.dtype}{list(r.shape)} but "
+        f"{type(obj).__name__} has {t.dtype}{list(t.shape)}{axes}"
+    )
   placed = [
       r if getattr(r, "sharding", None) == t.sharding else jax.device_put(r, t.sharding)
       for t, r in zip(t_leaves, r_leaves)

@@ -3,6 +3,7 @@ raised before any state is changed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ from nnx_zero1.plan import Zero1Plan
 
 __all__ = [
     "current_mesh", "describe_mesh", "resolve_mesh", "check_params", "check_model", "check_grads",
-    "check_state", "check_strict",
+    "check_state", "check_strict", "first_mismatch",
 ]
 
 
@@ -143,6 +144,24 @@ def check_model(params: Any, plan: Zero1Plan) -> None:
   _check_devices(params, plan.mesh, "parameter", "place the model on the mesh first")
 
 
+def first_mismatch(reference: Any, leaves: Sequence[Any]) -> tuple[str, Any, Any] | None:
+  """The first of ``leaves`` whose shape or dtype differs from the leaf of ``reference``
+  at its place (the trees already match): ``(path, reference leaf, leaf)``, else None.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> first_mismatch({"a": jnp.ones(2), "b": jnp.ones(3)}, [jnp.ones(2), jnp.ones(4)])[0]
+    "['b']"
+    >>> first_mismatch({"a": jnp.ones(2)}, [jnp.zeros(2)]) is None
+    True
+  """
+  for (path, ref), leaf in zip(jax.tree_util.tree_flatten_with_path(reference)[0], leaves):
+    if tuple(leaf.shape) != tuple(ref.shape) or leaf.dtype != ref.dtype:
+      return jax.tree_util.keystr(path), ref, leaf
+  return None
+
+
 def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
   """Refuses gradients whose tree, shapes or dtypes do not match the parameters."""
   g_leaves, g_def = jax.tree.flatten(grads)
@@ -151,13 +170,13 @@ def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
         "gradients do not match the parameters: tree "
         f"{g_def} is not {plan.param_treedef}; {describe_mesh(plan.mesh)}"
     )
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  for (path, p), g in zip(flat, g_leaves):
-    if tuple(g.shape) != tuple(p.shape) or g.dtype != p.dtype:
-      raise Zero1Error(
-          f"gradient for {jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but the "
-          f"parameter is {p.dtype}{list(p.shape)}; {describe_mesh(plan.mesh)}"
-      )
+  mismatch = first_mismatch(params, g_leaves)
+  if mismatch is not None:
+    path, p, g = mismatch
+    raise Zero1Error(
+        f"gradient for {path} is {g.dtype}{list(g.shape)} but the "
+        f"parameter is {p.dtype}{list(p.shape)}; {describe_mesh(plan.mesh)}"
+    )
   _check_devices(grads, plan.mesh, "gradient", "compute the gradients on the mesh")
 
 
