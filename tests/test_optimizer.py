@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import MLP, assert_trees_close, assert_trees_equal, batches, shardings, train
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
 from nnx_zero1._compat import jit_cache_size
+from nnx_zero1.bench.optimizers import CASES, ELEMENTWISE_CONTRACT
 from nnx_zero1.report import bytes_per_device
 
 MESH = jax.make_mesh((8,), ("data",))
@@ -19,15 +20,7 @@ AUTO = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 AUTO_TP = jax.make_mesh((4, 2), ("data", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
 STEPS = 5
 
-ELEMENTWISE = {
-    "sgd": lambda: optax.sgd(0.1),
-    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "lion": lambda: optax.lion(1e-3),
-    "rmsprop": lambda: optax.rmsprop(1e-2),
-    "adagrad": lambda: optax.adagrad(1e-1),
-}
+ELEMENTWISE = {name: CASES[name].build for name in ELEMENTWISE_CONTRACT}
 
 
 def run_pair(make_tx, mesh=MESH, kernel_sharding=None, steps=STEPS):

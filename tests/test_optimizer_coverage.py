@@ -11,10 +11,8 @@ With ``NNX_ZERO1_COVERAGE_JSON=path`` set, the results are written to ``path``;
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -26,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, batches, loss_fn
 from nnx_zero1 import Zero1Optimizer, report
+from nnx_zero1.bench.optimizers import CASES, FROZEN, OptimizerCase
 
 STEPS = 3
 DATA = batches(STEPS)
@@ -33,81 +32,7 @@ MESHES = {
     "Explicit": jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,)),
     "Auto": jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,)),
 }
-FROZEN = "l1"  # the layer the masked / multi_transform cases freeze
-
-
-def _frozen(params):
-  return jax.tree_util.tree_map_with_path(lambda path, _: FROZEN in jax.tree_util.keystr(path), params)
-
-
-def _trainable(params):
-  return jax.tree.map(lambda frozen: not frozen, _frozen(params))
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  """One row of the matrix: how to build the transformation and how it must compare."""
-
-  make: Callable[[], optax.GradientTransformation]
-  exact: bool  # elementwise: bit-identical; otherwise allclose to TOLERANCE
-  freezes: bool = False
-
-
-TOLERANCE = 1e-5
-ELEMENTWISE, REDUCING = True, False
-MATRIX: dict[str, Case] = {
-    "sgd": Case(lambda: optax.sgd(0.1), ELEMENTWISE),
-    "momentum": Case(lambda: optax.sgd(0.1, momentum=0.9), ELEMENTWISE),
-    "nesterov": Case(lambda: optax.sgd(0.1, momentum=0.9, nesterov=True), ELEMENTWISE),
-    "adam": Case(lambda: optax.adam(1e-2), ELEMENTWISE),
-    "adamw": Case(lambda: optax.adamw(1e-2, weight_decay=0.1), ELEMENTWISE),
-    "adamax": Case(lambda: optax.adamax(1e-2), ELEMENTWISE),
-    "nadam": Case(lambda: optax.nadam(1e-2), ELEMENTWISE),
-    "amsgrad": Case(lambda: optax.amsgrad(1e-2), ELEMENTWISE),
-    "lion": Case(lambda: optax.lion(1e-3), ELEMENTWISE),
-    "rmsprop": Case(lambda: optax.rmsprop(1e-2), ELEMENTWISE),
-    "adagrad": Case(lambda: optax.adagrad(1e-2), ELEMENTWISE),
-    "adadelta": Case(lambda: optax.adadelta(1.0), ELEMENTWISE),
-    "adabelief": Case(lambda: optax.adabelief(1e-2), ELEMENTWISE),
-    "yogi": Case(lambda: optax.yogi(1e-2), ELEMENTWISE),
-    "novograd": Case(lambda: optax.novograd(1e-2), REDUCING),
-    "lamb": Case(lambda: optax.lamb(1e-2), REDUCING),
-    "lars": Case(lambda: optax.lars(1e-2), REDUCING),
-    "adafactor": Case(lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8), REDUCING),
-    "contrib.muon": Case(lambda: optax.contrib.muon(1e-2), REDUCING),
-    "contrib.schedule_free_adamw": Case(lambda: optax.contrib.schedule_free_adamw(1e-2), ELEMENTWISE),
-    "MultiSteps(adam, k=2)": Case(
-        lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), ELEMENTWISE
-    ),
-    "inject_hyperparams(adam)": Case(
-        lambda: optax.inject_hyperparams(optax.adam)(learning_rate=optax.linear_schedule(1e-2, 1e-3, 4)),
-        ELEMENTWISE,
-    ),
-    "chain(clip_by_global_norm, adamw)": Case(
-        lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)), REDUCING
-    ),
-    "chain(clip, sgd)": Case(lambda: optax.chain(optax.clip(0.01), optax.sgd(0.1)), ELEMENTWISE),
-    "chain(add_decayed_weights, sgd)": Case(
-        lambda: optax.chain(optax.add_decayed_weights(1e-2), optax.sgd(0.1)), ELEMENTWISE
-    ),
-    "chain(ema, scale)": Case(lambda: optax.chain(optax.ema(0.9), optax.scale(-0.1)), ELEMENTWISE),
-    "masked(adam) + masked(set_to_zero)": Case(
-        lambda: optax.chain(
-            optax.masked(optax.adam(1e-2), _trainable), optax.masked(optax.set_to_zero(), _frozen)
-        ),
-        ELEMENTWISE,
-        freezes=True,
-    ),
-    "multi_transform(adam, set_to_zero)": Case(
-        lambda: optax.multi_transform(
-            {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()},
-            lambda p: jax.tree.map(lambda f: "frozen" if f else "train", _frozen(p)),
-        ),
-        ELEMENTWISE,
-        freezes=True,
-    ),
-}
-
+TOLERANCE = 1e-5  # for the transformations with reductions (not elementwise)
 
 @pytest.fixture(scope="module")
 def coverage():
@@ -133,14 +58,14 @@ def _apply(model, opt, grads):
   opt.update(model, grads)
 
 
-def _train_both(case: Case, mesh):
+def _train_both(case: OptimizerCase, mesh):
   batch = NamedSharding(mesh, P("data"))
   out = []
   for cls in (nnx.Optimizer, Zero1Optimizer):
     with jax.set_mesh(mesh):
       model = MLP(nnx.Rngs(0))
       initial = nnx.clone(model)
-      opt = cls(model, case.make(), wrt=nnx.Param)
+      opt = cls(model, case.build(), wrt=nnx.Param)
       dtypes = [x.dtype for x in jax.tree.leaves(nnx.as_pure(opt.opt_state))]
       for x, y in DATA:
         _apply(model, opt, _grads(model, jax.device_put(x, batch), jax.device_put(y, batch)))
@@ -167,9 +92,9 @@ def _check_layout(opt) -> None:
 
 
 @pytest.mark.parametrize("mesh_kind", list(MESHES))
-@pytest.mark.parametrize("name", list(MATRIX))
+@pytest.mark.parametrize("name", list(CASES))
 def test_zero1_trains_like_nnx_optimizer(name, mesh_kind, coverage):
-  case = MATRIX[name]
+  case = CASES[name]
   record = {"optimizer": name, "mesh": mesh_kind, "outcome": "failed"}  # until every check passed
   coverage.append(record)
   (m0, o0, _, _), (m1, o1, init1, dtypes) = _train_both(case, MESHES[mesh_kind])
@@ -177,7 +102,7 @@ def test_zero1_trains_like_nnx_optimizer(name, mesh_kind, coverage):
   assert [x.shape for x in plain] == [x.shape for x in zero1]
   assert [x.dtype for x in plain] == [x.dtype for x in zero1]
   for x, y in zip(plain, zero1, strict=True):
-    if case.exact:
+    if case.elementwise:
       np.testing.assert_array_equal(x, y)
     else:
       np.testing.assert_allclose(x, y, rtol=TOLERANCE, atol=TOLERANCE)
@@ -190,7 +115,7 @@ def test_zero1_trains_like_nnx_optimizer(name, mesh_kind, coverage):
     assert not all(np.array_equal(a, b) for a, b in zip(_leaves(m1.l2), _leaves(init1.l2)))
   state = report(o1)
   record.update(
-      outcome="exact" if case.exact else "allclose",
+      outcome="exact" if case.elementwise else "allclose",
       bit_identical=all(np.array_equal(x, y) for x, y in zip(plain, zero1)),
       max_abs_diff=_max_abs_diff(plain, zero1),
       state_bytes_per_device=state.per_device_bytes,

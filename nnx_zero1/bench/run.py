@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_zero1.accumulate import value_and_grad_accumulated
 from nnx_zero1.bench import measure
 from nnx_zero1.bench.model import CONFIGS, Config, Transformer, count_params, loss_fn
+from nnx_zero1.bench.optimizers import BENCH, bench_optimizer
 from nnx_zero1.optimizer import Zero1Optimizer
 from nnx_zero1.report import bytes_per_device
 
@@ -41,10 +42,7 @@ STEP_ARMS = {
 }
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
-    "adam": lambda: optax.adam(1e-3),
-    "lion": lambda: optax.lion(1e-4),
-    "sgd": lambda: optax.sgd(1e-2, momentum=0.9),
+    name: functools.partial(bench_optimizer, name) for name in BENCH
 }
 
 

@@ -1,0 +1,130 @@
+"""The optax transformations this project runs, in one list.
+
+The tests compare each against ``nnx.Optimizer`` (``tests/test_optimizer_coverage.py``,
+whose results ``scripts/coverage_table.py`` turns into the README's table; the
+bit-identity tests in ``tests/test_optimizer.py``), and the bench's
+``--optimizer`` choices are entries of it at a training learning rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+__all__ = ["BENCH", "CASES", "ELEMENTWISE_CONTRACT", "FROZEN", "OptimizerCase", "bench_optimizer"]
+
+FROZEN = "l1"  # the masked / multi_transform cases freeze the parameters whose path names this
+
+
+def _frozen(params: Any) -> Any:
+  return jax.tree_util.tree_map_with_path(lambda path, _: FROZEN in jax.tree_util.keystr(path), params)
+
+
+def _trainable(params: Any) -> Any:
+  return jax.tree.map(lambda frozen: not frozen, _frozen(params))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerCase:
+  """One transformation: how to build it and what Zero-1 promises for it.
+
+  Example::
+
+    >>> case = CASES["adamw"]
+    >>> case.elementwise, type(case.build()).__name__
+    (True, 'GradientTransformationExtraArgs')
+  """
+
+  make: Callable[[float], optax.GradientTransformation]  # from a learning rate
+  learning_rate: float  # the tests' rate: large, so a few steps move the parameters
+  elementwise: bool  # True: bit-identical to nnx.Optimizer; False: reductions, equal to float precision
+  freezes: bool = False  # leaves the parameters under FROZEN as they were
+
+  def build(self, learning_rate: float | None = None) -> optax.GradientTransformation:
+    return self.make(self.learning_rate if learning_rate is None else learning_rate)
+
+
+ELEMENTWISE, REDUCING = True, False
+CASES: dict[str, OptimizerCase] = {
+    "sgd": OptimizerCase(optax.sgd, 0.1, ELEMENTWISE),
+    "momentum": OptimizerCase(lambda lr: optax.sgd(lr, momentum=0.9), 0.1, ELEMENTWISE),
+    "nesterov": OptimizerCase(lambda lr: optax.sgd(lr, momentum=0.9, nesterov=True), 0.1, ELEMENTWISE),
+    "adam": OptimizerCase(optax.adam, 1e-2, ELEMENTWISE),
+    "adamw": OptimizerCase(lambda lr: optax.adamw(lr, weight_decay=0.1), 1e-2, ELEMENTWISE),
+    "adamax": OptimizerCase(optax.adamax, 1e-2, ELEMENTWISE),
+    "nadam": OptimizerCase(optax.nadam, 1e-2, ELEMENTWISE),
+    "amsgrad": OptimizerCase(optax.amsgrad, 1e-2, ELEMENTWISE),
+    "lion": OptimizerCase(optax.lion, 1e-3, ELEMENTWISE),
+    "rmsprop": OptimizerCase(optax.rmsprop, 1e-2, ELEMENTWISE),
+    "adagrad": OptimizerCase(optax.adagrad, 1e-2, ELEMENTWISE),
+    "adadelta": OptimizerCase(optax.adadelta, 1.0, ELEMENTWISE),
+    "adabelief": OptimizerCase(optax.adabelief, 1e-2, ELEMENTWISE),
+    "yogi": OptimizerCase(optax.yogi, 1e-2, ELEMENTWISE),
+    "novograd": OptimizerCase(optax.novograd, 1e-2, REDUCING),
+    "lamb": OptimizerCase(optax.lamb, 1e-2, REDUCING),
+    "lars": OptimizerCase(optax.lars, 1e-2, REDUCING),
+    "adafactor": OptimizerCase(lambda lr: optax.adafactor(lr, min_dim_size_to_factor=8), 1e-2, REDUCING),
+    "contrib.muon": OptimizerCase(optax.contrib.muon, 1e-2, REDUCING),
+    "contrib.schedule_free_adamw": OptimizerCase(optax.contrib.schedule_free_adamw, 1e-2, ELEMENTWISE),
+    "MultiSteps(adam, k=2)": OptimizerCase(
+        lambda lr: optax.MultiSteps(optax.adam(lr), every_k_schedule=2), 1e-2, ELEMENTWISE
+    ),
+    "inject_hyperparams(adam)": OptimizerCase(
+        lambda lr: optax.inject_hyperparams(optax.adam)(learning_rate=optax.linear_schedule(lr, lr / 10, 4)),
+        1e-2, ELEMENTWISE,
+    ),
+    "chain(clip_by_global_norm, adamw)": OptimizerCase(
+        lambda lr: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(lr)), 1e-2, REDUCING
+    ),
+    "chain(clip, sgd)": OptimizerCase(
+        lambda lr: optax.chain(optax.clip(0.01), optax.sgd(lr)), 0.1, ELEMENTWISE
+    ),
+    "chain(add_decayed_weights, sgd)": OptimizerCase(
+        lambda lr: optax.chain(optax.add_decayed_weights(1e-2), optax.sgd(lr)), 0.1, ELEMENTWISE
+    ),
+    "chain(ema, scale)": OptimizerCase(
+        lambda lr: optax.chain(optax.ema(0.9), optax.scale(-lr)), 0.1, ELEMENTWISE
+    ),
+    "masked(adam) + masked(set_to_zero)": OptimizerCase(
+        lambda lr: optax.chain(
+            optax.masked(optax.adam(lr), _trainable), optax.masked(optax.set_to_zero(), _frozen)
+        ),
+        1e-2, ELEMENTWISE, freezes=True,
+    ),
+    "multi_transform(adam, set_to_zero)": OptimizerCase(
+        lambda lr: optax.multi_transform(
+            {"train": optax.adam(lr), "frozen": optax.set_to_zero()},
+            lambda p: jax.tree.map(lambda f: "frozen" if f else "train", _frozen(p)),
+        ),
+        1e-2, ELEMENTWISE, freezes=True,
+    ),
+}
+
+# The ones DESIGN.md names as elementwise: bit-identical to nnx.Optimizer by contract.
+ELEMENTWISE_CONTRACT = ("sgd", "momentum", "adam", "adamw", "lion", "rmsprop", "adagrad")
+
+# The bench's --optimizer choices: (entry of CASES, training learning rate).
+BENCH: dict[str, tuple[str, float]] = {
+    "adamw": ("adamw", 1e-3),
+    "adam": ("adam", 1e-3),
+    "lion": ("lion", 1e-4),
+    "sgd": ("momentum", 1e-2),
+}
+
+
+def bench_optimizer(name: str) -> optax.GradientTransformation:
+  """The bench's ``--optimizer name``: an entry of :data:`CASES` at its training rate.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> state = bench_optimizer("sgd").init({"w": jnp.ones(2)})  # sgd with momentum 0.9
+    >>> len(state)
+    2
+  """
+  case, learning_rate = BENCH[name]
+  return CASES[case].build(learning_rate)
