@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import MLP, Decoder, assert_trees_close, assert_trees_equal, assert_unchanged, lm_loss, snapshot
 from helpers import loss_fn as mlp_loss
 from nnx_zero1 import Zero1Error, Zero1Optimizer, value_and_grad_accumulated
-from nnx_zero1.bench.measure import collectives, loop_collectives
+from nnx_zero1._hlo import collectives, loop_collectives
 from nnx_zero1.optimizer import _is_marked
 from nnx_zero1.report import bytes_per_device
 

@@ -1,12 +1,16 @@
-"""Measuring a compiled training step: collectives, memory and time, as small pure functions."""
+"""Measuring a compiled training step: collectives, memory and time, as small pure functions.
+
+The HLO parsing lives in :mod:`nnx_zero1._hlo`, shared with the tests; it is re-exported here.
+"""
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
+
+from nnx_zero1._hlo import COLLECTIVES, collectives, loop_collectives, shape_bytes
 
 __all__ = [
     "COLLECTIVES",
@@ -17,170 +21,6 @@ __all__ = [
     "median_ms",
     "time_call",
 ]
-
-COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
-
-_DTYPE_BYTES = {
-    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_OP = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s"
-    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\("
-)
-_CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def _array_bytes(dtype: str, dims: str) -> int:
-  size = 1
-  for d in filter(None, dims.split(",")):
-    size *= int(d)
-  # fp8 variants (f8e4m3fn, ...) are one byte.
-  return size * _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
-
-
-def shape_bytes(shape: str, *, second_half: bool = False) -> int:
-  """Bytes of an HLO shape string; a tuple's elements are summed.
-
-  ``second_half=True`` counts only the last half of the tuple's arrays: the
-  results of an async ``all-gather-start``, whose shape is (operands, results).
-
-  Example::
-
-    >>> shape_bytes("f32[4,8]{1,0}")
-    128
-    >>> shape_bytes("(f32[2]{0}, bf16[2,2]{1,0})")
-    16
-    >>> shape_bytes("(f32[2]{0}, f32[8]{0})", second_half=True)
-    32
-  """
-  arrays = _ARRAY.findall(shape)
-  if second_half:
-    arrays = arrays[len(arrays) // 2:]
-  return sum(_array_bytes(dtype, dims) for dtype, dims in arrays)
-
-
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
-  """Splits HLO text into {computation name: its instruction lines} and the entry's name."""
-  bodies: dict[str, list[str]] = {}
-  entry, current = None, None
-  for line in hlo.splitlines():
-    header = _HEADER.match(line)
-    if header and "=" not in line.split("{", 1)[0].split("(", 1)[0]:
-      current = header.group(2)
-      bodies[current] = []
-      entry = current if header.group(1) else entry
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      bodies[current].append(line)
-  return bodies, entry
-
-
-def _callees(line: str) -> list[tuple[str, str]]:
-  """(kind, computation) for every computation an instruction calls."""
-  callees = [(kind, callee) for kind, callee in _CALLEE.findall(line)]
-  for branches in _BRANCHES.findall(line):
-    callees += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
-  return callees
-
-
-def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
-  """How many times each computation runs per call of the entry (while bodies x trip count)."""
-  runs: dict[str, int] = {}
-
-  def visit(name: str, times: int) -> None:
-    runs[name] = runs.get(name, 0) + times
-    for line in bodies.get(name, ()):
-      trip = _TRIP.search(line)
-      for kind, callee in _callees(line):
-        if callee in bodies:
-          visit(callee, times * (int(trip.group(1)) if kind == "body" and trip else 1))
-
-  if entry is not None:
-    visit(entry, 1)
-  return runs
-
-
-def _count(lines: list[str], times: int, out: dict[str, dict[str, int]]) -> None:
-  for line in lines:
-    m = _OP.match(line)
-    if m and times:
-      nbytes = shape_bytes(m["shape"], second_half=bool(m["start"]) and m["op"] != "all-reduce")
-      out[m["op"]]["count"] += times
-      out[m["op"]]["bytes"] += times * nbytes
-
-
-def _empty() -> dict[str, dict[str, int]]:
-  return {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
-
-
-def collectives(hlo: str) -> dict[str, dict[str, int]]:
-  """Count and bytes of all-reduce, reduce-scatter and all-gather per call of a compiled kernel.
-
-  Parses ``compiled.as_text()``. Async forms (``all-gather-start``) count once
-  (their ``-done`` halves are skipped); combined collectives have tuple shapes,
-  whose arrays are summed; bytes are the results' bytes on one device. An op
-  inside a while loop with a known trip count counts once per trip.
-
-  Example::
-
-    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
-    ...   ROOT %all-reduce = f32[8]{0} all-reduce(%p), to_apply=%add
-    ... }'''
-    >>> collectives(hlo)["all-reduce"]
-    {'count': 1, 'bytes': 32}
-  """
-  bodies, entry = _computations(hlo)
-  runs = _executions(bodies, entry)
-  out = _empty()
-  for name, lines in bodies.items():
-    _count(lines, runs.get(name, 0), out)
-  return out
-
-
-def loop_collectives(hlo: str) -> dict[str, dict[str, int]]:
-  """Collectives inside while-loop bodies (and what they call), each counted once: one trip's.
-
-  A micro-batch loop (``lax.scan``) that defers its gradient reduction has
-  none of gradient size here.
-
-  Example::
-
-    >>> hlo = '''%body (p: f32[8]) -> f32[8] {
-    ...   ROOT %ar = f32[8]{0} all-reduce(%p), to_apply=%add
-    ... }
-    ...
-    ... ENTRY %main (a: f32[8]) -> f32[8] {
-    ...   %w = f32[8]{0} while(%a), condition=%cond, body=%body
-    ...   ROOT %ag = f32[16]{0} all-gather(%w), dimensions={0}
-    ... }'''
-    >>> loop_collectives(hlo)["all-reduce"], loop_collectives(hlo)["all-gather"]
-    ({'count': 1, 'bytes': 32}, {'count': 0, 'bytes': 0})
-  """
-  bodies, entry = _computations(hlo)
-  inside: set[str] = set()
-
-  def visit(name: str, in_loop: bool) -> None:
-    if in_loop:
-      if name in inside:
-        return
-      inside.add(name)
-    for line in bodies.get(name, ()):
-      for kind, callee in _callees(line):
-        if callee in bodies:
-          visit(callee, in_loop or kind == "body")
-
-  if entry is not None:
-    visit(entry, False)
-  out = _empty()
-  for name in inside:
-    _count(bodies[name], 1, out)
-  return out
 
 
 def memory(compiled: Any) -> dict[str, int]:
