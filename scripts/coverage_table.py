@@ -22,15 +22,17 @@ import subprocess
 import sys
 import tempfile
 
+from nnx_zero1.layout import Reason
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEST = "tests/test_optimizer_coverage.py"
 MESHES = ("Explicit", "Auto")
-SHORT = {  # report's reasons, shortened for a table cell
-    "no dimension divisible by the data-axis size": "no dim divisible",
-    "not parameter-shaped": "not param-shaped",
-    "statistic over the dimension its parameter is split on": "drops the split dim",
-    "per-parameter statistic whose dimensions match its parameter's in more than one way": "ambiguous dims",
-    "statistic of a parameter that is not split": "param not split",
+SHORT = {  # report's reasons, shortened for a table cell (a Reason equals its text)
+    Reason.NOT_DIVISIBLE: "no dim divisible",
+    Reason.NOT_PARAM_SHAPED: "not param-shaped",
+    Reason.NOT_ALIGNED: "drops the split dim",
+    Reason.AMBIGUOUS: "ambiguous dims",
+    Reason.PARAM_NOT_SPLIT: "param not split",
 }
 
 
