@@ -19,6 +19,7 @@ from nnx_zero1.checks import (
     check_strict,
     resolve_mesh,
 )
+from nnx_zero1.extra_args import partition_arrays, value_fn_at_home
 from nnx_zero1.layout import DataAxis, data_axes, data_axis_size, spec_entries
 from nnx_zero1.placement import current_sharding, place
 from nnx_zero1.plan import Zero1Plan, make_plan
@@ -40,6 +41,8 @@ def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, par
   sharding types some of it is then illegal (Muon's ``X @ X.T`` on a row-split
   ``X``). Inside ``auto_axes`` the compiler places the intermediates and the
   outputs land on the plan's layout; elementwise arithmetic is unchanged.
+  Keyword arguments that are not arrays (a line search's ``value_fn``) are
+  passed as they are, the arrays as inputs.
   """
   types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types))
   if all(types[a] != jax.sharding.AxisType.Explicit for a in plan.data_axis):
@@ -48,9 +51,10 @@ def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, par
       jax.tree.unflatten(plan.param_treedef, plan.zero1_param_shardings),
       jax.tree.unflatten(jax.tree.structure(state), [row.sharding for row in plan.state_leaves]),
   )
-  run = lambda g, s, p, kw: tx.update(g, s, p, **kw)  # noqa: E731
+  arrays, rebuild = partition_arrays(kwargs)
+  run = lambda g, s, p, kw: tx.update(g, s, p, **rebuild(kw))  # noqa: E731
   return jax.sharding.auto_axes(run, axes=plan.data_axis, out_sharding=out_sharding)(
-      grads, state, params, kwargs
+      grads, state, params, arrays
   )
 
 
@@ -205,7 +209,10 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     sliced_params = _place_all(params, plan.zero1_param_shardings)
     # A no-op when the state is on the plan; re-places state restored onto another layout.
     state = _place_all(state, state_shardings)
-    updates, new_state = _run_tx(self.tx, plan, sliced_grads, state, sliced_params, nnx.as_pure(kwargs))
+    kwargs = nnx.as_pure(kwargs)
+    if callable(kwargs.get("value_fn")):  # optax's line searches evaluate it on the slices
+      kwargs["value_fn"] = value_fn_at_home(kwargs["value_fn"], plan, homes)
+    updates, new_state = _run_tx(self.tx, plan, sliced_grads, state, sliced_params, kwargs)
     new_params = optax.apply_updates(sliced_params, updates)
     new_state = _place_all(new_state, state_shardings)
 

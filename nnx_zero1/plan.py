@@ -18,7 +18,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from nnx_zero1.errors import Zero1Error
 from nnx_zero1.layout import ALREADY_SHARDED, SCALAR, data_axis_size, spec_entries, zero1_layout
 
-__all__ = ["LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "statistic_layout"]
+__all__ = ["LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "memory_layout", "statistic_layout"]
 
 NOT_PARAM_SHAPED = "not parameter-shaped"
 
@@ -76,6 +76,35 @@ class _Owner:
   same_shape: bool = False
 
 
+def _owners_by_structure(abstract_state, param_shapes, treedef) -> list[_Owner]:
+  """For each state leaf, matched against the parameters by tree position and shape.
+
+  The fallback when optax cannot map the state (``tree_map_params`` runs ``tx.init`` on
+  placeholders, which lbfgs's line search cannot take): every subtree of the state
+  with the parameters' tree structure ties its leaves to the parameter at the same
+  position, when a leaf has that parameter's shape or that shape behind a leading
+  axis (lbfgs's memories). Anything else belongs to no parameter.
+  """
+  indices = jax.tree.leaves(jax.tree.unflatten(treedef, range(len(param_shapes))))
+
+  def like_params(node) -> bool:
+    return jax.tree.structure(node) == treedef
+
+  def tag(node):
+    if not like_params(node):
+      return _Owner(None)
+    leaves = jax.tree.leaves(node)
+    owners = []
+    for leaf, i in zip(leaves, indices, strict=True):
+      shape = tuple(leaf.shape)
+      tied = shape == param_shapes[i] or shape[1:] == param_shapes[i]
+      owners.append(_Owner(i if tied else None, shape == param_shapes[i]))
+    return owners
+
+  tagged = jax.tree.map(tag, abstract_state, is_leaf=like_params)
+  return jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Owner))
+
+
 def _owners_of_state_leaves(tx, abstract_state, param_shapes, treedef) -> list[_Owner]:
   """For each state leaf, in tree-leaf order: the parameter optax says it belongs to."""
   indices = jax.tree.unflatten(treedef, range(len(param_shapes)))
@@ -91,12 +120,8 @@ def _owners_of_state_leaves(tx, abstract_state, param_shapes, treedef) -> list[_
         transform_non_params=lambda leaf: _Owner(None),
         is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
-  except Exception as e:  # noqa: BLE001 -- any optax failure means we cannot plan
-    name = getattr(tx.init, "__qualname__", type(tx).__name__).split(".<locals>")[0]
-    raise Zero1Error(
-        f"cannot tell which optimizer-state leaves of {name} are parameter-shaped: "
-        f"optax.tree_utils.tree_map_params failed ({type(e).__name__}: {e})"
-    ) from e
+  except Exception:  # noqa: BLE001 -- optax's placeholders do not run every init (lbfgs)
+    return _owners_by_structure(abstract_state, param_shapes, treedef)
   return jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Owner))
 
 
@@ -167,6 +192,26 @@ def statistic_layout(
   return sharding, NOT_ALIGNED if _uses(entries, data_axis) else PARAM_NOT_SPLIT
 
 
+def memory_layout(param_layout: tuple[NamedSharding, str | None]) -> NamedSharding:
+  """Layout of a stack of parameter-shaped values (lbfgs's memories): a leading axis
+  kept whole on every replica, then the parameter's Zero-1 layout.
+
+  ``param_layout`` is :func:`~nnx_zero1.layout.zero1_layout`'s answer for the parameter.
+
+  Example::
+
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> memory_layout((NamedSharding(mesh, P("data")), None)).spec
+    P(None, 'data')
+  """
+  sharding, _ = param_layout
+  entries = spec_entries(sharding.spec)
+  spec = PartitionSpec(None, *entries) if entries else PartitionSpec()
+  return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+
+
 def _refuse_unmapped(tx, rows, mesh, data_axis) -> None:
   """Non-scalar state of which optax could tie none to a parameter would stay whole on
   every replica: a silently replicated optimizer. Refuse it by name."""
@@ -202,7 +247,8 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
   leaves, treedef = jax.tree.flatten(params)
   shapes = tuple(tuple(x.shape) for x in leaves)
   shardings = tuple(base_sharding(x, mesh) for x in leaves)
-  zero1 = tuple(zero1_layout(s, sh, data_axis)[0] for s, sh in zip(shapes, shardings))
+  layouts = [zero1_layout(s, sh, data_axis) for s, sh in zip(shapes, shardings)]
+  zero1 = tuple(sharding for sharding, _ in layouts)
   abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   abstract_state = jax.eval_shape(tx.init, abstract_params)
   owners = _owners_of_state_leaves(tx, abstract_state, shapes, treedef)
@@ -213,6 +259,8 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
     shape = tuple(leaf.shape)
     if owner.index is not None and owner.same_shape:
       sharding, reason = zero1_layout(shape, shardings[owner.index], data_axis)
+    elif owner.index is not None and shape[1:] == shapes[owner.index]:
+      sharding, reason = memory_layout(layouts[owner.index]), layouts[owner.index][1]
     elif owner.index is not None:
       i = owner.index
       sharding, reason = statistic_layout(shape, shapes[i], zero1[i], data_axis)
