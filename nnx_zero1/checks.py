@@ -94,7 +94,11 @@ def check_model(params: Any, plan: Zero1Plan) -> None:
 
 
 def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
-  """Refuses gradients whose tree, shapes or dtypes do not match the parameters."""
+  """Refuses gradients whose tree or shapes do not match the parameters.
+
+  Their dtype may differ (bfloat16 gradients of float32 parameters): optax
+  promotes, as it does under ``nnx.Optimizer``.
+  """
   g_leaves, g_def = jax.tree.flatten(grads)
   if g_def != plan.param_treedef:
     raise Zero1Error(
@@ -103,7 +107,7 @@ def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
     )
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   for (path, p), g in zip(flat, g_leaves):
-    if tuple(g.shape) != tuple(p.shape) or g.dtype != p.dtype:
+    if tuple(g.shape) != tuple(p.shape):
       raise Zero1Error(
           f"gradient for {jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but the "
           f"parameter is {p.dtype}{list(p.shape)}; {describe_mesh(plan.mesh)}"
