@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
-from nnx_zero1.placement import is_explicit, place
+from nnx_zero1.placement import place
+from nnx_zero1.specs import is_explicit
 
 __all__ = ["partition_arrays", "value_fn_at_home"]
 
@@ -84,10 +85,7 @@ def value_fn_at_home(value_fn: Callable, plan, homes: Sequence[NamedSharding]) -
 def _inside_auto_axes(plan) -> bool:
   """True inside ``tx.update`` on an Explicit mesh: the context has the data axes Auto."""
   context = jax.sharding.get_abstract_mesh()
-  if context.empty or not is_explicit(plan.zero1_param_shardings[0]):
+  if context.empty or not is_explicit(plan.mesh, plan.data_axis):
     return False
   types = dict(zip(context.axis_names, context.axis_types))
-  explicit = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types))
-  return any(
-      explicit[a] == AxisType.Explicit and types.get(a) == AxisType.Auto for a in plan.data_axis
-  )
+  return any(is_explicit(plan.mesh, (a,)) and types.get(a) == AxisType.Auto for a in plan.data_axis)

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, assert_trees_close, assert_trees_equal, batches, shardings, train
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
+from nnx_zero1._compat import jit_cache_size
 from nnx_zero1.report import bytes_per_device
 
 MESH = jax.make_mesh((8,), ("data",))
@@ -191,7 +192,7 @@ def test_a_jitted_step_dispatches_from_one_cache_entry():
     shard = NamedSharding(MESH, P("data"))
     for x, y in batches(3):
       state = step(state, jax.device_put(x, shard), jax.device_put(y, shard))
-  assert step._cache_size() == 1
+  assert jit_cache_size(step) == 1
 
 
 def test_state_optax_cannot_tie_to_parameters_is_refused_not_replicated():
