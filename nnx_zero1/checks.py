@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_zero1._compat import legacy_context_mesh
+from nnx_zero1._compat import context_mesh, legacy_context_mesh
 from nnx_zero1.errors import Zero1Error, describe_mesh
 from nnx_zero1.layout import Reason
 from nnx_zero1.plan import Zero1Plan
@@ -34,7 +34,7 @@ def resolve_mesh(mesh: Mesh | None) -> Mesh:
     if not isinstance(mesh, Mesh):
       raise Zero1Error(f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}")
     return mesh
-  current = jax.sharding.get_mesh()
+  current = context_mesh()  # also under jit / nnx.eval_shape
   if current.empty:
     current = legacy_context_mesh()  # Tunix still uses `with mesh:`
   if current.empty:

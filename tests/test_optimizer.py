@@ -214,3 +214,16 @@ def test_built_under_a_trace_the_state_has_the_zero1_layout():
     abstract = nnx.eval_shape(lambda: Zero1Optimizer(model, optax.adam(1e-3), MESH))
   assert abstract.opt_state[0].mu["l1"]["kernel"].get_value().sharding.spec == P("data", None)
 
+
+
+@pytest.mark.parametrize("mesh", [MESH, AUTO], ids=["Explicit", "Auto"])
+def test_built_under_a_trace_without_mesh_takes_set_meshs(mesh):
+  """``jax.sharding.get_mesh()`` refuses to answer while tracing; the optimizer still finds it."""
+  with jax.set_mesh(mesh):
+    model = MLP(nnx.Rngs(0))
+    abstract = nnx.eval_shape(lambda: Zero1Optimizer(model, optax.adam(1e-3)))
+    state = nnx.jit(lambda m: nnx.state(Zero1Optimizer(m, optax.adam(1e-3))))(model)
+  assert abstract.mesh == mesh
+  mu = state["opt_state"][0]["mu"]["l1"]["kernel"].get_value()
+  assert mu.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+  assert bytes_per_device(mu) * 8 == mu.nbytes
