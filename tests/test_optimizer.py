@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import MLP, assert_trees_close, assert_trees_equal, batches, shardings, train
+from helpers import MLP, assert_trees_close, assert_trees_equal, batches, loss_fn, shardings, train
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
 from nnx_zero1._compat import jit_cache_size
 from nnx_zero1.report import bytes_per_device
@@ -227,3 +227,36 @@ def test_built_under_a_trace_without_mesh_takes_set_meshs(mesh):
   mu = state["opt_state"][0]["mu"]["l1"]["kernel"].get_value()
   assert mu.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
   assert bytes_per_device(mu) * 8 == mu.nbytes
+
+
+MIXED = {
+    f"data-{a.name}-tp-{b.name}": jax.make_mesh((4, 2), ("data", "tp"), axis_types=(a, b))
+    for a, b in [(AxisType.Auto, AxisType.Explicit), (AxisType.Explicit, AxisType.Auto)]
+}
+
+
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("kind", list(MIXED))
+def test_mixed_axis_types_place_each_axis_its_own_way(kind, jitted):
+  """reshard moves Explicit axes, a sharding constraint (device_put eagerly) the Auto ones."""
+  mesh = MIXED[kind]
+  runs = []
+  for cls in (nnx.Optimizer, Zero1Optimizer):
+    with jax.set_mesh(mesh):
+      model = MLP(nnx.Rngs(0))
+      placed = shardings(model)
+      opt = cls(model, optax.adamw(1e-2), wrt=nnx.Param)
+      if jitted:
+        train(model, opt, mesh, batches(2))
+      else:
+        for x, y in batches(2):
+          x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+          opt.update(model, nnx.grad(loss_fn)(model, x, y))
+    runs.append((model, opt, placed))
+  (m0, o0, _), (m1, o1, placed) = runs
+  assert_trees_equal(m0, m1)
+  assert_trees_equal(o0, o1)
+  assert shardings(m1) == placed
+  mu = o1.opt_state[0].mu["l1"]["kernel"][...]
+  assert mu.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+  assert bytes_per_device(mu) * 4 == mu.nbytes
