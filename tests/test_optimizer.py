@@ -260,3 +260,24 @@ def test_mixed_axis_types_place_each_axis_its_own_way(kind, jitted):
   mu = o1.opt_state[0].mu["l1"]["kernel"][...]
   assert mu.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
   assert bytes_per_device(mu) * 4 == mu.nbytes
+
+
+def test_tuple_data_axis_adds_the_data_axes_a_parameter_does_not_use_yet():
+  """FSDP over ``data`` with ``data_axis=("replica", "data")``: moments add ``replica``."""
+  mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(AxisType.Auto, AxisType.Auto))
+  data = batches(2)
+  runs = []
+  both = ((nnx.Optimizer, {"wrt": nnx.Param}), (Zero1Optimizer, {"data_axis": ("replica", "data")}))
+  for cls, kwargs in both:
+    with jax.set_mesh(mesh):
+      model = MLP(nnx.Rngs(0), kernel_sharding=("data", None))
+      opt = cls(model, optax.adamw(1e-2), **kwargs)
+      train(model, opt, mesh, data, data_axis=("replica", "data"))
+    runs.append((model, opt))
+  (m0, o0), (m1, o1) = runs
+  assert_trees_equal(m0, m1)
+  assert_trees_equal(o0, o1)
+  mu = o1.opt_state[0].mu["l1"]["kernel"][...]
+  assert mu.sharding.spec == P(("data", "replica"))
+  assert bytes_per_device(mu) * 8 == mu.nbytes
+  assert m1.l1.kernel[...].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
