@@ -21,7 +21,7 @@ from nnx_zero1.checks import (
   resolve_mesh,
 )
 from nnx_zero1.extra_args import partition_arrays, value_fn_at_home
-from nnx_zero1.placement import current_sharding, place
+from nnx_zero1.placement import current_sharding, off_mesh, place
 from nnx_zero1.plan import Zero1Plan, make_plan
 from nnx_zero1.specs import DataAxis, data_axes, data_axis_size, is_explicit, spec_entries
 
@@ -30,9 +30,10 @@ __all__ = ["Zero1Optimizer", "init_sharded_state", "opt_state_init"]
 M = TypeVar("M")
 
 
-def _place_all(tree: Any, shardings) -> Any:
+def _place_all(tree: Any, shardings, only=None) -> Any:
   leaves, treedef = jax.tree.flatten(tree)
-  return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, shardings, strict=True)])
+  placed = [x if only and not only(x) else place(x, s) for x, s in zip(leaves, shardings, strict=True)]
+  return jax.tree.unflatten(treedef, placed)
 
 
 def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, params, kwargs):
@@ -216,6 +217,10 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     check_grads(grads, params, plan)
     state = nnx.as_pure(self.opt_state)
     check_state(state, plan)
+    # Arrays left on one device (a model built outside the mesh) join the mesh on the layout
+    # recorded for them, where nnx.Optimizer's eager arithmetic under the mesh leaves them too.
+    params = _place_all(params, plan.param_shardings, only=off_mesh)
+    grads = _place_all(grads, plan.param_shardings, only=off_mesh)
     homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
     state_shardings = [row.sharding for row in plan.state_leaves]
 

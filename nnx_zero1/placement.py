@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 
 from nnx_zero1.specs import canonical_spec, entry_axes, is_explicit, spec_entries
 
-__all__ = ["place", "current_sharding", "is_explicit"]  # is_explicit: from nnx_zero1.specs
+__all__ = ["place", "current_sharding", "is_explicit", "off_mesh"]  # is_explicit: from nnx_zero1.specs
 
 
 def _only(sharding: NamedSharding, keep) -> NamedSharding:
@@ -57,6 +57,23 @@ def place(x: Any, sharding: NamedSharding) -> Any:
   elif traced:
     return jax.lax.with_sharding_constraint(x, sharding)
   return jax.device_put(x, sharding)
+
+
+def off_mesh(x: Any) -> bool:
+  """True for a concrete array not placed on any mesh (on one device, as a model built
+  outside ``jax.set_mesh`` is); tracers and mesh-placed arrays are False.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> on_mesh = NamedSharding(jax.make_mesh((1,), ("data",)), P())
+    >>> off_mesh(jnp.ones(2)), off_mesh(jax.device_put(jnp.ones(2), on_mesh))
+    (True, False)
+  """
+  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    return False
+  return not isinstance(x.sharding, NamedSharding)
 
 
 def current_sharding(x: Any, recorded: NamedSharding) -> Any:
