@@ -78,6 +78,12 @@ MATRIX: dict[str, Case] = {
     "lbfgs": Case(lambda: optax.lbfgs(), REDUCING, line_search=True),
     "lbfgs(linesearch=None)": Case(lambda: optax.lbfgs(0.1, linesearch=None), REDUCING),
     "contrib.muon": Case(lambda: optax.contrib.muon(1e-2), REDUCING),
+    "contrib.adopt": Case(lambda: optax.contrib.adopt(1e-2), ELEMENTWISE),
+    "contrib.ademamix": Case(lambda: optax.contrib.ademamix(1e-2), ELEMENTWISE),
+    "contrib.madgrad": Case(lambda: optax.contrib.madgrad(1e-2), ELEMENTWISE),
+    "contrib.prodigy": Case(lambda: optax.contrib.prodigy(), REDUCING),
+    "contrib.momo": Case(lambda: optax.contrib.momo(), REDUCING, line_search=True),
+    "polyak_sgd": Case(lambda: optax.polyak_sgd(), REDUCING, line_search=True),
     "contrib.schedule_free_adamw": Case(lambda: optax.contrib.schedule_free_adamw(1e-2), ELEMENTWISE),
     "MultiSteps(adam, k=2)": Case(
         lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), ELEMENTWISE
