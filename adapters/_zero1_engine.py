@@ -22,7 +22,7 @@ class Zero1EngineMixin:
   It needs the engine to (1) build its optimizer through
   ``_make_optimizer(model, tx)`` before any kernel reads shardings off the live
   arrays, and (2) reduce its accumulated gradient rows with
-  ``_reduce.reduce_rows`` onto ``_gradient_targets()`` inside the update
+  ``nnx_zero1.deferred.reduce_rows`` onto ``_gradient_targets()`` inside the update
   kernel. The mixin returns a ``Zero1Optimizer`` from the first (moments on the
   Zero-1 layout from the start) and the Zero-1 layout from the second, so the
   one gradient reduction per step becomes a reduce-scatter; the optimizer
