@@ -84,33 +84,32 @@ class _Owner:
   same_shape: bool = False
 
 
-def _owners_by_structure(abstract_state, param_shapes, treedef) -> list[_Owner]:
-  """For each state leaf, matched against the parameters by tree position and shape.
+def _owners_by_path(abstract_state, param_shapes, treedef) -> list[_Owner]:
+  """For each state leaf, matched against the parameters by key path and shape.
 
   The fallback when optax cannot map the state (``tree_map_params`` runs ``tx.init`` on
-  placeholders, which lbfgs's line search cannot take): every subtree of the state
-  with the parameters' tree structure ties its leaves to the parameter at the same
-  position, when a leaf has that parameter's shape or that shape behind a leading
-  axis (lbfgs's memories). Anything else belongs to no parameter.
+  placeholders, which lbfgs's line search cannot take): a state leaf whose path ends
+  with a parameter's path (``[0].mu['l1']['kernel']`` ends with ``['l1']['kernel']``;
+  the longest such parameter path wins) belongs to that parameter when it has its
+  shape, or its shape behind a leading axis (lbfgs's memories). Anything else
+  belongs to no parameter.
   """
-  indices = jax.tree.leaves(jax.tree.unflatten(treedef, range(len(param_shapes))))
+  index_tree = jax.tree.unflatten(treedef, range(len(param_shapes)))
+  flat_indices = jax.tree_util.tree_flatten_with_path(index_tree)[0]
+  param_paths = {i: jax.tree_util.keystr(path) for path, i in flat_indices}
 
-  def like_params(node) -> bool:
-    return jax.tree.structure(node) == treedef
-
-  def tag(node):
-    if not like_params(node):
+  def owner(path, leaf) -> _Owner:
+    where, shape = jax.tree_util.keystr(path), tuple(leaf.shape)
+    tied = [
+        i for i, p in param_paths.items()
+        if where.endswith(p) and (shape == param_shapes[i] or shape[1:] == param_shapes[i])
+    ]
+    if not tied:
       return _Owner(None)
-    leaves = jax.tree.leaves(node)
-    owners = []
-    for leaf, i in zip(leaves, indices, strict=True):
-      shape = tuple(leaf.shape)
-      tied = shape == param_shapes[i] or shape[1:] == param_shapes[i]
-      owners.append(_Owner(i if tied else None, shape == param_shapes[i]))
-    return owners
+    i = max(tied, key=lambda i: len(param_paths[i]))
+    return _Owner(i, shape == param_shapes[i])
 
-  tagged = jax.tree.map(tag, abstract_state, is_leaf=like_params)
-  return jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Owner))
+  return [owner(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
 
 
 def _owners_of_state_leaves(tx, abstract_state, param_shapes, treedef) -> list[_Owner]:
@@ -129,7 +128,7 @@ def _owners_of_state_leaves(tx, abstract_state, param_shapes, treedef) -> list[_
         is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
   except Exception:  # noqa: BLE001 -- optax's placeholders do not run every init (lbfgs)
-    return _owners_by_structure(abstract_state, param_shapes, treedef)
+    return _owners_by_path(abstract_state, param_shapes, treedef)
   return jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Owner))
 
 
@@ -142,7 +141,8 @@ def _refuse_unmapped(tx, rows, mesh, data_axis) -> None:
     name = getattr(tx.init, "__qualname__", type(tx).__name__).split(".<locals>")[0]
     raise Zero1Error(
         f"none of the optimizer state of {name} can be tied to a parameter "
-        f"(optax.tree_utils.tree_map_params finds no parameter-shaped leaf among "
+        f"(neither optax.tree_utils.tree_map_params nor matching by tree position and shape "
+        f"finds a parameter-shaped leaf among "
         f"{', '.join(r.path for r in tensors[:4])}), so Zero-1 would split nothing; "
         f"{describe_mesh(mesh)}"
     )
