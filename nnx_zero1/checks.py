@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_zero1._compat import legacy_context_mesh
+from nnx_zero1._compat import context_mesh, legacy_context_mesh
 from nnx_zero1.errors import Zero1Error, describe_mesh
 from nnx_zero1.layout import Reason
 from nnx_zero1.plan import Zero1Plan
@@ -32,7 +32,7 @@ def current_mesh() -> Mesh | None:
     >>> current_mesh() is None
     True
   """
-  current = jax.sharding.get_mesh()
+  current = context_mesh()  # also under jit / nnx.eval_shape
   if current.empty:
     current = legacy_context_mesh()  # Tunix still uses `with mesh:`
   return None if current.empty else current
@@ -141,7 +141,11 @@ def check_model(params: Any, plan: Zero1Plan) -> None:
 
 
 def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
-  """Refuses gradients whose tree, shapes or dtypes do not match the parameters."""
+  """Refuses gradients whose tree or shapes do not match the parameters.
+
+  Their dtype may differ (bfloat16 gradients of float32 parameters): optax
+  promotes, as it does under ``nnx.Optimizer``.
+  """
   g_leaves, g_def = jax.tree.flatten(grads)
   if g_def != plan.param_treedef:
     raise Zero1Error(
@@ -150,7 +154,7 @@ def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
     )
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   for (path, p), g in zip(flat, g_leaves):
-    if tuple(g.shape) != tuple(p.shape) or g.dtype != p.dtype:
+    if tuple(g.shape) != tuple(p.shape):
       raise Zero1Error(
           f"gradient for {jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but the "
           f"parameter is {p.dtype}{list(p.shape)}; {describe_mesh(plan.mesh)}"

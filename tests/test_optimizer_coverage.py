@@ -51,6 +51,7 @@ class Case:
   make: Callable[[], optax.GradientTransformation]
   exact: bool  # elementwise: bit-identical; otherwise allclose to TOLERANCE
   freezes: bool = False
+  line_search: bool = False  # driven through update(model, grads, value=, grad=, value_fn=)
 
 
 TOLERANCE = 1e-5
@@ -74,7 +75,16 @@ MATRIX: dict[str, Case] = {
     "lamb": Case(lambda: optax.lamb(1e-2), REDUCING),
     "lars": Case(lambda: optax.lars(1e-2), REDUCING),
     "adafactor": Case(lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8), REDUCING),
+    # memory_size=4 (default 10): lbfgs's many small all-reduces are the heaviest programs here
+    "lbfgs": Case(lambda: optax.lbfgs(memory_size=4), REDUCING, line_search=True),
+    "lbfgs(linesearch=None)": Case(lambda: optax.lbfgs(0.1, memory_size=4, linesearch=None), REDUCING),
     "contrib.muon": Case(lambda: optax.contrib.muon(1e-2), REDUCING),
+    "contrib.adopt": Case(lambda: optax.contrib.adopt(1e-2), ELEMENTWISE),
+    "contrib.ademamix": Case(lambda: optax.contrib.ademamix(1e-2), ELEMENTWISE),
+    "contrib.madgrad": Case(lambda: optax.contrib.madgrad(1e-2), ELEMENTWISE),
+    "contrib.prodigy": Case(lambda: optax.contrib.prodigy(), REDUCING),
+    "contrib.momo": Case(lambda: optax.contrib.momo(), REDUCING, line_search=True),
+    "polyak_sgd": Case(lambda: optax.polyak_sgd(), REDUCING, line_search=True),
     "contrib.schedule_free_adamw": Case(lambda: optax.contrib.schedule_free_adamw(1e-2), ELEMENTWISE),
     "MultiSteps(adam, k=2)": Case(
         lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), ELEMENTWISE
@@ -133,6 +143,16 @@ def _apply(model, opt, grads):
   opt.update(model, grads)
 
 
+@nnx.jit
+def _apply_line_search(model, opt, x, y):
+  """A step the way optax's line searches are driven: the loss, its gradients and a function
+  of the parameters (a pure ``nnx.State``, as ``nnx.Optimizer`` passes them)."""
+  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+  value, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+  value_fn = lambda params: loss_fn(nnx.merge(graphdef, params, rest), x, y)  # noqa: E731
+  opt.update(model, grads, value=value, grad=grads, value_fn=value_fn)
+
+
 def _train_both(case: Case, mesh):
   batch = NamedSharding(mesh, P("data"))
   out = []
@@ -143,7 +163,11 @@ def _train_both(case: Case, mesh):
       opt = cls(model, case.make(), wrt=nnx.Param)
       dtypes = [x.dtype for x in jax.tree.leaves(nnx.as_pure(opt.opt_state))]
       for x, y in DATA:
-        _apply(model, opt, _grads(model, jax.device_put(x, batch), jax.device_put(y, batch)))
+        x, y = jax.device_put(x, batch), jax.device_put(y, batch)
+        if case.line_search:
+          _apply_line_search(model, opt, x, y)
+        else:
+          _apply(model, opt, _grads(model, x, y))
     out.append((model, opt, initial, dtypes))
   return out
 
