@@ -37,11 +37,25 @@ from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
 from . import _checkpoint, _kernels, _reduce
 from ._zero1_engine import Zero1EngineMixin
 
-__all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine"]
+__all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine", "Zero1MaxTextTrainingEngine"]
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nnx.Module, dict], jax.Array]
+
+
+def __getattr__(name: str) -> Any:
+  """``Zero1MaxTextTrainingEngine`` loads MaxText (Python >= 3.12) on first use, not on import."""
+  if name != "Zero1MaxTextTrainingEngine":
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  try:
+    from .maxtext_engine import Zero1MaxTextTrainingEngine
+  except ImportError as e:
+    raise ImportError(
+        "Zero1MaxTextTrainingEngine needs MaxText's engine (maxtext.training_engine, Python >= 3.12; "
+        f"tested with maxtext==0.2.5): {e}"
+    ) from e
+  return Zero1MaxTextTrainingEngine
 
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:
