@@ -37,7 +37,7 @@ from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
 from . import _checkpoint, _kernels, _reduce
 from ._zero1_engine import Zero1EngineMixin
 
-__all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine", "Zero1MaxTextTrainingEngine"]
+__all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine", "Zero1MaxTextTrainingEngine"]  # noqa: F822 (lazy)
 
 logger = logging.getLogger(__name__)
 
