@@ -55,10 +55,16 @@ def reduce_scatter_unreduced(grads: Any, targets: Any) -> Any:
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
-    >>> g = jax.device_put(jnp.ones((4, 2)), NamedSharding(mesh, P(None, unreduced={"data"})))
-    >>> out = jax.jit(reduce_scatter_unreduced)({"w": g}, {"w": NamedSharding(mesh, P("data"))})
-    >>> out["w"].sharding.spec, float(out["w"].sum())
-    (PartitionSpec('data',), 16.0)
+    >>> w = jax.device_put(jnp.ones(2), NamedSharding(mesh, P()))
+    >>> x = jax.device_put(jnp.ones((4, 2)), NamedSharding(mesh, P("data")))
+    >>> def grads(w, x):  # a parameter tagged reduced gets an unreduced gradient
+    ...   w = jax.sharding.reshard(w, NamedSharding(mesh, P(reduced={"data"})))
+    ...   return jax.grad(lambda w: (x @ w).sum())(w)
+    >>> step = lambda w, x: reduce_scatter_unreduced(grads(w, x), NamedSharding(mesh, P("data")))
+    >>> with jax.set_mesh(mesh):
+    ...   out = jax.jit(step)(w, x)
+    >>> out.sharding.spec, out.tolist()
+    (P('data',), [4.0, 4.0])
   """
   leaves, treedef = jax.tree.flatten(grads)
   target_leaves = treedef.flatten_up_to(targets)
