@@ -312,9 +312,9 @@ class Engine:
 
   def _checkpoint_tree(self) -> dict:
     return {
-        "params": nnx.state(self.model, self.wrt).to_pure_dict(),
-        "optimizer": nnx.state(self.optimizer).to_pure_dict(),
-        "grad_acc": self._grad_acc.to_pure_dict(),
+        "params": nnx.to_pure_dict(nnx.state(self.model, self.wrt)),
+        "optimizer": nnx.to_pure_dict(nnx.state(self.optimizer)),
+        "grad_acc": nnx.to_pure_dict(self._grad_acc),
         "micro_steps": self._micro_steps,
     }
 
@@ -362,7 +362,8 @@ class Engine:
       logger.info("%s: accumulator saved with %d rows, restored with %d; summed into row 0",
                   type(self).__name__, saved_rows, self.data_size)
       with jax.set_mesh(self.mesh):
-        grad_acc = _checkpoint.fold_rows(grad_acc, self._params().to_pure_dict(), self.mesh, self.data_axis)
+        params = nnx.to_pure_dict(self._params())
+        grad_acc = _checkpoint.fold_rows(grad_acc, params, self.mesh, self.data_axis)
     nnx.replace_by_pure_dict(self._grad_acc, grad_acc)
     self._micro_steps = tree["micro_steps"]
     self._pending = int(self._micro_steps)
