@@ -16,6 +16,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import pathlib
@@ -86,13 +87,13 @@ def tiny_batches(config: Any, count: int, seed: int = 0) -> list[dict]:
 
 def run_arm(name: str, dp: int, ga: int, steps: int, warmup: int = 1) -> dict:
   """One arm: builds the engine, runs ``warmup + steps`` optimizer steps, measures them."""
-  from maxtext.training_engine.maxtext_engine import MaxTextTrainingEngine
+  from nnx_zero1.adapters.maxtext import Zero1MaxTextTrainingEngine  # first: supplies the Tunix types
 
-  from nnx_zero1.adapters.maxtext import Zero1MaxTextTrainingEngine
+  stock = importlib.import_module("maxtext.training_engine.maxtext_engine").MaxTextTrainingEngine
 
   flag = name == "maxtext-flag"
   config = tiny_config(ici_data_parallelism=dp, shard_optimizer_over_data=flag)
-  cls = MaxTextTrainingEngine if flag else Zero1MaxTextTrainingEngine
+  cls = stock if flag else Zero1MaxTextTrainingEngine
   engine = cls(config, mesh=tiny_mesh(config))
   batches = tiny_batches(config, ga * (warmup + steps))
   engine.compile(batches[0])
