@@ -179,6 +179,7 @@ def test_checkpoints_cross_both_ways_mid_accumulation(tmp_path):
         pytest.param(dict(ici_data_parallelism=2, ici_fsdp_parallelism=2), id="fsdp"),
         pytest.param(dict(shard_mode="auto"), id="shard_mode=auto"),
         pytest.param(dict(opt_type="adam_pax"), id="adam_pax"),
+        pytest.param(dict(skip_step_on_spikes=True), id="skip_step_on_spikes"),
     ],
 )
 def test_where_maxtext_flag_cannot_zero1_still_matches(overrides):
