@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 
+import flax
 import jax
 import numpy as np
 import pytest
@@ -23,18 +24,20 @@ from nnx_zero1.report import bytes_per_device
 N = 4
 
 
-def _maxtext_engine_importable() -> str | None:
-  if importlib.util.find_spec("maxtext") is None:
-    return "maxtext is not installed (it needs Python >= 3.12; the CI's Python 3.12 lane has it)"
-  try:
-    from nnx_zero1.adapters.maxtext import Zero1MaxTextTrainingEngine  # noqa: F401
-  except ImportError as e:
-    return f"maxtext's engine does not import: {e}"
-  return None
-
-
-SKIP = _maxtext_engine_importable()
+SKIP = None if importlib.util.find_spec("maxtext") else (
+    "maxtext is not installed (it needs Python >= 3.12; the CI's Python 3.12 lane has it)"
+)
 needs_maxtext = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_settings_put_back():
+  """Importing maxtext turns flax's eager variable sharding off and wraps two jax.lax functions
+  for the whole process; the tests collected after this module get them back as they were."""
+  saved = (flax.config.flax_always_shard_variable, jax.lax.with_sharding_constraint, jax.lax.top_k)
+  yield
+  flax.config.update("flax_always_shard_variable", saved[0])
+  jax.lax.with_sharding_constraint, jax.lax.top_k = saved[1:]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("maxtext") is not None, reason="maxtext is installed")
