@@ -16,6 +16,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zero1.checkpoint import abstract_arrays
+
 from . import _reduce
 
 __all__ = ["make_manager", "restore", "fold_rows"]
@@ -37,10 +39,6 @@ def make_manager(directory: str | os.PathLike) -> ocp.CheckpointManager:
   )
 
 
-def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 def restore(manager: ocp.CheckpointManager, step: int, live: dict, mesh: Mesh) -> tuple[dict, int]:
   """Reads ``step`` onto the layouts of the ``live`` tree; returns it and the saved accumulator's rows.
 
@@ -52,7 +50,7 @@ def restore(manager: ocp.CheckpointManager, step: int, live: dict, mesh: Mesh) -
 
     tree, saved_rows = restore(manager, step, live_tree, mesh)
   """
-  target = _abstract(live)
+  target = abstract_arrays(live, mesh)
   saved_rows = jax.tree.leaves(manager.item_metadata(step)["grad_acc"])[0].shape[0]
   live_rows = jax.tree.leaves(live["grad_acc"])[0].shape[0]
   if saved_rows != live_rows:

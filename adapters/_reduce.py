@@ -20,7 +20,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zero1.errors import Zero1Error, describe_mesh
 from nnx_zero1.plan import base_sharding
+from nnx_zero1.specs import axes_entry, canonical_spec, data_axis_size, entry_axes, padded_entries, spec_axes
 
 __all__ = [
     "accumulator_sharding",
@@ -32,27 +34,6 @@ __all__ = [
     "add_to_first_row",
     "zeros_accumulator",
 ]
-
-
-def _entries(spec: P, ndim: int) -> list:
-  entries = list(spec)
-  return entries + [None] * (ndim - len(entries))
-
-
-def _axes_of(entry) -> tuple[str, ...]:
-  # A spec entry is None, one axis name or a tuple of names; PartitionSpec is a
-  # pytree leaf, so jax.tree.leaves(spec) would never look inside it.
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _data_entry(axes: Sequence[str]):
-  return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _spec_axes(spec: P) -> list[str]:
-  return [a for e in spec for a in _axes_of(e)]
 
 
 def batch_sharding(shape: Sequence[int], sharding: Any, mesh: Mesh, axes: tuple[str, ...]) -> NamedSharding:
@@ -71,16 +52,13 @@ def batch_sharding(shape: Sequence[int], sharding: Any, mesh: Mesh, axes: tuple[
     P('data',)
   """
   spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
-  entries = [_axes_of(e) for e in _entries(spec, len(shape))]
-  if not any(a in e for e in entries for a in axes):
+  entries = [entry_axes(e) for e in padded_entries(spec, len(shape))]
+  if not set(axes) & set(spec_axes(spec)):
     if not shape:
-      raise ValueError("a batch leaf must have a batch dimension, got a scalar")
+      raise Zero1Error(f"a batch leaf must have a batch dimension, got a scalar; {describe_mesh(mesh)}")
     entries[0] = entries[0] + tuple(axes)
-  # One spelling per layout (no 1-tuples, no trailing None), so equal layouts share a kernel.
-  entries = [None if not e else _data_entry(e) for e in entries]
-  while entries and entries[-1] is None:
-    entries.pop()
-  return NamedSharding(mesh, P(*entries))
+  # The canonical spelling, so equal layouts share a kernel.
+  return NamedSharding(mesh, canonical_spec(entries))
 
 
 def deferral_blocker(
@@ -100,11 +78,11 @@ def deferral_blocker(
     "the batch is sharded over ('model',) as well as the data axis"
   """
   for s in batch_shardings:
-    other = tuple(a for a in _spec_axes(s.spec) if a not in axes)
+    other = tuple(a for a in spec_axes(s.spec) if a not in axes)
     if other:
       return f"the batch is sharded over {other} as well as the data axis"
   for s in param_shardings:
-    if _spec_axes(s.spec):
+    if spec_axes(s.spec):
       return f"a parameter is sharded ({s.spec}), so no replica holds whole gradients"
   return None
 
@@ -121,7 +99,7 @@ def accumulator_sharding(param_sharding: NamedSharding, ndim: int, axes: tuple[s
     P('data', None, None)
   """
   spec = param_sharding.spec
-  return NamedSharding(param_sharding.mesh, P(_data_entry(axes), *_entries(spec, ndim)))
+  return NamedSharding(param_sharding.mesh, P(axes_entry(axes), *padded_entries(spec, ndim)))
 
 
 def zeros_accumulator(params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
@@ -134,20 +112,13 @@ def zeros_accumulator(params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
     >>> zeros_accumulator({"w": jnp.ones(3)}, mesh, ("data",))["w"].shape
     (1, 3)
   """
-  n = _replicas(mesh, axes)
+  n = data_axis_size(mesh, axes)
 
   def zeros(p):
     sharding = accumulator_sharding(base_sharding(p, mesh), p.ndim, axes)
     return jax.device_put(jnp.zeros((n, *p.shape), p.dtype), sharding)
 
   return jax.tree.map(zeros, params)
-
-
-def _replicas(mesh: Mesh, axes: tuple[str, ...]) -> int:
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
-  return n
 
 
 def local_grads(
@@ -174,7 +145,7 @@ def local_grads(
     >>> float(acc["w"][0])
     1.0
   """
-  n = _replicas(mesh, axes)
+  n = data_axis_size(mesh, axes)
 
   def per_replica(params, acc, batch):
     # Params enter invariant over the data axis; without this cast the
@@ -184,8 +155,8 @@ def local_grads(
     acc = jax.tree.map(lambda a, g: a + g[None], acc, grads)
     return jax.lax.psum(loss, axes), acc
 
-  acc_specs = jax.tree.map(lambda a: P(_data_entry(axes)), acc)
-  batch_specs = jax.tree.map(lambda b: P(_data_entry(axes)), batch)
+  acc_specs = jax.tree.map(lambda a: P(axes_entry(axes)), acc)
+  batch_specs = jax.tree.map(lambda b: P(axes_entry(axes)), batch)
   return jax.shard_map(
       per_replica, mesh=mesh,
       in_specs=(jax.tree.map(lambda p: P(), params), acc_specs, batch_specs),
@@ -209,8 +180,8 @@ def local_loss(
     >>> float(local_loss(lambda p, b: jnp.mean(b * p), w, batch, mesh, ("data",)))
     1.0
   """
-  n = _replicas(mesh, axes)
-  batch_specs = jax.tree.map(lambda b: P(_data_entry(axes)), batch)
+  n = data_axis_size(mesh, axes)
+  batch_specs = jax.tree.map(lambda b: P(axes_entry(axes)), batch)
   return jax.shard_map(
       lambda p, b: jax.lax.psum(loss_of_params(p, b) / n, axes), mesh=mesh,
       in_specs=(jax.tree.map(lambda p: P(), params), batch_specs), out_specs=P(),
@@ -250,11 +221,12 @@ def add_to_first_row(
 
 def _scatter_dim(param_spec: P, target_spec: P, ndim: int, axes: tuple[str, ...]) -> int | None:
   """The dimension where ``target_spec`` adds the data axes to ``param_spec``; None if it does not."""
-  for dim, (before, after) in enumerate(zip(_entries(param_spec, ndim), _entries(target_spec, ndim))):
-    if _axes_of(after) == _axes_of(before) + tuple(axes):
+  pairs = zip(padded_entries(param_spec, ndim), padded_entries(target_spec, ndim))
+  for dim, (before, after) in enumerate(pairs):
+    if entry_axes(after) == entry_axes(before) + tuple(axes):
       return dim
-    if _axes_of(after) != _axes_of(before):
-      raise ValueError(f"cannot reduce-scatter {param_spec} onto {target_spec} over {axes}")
+    if entry_axes(after) != entry_axes(before):
+      raise Zero1Error(f"cannot reduce-scatter {param_spec} onto {target_spec} over {axes}")
   return None
 
 

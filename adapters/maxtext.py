@@ -28,11 +28,13 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from flax.nnx import filterlib
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
+from nnx_zero1._compat import Filter
+from nnx_zero1.checkpoint import restore_into
+from nnx_zero1.errors import Zero1Error, describe_mesh
+from nnx_zero1.specs import DataAxis, data_axes, data_axis_size
 
 from . import _checkpoint, _kernels, _reduce
 from ._zero1_engine import Zero1EngineMixin
@@ -121,7 +123,7 @@ class Engine:
       *,
       loss_fn: LossFn,
       checkpoint_dir: str | os.PathLike | None = None,
-      wrt: filterlib.Filter = nnx.Param,
+      wrt: Filter = nnx.Param,
       data_axis: DataAxis = "data",
       defer_reduction: bool | None = None,
   ):
@@ -263,7 +265,9 @@ class Engine:
       print(step, float(engine.grad_norm))
     """
     if self._pending == 0:
-      raise ValueError("update() needs at least one fwd_bwd() since the last update")
+      raise Zero1Error(
+          f"update() needs at least one fwd_bwd() since the last update; {describe_mesh(self.mesh)}"
+      )
     with jax.set_mesh(self.mesh):
       kernel, args = self._update_call()
       params, opt_state, self._grad_acc, self._micro_steps, self.grad_norm = kernel(*args)
@@ -320,7 +324,7 @@ class Engine:
 
   def _require_manager(self) -> ocp.CheckpointManager:
     if self._manager is None:
-      raise ValueError("this engine was built without checkpoint_dir")
+      raise Zero1Error(f"this engine was built without checkpoint_dir; {describe_mesh(self.mesh)}")
     return self._manager
 
   def save_checkpoint(self, step: int) -> None:
@@ -351,12 +355,14 @@ class Engine:
     manager.wait_until_finished()
     step = manager.latest_step() if step is None else step
     if step is None:
-      raise ValueError(f"no checkpoint in {manager.directory}")
+      raise Zero1Error(f"no checkpoint in {manager.directory}; {describe_mesh(self.mesh)}")
     tree, saved_rows = _checkpoint.restore(manager, step, self._checkpoint_tree(), self.mesh)
-    for obj, pure in ((self.model, tree["params"]), (self.optimizer, tree["optimizer"])):
-      state = nnx.state(obj, self.wrt) if obj is self.model else nnx.state(obj)
-      nnx.replace_by_pure_dict(state, pure)
-      nnx.update(obj, state)
+    params = nnx.state(self.model, self.wrt)
+    nnx.replace_by_pure_dict(params, tree["params"])
+    nnx.update(self.model, params)
+    optimizer = nnx.state(self.optimizer)
+    nnx.replace_by_pure_dict(optimizer, tree["optimizer"])
+    restore_into(self.optimizer, optimizer)  # the core restore path: checked, on the optimizer's layout
     grad_acc = tree["grad_acc"]
     if saved_rows != self.data_size:
       logger.info("%s: accumulator saved with %d rows, restored with %d; summed into row 0",

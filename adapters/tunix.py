@@ -9,14 +9,10 @@ import dataclasses
 import inspect
 from typing import Any
 
-import optax
-from flax import nnx
-from tunix.perf import trace as perf_trace
-from tunix.perf.experimental import tracer as perf_tracer_lib
-from tunix.sft.peft_trainer import MetricsLogger, PeftTrainer, TrainingConfig
+from tunix.sft.peft_trainer import PeftTrainer, TrainingConfig
 
-from nnx_zero1.layout import DataAxis
 from nnx_zero1.mixin import ShardedOptimizerMixin
+from nnx_zero1.specs import DataAxis
 
 __all__ = ["Zero1PeftTrainer", "Zero1TrainingConfig"]
 
@@ -63,17 +59,6 @@ class Zero1PeftTrainer(ShardedOptimizerMixin, PeftTrainer):
     >>> type(trainer.optimizer).__name__
     'Zero1Optimizer'
   """
-
-  def __init__(
-      self,
-      model: nnx.Module,
-      optimizer: optax.GradientTransformation,
-      training_config: TrainingConfig,
-      metrics_logger: MetricsLogger | None = None,
-      perf_tracer: perf_trace.Tracer | None = None,
-      perf_tracer_v2: perf_tracer_lib.Tracer | None = None,
-  ):
-    super().__init__(model, optimizer, training_config, metrics_logger, perf_tracer, perf_tracer_v2)
 
   def zero1_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """The class defaults, overridden by a :class:`Zero1TrainingConfig`'s non-``None`` fields.

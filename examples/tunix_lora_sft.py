@@ -21,12 +21,12 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 from tunix.sft import peft_trainer  # noqa: E402
 from tunix.tests import test_common  # noqa: E402  (sets flax_always_shard_variable=False, as Tunix does)
 
 from nnx_zero1 import report  # noqa: E402
 from nnx_zero1.adapters.tunix import Zero1PeftTrainer  # noqa: E402
+from nnx_zero1.specs import canonical_spec  # noqa: E402
 
 VOCAB, SEQ, BATCH = 256, 16, 8
 
@@ -36,17 +36,10 @@ def lora_model(num_layers: int, mesh: jax.sharding.Mesh) -> nnx.Module:
   model = test_common.ToyTransformer(test_common.ModelConfig(num_layers=num_layers), rngs=nnx.Rngs(0))
   model = test_common.get_lora_model(model)
   state = nnx.state(model)
-  targets = jax.tree.map(lambda spec: NamedSharding(mesh, canonical(spec)), nnx.get_partition_spec(state))
+  specs = nnx.get_partition_spec(state)
+  targets = jax.tree.map(lambda spec: NamedSharding(mesh, canonical_spec(spec)), specs)
   nnx.update(model, jax.device_put(state, targets))
   return model
-
-
-def canonical(spec: P) -> P:
-  """``spec`` without trailing ``None``s: the form jit gives its outputs, so the step compiles once."""
-  entries = list(spec)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return P(*entries)
 
 
 def counting_batches(n: int, seed: int = 0) -> list[peft_trainer.TrainingInput]:

@@ -15,19 +15,65 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_zero1.checks import describe_mesh
-from nnx_zero1.errors import Zero1Error
+from nnx_zero1.errors import Zero1Error, describe_mesh
 
-__all__ = ["abstract_state", "restore_into"]
+__all__ = ["abstract_arrays", "abstract_state", "key_names", "restore_into", "restore_target"]
 
 
-def _target_shardings(obj: Any) -> dict[int, Any]:
-  """Zero-1 target sharding of each optimizer-state array, keyed by the array's id."""
+def key_names(path: tuple) -> tuple:
+  """A pytree key path as plain names and indices, the same for pure and ``nnx.State`` trees.
+
+  Example::
+
+    >>> import jax
+    >>> [key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path({"a": [1]})[0]]
+    [('a', 0)]
+  """
+  return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+
+
+def _target_shardings(obj: Any) -> dict[tuple, Any]:
+  """Zero-1 target sharding of each optimizer-state array, keyed by its path in ``nnx.state(obj)``."""
   plan = getattr(obj, "zero1_plan", None)
   if plan is None:
     return {}
-  leaves = jax.tree.leaves(nnx.as_pure(obj.opt_state))
-  return {id(x): row.sharding for x, row in zip(leaves, plan.state_leaves, strict=True)}
+  flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(obj.opt_state))[0]
+  return {
+      ("opt_state", *key_names(path)): row.sharding
+      for (path, _), row in zip(flat, plan.state_leaves, strict=True)
+  }
+
+
+def restore_target(x: Any, mesh: Any = None, sharding: Any = None) -> jax.ShapeDtypeStruct:
+  """One array's orbax restore target: its shape and dtype on ``sharding`` (default: its own).
+
+  A sharding that is not a mesh sharding (a step count created on one device)
+  becomes replicated on ``mesh``: restored onto one device it would be
+  committed there and clash with the mesh under jit.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> restore_target(jnp.zeros((), jnp.int32), mesh).sharding.spec
+    P()
+  """
+  sharding = x.sharding if sharding is None else sharding
+  if not isinstance(sharding, NamedSharding) and mesh is not None:
+    sharding = NamedSharding(mesh, PartitionSpec())
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def abstract_arrays(tree: Any, mesh: Any = None) -> Any:
+  """``tree`` (pure arrays) as restore targets on the arrays' own layouts (see :func:`restore_target`).
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> abstract_arrays({"w": jnp.ones(2)})["w"].shape
+    (2,)
+  """
+  return jax.tree.map(lambda x: restore_target(x, mesh), tree)
 
 
 def abstract_state(obj: Any) -> nnx.State:
@@ -60,15 +106,16 @@ def abstract_state(obj: Any) -> nnx.State:
   plan = getattr(obj, "zero1_plan", None)
   mesh = plan.mesh if plan is not None else _mesh_of_any(state)
 
-  def target(x):
-    sharding = targets.get(id(x), x.sharding)
-    if not isinstance(sharding, NamedSharding) and mesh is not None:
-      # e.g. a step count created on one device: restored there it would be committed
-      # to that device and clash with the mesh under jit, so replicate it on the mesh.
-      sharding = NamedSharding(mesh, PartitionSpec())
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  def target(path, variable):
+    sharding = targets.get(key_names(path))
+    return jax.tree.map(lambda x: restore_target(x, mesh, sharding), variable)
 
-  return jax.tree.map(target, state)
+  is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731 -- paths end at the variable
+  flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
+  unmatched = set(targets) - {key_names(path) for path, _ in flat}
+  if unmatched:  # the plan and the state disagree: never fall back to the live layout silently
+    raise Zero1Error(f"optimizer state has no leaf at {sorted(map(str, unmatched))[:3]}{_mesh_words(obj)}")
+  return jax.tree_util.tree_map_with_path(target, state, is_leaf=is_variable)
 
 
 def _mesh_of_any(state: Any):

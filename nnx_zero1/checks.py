@@ -8,23 +8,15 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_zero1.errors import Zero1Error
-from nnx_zero1.layout import NOT_DIVISIBLE
+from nnx_zero1._compat import legacy_context_mesh
+from nnx_zero1.errors import Zero1Error, describe_mesh
+from nnx_zero1.layout import Reason
 from nnx_zero1.plan import Zero1Plan
 
-__all__ = ["resolve_mesh", "check_params", "check_model", "check_grads", "check_state", "check_strict"]
-
-
-def describe_mesh(mesh: Mesh) -> str:
-  """How every ``Zero1Error`` names a mesh.
-
-  Example::
-
-    >>> import jax
-    >>> describe_mesh(jax.make_mesh((1,), ("data",)))
-    "mesh axes ('data',) (shape {'data': 1})"
-  """
-  return f"mesh axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)})"
+__all__ = [
+    "describe_mesh", "resolve_mesh", "check_params", "check_model", "check_grads", "check_state",
+    "check_strict",
+]
 
 
 def resolve_mesh(mesh: Mesh | None) -> Mesh:
@@ -44,9 +36,7 @@ def resolve_mesh(mesh: Mesh | None) -> Mesh:
     return mesh
   current = jax.sharding.get_mesh()
   if current.empty:
-    from jax._src.mesh import thread_resources  # Tunix still uses `with mesh:`
-
-    current = thread_resources.env.physical_mesh
+    current = legacy_context_mesh()  # Tunix still uses `with mesh:`
   if current.empty:
     raise Zero1Error(
         "Zero-1 needs a device mesh: pass mesh= or call it under jax.set_mesh(mesh)"
@@ -147,7 +137,7 @@ def check_strict(plan: Zero1Plan) -> None:
   Newton-Schulz coefficients, adafactor's factored statistics) is not counted;
   ``report`` lists it with its reason.
   """
-  left = [row for row in plan.state_leaves if row.reason == NOT_DIVISIBLE]
+  left = [row for row in plan.state_leaves if row.reason == Reason.NOT_DIVISIBLE]
   if left:
     names = ", ".join(f"{row.path} {row.dtype}{list(row.shape)} ({row.reason})" for row in left)
     raise Zero1Error(

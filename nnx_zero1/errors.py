@@ -1,8 +1,11 @@
-"""The one exception nnx-zero1 raises when Zero-1 was asked for but cannot apply."""
+"""The one exception nnx-zero1 raises when Zero-1 was asked for but cannot apply,
+and how its messages name a mesh."""
 
 from __future__ import annotations
 
-__all__ = ["Zero1Error"]
+from typing import Any
+
+__all__ = ["Zero1Error", "describe_mesh"]
 
 
 class Zero1Error(ValueError):
@@ -17,3 +20,15 @@ class Zero1Error(ValueError):
     >>> issubclass(Zero1Error, ValueError)
     True
   """
+
+
+def describe_mesh(mesh: Any) -> str:
+  """How every ``Zero1Error`` names a mesh.
+
+  Example::
+
+    >>> import jax
+    >>> describe_mesh(jax.make_mesh((1,), ("data",)))
+    "mesh axes ('data',) (shape {'data': 1})"
+  """
+  return f"mesh axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)})"

@@ -1,126 +1,110 @@
-"""The Zero-1 layout rule: where a parameter-shaped optimizer leaf lives.
+"""The Zero-1 layout rules: where an optimizer leaf lives, and why it is not split.
 
-A pure function of (shape, sharding, data axis). It keeps the leaf's existing
-partitioning and adds the data axis to the first dimension that can take it.
+Pure functions of (shape, sharding, data axis). :func:`zero1_layout` is the rule
+for a parameter-shaped leaf: it keeps the leaf's existing partitioning and adds
+the data axis to the first dimension that can take it. :func:`statistic_layout`
+is the rule for a per-parameter statistic that keeps only some of its
+parameter's dimensions (adafactor's factored moments). Every leaf left whole
+carries a :class:`Reason`, which ``report`` shows.
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 import math
 from collections.abc import Sequence
 
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_zero1.errors import Zero1Error
+from nnx_zero1.specs import (
+    DataAxis,
+    canonical_spec,
+    data_axes,
+    data_axis_size,
+    entry_axes,
+    padded_entries,
+    spec_axes,
+    spec_entries,
+)
 
-__all__ = ["DataAxis", "data_axes", "data_axis_size", "spec_entries", "zero1_layout", "zero1_sharding"]
-
-DataAxis = str | Sequence[str]
-
-# Reasons a leaf keeps its layout; `report` shows them.
-SCALAR = "scalar"
-ALREADY_SHARDED = "already sharded over the data axis"
-NOT_DIVISIBLE = "no dimension divisible by the data-axis size"
-
-
-def data_axes(data_axis: DataAxis) -> tuple[str, ...]:
-  """Normalises ``"data"`` or ``("replica", "data")`` to a tuple of axis names.
-
-  Example::
-
-    >>> data_axes("data"), data_axes(("replica", "data"))
-    (('data',), ('replica', 'data'))
-  """
-  axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
-  if not axes or not all(isinstance(a, str) for a in axes):
-    raise Zero1Error(f"data_axis must be a mesh axis name or a tuple of names, got {data_axis!r}")
-  if len(set(axes)) != len(axes):
-    raise Zero1Error(f"data_axis {data_axis!r} names an axis twice")
-  return axes
+__all__ = [
+    "DataAxis",
+    "Reason",
+    "data_axes",
+    "data_axis_size",
+    "spec_entries",
+    "statistic_layout",
+    "zero1_layout",
+    "zero1_sharding",
+]
 
 
-def data_axis_size(mesh, data_axis: DataAxis) -> int:
-  """The number of data-parallel replicas: the product of the data axes' sizes.
+class Reason(enum.StrEnum):
+  """Why an optimizer leaf keeps its layout instead of being split over the data axis.
 
-  Raises ``Zero1Error`` naming the mesh's axes when a data axis is missing.
+  A ``str`` enum (``enum.StrEnum``): it compares equal to, and prints as, its text.
 
   Example::
 
-    >>> import jax
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> data_axis_size(mesh, "data")
-    1
+    >>> Reason.SCALAR == "scalar", f"{Reason.SCALAR}"
+    (True, 'scalar')
   """
-  axes = data_axes(data_axis)
-  missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:
-    raise Zero1Error(
-        f"Zero-1 needs data axis {missing[0]!r} but the mesh has axes "
-        f"{tuple(mesh.axis_names)} (shape {dict(mesh.shape)}); pass data_axis= one of them"
-    )
-  return math.prod(mesh.shape[a] for a in axes)
+
+  SCALAR = "scalar"
+  ALREADY_SHARDED = "already sharded over the data axis"
+  NOT_DIVISIBLE = "no dimension divisible by the data-axis size"
+  NOT_PARAM_SHAPED = "not parameter-shaped"
+  NOT_ALIGNED = "statistic over the dimension its parameter is split on"
+  PARAM_NOT_SPLIT = "statistic of a parameter that is not split"
+  AMBIGUOUS = "per-parameter statistic whose dimensions match its parameter's in more than one way"
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
-  # A PartitionSpec entry is None, one axis name, or a tuple of names. (The spec
-  # itself is a pytree leaf, so jax.tree.leaves(spec) would not look inside it.)
-  if entry is None:
-    return ()
-  if isinstance(entry, str):
-    return (entry,)
-  return tuple(entry)
-
-
-def spec_entries(spec: PartitionSpec) -> tuple:
-  """The per-dimension entries of a spec, also when it carries unreduced/reduced axes.
-
-  Example::
-
-    >>> from jax.sharding import PartitionSpec as P
-    >>> spec_entries(P("data", None))
-    ('data', None)
-  """
-  return tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec)
+# The former module-level names, kept for callers (and tests) that import them.
+SCALAR = Reason.SCALAR
+ALREADY_SHARDED = Reason.ALREADY_SHARDED
+NOT_DIVISIBLE = Reason.NOT_DIVISIBLE
+NOT_PARAM_SHAPED = Reason.NOT_PARAM_SHAPED
+NOT_ALIGNED = Reason.NOT_ALIGNED
+PARAM_NOT_SPLIT = Reason.PARAM_NOT_SPLIT
+AMBIGUOUS = Reason.AMBIGUOUS
 
 
 def zero1_layout(
     shape: Sequence[int], sharding: NamedSharding, data_axis: DataAxis = "data"
-) -> tuple[NamedSharding, str | None]:
+) -> tuple[NamedSharding, Reason | None]:
   """Like :func:`zero1_sharding`, and also says why a leaf was left as it was.
 
   Returns ``(sharding, reason)``; ``reason`` is ``None`` when the data axis was
-  added and otherwise one of ``"scalar"``, ``"already sharded over the data
-  axis"`` or ``"no dimension divisible by the data-axis size"``.
+  added and otherwise :attr:`Reason.SCALAR`, :attr:`Reason.ALREADY_SHARDED` or
+  :attr:`Reason.NOT_DIVISIBLE`.
 
   Example::
 
     >>> import jax
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> zero1_layout((), NamedSharding(mesh, P()))[1]
+    >>> str(zero1_layout((), NamedSharding(mesh, P()))[1])
     'scalar'
   """
   mesh = sharding.mesh
   axes = data_axes(data_axis)
   n = data_axis_size(mesh, axes)
-  entries = list(spec_entries(sharding.spec))
-  if len(entries) > len(shape):
+  if len(spec_entries(sharding.spec)) > len(shape):
     raise Zero1Error(f"sharding spec {sharding.spec} has more entries than shape {tuple(shape)}")
-  entries += [None] * (len(shape) - len(entries))
-  if any(a in _entry_axes(e) for e in entries for a in axes):
-    return sharding, ALREADY_SHARDED
+  if set(axes) & set(spec_axes(sharding.spec)):
+    return sharding, Reason.ALREADY_SHARDED
   if not shape:
-    return sharding, SCALAR
+    return sharding, Reason.SCALAR
+  entries = padded_entries(sharding.spec, len(shape))
   for dim, (size, entry) in enumerate(zip(shape, entries)):
-    existing = _entry_axes(entry)
+    existing = entry_axes(entry)
     if size % (math.prod(mesh.shape[a] for a in existing) * n) == 0:
-      entries[dim] = existing + axes if len(existing + axes) > 1 else axes[0]
-      while entries and entries[-1] is None:
-        entries.pop()
+      entries[dim] = existing + axes
       # Optimizer state holds whole values: never partial sums (unreduced) or reduced copies.
-      spec = PartitionSpec(*entries)
-      return NamedSharding(mesh, spec, memory_kind=sharding.memory_kind), None
-  return sharding, NOT_DIVISIBLE
+      return NamedSharding(mesh, canonical_spec(entries), memory_kind=sharding.memory_kind), None
+  return sharding, Reason.NOT_DIVISIBLE
 
 
 def zero1_sharding(
@@ -142,3 +126,49 @@ def zero1_sharding(
     P('data', 'tp')
   """
   return zero1_layout(shape, sharding, data_axis)[0]
+
+
+def statistic_layout(
+    shape: tuple[int, ...], param_shape: tuple[int, ...], param_zero1: NamedSharding, data_axis
+) -> tuple[NamedSharding, Reason | None]:
+  """Layout of a per-parameter statistic that keeps some of its parameter's dimensions.
+
+  Adafactor's factored second moments drop one dimension of their parameter.
+  Each dimension the statistic keeps keeps its entry of the parameter's Zero-1
+  spec, so the statistic lines up with the sliced gradient (on an Explicit mesh
+  anything else is an illegal sharding). It is split over the data axis only
+  if it keeps the dimension that carries it; ``reason`` says why not otherwise.
+  If its dimensions match the parameter's in more than one way with different
+  layouts (a square matrix), it stays replicated.
+
+  Example::
+
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> zero1 = NamedSharding(mesh, P("data"))
+    >>> statistic_layout((16,), (16, 32), zero1, ("data",))[0].spec
+    P('data',)
+    >>> str(statistic_layout((32,), (16, 32), zero1, ("data",))[1])
+    'statistic over the dimension its parameter is split on'
+  """
+  mesh = param_zero1.mesh
+  replicated = NamedSharding(mesh, PartitionSpec())
+  if not shape:  # a per-parameter scalar (NovoGrad's second moment)
+    return replicated, Reason.SCALAR
+  entries = padded_entries(param_zero1.spec, len(param_shape))
+  specs = {
+      tuple(entries[k] for k in kept)
+      for kept in itertools.combinations(range(len(param_shape)), len(shape))
+      if tuple(param_shape[k] for k in kept) == tuple(shape)
+  }
+  if not specs:
+    return replicated, Reason.NOT_PARAM_SHAPED
+  if len(specs) > 1:
+    return replicated, Reason.AMBIGUOUS
+  spec = canonical_spec(specs.pop())
+  sharding = NamedSharding(mesh, spec, memory_kind=param_zero1.memory_kind)
+  axes = set(data_axis)
+  if axes & set(spec_axes(spec)):
+    return sharding, None
+  return sharding, Reason.NOT_ALIGNED if axes & set(spec_axes(param_zero1.spec)) else Reason.PARAM_NOT_SPLIT

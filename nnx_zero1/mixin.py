@@ -23,9 +23,9 @@ import jax
 from flax import nnx
 
 from nnx_zero1.checks import resolve_mesh
-from nnx_zero1.errors import Zero1Error
-from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
+from nnx_zero1.errors import Zero1Error, describe_mesh
 from nnx_zero1.optimizer import Zero1Optimizer
+from nnx_zero1.specs import DataAxis, data_axes, data_axis_size
 
 __all__ = ["ShardedOptimizerMixin"]
 
@@ -238,7 +238,7 @@ class ShardedOptimizerMixin:
     if not route.built:
       raise Zero1Error(
           f"{type(self).__name__}.__init__ built no nnx.Optimizer, so there was nothing to "
-          f"make Zero-1; mesh axes {tuple(mesh.axis_names)}"
+          f"make Zero-1; {describe_mesh(mesh)}"
       )
 
   def zero1_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

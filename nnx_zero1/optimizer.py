@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from flax.nnx import filterlib
-from flax.nnx.training.optimizer import OptState, to_opt_state
+from flax.nnx.training.optimizer import OptState
 
+from nnx_zero1._compat import Filter, to_opt_state
 from nnx_zero1.checks import (
-    check_grads,
-    check_model,
-    check_params,
-    check_state,
-    check_strict,
-    resolve_mesh,
+  check_grads,
+  check_model,
+  check_params,
+  check_state,
+  check_strict,
+  resolve_mesh,
 )
-from nnx_zero1.layout import DataAxis, data_axes, data_axis_size, spec_entries
 from nnx_zero1.placement import current_sharding, place
 from nnx_zero1.plan import Zero1Plan, make_plan
+from nnx_zero1.specs import DataAxis, data_axes, data_axis_size, is_explicit, spec_entries
 
-__all__ = ["Zero1Optimizer", "init_sharded_state"]
+__all__ = ["Zero1Optimizer", "init_sharded_state", "opt_state_init"]
 
 M = TypeVar("M")
 
@@ -41,8 +42,7 @@ def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, par
   ``X``). Inside ``auto_axes`` the compiler places the intermediates and the
   outputs land on the plan's layout; elementwise arithmetic is unchanged.
   """
-  types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types))
-  if all(types[a] != jax.sharding.AxisType.Explicit for a in plan.data_axis):
+  if not is_explicit(plan.mesh, plan.data_axis):
     return tx.update(grads, state, params, **kwargs)
   out_sharding = (
       jax.tree.unflatten(plan.param_treedef, plan.zero1_param_shardings),
@@ -54,11 +54,29 @@ def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, par
   )
 
 
-def init_sharded_state(tx: optax.GradientTransformation, param_state: Any, plan: Zero1Plan) -> Any:
+def opt_state_init(tx: optax.GradientTransformation) -> Callable[[Any], Any]:
+  """``param_state -> to_opt_state(tx.init(param_state))``, as ``nnx.Optimizer`` builds its state.
+
+  Use one such function for the abstract state and for the real one: jax
+  traces a function once per input type, so ``tx.init`` is traced once.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> jax.eval_shape(opt_state_init(optax.sgd(0.1)), {"w": jnp.ones(2)})
+    (EmptyState(), EmptyState())
+  """
+  return lambda param_state: to_opt_state(tx.init(param_state))
+
+
+def init_sharded_state(
+    tx: optax.GradientTransformation, param_state: Any, plan: Zero1Plan, *, init: Callable | None = None
+) -> Any:
   """``to_opt_state(tx.init(param_state))``, created directly on the Zero-1 layout.
 
   The state is built inside one jit whose output shardings are the plan's, so
-  no full-size replicated copy of the moments ever exists. Parameter-derived
+  no full-size replicated copy of the moments ever exists. ``init`` is
+  :func:`opt_state_init` ``(tx)``; pass the one the plan was made with. Parameter-derived
   ``OptVariable``s record their Zero-1 layout in ``out_sharding`` metadata, so
   code that re-places optimizer state from metadata keeps it.
 
@@ -73,8 +91,8 @@ def init_sharded_state(tx: optax.GradientTransformation, param_state: Any, plan:
     >>> init_sharded_state(optax.sgd(0.1), state, plan)
     (EmptyState(), EmptyState())
   """
-  init = lambda s: to_opt_state(tx.init(s))  # noqa: E731
-  abstract = jax.eval_shape(init, param_state)
+  init = opt_state_init(tx) if init is None else init
+  abstract = jax.eval_shape(init, param_state)  # no new trace when `init` has traced param_state before
   leaves, treedef = jax.tree.flatten(abstract)
   targets = jax.tree.unflatten(treedef, [leaf.sharding for leaf in plan.state_leaves])
   state = jax.jit(init, out_shardings=targets)(param_state)
@@ -133,7 +151,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       tx: optax.GradientTransformation,
       mesh: jax.sharding.Mesh | None = None,
       *,
-      wrt: filterlib.Filter = nnx.Param,
+      wrt: Filter = nnx.Param,
       data_axis: DataAxis = "data",
       graph: bool | None = None,
       strict: bool = False,
@@ -145,13 +163,15 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     param_state = nnx.state(model, wrt, graph=graph)
     params = nnx.as_pure(param_state)
     check_params(params, wrt, mesh)
-    plan = make_plan(tx, params, mesh, axes)
+    init = opt_state_init(tx)
+    abstract_state = nnx.as_pure(jax.eval_shape(init, param_state))  # the one trace of tx.init
+    plan = make_plan(tx, params, mesh, axes, abstract_state=abstract_state)
     if strict:
       check_strict(plan)
     self.graph = graph
     self.step = OptState(jnp.array(0, dtype=jnp.uint32))
     self.tx = tx
-    self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan))
+    self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan, init=init))
     self.wrt = wrt
     self.zero1_plan = plan
     self.pin_gradients = pin_gradients

@@ -5,22 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 
-__all__ = ["place", "current_sharding", "is_explicit"]
+from nnx_zero1.specs import is_explicit
 
-
-def is_explicit(sharding: NamedSharding) -> bool:
-  """True when any axis the sharding's mesh has is an Explicit axis.
-
-  Example::
-
-    >>> import jax
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> is_explicit(NamedSharding(jax.make_mesh((1,), ("data",)), P()))
-    True
-  """
-  return any(t == AxisType.Explicit for t in sharding.mesh.axis_types)
+__all__ = ["place", "current_sharding", "is_explicit"]  # is_explicit: from nnx_zero1.specs
 
 
 def place(x: Any, sharding: NamedSharding) -> Any:

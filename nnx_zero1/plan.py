@@ -8,19 +8,25 @@ read at trace time without touching any array.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any
 
 import jax
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_zero1.errors import Zero1Error
-from nnx_zero1.layout import ALREADY_SHARDED, SCALAR, data_axis_size, spec_entries, zero1_layout
+from nnx_zero1.errors import Zero1Error, describe_mesh
+from nnx_zero1.layout import (  # noqa: F401 -- the reason names are re-exported for callers
+  AMBIGUOUS,
+  NOT_ALIGNED,
+  NOT_PARAM_SHAPED,
+  PARAM_NOT_SPLIT,
+  Reason,
+  statistic_layout,
+  zero1_layout,
+)
+from nnx_zero1.specs import data_axis_size, full_rank_sharding
 
 __all__ = ["LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "statistic_layout"]
-
-NOT_PARAM_SHAPED = "not parameter-shaped"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +37,7 @@ class LeafPlan:
   shape: tuple[int, ...]
   dtype: str
   sharding: NamedSharding
-  reason: str | None  # None: split over the data axis
+  reason: Reason | None  # None: split over the data axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +67,6 @@ def base_sharding(array: Any, mesh: Mesh) -> NamedSharding:
   if isinstance(sharding, NamedSharding):
     return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
   return NamedSharding(mesh, PartitionSpec())
-
-
-NOT_ALIGNED = "statistic over the dimension its parameter is split on"
-PARAM_NOT_SPLIT = "statistic of a parameter that is not split"
-AMBIGUOUS = "per-parameter statistic whose dimensions match its parameter's in more than one way"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,88 +101,24 @@ def _owners_of_state_leaves(tx, abstract_state, param_shapes, treedef) -> list[_
   return jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Owner))
 
 
-def _uses(entries, data_axis) -> bool:
-  names = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
-  return bool(names & set(data_axis))
-
-
-def _entries(sharding: NamedSharding, rank: int) -> list:
-  entries = list(spec_entries(sharding.spec))
-  return entries + [None] * (rank - len(entries))
-
-
-def _as_jit_returns_it(sharding: NamedSharding, rank: int) -> NamedSharding:
-  """On an Explicit mesh a jitted step hands arrays back with one spec entry per
-  dimension (``P('data', None)``); state born that way does not cost a second
-  dispatch-cache entry on the next step."""
-  if not any(t == AxisType.Explicit for t in sharding.mesh.axis_types):
-    return sharding
-  entries = _entries(sharding, rank)
-  return NamedSharding(sharding.mesh, PartitionSpec(*entries), memory_kind=sharding.memory_kind)
-
-
-def statistic_layout(
-    shape: tuple[int, ...], param_shape: tuple[int, ...], param_zero1: NamedSharding, data_axis
-) -> tuple[NamedSharding, str | None]:
-  """Layout of a per-parameter statistic that keeps some of its parameter's dimensions.
-
-  Adafactor's factored second moments drop one dimension of their parameter.
-  Each dimension the statistic keeps keeps its entry of the parameter's Zero-1
-  spec, so the statistic lines up with the sliced gradient (on an Explicit mesh
-  anything else is an illegal sharding). It is split over the data axis only
-  if it keeps the dimension that carries it; ``reason`` says why not otherwise.
-  If its dimensions match the parameter's in more than one way with different
-  layouts (a square matrix), it stays replicated.
-
-  Example::
-
-    >>> import jax
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> zero1 = NamedSharding(mesh, P("data"))
-    >>> statistic_layout((16,), (16, 32), zero1, ("data",))[0].spec
-    P('data',)
-    >>> statistic_layout((32,), (16, 32), zero1, ("data",))[1]
-    'statistic over the dimension its parameter is split on'
-  """
-  mesh = param_zero1.mesh
-  replicated = NamedSharding(mesh, PartitionSpec())
-  if not shape:  # a per-parameter scalar (NovoGrad's second moment)
-    return replicated, SCALAR
-  entries = _entries(param_zero1, len(param_shape))
-  specs = {
-      tuple(entries[k] for k in kept)
-      for kept in itertools.combinations(range(len(param_shape)), len(shape))
-      if tuple(param_shape[k] for k in kept) == tuple(shape)
-  }
-  if not specs:
-    return replicated, NOT_PARAM_SHAPED
-  if len(specs) > 1:
-    return replicated, AMBIGUOUS
-  kept_entries = list(specs.pop())
-  while kept_entries and kept_entries[-1] is None:
-    kept_entries.pop()
-  sharding = NamedSharding(mesh, PartitionSpec(*kept_entries), memory_kind=param_zero1.memory_kind)
-  if _uses(kept_entries, data_axis):
-    return sharding, None
-  return sharding, NOT_ALIGNED if _uses(entries, data_axis) else PARAM_NOT_SPLIT
-
-
 def _refuse_unmapped(tx, rows, mesh, data_axis) -> None:
   """Non-scalar state of which optax could tie none to a parameter would stay whole on
   every replica: a silently replicated optimizer. Refuse it by name."""
   tensors = [r for r in rows if r.shape]
-  if data_axis_size(mesh, data_axis) > 1 and tensors and all(r.reason == NOT_PARAM_SHAPED for r in tensors):
+  unmapped = tensors and all(r.reason == Reason.NOT_PARAM_SHAPED for r in tensors)
+  if data_axis_size(mesh, data_axis) > 1 and unmapped:
     name = getattr(tx.init, "__qualname__", type(tx).__name__).split(".<locals>")[0]
     raise Zero1Error(
         f"none of the optimizer state of {name} can be tied to a parameter "
         f"(optax.tree_utils.tree_map_params finds no parameter-shaped leaf among "
         f"{', '.join(r.path for r in tensors[:4])}), so Zero-1 would split nothing; "
-        f"mesh axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)})"
+        f"{describe_mesh(mesh)}"
     )
 
 
-def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_axis) -> Zero1Plan:
+def make_plan(
+    tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_axis, *, abstract_state: Any = None
+) -> Zero1Plan:
   """Works out the Zero-1 layout of every leaf of ``tx.init(params)``.
 
   ``params`` is a pure pytree of arrays (or ``ShapeDtypeStruct``s with a
@@ -189,7 +126,8 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
   other state that optax tags as per-parameter (adafactor's factored
   statistics) follows it on the dimensions it keeps (:func:`statistic_layout`);
   everything else stays replicated. Masked-out parameters (``MaskedNode``) have
-  no state leaves.
+  no state leaves. ``abstract_state`` is ``jax.eval_shape(tx.init, params)`` as
+  pure ``ShapeDtypeStruct``s, when the caller has it already (else it is traced here).
 
   Example::
 
@@ -197,14 +135,16 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> plan = make_plan(optax.adam(1e-3), {"w": jnp.ones((4, 2))}, mesh, ("data",))
     >>> [leaf.reason for leaf in plan.state_leaves]
-    ['scalar', None, None]
+    [<Reason.SCALAR: 'scalar'>, None, None]
   """
   leaves, treedef = jax.tree.flatten(params)
   shapes = tuple(tuple(x.shape) for x in leaves)
   shardings = tuple(base_sharding(x, mesh) for x in leaves)
-  zero1 = tuple(zero1_layout(s, sh, data_axis)[0] for s, sh in zip(shapes, shardings))
-  abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  abstract_state = jax.eval_shape(tx.init, abstract_params)
+  layouts = tuple(zero1_layout(s, sh, data_axis) for s, sh in zip(shapes, shardings))  # once per parameter
+  zero1 = tuple(sharding for sharding, _ in layouts)
+  if abstract_state is None:
+    abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    abstract_state = jax.eval_shape(tx.init, abstract_params)
   owners = _owners_of_state_leaves(tx, abstract_state, shapes, treedef)
   replicated = NamedSharding(mesh, PartitionSpec())
   rows = []
@@ -212,14 +152,14 @@ def make_plan(tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_ax
   for (path, leaf), owner in zip(flat_state, owners, strict=True):
     shape = tuple(leaf.shape)
     if owner.index is not None and owner.same_shape:
-      sharding, reason = zero1_layout(shape, shardings[owner.index], data_axis)
+      sharding, reason = layouts[owner.index]
     elif owner.index is not None:
       i = owner.index
       sharding, reason = statistic_layout(shape, shapes[i], zero1[i], data_axis)
     else:
-      sharding, reason = replicated, SCALAR if not shape else NOT_PARAM_SHAPED
-    reason = None if reason == ALREADY_SHARDED else reason
-    sharding = _as_jit_returns_it(sharding, len(shape))
+      sharding, reason = replicated, Reason.SCALAR if not shape else Reason.NOT_PARAM_SHAPED
+    reason = None if reason == Reason.ALREADY_SHARDED else reason
+    sharding = full_rank_sharding(sharding, len(shape))
     rows.append(LeafPlan(jax.tree_util.keystr(path), shape, str(leaf.dtype), sharding, reason))
   _refuse_unmapped(tx, rows, mesh, data_axis)
   return Zero1Plan(

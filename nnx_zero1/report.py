@@ -8,9 +8,9 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
-from nnx_zero1.layout import data_axis_size, spec_entries
+from nnx_zero1.specs import canonical_spec, data_axis_size, entry_axes, spec_entries
 
 __all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device"]
 
@@ -97,11 +97,8 @@ def _without_data_axes(sharding, data_axis: tuple[str, ...]):
   spec = getattr(sharding, "spec", None)
   if spec is None:
     return sharding
-  entries = []
-  for entry in spec_entries(spec):
-    names = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a not in data_axis)
-    entries.append(names[0] if len(names) == 1 else (names or None))
-  return NamedSharding(sharding.mesh, PartitionSpec(*entries))
+  entries = [tuple(a for a in entry_axes(e) if a not in data_axis) for e in spec_entries(spec)]
+  return NamedSharding(sharding.mesh, canonical_spec(entries))
 
 
 def report(opt) -> Zero1Report:
@@ -133,7 +130,7 @@ def report(opt) -> Zero1Report:
                 _without_data_axes(leaf.sharding, plan.data_axis).shard_shape(leaf.shape)
             ) * leaf.dtype.itemsize,
             sharded=row.reason is None,
-            reason=row.reason or "",
+            reason=str(row.reason) if row.reason else "",
         )
     )
   size = data_axis_size(plan.mesh, plan.data_axis)

@@ -335,7 +335,7 @@ def test_refused_zero1_engine_changes_nothing(mesh, kwargs, message):
 def test_update_without_micro_batches_is_refused(adamw_runs):
   engine = adamw_runs[0][Zero1Engine]
   step = int(engine.optimizer.step[...])
-  with pytest.raises(ValueError, match="at least one fwd_bwd"):
+  with pytest.raises(Zero1Error, match="at least one fwd_bwd"):
     engine.update()
   assert int(engine.optimizer.step[...]) == step
 

@@ -30,7 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import assert_trees_close, assert_trees_equal, pure, shardings
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
+from nnx_zero1._compat import jit_cache_size
 from nnx_zero1.report import bytes_per_device
+from nnx_zero1.specs import canonical_spec
 
 _always_shard = flax.config.flax_always_shard_variable
 from tunix.sft import peft_trainer  # noqa: E402
@@ -48,14 +50,6 @@ STEPS = 3
 CASES = {"full": (False, None), "full-ga2": (False, 2), "lora": (True, None), "lora-ga2": (True, 2)}
 
 
-def canonical(spec: P) -> P:
-  """``spec`` without trailing ``None``s: the form jit gives its outputs, so the step compiles once."""
-  entries = list(spec)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return P(*entries)
-
-
 def toy_model(lora: bool, mesh=MESH) -> nnx.Module:
   """Tunix's ToyTransformer (one layer), LoRA on w1/w2 if asked, placed on ``mesh`` by its metadata."""
   with nnx.use_eager_sharding(False):
@@ -63,7 +57,7 @@ def toy_model(lora: bool, mesh=MESH) -> nnx.Module:
     if lora:
       model = test_common.get_lora_model(model)
   state = nnx.state(model)
-  targets = jax.tree.map(lambda s: NamedSharding(mesh, canonical(s)), nnx.get_partition_spec(state))
+  targets = jax.tree.map(lambda s: NamedSharding(mesh, canonical_spec(s)), nnx.get_partition_spec(state))
   nnx.update(model, jax.device_put(state, targets))
   return model
 
@@ -109,7 +103,7 @@ def opt_state(trainer) -> nnx.State:
 
 
 def cache_size(trainer) -> int:
-  return trainer._jitted_train_step_fn.func.jitted_fn._cache_size()
+  return jit_cache_size(trainer._jitted_train_step_fn.func.jitted_fn)  # a Tunix 0.1.7 private
 
 
 @dataclasses.dataclass

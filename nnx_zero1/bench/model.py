@@ -17,6 +17,8 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from nnx_zero1.specs import padded_entries
+
 __all__ = ["Config", "CONFIGS", "Transformer", "loss_fn", "count_params"]
 
 
@@ -197,8 +199,8 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     # With ids sharded on an Explicit mesh the lookup must be told its output layout (the ids'
     # plus features); on Auto meshes and inside shard_map the ids' type carries no axes.
-    spec = tuple(jax.typeof(tokens).sharding.spec)
-    x = self.embed(tokens, out_sharding=P(*spec, None)) if any(spec) else self.embed(tokens)
+    entries = padded_entries(jax.typeof(tokens).sharding.spec, tokens.ndim)
+    x = self.embed(tokens, out_sharding=P(*entries, None)) if any(entries) else self.embed(tokens)
     for block in self.blocks:
       x = block(x)
     x = self.final_norm(x)

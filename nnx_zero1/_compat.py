@@ -1,0 +1,86 @@
+"""Every private (or unexported) API of jax / flax that nnx-zero1 relies on, in one place.
+
+Each is wrapped in one small function so that a dependency upgrade that moves
+or removes it breaks here, with a message naming the installed version, and
+``tests/test_compat.py`` fails loudly. Public APIs are used wherever they exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import jax
+from flax.nnx import filterlib  # a documented flax module; nnx has no top-level ``Filter``
+
+__all__ = ["Filter", "jit_cache_size", "legacy_context_mesh", "to_opt_state"]
+
+Filter = filterlib.Filter
+"""The type of ``wrt`` (``nnx.Optimizer``'s filter): a Variable type, a string, a predicate, ..."""
+
+
+def _missing(what: str, package: str, version: str, error: Exception) -> RuntimeError:
+  return RuntimeError(
+      f"nnx-zero1 needs {what}, which {package} {version} no longer provides ({error}); "
+      f"please report this with your {package} version"
+  )
+
+
+def legacy_context_mesh() -> Any:
+  """The mesh of a legacy ``with mesh:`` block (an empty mesh when there is none).
+
+  Tunix 0.1.7 still enters its mesh with ``with mesh:``, which jax only
+  records in the private ``jax._src.mesh.thread_resources``; the public
+  ``jax.sharding.get_mesh()`` sees ``jax.set_mesh`` only.
+
+  Example::
+
+    >>> import jax
+    >>> legacy_context_mesh().empty
+    True
+  """
+  try:
+    from jax._src.mesh import thread_resources
+  except ImportError as e:  # pragma: no cover -- only on a jax that moved it
+    raise _missing("jax._src.mesh.thread_resources", "jax", jax.__version__, e) from e
+  return thread_resources.env.physical_mesh
+
+
+def to_opt_state(tree: Any) -> Any:
+  """flax's own conversion of ``tx.init``'s output into ``nnx.Optimizer``'s ``opt_state``.
+
+  ``OptVariable``s for parameter-derived leaves (copying the parameter's
+  metadata), ``OptArray``s for the rest, exactly as ``nnx.Optimizer`` builds
+  them; flax does not export it from ``flax.nnx``.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> type(to_opt_state({"count": jnp.zeros(())})["count"]).__name__
+    'OptArray'
+  """
+  try:
+    from flax.nnx.training.optimizer import to_opt_state as flax_to_opt_state
+  except ImportError as e:  # pragma: no cover -- only on a flax that moved it
+    raise _missing("flax.nnx.training.optimizer.to_opt_state", "flax", flax.__version__, e) from e
+  return flax_to_opt_state(tree)
+
+
+def jit_cache_size(jitted: Any) -> int:
+  """How many compiled versions a ``jax.jit`` function holds (``jitted._cache_size()``).
+
+  Tests and the bench use it to prove a step compiles once; jax has no public
+  equivalent.
+
+  Example::
+
+    >>> import jax
+    >>> f = jax.jit(lambda x: x + 1)
+    >>> _ = f(1.0)
+    >>> jit_cache_size(f)
+    1
+  """
+  try:
+    return jitted._cache_size()
+  except AttributeError as e:  # pragma: no cover -- only on a jax that dropped it
+    raise _missing("the jitted function's _cache_size()", "jax", jax.__version__, e) from e

@@ -1,0 +1,50 @@
+"""Every private API nnx-zero1 relies on still exists and does what it is used for.
+
+Each test names the installed version in its failure message, so a dependency
+upgrade that removes one says which shim in ``nnx_zero1/_compat.py`` to fix.
+"""
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import AxisType
+
+from nnx_zero1 import _compat
+
+JAX = f"jax {jax.__version__}"
+FLAX = f"flax {flax.__version__}"
+
+
+def test_legacy_context_mesh_sees_with_mesh():
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
+  assert _compat.legacy_context_mesh().empty, JAX
+  with mesh:  # the legacy context Tunix 0.1.7 enters
+    assert _compat.legacy_context_mesh() == mesh, f"thread_resources no longer records `with mesh:` on {JAX}"
+  assert _compat.legacy_context_mesh().empty, JAX
+
+
+def test_to_opt_state_is_what_nnx_optimizer_builds():
+  model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+  tx = optax.adam(1e-3)
+  ours = _compat.to_opt_state(tx.init(nnx.state(model, nnx.Param)))
+  theirs = nnx.Optimizer(model, tx, wrt=nnx.Param).opt_state
+  assert jax.tree.structure(ours) == jax.tree.structure(theirs), f"to_opt_state changed on {FLAX}"
+  assert type(ours[0].mu["kernel"]) is nnx.OptVariable, FLAX
+  assert type(ours[0].count) is nnx.OptArray, FLAX
+
+
+def test_filter_type_accepts_what_wrt_accepts():
+  for wrt in (nnx.Param, "params", nnx.Any(nnx.Param, nnx.LoRAParam), ...):
+    assert nnx.filterlib.to_predicate(wrt) is not None, FLAX
+  assert _compat.Filter is nnx.filterlib.Filter, f"flax.nnx.filterlib.Filter moved on {FLAX}"
+
+
+def test_jit_cache_size_counts_compilations():
+  f = jax.jit(lambda x: x * 2)
+  f(jnp.ones(2))
+  f(jnp.ones(2))
+  assert _compat.jit_cache_size(f) == 1, JAX
+  f(jnp.ones(3))
+  assert _compat.jit_cache_size(f) == 2, f"_cache_size() no longer counts compilations on {JAX}"
