@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _reduce
+from nnx_zero1 import deferred
 
 __all__ = ["reduce_scatter_unreduced"]
 
@@ -46,17 +47,12 @@ def reduce_scatter_unreduced(grads: Any, targets: Any) -> Any:
   target_leaves = treedef.flatten_up_to(targets)
   mesh = target_leaves[0].mesh
   homes = [P(*jax.typeof(g).sharding.spec.partitions) for g in leaves]
-  dims = [
-      _reduce._scatter_dim(home, t.spec, g.ndim, (_DATA,))
-      for g, home, t in zip(leaves, homes, target_leaves, strict=True)
-  ]
+  dims = deferred.scatter_dims(
+      [g.ndim for g in leaves], [NamedSharding(mesh, h) for h in homes], target_leaves, (_DATA,)
+  )
 
   def per_replica(*parts):
-    return tuple(
-        jax.lax.psum(x, _DATA) if dim is None
-        else jax.lax.psum_scatter(x, _DATA, scatter_dimension=dim, tiled=True)
-        for x, dim in zip(parts, dims)
-    )
+    return tuple(deferred.reduce_local(x, dim, (_DATA,)) for x, dim in zip(parts, dims))
 
   in_specs = tuple(P(*home, unreduced={_DATA}) for home in homes)
   out_specs = tuple(t.spec for t in target_leaves)

@@ -31,12 +31,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zero1 import deferred
 from nnx_zero1._compat import Filter
 from nnx_zero1.checkpoint import restore_into
 from nnx_zero1.errors import Zero1Error, describe_mesh
 from nnx_zero1.specs import DataAxis, data_axes, data_axis_size
 
-from . import _checkpoint, _kernels, _reduce
+from . import _checkpoint, _kernels
 from ._zero1_engine import Zero1EngineMixin
 
 __all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine", "Zero1MaxTextTrainingEngine"]  # noqa: F822 (lazy)
@@ -143,7 +144,7 @@ class Engine:
     self.model = model
     nnx.update(self.optimizer, _on_mesh(nnx.state(self.optimizer), mesh))
     params = nnx.as_pure(nnx.state(model, wrt))
-    self._grad_acc = _reduce.zeros_accumulator(params, mesh, self.data_axis)
+    self._grad_acc = deferred.zeros_accumulator(params, mesh, self.data_axis)
     self._micro_steps = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     self._pending = 0  # host mirror of _micro_steps, so update() can refuse an empty step
     self.grad_norm: jax.Array | None = None
@@ -175,7 +176,7 @@ class Engine:
 
   def _place_batch(self, batch: dict) -> dict:
     def put(x):
-      target = _reduce.batch_sharding(jnp.shape(x), getattr(x, "sharding", None), self.mesh, self.data_axis)
+      target = deferred.batch_sharding(jnp.shape(x), getattr(x, "sharding", None), self.mesh, self.data_axis)
       if isinstance(x, jax.Array) and x.sharding == target:
         return x
       return jax.device_put(x, target)
@@ -202,7 +203,7 @@ class Engine:
   def _mode(self, batch: dict, *, log: bool = False) -> str:
     """How ``batch``'s gradients are reduced: deferred when each replica can compute whole
     gradients of its own rows and deferral is on; otherwise every micro-batch."""
-    blocker = _reduce.deferral_blocker(
+    blocker = deferred.deferral_blocker(
         jax.tree.leaves(_kernels.shardings_of(batch)),
         jax.tree.leaves(_kernels.shardings_of(self._params())),
         self.data_axis,

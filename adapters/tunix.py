@@ -1,25 +1,65 @@
-"""Zero-1 for Tunix: ``Zero1PeftTrainer`` is ``tunix.sft.peft_trainer.PeftTrainer`` with its
-optimizer state split over the data-parallel mesh axis.
+"""Zero-1 for Tunix: every Tunix trainer, with its optimizer state split over the data axes.
 
 Change the class name and nothing else: same constructor, same training loop,
-same checkpoints on disk (they cross both ways with ``PeftTrainer``).
+same checkpoints on disk (they cross both ways with the Tunix class).
+
+=========================  ===============================================
+Tunix 0.1.7                nnx_zero1.adapters.tunix
+=========================  ===============================================
+``PeftTrainer``            ``Zero1PeftTrainer`` (SFT: full and LoRA)
+``DPOTrainer``             ``Zero1DPOTrainer``
+``ORPOTrainer``            ``Zero1ORPOTrainer`` (as in Tunix, the DPO class)
+``DistillationTrainer``    ``Zero1DistillationTrainer``
+``RLCluster``              ``Zero1RLCluster`` (GRPO, DAPO, Dr.GRPO, PPO)
+=========================  ===============================================
+
+Each is the Tunix class run inside :func:`nnx_zero1.zero1_optimizers`, so the
+``nnx.Optimizer`` it builds is a ``Zero1Optimizer``. Defaults follow Tunix:
+
+- the data axes are the axes Tunix splits the batch over,
+  ``training_config.data_sharding_axis`` (Tunix's default ``("fsdp",)``);
+  a :class:`Zero1TrainingConfig` or a ``zero1_data_axis`` class attribute
+  overrides them;
+- the mesh is the current one (``jax.set_mesh`` or Tunix's ``with mesh:``), else
+  the mesh the model's parameters live on; a model on one device with no mesh
+  is data-parallel size 1 (trains exactly as the Tunix class; ``zero1_strict``
+  refuses it).
+
+On an FSDP mesh, leaves FSDP already splits over the data axis keep their
+layout; Zero-1 splits what FSDP leaves whole (norms, biases, LoRA factors, the
+leaves without an ``fsdp`` entry). ``nnx_zero1.report(trainer.optimizer)``
+lists both.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import inspect
 from typing import Any
 
+from tunix.distillation.distillation_trainer import DistillationTrainer
+from tunix.rl.rl_cluster import RLCluster, Role
+from tunix.sft.dpo.dpo_trainer import DPOTrainer
 from tunix.sft.peft_trainer import PeftTrainer, TrainingConfig
 
+from nnx_zero1.errors import Zero1Error
 from nnx_zero1.mixin import ShardedOptimizerMixin
-from nnx_zero1.specs import DataAxis
+from nnx_zero1.specs import DataAxis, data_axes
 
-__all__ = ["Zero1PeftTrainer", "Zero1TrainingConfig"]
+__all__ = [
+    "Zero1DPOTrainer",
+    "Zero1DistillationTrainer",
+    "Zero1ORPOTrainer",
+    "Zero1PeftTrainer",
+    "Zero1RLCluster",
+    "Zero1TrainingConfig",
+    "batch_axes",
+]
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
 class Zero1TrainingConfig(TrainingConfig):
-  """Tunix's ``TrainingConfig`` plus the Zero-1 options; ``None`` keeps the trainer's class default.
+  """Tunix's ``TrainingConfig`` plus the Zero-1 options; ``None`` keeps the trainer's default.
 
   Example::
 
@@ -33,35 +73,44 @@ class Zero1TrainingConfig(TrainingConfig):
   zero1_strict: bool | None = None
 
 
-class Zero1PeftTrainer(ShardedOptimizerMixin, PeftTrainer):
-  """``PeftTrainer`` whose optimizer is a ``Zero1Optimizer``; same constructor, loop and checkpoints.
+def batch_axes(data_sharding_axis: Any) -> tuple[str, ...]:
+  """The mesh axes Tunix splits a batch over, from ``TrainingConfig.data_sharding_axis``.
 
-  Build it under the mesh, as Tunix expects (``with mesh:``). The optimizer
-  PeftTrainer builds in ``__init__`` (``wrt=nnx.LoRAParam`` for LoRA models,
-  wrapped in ``optax.MultiSteps`` under ``gradient_accumulation_steps``) is
-  created directly on the Zero-1 layout, and the layout is recorded in the
-  state's variable metadata, so PeftTrainer's checkpoint restore and its
-  ``_shard_optimizer`` keep it. Parameters keep their own layout.
-
-  The data axis is ``zero1_data_axis`` (``"data"``); set it on a subclass, or
-  use a :class:`Zero1TrainingConfig`. A mesh without that axis, or no mesh,
-  is a ``Zero1Error`` at construction.
+  Tunix shards its inputs with ``PartitionSpec(*data_sharding_axis)``; every
+  axis named in any entry splits the batch, so the gradients are reduced over
+  it and the optimizer state can be split over it.
 
   Example::
 
-    >>> import jax, optax
-    >>> from flax import nnx
-    >>> from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
-    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
-    >>> model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-    >>> with mesh:
-    ...   trainer = Zero1PeftTrainer(model, optax.adamw(1e-3), Zero1TrainingConfig(eval_every_n_steps=1))
-    >>> type(trainer.optimizer).__name__
-    'Zero1Optimizer'
+    >>> batch_axes(("fsdp",)), batch_axes((("data", "fsdp"),)), batch_axes(("data", None))
+    (('fsdp',), ('data', 'fsdp'), ('data',))
   """
+  entries = (data_sharding_axis,) if isinstance(data_sharding_axis, str) else tuple(data_sharding_axis or ())
+  names = [a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else tuple(e))]
+  if not names:
+    raise Zero1Error(
+        f"training_config.data_sharding_axis={data_sharding_axis!r} names no mesh axis, so there is "
+        "no data axis to split the optimizer state over; set zero1_data_axis"
+    )
+  return data_axes(tuple(dict.fromkeys(names)))
+
+
+class _Zero1Tunix(ShardedOptimizerMixin):
+  """A Tunix class that builds its optimizers inside ``zero1_optimizers``, options from its config."""
+
+  zero1_data_axis: DataAxis | None = None  # None: the config's data_sharding_axis
+  zero1_strict: bool = False
+
+  def _tunix_arguments(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    mro = type(self).__mro__
+    tunix_class = mro[mro.index(ShardedOptimizerMixin) + 1]
+    return inspect.signature(tunix_class).bind(*args, **kwargs).arguments
+
+  def _training_config(self, *args: Any, **kwargs: Any) -> TrainingConfig:
+    return self._tunix_arguments(*args, **kwargs)["training_config"]
 
   def zero1_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """The class defaults, overridden by a :class:`Zero1TrainingConfig`'s non-``None`` fields.
+    """``Zero1TrainingConfig`` fields, else the class attributes, else the config's batch axes.
 
     Example::
 
@@ -70,10 +119,93 @@ class Zero1PeftTrainer(ShardedOptimizerMixin, PeftTrainer):
       >>> inspect.signature(Zero1PeftTrainer) == inspect.signature(PeftTrainer)
       True
     """
-    config = inspect.signature(PeftTrainer).bind(*args, **kwargs).arguments["training_config"]
-    options = super().zero1_options(*args, **kwargs)
-    for key in options:
-      value = getattr(config, f"zero1_{key}", None)
-      if value is not None:
-        options[key] = value
-    return options
+    config = self._training_config(*args, **kwargs)
+    axis = getattr(config, "zero1_data_axis", None)
+    if axis is None:
+      axis = self.zero1_data_axis
+    if axis is None:
+      axis = batch_axes(config.data_sharding_axis)
+    strict = getattr(config, "zero1_strict", None)
+    return {"data_axis": axis, "strict": self.zero1_strict if strict is None else strict}
+
+
+class Zero1PeftTrainer(_Zero1Tunix, PeftTrainer):
+  """``PeftTrainer`` whose optimizer is a ``Zero1Optimizer``; same constructor, loop and checkpoints.
+
+  The optimizer PeftTrainer builds in ``__init__`` (``wrt=nnx.LoRAParam`` for
+  LoRA models, wrapped in ``optax.MultiSteps`` under
+  ``gradient_accumulation_steps``) is created directly on the Zero-1 layout,
+  and the layout is recorded in the state's variable metadata, so PeftTrainer's
+  checkpoint restore and its ``_shard_optimizer`` keep it. Parameters keep their
+  own layout.
+
+  Example::
+
+    >>> import jax, optax
+    >>> from flax import nnx
+    >>> from tunix.sft.peft_trainer import TrainingConfig
+    >>> from nnx_zero1.adapters.tunix import Zero1PeftTrainer
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("fsdp",))  # Tunix's default data axis
+    >>> model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    >>> with mesh:
+    ...   trainer = Zero1PeftTrainer(model, optax.adamw(1e-3), TrainingConfig(eval_every_n_steps=1))
+    >>> type(trainer.optimizer).__name__, trainer.optimizer.data_axis
+    ('Zero1Optimizer', ('fsdp',))
+  """
+
+
+class Zero1DPOTrainer(_Zero1Tunix, DPOTrainer):
+  """``DPOTrainer`` (DPO and ORPO) with a ``Zero1Optimizer`` for the policy; same constructor.
+
+  The reference model has no optimizer and is not touched.
+
+  Example::
+
+    >>> import inspect
+    >>> from tunix.sft.dpo.dpo_trainer import DPOTrainer
+    >>> inspect.signature(Zero1DPOTrainer) == inspect.signature(DPOTrainer)
+    True
+  """
+
+
+Zero1ORPOTrainer = Zero1DPOTrainer  # Tunix 0.1.7: ORPOTrainer = DPOTrainer
+
+
+class Zero1DistillationTrainer(_Zero1Tunix, DistillationTrainer):
+  """``DistillationTrainer`` with a ``Zero1Optimizer`` for the student; same constructor.
+
+  Example::
+
+    >>> import inspect
+    >>> from tunix.distillation.distillation_trainer import DistillationTrainer
+    >>> inspect.signature(Zero1DistillationTrainer) == inspect.signature(DistillationTrainer)
+    True
+  """
+
+
+class Zero1RLCluster(_Zero1Tunix, RLCluster):
+  """``RLCluster`` whose actor and critic trainers have ``Zero1Optimizer``s; same constructor.
+
+  ``RLCluster.__init__`` builds a Tunix ``rl.trainer.Trainer`` for the actor
+  (and, for PPO, the critic) under that role's mesh; both optimizers are built
+  on the Zero-1 layout of their own mesh, over the axes of
+  ``cluster_config.training_config.data_sharding_axis``. ``GRPOLearner``,
+  ``PPOLearner`` and the other learners built on it train with 1/N of the
+  optimizer state. Rollout, reference and reward models have no optimizer.
+
+  Example::
+
+    >>> import inspect
+    >>> from tunix.rl.rl_cluster import RLCluster
+    >>> inspect.signature(Zero1RLCluster) == inspect.signature(RLCluster)
+    True
+  """
+
+  def _training_config(self, *args: Any, **kwargs: Any) -> TrainingConfig:
+    return self._tunix_arguments(*args, **kwargs)["cluster_config"].training_config
+
+  def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list:
+    arguments = self._tunix_arguments(*args, **kwargs)
+    role_to_mesh = arguments["cluster_config"].role_to_mesh
+    roles = [Role.ACTOR] + ([Role.CRITIC] if arguments.get("critic") is not None else [])
+    return [role_to_mesh[r] for r in roles if r in role_to_mesh and not role_to_mesh[r].empty]

@@ -1,8 +1,10 @@
 """LoRA SFT of Tunix's toy transformer with Zero1PeftTrainer on 8 virtual CPU devices.
 
-Mesh ("data", "fsdp", "tp") = (2, 2, 2); the batch is split over ("data", "fsdp"),
-the LoRA weights over fsdp/tp as their metadata says, and the Adam moments also
-over "data". The only change from a plain Tunix script is the trainer's class name.
+Mesh ("data", "fsdp", "tp") = (2, 2, 2); the batch is split over ("data", "fsdp")
+(``data_sharding_axis``), the LoRA weights over fsdp/tp as their metadata says, and
+the Adam moments over the batch axes too: Zero-1 splits what FSDP leaves whole (the
+report marks what FSDP already split). The only change from a plain Tunix script is
+the trainer's class name.
 
   python examples/tunix_lora_sft.py [--steps N] [--grad-accum K] [--tiny]
 

@@ -105,6 +105,8 @@ def abstract_state(obj: Any) -> nnx.State:
   state = nnx.state(obj)
   plan = getattr(obj, "zero1_plan", None)
   mesh = plan.mesh if plan is not None else _mesh_of_any(state)
+  if plan is not None and plan.single_device:
+    mesh = None  # one device, no mesh: every leaf stays where nnx.Optimizer keeps it
 
   def target(path, variable):
     sharding = targets.get(key_names(path))

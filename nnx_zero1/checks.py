@@ -14,34 +14,91 @@ from nnx_zero1.layout import Reason
 from nnx_zero1.plan import Zero1Plan
 
 __all__ = [
-    "describe_mesh", "resolve_mesh", "check_params", "check_model", "check_grads", "check_state",
-    "check_strict",
+    "current_mesh", "describe_mesh", "resolve_mesh", "check_params", "check_model", "check_grads",
+    "check_state", "check_strict",
 ]
 
 
-def resolve_mesh(mesh: Mesh | None) -> Mesh:
-  """The mesh to use: the argument, else ``jax.set_mesh``'s, else a legacy ``with mesh:``.
+def current_mesh() -> Mesh | None:
+  """The mesh set by ``jax.set_mesh``, else by a legacy ``with mesh:`` block, else None.
 
   Example::
 
     >>> import jax
     >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> with mesh:
+    ...   current_mesh() == mesh
+    True
+    >>> current_mesh() is None
+    True
+  """
+  current = jax.sharding.get_mesh()
+  if current.empty:
+    current = legacy_context_mesh()  # Tunix still uses `with mesh:`
+  return None if current.empty else current
+
+
+def _placement_of(params: Any) -> tuple[list[Mesh], set, bool]:
+  """The distinct meshes the concrete parameters' NamedShardings name, all their devices,
+  and whether some parameters are traced (they tell neither)."""
+  meshes, devices, traced = [], set(), False
+  for leaf in jax.tree.leaves(params):
+    if isinstance(leaf, jax.core.Tracer):
+      traced = True
+      continue
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh not in meshes:
+      meshes.append(sharding.mesh)
+    devices |= set(getattr(sharding, "device_set", ()))
+  return meshes, devices, traced
+
+
+def resolve_mesh(mesh: Mesh | None, params: Any = None) -> Mesh | None:
+  """The mesh to use: the argument, else ``jax.set_mesh``'s, else a legacy ``with mesh:``,
+  else the one mesh the parameters ``params`` live on (their ``NamedSharding``).
+
+  Returns None when there is no mesh and ``params`` all sit on one device:
+  data-parallel size 1. Parameters spread over several devices with no mesh,
+  or over several meshes, are a ``Zero1Error``.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
     >>> with jax.set_mesh(mesh):
     ...   resolve_mesh(None) == mesh
+    True
+    >>> resolve_mesh(None, {"w": jax.device_put(jnp.ones(2), NamedSharding(mesh, P()))}) == mesh
+    True
+    >>> resolve_mesh(None, {"w": jnp.ones(2)}) is None  # one device, no mesh
     True
   """
   if mesh is not None:
     if not isinstance(mesh, Mesh):
       raise Zero1Error(f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}")
     return mesh
-  current = jax.sharding.get_mesh()
-  if current.empty:
-    current = legacy_context_mesh()  # Tunix still uses `with mesh:`
-  if current.empty:
+  current = current_mesh()
+  if current is not None:
+    return current
+  fix = "pass mesh= or call it under jax.set_mesh(mesh)"
+  if params is None:
+    raise Zero1Error(f"Zero-1 needs a device mesh: {fix}")
+  meshes, devices, traced = _placement_of(params)
+  if len(meshes) > 1:
     raise Zero1Error(
-        "Zero-1 needs a device mesh: pass mesh= or call it under jax.set_mesh(mesh)"
+        f"the parameters live on {len(meshes)} different meshes "
+        f"({'; '.join(describe_mesh(m) for m in meshes)}), so there is no one mesh to use; {fix}"
     )
-  return current
+  if meshes:
+    return meshes[0]
+  if len(devices) > 1 or (traced and not devices and jax.device_count() > 1):
+    where = f"devices {sorted(d.id for d in devices)}" if devices else "traced arrays"
+    raise Zero1Error(
+        f"Zero-1 needs a device mesh: the parameters are on {where} with no NamedSharding "
+        f"and no mesh is set; {fix}"
+    )
+  return None
 
 
 def _check_devices(tree: Any, mesh: Mesh, what: str, fix: str) -> None:

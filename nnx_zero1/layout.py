@@ -58,6 +58,7 @@ class Reason(enum.StrEnum):
   NOT_PARAM_SHAPED = "not parameter-shaped"
   NOT_ALIGNED = "statistic over the dimension its parameter is split on"
   PARAM_NOT_SPLIT = "statistic of a parameter that is not split"
+  ONE_DEVICE = "data-parallel size 1 (one device, no mesh)"
   AMBIGUOUS = "per-parameter statistic whose dimensions match its parameter's in more than one way"
 
 

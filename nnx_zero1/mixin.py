@@ -1,195 +1,48 @@
 """``ShardedOptimizerMixin``: Zero-1 for trainers that build an ``nnx.Optimizer`` in ``__init__``.
 
-The trainer's own ``__init__`` runs unchanged; while it runs, the
-``nnx.Optimizer(...)`` calls it makes (in this thread only) build a
-``Zero1Optimizer`` with the same arguments instead. The state is created on
-the Zero-1 layout directly, so no full-size copy of the moments ever exists,
-and anything the trainer does next with its optimizer (restore a checkpoint,
-re-place the state from its variable metadata) sees the Zero-1 layout.
+The trainer's own ``__init__`` runs unchanged inside
+:func:`nnx_zero1.zero1_optimizers`, so each ``nnx.Optimizer(...)`` it builds (in
+this thread) is a ``Zero1Optimizer`` with the same arguments. The state is
+created on the Zero-1 layout directly, so no full-size copy of the moments ever
+exists, and anything the trainer does next with its optimizer (restore a
+checkpoint, re-place the state from its variable metadata) sees that layout.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import inspect
-import threading
-import types
-from collections.abc import Iterator
 from typing import Any
 
 import jax
-from flax import nnx
 
-from nnx_zero1.checks import resolve_mesh
-from nnx_zero1.errors import Zero1Error, describe_mesh
-from nnx_zero1.optimizer import Zero1Optimizer
+from nnx_zero1.checks import current_mesh
+from nnx_zero1.errors import Zero1Error
+from nnx_zero1.scope import zero1_optimizers
 from nnx_zero1.specs import DataAxis, data_axes, data_axis_size
 
 __all__ = ["ShardedOptimizerMixin"]
-
-_NNX = nnx
-_OPTIMIZER = nnx.Optimizer
-
-
-@dataclasses.dataclass
-class _Route:
-  """What one trainer construction asked for, and the optimizers it got."""
-
-  mesh: jax.sharding.Mesh
-  data_axis: tuple[str, ...]
-  strict: bool
-  built: list[Zero1Optimizer] = dataclasses.field(default_factory=list)
-
-
-# The route of the trainer being constructed in this thread (or task), if any.
-_ROUTE: contextvars.ContextVar[_Route | None] = contextvars.ContextVar("nnx_zero1_route", default=None)
-
-
-class _RoutedOptimizerType(type):
-  """Calls build a ``Zero1Optimizer`` while this thread constructs a mixin trainer, else a
-  plain ``nnx.Optimizer``; ``isinstance``/``issubclass`` answer as for ``nnx.Optimizer``."""
-
-  def __call__(cls, model, tx, *args, **kwargs):
-    route = _ROUTE.get()
-    if route is None:
-      return _OPTIMIZER(model, tx, *args, **kwargs)
-    if args:
-      raise TypeError(f"nnx.Optimizer takes 2 positional arguments but {2 + len(args)} were given")
-    opt = Zero1Optimizer(model, tx, route.mesh, data_axis=route.data_axis, strict=route.strict, **kwargs)
-    route.built.append(opt)
-    return opt
-
-  def __instancecheck__(cls, obj) -> bool:
-    return isinstance(obj, _OPTIMIZER)
-
-  def __subclasscheck__(cls, sub) -> bool:
-    return issubclass(sub, _OPTIMIZER)
-
-  def __getattr__(cls, name: str) -> Any:
-    return getattr(_OPTIMIZER, name)
-
-
-class _RoutedOptimizer(metaclass=_RoutedOptimizerType):
-  """What ``nnx.Optimizer`` names in a trainer's module while a mixin trainer is being built."""
-
-
-class _RoutedNnx(types.ModuleType):
-  """``flax.nnx`` as seen from a trainer's module during construction: only ``Optimizer`` differs."""
-
-  Optimizer = _RoutedOptimizer
-
-  def __init__(self):
-    super().__init__(_NNX.__name__, _NNX.__doc__)
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(_NNX, name)
-
-
-_ROUTED_NNX = _RoutedNnx()
-_LOCK = threading.Lock()
-# id(module globals) -> (the globals, {name: original value}, number of constructions using it)
-_PATCHED: dict[int, tuple[dict, dict[str, Any], int]] = {}
-
-
-def _init_globals(cls: type, after: type) -> list[dict]:
-  """The module globals of every ``__init__`` that ``cls`` runs after ``after`` in its MRO."""
-  mro = cls.__mro__
-  found, seen = [], set()
-  for klass in mro[mro.index(after) + 1:]:
-    init = klass.__dict__.get("__init__")
-    module_globals = getattr(inspect.unwrap(init), "__globals__", None) if init else None
-    if module_globals is None or id(module_globals) in seen:
-      continue
-    seen.add(id(module_globals))
-    found.append(module_globals)
-  return found
-
-
-def _routable_names(module_globals: dict) -> dict[str, Any]:
-  """Names in a module bound to ``flax.nnx`` or to ``nnx.Optimizer`` itself."""
-  return {
-      name: value
-      for name, value in module_globals.items()
-      if value is _NNX or value is _OPTIMIZER
-  }
-
-
-def _install(module_globals: dict) -> bool:
-  with _LOCK:
-    key = id(module_globals)
-    if key in _PATCHED:
-      g, originals, users = _PATCHED[key]
-      _PATCHED[key] = (g, originals, users + 1)
-      return True
-    originals = _routable_names(module_globals)
-    if not originals:
-      return False
-    for name, value in originals.items():
-      module_globals[name] = _ROUTED_NNX if value is _NNX else _RoutedOptimizer
-    _PATCHED[key] = (module_globals, originals, 1)
-    return True
-
-
-def _uninstall(module_globals: dict) -> None:
-  with _LOCK:
-    g, originals, users = _PATCHED[id(module_globals)]
-    if users > 1:
-      _PATCHED[id(module_globals)] = (g, originals, users - 1)
-      return
-    del _PATCHED[id(module_globals)]
-    g.update(originals)
-
-
-@contextlib.contextmanager
-def _routing(cls: type, route: _Route) -> Iterator[None]:
-  """Routes the ``nnx.Optimizer`` calls of ``cls``'s base ``__init__``s to ``Zero1Optimizer``."""
-  installed: list[dict] = []
-  token = _ROUTE.set(route)
-  try:
-    for module_globals in _init_globals(cls, ShardedOptimizerMixin):
-      if _install(module_globals):
-        installed.append(module_globals)
-    if not installed:
-      raise Zero1Error(
-          f"{cls.__name__}: no __init__ after ShardedOptimizerMixin in its MRO is defined in a "
-          "module that refers to flax.nnx or nnx.Optimizer, so there is no optimizer "
-          "construction to route to Zero1Optimizer"
-      )
-    yield
-  finally:
-    _ROUTE.reset(token)
-    for module_globals in installed:
-      _uninstall(module_globals)
 
 
 class ShardedOptimizerMixin:
   """Gives a trainer a ``Zero1Optimizer`` without changing its constructor.
 
   Put it first among the bases: ``class MyZero1Trainer(ShardedOptimizerMixin,
-  MyTrainer)``. While ``MyTrainer.__init__`` (and the ``__init__`` of its own
-  bases) runs, each ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` call it makes
-  builds ``Zero1Optimizer(model, tx, mesh, wrt=..., graph=..., data_axis=...,
-  strict=...)`` instead, with its state created directly on the Zero-1 layout.
+  MyTrainer)``. ``MyTrainer.__init__`` runs inside ``zero1_optimizers(...)``:
+  each ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` it makes, wherever that
+  call is written, builds ``Zero1Optimizer(model, tx, wrt=..., graph=...,
+  data_axis=..., strict=...)`` instead, with its state created directly on the
+  Zero-1 layout.
 
-  What a trainer must look like for this to apply:
+  The mesh is resolved as ``Zero1Optimizer`` does when the optimizer is built:
+  the current one (``jax.set_mesh`` or a legacy ``with mesh:``), else the mesh
+  the model's parameters live on; a model on one device with no mesh is
+  data-parallel size 1 (nothing split; ``zero1_strict`` refuses it).
 
-  - its ``__init__`` builds the optimizer by calling ``nnx.Optimizer(...)`` (through
-    ``from flax import nnx`` or ``from flax.nnx import Optimizer``) in the module
-    that defines that ``__init__``, in the calling thread;
-  - the model's parameters are already placed on the mesh when that happens;
-  - a mesh is current: ``jax.set_mesh(mesh)`` or a legacy ``with mesh:`` block;
-  - the mesh has the data axis (or axes).
-
-  Anything else is a ``Zero1Error``, never a silently replicated optimizer: no
-  mesh, a mesh without the data axis (both before the trainer's ``__init__``
-  starts), a trainer whose ``__init__`` modules do not use ``nnx.Optimizer``, or
-  one that built no optimizer by the end of its ``__init__``.
-
-  Only the calling thread is affected: other threads (and code outside the
-  trainer's modules) constructing ``nnx.Optimizer`` meanwhile get the plain
-  one, and everything is put back when ``__init__`` returns or raises.
+  ``Zero1Error``, never a silently replicated optimizer: a current mesh without
+  the data axis (before the trainer's ``__init__`` starts), any optimizer that
+  cannot be made Zero-1, or a trainer that built no ``nnx.Optimizer`` in this
+  thread by the end of its ``__init__``. Other threads constructing
+  ``nnx.Optimizer`` meanwhile get the plain one.
 
   Options come from class attributes, or from :meth:`zero1_options`, which
   adapters override to read them from the trainer's own config.
@@ -212,7 +65,8 @@ class ShardedOptimizerMixin:
 
   Attributes:
     zero1_data_axis: the mesh axis (or tuple of axes) the state is split over.
-    zero1_strict: raise ``Zero1Error`` when a parameter-shaped leaf cannot be split.
+    zero1_strict: raise ``Zero1Error`` when a parameter-shaped leaf cannot be
+      split, or when the data-parallel size is 1 for lack of a mesh.
   """
 
   zero1_data_axis: DataAxis = "data"
@@ -230,15 +84,14 @@ class ShardedOptimizerMixin:
   def __init__(self, *args: Any, **kwargs: Any):
     options = self.zero1_options(*args, **kwargs)
     axes = data_axes(options["data_axis"])
-    mesh = resolve_mesh(None)
-    data_axis_size(mesh, axes)
-    route = _Route(mesh=mesh, data_axis=axes, strict=bool(options["strict"]))
-    with _routing(type(self), route):
+    for mesh in self._zero1_meshes(*args, **kwargs):
+      data_axis_size(mesh, axes)
+    with zero1_optimizers(data_axis=axes, strict=bool(options["strict"])) as built:
       super().__init__(*args, **kwargs)
-    if not route.built:
+    if not built:
       raise Zero1Error(
-          f"{type(self).__name__}.__init__ built no nnx.Optimizer, so there was nothing to "
-          f"make Zero-1; {describe_mesh(mesh)}"
+          f"{type(self).__name__}.__init__ built no nnx.Optimizer in this thread, so there was "
+          f"nothing to make Zero-1 (data axis {axes})"
       )
 
   def zero1_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -257,3 +110,9 @@ class ShardedOptimizerMixin:
       ...     return {"data_axis": config["data_axis"], "strict": True}
     """
     return {"data_axis": self.zero1_data_axis, "strict": self.zero1_strict}
+
+  def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list[jax.sharding.Mesh]:
+    """Meshes the optimizers will be built on, checked for the data axis before
+    ``__init__`` starts: the current mesh, if any."""
+    current = current_mesh()
+    return [] if current is None else [current]

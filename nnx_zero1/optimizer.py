@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from flax.nnx.training.optimizer import OptState
+from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_zero1._compat import Filter, to_opt_state
 from nnx_zero1.checks import (
@@ -20,18 +21,59 @@ from nnx_zero1.checks import (
   check_strict,
   resolve_mesh,
 )
+from nnx_zero1.errors import Zero1Error
 from nnx_zero1.placement import current_sharding, place
-from nnx_zero1.plan import Zero1Plan, make_plan
+from nnx_zero1.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
 from nnx_zero1.specs import DataAxis, data_axes, data_axis_size, is_explicit, spec_entries
 
-__all__ = ["Zero1Optimizer", "init_sharded_state", "opt_state_init"]
+__all__ = ["Zero1Optimizer", "init_sharded_state", "mark_zero1_grads", "opt_state_init"]
 
 M = TypeVar("M")
+
+# Variable metadata on gradients that arrive already reduced onto the Zero-1 layout.
+ON_ZERO1_LAYOUT = "zero1_layout"
+
+
+def _grad_variables(grads: Any) -> list[nnx.Variable]:
+  return [v for v in jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
+          if isinstance(v, nnx.Variable)]
+
+
+def mark_zero1_grads(grads: nnx.State) -> nnx.State:
+  """Marks gradients that are already on their optimizer's Zero-1 layout (reduce-scattered).
+
+  ``Zero1Optimizer.update`` then does not pin them to their parameters' layout
+  first (on an Auto mesh that pin would gather them back). Returns ``grads``.
+
+  Example::
+
+    >>> from flax import nnx
+    >>> grads = nnx.state(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Param)
+    >>> _is_marked(mark_zero1_grads(grads))
+    True
+  """
+  for var in _grad_variables(grads):
+    var.set_metadata(**{ON_ZERO1_LAYOUT: True})
+  return grads
+
+
+def _is_marked(grads: Any) -> bool:
+  variables = _grad_variables(grads)
+  return bool(variables) and all(v.get_metadata().get(ON_ZERO1_LAYOUT, False) for v in variables)
 
 
 def _place_all(tree: Any, shardings) -> Any:
   leaves, treedef = jax.tree.flatten(tree)
   return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, shardings, strict=True)])
+
+
+def _device_of(params: Any) -> jax.Device:
+  """The one device unplaced parameters sit on (the default device if none is known)."""
+  for leaf in jax.tree.leaves(params):
+    devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
+    if devices:
+      return next(iter(devices))
+  return jax.devices()[0]
 
 
 def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, params, kwargs):
@@ -133,16 +175,23 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     model: the NNX module whose ``wrt`` variables are optimised.
     tx: any optax transformation.
     mesh: the device mesh; defaults to the one set by ``jax.set_mesh`` (or a
-      legacy ``with mesh:`` block).
+      legacy ``with mesh:`` block), else the mesh the parameters' ``NamedSharding``
+      names. With neither and the model on one device, the data-parallel size is
+      1: nothing is split and the optimizer behaves exactly as ``nnx.Optimizer``
+      (``report`` says so).
     wrt: which variables to optimise, as for ``nnx.Optimizer``.
     data_axis: the mesh axis (or tuple of axes) that data parallelism runs over.
     graph: passed through as for ``nnx.Optimizer``.
-    strict: raise ``Zero1Error`` when some parameter-shaped leaf cannot be split.
+    strict: raise ``Zero1Error`` when some parameter-shaped leaf cannot be split
+      (and, in ``value_and_grad_accumulated``, when the gradient reduction cannot
+      be deferred), or when there is no mesh and the model is on one device.
     pin_gradients: on Auto meshes, hold traced gradients on their parameters'
       layout before slicing them, so the backward pass compiles as it would for
       ``nnx.Optimizer`` (bit-identical). Pass ``False`` when the gradients already
       arrive on the Zero-1 layout (reduce-scattered), or to let XLA turn the
       gradient all-reduce into a reduce-scatter at the price of reordered sums.
+      Gradients from ``value_and_grad_accumulated`` are marked as on the Zero-1
+      layout and never pinned.
   """
 
   def __init__(
@@ -157,24 +206,43 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       strict: bool = False,
       pin_gradients: bool = True,
   ):
-    mesh = resolve_mesh(mesh)
     axes = data_axes(data_axis)
-    data_axis_size(mesh, axes)
     param_state = nnx.state(model, wrt, graph=graph)
     params = nnx.as_pure(param_state)
+    mesh = resolve_mesh(mesh, params)
+    device = None
+    if mesh is None:  # one device, no mesh: data-parallel size 1
+      device = _device_of(params)
+      mesh = one_device_mesh(device, axes)
+      if strict:
+        raise Zero1Error(
+            f"strict=True, but the model is on one device ({device}) and no mesh is set: "
+            "data-parallel size 1, so Zero-1 would split nothing; pass mesh= or call it under "
+            "jax.set_mesh(mesh)"
+        )
+    data_axis_size(mesh, axes)
     check_params(params, wrt, mesh)
     init = opt_state_init(tx)
     abstract_state = nnx.as_pure(jax.eval_shape(init, param_state))  # the one trace of tx.init
     plan = make_plan(tx, params, mesh, axes, abstract_state=abstract_state)
+    if device is not None:
+      plan = single_device_plan(plan, device)
     if strict:
       check_strict(plan)
     self.graph = graph
-    self.step = OptState(jnp.array(0, dtype=jnp.uint32))
     self.tx = tx
-    self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan, init=init))
+    if plan.single_device:  # exactly nnx.Optimizer's state
+      self.step = OptState(jnp.array(0, dtype=jnp.uint32))
+      self.opt_state = nnx.data(init(param_state))
+    else:
+      # The step count lives on the mesh from the start, replicated, as a jitted step returns
+      # it: a trainer that does not re-place its optimizer before jit compiles once, not twice.
+      self.step = OptState(place(jnp.array(0, dtype=jnp.uint32), NamedSharding(mesh, PartitionSpec())))
+      self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan, init=init))
     self.wrt = wrt
     self.zero1_plan = plan
     self.pin_gradients = pin_gradients
+    self.strict = strict
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
@@ -207,15 +275,18 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     """
     plan = self.zero1_plan
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
-    grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+    on_zero1 = _is_marked(grads)  # reduce-scattered already: nothing to pin
+    given_grads, grads = grads, nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
     check_model(params, plan)
     check_grads(grads, params, plan)
     state = nnx.as_pure(self.opt_state)
     check_state(state, plan)
+    if plan.single_device:  # data-parallel size 1: nothing to split or move
+      return super().update(model, given_grads, **kwargs)
     homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
     state_shardings = [row.sharding for row in plan.state_leaves]
 
-    if self.pin_gradients:
+    if self.pin_gradients and not on_zero1:
       # Pinned where they are (on an Auto mesh under jit: their parameters' layout), the
       # gradients keep XLA's sharding propagation from carrying the Zero-1 layout back
       # into the backward pass, where it would reorder sums. A no-op on Explicit meshes.

@@ -11,8 +11,9 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_zero1.errors import Zero1Error, describe_mesh
 from nnx_zero1.layout import (  # noqa: F401 -- the reason names are re-exported for callers
@@ -26,7 +27,10 @@ from nnx_zero1.layout import (  # noqa: F401 -- the reason names are re-exported
 )
 from nnx_zero1.specs import data_axis_size, full_rank_sharding
 
-__all__ = ["LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "statistic_layout"]
+__all__ = [
+    "LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "statistic_layout", "one_device_mesh",
+    "single_device_plan",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,7 @@ class LeafPlan:
   dtype: str
   sharding: NamedSharding
   reason: Reason | None  # None: split over the data axis
+  by_parameter: bool = False  # split already by its parameter's own layout (FSDP): nothing added
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Zero1Plan:
   param_shardings: tuple[NamedSharding, ...]  # as the parameters were placed
   zero1_param_shardings: tuple[NamedSharding, ...]
   state_leaves: tuple[LeafPlan, ...]
+  single_device: bool = False  # no mesh, one device: nothing is placed, as nnx.Optimizer
 
 
 def base_sharding(array: Any, mesh: Mesh) -> NamedSharding:
@@ -158,9 +164,10 @@ def make_plan(
       sharding, reason = statistic_layout(shape, shapes[i], zero1[i], data_axis)
     else:
       sharding, reason = replicated, Reason.SCALAR if not shape else Reason.NOT_PARAM_SHAPED
-    reason = None if reason == Reason.ALREADY_SHARDED else reason
+    by_parameter = reason == Reason.ALREADY_SHARDED
+    reason = None if by_parameter else reason
     sharding = full_rank_sharding(sharding, len(shape))
-    rows.append(LeafPlan(jax.tree_util.keystr(path), shape, str(leaf.dtype), sharding, reason))
+    rows.append(LeafPlan(jax.tree_util.keystr(path), shape, str(leaf.dtype), sharding, reason, by_parameter))
   _refuse_unmapped(tx, rows, mesh, data_axis)
   return Zero1Plan(
       mesh=mesh,
@@ -172,3 +179,37 @@ def make_plan(
       state_leaves=tuple(rows),
   )
 
+
+
+def one_device_mesh(device: jax.Device, data_axis: tuple[str, ...]) -> Mesh:
+  """A mesh of one device whose axes are the data axes, each of size 1.
+
+  Example::
+
+    >>> import jax
+    >>> dict(one_device_mesh(jax.devices()[0], ("data",)).shape)
+    {'data': 1}
+  """
+  devices = np.array([device], dtype=object).reshape((1,) * len(data_axis))
+  return Mesh(devices, data_axis, axis_types=(AxisType.Auto,) * len(data_axis))
+
+
+def single_device_plan(plan: Zero1Plan, device: jax.Device) -> Zero1Plan:
+  """``plan`` for a model on one device with no mesh: every leaf stays where
+  ``nnx.Optimizer`` puts it (``SingleDeviceSharding``), and says why.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> device = jax.devices()[0]
+    >>> plan = make_plan(optax.sgd(0.1, momentum=0.9), {"w": jnp.ones(4)},
+    ...                  one_device_mesh(device, ("data",)), ("data",))
+    >>> [str(leaf.reason) for leaf in single_device_plan(plan, device).state_leaves]
+    ['data-parallel size 1 (one device, no mesh)']
+  """
+  here = jax.sharding.SingleDeviceSharding(device)
+  rows = tuple(
+      dataclasses.replace(row, sharding=here, reason=row.reason or Reason.ONE_DEVICE)
+      for row in plan.state_leaves
+  )
+  return dataclasses.replace(plan, state_leaves=rows, single_device=True)

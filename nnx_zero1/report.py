@@ -44,6 +44,7 @@ class ReportRow:
   replicated_optimizer_bytes: int  # what nnx.Optimizer holds of it per device
   sharded: bool
   reason: str  # "" when sharded
+  by_parameter: bool = False  # split already by its parameter's layout (FSDP): Zero-1 added nothing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +72,14 @@ class Zero1Report:
 
   @property
   def unsharded_bytes(self) -> int:
-    """What one device would hold with a replicated optimizer (``nnx.Optimizer``)."""
+    """What one device would hold with ``nnx.Optimizer`` (its state laid out like the parameters)."""
     return sum(r.replicated_optimizer_bytes for r in self.rows)
 
   def __str__(self) -> str:
     header = ("leaf", "shape", "dtype", "spec", "bytes/device", "status")
     body = [
         (r.path, "x".join(map(str, r.shape)) or "()", r.dtype, r.spec, f"{r.bytes_per_device:,}",
-         "sharded" if r.sharded else f"replicated: {r.reason}")
+         _status(r))
         for r in self.rows
     ]
     widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
@@ -87,9 +88,15 @@ class Zero1Report:
     total = (
         f"optimizer state per device: {self.per_device_bytes:,} B "
         f"(sharded {self.sharded_bytes:,} B + replicated {self.replicated_bytes:,} B); "
-        f"replicated optimizer: {self.unsharded_bytes:,} B; data axis {axis} = {self.data_size}"
+        f"nnx.Optimizer: {self.unsharded_bytes:,} B; data axis {axis} = {self.data_size}"
     )
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body), total])
+
+
+def _status(row: ReportRow) -> str:
+  if not row.sharded:
+    return f"replicated: {row.reason}"
+  return "sharded by its parameter's layout" if row.by_parameter else "sharded"
 
 
 def _without_data_axes(sharding, data_axis: tuple[str, ...]):
@@ -123,14 +130,15 @@ def report(opt) -> Zero1Report:
             path=row.path,
             shape=row.shape,
             dtype=str(leaf.dtype),
-            spec=str(getattr(leaf.sharding, "spec", leaf.sharding)),
+            spec=str(leaf.sharding.spec) if hasattr(leaf.sharding, "spec") else type(leaf.sharding).__name__,
             bytes_per_device=bytes_per_device(leaf),
             full_bytes=leaf.nbytes,
-            replicated_optimizer_bytes=math.prod(
+            replicated_optimizer_bytes=bytes_per_device(leaf) if row.by_parameter else math.prod(
                 _without_data_axes(leaf.sharding, plan.data_axis).shard_shape(leaf.shape)
             ) * leaf.dtype.itemsize,
             sharded=row.reason is None,
             reason=str(row.reason) if row.reason else "",
+            by_parameter=row.by_parameter,
         )
     )
   size = data_axis_size(plan.mesh, plan.data_axis)

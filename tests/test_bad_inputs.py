@@ -60,11 +60,19 @@ def jit_update(model, opt, grads):
 # -- construction ---------------------------------------------------------------------------------
 
 
-def test_no_mesh_at_all():
-  model = model_on(MESH)
+def test_no_mesh_and_parameters_spread_over_devices_without_a_named_sharding():
+  model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+  model.bias.set_value(jax.device_put(model.bias[...], jax.devices()[1]))
   assert jax.sharding.get_mesh().empty
   no_mesh = lambda: Zero1Optimizer(model, optax.adamw(1e-3))
-  refused(no_mesh, "needs a device mesh", "jax.set_mesh", objs=[model])
+  refused(no_mesh, "needs a device mesh", "devices [0, 1]", "jax.set_mesh", objs=[model])
+
+
+def test_no_mesh_and_parameters_on_two_meshes():
+  model = model_on(MESH)
+  model.l3.bias.set_value(jax.device_put(model.l3.bias[...], NamedSharding(MESH4, P())))
+  two_meshes = lambda: Zero1Optimizer(model, optax.adamw(1e-3))
+  refused(two_meshes, "2 different meshes", "{'data': 4}", "{'data': 8}", objs=[model])
 
 
 def test_mesh_without_the_data_axis():

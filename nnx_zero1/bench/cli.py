@@ -15,7 +15,7 @@ from nnx_zero1.bench import devices
 
 __all__ = ["parse_args", "default_arms", "main"]
 
-STEP_ARMS = ("baseline", "zero1")
+STEP_ARMS = ("baseline", "zero1", "accum", "zero1-accum")
 ENGINE_ARMS = ("engine", "zero1-engine")
 
 
@@ -40,7 +40,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
       description="Memory, time and collectives of plain nnx.Optimizer vs Zero1Optimizer training.",
   )
   p.add_argument("--quick", action="store_true",
-                 help="small model, 10 timed steps, baseline and zero1 arms only: minutes on 2 CPU cores")
+                 help="small model, 10 timed steps, the single-step arms only (baseline, zero1, accum, "
+                 "zero1-accum): minutes on 2 CPU cores")
   p.add_argument("--out", default="bench_out", help="folder for bench.json, bench.md, memory.png")
   p.add_argument("--dp", type=_ints, default=(2, 4, 8), help="data-parallel sizes, e.g. 2,4,8")
   p.add_argument("--ga", type=_ints, default=(1, 8), help="gradient-accumulation steps, e.g. 1,8")
@@ -54,8 +55,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--mesh", choices=("explicit", "auto"), default="explicit",
                  help="axis type of the data axis (explicit: jax's default, bit-identical Zero-1)")
   p.add_argument("--arms", default=None,
-                 help="comma list of baseline,zero1,engine,zero1-engine (default: all available; "
-                 "--quick: baseline,zero1); the first is the reference for loss_diff")
+                 help="comma list of baseline,zero1,accum,zero1-accum,engine,zero1-engine (default: all "
+                 "available; --quick: the first four); the first is the reference for loss_diff")
   p.add_argument("--no-shapes", action="store_true", help="skip the real-LLM-shapes table")
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   args = p.parse_args(list(argv))
@@ -64,18 +65,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   for key, value in (quick if args.quick else full).items():
     if getattr(args, key) is None:
       setattr(args, key, value)
-  # --quick keeps to the two optimizer arms: the engines double the compiles (minutes on 2 cores).
+  # --quick keeps to the single-step arms: the engines add two compiles each (minutes on 2 cores).
   args.arms = tuple(args.arms.split(",")) if args.arms else STEP_ARMS if args.quick else default_arms()
   return args
 
 
 def default_arms() -> tuple[str, ...]:
-  """Plain and Zero-1 optimizers, plus the MaxText-style engines when that adapter is installed.
+  """Plain and Zero-1 optimizers (each with a scanned and a deferred-reduction step), plus the
+  MaxText-style engines when that adapter is installed.
 
   Example::
 
-    >>> default_arms()[:2]
-    ('baseline', 'zero1')
+    >>> default_arms()[:4]
+    ('baseline', 'zero1', 'accum', 'zero1-accum')
   """
   has_engine = importlib.util.find_spec("nnx_zero1.adapters.maxtext") is not None
   return STEP_ARMS + (ENGINE_ARMS if has_engine else ())

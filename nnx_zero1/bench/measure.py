@@ -12,6 +12,7 @@ __all__ = [
     "COLLECTIVES",
     "shape_bytes",
     "collectives",
+    "loop_collectives",
     "memory",
     "median_ms",
     "time_call",
@@ -80,6 +81,14 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
   return bodies, entry
 
 
+def _callees(line: str) -> list[tuple[str, str]]:
+  """(kind, computation) for every computation an instruction calls."""
+  callees = [(kind, callee) for kind, callee in _CALLEE.findall(line)]
+  for branches in _BRANCHES.findall(line):
+    callees += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
+  return callees
+
+
 def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
   """How many times each computation runs per call of the entry (while bodies x trip count)."""
   runs: dict[str, int] = {}
@@ -88,16 +97,26 @@ def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, in
     runs[name] = runs.get(name, 0) + times
     for line in bodies.get(name, ()):
       trip = _TRIP.search(line)
-      callees = [(kind, callee) for kind, callee in _CALLEE.findall(line)]
-      for branches in _BRANCHES.findall(line):
-        callees += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
-      for kind, callee in callees:
+      for kind, callee in _callees(line):
         if callee in bodies:
           visit(callee, times * (int(trip.group(1)) if kind == "body" and trip else 1))
 
   if entry is not None:
     visit(entry, 1)
   return runs
+
+
+def _count(lines: list[str], times: int, out: dict[str, dict[str, int]]) -> None:
+  for line in lines:
+    m = _OP.match(line)
+    if m and times:
+      nbytes = shape_bytes(m["shape"], second_half=bool(m["start"]) and m["op"] != "all-reduce")
+      out[m["op"]]["count"] += times
+      out[m["op"]]["bytes"] += times * nbytes
+
+
+def _empty() -> dict[str, dict[str, int]]:
+  return {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
 
 
 def collectives(hlo: str) -> dict[str, dict[str, int]]:
@@ -118,15 +137,49 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
   """
   bodies, entry = _computations(hlo)
   runs = _executions(bodies, entry)
-  out = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+  out = _empty()
   for name, lines in bodies.items():
-    times = runs.get(name, 0)
-    for line in lines:
-      m = _OP.match(line)
-      if m and times:
-        nbytes = shape_bytes(m["shape"], second_half=bool(m["start"]) and m["op"] != "all-reduce")
-        out[m["op"]]["count"] += times
-        out[m["op"]]["bytes"] += times * nbytes
+    _count(lines, runs.get(name, 0), out)
+  return out
+
+
+def loop_collectives(hlo: str) -> dict[str, dict[str, int]]:
+  """Collectives inside while-loop bodies (and what they call), each counted once: one trip's.
+
+  A micro-batch loop (``lax.scan``) that defers its gradient reduction has
+  none of gradient size here.
+
+  Example::
+
+    >>> hlo = '''%body (p: f32[8]) -> f32[8] {
+    ...   ROOT %ar = f32[8]{0} all-reduce(%p), to_apply=%add
+    ... }
+    ...
+    ... ENTRY %main (a: f32[8]) -> f32[8] {
+    ...   %w = f32[8]{0} while(%a), condition=%cond, body=%body
+    ...   ROOT %ag = f32[16]{0} all-gather(%w), dimensions={0}
+    ... }'''
+    >>> loop_collectives(hlo)["all-reduce"], loop_collectives(hlo)["all-gather"]
+    ({'count': 1, 'bytes': 32}, {'count': 0, 'bytes': 0})
+  """
+  bodies, entry = _computations(hlo)
+  inside: set[str] = set()
+
+  def visit(name: str, in_loop: bool) -> None:
+    if in_loop:
+      if name in inside:
+        return
+      inside.add(name)
+    for line in bodies.get(name, ()):
+      for kind, callee in _callees(line):
+        if callee in bodies:
+          visit(callee, in_loop or kind == "body")
+
+  if entry is not None:
+    visit(entry, False)
+  out = _empty()
+  for name in inside:
+    _count(bodies[name], 1, out)
   return out
 
 

@@ -114,11 +114,7 @@ def targets(rows: Sequence[dict]) -> list[str]:
   step = [r["step_ms"] / _baseline(rows, r)["step_ms"] for r in at_ga]
   fastest = [r["step_ms_min"] / _baseline(rows, r)["step_ms_min"] for r in at_ga if "step_ms_min" in r]
   diff = [r["loss_diff"] for r in zero1]
-  def verdict(values: list[float], good: bool, fmt: str = ".3f") -> str:
-    if not values:
-      return "not measured"
-    return ", ".join(f"{v:{fmt}}" for v in values) + (" -> met" if good else " -> MISSED")
-
+  verdict = _verdict
   return [
       f"Zero-1 optimizer bytes/device <= {OPT_BYTES_SLACK} x plain/dp: "
       + verdict(opt, bool(opt) and max(opt) <= OPT_BYTES_SLACK),
@@ -127,7 +123,61 @@ def targets(rows: Sequence[dict]) -> list[str]:
       f"step time Zero-1/plain <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}, fastest steps: "
       + verdict(fastest, bool(fastest) and max(fastest) <= STEP_RATIO_GOAL),
       "final-loss difference == 0: " + verdict(diff, bool(diff) and max(diff) == 0, "g"),
-  ] + _engine_line(rows)
+  ] + _accum_lines(rows) + _engine_line(rows)
+
+
+ALL_REDUCE_SCALARS = 1024  # bytes: what "only scalars" allows per step
+PARAMS_ATOL = 1e-5
+
+
+def _verdict(values: list, good: bool, fmt: str = ".3f") -> str:
+  if not values:
+    return "not measured"
+  return ", ".join(f"{v:{fmt}}" for v in values) + (" -> met" if good else " -> MISSED")
+
+
+def _accum_lines(rows: Sequence[dict]) -> list[str]:
+  """The goals of ``zero1-accum`` (custom loop, ``value_and_grad_accumulated``, ``Zero1Optimizer``)."""
+  accum = [r for r in rows if r["arm"] == "zero1-accum" and "param_bytes" in r]
+  if not accum:
+    return []
+  at_ga = [r for r in accum if r["ga"] == STEP_RATIO_GA]
+  c = lambda r, op: r["collectives"][op]["bytes"]  # noqa: E731
+  scattered = [c(r, "reduce-scatter") * r["dp"] / r["param_bytes"] for r in at_ga]
+  gathered = [c(r, "all-gather") / r["param_bytes"] for r in at_ga]
+  reduced = [c(r, "all-reduce") for r in at_ga]
+  opt = [r["opt_state_bytes_per_device"] / (_baseline(rows, r)["opt_state_bytes_per_device"] / r["dp"])
+         for r in accum]
+  step = [r["step_ms"] / _baseline(rows, r)["step_ms"] for r in at_ga]
+  fastest = [r["step_ms_min"] / _baseline(rows, r)["step_ms_min"] for r in at_ga]
+  diff = [r["params_max_diff"] for r in accum]
+  engine = [("zero1-engine" in r["params_equal_arms"]) for r in accum
+            if any(e["arm"] == "zero1-engine" and (e["dp"], e["ga"]) == (r["dp"], r["ga"]) for e in rows)]
+  lines = [
+      f"zero1-accum at GA={STEP_RATIO_GA}, reduce-scatter bytes (results x dp) / gradient bytes == 1: "
+      + _verdict(scattered, bool(scattered) and all(v == 1 for v in scattered)),
+      f"zero1-accum at GA={STEP_RATIO_GA}, all-gather bytes / parameter bytes == 1: "
+      + _verdict(gathered, bool(gathered) and all(v == 1 for v in gathered)),
+      f"zero1-accum at GA={STEP_RATIO_GA}, all-reduce bytes < {ALL_REDUCE_SCALARS} (scalars only): "
+      + _verdict(reduced, bool(reduced) and max(reduced) < ALL_REDUCE_SCALARS, "d"),
+      f"zero1-accum optimizer bytes/device <= {OPT_BYTES_SLACK} x plain/dp: "
+      + _verdict(opt, max(opt) <= OPT_BYTES_SLACK),
+      f"step time zero1-accum/baseline <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}, medians: "
+      + _verdict(step, bool(step) and max(step) <= STEP_RATIO_GOAL),
+      f"step time zero1-accum/baseline <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}, fastest steps: "
+      + _verdict(fastest, bool(fastest) and max(fastest) <= STEP_RATIO_GOAL),
+      f"zero1-accum final parameters within {PARAMS_ATOL:g} of the first arm's: "
+      + _verdict(diff, max(diff) <= PARAMS_ATOL, ".3g"),
+  ]
+  if engine:
+    lines.append("zero1-accum parameters bit-identical to zero1-engine: "
+                 + ", ".join(map(str, engine)) + (" -> met" if all(engine) else " -> MISSED"))
+  plain = [r for r in rows if r["arm"] == "accum" and r["ga"] == STEP_RATIO_GA]
+  if plain:
+    ratios = ", ".join(f"{r['step_ms'] / _baseline(rows, r)['step_ms']:.3f}" for r in plain)
+    lines.append(f"(no goal) step time accum/baseline (nnx.Optimizer, deferral alone) at GA={STEP_RATIO_GA}: "
+                 + ratios)
+  return lines
 
 
 def _engine_line(rows: Sequence[dict]) -> list[str]:
@@ -138,6 +188,14 @@ def _engine_line(rows: Sequence[dict]) -> list[str]:
   ratios = ", ".join(f"{z['step_ms'] / e['step_ms']:.3f}" for z, e in pairs)
   return [f"(no goal) step time Zero1Engine/Engine at GA={STEP_RATIO_GA}: {ratios}"]
 
+
+_ARMS = (
+    "Arms: `baseline` `nnx.Optimizer` and `zero1` `Zero1Optimizer`, each a `lax.scan` of "
+    "`nnx.value_and_grad` over the micro-batches (XLA reduces every micro-batch); `accum` and "
+    "`zero1-accum` the same optimizers with `nnx_zero1.value_and_grad_accumulated` (one gradient "
+    "reduction per step: an all-reduce, or a reduce-scatter onto the Zero-1 layout); `engine` and "
+    "`zero1-engine` the MaxText-style engines."
+)
 
 _COLUMNS = (
     "Per device: `opt` is the optimizer state held (from `addressable_shards`), `x ideal` that over "
@@ -161,7 +219,7 @@ def markdown(result: dict[str, Any]) -> str:
   lines = ["# nnx-zero1 bench", ""]
   lines += [f"- {k}: {json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in meta.items()] + [""]
   if result["rows"]:
-    lines += ["## Plain `nnx.Optimizer` vs `Zero1Optimizer`", "",
+    lines += ["## Plain `nnx.Optimizer` vs `Zero1Optimizer`", "", _ARMS, "",
               _markdown_table(_HEADER, _cells(result["rows"]))]
     lines += ["", _COLUMNS]
   lines += ["", "## Goals", ""] + [f"- {t}" for t in targets(result["rows"])]
@@ -171,8 +229,11 @@ def markdown(result: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-_PLOT_STYLES = {"baseline": "o-", "zero1": "s-", "engine": "^:", "zero1-engine": "v:"}
-_PLOT_LABELS = {"baseline": "nnx.Optimizer", "zero1": "Zero1Optimizer", "engine": "Engine",
+_PLOT_STYLES = {"baseline": "o-", "zero1": "s-", "accum": "o--", "zero1-accum": "s--", "engine": "^:",
+                "zero1-engine": "v:"}
+_PLOT_LABELS = {"baseline": "nnx.Optimizer", "zero1": "Zero1Optimizer",
+                "accum": "nnx.Optimizer + value_and_grad_accumulated",
+                "zero1-accum": "Zero1Optimizer + value_and_grad_accumulated", "engine": "Engine",
                 "zero1-engine": "Zero1Engine"}
 
 

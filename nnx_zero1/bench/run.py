@@ -20,14 +20,24 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zero1.accumulate import value_and_grad_accumulated
 from nnx_zero1.bench import measure
 from nnx_zero1.bench.model import CONFIGS, Config, Transformer, count_params, loss_fn
 from nnx_zero1.optimizer import Zero1Optimizer
 from nnx_zero1.report import bytes_per_device
 
 __all__ = [
-    "Settings", "OPTIMIZERS", "StepArm", "accumulate_grads", "new_model", "tokens", "run_cell", "describe",
+    "Settings", "OPTIMIZERS", "STEP_ARMS", "StepArm", "accumulate_grads", "accumulated_layout", "new_model",
+    "tokens", "run_cell", "describe",
 ]
+
+# The arms that train with one compiled step, and how: (Zero-1?, deferred reduction?).
+STEP_ARMS = {
+    "baseline": (False, False),  # nnx.Optimizer; lax.scan of nnx.value_and_grad
+    "zero1": (True, False),  # Zero1Optimizer; the same step
+    "accum": (False, True),  # nnx.Optimizer; value_and_grad_accumulated (one all-reduce per step)
+    "zero1-accum": (True, True),  # Zero1Optimizer; value_and_grad_accumulated (one reduce-scatter per step)
+}
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
@@ -95,16 +105,36 @@ def accumulate_grads(model: nnx.Module, batches: jax.Array) -> tuple[jax.Array, 
   return loss / n, jax.tree.map(lambda g: g / n, grads)
 
 
-def _train_step(graphdef, state, batches):
+def _train_step(graphdef, state, batches, ga: int | None):
   # nnx.jit's functional form: one merge per trace, no graph traversal per call.
   model, optimizer = nnx.merge(graphdef, state)
-  loss, grads = accumulate_grads(model, batches)
+  if ga is None:
+    loss, grads = accumulate_grads(model, batches)
+  else:
+    loss, grads = value_and_grad_accumulated(loss_fn, model, batches, micro_batches=ga, optimizer=optimizer)
   optimizer.update(model, grads)
   return nnx.state((model, optimizer)), loss
 
 
+def accumulated_layout(step_tokens: np.ndarray, dp: int) -> np.ndarray:
+  """One step's tokens (ga, batch, seq + 1) as the rows ``value_and_grad_accumulated`` splits.
+
+  Its micro-batch k is the k-th slice of every replica's rows; laid out this
+  way, that is ``step_tokens[k]``, the micro-batch every other arm trains on.
+
+  Example::
+
+    >>> t = np.arange(2 * 4).reshape(2, 4, 1)  # 2 micro-batches of 4 rows
+    >>> accumulated_layout(t, dp=2)[:, 0].tolist()  # replica 0: rows 0-1 of each, then replica 1
+    [0, 1, 4, 5, 2, 3, 6, 7]
+  """
+  ga, batch = step_tokens.shape[:2]
+  per_replica = step_tokens.reshape(ga, dp, batch // dp, *step_tokens.shape[2:]).swapaxes(0, 1)
+  return per_replica.reshape(ga * batch, *step_tokens.shape[2:])
+
+
 def _make_optimizer(arm: str, model, tx, mesh):
-  if arm == "baseline":
+  if not STEP_ARMS[arm][0]:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
   return Zero1Optimizer(model, tx, mesh, data_axis="data")
 
@@ -139,7 +169,8 @@ def tokens(settings: Settings, ga: int, step: int) -> np.ndarray:
 
 
 class StepArm:
-  """One arm that trains with a single compiled step: ``nnx.Optimizer`` or ``Zero1Optimizer``.
+  """One arm that trains with a single compiled step: ``nnx.Optimizer`` or ``Zero1Optimizer``,
+  accumulating with a ``lax.scan`` of ``nnx.value_and_grad`` or with ``value_and_grad_accumulated``.
 
   The model and optimizer are split once (``nnx.split``) and the step is one
   ``jax.jit`` of ``nnx.merge`` + micro-batch loop + ``optimizer.update``,
@@ -154,17 +185,20 @@ class StepArm:
 
   def __init__(self, name: str, settings: Settings, mesh, example: np.ndarray):
     self.name = name
+    self.dp = mesh.shape["data"]
+    self.deferred = STEP_ARMS[name][1]
     model = new_model(settings, mesh)
     optimizer = _make_optimizer(name, model, OPTIMIZERS[settings.optimizer](), mesh)
     self.graphdef, state = nnx.split((model, optimizer))
     replicated = NamedSharding(mesh, P())
-    self.batch_sharding = NamedSharding(mesh, P(None, "data"))
+    self.batch_sharding = NamedSharding(mesh, P("data") if self.deferred else P(None, "data"))
+    ga = example.shape[0] if self.deferred else None
     # Scalars that optax makes on the default device (adam's count) join the mesh, replicated.
     on_mesh = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated
     shardings = jax.tree.map(on_mesh, state)
     self.state = jax.device_put(state, shardings)
     step = jax.jit(
-        lambda s, b: _train_step(self.graphdef, s, b),
+        lambda s, b: _train_step(self.graphdef, s, b, ga),
         in_shardings=(shardings, self.batch_sharding),
         out_shardings=(shardings, replicated),
         donate_argnums=0,
@@ -176,6 +210,8 @@ class StepArm:
 
   def prepare(self, step_tokens: np.ndarray) -> jax.Array:
     """Puts one step's tokens on the mesh (outside the timed region)."""
+    if self.deferred:
+      step_tokens = accumulated_layout(step_tokens, self.dp)
     return jax.device_put(step_tokens, self.batch_sharding)
 
   def step(self, batch: jax.Array) -> jax.Array:
@@ -202,7 +238,7 @@ class StepArm:
 
 
 def _row(arm, times: list[float], loss: float, base_loss: float, same: bool, dp: int, ga: int,
-         settings: Settings) -> dict[str, Any]:
+         settings: Settings, diff: float, equal_to: list[str]) -> dict[str, Any]:
   mem = arm.memory()
   return {
       "arm": arm.name,
@@ -221,11 +257,14 @@ def _row(arm, times: list[float], loss: float, base_loss: float, same: bool, dp:
       "loss": loss,
       "loss_diff": abs(loss - base_loss),
       "params_equal": same,
+      "params_max_diff": diff,  # max |param - the reference arm's param| after the last step
+      "params_equal_arms": equal_to,  # the other arms whose final parameters are bit-identical
+      "param_bytes": sum(p.nbytes for p in arm.params()),
   }
 
 
 def _make_arm(name: str, settings: Settings, mesh, example: np.ndarray):
-  if name in ("baseline", "zero1"):
+  if name in STEP_ARMS:
     return StepArm(name, settings, mesh, example)
   from nnx_zero1.bench import engine_arms  # only when the MaxText-style adapter is asked for
 
@@ -269,11 +308,14 @@ def run_cell(
         times[arm.name].append(seconds)
       tick()
   reference = built[0]
-  ref_params = reference.params()
+  final = {arm.name: arm.params() for arm in built}
+  equal = lambda a, b: all(np.array_equal(x, y) for x, y in zip(final[a], final[b], strict=True))  # noqa: E731
   rows = []
   for arm in built:
-    same = all(np.array_equal(a, b) for a, b in zip(arm.params(), ref_params, strict=True))
-    rows.append(_row(arm, times[arm.name], losses[arm.name], losses[reference.name], same, dp, ga, settings))
+    diff = max(float(np.max(np.abs(x - y))) for x, y in zip(final[arm.name], final[reference.name]))
+    equal_to = [other.name for other in built if other is not arm and equal(arm.name, other.name)]
+    rows.append(_row(arm, times[arm.name], losses[arm.name], losses[reference.name],
+                     equal(arm.name, reference.name), dp, ga, settings, diff, equal_to))
   return rows
 
 

@@ -1,6 +1,12 @@
-"""Deferred gradient reduction for engines that accumulate micro-batches.
+"""Deferred gradient reduction: one gradient collective per optimizer step.
 
-The accumulator keeps one partial gradient sum per data-parallel replica: a
+The one implementation in nnx-zero1, used by ``value_and_grad_accumulated``
+(custom loops: one ``shard_map`` over a whole step) and by the MaxText-style
+engines (one kernel per micro-batch, the partial sums kept in between). Its two
+per-replica building blocks are :func:`replica_value_and_grad` (a gradient of a
+replica's own rows, no collective) and :func:`reduce_local` (the one collective).
+
+For engines, the accumulator keeps one partial gradient sum per data-parallel replica: a
 leading dimension of size N (the data-axis size) sharded over the data axis,
 so each replica holds exactly its own row and a micro-batch costs no
 collective. Rows sum to the sum, over micro-batches, of the gradient of the
@@ -22,10 +28,22 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1.errors import Zero1Error, describe_mesh
 from nnx_zero1.plan import base_sharding
-from nnx_zero1.specs import axes_entry, canonical_spec, data_axis_size, entry_axes, padded_entries, spec_axes
+from nnx_zero1.specs import (
+    axes_entry,
+    canonical_spec,
+    data_axis_size,
+    entry_axes,
+    padded_entries,
+    spec_axes,
+    spec_entries,
+)
 
 __all__ = [
     "accumulator_sharding",
+    "mean_of_sums",
+    "reduce_local",
+    "replica_value_and_grad",
+    "scatter_dims",
     "batch_sharding",
     "deferral_blocker",
     "local_grads",
@@ -67,7 +85,8 @@ def deferral_blocker(
   """Why per-replica gradients cannot be kept for this batch, or None when they can.
 
   Deferral needs each replica to compute a whole gradient from its own rows:
-  the batch split over the data axes only, and the parameters replicated.
+  the batch split over the data axes only (on dimension 0), and the
+  parameters replicated.
 
   Example::
 
@@ -81,6 +100,9 @@ def deferral_blocker(
     other = tuple(a for a in spec_axes(s.spec) if a not in axes)
     if other:
       return f"the batch is sharded over {other} as well as the data axis"
+    later = [d for d, e in enumerate(spec_entries(s.spec)) if d and set(entry_axes(e)) & set(axes)]
+    if later:
+      return f"the batch is split over the data axis on dimension {later[0]}, not dimension 0"
   for s in param_shardings:
     if spec_axes(s.spec):
       return f"a parameter is sharded ({s.spec}), so no replica holds whole gradients"
@@ -121,6 +143,59 @@ def zeros_accumulator(params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
   return jax.tree.map(zeros, params)
 
 
+def replica_value_and_grad(
+    loss_of_params: Callable[[Any, Any], jax.Array], params: Any, batch: Any, n: int, axes: tuple[str, ...]
+) -> tuple[jax.Array, Any]:
+  """Inside ``shard_map``: this replica's share of the global mean loss and its gradient, no collective.
+
+  ``loss_of_params(params, batch)`` is the mean loss over the rows it is given
+  (this replica's); it is scaled by 1/n (n replicas of equal rows), so the
+  replicas' gradients sum to the gradient of the global mean. The parameters
+  enter invariant over the data axes; cast to varying, the transpose does not
+  psum their gradients, the very reduction this defers.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> f = lambda w, b: replica_value_and_grad(lambda p, x: jnp.mean(x * p), w, b, 1, ("data",))
+    >>> batch = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("data")))
+    >>> loss, g = jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+    ...                         check_vma=False)(jnp.ones(()), batch)
+    >>> float(loss), float(g)
+    (1.5, 1.5)
+  """
+  params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
+  loss, grads = jax.value_and_grad(lambda p: loss_of_params(p, batch) / n)(params)
+  # Whole gradients before they join an accumulator: XLA may otherwise fold the accumulator
+  # into the backward pass's last scatter-add (a tied embedding's) in one program and not in
+  # another, and the engine's kernel and a scan body would then add in different orders.
+  return loss, jax.lax.optimization_barrier(grads)
+
+
+def reduce_local(partial: jax.Array, dim: int | None, axes: tuple[str, ...]) -> jax.Array:
+  """Inside ``shard_map``: sums one partial gradient over the replicas with one collective.
+
+  ``dim`` None: ``psum`` (an all-reduce), the whole sum on every replica.
+  Otherwise ``psum_scatter`` along ``dim`` (a literal ``reduce-scatter``):
+  each replica gets its 1/n slice of the sum, as on a layout that adds the
+  data axes to that dimension (the Zero-1 layout).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> f = lambda g: reduce_local(g, 0, ("data",))
+    >>> jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P("data"), check_vma=False)(jnp.ones(4)).tolist()
+    [1.0, 1.0, 1.0, 1.0]
+  """
+  if dim is None:
+    return jax.lax.psum(partial, axes)
+  return jax.lax.psum_scatter(partial, axes, scatter_dimension=dim, tiled=True)
+
+
 def local_grads(
     loss_of_params: Callable[[Any, Any], jax.Array], params: Any, acc: Any, batch: Any,
     mesh: Mesh, axes: tuple[str, ...],
@@ -148,10 +223,7 @@ def local_grads(
   n = data_axis_size(mesh, axes)
 
   def per_replica(params, acc, batch):
-    # Params enter invariant over the data axis; without this cast the
-    # transpose would psum their gradients, the very reduction we defer.
-    params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
-    loss, grads = jax.value_and_grad(lambda p: loss_of_params(p, batch) / n)(params)
+    loss, grads = replica_value_and_grad(loss_of_params, params, batch, n, axes)
     acc = jax.tree.map(lambda a, g: a + g[None], acc, grads)
     return jax.lax.psum(loss, axes), acc
 
@@ -230,6 +302,44 @@ def _scatter_dim(param_spec: P, target_spec: P, ndim: int, axes: tuple[str, ...]
   return None
 
 
+def mean_of_sums(sums: Any, count: jax.Array) -> Any:
+  """Gradients summed over ``count`` micro-batches -> their mean.
+
+  ``count`` is a traced integer, so XLA keeps a division here instead of
+  folding a constant reciprocal into the optimizer's multiply-adds: the
+  engines and ``value_and_grad_accumulated`` compute the same bits.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> mean_of_sums({"w": jnp.full(2, 6.0)}, jnp.asarray(3))["w"].tolist()
+    [2.0, 2.0]
+  """
+  return jax.tree.map(lambda g: g / count.astype(g.dtype), sums)
+
+
+def scatter_dims(
+    ndims: Sequence[int], param_shardings: Sequence[NamedSharding], targets: Sequence[NamedSharding],
+    axes: tuple[str, ...],
+) -> list[int | None]:
+  """For each parameter, the dimension :func:`reduce_local` scatters along to reach its target
+  layout (None: the target is the parameter's own layout, an all-reduce).
+
+  Example::
+
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> home = NamedSharding(mesh, P())
+    >>> scatter_dims([2, 1], [home, home], [NamedSharding(mesh, P(None, "data")), home], ("data",))
+    [1, None]
+  """
+  return [
+      _scatter_dim(p.spec, t.spec, ndim, axes)
+      for ndim, p, t in zip(ndims, param_shardings, targets, strict=True)
+  ]
+
+
 def reduce_rows(
     acc: Any, param_shardings: Sequence[NamedSharding], targets: Sequence[NamedSharding],
     mesh: Mesh, axes: tuple[str, ...],
@@ -252,20 +362,10 @@ def reduce_rows(
     P('data',)
   """
   leaves, treedef = jax.tree.flatten(acc)
-  dims = [
-      _scatter_dim(p.spec, t.spec, a.ndim - 1, axes)
-      for a, p, t in zip(leaves, param_shardings, targets, strict=True)
-  ]
+  dims = scatter_dims([a.ndim - 1 for a in leaves], param_shardings, targets, axes)
 
   def per_replica(*rows):
-    out = []
-    for row, dim in zip(rows, dims):
-      row = row[0]
-      if dim is None:
-        out.append(jax.lax.psum(row, axes))
-      else:
-        out.append(jax.lax.psum_scatter(row, axes, scatter_dimension=dim, tiled=True))
-    return tuple(out)
+    return tuple(reduce_local(row[0], dim, axes) for row, dim in zip(rows, dims, strict=True))
 
   in_specs = tuple(accumulator_sharding(p, a.ndim - 1, axes).spec for a, p in zip(leaves, param_shardings))
   out_specs = tuple(t.spec for t in targets)

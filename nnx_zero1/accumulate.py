@@ -1,0 +1,305 @@
+"""``value_and_grad_accumulated``: gradient accumulation with one gradient reduction per step.
+
+In a data-parallel training step that accumulates micro-batches with
+``lax.scan``, XLA reduces the gradients across replicas once per micro-batch.
+This function computes them per replica instead (``jax.shard_map``): each
+replica accumulates the gradients of its own rows over the micro-batches with
+no collective, and the sums are reduced once, after the loop, with the
+deferred-reduction core (:mod:`nnx_zero1.deferred`, the one the MaxText-style
+engines use): a ``psum_scatter`` (a literal reduce-scatter) straight onto the
+Zero-1 layout for a ``Zero1Optimizer``, a ``psum`` (all-reduce) onto the
+parameters' own layout for a plain ``nnx.Optimizer``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_zero1 import deferred
+from nnx_zero1.errors import Zero1Error, describe_mesh
+from nnx_zero1.optimizer import Zero1Optimizer, mark_zero1_grads
+from nnx_zero1.placement import current_sharding, place
+from nnx_zero1.specs import DataAxis, axes_entry, data_axes, data_axis_size
+
+__all__ = ["value_and_grad_accumulated"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nnx.Module, Any], jax.Array]
+
+
+def value_and_grad_accumulated(
+    loss_fn: LossFn,
+    model: nnx.Module,
+    batch: Any,
+    *,
+    micro_batches: int,
+    optimizer: nnx.Optimizer,
+    data_axis: DataAxis | None = None,
+    strict: bool | None = None,
+    defer_reduction: bool = True,
+) -> tuple[jax.Array, nnx.State]:
+  """The mean loss and gradients of ``batch``, accumulated over micro-batches and reduced once.
+
+  Call it inside your own ``nnx.jit`` step in place of ``nnx.value_and_grad``,
+  then ``optimizer.update(model, grads)``. ``loss_fn(model, batch)`` is the
+  mean loss over the rows of the batch it is given. The result equals
+  ``nnx.value_and_grad(loss_fn)(model, batch)`` over the whole batch, with the
+  sums taken in another order (equal up to the last bits).
+
+  How: each data-parallel replica runs ``loss_fn`` on its own rows
+  (``jax.shard_map``, so the model sees local arrays), ``micro_batches`` at a
+  time in a ``lax.scan``, adding the gradients with no collective. After the
+  loop each gradient is reduced once: with a ``Zero1Optimizer``, reduce-scattered
+  straight onto its Zero-1 layout (``update`` then neither pins nor re-slices
+  it); with a plain ``nnx.Optimizer``, all-reduced onto the parameter's layout.
+
+  Micro-batch ``k`` is the ``k``-th of ``micro_batches`` equal slices of every
+  replica's rows (the batch leaves' dimension 0, split over the data axes).
+  This grouping moves no data between devices; it matters only to a loss that
+  is not a mean over rows.
+
+  Preconditions for the deferred reduction: replicated parameters, and every
+  batch leaf split over the data axes on dimension 0 only (or not at all).
+  Otherwise the gradients are reduced every micro-batch (XLA differentiates
+  the global program), logged at info level, or ``Zero1Error`` is raised when
+  ``strict`` (default: the optimizer's own ``strict``).
+
+  Only the ``optimizer.wrt`` variables are differentiated. ``loss_fn`` must not
+  update other model state (``BatchNorm`` statistics in training mode, RNG
+  streams of ``nnx.Dropout``): replicas and micro-batches would each have
+  their own copy of it, so this refuses such a model with ``Zero1Error``.
+  Pass RNG keys in the batch, or put such modules in eval mode.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> from nnx_zero1 import Zero1Optimizer, value_and_grad_accumulated
+    >>> mesh = jax.make_mesh((2,), ("data",))
+    >>> with jax.set_mesh(mesh):
+    ...   model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    ...   opt = Zero1Optimizer(model, optax.adam(1e-3))
+    >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    >>> @nnx.jit
+    ... def train_step(model, opt, batch):
+    ...   loss, grads = value_and_grad_accumulated(loss_fn, model, batch, micro_batches=4, optimizer=opt)
+    ...   opt.update(model, grads)
+    ...   return loss
+    >>> batch = {"x": jnp.ones((16, 4)), "y": jnp.zeros((16, 2))}
+    >>> with jax.set_mesh(mesh):
+    ...   loss = train_step(model, opt, batch)
+    >>> int(opt.step[...]), loss.shape
+    (1, ())
+
+  Args:
+    loss_fn: ``loss_fn(model, batch) -> scalar``, the mean loss over ``batch``.
+    model: the NNX model.
+    batch: a pytree of arrays whose dimension 0 is the batch (rows).
+    micro_batches: how many micro-batches the step accumulates; every replica's
+      rows must divide by it.
+    optimizer: the ``Zero1Optimizer`` or ``nnx.Optimizer`` that will apply the
+      gradients; its ``wrt``, mesh and layout decide what is reduced where.
+    data_axis: the data-parallel mesh axis (or axes); default: the
+      ``Zero1Optimizer``'s, or ``"data"``.
+    strict: raise ``Zero1Error`` instead of reducing every micro-batch when the
+      reduction cannot be deferred; default: ``optimizer.strict`` (False for
+      ``nnx.Optimizer``).
+    defer_reduction: False reduces every micro-batch (the global program in a
+      ``lax.scan``), e.g. to measure what deferral saves.
+
+  Returns:
+    ``(loss, grads)``: the mean loss over the batch (a replicated scalar) and
+    the mean gradients as an ``nnx.State`` of the ``wrt`` variables.
+  """
+  zero1 = isinstance(optimizer, Zero1Optimizer)
+  axes = data_axes(data_axis if data_axis is not None else optimizer.data_axis if zero1 else "data")
+  strict = bool(getattr(optimizer, "strict", False) if strict is None else strict)
+  graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+  pure_params, pure_rest = nnx.as_pure(params), nnx.as_pure(rest)
+  mesh = optimizer.mesh if zero1 else _mesh_of(pure_params, batch)
+  n = data_axis_size(mesh, axes)
+  if zero1 and axes != optimizer.data_axis:
+    raise Zero1Error(f"data_axis={axes} but the Zero1Optimizer splits its state over "
+                     f"{optimizer.data_axis}; {describe_mesh(mesh)}")
+  _check_micro_batches(batch, micro_batches, n, mesh)
+  homes = _homes(params, optimizer, mesh)
+  targets = optimizer.zero1_plan.zero1_param_shardings if zero1 else homes
+  loss_of_params = _loss_of_params(loss_fn, graphdef, optimizer.wrt)
+  args = (loss_of_params, pure_params, pure_rest, batch, micro_batches, mesh, axes)
+
+  blocker = deferred.deferral_blocker(_batch_shardings(batch, mesh), homes, axes)
+  if not defer_reduction:
+    loss, grads = _reduce_each_micro_batch(*args)
+    return loss, _as_state(params, grads)
+  if blocker is not None:
+    if strict:
+      raise Zero1Error(f"strict: cannot defer the gradient reduction: {blocker}; {describe_mesh(mesh)}")
+    logger.info("value_and_grad_accumulated: cannot defer the gradient reduction (%s); "
+                "reducing every micro-batch", blocker)
+    loss, grads = _reduce_each_micro_batch(*args)
+    return loss, _as_state(params, grads)
+  loss, grads = _reduce_once(*args, homes, targets)
+  state = _as_state(params, grads)
+  return loss, mark_zero1_grads(state) if zero1 else state
+
+
+def _mesh_of(params: Any, batch: Any):
+  """The mesh of the first array that knows one (concrete, or traced on an Explicit mesh),
+  else the abstract mesh of ``jax.set_mesh``."""
+  for x in jax.tree.leaves((params, batch)):
+    sharding = getattr(x, "sharding", None) if not isinstance(x, jax.core.Tracer) else None
+    if isinstance(sharding, NamedSharding):
+      return sharding.mesh
+    if isinstance(x, jax.core.Tracer):
+      mesh = jax.typeof(x).sharding.mesh
+      if not mesh.empty:
+        return mesh
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    raise Zero1Error(
+        "value_and_grad_accumulated needs a device mesh: place the model on one, or call the "
+        "step under jax.set_mesh(mesh)"
+    )
+  return mesh
+
+
+def _check_micro_batches(batch: Any, micro_batches: int, n: int, mesh) -> None:
+  if not isinstance(micro_batches, int) or micro_batches < 1:
+    raise Zero1Error(f"micro_batches must be a positive int, got {micro_batches!r}")
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not leaves:
+    raise Zero1Error("the batch has no arrays")
+  for path, x in leaves:
+    rows = jnp.shape(x)[0] if jnp.ndim(x) else None
+    if rows is None or rows % (n * micro_batches):
+      raise Zero1Error(
+          f"batch leaf {jax.tree_util.keystr(path)} of shape {tuple(jnp.shape(x))} does not split into "
+          f"{n} replicas x {micro_batches} micro-batches of equal rows (dimension 0 must divide by "
+          f"{n * micro_batches}); {describe_mesh(mesh)}"
+      )
+
+
+def _homes(params: nnx.State, optimizer: nnx.Optimizer, mesh) -> tuple[NamedSharding, ...]:
+  """The parameters' layouts, as far as they can be seen. Concrete arrays and Explicit meshes
+  carry them; on an Auto mesh under jit they come from the Zero1Optimizer's record, or from the
+  variables' ``out_sharding`` metadata (``nnx.with_partitioning``); else replicated is assumed
+  (and ``shard_map`` makes them so)."""
+  leaves = jax.tree.leaves(nnx.as_pure(params))
+  plan = getattr(optimizer, "zero1_plan", None)
+  if plan is not None:
+    recorded = plan.param_shardings
+  else:
+    variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    specs = [P(*(v.get_metadata().get("out_sharding") or ())) for v in variables]
+    recorded = [NamedSharding(mesh, spec) for spec in specs]
+  return tuple(current_sharding(x, s) for x, s in zip(leaves, recorded, strict=True))
+
+
+def _batch_shardings(batch: Any, mesh) -> list[NamedSharding]:
+  """The batch leaves' layouts that can be seen (concrete, or traced on an Explicit mesh)."""
+  out = []
+  for x in jax.tree.leaves(batch):
+    if isinstance(x, jax.core.Tracer):
+      sharding = jax.typeof(x).sharding
+      if not sharding.mesh.empty:
+        out.append(NamedSharding(mesh, sharding.spec))
+    elif isinstance(getattr(x, "sharding", None), NamedSharding):
+      out.append(x.sharding)
+  return out
+
+
+def _loss_of_params(loss_fn: LossFn, graphdef, wrt) -> Callable[[Any, Any, Any], jax.Array]:
+  """``loss_fn`` as a function of (``wrt`` arrays, other state, batch); refuses updates to the other state."""
+  def loss_of_params(params, rest, batch):
+    model = nnx.merge(graphdef, params, rest)
+    loss = loss_fn(model, batch)
+    after = jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Not(wrt))))
+    before = jax.tree_util.tree_flatten_with_path(rest)[0]
+    changed = [jax.tree_util.keystr(p) for (p, x), y in zip(before, after, strict=True) if x is not y]
+    if changed:
+      raise Zero1Error(
+          f"loss_fn updates model state other than the trained parameters ({', '.join(changed[:4])}): "
+          "value_and_grad_accumulated cannot carry it across replicas and micro-batches; put such "
+          "modules in eval mode or pass RNG keys in the batch"
+      )
+    return loss
+
+  return loss_of_params
+
+
+def _as_state(params: nnx.State, grads: Any) -> nnx.State:
+  """Gradient arrays as an ``nnx.State`` of the parameters' variables (what ``update`` selects by ``wrt``)."""
+  return jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(grads))
+
+
+def _local_micro_batches(batch: Any, micro_batches: int) -> Any:
+  """One replica's rows ``(r, ...)`` as ``(micro_batches, r // micro_batches, ...)``."""
+  return jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
+
+
+def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets):
+  """Per replica: a scan over its micro-batches with no collective, then one reduction per leaf."""
+  n = data_axis_size(mesh, axes)
+  leaves = jax.tree.leaves(params)
+  dims = deferred.scatter_dims([p.ndim for p in leaves], homes, targets, axes)
+  data = P(axes_entry(axes))
+
+  def per_replica(params, rest, batch):
+    local_loss = lambda p, b: loss_of_params(p, rest, b)  # noqa: E731
+
+    def micro(carry, micro_batch):
+      loss_sum, acc = carry
+      loss, grads = deferred.replica_value_and_grad(local_loss, params, micro_batch, n, axes)
+      return (loss_sum + loss, jax.tree.map(jnp.add, acc, grads)), None
+
+    varying = lambda x: jax.lax.pcast(x, axes, to="varying")  # noqa: E731
+    zeros = (varying(jnp.zeros((), jnp.float32)), jax.tree.map(lambda p: varying(jnp.zeros_like(p)), params))
+    (loss_sum, acc), _ = jax.lax.scan(micro, zeros, _local_micro_batches(batch, micro_batches))
+    grads = [deferred.reduce_local(a, d, axes) for a, d in zip(jax.tree.leaves(acc), dims, strict=True)]
+    # A count XLA cannot see through: the mean is then computed as the engines compute it.
+    count = jax.lax.optimization_barrier(jnp.asarray(micro_batches, jnp.int32))
+    return jax.lax.psum(loss_sum, axes) / micro_batches, deferred.mean_of_sums(grads, count)
+
+  replicated = lambda tree: jax.tree.map(lambda x: place(x, NamedSharding(mesh, P())), tree)  # noqa: E731
+  params, rest = replicated(params), replicated(rest)
+  batch = jax.tree.map(lambda x: place(x, NamedSharding(mesh, data)), batch)
+  loss, grads = jax.shard_map(
+      per_replica, mesh=mesh,
+      in_specs=(jax.tree.map(lambda _: P(), (params, rest)) + (jax.tree.map(lambda _: data, batch),)),
+      out_specs=(P(), [t.spec for t in targets]),
+  )(params, rest, batch)
+  return loss, grads
+
+
+def _global_micro_batches(batch: Any, micro_batches: int, n: int) -> Any:
+  """The same grouping as the deferred path, on the global arrays: ``(micro_batches, rows, ...)``."""
+  def split(x):
+    r = x.shape[0] // (n * micro_batches)
+    x = x.reshape(n, micro_batches, r, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(micro_batches, n * r, *x.shape[3:])
+
+  return jax.tree.map(split, batch)
+
+
+def _reduce_each_micro_batch(loss_of_params, params, rest, batch, micro_batches, mesh, axes):
+  """The global program in a scan: XLA reduces the gradients of every micro-batch."""
+  n = data_axis_size(mesh, axes)
+  grad_fn = jax.value_and_grad(lambda p, b: loss_of_params(p, rest, b))
+
+  def micro(carry, micro_batch):
+    loss_sum, acc = carry
+    loss, grads = grad_fn(params, micro_batch)
+    return (loss_sum + loss, jax.tree.map(jnp.add, acc, grads)), None
+
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  (loss_sum, acc), _ = jax.lax.scan(micro, zeros, _global_micro_batches(batch, micro_batches, n))
+  return loss_sum / micro_batches, jax.tree.map(lambda g: g / micro_batches, acc)

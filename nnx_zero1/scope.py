@@ -1,0 +1,123 @@
+"""``zero1_optimizers()``: every ``nnx.Optimizer(...)`` built inside the block is a ``Zero1Optimizer``.
+
+For code you do not own (a trainer, a library's training loop) that builds its
+own ``nnx.Optimizer``: wrap the construction and nothing else changes.
+
+How: ``flax.nnx`` builds objects through its ``Pytree`` metaclass
+(``type(nnx.Optimizer).__call__``). The first time a scope is entered,
+``nnx.Optimizer`` gets a metaclass derived from that one whose ``__call__``
+asks a ``ContextVar`` whether a scope is active in this thread (or asyncio
+task); if not, it builds the plain optimizer as before (one extra lookup). It is
+the same class object, so ``from flax.nnx import Optimizer`` names bound anywhere,
+``isinstance`` and ``issubclass`` all behave as before. Only calls on exactly
+``nnx.Optimizer`` are routed: subclasses (including ``Zero1Optimizer``) and
+objects rebuilt by ``nnx.merge`` / ``nnx.jit`` are not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+
+from nnx_zero1.checks import resolve_mesh
+from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
+from nnx_zero1.optimizer import Zero1Optimizer
+
+__all__ = ["zero1_optimizers"]
+
+_OPTIMIZER = nnx.Optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+  """What one ``zero1_optimizers`` block asked for, and the optimizers built in it."""
+
+  mesh: jax.sharding.Mesh | None
+  data_axis: tuple[str, ...]
+  strict: bool
+  built: list[Zero1Optimizer]
+
+  def build(self, model, tx, *args, **kwargs) -> Zero1Optimizer:
+    if args:
+      raise TypeError(f"nnx.Optimizer takes 2 positional arguments but {2 + len(args)} were given")
+    opt = Zero1Optimizer(model, tx, self.mesh, data_axis=self.data_axis, strict=self.strict, **kwargs)
+    self.built.append(opt)
+    return opt
+
+
+_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("nnx_zero1_scope", default=None)
+
+
+class _ScopedOptimizerMeta(type(_OPTIMIZER)):
+  """``nnx.Optimizer``'s metaclass, asking the active scope (if any) to build it instead."""
+
+  def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+    if cls is _OPTIMIZER:
+      scope = _SCOPE.get()
+      if scope is not None:
+        return scope.build(*args, **kwargs)
+    return super().__call__(*args, **kwargs)
+
+
+_INSTALL = threading.Lock()
+
+
+def _install() -> None:
+  """Gives ``nnx.Optimizer`` the scope-aware metaclass, once per process."""
+  with _INSTALL:
+    if type(_OPTIMIZER) is not _ScopedOptimizerMeta:
+      _OPTIMIZER.__class__ = _ScopedOptimizerMeta
+
+
+@contextlib.contextmanager
+def zero1_optimizers(
+    mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = None, strict: bool = False
+) -> Iterator[list[Zero1Optimizer]]:
+  """Inside the block, ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` builds
+  ``Zero1Optimizer(model, tx, mesh, wrt=..., graph=..., data_axis=..., strict=...)``.
+
+  Wherever the call is written (your code, a library's trainer, a helper it
+  calls), as long as it runs in this thread or asyncio task while the block is
+  open. Other threads meanwhile get the plain ``nnx.Optimizer``. Yields the list
+  of optimizers built so far. Scopes nest; the innermost applies.
+
+  Args:
+    mesh: the mesh for every optimizer built inside; ``None`` resolves it at each
+      construction as ``Zero1Optimizer`` does (``jax.set_mesh``, a legacy
+      ``with mesh:``, the mesh the parameters live on; one device and no mesh is
+      data-parallel size 1).
+    data_axis: the data-parallel mesh axis (or axes); ``None`` means ``"data"``.
+    strict: as for ``Zero1Optimizer``.
+
+  Raises ``Zero1Error`` at entry for a bad ``data_axis`` or a ``mesh`` without
+  it, and from each construction that cannot apply (as ``Zero1Optimizer`` does).
+
+  Example::
+
+    >>> import jax, optax
+    >>> from flax import nnx
+    >>> from nnx_zero1 import Zero1Optimizer, zero1_optimizers
+    >>> model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    >>> with zero1_optimizers(jax.make_mesh((1,), ("data",))) as built:
+    ...   opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    >>> type(opt).__name__, built == [opt], isinstance(opt, nnx.Optimizer)
+    ('Zero1Optimizer', True, True)
+    >>> type(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)).__name__
+    'Optimizer'
+  """
+  axes = data_axes("data" if data_axis is None else data_axis)
+  if mesh is not None:
+    data_axis_size(resolve_mesh(mesh), axes)
+  _install()
+  token = _SCOPE.set(_Scope(mesh=mesh, data_axis=axes, strict=bool(strict), built=[]))
+  try:
+    yield _SCOPE.get().built
+  finally:
+    _SCOPE.reset(token)

@@ -1,0 +1,300 @@
+"""``value_and_grad_accumulated``: a custom ``nnx.jit`` loop with one gradient reduction per step.
+
+4 virtual CPU devices, the small decoder of ``helpers``, 16 rows per step in
+2 micro-batches (2 rows per replica each). Compiled steps are shared through
+``nnx.jit``'s cache (one model shape, one batch shape).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from helpers import MLP, Decoder, assert_trees_close, assert_trees_equal, assert_unchanged, lm_loss, snapshot
+from helpers import loss_fn as mlp_loss
+from nnx_zero1 import Zero1Error, Zero1Optimizer, value_and_grad_accumulated
+from nnx_zero1.bench.measure import collectives, loop_collectives
+from nnx_zero1.optimizer import _is_marked
+from nnx_zero1.report import bytes_per_device
+
+N, M = 4, 2
+ROWS, SEQ, VOCAB = 16, 16, 64
+
+
+def explicit_mesh(shape=(N,), names=("data",), kind=AxisType.Explicit):
+  return jax.make_mesh(shape, names, devices=jax.devices()[:np.prod(shape)], axis_types=(kind,) * len(names))
+
+
+MESH = explicit_mesh()
+
+
+def token_batches(n, rows=ROWS, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"tokens": rng.integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)} for _ in range(n)]
+
+
+def on_mesh(batch, mesh=MESH):
+  return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), batch)
+
+
+def build(cls, tx, mesh=MESH, **kwargs):
+  with jax.set_mesh(mesh):
+    model = Decoder(nnx.Rngs(0), vocab=VOCAB)
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+    return model, cls(model, tx, wrt=nnx.Param, **kwargs)
+
+
+@nnx.jit(static_argnames=("micro_batches", "defer", "strict"))
+def accumulated(model, opt, batch, micro_batches=M, defer=True, strict=None):
+  return value_and_grad_accumulated(
+      lm_loss, model, batch, micro_batches=micro_batches, optimizer=opt, defer_reduction=defer, strict=strict
+  )
+
+
+@nnx.jit(static_argnames=("micro_batches", "defer", "strict"))
+def accum_step(model, opt, batch, micro_batches=M, defer=True, strict=None):
+  loss, grads = accumulated(model, opt, batch, micro_batches, defer, strict)
+  opt.update(model, grads)
+  return loss
+
+
+@nnx.jit
+def full_batch_step(model, opt, batch):
+  loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+  opt.update(model, grads)
+  return loss
+
+
+def train(step, model, opt, batches, mesh=MESH, **kwargs):
+  with jax.set_mesh(mesh):
+    return [float(step(model, opt, on_mesh(b, mesh), **kwargs)) for b in batches]
+
+
+def params(model):
+  return nnx.state(model, nnx.Param)
+
+
+@pytest.mark.parametrize("cls", [Zero1Optimizer, nnx.Optimizer])
+def test_loss_and_grads_match_full_batch_value_and_grad(cls):
+  model, opt = build(cls, optax.adamw(1e-3))
+  batch = on_mesh(token_batches(1)[0])
+  with jax.set_mesh(MESH):
+    loss, grads = accumulated(model, opt, batch)
+    ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(lm_loss))(model, batch)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  assert_trees_close(grads, ref_grads, atol=1e-6, rtol=1e-6)
+  full = sum(x.nbytes for x in jax.tree.leaves(ref_grads))
+  if cls is Zero1Optimizer:  # reduce-scattered: 1/N of every gradient per device, marked for update()
+    assert bytes_per_device(grads) * N == full and _is_marked(grads)
+  else:  # all-reduced onto the parameters' (replicated) layout
+    assert bytes_per_device(grads) == full and not _is_marked(grads)
+
+
+@pytest.fixture(scope="module")
+def adamw_runs():
+  """Three adamw steps: full-batch nnx.Optimizer, and each optimizer with the accumulated gradients."""
+  batches = token_batches(3, seed=1)
+  runs = {}
+  for name, cls, step in (("full", nnx.Optimizer, full_batch_step), ("plain", nnx.Optimizer, accum_step),
+                          ("zero1", Zero1Optimizer, accum_step)):
+    model, opt = build(cls, optax.adamw(1e-3))
+    runs[name] = (model, opt, train(step, model, opt, batches))
+  return runs
+
+
+def test_trains_like_nnx_optimizer_on_the_full_batch(adamw_runs):
+  model, _, losses = adamw_runs["full"]
+  for name in ("plain", "zero1"):
+    other, _, other_losses = adamw_runs[name]
+    np.testing.assert_allclose(other_losses, losses, rtol=1e-6)
+    assert_trees_close(params(other), params(model), atol=1e-5, rtol=0)
+  # The reduce-scatter and the all-reduce sum the replicas in the same order (CPU, jax 0.10.2).
+  assert_trees_equal(params(adamw_runs["zero1"][0]), params(adamw_runs["plain"][0]))
+
+
+def test_zero1_moments_take_one_nth_per_device(adamw_runs):
+  _, plain, _ = adamw_runs["plain"]
+  _, zero1, _ = adamw_runs["zero1"]
+  assert bytes_per_device(nnx.state(zero1)) * N <= 1.02 * bytes_per_device(nnx.state(plain))
+  for leaf in jax.tree.leaves(params(adamw_runs["zero1"][0])):
+    assert leaf.sharding.is_fully_replicated
+
+
+def engine_micro_batches(batch):
+  """The engine's micro-batches holding what value_and_grad_accumulated's hold: the k-th slice of
+  every replica's rows."""
+  tokens = batch["tokens"].reshape(N, M, ROWS // (N * M), SEQ + 1).swapaxes(0, 1)
+  return [{"tokens": t.reshape(ROWS // M, SEQ + 1)} for t in tokens]
+
+
+@pytest.mark.parametrize("tx", [optax.sgd(0.1), optax.adamw(1e-2)])
+def test_bit_identical_to_zero1_engine(tx):
+  from nnx_zero1.adapters.maxtext import Zero1Engine
+
+  model, opt = build(Zero1Optimizer, tx)
+  engine = Zero1Engine(Decoder(nnx.Rngs(0), vocab=VOCAB), tx, MESH, loss_fn=lm_loss)
+  for batch in token_batches(2, seed=2):
+    train(accum_step, model, opt, [batch])
+    for micro_batch in engine_micro_batches(batch):
+      engine.fwd_bwd(micro_batch)
+    engine.update()
+  assert_trees_equal(params(model), params(engine.model))
+  assert_trees_equal(nnx.state(opt), nnx.state(engine.optimizer))
+
+
+def step_hlo(cls, mesh=MESH, **kwargs):
+  model, opt = build(cls, optax.adamw(1e-3), mesh)
+  with jax.set_mesh(mesh):
+    hlo = accum_step.lower(model, opt, on_mesh(token_batches(1)[0], mesh), **kwargs).compile().as_text()
+  sizes = [x.nbytes for x in jax.tree.leaves(params(model))]
+  return hlo, sizes
+
+
+def assert_deferred(hlo, sizes):
+  """The micro-batch loop holds no collective as large as the smallest gradient."""
+  assert f'"known_trip_count":{{"n":"{M}"}}' in hlo  # the loop is there (not unrolled away)
+  in_loop = loop_collectives(hlo)
+  assert max(v["bytes"] for v in in_loop.values()) < min(sizes), f"gradients reduced in the loop: {in_loop}"
+
+
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_hlo_one_reduce_scatter_per_leaf_after_the_loop(kind):
+  hlo, sizes = step_hlo(Zero1Optimizer, explicit_mesh(kind=kind))
+  assert_deferred(hlo, sizes)
+  step = collectives(hlo)
+  # every gradient leaf reduce-scattered once, onto 1/N per device; every (split) parameter
+  # all-gathered once; all-reduces only of scalars (the loss)
+  assert step["reduce-scatter"] == {"count": len(sizes), "bytes": sum(sizes) // N}
+  assert step["all-gather"] == {"count": len(sizes), "bytes": sum(sizes)}
+  assert step["all-reduce"]["bytes"] < 1024
+
+
+def test_hlo_plain_optimizer_all_reduces_once_after_the_loop():
+  hlo, sizes = step_hlo(nnx.Optimizer)
+  assert_deferred(hlo, sizes)
+  step = collectives(hlo)
+  assert sum(sizes) <= step["all-reduce"]["bytes"] < sum(sizes) + 1024
+  assert step["reduce-scatter"]["count"] == step["all-gather"]["count"] == 0
+
+
+def test_hlo_probe_fails_when_reducing_every_micro_batch():
+  hlo, sizes = step_hlo(Zero1Optimizer, defer=False)
+  with pytest.raises(AssertionError, match="gradients reduced in the loop"):
+    assert_deferred(hlo, sizes)
+  # per micro-batch: the whole gradient all-reduced in the loop, M times per step
+  assert collectives(hlo)["all-reduce"]["bytes"] >= M * sum(sizes)
+
+
+def test_data_axis_tuple_reduce_scatters_over_both_axes():
+  mesh = explicit_mesh((2, 2), ("replica", "data"))
+  axes = ("replica", "data")
+  model, opt = build(Zero1Optimizer, optax.adamw(1e-3), mesh, data_axis=axes)
+  batch = jax.device_put(token_batches(1)[0], NamedSharding(mesh, P(axes)))
+  with jax.set_mesh(mesh):
+    loss, grads = accumulated(model, opt, batch)
+    ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(lm_loss))(model, batch)
+    hlo = accum_step.lower(model, opt, batch).compile().as_text()
+  assert_trees_close(grads, ref_grads, atol=1e-6, rtol=1e-6)
+  sizes = [x.nbytes for x in jax.tree.leaves(params(model))]
+  assert bytes_per_device(grads) * 4 == sum(sizes)
+  assert collectives(hlo)["reduce-scatter"] == {"count": len(sizes), "bytes": sum(sizes) // 4}
+
+
+def tensor_parallel(cls, mesh):
+  with jax.set_mesh(mesh):
+    model = Decoder(nnx.Rngs(0), vocab=VOCAB)
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+    for layer, spec in ((model.up, P(None, "model")), (model.down, P("model", None))):
+      layer.kernel.value = jax.device_put(layer.kernel[...], NamedSharding(mesh, spec))
+    return model, cls(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+
+def test_sharded_parameters_reduce_every_micro_batch_and_say_so(caplog):
+  mesh = explicit_mesh((2, 2), ("data", "model"), AxisType.Auto)
+  batches = token_batches(2, seed=3)
+  full = tensor_parallel(nnx.Optimizer, mesh)
+  train(full_batch_step, *full, batches, mesh)
+  model, opt = tensor_parallel(Zero1Optimizer, mesh)
+  with caplog.at_level(logging.INFO, logger="nnx_zero1.accumulate"):
+    train(accum_step, model, opt, batches, mesh)
+  assert "cannot defer the gradient reduction" in caplog.text and "a parameter is sharded" in caplog.text
+  assert_trees_close(params(model), params(full[0]), atol=1e-5, rtol=0)
+  assert model.up.kernel[...].sharding.spec == P(None, "model")
+
+
+def test_strict_refuses_sharded_parameters_and_changes_nothing():
+  mesh = explicit_mesh((2, 2), ("data", "model"), AxisType.Auto)
+  model, opt = tensor_parallel(Zero1Optimizer, mesh)
+  before = snapshot(model, opt)
+  with pytest.raises(Zero1Error, match="strict: cannot defer .* a parameter is sharded"):
+    train(accum_step, model, opt, token_batches(1), mesh, strict=True)
+  assert_unchanged(before, model, opt)
+
+
+def test_plain_optimizer_reads_partitioning_metadata_on_auto_meshes():
+  # Under jit on an Auto mesh a traced parameter has no visible layout; nnx.with_partitioning's
+  # metadata tells that l1's kernel is split over "model", so deferral is refused under strict.
+  mesh = explicit_mesh((2, 2), ("data", "model"), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    model = MLP(nnx.Rngs(0), kernel_sharding=(None, "model"))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  before = snapshot(model, opt)
+  batch = {"x": np.ones((8, 16), np.float32), "y": np.zeros((8, 3), np.float32)}
+  loss_fn = lambda m, b: mlp_loss(m, b["x"], b["y"])  # noqa: E731
+  step = nnx.jit(lambda m, o, b: value_and_grad_accumulated(loss_fn, m, b, micro_batches=2, optimizer=o,
+                                                             strict=True))
+  with pytest.raises(Zero1Error, match=r"a parameter is sharded \(P\(None, 'model'\)\)"):
+    with jax.set_mesh(mesh):
+      step(model, opt, on_mesh(batch, mesh))
+  assert_unchanged(before, model, opt)
+
+
+@pytest.mark.parametrize("rows, kwargs, message", [
+    (12, {}, "does not split into 4 replicas x 2 micro-batches"),
+    (ROWS, {"micro_batches": 3}, "does not split into 4 replicas x 3 micro-batches"),
+    (ROWS, {"micro_batches": 0}, "micro_batches must be a positive int"),
+    (ROWS, {"data_axis": "batch"}, "data axis 'batch'"),
+])
+def test_bad_request_is_refused_and_changes_nothing(rows, kwargs, message):
+  model, opt = build(Zero1Optimizer, optax.adamw(1e-3))
+  before = snapshot(model, opt)
+  batch = {"tokens": token_batches(1, rows=rows)[0]["tokens"]}
+  step = nnx.jit(lambda m, o, b: value_and_grad_accumulated(
+      lm_loss, m, b, **{"micro_batches": M, "optimizer": o, **kwargs}))
+  with pytest.raises(Zero1Error, match=message):
+    with jax.set_mesh(MESH):
+      step(model, opt, batch)
+  assert_unchanged(before, model, opt)
+
+
+class Normed(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(self.linear(x))
+
+
+def test_loss_that_updates_batch_statistics_is_refused():
+  with jax.set_mesh(MESH):
+    model = Normed(nnx.Rngs(0))
+    opt = Zero1Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  before = snapshot(model, opt)
+  loss_fn = lambda m, b: (m(b) ** 2).mean()  # noqa: E731
+  step = nnx.jit(lambda m, o, b: value_and_grad_accumulated(loss_fn, m, b, micro_batches=2, optimizer=o))
+  with pytest.raises(Zero1Error, match=r"updates model state other than .*norm"):
+    with jax.set_mesh(MESH):
+      step(model, opt, on_mesh(np.ones((8, 4), np.float32)))
+  assert_unchanged(before, model, opt)
+  model.eval()  # batch statistics read, not written: fine
+  with jax.set_mesh(MESH):
+    loss, _ = step(model, opt, on_mesh(np.ones((8, 4), np.float32)))
+  assert np.isfinite(float(loss))
