@@ -1,14 +1,19 @@
 """``Zero1EngineMixin``: Zero-1 for engines of the MaxText ``fwd_bwd``/``update`` shape.
 
 Kept apart from ``maxtext.py`` (which re-exports it) because it needs nothing
-of ``Engine`` but its two hooks.
+of either engine but the hook that builds the optimizer. One mixin serves both
+engines this package ships: the reference ``Engine`` builds its optimizer in
+``_make_optimizer(model, tx)``, MaxText's ``MaxTextTrainingEngine`` in
+``_build_optimizer(tx)``; the mixin answers both with a ``Zero1Optimizer``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from nnx_zero1.optimizer import Zero1Optimizer
 
@@ -19,15 +24,16 @@ class Zero1EngineMixin:
   """Zero-1 for an engine of ``Engine``'s shape: moments split over the data axis.
 
   Put it first in the bases: ``class MyZero1Engine(Zero1EngineMixin, MyEngine)``.
-  It needs the engine to (1) build its optimizer through
-  ``_make_optimizer(model, tx)`` before any kernel reads shardings off the live
-  arrays, and (2) reduce its accumulated gradient rows with
-  ``nnx_zero1.deferred.reduce_rows`` onto ``_gradient_targets()`` inside the update
-  kernel. The mixin returns a ``Zero1Optimizer`` from the first (moments on the
-  Zero-1 layout from the start) and the Zero-1 layout from the second, so the
-  one gradient reduction per step becomes a reduce-scatter; the optimizer
-  slices the parameters locally and all-gathers them back. Kernel signatures
-  and the checkpoint tree are unchanged, so checkpoints cross both ways.
+  It needs the engine to build its optimizer through one of two hooks before
+  any kernel reads shardings off the live arrays: ``_make_optimizer(model, tx)``
+  (``Engine``: ``self.mesh``, ``self.wrt``, ``self.data_axis``) or
+  ``_build_optimizer(tx)`` (MaxText's engine: ``self._model``, ``self._mesh``,
+  ``nnx.Param`` over the ``"data"`` axis). Either way the optimizer is a
+  ``Zero1Optimizer`` with its moments on the Zero-1 layout from the start.
+  ``Engine`` also reduces its accumulated gradient rows (``nnx_zero1.deferred``)
+  onto ``_gradient_targets()`` (the Zero-1 layout), so the one reduction per step
+  is a reduce-scatter. Kernel signatures and the checkpoint tree are unchanged, so
+  checkpoints cross both ways.
 
   Example::
 
@@ -36,9 +42,18 @@ class Zero1EngineMixin:
     ...   pass
   """
 
+  def _zero1_optimizer(
+      self, model: Any, tx: optax.GradientTransformation, mesh: Mesh, wrt: Any, data_axis: Any,
+      *, reduce_scattered: bool,
+  ) -> Zero1Optimizer:
+    # reduce_scattered: the engine's update kernel puts the gradients on the Zero-1 layout itself.
+    return Zero1Optimizer(model, tx, mesh, wrt=wrt, data_axis=data_axis, pin_gradients=not reduce_scattered)
+
   def _make_optimizer(self, model: nnx.Module, tx: optax.GradientTransformation) -> Zero1Optimizer:
-    # The update kernel reduce-scatters the gradients onto the Zero-1 layout itself.
-    return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, pin_gradients=False)
+    return self._zero1_optimizer(model, tx, self.mesh, self.wrt, self.data_axis, reduce_scattered=True)
+
+  def _build_optimizer(self, tx: optax.GradientTransformation) -> Zero1Optimizer:
+    return self._zero1_optimizer(self._model, tx, self._mesh, nnx.Param, "data", reduce_scattered=False)
 
   def _gradient_targets(self) -> tuple[NamedSharding, ...]:
     return self.optimizer.zero1_plan.zero1_param_shardings

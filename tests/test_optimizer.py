@@ -143,16 +143,17 @@ def test_eager_update_equals_the_jitted_one():
         for _ in range(2):
           (nnx.jit(update) if jitted else update)(model, opt, grad_fn(model))
       results[cls, jitted] = (model, opt)
-  eager, jitted = results[Zero1Optimizer, False], results[Zero1Optimizer, True]
-  # Fusion lets XLA contract multiply-adds under jit, so eager and jitted differ in the
-  # last bits for nnx.Optimizer as well; Zero-1 matches it exactly in both modes.
+  # Zero-1 matches nnx.Optimizer exactly in each mode. Eager vs jitted is float precision for
+  # both alike: XLA contracts multiply-adds under jit (1.2e-6 after two adamw steps on jax 0.12).
   for mode in (False, True):
     assert_trees_equal(results[nnx.Optimizer, mode][0], results[Zero1Optimizer, mode][0])
     assert_trees_equal(results[nnx.Optimizer, mode][1], results[Zero1Optimizer, mode][1])
-  assert_trees_close(eager[0], jitted[0])
-  assert_trees_close(eager[1], jitted[1])
-  assert shardings(eager[0]) == shardings(jitted[0])
-  assert shardings(eager[1]) == shardings(jitted[1])
+  for cls in (nnx.Optimizer, Zero1Optimizer):
+    eager, jitted = results[cls, False], results[cls, True]
+    assert_trees_close(eager[0], jitted[0], atol=1e-5, rtol=1e-5)
+    assert_trees_close(eager[1], jitted[1], atol=1e-5, rtol=1e-5)
+    assert shardings(eager[0]) == shardings(jitted[0])
+    assert shardings(eager[1]) == shardings(jitted[1])
 
 
 def test_the_mesh_comes_from_set_mesh_and_the_state_tree_is_nnx_optimizers():
