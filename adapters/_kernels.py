@@ -76,7 +76,7 @@ def _update(spec: KernelSpec, params, rest, opt_state, acc, micro_steps):
   optimizer.update(model, jax.tree.unflatten(variables, jax.tree.leaves(grads)))
   zeros = jax.tree.map(jnp.zeros_like, acc)
   new_params = nnx.as_pure(nnx.state(model, spec.wrt))
-  return new_params, nnx.as_pure(nnx.state(optimizer)), zeros, jnp.zeros_like(micro_steps), optax.global_norm(
+  return new_params, nnx.as_pure(nnx.state(optimizer)), zeros, jnp.zeros_like(micro_steps), optax.tree.norm(
       grads
   )
 

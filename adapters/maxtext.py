@@ -40,11 +40,25 @@ from nnx_zero1.specs import DataAxis, data_axes, data_axis_size
 from . import _checkpoint, _kernels
 from ._zero1_engine import Zero1EngineMixin
 
-__all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine"]
+__all__ = ["Engine", "Zero1EngineMixin", "Zero1Engine", "Zero1MaxTextTrainingEngine"]  # noqa: F822 (lazy)
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, dict], jax.Array]  # (model, batch) -> mean loss; the model: any nnx.Module
+
+
+def __getattr__(name: str) -> Any:
+  """``Zero1MaxTextTrainingEngine`` loads MaxText (Python >= 3.12) on first use, not on import."""
+  if name != "Zero1MaxTextTrainingEngine":
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  try:
+    from .maxtext_engine import Zero1MaxTextTrainingEngine
+  except ImportError as e:
+    raise ImportError(
+        "Zero1MaxTextTrainingEngine needs MaxText's engine (maxtext.training_engine, Python >= 3.12; "
+        f"tested with maxtext==0.2.5): {e}"
+    ) from e
+  return Zero1MaxTextTrainingEngine
 
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:
@@ -303,9 +317,9 @@ class Engine:
 
   def _checkpoint_tree(self) -> dict:
     return {
-        "params": nnx.state(self.model, self.wrt).to_pure_dict(),
-        "optimizer": nnx.state(self.optimizer).to_pure_dict(),
-        "grad_acc": self._grad_acc.to_pure_dict(),
+        "params": nnx.to_pure_dict(nnx.state(self.model, self.wrt)),
+        "optimizer": nnx.to_pure_dict(nnx.state(self.optimizer)),
+        "grad_acc": nnx.to_pure_dict(self._grad_acc),
         "micro_steps": self._micro_steps,
     }
 
@@ -355,7 +369,8 @@ class Engine:
       logger.info("%s: accumulator saved with %d rows, restored with %d; summed into row 0",
                   type(self).__name__, saved_rows, self.data_size)
       with jax.set_mesh(self.mesh):
-        grad_acc = _checkpoint.fold_rows(grad_acc, self._params().to_pure_dict(), self.mesh, self.data_axis)
+        pure_params = nnx.to_pure_dict(self._params())
+        grad_acc = _checkpoint.fold_rows(grad_acc, pure_params, self.mesh, self.data_axis)
     nnx.replace_by_pure_dict(self._grad_acc, grad_acc)
     self._micro_steps = tree["micro_steps"]
     self._pending = int(self._micro_steps)

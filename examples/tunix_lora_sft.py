@@ -72,7 +72,7 @@ def main(steps: int, grad_accum: int | None, num_layers: int) -> None:
       data_sharding_axis=(("data", "fsdp"),),
       pbar_description=None,
   )
-  with mesh:  # Tunix 0.1.7 takes its mesh from this legacy context
+  with jax.set_mesh(mesh):
     trainer = Zero1PeftTrainer(lora_model(num_layers, mesh), optax.adamw(3e-2), config)
     trainer = trainer.with_gen_model_input_fn(model_input)
     trainer.train(counting_batches(steps * (grad_accum or 1)))

@@ -13,7 +13,7 @@ import flax
 import jax
 from flax.nnx import filterlib  # a documented flax module; nnx has no top-level ``Filter``
 
-__all__ = ["Filter", "jit_cache_size", "legacy_context_mesh", "to_opt_state"]
+__all__ = ["Filter", "context_mesh", "jit_cache_size", "legacy_context_mesh", "to_opt_state"]
 
 Filter = filterlib.Filter
 """The type of ``wrt`` (``nnx.Optimizer``'s filter): a Variable type, a string, a predicate, ..."""
@@ -44,6 +44,34 @@ def legacy_context_mesh() -> Any:
   except ImportError as e:  # pragma: no cover -- only on a jax that moved it
     raise _missing("jax._src.mesh.thread_resources", "jax", jax.__version__, e) from e
   return thread_resources.env.physical_mesh
+
+
+def context_mesh() -> Any:
+  """The concrete mesh of ``jax.set_mesh``, also while tracing (empty when there is none).
+
+  ``jax.sharding.get_mesh()`` refuses to answer inside ``jit`` (and so inside
+  ``nnx.eval_shape``), though ``jax.set_mesh`` set it outside; the value it
+  would return lives in the private ``jax._src.mesh.get_concrete_mesh``.
+
+  Example::
+
+    >>> import jax
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> seen = []
+    >>> with jax.set_mesh(mesh):
+    ...   _ = jax.jit(lambda: seen.append(context_mesh()))()
+    >>> seen == [mesh]
+    True
+  """
+  try:
+    return jax.sharding.get_mesh()
+  except ValueError:  # inside a trace
+    pass
+  try:
+    from jax._src.mesh import get_concrete_mesh
+  except ImportError as e:  # pragma: no cover -- only on a jax that moved it
+    raise _missing("jax._src.mesh.get_concrete_mesh", "jax", jax.__version__, e) from e
+  return get_concrete_mesh()
 
 
 def to_opt_state(tree: Any) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_zero1._compat import legacy_context_mesh
+from nnx_zero1._compat import context_mesh, legacy_context_mesh
 from nnx_zero1.errors import Zero1Error, describe_mesh
 from nnx_zero1.layout import Reason
 from nnx_zero1.plan import Zero1Plan
@@ -33,7 +33,7 @@ def current_mesh() -> Mesh | None:
     >>> current_mesh() is None
     True
   """
-  current = jax.sharding.get_mesh()
+  current = context_mesh()  # also under jit / nnx.eval_shape
   if current.empty:
     current = legacy_context_mesh()  # Tunix still uses `with mesh:`
   return None if current.empty else current
@@ -144,33 +144,40 @@ def check_model(params: Any, plan: Zero1Plan) -> None:
   _check_devices(params, plan.mesh, "parameter", "place the model on the mesh first")
 
 
-def first_mismatch(reference: Any, leaves: Sequence[Any]) -> tuple[str, Any, Any] | None:
-  """The first of ``leaves`` whose shape or dtype differs from the leaf of ``reference``
-  at its place (the trees already match): ``(path, reference leaf, leaf)``, else None.
+def first_mismatch(
+    reference: Any, leaves: Sequence[Any], *, dtype: bool = True
+) -> tuple[str, Any, Any] | None:
+  """The first of ``leaves`` whose shape (or, with ``dtype``, dtype) differs from the leaf
+  of ``reference`` at its place (the trees already match): ``(path, reference leaf, leaf)``,
+  else None.
 
   Example::
 
     >>> import jax.numpy as jnp
     >>> first_mismatch({"a": jnp.ones(2), "b": jnp.ones(3)}, [jnp.ones(2), jnp.ones(4)])[0]
     "['b']"
-    >>> first_mismatch({"a": jnp.ones(2)}, [jnp.zeros(2)]) is None
+    >>> first_mismatch({"a": jnp.ones(2)}, [jnp.zeros(2, jnp.bfloat16)], dtype=False) is None
     True
   """
   for (path, ref), leaf in zip(jax.tree_util.tree_flatten_with_path(reference)[0], leaves):
-    if tuple(leaf.shape) != tuple(ref.shape) or leaf.dtype != ref.dtype:
+    if tuple(leaf.shape) != tuple(ref.shape) or (dtype and leaf.dtype != ref.dtype):
       return jax.tree_util.keystr(path), ref, leaf
   return None
 
 
 def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
-  """Refuses gradients whose tree, shapes or dtypes do not match the parameters."""
+  """Refuses gradients whose tree or shapes do not match the parameters.
+
+  Their dtype may differ (bfloat16 gradients of float32 parameters): optax
+  promotes, as it does under ``nnx.Optimizer``.
+  """
   g_leaves, g_def = jax.tree.flatten(grads)
   if g_def != plan.param_treedef:
     raise Zero1Error(
         "gradients do not match the parameters: tree "
         f"{g_def} is not {plan.param_treedef}; {describe_mesh(plan.mesh)}"
     )
-  mismatch = first_mismatch(params, g_leaves)
+  mismatch = first_mismatch(params, g_leaves, dtype=False)
   if mismatch is not None:
     path, p, g = mismatch
     raise Zero1Error(

@@ -121,7 +121,22 @@ def accumulator_sharding(param_sharding: NamedSharding, ndim: int, axes: tuple[s
     P('data', None, None)
   """
   spec = param_sharding.spec
-  return NamedSharding(param_sharding.mesh, P(axes_entry(axes), *padded_entries(spec, ndim)))
+  rows = row_axes(spec, axes)
+  leading = axes_entry(rows) if rows else None
+  return NamedSharding(param_sharding.mesh, P(leading, *padded_entries(spec, ndim)))
+
+
+def row_axes(param_spec: P, axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The data axes an accumulator's replica dimension is split over: those the parameter
+  does not use already (a parameter split over ``data`` cannot be split over it twice).
+
+  Example::
+
+    >>> row_axes(P("data", None), ("replica", "data")), row_axes(P(), ("data",))
+    (('replica',), ('data',))
+  """
+  used = set(spec_axes(param_spec))
+  return tuple(a for a in axes if a not in used)
 
 
 def zeros_accumulator(params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
@@ -276,11 +291,18 @@ def add_to_first_row(
     >>> add_to_first_row(acc, {"w": jax.device_put(jnp.ones(2), home)}, [home], mesh, ("data",))["w"].tolist()
     [[1.0, 1.0]]
   """
-  def per_replica(acc, grads):
-    first = jax.lax.axis_index(axes) == 0
-    return jax.tree.map(lambda a, g: a + jnp.where(first, g, jnp.zeros_like(g))[None], acc, grads)
-
   leaves, treedef = jax.tree.flatten(grads)
+  rows = [row_axes(s.spec, axes) for s in param_shardings]
+
+  def add(a, g, r):
+    first = jax.lax.axis_index(r) == 0 if r else True
+    g = jnp.where(first, g, jnp.zeros_like(g))
+    return a + g[None] if r == axes else a.at[0].add(g)  # the local block holds 1 row, or several
+
+  def per_replica(acc, grads):
+    added = [add(a, g, r) for a, g, r in zip(jax.tree.leaves(acc), jax.tree.leaves(grads), rows, strict=True)]
+    return jax.tree.unflatten(treedef, added)
+
   grad_specs = jax.tree.unflatten(treedef, [s.spec for s in param_shardings])
   acc_specs = jax.tree.unflatten(
       treedef,
@@ -362,10 +384,18 @@ def reduce_rows(
     P('data',)
   """
   leaves, treedef = jax.tree.flatten(acc)
-  dims = scatter_dims([a.ndim - 1 for a in leaves], param_shardings, targets, axes)
+  rows = [row_axes(p.spec, axes) for p in param_shardings]
+  dims = [
+      _scatter_dim(p.spec, t.spec, a.ndim - 1, r)
+      for a, p, t, r in zip(leaves, param_shardings, targets, rows, strict=True)
+  ]
 
-  def per_replica(*rows):
-    return tuple(reduce_local(row[0], dim, axes) for row, dim in zip(rows, dims, strict=True))
+  def per_replica(*blocks):
+    out = []
+    for block, dim, r in zip(blocks, dims, rows, strict=True):
+      row = block[0] if r == axes else block.sum(0)  # several local rows: only the first is non-zero
+      out.append(reduce_local(row, dim, r) if r else row)
+    return tuple(out)
 
   in_specs = tuple(accumulator_sharding(p, a.ndim - 1, axes).spec for a, p in zip(leaves, param_shardings))
   out_specs = tuple(t.spec for t in targets)

@@ -34,6 +34,7 @@ __all__ = [
     "Reason",
     "data_axes",
     "data_axis_size",
+    "memory_layout",
     "spec_entries",
     "statistic_layout",
     "zero1_layout",
@@ -91,21 +92,24 @@ def zero1_layout(
   """
   mesh = sharding.mesh
   axes = data_axes(data_axis)
-  n = data_axis_size(mesh, axes)
+  data_axis_size(mesh, axes)  # every data axis is on the mesh
   if len(spec_entries(sharding.spec)) > len(shape):
     raise Zero1Error(f"sharding spec {sharding.spec} has more entries than shape {tuple(shape)}")
-  if set(axes) & set(spec_axes(sharding.spec)):
+  # With a tuple data axis, a spec may use some of them (FSDP over one): add only the others.
+  missing = tuple(a for a in axes if a not in spec_axes(sharding.spec))
+  if not missing:
     return sharding, Reason.ALREADY_SHARDED
   if not shape:
     return sharding, Reason.SCALAR
+  n = data_axis_size(mesh, missing)
   entries = padded_entries(sharding.spec, len(shape))
   for dim, (size, entry) in enumerate(zip(shape, entries)):
     existing = entry_axes(entry)
     if size % (math.prod(mesh.shape[a] for a in existing) * n) == 0:
-      entries[dim] = existing + axes
+      entries[dim] = existing + missing
       # Optimizer state holds whole values: never partial sums (unreduced) or reduced copies.
       return NamedSharding(mesh, canonical_spec(entries), memory_kind=sharding.memory_kind), None
-  return sharding, Reason.NOT_DIVISIBLE
+  return sharding, Reason.ALREADY_SHARDED if len(missing) < len(axes) else Reason.NOT_DIVISIBLE
 
 
 def zero1_sharding(
@@ -115,8 +119,10 @@ def zero1_sharding(
 
   Keeps every axis already in the spec and adds the data axis (or axes) to the
   first dimension whose size divides by (the product of the axes already on it)
-  x (the data-axis size). A spec that already uses a data axis, a scalar, or a
-  leaf with no such dimension is returned unchanged. The rule is idempotent.
+  x (the data-axis size). With a tuple data axis only the data axes the spec
+  does not use yet are added (never one twice). A spec that uses every data
+  axis, a scalar, or a leaf with no such dimension is returned unchanged. The
+  rule is idempotent.
 
   Example::
 
@@ -125,6 +131,9 @@ def zero1_sharding(
     >>> mesh = jax.make_mesh((1, 1), ("data", "tp"))
     >>> zero1_sharding((8, 6), NamedSharding(mesh, P(None, "tp"))).spec
     P('data', 'tp')
+    >>> mesh = jax.make_mesh((1, 1), ("replica", "data"))
+    >>> zero1_sharding((8, 6), NamedSharding(mesh, P(None, "data")), ("replica", "data")).spec
+    P('replica', 'data')
   """
   return zero1_layout(shape, sharding, data_axis)[0]
 
@@ -173,3 +182,20 @@ def statistic_layout(
   if axes & set(spec_axes(spec)):
     return sharding, None
   return sharding, Reason.NOT_ALIGNED if axes & set(spec_axes(param_zero1.spec)) else Reason.PARAM_NOT_SPLIT
+
+
+def memory_layout(param_zero1: NamedSharding) -> NamedSharding:
+  """Layout of a stack of parameter-shaped values (lbfgs's memories, shape ``(k, *param)``):
+  the leading axis whole on every replica, then the parameter's Zero-1 layout.
+
+  Example::
+
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> memory_layout(NamedSharding(mesh, P("data"))).spec
+    P(None, 'data')
+  """
+  entries = spec_entries(param_zero1.spec)
+  spec = canonical_spec((None, *entries))
+  return NamedSharding(param_zero1.mesh, spec, memory_kind=param_zero1.memory_kind)

@@ -22,7 +22,8 @@ from nnx_zero1.checks import (
   resolve_mesh,
 )
 from nnx_zero1.errors import Zero1Error
-from nnx_zero1.placement import current_sharding, place
+from nnx_zero1.extra_args import partition_arrays, value_fn_at_home
+from nnx_zero1.placement import current_sharding, off_mesh, place
 from nnx_zero1.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
 from nnx_zero1.specs import DataAxis, data_axes, data_axis_size, is_explicit, spec_entries
 
@@ -62,9 +63,10 @@ def _is_marked(grads: Any) -> bool:
   return bool(variables) and all(v.get_metadata().get(ON_ZERO1_LAYOUT, False) for v in variables)
 
 
-def _place_all(tree: Any, shardings) -> Any:
+def _place_all(tree: Any, shardings, only=None) -> Any:
   leaves, treedef = jax.tree.flatten(tree)
-  return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, shardings, strict=True)])
+  placed = [x if only and not only(x) else place(x, s) for x, s in zip(leaves, shardings, strict=True)]
+  return jax.tree.unflatten(treedef, placed)
 
 
 def _device_of(params: Any) -> jax.Device:
@@ -83,6 +85,8 @@ def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, par
   sharding types some of it is then illegal (Muon's ``X @ X.T`` on a row-split
   ``X``). Inside ``auto_axes`` the compiler places the intermediates and the
   outputs land on the plan's layout; elementwise arithmetic is unchanged.
+  Keyword arguments that are not arrays (a line search's ``value_fn``) are
+  passed as they are, the arrays as inputs.
   """
   if not is_explicit(plan.mesh, plan.data_axis):
     return tx.update(grads, state, params, **kwargs)
@@ -90,9 +94,10 @@ def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, par
       jax.tree.unflatten(plan.param_treedef, plan.zero1_param_shardings),
       jax.tree.unflatten(jax.tree.structure(state), [row.sharding for row in plan.state_leaves]),
   )
-  run = lambda g, s, p, kw: tx.update(g, s, p, **kw)  # noqa: E731
+  arrays, rebuild = partition_arrays(kwargs)
+  run = lambda g, s, p, kw: tx.update(g, s, p, **rebuild(kw))  # noqa: E731
   return jax.sharding.auto_axes(run, axes=plan.data_axis, out_sharding=out_sharding)(
-      grads, state, params, kwargs
+      grads, state, params, arrays
   )
 
 
@@ -284,6 +289,10 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     check_state(state, plan)
     if plan.single_device:  # data-parallel size 1: nothing to split or move
       return super().update(model, given_grads, **kwargs)
+    # Arrays left on one device (a model built outside the mesh) join the mesh on the layout
+    # recorded for them, where nnx.Optimizer's eager arithmetic under the mesh leaves them too.
+    params = _place_all(params, plan.param_shardings, only=off_mesh)
+    grads = _place_all(grads, plan.param_shardings, only=off_mesh)
     homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
     state_shardings = [row.sharding for row in plan.state_leaves]
 
@@ -297,7 +306,10 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     sliced_params = _place_all(params, plan.zero1_param_shardings)
     # A no-op when the state is on the plan; re-places state restored onto another layout.
     state = _place_all(state, state_shardings)
-    updates, new_state = _run_tx(self.tx, plan, sliced_grads, state, sliced_params, nnx.as_pure(kwargs))
+    kwargs = nnx.as_pure(kwargs)
+    if callable(kwargs.get("value_fn")):  # optax's line searches evaluate it on the slices
+      kwargs["value_fn"] = value_fn_at_home(kwargs["value_fn"], plan, homes)
+    updates, new_state = _run_tx(self.tx, plan, sliced_grads, state, sliced_params, kwargs)
     new_params = optax.apply_updates(sliced_params, updates)
     new_state = _place_all(new_state, state_shardings)
 

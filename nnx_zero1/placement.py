@@ -7,14 +7,31 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from nnx_zero1.specs import is_explicit
+from nnx_zero1.specs import canonical_spec, entry_axes, is_explicit, spec_entries
 
-__all__ = ["place", "current_sharding", "is_explicit"]  # is_explicit: from nnx_zero1.specs
+__all__ = ["place", "current_sharding", "is_explicit", "off_mesh"]  # is_explicit: from nnx_zero1.specs
+
+
+def _only(sharding: NamedSharding, keep) -> NamedSharding:
+  """``sharding`` with only the mesh axes ``keep`` accepts left in its spec."""
+  entries = [tuple(a for a in entry_axes(e) if keep(a)) for e in spec_entries(sharding.spec)]
+  spec = canonical_spec([e or None for e in entries])
+  return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+
+
+def _already_on(x: Any, sharding: NamedSharding) -> bool:
+  have = getattr(x, "sharding", None)
+  return (
+      isinstance(have, NamedSharding) and have.mesh == sharding.mesh
+      and have.memory_kind == sharding.memory_kind and have.is_equivalent_to(sharding, x.ndim)
+  )
 
 
 def place(x: Any, sharding: NamedSharding) -> Any:
-  """Puts one array onto ``sharding``: ``jax.reshard`` on Explicit meshes,
-  a sharding constraint under jit on Auto meshes, ``device_put`` eagerly.
+  """Puts one array onto ``sharding``, deciding per mesh axis: ``jax.reshard`` moves
+  Explicit axes, a sharding constraint under jit (``device_put`` eagerly) moves Auto ones.
+
+  A concrete array already on ``sharding`` is returned as it is (no dispatch).
 
   Example::
 
@@ -26,18 +43,45 @@ def place(x: Any, sharding: NamedSharding) -> Any:
   """
   if not isinstance(sharding, NamedSharding):
     return jax.device_put(x, sharding)
-  if is_explicit(sharding):
+  traced = isinstance(x, jax.core.Tracer)
+  if not traced and _already_on(x, sharding):
+    return x
+  mesh = sharding.mesh
+  auto = [a for a in mesh.axis_names if not is_explicit(mesh, (a,))]
+  if not auto:
     return jax.reshard(x, sharding)
-  if isinstance(x, jax.core.Tracer):
+  if is_explicit(sharding):  # a mixed mesh: the Explicit axes by reshard, then the Auto ones
+    x = jax.reshard(x, _only(sharding, lambda a: a not in auto))
+    if traced:
+      return jax.lax.with_sharding_constraint(x, _only(sharding, lambda a: a in auto))
+  elif traced:
     return jax.lax.with_sharding_constraint(x, sharding)
   return jax.device_put(x, sharding)
+
+
+def off_mesh(x: Any) -> bool:
+  """True for a concrete array not placed on any mesh (on one device, as a model built
+  outside ``jax.set_mesh`` is); tracers and mesh-placed arrays are False.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> on_mesh = NamedSharding(jax.make_mesh((1,), ("data",)), P())
+    >>> off_mesh(jnp.ones(2)), off_mesh(jax.device_put(jnp.ones(2), on_mesh))
+    (True, False)
+  """
+  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    return False
+  return not isinstance(x.sharding, NamedSharding)
 
 
 def current_sharding(x: Any, recorded: NamedSharding) -> Any:
   """The sharding ``x`` has now, so it can be put back there after the update.
 
   Concrete arrays know it; on an Explicit mesh a traced array's type carries
-  it; on an Auto mesh under jit the layout recorded at construction stands in.
+  it; on an Auto (or mixed) mesh under jit the layout recorded at construction
+  stands in (the type does not carry the Auto axes).
 
   Example::
 
@@ -49,7 +93,7 @@ def current_sharding(x: Any, recorded: NamedSharding) -> Any:
   """
   if not isinstance(x, jax.core.Tracer):
     return x.sharding
-  if is_explicit(recorded):
+  if is_explicit(recorded) and all(is_explicit(recorded.mesh, (a,)) for a in recorded.mesh.axis_names):
     spec = jax.typeof(x).sharding.spec
     return NamedSharding(recorded.mesh, spec, memory_kind=recorded.memory_kind)
   return recorded

@@ -22,14 +22,15 @@ from nnx_zero1.layout import (  # noqa: F401 -- the reason names are re-exported
   NOT_PARAM_SHAPED,
   PARAM_NOT_SPLIT,
   Reason,
+  memory_layout,
   statistic_layout,
   zero1_layout,
 )
 from nnx_zero1.specs import DataAxis, data_axis_size, full_rank_sharding
 
 __all__ = [
-    "LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "statistic_layout", "one_device_mesh",
-    "single_device_plan",
+    "LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "memory_layout", "statistic_layout",
+    "one_device_mesh", "single_device_plan",
 ]
 
 
@@ -83,6 +84,34 @@ class _Owner:
   same_shape: bool = False
 
 
+def _owners_by_path(abstract_state, param_shapes, treedef) -> list[_Owner]:
+  """For each state leaf, matched against the parameters by key path and shape.
+
+  The fallback when optax cannot map the state (``tree_map_params`` runs ``tx.init`` on
+  placeholders, which lbfgs's line search cannot take): a state leaf whose path ends
+  with a parameter's path (``[0].mu['l1']['kernel']`` ends with ``['l1']['kernel']``;
+  the longest such parameter path wins) belongs to that parameter when it has its
+  shape, or its shape behind a leading axis (lbfgs's memories). Anything else
+  belongs to no parameter.
+  """
+  index_tree = jax.tree.unflatten(treedef, range(len(param_shapes)))
+  flat_indices = jax.tree_util.tree_flatten_with_path(index_tree)[0]
+  param_paths = {i: jax.tree_util.keystr(path) for path, i in flat_indices}
+
+  def owner(path, leaf) -> _Owner:
+    where, shape = jax.tree_util.keystr(path), tuple(leaf.shape)
+    tied = [
+        i for i, p in param_paths.items()
+        if where.endswith(p) and (shape == param_shapes[i] or shape[1:] == param_shapes[i])
+    ]
+    if not tied:
+      return _Owner(None)
+    i = max(tied, key=lambda i: len(param_paths[i]))
+    return _Owner(i, shape == param_shapes[i])
+
+  return [owner(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
+
+
 def _owners_of_state_leaves(tx, abstract_state, param_shapes, treedef) -> list[_Owner]:
   """For each state leaf, in tree-leaf order: the parameter optax says it belongs to."""
   indices = jax.tree.unflatten(treedef, range(len(param_shapes)))
@@ -98,12 +127,8 @@ def _owners_of_state_leaves(tx, abstract_state, param_shapes, treedef) -> list[_
         transform_non_params=lambda leaf: _Owner(None),
         is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
-  except Exception as e:  # noqa: BLE001 -- any optax failure means we cannot plan
-    name = getattr(tx.init, "__qualname__", type(tx).__name__).split(".<locals>")[0]
-    raise Zero1Error(
-        f"cannot tell which optimizer-state leaves of {name} are parameter-shaped: "
-        f"optax.tree_utils.tree_map_params failed ({type(e).__name__}: {e})"
-    ) from e
+  except Exception:  # noqa: BLE001 -- optax's placeholders do not run every init (lbfgs)
+    return _owners_by_path(abstract_state, param_shapes, treedef)
   return jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Owner))
 
 
@@ -116,7 +141,8 @@ def _refuse_unmapped(tx, rows, mesh, data_axis) -> None:
     name = getattr(tx.init, "__qualname__", type(tx).__name__).split(".<locals>")[0]
     raise Zero1Error(
         f"none of the optimizer state of {name} can be tied to a parameter "
-        f"(optax.tree_utils.tree_map_params finds no parameter-shaped leaf among "
+        f"(neither optax.tree_utils.tree_map_params nor matching by tree position and shape "
+        f"finds a parameter-shaped leaf among "
         f"{', '.join(r.path for r in tensors[:4])}), so Zero-1 would split nothing; "
         f"{describe_mesh(mesh)}"
     )
@@ -160,6 +186,8 @@ def make_plan(
     shape = tuple(leaf.shape)
     if owner.index is not None and owner.same_shape:
       sharding, reason = layouts[owner.index]
+    elif owner.index is not None and shape[1:] == shapes[owner.index]:
+      sharding, reason = memory_layout(zero1[owner.index]), layouts[owner.index][1]
     elif owner.index is not None:
       i = owner.index
       sharding, reason = statistic_layout(shape, shapes[i], zero1[i], data_axis)

@@ -85,7 +85,7 @@ def table(results: dict) -> str:
       "*contract*: `exact` cases must be bit-identical, `allclose` ones equal to 1e-5. "
       "*state per device*: optimizer bytes one device holds, as a share of `nnx.Optimizer`'s. "
       "*left whole*: non-scalar optimizer leaves that stay replicated, by `report`'s reason "
-      "(here the output bias of size 3, and adafactor's factored statistics)."
+      "(here the output bias of size 3, adafactor's factored statistics, and lbfgs's per-step weights)."
   )
   return "\n".join(lines) + "\n" + note
 

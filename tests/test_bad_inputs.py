@@ -125,15 +125,10 @@ def test_gradient_tree_that_does_not_match(built, jitted):
 
 @pytest.mark.parametrize(
     "bad",
-    [
-        lambda g: g.T,
-        lambda g: g[:1],
-        lambda g: g.astype(jnp.bfloat16),
-        lambda g: g.astype(jnp.float16),
-    ],
-    ids=["transposed", "too-short", "bfloat16", "float16"],
+    [lambda g: g.T, lambda g: g[:1], lambda g: g[:1].astype(jnp.bfloat16)],
+    ids=["transposed", "too-short", "too-short-bfloat16"],
 )
-def test_gradient_of_wrong_shape_or_dtype(built, bad):
+def test_gradient_of_wrong_shape(built, bad):
   model, opt, grads = built
   wrong = jax.tree.map(lambda g: g, grads)
   wrong.l1.kernel.value = bad(wrong.l1.kernel.value)  # 16 x 128: transposing changes its shape

@@ -48,3 +48,13 @@ def test_jit_cache_size_counts_compilations():
   assert _compat.jit_cache_size(f) == 1, JAX
   f(jnp.ones(3))
   assert _compat.jit_cache_size(f) == 2, f"_cache_size() no longer counts compilations on {JAX}"
+
+
+def test_context_mesh_is_readable_while_tracing():
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
+  seen = []
+  with jax.set_mesh(mesh):
+    assert _compat.context_mesh() == mesh, JAX
+    jax.jit(lambda: seen.append(_compat.context_mesh()))()
+  assert seen == [mesh], f"jax._src.mesh.get_concrete_mesh no longer gives set_mesh's mesh on {JAX}"
+  assert _compat.context_mesh().empty, JAX

@@ -1,7 +1,8 @@
 """Property tests of the layout rule (hypothesis): random shapes of rank 0-4, random
 existing specs, random meshes and data axes always give a valid ``NamedSharding`` that
-keeps the existing axes, uses the data axis at most once, divides every dimension, is
-idempotent, and leaves unsplittable leaves exactly as they were."""
+keeps the existing axes, uses each data axis at most once (adding only those of a tuple
+data axis the spec does not use yet), divides every dimension, is idempotent, and leaves
+unsplittable leaves exactly as they were."""
 
 import functools
 import math
@@ -75,13 +76,18 @@ def check_rule(mesh, shape, spec, data_axis):
   assert zero1_sharding(shape, after, data_axis) == after  # idempotent
 
   axes = data_axes(data_axis)
-  n = math.prod(mesh.shape[a] for a in axes)
-  already = any(a in part for part in old for a in axes)
+  missing = tuple(a for a in axes if not any(a in part for part in old))  # only these are added
+  n = math.prod(mesh.shape[a] for a in missing)
   fits = [i for i, (size, part) in enumerate(zip(shape, old)) if size % (width(part) * n) == 0]
-  if already or not fits:  # scalars, leaves already on the data axis, leaves nothing divides
+  if not missing or not fits:  # scalars, leaves on every data axis, leaves nothing divides
     assert after == before
-  else:  # the first dimension that can take the data axes gets them, nothing else changes
-    assert new == [o + axes if i == fits[0] else o for i, o in enumerate(old)]
+  else:  # the first dimension that can take the missing data axes gets them, nothing else changes
+    assert new == [o + missing if i == fits[0] else o for i, o in enumerate(old)]
+  if len(axes) > 1 and missing:  # composes: adding one data axis, then the others, is adding them all
+    for first in axes:
+      once = zero1_sharding(shape, zero1_sharding(shape, before, first), data_axis)
+      assert entries(once.spec, rank) == entries(zero1_sharding(shape, once, data_axis).spec, rank)
+      assert all(sum(a in part for part in entries(once.spec, rank)) <= 1 for a in axes)
 
 
 @PROPERTY

@@ -307,6 +307,31 @@ def test_tensor_parallel_params_fall_back_and_compose_with_zero1(caplog):
   assert zero1.optimizer.opt_state[0].mu["up"]["kernel"][...].sharding.spec == P("data", "model")
 
 
+@pytest.mark.parametrize("axes", [("data",), ("replica", "data")], ids=["data", "replica+data"])
+def test_fsdp_params_over_the_data_axis_reduce_each_micro_batch(axes, caplog):
+  """Parameters already split over ``data``: deferral is impossible, the accumulator's replica
+  dimension takes only the data axes they do not use (no DuplicateSpecError)."""
+  shape = (4,) if axes == ("data",) else (2, 2)
+  mesh = jax.make_mesh(shape, axes, devices=jax.devices()[:4], axis_types=(AxisType.Auto,) * len(axes))
+
+  def build(cls):
+    model = Decoder(nnx.Rngs(0), vocab=VOCAB)
+    for layer, spec in ((model.up, P("data", None)), (model.down, P(None, "data"))):
+      layer.kernel.value = jax.device_put(layer.kernel[...], NamedSharding(mesh, spec))
+    return cls(model, optax.adamw(1e-2), mesh, loss_fn=lm_loss, data_axis=axes)
+
+  with caplog.at_level(logging.INFO, logger="nnx_zero1.adapters.maxtext"):
+    engines = [build(cls) for cls in (Engine, Zero1Engine)]
+    for e in engines:
+      run(e, micro_batches(2, seed=7), 2)
+  assert "a parameter is sharded" in caplog.text
+  assert_trees_equal(params(engines[1]), params(engines[0]))
+  zero1 = engines[1]
+  assert zero1.model.up.kernel[...].sharding.spec == P("data", None)
+  mu = zero1.optimizer.opt_state[0].mu["up"]["kernel"][...]
+  assert bytes_per_device(mu) * 4 == mu.nbytes
+
+
 def test_data_axis_tuple_reduce_scatters_over_both_axes():
   mesh = jax.make_mesh((2, 2), ("replica", "data"), devices=jax.devices()[:4])
   axes = ("replica", "data")

@@ -34,6 +34,7 @@ MESHES = {
 }
 TOLERANCE = 1e-5  # for the transformations with reductions (not elementwise)
 
+
 @pytest.fixture(scope="module")
 def coverage():
   """Collects one record per case; written to $NNX_ZERO1_COVERAGE_JSON when that is set."""
@@ -58,6 +59,16 @@ def _apply(model, opt, grads):
   opt.update(model, grads)
 
 
+@nnx.jit
+def _apply_line_search(model, opt, x, y):
+  """A step the way optax's line searches are driven: the loss, its gradients and a function
+  of the parameters (a pure ``nnx.State``, as ``nnx.Optimizer`` passes them)."""
+  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+  value, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+  value_fn = lambda params: loss_fn(nnx.merge(graphdef, params, rest), x, y)  # noqa: E731
+  opt.update(model, grads, value=value, grad=grads, value_fn=value_fn)
+
+
 def _train_both(case: OptimizerCase, mesh):
   batch = NamedSharding(mesh, P("data"))
   out = []
@@ -68,7 +79,11 @@ def _train_both(case: OptimizerCase, mesh):
       opt = cls(model, case.build(), wrt=nnx.Param)
       dtypes = [x.dtype for x in jax.tree.leaves(nnx.as_pure(opt.opt_state))]
       for x, y in DATA:
-        _apply(model, opt, _grads(model, jax.device_put(x, batch), jax.device_put(y, batch)))
+        x, y = jax.device_put(x, batch), jax.device_put(y, batch)
+        if case.line_search:
+          _apply_line_search(model, opt, x, y)
+        else:
+          _apply(model, opt, _grads(model, x, y))
     out.append((model, opt, initial, dtypes))
   return out
 

@@ -107,12 +107,26 @@ def init_per_key(params):
   return {key: jax.tree.map(jnp.zeros_like, value) for key, value in params.items()}  # not on a placeholder
 
 
-def test_a_transformation_optax_cannot_map_is_refused_by_name():
-  tx = optax.GradientTransformation(init_per_key, lambda g, s, p=None: (g, s))
+def init_flat(params):
+  return {"flat": jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(params)])}  # not on a placeholder
+
+
+def test_state_optax_cannot_map_is_matched_against_the_parameters():
+  """tree_map_params fails on placeholders; state subtrees shaped like the parameters are split."""
+  tx = optax.GradientTransformation(lambda p: {"acc": init_per_key(p)}, lambda g, s, p=None: (g, s))
+  with jax.set_mesh(MESH):
+    opt = Zero1Optimizer(MLP(nnx.Rngs(0)), tx, MESH)
+  rows = {row.path: row for row in report(opt).rows}
+  assert rows["['acc']['l1']['kernel']"].sharded and rows["['acc']['l2']['bias']"].sharded
+  assert not rows["['acc']['l3']['bias']"].sharded  # 3 divides by no data size > 1
+
+
+def test_a_transformation_whose_state_matches_no_parameter_is_refused_by_name():
+  tx = optax.GradientTransformation(init_flat, lambda g, s, p=None: (g, s))
   with jax.set_mesh(MESH):
     model = MLP(nnx.Rngs(0))
   before = snapshot(model)
-  with pytest.raises(Zero1Error, match="init_per_key.*tree_map_params failed"):
+  with pytest.raises(Zero1Error, match="init_flat.*tree position and shape"):
     Zero1Optimizer(model, tx, MESH)
   assert_unchanged(before, model)
 

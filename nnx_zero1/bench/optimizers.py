@@ -39,10 +39,11 @@ class OptimizerCase:
     (True, 'GradientTransformationExtraArgs')
   """
 
-  make: Callable[[float], optax.GradientTransformation]  # from a learning rate
-  learning_rate: float  # the tests' rate: large, so a few steps move the parameters
+  make: Callable[[Any], optax.GradientTransformation]  # from a learning rate
+  learning_rate: float | None  # the tests' rate, large so a few steps move the parameters; None: line search
   elementwise: bool  # True: bit-identical to nnx.Optimizer; False: reductions, equal to float precision
   freezes: bool = False  # leaves the parameters under FROZEN as they were
+  line_search: bool = False  # driven through update(model, grads, value=, grad=, value_fn=)
 
   def build(self, learning_rate: float | None = None) -> optax.GradientTransformation:
     return self.make(self.learning_rate if learning_rate is None else learning_rate)
@@ -68,7 +69,18 @@ CASES: dict[str, OptimizerCase] = {
     "lamb": OptimizerCase(optax.lamb, 1e-2, REDUCING),
     "lars": OptimizerCase(optax.lars, 1e-2, REDUCING),
     "adafactor": OptimizerCase(lambda lr: optax.adafactor(lr, min_dim_size_to_factor=8), 1e-2, REDUCING),
+    # memory_size=4 (default 10): lbfgs's many small all-reduces are the heaviest programs here
+    "lbfgs": OptimizerCase(lambda lr: optax.lbfgs(lr, memory_size=4), None, REDUCING, line_search=True),
+    "lbfgs(linesearch=None)": OptimizerCase(
+        lambda lr: optax.lbfgs(lr, memory_size=4, linesearch=None), 0.1, REDUCING
+    ),
     "contrib.muon": OptimizerCase(optax.contrib.muon, 1e-2, REDUCING),
+    "contrib.adopt": OptimizerCase(optax.contrib.adopt, 1e-2, ELEMENTWISE),
+    "contrib.ademamix": OptimizerCase(optax.contrib.ademamix, 1e-2, ELEMENTWISE),
+    "contrib.madgrad": OptimizerCase(optax.contrib.madgrad, 1e-2, ELEMENTWISE),
+    "contrib.prodigy": OptimizerCase(optax.contrib.prodigy, 1.0, REDUCING),  # 1.0: prodigy's default
+    "contrib.momo": OptimizerCase(optax.contrib.momo, 1.0, REDUCING, line_search=True),  # momo's default
+    "polyak_sgd": OptimizerCase(optax.polyak_sgd, 1.0, REDUCING, line_search=True),  # its default max rate
     "contrib.schedule_free_adamw": OptimizerCase(optax.contrib.schedule_free_adamw, 1e-2, ELEMENTWISE),
     "MultiSteps(adam, k=2)": OptimizerCase(
         lambda lr: optax.MultiSteps(optax.adam(lr), every_k_schedule=2), 1e-2, ELEMENTWISE

@@ -1,0 +1,134 @@
+"""Temporary: the four Tunix types ``maxtext`` 0.2.5 imports that google-tunix 0.1.7 lacks.
+
+MaxText's ``training_engine/abstract_engine.py`` imports ``LossOutput`` and
+``WeightedMetric`` from ``tunix.sft.utils`` and ``TrainerPayload`` and
+``RLTrainerPayload`` from ``tunix.experimental.common.datatypes``. Tunix's
+source tree has them; google-tunix 0.1.7, the newest release on PyPI, does
+not. ``ensure_tunix_types()`` supplies minimal versions written here (the
+fields MaxText's engine reads, nothing else) only where the installed Tunix has
+none, so a Tunix release that ships them is used as it is. Remove this module
+once a google-tunix release has both modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import sys
+import types
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+__all__ = ["ensure_tunix_types"]
+
+logger = logging.getLogger(__name__)
+
+
+@flax.struct.dataclass
+class WeightedMetric:
+  """A sum and the weight it is divided by, kept apart so micro-batches add up exactly."""
+
+  unreduced_sum: jax.Array
+  denominator: jax.Array
+  eps: float | None = flax.struct.field(default=None, pytree_node=False)
+  min_denom: float | None = flax.struct.field(default=None, pytree_node=False)
+
+  def compute_scale(self) -> jax.Array:
+    """``1 / denominator`` (after ``eps`` and ``min_denom``); 0 where the denominator is 0."""
+    denom = self.denominator
+    if self.eps is not None:
+      denom = denom + self.eps
+    if self.min_denom is not None:
+      denom = jnp.maximum(denom, self.min_denom)
+    zero = denom == 0
+    return jnp.where(zero, 0.0, 1.0 / jnp.where(zero, 1.0, denom))
+
+  def compute(self) -> jax.Array:
+    """The weighted mean."""
+    return self.unreduced_sum * self.compute_scale()
+
+
+@flax.struct.dataclass
+class LossOutput:
+  """A loss function's result: the loss to differentiate and auxiliary metrics."""
+
+  primary_loss: WeightedMetric
+  aux_metrics: dict[str, WeightedMetric]
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerPayload:
+  """Base of the batches a trainer worker hands an engine."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RLTrainerPayload(TrainerPayload):
+  """An RL batch split into prompt and completion, with per-row advantages."""
+
+  advantages: Any = None
+  prompt_ids: Any = None
+  prompt_mask: Any = None
+  completion_ids: Any = None
+  completion_mask: Any = None
+  segment_ids: Any = None
+  segment_positions: Any = None
+  ref_per_token_logps: Any = None
+  old_per_token_logps: Any = None
+  sampler_is_weights: Any = None
+  routed_experts: Any = None
+  metadata: dict = dataclasses.field(default_factory=dict)
+
+
+def _has(module: str, *names: str) -> bool:
+  try:
+    found = importlib.import_module(module)
+  except ImportError:
+    return False
+  return all(hasattr(found, name) for name in names)
+
+
+def _register(name: str) -> types.ModuleType:
+  """The module ``name``, made (empty, attached to its parent) where it does not import."""
+  try:
+    return importlib.import_module(name)
+  except ImportError:
+    module = types.ModuleType(name, "nnx_zero1 compatibility stand-in (see adapters/_maxtext_compat.py)")
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent:
+      setattr(_register(parent), child, module)
+    return module
+
+
+def ensure_tunix_types() -> bool:
+  """Makes ``tunix.sft.utils`` and ``tunix.experimental.common.datatypes`` importable
+  with the types MaxText's engine imports; returns True when a stand-in was needed.
+
+  Needs Tunix itself installed; changes nothing when it already has the types.
+
+  Example::
+
+    >>> from nnx_zero1.adapters._maxtext_compat import ensure_tunix_types
+    >>> _ = ensure_tunix_types()
+    >>> from tunix.sft.utils import LossOutput, WeightedMetric
+  """
+  needed = False
+  if not _has("tunix.sft.utils", "LossOutput", "WeightedMetric"):
+    utils = _register("tunix.sft.utils")
+    for cls in (WeightedMetric, LossOutput):
+      if not hasattr(utils, cls.__name__):
+        setattr(utils, cls.__name__, cls)
+    needed = True
+  if not _has("tunix.experimental.common.datatypes", "TrainerPayload", "RLTrainerPayload"):
+    datatypes = _register("tunix.experimental.common.datatypes")
+    for payload in (TrainerPayload, RLTrainerPayload):
+      if not hasattr(datatypes, payload.__name__):
+        setattr(datatypes, payload.__name__, payload)
+    needed = True
+  if needed:
+    logger.info("nnx_zero1: supplied Tunix types MaxText imports and this Tunix lacks (temporary shim)")
+  return needed
