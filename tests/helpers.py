@@ -53,6 +53,18 @@ def train_step(model, opt, x, y):
   return loss
 
 
+# Gradients and updates as two jitted functions: the gradient one compiles once for a whole
+# matrix of optimizers, so each case compiles only the optimizer steps it compares.
+@nnx.jit
+def grads_of(model, x, y):
+  return nnx.grad(loss_fn)(model, x, y)
+
+
+@nnx.jit
+def apply_grads(model, opt, grads):
+  opt.update(model, grads)
+
+
 def train(model, opt, mesh, data, step=train_step, data_axis="data"):
   """Runs ``step`` over ``data`` with the batch sharded over ``data_axis``; returns the losses."""
   shard = NamedSharding(mesh, P(data_axis))

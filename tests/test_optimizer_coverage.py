@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import MLP, batches, loss_fn
+from helpers import MLP, apply_grads, batches, grads_of, loss_fn
 from nnx_zero1 import Zero1Optimizer, report
 from nnx_zero1.bench.optimizers import CASES, FROZEN, OptimizerCase
 
@@ -45,18 +45,6 @@ def coverage():
     with open(path, "w") as f:
       json.dump({"optax": optax.__version__, "jax": jax.__version__, "steps": STEPS, "results": records}, f,
                 indent=1)
-
-
-# Gradients and updates are two jitted functions: the gradient one compiles once for
-# the whole matrix, so each case compiles only the optimizer steps it compares.
-@nnx.jit
-def _grads(model, x, y):
-  return nnx.grad(loss_fn)(model, x, y)
-
-
-@nnx.jit
-def _apply(model, opt, grads):
-  opt.update(model, grads)
 
 
 @nnx.jit
@@ -83,7 +71,7 @@ def _train_both(case: OptimizerCase, mesh):
         if case.line_search:
           _apply_line_search(model, opt, x, y)
         else:
-          _apply(model, opt, _grads(model, x, y))
+          apply_grads(model, opt, grads_of(model, x, y))
     out.append((model, opt, initial, dtypes))
   return out
 

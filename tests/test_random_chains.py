@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import MLP, batches, loss_fn
+from helpers import MLP, apply_grads, batches, grads_of
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
 from nnx_zero1.layout import Reason
 
@@ -46,23 +46,13 @@ FINAL = {
 }
 
 
-@nnx.jit
-def _grads(model, x, y):
-  return nnx.grad(loss_fn)(model, x, y)
-
-
-@nnx.jit
-def _apply(model, opt, grads):
-  opt.update(model, grads)
-
-
 def _train(cls, make):
   with jax.set_mesh(MESH):
     model = MLP(nnx.Rngs(0))
     opt = cls(model, make(), wrt=nnx.Param)
     shard = NamedSharding(MESH, P("data"))
     for x, y in DATA:
-      _apply(model, opt, _grads(model, jax.device_put(x, shard), jax.device_put(y, shard)))
+      apply_grads(model, opt, grads_of(model, jax.device_put(x, shard), jax.device_put(y, shard)))
   return model, opt
 
 
