@@ -8,18 +8,17 @@ import os
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 if "--xla_cpu_max_isa" not in _FLAGS:
   _FLAGS += " --xla_cpu_max_isa=AVX2"
-# Eight virtual devices share the host's cores: on a loaded 2-core machine one device's thread
-# can reach a collective long after the others, and XLA's CPU runtime aborts the whole process
-# ("Fatal Python error: Aborted") when a collective waits past its default timeout.
-if "--xla_cpu_collective" not in _FLAGS:
-  _FLAGS += (
-      " --xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900"
-  )
+# Eight virtual devices share one thread pool of the host's size. With asynchronous dispatch
+# the next program's launches can take the pool threads that the current program's collective
+# is waiting for: a deadlock that XLA ends by aborting the process ("Fatal Python error:
+# Aborted"), seen at random tests on a 2-core host. Synchronous dispatch (set below, before the
+# backend starts) launches one program at a time.
 os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 assert jax.device_count() == 8, "tests need 8 virtual CPU devices; import jax after conftest"
 
 import importlib  # noqa: E402
