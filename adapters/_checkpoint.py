@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1 import deferred
+from nnx_zero1 import replica_rows
 from nnx_zero1.checkpoint import abstract_arrays
 
 __all__ = ["make_manager", "restore", "fold_rows"]
@@ -73,7 +73,7 @@ def fold_rows(grad_acc: Any, params: Any, mesh: Mesh, axes: tuple[str, ...]) -> 
     >>> fold_rows({"w": jnp.ones((3, 2))}, w, mesh, ("data",))["w"].tolist()
     [[3.0, 3.0]]
   """
-  zeros = deferred.zeros_accumulator(params, mesh, axes)
+  zeros = replica_rows.zeros_accumulator(params, mesh, axes)
   summed = jax.tree.map(lambda a: a.sum(0), grad_acc)
   homes = [x.sharding for x in jax.tree.leaves(params)]
-  return deferred.add_to_first_row(zeros, summed, homes, mesh, axes)
+  return replica_rows.add_to_first_row(zeros, summed, homes, mesh, axes)

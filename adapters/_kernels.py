@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1 import deferred
+from nnx_zero1 import deferred, replica_rows
 
 __all__ = ["DEFERRED", "GLOBAL", "KernelSpec", "jit_fwd_bwd", "jit_update", "jit_eval"]
 
@@ -60,16 +60,16 @@ def _fwd_bwd(spec: KernelSpec, params, rest, acc, micro_steps, batch):
   loss_of_params = _loss_of_params(spec, rest)
   if spec.mode == GLOBAL:
     loss, grads = jax.value_and_grad(loss_of_params)(params, batch)
-    acc = deferred.add_to_first_row(acc, grads, spec.homes, spec.mesh, spec.axes)
+    acc = replica_rows.add_to_first_row(acc, grads, spec.homes, spec.mesh, spec.axes)
   else:
-    loss, acc = deferred.local_grads(loss_of_params, params, acc, batch, spec.mesh, spec.axes)
+    loss, acc = replica_rows.local_grads(loss_of_params, params, acc, batch, spec.mesh, spec.axes)
   return loss, acc, micro_steps + 1
 
 
 def _update(spec: KernelSpec, params, rest, opt_state, acc, micro_steps):
   model = nnx.merge(spec.model_def, params, rest)
   optimizer = nnx.merge(spec.opt_def, opt_state)
-  summed = deferred.reduce_rows(acc, spec.homes, spec.targets, spec.mesh, spec.axes)
+  summed = replica_rows.reduce_rows(acc, spec.homes, spec.targets, spec.mesh, spec.axes)
   grads = deferred.mean_of_sums(summed, micro_steps)
   # The optimizer selects gradients by ``wrt``, so they travel as variables.
   variables = jax.tree.structure(nnx.state(model, spec.wrt))
@@ -85,7 +85,7 @@ def _evaluate(spec: KernelSpec, params, rest, batch):
   loss_of_params = _loss_of_params(spec, rest)
   if spec.mode == GLOBAL:
     return loss_of_params(params, batch)
-  return deferred.local_loss(loss_of_params, params, batch, spec.mesh, spec.axes)
+  return replica_rows.local_loss(loss_of_params, params, batch, spec.mesh, spec.axes)
 
 
 def shardings_of(tree: Any) -> Any:

@@ -117,17 +117,16 @@ def ensure_tunix_types() -> bool:
     >>> from tunix.sft.utils import LossOutput, WeightedMetric
   """
   needed = False
-  if not _has("tunix.sft.utils", "LossOutput", "WeightedMetric"):
-    utils = _register("tunix.sft.utils")
-    for cls in (WeightedMetric, LossOutput):
-      if not hasattr(utils, cls.__name__):
-        setattr(utils, cls.__name__, cls)
-    needed = True
-  if not _has("tunix.experimental.common.datatypes", "TrainerPayload", "RLTrainerPayload"):
-    datatypes = _register("tunix.experimental.common.datatypes")
-    for payload in (TrainerPayload, RLTrainerPayload):
-      if not hasattr(datatypes, payload.__name__):
-        setattr(datatypes, payload.__name__, payload)
+  for module, types_ in (
+      ("tunix.sft.utils", (WeightedMetric, LossOutput)),
+      ("tunix.experimental.common.datatypes", (TrainerPayload, RLTrainerPayload)),
+  ):
+    if _has(module, *(t.__name__ for t in types_)):
+      continue
+    target = _register(module)
+    for t in types_:
+      if not hasattr(target, t.__name__):
+        setattr(target, t.__name__, t)
     needed = True
   if needed:
     logger.info("nnx_zero1: supplied Tunix types MaxText imports and this Tunix lacks (temporary shim)")

@@ -62,7 +62,7 @@ class Zero1EngineMixin:
   ``_build_optimizer(tx)`` (MaxText's engine: ``self._model``, ``self._mesh``,
   ``nnx.Param`` over the ``"data"`` axis). Either way the optimizer is a
   ``Zero1Optimizer`` with its moments on the Zero-1 layout from the start.
-  ``Engine`` also reduces its accumulated gradient rows (``nnx_zero1.deferred``)
+  ``Engine`` also reduces its accumulated gradient rows (``nnx_zero1.replica_rows``)
   onto ``_gradient_targets()`` (the Zero-1 layout), so the one reduction per step
   is a reduce-scatter. Kernel signatures and the checkpoint tree are unchanged, so
   checkpoints cross both ways.

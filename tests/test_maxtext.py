@@ -287,20 +287,26 @@ def test_batch_sharded_over_second_axis_reduces_each_micro_batch(caplog):
   assert bytes_per_device(moments(engines[1])) * 2 == bytes_per_device(moments(engines[0]))
 
 
-def test_tensor_parallel_params_fall_back_and_compose_with_zero1(caplog):
-  mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4], axis_types=(AxisType.Auto,) * 2)
-
+def _engines_on_placed_decoder(mesh, up_spec, down_spec, caplog, seed, **kwargs):
+  """Engine and Zero1Engine on a decoder whose kernels are already sharded: two steps of two
+  micro-batches, which must fall back to reducing every micro-batch and say so."""
   def build(cls):
     model = Decoder(nnx.Rngs(0), vocab=VOCAB)
-    for layer, spec in ((model.up, P(None, "model")), (model.down, P("model", None))):
+    for layer, spec in ((model.up, up_spec), (model.down, down_spec)):
       layer.kernel.value = jax.device_put(layer.kernel[...], NamedSharding(mesh, spec))
-    return cls(model, optax.adamw(1e-2), mesh, loss_fn=lm_loss)
+    return cls(model, optax.adamw(1e-2), mesh, loss_fn=lm_loss, **kwargs)
 
   with caplog.at_level(logging.INFO, logger="nnx_zero1.adapters.maxtext"):
     engines = [build(cls) for cls in (Engine, Zero1Engine)]
     for e in engines:
-      run(e, micro_batches(2, seed=9), 2)
+      run(e, micro_batches(2, seed=seed), 2)
   assert "a parameter is sharded" in caplog.text
+  return engines
+
+
+def test_tensor_parallel_params_fall_back_and_compose_with_zero1(caplog):
+  mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4], axis_types=(AxisType.Auto,) * 2)
+  engines = _engines_on_placed_decoder(mesh, P(None, "model"), P("model", None), caplog, seed=9)
   assert_trees_equal(params(engines[1]), params(engines[0]))
   zero1 = engines[1]
   assert zero1.model.up.kernel[...].sharding.spec == P(None, "model")
@@ -314,17 +320,7 @@ def test_fsdp_params_over_the_data_axis_reduce_each_micro_batch(axes, caplog):
   shape = (4,) if axes == ("data",) else (2, 2)
   mesh = jax.make_mesh(shape, axes, devices=jax.devices()[:4], axis_types=(AxisType.Auto,) * len(axes))
 
-  def build(cls):
-    model = Decoder(nnx.Rngs(0), vocab=VOCAB)
-    for layer, spec in ((model.up, P("data", None)), (model.down, P(None, "data"))):
-      layer.kernel.value = jax.device_put(layer.kernel[...], NamedSharding(mesh, spec))
-    return cls(model, optax.adamw(1e-2), mesh, loss_fn=lm_loss, data_axis=axes)
-
-  with caplog.at_level(logging.INFO, logger="nnx_zero1.adapters.maxtext"):
-    engines = [build(cls) for cls in (Engine, Zero1Engine)]
-    for e in engines:
-      run(e, micro_batches(2, seed=7), 2)
-  assert "a parameter is sharded" in caplog.text
+  engines = _engines_on_placed_decoder(mesh, P("data", None), P(None, "data"), caplog, seed=7, data_axis=axes)
   assert_trees_equal(params(engines[1]), params(engines[0]))
   zero1 = engines[1]
   assert zero1.model.up.kernel[...].sharding.spec == P("data", None)
