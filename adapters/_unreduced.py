@@ -15,7 +15,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1 import deferred
+from nnx_zero1._src import deferred
 
 __all__ = ["reduce_scatter_unreduced"]
 

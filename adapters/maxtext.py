@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._engine import Engine, LossFn
-from ._zero1_engine import Zero1EngineMixin
+from nnx_zero1._src.engine.engine import Engine, LossFn
+from nnx_zero1._src.engine.zero1 import Zero1EngineMixin
 
 __all__ = ["Engine", "LossFn", "Zero1EngineMixin", "Zero1Engine", "Zero1MaxTextTrainingEngine"]  # noqa: F822 (lazy)
 
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
   if name != "Zero1MaxTextTrainingEngine":
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
   try:
-    from .maxtext_engine import Zero1MaxTextTrainingEngine
+    from ._maxtext_engine import Zero1MaxTextTrainingEngine
   except ImportError as e:
     raise ImportError(
         "Zero1MaxTextTrainingEngine needs MaxText's engine (maxtext.training_engine, Python >= 3.12; "

@@ -27,7 +27,7 @@ Each is the Tunix class run inside :func:`nnx_zero1.zero1_optimizers`, so the
 
 On an FSDP mesh, leaves FSDP already splits over the data axis keep their
 layout; Zero-1 splits what FSDP leaves whole (norms, biases, LoRA factors, the
-leaves without an ``fsdp`` entry). ``nnx_zero1.report(trainer.optimizer)``
+leaves without an ``fsdp`` entry). ``nnx_zero1._src.report(trainer.optimizer)``
 lists both.
 """
 
@@ -42,9 +42,9 @@ from tunix.rl.rl_cluster import RLCluster, Role
 from tunix.sft.dpo.dpo_trainer import DPOTrainer
 from tunix.sft.peft_trainer import PeftTrainer, TrainingConfig
 
-from nnx_zero1.errors import Zero1Error
-from nnx_zero1.mixin import ShardedOptimizerMixin
-from nnx_zero1.specs import DataAxis, data_axes
+from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.mixin import ShardedOptimizerMixin
+from nnx_zero1._src.specs import DataAxis, data_axes
 
 __all__ = [
     "Zero1DPOTrainer",

@@ -18,9 +18,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from nnx_zero1 import bytes_per_device  # noqa: E402
 from nnx_zero1.adapters.maxtext import Engine, Zero1Engine  # noqa: E402
-from nnx_zero1.bench.measure import collectives  # noqa: E402
-from nnx_zero1.report import bytes_per_device  # noqa: E402
+from nnx_zero1.testing import collectives  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 

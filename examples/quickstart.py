@@ -18,8 +18,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from nnx_zero1 import Zero1Optimizer, report  # noqa: E402
-from nnx_zero1.report import bytes_per_device  # noqa: E402
+from nnx_zero1 import Zero1Optimizer, bytes_per_device, report  # noqa: E402
 
 
 class MLP(nnx.Module):

@@ -26,9 +26,8 @@ from tunix.rl.grpo import grpo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.tests import test_common  # noqa: E402  (sets flax_always_shard_variable=False, as Tunix does)
 
-from nnx_zero1 import report  # noqa: E402
+from nnx_zero1 import bytes_per_device, report  # noqa: E402
 from nnx_zero1.adapters.tunix import Zero1RLCluster  # noqa: E402
-from nnx_zero1.report import bytes_per_device  # noqa: E402
 
 PROMPTS = ["hello world", "My name", "hello there", "input string"]
 

@@ -28,7 +28,6 @@ from tunix.tests import test_common  # noqa: E402  (sets flax_always_shard_varia
 
 from nnx_zero1 import report  # noqa: E402
 from nnx_zero1.adapters.tunix import Zero1PeftTrainer  # noqa: E402
-from nnx_zero1.specs import canonical_spec  # noqa: E402
 
 VOCAB, SEQ, BATCH = 256, 16, 8
 
@@ -39,7 +38,7 @@ def lora_model(num_layers: int, mesh: jax.sharding.Mesh) -> nnx.Module:
   model = test_common.get_lora_model(model)
   state = nnx.state(model)
   specs = nnx.get_partition_spec(state)
-  targets = jax.tree.map(lambda spec: NamedSharding(mesh, canonical_spec(spec)), specs)
+  targets = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
   nnx.update(model, jax.device_put(state, targets))
   return model
 

@@ -1,13 +1,13 @@
 """nnx-zero1: ZeRO stage 1 (optimizer state sharded over data parallelism) for Flax NNX."""
 
-from nnx_zero1.accumulate import value_and_grad_accumulated
-from nnx_zero1.checkpoint import abstract_state, restore_into
-from nnx_zero1.errors import Zero1Error
-from nnx_zero1.layout import zero1_sharding
-from nnx_zero1.mixin import ShardedOptimizerMixin
-from nnx_zero1.optimizer import Zero1Optimizer
-from nnx_zero1.report import Zero1Report, report
-from nnx_zero1.scope import zero1_optimizers
+from nnx_zero1._src.accumulate import value_and_grad_accumulated
+from nnx_zero1._src.checkpoint import abstract_state, restore_into
+from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.layout import zero1_sharding
+from nnx_zero1._src.mixin import ShardedOptimizerMixin
+from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.report import Zero1Report, bytes_per_device, report
+from nnx_zero1._src.scope import zero1_optimizers
 
 __all__ = [
     "ShardedOptimizerMixin",
@@ -15,6 +15,7 @@ __all__ = [
     "Zero1Optimizer",
     "Zero1Report",
     "abstract_state",
+    "bytes_per_device",
     "report",
     "restore_into",
     "value_and_grad_accumulated",

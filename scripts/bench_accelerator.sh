@@ -5,7 +5,7 @@
 #   scripts/bench_accelerator.sh [MODEL] [OUT]        # defaults: qwen3-0.6b, bench_out/accelerator
 #   GA=1,8 STEPS=20 SEQ_LEN=1024 BATCH=32 ARMS=baseline,zero1 scripts/bench_accelerator.sh llama-3.2-1b
 #
-# MODEL is a name from nnx_zero1.bench.model.CONFIGS (qwen3-0.6b, llama-3.2-1b, gemma-3-1b, ...).
+# MODEL is a name from nnx_zero1._src.bench.model.CONFIGS (qwen3-0.6b, llama-3.2-1b, gemma-3-1b, ...).
 # dp runs over the powers of two up to the host's device count. Parameters and moments are
 # float32 and every arm of one (dp, ga) is resident at once, so a 0.6B model needs about
 # (4 arms x 10 GiB) / dp + activations per device; use ARMS=baseline,zero1 on small-HBM chips.

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from nnx_zero1.layout import Reason
+from nnx_zero1._src.layout import Reason
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEST = "tests/test_optimizer_coverage.py"

@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 from helpers import MLP, Decoder, assert_trees_close, assert_trees_equal, assert_unchanged, lm_loss, snapshot
 from helpers import loss_fn as mlp_loss
 from nnx_zero1 import Zero1Error, Zero1Optimizer, value_and_grad_accumulated
-from nnx_zero1._hlo import collectives, loop_collectives
-from nnx_zero1.optimizer import _is_marked
-from nnx_zero1.report import bytes_per_device
+from nnx_zero1._src.optimizer import _is_marked
+from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1.testing import collectives, loop_collectives
 
 N, M = 4, 2
 ROWS, SEQ, VOCAB = 16, 16, 64
@@ -222,7 +222,7 @@ def test_sharded_parameters_reduce_every_micro_batch_and_say_so(caplog):
   full = tensor_parallel(nnx.Optimizer, mesh)
   train(full_batch_step, *full, batches, mesh)
   model, opt = tensor_parallel(Zero1Optimizer, mesh)
-  with caplog.at_level(logging.INFO, logger="nnx_zero1.accumulate"):
+  with caplog.at_level(logging.INFO, logger="nnx_zero1._src.accumulate"):
     train(accum_step, model, opt, batches, mesh)
   assert "cannot defer the gradient reduction" in caplog.text and "a parameter is sharded" in caplog.text
   assert_trees_close(params(model), params(full[0]), atol=1e-5, rtol=0)

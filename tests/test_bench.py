@@ -9,9 +9,10 @@ import textwrap
 
 import pytest
 
-from nnx_zero1.bench import devices, measure, shapes
-from nnx_zero1.bench.model import Config
-from nnx_zero1.bench.run import Settings, run_cell
+from nnx_zero1._src.bench import devices, measure, shapes
+from nnx_zero1._src.bench.model import Config
+from nnx_zero1._src.bench.run import Settings, run_cell
+from nnx_zero1.testing import collectives, shape_bytes
 
 TINY = ["--model", "tiny", "--steps", "2", "--warmup", "0", "--batch", "8", "--seq-len", "16",
         "--no-progress"]
@@ -61,7 +62,7 @@ def test_cli_writes_table_json_md_png_and_meets_memory_and_loss_goals(tmp_path):
 def test_device_request_before_and_after_jax_starts():
   script = textwrap.dedent("""
       import nnx_zero1, jax                        # jax imported, no backend yet
-      from nnx_zero1.bench.devices import request_cpu_devices
+      from nnx_zero1._src.bench.devices import request_cpu_devices
       assert request_cpu_devices(3)
       assert jax.device_count() == 3               # the backend starts here, with 3 devices
       assert request_cpu_devices(2) and not request_cpu_devices(4)
@@ -145,11 +146,11 @@ backend_config={"known_trip_count":{"n":"3"}}
 
 
 def test_collectives_count_loops_async_starts_and_tuples():
-  got = measure.collectives(HLO)
+  got = collectives(HLO)
   assert got["all-reduce"] == {"count": 3 + 1, "bytes": 3 * 32 + 64}
   assert got["all-gather"] == {"count": 1, "bytes": 64}  # the -start's results, not its operands
   assert got["reduce-scatter"] == {"count": 1, "bytes": 8 + 8}
-  assert measure.shape_bytes("(f32[2,3]{1,0}, pred[5])") == 29
+  assert shape_bytes("(f32[2,3]{1,0}, pred[5])") == 29
 
 
 def test_memory_and_median():

@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType
 
-from nnx_zero1 import _compat
+from nnx_zero1._src import compat as _compat
 
 JAX = f"jax {jax.__version__}"
 FLAX = f"flax {flax.__version__}"

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, batches, train_step
 from nnx_zero1 import Zero1Optimizer
-from nnx_zero1._hlo import collectives
+from nnx_zero1.testing import collectives
 
 MESH = jax.make_mesh((8,), ("data",))
 

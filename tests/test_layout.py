@@ -6,7 +6,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import Zero1Error, zero1_sharding
-from nnx_zero1.layout import ALREADY_SHARDED, NOT_DIVISIBLE, SCALAR, zero1_layout
+from nnx_zero1._src.layout import ALREADY_SHARDED, NOT_DIVISIBLE, SCALAR, zero1_layout
 
 MESH = jax.make_mesh((2, 2, 2), ("replica", "data", "tp"))
 

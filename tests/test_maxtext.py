@@ -22,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import Decoder, assert_trees_close, assert_trees_equal, assert_unchanged, lm_loss, snapshot
 from nnx_zero1 import Zero1Error
-from nnx_zero1._hlo import collectives
+from nnx_zero1._src.report import bytes_per_device
 from nnx_zero1.adapters.maxtext import Engine, Zero1Engine
-from nnx_zero1.report import bytes_per_device
+from nnx_zero1.testing import collectives
 
 N = 4
 VOCAB, SEQ = 64, 16

@@ -19,8 +19,8 @@ from flax import nnx
 
 from helpers import assert_trees_equal
 from nnx_zero1 import Zero1Error
-from nnx_zero1.bench.measure import collectives
-from nnx_zero1.report import bytes_per_device
+from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1.testing import collectives
 
 N = 4
 
@@ -60,7 +60,7 @@ def _classes():
 
 
 def build(cls, **overrides):
-  from nnx_zero1.bench.maxtext_arms import tiny_config, tiny_mesh
+  from nnx_zero1._src.bench.maxtext_arms import tiny_config, tiny_mesh
 
   config = tiny_config(**overrides)
   return cls(config, mesh=tiny_mesh(config)), config
@@ -88,7 +88,7 @@ def pair(request):
   """MaxText's engine and ours side by side: one step at GA 1, then one at GA 4."""
   if SKIP:
     pytest.skip(SKIP)
-  from nnx_zero1.bench.maxtext_arms import tiny_batches
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
 
   engines = [build(cls, opt_type=request.param)[0] for cls in _classes()]
   config = engines[0]._config
@@ -156,7 +156,7 @@ def test_checkpoints_cross_both_ways_mid_accumulation(tmp_path):
   """MaxText's engine saves between two micro-batches, ours restores and finishes the step;
   then ours saves mid-step and a fresh MaxText engine restores. Each time the reader
   finishes the step bit-identically to the writer."""
-  from nnx_zero1.bench.maxtext_arms import tiny_batches
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
 
   stock_cls, ours_cls = _classes()
   writer = _checkpointed(stock_cls, tmp_path)
@@ -189,7 +189,7 @@ def test_checkpoints_cross_both_ways_mid_accumulation(tmp_path):
     ],
 )
 def test_where_maxtext_flag_cannot_zero1_still_matches(overrides):
-  from nnx_zero1.bench.maxtext_arms import tiny_batches
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
 
   engines = [build(cls, **overrides)[0] for cls in _classes()]
   batches = tiny_batches(engines[0]._config, 2)
@@ -207,7 +207,7 @@ def test_muon_trains_like_maxtext_engine_with_its_moments_split():
   """MaxText's muon (optax.contrib.muon with per-parameter dimension numbers) defeats
   optax.tree_utils.tree_map_params; the plan then ties its state to the parameters by path
   and shape. Newton-Schulz is not elementwise, so parameters agree to float precision."""
-  from nnx_zero1.bench.maxtext_arms import tiny_batches
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
 
   engines = [build(cls, opt_type="muon")[0] for cls in _classes()]
   batches = tiny_batches(engines[0]._config, 2)
@@ -222,7 +222,7 @@ def test_muon_trains_like_maxtext_engine_with_its_moments_split():
 
 @needs_maxtext
 def test_maxtext_flag_too_is_refused_before_anything_is_built():
-  from nnx_zero1.bench.maxtext_arms import tiny_config
+  from nnx_zero1._src.bench.maxtext_arms import tiny_config
 
   _, ours = _classes()
   config = tiny_config(shard_optimizer_over_data=True)
@@ -233,7 +233,7 @@ def test_maxtext_flag_too_is_refused_before_anything_is_built():
 
 @needs_maxtext
 def test_ahead_of_time_engine_is_refused_by_name():
-  from nnx_zero1.bench.maxtext_arms import tiny_config, tiny_mesh
+  from nnx_zero1._src.bench.maxtext_arms import tiny_config, tiny_mesh
 
   _, ours = _classes()
   compile_module = importlib.import_module("maxtext.training_engine.maxtext_engine_compile")

@@ -20,9 +20,9 @@ from helpers import (
   train_step,
 )
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
-from nnx_zero1._compat import jit_cache_size
-from nnx_zero1.bench.optimizers import CASES, ELEMENTWISE_CONTRACT
-from nnx_zero1.report import bytes_per_device
+from nnx_zero1._src.compat import jit_cache_size
+from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1.testing import CASES, ELEMENTWISE_CONTRACT
 
 MESH = jax.make_mesh((8,), ("data",))
 AUTO = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, apply_grads, batches, grads_of, loss_fn
 from nnx_zero1 import Zero1Optimizer, report
-from nnx_zero1.bench.optimizers import CASES, FROZEN, OptimizerCase
+from nnx_zero1.testing import CASES, FROZEN, OptimizerCase
 
 STEPS = 3
 DATA = batches(STEPS)

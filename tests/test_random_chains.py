@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, apply_grads, batches, grads_of
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
-from nnx_zero1.layout import Reason
+from nnx_zero1._src.layout import Reason
 
 MESH = jax.make_mesh((8,), ("data",))
 STEPS = 3

@@ -6,7 +6,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import Zero1Error
-from nnx_zero1.specs import (
+from nnx_zero1._src.specs import (
     axes_entry,
     canonical_spec,
     data_axes,
@@ -77,7 +77,7 @@ def test_data_axes_and_size():
 
 
 def test_layout_reexports_keep_working():
-  from nnx_zero1 import layout
+  from nnx_zero1._src import layout
 
   assert layout.data_axes is data_axes and layout.data_axis_size is data_axis_size
   assert layout.spec_entries is spec_entries

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, assert_trees_close, assert_unchanged, batches, snapshot, train
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
-from nnx_zero1.plan import AMBIGUOUS, NOT_ALIGNED, NOT_PARAM_SHAPED, PARAM_NOT_SPLIT, statistic_layout
+from nnx_zero1._src.plan import AMBIGUOUS, NOT_ALIGNED, NOT_PARAM_SHAPED, PARAM_NOT_SPLIT, statistic_layout
 
 TP = jax.make_mesh((4, 2), ("data", "tp"), axis_types=(AxisType.Explicit,) * 2)
 MESH = jax.make_mesh((8,), ("data",))

@@ -26,8 +26,8 @@ from tunix_toys import cache_size, expected_zero1_bytes, model_input, opt_state,
 
 from helpers import assert_trees_close, assert_trees_equal, pure, shardings
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
+from nnx_zero1._src.report import bytes_per_device
 from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
-from nnx_zero1.report import bytes_per_device
 
 PeftTrainer = peft_trainer.PeftTrainer
 AUTO = (AxisType.Auto,) * 3

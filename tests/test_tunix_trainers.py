@@ -43,8 +43,8 @@ from tunix_toys import (
 
 from helpers import assert_trees_close, assert_trees_equal, pure, shardings
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
+from nnx_zero1._src.report import bytes_per_device
 from nnx_zero1.adapters import tunix as zero1_tunix
-from nnx_zero1.report import bytes_per_device
 
 FT = tunix_mesh((2, 2), ("fsdp", "tp"))
 DFT = tunix_mesh((2, 2, 2), ("data", "fsdp", "tp"))

@@ -14,8 +14,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nnx_zero1 import zero1_sharding
-from nnx_zero1._compat import jit_cache_size
-from nnx_zero1.specs import canonical_spec
+from nnx_zero1._src.compat import jit_cache_size
+from nnx_zero1._src.specs import canonical_spec
 
 _always_shard = flax.config.flax_always_shard_variable
 from tunix.sft import peft_trainer  # noqa: E402

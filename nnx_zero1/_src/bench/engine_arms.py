@@ -18,10 +18,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1.bench import measure
-from nnx_zero1.bench.model import Transformer, loss_fn
-from nnx_zero1.bench.run import OPTIMIZERS, Settings, new_model
-from nnx_zero1.report import bytes_per_device
+from nnx_zero1._src.bench import measure
+from nnx_zero1._src.bench.model import Transformer, loss_fn
+from nnx_zero1._src.bench.run import OPTIMIZERS, Settings, new_model
+from nnx_zero1._src.hlo import collectives
+from nnx_zero1._src.report import bytes_per_device
 
 __all__ = ["EngineArm", "token_loss"]
 
@@ -32,7 +33,7 @@ def token_loss(model: Transformer, batch: dict) -> jax.Array:
   Example::
 
     >>> import jax.numpy as jnp
-    >>> from nnx_zero1.bench.model import CONFIGS, Transformer
+    >>> from nnx_zero1._src.bench.model import CONFIGS, Transformer
     >>> model = Transformer(CONFIGS["tiny"], rngs=nnx.Rngs(0))
     >>> float(token_loss(model, {"tokens": jnp.zeros((2, 9), jnp.int32)})) > 0
     True
@@ -90,8 +91,8 @@ class EngineArm:
 
   def collectives(self) -> dict[str, dict[str, Any]]:
     """Collectives of one step: ``ga`` micro-batch kernels and one update kernel."""
-    micro = measure.collectives(self.fwd_bwd.as_text())
-    update = measure.collectives(self.update.as_text())
+    micro = collectives(self.fwd_bwd.as_text())
+    update = collectives(self.update.as_text())
     return {
         op: {k: self.ga * micro[op][k] + update[op][k] for k in ("count", "bytes")} for op in micro
     }

@@ -4,7 +4,7 @@ A leading dimension of size N (the data-axis size) sharded over the data axis,
 so each replica holds exactly its own row and a micro-batch costs no
 collective. Rows sum to the sum, over micro-batches, of the gradient of the
 global mean loss. :func:`reduce_rows` turns them into one gradient per
-parameter with a single collective per leaf (:func:`nnx_zero1.deferred.reduce_local`):
+parameter with a single collective per leaf (:func:`nnx_zero1._src.deferred.reduce_local`):
 ``psum`` (an all-reduce) onto the parameter's layout, or ``psum_scatter`` (a
 reduce-scatter) straight onto a layout that adds the data axis to one
 dimension, such as the Zero-1 layout.
@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1.deferred import reduce_local, replica_value_and_grad, scatter_dim
-from nnx_zero1.plan import base_sharding
-from nnx_zero1.specs import axes_entry, data_axis_size, padded_entries, spec_axes
+from nnx_zero1._src.deferred import reduce_local, replica_value_and_grad, scatter_dim
+from nnx_zero1._src.plan import base_sharding
+from nnx_zero1._src.specs import axes_entry, data_axis_size, padded_entries, spec_axes
 
 __all__ = [
     "accumulator_sharding",

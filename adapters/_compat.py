@@ -112,7 +112,7 @@ def ensure_tunix_types() -> bool:
 
   Example::
 
-    >>> from nnx_zero1.adapters._maxtext_compat import ensure_tunix_types
+    >>> from nnx_zero1.adapters._compat import ensure_tunix_types
     >>> _ = ensure_tunix_types()
     >>> from tunix.sft.utils import LossOutput, WeightedMetric
   """

@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from nnx_zero1.specs import canonical_spec, data_axis_size, entry_axes, spec_entries
+from nnx_zero1._src.specs import canonical_spec, data_axis_size, entry_axes, spec_entries
 
 __all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device"]
 

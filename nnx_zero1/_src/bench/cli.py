@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from nnx_zero1.bench import devices
+from nnx_zero1._src.bench import devices
 
 __all__ = ["parse_args", "default_arms", "main"]
 
@@ -32,8 +32,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     >>> args.dp, args.model, args.steps
     ((2, 4), 'small', 10)
   """
-  from nnx_zero1.bench.model import CONFIGS  # imports jax without starting a backend
-  from nnx_zero1.bench.run import OPTIMIZERS
+  from nnx_zero1._src.bench.model import CONFIGS  # imports jax without starting a backend
+  from nnx_zero1._src.bench.run import OPTIMIZERS
 
   p = argparse.ArgumentParser(
       prog="python -m nnx_zero1.bench",
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   import jax
   from tqdm import tqdm
 
-  from nnx_zero1.bench import output, run, shapes
+  from nnx_zero1._src.bench import output, run, shapes
 
   settings = run.Settings(
       model=args.model, dp=args.dp, ga=args.ga, steps=args.steps, warmup=args.warmup, batch=args.batch,

@@ -18,18 +18,19 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1 import deferred, replica_rows
-from nnx_zero1._compat import Filter
-from nnx_zero1.checkpoint import restore_into
-from nnx_zero1.errors import Zero1Error, describe_mesh
-from nnx_zero1.specs import DataAxis, data_axes, data_axis_size
-
-from . import _checkpoint, _kernels
+from nnx_zero1._src import deferred
+from nnx_zero1._src.checkpoint import restore_into
+from nnx_zero1._src.compat import Filter
+from nnx_zero1._src.engine import checkpoint as _checkpoint
+from nnx_zero1._src.engine import kernels as _kernels
+from nnx_zero1._src.engine import rows as replica_rows
+from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size
 
 __all__ = ["Engine", "LossFn"]
 
 # Logs under the public module users import it from (and configure logging for).
-logger = logging.getLogger("nnx_zero1.adapters.maxtext")
+logger = logging.getLogger("nnx_zero1.adapters.maxtext")  # the public module users import it from
 
 LossFn = Callable[[Any, dict], jax.Array]  # (model, batch) -> mean loss; the model: any nnx.Module
 

@@ -15,9 +15,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_zero1._compat import Filter
-from nnx_zero1.optimizer import Zero1Optimizer
-from nnx_zero1.specs import DataAxis
+from nnx_zero1._src.compat import Filter
+from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.specs import DataAxis
 
 __all__ = ["Zero1EngineMixin"]
 
@@ -62,7 +62,7 @@ class Zero1EngineMixin:
   ``_build_optimizer(tx)`` (MaxText's engine: ``self._model``, ``self._mesh``,
   ``nnx.Param`` over the ``"data"`` axis). Either way the optimizer is a
   ``Zero1Optimizer`` with its moments on the Zero-1 layout from the start.
-  ``Engine`` also reduces its accumulated gradient rows (``nnx_zero1.replica_rows``)
+  ``Engine`` also reduces its accumulated gradient rows (``nnx_zero1._src.engine.rows``)
   onto ``_gradient_targets()`` (the Zero-1 layout), so the one reduction per step
   is a reduce-scatter. Kernel signatures and the checkpoint tree are unchanged, so
   checkpoints cross both ways.

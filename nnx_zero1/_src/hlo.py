@@ -1,7 +1,7 @@
 """Collectives in compiled HLO text: what the bench reports and the tests assert.
 
 Private: ``compiled.as_text()`` parsed with small pure functions, so the bench
-(``nnx_zero1.bench.measure`` re-exports these) and the tests count the same way.
+(``nnx_zero1._src.bench.measure`` re-exports these) and the tests count the same way.
 """
 
 from __future__ import annotations

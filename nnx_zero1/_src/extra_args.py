@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
-from nnx_zero1.placement import place
-from nnx_zero1.specs import is_explicit
+from nnx_zero1._src.placement import place
+from nnx_zero1._src.specs import is_explicit
 
 __all__ = ["partition_arrays", "value_fn_at_home"]
 
@@ -61,7 +61,7 @@ def value_fn_at_home(value_fn: Callable, plan, homes: Sequence[NamedSharding]) -
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1.plan import make_plan
+    >>> from nnx_zero1._src.plan import make_plan
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> plan = make_plan(optax.sgd(0.1), {"w": jnp.ones(4)}, mesh, ("data",))
     >>> fn = value_fn_at_home(lambda p: p["w"].sum(), plan, plan.param_shardings)

@@ -7,9 +7,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from nnx_zero1.specs import canonical_spec, entry_axes, is_explicit, spec_entries
+from nnx_zero1._src.specs import canonical_spec, entry_axes, is_explicit, spec_entries
 
-__all__ = ["place", "current_sharding", "is_explicit", "off_mesh"]  # is_explicit: from nnx_zero1.specs
+__all__ = ["place", "current_sharding", "is_explicit", "off_mesh"]  # is_explicit: from nnx_zero1._src.specs
 
 
 def _only(sharding: NamedSharding, keep) -> NamedSharding:

@@ -26,9 +26,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnx_zero1.checks import resolve_mesh
-from nnx_zero1.layout import DataAxis, data_axes, data_axis_size
-from nnx_zero1.optimizer import Zero1Optimizer
+from nnx_zero1._src.checks import resolve_mesh
+from nnx_zero1._src.layout import DataAxis, data_axes, data_axis_size
+from nnx_zero1._src.optimizer import Zero1Optimizer
 
 __all__ = ["zero1_optimizers"]
 

@@ -21,12 +21,13 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1.accumulate import value_and_grad_accumulated
-from nnx_zero1.bench import measure
-from nnx_zero1.bench.model import CONFIGS, Config, Transformer, count_params, loss_fn
-from nnx_zero1.bench.optimizers import BENCH, bench_optimizer
-from nnx_zero1.optimizer import Zero1Optimizer
-from nnx_zero1.report import bytes_per_device
+from nnx_zero1._src.accumulate import value_and_grad_accumulated
+from nnx_zero1._src.bench import measure
+from nnx_zero1._src.bench.model import CONFIGS, Config, Transformer, count_params, loss_fn
+from nnx_zero1._src.hlo import collectives
+from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.optimizer_cases import BENCH, bench_optimizer
+from nnx_zero1._src.report import bytes_per_device
 
 __all__ = [
     "Settings", "OPTIMIZERS", "STEP_ARMS", "StepArm", "accumulate_grads", "accumulated_layout", "new_model",
@@ -86,7 +87,7 @@ def accumulate_grads(model: nnx.Module, batches: jax.Array) -> tuple[jax.Array, 
 
   Example::
 
-    >>> from nnx_zero1.bench.model import CONFIGS, Transformer
+    >>> from nnx_zero1._src.bench.model import CONFIGS, Transformer
     >>> model = Transformer(CONFIGS["tiny"], rngs=nnx.Rngs(0))
     >>> loss, grads = accumulate_grads(model, jnp.zeros((2, 2, 9), jnp.int32))
     >>> loss.shape
@@ -235,7 +236,7 @@ class StepArm:
     """Collectives of one step."""
     hlo = self.compiled.as_text()
     assert hlo is not None  # None only for executables XLA cannot print
-    return measure.collectives(hlo)
+    return collectives(hlo)
 
 
 def _row(arm, times: list[float], loss: float, base_loss: float, same: bool, dp: int, ga: int,
@@ -267,7 +268,7 @@ def _row(arm, times: list[float], loss: float, base_loss: float, same: bool, dp:
 def _make_arm(name: str, settings: Settings, mesh, example: np.ndarray):
   if name in STEP_ARMS:
     return StepArm(name, settings, mesh, example)
-  from nnx_zero1.bench import engine_arms  # only when the MaxText-style adapter is asked for
+  from nnx_zero1._src.bench import engine_arms  # only when the MaxText-style adapter is asked for
 
   return engine_arms.EngineArm(name, settings, mesh, example)
 

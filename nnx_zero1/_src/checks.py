@@ -9,10 +9,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_zero1._compat import context_mesh, legacy_context_mesh
-from nnx_zero1.errors import Zero1Error, describe_mesh
-from nnx_zero1.layout import Reason
-from nnx_zero1.plan import Zero1Plan
+from nnx_zero1._src.compat import context_mesh, legacy_context_mesh
+from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.layout import Reason
+from nnx_zero1._src.plan import Zero1Plan
 
 __all__ = [
     "current_mesh", "describe_mesh", "resolve_mesh", "check_params", "check_model", "check_grads",

@@ -5,7 +5,7 @@ In a data-parallel training step that accumulates micro-batches with
 This function computes them per replica instead (``jax.shard_map``): each
 replica accumulates the gradients of its own rows over the micro-batches with
 no collective, and the sums are reduced once, after the loop, with the
-deferred-reduction core (:mod:`nnx_zero1.deferred`, the one the MaxText-style
+deferred-reduction core (:mod:`nnx_zero1._src.deferred`, the one the MaxText-style
 engines use): a ``psum_scatter`` (a literal reduce-scatter) straight onto the
 Zero-1 layout for a ``Zero1Optimizer``, a ``psum`` (all-reduce) onto the
 parameters' own layout for a plain ``nnx.Optimizer``.
@@ -23,15 +23,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1 import deferred
-from nnx_zero1.errors import Zero1Error, describe_mesh
-from nnx_zero1.optimizer import Zero1Optimizer, mark_zero1_grads
-from nnx_zero1.placement import current_sharding, place
-from nnx_zero1.specs import DataAxis, axes_entry, data_axes, data_axis_size
+from nnx_zero1._src import deferred
+from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.optimizer import Zero1Optimizer, mark_zero1_grads
+from nnx_zero1._src.placement import current_sharding, place
+from nnx_zero1._src.specs import DataAxis, axes_entry, data_axes, data_axis_size
 
 __all__ = ["value_and_grad_accumulated"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("nnx_zero1")  # the public package name, which users configure
 
 LossFn = Callable[[Any, Any], jax.Array]  # (model, batch) -> mean loss; the model: any nnx.Module
 

@@ -12,8 +12,7 @@ from flax import nnx
 from flax.nnx.training.optimizer import OptState
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_zero1._compat import Filter, to_opt_state
-from nnx_zero1.checks import (
+from nnx_zero1._src.checks import (
   check_grads,
   check_model,
   check_params,
@@ -21,11 +20,12 @@ from nnx_zero1.checks import (
   check_strict,
   resolve_mesh,
 )
-from nnx_zero1.errors import Zero1Error
-from nnx_zero1.extra_args import partition_arrays, value_fn_at_home
-from nnx_zero1.placement import current_sharding, off_mesh, place
-from nnx_zero1.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
-from nnx_zero1.specs import DataAxis, data_axes, data_axis_size, is_explicit, spec_entries
+from nnx_zero1._src.compat import Filter, to_opt_state
+from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
+from nnx_zero1._src.placement import current_sharding, off_mesh, place
+from nnx_zero1._src.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
+from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size, is_explicit, spec_entries
 
 __all__ = ["Zero1Optimizer", "init_sharded_state", "mark_zero1_grads", "opt_state_init"]
 

@@ -1,6 +1,6 @@
 """Measuring a compiled training step: collectives, memory and time, as small pure functions.
 
-The HLO parsing lives in :mod:`nnx_zero1._hlo`, shared with the tests; it is re-exported here.
+The HLO parsing is :mod:`nnx_zero1.testing`'s, shared with the tests.
 """
 
 from __future__ import annotations
@@ -10,13 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nnx_zero1._hlo import COLLECTIVES, collectives, loop_collectives, shape_bytes
-
 __all__ = [
-    "COLLECTIVES",
-    "shape_bytes",
-    "collectives",
-    "loop_collectives",
     "memory",
     "median_ms",
     "time_call",

@@ -15,10 +15,10 @@ from typing import Any
 
 import jax
 
-from nnx_zero1.checks import current_mesh
-from nnx_zero1.errors import Zero1Error
-from nnx_zero1.scope import zero1_optimizers
-from nnx_zero1.specs import DataAxis, data_axes, data_axis_size
+from nnx_zero1._src.checks import current_mesh
+from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.scope import zero1_optimizers
+from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size
 
 __all__ = ["ShardedOptimizerMixin"]
 

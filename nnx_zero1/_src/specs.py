@@ -27,7 +27,7 @@ from typing import Any
 
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from nnx_zero1.errors import Zero1Error
+from nnx_zero1._src.errors import Zero1Error
 
 __all__ = [
     "DataAxis",

@@ -16,8 +16,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1 import replica_rows
-from nnx_zero1.checkpoint import abstract_arrays
+from nnx_zero1._src.checkpoint import abstract_arrays
+from nnx_zero1._src.engine import rows as replica_rows
 
 __all__ = ["make_manager", "restore", "fold_rows"]
 

@@ -28,11 +28,11 @@ from typing import Any
 
 import jax
 
-from nnx_zero1.errors import Zero1Error
+from nnx_zero1._src.engine.zero1 import Zero1EngineMixin
+from nnx_zero1._src.errors import Zero1Error
 
-from ._maxtext_compat import ensure_tunix_types
+from ._compat import ensure_tunix_types
 from ._unreduced import reduce_scatter_unreduced
-from ._zero1_engine import Zero1EngineMixin
 
 ensure_tunix_types()
 

@@ -15,8 +15,8 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_zero1.checks import first_mismatch
-from nnx_zero1.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.checks import first_mismatch
+from nnx_zero1._src.errors import Zero1Error, describe_mesh
 
 __all__ = ["abstract_arrays", "abstract_state", "key_names", "restore_into", "restore_target"]
 

@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1.specs import padded_entries
+from nnx_zero1._src.specs import padded_entries
 
 __all__ = ["Config", "CONFIGS", "Transformer", "loss_fn", "count_params"]
 

@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1 import deferred, replica_rows
+from nnx_zero1._src import deferred
+from nnx_zero1._src.engine import rows as replica_rows
 
 __all__ = ["DEFERRED", "GLOBAL", "KernelSpec", "jit_fwd_bwd", "jit_update", "jit_eval"]
 

@@ -7,7 +7,7 @@ per-replica building blocks are :func:`replica_value_and_grad` (a gradient of a
 replica's own rows, no collective) and :func:`reduce_local` (the one collective).
 
 The MaxText-style engines keep their partial sums between kernels in the
-per-replica rows of :mod:`nnx_zero1.replica_rows`.
+per-replica rows of :mod:`nnx_zero1._src.engine.rows`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1.errors import Zero1Error, describe_mesh
-from nnx_zero1.specs import (
+from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.specs import (
     canonical_spec,
     entry_axes,
     padded_entries,

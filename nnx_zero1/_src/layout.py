@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_zero1.errors import Zero1Error
-from nnx_zero1.specs import (
+from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.specs import (
     DataAxis,
     canonical_spec,
     data_axes,

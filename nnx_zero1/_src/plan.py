@@ -15,8 +15,8 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nnx_zero1.errors import Zero1Error, describe_mesh
-from nnx_zero1.layout import (  # noqa: F401 -- the reason names are re-exported for callers
+from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.layout import (  # noqa: F401 -- the reason names are re-exported for callers
   AMBIGUOUS,
   NOT_ALIGNED,
   NOT_PARAM_SHAPED,
@@ -26,7 +26,7 @@ from nnx_zero1.layout import (  # noqa: F401 -- the reason names are re-exported
   statistic_layout,
   zero1_layout,
 )
-from nnx_zero1.specs import DataAxis, data_axis_size, full_rank_sharding
+from nnx_zero1._src.specs import DataAxis, data_axis_size, full_rank_sharding
 
 __all__ = [
     "LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "memory_layout", "statistic_layout",

@@ -3,7 +3,7 @@
 For each named config of Qwen3, Llama and Gemma shape, the parameters are
 built abstractly (``nnx.eval_shape``), given a replicated sharding on an
 abstract data-parallel mesh of size dp, and run through
-:func:`nnx_zero1.plan.make_plan`. A leaf that no dimension of divides stays
+:func:`nnx_zero1._src.plan.make_plan`. A leaf that no dimension of divides stays
 replicated; the table says what fraction of the optimizer's bytes that is.
 """
 
@@ -20,8 +20,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1.bench.model import CONFIGS, Config, Transformer
-from nnx_zero1.plan import make_plan
+from nnx_zero1._src.bench.model import CONFIGS, Config, Transformer
+from nnx_zero1._src.plan import make_plan
 
 __all__ = ["REAL_SHAPES", "abstract_params", "replicated_fraction", "shape_rows"]
 
@@ -33,7 +33,7 @@ def abstract_params(cfg: Config, mesh: AbstractMesh) -> Any:
 
   Example::
 
-    >>> from nnx_zero1.bench.model import CONFIGS
+    >>> from nnx_zero1._src.bench.model import CONFIGS
     >>> mesh = AbstractMesh((2,), ("data",))
     >>> params = abstract_params(CONFIGS["tiny"], mesh)
     >>> jax.tree.leaves(params)[0].sharding.spec
@@ -62,7 +62,7 @@ def replicated_fraction(cfg: Config, dp: int, tx: optax.GradientTransformation |
 
   Example::
 
-    >>> from nnx_zero1.bench.model import CONFIGS
+    >>> from nnx_zero1._src.bench.model import CONFIGS
     >>> row = replicated_fraction(CONFIGS["tiny"], 4)
     >>> row["replicated_fraction"] < 1e-3
     True

@@ -1,0 +1,1 @@
+"""Private: the benchmark behind ``python -m nnx_zero1.bench``."""

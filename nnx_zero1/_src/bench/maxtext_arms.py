@@ -1,0 +1,162 @@
+"""MaxText's own engine with its Zero-1 flag vs ``Zero1MaxTextTrainingEngine``, on one tiny decoder.
+
+Needs ``maxtext`` (Python >= 3.12). Two arms on the same config, mesh and
+micro-batches: ``maxtext-flag`` (``MaxTextTrainingEngine`` with
+``shard_optimizer_over_data=True``) and ``zero1-maxtext``
+(``Zero1MaxTextTrainingEngine``, flag off). Per arm: optimizer bytes per
+device, median step time (``ga`` x ``fwd_bwd`` + ``update``), the update
+kernel's collectives, and the final loss.
+
+Run::
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python -m nnx_zero1.bench.maxtext_arms --dp 4 --ga 4 --steps 5 --out bench_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1.testing import collectives
+
+__all__ = ["tiny_config", "tiny_mesh", "tiny_batches", "run_arm", "main"]
+
+TINY = dict(
+    model_name="default", run_name="nnx_zero1", base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2,
+    base_mlp_dim=64, base_num_decoder_layers=2, head_dim=16, vocab_size=128, max_target_length=16,
+    per_device_batch_size=1, shard_mode="explicit", ici_data_parallelism=4, ici_fsdp_parallelism=1,
+    attention="dot_product", dtype="float32", opt_type="adamw", dataset_type="synthetic",
+    profiler_steps=0, skip_jax_distributed_system=True, enable_checkpointing=False, checkpoint_dir="",
+    enable_goodput_recording=False, gradient_clipping_threshold=0, async_checkpointing=False,
+    enable_tensorboard=False, base_output_directory=os.path.join(tempfile.gettempdir(), "nnx_zero1_maxtext"),
+)
+
+
+def tiny_config(**overrides: Any) -> Any:
+  """A MaxText ``HyperParameters`` for a 2-layer, 32-wide decoder (MaxText's ``base.yml`` + overrides).
+
+  Example::
+
+    config = tiny_config(ici_data_parallelism=2, opt_type="sgd")
+  """
+  from nnx_zero1.adapters import _compat as _maxtext_compat
+
+  _maxtext_compat.ensure_tunix_types()
+  import maxtext
+  from maxtext.configs import pyconfig
+
+  base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+  args = {**TINY, **overrides}
+  return pyconfig.initialize(["nnx_zero1", base] + [f"{k}={v}" for k, v in args.items()])
+
+
+def tiny_mesh(config: Any) -> jax.sharding.Mesh:
+  """MaxText's mesh for ``config`` on the first (data x fsdp x tensor) devices."""
+  from maxtext.utils import maxtext_utils
+
+  n = config.ici_data_parallelism * max(config.ici_fsdp_parallelism, 1) * config.ici_tensor_parallelism
+  return maxtext_utils.get_mesh_from_config(config, jax.devices()[:n])
+
+
+def tiny_batches(config: Any, count: int, seed: int = 0) -> list[dict]:
+  """``count`` micro-batches of host arrays, one row per device, as MaxText's engine takes them."""
+  rng = np.random.default_rng(seed)
+  rows, length = int(config.micro_batch_size_to_train_on), config.max_target_length
+  out = []
+  for _ in range(count):
+    x = rng.integers(0, config.vocab_size, (rows, length)).astype(np.int32)
+    ones = np.ones((rows, length), np.int32)
+    out.append(dict(inputs=x, targets=np.roll(x, -1, 1), inputs_segmentation=ones, targets_segmentation=ones,
+                    inputs_position=np.tile(np.arange(length, dtype=np.int32), (rows, 1))))
+  return out
+
+
+def run_arm(name: str, dp: int, ga: int, steps: int, warmup: int = 1) -> dict:
+  """One arm: builds the engine, runs ``warmup + steps`` optimizer steps, measures them."""
+  from nnx_zero1.adapters.maxtext import Zero1MaxTextTrainingEngine  # first: supplies the Tunix types
+
+  stock = importlib.import_module("maxtext.training_engine.maxtext_engine").MaxTextTrainingEngine
+
+  flag = name == "maxtext-flag"
+  config = tiny_config(ici_data_parallelism=dp, shard_optimizer_over_data=flag)
+  cls = stock if flag else Zero1MaxTextTrainingEngine
+  engine = cls(config, mesh=tiny_mesh(config))
+  batches = tiny_batches(config, ga * (warmup + steps))
+  engine.compile(batches[0])
+  times = []
+  for s in range(warmup + steps):
+    start = time.perf_counter()
+    for b in batches[s * ga:(s + 1) * ga]:
+      engine.fwd_bwd(b)
+    engine.update()
+    jax.block_until_ready(nnx.state(engine.model))
+    times.append(time.perf_counter() - start)
+  hlo = engine._lower_kernels(batches[0])["update"].compile().as_text()
+  buffers = engine.get_metrics().weighted_metrics
+  loss = buffers["loss"].compute() if "loss" in buffers else None
+  return {
+      "arm": name, "dp": dp, "ga": ga,
+      "optimizer_bytes_per_device": bytes_per_device(nnx.state(engine.optimizer)),
+      "step_ms": 1e3 * statistics.median(times[warmup:]),
+      "update_collectives": collectives(hlo),
+      "loss": np.asarray(loss).ravel().tolist() if loss is not None else None,
+      "params": jax.tree.map(np.asarray, nnx.state(engine.model, nnx.Param)),
+  }
+
+
+def _table(rows: Sequence[dict]) -> str:
+  flag, ours = rows
+  lines = [
+      "| arm | optimizer bytes/device | step ms | update: all-reduce | reduce-scatter | all-gather |",
+      "|---|---:|---:|---|---|---|",
+  ]
+  for r in rows:
+    cells = [f'{r["update_collectives"][op]["count"]} x, {r["update_collectives"][op]["bytes"]} B'
+             for op in ("all-reduce", "reduce-scatter", "all-gather")]
+    head = f'| {r["arm"]} | {r["optimizer_bytes_per_device"]} | {r["step_ms"]:.1f} | '
+    lines.append(head + " | ".join(cells) + " |")
+  diff = max(float(np.max(np.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(flag["params"]), jax.tree.leaves(ours["params"]), strict=True))
+  lines.append("")
+  lines.append(f'dp={flag["dp"]}, ga={flag["ga"]}: step-time ratio zero1-maxtext / maxtext-flag = '
+               f'{ours["step_ms"] / flag["step_ms"]:.3f}; max |parameter difference| = {diff:.3g}; '
+               f'losses {flag["loss"]} vs {ours["loss"]}')
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs both arms and writes ``maxtext.json`` and ``maxtext.md`` into ``--out``."""
+  p = argparse.ArgumentParser(prog="python -m nnx_zero1.bench.maxtext_arms",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--dp", type=int, default=4)
+  p.add_argument("--ga", type=int, default=4)
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--out", default="bench_out")
+  args = p.parse_args(argv)
+  rows = [run_arm(name, args.dp, args.ga, args.steps) for name in ("maxtext-flag", "zero1-maxtext")]
+  table = _table(rows)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "maxtext.md").write_text(table + "\n")
+  (out / "maxtext.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "params"} for r in rows],
+                                               indent=1))
+  print(table)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

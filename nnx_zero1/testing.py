@@ -1,0 +1,31 @@
+"""Test support for code that uses nnx-zero1, as ``flax.testing`` is for flax.
+
+Two things the tests of this project and the benchmark both need, and that a
+user checking their own training step needs too:
+
+- counting collectives in compiled HLO text (``jitted.lower(...).compile().as_text()``):
+  :func:`collectives`, :func:`loop_collectives`, :func:`shape_bytes`;
+- the optax transformations this project runs against ``nnx.Optimizer``, with
+  what Zero-1 promises for each: :data:`CASES` of :class:`OptimizerCase`.
+
+Example::
+
+  >>> import jax, jax.numpy as jnp
+  >>> from nnx_zero1.testing import collectives
+  >>> collectives(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile().as_text())["all-reduce"]
+  {'count': 0, 'bytes': 0}
+"""
+
+from nnx_zero1._src.hlo import COLLECTIVES, collectives, loop_collectives, shape_bytes
+from nnx_zero1._src.optimizer_cases import CASES, ELEMENTWISE_CONTRACT, FROZEN, OptimizerCase
+
+__all__ = [
+    "CASES",
+    "COLLECTIVES",
+    "ELEMENTWISE_CONTRACT",
+    "FROZEN",
+    "OptimizerCase",
+    "collectives",
+    "loop_collectives",
+    "shape_bytes",
+]
