@@ -96,7 +96,7 @@ def _register(name: str) -> types.ModuleType:
   try:
     return importlib.import_module(name)
   except ImportError:
-    module = types.ModuleType(name, "nnx_zero1 compatibility stand-in (see adapters/_maxtext_compat.py)")
+    module = types.ModuleType(name, "nnx_zero1 compatibility stand-in (see adapters/_compat.py)")
     sys.modules[name] = module
     parent, _, child = name.rpartition(".")
     if parent:

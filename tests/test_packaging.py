@@ -18,7 +18,7 @@ def test_wheel_installs_adapters_as_nnx_zero1_adapters(tmp_path):
   names = zipfile.ZipFile(wheel).namelist()
   assert "nnx_zero1/adapters/tunix.py" in names
   assert "nnx_zero1/adapters/maxtext.py" in names
-  assert "nnx_zero1/adapters/maxtext_engine.py" in names
+  assert "nnx_zero1/adapters/_maxtext_engine.py" in names
   assert "nnx_zero1/py.typed" in names
   assert "nnx_zero1/bench/__main__.py" in names
   assert not any(n.startswith("adapters/") for n in names)
