@@ -1,4 +1,9 @@
-"""Temporary: the four Tunix types ``maxtext`` 0.2.5 imports that google-tunix 0.1.7 lacks.
+"""The host frameworks' internals the adapters touch, each behind one function.
+
+MaxText's ``MaxTextTrainingEngine`` keeps what its optimizer hook needs in
+private attributes: :func:`engine_model_and_mesh` reads them.
+
+Temporary: the four Tunix types ``maxtext`` 0.2.5 imports that google-tunix 0.1.7 lacks.
 
 MaxText's ``training_engine/abstract_engine.py`` imports ``LossOutput`` and
 ``WeightedMetric`` from ``tunix.sft.utils`` and ``TrainerPayload`` and
@@ -23,9 +28,32 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ensure_tunix_types"]
+__all__ = ["engine_model_and_mesh", "ensure_tunix_types"]
 
 logger = logging.getLogger(__name__)
+
+
+def engine_model_and_mesh(engine: Any) -> tuple[Any, Any]:
+  """The model and mesh a MaxText ``MaxTextTrainingEngine`` holds when it calls ``_build_optimizer``.
+
+  Raises:
+    AttributeError: naming the installed maxtext version, when it keeps them elsewhere.
+
+  Example::
+
+    >>> class Stub:
+    ...   _model, _mesh = "model", "mesh"
+    >>> engine_model_and_mesh(Stub())
+    ('model', 'mesh')
+  """
+  try:
+    return engine._model, engine._mesh
+  except AttributeError as e:
+    version = getattr(sys.modules.get("maxtext"), "__version__", "unknown")
+    raise AttributeError(
+        f"nnx-zero1 reads MaxTextTrainingEngine._model and ._mesh in _build_optimizer; maxtext "
+        f"{version} has no such attribute ({e}); tested with maxtext 0.2.5"
+    ) from e
 
 
 @flax.struct.dataclass

@@ -27,12 +27,14 @@ import functools
 from typing import Any
 
 import jax
+from flax import nnx
 
 from nnx_zero1._src.engine.zero1 import Zero1EngineMixin
 from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.reduction import reduce_unreduced
 
-from ._compat import ensure_tunix_types
-from ._unreduced import reduce_scatter_unreduced
+from ._compat import engine_model_and_mesh, ensure_tunix_types
 
 ensure_tunix_types()
 
@@ -81,6 +83,10 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
       )
     super().__init__(training_config, *args, **kwargs)
 
+  def _build_optimizer(self, tx: Any) -> Zero1Optimizer:
+    model, mesh = engine_model_and_mesh(self)
+    return Zero1Optimizer(model, tx, mesh, wrt=nnx.Param, data_axis="data")
+
   def _zero1_gradient_targets(self) -> Any:
     """The Zero-1 layout of every parameter, as a tree shaped like MaxText's parameter shardings."""
     return jax.tree.unflatten(
@@ -97,5 +103,5 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
 
   def _update_kernel(self, state_pure, accumulated_grads, accumulated_denominator, mean_loss):
     if self._unreduced_grad_shardings is not None and accumulated_grads is not None:
-      accumulated_grads = reduce_scatter_unreduced(accumulated_grads, self._plain_grad_shardings)
+      accumulated_grads = reduce_unreduced(accumulated_grads, self._plain_grad_shardings)
     return super()._update_kernel(state_pure, accumulated_grads, accumulated_denominator, mean_loss)

@@ -19,9 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, Decoder, assert_trees_close, assert_trees_equal, assert_unchanged, lm_loss, snapshot
 from helpers import loss_fn as mlp_loss
-from nnx_zero1 import Zero1Error, Zero1Optimizer, value_and_grad_accumulated
+from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, value_and_grad_accumulated
 from nnx_zero1._src.optimizer import _is_marked
-from nnx_zero1._src.report import bytes_per_device
 from nnx_zero1.testing import collectives, loop_collectives
 
 N, M = 4, 2

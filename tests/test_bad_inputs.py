@@ -14,8 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, assert_trees_equal, assert_unchanged, batches, loss_fn, snapshot, train_step
-from nnx_zero1 import Zero1Error, Zero1Optimizer, report
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, report
 
 MESH = jax.make_mesh((8,), ("data",))
 MESH4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])

@@ -1,7 +1,8 @@
 """Every private API nnx-zero1 relies on still exists and does what it is used for.
 
 Each test names the installed version in its failure message, so a dependency
-upgrade that removes one says which shim in ``nnx_zero1/_compat.py`` to fix.
+upgrade that removes one says which shim to fix: ``nnx_zero1/_src/compat.py`` (jax, flax) or
+``adapters/_compat.py`` (MaxText, Tunix).
 """
 
 import flax
@@ -58,3 +59,29 @@ def test_context_mesh_is_readable_while_tracing():
     jax.jit(lambda: seen.append(_compat.context_mesh()))()
   assert seen == [mesh], f"jax._src.mesh.get_concrete_mesh no longer gives set_mesh's mesh on {JAX}"
   assert _compat.context_mesh().empty, JAX
+
+
+def test_set_metaclass_swaps_flax_optimizers_metaclass_in_place():
+  # A copy of nnx.Optimizer, so the real class keeps its metaclass for the other tests.
+  cls = type(nnx.Optimizer)("OptimizerCopy", (nnx.Optimizer,), {})
+  meta = type("Derived", (type(cls),), {})
+  _compat.set_metaclass(cls, meta)
+  assert type(cls) is meta, f"flax's Pytree metaclass no longer accepts a derived metaclass on {FLAX}"
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  assert isinstance(cls(model, optax.sgd(0.1), wrt=nnx.Param), nnx.Optimizer), FLAX
+
+
+def test_engine_model_and_mesh_reads_what_the_hook_needs():
+  from nnx_zero1.adapters._compat import engine_model_and_mesh
+
+  class Engine:
+    def __init__(self):
+      self._model, self._mesh = "model", "mesh"
+
+  assert engine_model_and_mesh(Engine()) == ("model", "mesh")
+  try:
+    engine_model_and_mesh(object())
+  except AttributeError as e:
+    assert "maxtext" in str(e) and "_build_optimizer" in str(e)
+  else:
+    raise AssertionError("an engine without _model must be named, with the maxtext version")

@@ -6,7 +6,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import Zero1Error, zero1_sharding
-from nnx_zero1._src.layout import ALREADY_SHARDED, NOT_DIVISIBLE, SCALAR, zero1_layout
+from nnx_zero1._src.layout import Reason, zero1_layout
 
 MESH = jax.make_mesh((2, 2, 2), ("replica", "data", "tp"))
 
@@ -23,8 +23,8 @@ def test_first_divisible_dimension_takes_the_data_axis():
 
 def test_indivisible_and_scalar_leaves_stay_as_they_are():
   s = NamedSharding(MESH, P())
-  assert zero1_layout((3, 5), s) == (s, NOT_DIVISIBLE)
-  assert zero1_layout((), s) == (s, SCALAR)
+  assert zero1_layout((3, 5), s) == (s, Reason.NOT_DIVISIBLE)
+  assert zero1_layout((), s) == (s, Reason.SCALAR)
 
 
 def test_composes_with_an_existing_axis_on_the_same_dimension():
@@ -39,7 +39,7 @@ def test_a_leaf_already_sharded_over_the_data_axis_is_left_alone():
   # PartitionSpec is a pytree leaf; the rule must look inside its entries and tuples.
   for existing in (P("data"), P(None, ("tp", "data")), P(("data",), None)):
     s = NamedSharding(MESH, existing)
-    assert zero1_layout((8, 8), s) == (s, ALREADY_SHARDED)
+    assert zero1_layout((8, 8), s) == (s, Reason.ALREADY_SHARDED)
 
 
 def test_idempotent():

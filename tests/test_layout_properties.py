@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import zero1_sharding
-from nnx_zero1._src.layout import data_axes
+from nnx_zero1._src.specs import data_axes
 
 NAMES = ("data", "tp", "fsdp", "replica")
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24)

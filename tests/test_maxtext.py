@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -21,8 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import Decoder, assert_trees_close, assert_trees_equal, assert_unchanged, lm_loss, snapshot
-from nnx_zero1 import Zero1Error
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1 import Zero1Error, bytes_per_device
 from nnx_zero1.adapters.maxtext import Engine, Zero1Engine
 from nnx_zero1.testing import collectives
 
@@ -371,3 +371,34 @@ def test_example_runs():
   assert "parameters bit-identical: True" in out
   assert "same parameters: True" in out
   assert "Zero1Engine update:  all-reduce" in out and "reduce-scatter x" in out
+
+
+class _Counting(nnx.Module):
+  """A decoder that counts its calls in a non-parameter variable: state the engine cannot carry."""
+
+  def __init__(self):
+    self.decoder = Decoder(nnx.Rngs(0), vocab=VOCAB)
+    self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+  def __call__(self, tokens):
+    self.calls[...] += 1
+    return self.decoder(tokens)
+
+
+@pytest.mark.parametrize("defer_reduction", [True, False])
+def test_loss_that_updates_other_model_state_is_refused(mesh, defer_reduction):
+  engine = Zero1Engine(_Counting(), optax.sgd(0.1), mesh, loss_fn=lm_loss, defer_reduction=defer_reduction)
+  before = snapshot(engine.model)
+  with pytest.raises(Zero1Error, match="updates model state other than the trained parameters"):
+    engine.fwd_bwd(micro_batches(1)[0])
+  assert_unchanged(before, engine.model)
+
+
+def test_strict_engine_refuses_a_reduction_it_cannot_defer():
+  mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+  model = Decoder(nnx.Rngs(0), vocab=VOCAB)
+  model.up.kernel.value = jax.device_put(model.up.kernel[...], NamedSharding(mesh, P(None, "model")))
+  engine = Zero1Engine(model, optax.sgd(0.1), mesh, loss_fn=lm_loss, strict=True)
+  with pytest.raises(Zero1Error, match="strict: cannot defer the gradient reduction: a parameter is sharded"):
+    engine.fwd_bwd(micro_batches(1)[0])
+  assert engine._pending == 0

@@ -18,8 +18,7 @@ import pytest
 from flax import nnx
 
 from helpers import assert_trees_equal
-from nnx_zero1 import Zero1Error
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1 import Zero1Error, bytes_per_device
 from nnx_zero1.testing import collectives
 
 N = 4

@@ -9,9 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, assert_trees_equal, batches, loss_fn, pure, train
-from nnx_zero1 import Zero1Error, Zero1Optimizer, abstract_state, report
+from nnx_zero1 import Zero1Error, Zero1Optimizer, abstract_state, bytes_per_device, report
 from nnx_zero1._src.compat import jit_cache_size
-from nnx_zero1._src.report import bytes_per_device
 
 MESH = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
 

@@ -12,8 +12,7 @@ from flax import nnx
 from flax.nnx import Optimizer
 
 from helpers import assert_trees_equal, pure
-from nnx_zero1 import ShardedOptimizerMixin, Zero1Error, Zero1Optimizer
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1 import ShardedOptimizerMixin, Zero1Error, Zero1Optimizer, bytes_per_device
 
 MESH = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
 ORIGINALS = (nnx, Optimizer)  # routing rebinds no module global: these stay what they are

@@ -13,8 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, batches, loss_fn, pure
-from nnx_zero1 import Zero1Optimizer
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1 import Zero1Optimizer, bytes_per_device
 
 MESH = jax.make_mesh((8,), ("data",))
 DATA = batches(2)

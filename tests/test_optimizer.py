@@ -19,9 +19,8 @@ from helpers import (
   train,
   train_step,
 )
-from nnx_zero1 import Zero1Error, Zero1Optimizer, report
+from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, report
 from nnx_zero1._src.compat import jit_cache_size
-from nnx_zero1._src.report import bytes_per_device
 from nnx_zero1.testing import CASES, ELEMENTWISE_CONTRACT
 
 MESH = jax.make_mesh((8,), ("data",))

@@ -12,8 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, assert_trees_close, assert_unchanged, batches, pure, snapshot, train
-from nnx_zero1 import Zero1Error, Zero1Optimizer, abstract_state, report, restore_into
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1 import Zero1Error, Zero1Optimizer, abstract_state, bytes_per_device, report, restore_into
 
 STEPS = 2  # per leg
 DATA = batches(4 * STEPS)

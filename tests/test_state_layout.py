@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, assert_trees_close, assert_unchanged, batches, snapshot, train
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
-from nnx_zero1._src.plan import AMBIGUOUS, NOT_ALIGNED, NOT_PARAM_SHAPED, PARAM_NOT_SPLIT, statistic_layout
+from nnx_zero1._src.layout import Reason, statistic_layout
 
 TP = jax.make_mesh((4, 2), ("data", "tp"), axis_types=(AxisType.Explicit,) * 2)
 MESH = jax.make_mesh((8,), ("data",))
@@ -26,14 +26,14 @@ def zero1(spec, mesh=TP):
     "shape, param_shape, param_spec, want_spec, want_reason",
     [
         ((16,), (16, 32), P("data"), P("data"), None),  # keeps the split dimension
-        ((32,), (16, 32), P("data"), P(), NOT_ALIGNED),  # dropped it
+        ((32,), (16, 32), P("data"), P(), Reason.NOT_ALIGNED),  # dropped it
         ((16,), (16, 32), P("data", "tp"), P("data"), None),
-        ((32,), (16, 32), P("data", "tp"), P("tp"), NOT_ALIGNED),  # keeps tp, not data
-        ((8, 32), (8, 16, 32), P(None, "data", "tp"), P(None, "tp"), NOT_ALIGNED),
+        ((32,), (16, 32), P("data", "tp"), P("tp"), Reason.NOT_ALIGNED),  # keeps tp, not data
+        ((8, 32), (8, 16, 32), P(None, "data", "tp"), P(None, "tp"), Reason.NOT_ALIGNED),
         ((16, 32), (8, 16, 32), P(None, "data", "tp"), P("data", "tp"), None),
-        ((3,), (3, 5), P(), P(), PARAM_NOT_SPLIT),  # the parameter itself is not split
-        ((1,), (16, 32), P("data"), P(), NOT_PARAM_SHAPED),  # adafactor's unused placeholders
-        ((16,), (16, 16), P("data"), P(), AMBIGUOUS),  # square: row or column statistic?
+        ((3,), (3, 5), P(), P(), Reason.PARAM_NOT_SPLIT),  # the parameter itself is not split
+        ((1,), (16, 32), P("data"), P(), Reason.NOT_PARAM_SHAPED),  # adafactor's unused placeholders
+        ((16,), (16, 16), P("data"), P(), Reason.AMBIGUOUS),  # square: row or column statistic?
         ((), (16, 32), P("data"), P(), "scalar"),  # NovoGrad's per-parameter second moment
     ],
 )
@@ -47,7 +47,7 @@ def test_statistic_follows_the_dimensions_it_keeps(shape, param_shape, param_spe
 def test_statistic_of_a_square_parameter_with_one_layout_is_split():
   # Both readings of a (16, 16) statistic keep the data axis when the spec is symmetric.
   sharding, reason = statistic_layout((16,), (16, 16), zero1(P("data")), ("data",))
-  assert (sharding.spec, reason) == (P(), AMBIGUOUS)
+  assert (sharding.spec, reason) == (P(), Reason.AMBIGUOUS)
   sharding, reason = statistic_layout((16, 16), (16, 16), zero1(P("data")), ("data",))
   assert (sharding.spec, reason) == (P("data"), None)
 
@@ -60,10 +60,10 @@ def test_adafactor_factored_statistics_line_up_with_their_parameter():
   l1_row, l1_col = rows["[0].v_row['l1']['kernel']"], rows["[0].v_col['l1']['kernel']"]
   # l1 kernel (16, 128) is split on rows: its row statistic (16,) with it, its column one whole.
   assert (l1_row.shape, l1_row.sharded, l1_row.spec) == ((16,), True, str(P("data")))
-  assert (l1_col.shape, l1_col.sharded, l1_col.reason) == ((128,), False, NOT_ALIGNED)
+  assert (l1_col.shape, l1_col.sharded, l1_col.reason) == ((128,), False, Reason.NOT_ALIGNED)
   assert l1_row.bytes_per_device == 16 * 4 // 8 and l1_col.bytes_per_device == 128 * 4
-  assert rows["[0].v_row['l2']['kernel']"].reason == AMBIGUOUS  # (128, 128)
-  assert rows["[0].v['l1']['kernel']"].reason == NOT_PARAM_SHAPED  # placeholder (1,)
+  assert rows["[0].v_row['l2']['kernel']"].reason == Reason.AMBIGUOUS  # (128, 128)
+  assert rows["[0].v['l1']['kernel']"].reason == Reason.NOT_PARAM_SHAPED  # placeholder (1,)
   assert rows["[0].v['l3']['kernel']"].sharded  # (128, 3) is not factored: parameter-shaped
   assert rows["[0].count"].reason == "scalar"
   assert "statistic over the dimension its parameter is split on" in str(report(opt))
@@ -98,7 +98,7 @@ def test_muon_ns_coefficients_stay_replicated_and_moments_split():
     model = MLP(nnx.Rngs(0))
     opt = Zero1Optimizer(model, optax.contrib.muon(1e-2), MESH)
   rows = {row.path: row for row in report(opt).rows}
-  assert rows[".inner_states['muon'].inner_state[0].ns_coeffs"].reason == NOT_PARAM_SHAPED
+  assert rows[".inner_states['muon'].inner_state[0].ns_coeffs"].reason == Reason.NOT_PARAM_SHAPED
   assert rows[".inner_states['muon'].inner_state[0].mu['l2']['kernel']"].sharded
   assert rows[".inner_states['adam'].inner_state[0].mu['l2']['bias']"].sharded
 

@@ -25,8 +25,7 @@ from tunix.sft import peft_trainer
 from tunix_toys import cache_size, expected_zero1_bytes, model_input, opt_state, sft_batches, toy
 
 from helpers import assert_trees_close, assert_trees_equal, pure, shardings
-from nnx_zero1 import Zero1Error, Zero1Optimizer, report
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, report
 from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
 
 PeftTrainer = peft_trainer.PeftTrainer

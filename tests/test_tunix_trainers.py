@@ -42,8 +42,7 @@ from tunix_toys import (
 )
 
 from helpers import assert_trees_close, assert_trees_equal, pure, shardings
-from nnx_zero1 import Zero1Error, Zero1Optimizer, report
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, report
 from nnx_zero1.adapters import tunix as zero1_tunix
 
 FT = tunix_mesh((2, 2), ("fsdp", "tp"))

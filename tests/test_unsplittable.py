@@ -8,7 +8,7 @@ from flax import nnx
 
 from helpers import MLP, assert_unchanged, snapshot
 from nnx_zero1 import Zero1Error, Zero1Optimizer, report
-from nnx_zero1._src.layout import NOT_DIVISIBLE
+from nnx_zero1._src.layout import Reason
 
 MESH = jax.make_mesh((8,), ("data",))
 
@@ -26,13 +26,13 @@ def test_report_lists_the_leaves_no_dimension_of_which_divides_with_their_bytes(
     opt = Zero1Optimizer(MLP(nnx.Rngs(0)), optax.adam(1e-2), MESH)
   left = [r for r in report(opt).rows if not r.sharded and r.shape]
   assert [(r.path, r.reason) for r in left] == [
-      ("[0].mu['l3']['bias']", NOT_DIVISIBLE),
-      ("[0].nu['l3']['bias']", NOT_DIVISIBLE),
+      ("[0].mu['l3']['bias']", Reason.NOT_DIVISIBLE),
+      ("[0].nu['l3']['bias']", Reason.NOT_DIVISIBLE),
   ]
   assert all(r.bytes_per_device == r.full_bytes == 3 * 4 for r in left)
   assert report(opt).replicated_bytes == 2 * 12 + 4  # and the step count
   text = str(report(opt))
-  assert "[0].mu['l3']['bias']" in text and f"replicated: {NOT_DIVISIBLE}" in text
+  assert "[0].mu['l3']['bias']" in text and f"replicated: {Reason.NOT_DIVISIBLE}" in text
 
 
 def test_strict_refuses_by_name_and_changes_nothing():
@@ -45,7 +45,7 @@ def test_strict_refuses_by_name_and_changes_nothing():
   for path in ("[0].mu['l3']['bias'] float32[3]", "[0].nu['l3']['bias'] float32[3]"):
     assert path in message
   assert "kernel" not in message and "count" not in message
-  assert NOT_DIVISIBLE in message and "('data',)" in message
+  assert Reason.NOT_DIVISIBLE in message and "('data',)" in message
   assert_unchanged(before, model)
 
 
@@ -62,7 +62,7 @@ def test_strict_refuses_by_name_and_changes_nothing():
 def test_strict_accepts_every_parameter_shaped_leaf_split(make_tx):
   with jax.set_mesh(MESH):
     opt = Zero1Optimizer(Divisible(nnx.Rngs(0)), make_tx(), MESH, strict=True)
-  assert not [r for r in report(opt).rows if r.reason == NOT_DIVISIBLE]
+  assert not [r for r in report(opt).rows if r.reason == Reason.NOT_DIVISIBLE]
 
 
 def test_real_llm_shapes_leave_at_most_half_a_percent_replicated_at_every_dp():

@@ -5,7 +5,7 @@ In a data-parallel training step that accumulates micro-batches with
 This function computes them per replica instead (``jax.shard_map``): each
 replica accumulates the gradients of its own rows over the micro-batches with
 no collective, and the sums are reduced once, after the loop, with the
-deferred-reduction core (:mod:`nnx_zero1._src.deferred`, the one the MaxText-style
+reduction core (:mod:`nnx_zero1._src.reduction`, the one the MaxText-style
 engines use): a ``psum_scatter`` (a literal reduce-scatter) straight onto the
 Zero-1 layout for a ``Zero1Optimizer``, a ``psum`` (all-reduce) onto the
 parameters' own layout for a plain ``nnx.Optimizer``.
@@ -23,8 +23,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src import deferred
+from nnx_zero1._src import reduction
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.optimizer import Zero1Optimizer, mark_zero1_grads
 from nnx_zero1._src.placement import current_sharding, place
 from nnx_zero1._src.specs import DataAxis, axes_entry, data_axes, data_axis_size
@@ -119,13 +120,19 @@ def value_and_grad_accumulated(
   Returns:
     ``(loss, grads)``: the mean loss over the batch (a replicated scalar) and
     the mean gradients as an ``nnx.State`` of the ``wrt`` variables.
+
+  Raises:
+    Zero1Error: a batch whose rows do not split into replicas x micro-batches, a
+      ``data_axis`` other than the ``Zero1Optimizer``'s, no mesh for a plain
+      ``nnx.Optimizer``, a ``loss_fn`` that updates other model state, or
+      (``strict``) a reduction that cannot be deferred.
   """
   zero1 = optimizer if isinstance(optimizer, Zero1Optimizer) else None
-  axes = data_axes(data_axis if data_axis is not None else zero1.data_axis if zero1 is not None else "data")
+  axes = data_axes(data_axis, default=zero1.data_axis if zero1 is not None else "data")
   strict = bool(getattr(optimizer, "strict", False) if strict is None else strict)
   graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)  # type: ignore[misc]  # flax types split as variadic
   pure_params, pure_rest = nnx.as_pure(params), nnx.as_pure(rest)
-  mesh = zero1.mesh if zero1 is not None else _mesh_of(pure_params, batch)
+  mesh = zero1.mesh if zero1 is not None else _plain_mesh(pure_params, batch)
   n = data_axis_size(mesh, axes)
   if zero1 is not None and axes != zero1.data_axis:
     raise Zero1Error(f"data_axis={axes} but the Zero1Optimizer splits its state over "
@@ -133,18 +140,12 @@ def value_and_grad_accumulated(
   _check_micro_batches(batch, micro_batches, n, mesh)
   homes = _homes(params, optimizer, mesh)
   targets = zero1.zero1_plan.zero1_param_shardings if zero1 is not None else homes
-  loss_of_params = _loss_of_params(loss_fn, graphdef, optimizer.wrt)
+  loss_of_params = reduction.loss_of_params(loss_fn, graphdef, optimizer.wrt)
   args = (loss_of_params, pure_params, pure_rest, batch, micro_batches, mesh, axes)
 
-  blocker = deferred.deferral_blocker(_batch_shardings(batch, mesh), homes, axes)
-  if not defer_reduction:
-    loss, grads = _reduce_each_micro_batch(*args)
-    return loss, _as_state(params, grads)
-  if blocker is not None:
-    if strict:
-      raise Zero1Error(f"strict: cannot defer the gradient reduction: {blocker}; {describe_mesh(mesh)}")
-    logger.info("value_and_grad_accumulated: cannot defer the gradient reduction (%s); "
-                "reducing every micro-batch", blocker)
+  blocker = reduction.deferral_blocker(_batch_shardings(batch, mesh), homes, axes)
+  if not reduction.defer(blocker, requested=defer_reduction, strict=strict, mesh=mesh,
+                         who="value_and_grad_accumulated", log=logger if defer_reduction else None):
     loss, grads = _reduce_each_micro_batch(*args)
     return loss, _as_state(params, grads)
   loss, grads = _reduce_once(*args, homes, targets)
@@ -152,22 +153,12 @@ def value_and_grad_accumulated(
   return loss, mark_zero1_grads(state) if zero1 else state
 
 
-def _mesh_of(params: Any, batch: Any):
-  """The mesh of the first array that knows one (concrete, or traced on an Explicit mesh),
-  else the abstract mesh of ``jax.set_mesh``."""
-  for x in jax.tree.leaves((params, batch)):
-    sharding = getattr(x, "sharding", None) if not isinstance(x, jax.core.Tracer) else None
-    if isinstance(sharding, NamedSharding):
-      return sharding.mesh
-    if isinstance(x, jax.core.Tracer):
-      mesh = jax.typeof(x).sharding.mesh
-      if not mesh.empty:
-        return mesh
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
+def _plain_mesh(params: Any, batch: Any) -> Any:
+  mesh = resolve_mesh(None, (params, batch), traced_ok=True)
+  if mesh is None:
     raise Zero1Error(
-        "value_and_grad_accumulated needs a device mesh: place the model on one, or call the "
-        "step under jax.set_mesh(mesh)"
+        "value_and_grad_accumulated with a plain nnx.Optimizer needs a device mesh: place the model "
+        "on one, or call the step under jax.set_mesh(mesh)"
     )
   return mesh
 
@@ -217,25 +208,6 @@ def _batch_shardings(batch: Any, mesh) -> list[NamedSharding]:
   return out
 
 
-def _loss_of_params(loss_fn: LossFn, graphdef, wrt) -> Callable[[Any, Any, Any], jax.Array]:
-  """``loss_fn`` as a function of (``wrt`` arrays, other state, batch); refuses updates to the other state."""
-  def loss_of_params(params, rest, batch):
-    model = nnx.merge(graphdef, params, rest)
-    loss = loss_fn(model, batch)
-    after = jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Not(wrt))))
-    before = jax.tree_util.tree_flatten_with_path(rest)[0]
-    changed = [jax.tree_util.keystr(p) for (p, x), y in zip(before, after, strict=True) if x is not y]
-    if changed:
-      raise Zero1Error(
-          f"loss_fn updates model state other than the trained parameters ({', '.join(changed[:4])}): "
-          "value_and_grad_accumulated cannot carry it across replicas and micro-batches; put such "
-          "modules in eval mode or pass RNG keys in the batch"
-      )
-    return loss
-
-  return loss_of_params
-
-
 def _as_state(params: nnx.State, grads: Any) -> nnx.State:
   """Gradient arrays as an ``nnx.State`` of the parameters' variables (what ``update`` selects by ``wrt``)."""
   return jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(grads))
@@ -247,10 +219,9 @@ def _local_micro_batches(batch: Any, micro_batches: int) -> Any:
 
 
 def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets):
-  """Per replica: a scan over its micro-batches with no collective, then one reduction per leaf."""
+  """Per replica: a scan over its micro-batches with no collective, into one row per replica;
+  then :func:`reduction.reduce_rows`, one collective per leaf, as the engines reduce theirs."""
   n = data_axis_size(mesh, axes)
-  leaves = jax.tree.leaves(params)
-  dims = deferred.scatter_dims([p.ndim for p in leaves], homes, targets, axes)
   data = P(axes_entry(axes))
 
   def per_replica(params, rest, batch):
@@ -258,26 +229,26 @@ def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes,
 
     def micro(carry, micro_batch):
       loss_sum, acc = carry
-      loss, grads = deferred.replica_value_and_grad(local_loss, params, micro_batch, n, axes)
+      loss, grads = reduction.replica_value_and_grad(local_loss, params, micro_batch, n, axes)
       return (loss_sum + loss, jax.tree.map(jnp.add, acc, grads)), None
 
     varying = lambda x: jax.lax.pcast(x, axes, to="varying")  # noqa: E731
     zeros = (varying(jnp.zeros((), jnp.float32)), jax.tree.map(lambda p: varying(jnp.zeros_like(p)), params))
     (loss_sum, acc), _ = jax.lax.scan(micro, zeros, _local_micro_batches(batch, micro_batches))
-    grads = [deferred.reduce_local(a, d, axes) for a, d in zip(jax.tree.leaves(acc), dims, strict=True)]
-    # A count XLA cannot see through: the mean is then computed as the engines compute it.
-    count = jax.lax.optimization_barrier(jnp.asarray(micro_batches, jnp.int32))
-    return jax.lax.psum(loss_sum, axes) / micro_batches, deferred.mean_of_sums(grads, count)
+    return jax.lax.psum(loss_sum, axes) / micro_batches, jax.tree.map(lambda a: a[None], acc)
 
   replicated = lambda tree: jax.tree.map(lambda x: place(x, NamedSharding(mesh, P())), tree)  # noqa: E731
   params, rest = replicated(params), replicated(rest)
   batch = jax.tree.map(lambda x: place(x, NamedSharding(mesh, data)), batch)
-  loss, grads = jax.shard_map(
+  loss, rows = jax.shard_map(
       per_replica, mesh=mesh,
       in_specs=(jax.tree.map(lambda _: P(), (params, rest)) + (jax.tree.map(lambda _: data, batch),)),
-      out_specs=(P(), [t.spec for t in targets]),
+      out_specs=(P(), jax.tree.map(lambda _: data, params)),
   )(params, rest, batch)
-  return loss, grads
+  summed = reduction.reduce_rows(rows, homes, targets, mesh, axes)
+  # A count XLA cannot see through: the mean is computed as the engines compute it.
+  count = jax.lax.optimization_barrier(jnp.asarray(micro_batches, jnp.int32))
+  return loss, jax.tree.leaves(reduction.mean_of_sums(summed, count))
 
 
 def _global_micro_batches(batch: Any, micro_batches: int, n: int) -> Any:

@@ -13,10 +13,11 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from nnx_zero1._src.checks import first_mismatch
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.mesh import on_mesh, resolve_mesh
 
 __all__ = ["abstract_arrays", "abstract_state", "key_names", "restore_into", "restore_target"]
 
@@ -61,7 +62,7 @@ def restore_target(x: Any, mesh: Any = None, sharding: Any = None) -> jax.ShapeD
   """
   sharding = x.sharding if sharding is None else sharding
   if not isinstance(sharding, NamedSharding) and mesh is not None:
-    sharding = NamedSharding(mesh, PartitionSpec())
+    sharding = on_mesh(x, mesh)
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
@@ -89,6 +90,15 @@ def abstract_state(obj: Any) -> nnx.State:
   the same for a plain optimizer, so checkpoints cross both ways and between
   data-parallel sizes.
 
+  Args:
+    obj: a ``Zero1Optimizer``, an ``nnx.Optimizer``, a model: anything ``nnx.state`` takes.
+
+  Returns:
+    An ``nnx.State`` of ``jax.ShapeDtypeStruct`` s with ``sharding`` set.
+
+  Raises:
+    Zero1Error: the optimizer's plan and its state disagree (never a silent fallback).
+
   Example::
 
     >>> import jax, optax, orbax.checkpoint as ocp
@@ -105,7 +115,7 @@ def abstract_state(obj: Any) -> nnx.State:
   targets = _target_shardings(obj)
   state = nnx.state(obj)
   plan = getattr(obj, "zero1_plan", None)
-  mesh = plan.mesh if plan is not None else _mesh_of_any(state)
+  mesh = plan.mesh if plan is not None else resolve_mesh(None, state)
   if plan is not None and plan.single_device:
     mesh = None  # one device, no mesh: every leaf stays where nnx.Optimizer keeps it
 
@@ -121,19 +131,18 @@ def abstract_state(obj: Any) -> nnx.State:
   return jax.tree_util.tree_map_with_path(target, state, is_leaf=is_variable)
 
 
-def _mesh_of_any(state: Any):
-  for x in jax.tree.leaves(state):
-    if isinstance(getattr(x, "sharding", None), NamedSharding):
-      return x.sharding.mesh
-  return None
-
-
 def restore_into(obj: Any, restored: Any) -> None:
   """Loads ``restored`` (e.g. what orbax returned) into ``obj``, on ``abstract_state(obj)``'s layout.
 
   Leaves already on their target sharding are taken as they are; others (a
-  state restored replicated, or onto another mesh) are moved there. Raises
-  ``Zero1Error``, changing nothing, when the tree, shapes or dtypes differ.
+  state restored replicated, or onto another mesh) are moved there.
+
+  Args:
+    obj: what to load into (a ``Zero1Optimizer``, an ``nnx.Optimizer``, a model).
+    restored: a tree like ``nnx.state(obj)`` (an ``nnx.State`` or orbax's pure dict).
+
+  Raises:
+    Zero1Error: the tree, a shape or a dtype differs from ``obj``'s; nothing is changed.
 
   Example::
 

@@ -7,102 +7,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from nnx_zero1._src.compat import context_mesh, legacy_context_mesh
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.layout import Reason
+from nnx_zero1._src.mesh import mesh_of
 from nnx_zero1._src.plan import Zero1Plan
 
 __all__ = [
-    "current_mesh", "describe_mesh", "resolve_mesh", "check_params", "check_model", "check_grads",
-    "check_state", "check_strict", "first_mismatch",
+    "check_params", "check_model", "check_grads", "check_state", "check_strict", "first_mismatch",
 ]
-
-
-def current_mesh() -> Mesh | None:
-  """The mesh set by ``jax.set_mesh``, else by a legacy ``with mesh:`` block, else None.
-
-  Example::
-
-    >>> import jax
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> with mesh:
-    ...   current_mesh() == mesh
-    True
-    >>> current_mesh() is None
-    True
-  """
-  current = context_mesh()  # also under jit / nnx.eval_shape
-  if current.empty:
-    current = legacy_context_mesh()  # Tunix still uses `with mesh:`
-  return None if current.empty else current
-
-
-def _placement_of(params: Any) -> tuple[list[Mesh], set, bool]:
-  """The distinct meshes the concrete parameters' NamedShardings name, all their devices,
-  and whether some parameters are traced (they tell neither)."""
-  meshes: list[Mesh] = []
-  devices: set[jax.Device] = set()
-  traced = False
-  for leaf in jax.tree.leaves(params):
-    if isinstance(leaf, jax.core.Tracer):
-      traced = True
-      continue
-    sharding = getattr(leaf, "sharding", None)
-    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-    if isinstance(mesh, Mesh) and mesh not in meshes:  # concrete arrays: never an AbstractMesh
-      meshes.append(mesh)
-    devices |= set(getattr(sharding, "device_set", ()))
-  return meshes, devices, traced
-
-
-def resolve_mesh(mesh: Mesh | None, params: Any = None) -> Mesh | None:
-  """The mesh to use: the argument, else ``jax.set_mesh``'s, else a legacy ``with mesh:``,
-  else the one mesh the parameters ``params`` live on (their ``NamedSharding``).
-
-  Returns None when there is no mesh and ``params`` all sit on one device:
-  data-parallel size 1. Parameters spread over several devices with no mesh,
-  or over several meshes, are a ``Zero1Error``.
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> with jax.set_mesh(mesh):
-    ...   resolve_mesh(None) == mesh
-    True
-    >>> resolve_mesh(None, {"w": jax.device_put(jnp.ones(2), NamedSharding(mesh, P()))}) == mesh
-    True
-    >>> resolve_mesh(None, {"w": jnp.ones(2)}) is None  # one device, no mesh
-    True
-  """
-  if mesh is not None:
-    if not isinstance(mesh, Mesh):
-      raise Zero1Error(f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}")
-    return mesh
-  current = current_mesh()
-  if current is not None:
-    return current
-  fix = "pass mesh= or call it under jax.set_mesh(mesh)"
-  if params is None:
-    raise Zero1Error(f"Zero-1 needs a device mesh: {fix}")
-  meshes, devices, traced = _placement_of(params)
-  if len(meshes) > 1:
-    raise Zero1Error(
-        f"the parameters live on {len(meshes)} different meshes "
-        f"({'; '.join(describe_mesh(m) for m in meshes)}), so there is no one mesh to use; {fix}"
-    )
-  if meshes:
-    return meshes[0]
-  if len(devices) > 1 or (traced and not devices and jax.device_count() > 1):
-    where = f"devices {sorted(d.id for d in devices)}" if devices else "traced arrays"
-    raise Zero1Error(
-        f"Zero-1 needs a device mesh: the parameters are on {where} with no NamedSharding "
-        f"and no mesh is set; {fix}"
-    )
-  return None
 
 
 def _check_devices(tree: Any, mesh: Mesh, what: str, fix: str) -> None:
@@ -187,14 +101,6 @@ def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
   _check_devices(grads, plan.mesh, "gradient", "compute the gradients on the mesh")
 
 
-def _mesh_of(leaf: Any):
-  if isinstance(leaf, jax.core.Tracer):
-    mesh = jax.typeof(leaf).sharding.mesh  # an Explicit mesh travels in the type
-    return None if mesh.empty else mesh
-  sharding = getattr(leaf, "sharding", None)
-  return sharding.mesh if isinstance(sharding, NamedSharding) else None
-
-
 def check_state(opt_state: Any, plan: Zero1Plan) -> None:
   """Refuses optimizer state that lives on another mesh than the optimizer's.
 
@@ -207,7 +113,7 @@ def check_state(opt_state: Any, plan: Zero1Plan) -> None:
   _check_devices(opt_state, plan.mesh, "optimizer state", fix)
   expected = (tuple(plan.mesh.axis_names), tuple(plan.mesh.axis_sizes))
   for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-    mesh = _mesh_of(leaf)
+    mesh = mesh_of(leaf)
     if mesh is not None and (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != expected:
       raise Zero1Error(
           f"optimizer state {jax.tree_util.keystr(path)} lives on a mesh with shape "

@@ -13,7 +13,9 @@ import flax
 import jax
 from flax.nnx import filterlib  # a documented flax module; nnx has no top-level ``Filter``
 
-__all__ = ["Filter", "context_mesh", "jit_cache_size", "legacy_context_mesh", "to_opt_state"]
+__all__ = [
+    "Filter", "context_mesh", "jit_cache_size", "legacy_context_mesh", "set_metaclass", "to_opt_state",
+]
 
 Filter = filterlib.Filter
 """The type of ``wrt`` (``nnx.Optimizer``'s filter): a Variable type, a string, a predicate, ..."""
@@ -112,3 +114,28 @@ def jit_cache_size(jitted: Any) -> int:
     return jitted._cache_size()
   except AttributeError as e:  # pragma: no cover -- only on a jax that dropped it
     raise _missing("the jitted function's _cache_size()", "jax", jax.__version__, e) from e
+
+
+def set_metaclass(cls: type, metaclass: type) -> None:
+  """Gives flax's class ``cls`` (``nnx.Optimizer``) the metaclass ``metaclass`` in place.
+
+  ``metaclass`` must derive from ``type(cls)``, flax's ``Pytree`` metaclass. Python
+  allows the swap only while both have the same memory layout, which is flax's
+  implementation, not its API: a flax that changes it fails here, by name.
+
+  Example::
+
+    >>> class Base(type):
+    ...   pass
+    >>> class Derived(Base):
+    ...   pass
+    >>> class A(metaclass=Base):
+    ...   pass
+    >>> set_metaclass(A, Derived)
+    >>> type(A).__name__
+    'Derived'
+  """
+  try:
+    cls.__class__ = metaclass
+  except TypeError as e:  # pragma: no cover -- only on a flax whose metaclass layout changed
+    raise _missing(f"to give {cls.__qualname__} a derived metaclass", "flax", flax.__version__, e) from e

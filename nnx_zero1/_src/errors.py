@@ -11,8 +11,10 @@ __all__ = ["Zero1Error", "describe_mesh"]
 class Zero1Error(ValueError):
   """Zero-1 was requested but cannot be applied as asked.
 
-  Raised before any model or optimizer state is changed. It is a ``ValueError``
-  so callers that already guard configuration errors keep working.
+  Raised before any model or optimizer state is changed, with a message that
+  names the problem and the mesh's axes. It is a ``ValueError`` so callers that
+  already guard configuration errors keep working. nnx-zero1 never falls back to
+  a replicated optimizer silently: where Zero-1 cannot apply, this is raised.
 
   Example::
 

@@ -30,12 +30,8 @@ from nnx_zero1._src.specs import (
 )
 
 __all__ = [
-    "DataAxis",
     "Reason",
-    "data_axes",
-    "data_axis_size",
     "memory_layout",
-    "spec_entries",
     "statistic_layout",
     "zero1_layout",
     "zero1_sharding",
@@ -61,16 +57,6 @@ class Reason(enum.StrEnum):
   PARAM_NOT_SPLIT = "statistic of a parameter that is not split"
   ONE_DEVICE = "data-parallel size 1 (one device, no mesh)"
   AMBIGUOUS = "per-parameter statistic whose dimensions match its parameter's in more than one way"
-
-
-# The former module-level names, kept for callers (and tests) that import them.
-SCALAR = Reason.SCALAR
-ALREADY_SHARDED = Reason.ALREADY_SHARDED
-NOT_DIVISIBLE = Reason.NOT_DIVISIBLE
-NOT_PARAM_SHAPED = Reason.NOT_PARAM_SHAPED
-NOT_ALIGNED = Reason.NOT_ALIGNED
-PARAM_NOT_SPLIT = Reason.PARAM_NOT_SPLIT
-AMBIGUOUS = Reason.AMBIGUOUS
 
 
 def zero1_layout(
@@ -123,6 +109,17 @@ def zero1_sharding(
   does not use yet are added (never one twice). A spec that uses every data
   axis, a scalar, or a leaf with no such dimension is returned unchanged. The
   rule is idempotent.
+
+  Args:
+    shape: the leaf's shape (its parameter's).
+    sharding: the parameter's ``NamedSharding``.
+    data_axis: the data-parallel mesh axis, or a tuple of axes.
+
+  Returns:
+    The leaf's ``NamedSharding`` on the same mesh.
+
+  Raises:
+    Zero1Error: a data axis is not on the mesh, or the spec has more entries than ``shape``.
 
   Example::
 

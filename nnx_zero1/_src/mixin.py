@@ -15,8 +15,8 @@ from typing import Any
 
 import jax
 
-from nnx_zero1._src.checks import current_mesh
 from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.mesh import current_mesh
 from nnx_zero1._src.scope import zero1_optimizers
 from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size
 
@@ -62,6 +62,10 @@ class ShardedOptimizerMixin:
     ...   trainer = Zero1Trainer(model, optax.adam(1e-3))
     >>> isinstance(trainer.optimizer, Zero1Optimizer)
     True
+
+  Raises:
+    Zero1Error: (from ``__init__``) a current mesh without the data axis, an
+      optimizer that cannot be made Zero-1, or a trainer that built none.
 
   Attributes:
     zero1_data_axis: the mesh axis (or tuple of axes) the state is split over.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +18,11 @@ from nnx_zero1._src.checks import (
   check_params,
   check_state,
   check_strict,
-  resolve_mesh,
 )
 from nnx_zero1._src.compat import Filter, to_opt_state
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
+from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.placement import current_sharding, off_mesh, place
 from nnx_zero1._src.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
 from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size, is_explicit, spec_entries
@@ -193,11 +193,15 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       be deferred), or when there is no mesh and the model is on one device.
     pin_gradients: on Auto meshes, hold traced gradients on their parameters'
       layout before slicing them, so the backward pass compiles as it would for
-      ``nnx.Optimizer`` (bit-identical). Pass ``False`` when the gradients already
-      arrive on the Zero-1 layout (reduce-scattered), or to let XLA turn the
-      gradient all-reduce into a reduce-scatter at the price of reordered sums.
-      Gradients from ``value_and_grad_accumulated`` are marked as on the Zero-1
-      layout and never pinned.
+      ``nnx.Optimizer`` (bit-identical). ``False`` lets XLA turn the gradient
+      all-reduce into a reduce-scatter at the price of reordered sums. Gradients
+      that arrive reduce-scattered already (from ``value_and_grad_accumulated``
+      or the engines, which mark them so) are never pinned.
+
+  Raises:
+    Zero1Error: before any state exists, when the mesh lacks the data axes,
+      ``wrt`` selects no parameter, a parameter lives off the mesh, optax's state
+      cannot be tied to any parameter, or ``strict`` finds a leaf that cannot be split.
   """
 
   def __init__(
@@ -263,9 +267,22 @@ class Zero1Optimizer(nnx.Optimizer[M]):
   def update(self, model: M, grads, /, **kwargs) -> optax.Updates:
     """Applies one optimizer step, exactly as ``nnx.Optimizer.update`` does.
 
-    Gradients and parameters go onto the Zero-1 layout, ``tx.update`` runs on
-    the slices, and the new parameters return to the sharding they came in
-    with. Returns the updates, on the parameters' layout.
+    Four phases: read and check; gradients, parameters and state onto the
+    Zero-1 layout; ``tx.update`` on the slices; the new parameters back to the
+    sharding they came in with (an all-gather), the state kept on its layout.
+
+    Args:
+      model: the model whose ``wrt`` parameters are updated in place.
+      grads: the gradients, as ``nnx.grad`` returns them (an ``nnx.State``).
+      **kwargs: passed to ``tx.update`` (``value=``, ``grad=``, ``value_fn=`` for
+        optax's line searches; ``value_fn`` sees whole parameters).
+
+    Returns:
+      The updates, on the parameters' layout.
+
+    Raises:
+      Zero1Error: the model, gradients or state do not match what the optimizer
+        was built for (tree, shapes, devices, mesh); nothing is changed.
 
     Example::
 
@@ -279,41 +296,71 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       >>> int(opt.step[...])
       1
     """
-    plan = self.zero1_plan
-    params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
-    on_zero1 = _is_marked(grads)  # reduce-scattered already: nothing to pin
-    given_grads, grads = grads, nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-    check_model(params, plan)
-    check_grads(grads, params, plan)
-    state = nnx.as_pure(self.opt_state)
-    check_state(state, plan)
-    if plan.single_device:  # data-parallel size 1: nothing to split or move
-      return super().update(model, given_grads, **kwargs)
-    # Arrays left on one device (a model built outside the mesh) join the mesh on the layout
-    # recorded for them, where nnx.Optimizer's eager arithmetic under the mesh leaves them too.
-    params = _place_all(params, plan.param_shardings, only=off_mesh)
-    grads = _place_all(grads, plan.param_shardings, only=off_mesh)
-    homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
-    state_shardings = [row.sharding for row in plan.state_leaves]
-
-    if self.pin_gradients and not on_zero1:
-      # Pinned where they are (on an Auto mesh under jit: their parameters' layout), the
-      # gradients keep XLA's sharding propagation from carrying the Zero-1 layout back
-      # into the backward pass, where it would reorder sums. A no-op on Explicit meshes.
-      pins = [current_sharding(g, s) for g, s in zip(jax.tree.leaves(grads), plan.param_shardings)]
-      grads = _place_all(grads, pins)
-    sliced_grads = _place_all(grads, plan.zero1_param_shardings)
-    sliced_params = _place_all(params, plan.zero1_param_shardings)
-    # A no-op when the state is on the plan; re-places state restored onto another layout.
-    state = _place_all(state, state_shardings)
-    kwargs = nnx.as_pure(kwargs)
-    if callable(kwargs.get("value_fn")):  # optax's line searches evaluate it on the slices
-      kwargs["value_fn"] = value_fn_at_home(kwargs["value_fn"], plan, homes)
-    updates, new_state = _run_tx(self.tx, plan, sliced_grads, state, sliced_params, kwargs)
-    new_params = optax.apply_updates(sliced_params, updates)
-    new_state = _place_all(new_state, state_shardings)
-
+    params, pure_grads, state = _read_checked(self, model, grads)
+    if self.zero1_plan.single_device:  # data-parallel size 1: nothing to split or move
+      return super().update(model, grads, **kwargs)
+    pin = self.pin_gradients and not _is_marked(grads)
+    homes, sliced = _onto_zero1_layout(self.zero1_plan, params, pure_grads, state, pin=pin)
+    new_params, new_state, updates = _run_on_slices(self.tx, self.zero1_plan, sliced, homes, kwargs)
     nnx.update(model, _place_all(new_params, homes))
     nnx.update(self.opt_state, nnx.state(new_state, graph=self.graph))
     self.step[...] += 1
     return _place_all(updates, homes)
+
+
+class _Slices(NamedTuple):
+  """Gradients, parameters and state on the Zero-1 layout."""
+
+  grads: Any
+  params: Any
+  state: Any
+
+
+def _read_checked(opt: Zero1Optimizer, model: Any, grads: Any) -> tuple[Any, Any, Any]:
+  """Read and check: the pure parameters, gradients and state, or ``Zero1Error`` before any change."""
+  plan = opt.zero1_plan
+  params = nnx.as_pure(nnx.state(model, opt.wrt, graph=opt.graph))
+  pure_grads = nnx.as_pure(nnx.state(grads, opt.wrt, graph=opt.graph))
+  check_model(params, plan)
+  check_grads(pure_grads, params, plan)
+  state = nnx.as_pure(opt.opt_state)
+  check_state(state, plan)
+  return params, pure_grads, state
+
+
+def _onto_zero1_layout(
+    plan: Zero1Plan, params: Any, grads: Any, state: Any, *, pin: bool
+) -> tuple[list, _Slices]:
+  """Onto the Zero-1 layout: the parameters' current layouts (where they go back to) and the slices.
+
+  Arrays left on one device (a model built outside the mesh) first join the
+  mesh on the layout recorded for them, where ``nnx.Optimizer``'s eager
+  arithmetic under the mesh leaves them too.
+  """
+  params = _place_all(params, plan.param_shardings, only=off_mesh)
+  grads = _place_all(grads, plan.param_shardings, only=off_mesh)
+  homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
+  if pin:
+    # Pinned where they are (on an Auto mesh under jit: their parameters' layout), the
+    # gradients keep XLA's sharding propagation from carrying the Zero-1 layout back
+    # into the backward pass, where it would reorder sums. A no-op on Explicit meshes.
+    pins = [current_sharding(g, s) for g, s in zip(jax.tree.leaves(grads), plan.param_shardings)]
+    grads = _place_all(grads, pins)
+  return homes, _Slices(
+      grads=_place_all(grads, plan.zero1_param_shardings),
+      params=_place_all(params, plan.zero1_param_shardings),
+      # A no-op when the state is on the plan; re-places state restored onto another layout.
+      state=_place_all(state, [row.sharding for row in plan.state_leaves]),
+  )
+
+
+def _run_on_slices(
+    tx: optax.GradientTransformation, plan: Zero1Plan, sliced: _Slices, homes: list, kwargs: dict
+) -> tuple[Any, Any, Any]:
+  """Run the transformation on the slices: (new parameters, new state, updates), all still sliced."""
+  kwargs = nnx.as_pure(kwargs)
+  if callable(kwargs.get("value_fn")):  # optax's line searches evaluate it on the slices
+    kwargs["value_fn"] = value_fn_at_home(kwargs["value_fn"], plan, homes)
+  updates, new_state = _run_tx(tx, plan, sliced.grads, sliced.state, sliced.params, kwargs)
+  new_params = optax.apply_updates(sliced.params, updates)
+  return new_params, _place_all(new_state, [row.sharding for row in plan.state_leaves]), updates

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 
 from nnx_zero1._src.specs import canonical_spec, entry_axes, is_explicit, spec_entries
 
-__all__ = ["place", "current_sharding", "is_explicit", "off_mesh"]  # is_explicit: from nnx_zero1._src.specs
+__all__ = ["place", "current_sharding", "off_mesh"]
 
 
 def _only(sharding: NamedSharding, keep) -> NamedSharding:

@@ -16,21 +16,12 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
-from nnx_zero1._src.layout import (  # noqa: F401 -- the reason names are re-exported for callers
-  AMBIGUOUS,
-  NOT_ALIGNED,
-  NOT_PARAM_SHAPED,
-  PARAM_NOT_SPLIT,
-  Reason,
-  memory_layout,
-  statistic_layout,
-  zero1_layout,
-)
+from nnx_zero1._src.layout import Reason, memory_layout, statistic_layout, zero1_layout
+from nnx_zero1._src.mesh import on_mesh
 from nnx_zero1._src.specs import DataAxis, data_axis_size, full_rank_sharding
 
 __all__ = [
-    "LeafPlan", "Zero1Plan", "make_plan", "base_sharding", "memory_layout", "statistic_layout",
-    "one_device_mesh", "single_device_plan",
+    "LeafPlan", "Zero1Plan", "make_plan", "one_device_mesh", "single_device_plan",
 ]
 
 
@@ -58,22 +49,6 @@ class Zero1Plan:
   zero1_param_shardings: tuple[NamedSharding, ...]
   state_leaves: tuple[LeafPlan, ...]
   single_device: bool = False  # no mesh, one device: nothing is placed, as nnx.Optimizer
-
-
-def base_sharding(array: Any, mesh: Mesh) -> NamedSharding:
-  """The mesh sharding a parameter has now; an unplaced array counts as replicated.
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> base_sharding(jnp.ones(3), mesh).spec
-    P()
-  """
-  sharding = getattr(array, "sharding", None)
-  if isinstance(sharding, NamedSharding):
-    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
-  return NamedSharding(mesh, PartitionSpec())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +147,7 @@ def make_plan(
   """
   leaves, treedef = jax.tree.flatten(params)
   shapes = tuple(tuple(x.shape) for x in leaves)
-  shardings = tuple(base_sharding(x, mesh) for x in leaves)
+  shardings = tuple(on_mesh(x, mesh) for x in leaves)
   layouts = tuple(zero1_layout(s, sh, data_axis) for s, sh in zip(shapes, shardings))  # once per parameter
   zero1 = tuple(sharding for sharding, _ in layouts)
   if abstract_state is None:

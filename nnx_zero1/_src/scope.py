@@ -26,9 +26,10 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnx_zero1._src.checks import resolve_mesh
-from nnx_zero1._src.layout import DataAxis, data_axes, data_axis_size
+from nnx_zero1._src.compat import set_metaclass
+from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size
 
 __all__ = ["zero1_optimizers"]
 
@@ -73,7 +74,7 @@ def _install() -> None:
   """Gives ``nnx.Optimizer`` the scope-aware metaclass, once per process."""
   with _INSTALL:
     if type(_OPTIMIZER) is not _ScopedOptimizerMeta:
-      _OPTIMIZER.__class__ = _ScopedOptimizerMeta  # type: ignore[method-assign]  # swaps the metaclass in place
+      set_metaclass(_OPTIMIZER, _ScopedOptimizerMeta)
 
 
 @contextlib.contextmanager
@@ -96,8 +97,12 @@ def zero1_optimizers(
     data_axis: the data-parallel mesh axis (or axes); ``None`` means ``"data"``.
     strict: as for ``Zero1Optimizer``.
 
-  Raises ``Zero1Error`` at entry for a bad ``data_axis`` or a ``mesh`` without
-  it, and from each construction that cannot apply (as ``Zero1Optimizer`` does).
+  Returns:
+    A context manager yielding the list of the ``Zero1Optimizer`` s built in the block so far.
+
+  Raises:
+    Zero1Error: at entry, for a bad ``data_axis`` or a ``mesh`` without it; then
+      from each construction that cannot apply (as ``Zero1Optimizer`` does).
 
   Example::
 
@@ -112,7 +117,7 @@ def zero1_optimizers(
     >>> type(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)).__name__
     'Optimizer'
   """
-  axes = data_axes("data" if data_axis is None else data_axis)
+  axes = data_axes(data_axis)
   if mesh is not None:
     data_axis_size(resolve_mesh(mesh), axes)
   _install()

@@ -173,14 +173,19 @@ def full_rank_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
   return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
 
 
-def data_axes(data_axis: DataAxis) -> tuple[str, ...]:
+def data_axes(data_axis: DataAxis | None, default: DataAxis = "data") -> tuple[str, ...]:
   """Normalises ``"data"`` or ``("replica", "data")`` to a tuple of axis names.
+
+  ``None`` means the same everywhere a ``data_axis`` is taken: the data axes the
+  context already knows (``default``: a ``Zero1Optimizer``'s own, a trainer
+  config's batch axes), else ``"data"``.
 
   Example::
 
-    >>> data_axes("data"), data_axes(("replica", "data"))
-    (('data',), ('replica', 'data'))
+    >>> data_axes("data"), data_axes(("replica", "data")), data_axes(None), data_axes(None, ("fsdp",))
+    (('data',), ('replica', 'data'), ('data',), ('fsdp',))
   """
+  data_axis = default if data_axis is None else data_axis
   axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
   if not axes or not all(isinstance(a, str) for a in axes):
     raise Zero1Error(f"data_axis must be a mesh axis name or a tuple of names, got {data_axis!r}")

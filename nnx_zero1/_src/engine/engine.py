@@ -18,18 +18,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src import deferred
+from nnx_zero1._src import reduction
 from nnx_zero1._src.checkpoint import restore_into
 from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.engine import checkpoint as _checkpoint
 from nnx_zero1._src.engine import kernels as _kernels
 from nnx_zero1._src.engine import rows as replica_rows
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.mesh import on_mesh
 from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size
 
 __all__ = ["Engine", "LossFn"]
 
-# Logs under the public module users import it from (and configure logging for).
 logger = logging.getLogger("nnx_zero1.adapters.maxtext")  # the public module users import it from
 
 LossFn = Callable[[Any, dict], jax.Array]  # (model, batch) -> mean loss; the model: any nnx.Module
@@ -40,7 +40,7 @@ def _on_mesh(tree: Any, mesh: Mesh) -> Any:
   def put(x):
     if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh:
       return x
-    return jax.device_put(x, NamedSharding(mesh, P()))
+    return jax.device_put(x, on_mesh(x, mesh))
 
   return jax.tree.map(put, tree)
 
@@ -61,8 +61,9 @@ class Engine:
   mode). Deferral needs replicated parameters and a batch split over the data
   axes only; otherwise (or with ``defer_reduction=False``) XLA differentiates
   the global program and reduces every micro-batch, logged at info level.
-  Only ``wrt`` variables change; other model state (batch statistics, RNG
-  counters) is read, never written back.
+  Only ``wrt`` variables change: a ``loss_fn`` that updates other model state
+  (batch statistics, RNG counters) is refused with ``Zero1Error``, as
+  ``value_and_grad_accumulated`` refuses it.
 
   Example::
 
@@ -86,6 +87,15 @@ class Engine:
     data_axis: the data-parallel mesh axis (or tuple of axes).
     defer_reduction: keep gradients unreduced until ``update`` (default: the
       class attribute ``DEFER_REDUCTION``, True). False reduces every micro-batch.
+    strict: raise ``Zero1Error`` instead of reducing every micro-batch when the
+      reduction cannot be deferred (and, with Zero-1, when a parameter-shaped
+      optimizer leaf cannot be split).
+
+  Raises:
+    Zero1Error: the mesh lacks the data axis, the optimizer cannot be built as
+      asked (the model is then left as it was), ``update`` without a ``fwd_bwd``
+      before it, a ``loss_fn`` that updates model state other than ``wrt``, or
+      (``strict``) a reduction that cannot be deferred.
   """
 
   DEFER_REDUCTION = True
@@ -101,6 +111,7 @@ class Engine:
       wrt: Filter = nnx.Param,
       data_axis: DataAxis = "data",
       defer_reduction: bool | None = None,
+      strict: bool = False,
   ):
     self.mesh = mesh
     self.data_axis = data_axes(data_axis)
@@ -108,6 +119,7 @@ class Engine:
     self.loss_fn = loss_fn
     self.wrt = wrt
     self.defer_reduction = self.DEFER_REDUCTION if defer_reduction is None else defer_reduction
+    self.strict = strict
     before = nnx.as_pure(nnx.state(model))
     nnx.update(model, _on_mesh(before, mesh))
     try:
@@ -150,7 +162,7 @@ class Engine:
 
   def _place_batch(self, batch: dict) -> dict:
     def put(x):
-      target = deferred.batch_sharding(jnp.shape(x), getattr(x, "sharding", None), self.mesh, self.data_axis)
+      target = reduction.batch_sharding(jnp.shape(x), getattr(x, "sharding", None), self.mesh, self.data_axis)
       if isinstance(x, jax.Array) and x.sharding == target:
         return x
       return jax.device_put(x, target)
@@ -177,21 +189,16 @@ class Engine:
   def _mode(self, batch: dict, *, log: bool = False) -> str:
     """How ``batch``'s gradients are reduced: deferred when each replica can compute whole
     gradients of its own rows and deferral is on; otherwise every micro-batch."""
-    blocker = deferred.deferral_blocker(
+    blocker = reduction.deferral_blocker(
         jax.tree.leaves(_kernels.shardings_of(batch)),
         jax.tree.leaves(_kernels.shardings_of(self._params())),
         self.data_axis,
     )
-    name = type(self).__name__
-    if blocker:
-      if log:
-        logger.info("%s: cannot defer the gradient reduction (%s); reducing every micro-batch", name, blocker)
-      return _kernels.GLOBAL
-    if not self.defer_reduction:
-      if log:
-        logger.info("%s: defer_reduction=False; reducing gradients every micro-batch", name)
-      return _kernels.GLOBAL
-    return _kernels.DEFERRED
+    deferred = reduction.defer(
+        blocker, requested=self.defer_reduction, strict=self.strict, mesh=self.mesh,
+        who=type(self).__name__, log=logger if log else None,
+    )
+    return _kernels.DEFERRED if deferred else _kernels.GLOBAL
 
   def _fwd_bwd_call(self, batch: dict) -> tuple:
     key = self._batch_key(batch)

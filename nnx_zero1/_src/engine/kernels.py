@@ -18,8 +18,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src import deferred
-from nnx_zero1._src.engine import rows as replica_rows
+from nnx_zero1._src import reduction
+from nnx_zero1._src.engine import rows
+from nnx_zero1._src.optimizer import mark_zero1_grads
 
 __all__ = ["DEFERRED", "GLOBAL", "KernelSpec", "jit_fwd_bwd", "jit_update", "jit_eval"]
 
@@ -53,28 +54,30 @@ class KernelSpec:
   mode: str = DEFERRED
 
 
-def _loss_of_params(spec: KernelSpec, rest: Any) -> Callable[[Any, Any], jax.Array]:
-  return lambda params, batch: spec.loss_fn(nnx.merge(spec.model_def, params, rest), batch)
+def _loss_of_params(spec: KernelSpec) -> Callable[[Any, Any, Any], jax.Array]:
+  return reduction.loss_of_params(spec.loss_fn, spec.model_def, spec.wrt)
 
 
 def _fwd_bwd(spec: KernelSpec, params, rest, acc, micro_steps, batch):
-  loss_of_params = _loss_of_params(spec, rest)
+  loss_of_params = _loss_of_params(spec)
   if spec.mode == GLOBAL:
-    loss, grads = jax.value_and_grad(loss_of_params)(params, batch)
-    acc = replica_rows.add_to_first_row(acc, grads, spec.homes, spec.mesh, spec.axes)
+    loss, grads = jax.value_and_grad(loss_of_params)(params, rest, batch)
+    acc = rows.add_to_first_row(acc, grads, spec.homes, spec.mesh, spec.axes)
   else:
-    loss, acc = replica_rows.local_grads(loss_of_params, params, acc, batch, spec.mesh, spec.axes)
+    loss, acc = rows.local_grads(loss_of_params, params, rest, acc, batch, spec.mesh, spec.axes)
   return loss, acc, micro_steps + 1
 
 
 def _update(spec: KernelSpec, params, rest, opt_state, acc, micro_steps):
   model = nnx.merge(spec.model_def, params, rest)
   optimizer = nnx.merge(spec.opt_def, opt_state)
-  summed = replica_rows.reduce_rows(acc, spec.homes, spec.targets, spec.mesh, spec.axes)
-  grads = deferred.mean_of_sums(summed, micro_steps)
+  summed = reduction.reduce_rows(acc, spec.homes, spec.targets, spec.mesh, spec.axes)
+  grads = reduction.mean_of_sums(summed, micro_steps)
   # The optimizer selects gradients by ``wrt``, so they travel as variables.
-  variables = jax.tree.structure(nnx.state(model, spec.wrt))
-  optimizer.update(model, jax.tree.unflatten(variables, jax.tree.leaves(grads)))
+  variables = jax.tree.unflatten(jax.tree.structure(nnx.state(model, spec.wrt)), jax.tree.leaves(grads))
+  if spec.targets != spec.homes:  # reduce-scattered onto the Zero-1 layout already
+    variables = mark_zero1_grads(variables)
+  optimizer.update(model, variables)
   zeros = jax.tree.map(jnp.zeros_like, acc)
   new_params = nnx.as_pure(nnx.state(model, spec.wrt))
   return new_params, nnx.as_pure(nnx.state(optimizer)), zeros, jnp.zeros_like(micro_steps), optax.tree.norm(
@@ -83,10 +86,10 @@ def _update(spec: KernelSpec, params, rest, opt_state, acc, micro_steps):
 
 
 def _evaluate(spec: KernelSpec, params, rest, batch):
-  loss_of_params = _loss_of_params(spec, rest)
+  loss_of_params = _loss_of_params(spec)
   if spec.mode == GLOBAL:
-    return loss_of_params(params, batch)
-  return replica_rows.local_loss(loss_of_params, params, batch, spec.mesh, spec.axes)
+    return loss_of_params(params, rest, batch)
+  return rows.local_loss(loss_of_params, params, rest, batch, spec.mesh, spec.axes)
 
 
 def shardings_of(tree: Any) -> Any:

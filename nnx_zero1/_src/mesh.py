@@ -1,0 +1,153 @@
+"""Which mesh: the one function every entry point asks, and what an unplaced array means on it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from nnx_zero1._src.compat import context_mesh, legacy_context_mesh
+from nnx_zero1._src.errors import Zero1Error, describe_mesh
+
+__all__ = ["current_mesh", "mesh_of", "on_mesh", "resolve_mesh"]
+
+_FIX = "pass mesh= or call it under jax.set_mesh(mesh)"
+
+
+def current_mesh() -> Mesh | None:
+  """The mesh set by ``jax.set_mesh``, else by a legacy ``with mesh:`` block, else None.
+
+  Returns:
+    The concrete mesh, also while tracing; None outside any mesh context.
+
+  Example::
+
+    >>> import jax
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> with mesh:
+    ...   current_mesh() == mesh
+    True
+    >>> current_mesh() is None
+    True
+  """
+  current = context_mesh()
+  if current.empty:
+    current = legacy_context_mesh()  # Tunix still uses `with mesh:`
+  return None if current.empty else current
+
+
+def mesh_of(x: Any) -> Mesh | AbstractMesh | None:
+  """The mesh an array says it lives on: a concrete array's ``NamedSharding``, or the
+  mesh in a traced array's type (Explicit axes only); None when it names none.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> mesh_of(jax.device_put(jnp.ones(2), NamedSharding(mesh, P()))) == mesh, mesh_of(jnp.ones(2))
+    (True, None)
+  """
+  if isinstance(x, jax.core.Tracer):
+    mesh = jax.typeof(x).sharding.mesh
+    return None if mesh.empty else mesh
+  sharding = getattr(x, "sharding", None)
+  return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+
+def on_mesh(x: Any, mesh: Mesh) -> NamedSharding:
+  """The sharding ``x`` has on ``mesh``: its own spec, or replicated when it is not placed on a mesh.
+
+  An array built outside any mesh sits on one device; on ``mesh`` it counts as
+  replicated (as jit would place it).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> on_mesh(jnp.ones(3), jax.make_mesh((1,), ("data",))).spec
+    P()
+  """
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def _concrete_meshes(tree: Any) -> tuple[list[Mesh], set[jax.Device]]:
+  """The distinct concrete meshes the arrays of ``tree`` name, and all their devices."""
+  meshes: list[Mesh] = []
+  devices: set[jax.Device] = set()
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.core.Tracer):
+      continue
+    mesh = mesh_of(leaf)
+    if isinstance(mesh, Mesh) and mesh not in meshes:
+      meshes.append(mesh)
+    devices |= set(getattr(getattr(leaf, "sharding", None), "device_set", ()))
+  return meshes, devices
+
+
+def resolve_mesh(mesh: Mesh | None = None, arrays: Any = None, *, traced_ok: bool = False) -> Any:
+  """The mesh to use, in this order: ``mesh``; ``jax.set_mesh``'s (or a legacy ``with mesh:``);
+  the one mesh the concrete ``arrays`` are placed on; with ``traced_ok``, the mesh in a
+  traced array's type or ``jax.sharding.get_abstract_mesh()``.
+
+  Args:
+    mesh: the mesh the caller was given, or None.
+    arrays: a pytree of the arrays that will be used on the mesh (parameters, a batch).
+    traced_ok: accept an ``AbstractMesh`` read off traced arrays or the abstract mesh
+      context (enough for ``shard_map`` under jit; not for placing new arrays).
+
+  Returns:
+    The mesh; None when there is none and the concrete ``arrays`` all sit on one
+    device (data-parallel size 1).
+
+  Raises:
+    Zero1Error: ``mesh`` is not a ``jax.sharding.Mesh``; the arrays are placed on
+      several meshes, or spread over several devices with no mesh; there is no
+      mesh at all and ``arrays`` is None.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> with jax.set_mesh(mesh):
+    ...   resolve_mesh() == mesh
+    True
+    >>> resolve_mesh(None, {"w": jax.device_put(jnp.ones(2), NamedSharding(mesh, P()))}) == mesh
+    True
+    >>> resolve_mesh(None, {"w": jnp.ones(2)}) is None  # one device, no mesh
+    True
+  """
+  if mesh is not None:
+    if not isinstance(mesh, Mesh):
+      raise Zero1Error(f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}")
+    return mesh
+  current = current_mesh()
+  if current is not None:
+    return current
+  if arrays is None:
+    raise Zero1Error(f"Zero-1 needs a device mesh: {_FIX}")
+  meshes, devices = _concrete_meshes(arrays)
+  if len(meshes) > 1:
+    raise Zero1Error(
+        f"the arrays live on {len(meshes)} different meshes "
+        f"({'; '.join(describe_mesh(m) for m in meshes)}), so there is no one mesh to use; {_FIX}"
+    )
+  if meshes:
+    return meshes[0]
+  traced = [x for x in jax.tree.leaves(arrays) if isinstance(x, jax.core.Tracer)]
+  if traced_ok:
+    typed = [m for m in map(mesh_of, traced) if m is not None]
+    abstract = typed[0] if typed else jax.sharding.get_abstract_mesh()
+    if not abstract.empty:
+      return abstract
+  if len(devices) > 1 or (traced and not devices and jax.device_count() > 1):
+    where = f"devices {sorted(d.id for d in devices)}" if devices else "traced arrays"
+    raise Zero1Error(
+        f"Zero-1 needs a device mesh: the arrays are on {where} with no NamedSharding "
+        f"and no mesh is set; {_FIX}"
+    )
+  return None
