@@ -31,7 +31,7 @@ from nnx_zero1._src.report import bytes_per_device
 
 __all__ = [
     "Settings", "OPTIMIZERS", "STEP_ARMS", "StepArm", "accumulate_grads", "accumulated_layout", "new_model",
-    "tokens", "run_cell", "describe",
+    "tokens", "run_cell", "describe", "batch_sharding", "state_shardings", "train_step_jit", "make_optimizer",
 ]
 
 # The arms that train with one compiled step, and how: (Zero-1?, deferred reduction?).
@@ -133,7 +133,57 @@ def accumulated_layout(step_tokens: np.ndarray, dp: int) -> np.ndarray:
   return per_replica.reshape(ga * batch, *step_tokens.shape[2:])
 
 
-def _make_optimizer(arm: str, model, tx, mesh):
+def batch_sharding(mesh, deferred: bool) -> NamedSharding:
+  """Where one step's tokens go: rows over the data axis, for (ga * batch, seq + 1) when the
+  reduction is deferred (``accumulated_layout``), else (ga, batch, seq + 1) split on the batch.
+
+  Example::
+
+    >>> batch_sharding(jax.make_mesh((1,), ("data",)), deferred=False).spec
+    P(None, 'data')
+  """
+  return NamedSharding(mesh, P("data") if deferred else P(None, "data"))
+
+
+def state_shardings(state: Any, mesh) -> Any:
+  """The shardings of a split (model, optimizer) state, concrete or abstract, all on ``mesh``.
+
+  Scalars that optax makes on the default device (adam's count) join the mesh, replicated.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> state_shardings({"count": jax.ShapeDtypeStruct((), jnp.int32)}, mesh)["count"].spec
+    P()
+  """
+  replicated = NamedSharding(mesh, P())
+  on_mesh = lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else replicated
+  return jax.tree.map(on_mesh, state)
+
+
+def train_step_jit(graphdef, shardings: Any, mesh, deferred: bool, ga: int):
+  """The one jitted train step of a step arm, which the CPU bench runs and ``--aot`` only compiles.
+
+  ``state -> (state, loss)``, the state donated and kept on ``shardings``;
+  ``deferred`` accumulates with ``value_and_grad_accumulated`` over ``ga``
+  micro-batches, otherwise with a ``lax.scan`` of ``jax.value_and_grad``.
+
+  Example::
+
+    step = train_step_jit(graphdef, state_shardings(state, mesh), mesh, deferred=True, ga=8)
+    compiled = step.lower(state, batch).compile()
+  """
+  return jax.jit(
+      lambda s, b: _train_step(graphdef, s, b, ga if deferred else None),
+      in_shardings=(shardings, batch_sharding(mesh, deferred)),
+      out_shardings=(shardings, NamedSharding(mesh, P())),
+      donate_argnums=0,
+  )
+
+
+def make_optimizer(arm: str, model, tx, mesh):
+  """The arm's optimizer: ``nnx.Optimizer`` or ``Zero1Optimizer`` over the mesh's ``"data"`` axis."""
   if not STEP_ARMS[arm][0]:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
   return Zero1Optimizer(model, tx, mesh, data_axis="data")
@@ -188,21 +238,12 @@ class StepArm:
     self.dp = mesh.shape["data"]
     self.deferred = STEP_ARMS[name][1]
     model = new_model(settings, mesh)
-    optimizer = _make_optimizer(name, model, OPTIMIZERS[settings.optimizer](), mesh)
+    optimizer = make_optimizer(name, model, OPTIMIZERS[settings.optimizer](), mesh)
     self.graphdef, state = nnx.split((model, optimizer))
-    replicated = NamedSharding(mesh, P())
-    self.batch_sharding = NamedSharding(mesh, P("data") if self.deferred else P(None, "data"))
-    ga = example.shape[0] if self.deferred else None
-    # Scalars that optax makes on the default device (adam's count) join the mesh, replicated.
-    on_mesh = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated
-    shardings = jax.tree.map(on_mesh, state)
+    self.batch_sharding = batch_sharding(mesh, self.deferred)
+    shardings = state_shardings(state, mesh)
     self.state = jax.device_put(state, shardings)
-    step = jax.jit(
-        lambda s, b: _train_step(self.graphdef, s, b, ga),
-        in_shardings=(shardings, self.batch_sharding),
-        out_shardings=(shardings, replicated),
-        donate_argnums=0,
-    )
+    step = train_step_jit(self.graphdef, shardings, mesh, self.deferred, example.shape[0])
     start = time.perf_counter()
     with jax.set_mesh(mesh):  # Explicit-mode ops (the embedding lookup) read the mesh from here
       self.compiled = step.lower(self.state, self.prepare(example)).compile()

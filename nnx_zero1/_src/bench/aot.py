@@ -1,0 +1,201 @@
+"""Ahead of time: the bench's train steps compiled for a TPU topology on a machine without one.
+
+``python -m nnx_zero1.bench --aot v6e:2x2 --model qwen3-0.6b --dp 4 --ga 8``
+builds each arm's model, optimizer and batch abstractly (``nnx.eval_shape``,
+``jax.ShapeDtypeStruct`` on a mesh of the topology's devices), lowers the very
+step the CPU bench runs (:func:`nnx_zero1._src.bench.run.train_step_jit`) and
+compiles it with the real TPU compiler (libtpu). Nothing runs: the numbers are
+the compiler's per-device memory plan and the collectives of the TPU HLO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from nnx_zero1._src.bench import measure
+from nnx_zero1._src.bench.run import (
+    OPTIMIZERS,
+    STEP_ARMS,
+    Settings,
+    batch_sharding,
+    make_optimizer,
+    new_model,
+    state_shardings,
+    train_step_jit,
+)
+from nnx_zero1._src.hlo import collectives, loop_collectives
+
+__all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
+           "aot_row", "run_aot"]
+
+# HBM per chip by jax's device_kind (public spec sheets); the "fits" column compares against it.
+HBM_BYTES = {
+    "TPU v4": 32 * 2**30,
+    "TPU v5 lite": 16 * 2**30,
+    "TPU v5": 95 * 2**30,
+    "TPU v5p": 95 * 2**30,
+    "TPU v6 lite": 32 * 2**30,
+    "TPU v6e": 32 * 2**30,
+}
+
+
+def topology_mesh(topology: str, dp: int) -> Mesh:
+  """A one-axis ``"data"`` mesh (Explicit) over ``dp`` devices of a TPU topology that compile but never run.
+
+  Example::
+
+    mesh = topology_mesh("v6e:2x2", 4)   # 4 TPU v6e devices, in a CPU-only process
+
+  Raises:
+    ValueError: the topology has fewer than ``dp`` devices.
+  """
+  from jax.experimental import topologies
+
+  devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+  if len(devices) < dp:
+    raise ValueError(f"--dp {dp} needs {dp} devices; topology {topology} has {len(devices)}")
+  return Mesh(np.array(devices[:dp]), ("data",), axis_types=(AxisType.Explicit,))
+
+
+def abstract_bytes_per_device(tree: Any) -> int:
+  """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct``s (every device alike).
+
+  Example::
+
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> s = jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, jax.P("data")))
+    >>> abstract_bytes_per_device({"m": s})
+    32
+  """
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
+    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+  return total
+
+
+@dataclasses.dataclass
+class AbstractArm:
+  """One step arm, abstract: its split (model, optimizer), the state's shardings and a batch shape."""
+
+  name: str
+  graphdef: Any
+  state: Any  # ShapeDtypeStructs with shardings
+  shardings: Any
+  batch: jax.ShapeDtypeStruct
+  opt_state_bytes: int
+  param_bytes: int  # the whole model's, unsharded
+
+
+def abstract_arm(name: str, settings: Settings, mesh: Mesh, ga: int) -> AbstractArm:
+  """The arm's model, optimizer and one step's tokens as shapes on ``mesh``; no memory used.
+
+  Example::
+
+    arm = abstract_arm("zero1", Settings(model="qwen3-0.6b"), topology_mesh("v6e:2x2", 4), ga=8)
+  """
+  if name not in STEP_ARMS:
+    raise ValueError(f"--aot compiles the single-step arms {tuple(STEP_ARMS)}; got {name!r}")
+
+  def build():
+    model = new_model(settings, mesh)
+    return model, make_optimizer(name, model, OPTIMIZERS[settings.optimizer](), mesh)
+
+  with jax.set_mesh(mesh):
+    model, optimizer = nnx.eval_shape(build)
+  graphdef, state = nnx.split((model, optimizer))
+  shardings = state_shardings(state, mesh)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  deferred = STEP_ARMS[name][1]
+  seq = (settings.seq_len or settings.config.seq_len) + 1
+  shape = (ga * settings.batch, seq) if deferred else (ga, settings.batch, seq)
+  batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh, deferred))
+  params = nnx.state(model, nnx.Param)
+  return AbstractArm(
+      name=name, graphdef=graphdef, state=state, shardings=shardings, batch=batch,
+      opt_state_bytes=abstract_bytes_per_device(nnx.state(optimizer)),
+      param_bytes=sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)),
+  )
+
+
+def compile_arm(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, float]:
+  """Compiles the arm's train step for the mesh's devices; returns (compiled, seconds)."""
+  step = train_step_jit(arm.graphdef, arm.shardings, mesh, STEP_ARMS[arm.name][1], ga)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):  # Explicit-mode ops (the embedding lookup) read the mesh from here
+    compiled = step.lower(arm.state, arm.batch).compile()
+  return compiled, time.perf_counter() - start
+
+
+def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int, settings: Settings,
+            topology: str) -> dict[str, Any]:
+  """bench.json's row for one compiled arm: the CPU rows' fields, ``compiled_for``, no timing.
+
+  ``peak_bytes_per_device`` is argument + output - alias + temp: what the chip
+  holds at once while the step runs. ``loop_collectives`` are one trip of the
+  micro-batch loop (``collectives`` counts every trip).
+  """
+  mem = measure.memory(compiled)
+  hlo = compiled.as_text()
+  kind = mesh_device_kind(compiled)
+  hbm = HBM_BYTES.get(kind)
+  return {
+      "arm": arm.name,
+      "dp": dp,
+      "ga": ga,
+      "model": settings.model,
+      "optimizer": settings.optimizer,
+      "batch": settings.batch,
+      "seq_len": settings.seq_len or settings.config.seq_len,
+      "compiled_for": topology,
+      "device_kind": kind,
+      "hbm_bytes": hbm,
+      "opt_state_bytes_per_device": arm.opt_state_bytes,
+      "argument_bytes_per_device": mem["argument"],
+      "output_bytes_per_device": mem["output"],
+      "alias_bytes_per_device": mem["alias"],
+      "temp_bytes_per_device": mem["temp"],
+      "peak_bytes_per_device": mem["peak"],
+      "fits": None if hbm is None else mem["peak"] <= hbm,
+      "compile_s": round(compile_s, 1),
+      "collectives": collectives(hlo),
+      "loop_collectives": loop_collectives(hlo),
+      "param_bytes": arm.param_bytes,
+  }
+
+
+def mesh_device_kind(compiled: Any) -> str:
+  """The device kind a compiled executable was built for (``"TPU v6 lite"`` for v6e)."""
+  shardings = jax.tree.leaves(compiled.input_shardings)
+  return next(iter(shardings[0].device_set)).device_kind
+
+
+def run_aot(settings: Settings, topology: str, dp: int, ga: int, arms: Sequence[str],
+            tick=None) -> list[dict[str, Any]]:
+  """Compiles every arm at one (dp, ga) for ``topology``; one row per arm.
+
+  Example::
+
+    rows = run_aot(Settings(model="tiny", batch=8, seq_len=16), "v6e:2x2", dp=4, ga=2,
+                   arms=("baseline", "zero1", "zero1-accum"))
+  """
+  tick = tick or (lambda: None)
+  if settings.batch % dp:
+    raise ValueError(f"the global micro-batch of {settings.batch} sequences does not split over dp={dp}")
+  mesh = topology_mesh(topology, dp)
+  rows = []
+  for name in arms:
+    arm = abstract_arm(name, settings, mesh, ga)
+    compiled, seconds = compile_arm(arm, mesh, ga)
+    rows.append(aot_row(arm, compiled, seconds, dp, ga, settings, topology))
+    tick()
+  return rows
