@@ -55,6 +55,9 @@ CONFIGS: dict[str, Config] = {
     "tiny": Config(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, seq_len=32),
     "small": Config(vocab=1024, dim=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=384, seq_len=64),
     "base": Config(vocab=4096, dim=256, layers=4, heads=8, kv_heads=4, head_dim=32, ffn=512, seq_len=64),
+    # The CI's ahead-of-time compile for 4 TPU chips: each Zero-1 slice at dp=4 fills whole TPU
+    # tiles (8 x 128 float32), so the compiler's bytes are the layout rule's, with no padding.
+    "tiny-aot": Config(vocab=512, dim=512, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, seq_len=16),
     # Accelerator sizes: the published shapes of real models (weights not needed).
     "qwen3-0.6b": Config(vocab=151936, dim=1024, layers=28, heads=16, kv_heads=8, head_dim=128,
                          ffn=3072, qk_norm=True, rope_theta=1e6, seq_len=2048, scan_layers=True),
