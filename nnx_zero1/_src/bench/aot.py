@@ -29,13 +29,14 @@ from nnx_zero1._src.bench.run import (
     batch_sharding,
     make_optimizer,
     new_model,
+    split_step_jits,
     state_shardings,
     train_step_jit,
 )
 from nnx_zero1._src.hlo import collectives, loop_collectives
 
 __all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
-           "aot_row", "run_aot"]
+           "compile_split", "split_memory", "aot_row", "run_aot"]
 
 # HBM per chip by jax's device_kind (public spec sheets); the "fits" column compares against it.
 HBM_BYTES = {
@@ -136,17 +137,60 @@ def compile_arm(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, float]:
   return compiled, time.perf_counter() - start
 
 
+def compile_split(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, Any, float]:
+  """Compiles the arm's step as two programs (gradients, update); returns (grads, update, seconds)."""
+  deferred, zero1 = STEP_ARMS[arm.name][1], STEP_ARMS[arm.name][0]
+  grads_jit, update_jit = split_step_jits(arm.graphdef, arm.shardings, mesh, deferred, zero1, ga)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):
+    grads_compiled = grads_jit.lower(arm.state, arm.batch).compile()
+    grads, _ = jax.eval_shape(grads_jit, arm.state, arm.batch)
+    update_compiled = update_jit.lower(arm.state, grads).compile()
+  return grads_compiled, update_compiled, time.perf_counter() - start
+
+
+def split_memory(grads_compiled: Any, update_compiled: Any, opt_state_bytes: int) -> dict[str, int]:
+  """Per-device bytes of a step compiled as two programs, as one step's figures.
+
+  The optimizer state stays resident while the gradient program runs without
+  it, so it is added there: ``argument`` is what that program reads plus the
+  optimizer state, ``temp`` its temporaries (the activations), and ``peak``
+  the larger of the two programs' resident bytes.
+
+  Example::
+
+    >>> g = {"argument": 10, "output": 4, "alias": 0, "temp": 50, "peak": 64}
+    >>> u = {"argument": 16, "output": 12, "alias": 12, "temp": 3, "peak": 19}
+    >>> split_memory(g, u, 2)["peak"], split_memory(g, u, 2)["argument"]
+    (66, 12)
+  """
+  grads = grads_compiled if isinstance(grads_compiled, dict) else measure.memory(grads_compiled)
+  update = update_compiled if isinstance(update_compiled, dict) else measure.memory(update_compiled)
+  return {
+      "argument": grads["argument"] + opt_state_bytes,
+      "output": grads["output"],
+      "alias": 0,
+      "temp": grads["temp"],
+      "peak": max(grads["peak"] + opt_state_bytes, update["peak"]),
+      "update_peak": update["peak"],
+      "update_temp": update["temp"],
+  }
+
+
 def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int, settings: Settings,
             topology: str) -> dict[str, Any]:
   """bench.json's row for one compiled arm: the CPU rows' fields, ``compiled_for``, no timing.
 
   ``peak_bytes_per_device`` is argument + output - alias + temp: what the chip
-  holds at once while the step runs. ``loop_collectives`` are one trip of the
+  holds at once while the step runs (for a step compiled as two programs,
+  ``compiled`` is the pair and the peak is the larger program's, see
+  :func:`split_memory`). ``loop_collectives`` are one trip of the
   micro-batch loop (``collectives`` counts every trip).
   """
-  mem = measure.memory(compiled)
-  hlo = compiled.as_text()
-  kind = mesh_device_kind(compiled)
+  split = isinstance(compiled, tuple)
+  mem = split_memory(*compiled, arm.opt_state_bytes) if split else measure.memory(compiled)
+  hlos = [c.as_text() for c in compiled] if split else [compiled.as_text()]
+  kind = mesh_device_kind(compiled[0] if split else compiled)
   hbm = HBM_BYTES.get(kind)
   return {
       "arm": arm.name,
@@ -166,11 +210,16 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
       "temp_bytes_per_device": mem["temp"],
       "peak_bytes_per_device": mem["peak"],
       "fits": None if hbm is None else mem["peak"] <= hbm,
+      "programs": 2 if split else 1,
       "compile_s": round(compile_s, 1),
-      "collectives": collectives(hlo),
-      "loop_collectives": loop_collectives(hlo),
+      "collectives": _summed([collectives(h) for h in hlos]),
+      "loop_collectives": _summed([loop_collectives(h) for h in hlos]),
       "param_bytes": arm.param_bytes,
   }
+
+
+def _summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+  return {op: {k: sum(c[op][k] for c in counts) for k in ("count", "bytes")} for op in counts[0]}
 
 
 def mesh_device_kind(compiled: Any) -> str:
@@ -180,7 +229,7 @@ def mesh_device_kind(compiled: Any) -> str:
 
 
 def run_aot(settings: Settings, topology: str, dp: int, ga: int, arms: Sequence[str],
-            tick=None) -> list[dict[str, Any]]:
+            tick=None, split_step: bool = False) -> list[dict[str, Any]]:
   """Compiles every arm at one (dp, ga) for ``topology``; one row per arm.
 
   Example::
@@ -195,7 +244,11 @@ def run_aot(settings: Settings, topology: str, dp: int, ga: int, arms: Sequence[
   rows = []
   for name in arms:
     arm = abstract_arm(name, settings, mesh, ga)
-    compiled, seconds = compile_arm(arm, mesh, ga)
-    rows.append(aot_row(arm, compiled, seconds, dp, ga, settings, topology))
+    if split_step:
+      grads, update, seconds = compile_split(arm, mesh, ga)
+      rows.append(aot_row(arm, (grads, update), seconds, dp, ga, settings, topology))
+    else:
+      compiled, seconds = compile_arm(arm, mesh, ga)
+      rows.append(aot_row(arm, compiled, seconds, dp, ga, settings, topology))
     tick()
   return rows

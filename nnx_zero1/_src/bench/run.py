@@ -25,13 +25,14 @@ from nnx_zero1._src.accumulate import value_and_grad_accumulated
 from nnx_zero1._src.bench import measure
 from nnx_zero1._src.bench.model import CONFIGS, Config, Transformer, count_params, loss_fn
 from nnx_zero1._src.hlo import collectives
-from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.optimizer import Zero1Optimizer, mark_zero1_grads
 from nnx_zero1._src.optimizer_cases import BENCH, bench_optimizer
 from nnx_zero1._src.report import bytes_per_device
 
 __all__ = [
     "Settings", "OPTIMIZERS", "STEP_ARMS", "StepArm", "accumulate_grads", "accumulated_layout", "new_model",
-    "tokens", "run_cell", "describe", "batch_sharding", "state_shardings", "train_step_jit", "make_optimizer",
+    "tokens", "run_cell", "describe", "batch_sharding", "state_shardings", "train_step_jit",
+    "split_step_jits", "make_optimizer",
 ]
 
 # The arms that train with one compiled step, and how: (Zero-1?, deferred reduction?).
@@ -105,15 +106,32 @@ def accumulate_grads(model: nnx.Module, batches: jax.Array) -> tuple[jax.Array, 
   return loss / n, jax.tree.map(lambda g: g / n, grads)
 
 
+def _grads(model, optimizer, batches, ga: int | None):
+  if ga is None:
+    return accumulate_grads(model, batches)
+  return value_and_grad_accumulated(loss_fn, model, batches, micro_batches=ga, optimizer=optimizer)
+
+
 def _train_step(graphdef, state, batches, ga: int | None):
   # nnx.jit's functional form: one merge per trace, no graph traversal per call.
   model, optimizer = nnx.merge(graphdef, state)
-  if ga is None:
-    loss, grads = accumulate_grads(model, batches)
-  else:
-    loss, grads = value_and_grad_accumulated(loss_fn, model, batches, micro_batches=ga, optimizer=optimizer)
+  loss, grads = _grads(model, optimizer, batches, ga)
   optimizer.update(model, grads)
   return nnx.state((model, optimizer)), loss
+
+
+def _grads_program(graphdef, state, batches, ga: int | None):
+  model, optimizer = nnx.merge(graphdef, state)
+  loss, grads = _grads(model, optimizer, batches, ga)
+  return grads, loss
+
+
+def _update_program(graphdef, state, grads, reduce_scattered: bool):
+  model, optimizer = nnx.merge(graphdef, state)
+  if reduce_scattered:  # value_and_grad_accumulated's mark does not cross the program boundary
+    grads = mark_zero1_grads(grads)
+  optimizer.update(model, grads)
+  return nnx.state((model, optimizer))
 
 
 def accumulated_layout(step_tokens: np.ndarray, dp: int) -> np.ndarray:
@@ -180,6 +198,27 @@ def train_step_jit(graphdef, shardings: Any, mesh, deferred: bool, ga: int):
       out_shardings=(shardings, NamedSharding(mesh, P())),
       donate_argnums=0,
   )
+
+
+def split_step_jits(graphdef, shardings: Any, mesh, deferred: bool, zero1: bool, ga: int):
+  """The same train step as two programs, as MaxText's engine compiles it: gradients, then update.
+
+  ``grads(state, batch) -> (grads, loss)`` reads the parameters (the
+  optimizer state is unused, and jit drops it from the program's arguments)
+  and ``update(state, grads) -> state`` donates the state. The first program
+  outputs no parameters, so nothing of parameter size is copied to free
+  the donated parameters for the update's all-gather while the activations
+  are live; the second has no activations.
+
+  Example::
+
+    grads_jit, update_jit = split_step_jits(graphdef, shardings, mesh, deferred=True, zero1=True, ga=8)
+  """
+  grads = jax.jit(lambda s, b: _grads_program(graphdef, s, b, ga if deferred else None),
+                  in_shardings=(shardings, batch_sharding(mesh, deferred)))
+  update = jax.jit(lambda s, g: _update_program(graphdef, s, g, deferred and zero1),
+                   out_shardings=shardings, donate_argnums=0)
+  return grads, update
 
 
 def make_optimizer(arm: str, model, tx, mesh):
