@@ -188,7 +188,7 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
   micro-batch loop (``collectives`` counts every trip).
   """
   split = isinstance(compiled, tuple)
-  mem = split_memory(*compiled, arm.opt_state_bytes) if split else measure.memory(compiled)
+  mem = split_memory(compiled[0], compiled[1], arm.opt_state_bytes) if split else measure.memory(compiled)
   hlos = [c.as_text() for c in compiled] if split else [compiled.as_text()]
   kind = mesh_device_kind(compiled[0] if split else compiled)
   hbm = HBM_BYTES.get(kind)

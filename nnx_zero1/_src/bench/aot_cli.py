@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
   rows = []
   for dp in args.dp:
     for ga in args.ga:
-      for row in aot.run_aot(settings, args.aot, dp, ga, args.arms):
+      for row in aot.run_aot(settings, args.aot, dp, ga, args.arms, split_step=args.split_step):
         rows.append(row)
         if not args.no_progress:
           print(f"nnx_zero1.bench: compiled {row['arm']} dp={dp} ga={ga} for {args.aot} in "
@@ -62,6 +62,7 @@ def main(args: argparse.Namespace) -> int:
       **run.describe(settings),
       "arms": list(args.arms),
       "compiled_for": args.aot,
+      "programs_per_step": 2 if args.split_step else 1,
       "libtpu": version,
       "host_cpus": os.cpu_count(),
       "machine": f"{platform.machine()} {platform.system()}, python {platform.python_version()}",

@@ -43,7 +43,7 @@ def saving(rows: Sequence[dict], row: dict) -> int | None:
 
 def cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
   """One tuple of strings per row, in :data:`HEADER`'s order."""
-  out = []
+  out: list[tuple[str, ...]] = []
   for r in rows:
     fits = "-" if r.get("fits") is None else "yes" if r["fits"] else "NO"
     out.append((
@@ -79,7 +79,9 @@ _NOTE = (
     "Per device: `opt` is the optimizer state, `args` / `temp` the compiled step's argument and "
     "temporary bytes (`memory_analysis()`), `peak` = args + output - donated + temp, what the chip "
     "holds at once; `saved` is the baseline's peak minus this arm's; `fits`: peak <= the chip's HBM. "
-    "Collectives are read from the TPU HLO; those in the micro-batch loop count once per trip."
+    "Collectives are read from the TPU HLO; those in the micro-batch loop count once per trip. With "
+    "`--split-step` each step is two programs (gradients, then update): `args` is the gradient program's "
+    "plus the optimizer state resident meanwhile, `peak` the larger program's."
 )
 
 

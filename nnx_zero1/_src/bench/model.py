@@ -229,7 +229,7 @@ class Transformer(nnx.Module):
     # plus features); on Auto meshes and inside shard_map the ids' type carries no axes.
     entries = padded_entries(jax.typeof(tokens).sharding.spec, tokens.ndim)
     x = self.embed(tokens, out_sharding=P(*entries, None)) if any(entries) else self.embed(tokens)
-    if self.cfg.scan_layers:
+    if isinstance(self.blocks, Block):  # stacked: cfg.scan_layers
       x = _scan_blocks(self.blocks, x)
     else:
       for block in self.blocks:
