@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from nnx_zero1._src.bench import libtpu, shapes
+from nnx_zero1._src.bench.cli import parse_args
 from nnx_zero1._src.bench.model import CONFIGS
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -181,3 +182,15 @@ def test_without_libtpu_the_mode_says_what_to_install_and_fails():
                         env=_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
   assert 'pip install "nnx-zero1[aot]"' in proc.stderr and "jax[tpu]==" in proc.stderr
+
+
+def test_a_users_model_shape_from_json(tmp_path):
+  path = tmp_path / "my-model.json"
+  path.write_text(json.dumps({"vocab": 512, "dim": 512, "layers": 2, "heads": 4, "kv_heads": 2,
+                              "head_dim": 64, "ffn": 512, "scan_layers": True}))
+  args = parse_args(["--aot", "v6e:2x2", "--model-config", str(path)])
+  assert args.model == "my-model" and CONFIGS["my-model"].scan_layers
+  assert args.arms == ("baseline", "zero1", "zero1-accum")
+  path.write_text(json.dumps({"vocab": 512, "dims": 512}))
+  with pytest.raises(ValueError, match="unknown Config fields \\['dims'\\]"):
+    parse_args(["--model-config", str(path)])

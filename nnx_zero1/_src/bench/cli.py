@@ -47,6 +47,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--ga", type=_ints, default=(1, 8), help="gradient-accumulation steps, e.g. 1,8")
   p.add_argument("--model", default=None, choices=list(CONFIGS),
                  help="model shape (default: base; --quick: small); the real shapes are for accelerators")
+  p.add_argument("--model-config", default=None, metavar="JSON",
+                 help="your own model shape: a JSON file of Config fields (vocab, dim, layers, heads, "
+                 "kv_heads, head_dim, ffn, tied, qk_norm, sandwich_norms, scan_layers, ...); overrides --model")
   p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
   p.add_argument("--steps", type=int, default=None, help="timed steps per arm (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed steps per arm first")
@@ -67,6 +70,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--no-shapes", action="store_true", help="skip the real-LLM-shapes table")
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   args = p.parse_args(list(argv))
+  if args.model_config:
+    from nnx_zero1._src.bench.model import register_config
+
+    args.model = register_config(args.model_config)
   quick = {"model": "small", "steps": 10, "warmup": 1, "seq_len": 32}
   full = {"model": "base", "steps": 15, "warmup": 2, "seq_len": None}
   for key, value in (quick if args.quick else full).items():

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src.specs import padded_entries
 
-__all__ = ["Config", "CONFIGS", "Transformer", "loss_fn", "count_params"]
+__all__ = ["Config", "CONFIGS", "Transformer", "loss_fn", "count_params", "register_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,37 @@ CONFIGS: dict[str, Config] = {
                          ffn=6912, qk_norm=True, sandwich_norms=True, rope_theta=1e6, seq_len=2048,
                          scan_layers=True),
 }
+
+
+def register_config(path: str) -> str:
+  """Adds the model shape in a JSON file of :class:`Config` fields to ``CONFIGS``; returns its name.
+
+  The name is the file's, without ``.json``: ``my-model.json`` -> ``"my-model"``.
+
+  Example::
+
+    name = register_config("my-model.json")  # {"vocab": 32000, "dim": 2048, "layers": 24, ...}
+    CONFIGS[name].scan_layers
+
+  Raises:
+    ValueError: the file names a field ``Config`` does not have, or misses a required one.
+  """
+  import json
+  import os
+
+  with open(path) as f:
+    fields = json.load(f)
+  known = {f.name for f in dataclasses.fields(Config)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ValueError(f"{path}: unknown Config fields {unknown}; known: {sorted(known)}")
+  try:
+    cfg = Config(**fields)
+  except TypeError as e:
+    raise ValueError(f"{path}: {e}") from None
+  name = os.path.splitext(os.path.basename(path))[0]
+  CONFIGS[name] = cfg
+  return name
 
 
 class RMSNorm(nnx.Module):
