@@ -49,7 +49,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                  help="model shape (default: base; --quick: small); the real shapes are for accelerators")
   p.add_argument("--model-config", default=None, metavar="JSON",
                  help="your own model shape: a JSON file of Config fields (vocab, dim, layers, heads, "
-                 "kv_heads, head_dim, ffn, tied, qk_norm, sandwich_norms, scan_layers, ...); overrides --model")
+                 "kv_heads, head_dim, ffn, tied, qk_norm, sandwich_norms, scan_layers...); overrides --model")
   p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
   p.add_argument("--steps", type=int, default=None, help="timed steps per arm (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed steps per arm first")
