@@ -11,6 +11,7 @@ the compiler's per-device memory plan and the collectives of the TPU HLO.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -36,7 +37,7 @@ from nnx_zero1._src.bench.run import (
 from nnx_zero1._src.hlo import collectives, loop_collectives
 
 __all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
-           "compile_split", "split_memory", "aot_row", "run_aot"]
+           "compile_split", "split_memory", "aot_row", "hbm_oom", "oom_row", "run_aot"]
 
 # HBM per chip by jax's device_kind (public spec sheets); the "fits" column compares against it.
 HBM_BYTES = {
@@ -218,6 +219,46 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
   }
 
 
+_OOM = re.compile(r"required for (?P<what>.*?) \((?P<need>[\d.]+)(?P<u1>[KMGT])\) exceeds available HBM "
+                  r"\((?P<have>[\d.]+)(?P<u2>[KMGT])\)")
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def hbm_oom(message: str) -> dict[str, Any] | None:
+  """The TPU compiler's "does not fit" refusal (``CompileTimeHbmOom``) as numbers; None for other errors.
+
+  Example::
+
+    >>> hbm_oom("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
+    ...         "required for HLO temporaries (52.59G) exceeds available HBM (31.24G). HLO module: jit")
+    {'required_bytes': 56468082524, 'available_bytes': 33543694581, 'required_for': 'HLO temporaries'}
+  """
+  if "CompileTimeHbmOom" not in message:
+    return None
+  m = _OOM.search(message)
+  if m is None:
+    return {"required_bytes": None, "available_bytes": None, "required_for": message[:300]}
+  return {
+      "required_bytes": int(float(m["need"]) * _UNITS[m["u1"]]),
+      "available_bytes": int(float(m["have"]) * _UNITS[m["u2"]]),
+      "required_for": m["what"],
+  }
+
+
+def oom_row(arm: AbstractArm, oom: dict[str, Any], dp: int, ga: int, settings: Settings, topology: str,
+            kind: str) -> dict[str, Any]:
+  """The row of an arm the TPU compiler refused because it does not fit the chip's HBM."""
+  return {
+      "arm": arm.name, "dp": dp, "ga": ga, "model": settings.model, "optimizer": settings.optimizer,
+      "batch": settings.batch, "seq_len": settings.seq_len or settings.config.seq_len,
+      "compiled_for": topology, "device_kind": kind, "hbm_bytes": HBM_BYTES.get(kind),
+      "opt_state_bytes_per_device": arm.opt_state_bytes, "argument_bytes_per_device": None,
+      "output_bytes_per_device": None, "alias_bytes_per_device": None, "temp_bytes_per_device": None,
+      "peak_bytes_per_device": None, "fits": False, "hbm_oom": oom, "compile_s": 0.0,
+      "collectives": None, "loop_collectives": None, "param_bytes": arm.param_bytes,
+  }
+
+
 def _summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
   return {op: {k: sum(c[op][k] for c in counts) for k in ("count", "bytes")} for op in counts[0]}
 
@@ -244,11 +285,17 @@ def run_aot(settings: Settings, topology: str, dp: int, ga: int, arms: Sequence[
   rows = []
   for name in arms:
     arm = abstract_arm(name, settings, mesh, ga)
-    if split_step:
-      grads, update, seconds = compile_split(arm, mesh, ga)
-      rows.append(aot_row(arm, (grads, update), seconds, dp, ga, settings, topology))
-    else:
-      compiled, seconds = compile_arm(arm, mesh, ga)
-      rows.append(aot_row(arm, compiled, seconds, dp, ga, settings, topology))
+    try:
+      if split_step:
+        grads, update, seconds = compile_split(arm, mesh, ga)
+        rows.append(aot_row(arm, (grads, update), seconds, dp, ga, settings, topology))
+      else:
+        compiled, seconds = compile_arm(arm, mesh, ga)
+        rows.append(aot_row(arm, compiled, seconds, dp, ga, settings, topology))
+    except jax.errors.JaxRuntimeError as e:
+      oom = hbm_oom(str(e))
+      if oom is None:
+        raise
+      rows.append(oom_row(arm, oom, dp, ga, settings, topology, mesh.devices.flat[0].device_kind))
     tick()
   return rows

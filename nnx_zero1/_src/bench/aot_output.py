@@ -38,7 +38,9 @@ def saving(rows: Sequence[dict], row: dict) -> int | None:
   """
   key = lambda r: (r["compiled_for"], r["model"] if "model" in r else None, r["dp"], r["ga"])  # noqa: E731
   base = next((r for r in rows if r["arm"] == "baseline" and key(r) == key(row)), None)
-  return None if base is None else base["peak_bytes_per_device"] - row["peak_bytes_per_device"]
+  if base is None or base["peak_bytes_per_device"] is None or row["peak_bytes_per_device"] is None:
+    return None
+  return base["peak_bytes_per_device"] - row["peak_bytes_per_device"]
 
 
 def cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
@@ -46,11 +48,15 @@ def cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
   out: list[tuple[str, ...]] = []
   for r in rows:
     fits = "-" if r.get("fits") is None else "yes" if r["fits"] else "NO"
+    oom = r.get("hbm_oom")
+    if oom:  # the compiler refused: its figure for what it needed
+      fits = f"NO (needs {_gib(oom['required_bytes'])} GiB {oom['required_for']})"
     out.append((
         r["compiled_for"], r["arm"], str(r["dp"]), str(r["ga"]), _gib(r["opt_state_bytes_per_device"]),
         _gib(r["argument_bytes_per_device"]), _gib(r["temp_bytes_per_device"]),
         _gib(r["peak_bytes_per_device"]), _gib(saving(rows, r)), _gib(r.get("hbm_bytes")), fits,
-        f"{r['compile_s']:.0f}", _collective_cell(r["collectives"]), _collective_cell(r["loop_collectives"]),
+        f"{r['compile_s']:.0f}", _collective_cell(r["collectives"] or {}),
+        _collective_cell(r["loop_collectives"] or {}),
     ))
   return out
 
