@@ -121,6 +121,8 @@ def plot(rows: Sequence[dict], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  refused = [r for r in rows if r["peak_bytes_per_device"] is None]
+  rows = [r for r in rows if r["peak_bytes_per_device"] is not None]  # the compiler's refusals have no plan
   fig, ax = plt.subplots(figsize=(6, 4))
   labels = [f"{r['arm']}\ndp={r['dp']} ga={r['ga']}" for r in rows]
   args = [r["argument_bytes_per_device"] / 2**30 for r in rows]
@@ -130,9 +132,10 @@ def plot(rows: Sequence[dict], path: str) -> None:
   hbm = {r["hbm_bytes"] for r in rows if r.get("hbm_bytes")}
   for h in hbm:
     ax.axhline(h / 2**30, color="k", linestyle="--", label=f"HBM {h / 2**30:.0f} GiB")
-  topologies = sorted({r["compiled_for"] for r in rows})
+  topologies = sorted({r["compiled_for"] for r in rows + refused})
   ax.set_ylabel("GiB per device (compiled, not run)")
-  ax.set_title(f"Compiled for {', '.join(topologies)} (TPU compiler, no timing)")
+  refusals = f"; {len(refused)} arm(s) do not fit" if refused else ""
+  ax.set_title(f"Compiled for {', '.join(topologies)} (TPU compiler, no timing){refusals}", fontsize=9)
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
