@@ -194,3 +194,17 @@ def test_a_users_model_shape_from_json(tmp_path):
   path.write_text(json.dumps({"vocab": 512, "dims": 512}))
   with pytest.raises(ValueError, match="unknown Config fields \\['dims'\\]"):
     parse_args(["--model-config", str(path)])
+
+
+@needs_libtpu
+def test_an_arm_that_does_not_fit_is_a_row_with_the_compilers_figures(tmp_path):
+  # 256 sequences of 2048 tokens per chip: the attention probabilities alone need far more than 32 GiB.
+  args = ["--aot", "v6e:2x2", "--model", "tiny-aot", "--dp", "4", "--ga", "1", "--batch", "1024",
+          "--seq-len", "2048", "--arms", "zero1", "--no-progress", "--out", str(tmp_path)]
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", *args], env=_env(), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+  assert row["fits"] is False and row["peak_bytes_per_device"] is None
+  assert row["hbm_oom"]["required_bytes"] > row["hbm_oom"]["available_bytes"] > 30 * 2**30
+  assert "NO (needs" in proc.stdout
