@@ -285,6 +285,7 @@ def run_aot(settings: Settings, topology: str, dp: int, ga: int, arms: Sequence[
   rows = []
   for name in arms:
     arm = abstract_arm(name, settings, mesh, ga)
+    start = time.perf_counter()
     try:
       if split_step:
         grads, update, seconds = compile_split(arm, mesh, ga)
@@ -296,6 +297,7 @@ def run_aot(settings: Settings, topology: str, dp: int, ga: int, arms: Sequence[
       oom = hbm_oom(str(e))
       if oom is None:
         raise
-      rows.append(oom_row(arm, oom, dp, ga, settings, topology, mesh.devices.flat[0].device_kind))
+      row = oom_row(arm, oom, dp, ga, settings, topology, mesh.devices.flat[0].device_kind)
+      rows.append({**row, "compile_s": round(time.perf_counter() - start, 1)})  # until the refusal
     tick()
   return rows

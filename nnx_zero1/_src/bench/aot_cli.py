@@ -56,7 +56,8 @@ def main(args: argparse.Namespace) -> int:
       for row in aot.run_aot(settings, args.aot, dp, ga, args.arms, split_step=args.split_step):
         rows.append(row)
         if not args.no_progress:
-          print(f"nnx_zero1.bench: compiled {row['arm']} dp={dp} ga={ga} for {args.aot} in "
+          done = "refused (does not fit)" if row.get("hbm_oom") else "compiled"
+          print(f"nnx_zero1.bench: {done} {row['arm']} dp={dp} ga={ga} for {args.aot} in "
                 f"{row['compile_s']} s", file=sys.stderr)
   meta = {
       **run.describe(settings),
