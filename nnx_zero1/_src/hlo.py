@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["COLLECTIVES", "shape_bytes", "collectives", "loop_collectives"]
+__all__ = ["COLLECTIVES", "shape_bytes", "collectives", "loop_collectives", "condition_trip_count"]
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -22,9 +22,20 @@ _OP = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s"
     r"(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\("
 )
+# The TPU compiler emits a reduce-scatter as a fusion calling a computation named all-reduce-scatter*
+# (an all-reduce and a slice fused into one collective, "SingleInputAllReduceScatterFusion"); its
+# result is the scattered slice.
+_FUSED_REDUCE_SCATTER = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\sfusion\(.*\bcalls=%?all-reduce-scatter[\w.\-]*"
+)
 _CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[su](?:32|64)\[\]\S*\s+constant\((\d+)\)")
+_LESS_THAN = re.compile(
+    r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%?([\w.\-]+),\s*%?([\w.\-]+)\),\s*direction=LT"
+)
 
 
 def _array_bytes(dtype: str, dims: str) -> int:
@@ -75,10 +86,45 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
 
 def _callees(line: str) -> list[tuple[str, str]]:
   """(kind, computation) for every computation an instruction calls."""
+  if _FUSED_REDUCE_SCATTER.match(line):
+    return []  # counted as one reduce-scatter; the all-reduce inside is not a second collective
   callees = [(kind, callee) for kind, callee in _CALLEE.findall(line)]
   for branches in _BRANCHES.findall(line):
     callees += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
   return callees
+
+
+def condition_trip_count(condition: list[str]) -> int | None:
+  """The trips of a while loop whose condition computation is ``counter < constant`` (None otherwise).
+
+  The TPU compiler's HLO carries no ``known_trip_count``; a ``lax.scan`` there
+  keeps the form ``ROOT compare(counter, constant(N)), direction=LT`` with the
+  counter starting at 0.
+
+  Example::
+
+    >>> condition_trip_count([
+    ...     "  %c = s32[]{:T(128)} constant(8)",
+    ...     "  %i = s32[]{:T(128)} get-tuple-element(%p), index=0",
+    ...     "  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT",
+    ... ])
+    8
+  """
+  constants = {m[1]: int(m[2]) for m in map(_CONSTANT.match, condition) if m}
+  for line in condition:
+    m = _LESS_THAN.match(line)
+    if m and m[2] in constants:
+      return constants[m[2]]
+  return None
+
+
+def _trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
+  """A while instruction's trip count: XLA's own annotation, else read off its condition."""
+  trip = _TRIP.search(line)
+  if trip:
+    return int(trip.group(1))
+  condition = _CONDITION.search(line)
+  return condition_trip_count(bodies.get(condition.group(1), [])) if condition else None
 
 
 def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
@@ -88,10 +134,10 @@ def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, in
   def visit(name: str, times: int) -> None:
     runs[name] = runs.get(name, 0) + times
     for line in bodies.get(name, ()):
-      trip = _TRIP.search(line)
+      trip = _trip_count(line, bodies) if "body=" in line else None
       for kind, callee in _callees(line):
         if callee in bodies:
-          visit(callee, times * (int(trip.group(1)) if kind == "body" and trip else 1))
+          visit(callee, times * (trip if kind == "body" and trip else 1))
 
   if entry is not None:
     visit(entry, 1)
@@ -100,6 +146,11 @@ def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, in
 
 def _count(lines: list[str], times: int, out: dict[str, dict[str, int]]) -> None:
   for line in lines:
+    fused = _FUSED_REDUCE_SCATTER.match(line)
+    if fused and times:
+      out["reduce-scatter"]["count"] += times
+      out["reduce-scatter"]["bytes"] += times * shape_bytes(fused["shape"])
+      continue
     m = _OP.match(line)
     if m and times:
       nbytes = shape_bytes(m["shape"], second_half=bool(m["start"]) and m["op"] != "all-reduce")
@@ -115,9 +166,12 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
   """Count and bytes of all-reduce, reduce-scatter and all-gather per call of a compiled kernel.
 
   Parses ``compiled.as_text()``. Async forms (``all-gather-start``) count once
-  (their ``-done`` halves are skipped); combined collectives have tuple shapes,
+  (their ``-done`` halves are skipped), and so does the TPU compiler's fused
+  reduce-scatter (a fusion calling ``all-reduce-scatter``: an all-reduce and a
+  slice in one collective); combined collectives have tuple shapes,
   whose arrays are summed; bytes are the results' bytes on one device. An op
-  inside a while loop with a known trip count counts once per trip.
+  inside a while loop with a known trip count (XLA's annotation, or a
+  ``counter < N`` condition, as in the TPU compiler's HLO) counts once per trip.
 
   Example::
 

@@ -47,6 +47,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--ga", type=_ints, default=(1, 8), help="gradient-accumulation steps, e.g. 1,8")
   p.add_argument("--model", default=None, choices=list(CONFIGS),
                  help="model shape (default: base; --quick: small); the real shapes are for accelerators")
+  p.add_argument("--model-config", default=None, metavar="JSON",
+                 help="your own model shape: a JSON file of Config fields (vocab, dim, layers, heads, "
+                 "kv_heads, head_dim, ffn, tied, qk_norm, sandwich_norms, scan_layers...); overrides --model")
   p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
   p.add_argument("--steps", type=int, default=None, help="timed steps per arm (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed steps per arm first")
@@ -57,14 +60,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--arms", default=None,
                  help="comma list of baseline,zero1,accum,zero1-accum,engine,zero1-engine (default: all "
                  "available; --quick: the first four); the first is the reference for loss_diff")
+  p.add_argument("--aot", default=None, metavar="TOPOLOGY",
+                 help="compile each arm's step for a TPU topology (e.g. v6e:2x2, v5e:2x4, v4:2x2x1, "
+                 "v5p:2x2x1) with the real TPU compiler and report its memory and collectives; runs nothing, "
+                 "needs no TPU (pip extra aot); default arms baseline,zero1,zero1-accum")
+  p.add_argument("--split-step", action="store_true",
+                 help="with --aot: compile each arm as two programs, gradients then update (as MaxText's "
+                 "engine does), so the update's buffers stay out of the activation peak")
   p.add_argument("--no-shapes", action="store_true", help="skip the real-LLM-shapes table")
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   args = p.parse_args(list(argv))
+  if args.model_config:
+    from nnx_zero1._src.bench.model import register_config
+
+    args.model = register_config(args.model_config)
   quick = {"model": "small", "steps": 10, "warmup": 1, "seq_len": 32}
   full = {"model": "base", "steps": 15, "warmup": 2, "seq_len": None}
   for key, value in (quick if args.quick else full).items():
     if getattr(args, key) is None:
       setattr(args, key, value)
+  if args.aot and not args.arms:
+    args.arms = "baseline,zero1,zero1-accum"
   # --quick keeps to the single-step arms: the engines add two compiles each (minutes on 2 cores).
   args.arms = tuple(args.arms.split(",")) if args.arms else STEP_ARMS if args.quick else default_arms()
   return args
@@ -104,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
+  if args.aot:
+    from nnx_zero1._src.bench import aot_cli  # compiles for a TPU topology; needs no devices
+
+    return aot_cli.main(args)
   rerun = _devices_or_rerun(max(args.dp), argv)
   if rerun is not None:
     return rerun

@@ -25,13 +25,14 @@ from nnx_zero1._src.accumulate import value_and_grad_accumulated
 from nnx_zero1._src.bench import measure
 from nnx_zero1._src.bench.model import CONFIGS, Config, Transformer, count_params, loss_fn
 from nnx_zero1._src.hlo import collectives
-from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.optimizer import Zero1Optimizer, mark_zero1_grads
 from nnx_zero1._src.optimizer_cases import BENCH, bench_optimizer
 from nnx_zero1._src.report import bytes_per_device
 
 __all__ = [
     "Settings", "OPTIMIZERS", "STEP_ARMS", "StepArm", "accumulate_grads", "accumulated_layout", "new_model",
-    "tokens", "run_cell", "describe",
+    "tokens", "run_cell", "describe", "batch_sharding", "state_shardings", "train_step_jit",
+    "split_step_jits", "make_optimizer",
 ]
 
 # The arms that train with one compiled step, and how: (Zero-1?, deferred reduction?).
@@ -105,15 +106,32 @@ def accumulate_grads(model: nnx.Module, batches: jax.Array) -> tuple[jax.Array, 
   return loss / n, jax.tree.map(lambda g: g / n, grads)
 
 
+def _grads(model, optimizer, batches, ga: int | None):
+  if ga is None:
+    return accumulate_grads(model, batches)
+  return value_and_grad_accumulated(loss_fn, model, batches, micro_batches=ga, optimizer=optimizer)
+
+
 def _train_step(graphdef, state, batches, ga: int | None):
   # nnx.jit's functional form: one merge per trace, no graph traversal per call.
   model, optimizer = nnx.merge(graphdef, state)
-  if ga is None:
-    loss, grads = accumulate_grads(model, batches)
-  else:
-    loss, grads = value_and_grad_accumulated(loss_fn, model, batches, micro_batches=ga, optimizer=optimizer)
+  loss, grads = _grads(model, optimizer, batches, ga)
   optimizer.update(model, grads)
   return nnx.state((model, optimizer)), loss
+
+
+def _grads_program(graphdef, state, batches, ga: int | None):
+  model, optimizer = nnx.merge(graphdef, state)
+  loss, grads = _grads(model, optimizer, batches, ga)
+  return grads, loss
+
+
+def _update_program(graphdef, state, grads, reduce_scattered: bool):
+  model, optimizer = nnx.merge(graphdef, state)
+  if reduce_scattered:  # value_and_grad_accumulated's mark does not cross the program boundary
+    grads = mark_zero1_grads(grads)
+  optimizer.update(model, grads)
+  return nnx.state((model, optimizer))
 
 
 def accumulated_layout(step_tokens: np.ndarray, dp: int) -> np.ndarray:
@@ -133,7 +151,78 @@ def accumulated_layout(step_tokens: np.ndarray, dp: int) -> np.ndarray:
   return per_replica.reshape(ga * batch, *step_tokens.shape[2:])
 
 
-def _make_optimizer(arm: str, model, tx, mesh):
+def batch_sharding(mesh, deferred: bool) -> NamedSharding:
+  """Where one step's tokens go: rows over the data axis, for (ga * batch, seq + 1) when the
+  reduction is deferred (``accumulated_layout``), else (ga, batch, seq + 1) split on the batch.
+
+  Example::
+
+    >>> batch_sharding(jax.make_mesh((1,), ("data",)), deferred=False).spec
+    P(None, 'data')
+  """
+  return NamedSharding(mesh, P("data") if deferred else P(None, "data"))
+
+
+def state_shardings(state: Any, mesh) -> Any:
+  """The shardings of a split (model, optimizer) state, concrete or abstract, all on ``mesh``.
+
+  Scalars that optax makes on the default device (adam's count) join the mesh, replicated.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> state_shardings({"count": jax.ShapeDtypeStruct((), jnp.int32)}, mesh)["count"].spec
+    P()
+  """
+  replicated = NamedSharding(mesh, P())
+  on_mesh = lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else replicated
+  return jax.tree.map(on_mesh, state)
+
+
+def train_step_jit(graphdef, shardings: Any, mesh, deferred: bool, ga: int):
+  """The one jitted train step of a step arm, which the CPU bench runs and ``--aot`` only compiles.
+
+  ``state -> (state, loss)``, the state donated and kept on ``shardings``;
+  ``deferred`` accumulates with ``value_and_grad_accumulated`` over ``ga``
+  micro-batches, otherwise with a ``lax.scan`` of ``jax.value_and_grad``.
+
+  Example::
+
+    step = train_step_jit(graphdef, state_shardings(state, mesh), mesh, deferred=True, ga=8)
+    compiled = step.lower(state, batch).compile()
+  """
+  return jax.jit(
+      lambda s, b: _train_step(graphdef, s, b, ga if deferred else None),
+      in_shardings=(shardings, batch_sharding(mesh, deferred)),
+      out_shardings=(shardings, NamedSharding(mesh, P())),
+      donate_argnums=0,
+  )
+
+
+def split_step_jits(graphdef, shardings: Any, mesh, deferred: bool, zero1: bool, ga: int):
+  """The same train step as two programs, as MaxText's engine compiles it: gradients, then update.
+
+  ``grads(state, batch) -> (grads, loss)`` reads the parameters (the
+  optimizer state is unused, and jit drops it from the program's arguments)
+  and ``update(state, grads) -> state`` donates the state. The first program
+  outputs no parameters, so nothing of parameter size is copied to free
+  the donated parameters for the update's all-gather while the activations
+  are live; the second has no activations.
+
+  Example::
+
+    grads_jit, update_jit = split_step_jits(graphdef, shardings, mesh, deferred=True, zero1=True, ga=8)
+  """
+  grads = jax.jit(lambda s, b: _grads_program(graphdef, s, b, ga if deferred else None),
+                  in_shardings=(shardings, batch_sharding(mesh, deferred)))
+  update = jax.jit(lambda s, g: _update_program(graphdef, s, g, deferred and zero1),
+                   out_shardings=shardings, donate_argnums=0)
+  return grads, update
+
+
+def make_optimizer(arm: str, model, tx, mesh):
+  """The arm's optimizer: ``nnx.Optimizer`` or ``Zero1Optimizer`` over the mesh's ``"data"`` axis."""
   if not STEP_ARMS[arm][0]:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
   return Zero1Optimizer(model, tx, mesh, data_axis="data")
@@ -188,21 +277,12 @@ class StepArm:
     self.dp = mesh.shape["data"]
     self.deferred = STEP_ARMS[name][1]
     model = new_model(settings, mesh)
-    optimizer = _make_optimizer(name, model, OPTIMIZERS[settings.optimizer](), mesh)
+    optimizer = make_optimizer(name, model, OPTIMIZERS[settings.optimizer](), mesh)
     self.graphdef, state = nnx.split((model, optimizer))
-    replicated = NamedSharding(mesh, P())
-    self.batch_sharding = NamedSharding(mesh, P("data") if self.deferred else P(None, "data"))
-    ga = example.shape[0] if self.deferred else None
-    # Scalars that optax makes on the default device (adam's count) join the mesh, replicated.
-    on_mesh = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated
-    shardings = jax.tree.map(on_mesh, state)
+    self.batch_sharding = batch_sharding(mesh, self.deferred)
+    shardings = state_shardings(state, mesh)
     self.state = jax.device_put(state, shardings)
-    step = jax.jit(
-        lambda s, b: _train_step(self.graphdef, s, b, ga),
-        in_shardings=(shardings, self.batch_sharding),
-        out_shardings=(shardings, replicated),
-        donate_argnums=0,
-    )
+    step = train_step_jit(self.graphdef, shardings, mesh, self.deferred, example.shape[0])
     start = time.perf_counter()
     with jax.set_mesh(mesh):  # Explicit-mode ops (the embedding lookup) read the mesh from here
       self.compiled = step.lower(self.state, self.prepare(example)).compile()

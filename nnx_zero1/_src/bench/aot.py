@@ -1,0 +1,303 @@
+"""Ahead of time: the bench's train steps compiled for a TPU topology on a machine without one.
+
+``python -m nnx_zero1.bench --aot v6e:2x2 --model qwen3-0.6b --dp 4 --ga 8``
+builds each arm's model, optimizer and batch abstractly (``nnx.eval_shape``,
+``jax.ShapeDtypeStruct`` on a mesh of the topology's devices), lowers the very
+step the CPU bench runs (:func:`nnx_zero1._src.bench.run.train_step_jit`) and
+compiles it with the real TPU compiler (libtpu). Nothing runs: the numbers are
+the compiler's per-device memory plan and the collectives of the TPU HLO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from nnx_zero1._src.bench import measure
+from nnx_zero1._src.bench.run import (
+    OPTIMIZERS,
+    STEP_ARMS,
+    Settings,
+    batch_sharding,
+    make_optimizer,
+    new_model,
+    split_step_jits,
+    state_shardings,
+    train_step_jit,
+)
+from nnx_zero1._src.hlo import collectives, loop_collectives
+
+__all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
+           "compile_split", "split_memory", "aot_row", "hbm_oom", "oom_row", "run_aot"]
+
+# HBM per chip by jax's device_kind (public spec sheets); the "fits" column compares against it.
+HBM_BYTES = {
+    "TPU v4": 32 * 2**30,
+    "TPU v5 lite": 16 * 2**30,
+    "TPU v5": 95 * 2**30,
+    "TPU v5p": 95 * 2**30,
+    "TPU v6 lite": 32 * 2**30,
+    "TPU v6e": 32 * 2**30,
+}
+
+
+def topology_mesh(topology: str, dp: int) -> Mesh:
+  """A one-axis ``"data"`` mesh (Explicit) over ``dp`` devices of a TPU topology that compile but never run.
+
+  Example::
+
+    mesh = topology_mesh("v6e:2x2", 4)   # 4 TPU v6e devices, in a CPU-only process
+
+  Raises:
+    ValueError: the topology has fewer than ``dp`` devices.
+  """
+  from jax.experimental import topologies
+
+  devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+  if len(devices) < dp:
+    raise ValueError(f"--dp {dp} needs {dp} devices; topology {topology} has {len(devices)}")
+  return Mesh(np.array(devices[:dp]), ("data",), axis_types=(AxisType.Explicit,))
+
+
+def abstract_bytes_per_device(tree: Any) -> int:
+  """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct``s (every device alike).
+
+  Example::
+
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> s = jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, jax.P("data")))
+    >>> abstract_bytes_per_device({"m": s})
+    32
+  """
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
+    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+  return total
+
+
+@dataclasses.dataclass
+class AbstractArm:
+  """One step arm, abstract: its split (model, optimizer), the state's shardings and a batch shape."""
+
+  name: str
+  graphdef: Any
+  state: Any  # ShapeDtypeStructs with shardings
+  shardings: Any
+  batch: jax.ShapeDtypeStruct
+  opt_state_bytes: int
+  param_bytes: int  # the whole model's, unsharded
+
+
+def abstract_arm(name: str, settings: Settings, mesh: Mesh, ga: int) -> AbstractArm:
+  """The arm's model, optimizer and one step's tokens as shapes on ``mesh``; no memory used.
+
+  Example::
+
+    arm = abstract_arm("zero1", Settings(model="qwen3-0.6b"), topology_mesh("v6e:2x2", 4), ga=8)
+  """
+  if name not in STEP_ARMS:
+    raise ValueError(f"--aot compiles the single-step arms {tuple(STEP_ARMS)}; got {name!r}")
+
+  def build():
+    model = new_model(settings, mesh)
+    return model, make_optimizer(name, model, OPTIMIZERS[settings.optimizer](), mesh)
+
+  with jax.set_mesh(mesh):
+    model, optimizer = nnx.eval_shape(build)
+  graphdef, state = nnx.split((model, optimizer))
+  shardings = state_shardings(state, mesh)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  deferred = STEP_ARMS[name][1]
+  seq = (settings.seq_len or settings.config.seq_len) + 1
+  shape = (ga * settings.batch, seq) if deferred else (ga, settings.batch, seq)
+  batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh, deferred))
+  params = nnx.state(model, nnx.Param)
+  return AbstractArm(
+      name=name, graphdef=graphdef, state=state, shardings=shardings, batch=batch,
+      opt_state_bytes=abstract_bytes_per_device(nnx.state(optimizer)),
+      param_bytes=sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)),
+  )
+
+
+def compile_arm(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, float]:
+  """Compiles the arm's train step for the mesh's devices; returns (compiled, seconds)."""
+  step = train_step_jit(arm.graphdef, arm.shardings, mesh, STEP_ARMS[arm.name][1], ga)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):  # Explicit-mode ops (the embedding lookup) read the mesh from here
+    compiled = step.lower(arm.state, arm.batch).compile()
+  return compiled, time.perf_counter() - start
+
+
+def compile_split(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, Any, float]:
+  """Compiles the arm's step as two programs (gradients, update); returns (grads, update, seconds)."""
+  deferred, zero1 = STEP_ARMS[arm.name][1], STEP_ARMS[arm.name][0]
+  grads_jit, update_jit = split_step_jits(arm.graphdef, arm.shardings, mesh, deferred, zero1, ga)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):
+    grads_compiled = grads_jit.lower(arm.state, arm.batch).compile()
+    grads, _ = jax.eval_shape(grads_jit, arm.state, arm.batch)
+    update_compiled = update_jit.lower(arm.state, grads).compile()
+  return grads_compiled, update_compiled, time.perf_counter() - start
+
+
+def split_memory(grads_compiled: Any, update_compiled: Any, opt_state_bytes: int) -> dict[str, int]:
+  """Per-device bytes of a step compiled as two programs, as one step's figures.
+
+  The optimizer state stays resident while the gradient program runs without
+  it, so it is added there: ``argument`` is what that program reads plus the
+  optimizer state, ``temp`` its temporaries (the activations), and ``peak``
+  the larger of the two programs' resident bytes.
+
+  Example::
+
+    >>> g = {"argument": 10, "output": 4, "alias": 0, "temp": 50, "peak": 64}
+    >>> u = {"argument": 16, "output": 12, "alias": 12, "temp": 3, "peak": 19}
+    >>> split_memory(g, u, 2)["peak"], split_memory(g, u, 2)["argument"]
+    (66, 12)
+  """
+  grads = grads_compiled if isinstance(grads_compiled, dict) else measure.memory(grads_compiled)
+  update = update_compiled if isinstance(update_compiled, dict) else measure.memory(update_compiled)
+  return {
+      "argument": grads["argument"] + opt_state_bytes,
+      "output": grads["output"],
+      "alias": 0,
+      "temp": grads["temp"],
+      "peak": max(grads["peak"] + opt_state_bytes, update["peak"]),
+      "update_peak": update["peak"],
+      "update_temp": update["temp"],
+  }
+
+
+def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int, settings: Settings,
+            topology: str) -> dict[str, Any]:
+  """bench.json's row for one compiled arm: the CPU rows' fields, ``compiled_for``, no timing.
+
+  ``peak_bytes_per_device`` is argument + output - alias + temp: what the chip
+  holds at once while the step runs (for a step compiled as two programs,
+  ``compiled`` is the pair and the peak is the larger program's, see
+  :func:`split_memory`). ``loop_collectives`` are one trip of the
+  micro-batch loop (``collectives`` counts every trip).
+  """
+  split = isinstance(compiled, tuple)
+  mem = split_memory(compiled[0], compiled[1], arm.opt_state_bytes) if split else measure.memory(compiled)
+  hlos = [c.as_text() for c in compiled] if split else [compiled.as_text()]
+  kind = mesh_device_kind(compiled[0] if split else compiled)
+  hbm = HBM_BYTES.get(kind)
+  return {
+      "arm": arm.name,
+      "dp": dp,
+      "ga": ga,
+      "model": settings.model,
+      "optimizer": settings.optimizer,
+      "batch": settings.batch,
+      "seq_len": settings.seq_len or settings.config.seq_len,
+      "compiled_for": topology,
+      "device_kind": kind,
+      "hbm_bytes": hbm,
+      "opt_state_bytes_per_device": arm.opt_state_bytes,
+      "argument_bytes_per_device": mem["argument"],
+      "output_bytes_per_device": mem["output"],
+      "alias_bytes_per_device": mem["alias"],
+      "temp_bytes_per_device": mem["temp"],
+      "peak_bytes_per_device": mem["peak"],
+      "fits": None if hbm is None else mem["peak"] <= hbm,
+      "programs": 2 if split else 1,
+      "compile_s": round(compile_s, 1),
+      "collectives": _summed([collectives(h) for h in hlos]),
+      "loop_collectives": _summed([loop_collectives(h) for h in hlos]),
+      "param_bytes": arm.param_bytes,
+  }
+
+
+_OOM = re.compile(r"required for (?P<what>.*?) \((?P<need>[\d.]+)(?P<u1>[KMGT])\) exceeds available HBM "
+                  r"\((?P<have>[\d.]+)(?P<u2>[KMGT])\)")
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def hbm_oom(message: str) -> dict[str, Any] | None:
+  """The TPU compiler's "does not fit" refusal (``CompileTimeHbmOom``) as numbers; None for other errors.
+
+  Example::
+
+    >>> hbm_oom("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
+    ...         "required for HLO temporaries (52.59G) exceeds available HBM (31.24G). HLO module: jit")
+    {'required_bytes': 56468082524, 'available_bytes': 33543694581, 'required_for': 'HLO temporaries'}
+  """
+  if "CompileTimeHbmOom" not in message:
+    return None
+  m = _OOM.search(message)
+  if m is None:
+    return {"required_bytes": None, "available_bytes": None, "required_for": message[:300]}
+  return {
+      "required_bytes": int(float(m["need"]) * _UNITS[m["u1"]]),
+      "available_bytes": int(float(m["have"]) * _UNITS[m["u2"]]),
+      "required_for": m["what"],
+  }
+
+
+def oom_row(arm: AbstractArm, oom: dict[str, Any], dp: int, ga: int, settings: Settings, topology: str,
+            kind: str) -> dict[str, Any]:
+  """The row of an arm the TPU compiler refused because it does not fit the chip's HBM."""
+  return {
+      "arm": arm.name, "dp": dp, "ga": ga, "model": settings.model, "optimizer": settings.optimizer,
+      "batch": settings.batch, "seq_len": settings.seq_len or settings.config.seq_len,
+      "compiled_for": topology, "device_kind": kind, "hbm_bytes": HBM_BYTES.get(kind),
+      "opt_state_bytes_per_device": arm.opt_state_bytes, "argument_bytes_per_device": None,
+      "output_bytes_per_device": None, "alias_bytes_per_device": None, "temp_bytes_per_device": None,
+      "peak_bytes_per_device": None, "fits": False, "hbm_oom": oom, "compile_s": 0.0,
+      "collectives": None, "loop_collectives": None, "param_bytes": arm.param_bytes,
+  }
+
+
+def _summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+  return {op: {k: sum(c[op][k] for c in counts) for k in ("count", "bytes")} for op in counts[0]}
+
+
+def mesh_device_kind(compiled: Any) -> str:
+  """The device kind a compiled executable was built for (``"TPU v6 lite"`` for v6e)."""
+  shardings = jax.tree.leaves(compiled.input_shardings)
+  return next(iter(shardings[0].device_set)).device_kind
+
+
+def run_aot(settings: Settings, topology: str, dp: int, ga: int, arms: Sequence[str],
+            tick=None, split_step: bool = False) -> list[dict[str, Any]]:
+  """Compiles every arm at one (dp, ga) for ``topology``; one row per arm.
+
+  Example::
+
+    rows = run_aot(Settings(model="tiny", batch=8, seq_len=16), "v6e:2x2", dp=4, ga=2,
+                   arms=("baseline", "zero1", "zero1-accum"))
+  """
+  tick = tick or (lambda: None)
+  if settings.batch % dp:
+    raise ValueError(f"the global micro-batch of {settings.batch} sequences does not split over dp={dp}")
+  mesh = topology_mesh(topology, dp)
+  rows = []
+  for name in arms:
+    arm = abstract_arm(name, settings, mesh, ga)
+    start = time.perf_counter()
+    try:
+      if split_step:
+        grads, update, seconds = compile_split(arm, mesh, ga)
+        rows.append(aot_row(arm, (grads, update), seconds, dp, ga, settings, topology))
+      else:
+        compiled, seconds = compile_arm(arm, mesh, ga)
+        rows.append(aot_row(arm, compiled, seconds, dp, ga, settings, topology))
+    except jax.errors.JaxRuntimeError as e:
+      oom = hbm_oom(str(e))
+      if oom is None:
+        raise
+      row = oom_row(arm, oom, dp, ga, settings, topology, mesh.devices.flat[0].device_kind)
+      rows.append({**row, "compile_s": round(time.perf_counter() - start, 1)})  # until the refusal
+    tick()
+  return rows

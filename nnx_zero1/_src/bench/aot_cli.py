@@ -1,0 +1,78 @@
+"""``python -m nnx_zero1.bench --aot TOPOLOGY ...``: the bench's ahead-of-time mode, end to end."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+from nnx_zero1._src.bench import libtpu
+
+__all__ = ["AOT_ARMS", "main"]
+
+AOT_ARMS = ("baseline", "zero1", "zero1-accum")
+
+
+def _start_cpu_jax() -> None:
+  """Keeps jax on its CPU backend (nothing runs; libtpu is only the compiler here)."""
+  import jax
+
+  libtpu.prepare_environment()
+  try:
+    jax.config.update("jax_platforms", "cpu")
+  except RuntimeError:  # a backend has started already: it must be the CPU one
+    if jax.default_backend() != "cpu":
+      raise
+
+
+def main(args: argparse.Namespace) -> int:
+  """Compiles every (dp, ga, arm) for ``args.aot`` and writes bench.json, bench.md, memory.png.
+
+  Returns 0, or 2 with the install command on stderr when libtpu is missing.
+
+  Example::
+
+    from nnx_zero1._src.bench.cli import parse_args
+    main(parse_args(["--aot", "v6e:2x2", "--model", "tiny", "--dp", "4", "--ga", "2"]))
+  """
+  try:
+    version = libtpu.require_libtpu()
+  except libtpu.AotUnavailable as e:
+    print(f"nnx_zero1.bench: {e}", file=sys.stderr)
+    return 2
+  _start_cpu_jax()
+  import jax
+
+  from nnx_zero1._src.bench import aot, aot_output, run
+
+  settings = run.Settings(model=args.model, dp=args.dp, ga=args.ga, batch=args.batch, seq_len=args.seq_len,
+                          optimizer=args.optimizer, mesh=args.mesh)
+  start = time.perf_counter()
+  rows = []
+  for dp in args.dp:
+    for ga in args.ga:
+      for row in aot.run_aot(settings, args.aot, dp, ga, args.arms, split_step=args.split_step):
+        rows.append(row)
+        if not args.no_progress:
+          done = "refused (does not fit)" if row.get("hbm_oom") else "compiled"
+          print(f"nnx_zero1.bench: {done} {row['arm']} dp={dp} ga={ga} for {args.aot} in "
+                f"{row['compile_s']} s", file=sys.stderr)
+  meta = {
+      **run.describe(settings),
+      "arms": list(args.arms),
+      "compiled_for": args.aot,
+      "programs_per_step": 2 if args.split_step else 1,
+      "libtpu": version,
+      "host_cpus": os.cpu_count(),
+      "machine": f"{platform.machine()} {platform.system()}, python {platform.python_version()}",
+      "jax": jax.__version__,
+      "wall_s": round(time.perf_counter() - start, 1),
+  }
+  paths = aot_output.write_all({"meta": meta, "rows": rows}, args.out)
+  print(f"nnx_zero1.bench: model {args.model} ({meta['params']:,} params), {args.optimizer}, compiled for "
+        f"{args.aot} by libtpu {version} (nothing ran); {meta['wall_s']} s")
+  print(aot_output.table(rows))
+  print("wrote " + ", ".join(paths))
+  return 0

@@ -1,0 +1,210 @@
+"""`python -m nnx_zero1.bench --aot`: the bench's steps compiled by the real TPU compiler (libtpu) on
+this CPU machine, for a topology nobody has here. Nothing runs on a TPU; the compiler's memory plan
+and TPU HLO are checked against the layout rule.
+
+These compile with libtpu (the pip extra ``aot``, Python >= 3.12: CI lane 2); without it they skip,
+and the one test that checks the mode's refusal runs instead.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from nnx_zero1._src.bench import libtpu, shapes
+from nnx_zero1._src.bench.cli import parse_args
+from nnx_zero1._src.bench.model import CONFIGS
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(
+    not HAS_LIBTPU, reason="needs libtpu: pip extra aot (jax[tpu], Python >= 3.12), installed in CI lane 2"
+)
+DP, GA = 4, 2
+ARGS = ["--aot", "v6e:2x2", "--model", "tiny-aot", "--dp", str(DP), "--ga", str(GA), "--batch", "8",
+        "--seq-len", "16", "--arms", "baseline,zero1,zero1-accum", "--no-progress"]
+SCALAR_BYTES = 64  # the loss and counts: what an all-reduce may carry beyond the gradients
+
+
+def _env() -> dict:
+  """A fresh process's environment: no device-count flags; libtpu's own defaults (lockfile on)."""
+  env = {k: v for k, v in os.environ.items() if k not in libtpu.ENV}
+  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+  return env
+
+
+_HOLD_LIBTPU = """
+import jax
+jax.config.update("jax_platforms", "cpu")
+from jax.experimental import topologies
+topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu")
+print("loaded", flush=True)
+import time; time.sleep(600)
+"""
+
+
+@pytest.fixture(scope="module")
+def libtpu_holder():
+  """A live process with libtpu loaded as libtpu loads by default: holding /tmp/libtpu_lockfile.
+
+  A second process that loads libtpu the default way aborts while it lives ("Internal error when
+  accessing libtpu multi-process lockfile"): the trap a compile killed by ``timeout`` but still
+  exiting, or another user's compile, sets. Killed at the end, it leaves the file behind.
+  """
+  env = {**_env(), "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1"}
+  proc = subprocess.Popen([sys.executable, "-c", _HOLD_LIBTPU], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+  try:
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "loaded"
+    yield proc
+  finally:
+    proc.kill()
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def aot_run(tmp_path_factory, libtpu_holder):
+  """The bench's ahead-of-time mode on the tiny-aot model, started while another process holds libtpu."""
+  out = tmp_path_factory.mktemp("aot")
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", *ARGS, "--out", str(out)], env=_env(),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((out / "bench.json").read_text())
+  return proc, out, {r["arm"]: r for r in result["rows"]}
+
+
+def _rule_saving(dp: int) -> int:
+  """Optimizer bytes per device the layout rule takes off each replica (adamw's two moments)."""
+  row = shapes.replicated_fraction(CONFIGS["tiny-aot"], dp)
+  split = row["total_bytes"] - row["replicated_bytes"]
+  assert split % dp == 0
+  return split - split // dp
+
+
+@needs_libtpu
+def test_rows_are_compiled_for_the_topology_and_carry_the_cpu_rows_fields(aot_run):
+  proc, out, rows = aot_run
+  assert set(rows) == {"baseline", "zero1", "zero1-accum"}
+  for row in rows.values():
+    assert row["compiled_for"] == "v6e:2x2" and row["device_kind"].startswith("TPU v6")
+    assert {"arm", "dp", "ga", "opt_state_bytes_per_device", "argument_bytes_per_device",
+            "temp_bytes_per_device", "peak_bytes_per_device", "collectives", "loop_collectives"} <= set(row)
+    assert "step_ms" not in row and row["fits"] is True
+  md = (out / "bench.md").read_text()
+  assert "compiled ahead of time" in md and "| v6e:2x2 | zero1 | 4 | 2 |" in md
+  assert (out / "memory.png").read_bytes().startswith(b"\x89PNG")
+  assert "nothing ran" in proc.stdout
+
+
+@needs_libtpu
+def test_zero1_argument_bytes_fall_by_exactly_the_layout_rules_saving(aot_run):
+  _, _, rows = aot_run
+  saving = _rule_saving(DP)
+  base = rows["baseline"]
+  for arm in ("zero1", "zero1-accum"):
+    assert base["opt_state_bytes_per_device"] - rows[arm]["opt_state_bytes_per_device"] == saving
+    assert base["argument_bytes_per_device"] - rows[arm]["argument_bytes_per_device"] == saving
+
+
+@needs_libtpu
+def test_tpu_hlo_collective_structure(aot_run):
+  _, _, rows = aot_run
+  base, zero1, accum = rows["baseline"], rows["zero1"], rows["zero1-accum"]
+  grad_bytes = base["param_bytes"]
+  c = lambda row, op: row["collectives"][op]  # noqa: E731
+  # baseline: every gradient all-reduced (the TPU compiler moves part of it out of the micro-batch
+  # loop on its own), nothing scattered or gathered.
+  assert c(base, "all-reduce")["bytes"] >= grad_bytes
+  assert c(base, "reduce-scatter")["count"] == 0 and c(base, "all-gather")["count"] == 0
+  # zero1: reduced in the loop as the baseline is, then the new parameter slices gathered back.
+  assert base["loop_collectives"]["all-reduce"]["count"] > 0
+  assert zero1["loop_collectives"] == base["loop_collectives"]
+  assert c(zero1, "all-gather")["bytes"] == grad_bytes
+  # zero1-accum: no collective in the loop; after it each gradient reduced once, onto the Zero-1
+  # layout (reduce-scatters; the compiler all-reduces the few 2 KB norm scales and slices them),
+  # the loss all-reduced, and every parameter gathered once.
+  assert all(v["count"] == 0 for v in accum["loop_collectives"].values())
+  reduced = c(accum, "reduce-scatter")["bytes"] * DP + c(accum, "all-reduce")["bytes"]
+  assert grad_bytes <= reduced <= grad_bytes + SCALAR_BYTES
+  assert c(accum, "all-reduce")["bytes"] < 0.01 * grad_bytes
+  assert c(accum, "all-gather")["bytes"] == grad_bytes
+
+
+@needs_libtpu
+def test_another_process_holding_libtpu_does_not_stop_a_compile(aot_run, libtpu_holder):
+  # aot_run compiled while libtpu_holder held the lockfile; check the holder was really holding it.
+  assert libtpu_holder.poll() is None
+  assert libtpu_holder.pid in libtpu.lockfile_holders()
+
+
+@needs_libtpu
+def test_a_killed_libtpu_process_leaves_a_lockfile_the_next_run_removes(aot_run, libtpu_holder):
+  libtpu_holder.kill()
+  libtpu_holder.wait(timeout=60)
+  assert os.path.exists(libtpu.LOCKFILE)  # left behind by the killed process
+  others = libtpu.lockfile_holders()
+  if others:
+    pytest.skip(f"another process ({others}) holds {libtpu.LOCKFILE} now")
+  assert libtpu.clear_stale_lockfile() and not os.path.exists(libtpu.LOCKFILE)
+
+
+def test_lockfile_is_removed_only_when_no_live_process_holds_it(tmp_path):
+  path = str(tmp_path / "libtpu_lockfile")
+  hold = (f"import fcntl, time; f = open({path!r}, 'w'); fcntl.lockf(f, fcntl.LOCK_EX); "
+          "print('held', flush=True); time.sleep(60)")
+  holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    assert libtpu.lockfile_holders(path) == [holder.pid]
+    assert not libtpu.clear_stale_lockfile(path) and os.path.exists(path)
+  finally:
+    holder.kill()
+    holder.wait(timeout=60)
+  assert libtpu.lockfile_holders(path) == []
+  assert libtpu.clear_stale_lockfile(path) and not os.path.exists(path)
+  assert not libtpu.clear_stale_lockfile(path)  # nothing left to remove
+
+
+def test_a_lockfile_merely_open_counts_as_held(tmp_path):
+  path = tmp_path / "libtpu_lockfile"
+  path.write_text("")
+  with open(path):
+    assert libtpu.lockfile_holders(str(path)) == [os.getpid()]  # open, not locked
+    assert not libtpu.clear_stale_lockfile(str(path))
+
+
+@pytest.mark.skipif(HAS_LIBTPU, reason="libtpu is installed here: the mode runs instead of refusing")
+def test_without_libtpu_the_mode_says_what_to_install_and_fails():
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", *ARGS, "--out", "/tmp/nnx-zero1-aot-none"],
+                        env=_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  assert 'pip install "nnx-zero1[aot]"' in proc.stderr and "jax[tpu]==" in proc.stderr
+
+
+def test_a_users_model_shape_from_json(tmp_path):
+  path = tmp_path / "my-model.json"
+  path.write_text(json.dumps({"vocab": 512, "dim": 512, "layers": 2, "heads": 4, "kv_heads": 2,
+                              "head_dim": 64, "ffn": 512, "scan_layers": True}))
+  args = parse_args(["--aot", "v6e:2x2", "--model-config", str(path)])
+  assert args.model == "my-model" and CONFIGS["my-model"].scan_layers
+  assert args.arms == ("baseline", "zero1", "zero1-accum")
+  path.write_text(json.dumps({"vocab": 512, "dims": 512}))
+  with pytest.raises(ValueError, match="unknown Config fields \\['dims'\\]"):
+    parse_args(["--model-config", str(path)])
+
+
+@needs_libtpu
+def test_an_arm_that_does_not_fit_is_a_row_with_the_compilers_figures(tmp_path):
+  # 256 sequences of 2048 tokens per chip: the attention probabilities alone need far more than 32 GiB.
+  args = ["--aot", "v6e:2x2", "--model", "tiny-aot", "--dp", "4", "--ga", "1", "--batch", "1024",
+          "--seq-len", "2048", "--arms", "zero1", "--no-progress", "--out", str(tmp_path)]
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", *args], env=_env(), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+  assert row["fits"] is False and row["peak_bytes_per_device"] is None
+  assert row["hbm_oom"]["required_bytes"] > row["hbm_oom"]["available_bytes"] > 30 * 2**30
+  assert "NO (needs" in proc.stdout
