@@ -11,7 +11,8 @@ import sys
 # The API pages import nnx_zero1 (and so jax): eight virtual CPU devices, as the tests use.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ["XLA_FLAGS"] = flags.strip()
 
 DOCS = pathlib.Path(__file__).resolve().parent
 ROOT = DOCS.parent
@@ -68,7 +69,11 @@ def _cli_help() -> None:
   """The bench commands' ``--help``, written at build time so the pages never go stale."""
   out = DOCS / "_generated"
   out.mkdir(exist_ok=True)
-  for module, name in [("nnx_zero1.bench", "bench_help.txt"), ("nnx_zero1.bench.maxtext_arms", "maxtext_arms_help.txt")]:
+  commands = [
+      ("nnx_zero1.bench", "bench_help.txt"),
+      ("nnx_zero1.bench.maxtext_arms", "maxtext_arms_help.txt"),
+  ]
+  for module, name in commands:
     text = subprocess.run(
         [sys.executable, "-m", module, "--help"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
