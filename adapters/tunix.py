@@ -179,9 +179,9 @@ class Zero1PeftTrainer(_Zero1Tunix, PeftTrainer):
     **kwargs: the rest of ``PeftTrainer``'s keyword arguments, unchanged.
 
   Raises:
-    Zero1Error: the current mesh lacks the data axes, the model is on several
-      devices with no mesh, or (``zero1_strict``) a leaf cannot be split; raised
-      before the Tunix constructor changes anything it can be checked for.
+    Zero1Error: the current mesh lacks the data axes (checked before the Tunix
+      constructor runs), the model is on several devices with no mesh, or
+      (``zero1_strict``) a leaf cannot be split.
 
   Example::
 
@@ -209,9 +209,9 @@ class Zero1DPOTrainer(_Zero1Tunix, DPOTrainer):
     **kwargs: ``DPOTrainer``'s keyword arguments, unchanged.
 
   Raises:
-    Zero1Error: the current mesh lacks the data axes, the model is on several
-      devices with no mesh, or (``zero1_strict``) a leaf cannot be split; raised
-      before the Tunix constructor changes anything it can be checked for.
+    Zero1Error: the current mesh lacks the data axes (checked before the Tunix
+      constructor runs), the model is on several devices with no mesh, or
+      (``zero1_strict``) a leaf cannot be split.
 
   Example::
 
@@ -236,9 +236,9 @@ class Zero1DistillationTrainer(_Zero1Tunix, DistillationTrainer):
     **kwargs: ``DistillationTrainer``'s keyword arguments, unchanged.
 
   Raises:
-    Zero1Error: the current mesh lacks the data axes, the model is on several
-      devices with no mesh, or (``zero1_strict``) a leaf cannot be split; raised
-      before the Tunix constructor changes anything it can be checked for.
+    Zero1Error: the current mesh lacks the data axes (checked before the Tunix
+      constructor runs), the model is on several devices with no mesh, or
+      (``zero1_strict``) a leaf cannot be split.
 
   Example::
 
