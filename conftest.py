@@ -4,7 +4,7 @@ import os
 
 # AVX2 is the widest vector ISA the bit-identity tests are sized for: on AVX-512 hosts XLA's CPU
 # backend rounds some shards of the test MLP (16-element remainders) differently from the whole
-# leaf, a codegen artifact that has nothing to do with Zero-1 (README, "Limitations").
+# leaf, a codegen artifact that has nothing to do with Zero-1 (docs/limitations.md).
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 if "--xla_cpu_max_isa" not in _FLAGS:
   _FLAGS += " --xla_cpu_max_isa=AVX2"

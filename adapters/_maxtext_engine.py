@@ -60,8 +60,18 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
   of the N data-parallel replicas keeps 1/N of every parameter-shaped optimizer
   leaf. For elementwise optimizers (adamw, adam_pax, sgd) the parameters are
   bit-identical to MaxText's engine with Zero-1 off; checkpoints cross both
-  ways, also between two micro-batches. Raises ``Zero1Error`` when
-  ``shard_optimizer_over_data`` is also set.
+  ways, also between two micro-batches.
+
+  Args:
+    training_config: MaxText's ``pyconfig.HyperParameters``, with
+      ``shard_optimizer_over_data`` false.
+    *args: the rest of ``MaxTextTrainingEngine``'s arguments, unchanged.
+    **kwargs: the rest of its keyword arguments (``mesh=``, ...), unchanged.
+
+  Raises:
+    Zero1Error: ``shard_optimizer_over_data`` is set too, the engine is
+      MaxText's ahead-of-time ``AbstractMaxTextEngine``, or the optimizer cannot
+      be made Zero-1.
 
   Example::
 

@@ -46,6 +46,22 @@ class Zero1Engine(Zero1EngineMixin, Engine):
   ``update`` reduce-scatters the accumulated gradients onto that layout once,
   runs the optimizer on the slices and all-gathers the parameters back.
 
+  Args:
+    model: the NNX model; parameters not yet on ``mesh`` are put there replicated.
+    tx: the optax transformation.
+    mesh: the device mesh, with the data axis.
+    loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss.
+    checkpoint_dir: where ``save_checkpoint`` writes (orbax); None for no checkpoints.
+    wrt: which variables are trained.
+    data_axis: the data-parallel mesh axis (or tuple of axes) the moments are split over.
+    defer_reduction: keep gradients unreduced until ``update`` (default True).
+    strict: raise ``Zero1Error`` when a parameter-shaped optimizer leaf cannot be
+      split or the reduction cannot be deferred.
+
+  Raises:
+    Zero1Error: as ``Engine``, and when the optimizer cannot be made Zero-1
+      (the model is then left as it was).
+
   Example::
 
     >>> import jax, jax.numpy as jnp, optax

@@ -27,7 +27,7 @@ Each is the Tunix class run inside :func:`nnx_zero1.zero1_optimizers`, so the
 
 On an FSDP mesh, leaves FSDP already splits over the data axis keep their
 layout; Zero-1 splits what FSDP leaves whole (norms, biases, LoRA factors, the
-leaves without an ``fsdp`` entry). ``nnx_zero1._src.report(trainer.optimizer)``
+leaves without an ``fsdp`` entry). ``nnx_zero1.report(trainer.optimizer)``
 lists both.
 """
 
@@ -61,6 +61,16 @@ __all__ = [
 class Zero1TrainingConfig(TrainingConfig):
   """Tunix's ``TrainingConfig`` plus the Zero-1 options; ``None`` keeps the trainer's default.
 
+  Pass it wherever a Tunix trainer takes its ``training_config`` (for
+  ``Zero1RLCluster``, as ``cluster_config.training_config``).
+
+  Attributes:
+    zero1_data_axis: the mesh axis (or tuple of axes) to split the optimizer
+      state over; ``None``: the axes of ``data_sharding_axis`` (see :func:`batch_axes`).
+    zero1_strict: ``True`` raises ``Zero1Error`` when a parameter-shaped leaf
+      cannot be split or when there is no mesh and the model is on one device;
+      ``None``: the trainer class's ``zero1_strict`` (``False``).
+
   Example::
 
     >>> from nnx_zero1.adapters.tunix import Zero1TrainingConfig
@@ -79,6 +89,16 @@ def batch_axes(data_sharding_axis: Any) -> tuple[str, ...]:
   Tunix shards its inputs with ``PartitionSpec(*data_sharding_axis)``; every
   axis named in any entry splits the batch, so the gradients are reduced over
   it and the optimizer state can be split over it.
+
+  Args:
+    data_sharding_axis: Tunix's ``TrainingConfig.data_sharding_axis``: an axis
+      name, or a sequence whose entries are axis names, tuples of them, or ``None``.
+
+  Returns:
+    The axis names, in order, each once.
+
+  Raises:
+    Zero1Error: it names no mesh axis.
 
   Example::
 
@@ -112,6 +132,17 @@ class _Zero1Tunix(ShardedOptimizerMixin):
   def zero1_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """``Zero1TrainingConfig`` fields, else the class attributes, else the config's batch axes.
 
+    Args:
+      *args: the Tunix class's constructor arguments.
+      **kwargs: the Tunix class's constructor keyword arguments.
+
+    Returns:
+      ``{"data_axis": ..., "strict": ...}`` for this construction.
+
+    Raises:
+      Zero1Error: the config's ``data_sharding_axis`` names no mesh axis and no
+        ``zero1_data_axis`` is set.
+
     Example::
 
       >>> import inspect
@@ -139,6 +170,19 @@ class Zero1PeftTrainer(_Zero1Tunix, PeftTrainer):
   checkpoint restore and its ``_shard_optimizer`` keep it. Parameters keep their
   own layout.
 
+  Args:
+    model: the NNX model (full fine-tuning, or LoRA with ``nnx.LoRAParam``).
+    optimizer: the optax transformation, as for ``PeftTrainer``.
+    training_config: a Tunix ``TrainingConfig`` (or :class:`Zero1TrainingConfig`);
+      ``data_sharding_axis`` names the data axes.
+    *args: the rest of ``PeftTrainer``'s arguments, unchanged.
+    **kwargs: the rest of ``PeftTrainer``'s keyword arguments, unchanged.
+
+  Raises:
+    Zero1Error: the current mesh lacks the data axes (checked before the Tunix
+      constructor runs), the model is on several devices with no mesh, or
+      (``zero1_strict``) a leaf cannot be split.
+
   Example::
 
     >>> import jax, optax
@@ -159,6 +203,16 @@ class Zero1DPOTrainer(_Zero1Tunix, DPOTrainer):
 
   The reference model has no optimizer and is not touched.
 
+  Args:
+    *args: ``DPOTrainer``'s arguments (``model``, ``ref_model``, ``optimizer``,
+      ``training_config``, ...), unchanged.
+    **kwargs: ``DPOTrainer``'s keyword arguments, unchanged.
+
+  Raises:
+    Zero1Error: the current mesh lacks the data axes (checked before the Tunix
+      constructor runs), the model is on several devices with no mesh, or
+      (``zero1_strict``) a leaf cannot be split.
+
   Example::
 
     >>> import inspect
@@ -174,6 +228,18 @@ Zero1ORPOTrainer = Zero1DPOTrainer  # Tunix 0.1.7: ORPOTrainer = DPOTrainer
 class Zero1DistillationTrainer(_Zero1Tunix, DistillationTrainer):
   """``DistillationTrainer`` with a ``Zero1Optimizer`` for the student; same constructor.
 
+  The teacher has no optimizer and is not touched.
+
+  Args:
+    *args: ``DistillationTrainer``'s arguments (``student_model``,
+      ``teacher_model``, ``strategy``, ``optimizer``, ``training_config``, ...), unchanged.
+    **kwargs: ``DistillationTrainer``'s keyword arguments, unchanged.
+
+  Raises:
+    Zero1Error: the current mesh lacks the data axes (checked before the Tunix
+      constructor runs), the model is on several devices with no mesh, or
+      (``zero1_strict``) a leaf cannot be split.
+
   Example::
 
     >>> import inspect
@@ -184,7 +250,7 @@ class Zero1DistillationTrainer(_Zero1Tunix, DistillationTrainer):
 
 
 class Zero1RLCluster(_Zero1Tunix, RLCluster):
-  """``RLCluster`` whose actor and critic trainers have ``Zero1Optimizer``s; same constructor.
+  """``RLCluster`` whose actor and critic trainers have a ``Zero1Optimizer``; same constructor.
 
   ``RLCluster.__init__`` builds a Tunix ``rl.trainer.Trainer`` for the actor
   (and, for PPO, the critic) under that role's mesh; both optimizers are built
@@ -192,6 +258,15 @@ class Zero1RLCluster(_Zero1Tunix, RLCluster):
   ``cluster_config.training_config.data_sharding_axis``. ``GRPOLearner``,
   ``PPOLearner`` and the other learners built on it train with 1/N of the
   optimizer state. Rollout, reference and reward models have no optimizer.
+
+  Args:
+    **kwargs: ``RLCluster``'s keyword-only arguments (``actor``, ``critic``,
+      ``reference``, ``reward``, ``tokenizer``, ``cluster_config``,
+      ``perf_config``), unchanged.
+
+  Raises:
+    Zero1Error: the actor's (or critic's) mesh lacks the data axes of
+      ``cluster_config.training_config``, or an optimizer cannot be made Zero-1.
 
   Example::
 

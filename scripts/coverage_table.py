@@ -1,4 +1,4 @@
-"""Prints the README's optimizer coverage table, generated from the coverage tests.
+"""Prints the docs' optimizer coverage table (docs/coverage_table.md), generated from the coverage tests.
 
 Runs ``tests/test_optimizer_coverage.py`` with ``NNX_ZERO1_COVERAGE_JSON`` set and
 turns the JSON it writes into a markdown table; ``--json PATH`` reads a file an
@@ -6,7 +6,7 @@ earlier run wrote instead of running the tests.
 
 Example::
 
-  python scripts/coverage_table.py > /tmp/table.md
+  python scripts/coverage_table.py > docs/coverage_table.md
   NNX_ZERO1_COVERAGE_JSON=/tmp/cov.json python -m pytest tests/test_optimizer_coverage.py
   python scripts/coverage_table.py --json /tmp/cov.json
 """

@@ -18,7 +18,7 @@ class MLP(nnx.Module):
   Every split leaf keeps >= 16 elements per device at dp=8: on CPU, XLA contracts
   multiply-adds into FMAs in vectorised loop bodies but may round a remainder shorter
   than the SIMD width differently, which would break bit-identity for reasons that
-  have nothing to do with Zero-1 (see README, "Limitations").
+  have nothing to do with Zero-1 (see docs/limitations.md).
   """
 
   def __init__(self, rngs: nnx.Rngs, kernel_sharding=None):

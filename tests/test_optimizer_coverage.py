@@ -6,7 +6,7 @@ for elementwise transformations, to 1e-5 for ones with reductions (norms, trust
 ratios, factored moments, Newton-Schulz). No optimizer in the list is refused.
 
 With ``NNX_ZERO1_COVERAGE_JSON=path`` set, the results are written to ``path``;
-``scripts/coverage_table.py`` turns them into the README's table.
+``scripts/coverage_table.py`` turns them into the docs' table (docs/coverage_table.md).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def abstract_arrays(tree: Any, mesh: Any = None) -> Any:
 
 
 def abstract_state(obj: Any) -> nnx.State:
-  """``nnx.state(obj)`` as ``jax.ShapeDtypeStruct``s carrying the shardings to restore onto.
+  """``nnx.state(obj)`` as ``jax.ShapeDtypeStruct`` leaves carrying the shardings to restore onto.
 
   For a ``Zero1Optimizer`` every optimizer-state leaf gets its Zero-1 layout on
   the optimizer's mesh (from ``zero1_plan``) and the step count is replicated

@@ -52,6 +52,13 @@ def shape_bytes(shape: str, *, second_half: bool = False) -> int:
   ``second_half=True`` counts only the last half of the tuple's arrays: the
   results of an async ``all-gather-start``, whose shape is (operands, results).
 
+  Args:
+    shape: an HLO shape, e.g. ``"f32[4,8]{1,0}"`` or a tuple ``"(f32[2]{0}, bf16[2,2]{1,0})"``.
+    second_half: count only the second half of a tuple's arrays.
+
+  Returns:
+    The bytes, as an ``int``; an unknown dtype counts 4 bytes per element.
+
   Example::
 
     >>> shape_bytes("f32[4,8]{1,0}")
@@ -173,6 +180,13 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
   inside a while loop with a known trip count (XLA's annotation, or a
   ``counter < N`` condition, as in the TPU compiler's HLO) counts once per trip.
 
+  Args:
+    hlo: the text of a compiled kernel, ``jitted.lower(...).compile().as_text()``.
+
+  Returns:
+    ``{op: {"count": int, "bytes": int}}`` for each op of :data:`COLLECTIVES`, per call of
+    the kernel; bytes are one device's.
+
   Example::
 
     >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
@@ -194,6 +208,13 @@ def loop_collectives(hlo: str) -> dict[str, dict[str, int]]:
 
   A micro-batch loop (``lax.scan``) that defers its gradient reduction has
   none of gradient size here.
+
+  Args:
+    hlo: the text of a compiled kernel, ``jitted.lower(...).compile().as_text()``.
+
+  Returns:
+    ``{op: {"count": int, "bytes": int}}`` for each op of :data:`COLLECTIVES`, one trip
+    of each loop; bytes are one device's.
 
   Example::
 

@@ -63,6 +63,10 @@ class ShardedOptimizerMixin:
     >>> isinstance(trainer.optimizer, Zero1Optimizer)
     True
 
+  Args:
+    *args: the trainer's constructor arguments, passed to it unchanged.
+    **kwargs: the trainer's constructor keyword arguments, passed to it unchanged.
+
   Raises:
     Zero1Error: (from ``__init__``) a current mesh without the data axis, an
       optimizer that cannot be made Zero-1, or a trainer that built none.
@@ -102,8 +106,16 @@ class ShardedOptimizerMixin:
   def zero1_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """The Zero-1 options for one construction, given the constructor's arguments.
 
-    Returns ``{"data_axis": ..., "strict": ...}``; by default the class
-    attributes. Adapters override this to read the trainer's config.
+    By default the class attributes; adapters override this to read the
+    trainer's config.
+
+    Args:
+      *args: the constructor's arguments, as the trainer receives them.
+      **kwargs: the constructor's keyword arguments.
+
+    Returns:
+      ``{"data_axis": ..., "strict": ...}``: the mesh axis (or axes) to split the
+      state over, and whether to refuse leaves that cannot be split.
 
     Example::
 

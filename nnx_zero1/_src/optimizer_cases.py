@@ -1,7 +1,7 @@
 """The optax transformations this project runs, in one list.
 
 The tests compare each against ``nnx.Optimizer`` (``tests/test_optimizer_coverage.py``,
-whose results ``scripts/coverage_table.py`` turns into the README's table; the
+whose results ``scripts/coverage_table.py`` turns into the docs' coverage table; the
 bit-identity tests in ``tests/test_optimizer.py``), and the bench's
 ``--optimizer`` choices are entries of it at a training learning rate.
 """
@@ -32,6 +32,15 @@ def _trainable(params: Any) -> Any:
 class OptimizerCase:
   """One transformation: how to build it and what Zero-1 promises for it.
 
+  Attributes:
+    make: builds the transformation from a learning rate.
+    learning_rate: the tests' rate, large so a few steps move the parameters;
+      ``None`` for a line search.
+    elementwise: ``True``: bit-identical to ``nnx.Optimizer`` by contract;
+      ``False``: it reduces (norms, trust ratios), equal to float precision.
+    freezes: leaves the parameters whose path names :data:`FROZEN` as they were.
+    line_search: driven through ``update(model, grads, value=, grad=, value_fn=)``.
+
   Example::
 
     >>> case = CASES["adamw"]
@@ -46,6 +55,19 @@ class OptimizerCase:
   line_search: bool = False  # driven through update(model, grads, value=, grad=, value_fn=)
 
   def build(self, learning_rate: float | None = None) -> optax.GradientTransformation:
+    """The transformation at ``learning_rate``.
+
+    Args:
+      learning_rate: the rate to build with; ``None`` uses the case's own.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+
+    Example::
+
+      >>> CASES["sgd"].build(0.5).init({"w": 0.0})
+      (EmptyState(), EmptyState())
+    """
     return self.make(self.learning_rate if learning_rate is None else learning_rate)
 
 

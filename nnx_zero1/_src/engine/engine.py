@@ -221,8 +221,19 @@ class Engine:
   def fwd_bwd(self, batch: dict) -> jax.Array:
     """Forward and backward of one micro-batch; adds its gradients, updates nothing.
 
-    Returns the micro-batch's mean loss. Under deferral no gradient collective
-    runs here: each replica adds its own gradient to its row of the accumulator.
+    Under deferral no gradient collective runs here: each replica adds its own
+    gradient to its row of the accumulator.
+
+    Args:
+      batch: a dict of arrays whose leading dimension is the batch; put on the
+        data axis when it is not already.
+
+    Returns:
+      The micro-batch's mean loss, a scalar ``jax.Array``.
+
+    Raises:
+      Zero1Error: ``loss_fn`` updates model state other than ``wrt``, or
+        (``strict``) the reduction cannot be deferred for this batch.
 
     Example::
 
@@ -240,6 +251,12 @@ class Engine:
     """Reduces the accumulated gradients once, averages them over the micro-batches,
     applies them, resets the accumulator and returns the new step. The averaged
     gradients' global norm is kept in ``self.grad_norm``.
+
+    Returns:
+      The optimizer's step count after this update.
+
+    Raises:
+      Zero1Error: no ``fwd_bwd`` since the last ``update``.
 
     Example::
 
@@ -261,6 +278,12 @@ class Engine:
   def eval_step(self, batch: dict) -> jax.Array:
     """The mean loss of ``batch``; changes nothing.
 
+    Args:
+      batch: a dict of arrays whose leading dimension is the batch.
+
+    Returns:
+      The mean loss, a scalar ``jax.Array``.
+
     Example::
 
       val_loss = float(engine.eval_step(val_batch))
@@ -277,6 +300,12 @@ class Engine:
   def lowered_fwd_bwd(self, batch: dict) -> jax.stages.Lowered:
     """The micro-batch kernel lowered for ``batch``, to read its compiled HLO.
 
+    Args:
+      batch: a micro-batch, as for :meth:`fwd_bwd`.
+
+    Returns:
+      The ``jax.stages.Lowered`` kernel; ``.compile().as_text()`` is its HLO.
+
     Example::
 
       hlo = engine.lowered_fwd_bwd(batch).compile().as_text()
@@ -287,6 +316,9 @@ class Engine:
 
   def lowered_update(self) -> jax.stages.Lowered:
     """The update kernel lowered, to read its compiled HLO.
+
+    Returns:
+      The ``jax.stages.Lowered`` kernel; ``.compile().as_text()`` is its HLO.
 
     Example::
 
@@ -315,6 +347,12 @@ class Engine:
     The tree is ``{"params", "optimizer", "grad_acc", "micro_steps"}`` with the
     same paths, shapes and dtypes for ``Engine`` and ``Zero1Engine``.
 
+    Args:
+      step: the step number to save as.
+
+    Raises:
+      Zero1Error: the engine was built without ``checkpoint_dir``.
+
     Example::
 
       engine.save_checkpoint(step)  # also fine between two fwd_bwd calls
@@ -328,6 +366,16 @@ class Engine:
     cross between ``Engine`` and ``Zero1Engine``. An accumulator saved at
     another data-parallel size (another number of rows) is summed into row 0:
     the same gradient, though not bit-for-bit the same reduction order.
+
+    Args:
+      step: the step to restore; ``None`` for the latest.
+
+    Returns:
+      The step restored.
+
+    Raises:
+      Zero1Error: the engine was built without ``checkpoint_dir``, or there is no
+        checkpoint in it.
 
     Example::
 

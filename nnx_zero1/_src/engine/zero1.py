@@ -46,7 +46,12 @@ class Zero1EngineMixin:
   Zero-1 layout from the start, and ``_gradient_targets()`` is that layout, so
   the update kernel reduce-scatters the accumulated gradients straight onto it.
   Kernel signatures and the checkpoint tree are unchanged, so checkpoints cross
-  both ways.
+  both ways. The mixin takes no arguments of its own: the engine's constructor
+  is unchanged.
+
+  Raises:
+    Zero1Error: (from the engine's constructor) the optimizer cannot be made
+      Zero-1 on ``self.mesh``, e.g. the mesh lacks ``self.data_axis``.
 
   Example::
 
