@@ -5,6 +5,7 @@ from nnx_zero1._src.checkpoint import abstract_state, restore_into
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.layout import zero1_sharding
 from nnx_zero1._src.mixin import ShardedOptimizerMixin
+from nnx_zero1._src.model_and_optimizer import Zero1ModelAndOptimizer
 from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.report import Zero1Report, bytes_per_device, report
 from nnx_zero1._src.scope import zero1_optimizers
@@ -12,6 +13,7 @@ from nnx_zero1._src.scope import zero1_optimizers
 __all__ = [
     "ShardedOptimizerMixin",
     "Zero1Error",
+    "Zero1ModelAndOptimizer",
     "Zero1Optimizer",
     "Zero1Report",
     "abstract_state",
