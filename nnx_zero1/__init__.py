@@ -1,5 +1,7 @@
 """nnx-zero1: ZeRO stage 1 (optimizer state sharded over data parallelism) for Flax NNX."""
 
+import pathlib as _pathlib
+
 from nnx_zero1._src.accumulate import value_and_grad_accumulated
 from nnx_zero1._src.checkpoint import abstract_state, restore_into
 from nnx_zero1._src.errors import Zero1Error
@@ -25,3 +27,7 @@ __all__ = [
     "zero1_sharding",
 ]
 __version__ = "0.1.0"
+
+from nnx_zero1._src.source_checkout import register_source_adapters as _register_source_adapters  # noqa: E402
+
+_register_source_adapters(_pathlib.Path(__file__).resolve().parent)
