@@ -231,3 +231,18 @@ def test_transformer_on_an_auto_mesh_is_bit_identical():
   base, zero1 = run_cell(settings, dp=4, ga=1)
   assert zero1["loss_diff"] == 0 and zero1["params_equal"]
   assert zero1["collectives"]["all-reduce"] == base["collectives"]["all-reduce"]
+
+
+def test_plot_lists_only_series_it_shows_and_says_ga_model_optimizer():
+  mib = 2**20
+  rows = [{"arm": arm, "dp": dp, "ga": ga, "model": "small", "optimizer": "adamw",
+           "opt_state_bytes_per_device": (8 * mib if arm in ("baseline", "accum") else 8 * mib // dp)}
+          for arm in ("baseline", "zero1", "accum", "zero1-accum") for dp in (2, 4) for ga in (1, 8)]
+  title, series = output.plot_series(rows)
+  assert title == "Optimizer state per device, GA=1 (model small, adamw)"
+  labels = [label for label, *_ in series]
+  assert labels == [
+      "nnx.Optimizer, nnx.Optimizer + value_and_grad_accumulated",
+      "Zero1Optimizer, Zero1Optimizer + value_and_grad_accumulated, ideal: plain / dp",
+  ]
+  assert len({tuple(zip(dps, values)) for _, _, dps, values in series}) == len(series)  # none hides another

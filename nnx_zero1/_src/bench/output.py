@@ -9,7 +9,7 @@ from typing import Any
 
 from nnx_zero1._src.bench.verdict import estimate_ratio, judge, judge_all
 
-__all__ = ["table", "shapes_table", "targets", "markdown", "write_all", "plot_memory"]
+__all__ = ["table", "shapes_table", "targets", "markdown", "write_all", "plot_series", "plot_memory"]
 
 # Goals from the issue; the bench reports them, tests do not assert the timed one (it is judged
 # from the paired per-step ratios, so a noisy machine reads "inconclusive", never "missed").
@@ -245,6 +245,42 @@ _PLOT_LABELS = {"baseline": "nnx.Optimizer", "zero1": "Zero1Optimizer",
                 "zero1-engine": "Zero1Engine"}
 
 
+def plot_series(rows: Sequence[dict]) -> tuple[str, list[tuple[str, str, list[int], list[float]]]]:
+  """memory.png's title and its series ``(label, style, dps, MiB per device)``, at the smallest GA.
+
+  Arms whose points coincide (``accum`` holds what ``baseline`` holds; Zero-1 arms sit on the
+  ideal plain/dp line) are one series whose label names them all, so every listed series is seen.
+
+  Example::
+
+    >>> rows = [{"arm": a, "dp": 2, "ga": 1, "model": "tiny", "optimizer": "adamw",
+    ...          "opt_state_bytes_per_device": b} for a, b in (("baseline", 2**21), ("zero1", 2**20))]
+    >>> title, series = plot_series(rows)
+    >>> title
+    'Optimizer state per device, GA=1 (model tiny, adamw)'
+    >>> [label for label, *_ in series]
+    ['nnx.Optimizer', 'Zero1Optimizer, ideal: plain / dp']
+  """
+  ga = min((r["ga"] for r in rows), default=1)
+  at_ga = [r for r in rows if r["ga"] == ga]
+  points = {
+      arm: tuple(sorted((r["dp"], r["opt_state_bytes_per_device"] / 2**20) for r in at_ga if r["arm"] == arm))
+      for arm in _PLOT_STYLES
+  }
+  named = [(_PLOT_LABELS[arm], _PLOT_STYLES[arm], p) for arm, p in points.items() if p]
+  if points["baseline"]:
+    named.append(("ideal: plain / dp", "k--", tuple((dp, mib / dp) for dp, mib in points["baseline"])))
+  merged: dict[tuple, tuple[list[str], str]] = {}
+  for label, style, p in named:
+    merged.setdefault(p, ([], style))[0].append(label)
+  series = [(", ".join(labels), style, [dp for dp, _ in p], [mib for _, mib in p])
+            for p, (labels, style) in merged.items()]
+  first = at_ga[0] if at_ga else {}
+  title = (f"Optimizer state per device, GA={ga} "
+           f"(model {first.get('model', '?')}, {first.get('optimizer', '?')})")
+  return title, series
+
+
 def plot_memory(rows: Sequence[dict], path: str) -> None:
   """memory.png: optimizer bytes per device against dp, plain vs Zero-1, with the ideal 1/dp line.
 
@@ -257,25 +293,18 @@ def plot_memory(rows: Sequence[dict], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(6, 4))
-  ga = min((r["ga"] for r in rows), default=1)
-  points = lambda arm: sorted(
-      (r["dp"], r["opt_state_bytes_per_device"]) for r in rows if r["arm"] == arm and r["ga"] == ga
-  )
-  for arm, style in _PLOT_STYLES.items():
-    if points(arm):
-      dps, sizes = zip(*points(arm))
-      ax.plot(dps, [b / 2**20 for b in sizes], style, label=_PLOT_LABELS[arm])
-  base = points("baseline")
-  if base:
-    base_dps = [dp for dp, _ in base]
-    ax.plot(base_dps, [b / dp / 2**20 for dp, b in base], "k--", label="ideal: plain / dp")
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  title, series = plot_series(rows)
+  for label, style, dps, mib in series:
+    ax.plot(dps, mib, style, label=label)
+  dps = sorted({r["dp"] for r in rows})
+  if dps:
     ax.set_xscale("log", base=2)
-    ax.set_xticks(base_dps, [str(d) for d in base_dps])
+    ax.set_xticks(dps, [str(d) for d in dps])
   ax.set_xlabel("data-parallel size (dp)")
   ax.set_ylabel("optimizer state per device (MiB)")
-  ax.set_title("Optimizer memory per device")
-  ax.legend()
+  ax.set_title(title, fontsize=10)
+  ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
