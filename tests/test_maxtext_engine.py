@@ -26,7 +26,8 @@ N = 4
 
 
 SKIP = None if importlib.util.find_spec("maxtext") else (
-    "maxtext is not installed (it needs Python >= 3.12; the CI's Python 3.12 lane has it)"
+    "maxtext is not installed here (pip install --no-deps maxtext==0.2.5 on Python >= 3.12, with "
+    ".ci/requirements-newest.txt; the CI's Python 3.12 lane has it)"
 )
 needs_maxtext = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 
