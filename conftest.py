@@ -56,4 +56,4 @@ def pytest_collect_file(file_path, parent):
 # Never collected for doctests: importing it imports maxtext (Python >= 3.12), which changes
 # process-wide settings (flax_always_shard_variable=False, wrapped jax.lax functions) for every test
 # collected after it. tests/test_maxtext_engine.py imports it itself and puts those settings back.
-collect_ignore = ["adapters/maxtext_engine.py"]
+collect_ignore = ["adapters/_maxtext_engine.py"]
