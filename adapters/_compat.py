@@ -1,18 +1,19 @@
-"""The host frameworks' internals the adapters touch, each behind one function.
+"""MaxText and Tunix stand-ins, and every private MaxText name the adapters touch.
 
-MaxText's ``MaxTextTrainingEngine`` keeps what its optimizer hook needs in
-private attributes: :func:`engine_model_and_mesh` reads them.
+Two jobs, both for ``Zero1MaxTextTrainingEngine``:
 
-Temporary: the four Tunix types ``maxtext`` 0.2.5 imports that google-tunix 0.1.7 lacks.
-
-MaxText's ``training_engine/abstract_engine.py`` imports ``LossOutput`` and
-``WeightedMetric`` from ``tunix.sft.utils`` and ``TrainerPayload`` and
-``RLTrainerPayload`` from ``tunix.experimental.common.datatypes``. Tunix's
-source tree has them; google-tunix 0.1.7, the newest release on PyPI, does
-not. ``ensure_tunix_types()`` supplies minimal versions written here (the
-fields MaxText's engine reads, nothing else) only where the installed Tunix has
-none, so a Tunix release that ships them is used as it is. Remove this module
-once a google-tunix release has both modules.
+- the four Tunix types ``maxtext`` 0.2.5 imports that google-tunix 0.1.7 lacks.
+  MaxText's ``training_engine/abstract_engine.py`` imports ``LossOutput`` and
+  ``WeightedMetric`` from ``tunix.sft.utils`` and ``TrainerPayload`` and
+  ``RLTrainerPayload`` from ``tunix.experimental.common.datatypes``. Tunix's
+  source tree has them; google-tunix 0.1.7, the newest release on PyPI, does
+  not. ``ensure_tunix_types()`` supplies minimal versions written here (the
+  fields MaxText's engine reads, nothing else) only where the installed Tunix has
+  none, so a Tunix release that ships them is used as it is.
+- MaxText's private names (a config's pydantic model, the engine's model, mesh
+  and gradient shardings), each read or written by one small function here, so a MaxText
+  release that renames one breaks one function, which ``tests/test_compat.py``
+  names.
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-__all__ = ["engine_model_and_mesh", "ensure_tunix_types"]
+__all__ = [
+    "engine_model_and_mesh",
+    "ensure_tunix_types",
+    "maxtext_zero1_requested",
+    "plain_grad_shardings",
+    "set_plain_grad_shardings",
+    "unreduced_grad_shardings",
+    "without_maxtext_zero1",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +133,7 @@ def _register(name: str) -> types.ModuleType:
   try:
     return importlib.import_module(name)
   except ImportError:
-    module = types.ModuleType(name, "nnx_zero1 compatibility stand-in (see adapters/_compat.py)")
+    module = types.ModuleType(name, "nnx_zero1 compatibility stand-in (see nnx_zero1/adapters/_compat.py)")
     sys.modules[name] = module
     parent, _, child = name.rpartition(".")
     if parent:
@@ -159,3 +168,78 @@ def ensure_tunix_types() -> bool:
   if needed:
     logger.info("nnx_zero1: supplied Tunix types MaxText imports and this Tunix lacks (temporary shim)")
   return needed
+
+
+_MAXTEXT_ZERO1_FLAG = "shard_optimizer_over_data"
+
+
+def maxtext_zero1_requested(config: Any) -> bool:
+  """Whether a MaxText config asks for MaxText's own Zero-1 (``shard_optimizer_over_data``).
+
+  Args:
+    config: a MaxText ``pyconfig.HyperParameters`` (or anything with the attribute).
+
+  Returns:
+    The flag's value; False where the config has no such field.
+
+  Example::
+
+    >>> import types
+    >>> maxtext_zero1_requested(types.SimpleNamespace(shard_optimizer_over_data=True))
+    True
+  """
+  return bool(getattr(config, _MAXTEXT_ZERO1_FLAG, False))
+
+
+def without_maxtext_zero1(config: Any) -> Any:
+  """A copy of a MaxText config with ``shard_optimizer_over_data`` off, every other field equal.
+
+  MaxText's engine reads the flag wherever it decides on its own Zero-1; handing it
+  this copy turns all of those off at once, without re-running MaxText's config
+  validation (which the original already passed).
+
+  Args:
+    config: a MaxText ``pyconfig.HyperParameters``.
+
+  Returns:
+    A new ``HyperParameters``; ``config`` itself is unchanged (it is read-only).
+
+  Example::
+
+    config = without_maxtext_zero1(pyconfig.initialize([..., "shard_optimizer_over_data=true"]))
+    assert config.shard_optimizer_over_data is False
+  """
+  hyper_parameters = type(config)
+  pydantic_config = object.__getattribute__(config, "_pydantic_config")
+  return hyper_parameters(pydantic_config.model_copy(update={_MAXTEXT_ZERO1_FLAG: False}))
+
+
+def unreduced_grad_shardings(engine: Any) -> Any:
+  """The shardings MaxText's engine keeps deferred (``unreduced`` over data) gradients on,
+  or None where it reduces them in every micro-batch; set by ``_compile_for_batch``.
+
+  Example::
+
+    deferred = unreduced_grad_shardings(engine) is not None
+  """
+  return engine._unreduced_grad_shardings
+
+
+def plain_grad_shardings(engine: Any) -> Any:
+  """Where MaxText's update kernel reshards deferred gradients once reduced (None: not deferred).
+
+  Example::
+
+    target = plain_grad_shardings(engine)
+  """
+  return engine._plain_grad_shardings
+
+
+def set_plain_grad_shardings(engine: Any, shardings: Any) -> None:
+  """Points MaxText's reshard of the reduced gradients (and a mid-step checkpoint's) at ``shardings``.
+
+  Example::
+
+    set_plain_grad_shardings(engine, zero1_targets)
+  """
+  engine._plain_grad_shardings = shardings

@@ -14,16 +14,20 @@ Where MaxText defers the data-parallel gradient all-reduce to ``update`` (pure
 data parallelism, ``shard_mode=explicit``), the update kernel reduce-scatters
 the deferred gradients straight onto the Zero-1 layout instead.
 
-Compared with MaxText's own flag, ``shard_optimizer_over_data``: this engine
-also works with FSDP (``ici_fsdp_parallelism > 1``), with ``shard_mode=auto``
-and with every ``opt_type``; it refuses the flag itself (one Zero-1 at a time)
-and MaxText's ahead-of-time engine (``maxtext_engine_compile``), whose abstract
+MaxText's own flag, ``shard_optimizer_over_data``, asks for what this class
+does: with it set, this engine provides the Zero-1 (also with FSDP meshes, with
+``shard_mode=auto`` and with every ``opt_type``, where MaxText's declines) and
+hands MaxText's engine a copy of the config with the flag off, so MaxText's own
+mechanism never runs on the same state; it says so once, at info level. With
+the flag off nothing changes: choosing this class is the opt-in. It refuses
+MaxText's ahead-of-time engine (``maxtext_engine_compile``), whose abstract
 optimizer is built by ``_trace_train_state`` rather than ``_build_optimizer``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -34,7 +38,8 @@ from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.reduction import reduce_unreduced
 
-from ._compat import engine_model_and_mesh, ensure_tunix_types
+from . import _compat
+from ._compat import ensure_tunix_types
 
 ensure_tunix_types()
 
@@ -44,13 +49,18 @@ from maxtext.training_engine import maxtext_engine_compile as _maxtext_engine_co
 __all__ = ["Zero1MaxTextTrainingEngine"]
 
 
-def _refuse_config(config: Any) -> None:
-  if getattr(config, "shard_optimizer_over_data", False):
-    raise Zero1Error(
-        "Zero1MaxTextTrainingEngine already shards the optimizer state over 'data' (Zero-1); "
-        "MaxText's own shard_optimizer_over_data=True would place the same state a second time. "
-        "Set shard_optimizer_over_data=false, or use MaxTextTrainingEngine for MaxText's own Zero-1."
-    )
+logger = logging.getLogger(__name__)
+
+
+def _config_for_maxtext(config: Any) -> Any:
+  """The config MaxText's engine gets: ``config``, with MaxText's own Zero-1 switched off."""
+  if not _compat.maxtext_zero1_requested(config):
+    return config
+  logger.info(
+      "Zero1MaxTextTrainingEngine: shard_optimizer_over_data=True is served by nnx_zero1's Zero-1 "
+      "(optimizer state split over 'data', gradients reduce-scattered); MaxText's own Zero-1 is bypassed."
+  )
+  return _compat.without_maxtext_zero1(config)
 
 
 class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTrainingEngine):
@@ -60,18 +70,17 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
   of the N data-parallel replicas keeps 1/N of every parameter-shaped optimizer
   leaf. For elementwise optimizers (adamw, adam_pax, sgd) the parameters are
   bit-identical to MaxText's engine with Zero-1 off; checkpoints cross both
-  ways, also between two micro-batches.
+  ways, also between two micro-batches. ``shard_optimizer_over_data=True`` is
+  served by this Zero-1 (MaxText's own is bypassed, logged once at info level).
 
   Args:
-    training_config: MaxText's ``pyconfig.HyperParameters``, with
-      ``shard_optimizer_over_data`` false.
+    training_config: MaxText's ``pyconfig.HyperParameters``.
     *args: the rest of ``MaxTextTrainingEngine``'s arguments, unchanged.
     **kwargs: the rest of its keyword arguments (``mesh=``, ...), unchanged.
 
   Raises:
-    Zero1Error: ``shard_optimizer_over_data`` is set too, the engine is
-      MaxText's ahead-of-time ``AbstractMaxTextEngine``, or the optimizer cannot
-      be made Zero-1.
+    Zero1Error: the engine is MaxText's ahead-of-time ``AbstractMaxTextEngine``,
+      or the optimizer cannot be made Zero-1.
 
   Example::
 
@@ -85,33 +94,31 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
 
   @functools.wraps(_maxtext_engine.MaxTextTrainingEngine.__init__)  # type: ignore[misc]  # shows MaxText's signature
   def __init__(self, training_config, *args, **kwargs):
-    _refuse_config(training_config)
     if isinstance(self, _maxtext_engine_compile.AbstractMaxTextEngine):
       raise Zero1Error(
           "Zero1MaxTextTrainingEngine does not cover maxtext_engine_compile.AbstractMaxTextEngine (the "
           "ahead-of-time engine): it traces nnx.Optimizer in _trace_train_state, not _build_optimizer."
       )
-    super().__init__(training_config, *args, **kwargs)
+    super().__init__(_config_for_maxtext(training_config), *args, **kwargs)
 
   def _build_optimizer(self, tx: Any) -> Zero1Optimizer:
-    model, mesh = engine_model_and_mesh(self)
+    model, mesh = _compat.engine_model_and_mesh(self)
     return Zero1Optimizer(model, tx, mesh, wrt=nnx.Param, data_axis="data")
 
   def _zero1_gradient_targets(self) -> Any:
     """The Zero-1 layout of every parameter, as a tree shaped like MaxText's parameter shardings."""
-    return jax.tree.unflatten(
-        jax.tree.structure(self._unreduced_grad_shardings), self.optimizer.zero1_plan.zero1_param_shardings
-    )
+    structure = jax.tree.structure(_compat.unreduced_grad_shardings(self))
+    return jax.tree.unflatten(structure, self.optimizer.zero1_plan.zero1_param_shardings)
 
   def _compile_for_batch(self, dynamic_batch: Any, static_batch: dict[str, Any]) -> None:
     super()._compile_for_batch(dynamic_batch, static_batch)
-    if self._unreduced_grad_shardings is not None:
+    if _compat.unreduced_grad_shardings(self) is not None:
       # Deferred: the update kernel reduce-scatters the gradients onto the Zero-1 layout
       # (below), where MaxText's own reshard to ``_plain_grad_shardings`` then finds them.
       # A mid-accumulation checkpoint reduces onto the same layout.
-      self._plain_grad_shardings = self._zero1_gradient_targets()
+      _compat.set_plain_grad_shardings(self, self._zero1_gradient_targets())
 
   def _update_kernel(self, state_pure, accumulated_grads, accumulated_denominator, mean_loss):
-    if self._unreduced_grad_shardings is not None and accumulated_grads is not None:
-      accumulated_grads = reduce_unreduced(accumulated_grads, self._plain_grad_shardings)
+    if _compat.unreduced_grad_shardings(self) is not None and accumulated_grads is not None:
+      accumulated_grads = reduce_unreduced(accumulated_grads, _compat.plain_grad_shardings(self))
     return super()._update_kernel(state_pure, accumulated_grads, accumulated_denominator, mean_loss)

@@ -1,10 +1,13 @@
 """nnx-zero1: ZeRO stage 1 (optimizer state sharded over data parallelism) for Flax NNX."""
 
+import pathlib as _pathlib
+
 from nnx_zero1._src.accumulate import value_and_grad_accumulated
 from nnx_zero1._src.checkpoint import abstract_state, restore_into
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.layout import zero1_sharding
 from nnx_zero1._src.mixin import ShardedOptimizerMixin
+from nnx_zero1._src.model_and_optimizer import Zero1ModelAndOptimizer
 from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.report import Zero1Report, bytes_per_device, report
 from nnx_zero1._src.scope import zero1_optimizers
@@ -12,6 +15,7 @@ from nnx_zero1._src.scope import zero1_optimizers
 __all__ = [
     "ShardedOptimizerMixin",
     "Zero1Error",
+    "Zero1ModelAndOptimizer",
     "Zero1Optimizer",
     "Zero1Report",
     "abstract_state",
@@ -23,3 +27,7 @@ __all__ = [
     "zero1_sharding",
 ]
 __version__ = "0.1.0"
+
+from nnx_zero1._src.source_checkout import register_source_adapters as _register_source_adapters  # noqa: E402
+
+_register_source_adapters(_pathlib.Path(__file__).resolve().parent)

@@ -3,6 +3,8 @@ that runs the plain ``nnx.Optimizer`` and ``Zero1Optimizer`` the same way."""
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,3 +151,33 @@ def lm_loss(model, batch):
   tokens = batch["tokens"]
   logits = model(tokens[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def _process_settings() -> tuple:
+  import flax
+
+  return flax.config.flax_always_shard_variable, jax.lax.with_sharding_constraint, jax.lax.top_k
+
+
+def _apply_process_settings(settings: tuple) -> None:
+  import flax
+
+  flax.config.update("flax_always_shard_variable", settings[0])
+  jax.lax.with_sharding_constraint, jax.lax.top_k = settings[1:]
+
+
+_MAXTEXT_SETTINGS: list[tuple] = []  # what importing maxtext set, for the next module that runs it
+
+
+def maxtext_process_settings_put_back():
+  """Importing maxtext turns flax's eager variable sharding off and wraps two jax.lax functions
+  for the whole process, once. Used as a module-scoped autouse fixture: the module runs with
+  maxtext's settings (also when an earlier module imported it and put them back), and the
+  tests collected after it get the process's own settings back."""
+  saved = _process_settings()
+  if _MAXTEXT_SETTINGS:
+    _apply_process_settings(_MAXTEXT_SETTINGS[0])
+  yield
+  if "maxtext" in sys.modules:
+    _MAXTEXT_SETTINGS[:] = [_process_settings()]
+  _apply_process_settings(saved)

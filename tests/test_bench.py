@@ -1,5 +1,6 @@
 """The bench: `python -m nnx_zero1.bench` end to end at its tiniest, and its measuring functions."""
 
+import importlib.util
 import json
 import os
 import re
@@ -7,9 +8,11 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
-from nnx_zero1._src.bench import devices, measure, shapes
+from nnx_zero1._src.bench import devices, measure, output, shapes, verdict
+from nnx_zero1._src.bench.maxtext_arms import MISSING_MAXTEXT
 from nnx_zero1._src.bench.model import Config
 from nnx_zero1._src.bench.run import Settings, run_cell
 from nnx_zero1.testing import collectives, shape_bytes
@@ -41,6 +44,7 @@ def test_cli_writes_table_json_md_png_and_meets_memory_and_loss_goals(tmp_path):
   assert "zero1" in proc.stdout and "x ideal" in proc.stdout
   result = json.loads((tmp_path / "bench.json").read_text())
   assert result["meta"]["devices"] == 4
+  assert result["meta"]["cpu_async_dispatch"] is False  # the thread-pool deadlock setting, as in the tests
   rows = {r["arm"]: r for r in result["rows"]}
   assert set(rows) == {"baseline", "zero1"}
   for row in rows.values():
@@ -57,6 +61,61 @@ def test_cli_writes_table_json_md_png_and_meets_memory_and_loss_goals(tmp_path):
   assert "| zero1 | 4 | 2 |" in md and "## Goals" in md
   png = (tmp_path / "memory.png").read_bytes()
   assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_step_goal_is_met_missed_or_inconclusive_from_paired_steps():
+  rng = np.random.default_rng(0)
+  base = list(1.0 + 0.5 * rng.random(12))  # the machine's load moves both arms alike
+  same = verdict.estimate_ratio([1.01 * t for t in base], base)
+  slow = verdict.estimate_ratio([1.2 * t for t in base], base)
+  noisy = verdict.estimate_ratio([t * (1.05 + 0.3 * (rng.random() - 0.5)) for t in base], base)
+  assert verdict.judge(same, 1.05) == "met" and same.low == same.high == pytest.approx(1.01)
+  assert verdict.judge(slow, 1.05) == "missed"
+  assert verdict.judge(noisy, 1.05).startswith("inconclusive (noise ±")
+  assert verdict.judge(verdict.estimate_ratio(base[:3], base[:3]), 1.05).startswith("inconclusive")
+  assert verdict.judge_all(["met", "missed", "inconclusive (noise ±1.0%)"]) == "missed"
+  with pytest.raises(ValueError, match="paired"):
+    verdict.estimate_ratio([1.0], [1.0, 2.0])
+
+
+def test_goals_judge_step_time_from_the_interval_and_accum_by_bit_identity():
+  times = [10.0, 30.0, 11.0, 29.0, 10.5, 31.0]  # a machine whose load swings 3x
+  row = lambda arm, factor, equal: {  # noqa: E731
+      "arm": arm, "dp": 2, "ga": output.STEP_RATIO_GA, "opt_state_bytes_per_device": 100, "loss_diff": 0.0,
+      "step_ms": 20.0 * factor, "step_times_ms": [t * factor for t in times], "param_bytes": 8,
+      "collectives": {op: {"count": 1, "bytes": 8} for op in ("reduce-scatter", "all-gather", "all-reduce")},
+      "params_max_diff": 1.2e-5, "params_equal_arms": equal,
+  }
+  rows = [row("baseline", 1.0, []), row("zero1", 1.0, []), row("accum", 1.0, ["zero1-accum"]),
+          row("zero1-accum", 1.02, ["accum"])]
+  lines = output.targets(rows)
+  step = [line for line in lines if line.startswith("step time Zero-1/plain")]
+  assert step and step[0].endswith("-> met") and "dp=2 1.000 [1.000, 1.000]" in step[0]
+  assert "zero1-accum parameters bit-identical to accum: True -> met" in lines
+  assert not [line for line in lines if "1.2e-05" in line and "->" in line]  # a number, no verdict
+  rows[-1]["params_equal_arms"] = []
+  assert "zero1-accum parameters bit-identical to accum: False -> missed" in output.targets(rows)
+
+
+def test_missing_optional_dependencies_give_one_line_before_any_work(tmp_path):
+  broken = tmp_path / "site" / "matplotlib"  # a matplotlib that does not import, as if not installed
+  broken.mkdir(parents=True)
+  (broken / "__init__.py").write_text("raise ImportError('not installed')\n")
+  env = {**_fresh_env(), "PYTHONPATH": str(tmp_path / "site")}
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", "--quick", "--out", str(tmp_path / "out")],
+                        env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and not (tmp_path / "out").exists()
+  assert proc.stderr.strip().splitlines() == [
+      'nnx_zero1.bench: matplotlib not installed; pip install "nnx-zero1[bench]"'
+  ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("maxtext") is not None, reason="maxtext is installed here")
+def test_maxtext_arms_without_maxtext_say_so_in_one_line():
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench.maxtext_arms"], env=_fresh_env(),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [f"nnx_zero1.bench.maxtext_arms: {MISSING_MAXTEXT}"]
 
 
 def test_device_request_before_and_after_jax_starts():
@@ -172,3 +231,18 @@ def test_transformer_on_an_auto_mesh_is_bit_identical():
   base, zero1 = run_cell(settings, dp=4, ga=1)
   assert zero1["loss_diff"] == 0 and zero1["params_equal"]
   assert zero1["collectives"]["all-reduce"] == base["collectives"]["all-reduce"]
+
+
+def test_plot_lists_only_series_it_shows_and_says_ga_model_optimizer():
+  mib = 2**20
+  rows = [{"arm": arm, "dp": dp, "ga": ga, "model": "small", "optimizer": "adamw",
+           "opt_state_bytes_per_device": (8 * mib if arm in ("baseline", "accum") else 8 * mib // dp)}
+          for arm in ("baseline", "zero1", "accum", "zero1-accum") for dp in (2, 4) for ga in (1, 8)]
+  title, series = output.plot_series(rows)
+  assert title == "Optimizer state per device, GA=1 (model small, adamw)"
+  labels = [label for label, *_ in series]
+  assert labels == [
+      "nnx.Optimizer, nnx.Optimizer + value_and_grad_accumulated",
+      "Zero1Optimizer, Zero1Optimizer + value_and_grad_accumulated, ideal: plain / dp",
+  ]
+  assert len({tuple(zip(dps, values)) for _, _, dps, values in series}) == len(series)  # none hides another

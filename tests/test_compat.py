@@ -1,17 +1,22 @@
 """Every private API nnx-zero1 relies on still exists and does what it is used for.
 
 Each test names the installed version in its failure message, so a dependency
-upgrade that removes one says which shim to fix: ``nnx_zero1/_src/compat.py`` (jax, flax) or
-``adapters/_compat.py`` (MaxText, Tunix).
+upgrade that removes one says which shim in ``nnx_zero1/_src/compat.py`` (jax, flax)
+or ``adapters/_compat.py`` (MaxText, Tunix) to fix. The MaxText ones run where maxtext
+imports (Python >= 3.12, the CI's second lane).
 """
+
+import importlib.util
 
 import flax
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
+from helpers import maxtext_process_settings_put_back
 from nnx_zero1._src import compat as _compat
 
 JAX = f"jax {jax.__version__}"
@@ -85,3 +90,51 @@ def test_engine_model_and_mesh_reads_what_the_hook_needs():
     assert "maxtext" in str(e) and "_build_optimizer" in str(e)
   else:
     raise AssertionError("an engine without _model must be named, with the maxtext version")
+
+
+MAXTEXT_SKIP = None if importlib.util.find_spec("maxtext") else (
+    "maxtext is not installed here (pip install --no-deps maxtext==0.2.5 on Python >= 3.12; CI lane 2)"
+)
+needs_maxtext = pytest.mark.skipif(MAXTEXT_SKIP is not None, reason=str(MAXTEXT_SKIP))
+process_settings_put_back = pytest.fixture(scope="module", autouse=True)(maxtext_process_settings_put_back)
+
+
+def _maxtext():
+  from importlib.metadata import version
+
+  from nnx_zero1.adapters import _compat as maxtext_compat
+
+  maxtext_compat.ensure_tunix_types()
+  return maxtext_compat, f"maxtext {version('maxtext')}"
+
+
+@needs_maxtext
+def test_without_maxtext_zero1_turns_off_only_that_flag():
+  from nnx_zero1._src.bench.maxtext_arms import tiny_config
+
+  maxtext_compat, version = _maxtext()
+  config = tiny_config(shard_optimizer_over_data=True)
+  copy = maxtext_compat.without_maxtext_zero1(config)
+  assert maxtext_compat.maxtext_zero1_requested(config) and not maxtext_compat.maxtext_zero1_requested(copy)
+  assert config.shard_optimizer_over_data is True, version
+  theirs, ours = config.get_keys(), copy.get_keys()
+  changed = {k for k in theirs if str(theirs[k]) != str(ours[k])}
+  assert changed == {"shard_optimizer_over_data"}, f"HyperParameters._pydantic_config changed on {version}"
+
+
+@needs_maxtext
+def test_engine_gradient_shardings_are_where_the_adapter_reads_them():
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches, tiny_config, tiny_mesh
+
+  maxtext_compat, version = _maxtext()
+  stock = importlib.import_module("maxtext.training_engine.maxtext_engine").MaxTextTrainingEngine
+  config = tiny_config()
+  engine = stock(config, mesh=tiny_mesh(config))
+  assert maxtext_compat.unreduced_grad_shardings(engine) is None, version  # not compiled yet
+  engine.compile(tiny_batches(config, 1)[0])
+  unreduced = jax.tree.leaves(maxtext_compat.unreduced_grad_shardings(engine))
+  plain = jax.tree.leaves(maxtext_compat.plain_grad_shardings(engine))
+  assert unreduced and len(unreduced) == len(plain), f"_unreduced/_plain_grad_shardings moved on {version}"
+  assert all("data" in s.spec.unreduced for s in unreduced), version
+  maxtext_compat.set_plain_grad_shardings(engine, "target")
+  assert maxtext_compat.plain_grad_shardings(engine) == "target", version

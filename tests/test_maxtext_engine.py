@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 
-import flax
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, maxtext_process_settings_put_back
 from nnx_zero1 import Zero1Error, bytes_per_device
 from nnx_zero1.testing import collectives
 
@@ -25,19 +25,13 @@ N = 4
 
 
 SKIP = None if importlib.util.find_spec("maxtext") else (
-    "maxtext is not installed (it needs Python >= 3.12; the CI's Python 3.12 lane has it)"
+    "maxtext is not installed here (pip install --no-deps maxtext==0.2.5 on Python >= 3.12, with "
+    ".ci/requirements-newest.txt; the CI's Python 3.12 lane has it)"
 )
 needs_maxtext = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_settings_put_back():
-  """Importing maxtext turns flax's eager variable sharding off and wraps two jax.lax functions
-  for the whole process; the tests collected after this module get them back as they were."""
-  saved = (flax.config.flax_always_shard_variable, jax.lax.with_sharding_constraint, jax.lax.top_k)
-  yield
-  flax.config.update("flax_always_shard_variable", saved[0])
-  jax.lax.with_sharding_constraint, jax.lax.top_k = saved[1:]
+process_settings_put_back = pytest.fixture(scope="module", autouse=True)(maxtext_process_settings_put_back)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("maxtext") is not None, reason="maxtext is installed")
@@ -220,14 +214,29 @@ def test_muon_trains_like_maxtext_engine_with_its_moments_split():
 
 
 @needs_maxtext
-def test_maxtext_flag_too_is_refused_before_anything_is_built():
-  from nnx_zero1._src.bench.maxtext_arms import tiny_config
+@pytest.mark.parametrize("shard_mode", ["explicit", "auto"])
+def test_maxtext_flag_means_zero1_from_this_engine(shard_mode, caplog):
+  """shard_optimizer_over_data=True asks for what the class does: our Zero-1 serves it (also
+  on Auto meshes, where MaxText's declines), MaxText's own is bypassed, one info line says so."""
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
 
-  _, ours = _classes()
-  config = tiny_config(shard_optimizer_over_data=True)
-  with pytest.raises(Zero1Error, match="shard_optimizer_over_data"):
-    ours(config)
-  assert config.shard_optimizer_over_data is True
+  stock_cls, ours_cls = _classes()
+  stock, _ = build(stock_cls, shard_mode=shard_mode)
+  with caplog.at_level(logging.INFO):
+    ours, config = build(ours_cls, shard_mode=shard_mode, shard_optimizer_over_data=True)
+  batches = tiny_batches(config, 4)
+  for e in (stock, ours):
+    e.compile(batches[0])
+    step(e, batches[:1])
+    step(e, batches[1:])
+  assert config.shard_optimizer_over_data is True  # the caller's config is left as it was
+  assert_trees_equal(params(ours), params(stock))
+  assert bytes_per_device(moments(ours)) * N == bytes_per_device(moments(stock))
+  for leaf in jax.tree.leaves(nnx.state(ours.model, nnx.Param)):
+    assert leaf.sharding.is_fully_replicated
+  ours_lines = [r for r in caplog.records if "MaxText's own Zero-1 is bypassed" in r.getMessage()]
+  assert len(ours_lines) == 1 and ours_lines[0].levelno == logging.INFO
+  assert not [r for r in caplog.records if "cannot honour it" in r.getMessage()]  # MaxText's own warning
 
 
 @needs_maxtext

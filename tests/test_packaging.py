@@ -1,5 +1,6 @@
 """The built (non-editable) wheel ships the adapters inside the package, not as `adapters`."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -34,3 +35,22 @@ def test_wheel_installs_adapters_as_nnx_zero1_adapters(tmp_path):
       cwd=tmp_path, capture_output=True, text=True, check=True,
   )
   assert out.stdout.strip().startswith(str(site))
+
+
+def test_from_a_source_checkout_root_the_adapters_import_and_the_bench_starts(tmp_path):
+  """Python run from the repository root imports the source nnx_zero1/ (which has no adapters/)
+  ahead of any installed copy; nnx_zero1.adapters must still import, from the checkout."""
+  checkout = tmp_path / "checkout"
+  for folder in ("nnx_zero1", "adapters"):
+    shutil.copytree(ROOT / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
+  probe = (
+      "import nnx_zero1.adapters as a; from nnx_zero1.adapters.maxtext import Zero1Engine; "
+      "from nnx_zero1.adapters.tunix import Zero1PeftTrainer; print(a.__file__)"
+  )
+  env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+  out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=checkout, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == str(checkout / "adapters" / "__init__.py")
+  bench = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", "--help"], env=env, cwd=checkout,
+                         capture_output=True, text=True)
+  assert bench.returncode == 0 and "--quick" in bench.stdout, bench.stderr[-2000:]

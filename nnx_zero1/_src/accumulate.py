@@ -138,8 +138,14 @@ def value_and_grad_accumulated(
     raise Zero1Error(f"data_axis={axes} but the Zero1Optimizer splits its state over "
                      f"{zero1.data_axis}; {describe_mesh(mesh)}")
   _check_micro_batches(batch, micro_batches, n, mesh)
-  homes = _homes(params, optimizer, mesh)
-  targets = zero1.zero1_plan.zero1_param_shardings if zero1 is not None else homes
+  one_device = zero1 is not None and zero1.zero1_plan.single_device
+  if one_device:
+    # Data-parallel size 1 (one device, no mesh): the one replica's program on the plan's
+    # one-device mesh; nothing to reduce, nothing to split.
+    homes = tuple(NamedSharding(mesh, P()) for _ in jax.tree.leaves(pure_params))
+  else:
+    homes = _homes(params, optimizer, mesh)
+  targets = homes if one_device or zero1 is None else zero1.zero1_plan.zero1_param_shardings
   loss_of_params = reduction.loss_of_params(loss_fn, graphdef, optimizer.wrt)
   args = (loss_of_params, pure_params, pure_rest, batch, micro_batches, mesh, axes)
 
@@ -149,8 +155,10 @@ def value_and_grad_accumulated(
     loss, grads = _reduce_each_micro_batch(*args)
     return loss, _as_state(params, grads)
   loss, grads = _reduce_once(*args, homes, targets)
+  if one_device:  # back on the device the parameters (and nnx.Optimizer's arithmetic) live on
+    loss, grads = jax.device_put((loss, grads), jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]))
   state = _as_state(params, grads)
-  return loss, mark_zero1_grads(state) if zero1 else state
+  return loss, mark_zero1_grads(state) if zero1 and not one_device else state
 
 
 def _plain_mesh(params: Any, batch: Any) -> Any:

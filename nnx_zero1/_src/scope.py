@@ -9,9 +9,11 @@ How: ``flax.nnx`` builds objects through its ``Pytree`` metaclass
 asks a ``ContextVar`` whether a scope is active in this thread (or asyncio
 task); if not, it builds the plain optimizer as before (one extra lookup). It is
 the same class object, so ``from flax.nnx import Optimizer`` names bound anywhere,
-``isinstance`` and ``issubclass`` all behave as before. Only calls on exactly
-``nnx.Optimizer`` are routed: subclasses (including ``Zero1Optimizer``) and
-objects rebuilt by ``nnx.merge`` / ``nnx.jit`` are not.
+``isinstance`` and ``issubclass`` all behave as before. ``nnx.ModelAndOptimizer``
+(flax's optimizer that holds its model) gets the same metaclass and builds a
+``Zero1ModelAndOptimizer``. Only calls on exactly these two classes are routed:
+other subclasses (including ``Zero1Optimizer``) and objects rebuilt by
+``nnx.merge`` / ``nnx.jit`` are not.
 """
 
 from __future__ import annotations
@@ -28,12 +30,19 @@ from flax import nnx
 
 from nnx_zero1._src.compat import set_metaclass
 from nnx_zero1._src.mesh import resolve_mesh
+from nnx_zero1._src.model_and_optimizer import Zero1ModelAndOptimizer
 from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size
 
 __all__ = ["zero1_optimizers"]
 
 _OPTIMIZER = nnx.Optimizer
+_MODEL_AND_OPTIMIZER = nnx.ModelAndOptimizer
+# What the scope builds for a call on each routed class.
+_COUNTERPARTS: dict[type, type[Zero1Optimizer]] = {
+    _OPTIMIZER: Zero1Optimizer,
+    _MODEL_AND_OPTIMIZER: Zero1ModelAndOptimizer,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +54,11 @@ class _Scope:
   strict: bool
   built: list[Zero1Optimizer]
 
-  def build(self, model, tx, *args, **kwargs) -> Zero1Optimizer:
+  def build(self, routed: type, model, tx, *args, **kwargs) -> Zero1Optimizer:
     if args:
-      raise TypeError(f"nnx.Optimizer takes 2 positional arguments but {2 + len(args)} were given")
-    opt = Zero1Optimizer(model, tx, self.mesh, data_axis=self.data_axis, strict=self.strict, **kwargs)
+      raise TypeError(f"nnx.{routed.__name__} takes 2 positional arguments but {2 + len(args)} were given")
+    counterpart = _COUNTERPARTS[routed]
+    opt = counterpart(model, tx, self.mesh, data_axis=self.data_axis, strict=self.strict, **kwargs)
     self.built.append(opt)
     return opt
 
@@ -60,10 +70,10 @@ class _ScopedOptimizerMeta(type(_OPTIMIZER)):  # type: ignore[misc]  # flax's me
   """``nnx.Optimizer``'s metaclass, asking the active scope (if any) to build it instead."""
 
   def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-    if cls is _OPTIMIZER:
+    if cls is _OPTIMIZER or cls is _MODEL_AND_OPTIMIZER:
       scope = _SCOPE.get()
       if scope is not None:
-        return scope.build(*args, **kwargs)
+        return scope.build(cls, *args, **kwargs)
     return super().__call__(*args, **kwargs)
 
 
@@ -71,10 +81,11 @@ _INSTALL = threading.Lock()
 
 
 def _install() -> None:
-  """Gives ``nnx.Optimizer`` the scope-aware metaclass, once per process."""
+  """Gives ``nnx.Optimizer`` and ``nnx.ModelAndOptimizer`` the scope-aware metaclass, once per process."""
   with _INSTALL:
-    if type(_OPTIMIZER) is not _ScopedOptimizerMeta:
-      set_metaclass(_OPTIMIZER, _ScopedOptimizerMeta)
+    for routed in _COUNTERPARTS:
+      if type(routed) is not _ScopedOptimizerMeta:
+        set_metaclass(routed, _ScopedOptimizerMeta)
 
 
 @contextlib.contextmanager
@@ -82,7 +93,8 @@ def zero1_optimizers(
     mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = None, strict: bool = False
 ) -> Iterator[list[Zero1Optimizer]]:
   """Inside the block, ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` builds
-  ``Zero1Optimizer(model, tx, mesh, wrt=..., graph=..., data_axis=..., strict=...)``.
+  ``Zero1Optimizer(model, tx, mesh, wrt=..., graph=..., data_axis=..., strict=...)``
+  (and ``nnx.ModelAndOptimizer(model, tx, wrt=...)`` a ``Zero1ModelAndOptimizer``).
 
   Wherever the call is written (your code, a library's trainer, a helper it
   calls), as long as it runs in this thread or asyncio task while the block is

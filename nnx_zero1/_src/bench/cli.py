@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from nnx_zero1._src.bench import devices
 
-__all__ = ["parse_args", "default_arms", "main"]
+__all__ = ["parse_args", "default_arms", "missing_extras", "main"]
 
 STEP_ARMS = ("baseline", "zero1", "accum", "zero1-accum")
 ENGINE_ARMS = ("engine", "zero1-engine")
@@ -99,6 +99,32 @@ def default_arms() -> tuple[str, ...]:
   return STEP_ARMS + (ENGINE_ARMS if has_engine else ())
 
 
+_BENCH_EXTRA = ("matplotlib", "tqdm")  # what `pip install "nnx-zero1[bench]"` brings
+
+
+def missing_extras(modules: Sequence[str] = _BENCH_EXTRA) -> list[str]:
+  """The modules of the ``bench`` extra that do not import here.
+
+  Args:
+    modules: the module names to try.
+
+  Returns:
+    The names whose import fails, in order; empty when the bench can run.
+
+  Example::
+
+    >>> missing_extras(["json", "no_such_module_here"])
+    ['no_such_module_here']
+  """
+  missing = []
+  for name in modules:
+    try:
+      importlib.import_module(name)
+    except ImportError:
+      missing.append(name)
+  return missing
+
+
 def _devices_or_rerun(need: int, argv: Sequence[str]) -> int | None:
   """None when this process can run the bench; otherwise the exit code of a fresh run."""
   if devices.request_cpu_devices(need):
@@ -124,6 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nnx_zero1._src.bench import aot_cli  # compiles for a TPU topology; needs no devices
 
     return aot_cli.main(args)
+  missing = missing_extras()
+  if missing:  # before any work: the table and plot need them at the end
+    print(f"nnx_zero1.bench: {', '.join(missing)} not installed; pip install \"nnx-zero1[bench]\"",
+          file=sys.stderr)
+    return 2
+  devices.synchronous_cpu_dispatch()
   rerun = _devices_or_rerun(max(args.dp), argv)
   if rerun is not None:
     return rerun
@@ -162,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       "host_cpus": os.cpu_count(),
       "machine": f"{platform.machine()} {platform.system()}, python {platform.python_version()}",
       "jax": jax.__version__,
+      "cpu_async_dispatch": devices.cpu_async_dispatch(),
       "wall_s": round(time.perf_counter() - start, 1),
   }
   result = {"meta": meta, "rows": rows, "shapes": shape_rows}

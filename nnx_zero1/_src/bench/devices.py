@@ -17,7 +17,12 @@ import os
 import re
 import sys
 
-__all__ = ["CHILD_ENV", "flag_device_count", "request_cpu_devices", "rerun_command"]
+__all__ = [
+    "CHILD_ENV", "cpu_async_dispatch", "flag_device_count", "request_cpu_devices", "rerun_command",
+    "synchronous_cpu_dispatch",
+]
+
+_ASYNC_DISPATCH = "jax_cpu_enable_async_dispatch"
 
 CHILD_ENV = "NNX_ZERO1_BENCH_RERUN"
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -77,3 +82,41 @@ def rerun_command(n: int, argv: list[str]) -> tuple[list[str], dict[str, str]]:
   env["XLA_FLAGS"] = f"{kept} {_COUNT_FLAG}={n}".strip()
   env[CHILD_ENV] = "1"
   return [sys.executable, "-m", "nnx_zero1.bench", *argv], env
+
+
+def synchronous_cpu_dispatch() -> bool:
+  """Turns jax's asynchronous CPU dispatch off, as the test suite does; True when it is off.
+
+  Virtual CPU devices share one thread pool of the host's size. With asynchronous
+  dispatch the next program's launches can take the pool threads that the running
+  program's collective waits for: a deadlock (or XLA's abort) on a busy machine
+  with few cores. Synchronous dispatch launches one program at a time; the bench
+  times each step until its result is ready anyway, so its timings are unchanged.
+
+  Returns:
+    Whether dispatch is synchronous now (False only where the option is gone).
+
+  Example::
+
+    >>> synchronous_cpu_dispatch()
+    True
+  """
+  import jax
+
+  if _ASYNC_DISPATCH not in jax.config.values:  # a jax without the option has nothing to turn off
+    return False
+  jax.config.update(_ASYNC_DISPATCH, False)
+  return not cpu_async_dispatch()
+
+
+def cpu_async_dispatch() -> bool:
+  """Whether this process dispatches CPU programs asynchronously (jax's default).
+
+  Example::
+
+    >>> synchronous_cpu_dispatch() and not cpu_async_dispatch()
+    True
+  """
+  import jax
+
+  return bool(jax.config.values.get(_ASYNC_DISPATCH, False))

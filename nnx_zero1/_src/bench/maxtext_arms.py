@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import pathlib
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,10 +32,16 @@ import jax
 import numpy as np
 from flax import nnx
 
+from nnx_zero1._src.bench import devices
 from nnx_zero1._src.report import bytes_per_device
 from nnx_zero1.testing import collectives
 
-__all__ = ["tiny_config", "tiny_mesh", "tiny_batches", "run_arm", "main"]
+__all__ = ["MISSING_MAXTEXT", "tiny_config", "tiny_mesh", "tiny_batches", "run_arm", "main"]
+
+MISSING_MAXTEXT = (
+    "needs maxtext, which is not installed here: on Python >= 3.12, "
+    "pip install -r .ci/requirements-newest.txt && pip install --no-deps maxtext==0.2.5"
+)
 
 TINY = dict(
     model_name="default", run_name="nnx_zero1", base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2,
@@ -147,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--out", default="bench_out")
   args = p.parse_args(argv)
+  if importlib.util.find_spec("maxtext") is None:
+    print(f"nnx_zero1.bench.maxtext_arms: {MISSING_MAXTEXT}", file=sys.stderr)
+    return 2
+  devices.synchronous_cpu_dispatch()  # the CPU thread-pool deadlock the tests avoid the same way
   rows = [run_arm(name, args.dp, args.ga, args.steps) for name in ("maxtext-flag", "zero1-maxtext")]
   table = _table(rows)
   out = pathlib.Path(args.out)

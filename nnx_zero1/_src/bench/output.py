@@ -7,9 +7,12 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["table", "shapes_table", "targets", "markdown", "write_all", "plot_memory"]
+from nnx_zero1._src.bench.verdict import estimate_ratio, judge, judge_all
 
-# Goals from the issue; the bench reports them, tests do not assert the timed one.
+__all__ = ["table", "shapes_table", "targets", "markdown", "write_all", "plot_series", "plot_memory"]
+
+# Goals from the issue; the bench reports them, tests do not assert the timed one (it is judged
+# from the paired per-step ratios, so a noisy machine reads "inconclusive", never "missed").
 OPT_BYTES_SLACK = 1.02
 STEP_RATIO_GOAL = 1.05
 STEP_RATIO_GA = 8
@@ -110,30 +113,34 @@ def targets(rows: Sequence[dict]) -> list[str]:
   zero1 = [r for r in rows if r["arm"] == "zero1"]
   opt = [r["opt_state_bytes_per_device"] / (_baseline(rows, r)["opt_state_bytes_per_device"] / r["dp"])
          for r in zero1]
-  at_ga = [r for r in zero1 if r["ga"] == STEP_RATIO_GA]
-  step = [r["step_ms"] / _baseline(rows, r)["step_ms"] for r in at_ga]
-  fastest = [r["step_ms_min"] / _baseline(rows, r)["step_ms_min"] for r in at_ga if "step_ms_min" in r]
   diff = [r["loss_diff"] for r in zero1]
-  verdict = _verdict
   return [
       f"Zero-1 optimizer bytes/device <= {OPT_BYTES_SLACK} x plain/dp: "
-      + verdict(opt, bool(opt) and max(opt) <= OPT_BYTES_SLACK),
-      f"step time Zero-1/plain <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}, medians: "
-      + verdict(step, bool(step) and max(step) <= STEP_RATIO_GOAL),
-      f"step time Zero-1/plain <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}, fastest steps: "
-      + verdict(fastest, bool(fastest) and max(fastest) <= STEP_RATIO_GOAL),
-      "final-loss difference == 0: " + verdict(diff, bool(diff) and max(diff) == 0, "g"),
+      + _verdict(opt, bool(opt) and max(opt) <= OPT_BYTES_SLACK),
+      _step_goal(rows, "zero1", "Zero-1/plain"),
+      "final-loss difference == 0: " + _verdict(diff, bool(diff) and max(diff) == 0, "g"),
   ] + _accum_lines(rows) + _engine_line(rows)
 
 
 ALL_REDUCE_SCALARS = 1024  # bytes: what "only scalars" allows per step
-PARAMS_ATOL = 1e-5
 
 
 def _verdict(values: list, good: bool, fmt: str = ".3f") -> str:
   if not values:
     return "not measured"
-  return ", ".join(f"{v:{fmt}}" for v in values) + (" -> met" if good else " -> MISSED")
+  return ", ".join(f"{v:{fmt}}" for v in values) + (" -> met" if good else " -> missed")
+
+
+def _step_goal(rows: Sequence[dict], arm: str, label: str) -> str:
+  """The step-time goal for ``arm`` against ``baseline`` at GA=8, judged per dp from paired steps."""
+  at_ga = [r for r in rows if r["arm"] == arm and r["ga"] == STEP_RATIO_GA and "step_times_ms" in r]
+  estimates = [
+      (r["dp"], estimate_ratio(r["step_times_ms"], _baseline(rows, r)["step_times_ms"])) for r in at_ga
+  ]
+  measured = ", ".join(f"dp={dp} {e}" for dp, e in estimates) or "not measured"
+  verdict = judge_all([judge(e, STEP_RATIO_GOAL) for _, e in estimates])
+  return (f"step time {label} <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA} (median per-step ratio "
+          f"[95% bootstrap interval]): {measured} -> {verdict}")
 
 
 def _accum_lines(rows: Sequence[dict]) -> list[str]:
@@ -148,11 +155,6 @@ def _accum_lines(rows: Sequence[dict]) -> list[str]:
   reduced = [c(r, "all-reduce") for r in at_ga]
   opt = [r["opt_state_bytes_per_device"] / (_baseline(rows, r)["opt_state_bytes_per_device"] / r["dp"])
          for r in accum]
-  step = [r["step_ms"] / _baseline(rows, r)["step_ms"] for r in at_ga]
-  fastest = [r["step_ms_min"] / _baseline(rows, r)["step_ms_min"] for r in at_ga]
-  diff = [r["params_max_diff"] for r in accum]
-  engine = [("zero1-engine" in r["params_equal_arms"]) for r in accum
-            if any(e["arm"] == "zero1-engine" and (e["dp"], e["ga"]) == (r["dp"], r["ga"]) for e in rows)]
   lines = [
       f"zero1-accum at GA={STEP_RATIO_GA}, reduce-scatter bytes (results x dp) / gradient bytes == 1: "
       + _verdict(scattered, bool(scattered) and all(v == 1 for v in scattered)),
@@ -162,22 +164,28 @@ def _accum_lines(rows: Sequence[dict]) -> list[str]:
       + _verdict(reduced, bool(reduced) and max(reduced) < ALL_REDUCE_SCALARS, "d"),
       f"zero1-accum optimizer bytes/device <= {OPT_BYTES_SLACK} x plain/dp: "
       + _verdict(opt, max(opt) <= OPT_BYTES_SLACK),
-      f"step time zero1-accum/baseline <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}, medians: "
-      + _verdict(step, bool(step) and max(step) <= STEP_RATIO_GOAL),
-      f"step time zero1-accum/baseline <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA}, fastest steps: "
-      + _verdict(fastest, bool(fastest) and max(fastest) <= STEP_RATIO_GOAL),
-      f"zero1-accum final parameters within {PARAMS_ATOL:g} of the first arm's: "
-      + _verdict(diff, max(diff) <= PARAMS_ATOL, ".3g"),
+      _step_goal(rows, "zero1-accum", "zero1-accum/baseline"),
   ]
-  if engine:
-    lines.append("zero1-accum parameters bit-identical to zero1-engine: "
-                 + ", ".join(map(str, engine)) + (" -> met" if all(engine) else " -> MISSED"))
+  # Zero-1 changes no arithmetic on top of the same deferral: bit-identical to accum (and to the
+  # engine, which defers the same way). Against baseline (another summation order) only a number.
+  for other in ("accum", "zero1-engine"):
+    same = [other in r["params_equal_arms"] for r in accum if _has_arm(rows, other, r)]
+    if same:
+      lines.append(f"zero1-accum parameters bit-identical to {other}: "
+                   + ", ".join(map(str, same)) + (" -> met" if all(same) else " -> missed"))
+  diff = ", ".join(f"{r['params_max_diff']:.3g}" for r in accum)
+  lines.append(f"(no goal) zero1-accum max |parameter - {rows[0]['arm']}'s| after the last step "
+               f"(a different summation order): {diff}")
   plain = [r for r in rows if r["arm"] == "accum" and r["ga"] == STEP_RATIO_GA]
   if plain:
     ratios = ", ".join(f"{r['step_ms'] / _baseline(rows, r)['step_ms']:.3f}" for r in plain)
     lines.append(f"(no goal) step time accum/baseline (nnx.Optimizer, deferral alone) at GA={STEP_RATIO_GA}: "
                  + ratios)
   return lines
+
+
+def _has_arm(rows: Sequence[dict], arm: str, row: dict) -> bool:
+  return any(e["arm"] == arm and (e["dp"], e["ga"]) == (row["dp"], row["ga"]) for e in rows)
 
 
 def _engine_line(rows: Sequence[dict]) -> list[str]:
@@ -237,6 +245,42 @@ _PLOT_LABELS = {"baseline": "nnx.Optimizer", "zero1": "Zero1Optimizer",
                 "zero1-engine": "Zero1Engine"}
 
 
+def plot_series(rows: Sequence[dict]) -> tuple[str, list[tuple[str, str, list[int], list[float]]]]:
+  """memory.png's title and its series ``(label, style, dps, MiB per device)``, at the smallest GA.
+
+  Arms whose points coincide (``accum`` holds what ``baseline`` holds; Zero-1 arms sit on the
+  ideal plain/dp line) are one series whose label names them all, so every listed series is seen.
+
+  Example::
+
+    >>> rows = [{"arm": a, "dp": 2, "ga": 1, "model": "tiny", "optimizer": "adamw",
+    ...          "opt_state_bytes_per_device": b} for a, b in (("baseline", 2**21), ("zero1", 2**20))]
+    >>> title, series = plot_series(rows)
+    >>> title
+    'Optimizer state per device, GA=1 (model tiny, adamw)'
+    >>> [label for label, *_ in series]
+    ['nnx.Optimizer', 'Zero1Optimizer, ideal: plain / dp']
+  """
+  ga = min((r["ga"] for r in rows), default=1)
+  at_ga = [r for r in rows if r["ga"] == ga]
+  points = {
+      arm: tuple(sorted((r["dp"], r["opt_state_bytes_per_device"] / 2**20) for r in at_ga if r["arm"] == arm))
+      for arm in _PLOT_STYLES
+  }
+  named = [(_PLOT_LABELS[arm], _PLOT_STYLES[arm], p) for arm, p in points.items() if p]
+  if points["baseline"]:
+    named.append(("ideal: plain / dp", "k--", tuple((dp, mib / dp) for dp, mib in points["baseline"])))
+  merged: dict[tuple, tuple[list[str], str]] = {}
+  for label, style, p in named:
+    merged.setdefault(p, ([], style))[0].append(label)
+  series = [(", ".join(labels), style, [dp for dp, _ in p], [mib for _, mib in p])
+            for p, (labels, style) in merged.items()]
+  first = at_ga[0] if at_ga else {}
+  title = (f"Optimizer state per device, GA={ga} "
+           f"(model {first.get('model', '?')}, {first.get('optimizer', '?')})")
+  return title, series
+
+
 def plot_memory(rows: Sequence[dict], path: str) -> None:
   """memory.png: optimizer bytes per device against dp, plain vs Zero-1, with the ideal 1/dp line.
 
@@ -249,25 +293,18 @@ def plot_memory(rows: Sequence[dict], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(6, 4))
-  ga = min((r["ga"] for r in rows), default=1)
-  points = lambda arm: sorted(
-      (r["dp"], r["opt_state_bytes_per_device"]) for r in rows if r["arm"] == arm and r["ga"] == ga
-  )
-  for arm, style in _PLOT_STYLES.items():
-    if points(arm):
-      dps, sizes = zip(*points(arm))
-      ax.plot(dps, [b / 2**20 for b in sizes], style, label=_PLOT_LABELS[arm])
-  base = points("baseline")
-  if base:
-    base_dps = [dp for dp, _ in base]
-    ax.plot(base_dps, [b / dp / 2**20 for dp, b in base], "k--", label="ideal: plain / dp")
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  title, series = plot_series(rows)
+  for label, style, dps, mib in series:
+    ax.plot(dps, mib, style, label=label)
+  dps = sorted({r["dp"] for r in rows})
+  if dps:
     ax.set_xscale("log", base=2)
-    ax.set_xticks(base_dps, [str(d) for d in base_dps])
+    ax.set_xticks(dps, [str(d) for d in dps])
   ax.set_xlabel("data-parallel size (dp)")
   ax.set_ylabel("optimizer state per device (MiB)")
-  ax.set_title("Optimizer memory per device")
-  ax.legend()
+  ax.set_title(title, fontsize=10)
+  ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

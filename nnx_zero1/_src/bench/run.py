@@ -2,7 +2,8 @@
 
 One cell of the bench is one (dp, ga): every arm gets a freshly built model
 (same seed), the same batches, one compiled step, and its steps interleaved
-with the other arms' so that a change in machine load hits all arms alike.
+with the other arms' (in alternating order) so that a change in machine load
+hits all arms alike and step i of two arms is a fair pair.
 """
 
 from __future__ import annotations
@@ -333,6 +334,7 @@ def _row(arm, times: list[float], loss: float, base_loss: float, same: bool, dp:
       "temp_bytes_per_device": mem["temp"],
       "peak_bytes_per_device": mem["peak"],
       "step_ms": measure.median_ms(times),
+      "step_times_ms": [round(t * 1e3, 3) for t in times],  # paired with the other arms' by index
       "step_ms_min": round(min(times) * 1e3, 3),  # less sensitive to other load on a shared machine
       "compile_s": round(arm.compile_s, 3),
       "collectives": arm.collectives(),
@@ -359,8 +361,9 @@ def run_cell(
   """Trains every arm at one (dp, ga) and returns one row per arm; ``arms[0]`` is the reference.
 
   Each arm is built and compiled, then the arms take their steps in turn
-  (step i of every arm, then step i + 1), so a change in machine load hits
-  every arm alike. ``tick()`` is called after each compile and each step.
+  (step i of every arm, then step i + 1, the order reversed every other step
+  so no arm always runs first), so a change in machine load hits every arm
+  alike. ``tick()`` is called after each compile and each step.
 
   Example::
 
@@ -382,7 +385,7 @@ def run_cell(
   losses: dict[str, float] = {}
   for i in range(settings.warmup + settings.steps):
     step_tokens = tokens(settings, ga, i)
-    for arm in built:
+    for arm in built if i % 2 == 0 else built[::-1]:
       batch = arm.prepare(step_tokens)
       loss, seconds = measure.time_call(functools.partial(arm.step, batch))
       losses[arm.name] = float(loss)
