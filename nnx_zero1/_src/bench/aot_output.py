@@ -11,6 +11,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from nnx_zero1._src.bench.output import save_figure
+
 __all__ = ["HEADER", "cells", "table", "markdown", "plot", "write_all", "saving"]
 
 HEADER = ("compiled for", "arm", "dp", "ga", "opt GiB", "args GiB", "temp GiB", "peak GiB", "saved GiB",
@@ -136,10 +138,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
   ax.set_ylabel("GiB per device (compiled, not run)")
   refusals = f"; {len(refused)} arm(s) do not fit" if refused else ""
   ax.set_title(f"Compiled for {', '.join(topologies)} (TPU compiler, no timing){refusals}", fontsize=9)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, ax, path, legend_size=7)
 
 
 def write_all(result: dict[str, Any], out_dir: str) -> list[str]:

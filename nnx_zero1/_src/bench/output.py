@@ -9,7 +9,9 @@ from typing import Any
 
 from nnx_zero1._src.bench.verdict import estimate_ratio, judge, judge_all
 
-__all__ = ["table", "shapes_table", "targets", "markdown", "write_all", "plot_series", "plot_memory"]
+__all__ = [
+    "table", "shapes_table", "targets", "markdown", "write_all", "plot_series", "plot_memory", "save_figure",
+]
 
 # Goals from the issue; the bench reports them, tests do not assert the timed one (it is judged
 # from the paired per-step ratios, so a noisy machine reads "inconclusive", never "missed").
@@ -304,7 +306,14 @@ def plot_memory(rows: Sequence[dict], path: str) -> None:
   ax.set_xlabel("data-parallel size (dp)")
   ax.set_ylabel("optimizer state per device (MiB)")
   ax.set_title(title, fontsize=10)
-  ax.legend(fontsize=8)
+  save_figure(fig, ax, path, legend_size=8)
+
+
+def save_figure(fig: Any, ax: Any, path: str, *, legend_size: int) -> None:
+  """The bench's plots end alike: legend, tight layout, a 120-dpi PNG, the figure closed."""
+  import matplotlib.pyplot as plt
+
+  ax.legend(fontsize=legend_size)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
