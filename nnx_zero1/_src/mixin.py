@@ -75,6 +75,7 @@ class ShardedOptimizerMixin:
 
   zero1_data_axis: DataAxis | None = "data"  # None: left to zero1_options (the Tunix adapters' config)
   zero1_strict: bool = False
+  zero1_offload_state_to_host: bool = False
 
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
@@ -91,7 +92,8 @@ class ShardedOptimizerMixin:
     axes = data_axes(options["data_axis"])
     for mesh in self._zero1_meshes(*args, **kwargs):
       data_axis_size(mesh, axes)
-    with zero1_optimizers(data_axis=axes, strict=bool(options["strict"])) as built:
+    offload = bool(options.get("offload_state_to_host", False))  # older zero1_options() omit it
+    with zero1_optimizers(data_axis=axes, strict=bool(options["strict"]), offload_state_to_host=offload) as built:
       super().__init__(*args, **kwargs)
     if not built:
       raise Zero1Error(
@@ -102,8 +104,8 @@ class ShardedOptimizerMixin:
   def zero1_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """The Zero-1 options for one construction, given the constructor's arguments.
 
-    Returns ``{"data_axis": ..., "strict": ...}``; by default the class
-    attributes. Adapters override this to read the trainer's config.
+    Returns ``{"data_axis": ..., "strict": ..., "offload_state_to_host": ...}``
+    (the last may be left out: False); by default the class attributes. Adapters override this to read the trainer's config.
 
     Example::
 
@@ -114,7 +116,10 @@ class ShardedOptimizerMixin:
       ...   def zero1_options(self, model, tx, config):
       ...     return {"data_axis": config["data_axis"], "strict": True}
     """
-    return {"data_axis": self.zero1_data_axis, "strict": self.zero1_strict}
+    return {
+        "data_axis": self.zero1_data_axis, "strict": self.zero1_strict,
+        "offload_state_to_host": self.zero1_offload_state_to_host,
+    }
 
   def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list[jax.sharding.Mesh]:
     """Meshes the optimizers will be built on, checked for the data axis before

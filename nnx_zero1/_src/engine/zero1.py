@@ -35,6 +35,7 @@ class _EngineHost(Protocol):
   def strict(self) -> bool: ...
   @property
   def optimizer(self) -> nnx.Optimizer: ...
+  OFFLOAD_STATE_TO_HOST: bool
 
 
 class Zero1EngineMixin:
@@ -46,7 +47,8 @@ class Zero1EngineMixin:
   Zero-1 layout from the start, and ``_gradient_targets()`` is that layout, so
   the update kernel reduce-scatters the accumulated gradients straight onto it.
   Kernel signatures and the checkpoint tree are unchanged, so checkpoints cross
-  both ways.
+  both ways. ``OFFLOAD_STATE_TO_HOST = True`` on a subclass keeps the state
+  shards in host memory between steps (``Zero1Optimizer(offload_state_to_host=True)``).
 
   Example::
 
@@ -55,10 +57,15 @@ class Zero1EngineMixin:
     ...   pass
   """
 
+  OFFLOAD_STATE_TO_HOST = False
+
   def _make_optimizer(
       self: _EngineHost, model: nnx.Module, tx: optax.GradientTransformation
   ) -> Zero1Optimizer:
-    return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, strict=self.strict)
+    return Zero1Optimizer(
+        model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, strict=self.strict,
+        offload_state_to_host=self.OFFLOAD_STATE_TO_HOST,
+    )
 
   def _gradient_targets(self: _EngineHost) -> tuple[NamedSharding, ...]:
     optimizer = self.optimizer
