@@ -178,3 +178,69 @@ def test_values_unchanged_by_offload_after_each_step():
         np.array_equal(a, b) for a, b in zip(pure(pairs[0][1]), pure(pairs[1][1]), strict=True)
     )
   assert kinds(pairs[1][1]) == {"pinned_host"}
+
+
+def test_engine_offloads_and_checkpoints_cross_mid_accumulation(tmp_path):
+  """The reference Zero1Engine with OFFLOAD_STATE_TO_HOST: bit-identical steps, and a checkpoint
+  written mid-accumulation by the offloaded engine resumes in the on-device one (and back)."""
+  from helpers import Decoder, lm_loss
+  from nnx_zero1.adapters.maxtext import Zero1Engine
+
+  class OffloadEngine(Zero1Engine):
+    OFFLOAD_STATE_TO_HOST = True
+
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  rng = np.random.default_rng(0)
+  data = [{"tokens": rng.integers(0, 64, (8, 17)).astype(np.int32)} for _ in range(4)]
+
+  def make(cls, ckpt):
+    return cls(Decoder(nnx.Rngs(0), vocab=64), optax.adamw(1e-2), mesh, loss_fn=lm_loss, checkpoint_dir=ckpt)
+
+  finished = {}
+  for cls in (Zero1Engine, OffloadEngine):
+    engine = make(cls, tmp_path / cls.__name__)
+    for b in data[:2]:
+      engine.fwd_bwd(b)
+    engine.save_checkpoint(0)
+    for b in data[2:]:
+      engine.fwd_bwd(b)
+    engine.update()
+    engine.close()
+    finished[cls] = engine
+  assert kinds(finished[OffloadEngine].optimizer) == {"pinned_host"}
+  assert_trees_equal(finished[OffloadEngine].model, finished[Zero1Engine].model)
+  assert_trees_equal(finished[OffloadEngine].optimizer, finished[Zero1Engine].optimizer)
+
+  for source, target in ((OffloadEngine, Zero1Engine), (Zero1Engine, OffloadEngine)):
+    resumed = make(target, tmp_path / source.__name__)
+    assert resumed.restore_checkpoint() == 0
+    for b in data[2:]:
+      resumed.fwd_bwd(b)
+    resumed.update()
+    assert kinds(resumed.optimizer) == {"pinned_host" if target is OffloadEngine else "device"}
+    assert_trees_equal(resumed.model, finished[source].model)
+    assert_trees_equal(resumed.optimizer, finished[source].optimizer)
+    resumed.close()
+
+
+def test_tunix_trainer_offloads_through_its_config(tmp_path):
+  from tunix_toys import model_input, sft_batches, toy
+  from tunix.sft import peft_trainer
+  from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
+
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
+  trained = []
+  for offload in (False, True):
+    cfg = Zero1TrainingConfig(
+        eval_every_n_steps=1000, max_steps=2, data_sharding_axis=(("data", "fsdp"),),
+        zero1_offload_state_to_host=offload,
+    )
+    with mesh:
+      trainer = Zero1PeftTrainer(toy(mesh, lora=False), optax.adamw(1e-2), cfg)
+      trainer = trainer.with_gen_model_input_fn(model_input)
+      trainer.train(sft_batches(2))
+    assert isinstance(trainer, peft_trainer.PeftTrainer)
+    trained.append(trainer)
+  assert kinds(trained[1].optimizer) == {"pinned_host"}
+  assert_trees_equal(trained[0].model, trained[1].model)
+  assert_trees_equal(trained[0].optimizer, trained[1].optimizer)
