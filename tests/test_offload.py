@@ -12,14 +12,14 @@ from jax.sharding import AxisType
 
 from helpers import MLP, assert_trees_equal, assert_unchanged, batches, pure, snapshot, train
 from nnx_zero1 import (
-    Zero1Error,
-    Zero1Optimizer,
-    ShardedOptimizerMixin,
-    abstract_state,
-    bytes_per_device,
-    report,
-    restore_into,
-    zero1_optimizers,
+  ShardedOptimizerMixin,
+  Zero1Error,
+  Zero1Optimizer,
+  abstract_state,
+  bytes_per_device,
+  report,
+  restore_into,
+  zero1_optimizers,
 )
 from nnx_zero1._src.offload import check_host_memory
 
@@ -67,7 +67,8 @@ def test_state_stays_in_host_memory_with_the_same_layout(trained):
   assert kinds(on_device) == {"device"}
   for a, b in zip(*(jax.tree.leaves(nnx.as_pure(o.opt_state)) for o in (on_device, offloaded)), strict=True):
     assert b.sharding.spec == a.sharding.spec and b.shape == a.shape and b.dtype == a.dtype
-  assert bytes_per_device(nnx.as_pure(offloaded.opt_state)) == bytes_per_device(nnx.as_pure(on_device.opt_state))
+  held = [bytes_per_device(nnx.as_pure(o.opt_state)) for o in (offloaded, on_device)]
+  assert held[0] == held[1] > 0
   assert offloaded.step.get_value().sharding.memory_kind == "device"  # the step count stays on device
 
 
@@ -163,7 +164,8 @@ def test_offload_without_a_mesh_is_refused_and_changes_nothing():
 
 def test_backend_without_host_memory_is_refused():
   check_host_memory({"TPU_0": ("device", "pinned_host"), "CPU_1": ("device", "pinned_host", "unpinned_host")})
-  with pytest.raises(Zero1Error, match=r"needs host memory \('pinned_host'\).*GPU_3 can address only \['device'\]"):
+  words = r"needs host memory \('pinned_host'\).*GPU_3 can address only \['device'\]"
+  with pytest.raises(Zero1Error, match=words):
     check_host_memory({"GPU_2": ("device", "pinned_host"), "GPU_3": ("device",)}, "mesh axes ('data',)")
 
 
@@ -224,8 +226,9 @@ def test_engine_offloads_and_checkpoints_cross_mid_accumulation(tmp_path):
 
 
 def test_tunix_trainer_offloads_through_its_config(tmp_path):
-  from tunix_toys import model_input, sft_batches, toy
   from tunix.sft import peft_trainer
+  from tunix_toys import model_input, sft_batches, toy
+
   from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
 
   mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)

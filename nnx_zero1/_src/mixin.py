@@ -71,6 +71,8 @@ class ShardedOptimizerMixin:
     zero1_data_axis: the mesh axis (or tuple of axes) the state is split over.
     zero1_strict: raise ``Zero1Error`` when a parameter-shaped leaf cannot be
       split, or when the data-parallel size is 1 for lack of a mesh.
+    zero1_offload_state_to_host: keep the state shards in host memory between
+      steps (``Zero1Optimizer(offload_state_to_host=True)``).
   """
 
   zero1_data_axis: DataAxis | None = "data"  # None: left to zero1_options (the Tunix adapters' config)
@@ -93,7 +95,8 @@ class ShardedOptimizerMixin:
     for mesh in self._zero1_meshes(*args, **kwargs):
       data_axis_size(mesh, axes)
     offload = bool(options.get("offload_state_to_host", False))  # older zero1_options() omit it
-    with zero1_optimizers(data_axis=axes, strict=bool(options["strict"]), offload_state_to_host=offload) as built:
+    scope = zero1_optimizers(data_axis=axes, strict=bool(options["strict"]), offload_state_to_host=offload)
+    with scope as built:
       super().__init__(*args, **kwargs)
     if not built:
       raise Zero1Error(
@@ -105,7 +108,8 @@ class ShardedOptimizerMixin:
     """The Zero-1 options for one construction, given the constructor's arguments.
 
     Returns ``{"data_axis": ..., "strict": ..., "offload_state_to_host": ...}``
-    (the last may be left out: False); by default the class attributes. Adapters override this to read the trainer's config.
+    (the last may be left out: False); by default the class attributes.
+    Adapters override this to read the trainer's config.
 
     Example::
 
