@@ -1,0 +1,125 @@
+"""ZeRO-2 (``shard_accumulator=True``): each micro-batch's gradients reduce-scattered into an
+accumulator on the Zero-1 layout, against the deferred path (one reduction per step).
+
+The fixtures of ``test_accumulate``: 4 virtual CPU devices, the small decoder, 16 rows a step.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from test_accumulate import (
+    MESH,
+    build,
+    explicit_mesh,
+    on_mesh,
+    params,
+    tensor_parallel,
+    token_batches,
+    train,
+)
+
+from helpers import assert_trees_close, assert_unchanged, lm_loss, snapshot
+from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, value_and_grad_accumulated
+from nnx_zero1._src.optimizer import _is_marked
+from nnx_zero1.testing import collectives, loop_collectives
+
+MICRO = 4
+
+
+@nnx.jit(static_argnames=("shard", "defer"))
+def accumulated(model, opt, batch, shard=True, defer=True):
+  return value_and_grad_accumulated(
+      lm_loss, model, batch, micro_batches=MICRO, optimizer=opt, shard_accumulator=shard, defer_reduction=defer
+  )
+
+
+@nnx.jit(static_argnames=("shard",))
+def step(model, opt, batch, shard=True):
+  loss, grads = accumulated(model, opt, batch, shard)
+  opt.update(model, grads)
+  return loss
+
+
+@pytest.fixture(scope="module", params=[AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def runs(request):
+  """Deferred and ZeRO-2 steps side by side, three steps of four micro-batches."""
+  mesh = MESH if request.param == AxisType.Explicit else explicit_mesh(kind=AxisType.Auto)
+  out = {}
+  for shard in (False, True):
+    # adamw at 1e-3: Adam's 1/sqrt(nu) scales a last-bit difference of a near-zero gradient
+    # by lr, so the tolerance tracks the learning rate, not the reduction.
+    model, opt = build(Zero1Optimizer, optax.adamw(1e-3), mesh)
+    losses = train(step, model, opt, token_batches(3, seed=1), mesh, shard=shard)
+    out[shard] = (model, opt, losses)
+  return mesh, out
+
+
+def test_parameters_within_1e_5_of_the_deferred_path(runs):
+  _, out = runs
+  assert_trees_close(params(out[True][0]), params(out[False][0]), atol=1e-5, rtol=1e-5)
+  assert_trees_close(out[True][1], out[False][1], atol=1e-5, rtol=1e-5)
+  assert out[True][2] == pytest.approx(out[False][2], abs=1e-5)
+
+
+def test_gradients_arrive_on_the_zero1_layout_marked(runs):
+  mesh, out = runs
+  model, opt, _ = out[True]
+  with jax.set_mesh(mesh):
+    _, grads = accumulated(model, opt, on_mesh(token_batches(1)[0], mesh))
+  assert _is_marked(grads)
+  plan = opt.zero1_plan
+  leaves = jax.tree.leaves(nnx.as_pure(grads))
+  assert all(g.sharding.is_equivalent_to(s, g.ndim) for g, s in zip(leaves, plan.zero1_param_shardings, strict=True))
+  sizes = sum(x.nbytes for x in jax.tree.leaves(params(model)))
+  assert bytes_per_device(nnx.as_pure(grads)) * 4 == sizes
+
+
+def test_hlo_reduce_scatters_inside_the_loop_and_gathers_parameters_once_outside(runs):
+  mesh, out = runs
+  model, opt, _ = out[True]
+  with jax.set_mesh(mesh):
+    hlo = step.lower(model, opt, on_mesh(token_batches(1)[0], mesh)).compile().as_text()
+  sizes = [x.nbytes for x in jax.tree.leaves(params(model))]
+  inside, total = loop_collectives(hlo), collectives(hlo)
+  # One reduce-scatter per leaf and micro-batch, each a quarter of its gradient.
+  assert inside["reduce-scatter"] == {"count": len(sizes), "bytes": sum(sizes) // 4}
+  assert total["reduce-scatter"] == {"count": MICRO * len(sizes), "bytes": MICRO * sum(sizes) // 4}
+  # Outside the loop nothing gradient-sized is reduced: only the scalar loss's all-reduce,
+  # and the all-gather of the new parameters.
+  assert inside["all-reduce"]["count"] == 0
+  assert total["all-reduce"]["bytes"] <= 4 * total["all-reduce"]["count"]
+  assert inside["all-gather"]["count"] == 0
+  assert total["all-gather"]["bytes"] == sum(sizes)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"defer": False}, "defer_reduction=False asks for the global program"),
+])
+def test_conflicting_request_is_refused_and_changes_nothing(kwargs, message):
+  model, opt = build(Zero1Optimizer, optax.adamw(1e-3))
+  before = snapshot(model, opt)
+  with pytest.raises(Zero1Error, match=message), jax.set_mesh(MESH):
+    accumulated(model, opt, on_mesh(token_batches(1)[0]), **kwargs)
+  assert_unchanged(before, model, opt)
+
+
+def test_plain_optimizer_is_refused_with_the_reason():
+  model, opt = build(nnx.Optimizer, optax.adamw(1e-3))
+  before = snapshot(model, opt)
+  with pytest.raises(Zero1Error, match=r"Zero-1 layout, which a plain nnx.Optimizer does not have"):
+    with jax.set_mesh(MESH):
+      accumulated(model, opt, on_mesh(token_batches(1)[0]))
+  assert_unchanged(before, model, opt)
+
+
+def test_sharded_parameters_are_refused_not_reduced_whole():
+  mesh = explicit_mesh((2, 2), ("data", "model"), AxisType.Auto)
+  model, opt = tensor_parallel(Zero1Optimizer, mesh)
+  before = snapshot(model, opt)
+  with pytest.raises(Zero1Error, match=r"shard_accumulator=True needs each replica's whole gradients.*sharded"):
+    train(step, model, opt, token_batches(1), mesh)
+  assert_unchanged(before, model, opt)
