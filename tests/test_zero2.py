@@ -33,7 +33,8 @@ MICRO = 4
 @nnx.jit(static_argnames=("shard", "defer"))
 def accumulated(model, opt, batch, shard=True, defer=True):
   return value_and_grad_accumulated(
-      lm_loss, model, batch, micro_batches=MICRO, optimizer=opt, shard_accumulator=shard, defer_reduction=defer
+      lm_loss, model, batch, micro_batches=MICRO, optimizer=opt,
+      shard_accumulator=shard, defer_reduction=defer,
   )
 
 
@@ -73,7 +74,8 @@ def test_gradients_arrive_on_the_zero1_layout_marked(runs):
   assert _is_marked(grads)
   plan = opt.zero1_plan
   leaves = jax.tree.leaves(nnx.as_pure(grads))
-  assert all(g.sharding.is_equivalent_to(s, g.ndim) for g, s in zip(leaves, plan.zero1_param_shardings, strict=True))
+  targets = plan.zero1_param_shardings
+  assert all(g.sharding.is_equivalent_to(s, g.ndim) for g, s in zip(leaves, targets, strict=True))
   sizes = sum(x.nbytes for x in jax.tree.leaves(params(model)))
   assert bytes_per_device(nnx.as_pure(grads)) * 4 == sizes
 
@@ -120,6 +122,7 @@ def test_sharded_parameters_are_refused_not_reduced_whole():
   mesh = explicit_mesh((2, 2), ("data", "model"), AxisType.Auto)
   model, opt = tensor_parallel(Zero1Optimizer, mesh)
   before = snapshot(model, opt)
-  with pytest.raises(Zero1Error, match=r"shard_accumulator=True needs each replica's whole gradients.*sharded"):
+  words = r"shard_accumulator=True needs each replica's whole gradients.*sharded"
+  with pytest.raises(Zero1Error, match=words):
     train(step, model, opt, token_batches(1), mesh)
   assert_unchanged(before, model, opt)
