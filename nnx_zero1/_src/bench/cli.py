@@ -55,8 +55,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--mesh", choices=("explicit", "auto"), default="explicit",
                  help="axis type of the data axis (explicit: jax's default, bit-identical Zero-1)")
   p.add_argument("--arms", default=None,
-                 help="comma list of baseline,zero1,accum,zero1-accum,engine,zero1-engine (default: all "
-                 "available; --quick: the first four); the first is the reference for loss_diff")
+                 help="comma list of baseline,zero1,accum,zero1-accum,engine,zero1-engine, and the memory "
+                 "levers zero2-accum,zero1-offload (default: all available but the levers; --quick: the "
+                 "first four); the first is the reference for loss_diff")
   p.add_argument("--no-shapes", action="store_true", help="skip the real-LLM-shapes table")
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   args = p.parse_args(list(argv))
