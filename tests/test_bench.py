@@ -183,7 +183,8 @@ def test_memory_lever_arms_split_the_accumulator_and_offload_the_state():
   # micro-batch (ga of them) instead of once; the parameters are gathered once either way.
   accumulators = [row["grad_accumulator_bytes_per_device"] for row in (zero2, zero1)]
   assert accumulators[0] * 2 == accumulators[1] == grads
-  assert zero2["collectives"]["reduce-scatter"]["bytes"] == 2 * zero1["collectives"]["reduce-scatter"]["bytes"]
+  scattered = [row["collectives"]["reduce-scatter"]["bytes"] for row in (zero2, zero1)]
+  assert scattered[0] == 2 * scattered[1]
   assert zero2["collectives"]["all-gather"] == zero1["collectives"]["all-gather"]
   assert zero2["temp_bytes_per_device"] < zero1["temp_bytes_per_device"]
   assert zero2["params_max_diff"] <= 1e-5
