@@ -27,7 +27,9 @@ from nnx_zero1._src.reduction import (
 )
 from nnx_zero1._src.specs import axes_entry, data_axis_size
 
-__all__ = ["add_to_first_row", "local_grads", "local_loss", "scattered_grads", "zeros_accumulator", "zeros_on"]
+__all__ = [
+    "add_to_first_row", "local_grads", "local_loss", "scattered_grads", "zeros_accumulator", "zeros_on",
+]
 
 
 def zeros_accumulator(params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
