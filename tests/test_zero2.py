@@ -7,6 +7,7 @@ The fixtures of ``test_accumulate``: 4 virtual CPU devices, the small decoder, 1
 from __future__ import annotations
 
 import jax
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -22,9 +23,10 @@ from test_accumulate import (
     train,
 )
 
-from helpers import assert_trees_close, assert_unchanged, lm_loss, snapshot
+from helpers import Decoder, assert_trees_close, assert_unchanged, lm_loss, snapshot
 from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, value_and_grad_accumulated
 from nnx_zero1._src.optimizer import _is_marked
+from nnx_zero1.adapters.maxtext import Engine, Zero1Engine
 from nnx_zero1.testing import collectives, loop_collectives
 
 MICRO = 4
@@ -126,3 +128,88 @@ def test_sharded_parameters_are_refused_not_reduced_whole():
   with pytest.raises(Zero1Error, match=words):
     train(step, model, opt, token_batches(1), mesh)
   assert_unchanged(before, model, opt)
+
+
+# -- the reference engine: the same scatter_into in its micro-batch kernel ------------------------
+
+ENGINE_MESH = explicit_mesh(kind=AxisType.Auto)
+
+
+def engine_batches(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"tokens": rng.integers(0, 64, (8, 17)).astype(np.int32)} for _ in range(n)]
+
+
+def make_engine(cls, shard, ckpt=None):
+  return cls(Decoder(nnx.Rngs(0), vocab=64), optax.adamw(1e-3), ENGINE_MESH, loss_fn=lm_loss,
+             shard_accumulator=shard, checkpoint_dir=ckpt)
+
+
+@pytest.fixture(scope="module")
+def engines():
+  """Deferred and ZeRO-2 Zero1Engines, two steps of four micro-batches each."""
+  out = {}
+  data = engine_batches(8, seed=5)
+  for shard in (False, True):
+    engine = make_engine(Zero1Engine, shard)
+    for i in range(0, 8, 4):
+      for b in data[i:i + 4]:
+        engine.fwd_bwd(b)
+      engine.update()
+    out[shard] = engine
+  return out
+
+
+def test_engine_within_1e_5_of_deferred_with_one_nth_of_the_accumulator(engines):
+  assert_trees_close(engines[True].model, engines[False].model, atol=1e-5, rtol=1e-5)
+  assert_trees_close(engines[True].optimizer, engines[False].optimizer, atol=1e-5, rtol=1e-5)
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(params(engines[True].model)))
+  assert bytes_per_device(engines[False]._grad_acc) == param_bytes  # one whole row per replica
+  assert bytes_per_device(engines[True]._grad_acc) * 4 == param_bytes
+
+
+def test_engine_hlo_reduce_scatters_per_micro_batch_and_not_in_update(engines):
+  engine = engines[True]
+  sizes = [x.nbytes for x in jax.tree.leaves(params(engine.model))]
+  micro = collectives(engine.lowered_fwd_bwd(engine_batches(1)[0]).compile().as_text())
+  update = collectives(engine.lowered_update().compile().as_text())
+  assert micro["reduce-scatter"] == {"count": len(sizes), "bytes": sum(sizes) // 4}
+  assert update["reduce-scatter"]["count"] == 0
+  assert update["all-gather"]["bytes"] == sum(sizes)  # the new parameters, once per step
+  assert update["all-reduce"]["bytes"] < 1024  # scalars only
+
+
+def test_plain_engine_is_refused_and_changes_nothing():
+  model = Decoder(nnx.Rngs(0), vocab=64)
+  before = snapshot(model)
+  with pytest.raises(Zero1Error, match=r"Engine's plain nnx.Optimizer does not have"):
+    Engine(model, optax.adamw(1e-3), ENGINE_MESH, loss_fn=lm_loss, shard_accumulator=True)
+  assert_unchanged(before, model)
+  with pytest.raises(Zero1Error, match=r"defer_reduction=False asks for the global program"):
+    Zero1Engine(model, optax.adamw(1e-3), ENGINE_MESH, loss_fn=lm_loss, shard_accumulator=True,
+                defer_reduction=False)
+  assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize(
+    "source, target", [(True, False), (False, True)], ids=["zero2-to-rows", "rows-to-zero2"]
+)
+def test_mid_accumulation_checkpoints_cross_between_zero2_and_deferred(source, target, tmp_path):
+  data = engine_batches(4, seed=9)
+  first = make_engine(Zero1Engine, source, tmp_path)
+  for b in data[:2]:
+    first.fwd_bwd(b)
+  first.save_checkpoint(0)
+  for b in data[2:]:
+    first.fwd_bwd(b)
+  first.update()
+  first.close()
+
+  resumed = make_engine(Zero1Engine, target, tmp_path)
+  assert resumed.restore_checkpoint() == 0 and int(resumed._micro_steps) == 2
+  for b in data[2:]:
+    resumed.fwd_bwd(b)
+  resumed.update()
+  assert_trees_close(resumed.model, first.model, atol=1e-5, rtol=1e-5)
+  assert_trees_close(resumed.optimizer, first.optimizer, atol=1e-5, rtol=1e-5)
+  resumed.close()

@@ -137,6 +137,7 @@ class Engine:
     try:
       self.optimizer = self._make_optimizer(model, tx)
       if shard_accumulator:
+        self.model = model  # the targets are read off the live parameters
         self._check_shardable(nnx.as_pure(nnx.state(model, wrt)))
     except Exception:
       nnx.update(model, before)  # a refused engine leaves the model as it was
@@ -377,7 +378,7 @@ class Engine:
     step = manager.latest_step() if step is None else step
     if step is None:
       raise Zero1Error(f"no checkpoint in {manager.directory}; {describe_mesh(self.mesh)}")
-    tree, saved_rows = _checkpoint.restore(manager, step, self._checkpoint_tree(), self.mesh)
+    tree, convert = _checkpoint.restore(manager, step, self._checkpoint_tree(), self.mesh)
     params = nnx.state(self.model, self.wrt)
     nnx.replace_by_pure_dict(params, tree["params"])
     nnx.update(self.model, params)
@@ -385,16 +386,28 @@ class Engine:
     nnx.replace_by_pure_dict(optimizer, tree["optimizer"])
     restore_into(self.optimizer, optimizer)  # the core restore path: checked, on the optimizer's layout
     grad_acc = tree["grad_acc"]
-    if saved_rows != self.data_size:
-      logger.info("%s: accumulator saved with %d rows, restored with %d; summed into row 0",
-                  type(self).__name__, saved_rows, self.data_size)
-      with jax.set_mesh(self.mesh):
-        pure_params = nnx.to_pure_dict(self._params())
-        grad_acc = _checkpoint.fold_rows(grad_acc, pure_params, self.mesh, self.data_axis)
+    if convert:
+      grad_acc = self._converted_accumulator(grad_acc)
     nnx.replace_by_pure_dict(self._grad_acc, grad_acc)
     self._micro_steps = tree["micro_steps"]
     self._pending = int(self._micro_steps)
     return step
+
+  def _converted_accumulator(self, saved: Any) -> Any:
+    """A saved accumulator of another shape (rows at another data-parallel size, rows into a
+    ZeRO-2 engine or back) as this engine's: the same sum, not the same reduction order."""
+    pure_params = nnx.to_pure_dict(self._params())
+    saved_rows = _checkpoint.rows_of(saved, pure_params)
+    was = f"{saved_rows} rows" if saved_rows else "one summed accumulator (shard_accumulator)"
+    now = "one summed accumulator (shard_accumulator)" if self.shard_accumulator else f"{self.data_size}"
+    logger.info("%s: accumulator saved with %s, restored with %s; summed into %s", type(self).__name__, was,
+                now, "its Zero-1 slices" if self.shard_accumulator else "row 0")
+    with jax.set_mesh(self.mesh):
+      summed = _checkpoint.summed_accumulator(saved, pure_params)
+      if self.shard_accumulator:
+        targets = jax.tree.unflatten(jax.tree.structure(pure_params), list(self._gradient_targets()))
+        return jax.tree.map(jax.device_put, summed, targets)
+      return _checkpoint.fold_rows(summed, pure_params, self.mesh, self.data_axis)
 
   def close(self) -> None:
     """Waits for pending checkpoint writes and releases the checkpoint manager.
