@@ -81,6 +81,7 @@ class Zero1TrainingConfig(TrainingConfig):
 
   zero1_data_axis: DataAxis | None = None
   zero1_strict: bool | None = None
+  zero1_offload_state_to_host: bool | None = None
 
 
 def batch_axes(data_sharding_axis: Any) -> tuple[str, ...]:
@@ -157,7 +158,11 @@ class _Zero1Tunix(ShardedOptimizerMixin):
     if axis is None:
       axis = batch_axes(config.data_sharding_axis)
     strict = getattr(config, "zero1_strict", None)
-    return {"data_axis": axis, "strict": self.zero1_strict if strict is None else strict}
+    offload = getattr(config, "zero1_offload_state_to_host", None)
+    return {
+        "data_axis": axis, "strict": self.zero1_strict if strict is None else strict,
+        "offload_state_to_host": self.zero1_offload_state_to_host if offload is None else offload,
+    }
 
 
 class Zero1PeftTrainer(_Zero1Tunix, PeftTrainer):

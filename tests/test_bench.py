@@ -246,3 +246,27 @@ def test_plot_lists_only_series_it_shows_and_says_ga_model_optimizer():
       "Zero1Optimizer, Zero1Optimizer + value_and_grad_accumulated, ideal: plain / dp",
   ]
   assert len({tuple(zip(dps, values)) for _, _, dps, values in series}) == len(series)  # none hides another
+
+
+def test_memory_lever_arms_split_the_accumulator_and_offload_the_state():
+  settings = Settings(model="tiny", steps=1, warmup=1, seq_len=16)
+  rows = run_cell(settings, dp=2, ga=2, arms=("zero1-accum", "zero2-accum", "zero1-offload"))
+  zero1, zero2, offload = rows
+  grads = zero1["param_bytes"]
+  # ZeRO-2: the accumulator is the gradients' Zero-1 slices, and the reduce-scatter runs per
+  # micro-batch (ga of them) instead of once; the parameters are gathered once either way.
+  accumulators = [row["grad_accumulator_bytes_per_device"] for row in (zero2, zero1)]
+  assert accumulators[0] * 2 == accumulators[1] == grads
+  scattered = [row["collectives"]["reduce-scatter"]["bytes"] for row in (zero2, zero1)]
+  assert scattered[0] == 2 * scattered[1]
+  assert zero2["collectives"]["all-gather"] == zero1["collectives"]["all-gather"]
+  assert zero2["temp_bytes_per_device"] < zero1["temp_bytes_per_device"]
+  assert zero2["params_max_diff"] <= 1e-5
+  # Offload: the optimizer state in host memory (only the 4-byte step count stays on device),
+  # the same collectives and bit-identical parameters.
+  assert offload["opt_state_bytes_by_memory_kind"] == {
+      "device": 4, "pinned_host": zero1["opt_state_bytes_per_device"] - 4,
+  }
+  assert offload["collectives"] == zero1["collectives"]
+  assert offload["params_equal"] and "zero1-offload" in zero1["params_equal_arms"]
+  assert {"step_ms_vs_zero1_accum"} <= set(offload) and zero1["step_ms_vs_zero1_accum"] == 1.0

@@ -8,7 +8,9 @@ no collective, and the sums are reduced once, after the loop, with the
 reduction core (:mod:`nnx_zero1._src.reduction`, the one the MaxText-style
 engines use): a ``psum_scatter`` (a literal reduce-scatter) straight onto the
 Zero-1 layout for a ``Zero1Optimizer``, a ``psum`` (all-reduce) onto the
-parameters' own layout for a plain ``nnx.Optimizer``.
+parameters' own layout for a plain ``nnx.Optimizer``. With
+``shard_accumulator=True`` (ZeRO-2) each micro-batch's gradients are
+reduce-scattered instead, into an accumulator already on the Zero-1 layout.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def value_and_grad_accumulated(
     data_axis: DataAxis | None = None,
     strict: bool | None = None,
     defer_reduction: bool = True,
+    shard_accumulator: bool = False,
 ) -> tuple[jax.Array, nnx.State]:
   """The mean loss and gradients of ``batch``, accumulated over micro-batches and reduced once.
 
@@ -116,6 +119,11 @@ def value_and_grad_accumulated(
       ``nnx.Optimizer``).
     defer_reduction: False reduces every micro-batch (the global program in a
       ``lax.scan``), e.g. to measure what deferral saves.
+    shard_accumulator: ZeRO-2: keep the gradient accumulator on the Zero-1
+      layout, 1/N of the gradients per device instead of a whole copy, at the
+      price of one reduce-scatter per micro-batch instead of one per step.
+      Needs a ``Zero1Optimizer`` and the conditions of the deferred reduction.
+      The result equals the deferred one up to the order of the sums.
 
   Returns:
     ``(loss, grads)``: the mean loss over the batch (a replicated scalar) and
@@ -124,10 +132,14 @@ def value_and_grad_accumulated(
   Raises:
     Zero1Error: a batch whose rows do not split into replicas x micro-batches, a
       ``data_axis`` other than the ``Zero1Optimizer``'s, no mesh for a plain
-      ``nnx.Optimizer``, a ``loss_fn`` that updates other model state, or
-      (``strict``) a reduction that cannot be deferred.
+      ``nnx.Optimizer``, a ``loss_fn`` that updates other model state,
+      (``strict``) a reduction that cannot be deferred, or ``shard_accumulator``
+      with a plain ``nnx.Optimizer``, ``defer_reduction=False`` or gradients no
+      replica can compute whole.
   """
   zero1 = optimizer if isinstance(optimizer, Zero1Optimizer) else None
+  if shard_accumulator:
+    _check_shard_accumulator(zero1, defer_reduction)
   axes = data_axes(data_axis, default=zero1.data_axis if zero1 is not None else "data")
   strict = bool(getattr(optimizer, "strict", False) if strict is None else strict)
   graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)  # type: ignore[misc]  # flax types split as variadic
@@ -150,6 +162,12 @@ def value_and_grad_accumulated(
   args = (loss_of_params, pure_params, pure_rest, batch, micro_batches, mesh, axes)
 
   blocker = reduction.deferral_blocker(_batch_shardings(batch, mesh), homes, axes)
+  if shard_accumulator:
+    if blocker is not None:
+      raise Zero1Error(f"shard_accumulator=True needs each replica's whole gradients, but {blocker}; "
+                       f"{describe_mesh(mesh)}")
+    loss, grads = _scatter_every_micro_batch(*args, homes, targets)
+    return loss, mark_zero1_grads(_as_state(params, grads))
   if not reduction.defer(blocker, requested=defer_reduction, strict=strict, mesh=mesh,
                          who="value_and_grad_accumulated", log=logger if defer_reduction else None):
     loss, grads = _reduce_each_micro_batch(*args)
@@ -159,6 +177,20 @@ def value_and_grad_accumulated(
     loss, grads = jax.device_put((loss, grads), jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]))
   state = _as_state(params, grads)
   return loss, mark_zero1_grads(state) if zero1 and not one_device else state
+
+
+def _check_shard_accumulator(zero1: Zero1Optimizer | None, defer_reduction: bool) -> None:
+  if zero1 is None:
+    raise Zero1Error(
+        "shard_accumulator=True reduce-scatters each micro-batch's gradients onto the optimizer's "
+        "Zero-1 layout, which a plain nnx.Optimizer does not have (its state is whole on every "
+        "replica, so it needs whole gradients); use Zero1Optimizer"
+    )
+  if not defer_reduction:
+    raise Zero1Error(
+        "shard_accumulator=True reduce-scatters every micro-batch's per-replica gradients; "
+        "defer_reduction=False asks for the global program instead: pass one or the other"
+    )
 
 
 def _plain_mesh(params: Any, batch: Any) -> Any:
@@ -226,9 +258,12 @@ def _local_micro_batches(batch: Any, micro_batches: int) -> Any:
   return jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
 
 
-def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets):
-  """Per replica: a scan over its micro-batches with no collective, into one row per replica;
-  then :func:`reduction.reduce_rows`, one collective per leaf, as the engines reduce theirs."""
+def _scan_per_replica(
+    loss_of_params, params, rest, batch, micro_batches, mesh, axes, *, zeros, add, out_specs
+):
+  """Per replica (``shard_map``): a scan over its micro-batches, each gradient folded into an
+  accumulator by ``add(acc, grads)`` from ``zeros(params)``; returns (mean loss, accumulator on
+  ``out_specs``, a tree of specs shaped like ``params``)."""
   n = data_axis_size(mesh, axes)
   data = P(axes_entry(axes))
 
@@ -238,25 +273,56 @@ def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes,
     def micro(carry, micro_batch):
       loss_sum, acc = carry
       loss, grads = reduction.replica_value_and_grad(local_loss, params, micro_batch, n, axes)
-      return (loss_sum + loss, jax.tree.map(jnp.add, acc, grads)), None
+      return (loss_sum + loss, add(acc, grads)), None
 
-    varying = lambda x: jax.lax.pcast(x, axes, to="varying")  # noqa: E731
-    zeros = (varying(jnp.zeros((), jnp.float32)), jax.tree.map(lambda p: varying(jnp.zeros_like(p)), params))
-    (loss_sum, acc), _ = jax.lax.scan(micro, zeros, _local_micro_batches(batch, micro_batches))
-    return jax.lax.psum(loss_sum, axes) / micro_batches, jax.tree.map(lambda a: a[None], acc)
+    start = (jax.lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying"), zeros(params))
+    (loss_sum, acc), _ = jax.lax.scan(micro, start, _local_micro_batches(batch, micro_batches))
+    return jax.lax.psum(loss_sum, axes) / micro_batches, acc
 
   replicated = lambda tree: jax.tree.map(lambda x: place(x, NamedSharding(mesh, P())), tree)  # noqa: E731
   params, rest = replicated(params), replicated(rest)
   batch = jax.tree.map(lambda x: place(x, NamedSharding(mesh, data)), batch)
-  loss, rows = jax.shard_map(
+  return jax.shard_map(
       per_replica, mesh=mesh,
       in_specs=(jax.tree.map(lambda _: P(), (params, rest)) + (jax.tree.map(lambda _: data, batch),)),
-      out_specs=(P(), jax.tree.map(lambda _: data, params)),
+      out_specs=(P(), out_specs),
   )(params, rest, batch)
-  summed = reduction.reduce_rows(rows, homes, targets, mesh, axes)
+
+
+def _mean(sums: Any, micro_batches: int) -> list:
   # A count XLA cannot see through: the mean is computed as the engines compute it.
   count = jax.lax.optimization_barrier(jnp.asarray(micro_batches, jnp.int32))
-  return loss, jax.tree.leaves(reduction.mean_of_sums(summed, count))
+  return jax.tree.leaves(reduction.mean_of_sums(sums, count))
+
+
+def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets):
+  """Per replica: a scan over its micro-batches with no collective, into one row per replica;
+  then :func:`reduction.reduce_rows`, one collective per leaf, as the engines reduce theirs."""
+  varying = lambda x: jax.lax.pcast(x, axes, to="varying")  # noqa: E731
+  loss, rows = _scan_per_replica(
+      loss_of_params, params, rest, batch, micro_batches, mesh, axes,
+      zeros=lambda p: jax.tree.map(lambda x: varying(jnp.zeros_like(x))[None], p),
+      add=lambda acc, g: jax.tree.map(lambda a, x: a + x[None], acc, g),
+      out_specs=jax.tree.map(lambda _: P(axes_entry(axes)), params),
+  )
+  return loss, _mean(reduction.reduce_rows(rows, homes, targets, mesh, axes), micro_batches)
+
+
+def _scatter_every_micro_batch(
+    loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets
+):
+  """ZeRO-2: per replica, each micro-batch's gradients reduce-scattered
+  (:func:`reduction.scatter_into`) into an accumulator on the Zero-1 layout."""
+  leaves = jax.tree.leaves(params)
+  dims = reduction.scatter_dims([x.ndim for x in leaves], homes, targets, axes)
+  n = data_axis_size(mesh, axes)
+  loss, sums = _scan_per_replica(
+      loss_of_params, params, rest, batch, micro_batches, mesh, axes,
+      zeros=lambda p: reduction.scattered_zeros(p, dims, axes, n),
+      add=lambda acc, g: reduction.scatter_into(acc, g, dims, axes),
+      out_specs=jax.tree.unflatten(jax.tree.structure(params), [t.spec for t in targets]),
+  )
+  return loss, _mean(sums, micro_batches)
 
 
 def _global_micro_batches(batch: Any, micro_batches: int, n: int) -> Any:

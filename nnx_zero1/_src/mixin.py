@@ -75,10 +75,13 @@ class ShardedOptimizerMixin:
     zero1_data_axis: the mesh axis (or tuple of axes) the state is split over.
     zero1_strict: raise ``Zero1Error`` when a parameter-shaped leaf cannot be
       split, or when the data-parallel size is 1 for lack of a mesh.
+    zero1_offload_state_to_host: keep the state shards in host memory between
+      steps (``Zero1Optimizer(offload_state_to_host=True)``).
   """
 
   zero1_data_axis: DataAxis | None = "data"  # None: left to zero1_options (the Tunix adapters' config)
   zero1_strict: bool = False
+  zero1_offload_state_to_host: bool = False
 
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
@@ -95,7 +98,9 @@ class ShardedOptimizerMixin:
     axes = data_axes(options["data_axis"])
     for mesh in self._zero1_meshes(*args, **kwargs):
       data_axis_size(mesh, axes)
-    with zero1_optimizers(data_axis=axes, strict=bool(options["strict"])) as built:
+    offload = bool(options.get("offload_state_to_host", False))  # older zero1_options() omit it
+    scope = zero1_optimizers(data_axis=axes, strict=bool(options["strict"]), offload_state_to_host=offload)
+    with scope as built:
       super().__init__(*args, **kwargs)
     if not built:
       raise Zero1Error(
@@ -114,8 +119,9 @@ class ShardedOptimizerMixin:
       **kwargs: the constructor's keyword arguments.
 
     Returns:
-      ``{"data_axis": ..., "strict": ...}``: the mesh axis (or axes) to split the
-      state over, and whether to refuse leaves that cannot be split.
+      ``{"data_axis": ..., "strict": ..., "offload_state_to_host": ...}``: the mesh
+      axis (or axes) to split the state over, whether to refuse leaves that cannot
+      be split, and whether to keep the state in host memory (may be left out: False).
 
     Example::
 
@@ -126,7 +132,10 @@ class ShardedOptimizerMixin:
       ...   def zero1_options(self, model, tx, config):
       ...     return {"data_axis": config["data_axis"], "strict": True}
     """
-    return {"data_axis": self.zero1_data_axis, "strict": self.zero1_strict}
+    return {
+        "data_axis": self.zero1_data_axis, "strict": self.zero1_strict,
+        "offload_state_to_host": self.zero1_offload_state_to_host,
+    }
 
   def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list[jax.sharding.Mesh]:
     """Meshes the optimizers will be built on, checked for the data axis before

@@ -23,6 +23,7 @@ from nnx_zero1._src.compat import Filter, to_opt_state
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
 from nnx_zero1._src.mesh import resolve_mesh
+from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_home
 from nnx_zero1._src.placement import current_sharding, off_mesh, place
 from nnx_zero1._src.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
 from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size, is_explicit, spec_entries
@@ -92,7 +93,7 @@ def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, par
     return tx.update(grads, state, params, **kwargs)
   out_sharding = (
       jax.tree.unflatten(plan.param_treedef, plan.zero1_param_shardings),
-      jax.tree.unflatten(jax.tree.structure(state), [row.sharding for row in plan.state_leaves]),
+      jax.tree.unflatten(jax.tree.structure(state), compute_shardings(plan)),
   )
   arrays, rebuild = partition_arrays(kwargs)
   run = lambda g, s, p, kw: tx.update(g, s, p, **rebuild(kw))  # noqa: E731
@@ -145,8 +146,8 @@ def init_sharded_state(
   state = jax.jit(init, out_shardings=targets)(param_state)
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
     # Built under a trace (nnx.eval_shape, inside jit): an inner jit's out_shardings do not
-    # reach the traced types, so give them the Zero-1 layout explicitly.
-    state = _place_all(state, [row.sharding for row in plan.state_leaves])
+    # reach the traced types, so give them the Zero-1 layout (and memory kind) explicitly.
+    state = to_home(_place_all(state, compute_shardings(plan)), plan)
   variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   variables = [v for v in variables if jax.tree.leaves(v)]  # not masked-out (MaskedNode) ones
   for var, row in zip(variables, plan.state_leaves, strict=True):
@@ -197,11 +198,17 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       all-reduce into a reduce-scatter at the price of reordered sums. Gradients
       that arrive reduce-scattered already (from ``value_and_grad_accumulated``
       or the engines, which mark them so) are never pinned.
+    offload_state_to_host: keep the state's Zero-1 shards in host memory
+      (``pinned_host``) between steps: no optimizer state in device memory
+      outside ``update``, at the price of a host-to-device and a device-to-host
+      copy of the 1/N shards every step. Bit-identical to the state kept on device;
+      the checkpoint tree is unchanged. The step count stays on device.
 
   Raises:
     Zero1Error: before any state exists, when the mesh lacks the data axes,
       ``wrt`` selects no parameter, a parameter lives off the mesh, optax's state
-      cannot be tied to any parameter, or ``strict`` finds a leaf that cannot be split.
+      cannot be tied to any parameter, ``strict`` finds a leaf that cannot be split,
+      or ``offload_state_to_host`` finds no mesh or a device without host memory.
   """
 
   def __init__(
@@ -215,6 +222,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       graph: bool | None = None,
       strict: bool = False,
       pin_gradients: bool = True,
+      offload_state_to_host: bool = False,
   ):
     axes = data_axes(data_axis)
     param_state = nnx.state(model, wrt, graph=graph)
@@ -239,6 +247,8 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       plan = single_device_plan(plan, device)
     if strict:
       check_strict(plan)
+    if offload_state_to_host:
+      plan = offload_plan(plan)
     self.graph = graph
     self.tx = tx
     if plan.single_device:  # exactly nnx.Optimizer's state
@@ -303,7 +313,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     homes, sliced = _onto_zero1_layout(self.zero1_plan, params, pure_grads, state, pin=pin)
     new_params, new_state, updates = _run_on_slices(self.tx, self.zero1_plan, sliced, homes, kwargs)
     nnx.update(model, _place_all(new_params, homes))
-    nnx.update(self.opt_state, nnx.state(new_state, graph=self.graph))
+    nnx.update(self.opt_state, nnx.state(to_home(new_state, self.zero1_plan), graph=self.graph))
     self.step[...] += 1
     return _place_all(updates, homes)
 
@@ -350,7 +360,7 @@ def _onto_zero1_layout(
       grads=_place_all(grads, plan.zero1_param_shardings),
       params=_place_all(params, plan.zero1_param_shardings),
       # A no-op when the state is on the plan; re-places state restored onto another layout.
-      state=_place_all(state, [row.sharding for row in plan.state_leaves]),
+      state=_place_all(to_compute(state, plan), compute_shardings(plan)),
   )
 
 
@@ -363,4 +373,4 @@ def _run_on_slices(
     kwargs["value_fn"] = value_fn_at_home(kwargs["value_fn"], plan, homes)
   updates, new_state = _run_tx(tx, plan, sliced.grads, sliced.state, sliced.params, kwargs)
   new_params = optax.apply_updates(sliced.params, updates)
-  return new_params, _place_all(new_state, [row.sharding for row in plan.state_leaves]), updates
+  return new_params, _place_all(new_state, compute_shardings(plan)), updates

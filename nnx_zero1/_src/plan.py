@@ -49,6 +49,7 @@ class Zero1Plan:
   zero1_param_shardings: tuple[NamedSharding, ...]
   state_leaves: tuple[LeafPlan, ...]
   single_device: bool = False  # no mesh, one device: nothing is placed, as nnx.Optimizer
+  offload_state: bool = False  # state leaves in host memory between steps (``_src/offload.py``)
 
 
 @dataclasses.dataclass(frozen=True)

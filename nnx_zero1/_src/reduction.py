@@ -11,6 +11,9 @@ MaxText's engine all reduce gradients here:
   a ``psum_scatter`` (a literal reduce-scatter) straight onto a layout that adds
   the data axes to one dimension (the Zero-1 layout), or a ``psum`` onto the
   parameter's own layout;
+- :func:`scatter_into` is the same collective inside a micro-batch loop (ZeRO-2):
+  each micro-batch's gradient reduce-scattered into an accumulator already on the
+  Zero-1 layout, 1/N of the gradient per device;
 - :func:`defer` decides, once for every path, whether the reduction can wait
   until the optimizer step; :func:`loss_of_params` is how every path calls a
   user's loss (refusing one that changes other model state).
@@ -51,6 +54,8 @@ __all__ = [
     "row_axes",
     "scatter_dim",
     "scatter_dims",
+    "scatter_into",
+    "scattered_zeros",
 ]
 
 
@@ -160,6 +165,67 @@ def reduce_local(partial: jax.Array, dim: int | None, axes: tuple[str, ...]) -> 
   if dim is None:
     return jax.lax.psum(partial, axes)
   return jax.lax.psum_scatter(partial, axes, scatter_dimension=dim, tiled=True)
+
+
+def scattered_zeros(params: Any, dims: Sequence[int | None], axes: tuple[str, ...], n: int) -> Any:
+  """Inside ``shard_map``: a zero accumulator for :func:`scatter_into`, one replica's block.
+
+  A leaf with a scatter dimension gets its 1/n slice there (varying over the
+  data axes, as ``psum_scatter``'s result); one without (an all-reduced leaf)
+  is whole (invariant, as ``psum``'s).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> f = lambda w, b: scattered_zeros([w, b], [0, None], ("data",), 1)
+    >>> [z.shape for z in jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=[P("data"), P()])(
+    ...     jnp.ones((8, 2)), jnp.ones(3))]
+    [(8, 2), (3,)]
+  """
+  def zeros(p, dim):
+    if dim is None:
+      return jax.numpy.zeros_like(p)
+    shape = list(p.shape)
+    shape[dim] //= n
+    block = jax.numpy.zeros(shape, p.dtype)
+    return jax.lax.pcast(block, axes, to="varying")
+
+  leaves, treedef = jax.tree.flatten(params)
+  return jax.tree.unflatten(treedef, [zeros(p, d) for p, d in zip(leaves, dims, strict=True)])
+
+
+def scatter_into(acc: Any, grads: Any, dims: Sequence[int | None], axes: tuple[str, ...]) -> Any:
+  """Inside ``shard_map``: adds one micro-batch's per-replica gradients to a sharded accumulator.
+
+  Each leaf is reduced with :func:`reduce_local` (one collective per leaf and
+  micro-batch: a reduce-scatter onto ``dims``, an all-reduce where ``dims`` is
+  None) and added to this replica's block of ``acc``, so the accumulator is
+  never whole on any device (ZeRO-2).
+
+  Args:
+    acc: this replica's accumulator blocks (from :func:`scattered_zeros`).
+    grads: this replica's whole gradients of the micro-batch.
+    dims: per leaf, the dimension to scatter along (:func:`scatter_dims`).
+    axes: the data axes.
+
+  Returns:
+    The new accumulator blocks.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> f = lambda g: scatter_into(scattered_zeros([g], [0], ("data",), 1), [g], [0], ("data",))[0]
+    >>> jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P("data"), check_vma=False)(jnp.ones(4)).tolist()
+    [1.0, 1.0, 1.0, 1.0]
+  """
+  a_leaves, treedef = jax.tree.flatten(acc)
+  g_leaves = treedef.flatten_up_to(grads)  # type: ignore[attr-defined]  # PyTreeDef's stub is not seen
+  summed = [a + reduce_local(g, d, axes) for a, g, d in zip(a_leaves, g_leaves, dims, strict=True)]
+  return jax.tree.unflatten(treedef, summed)
 
 
 def scatter_dim(param_spec: P, target_spec: P, ndim: int, axes: tuple[str, ...]) -> int | None:

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.specs import canonical_spec, data_axis_size, entry_axes, spec_entries
 
-__all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device"]
+__all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device", "memory_kind_of"]
 
 
 def bytes_per_device(tree: Any) -> int:
@@ -40,6 +40,18 @@ def bytes_per_device(tree: Any) -> int:
   return max(per_device.values(), default=0)
 
 
+def memory_kind_of(x: Any) -> str:
+  """The memory kind an array's shards live in (``"device"`` when the backend names none).
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> memory_kind_of(jnp.ones(2))
+    'device'
+  """
+  return getattr(getattr(x, "sharding", None), "memory_kind", None) or "device"
+
+
 @dataclasses.dataclass(frozen=True)
 class ReportRow:
   """One optimizer leaf: where it lives and what it costs on one device."""
@@ -54,6 +66,7 @@ class ReportRow:
   sharded: bool
   reason: str  # "" when sharded
   by_parameter: bool = False  # split already by its parameter's layout (FSDP): Zero-1 added nothing
+  memory_kind: str = "device"  # where it lives between steps: "device", or "pinned_host" when offloaded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,15 +111,25 @@ class Zero1Report:
     return self.sharded_bytes + self.replicated_bytes
 
   @property
+  def host_bytes(self) -> int:
+    """Of :attr:`per_device_bytes`, those kept in host memory between steps (``offload_state_to_host``)."""
+    return sum(r.bytes_per_device for r in self.rows if r.memory_kind != "device")
+
+  @property
+  def device_resident_bytes(self) -> int:
+    """Of :attr:`per_device_bytes`, those in device memory between steps."""
+    return self.per_device_bytes - self.host_bytes
+
+  @property
   def unsharded_bytes(self) -> int:
     """What one device would hold with ``nnx.Optimizer`` (its state laid out like the parameters)."""
     return sum(r.replicated_optimizer_bytes for r in self.rows)
 
   def __str__(self) -> str:
-    header = ("leaf", "shape", "dtype", "spec", "bytes/device", "status")
+    header = ("leaf", "shape", "dtype", "spec", "memory", "bytes/device", "status")
     body = [
-        (r.path, "x".join(map(str, r.shape)) or "()", r.dtype, r.spec, f"{r.bytes_per_device:,}",
-         _status(r))
+        (r.path, "x".join(map(str, r.shape)) or "()", r.dtype, r.spec, r.memory_kind,
+         f"{r.bytes_per_device:,}", _status(r))
         for r in self.rows
     ]
     widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
@@ -114,7 +137,8 @@ class Zero1Report:
     axis = "x".join(self.data_axis)
     total = (
         f"optimizer state per device: {self.per_device_bytes:,} B "
-        f"(sharded {self.sharded_bytes:,} B + replicated {self.replicated_bytes:,} B); "
+        f"(sharded {self.sharded_bytes:,} B + replicated {self.replicated_bytes:,} B; "
+        f"in host memory {self.host_bytes:,} B); "
         f"nnx.Optimizer: {self.unsharded_bytes:,} B; data axis {axis} = {self.data_size}"
     )
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body), total])
@@ -142,8 +166,8 @@ def report(opt) -> Zero1Report:
     opt: a ``Zero1Optimizer`` (or one a trainer built inside ``zero1_optimizers``).
 
   Returns:
-    A :class:`Zero1Report`: one row per state leaf (split, or why not) and the
-    per-device totals, next to what ``nnx.Optimizer`` would hold.
+    A :class:`Zero1Report`: one row per state leaf (split, or why not; device or
+    host memory) and the per-device totals, next to what ``nnx.Optimizer`` would hold.
 
   Raises:
     Zero1Error: ``opt`` is not a ``Zero1Optimizer``.
@@ -178,6 +202,7 @@ def report(opt) -> Zero1Report:
             sharded=row.reason is None,
             reason=str(row.reason) if row.reason else "",
             by_parameter=row.by_parameter,
+            memory_kind=memory_kind_of(leaf),
         )
     )
   size = data_axis_size(plan.mesh, plan.data_axis)

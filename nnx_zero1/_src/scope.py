@@ -53,12 +53,16 @@ class _Scope:
   data_axis: tuple[str, ...]
   strict: bool
   built: list[Zero1Optimizer]
+  offload_state_to_host: bool = False
 
   def build(self, routed: type, model, tx, *args, **kwargs) -> Zero1Optimizer:
     if args:
       raise TypeError(f"nnx.{routed.__name__} takes 2 positional arguments but {2 + len(args)} were given")
     counterpart = _COUNTERPARTS[routed]
-    opt = counterpart(model, tx, self.mesh, data_axis=self.data_axis, strict=self.strict, **kwargs)
+    opt = counterpart(
+        model, tx, self.mesh, data_axis=self.data_axis, strict=self.strict,
+        offload_state_to_host=self.offload_state_to_host, **kwargs,
+    )
     self.built.append(opt)
     return opt
 
@@ -90,7 +94,8 @@ def _install() -> None:
 
 @contextlib.contextmanager
 def zero1_optimizers(
-    mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = None, strict: bool = False
+    mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = None, strict: bool = False,
+    *, offload_state_to_host: bool = False,
 ) -> Iterator[list[Zero1Optimizer]]:
   """Inside the block, ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` builds
   ``Zero1Optimizer(model, tx, mesh, wrt=..., graph=..., data_axis=..., strict=...)``
@@ -108,6 +113,8 @@ def zero1_optimizers(
       data-parallel size 1).
     data_axis: the data-parallel mesh axis (or axes); ``None`` means ``"data"``.
     strict: as for ``Zero1Optimizer``.
+    offload_state_to_host: as for ``Zero1Optimizer``: every optimizer built inside
+      keeps its state shards in host memory between steps.
 
   Returns:
     A context manager yielding the list of the ``Zero1Optimizer`` s built in the block so far.
@@ -133,7 +140,10 @@ def zero1_optimizers(
   if mesh is not None:
     data_axis_size(resolve_mesh(mesh), axes)
   _install()
-  scope = _Scope(mesh=mesh, data_axis=axes, strict=bool(strict), built=[])
+  scope = _Scope(
+      mesh=mesh, data_axis=axes, strict=bool(strict), built=[],
+      offload_state_to_host=bool(offload_state_to_host),
+  )
   token = _SCOPE.set(scope)
   try:
     yield scope.built

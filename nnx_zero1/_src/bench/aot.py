@@ -24,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from nnx_zero1._src.bench import measure
 from nnx_zero1._src.bench.run import (
+    ACCUMULATE_OPTIONS,
     OPTIMIZERS,
     STEP_ARMS,
     Settings,
@@ -131,7 +132,8 @@ def abstract_arm(name: str, settings: Settings, mesh: Mesh, ga: int) -> Abstract
 
 def compile_arm(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, float]:
   """Compiles the arm's train step for the mesh's devices; returns (compiled, seconds)."""
-  step = train_step_jit(arm.graphdef, arm.shardings, mesh, STEP_ARMS[arm.name][1], ga)
+  options = ACCUMULATE_OPTIONS.get(arm.name, {})
+  step = train_step_jit(arm.graphdef, arm.shardings, mesh, STEP_ARMS[arm.name][1], ga, options)
   start = time.perf_counter()
   with jax.set_mesh(mesh):  # Explicit-mode ops (the embedding lookup) read the mesh from here
     compiled = step.lower(arm.state, arm.batch).compile()
@@ -141,7 +143,9 @@ def compile_arm(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, float]:
 def compile_split(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, Any, float]:
   """Compiles the arm's step as two programs (gradients, update); returns (grads, update, seconds)."""
   deferred, zero1 = STEP_ARMS[arm.name][1], STEP_ARMS[arm.name][0]
-  grads_jit, update_jit = split_step_jits(arm.graphdef, arm.shardings, mesh, deferred, zero1, ga)
+  grads_jit, update_jit = split_step_jits(
+      arm.graphdef, arm.shardings, mesh, deferred, zero1, ga, ACCUMULATE_OPTIONS.get(arm.name, {})
+  )
   start = time.perf_counter()
   with jax.set_mesh(mesh):
     grads_compiled = grads_jit.lower(arm.state, arm.batch).compile()

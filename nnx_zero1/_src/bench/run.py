@@ -28,7 +28,7 @@ from nnx_zero1._src.bench.model import CONFIGS, Config, Transformer, count_param
 from nnx_zero1._src.hlo import collectives
 from nnx_zero1._src.optimizer import Zero1Optimizer, mark_zero1_grads
 from nnx_zero1._src.optimizer_cases import BENCH, bench_optimizer
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1._src.report import bytes_per_device, memory_kind_of
 
 __all__ = [
     "Settings", "OPTIMIZERS", "STEP_ARMS", "StepArm", "accumulate_grads", "accumulated_layout", "new_model",
@@ -42,7 +42,14 @@ STEP_ARMS = {
     "zero1": (True, False),  # Zero1Optimizer; the same step
     "accum": (False, True),  # nnx.Optimizer; value_and_grad_accumulated (one all-reduce per step)
     "zero1-accum": (True, True),  # Zero1Optimizer; value_and_grad_accumulated (one reduce-scatter per step)
+    "zero2-accum": (True, True),  # zero1-accum with shard_accumulator=True (a reduce-scatter per micro-batch)
+    "zero1-offload": (True, True),  # zero1-accum with offload_state_to_host=True
 }
+
+# The memory levers beyond Zero-1: each arm is zero1-accum plus one option (docs/memory_levers.md).
+ACCUMULATE_OPTIONS = {"zero2-accum": {"shard_accumulator": True}}
+OPTIMIZER_OPTIONS = {"zero1-offload": {"offload_state_to_host": True}}
+LEVER_REFERENCE = "zero1-accum"  # the arm the levers' step-time ratio is taken against
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     name: functools.partial(bench_optimizer, name) for name in BENCH
@@ -107,23 +114,23 @@ def accumulate_grads(model: nnx.Module, batches: jax.Array) -> tuple[jax.Array, 
   return loss / n, jax.tree.map(lambda g: g / n, grads)
 
 
-def _grads(model, optimizer, batches, ga: int | None):
+def _grads(model, optimizer, batches, ga: int | None, options: dict):
   if ga is None:
     return accumulate_grads(model, batches)
-  return value_and_grad_accumulated(loss_fn, model, batches, micro_batches=ga, optimizer=optimizer)
+  return value_and_grad_accumulated(loss_fn, model, batches, micro_batches=ga, optimizer=optimizer, **options)
 
 
-def _train_step(graphdef, state, batches, ga: int | None):
+def _train_step(graphdef, state, batches, ga: int | None, options: dict):
   # nnx.jit's functional form: one merge per trace, no graph traversal per call.
   model, optimizer = nnx.merge(graphdef, state)
-  loss, grads = _grads(model, optimizer, batches, ga)
+  loss, grads = _grads(model, optimizer, batches, ga, options)
   optimizer.update(model, grads)
   return nnx.state((model, optimizer)), loss
 
 
-def _grads_program(graphdef, state, batches, ga: int | None):
+def _grads_program(graphdef, state, batches, ga: int | None, options: dict):
   model, optimizer = nnx.merge(graphdef, state)
-  loss, grads = _grads(model, optimizer, batches, ga)
+  loss, grads = _grads(model, optimizer, batches, ga, options)
   return grads, loss
 
 
@@ -181,12 +188,13 @@ def state_shardings(state: Any, mesh) -> Any:
   return jax.tree.map(on_mesh, state)
 
 
-def train_step_jit(graphdef, shardings: Any, mesh, deferred: bool, ga: int):
+def train_step_jit(graphdef, shardings: Any, mesh, deferred: bool, ga: int, options: dict | None = None):
   """The one jitted train step of a step arm, which the CPU bench runs and ``--aot`` only compiles.
 
   ``state -> (state, loss)``, the state donated and kept on ``shardings``;
   ``deferred`` accumulates with ``value_and_grad_accumulated`` over ``ga``
-  micro-batches, otherwise with a ``lax.scan`` of ``jax.value_and_grad``.
+  micro-batches (with the keyword ``options``, e.g. ``shard_accumulator``),
+  otherwise with a ``lax.scan`` of ``jax.value_and_grad``.
 
   Example::
 
@@ -194,14 +202,16 @@ def train_step_jit(graphdef, shardings: Any, mesh, deferred: bool, ga: int):
     compiled = step.lower(state, batch).compile()
   """
   return jax.jit(
-      lambda s, b: _train_step(graphdef, s, b, ga if deferred else None),
+      lambda s, b: _train_step(graphdef, s, b, ga if deferred else None, options or {}),
       in_shardings=(shardings, batch_sharding(mesh, deferred)),
       out_shardings=(shardings, NamedSharding(mesh, P())),
       donate_argnums=0,
   )
 
 
-def split_step_jits(graphdef, shardings: Any, mesh, deferred: bool, zero1: bool, ga: int):
+def split_step_jits(
+    graphdef, shardings: Any, mesh, deferred: bool, zero1: bool, ga: int, options: dict | None = None
+):
   """The same train step as two programs, as MaxText's engine compiles it: gradients, then update.
 
   ``grads(state, batch) -> (grads, loss)`` reads the parameters (the
@@ -215,7 +225,7 @@ def split_step_jits(graphdef, shardings: Any, mesh, deferred: bool, zero1: bool,
 
     grads_jit, update_jit = split_step_jits(graphdef, shardings, mesh, deferred=True, zero1=True, ga=8)
   """
-  grads = jax.jit(lambda s, b: _grads_program(graphdef, s, b, ga if deferred else None),
+  grads = jax.jit(lambda s, b: _grads_program(graphdef, s, b, ga if deferred else None, options or {}),
                   in_shardings=(shardings, batch_sharding(mesh, deferred)))
   update = jax.jit(lambda s, g: _update_program(graphdef, s, g, deferred and zero1),
                    out_shardings=shardings, donate_argnums=0)
@@ -226,7 +236,7 @@ def make_optimizer(arm: str, model, tx, mesh):
   """The arm's optimizer: ``nnx.Optimizer`` or ``Zero1Optimizer`` over the mesh's ``"data"`` axis."""
   if not STEP_ARMS[arm][0]:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
-  return Zero1Optimizer(model, tx, mesh, data_axis="data")
+  return Zero1Optimizer(model, tx, mesh, data_axis="data", **OPTIMIZER_OPTIONS.get(arm, {}))
 
 
 def new_model(settings: Settings, mesh) -> Transformer:
@@ -283,7 +293,8 @@ class StepArm:
     self.batch_sharding = batch_sharding(mesh, self.deferred)
     shardings = state_shardings(state, mesh)
     self.state = jax.device_put(state, shardings)
-    step = train_step_jit(self.graphdef, shardings, mesh, self.deferred, example.shape[0])
+    options = ACCUMULATE_OPTIONS.get(name, {})
+    step = train_step_jit(self.graphdef, shardings, mesh, self.deferred, example.shape[0], options)
     start = time.perf_counter()
     with jax.set_mesh(mesh):  # Explicit-mode ops (the embedding lookup) read the mesh from here
       self.compiled = step.lower(self.state, self.prepare(example)).compile()
@@ -304,6 +315,22 @@ class StepArm:
     """Optimizer-state bytes on the fullest device."""
     return bytes_per_device(nnx.state(nnx.merge(self.graphdef, self.state)[1]))
 
+  def optimizer_bytes_by_memory_kind(self) -> dict[str, int]:
+    """Optimizer-state bytes on the fullest device, per memory kind (``device``, ``pinned_host``)."""
+    leaves = jax.tree.leaves(nnx.as_pure(nnx.state(nnx.merge(self.graphdef, self.state)[1])))
+    kinds = sorted({memory_kind_of(x) for x in leaves})
+    return {kind: bytes_per_device([x for x in leaves if memory_kind_of(x) == kind]) for kind in kinds}
+
+  def grad_accumulator_bytes(self) -> int:
+    """The gradient accumulator's bytes per device, from its layout: a whole float32 copy of the
+    parameters per replica (one row), or their Zero-1 slices with ``shard_accumulator``."""
+    model, optimizer = nnx.merge(self.graphdef, self.state)
+    params = jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param)))
+    if self.name in ACCUMULATE_OPTIONS:
+      layouts = optimizer.zero1_plan.zero1_param_shardings
+      return sum(int(np.prod(s.shard_shape(p.shape))) * 4 for p, s in zip(params, layouts, strict=True))
+    return sum(int(np.prod(p.shape)) * 4 for p in params)
+
   def params(self) -> list[np.ndarray]:
     """The parameters, as host arrays."""
     model = nnx.merge(self.graphdef, self.state)[0]
@@ -323,7 +350,14 @@ class StepArm:
 def _row(arm, times: list[float], loss: float, base_loss: float, same: bool, dp: int, ga: int,
          settings: Settings, diff: float, equal_to: list[str]) -> dict[str, Any]:
   mem = arm.memory()
+  levers = {}
+  if isinstance(arm, StepArm):  # fields the engine arms do not measure
+    levers = {
+        "opt_state_bytes_by_memory_kind": arm.optimizer_bytes_by_memory_kind(),
+        "grad_accumulator_bytes_per_device": arm.grad_accumulator_bytes() if arm.deferred else None,
+    }
   return {
+      **levers,
       "arm": arm.name,
       "dp": dp,
       "ga": ga,
@@ -401,7 +435,22 @@ def run_cell(
     equal_to = [other.name for other in built if other is not arm and equal(arm.name, other.name)]
     rows.append(_row(arm, times[arm.name], losses[arm.name], losses[reference.name],
                      equal(arm.name, reference.name), dp, ga, settings, diff, equal_to))
-  return rows
+  return _with_lever_ratios(rows)
+
+
+def _with_lever_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Adds ``step_ms_vs_zero1_accum`` to every row when the cell ran ``zero1-accum``.
+
+  Example::
+
+    >>> rows = [{"arm": "zero1-accum", "step_ms": 2.0}, {"arm": "zero2-accum", "step_ms": 3.0}]
+    >>> _with_lever_ratios(rows)[1]
+    {'arm': 'zero2-accum', 'step_ms': 3.0, 'step_ms_vs_zero1_accum': 1.5}
+  """
+  reference = next((r for r in rows if r["arm"] == LEVER_REFERENCE), None)
+  if reference is None or not reference["step_ms"]:
+    return rows
+  return [{**r, "step_ms_vs_zero1_accum": round(r["step_ms"] / reference["step_ms"], 3)} for r in rows]
 
 
 def describe(settings: Settings) -> dict[str, Any]:

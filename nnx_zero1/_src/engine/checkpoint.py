@@ -2,7 +2,9 @@
 
 ``{"params", "optimizer", "grad_acc", "micro_steps"}``: parameters and optimizer
 state as pure dicts (the same paths, shapes and dtypes with and without Zero-1),
-the per-replica gradient accumulator and the number of micro-batches in it.
+the gradient accumulator and the number of micro-batches in it. The
+accumulator is one row per replica, or (``shard_accumulator=True``, ZeRO-2) the
+summed gradients shaped like the parameters; either restores into the other.
 Orbax restores every array onto the layout of the engine's live one.
 """
 
@@ -19,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_zero1._src.checkpoint import abstract_arrays
 from nnx_zero1._src.engine import rows as replica_rows
 
-__all__ = ["make_manager", "restore", "fold_rows"]
+__all__ = ["make_manager", "restore", "fold_rows", "summed_accumulator", "rows_of"]
 
 
 def make_manager(directory: str | os.PathLike) -> ocp.CheckpointManager:
@@ -38,31 +40,59 @@ def make_manager(directory: str | os.PathLike) -> ocp.CheckpointManager:
   )
 
 
-def restore(manager: ocp.CheckpointManager, step: int, live: dict, mesh: Mesh) -> tuple[dict, int]:
-  """Reads ``step`` onto the layouts of the ``live`` tree; returns it and the saved accumulator's rows.
-
-  When the checkpoint was written at another data-parallel size its
-  accumulator has another number of rows; it is then read replicated, for
-  ``fold_rows``.
+def rows_of(accumulator: Any, params: Any) -> int | None:
+  """How many per-replica rows an accumulator has; None for a summed (ZeRO-2) one.
 
   Example::
 
-    tree, saved_rows = restore(manager, step, live_tree, mesh)
+    >>> import jax.numpy as jnp
+    >>> rows_of({"w": jnp.ones((4, 3))}, {"w": jnp.ones(3)}), rows_of({"w": jnp.ones(3)}, {"w": jnp.ones(3)})
+    (4, None)
+  """
+  a, p = jax.tree.leaves(accumulator)[0], jax.tree.leaves(params)[0]
+  return a.shape[0] if len(a.shape) == len(p.shape) + 1 else None
+
+
+def restore(manager: ocp.CheckpointManager, step: int, live: dict, mesh: Mesh) -> tuple[dict, bool]:
+  """Reads ``step`` onto the layouts of the ``live`` tree; returns it and whether its accumulator
+  needs converting (then it is read replicated, as saved).
+
+  An accumulator saved at another data-parallel size (another number of rows),
+  or as rows where the engine keeps it summed (ZeRO-2) or the other way round,
+  has other shapes than the live one.
+
+  Example::
+
+    tree, convert = restore(manager, step, live_tree, mesh)
   """
   target = abstract_arrays(live, mesh)
-  saved_rows = jax.tree.leaves(manager.item_metadata(step)["grad_acc"])[0].shape[0]
-  live_rows = jax.tree.leaves(live["grad_acc"])[0].shape[0]
-  if saved_rows != live_rows:
+  saved = manager.item_metadata(step)["grad_acc"]
+  saved_shapes = [tuple(m.shape) for m in jax.tree.leaves(saved)]
+  convert = saved_shapes != [t.shape for t in jax.tree.leaves(target["grad_acc"])]
+  if convert:
     replicated = NamedSharding(mesh, P())
-    target["grad_acc"] = jax.tree.map(
-        lambda t: jax.ShapeDtypeStruct((saved_rows, *t.shape[1:]), t.dtype, sharding=replicated),
-        target["grad_acc"],
-    )
-  return manager.restore(step, args=ocp.args.StandardRestore(target)), saved_rows
+    leaves, treedef = jax.tree.flatten(target["grad_acc"])
+    target["grad_acc"] = jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(shape, t.dtype, sharding=replicated)
+        for t, shape in zip(leaves, saved_shapes, strict=True)
+    ])
+  return manager.restore(step, args=ocp.args.StandardRestore(target)), convert
+
+
+def summed_accumulator(grad_acc: Any, params: Any) -> Any:
+  """The accumulated gradient sum, from rows (summed over them) or from a summed accumulator.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> summed_accumulator({"w": jnp.ones((3, 2))}, {"w": jnp.ones(2)})["w"].tolist()
+    [3.0, 3.0]
+  """
+  return jax.tree.map(lambda a, p: a.sum(0) if a.ndim == p.ndim + 1 else a, grad_acc, params)
 
 
 def fold_rows(grad_acc: Any, params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
-  """An accumulator with any number of rows, summed into row 0 of one with this mesh's rows.
+  """An accumulator with any number of rows (or summed), into row 0 of one with this mesh's rows.
 
   Example::
 
@@ -74,6 +104,6 @@ def fold_rows(grad_acc: Any, params: Any, mesh: Mesh, axes: tuple[str, ...]) -> 
     [[3.0, 3.0]]
   """
   zeros = replica_rows.zeros_accumulator(params, mesh, axes)
-  summed = jax.tree.map(lambda a: a.sum(0), grad_acc)
+  summed = summed_accumulator(grad_acc, params)
   homes = [x.sharding for x in jax.tree.leaves(params)]
   return replica_rows.add_to_first_row(zeros, summed, homes, mesh, axes)

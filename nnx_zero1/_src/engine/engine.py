@@ -90,6 +90,11 @@ class Engine:
     strict: raise ``Zero1Error`` instead of reducing every micro-batch when the
       reduction cannot be deferred (and, with Zero-1, when a parameter-shaped
       optimizer leaf cannot be split).
+    shard_accumulator: ZeRO-2 (Zero-1 engines only): keep the gradient
+      accumulator on the Zero-1 layout, 1/N of the gradients per device instead
+      of one whole row per replica, at the price of one reduce-scatter per
+      micro-batch instead of one per step. Checkpoints then hold the summed
+      accumulator (parameter-shaped) and cross with the per-replica rows.
 
   Raises:
     Zero1Error: the mesh lacks the data axis, the optimizer cannot be built as
@@ -112,6 +117,7 @@ class Engine:
       data_axis: DataAxis = "data",
       defer_reduction: bool | None = None,
       strict: bool = False,
+      shard_accumulator: bool = False,
   ):
     self.mesh = mesh
     self.data_axis = data_axes(data_axis)
@@ -120,17 +126,29 @@ class Engine:
     self.wrt = wrt
     self.defer_reduction = self.DEFER_REDUCTION if defer_reduction is None else defer_reduction
     self.strict = strict
+    self.shard_accumulator = shard_accumulator
+    if shard_accumulator and not self.defer_reduction:
+      raise Zero1Error(
+          "shard_accumulator=True reduce-scatters every micro-batch's per-replica gradients; "
+          f"defer_reduction=False asks for the global program instead; {describe_mesh(mesh)}"
+      )
     before = nnx.as_pure(nnx.state(model))
     nnx.update(model, _on_mesh(before, mesh))
     try:
       self.optimizer = self._make_optimizer(model, tx)
+      if shard_accumulator:
+        self.model = model  # the targets are read off the live parameters
+        self._check_shardable(nnx.as_pure(nnx.state(model, wrt)))
     except Exception:
       nnx.update(model, before)  # a refused engine leaves the model as it was
       raise
     self.model = model
     nnx.update(self.optimizer, _on_mesh(nnx.state(self.optimizer), mesh))
     params = nnx.as_pure(nnx.state(model, wrt))
-    self._grad_acc = replica_rows.zeros_accumulator(params, mesh, self.data_axis)
+    self._grad_acc = (
+        replica_rows.zeros_on(params, self._gradient_targets()) if shard_accumulator
+        else replica_rows.zeros_accumulator(params, mesh, self.data_axis)
+    )
     self._micro_steps = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     self._pending = 0  # host mirror of _micro_steps, so update() can refuse an empty step
     self.grad_norm: jax.Array | None = None
@@ -149,6 +167,22 @@ class Engine:
   def _gradient_targets(self) -> tuple[NamedSharding, ...]:
     """Where ``update`` puts the reduced gradients, per parameter: their own layout (all-reduce)."""
     return tuple(_kernels.shardings_of(jax.tree.leaves(self._params())))
+
+  def _check_shardable(self, params: Any) -> None:
+    """``shard_accumulator`` needs a Zero-1 layout to scatter onto, and whole gradients per replica."""
+    homes = tuple(_kernels.shardings_of(jax.tree.leaves(params)))
+    if tuple(self._gradient_targets()) == homes:
+      raise Zero1Error(
+          f"shard_accumulator=True reduce-scatters each micro-batch's gradients onto the optimizer's "
+          f"Zero-1 layout, which {type(self).__name__}'s plain nnx.Optimizer does not have (its state is "
+          f"whole on every replica); use a Zero-1 engine; {describe_mesh(self.mesh)}"
+      )
+    self._refuse_blocked(reduction.deferral_blocker([], list(homes), self.data_axis))
+
+  def _refuse_blocked(self, blocker: str | None) -> None:
+    if self.shard_accumulator and blocker is not None:
+      raise Zero1Error(f"shard_accumulator=True needs each replica's whole gradients, but {blocker}; "
+                       f"{describe_mesh(self.mesh)}")
 
   # -- live state -------------------------------------------------------------------------------
   def _params(self) -> Any:
@@ -178,13 +212,18 @@ class Engine:
     leaves the optimizer out so engines that differ only in it share compiled kernels."""
     homes = tuple(jax.tree.leaves(_kernels.shardings_of(self._params())))
     if mode is not None:
+      targets = tuple(self._gradient_targets()) if mode == _kernels.SCATTERED else ()
       return _kernels.KernelSpec(
-          nnx.graphdef(self.model), None, self.loss_fn, self.mesh, self.data_axis, self.wrt, homes, (), mode
+          nnx.graphdef(self.model), None, self.loss_fn, self.mesh, self.data_axis, self.wrt, homes, targets,
+          mode,
       )
     return _kernels.KernelSpec(
         nnx.graphdef(self.model), nnx.graphdef(self.optimizer), self.loss_fn, self.mesh, self.data_axis,
-        self.wrt, homes, tuple(self._gradient_targets()),
+        self.wrt, homes, tuple(self._gradient_targets()), self._accumulation(),
     )
+
+  def _accumulation(self) -> str:
+    return _kernels.SCATTERED if self.shard_accumulator else _kernels.DEFERRED
 
   def _mode(self, batch: dict, *, log: bool = False) -> str:
     """How ``batch``'s gradients are reduced: deferred when each replica can compute whole
@@ -194,11 +233,12 @@ class Engine:
         jax.tree.leaves(_kernels.shardings_of(self._params())),
         self.data_axis,
     )
+    self._refuse_blocked(blocker)
     deferred = reduction.defer(
         blocker, requested=self.defer_reduction, strict=self.strict, mesh=self.mesh,
         who=type(self).__name__, log=logger if log else None,
     )
-    return _kernels.DEFERRED if deferred else _kernels.GLOBAL
+    return self._accumulation() if deferred else _kernels.GLOBAL
 
   def _fwd_bwd_call(self, batch: dict) -> tuple:
     key = self._batch_key(batch)
@@ -386,7 +426,7 @@ class Engine:
     step = manager.latest_step() if step is None else step
     if step is None:
       raise Zero1Error(f"no checkpoint in {manager.directory}; {describe_mesh(self.mesh)}")
-    tree, saved_rows = _checkpoint.restore(manager, step, self._checkpoint_tree(), self.mesh)
+    tree, convert = _checkpoint.restore(manager, step, self._checkpoint_tree(), self.mesh)
     params = nnx.state(self.model, self.wrt)
     nnx.replace_by_pure_dict(params, tree["params"])
     nnx.update(self.model, params)
@@ -394,16 +434,28 @@ class Engine:
     nnx.replace_by_pure_dict(optimizer, tree["optimizer"])
     restore_into(self.optimizer, optimizer)  # the core restore path: checked, on the optimizer's layout
     grad_acc = tree["grad_acc"]
-    if saved_rows != self.data_size:
-      logger.info("%s: accumulator saved with %d rows, restored with %d; summed into row 0",
-                  type(self).__name__, saved_rows, self.data_size)
-      with jax.set_mesh(self.mesh):
-        pure_params = nnx.to_pure_dict(self._params())
-        grad_acc = _checkpoint.fold_rows(grad_acc, pure_params, self.mesh, self.data_axis)
+    if convert:
+      grad_acc = self._converted_accumulator(grad_acc)
     nnx.replace_by_pure_dict(self._grad_acc, grad_acc)
     self._micro_steps = tree["micro_steps"]
     self._pending = int(self._micro_steps)
     return step
+
+  def _converted_accumulator(self, saved: Any) -> Any:
+    """A saved accumulator of another shape (rows at another data-parallel size, rows into a
+    ZeRO-2 engine or back) as this engine's: the same sum, not the same reduction order."""
+    pure_params = nnx.to_pure_dict(self._params())
+    saved_rows = _checkpoint.rows_of(saved, pure_params)
+    was = f"{saved_rows} rows" if saved_rows else "one summed accumulator (shard_accumulator)"
+    now = "one summed accumulator (shard_accumulator)" if self.shard_accumulator else f"{self.data_size}"
+    logger.info("%s: accumulator saved with %s, restored with %s; summed into %s", type(self).__name__, was,
+                now, "its Zero-1 slices" if self.shard_accumulator else "row 0")
+    with jax.set_mesh(self.mesh):
+      summed = _checkpoint.summed_accumulator(saved, pure_params)
+      if self.shard_accumulator:
+        targets = jax.tree.unflatten(jax.tree.structure(pure_params), list(self._gradient_targets()))
+        return jax.tree.map(jax.device_put, summed, targets)
+      return _checkpoint.fold_rows(summed, pure_params, self.mesh, self.data_axis)
 
   def close(self) -> None:
     """Waits for pending checkpoint writes and releases the checkpoint manager.

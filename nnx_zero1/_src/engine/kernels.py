@@ -22,10 +22,11 @@ from nnx_zero1._src import reduction
 from nnx_zero1._src.engine import rows
 from nnx_zero1._src.optimizer import mark_zero1_grads
 
-__all__ = ["DEFERRED", "GLOBAL", "KernelSpec", "jit_fwd_bwd", "jit_update", "jit_eval"]
+__all__ = ["DEFERRED", "GLOBAL", "SCATTERED", "KernelSpec", "jit_fwd_bwd", "jit_update", "jit_eval"]
 
 DEFERRED = "deferred"  # per-replica partial sums in shard_map; update() reduces once
 GLOBAL = "global"  # XLA differentiates the global program and reduces every micro-batch
+SCATTERED = "scattered"  # ZeRO-2: a reduce-scatter per micro-batch into a Zero-1-layout accumulator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,10 @@ def _fwd_bwd(spec: KernelSpec, params, rest, acc, micro_steps, batch):
   if spec.mode == GLOBAL:
     loss, grads = jax.value_and_grad(loss_of_params)(params, rest, batch)
     acc = rows.add_to_first_row(acc, grads, spec.homes, spec.mesh, spec.axes)
+  elif spec.mode == SCATTERED:
+    loss, acc = rows.scattered_grads(
+        loss_of_params, params, rest, acc, batch, spec.mesh, spec.axes, spec.targets
+    )
   else:
     loss, acc = rows.local_grads(loss_of_params, params, rest, acc, batch, spec.mesh, spec.axes)
   return loss, acc, micro_steps + 1
@@ -71,7 +76,10 @@ def _fwd_bwd(spec: KernelSpec, params, rest, acc, micro_steps, batch):
 def _update(spec: KernelSpec, params, rest, opt_state, acc, micro_steps):
   model = nnx.merge(spec.model_def, params, rest)
   optimizer = nnx.merge(spec.opt_def, opt_state)
-  summed = reduction.reduce_rows(acc, spec.homes, spec.targets, spec.mesh, spec.axes)
+  if spec.mode == SCATTERED:  # reduce-scattered micro-batch by micro-batch already
+    summed = acc
+  else:
+    summed = reduction.reduce_rows(acc, spec.homes, spec.targets, spec.mesh, spec.axes)
   grads = reduction.mean_of_sums(summed, micro_steps)
   # The optimizer selects gradients by ``wrt``, so they travel as variables.
   variables = jax.tree.unflatten(jax.tree.structure(nnx.state(model, spec.wrt)), jax.tree.leaves(grads))

@@ -18,10 +18,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src.mesh import on_mesh
-from nnx_zero1._src.reduction import accumulator_sharding, replica_value_and_grad, row_axes
+from nnx_zero1._src.reduction import (
+    accumulator_sharding,
+    replica_value_and_grad,
+    row_axes,
+    scatter_dims,
+    scatter_into,
+)
 from nnx_zero1._src.specs import axes_entry, data_axis_size
 
-__all__ = ["add_to_first_row", "local_grads", "local_loss", "zeros_accumulator"]
+__all__ = [
+    "add_to_first_row", "local_grads", "local_loss", "scattered_grads", "zeros_accumulator", "zeros_on",
+]
 
 
 def zeros_accumulator(params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
@@ -41,6 +49,22 @@ def zeros_accumulator(params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
     return jax.device_put(jnp.zeros((n, *p.shape), p.dtype), sharding)
 
   return jax.tree.map(zeros, params)
+
+
+def zeros_on(params: Any, targets: Sequence[NamedSharding]) -> Any:
+  """ZeRO-2's accumulator: zeros shaped like the parameters, on ``targets`` (the Zero-1 layout).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> zeros_on({"w": jnp.ones(3)}, [NamedSharding(mesh, P("data"))])["w"].sharding.spec
+    P('data',)
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  zeros = [jax.device_put(jnp.zeros(p.shape, p.dtype), t) for p, t in zip(leaves, targets, strict=True)]
+  return jax.tree.unflatten(treedef, zeros)
 
 
 def local_grads(
@@ -78,6 +102,47 @@ def local_grads(
     return jax.lax.psum(loss, axes), acc
 
   acc_specs = jax.tree.map(lambda a: P(axes_entry(axes)), acc)
+  batch_specs = jax.tree.map(lambda b: P(axes_entry(axes)), batch)
+  return jax.shard_map(
+      per_replica, mesh=mesh,
+      in_specs=(jax.tree.map(lambda p: P(), (params, rest)) + (acc_specs, batch_specs)),
+      out_specs=(P(), acc_specs),
+  )(params, rest, acc, batch)
+
+
+def scattered_grads(
+    loss_of_params: Callable[[Any, Any, Any], jax.Array], params: Any, rest: Any, acc: Any, batch: Any,
+    mesh: Mesh, axes: tuple[str, ...], targets: Sequence[NamedSharding],
+) -> tuple[jax.Array, Any]:
+  """ZeRO-2: one micro-batch's per-replica gradients reduce-scattered into ``acc``, which is
+  already summed and on ``targets`` (the Zero-1 layout); :func:`scatter_into` does the collective.
+
+  Returns the global mean loss and the new accumulator (parameter-shaped, on ``targets``).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> w = {"w": jax.device_put(jnp.ones(4), NamedSharding(mesh, P()))}
+    >>> target = NamedSharding(mesh, P("data"))
+    >>> acc = {"w": jax.device_put(jnp.zeros(4), target)}
+    >>> batch = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("data")))
+    >>> loss_fn = lambda p, rest, b: jnp.mean(b * p["w"].sum())
+    >>> loss, acc = scattered_grads(loss_fn, w, {}, acc, batch, mesh, ("data",), [target])
+    >>> acc["w"].tolist()
+    [1.0, 1.0, 1.0, 1.0]
+  """
+  n = data_axis_size(mesh, axes)
+  homes = [NamedSharding(mesh, P())] * len(targets)  # deferral's condition: replicated parameters
+  dims = scatter_dims([p.ndim for p in jax.tree.leaves(params)], homes, targets, axes)
+
+  def per_replica(params, rest, acc, batch):
+    local = lambda p, b: loss_of_params(p, rest, b)  # noqa: E731
+    loss, grads = replica_value_and_grad(local, params, batch, n, axes)
+    return jax.lax.psum(loss, axes), scatter_into(acc, grads, dims, axes)
+
+  acc_specs = jax.tree.unflatten(jax.tree.structure(acc), [t.spec for t in targets])
   batch_specs = jax.tree.map(lambda b: P(axes_entry(axes)), batch)
   return jax.shard_map(
       per_replica, mesh=mesh,

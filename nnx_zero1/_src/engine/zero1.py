@@ -35,6 +35,7 @@ class _EngineHost(Protocol):
   def strict(self) -> bool: ...
   @property
   def optimizer(self) -> nnx.Optimizer: ...
+  OFFLOAD_STATE_TO_HOST: bool
 
 
 class Zero1EngineMixin:
@@ -47,7 +48,8 @@ class Zero1EngineMixin:
   the update kernel reduce-scatters the accumulated gradients straight onto it.
   Kernel signatures and the checkpoint tree are unchanged, so checkpoints cross
   both ways. The mixin takes no arguments of its own: the engine's constructor
-  is unchanged.
+  is unchanged. ``OFFLOAD_STATE_TO_HOST = True`` on a subclass keeps the state
+  shards in host memory between steps (``Zero1Optimizer(offload_state_to_host=True)``).
 
   Raises:
     Zero1Error: (from the engine's constructor) the optimizer cannot be made
@@ -60,10 +62,15 @@ class Zero1EngineMixin:
     ...   pass
   """
 
+  OFFLOAD_STATE_TO_HOST = False
+
   def _make_optimizer(
       self: _EngineHost, model: nnx.Module, tx: optax.GradientTransformation
   ) -> Zero1Optimizer:
-    return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, strict=self.strict)
+    return Zero1Optimizer(
+        model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, strict=self.strict,
+        offload_state_to_host=self.OFFLOAD_STATE_TO_HOST,
+    )
 
   def _gradient_targets(self: _EngineHost) -> tuple[NamedSharding, ...]:
     optimizer = self.optimizer
