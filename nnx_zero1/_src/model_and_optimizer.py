@@ -39,6 +39,7 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
     data_axis: the data-parallel mesh axis or axes.
     strict: as for ``Zero1Optimizer``.
     pin_gradients: as for ``Zero1Optimizer``.
+    offload_state_to_host: as for ``Zero1Optimizer``.
 
   Raises:
     Zero1Error: as ``Zero1Optimizer`` does, before any state exists.
@@ -65,10 +66,12 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
       data_axis: DataAxis = "data",
       strict: bool = False,
       pin_gradients: bool = True,
+      offload_state_to_host: bool = False,
   ):
     # Zero1Optimizer's construction, not nnx.ModelAndOptimizer's (which would build the full,
     # replicated state first); then what ModelAndOptimizer adds: the model it updates.
     Zero1Optimizer.__init__(
-        self, model, tx, mesh, wrt=wrt, data_axis=data_axis, strict=strict, pin_gradients=pin_gradients
+        self, model, tx, mesh, wrt=wrt, data_axis=data_axis, strict=strict, pin_gradients=pin_gradients,
+        offload_state_to_host=offload_state_to_host,
     )
     self.model = model
