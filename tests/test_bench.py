@@ -14,7 +14,8 @@ import pytest
 from nnx_zero1._src.bench import devices, measure, output, shapes, verdict
 from nnx_zero1._src.bench.maxtext_arms import MISSING_MAXTEXT
 from nnx_zero1._src.bench.model import Config
-from nnx_zero1._src.bench.run import Settings, run_cell
+from nnx_zero1._src.bench.run import run_cell
+from nnx_zero1._src.bench.settings import Settings
 from nnx_zero1.testing import collectives, shape_bytes
 
 TINY = ["--model", "tiny", "--steps", "2", "--warmup", "0", "--batch", "8", "--seq-len", "16",

@@ -23,17 +23,14 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from nnx_zero1._src.bench import measure
-from nnx_zero1._src.bench.run import (
+from nnx_zero1._src.bench.run import batch_sharding, split_step_jits, state_shardings, train_step_jit
+from nnx_zero1._src.bench.settings import (
     ACCUMULATE_OPTIONS,
     OPTIMIZERS,
     STEP_ARMS,
     Settings,
-    batch_sharding,
     make_optimizer,
     new_model,
-    split_step_jits,
-    state_shardings,
-    train_step_jit,
 )
 from nnx_zero1._src.hlo import collectives, loop_collectives
 

@@ -45,10 +45,13 @@ def main(args: argparse.Namespace) -> int:
   _start_cpu_jax()
   import jax
 
-  from nnx_zero1._src.bench import aot, aot_output, run
+  from nnx_zero1._src.bench import aot, aot_output
+  from nnx_zero1._src.bench import settings as settings_lib
 
-  settings = run.Settings(model=args.model, dp=args.dp, ga=args.ga, batch=args.batch, seq_len=args.seq_len,
-                          optimizer=args.optimizer, mesh=args.mesh)
+  settings = settings_lib.Settings(
+      model=args.model, dp=args.dp, ga=args.ga, batch=args.batch, seq_len=args.seq_len,
+      optimizer=args.optimizer, mesh=args.mesh,
+  )
   start = time.perf_counter()
   rows = []
   for dp in args.dp:
@@ -60,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
           print(f"nnx_zero1.bench: {done} {row['arm']} dp={dp} ga={ga} for {args.aot} in "
                 f"{row['compile_s']} s", file=sys.stderr)
   meta = {
-      **run.describe(settings),
+      **settings_lib.describe(settings),
       "arms": list(args.arms),
       "compiled_for": args.aot,
       "programs_per_step": 2 if args.split_step else 1,

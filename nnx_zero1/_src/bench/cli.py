@@ -33,7 +33,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ((2, 4), 'small', 10)
   """
   from nnx_zero1._src.bench.model import CONFIGS  # imports jax without starting a backend
-  from nnx_zero1._src.bench.run import OPTIMIZERS
+  from nnx_zero1._src.bench.settings import OPTIMIZERS
 
   p = argparse.ArgumentParser(
       prog="python -m nnx_zero1.bench",
@@ -165,8 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   from tqdm import tqdm
 
   from nnx_zero1._src.bench import output, run, shapes
+  from nnx_zero1._src.bench import settings as settings_lib
 
-  settings = run.Settings(
+  settings = settings_lib.Settings(
       model=args.model, dp=args.dp, ga=args.ga, steps=args.steps, warmup=args.warmup, batch=args.batch,
       seq_len=args.seq_len, optimizer=args.optimizer, mesh=args.mesh,
   )
@@ -187,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar.update()
   device = jax.devices()[0]
   meta = {
-      **run.describe(settings),
+      **settings_lib.describe(settings),
       "arms": list(args.arms),
       "platform": device.platform,
       "device_kind": device.device_kind,

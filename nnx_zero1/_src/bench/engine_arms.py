@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src.bench import measure
 from nnx_zero1._src.bench.model import Transformer, loss_fn
-from nnx_zero1._src.bench.run import OPTIMIZERS, Settings, new_model
+from nnx_zero1._src.bench.settings import OPTIMIZERS, Settings, new_model
 from nnx_zero1._src.hlo import collectives
 from nnx_zero1._src.report import bytes_per_device
 

@@ -1,0 +1,125 @@
+"""What the bench runs: its arms, optimizers, settings, model and data, shared by every mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_zero1._src.bench.model import CONFIGS, Config, Transformer, count_params
+from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.optimizer_cases import BENCH, bench_optimizer
+
+__all__ = [
+    "ACCUMULATE_OPTIONS", "LEVER_REFERENCE", "OPTIMIZERS", "OPTIMIZER_OPTIONS", "STEP_ARMS", "Settings",
+    "describe", "make_optimizer", "new_model", "tokens",
+]
+
+# The arms that train with one compiled step, and how: (Zero-1?, deferred reduction?).
+STEP_ARMS = {
+    "baseline": (False, False),  # nnx.Optimizer; lax.scan of nnx.value_and_grad
+    "zero1": (True, False),  # Zero1Optimizer; the same step
+    "accum": (False, True),  # nnx.Optimizer; value_and_grad_accumulated (one all-reduce per step)
+    "zero1-accum": (True, True),  # Zero1Optimizer; value_and_grad_accumulated (one reduce-scatter per step)
+    "zero2-accum": (True, True),  # zero1-accum with shard_accumulator=True (a reduce-scatter per micro-batch)
+    "zero1-offload": (True, True),  # zero1-accum with offload_state_to_host=True
+}
+
+# The memory levers beyond Zero-1: each arm is zero1-accum plus one option (docs/memory_levers.md).
+ACCUMULATE_OPTIONS = {"zero2-accum": {"shard_accumulator": True}}
+OPTIMIZER_OPTIONS = {"zero1-offload": {"offload_state_to_host": True}}
+LEVER_REFERENCE = "zero1-accum"  # the arm the levers' step-time ratio is taken against
+
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    name: functools.partial(bench_optimizer, name) for name in BENCH
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What the bench runs: one model, a grid of (dp, ga), and how long to time each cell.
+
+  ``batch`` is the global micro-batch in sequences (fixed across dp, so each
+  device gets ``batch / dp``); one optimizer step sees ``ga`` micro-batches.
+
+  Example::
+
+    >>> Settings(model="tiny", dp=(2,), ga=(1,), steps=2, warmup=1).batch
+    8
+  """
+
+  model: str = "base"
+  dp: tuple[int, ...] = (2, 4, 8)
+  ga: tuple[int, ...] = (1, 8)
+  steps: int = 10
+  warmup: int = 2
+  batch: int = 8
+  seq_len: int | None = None  # None: the model config's
+  optimizer: str = "adamw"
+  seed: int = 0
+  mesh: str = "explicit"  # or "auto": the mesh's axis type
+
+  @property
+  def config(self) -> Config:
+    """The model's shape."""
+    return CONFIGS[self.model]
+
+
+def make_optimizer(arm: str, model, tx, mesh):
+  """The arm's optimizer: ``nnx.Optimizer`` or ``Zero1Optimizer`` over the mesh's ``"data"`` axis."""
+  if not STEP_ARMS[arm][0]:
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+  return Zero1Optimizer(model, tx, mesh, data_axis="data", **OPTIMIZER_OPTIONS.get(arm, {}))
+
+
+def new_model(settings: Settings, mesh) -> Transformer:
+  """A fresh model from ``settings.seed``, replicated on ``mesh``: every arm starts from it.
+
+  Example::
+
+    >>> import jax
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> new_model(Settings(model="tiny"), mesh).cfg.vocab
+    256
+  """
+  model = Transformer(settings.config, rngs=nnx.Rngs(settings.seed))
+  nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+  return model
+
+
+def tokens(settings: Settings, ga: int, step: int) -> np.ndarray:
+  """The token ids of one optimizer step, shaped (ga, batch, seq + 1); the same for every arm.
+
+  Example::
+
+    >>> tokens(Settings(model="tiny"), ga=2, step=0).shape
+    (2, 8, 33)
+  """
+  cfg = settings.config
+  rng = np.random.default_rng((settings.seed, ga, step))
+  shape = (ga, settings.batch, (settings.seq_len or cfg.seq_len) + 1)
+  return rng.integers(0, cfg.vocab, size=shape, dtype=np.int32)
+
+
+def describe(settings: Settings) -> dict[str, Any]:
+  """The settings and model shape, for the bench's outputs.
+
+  Example::
+
+    >>> describe(Settings(model="tiny"))["params"]
+    90432
+  """
+  return {
+      "model": settings.model,
+      "params": count_params(settings.config),
+      "config": dataclasses.asdict(settings.config),
+      "settings": {**dataclasses.asdict(settings), "seq_len": settings.seq_len or settings.config.seq_len},
+  }
