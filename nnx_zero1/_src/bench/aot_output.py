@@ -7,11 +7,10 @@ nobody ran; everything here says so in its titles.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_zero1._src.bench.output import save_figure
+from nnx_zero1._src.bench.output import save_figure, write_files
 
 __all__ = ["HEADER", "cells", "table", "markdown", "plot", "write_all", "saving"]
 
@@ -148,11 +147,4 @@ def write_all(result: dict[str, Any], out_dir: str) -> list[str]:
 
     >>> write_all({"meta": {}, "rows": []}, "/tmp/bench-aot-doc")  # doctest: +SKIP
   """
-  os.makedirs(out_dir, exist_ok=True)
-  paths = [os.path.join(out_dir, n) for n in ("bench.json", "bench.md", "memory.png")]
-  with open(paths[0], "w") as f:
-    json.dump(result, f, indent=1, default=str)
-  with open(paths[1], "w") as f:
-    f.write(markdown(result))
-  plot(result["rows"], paths[2])
-  return paths
+  return write_files(result, out_dir, markdown, plot)

@@ -11,6 +11,7 @@ from nnx_zero1._src.bench.verdict import estimate_ratio, judge, judge_all
 
 __all__ = [
     "table", "shapes_table", "targets", "markdown", "write_all", "plot_series", "plot_memory", "save_figure",
+    "write_files",
 ]
 
 # Goals from the issue; the bench reports them, tests do not assert the timed one (it is judged
@@ -326,11 +327,16 @@ def write_all(result: dict[str, Any], out_dir: str) -> list[str]:
 
     >>> write_all({"meta": {}, "rows": [], "shapes": []}, "/tmp/bench-doc")  # doctest: +SKIP
   """
+  return write_files(result, out_dir, markdown, plot_memory)
+
+
+def write_files(result: dict[str, Any], out_dir: str, to_markdown: Any, plot: Any) -> list[str]:
+  """bench.json (``result``), bench.md (``to_markdown(result)``) and memory.png (``plot(rows, path)``)."""
   os.makedirs(out_dir, exist_ok=True)
   paths = [os.path.join(out_dir, n) for n in ("bench.json", "bench.md", "memory.png")]
   with open(paths[0], "w") as f:
     json.dump(result, f, indent=1, default=str)
   with open(paths[1], "w") as f:
-    f.write(markdown(result))
-  plot_memory(result["rows"], paths[2])
+    f.write(to_markdown(result))
+  plot(result["rows"], paths[2])
   return paths

@@ -93,15 +93,20 @@ def local_grads(
     >>> float(acc["w"][0])
     1.0
   """
+  acc_specs = jax.tree.map(lambda a: P(axes_entry(axes)), acc)
+  add = lambda acc, grads: jax.tree.map(lambda a, g: a + g[None], acc, grads)  # noqa: E731
+  return _per_replica_step(loss_of_params, params, rest, acc, batch, mesh, axes, acc_specs, add)
+
+
+def _per_replica_step(loss_of_params, params, rest, acc, batch, mesh, axes, acc_specs, add):
+  """One ``shard_map``: each replica's gradient of its own rows, added to ``acc`` by ``add``."""
   n = data_axis_size(mesh, axes)
 
   def per_replica(params, rest, acc, batch):
     local = lambda p, b: loss_of_params(p, rest, b)  # noqa: E731
     loss, grads = replica_value_and_grad(local, params, batch, n, axes)
-    acc = jax.tree.map(lambda a, g: a + g[None], acc, grads)
-    return jax.lax.psum(loss, axes), acc
+    return jax.lax.psum(loss, axes), add(acc, grads)
 
-  acc_specs = jax.tree.map(lambda a: P(axes_entry(axes)), acc)
   batch_specs = jax.tree.map(lambda b: P(axes_entry(axes)), batch)
   return jax.shard_map(
       per_replica, mesh=mesh,
@@ -133,22 +138,11 @@ def scattered_grads(
     >>> acc["w"].tolist()
     [1.0, 1.0, 1.0, 1.0]
   """
-  n = data_axis_size(mesh, axes)
   homes = [NamedSharding(mesh, P())] * len(targets)  # deferral's condition: replicated parameters
   dims = scatter_dims([p.ndim for p in jax.tree.leaves(params)], homes, targets, axes)
-
-  def per_replica(params, rest, acc, batch):
-    local = lambda p, b: loss_of_params(p, rest, b)  # noqa: E731
-    loss, grads = replica_value_and_grad(local, params, batch, n, axes)
-    return jax.lax.psum(loss, axes), scatter_into(acc, grads, dims, axes)
-
   acc_specs = jax.tree.unflatten(jax.tree.structure(acc), [t.spec for t in targets])
-  batch_specs = jax.tree.map(lambda b: P(axes_entry(axes)), batch)
-  return jax.shard_map(
-      per_replica, mesh=mesh,
-      in_specs=(jax.tree.map(lambda p: P(), (params, rest)) + (acc_specs, batch_specs)),
-      out_specs=(P(), acc_specs),
-  )(params, rest, acc, batch)
+  add = lambda acc, grads: scatter_into(acc, grads, dims, axes)  # noqa: E731
+  return _per_replica_step(loss_of_params, params, rest, acc, batch, mesh, axes, acc_specs, add)
 
 
 def local_loss(
