@@ -31,6 +31,7 @@ from nnx_zero1._src.bench.settings import (
     Settings,
     make_optimizer,
     new_model,
+    row_fields,
 )
 from nnx_zero1._src.hlo import collectives, loop_collectives
 
@@ -195,22 +196,14 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
   kind = mesh_device_kind(compiled[0] if split else compiled)
   hbm = HBM_BYTES.get(kind)
   return {
-      "arm": arm.name,
-      "dp": dp,
-      "ga": ga,
-      "model": settings.model,
-      "optimizer": settings.optimizer,
+      **row_fields(arm.name, dp, ga, settings, arm.opt_state_bytes, mem),
       "batch": settings.batch,
       "seq_len": settings.seq_len or settings.config.seq_len,
       "compiled_for": topology,
       "device_kind": kind,
       "hbm_bytes": hbm,
-      "opt_state_bytes_per_device": arm.opt_state_bytes,
-      "argument_bytes_per_device": mem["argument"],
       "output_bytes_per_device": mem["output"],
       "alias_bytes_per_device": mem["alias"],
-      "temp_bytes_per_device": mem["temp"],
-      "peak_bytes_per_device": mem["peak"],
       "fits": None if hbm is None else mem["peak"] <= hbm,
       "programs": 2 if split else 1,
       "compile_s": round(compile_s, 1),

@@ -31,6 +31,7 @@ from nnx_zero1._src.bench.settings import (
     Settings,
     make_optimizer,
     new_model,
+    row_fields,
     tokens,
 )
 from nnx_zero1._src.hlo import collectives
@@ -278,15 +279,7 @@ def _row(arm, times: list[float], loss: float, base_loss: float, same: bool, dp:
     }
   return {
       **levers,
-      "arm": arm.name,
-      "dp": dp,
-      "ga": ga,
-      "model": settings.model,
-      "optimizer": settings.optimizer,
-      "opt_state_bytes_per_device": arm.optimizer_bytes(),
-      "argument_bytes_per_device": mem["argument"],
-      "temp_bytes_per_device": mem["temp"],
-      "peak_bytes_per_device": mem["peak"],
+      **row_fields(arm.name, dp, ga, settings, arm.optimizer_bytes(), mem),
       "step_ms": measure.median_ms(times),
       "step_times_ms": [round(t * 1e3, 3) for t in times],  # paired with the other arms' by index
       "step_ms_min": round(min(times) * 1e3, 3),  # less sensitive to other load on a shared machine

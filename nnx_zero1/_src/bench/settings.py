@@ -20,7 +20,7 @@ from nnx_zero1._src.optimizer_cases import BENCH, bench_optimizer
 
 __all__ = [
     "ACCUMULATE_OPTIONS", "LEVER_REFERENCE", "OPTIMIZERS", "OPTIMIZER_OPTIONS", "STEP_ARMS", "Settings",
-    "describe", "make_optimizer", "new_model", "tokens",
+    "describe", "make_optimizer", "new_model", "row_fields", "tokens",
 ]
 
 # The arms that train with one compiled step, and how: (Zero-1?, deferred reduction?).
@@ -122,4 +122,22 @@ def describe(settings: Settings) -> dict[str, Any]:
       "params": count_params(settings.config),
       "config": dataclasses.asdict(settings.config),
       "settings": {**dataclasses.asdict(settings), "seq_len": settings.seq_len or settings.config.seq_len},
+  }
+
+
+def row_fields(arm: str, dp: int, ga: int, settings: Settings, opt_bytes: int, mem: dict[str, int]) -> dict:
+  """The fields every bench row carries, measured (CPU) or compiled ahead of time alike.
+
+  Example::
+
+    >>> mem = {"argument": 3, "temp": 2, "peak": 5}
+    >>> row_fields("zero1", 2, 1, Settings(model="tiny"), 7, mem)["peak_bytes_per_device"]
+    5
+  """
+  return {
+      "arm": arm, "dp": dp, "ga": ga, "model": settings.model, "optimizer": settings.optimizer,
+      "opt_state_bytes_per_device": opt_bytes,
+      "argument_bytes_per_device": mem["argument"],
+      "temp_bytes_per_device": mem["temp"],
+      "peak_bytes_per_device": mem["peak"],
   }
