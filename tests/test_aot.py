@@ -25,7 +25,7 @@ needs_libtpu = pytest.mark.skipif(
 )
 DP, GA = 4, 2
 ARGS = ["--aot", "v6e:2x2", "--model", "tiny-aot", "--dp", str(DP), "--ga", str(GA), "--batch", "8",
-        "--seq-len", "16", "--arms", "baseline,zero1,zero1-accum", "--no-progress"]
+        "--seq-len", "16", "--arms", "baseline,zero1,zero1-accum,zero2-accum,zero1-offload", "--no-progress"]
 SCALAR_BYTES = 64  # the loss and counts: what an all-reduce may carry beyond the gradients
 
 
@@ -87,7 +87,7 @@ def _rule_saving(dp: int) -> int:
 @needs_libtpu
 def test_rows_are_compiled_for_the_topology_and_carry_the_cpu_rows_fields(aot_run):
   proc, out, rows = aot_run
-  assert set(rows) == {"baseline", "zero1", "zero1-accum"}
+  assert set(rows) == {"baseline", "zero1", "zero1-accum", "zero2-accum", "zero1-offload"}
   for row in rows.values():
     assert row["compiled_for"] == "v6e:2x2" and row["device_kind"].startswith("TPU v6")
     assert {"arm", "dp", "ga", "opt_state_bytes_per_device", "argument_bytes_per_device",
@@ -131,6 +131,43 @@ def test_tpu_hlo_collective_structure(aot_run):
   assert grad_bytes <= reduced <= grad_bytes + SCALAR_BYTES
   assert c(accum, "all-reduce")["bytes"] < 0.01 * grad_bytes
   assert c(accum, "all-gather")["bytes"] == grad_bytes
+
+
+@needs_libtpu
+def test_zero2_keeps_a_reduce_scatter_in_every_micro_batch_on_tpu(aot_run):
+  # The TPU compiler moves a reduction that only feeds a loop's running sum out of the loop; the
+  # scattered accumulator must survive that, or ZeRO-2 compiles into zero1-accum.
+  _, _, rows = aot_run
+  zero2, accum = rows["zero2-accum"], rows["zero1-accum"]
+  grad_bytes = zero2["param_bytes"]
+  loop = zero2["loop_collectives"]
+  assert loop["reduce-scatter"]["count"] == accum["collectives"]["reduce-scatter"]["count"] > 0
+  assert grad_bytes <= loop["reduce-scatter"]["bytes"] * DP + loop["all-reduce"]["bytes"] <= grad_bytes + SCALAR_BYTES
+  assert loop["all-gather"]["count"] == 0
+  # Outside the loop nothing gradient-sized is reduced; the parameters are gathered once.
+  outside = {op: zero2["collectives"][op]["bytes"] - GA * loop[op]["bytes"] for op in loop}
+  assert outside["reduce-scatter"] == 0 and outside["all-reduce"] <= SCALAR_BYTES
+  assert outside["all-gather"] == grad_bytes
+  assert zero2["argument_bytes_per_device"] == accum["argument_bytes_per_device"]
+
+
+@needs_libtpu
+def test_offloaded_state_leaves_device_memory_and_crosses_once_per_step(aot_run):
+  _, _, rows = aot_run
+  offload, accum = rows["zero1-offload"], rows["zero1-accum"]
+  on_host = offload["opt_state_bytes_by_memory_kind"]["pinned_host"]
+  assert on_host == accum["opt_state_bytes_per_device"] - offload["opt_state_bytes_by_memory_kind"]["device"]
+  assert offload["opt_state_bytes_by_memory_kind"]["device"] <= 8  # the step counter
+  # The compiler's device arguments lose what its host arguments gain: the state, padded to the
+  # TPU's tiles (the small norm-scale slices) by at most a few KB.
+  host = offload["host_argument_bytes_per_device"]
+  assert accum["argument_bytes_per_device"] - offload["argument_bytes_per_device"] == host
+  assert on_host <= host <= on_host + 8 * 1024
+  # Every state leaf in once and out once per step, none in the micro-batch loop.
+  moved = offload["host_transfers"]
+  assert moved["to-device"] == moved["to-host"] and moved["to-device"]["bytes"] == on_host
+  assert all(v["count"] == 0 for v in offload["loop_host_transfers"].values())
+  assert all(v["count"] == 0 for v in accum["host_transfers"].values())
 
 
 @needs_libtpu

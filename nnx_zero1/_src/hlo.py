@@ -1,4 +1,4 @@
-"""Collectives in compiled HLO text: what the bench reports and the tests assert.
+"""Collectives and host transfers in compiled HLO text: what the bench reports and the tests assert.
 
 Private: ``compiled.as_text()`` parsed with small pure functions, so the bench
 (``nnx_zero1._src.bench.measure`` re-exports these) and the tests count the same way.
@@ -7,10 +7,15 @@ Private: ``compiled.as_text()`` parsed with small pure functions, so the bench
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
-__all__ = ["COLLECTIVES", "shape_bytes", "collectives", "loop_collectives", "condition_trip_count"]
+__all__ = [
+    "COLLECTIVES", "TRANSFERS", "shape_bytes", "collectives", "loop_collectives", "host_transfers",
+    "loop_host_transfers", "condition_trip_count",
+]
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+TRANSFERS = ("to-device", "to-host")
 
 _DTYPE_BYTES = {
     "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -28,6 +33,12 @@ _OP = re.compile(
 _FUSED_REDUCE_SCATTER = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\sfusion\(.*\bcalls=%?all-reduce-scatter[\w.\-]*"
 )
+# An async copy's shape is (destination, source, context); the TPU compiler marks host memory
+# as memory space 5 in a layout ("{1,0:T(8,128)S(5)}").
+_COPY_START = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<dst>\S+), (?P<src>\S+), \S+\)\s+copy-start\("
+)
+_HOST_SPACE = "S(5)}"
 _CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -151,7 +162,10 @@ def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, in
   return runs
 
 
-def _count(lines: list[str], times: int, out: dict[str, dict[str, int]]) -> None:
+Counts = dict[str, dict[str, int]]
+
+
+def _count(lines: list[str], times: int, out: Counts) -> None:
   for line in lines:
     fused = _FUSED_REDUCE_SCATTER.match(line)
     if fused and times:
@@ -165,11 +179,52 @@ def _count(lines: list[str], times: int, out: dict[str, dict[str, int]]) -> None
       out[m["op"]]["bytes"] += times * nbytes
 
 
-def _empty() -> dict[str, dict[str, int]]:
-  return {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+def _count_transfers(lines: list[str], times: int, out: Counts) -> None:
+  for line in lines:
+    m = _COPY_START.match(line)
+    if not (m and times):
+      continue
+    to_host, from_host = _HOST_SPACE in m["dst"], _HOST_SPACE in m["src"]
+    if to_host != from_host:
+      op = "to-host" if to_host else "to-device"
+      out[op]["count"] += times
+      out[op]["bytes"] += times * shape_bytes(m["dst"])
 
 
-def collectives(hlo: str) -> dict[str, dict[str, int]]:
+def _per_call(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
+  """``count`` over every computation, each weighted by how often it runs per call of the entry."""
+  bodies, entry = _computations(hlo)
+  runs = _executions(bodies, entry)
+  out = {op: {"count": 0, "bytes": 0} for op in ops}
+  for name, lines in bodies.items():
+    count(lines, runs.get(name, 0), out)
+  return out
+
+
+def _per_trip(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
+  """``count`` over the computations inside while-loop bodies (and what they call), each once."""
+  bodies, entry = _computations(hlo)
+  inside: set[str] = set()
+
+  def visit(name: str, in_loop: bool) -> None:
+    if in_loop:
+      if name in inside:
+        return
+      inside.add(name)
+    for line in bodies.get(name, ()):
+      for kind, callee in _callees(line):
+        if callee in bodies:
+          visit(callee, in_loop or kind == "body")
+
+  if entry is not None:
+    visit(entry, False)
+  out = {op: {"count": 0, "bytes": 0} for op in ops}
+  for name in inside:
+    count(bodies[name], 1, out)
+  return out
+
+
+def collectives(hlo: str) -> Counts:
   """Count and bytes of all-reduce, reduce-scatter and all-gather per call of a compiled kernel.
 
   Parses ``compiled.as_text()``. Async forms (``all-gather-start``) count once
@@ -195,15 +250,10 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
     >>> collectives(hlo)["all-reduce"]
     {'count': 1, 'bytes': 32}
   """
-  bodies, entry = _computations(hlo)
-  runs = _executions(bodies, entry)
-  out = _empty()
-  for name, lines in bodies.items():
-    _count(lines, runs.get(name, 0), out)
-  return out
+  return _per_call(hlo, _count, COLLECTIVES)
 
 
-def loop_collectives(hlo: str) -> dict[str, dict[str, int]]:
+def loop_collectives(hlo: str) -> Counts:
   """Collectives inside while-loop bodies (and what they call), each counted once: one trip's.
 
   A micro-batch loop (``lax.scan``) that defers its gradient reduction has
@@ -229,22 +279,44 @@ def loop_collectives(hlo: str) -> dict[str, dict[str, int]]:
     >>> loop_collectives(hlo)["all-reduce"], loop_collectives(hlo)["all-gather"]
     ({'count': 1, 'bytes': 32}, {'count': 0, 'bytes': 0})
   """
-  bodies, entry = _computations(hlo)
-  inside: set[str] = set()
+  return _per_trip(hlo, _count, COLLECTIVES)
 
-  def visit(name: str, in_loop: bool) -> None:
-    if in_loop:
-      if name in inside:
-        return
-      inside.add(name)
-    for line in bodies.get(name, ()):
-      for kind, callee in _callees(line):
-        if callee in bodies:
-          visit(callee, in_loop or kind == "body")
 
-  if entry is not None:
-    visit(entry, False)
-  out = _empty()
-  for name in inside:
-    _count(bodies[name], 1, out)
-  return out
+def host_transfers(hlo: str) -> Counts:
+  """Copies between host and device memory per call of a kernel compiled by the TPU compiler.
+
+  Counts the async copies (``copy-start``) whose destination or source, not
+  both, is in host memory (memory space 5 in the TPU compiler's layouts), each
+  once per run, as :func:`collectives` counts collectives. XLA's CPU backend
+  keeps host memory kinds in ordinary memory and shows no such copies.
+
+  Args:
+    hlo: the text of a compiled kernel, ``jitted.lower(...).compile().as_text()``.
+
+  Returns:
+    ``{"to-device": {"count", "bytes"}, "to-host": {"count", "bytes"}}``; bytes are one device's.
+
+  Example::
+
+    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   %c = (f32[8]{0}, f32[8]{0:S(5)}, u32[]{:S(2)}) copy-start(%p)
+    ...   ROOT %d = f32[8]{0} copy-done(%c)
+    ... }'''
+    >>> host_transfers(hlo)["to-device"]
+    {'count': 1, 'bytes': 32}
+  """
+  return _per_call(hlo, _count_transfers, TRANSFERS)
+
+
+def loop_host_transfers(hlo: str) -> Counts:
+  """Host transfers inside while-loop bodies, each counted once: one trip's (see :func:`host_transfers`).
+
+  Example::
+
+    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   ROOT %n = f32[8]{0} negate(%p)
+    ... }'''
+    >>> loop_host_transfers(hlo)
+    {'to-device': {'count': 0, 'bytes': 0}, 'to-host': {'count': 0, 'bytes': 0}}
+  """
+  return _per_trip(hlo, _count_transfers, TRANSFERS)

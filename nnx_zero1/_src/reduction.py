@@ -224,7 +224,12 @@ def scatter_into(acc: Any, grads: Any, dims: Sequence[int | None], axes: tuple[s
   """
   a_leaves, treedef = jax.tree.flatten(acc)
   g_leaves = treedef.flatten_up_to(grads)  # type: ignore[attr-defined]  # PyTreeDef's stub is not seen
-  summed = [a + reduce_local(g, d, axes) for a, g, d in zip(a_leaves, g_leaves, dims, strict=True)]
+  reduced = [reduce_local(g, d, axes) for g, d in zip(g_leaves, dims, strict=True)]
+  # The barrier keeps each collective in its micro-batch: the TPU compiler otherwise moves a
+  # reduction that only feeds a loop's running sum out of the loop (sum of reduce-scatters =
+  # reduce-scatter of the sum), which brings back a whole accumulator per replica.
+  reduced = jax.lax.optimization_barrier(reduced)
+  summed = [a + r for a, r in zip(a_leaves, reduced, strict=True)]
   return jax.tree.unflatten(treedef, summed)
 
 

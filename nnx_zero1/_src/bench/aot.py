@@ -33,7 +33,7 @@ from nnx_zero1._src.bench.settings import (
     new_model,
     row_fields,
 )
-from nnx_zero1._src.hlo import collectives, loop_collectives
+from nnx_zero1._src.hlo import collectives, host_transfers, loop_collectives, loop_host_transfers
 
 __all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
            "compile_split", "split_memory", "aot_row", "hbm_oom", "oom_row", "run_aot"]
@@ -95,6 +95,12 @@ class AbstractArm:
   batch: jax.ShapeDtypeStruct
   opt_state_bytes: int
   param_bytes: int  # the whole model's, unsharded
+  opt_state_bytes_by_memory_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  @property
+  def opt_state_device_bytes(self) -> int:
+    """The optimizer-state bytes one device keeps in its own memory (all of it unless offloaded)."""
+    return self.opt_state_bytes_by_memory_kind.get("device", self.opt_state_bytes)
 
 
 def abstract_arm(name: str, settings: Settings, mesh: Mesh, ga: int) -> AbstractArm:
@@ -114,7 +120,7 @@ def abstract_arm(name: str, settings: Settings, mesh: Mesh, ga: int) -> Abstract
   with jax.set_mesh(mesh):
     model, optimizer = nnx.eval_shape(build)
   graphdef, state = nnx.split((model, optimizer))
-  shardings = state_shardings(state, mesh)
+  shardings = _with_state_homes(state_shardings(state, mesh), optimizer)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
   deferred = STEP_ARMS[name][1]
   seq = (settings.seq_len or settings.config.seq_len) + 1
@@ -125,7 +131,31 @@ def abstract_arm(name: str, settings: Settings, mesh: Mesh, ga: int) -> Abstract
       name=name, graphdef=graphdef, state=state, shardings=shardings, batch=batch,
       opt_state_bytes=abstract_bytes_per_device(nnx.state(optimizer)),
       param_bytes=sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)),
+      opt_state_bytes_by_memory_kind=_bytes_by_memory_kind(state[1]),
   )
+
+
+def _bytes_by_memory_kind(tree: Any) -> dict[str, int]:
+  """Per-device bytes of a tree of sharded ``ShapeDtypeStruct``s, by memory kind (None is ``device``)."""
+  by_kind: dict[str, list[Any]] = {}
+  for x in jax.tree.leaves(tree):
+    by_kind.setdefault(getattr(x.sharding, "memory_kind", None) or "device", []).append(x)
+  return {kind: abstract_bytes_per_device(leaves) for kind, leaves in sorted(by_kind.items())}
+
+
+def _with_state_homes(shardings: Any, optimizer: Any) -> Any:
+  """``shardings`` of a split (model, optimizer) with the optimizer state where its plan keeps it.
+
+  ``nnx.eval_shape`` keeps a leaf's layout but not its memory kind, so an
+  offloaded optimizer's state would otherwise be compiled as device-resident.
+  """
+  plan = getattr(optimizer, "zero1_plan", None)
+  if plan is None or not plan.offload_state:
+    return shardings
+  opt_state = shardings[1]["opt_state"]
+  treedef = jax.tree.structure(opt_state)
+  shardings[1]["opt_state"] = jax.tree.unflatten(treedef, [row.sharding for row in plan.state_leaves])
+  return shardings
 
 
 def compile_arm(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, float]:
@@ -156,9 +186,10 @@ def split_memory(grads_compiled: Any, update_compiled: Any, opt_state_bytes: int
   """Per-device bytes of a step compiled as two programs, as one step's figures.
 
   The optimizer state stays resident while the gradient program runs without
-  it, so it is added there: ``argument`` is what that program reads plus the
-  optimizer state, ``temp`` its temporaries (the activations), and ``peak``
-  the larger of the two programs' resident bytes.
+  it, so its device-resident bytes (``opt_state_bytes``; 0 when offloaded to
+  host) are added there: ``argument`` is what that program reads plus that
+  state, ``temp`` its temporaries (the activations), and ``peak`` the larger
+  of the two programs' resident bytes.
 
   Example::
 
@@ -177,6 +208,7 @@ def split_memory(grads_compiled: Any, update_compiled: Any, opt_state_bytes: int
       "peak": max(grads["peak"] + opt_state_bytes, update["peak"]),
       "update_peak": update["peak"],
       "update_temp": update["temp"],
+      "host_argument": max(grads.get("host_argument", 0), update.get("host_argument", 0)),
   }
 
 
@@ -191,7 +223,10 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
   micro-batch loop (``collectives`` counts every trip).
   """
   split = isinstance(compiled, tuple)
-  mem = split_memory(compiled[0], compiled[1], arm.opt_state_bytes) if split else measure.memory(compiled)
+  if split:
+    mem = split_memory(compiled[0], compiled[1], arm.opt_state_device_bytes)
+  else:
+    mem = measure.memory(compiled)
   hlos = [c.as_text() for c in compiled] if split else [compiled.as_text()]
   kind = mesh_device_kind(compiled[0] if split else compiled)
   hbm = HBM_BYTES.get(kind)
@@ -210,6 +245,10 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
       "collectives": _summed([collectives(h) for h in hlos]),
       "loop_collectives": _summed([loop_collectives(h) for h in hlos]),
       "param_bytes": arm.param_bytes,
+      "opt_state_bytes_by_memory_kind": arm.opt_state_bytes_by_memory_kind,
+      "host_argument_bytes_per_device": mem["host_argument"],
+      "host_transfers": _summed([host_transfers(h) for h in hlos]),
+      "loop_host_transfers": _summed([loop_host_transfers(h) for h in hlos]),
   }
 
 
@@ -250,6 +289,7 @@ def oom_row(arm: AbstractArm, oom: dict[str, Any], dp: int, ga: int, settings: S
       "output_bytes_per_device": None, "alias_bytes_per_device": None, "temp_bytes_per_device": None,
       "peak_bytes_per_device": None, "fits": False, "hbm_oom": oom, "compile_s": 0.0,
       "collectives": None, "loop_collectives": None, "param_bytes": arm.param_bytes,
+      "opt_state_bytes_by_memory_kind": arm.opt_state_bytes_by_memory_kind,
   }
 
 

@@ -18,7 +18,7 @@ __all__ = [
 
 
 def memory(compiled: Any) -> dict[str, int]:
-  """Per-device argument, output, temp and peak bytes of a compiled kernel.
+  """Per-device argument, output, temp and peak bytes of a compiled kernel (device memory).
 
   ``peak`` is argument + output - aliased (donated) + temp bytes: what the
   kernel needs resident at once, computed the same way on every backend.
@@ -40,6 +40,8 @@ def memory(compiled: Any) -> dict[str, int]:
   }
   sizes["peak"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
   sizes["xla_peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+  # Arguments in host memory (an offloaded optimizer state), which the device figures leave out.
+  sizes["host_argument"] = int(getattr(stats, "host_argument_size_in_bytes", 0) or 0)
   return sizes
 
 
