@@ -83,12 +83,16 @@ def _accumulator_refusal(config: Any, mesh: Any) -> str | None:
   """Why ZeRO-2 cannot run on MaxText's engine for this config and mesh; None when it can."""
   if _compat.maxtext_defers_reduction(config, mesh):
     return None
-  where = describe_mesh(mesh) if mesh is not None else "no mesh"
+  mode = getattr(config, "shard_mode", None)
+  where = "no mesh"
+  if mesh is not None:
+    kinds = sorted({t.name for t in mesh.axis_types})
+    where = f"{describe_mesh(mesh)}, axis types {kinds}"
   return (
       "MaxText reduces the gradients in every micro-batch here instead of deferring the data-parallel "
       "all-reduce (it defers only with shard_mode=explicit, every mesh axis Explicit, every axis but "
       "'data' of size 1, 'data' larger than 1 and the batch split over 'data' alone), so there are no "
-      f"per-replica gradients to reduce-scatter; shard_mode={getattr(config, 'shard_mode', None)}, {where}"
+      f"per-replica gradients to reduce-scatter; shard_mode={getattr(mode, 'value', mode)}, {where}"
   )
 
 
