@@ -490,6 +490,10 @@ def reduce_unreduced(grads: Any, targets: Any, axes: tuple[str, ...] = ("data",)
     ...   out = jax.jit(step)(w, x)
     >>> out.sharding.spec, out.tolist()
     (P('data',), [4.0, 4.0])
+    >>> add = lambda w, x, acc: reduce_unreduced(grads(w, x), NamedSharding(mesh, P("data")), into=acc)
+    >>> with jax.set_mesh(mesh):
+    ...   jax.jit(add)(w, x, out).tolist()  # ZeRO-2: a second micro-batch added to the first
+    [8.0, 8.0]
   """
   leaves, treedef = jax.tree.flatten(grads)
   target_leaves = treedef.flatten_up_to(targets)  # type: ignore[attr-defined]  # PyTreeDef's stub is not seen
