@@ -396,3 +396,21 @@ def test_zero2_checkpoints_cross_with_deferred_accumulation_mid_step(tmp_path):
     assert step(reader, chunk[2:]) == step(writer, chunk[2:])
     assert max_difference(params(reader), params(writer)) <= 1e-5
     writer = reader
+
+
+@needs_maxtext
+def test_zero2_finds_a_parameter_sharded_over_data():
+  """What the ZeRO-2 refusal in ``_build_optimizer`` looks for: MaxText leaves such a parameter's
+  gradient reduced in every micro-batch, so no replica holds it whole to reduce-scatter."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from nnx_zero1.adapters._maxtext_engine import _sharded_over_data
+
+  mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
+  model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+  nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+  assert _sharded_over_data(model) is None
+  kernel = model.kernel
+  kernel.set_value(jax.device_put(kernel.get_value(), NamedSharding(mesh, P("data", None))))
+  assert _sharded_over_data(model) == str(P("data", None))
