@@ -23,6 +23,7 @@ import importlib
 import logging
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -32,8 +33,10 @@ import jax.numpy as jnp
 __all__ = [
     "engine_model_and_mesh",
     "ensure_tunix_types",
+    "maxtext_defers_reduction",
     "maxtext_zero1_requested",
     "plain_grad_shardings",
+    "route_accumulator_shardings",
     "set_plain_grad_shardings",
     "unreduced_grad_shardings",
     "without_maxtext_zero1",
@@ -214,15 +217,70 @@ def without_maxtext_zero1(config: Any) -> Any:
   return hyper_parameters(pydantic_config.model_copy(update={_MAXTEXT_ZERO1_FLAG: False}))
 
 
+_UNREDUCED_GRAD_SHARDINGS = "_unreduced_grad_shardings"
+
+
+def maxtext_defers_reduction(config: Any, mesh: Any) -> bool:
+  """Whether MaxText's engine keeps the data-parallel gradients ``unreduced`` (its all-reduce
+  deferred to ``update``) for this config and mesh: MaxText's own decision, asked before any engine exists.
+
+  Its rule depends on the config and the mesh only (the parameter tree is merely
+  mapped over), so it is asked with an empty one.
+
+  Example::
+
+    if not maxtext_defers_reduction(config, mesh):
+      ...  # every micro-batch all-reduces its gradients
+  """
+  from maxtext.training_engine import maxtext_engine
+
+  reduced, _ = maxtext_engine._deferred_all_reduce_shardings(config, mesh, {})
+  return reduced is not None
+
+
 def unreduced_grad_shardings(engine: Any) -> Any:
   """The shardings MaxText's engine keeps deferred (``unreduced`` over data) gradients on,
   or None where it reduces them in every micro-batch; set by ``_compile_for_batch``.
+
+  MaxText's own value, also where :func:`route_accumulator_shardings` changes what
+  the engine's kernels read.
+
+  Raises:
+    KeyError: the installed maxtext keeps them elsewhere.
 
   Example::
 
     deferred = unreduced_grad_shardings(engine) is not None
   """
-  return engine._unreduced_grad_shardings
+  return vars(engine)[_UNREDUCED_GRAD_SHARDINGS]
+
+
+def route_accumulator_shardings(cls: type, layout: Callable[[Any, Any], Any]) -> None:
+  """Makes MaxText's kernels take the gradient accumulator on ``layout(engine, deferred)``.
+
+  ``_compile_for_batch`` writes the deferred gradients' shardings to
+  ``_unreduced_grad_shardings`` and reads them back, in the same call, as the
+  accumulator's in/out shardings of every kernel (and ``restore_checkpoint``
+  reads them to place a restored accumulator). A property on ``cls`` is the
+  one seam between that write and those reads, so the method is not copied.
+  MaxText's own value stays where it wrote it (:func:`unreduced_grad_shardings`).
+
+  Args:
+    cls: a ``MaxTextTrainingEngine`` subclass.
+    layout: ``(engine, MaxText's shardings or None) -> the shardings the kernels use``.
+
+  Example::
+
+    route_accumulator_shardings(MyEngine, lambda engine, deferred: deferred)  # changes nothing
+  """
+
+  def read(engine: Any) -> Any:
+    return layout(engine, unreduced_grad_shardings(engine))
+
+  def write(engine: Any, value: Any) -> None:
+    vars(engine)[_UNREDUCED_GRAD_SHARDINGS] = value
+
+  setattr(cls, _UNREDUCED_GRAD_SHARDINGS, property(read, write, doc=route_accumulator_shardings.__doc__))
 
 
 def plain_grad_shardings(engine: Any) -> Any:

@@ -14,6 +14,12 @@ Where MaxText defers the data-parallel gradient all-reduce to ``update`` (pure
 data parallelism, ``shard_mode=explicit``), the update kernel reduce-scatters
 the deferred gradients straight onto the Zero-1 layout instead.
 
+``SHARD_ACCUMULATOR = True`` on a subclass adds ZeRO-2 there: each
+micro-batch's gradients are reduce-scattered at once into an accumulator on the
+Zero-1 layout (1/N of the gradients per device) instead of kept as full-size
+per-replica partial sums, and the update kernel needs no reduction. Where
+MaxText would not defer, the constructor refuses it with ``Zero1Error``.
+
 MaxText's own flag, ``shard_optimizer_over_data``, asks for what this class
 does: with it set, this engine provides the Zero-1 (also with FSDP meshes, with
 ``shard_mode=auto`` and with every ``opt_type``, where MaxText's declines) and
@@ -27,6 +33,7 @@ optimizer is built by ``_trace_train_state`` rather than ``_build_optimizer``.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Any
 
@@ -34,9 +41,10 @@ import jax
 from flax import nnx
 
 from nnx_zero1._src.engine.zero1 import Zero1EngineMixin
-from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.reduction import reduce_unreduced
+from nnx_zero1._src.specs import spec_axes
 
 from . import _compat
 from ._compat import ensure_tunix_types
@@ -63,6 +71,40 @@ def _config_for_maxtext(config: Any) -> Any:
   return _compat.without_maxtext_zero1(config)
 
 
+def _mesh_argument(training_config: Any, args: tuple, kwargs: dict) -> Any:
+  """The ``mesh`` a call of ``MaxTextTrainingEngine(training_config, *args, **kwargs)`` passes."""
+  signature = inspect.signature(_maxtext_engine.MaxTextTrainingEngine.__init__)
+  bound = signature.bind(None, training_config, *args, **kwargs)
+  bound.apply_defaults()
+  return bound.arguments["mesh"]
+
+
+def _accumulator_refusal(config: Any, mesh: Any) -> str | None:
+  """Why ZeRO-2 cannot run on MaxText's engine for this config and mesh; None when it can."""
+  if _compat.maxtext_defers_reduction(config, mesh):
+    return None
+  mode = getattr(config, "shard_mode", None)
+  where = "no mesh"
+  if mesh is not None:
+    kinds = sorted({t.name for t in mesh.axis_types})
+    where = f"{describe_mesh(mesh)}, axis types {kinds}"
+  return (
+      "MaxText reduces the gradients in every micro-batch here instead of deferring the data-parallel "
+      "all-reduce (it defers only with shard_mode=explicit, every mesh axis Explicit, every axis but "
+      "'data' of size 1, 'data' larger than 1 and the batch split over 'data' alone), so there are no "
+      f"per-replica gradients to reduce-scatter; shard_mode={getattr(mode, 'value', mode)}, {where}"
+  )
+
+
+def _sharded_over_data(model: Any) -> str | None:
+  """A parameter's spec that uses ``data`` (MaxText leaves its gradient reduced); None if none does."""
+  for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+    spec = getattr(getattr(leaf, "sharding", None), "spec", None)
+    if spec is not None and "data" in spec_axes(spec):
+      return str(spec)
+  return None
+
+
 class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTrainingEngine):
   """MaxText's ``MaxTextTrainingEngine`` with its optimizer state split over ``"data"``.
 
@@ -78,9 +120,20 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
     *args: the rest of ``MaxTextTrainingEngine``'s arguments, unchanged.
     **kwargs: the rest of its keyword arguments (``mesh=``, ...), unchanged.
 
+  ZeRO-2 is opt-in, as ``OFFLOAD_STATE_TO_HOST`` is on ``Zero1EngineMixin``:
+  a subclass with ``SHARD_ACCUMULATOR = True`` reduce-scatters every
+  micro-batch's gradients into an accumulator on the Zero-1 layout (1/N of the
+  float32 gradients per device, one reduce-scatter per micro-batch instead of
+  one per step). Parameters agree with the deferred accumulation's to float
+  precision (another summation order); mid-accumulation checkpoints hold the
+  summed gradients either way and cross both ways.
+
   Raises:
     Zero1Error: the engine is MaxText's ahead-of-time ``AbstractMaxTextEngine``,
-      or the optimizer cannot be made Zero-1.
+      or the optimizer cannot be made Zero-1; with ``SHARD_ACCUMULATOR``: MaxText
+      does not defer the data-parallel all-reduce for this config and mesh, or a
+      parameter is sharded over ``data`` (no replica holds its whole gradient),
+      or ``fwd_bwd`` runs before ``compile`` (MaxText's uncompiled kernels never defer).
 
   Example::
 
@@ -90,7 +143,12 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
     for micro_batch in micro_batches:
       engine.fwd_bwd(micro_batch)
     step = engine.update()
+
+    class Zero2Engine(Zero1MaxTextTrainingEngine):
+      SHARD_ACCUMULATOR = True
   """
+
+  SHARD_ACCUMULATOR = False
 
   @functools.wraps(_maxtext_engine.MaxTextTrainingEngine.__init__)  # type: ignore[misc]  # shows MaxText's signature
   def __init__(self, training_config, *args, **kwargs):
@@ -99,16 +157,38 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
           "Zero1MaxTextTrainingEngine does not cover maxtext_engine_compile.AbstractMaxTextEngine (the "
           "ahead-of-time engine): it traces nnx.Optimizer in _trace_train_state, not _build_optimizer."
       )
-    super().__init__(_config_for_maxtext(training_config), *args, **kwargs)
+    config = _config_for_maxtext(training_config)
+    if self.SHARD_ACCUMULATOR:
+      # Before MaxText builds anything: a refused engine never exists.
+      refusal = _accumulator_refusal(config, _mesh_argument(training_config, args, kwargs))
+      if refusal is not None:
+        raise Zero1Error(f"SHARD_ACCUMULATOR=True (ZeRO-2): {refusal}")
+    super().__init__(config, *args, **kwargs)
 
   def _build_optimizer(self, tx: Any) -> Zero1Optimizer:
     model, mesh = _compat.engine_model_and_mesh(self)
+    if self.SHARD_ACCUMULATOR and (spec := _sharded_over_data(model)) is not None:
+      raise Zero1Error(
+          f"SHARD_ACCUMULATOR=True (ZeRO-2) needs each replica's whole gradients, but a parameter is sharded "
+          f"over 'data' ({spec}), whose gradient MaxText reduces in every micro-batch; {describe_mesh(mesh)}"
+      )
     return Zero1Optimizer(model, tx, mesh, wrt=nnx.Param, data_axis="data")
 
   def _zero1_gradient_targets(self) -> Any:
     """The Zero-1 layout of every parameter, as a tree shaped like MaxText's parameter shardings."""
     structure = jax.tree.structure(_compat.unreduced_grad_shardings(self))
     return jax.tree.unflatten(structure, self.optimizer.zero1_plan.zero1_param_shardings)
+
+  def _deferred(self) -> bool:
+    """Whether the last compile kept the gradients ``unreduced`` (MaxText's deferral)."""
+    return _compat.unreduced_grad_shardings(self) is not None
+
+  def _accumulator_shardings(self, deferred: Any) -> Any:
+    """Where MaxText's kernels take and return the accumulator: MaxText's ``unreduced``
+    shardings, or (ZeRO-2) the Zero-1 layout, so it crosses every kernel boundary at 1/N."""
+    if deferred is None or not self.SHARD_ACCUMULATOR:
+      return deferred
+    return self._zero1_gradient_targets()
 
   def _compile_for_batch(self, dynamic_batch: Any, static_batch: dict[str, Any]) -> None:
     super()._compile_for_batch(dynamic_batch, static_batch)
@@ -118,7 +198,30 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
       # A mid-accumulation checkpoint reduces onto the same layout.
       _compat.set_plain_grad_shardings(self, self._zero1_gradient_targets())
 
+  def _fwd_bwd_kernel(self, params, rest, batch, acc_grads=None, acc_denom=None):
+    if not self.SHARD_ACCUMULATOR:
+      return super()._fwd_bwd_kernel(params, rest, batch, acc_grads, acc_denom)
+    if not self._deferred():
+      # Refused at construction where MaxText would not defer; this is the uncompiled path.
+      _, mesh = _compat.engine_model_and_mesh(self)
+      raise Zero1Error(
+          "SHARD_ACCUMULATOR=True (ZeRO-2) runs in MaxText's compiled kernels only (its uncompiled "
+          f"fwd_bwd keeps no unreduced gradients): call engine.compile(batch) first; {describe_mesh(mesh)}"
+      )
+    # MaxText's kernel without an accumulator: this micro-batch's unreduced gradients, nothing summed.
+    loss, aux, new_rest, grads, denominator = super()._fwd_bwd_kernel(params, rest, batch)
+    acc_grads = reduce_unreduced(grads, _compat.plain_grad_shardings(self), into=acc_grads)
+    if acc_denom is not None:
+      denominator = acc_denom + denominator
+    return loss, aux, new_rest, acc_grads, denominator
+
   def _update_kernel(self, state_pure, accumulated_grads, accumulated_denominator, mean_loss):
-    if _compat.unreduced_grad_shardings(self) is not None and accumulated_grads is not None:
+    # ZeRO-2's accumulator is reduced already, on the layout MaxText's reshard then finds it on.
+    if self._deferred() and not self.SHARD_ACCUMULATOR and accumulated_grads is not None:
       accumulated_grads = reduce_unreduced(accumulated_grads, _compat.plain_grad_shardings(self))
     return super()._update_kernel(state_pure, accumulated_grads, accumulated_denominator, mean_loss)
+
+
+_compat.route_accumulator_shardings(
+    Zero1MaxTextTrainingEngine, Zero1MaxTextTrainingEngine._accumulator_shardings
+)

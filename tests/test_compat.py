@@ -138,3 +138,31 @@ def test_engine_gradient_shardings_are_where_the_adapter_reads_them():
   assert all("data" in s.spec.unreduced for s in unreduced), version
   maxtext_compat.set_plain_grad_shardings(engine, "target")
   assert maxtext_compat.plain_grad_shardings(engine) == "target", version
+
+
+@needs_maxtext
+def test_maxtext_defers_reduction_is_maxtexts_own_answer():
+  from nnx_zero1._src.bench.maxtext_arms import tiny_config, tiny_mesh
+
+  maxtext_compat, version = _maxtext()
+  explicit, auto = tiny_config(), tiny_config(shard_mode="auto")
+  assert maxtext_compat.maxtext_defers_reduction(explicit, tiny_mesh(explicit)), version
+  assert not maxtext_compat.maxtext_defers_reduction(auto, tiny_mesh(auto)), version
+  assert not maxtext_compat.maxtext_defers_reduction(explicit, None), version
+
+
+@needs_maxtext
+def test_route_accumulator_shardings_keeps_maxtexts_value():
+  from nnx_zero1._src.bench.maxtext_arms import tiny_config, tiny_mesh
+
+  maxtext_compat, version = _maxtext()
+  stock = importlib.import_module("maxtext.training_engine.maxtext_engine").MaxTextTrainingEngine
+
+  class Routed(stock):
+    pass
+
+  maxtext_compat.route_accumulator_shardings(Routed, lambda engine, deferred: ("routed", deferred))
+  config = tiny_config()
+  engine = Routed(config, mesh=tiny_mesh(config))
+  assert maxtext_compat.unreduced_grad_shardings(engine) is None, version  # written by MaxText's __init__
+  assert engine._unreduced_grad_shardings == ("routed", None), version

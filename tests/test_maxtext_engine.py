@@ -253,3 +253,164 @@ def test_ahead_of_time_engine_is_refused_by_name():
   config = tiny_config()
   with pytest.raises(Zero1Error, match="maxtext_engine_compile.AbstractMaxTextEngine"):
     Zero1Abstract(config, tiny_mesh(config))
+
+
+# -- ZeRO-2: SHARD_ACCUMULATOR ---------------------------------------------------------------------
+
+
+def _zero2_class():
+  _, ours = _classes()
+
+  class Zero2MaxTextTrainingEngine(ours):
+    SHARD_ACCUMULATOR = True
+
+  return Zero2MaxTextTrainingEngine
+
+
+def accumulator(engine):
+  """The accumulator as MaxText saves it: summed over replicas (``unreduced`` partial sums reduced)."""
+  return jax.tree.map(np.asarray, engine._reduced_accumulated_grads())
+
+
+def max_difference(a, b):
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  return max(float(np.max(np.abs(x - y))) for x, y in pairs)
+
+
+@pytest.fixture(scope="module")
+def zero2_pair():
+  """Zero-1 with MaxText's deferred accumulation and with ZeRO-2: one step at GA 1, then one at GA 4,
+  the accumulators' per-device bytes read after the second step's first micro-batch."""
+  if SKIP:
+    pytest.skip(SKIP)
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+
+  engines = [build(cls)[0] for cls in (_classes()[1], _zero2_class())]
+  batches = tiny_batches(engines[0]._config, 5, seed=7)
+  for e in engines:
+    e.compile(batches[0])
+    step(e, batches[:1])
+    e.fwd_bwd(batches[1])
+  acc_bytes = [bytes_per_device(e._accumulated_grads) for e in engines]
+  for e in engines:
+    step(e, batches[2:])
+  return engines, acc_bytes, batches
+
+
+@needs_maxtext
+def test_zero2_parameters_match_deferred_accumulation(zero2_pair):
+  """Another summation order (a reduce-scatter per micro-batch, not one all-reduce of the sums):
+  the parameters agree to float precision (measured here: 0.0, i.e. bit-identical on CPU)."""
+  (deferred, zero2), _, _ = zero2_pair
+  assert deferred.train_step == zero2.train_step == 2
+  diff = max_difference(params(zero2), params(deferred))
+  print(f"max |parameter difference| ZeRO-2 vs deferred after 2 steps (GA 1, GA 4): {diff:.3g}")
+  assert diff <= 1e-5
+
+
+@needs_maxtext
+def test_zero2_accumulator_bytes_are_one_nth(zero2_pair):
+  (deferred, zero2), (deferred_bytes, zero2_bytes), _ = zero2_pair
+  print(f"accumulator bytes per device: deferred {deferred_bytes}, ZeRO-2 {zero2_bytes}")
+  assert zero2_bytes * N == deferred_bytes
+  assert deferred_bytes == sum(x.nbytes for x in jax.tree.leaves(nnx.state(deferred.model, nnx.Param)))
+  for e in (deferred, zero2):  # parameters stay whole on every replica
+    for leaf in jax.tree.leaves(nnx.state(e.model, nnx.Param)):
+      assert leaf.sharding.is_fully_replicated
+
+
+@needs_maxtext
+def test_zero2_reduce_scatters_every_micro_batch(zero2_pair):
+  """Both micro-batch kernels reduce-scatter every gradient onto its Zero-1 slice; the update
+  kernel then has no gradient collective left but the all-gather of the new parameters."""
+  (_, zero2), _, batches = zero2_pair
+  sizes = [x.nbytes for x in jax.tree.leaves(nnx.state(zero2.model, nnx.Param))]
+  kernels = zero2._lower_kernels(batches[0])
+  for name in ("fwd_bwd", "fwd_bwd_accum"):
+    found = collectives(kernels[name].compile().as_text())
+    assert found["reduce-scatter"] == {"count": len(sizes), "bytes": sum(sizes) // N}, name
+    assert found["all-reduce"]["bytes"] < min(sizes), name  # the loss's sums only
+  update = collectives(kernels["update"].compile().as_text())
+  assert update["reduce-scatter"]["count"] == 0
+  assert update["all-reduce"]["bytes"] < min(sizes)  # the gradient norm's partial sums only
+  assert update["all-gather"]["bytes"] == sum(sizes)
+
+
+@needs_maxtext
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        pytest.param(dict(shard_mode="auto"), "shard_mode=auto", id="shard_mode=auto"),
+        pytest.param(dict(ici_data_parallelism=2, ici_fsdp_parallelism=2), "'fsdp': 2", id="fsdp"),
+        pytest.param(dict(ici_data_parallelism=1), "'data': 1", id="data=1"),
+    ],
+)
+def test_zero2_refused_where_maxtext_does_not_defer(overrides, reason, monkeypatch):
+  """Refused before MaxText builds anything: no model, no optimizer, the config as it was."""
+  from nnx_zero1._src.bench.maxtext_arms import tiny_config, tiny_mesh
+
+  stock, _ = _classes()
+  monkeypatch.setattr(stock, "_build_model", lambda *a, **k: pytest.fail("MaxText built a model"))
+  config = tiny_config(**overrides)
+  before = {k: str(v) for k, v in config.get_keys().items()}
+  with pytest.raises(Zero1Error, match=f"MaxText reduces the gradients in every micro-batch.*{reason}"):
+    _zero2_class()(config, mesh=tiny_mesh(config))
+  assert {k: str(v) for k, v in config.get_keys().items()} == before
+
+
+@needs_maxtext
+def test_zero2_refused_without_compile():
+  """MaxText's uncompiled fwd_bwd keeps no unreduced gradients: refused, the step untouched."""
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+
+  engine, config = build(_zero2_class())
+  with pytest.raises(Zero1Error, match=r"call engine.compile\(batch\) first"):
+    engine.fwd_bwd(tiny_batches(config, 1)[0])
+  assert engine.micro_step_count == 0 and not engine.has_accumulated_grads
+
+
+@needs_maxtext
+def test_zero2_checkpoints_cross_with_deferred_accumulation_mid_step(tmp_path):
+  """A ZeRO-2 engine saves between two micro-batches and an engine with MaxText's deferred
+  accumulation restores; then that one saves mid-step and a ZeRO-2 engine restores. Both save
+  the summed gradients (orbax global arrays), so each reader holds the writer's accumulator
+  exactly and finishes the step to float precision of the writer."""
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+
+  deferred_cls, zero2_cls = _classes()[1], _zero2_class()
+  writer = _checkpointed(zero2_cls, tmp_path)
+  batches = tiny_batches(writer._config, 9, seed=5)
+  writer.compile(batches[0])
+  step(writer, batches[:1])
+  for reader_cls, chunk in ((deferred_cls, batches[1:5]), (zero2_cls, batches[5:9])):
+    for b in chunk[:2]:
+      writer.fwd_bwd(b)
+    writer.save_checkpoint(metadata=None, force=True)
+    reader = _checkpointed(reader_cls, tmp_path)
+    reader.compile(batches[0])
+    reader.restore_checkpoint()
+    assert reader.micro_step_count == 2
+    assert_trees_equal(accumulator(reader), accumulator(writer))
+    zero2, deferred = (reader, writer) if reader_cls is zero2_cls else (writer, reader)
+    assert bytes_per_device(zero2._accumulated_grads) * N == bytes_per_device(deferred._accumulated_grads)
+    assert step(reader, chunk[2:]) == step(writer, chunk[2:])
+    assert max_difference(params(reader), params(writer)) <= 1e-5
+    writer = reader
+
+
+@needs_maxtext
+def test_zero2_finds_a_parameter_sharded_over_data():
+  """What the ZeRO-2 refusal in ``_build_optimizer`` looks for: MaxText leaves such a parameter's
+  gradient reduced in every micro-batch, so no replica holds it whole to reduce-scatter."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from nnx_zero1.adapters._maxtext_engine import _sharded_over_data
+
+  mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
+  model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+  nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+  assert _sharded_over_data(model) is None
+  kernel = model.kernel
+  kernel.set_value(jax.device_put(kernel.get_value(), NamedSharding(mesh, P("data", None))))
+  assert _sharded_over_data(model) == str(P("data", None))

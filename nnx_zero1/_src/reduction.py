@@ -459,21 +459,26 @@ def reduce_rows(
   return jax.tree.unflatten(treedef, _reduce_each(leaves, mesh, in_specs, targets, dims, row_sets, local))
 
 
-def reduce_unreduced(grads: Any, targets: Any, axes: tuple[str, ...] = ("data",)) -> Any:
+def reduce_unreduced(grads: Any, targets: Any, axes: tuple[str, ...] = ("data",), *, into: Any = None) -> Any:
   """Reduces gradients a jitted program holds ``unreduced`` over ``axes``, one collective per leaf.
 
   A parameter tagged ``reduced`` over the data axis (MaxText's engine does so)
   gets an ``unreduced`` gradient: one partial sum per replica, accumulated with
   no collective. Resharding it onto a layout split over the data axis compiles
   to all-reduce + slice on XLA's CPU backend; this gives one reduce-scatter.
+  With ``into`` (ZeRO-2 in MaxText's engine) the reduced gradients are added to
+  an accumulator already on ``targets`` by :func:`scatter_into`, the collective
+  the other ZeRO-2 paths run per micro-batch.
 
   Args:
     grads: traced gradients whose type is ``unreduced`` over ``axes``.
     targets: a tree of ``NamedSharding`` shaped like ``grads``.
     axes: the data axes.
+    into: None, or a tree shaped like ``grads`` on ``targets`` to add the
+      reduced gradients to.
 
   Returns:
-    The reduced gradients on ``targets``.
+    The reduced gradients on ``targets`` (``into`` plus them, when given).
 
   Example::
 
@@ -490,6 +495,10 @@ def reduce_unreduced(grads: Any, targets: Any, axes: tuple[str, ...] = ("data",)
     ...   out = jax.jit(step)(w, x)
     >>> out.sharding.spec, out.tolist()
     (P('data',), [4.0, 4.0])
+    >>> add = lambda w, x, acc: reduce_unreduced(grads(w, x), NamedSharding(mesh, P("data")), into=acc)
+    >>> with jax.set_mesh(mesh):
+    ...   jax.jit(add)(w, x, out).tolist()  # ZeRO-2: a second micro-batch added to the first
+    [8.0, 8.0]
   """
   leaves, treedef = jax.tree.flatten(grads)
   target_leaves = treedef.flatten_up_to(targets)  # type: ignore[attr-defined]  # PyTreeDef's stub is not seen
@@ -497,5 +506,11 @@ def reduce_unreduced(grads: Any, targets: Any, axes: tuple[str, ...] = ("data",)
   homes = [P(*jax.typeof(g).sharding.spec.partitions) for g in leaves]
   dims = scatter_dims([g.ndim for g in leaves], [NamedSharding(mesh, h) for h in homes], target_leaves, axes)
   in_specs = [P(*home, unreduced=set(axes)) for home in homes]
-  reduced = _reduce_each(leaves, mesh, in_specs, target_leaves, dims, [axes] * len(leaves), lambda x, _: x)
+  if into is None:
+    reduced = _reduce_each(leaves, mesh, in_specs, target_leaves, dims, [axes] * len(leaves), lambda x, _: x)
+  else:
+    acc_specs = [t.spec for t in target_leaves]
+    add = lambda acc, g: scatter_into(acc, g, dims, axes)  # noqa: E731
+    acc = treedef.flatten_up_to(into)  # type: ignore[attr-defined]  # PyTreeDef's stub is not seen
+    reduced = jax.shard_map(add, mesh=mesh, in_specs=(acc_specs, in_specs), out_specs=acc_specs)(acc, leaves)
   return jax.tree.unflatten(treedef, reduced)
