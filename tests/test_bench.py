@@ -271,3 +271,6 @@ def test_memory_lever_arms_split_the_accumulator_and_offload_the_state():
   assert offload["collectives"] == zero1["collectives"]
   assert offload["params_equal"] and "zero1-offload" in zero1["params_equal_arms"]
   assert {"step_ms_vs_zero1_accum"} <= set(offload) and zero1["step_ms_vs_zero1_accum"] == 1.0
+  # bench.md states each lever's goal with the measured figure.
+  goals = [line for line in output._lever_lines(rows) if not line.startswith("(no goal)")]
+  assert len(goals) == 3 and all(line.endswith("-> met") for line in goals), goals

@@ -10,22 +10,18 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from nnx_zero1._src.bench.output import collective_cell as _collective_cell
 from nnx_zero1._src.bench.output import save_figure, write_files
 
 __all__ = ["HEADER", "cells", "table", "markdown", "plot", "write_all", "saving"]
 
 HEADER = ("compiled for", "arm", "dp", "ga", "opt GiB", "args GiB", "temp GiB", "peak GiB", "saved GiB",
-          "HBM GiB", "fits", "compile s", "collectives per step (count x MiB)", "in the loop, per trip")
+          "HBM GiB", "fits", "host GiB", "compile s", "collectives per step (count x MiB)",
+          "in the loop, per trip", "host transfers per step (count x MiB)")
 
 
 def _gib(n: float | None) -> str:
   return "-" if n is None else f"{n / 2**30:.2f}"
-
-
-def _collective_cell(c: dict[str, dict[str, int]]) -> str:
-  short = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG"}
-  parts = [f"{short[k]} {v['count']}x {v['bytes'] / 2**20:.3f}" for k, v in c.items() if v["count"]]
-  return ", ".join(parts) or "-"
 
 
 def saving(rows: Sequence[dict], row: dict) -> int | None:
@@ -56,8 +52,9 @@ def cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
         r["compiled_for"], r["arm"], str(r["dp"]), str(r["ga"]), _gib(r["opt_state_bytes_per_device"]),
         _gib(r["argument_bytes_per_device"]), _gib(r["temp_bytes_per_device"]),
         _gib(r["peak_bytes_per_device"]), _gib(saving(rows, r)), _gib(r.get("hbm_bytes")), fits,
-        f"{r['compile_s']:.0f}", _collective_cell(r["collectives"] or {}),
-        _collective_cell(r["loop_collectives"] or {}),
+        _gib(r.get("host_argument_bytes_per_device")), f"{r['compile_s']:.0f}",
+        _collective_cell(r["collectives"] or {}), _collective_cell(r["loop_collectives"] or {}),
+        _collective_cell(r.get("host_transfers") or {}),
     ))
   return out
 
@@ -86,6 +83,8 @@ _NOTE = (
     "Per device: `opt` is the optimizer state, `args` / `temp` the compiled step's argument and "
     "temporary bytes (`memory_analysis()`), `peak` = args + output - donated + temp, what the chip "
     "holds at once; `saved` is the baseline's peak minus this arm's; `fits`: peak <= the chip's HBM. "
+    "`host` is the optimizer state the step reads from host memory (`zero1-offload`), and host "
+    "transfers are the TPU HLO's copies between host and device memory (`in`: to the device). "
     "Collectives are read from the TPU HLO; those in the micro-batch loop count once per trip. With "
     "`--split-step` each step is two programs (gradients, then update): `args` is the gradient program's "
     "plus the optimizer state resident meanwhile, `peak` the larger program's."
