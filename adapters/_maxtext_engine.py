@@ -25,9 +25,13 @@ does: with it set, this engine provides the Zero-1 (also with FSDP meshes, with
 ``shard_mode=auto`` and with every ``opt_type``, where MaxText's declines) and
 hands MaxText's engine a copy of the config with the flag off, so MaxText's own
 mechanism never runs on the same state; it says so once, at info level. With
-the flag off nothing changes: choosing this class is the opt-in. It refuses
-MaxText's ahead-of-time engine (``maxtext_engine_compile``), whose abstract
-optimizer is built by ``_trace_train_state`` rather than ``_build_optimizer``.
+the flag off nothing changes: choosing this class is the opt-in.
+
+``Zero1AbstractMaxTextEngine`` is the same for MaxText's ahead-of-time engine
+(``maxtext_engine_compile.AbstractMaxTextEngine``: shapes, no arrays, compiled
+for a topology this host need not have). That engine traces ``nnx.Optimizer``
+in ``_trace_train_state``; it runs here under ``zero1_optimizers``, so the
+traced optimizer is a ``Zero1Optimizer`` with its moments on the Zero-1 layout.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from flax import nnx
 from nnx_zero1._src.engine.zero1 import Zero1EngineMixin
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.plan import make_plan
 from nnx_zero1._src.reduction import reduce_unreduced
+from nnx_zero1._src.scope import zero1_optimizers
 from nnx_zero1._src.specs import spec_axes
 
 from . import _compat
@@ -54,7 +60,7 @@ ensure_tunix_types()
 from maxtext.training_engine import maxtext_engine as _maxtext_engine  # noqa: E402
 from maxtext.training_engine import maxtext_engine_compile as _maxtext_engine_compile  # noqa: E402
 
-__all__ = ["Zero1MaxTextTrainingEngine"]
+__all__ = ["Zero1MaxTextTrainingEngine", "Zero1AbstractMaxTextEngine"]
 
 
 logger = logging.getLogger(__name__)
@@ -129,11 +135,12 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
   summed gradients either way and cross both ways.
 
   Raises:
-    Zero1Error: the engine is MaxText's ahead-of-time ``AbstractMaxTextEngine``,
-      or the optimizer cannot be made Zero-1; with ``SHARD_ACCUMULATOR``: MaxText
-      does not defer the data-parallel all-reduce for this config and mesh, or a
-      parameter is sharded over ``data`` (no replica holds its whole gradient),
-      or ``fwd_bwd`` runs before ``compile`` (MaxText's uncompiled kernels never defer).
+    Zero1Error: the engine is MaxText's ahead-of-time ``AbstractMaxTextEngine``
+      (use ``Zero1AbstractMaxTextEngine``), or the optimizer cannot be made Zero-1;
+      with ``SHARD_ACCUMULATOR``: MaxText does not defer the data-parallel
+      all-reduce for this config and mesh, or a parameter is sharded over ``data``
+      (no replica holds its whole gradient), or ``fwd_bwd`` runs before
+      ``compile`` (MaxText's uncompiled kernels never defer).
 
   Example::
 
@@ -152,10 +159,12 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
 
   @functools.wraps(_maxtext_engine.MaxTextTrainingEngine.__init__)  # type: ignore[misc]  # shows MaxText's signature
   def __init__(self, training_config, *args, **kwargs):
-    if isinstance(self, _maxtext_engine_compile.AbstractMaxTextEngine):
+    if isinstance(self, _maxtext_engine_compile.AbstractMaxTextEngine) and not isinstance(
+        self, Zero1AbstractMaxTextEngine):
       raise Zero1Error(
           "Zero1MaxTextTrainingEngine does not cover maxtext_engine_compile.AbstractMaxTextEngine (the "
-          "ahead-of-time engine): it traces nnx.Optimizer in _trace_train_state, not _build_optimizer."
+          "ahead-of-time engine): it traces nnx.Optimizer in _trace_train_state, not _build_optimizer. "
+          "Use nnx_zero1.adapters.maxtext.Zero1AbstractMaxTextEngine."
       )
     config = _config_for_maxtext(training_config)
     if self.SHARD_ACCUMULATOR:
@@ -225,3 +234,50 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
 _compat.route_accumulator_shardings(
     Zero1MaxTextTrainingEngine, Zero1MaxTextTrainingEngine._accumulator_shardings
 )
+
+
+class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_compile.AbstractMaxTextEngine):
+  """MaxText's ahead-of-time engine (``AbstractMaxTextEngine``) with Zero-1 from this plugin.
+
+  Same constructor ``(training_config, mesh)``; ``compile_kernels(batch)`` compiles
+  ``Zero1MaxTextTrainingEngine``'s kernels for ``mesh`` (a topology this host need
+  not have), so ``memory_analysis()`` gives what they need per chip. Nothing runs.
+
+  Example::
+
+    mesh = maxtext.trainers.pre_train.train_compile.get_topology_mesh(config)  # e.g. compile_topology=v6e-4
+    engine = Zero1AbstractMaxTextEngine(config, mesh)
+    compiled = engine.compile_kernels(maxtext_engine_compile.get_shaped_micro_batch(config))
+  """
+
+  def _build_optimizer(self, tx: Any) -> Any:
+    # MaxText's: installs the traced train state (``_trace_train_state``, below) and returns its optimizer.
+    return _maxtext_engine_compile.AbstractMaxTextEngine._build_optimizer(self, tx)
+
+  def _trace_train_state(self, tx: Any) -> Any:
+    # MaxText traces ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` twice: ``nnx.eval_shape`` for the
+    # module graph (its avals carry no shardings) and ``jax.eval_shape`` on the sharded avals for the
+    # state. Inside ``zero1_optimizers`` both build a ``Zero1Optimizer``: the state (moments on the
+    # Zero-1 layout) comes from the second trace, the graph -- and so ``zero1_plan`` -- from the first,
+    # where every parameter looked replicated. The plan is therefore rebuilt from the parameters'
+    # real layouts (with tensor or FSDP axes the first trace's plan would drop them).
+    with zero1_optimizers(mesh=self._mesh, data_axis="data"):
+      state = super()._trace_train_state(tx)
+    optimizer = state.optimizer
+    if not isinstance(optimizer, Zero1Optimizer):
+      raise Zero1Error(
+          f"Zero1AbstractMaxTextEngine: MaxText's _trace_train_state built a {type(optimizer).__name__}, "
+          "not an nnx.Optimizer that zero1_optimizers could route to Zero1Optimizer."
+      )
+    params = nnx.as_pure(nnx.state(state.model, nnx.Param))
+    plan = make_plan(optimizer.tx, params, self._mesh, optimizer.zero1_plan.data_axis)
+    traced_state = nnx.as_pure(nnx.state(optimizer.opt_state))
+    traced = [getattr(getattr(x, "sharding", None), "spec", None) for x in jax.tree.leaves(traced_state)]
+    planned = [getattr(row.sharding, "spec", None) for row in plan.state_leaves]
+    if len(traced) != len(planned) or any(t is not None and t != p for t, p in zip(traced, planned)):
+      raise Zero1Error(
+          "Zero1AbstractMaxTextEngine: the traced optimizer state is not on the Zero-1 layout of the "
+          f"parameters (mesh axes {dict(self._mesh.shape)})."
+      )
+    optimizer.zero1_plan = plan
+    return state

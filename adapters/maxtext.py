@@ -22,21 +22,25 @@ from typing import Any
 from nnx_zero1._src.engine.engine import Engine, LossFn
 from nnx_zero1._src.engine.zero1 import Zero1EngineMixin
 
-__all__ = ["Engine", "LossFn", "Zero1EngineMixin", "Zero1Engine", "Zero1MaxTextTrainingEngine"]  # noqa: F822 (lazy)
+__all__ = ["Engine", "LossFn", "Zero1EngineMixin", "Zero1Engine", "Zero1MaxTextTrainingEngine",  # noqa: F822 (lazy)
+           "Zero1AbstractMaxTextEngine"]
+
+_LAZY = ("Zero1MaxTextTrainingEngine", "Zero1AbstractMaxTextEngine")
 
 
 def __getattr__(name: str) -> Any:
-  """``Zero1MaxTextTrainingEngine`` loads MaxText (Python >= 3.12) on first use, not on import."""
-  if name != "Zero1MaxTextTrainingEngine":
+  """``Zero1MaxTextTrainingEngine`` (and its ahead-of-time twin ``Zero1AbstractMaxTextEngine``) load
+  MaxText (Python >= 3.12) on first use, not on import."""
+  if name not in _LAZY:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
   try:
-    from ._maxtext_engine import Zero1MaxTextTrainingEngine
+    from . import _maxtext_engine
   except ImportError as e:
     raise ImportError(
-        "Zero1MaxTextTrainingEngine needs MaxText's engine (maxtext.training_engine, Python >= 3.12; "
+        f"{name} needs MaxText's engine (maxtext.training_engine, Python >= 3.12; "
         f"tested with maxtext==0.2.5): {e}"
     ) from e
-  return Zero1MaxTextTrainingEngine
+  return getattr(_maxtext_engine, name)
 
 
 class Zero1Engine(Zero1EngineMixin, Engine):

@@ -218,6 +218,19 @@ def test_built_under_a_trace_the_state_has_the_zero1_layout():
 
 
 
+def test_built_under_a_trace_keeps_the_parameters_tensor_axis():
+  """Traced parameters' shardings come from their abstract values (MaxText's AOT engine builds the
+  optimizer under jax.eval_shape on sharded avals); before, they read as replicated."""
+  mesh = jax.make_mesh((4, 2), ("data", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  with jax.set_mesh(mesh):
+    model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+    model.kernel.set_value(jax.device_put(model.kernel.get_value(), NamedSharding(mesh, P(None, "tp"))))
+    state = jax.eval_shape(lambda m: nnx.state(Zero1Optimizer(nnx.merge(*m), optax.adam(1e-3), mesh)),
+                           nnx.split(model))
+  mu = state["opt_state"][0]["mu"]["kernel"].get_value()
+  assert mu.sharding.spec == P("data", "tp")
+
+
 @pytest.mark.parametrize("mesh", [MESH, AUTO], ids=["Explicit", "Auto"])
 def test_built_under_a_trace_without_mesh_takes_set_meshs(mesh):
   """``jax.sharding.get_mesh()`` refuses to answer while tracing; the optimizer still finds it."""

@@ -68,10 +68,27 @@ def on_mesh(x: Any, mesh: Mesh) -> NamedSharding:
     >>> on_mesh(jnp.ones(3), jax.make_mesh((1,), ("data",))).spec
     P()
   """
+  if isinstance(x, jax.core.Tracer):
+    # Traced (an optimizer built under jax.eval_shape or jit): the abstract value's sharding, which
+    # names the spec on Explicit mesh axes (an Auto axis is not tracked there: it reads as replicated).
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if spec is not None and set(_axis_names(spec)) <= set(mesh.axis_names):
+      return NamedSharding(mesh, PartitionSpec(*spec))
+    return NamedSharding(mesh, PartitionSpec())
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding):
     return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
   return NamedSharding(mesh, PartitionSpec())
+
+
+def _axis_names(spec: PartitionSpec) -> list[str]:
+  """Every mesh axis name a spec's entries use."""
+  names: list[str] = []
+  for entry in tuple(spec):
+    if entry is None:
+      continue
+    names.extend(entry if isinstance(entry, tuple) else (entry,))
+  return names
 
 
 def _concrete_meshes(tree: Any) -> tuple[list[Mesh], set[jax.Device]]:
