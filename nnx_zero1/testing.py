@@ -4,7 +4,9 @@ Two things the tests of this project and the benchmark both need, and that a
 user checking their own training step needs too:
 
 - counting collectives in compiled HLO text (``jitted.lower(...).compile().as_text()``):
-  :func:`collectives`, :func:`loop_collectives`, :func:`shape_bytes`;
+  :func:`collectives`, :func:`loop_collectives`, :func:`shape_bytes`, and the copies between
+  host and device memory an offloaded optimizer state makes in the TPU compiler's HLO:
+  :func:`host_transfers`, :func:`loop_host_transfers`;
 - the optax transformations this project runs against ``nnx.Optimizer``, with
   what Zero-1 promises for each: :data:`CASES` of :class:`OptimizerCase`.
 
@@ -16,7 +18,15 @@ Example::
   {'count': 0, 'bytes': 0}
 """
 
-from nnx_zero1._src.hlo import COLLECTIVES, collectives, loop_collectives, shape_bytes
+from nnx_zero1._src.hlo import (
+    COLLECTIVES,
+    TRANSFERS,
+    collectives,
+    host_transfers,
+    loop_collectives,
+    loop_host_transfers,
+    shape_bytes,
+)
 from nnx_zero1._src.optimizer_cases import CASES, ELEMENTWISE_CONTRACT, FROZEN, OptimizerCase
 
 __all__ = [
@@ -25,7 +35,10 @@ __all__ = [
     "ELEMENTWISE_CONTRACT",
     "FROZEN",
     "OptimizerCase",
+    "TRANSFERS",
     "collectives",
+    "host_transfers",
     "loop_collectives",
+    "loop_host_transfers",
     "shape_bytes",
 ]
