@@ -21,7 +21,10 @@ from jax.sharding import PartitionSpec as P
 from nnx_zero1._src.checkpoint import abstract_arrays
 from nnx_zero1._src.engine import rows as replica_rows
 
-__all__ = ["make_manager", "restore", "fold_rows", "summed_accumulator", "rows_of"]
+__all__ = [
+    "make_manager", "restore", "fold_rows", "summed_accumulator", "rows_of", "converted_accumulator",
+    "conversion",
+]
 
 
 def make_manager(directory: str | os.PathLike) -> ocp.CheckpointManager:
@@ -107,3 +110,42 @@ def fold_rows(grad_acc: Any, params: Any, mesh: Mesh, axes: tuple[str, ...]) -> 
   summed = summed_accumulator(grad_acc, params)
   homes = [x.sharding for x in jax.tree.leaves(params)]
   return replica_rows.add_to_first_row(zeros, summed, homes, mesh, axes)
+
+
+def converted_accumulator(saved: Any, params: Any, mesh: Mesh, axes: tuple[str, ...], targets: Any) -> Any:
+  """A saved accumulator of another shape as this engine's: the same sum, not the same reduction order.
+
+  Rows saved at another data-parallel size, or a summed (ZeRO-2) accumulator,
+  are summed; the sum goes onto ``targets`` (a ZeRO-2 engine's Zero-1 layout,
+  shaped like ``params``) or, with ``targets=None``, into row 0 of this mesh's rows.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> w = {"w": jax.device_put(jnp.ones(2), NamedSharding(mesh, P()))}
+    >>> converted_accumulator({"w": jnp.ones((3, 2))}, w, mesh, ("data",), None)["w"].tolist()
+    [[3.0, 3.0]]
+  """
+  with jax.set_mesh(mesh):
+    if targets is not None:
+      return jax.tree.map(jax.device_put, summed_accumulator(saved, params), targets)
+    return fold_rows(saved, params, mesh, axes)
+
+
+def conversion(saved: Any, params: Any, targets: Any, data_size: int) -> str:
+  """What :func:`converted_accumulator` does to ``saved``, in words for the log.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> conversion({"w": jnp.ones((4, 2))}, {"w": jnp.ones(2)}, None, 2)
+    'accumulator saved with 4 rows, restored with 2; summed into row 0'
+  """
+  summed = "one summed accumulator (shard_accumulator)"
+  saved_rows = rows_of(saved, params)
+  was = f"{saved_rows} rows" if saved_rows else summed
+  now = summed if targets is not None else f"{data_size}"
+  into = "its Zero-1 slices" if targets is not None else "row 0"
+  return f"accumulator saved with {was}, restored with {now}; summed into {into}"

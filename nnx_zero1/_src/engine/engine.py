@@ -442,20 +442,13 @@ class Engine:
     return step
 
   def _converted_accumulator(self, saved: Any) -> Any:
-    """A saved accumulator of another shape (rows at another data-parallel size, rows into a
-    ZeRO-2 engine or back) as this engine's: the same sum, not the same reduction order."""
     pure_params = nnx.to_pure_dict(self._params())
-    saved_rows = _checkpoint.rows_of(saved, pure_params)
-    was = f"{saved_rows} rows" if saved_rows else "one summed accumulator (shard_accumulator)"
-    now = "one summed accumulator (shard_accumulator)" if self.shard_accumulator else f"{self.data_size}"
-    logger.info("%s: accumulator saved with %s, restored with %s; summed into %s", type(self).__name__, was,
-                now, "its Zero-1 slices" if self.shard_accumulator else "row 0")
-    with jax.set_mesh(self.mesh):
-      summed = _checkpoint.summed_accumulator(saved, pure_params)
-      if self.shard_accumulator:
-        targets = jax.tree.unflatten(jax.tree.structure(pure_params), list(self._gradient_targets()))
-        return jax.tree.map(jax.device_put, summed, targets)
-      return _checkpoint.fold_rows(summed, pure_params, self.mesh, self.data_axis)
+    targets = None
+    if self.shard_accumulator:
+      targets = jax.tree.unflatten(jax.tree.structure(pure_params), list(self._gradient_targets()))
+    what = _checkpoint.conversion(saved, pure_params, targets, self.data_size)
+    logger.info("%s: %s", type(self).__name__, what)
+    return _checkpoint.converted_accumulator(saved, pure_params, self.mesh, self.data_axis, targets)
 
   def close(self) -> None:
     """Waits for pending checkpoint writes and releases the checkpoint manager.
