@@ -144,29 +144,39 @@ def _checkpointed(cls, directory):
   return build(cls, enable_checkpointing=True, base_output_directory=str(directory))[0]
 
 
+def _mid_step_handoffs(writer_cls, reader_classes, directory, seed, hand_over=False):
+  """Per reader class: the writer runs two micro-batches and saves mid-step, a fresh engine of
+  that class restores it; yields (reader class, writer, reader, the step's other micro-batches).
+  With ``hand_over`` the reader is the next round's writer."""
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+
+  writer = _checkpointed(writer_cls, directory)
+  batches = tiny_batches(writer._config, 9, seed=seed)
+  writer.compile(batches[0])
+  step(writer, batches[:1])
+  for reader_cls, chunk in zip(reader_classes, (batches[1:5], batches[5:9]), strict=True):
+    for b in chunk[:2]:
+      writer.fwd_bwd(b)
+    writer.save_checkpoint(metadata=None, force=True)
+    reader = _checkpointed(reader_cls, directory)
+    reader.compile(batches[0])
+    reader.restore_checkpoint()
+    assert reader.micro_step_count == 2
+    yield reader_cls, writer, reader, chunk[2:]
+    if hand_over:
+      writer = reader
+
+
 @needs_maxtext
 def test_checkpoints_cross_both_ways_mid_accumulation(tmp_path):
   """MaxText's engine saves between two micro-batches, ours restores and finishes the step;
   then ours saves mid-step and a fresh MaxText engine restores. Each time the reader
   finishes the step bit-identically to the writer."""
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
-
   stock_cls, ours_cls = _classes()
-  writer = _checkpointed(stock_cls, tmp_path)
-  batches = tiny_batches(writer._config, 9, seed=3)
-  writer.compile(batches[0])
-  step(writer, batches[:1])
-  for reader_cls, chunk in ((ours_cls, batches[1:5]), (stock_cls, batches[5:9])):
-    for b in chunk[:2]:
-      writer.fwd_bwd(b)
-    writer.save_checkpoint(metadata=None, force=True)
-    reader = _checkpointed(reader_cls, tmp_path)
-    reader.compile(batches[0])
-    reader.restore_checkpoint()
-    assert reader.micro_step_count == 2
+  for reader_cls, writer, reader, rest in _mid_step_handoffs(stock_cls, (ours_cls, stock_cls), tmp_path, 3):
     if reader_cls is ours_cls:  # restored straight onto the Zero-1 layout
       assert bytes_per_device(moments(reader)) * N == bytes_per_device(moments(writer))
-    assert step(reader, chunk[2:]) == step(writer, chunk[2:])
+    assert step(reader, rest) == step(writer, rest)
     assert_trees_equal(params(reader), params(writer))
     writer = reader
 
@@ -375,27 +385,14 @@ def test_zero2_checkpoints_cross_with_deferred_accumulation_mid_step(tmp_path):
   accumulation restores; then that one saves mid-step and a ZeRO-2 engine restores. Both save
   the summed gradients (orbax global arrays), so each reader holds the writer's accumulator
   exactly and finishes the step to float precision of the writer."""
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
-
   deferred_cls, zero2_cls = _classes()[1], _zero2_class()
-  writer = _checkpointed(zero2_cls, tmp_path)
-  batches = tiny_batches(writer._config, 9, seed=5)
-  writer.compile(batches[0])
-  step(writer, batches[:1])
-  for reader_cls, chunk in ((deferred_cls, batches[1:5]), (zero2_cls, batches[5:9])):
-    for b in chunk[:2]:
-      writer.fwd_bwd(b)
-    writer.save_checkpoint(metadata=None, force=True)
-    reader = _checkpointed(reader_cls, tmp_path)
-    reader.compile(batches[0])
-    reader.restore_checkpoint()
-    assert reader.micro_step_count == 2
+  handoffs = _mid_step_handoffs(zero2_cls, (deferred_cls, zero2_cls), tmp_path, 5, hand_over=True)
+  for reader_cls, writer, reader, rest in handoffs:
     assert_trees_equal(accumulator(reader), accumulator(writer))
     zero2, deferred = (reader, writer) if reader_cls is zero2_cls else (writer, reader)
     assert bytes_per_device(zero2._accumulated_grads) * N == bytes_per_device(deferred._accumulated_grads)
-    assert step(reader, chunk[2:]) == step(writer, chunk[2:])
+    assert step(reader, rest) == step(writer, rest)
     assert max_difference(params(reader), params(writer)) <= 1e-5
-    writer = reader
 
 
 @needs_maxtext
