@@ -172,6 +172,19 @@ def test_offloaded_state_leaves_device_memory_and_crosses_once_per_step(aot_run)
 
 
 @needs_libtpu
+def test_offload_on_a_two_host_topology_checks_this_hosts_devices():
+  # v6e:2x4 is two hosts; the other host's four chips expose no memories to this process.
+  from nnx_zero1._src.bench.aot import abstract_arm, topology_mesh
+  from nnx_zero1._src.bench.settings import Settings
+
+  mesh = topology_mesh("v6e:2x4", 8)
+  assert {d.process_index for d in mesh.devices.flat} == {0, 1}
+  arm = abstract_arm("zero1-offload", Settings(model="tiny-aot", batch=8, seq_len=16), mesh, ga=2)
+  assert arm.opt_state_bytes_by_memory_kind["device"] <= 8
+  assert arm.opt_state_bytes_by_memory_kind["pinned_host"] * 8 >= _rule_saving(8)
+
+
+@needs_libtpu
 def test_another_process_holding_libtpu_does_not_stop_a_compile(aot_run, libtpu_holder):
   # aot_run compiled while libtpu_holder held the lockfile; check the holder was really holding it.
   assert libtpu_holder.poll() is None

@@ -55,7 +55,10 @@ def check_host_memory(kinds_by_device: Mapping[str, Iterable[str]], mesh_words: 
 
 
 def _kinds(devices: Iterable[jax.Device]) -> dict[str, tuple[str, ...]]:
-  return {str(d): tuple(m.kind for m in d.addressable_memories()) for d in devices}
+  # Only this process's devices: another host's devices expose no memories here (their own
+  # process checks them), in a multi-process run as in a multi-host TPU topology compiled ahead of time.
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  return {str(d): tuple(m.kind for m in d.addressable_memories()) for d in local}
 
 
 def offload_plan(plan: Zero1Plan) -> Zero1Plan:
