@@ -36,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--process-id", type=int, default=0)
   parser.add_argument("--coordinator", default="127.0.0.1:12355", help="host:port of process 0")
   parser.add_argument("--out", default=None, help="write the final model and optimizer state here (.npz)")
+  parser.add_argument("--offload-state-to-host", action="store_true",
+                      help="keep the optimizer state's shards in host memory between steps")
   return parser.parse_args(argv)
 
 
@@ -82,11 +84,11 @@ def batch(step: int, mesh) -> tuple[jax.Array, jax.Array]:
   return global_array(x, shard), global_array(y, shard)
 
 
-def build(mesh) -> tuple[MLP, Zero1Optimizer]:
+def build(mesh, offload_state_to_host: bool = False) -> tuple[MLP, Zero1Optimizer]:
   model = MLP(nnx.Rngs(0))  # the same values in every process; then placed on the global mesh
   replicated = NamedSharding(mesh, P())
   nnx.update(model, jax.tree.map(lambda x: global_array(np.asarray(x), replicated), nnx.state(model)))
-  return model, Zero1Optimizer(model, optax.adamw(1e-2), mesh)
+  return model, Zero1Optimizer(model, optax.adamw(1e-2), mesh, offload_state_to_host=offload_state_to_host)
 
 
 @nnx.jit
@@ -113,7 +115,7 @@ def main(args: argparse.Namespace) -> None:
         initialization_timeout=60,
     )
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  model, opt = build(mesh)
+  model, opt = build(mesh, args.offload_state_to_host)
   directory = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="zero1-ckpt-"))
   options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
   with ocp.CheckpointManager(directory, options=options) as manager:

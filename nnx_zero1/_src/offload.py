@@ -55,8 +55,8 @@ def check_host_memory(kinds_by_device: Mapping[str, Iterable[str]], mesh_words: 
 
 
 def _kinds(devices: Iterable[jax.Device]) -> dict[str, tuple[str, ...]]:
-  # Only this process's devices: another host's devices expose no memories here (their own
-  # process checks them), in a multi-process run as in a multi-host TPU topology compiled ahead of time.
+  # Only this process's devices (each process checks its own): another host's devices may expose
+  # no memories here, as a multi-host TPU topology compiled ahead of time does.
   local = [d for d in devices if d.process_index == jax.process_index()]
   return {str(d): tuple(m.kind for m in d.addressable_memories()) for d in local}
 
