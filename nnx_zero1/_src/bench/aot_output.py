@@ -86,8 +86,8 @@ _NOTE = (
     "`host` is the optimizer state the step reads from host memory (`zero1-offload`), and host "
     "transfers are the TPU HLO's copies between host and device memory (`in`: to the device). "
     "Collectives are read from the TPU HLO; those in the micro-batch loop count once per trip. With "
-    "`--split-step` each step is two programs (gradients, then update): `args` is the gradient program's "
-    "plus the optimizer state resident meanwhile, `peak` the larger program's."
+    "`--split-step` (the default) each step is two programs (gradients, then update): `args` is the "
+    "gradient program's plus the optimizer state resident meanwhile, `peak` the larger program's."
 )
 
 

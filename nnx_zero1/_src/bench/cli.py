@@ -65,9 +65,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                  help="compile each arm's step for a TPU topology (e.g. v6e:2x2, v5e:2x4, v4:2x2x1, "
                  "v5p:2x2x1) with the real TPU compiler and report its memory and collectives; runs nothing, "
                  "needs no TPU (pip extra aot); default arms baseline,zero1,zero1-accum")
-  p.add_argument("--split-step", action="store_true",
-                 help="with --aot: compile each arm as two programs, gradients then update (as MaxText's "
-                 "engine does), so the update's buffers stay out of the activation peak")
+  p.add_argument("--split-step", action=argparse.BooleanOptionalAction, default=True,
+                 help="with --aot: compile each arm as two programs, gradients then update, as MaxText's "
+                 "engine does, so the update's buffers stay out of the activation peak (default); "
+                 "--no-split-step compiles the one jitted step the CPU bench runs")
   p.add_argument("--no-shapes", action="store_true", help="skip the real-LLM-shapes table")
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   args = p.parse_args(list(argv))
