@@ -274,3 +274,28 @@ def test_memory_lever_arms_split_the_accumulator_and_offload_the_state():
   # bench.md states each lever's goal with the measured figure.
   goals = [line for line in output._lever_lines(rows) if not line.startswith("(no goal)")]
   assert len(goals) == 3 and all(line.endswith("-> met") for line in goals), goals
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["list", "scanned"])
+def test_remat_recomputes_the_same_gradients_with_fewer_temporaries(scan_layers):
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from nnx_zero1._src.bench.model import CONFIGS, Transformer, loss_fn
+
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 65)), jnp.int32)
+  grads, temps = [], []
+  for remat in (False, True):
+    cfg = dataclasses.replace(CONFIGS["tiny"], scan_layers=scan_layers, remat=remat, layers=4)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    step = jax.jit(jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p), tokens)))
+    compiled = step.lower(params).compile()
+    grads.append(jax.tree.leaves(compiled(params)))
+    temps.append(measure.memory(compiled)["temp"])
+  for plain, recomputed in zip(*grads, strict=True):
+    np.testing.assert_allclose(recomputed, plain, rtol=1e-5, atol=1e-6)
+  assert temps[1] < temps[0], temps
+  assert Settings(model="tiny", remat=True).config.remat and not Settings(model="tiny").config.remat

@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
 
   settings = settings_lib.Settings(
       model=args.model, dp=args.dp, ga=args.ga, batch=args.batch, seq_len=args.seq_len,
-      optimizer=args.optimizer, mesh=args.mesh,
+      optimizer=args.optimizer, mesh=args.mesh, remat=args.remat,
   )
   start = time.perf_counter()
   rows = []

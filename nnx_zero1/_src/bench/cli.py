@@ -69,6 +69,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                  help="with --aot: compile each arm as two programs, gradients then update, as MaxText's "
                  "engine does, so the update's buffers stay out of the activation peak (default); "
                  "--no-split-step compiles the one jitted step the CPU bench runs")
+  p.add_argument("--remat", action="store_true",
+                 help="recompute every layer in the backward pass instead of storing its activations "
+                 "(nnx.remat, MaxText's remat_policy=full)")
   p.add_argument("--no-shapes", action="store_true", help="skip the real-LLM-shapes table")
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   args = p.parse_args(list(argv))
@@ -170,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   settings = settings_lib.Settings(
       model=args.model, dp=args.dp, ga=args.ga, steps=args.steps, warmup=args.warmup, batch=args.batch,
-      seq_len=args.seq_len, optimizer=args.optimizer, mesh=args.mesh,
+      seq_len=args.seq_len, optimizer=args.optimizer, mesh=args.mesh, remat=args.remat,
   )
   shape_names = () if args.no_shapes else shapes.REAL_SHAPES[::2] if args.quick else shapes.REAL_SHAPES
   shape_dps = (2, 4, 8, 16)

@@ -48,6 +48,9 @@ class Config:
   # scan_layers): the real shapes compile in minutes instead of tens. The CPU sizes keep a list
   # of blocks, so their numbers stay comparable across releases.
   scan_layers: bool = False
+  # Every layer recomputed in the backward pass instead of storing its activations (nnx.remat;
+  # MaxText's remat_policy=full): only each layer's input stays live between the passes.
+  remat: bool = False
 
 
 CONFIGS: dict[str, Config] = {
@@ -228,11 +231,17 @@ def _stacked_blocks(cfg: Config, rngs: nnx.Rngs) -> Block:
   return make(rngs)
 
 
-def _scan_blocks(blocks: Block, x: jax.Array) -> jax.Array:
-  """Applies stacked blocks in order, one ``lax.scan`` step per layer."""
+def _apply(block: Block, x: jax.Array) -> jax.Array:
+  return block(x)
+
+
+def _scan_blocks(blocks: Block, x: jax.Array, remat: bool = False) -> jax.Array:
+  """Applies stacked blocks in order, one ``lax.scan`` step per layer (each rematerialised with ``remat``)."""
+  apply = nnx.remat(_apply) if remat else _apply
+
   @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
   def layer(block: Block, x: jax.Array) -> jax.Array:
-    return block(x)
+    return apply(block, x)
 
   return layer(blocks, x)
 
@@ -261,10 +270,11 @@ class Transformer(nnx.Module):
     entries = padded_entries(jax.typeof(tokens).sharding.spec, tokens.ndim)
     x = self.embed(tokens, out_sharding=P(*entries, None)) if any(entries) else self.embed(tokens)
     if isinstance(self.blocks, Block):  # stacked: cfg.scan_layers
-      x = _scan_blocks(self.blocks, x)
+      x = _scan_blocks(self.blocks, x, self.cfg.remat)
     else:
+      apply = nnx.remat(_apply) if self.cfg.remat else _apply
       for block in self.blocks:
-        x = block(x)
+        x = apply(block, x)
     x = self.final_norm(x)
     return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
 

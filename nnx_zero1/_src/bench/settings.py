@@ -66,11 +66,12 @@ class Settings:
   optimizer: str = "adamw"
   seed: int = 0
   mesh: str = "explicit"  # or "auto": the mesh's axis type
+  remat: bool = False  # recompute every layer in the backward pass (Config.remat)
 
   @property
   def config(self) -> Config:
-    """The model's shape."""
-    return CONFIGS[self.model]
+    """The model's shape (with ``remat`` when asked)."""
+    return dataclasses.replace(CONFIGS[self.model], remat=True) if self.remat else CONFIGS[self.model]
 
 
 def make_optimizer(arm: str, model, tx, mesh):
