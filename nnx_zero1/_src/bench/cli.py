@@ -59,8 +59,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                  help="axis type of the data axis (explicit: jax's default, bit-identical Zero-1)")
   p.add_argument("--arms", default=None,
                  help="comma list of baseline,zero1,accum,zero1-accum,engine,zero1-engine, and the memory "
-                 "levers zero2-accum,zero1-offload (default: all available but the levers; --quick: the "
-                 "first four); the first is the reference for loss_diff")
+                 "levers zero2-accum,zero1-offload,zero2-offload (both) (default: all available but the "
+                 "levers; --quick: the first four); the first is the reference for loss_diff")
   p.add_argument("--aot", default=None, metavar="TOPOLOGY",
                  help="compile each arm's step for a TPU topology (e.g. v6e:2x2, v5e:2x4, v4:2x2x1, "
                  "v5p:2x2x1) with the real TPU compiler and report its memory and collectives; runs nothing, "

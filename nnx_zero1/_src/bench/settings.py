@@ -31,11 +31,14 @@ STEP_ARMS = {
     "zero1-accum": (True, True),  # Zero1Optimizer; value_and_grad_accumulated (one reduce-scatter per step)
     "zero2-accum": (True, True),  # zero1-accum with shard_accumulator=True (a reduce-scatter per micro-batch)
     "zero1-offload": (True, True),  # zero1-accum with offload_state_to_host=True
+    "zero2-offload": (True, True),  # zero1-accum with both levers
 }
 
-# The memory levers beyond Zero-1: each arm is zero1-accum plus one option (docs/memory_levers.md).
-ACCUMULATE_OPTIONS = {"zero2-accum": {"shard_accumulator": True}}
-OPTIMIZER_OPTIONS = {"zero1-offload": {"offload_state_to_host": True}}
+# The memory levers beyond Zero-1: each arm is zero1-accum plus options (docs/memory_levers.md).
+ACCUMULATE_OPTIONS = {"zero2-accum": {"shard_accumulator": True},
+                      "zero2-offload": {"shard_accumulator": True}}
+OPTIMIZER_OPTIONS = {"zero1-offload": {"offload_state_to_host": True},
+                     "zero2-offload": {"offload_state_to_host": True}}
 LEVER_REFERENCE = "zero1-accum"  # the arm the levers' step-time ratio is taken against
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
