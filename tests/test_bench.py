@@ -291,7 +291,7 @@ def test_remat_recomputes_the_same_gradients_with_fewer_temporaries(scan_layers)
   for remat in (False, True):
     cfg = dataclasses.replace(CONFIGS["tiny"], scan_layers=scan_layers, remat=remat, layers=4)
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    step = jax.jit(jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p), tokens)))
+    step = jax.jit(jax.grad(lambda p, g=graphdef: loss_fn(nnx.merge(g, p), tokens)))
     compiled = step.lower(params).compile()
     grads.append(jax.tree.leaves(compiled(params)))
     temps.append(measure.memory(compiled)["temp"])
