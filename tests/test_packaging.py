@@ -9,9 +9,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _source_copy(tmp_path: Path) -> Path:
+  """What a wheel is built from, copied: a build in the checkout writes its build/ and *.egg-info,
+  which another test worker may be building from at the same time."""
+  source = tmp_path / "source"
+  for folder in ("nnx_zero1", "adapters"):
+    shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+  for name in ("pyproject.toml", "README.md", "LICENSE"):
+    shutil.copy(ROOT / name, source / name)
+  return source
+
+
 def test_wheel_installs_adapters_as_nnx_zero1_adapters(tmp_path):
   subprocess.run(
-      [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path, ROOT],
+      [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path,
+       _source_copy(tmp_path)],
       check=True,
       cwd=tmp_path,
   )
