@@ -13,6 +13,12 @@ if "--xla_cpu_max_isa" not in _FLAGS:
 # is waiting for: a deadlock that XLA ends by aborting the process ("Fatal Python error:
 # Aborted"), seen at random tests on a 2-core host. Synchronous dispatch (set below, before the
 # backend starts) launches one program at a time.
+# The virtual devices' collectives wait for each other on that pool; on a loaded host (two test
+# workers on two cores) a wait can outlast XLA's default rendezvous timeout, which aborts the
+# process ("Fatal Python error: Aborted"). Waiting longer costs nothing when nothing is stuck.
+for _flag in ("--xla_cpu_collective_timeout_seconds", "--xla_cpu_collective_call_terminate_timeout_seconds"):
+  if _flag not in _FLAGS:
+    _FLAGS += f" {_flag}=1200"
 os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
