@@ -63,3 +63,18 @@ def pytest_collect_file(file_path, parent):
 # process-wide settings (flax_always_shard_variable=False, wrapped jax.lax functions) for every test
 # collected after it. tests/test_maxtext_engine.py imports it itself and puts those settings back.
 collect_ignore = ["adapters/_maxtext_engine.py"]
+
+
+# The slowest test files first. Two workers each take whole files in collection order, so a heavy
+# file collected last runs alone at the end (the Tunix trainers were the last minutes of CI).
+# Within a file the order is unchanged.
+_SLOWEST_FIRST = (
+    "test_tunix_trainers.py", "test_tunix.py", "test_bench.py", "test_optimizer_coverage.py",
+    "test_random_chains.py", "test_maxtext.py", "test_zero2.py", "test_offload.py",
+    "test_mixed_precision.py", "test_multiprocess.py", "test_readme_commands.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(_SLOWEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
