@@ -201,7 +201,7 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
 
   def _compile_for_batch(self, dynamic_batch: Any, static_batch: dict[str, Any]) -> None:
     super()._compile_for_batch(dynamic_batch, static_batch)
-    if _compat.unreduced_grad_shardings(self) is not None:
+    if self._deferred():
       # Deferred: the update kernel reduce-scatters the gradients onto the Zero-1 layout
       # (below), where MaxText's own reshard to ``_plain_grad_shardings`` then finds them.
       # A mid-accumulation checkpoint reduces onto the same layout.

@@ -9,6 +9,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from nnx_zero1._src.compat import context_mesh, legacy_context_mesh
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.specs import spec_axes
 
 __all__ = ["current_mesh", "mesh_of", "on_mesh", "resolve_mesh"]
 
@@ -72,23 +73,13 @@ def on_mesh(x: Any, mesh: Mesh) -> NamedSharding:
     # Traced (an optimizer built under jax.eval_shape or jit): the abstract value's sharding, which
     # names the spec on Explicit mesh axes (an Auto axis is not tracked there: it reads as replicated).
     spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    if spec is not None and set(_axis_names(spec)) <= set(mesh.axis_names):
+    if spec is not None and set(spec_axes(spec)) <= set(mesh.axis_names):
       return NamedSharding(mesh, PartitionSpec(*spec))
     return NamedSharding(mesh, PartitionSpec())
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding):
     return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
   return NamedSharding(mesh, PartitionSpec())
-
-
-def _axis_names(spec: PartitionSpec) -> list[str]:
-  """Every mesh axis name a spec's entries use."""
-  names: list[str] = []
-  for entry in tuple(spec):
-    if entry is None:
-      continue
-    names.extend(entry if isinstance(entry, tuple) else (entry,))
-  return names
 
 
 def _concrete_meshes(tree: Any) -> tuple[list[Mesh], set[jax.Device]]:

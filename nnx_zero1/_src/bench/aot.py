@@ -34,6 +34,7 @@ from nnx_zero1._src.bench.settings import (
     row_fields,
 )
 from nnx_zero1._src.hlo import collectives, host_transfers, loop_collectives, loop_host_transfers
+from nnx_zero1._src.report import memory_kind_of
 
 __all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
            "compile_split", "split_memory", "aot_row", "hbm_oom", "oom_row", "run_aot"]
@@ -139,7 +140,7 @@ def _bytes_by_memory_kind(tree: Any) -> dict[str, int]:
   """Per-device bytes of a tree of sharded ``ShapeDtypeStruct``s, by memory kind (None is ``device``)."""
   by_kind: dict[str, list[Any]] = {}
   for x in jax.tree.leaves(tree):
-    by_kind.setdefault(getattr(x.sharding, "memory_kind", None) or "device", []).append(x)
+    by_kind.setdefault(memory_kind_of(x), []).append(x)
   return {kind: abstract_bytes_per_device(leaves) for kind, leaves in sorted(by_kind.items())}
 
 

@@ -235,9 +235,14 @@ def _apply(block: Block, x: jax.Array) -> jax.Array:
   return block(x)
 
 
+def _layer_fn(remat: bool):
+  """``(block, x) -> block(x)``, recomputed in the backward pass when ``remat``."""
+  return nnx.remat(_apply) if remat else _apply
+
+
 def _scan_blocks(blocks: Block, x: jax.Array, remat: bool = False) -> jax.Array:
   """Applies stacked blocks in order, one ``lax.scan`` step per layer (each rematerialised with ``remat``)."""
-  apply = nnx.remat(_apply) if remat else _apply
+  apply = _layer_fn(remat)
 
   @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
   def layer(block: Block, x: jax.Array) -> jax.Array:
@@ -272,7 +277,7 @@ class Transformer(nnx.Module):
     if isinstance(self.blocks, Block):  # stacked: cfg.scan_layers
       x = _scan_blocks(self.blocks, x, self.cfg.remat)
     else:
-      apply = nnx.remat(_apply) if self.cfg.remat else _apply
+      apply = _layer_fn(self.cfg.remat)
       for block in self.blocks:
         x = apply(block, x)
     x = self.final_norm(x)
