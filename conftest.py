@@ -78,3 +78,15 @@ _SLOWEST_FIRST = (
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(_SLOWEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_runtest_teardown(item, nextitem):
+  # XLA's CPU client paces each device to a fixed number of programs in flight and, in this suite,
+  # some launches never give their slot back while jax's caches hold their programs: after a few
+  # thousand tests in one worker a device had none left, its part of the next multi-device program
+  # never started, and the other seven waited at the all-reduce until the rendezvous timeout
+  # aborted the worker. Dropping jax's caches when a worker moves to another file gives the slots
+  # back; within a file the caches stay, as tests of "compiles once" and module-scoped fixtures
+  # need (clearing after every test also doubled the suite's time).
+  if nextitem is None or nextitem.path != item.path:
+    jax.clear_caches()

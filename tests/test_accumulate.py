@@ -113,7 +113,10 @@ def test_trains_like_nnx_optimizer_on_the_full_batch(adamw_runs):
   for name in ("plain", "zero1"):
     other, _, other_losses = adamw_runs[name]
     np.testing.assert_allclose(other_losses, losses, rtol=1e-6)
-    assert_trees_close(params(other), params(model), atol=1e-5, rtol=0)
+    # Micro-batches sum the gradient in another order than the full batch. Adam divides each
+    # element by its own magnitude, so an element whose terms nearly cancel moves by a visible
+    # fraction of a step (1.2e-5 seen at lr 1e-3); a tenth of one step bounds that.
+    assert_trees_close(params(other), params(model), atol=1e-4, rtol=0)
   # The reduce-scatter and the all-reduce sum the replicas in the same order (CPU, jax 0.10.2).
   assert_trees_equal(params(adamw_runs["zero1"][0]), params(adamw_runs["plain"][0]))
 

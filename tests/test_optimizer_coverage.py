@@ -26,12 +26,6 @@ from helpers import MLP, apply_grads, batches, grads_of, loss_fn
 from nnx_zero1 import Zero1Optimizer, report
 from nnx_zero1.testing import CASES, FROZEN, OptimizerCase
 
-# With two test workers on a 2-core host, XLA's CPU backend has aborted the worker running this
-# file twice in three CI runs (a different case each time; never in one process): a crashed case
-# runs once more on a fresh worker (pytest-rerunfailures). A case that fails for a reason of its
-# own fails both times.
-pytestmark = pytest.mark.flaky(reruns=1)
-
 STEPS = 3
 DATA = batches(STEPS)
 MESHES = {
