@@ -86,7 +86,7 @@ def pytest_runtest_teardown(item, nextitem):
   # thousand tests in one worker a device had none left, its part of the next multi-device program
   # never started, and the other seven waited at the all-reduce until the rendezvous timeout
   # aborted the worker. Dropping jax's caches when a worker moves to another file gives the slots
-  # back; within a file the caches stay, as tests of "compiles once" and module-scoped fixtures
-  # need (clearing after every test also doubled the suite's time).
+  # back. Within a file the caches stay: its tests check that a trainer compiles once against
+  # module-scoped fixtures, and clearing after every test would double the suite's time.
   if nextitem is None or nextitem.path != item.path:
     jax.clear_caches()

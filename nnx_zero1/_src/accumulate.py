@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src import reduction
+from nnx_zero1._src import deferral, reduction
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.optimizer import Zero1Optimizer, mark_zero1_grads
@@ -158,17 +158,17 @@ def value_and_grad_accumulated(
   else:
     homes = _homes(params, optimizer, mesh)
   targets = homes if one_device or zero1 is None else zero1.zero1_plan.zero1_param_shardings
-  loss_of_params = reduction.loss_of_params(loss_fn, graphdef, optimizer.wrt)
+  loss_of_params = deferral.loss_of_params(loss_fn, graphdef, optimizer.wrt)
   args = (loss_of_params, pure_params, pure_rest, batch, micro_batches, mesh, axes)
 
-  blocker = reduction.deferral_blocker(_batch_shardings(batch, mesh), homes, axes)
+  blocker = deferral.deferral_blocker(_batch_shardings(batch, mesh), homes, axes)
   if shard_accumulator:
     if blocker is not None:
       raise Zero1Error(f"shard_accumulator=True needs each replica's whole gradients, but {blocker}; "
                        f"{describe_mesh(mesh)}")
     loss, grads = _scatter_every_micro_batch(*args, homes, targets)
     return loss, mark_zero1_grads(_as_state(params, grads))
-  if not reduction.defer(blocker, requested=defer_reduction, strict=strict, mesh=mesh,
+  if not deferral.defer(blocker, requested=defer_reduction, strict=strict, mesh=mesh,
                          who="value_and_grad_accumulated", log=logger if defer_reduction else None):
     loss, grads = _reduce_each_micro_batch(*args)
     return loss, _as_state(params, grads)
@@ -272,7 +272,7 @@ def _scan_per_replica(
 
     def micro(carry, micro_batch):
       loss_sum, acc = carry
-      loss, grads = reduction.replica_value_and_grad(local_loss, params, micro_batch, n, axes)
+      loss, grads = deferral.replica_value_and_grad(local_loss, params, micro_batch, n, axes)
       return (loss_sum + loss, add(acc, grads)), None
 
     start = (jax.lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying"), zeros(params))

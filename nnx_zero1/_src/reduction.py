@@ -1,9 +1,9 @@
 """Gradient reduction across data-parallel replicas: the one home of every path's collective.
 
 Custom loops (``value_and_grad_accumulated``), the reference ``Engine`` and
-MaxText's engine all reduce gradients here:
+MaxText's engine all reduce gradients here (whether they may wait to do so is
+:mod:`nnx_zero1._src.deferral`'s question):
 
-- :func:`replica_value_and_grad`: a replica's gradient of its own rows, no collective;
 - per-replica partial sums travel as *rows*: a leading dimension over the data
   axes (:func:`accumulator_sharding`), one row per replica;
 - :func:`reduce_rows` and :func:`reduce_unreduced` reduce them with one
@@ -13,136 +13,38 @@ MaxText's engine all reduce gradients here:
   parameter's own layout;
 - :func:`scatter_into` is the same collective inside a micro-batch loop (ZeRO-2):
   each micro-batch's gradient reduce-scattered into an accumulator already on the
-  Zero-1 layout, 1/N of the gradient per device;
-- :func:`defer` decides, once for every path, whether the reduction can wait
-  until the optimizer step; :func:`loss_of_params` is how every path calls a
-  user's loss (refusing one that changes other model state).
+  Zero-1 layout, 1/N of the gradient per device.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.specs import (
     axes_entry,
-    canonical_spec,
     entry_axes,
     padded_entries,
     spec_axes,
-    spec_entries,
 )
 
 __all__ = [
     "accumulator_sharding",
-    "batch_sharding",
-    "defer",
-    "deferral_blocker",
-    "loss_of_params",
     "mean_of_sums",
     "reduce_local",
     "reduce_rows",
     "reduce_unreduced",
-    "replica_value_and_grad",
     "row_axes",
     "scatter_dim",
     "scatter_dims",
     "scatter_into",
     "scattered_zeros",
 ]
-
-
-def batch_sharding(shape: Sequence[int], sharding: Any, mesh: Mesh, axes: tuple[str, ...]) -> NamedSharding:
-  """Where one batch leaf goes: its own spec, with the data axes on dimension 0
-  unless some dimension already carries one of them (so it is idempotent).
-
-  Example::
-
-    >>> import jax
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> s = batch_sharding((4, 3), None, mesh, ("data",))
-    >>> s.spec, batch_sharding((4, 3), s, mesh, ("data",)).spec
-    (P('data',), P('data',))
-    >>> batch_sharding((4, 3), NamedSharding(mesh, P(("data",), None)), mesh, ("data",)).spec
-    P('data',)
-  """
-  spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
-  entries = [entry_axes(e) for e in padded_entries(spec, len(shape))]
-  if not set(axes) & set(spec_axes(spec)):
-    if not shape:
-      raise Zero1Error(f"a batch leaf must have a batch dimension, got a scalar; {describe_mesh(mesh)}")
-    entries[0] = entries[0] + tuple(axes)
-  # The canonical spelling, so equal layouts share a kernel.
-  return NamedSharding(mesh, canonical_spec(entries))
-
-
-def deferral_blocker(
-    batch_shardings: Sequence[NamedSharding], param_shardings: Sequence[NamedSharding], axes: tuple[str, ...]
-) -> str | None:
-  """Why per-replica gradients cannot be kept for this batch, or None when they can.
-
-  Deferral needs each replica to compute a whole gradient from its own rows:
-  the batch split over the data axes only (on dimension 0), and the
-  parameters replicated.
-
-  Example::
-
-    >>> import jax
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
-    >>> deferral_blocker([NamedSharding(mesh, P(("data", "model")))], [], ("data",))
-    "the batch is sharded over ('model',) as well as the data axis"
-  """
-  for s in batch_shardings:
-    other = tuple(a for a in spec_axes(s.spec) if a not in axes)
-    if other:
-      return f"the batch is sharded over {other} as well as the data axis"
-    later = [d for d, e in enumerate(spec_entries(s.spec)) if d and set(entry_axes(e)) & set(axes)]
-    if later:
-      return f"the batch is split over the data axis on dimension {later[0]}, not dimension 0"
-  for s in param_shardings:
-    if spec_axes(s.spec):
-      return f"a parameter is sharded ({s.spec}), so no replica holds whole gradients"
-  return None
-
-
-def replica_value_and_grad(
-    loss_of_params: Callable[[Any, Any], jax.Array], params: Any, batch: Any, n: int, axes: tuple[str, ...]
-) -> tuple[jax.Array, Any]:
-  """Inside ``shard_map``: this replica's share of the global mean loss and its gradient, no collective.
-
-  ``loss_of_params(params, batch)`` is the mean loss over the rows it is given
-  (this replica's); it is scaled by 1/n (n replicas of equal rows), so the
-  replicas' gradients sum to the gradient of the global mean. The parameters
-  enter invariant over the data axes; cast to varying, the transpose does not
-  psum their gradients, the very reduction this defers.
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> f = lambda w, b: replica_value_and_grad(lambda p, x: jnp.mean(x * p), w, b, 1, ("data",))
-    >>> batch = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("data")))
-    >>> loss, g = jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
-    ...                         check_vma=False)(jnp.ones(()), batch)
-    >>> float(loss), float(g)
-    (1.5, 1.5)
-  """
-  params = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
-  loss, grads = jax.value_and_grad(lambda p: loss_of_params(p, batch) / n)(params)
-  # Whole gradients before they join an accumulator: XLA may otherwise fold the accumulator
-  # into the backward pass's last scatter-add (a tied embedding's) in one program and not in
-  # another, and the engine's kernel and a scan body would then add in different orders.
-  return loss, jax.lax.optimization_barrier(grads)
 
 
 def reduce_local(partial: jax.Array, dim: int | None, axes: tuple[str, ...]) -> jax.Array:
@@ -280,94 +182,6 @@ def scatter_dims(
       scatter_dim(p.spec, t.spec, ndim, axes)
       for ndim, p, t in zip(ndims, param_shardings, targets, strict=True)
   ]
-
-
-def defer(
-    blocker: str | None, *, requested: bool, strict: bool, mesh: Any, who: str,
-    log: logging.Logger | None = None,
-) -> bool:
-  """The deferral policy of every path: whether gradients stay per replica until the step.
-
-  Args:
-    blocker: :func:`deferral_blocker`'s answer for this batch and these parameters.
-    requested: the caller's ``defer_reduction``; False reduces every micro-batch.
-    strict: raise instead of reducing every micro-batch when deferral was
-      requested but cannot apply.
-    mesh: the mesh, named in the error.
-    who: the caller's name, for the log line.
-    log: where to say (at info level) that the reduction is not deferred; None: silent.
-
-  Returns:
-    True to defer (one collective per optimizer step), False to reduce every micro-batch.
-
-  Raises:
-    Zero1Error: ``strict`` and deferral was requested but ``blocker`` says it cannot apply.
-
-  Example::
-
-    >>> import jax
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> defer(None, requested=True, strict=True, mesh=mesh, who="step")
-    True
-    >>> defer("a parameter is sharded", requested=True, strict=False, mesh=mesh, who="step")
-    False
-  """
-  if not requested:
-    if log is not None:
-      log.info("%s: defer_reduction=False; reducing gradients every micro-batch", who)
-    return False
-  if blocker is None:
-    return True
-  if strict:
-    raise Zero1Error(f"strict: cannot defer the gradient reduction: {blocker}; {describe_mesh(mesh)}")
-  if log is not None:
-    log.info("%s: cannot defer the gradient reduction (%s); reducing every micro-batch", who, blocker)
-  return False
-
-
-def loss_of_params(loss_fn: Callable[[Any, Any], jax.Array], graphdef: Any, wrt: Any) -> Callable:
-  """``loss_fn(model, batch)`` as a function of (``wrt`` arrays, other model state, batch).
-
-  Replicas and micro-batches each run the loss on their own copy of the
-  model's other state (batch statistics, RNG counters), so an update to it has
-  no single value to keep: such a loss is refused, never silently dropped.
-
-  Args:
-    loss_fn: ``loss_fn(model, batch) -> scalar``.
-    graphdef: the model's ``nnx.graphdef``.
-    wrt: the filter of the trained variables.
-
-  Returns:
-    ``f(params, rest, batch) -> scalar``, ``params`` and ``rest`` pure states.
-
-  Raises:
-    Zero1Error: (when ``f`` is traced) ``loss_fn`` changed model state other than ``wrt``.
-
-  Example::
-
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    >>> f = loss_of_params(lambda m, b: jnp.mean(m(b)), graphdef, nnx.Param)
-    >>> f(nnx.as_pure(params), nnx.as_pure(rest), jnp.ones((4, 2))).shape
-    ()
-  """
-  def loss(params, rest, batch):
-    model = nnx.merge(graphdef, params, rest)
-    value = loss_fn(model, batch)
-    after = jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Not(wrt))))
-    before = jax.tree_util.tree_flatten_with_path(rest)[0]
-    changed = [jax.tree_util.keystr(p) for (p, x), y in zip(before, after, strict=True) if x is not y]
-    if changed:
-      raise Zero1Error(
-          f"loss_fn updates model state other than the trained parameters ({', '.join(changed[:4])}): "
-          "it cannot be carried across replicas and micro-batches; put such modules in eval mode "
-          "or pass RNG keys in the batch"
-      )
-    return value
-
-  return loss
 
 
 def row_axes(param_spec: P, axes: tuple[str, ...]) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src import reduction
+from nnx_zero1._src import deferral
 from nnx_zero1._src.checkpoint import restore_into
 from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.engine import checkpoint as _checkpoint
@@ -177,7 +177,7 @@ class Engine:
           f"Zero-1 layout, which {type(self).__name__}'s plain nnx.Optimizer does not have (its state is "
           f"whole on every replica); use a Zero-1 engine; {describe_mesh(self.mesh)}"
       )
-    self._refuse_blocked(reduction.deferral_blocker([], list(homes), self.data_axis))
+    self._refuse_blocked(deferral.deferral_blocker([], list(homes), self.data_axis))
 
   def _refuse_blocked(self, blocker: str | None) -> None:
     if self.shard_accumulator and blocker is not None:
@@ -196,7 +196,7 @@ class Engine:
 
   def _place_batch(self, batch: dict) -> dict:
     def put(x):
-      target = reduction.batch_sharding(jnp.shape(x), getattr(x, "sharding", None), self.mesh, self.data_axis)
+      target = deferral.batch_sharding(jnp.shape(x), getattr(x, "sharding", None), self.mesh, self.data_axis)
       if isinstance(x, jax.Array) and x.sharding == target:
         return x
       return jax.device_put(x, target)
@@ -228,13 +228,13 @@ class Engine:
   def _mode(self, batch: dict, *, log: bool = False) -> str:
     """How ``batch``'s gradients are reduced: deferred when each replica can compute whole
     gradients of its own rows and deferral is on; otherwise every micro-batch."""
-    blocker = reduction.deferral_blocker(
+    blocker = deferral.deferral_blocker(
         jax.tree.leaves(_kernels.shardings_of(batch)),
         jax.tree.leaves(_kernels.shardings_of(self._params())),
         self.data_axis,
     )
     self._refuse_blocked(blocker)
-    deferred = reduction.defer(
+    deferred = deferral.defer(
         blocker, requested=self.defer_reduction, strict=self.strict, mesh=self.mesh,
         who=type(self).__name__, log=logger if log else None,
     )

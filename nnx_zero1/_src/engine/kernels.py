@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src import reduction
+from nnx_zero1._src import deferral, reduction
 from nnx_zero1._src.engine import rows
 from nnx_zero1._src.optimizer import mark_zero1_grads
 
@@ -56,7 +56,7 @@ class KernelSpec:
 
 
 def _loss_of_params(spec: KernelSpec) -> Callable[[Any, Any, Any], jax.Array]:
-  return reduction.loss_of_params(spec.loss_fn, spec.model_def, spec.wrt)
+  return deferral.loss_of_params(spec.loss_fn, spec.model_def, spec.wrt)
 
 
 def _fwd_bwd(spec: KernelSpec, params, rest, acc, micro_steps, batch):

@@ -17,14 +17,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zero1._src.deferral import replica_value_and_grad
 from nnx_zero1._src.mesh import on_mesh
-from nnx_zero1._src.reduction import (
-    accumulator_sharding,
-    replica_value_and_grad,
-    row_axes,
-    scatter_dims,
-    scatter_into,
-)
+from nnx_zero1._src.reduction import accumulator_sharding, row_axes, scatter_dims, scatter_into
 from nnx_zero1._src.specs import axes_entry, data_axis_size
 
 __all__ = [
