@@ -37,10 +37,19 @@ import dataclasses
 import inspect
 from typing import Any
 
-from tunix.distillation.distillation_trainer import DistillationTrainer
-from tunix.rl.rl_cluster import RLCluster, Role
-from tunix.sft.dpo.dpo_trainer import DPOTrainer
-from tunix.sft.peft_trainer import PeftTrainer, TrainingConfig
+try:
+  from tunix.distillation.distillation_trainer import DistillationTrainer
+  from tunix.rl.rl_cluster import RLCluster, Role
+  from tunix.sft.dpo.dpo_trainer import DPOTrainer
+  from tunix.sft.peft_trainer import PeftTrainer, TrainingConfig
+except ModuleNotFoundError as e:
+  if e.name is None or e.name.split(".")[0] != "tunix":
+    raise
+  # One line that names the fix, not a traceback into Tunix's absence.
+  raise ModuleNotFoundError(
+      'nnx_zero1.adapters.tunix needs Tunix (tested: google-tunix 0.1.7): pip install "nnx-zero1[tunix]"',
+      name=e.name,
+  ) from None
 
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.mixin import ShardedOptimizerMixin

@@ -55,3 +55,27 @@ def test_zero1_optimizer_sets_every_attribute_nnx_optimizer_sets():
   assert not missing, f"Zero1Optimizer does not set {sorted(missing)}"
   pure = lambda opt: jax.tree.structure(nnx.to_pure_dict(nnx.state(opt)))  # noqa: E731
   assert pure(plain) == pure(ours)
+
+
+def test_the_tunix_adapter_without_tunix_says_which_extra_to_install():
+  # A process where `tunix` does not import, as after `pip install ".[bench]"`.
+  import subprocess
+  import sys
+
+  hide_tunix = (
+      "import sys, importlib.abc\n"
+      "class Hide(importlib.abc.MetaPathFinder):\n"
+      "  def find_spec(self, name, path, target=None):\n"
+      "    if name.split('.')[0] == 'tunix':\n"
+      "      raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+      "sys.meta_path.insert(0, Hide())\n"
+      "try:\n"
+      "  from nnx_zero1.adapters.tunix import Zero1PeftTrainer\n"
+      "except ModuleNotFoundError as e:\n"
+      "  print(e)\n"
+  )
+  proc = subprocess.run([sys.executable, "-c", hide_tunix], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip().splitlines() == [
+      'nnx_zero1.adapters.tunix needs Tunix (tested: google-tunix 0.1.7): pip install "nnx-zero1[tunix]"'
+  ]
