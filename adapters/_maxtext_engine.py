@@ -7,8 +7,7 @@ loads this module on first use.
 MaxText's ``MaxTextTrainingEngine`` splits a step into ``fwd_bwd(batch)`` per
 micro-batch and ``update()``; its kernels read their shardings off the live
 arrays, and its optimizer comes from ``_build_optimizer(tx)``. This engine
-answers that hook with a ``Zero1Optimizer`` (through ``Zero1EngineMixin``, the
-mixin the reference ``Zero1Engine`` uses), so the moments live on the Zero-1
+answers that hook with a ``Zero1Optimizer``, so the moments live on the Zero-1
 layout from the start and every kernel, checkpoint and metric is MaxText's.
 Where MaxText defers the data-parallel gradient all-reduce to ``update`` (pure
 data parallelism, ``shard_mode=explicit``), the update kernel reduce-scatters
@@ -44,8 +43,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnx_zero1._src.engine.zero1 import Zero1EngineMixin
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.offload import offload_plan
 from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.plan import make_plan
 from nnx_zero1._src.reduction import reduce_unreduced
@@ -111,7 +110,7 @@ def _sharded_over_data(model: Any) -> str | None:
   return None
 
 
-class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTrainingEngine):
+class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
   """MaxText's ``MaxTextTrainingEngine`` with its optimizer state split over ``"data"``.
 
   Same constructor, kernels, checkpoints and metrics as MaxText's engine; each
@@ -126,7 +125,10 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
     *args: the rest of ``MaxTextTrainingEngine``'s arguments, unchanged.
     **kwargs: the rest of its keyword arguments (``mesh=``, ...), unchanged.
 
-  ZeRO-2 is opt-in, as ``OFFLOAD_STATE_TO_HOST`` is on ``Zero1EngineMixin``:
+  Two more levers, each a class attribute of a subclass (as on ``Zero1EngineMixin``):
+  ``OFFLOAD_STATE_TO_HOST = True`` keeps the optimizer state's Zero-1 shards in
+  host memory between steps (``Zero1Optimizer(offload_state_to_host=True)``;
+  MaxText's kernels read the host memory kind off the live arrays), and ZeRO-2:
   a subclass with ``SHARD_ACCUMULATOR = True`` reduce-scatters every
   micro-batch's gradients into an accumulator on the Zero-1 layout (1/N of the
   float32 gradients per device, one reduce-scatter per micro-batch instead of
@@ -156,6 +158,7 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
   """
 
   SHARD_ACCUMULATOR = False
+  OFFLOAD_STATE_TO_HOST = False
 
   @functools.wraps(_maxtext_engine.MaxTextTrainingEngine.__init__)  # type: ignore[misc]  # shows MaxText's signature
   def __init__(self, training_config, *args, **kwargs):
@@ -181,7 +184,9 @@ class Zero1MaxTextTrainingEngine(Zero1EngineMixin, _maxtext_engine.MaxTextTraini
           f"SHARD_ACCUMULATOR=True (ZeRO-2) needs each replica's whole gradients, but a parameter is sharded "
           f"over 'data' ({spec}), whose gradient MaxText reduces in every micro-batch; {describe_mesh(mesh)}"
       )
-    return Zero1Optimizer(model, tx, mesh, wrt=nnx.Param, data_axis="data")
+    return Zero1Optimizer(
+        model, tx, mesh, wrt=nnx.Param, data_axis="data", offload_state_to_host=self.OFFLOAD_STATE_TO_HOST
+    )
 
   def _zero1_gradient_targets(self) -> Any:
     """The Zero-1 layout of every parameter, as a tree shaped like MaxText's parameter shardings."""
@@ -261,7 +266,7 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
     # Zero-1 layout) comes from the second trace, the graph -- and so ``zero1_plan`` -- from the first,
     # where every parameter looked replicated. The plan is therefore rebuilt from the parameters'
     # real layouts (with tensor or FSDP axes the first trace's plan would drop them).
-    with zero1_optimizers(mesh=self._mesh, data_axis="data"):
+    with zero1_optimizers(mesh=self._mesh, data_axis="data", offload_state_to_host=self.OFFLOAD_STATE_TO_HOST):
       state = super()._trace_train_state(tx)
     optimizer = state.optimizer
     if not isinstance(optimizer, Zero1Optimizer):
@@ -271,6 +276,8 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
       )
     params = nnx.as_pure(nnx.state(state.model, nnx.Param))
     plan = make_plan(optimizer.tx, params, self._mesh, optimizer.zero1_plan.data_axis)
+    if self.OFFLOAD_STATE_TO_HOST:
+      plan = offload_plan(plan)
     traced_state = nnx.as_pure(nnx.state(optimizer.opt_state))
     traced = [getattr(getattr(x, "sharding", None), "spec", None) for x in jax.tree.leaves(traced_state)]
     planned = [getattr(row.sharding, "spec", None) for row in plan.state_leaves]

@@ -4,7 +4,7 @@ import pathlib as _pathlib
 
 from nnx_zero1._src.accumulate import value_and_grad_accumulated
 from nnx_zero1._src.checkpoint import abstract_state, restore_into
-from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.errors import Zero1Error, Zero1Warning
 from nnx_zero1._src.layout import zero1_sharding
 from nnx_zero1._src.mixin import ShardedOptimizerMixin
 from nnx_zero1._src.model_and_optimizer import Zero1ModelAndOptimizer
@@ -18,6 +18,7 @@ __all__ = [
     "Zero1ModelAndOptimizer",
     "Zero1Optimizer",
     "Zero1Report",
+    "Zero1Warning",
     "abstract_state",
     "bytes_per_device",
     "report",

@@ -411,3 +411,34 @@ def test_zero2_finds_a_parameter_sharded_over_data():
   kernel = model.kernel
   kernel.set_value(jax.device_put(kernel.get_value(), NamedSharding(mesh, P("data", None))))
   assert _sharded_over_data(model) == str(P("data", None))
+
+
+# -- host offload: OFFLOAD_STATE_TO_HOST -------------------------------------------------------------
+
+
+def _memory_kinds(engine):
+  """The memory kinds of the parameter-shaped optimizer leaves, between steps."""
+  return {x.sharding.memory_kind for x in moments(engine)}
+
+
+@needs_maxtext
+def test_offload_keeps_the_state_on_host_and_trains_bit_identically():
+  """A subclass's ``OFFLOAD_STATE_TO_HOST = True`` reaches the optimizer MaxText's engine builds:
+  the moments' Zero-1 shards sit in ``pinned_host`` memory between steps, and one step at GA 2
+  gives the stock engine's parameters bit for bit."""
+  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+
+  stock_cls, ours = _classes()
+
+  class Offloaded(ours):
+    OFFLOAD_STATE_TO_HOST = True
+
+  engines = [build(cls)[0] for cls in (stock_cls, Offloaded)]
+  assert _memory_kinds(engines[1]) == {"pinned_host"}
+  assert bytes_per_device(moments(engines[1])) * N == bytes_per_device(moments(engines[0]))
+  batches = tiny_batches(engines[0]._config, 2, seed=11)
+  for e in engines:
+    e.compile(batches[0])
+  assert step(engines[0], batches) == step(engines[1], batches)
+  assert_trees_equal(params(engines[1]), params(engines[0]))
+  assert _memory_kinds(engines[1]) == {"pinned_host"}

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import MLP, assert_trees_equal, batches, loss_fn, pure, train
-from nnx_zero1 import Zero1Error, Zero1Optimizer, abstract_state, bytes_per_device, report
+from nnx_zero1 import Zero1Error, Zero1Optimizer, Zero1Warning, abstract_state, bytes_per_device, report
 from nnx_zero1._src.compat import jit_cache_size
 
 MESH = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
@@ -46,6 +46,23 @@ def test_one_device_no_mesh_is_nnx_optimizer_bit_for_bit():
   assert r.data_size == 1 and r.sharded_bytes == 0 and r.per_device_bytes == r.unsharded_bytes
   assert all(row.reason in ("scalar", "data-parallel size 1 (one device, no mesh)") for row in r.rows)
   assert {type(t.sharding).__name__ for t in jax.tree.leaves(abstract_state(o1))} == {"SingleDeviceSharding"}
+
+
+def test_one_device_while_eight_are_visible_warns_once_and_names_the_fix():
+  import warnings
+
+  model = MLP(nnx.Rngs(0))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    Zero1Optimizer(model, optax.adam(1e-2))
+  ours = [w for w in caught if issubclass(w.category, Zero1Warning)]
+  assert len(ours) == 1, [str(w.message) for w in caught]
+  message = str(ours[0].message)
+  assert "8 are visible" in message and "jax.set_mesh" in message and "mesh=" in message
+  with warnings.catch_warnings(record=True) as caught:  # a mesh: nothing to say
+    warnings.simplefilter("always")
+    Zero1Optimizer(model, optax.adam(1e-2), MESH)
+  assert not [w for w in caught if issubclass(w.category, Zero1Warning)]
 
 
 def test_strict_refuses_one_device_without_a_mesh():

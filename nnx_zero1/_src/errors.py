@@ -1,11 +1,11 @@
-"""The one exception nnx-zero1 raises when Zero-1 was asked for but cannot apply,
-and how its messages name a mesh."""
+"""The one exception nnx-zero1 raises when Zero-1 was asked for but cannot apply, the
+one warning it gives when Zero-1 applies but splits nothing, and how messages name a mesh."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Zero1Error", "describe_mesh"]
+__all__ = ["Zero1Error", "Zero1Warning", "describe_mesh"]
 
 
 class Zero1Error(ValueError):
@@ -20,6 +20,23 @@ class Zero1Error(ValueError):
 
     >>> from nnx_zero1 import Zero1Error
     >>> issubclass(Zero1Error, ValueError)
+    True
+  """
+
+
+class Zero1Warning(UserWarning):
+  """Zero-1 applies but splits nothing, most likely by mistake.
+
+  Given once per call site (Python's default warning filter) when an optimizer
+  finds no mesh and the model on one device while more devices are visible: a
+  forgotten ``jax.set_mesh``. ``strict=True`` raises ``Zero1Error`` there instead;
+  ``warnings.simplefilter("ignore", Zero1Warning)`` silences it where one device
+  is meant.
+
+  Example::
+
+    >>> from nnx_zero1 import Zero1Warning
+    >>> issubclass(Zero1Warning, UserWarning)
     True
   """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -20,7 +21,7 @@ from nnx_zero1._src.checks import (
   check_strict,
 )
 from nnx_zero1._src.compat import Filter, to_opt_state
-from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.errors import Zero1Error, Zero1Warning
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
 from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_home
@@ -68,6 +69,18 @@ def _place_all(tree: Any, shardings, only=None) -> Any:
   leaves, treedef = jax.tree.flatten(tree)
   placed = [x if only and not only(x) else place(x, s) for x, s in zip(leaves, shardings, strict=True)]
   return jax.tree.unflatten(treedef, placed)
+
+
+def _warn_one_device(device: jax.Device) -> None:
+  """Data-parallel size 1 is legal, but with more devices visible it is most likely a forgotten mesh."""
+  if jax.device_count() > 1:
+    warnings.warn(
+        f"Zero1Optimizer: no mesh is set and the model is on one device ({device}) while "
+        f"{jax.device_count()} are visible: data-parallel size 1, nothing is split. Pass mesh= or build "
+        "the model and optimizer under jax.set_mesh(mesh) (strict=True makes this an error).",
+        Zero1Warning,
+        stacklevel=3,
+    )
 
 
 def _device_of(params: Any) -> jax.Device:
@@ -238,6 +251,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
             "data-parallel size 1, so Zero-1 would split nothing; pass mesh= or call it under "
             "jax.set_mesh(mesh)"
         )
+      _warn_one_device(device)
     data_axis_size(mesh, axes)
     check_params(params, wrt, mesh)
     init = opt_state_init(tx)
