@@ -14,6 +14,7 @@ from helpers import MLP, assert_trees_equal, assert_unchanged, batches, pure, sn
 from nnx_zero1 import (
   ShardedOptimizerMixin,
   Zero1Error,
+  Zero1ModelAndOptimizer,
   Zero1Optimizer,
   abstract_state,
   bytes_per_device,
@@ -152,6 +153,10 @@ def test_scope_and_mixin_build_offloaded_optimizers():
   with jax.set_mesh(mesh):
     trainer = OffloadTrainer(model, optax.adam(1e-3))
   assert kinds(trainer.optimizer) == {"pinned_host"}
+
+  both = Zero1ModelAndOptimizer(model, optax.adam(1e-3), mesh, offload_state_to_host=True)
+  assert kinds(both) == {"pinned_host"}
+  assert bytes_per_device(nnx.state(both.opt_state)) == bytes_per_device(nnx.state(built[0].opt_state))
 
 
 def test_offload_without_a_mesh_is_refused_and_changes_nothing():
