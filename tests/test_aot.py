@@ -285,14 +285,18 @@ import jax
 from flax import nnx
 from nnx_zero1.testing import collectives
 
+class Offloaded(Zero1AbstractMaxTextEngine):
+  OFFLOAD_STATE_TO_HOST = True
+
 out = {}
-for arm in ("maxtext", "maxtext-flag", "zero1", "zero1-tensor"):
+for arm in ("maxtext", "maxtext-flag", "zero1", "zero1-tensor", "zero1-offload"):
   mesh_sizes = dict(ici_data_parallelism=2, ici_tensor_parallelism=2) if arm == "zero1-tensor" else {}
   config = tiny_config(compile_topology="v6e-4", compile_topology_num_slices=1, per_device_batch_size=2,
                        gradient_accumulation_steps=2, jax_cache_dir="",
                        shard_optimizer_over_data=arm == "maxtext-flag", **mesh_sizes)
   mesh = train_compile.get_topology_mesh(config)
   cls = Zero1AbstractMaxTextEngine if arm.startswith("zero1") else mec.AbstractMaxTextEngine
+  cls = Offloaded if arm == "zero1-offload" else cls
   engine = cls(config, mesh)
   compiled = engine.compile_kernels(mec.get_shaped_micro_batch(config))
   opt = [x for x in jax.tree.leaves(nnx.state(engine.optimizer)) if getattr(x, "ndim", 0)]
@@ -301,7 +305,8 @@ for arm in ("maxtext", "maxtext-flag", "zero1", "zero1-tensor"):
   row = {"optimizer": type(engine.optimizer).__name__, "device_kind": mesh.devices.flat[0].device_kind,
          "plan_matches_state": plan is not None and [str(r.sharding.spec) for r in plan.state_leaves]
                                == state_specs,
-         "moment_specs": sorted({str(x.sharding.spec) for x in opt})}
+         "moment_specs": sorted({str(x.sharding.spec) for x in opt}),
+         "moment_memory_kinds": sorted({str(x.sharding.memory_kind) for x in opt})}
   for name, c in compiled.items():
     m = c.memory_analysis()
     row[name] = {"args": m.argument_size_in_bytes, "temp": m.temp_size_in_bytes,
@@ -347,4 +352,10 @@ def test_maxtexts_ahead_of_time_engine_compiles_with_zero1():
   # plan is the state's layout (MaxText's first trace of the optimizer sees no shardings).
   tensor = rows["zero1-tensor"]
   assert tensor["plan_matches_state"] and zero1["plan_matches_state"]
+  # OFFLOAD_STATE_TO_HOST on a subclass: the traced moments live in host memory, on the same layout,
+  # and the update kernel compiles with them there.
+  offload = rows["zero1-offload"]
+  assert offload["moment_memory_kinds"] == ["pinned_host"] and zero1["moment_memory_kinds"] == ["device"]
+  assert offload["moment_specs"] == zero1["moment_specs"] and offload["plan_matches_state"]
+  assert offload["update"]["args"] < zero1["update"]["args"]
   assert any("tensor" in s and "data" in s for s in tensor["moment_specs"])
