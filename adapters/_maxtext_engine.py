@@ -287,4 +287,11 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
           f"parameters (mesh axes {dict(self._mesh.shape)})."
       )
     optimizer.zero1_plan = plan
+    if self.OFFLOAD_STATE_TO_HOST:
+      # MaxText re-homes each traced aval on the real mesh by its spec alone, which drops the
+      # host memory kind: restate the state on the plan's shardings, memory kind included.
+      leaves, treedef = jax.tree.flatten(traced_state)
+      homed = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=row.sharding)
+               for x, row in zip(leaves, plan.state_leaves, strict=True)]
+      nnx.update(optimizer.opt_state, jax.tree.unflatten(treedef, homed))
     return state
