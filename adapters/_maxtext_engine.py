@@ -44,7 +44,6 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnx_zero1._src.engine.zero1 import Zero1EngineMixin
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.plan import make_plan
@@ -54,6 +53,7 @@ from nnx_zero1._src.specs import spec_axes
 
 from . import _compat
 from ._compat import ensure_tunix_types
+from .maxtext import Zero1EngineMixin
 
 ensure_tunix_types()
 
