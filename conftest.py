@@ -33,29 +33,35 @@ import pathlib  # noqa: E402
 import pytest  # noqa: E402
 from _pytest.doctest import DoctestModule  # noqa: E402
 
-ADAPTERS = pathlib.Path(__file__).parent / "adapters"
+ROOT = pathlib.Path(__file__).parent
+# Folders whose doctests run on the module under its one importable name.
+_PACKAGE_OF = {
+    ROOT / "adapters": "nnx_zero1.adapters",
+    ROOT / "tests" / "reference_engine": "tests.reference_engine",
+}
 
 
-class _AdapterDoctests(DoctestModule):
-  """Doctests of ``adapters/X.py`` run on ``nnx_zero1.adapters.X``, the one name the package has.
+class _PackageDoctests(DoctestModule):
+  """Doctests of ``adapters/X.py`` run on ``nnx_zero1.adapters.X`` (the one name the package has),
+  those of ``tests/reference_engine/X.py`` on ``tests.reference_engine.X``.
 
-  Imported by path, pytest would load each file a second time as a top-level
-  ``adapters.X`` (a name that belongs to an unrelated PyPI project), with its own
-  copies of every class and module-level cache.
+  Imported by path, pytest would load each file a second time under another top-level name
+  (``adapters.X``, a name that belongs to an unrelated PyPI project; ``reference_engine.X``), with
+  its own copies of every class and module-level cache.
   """
 
   def _getobj(self):
-    name = "nnx_zero1.adapters" + ("" if self.path.stem == "__init__" else f".{self.path.stem}")
-    return importlib.import_module(name)
+    package = _PACKAGE_OF[self.path.parent]
+    return importlib.import_module(package + ("" if self.path.stem == "__init__" else f".{self.path.stem}"))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collect_file(file_path, parent):
   collectors = yield
-  if file_path.parent != ADAPTERS:
+  if file_path.parent not in _PACKAGE_OF:
     return collectors
   return [
-      _AdapterDoctests.from_parent(parent, path=file_path) if type(c) is DoctestModule else c
+      _PackageDoctests.from_parent(parent, path=file_path) if type(c) is DoctestModule else c
       for c in collectors
   ]
 

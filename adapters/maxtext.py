@@ -1,29 +1,23 @@
-"""A MaxText-style training engine and its Zero-1 adapter.
+"""Zero-1 for training engines of MaxText's shape: ``fwd_bwd`` per micro-batch, ``update`` per step.
 
-The engine splits a training step into ``fwd_bwd(batch)`` (forward and
-backward of one micro-batch; gradients accumulated, nothing updated) and
-``update()`` (applies the averaged gradients). Both are jitted kernels whose
-in/out shardings are read off the live arrays. Gradients stay unreduced over
-the data axis while they accumulate (one partial sum per replica) and
-``update`` reduces them once per optimizer step: an all-reduce in ``Engine``,
-a reduce-scatter straight onto the Zero-1 layout in ``Zero1Engine``.
-
-Example::
-
-  engine = Zero1Engine(model, optax.adamw(3e-4), mesh, loss_fn=loss_fn)
-  for micro_batch in micro_batches:
-    loss = engine.fwd_bwd(micro_batch)
-  step = engine.update()
+- ``Zero1EngineMixin``: Zero-1 for your own engine, through two hooks it calls
+  (``_make_optimizer(model, tx)`` and ``_gradient_targets()``).
+- ``Zero1MaxTextTrainingEngine`` (and its ahead-of-time twin ``Zero1AbstractMaxTextEngine``):
+  MaxText's own ``MaxTextTrainingEngine`` with Zero-1 (Python >= 3.12, loaded on first use).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from nnx_zero1._src.engine.engine import Engine, LossFn
-from nnx_zero1._src.engine.zero1 import Zero1EngineMixin
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
-__all__ = ["Engine", "LossFn", "Zero1EngineMixin", "Zero1Engine", "Zero1MaxTextTrainingEngine",  # noqa: F822 (lazy)
-           "Zero1AbstractMaxTextEngine"]
+from nnx_zero1._src.compat import Filter
+from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.specs import DataAxis
+
+__all__ = ["Zero1EngineMixin", "Zero1MaxTextTrainingEngine", "Zero1AbstractMaxTextEngine"]  # noqa: F822 (lazy)
 
 _LAZY = ("Zero1MaxTextTrainingEngine", "Zero1AbstractMaxTextEngine")
 
@@ -43,38 +37,78 @@ def __getattr__(name: str) -> Any:
   return getattr(_maxtext_engine, name)
 
 
-class Zero1Engine(Zero1EngineMixin, Engine):
-  """``Engine`` with Zero-1: same signature, kernels and checkpoint format.
+class _EngineHost(Protocol):
+  """What ``Zero1EngineMixin`` reads off the engine it is mixed into."""
 
-  Each of the N data-parallel replicas holds 1/N of the optimizer moments;
-  ``update`` reduce-scatters the accumulated gradients onto that layout once,
-  runs the optimizer on the slices and all-gathers the parameters back.
+  @property
+  def mesh(self) -> Mesh: ...
+  @property
+  def wrt(self) -> Filter: ...
+  @property
+  def data_axis(self) -> DataAxis: ...
+  @property
+  def strict(self) -> bool: ...
+  @property
+  def optimizer(self) -> nnx.Optimizer: ...
+  OFFLOAD_STATE_TO_HOST: bool
 
-  Args:
-    model: the NNX model; parameters not yet on ``mesh`` are put there replicated.
-    tx: the optax transformation.
-    mesh: the device mesh, with the data axis.
-    loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss.
-    checkpoint_dir: where ``save_checkpoint`` writes (orbax); None for no checkpoints.
-    wrt: which variables are trained.
-    data_axis: the data-parallel mesh axis (or tuple of axes) the moments are split over.
-    defer_reduction: keep gradients unreduced until ``update`` (default True).
-    strict: raise ``Zero1Error`` when a parameter-shaped optimizer leaf cannot be
-      split or the reduction cannot be deferred.
+
+class Zero1EngineMixin:
+  """Zero-1 for any ``fwd_bwd`` / ``update`` engine: optimizer moments split over the data axis.
+
+  Put it first in the bases: ``class MyZero1Engine(Zero1EngineMixin, MyEngine)``. The engine
+  calls two hooks, the public override points (your engine defines them for its plain case;
+  the mixin answers them with Zero-1):
+
+  - ``_make_optimizer(model, tx)``: the engine's optimizer. The mixin builds a
+    ``Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis,
+    strict=self.strict)``, its moments on the Zero-1 layout from the start.
+  - ``_gradient_targets()``: where ``update`` puts the reduced gradients, one ``NamedSharding``
+    per trained parameter (``jax.tree.leaves`` order). The mixin answers the Zero-1 layout, so
+    an engine that constrains its summed gradients onto these targets inside its update kernel
+    gets one reduce-scatter instead of an all-reduce.
+
+  The engine provides ``mesh``, ``wrt`` (an ``nnx`` filter), ``data_axis`` (a mesh axis or a
+  tuple of axes), ``strict`` and, once ``_make_optimizer`` returned, ``optimizer``. The mixin
+  takes no arguments of its own: the engine's constructor is unchanged, and so are its kernel
+  signatures and checkpoint tree (``nnx.state(optimizer)`` has the same paths and shapes), so
+  checkpoints cross between the plain and the Zero-1 engine. ``OFFLOAD_STATE_TO_HOST = True``
+  on a subclass keeps the state shards in host memory between steps
+  (``Zero1Optimizer(offload_state_to_host=True)``).
 
   Raises:
-    Zero1Error: as ``Engine``, and when the optimizer cannot be made Zero-1
-      (the model is then left as it was).
+    Zero1Error: (from the engine's constructor) the optimizer cannot be made
+      Zero-1 on ``self.mesh``, e.g. the mesh lacks ``self.data_axis``.
 
   Example::
 
-    >>> import jax, jax.numpy as jnp, optax
+    >>> import jax, optax
     >>> from flax import nnx
+    >>> class MyEngine:  # a stand-in for your engine: it builds its optimizer through the hook
+    ...   def __init__(self, model, tx, mesh):
+    ...     self.mesh, self.wrt, self.data_axis, self.strict = mesh, nnx.Param, "data", False
+    ...     self.optimizer = self._make_optimizer(model, tx)
+    ...   def _make_optimizer(self, model, tx):
+    ...     return nnx.Optimizer(model, tx, wrt=self.wrt)
+    >>> class MyZero1Engine(Zero1EngineMixin, MyEngine):
+    ...   pass
     >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-    >>> loss_fn = lambda m, b: jnp.mean(m(b["x"]) ** 2)
-    >>> engine = Zero1Engine(model, optax.adam(1e-3), mesh, loss_fn=loss_fn)
-    >>> _ = engine.fwd_bwd({"x": jnp.ones((2, 2))})
-    >>> engine.update()
-    1
+    >>> engine = MyZero1Engine(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.adam(1e-3), mesh)
+    >>> type(engine.optimizer).__name__, len(engine._gradient_targets())
+    ('Zero1Optimizer', 2)
   """
+
+  OFFLOAD_STATE_TO_HOST = False
+
+  def _make_optimizer(
+      self: _EngineHost, model: nnx.Module, tx: optax.GradientTransformation
+  ) -> Zero1Optimizer:
+    return Zero1Optimizer(
+        model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, strict=self.strict,
+        offload_state_to_host=self.OFFLOAD_STATE_TO_HOST,
+    )
+
+  def _gradient_targets(self: _EngineHost) -> tuple[NamedSharding, ...]:
+    optimizer = self.optimizer
+    assert isinstance(optimizer, Zero1Optimizer)  # built by _make_optimizer
+    return optimizer.zero1_plan.zero1_param_shardings

@@ -70,8 +70,8 @@ def _cli_help() -> None:
   out = DOCS / "_generated"
   out.mkdir(exist_ok=True)
   commands = [
-      ("nnx_zero1.bench", "bench_help.txt"),
-      ("nnx_zero1.bench.maxtext_arms", "maxtext_arms_help.txt"),
+      ("benchmarks.bench", "bench_help.txt"),
+      ("benchmarks.maxtext_arms", "maxtext_arms_help.txt"),
   ]
   for module, name in commands:
     text = subprocess.run(

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The bench on a real accelerator (GPU or TPU host): the same `python -m nnx_zero1.bench`,
+# The bench on a real accelerator (GPU or TPU host): the same `python -m benchmarks.bench`,
 # a real model shape and real devices instead of virtual CPU ones.
 #
 #   scripts/bench_accelerator.sh [MODEL] [OUT]        # defaults: qwen3-0.6b, bench_out/accelerator
 #   GA=1,8 STEPS=20 SEQ_LEN=1024 BATCH=32 ARMS=baseline,zero1 scripts/bench_accelerator.sh llama-3.2-1b
 #
-# MODEL is a name from nnx_zero1._src.bench.model.CONFIGS (qwen3-0.6b, llama-3.2-1b, gemma-3-1b, ...).
+# MODEL is a name from benchmarks.model.CONFIGS (qwen3-0.6b, llama-3.2-1b, gemma-3-1b, ...).
 # dp runs over the powers of two up to the host's device count. Parameters and moments are
 # float32 and every arm of one (dp, ga) is resident at once, so a 0.6B model needs about
 # (4 arms x 10 GiB) / dp + activations per device; use ARMS=baseline,zero1 on small-HBM chips.
 set -euo pipefail
+# The harness lives in the checkout's benchmarks/ (not in the wheel): importable from anywhere.
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
 MODEL=${1:-qwen3-0.6b}
 OUT=${2:-bench_out/accelerator}
@@ -28,7 +30,7 @@ if [ -n "${ARMS:-}" ]; then ARMS_FLAG=(--arms "$ARMS"); fi
 
 # No preallocation: the arms of one cell are built and freed one cell at a time.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-exec python -m nnx_zero1.bench \
+exec python -m benchmarks.bench \
   --model "$MODEL" --dp "${DP_LIST:-$DP}" --ga "${GA:-1,8}" \
   --batch "${BATCH:-$((4 * MAX_DP))}" --seq-len "${SEQ_LEN:-1024}" \
   --steps "${STEPS:-20}" --warmup "${WARMUP:-3}" "${ARMS_FLAG[@]}" --out "$OUT"

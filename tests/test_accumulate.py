@@ -154,7 +154,7 @@ def accum_step_with_norm(model, opt, batch):
     ids=["sgd", "adamw", "momentum"],
 )
 def test_bit_identical_to_zero1_engine(tx, step):
-  from nnx_zero1.adapters.maxtext import Zero1Engine
+  from tests.reference_engine import Zero1Engine
 
   model, opt = build(Zero1Optimizer, tx)
   engine = Zero1Engine(Decoder(nnx.Rngs(0), vocab=VOCAB), tx, MESH, loss_fn=lm_loss)

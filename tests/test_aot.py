@@ -1,4 +1,4 @@
-"""`python -m nnx_zero1.bench --aot`: the bench's steps compiled by the real TPU compiler (libtpu) on
+"""`python -m benchmarks.bench --aot`: the bench's steps compiled by the real TPU compiler (libtpu) on
 this CPU machine, for a topology nobody has here. Nothing runs on a TPU; the compiler's memory plan
 and TPU HLO are checked against the layout rule.
 
@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from nnx_zero1._src.bench import libtpu, shapes
-from nnx_zero1._src.bench.cli import parse_args
-from nnx_zero1._src.bench.model import CONFIGS
+from benchmarks import libtpu, shapes
+from benchmarks.bench import parse_args
+from benchmarks.model import CONFIGS
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
@@ -69,7 +69,7 @@ def libtpu_holder():
 def aot_run(tmp_path_factory, libtpu_holder):
   """The bench's ahead-of-time mode on the tiny-aot model, started while another process holds libtpu."""
   out = tmp_path_factory.mktemp("aot")
-  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", *ARGS, "--out", str(out)], env=_env(),
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", *ARGS, "--out", str(out)], env=_env(),
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads((out / "bench.json").read_text())
@@ -173,10 +173,10 @@ def test_offloaded_state_leaves_device_memory_and_crosses_once_per_step(aot_run)
 
 
 _TWO_HOSTS = """
-from nnx_zero1._src.bench import libtpu
+from benchmarks import libtpu
 libtpu.prepare_environment()
-from nnx_zero1._src.bench.aot import abstract_arm, topology_mesh
-from nnx_zero1._src.bench.settings import Settings
+from benchmarks.aot import abstract_arm, topology_mesh
+from benchmarks.settings import Settings
 mesh = topology_mesh("v6e:2x4", 8)
 arm = abstract_arm("zero1-offload", Settings(model="tiny-aot", batch=8, seq_len=16), mesh, ga=2)
 import json
@@ -242,10 +242,10 @@ def test_a_lockfile_merely_open_counts_as_held(tmp_path):
 
 @pytest.mark.skipif(HAS_LIBTPU, reason="libtpu is installed here: the mode runs instead of refusing")
 def test_without_libtpu_the_mode_says_what_to_install_and_fails():
-  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", *ARGS, "--out", "/tmp/nnx-zero1-aot-none"],
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", *ARGS, "--out", "/tmp/nnx-zero1-aot-none"],
                         env=_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
-  assert 'pip install "nnx-zero1[aot]"' in proc.stderr and "jax[tpu]==" in proc.stderr
+  assert 'pip install ".[aot]"' in proc.stderr and "jax[tpu]==" in proc.stderr
 
 
 def test_a_users_model_shape_from_json(tmp_path):
@@ -265,7 +265,7 @@ def test_an_arm_that_does_not_fit_is_a_row_with_the_compilers_figures(tmp_path):
   # 256 sequences of 2048 tokens per chip: the attention probabilities alone need far more than 32 GiB.
   args = ["--aot", "v6e:2x2", "--model", "tiny-aot", "--dp", "4", "--ga", "1", "--batch", "1024",
           "--seq-len", "2048", "--arms", "zero1", "--no-split-step", "--no-progress", "--out", str(tmp_path)]
-  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", *args], env=_env(), capture_output=True,
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", *args], env=_env(), capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
@@ -277,7 +277,7 @@ def test_an_arm_that_does_not_fit_is_a_row_with_the_compilers_figures(tmp_path):
 HAS_MAXTEXT = importlib.util.find_spec("maxtext") is not None
 _MAXTEXT_AOT = """
 import json, os
-from nnx_zero1._src.bench.maxtext_arms import tiny_config
+from tests.maxtext_toys import tiny_config
 from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine
 from maxtext.trainers.pre_train import train_compile
 from maxtext.training_engine import maxtext_engine_compile as mec

@@ -1,4 +1,4 @@
-"""The bench: `python -m nnx_zero1.bench` end to end at its tiniest, and its measuring functions."""
+"""The bench: `python -m benchmarks.bench` end to end at its tiniest, and its measuring functions."""
 
 import importlib.util
 import json
@@ -11,11 +11,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from nnx_zero1._src.bench import devices, measure, output, shapes, verdict
-from nnx_zero1._src.bench.maxtext_arms import MISSING_MAXTEXT
-from nnx_zero1._src.bench.model import Config
-from nnx_zero1._src.bench.run import run_cell
-from nnx_zero1._src.bench.settings import Settings
+from benchmarks import devices, measure, output, shapes, verdict
+from benchmarks.maxtext_arms import MISSING_MAXTEXT
+from benchmarks.model import Config
+from benchmarks.run import run_cell
+from benchmarks.settings import Settings
 from nnx_zero1.testing import collectives, shape_bytes
 
 TINY = ["--model", "tiny", "--steps", "2", "--warmup", "0", "--batch", "8", "--seq-len", "16",
@@ -33,11 +33,11 @@ def _fresh_env() -> dict:
 
 
 def test_cli_writes_table_json_md_png_and_meets_memory_and_loss_goals(tmp_path):
-  # A fresh interpreter: `python -m` imports nnx_zero1 (and so jax) before the bench's
-  # code runs, and the bench must still get its 4 devices.
+  # A fresh interpreter: the bench's modules import nnx_zero1 (and so jax) before its main
+  # runs, and the bench must still get its 4 devices.
   args = ["--dp", "4", "--ga", "2", "--arms", "baseline,zero1", "--no-shapes", "--out", str(tmp_path)]
   proc = subprocess.run(
-      [sys.executable, "-m", "nnx_zero1.bench", *TINY, *args],
+      [sys.executable, "-m", "benchmarks.bench", *TINY, *args],
       env=_fresh_env(), capture_output=True, text=True, timeout=600,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -103,26 +103,52 @@ def test_missing_optional_dependencies_give_one_line_before_any_work(tmp_path):
   broken.mkdir(parents=True)
   (broken / "__init__.py").write_text("raise ImportError('not installed')\n")
   env = {**_fresh_env(), "PYTHONPATH": str(tmp_path / "site")}
-  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", "--quick", "--out", str(tmp_path / "out")],
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--quick", "--out", str(tmp_path / "out")],
                         env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2 and not (tmp_path / "out").exists()
   assert proc.stderr.strip().splitlines() == [
-      'nnx_zero1.bench: matplotlib not installed; pip install "nnx-zero1[bench]"'
+      'benchmarks.bench: matplotlib not installed; pip install ".[bench]" (from the repository root)'
   ]
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--arms", "zero1_accum"], "valid arms: baseline, zero1, accum, zero1-accum"),
+    (["--aot", "v6e:2x2", "--arms", "engine"], "valid arms: baseline, zero1, accum, zero1-accum"),
+    (["--dp", "3"], "valid --dp values: 1,2,4,8"),
+    (["--ga", "0"], "must be an integer >= 1"),
+    (["--dp", "2,4", "--ga", "1", "--steps", "0"], "--steps must be >= 1"),
+])
+def test_bad_arguments_exit_2_with_one_line_naming_the_valid_values_before_any_work(tmp_path, args, names):
+  out = tmp_path / "out"
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", *args, "--out", str(out)],
+                        env=_fresh_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and not out.exists()
+  (line,) = proc.stderr.strip().splitlines()
+  assert line.startswith("python -m benchmarks.bench: error: ") and names in line, line
+
+
+def test_quick_says_what_it_sets_and_aot_writes_to_its_own_folder():
+  from benchmarks.bench import parse_args
+
+  quick = parse_args(["--quick", "--steps", "3"])
+  assert quick.quick_changes == {"model": "small", "warmup": 1, "seq_len": 32,
+                                 "arms": "baseline,zero1,accum,zero1-accum"}
+  assert quick.out == "bench_out" and parse_args(["--aot", "v6e:2x2"]).out == "bench_out_aot"
+  assert parse_args(["--aot", "v6e:2x2", "--out", "mine"]).out == "mine"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("maxtext") is not None, reason="maxtext is installed here")
 def test_maxtext_arms_without_maxtext_say_so_in_one_line():
-  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.bench.maxtext_arms"], env=_fresh_env(),
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.maxtext_arms"], env=_fresh_env(),
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
-  assert proc.stderr.strip().splitlines() == [f"nnx_zero1.bench.maxtext_arms: {MISSING_MAXTEXT}"]
+  assert proc.stderr.strip().splitlines() == [f"benchmarks.maxtext_arms: {MISSING_MAXTEXT}"]
 
 
 def test_device_request_before_and_after_jax_starts():
   script = textwrap.dedent("""
       import nnx_zero1, jax                        # jax imported, no backend yet
-      from nnx_zero1._src.bench.devices import request_cpu_devices
+      from benchmarks.devices import request_cpu_devices
       assert request_cpu_devices(3)
       assert jax.device_count() == 3               # the backend starts here, with 3 devices
       assert request_cpu_devices(2) and not request_cpu_devices(4)
@@ -284,7 +310,7 @@ def test_remat_recomputes_the_same_gradients_with_fewer_temporaries(scan_layers)
   import jax.numpy as jnp
   from flax import nnx
 
-  from nnx_zero1._src.bench.model import CONFIGS, Transformer, loss_fn
+  from benchmarks.model import CONFIGS, Transformer, loss_fn
 
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 65)), jnp.int32)
   grads, temps = [], []

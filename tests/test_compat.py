@@ -110,7 +110,7 @@ def _maxtext():
 
 @needs_maxtext
 def test_without_maxtext_zero1_turns_off_only_that_flag():
-  from nnx_zero1._src.bench.maxtext_arms import tiny_config
+  from tests.maxtext_toys import tiny_config
 
   maxtext_compat, version = _maxtext()
   config = tiny_config(shard_optimizer_over_data=True)
@@ -124,7 +124,7 @@ def test_without_maxtext_zero1_turns_off_only_that_flag():
 
 @needs_maxtext
 def test_engine_gradient_shardings_are_where_the_adapter_reads_them():
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches, tiny_config, tiny_mesh
+  from tests.maxtext_toys import tiny_batches, tiny_config, tiny_mesh
 
   maxtext_compat, version = _maxtext()
   stock = importlib.import_module("maxtext.training_engine.maxtext_engine").MaxTextTrainingEngine
@@ -142,7 +142,7 @@ def test_engine_gradient_shardings_are_where_the_adapter_reads_them():
 
 @needs_maxtext
 def test_maxtext_defers_reduction_is_maxtexts_own_answer():
-  from nnx_zero1._src.bench.maxtext_arms import tiny_config, tiny_mesh
+  from tests.maxtext_toys import tiny_config, tiny_mesh
 
   maxtext_compat, version = _maxtext()
   explicit, auto = tiny_config(), tiny_config(shard_mode="auto")
@@ -153,7 +153,7 @@ def test_maxtext_defers_reduction_is_maxtexts_own_answer():
 
 @needs_maxtext
 def test_route_accumulator_shardings_keeps_maxtexts_value():
-  from nnx_zero1._src.bench.maxtext_arms import tiny_config, tiny_mesh
+  from tests.maxtext_toys import tiny_config, tiny_mesh
 
   maxtext_compat, version = _maxtext()
   stock = importlib.import_module("maxtext.training_engine.maxtext_engine").MaxTextTrainingEngine

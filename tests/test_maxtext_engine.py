@@ -35,12 +35,13 @@ process_settings_put_back = pytest.fixture(scope="module", autouse=True)(maxtext
 
 
 @pytest.mark.skipif(importlib.util.find_spec("maxtext") is not None, reason="maxtext is installed")
-def test_without_maxtext_the_import_fails_clearly_and_engine_still_works():
+def test_without_maxtext_the_import_fails_clearly_and_the_mixin_still_works():
   from nnx_zero1.adapters import maxtext as adapter
 
   with pytest.raises(ImportError, match="Zero1MaxTextTrainingEngine needs MaxText's engine"):
     from nnx_zero1.adapters.maxtext import Zero1MaxTextTrainingEngine  # noqa: F401
-  assert adapter.Engine and adapter.Zero1Engine
+  assert adapter.Zero1EngineMixin
+  assert not hasattr(adapter, "Engine") and not hasattr(adapter, "Zero1Engine")  # tests.reference_engine
   with pytest.raises(AttributeError):
     adapter.NoSuchThing  # noqa: B018
 
@@ -53,7 +54,7 @@ def _classes():
 
 
 def build(cls, **overrides):
-  from nnx_zero1._src.bench.maxtext_arms import tiny_config, tiny_mesh
+  from tests.maxtext_toys import tiny_config, tiny_mesh
 
   config = tiny_config(**overrides)
   return cls(config, mesh=tiny_mesh(config)), config
@@ -81,7 +82,7 @@ def pair(request):
   """MaxText's engine and ours side by side: one step at GA 1, then one at GA 4."""
   if SKIP:
     pytest.skip(SKIP)
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+  from tests.maxtext_toys import tiny_batches
 
   engines = [build(cls, opt_type=request.param)[0] for cls in _classes()]
   config = engines[0]._config
@@ -148,7 +149,7 @@ def _mid_step_handoffs(writer_cls, reader_classes, directory, seed, hand_over=Fa
   """Per reader class: the writer runs two micro-batches and saves mid-step, a fresh engine of
   that class restores it; yields (reader class, writer, reader, the step's other micro-batches).
   With ``hand_over`` the reader is the next round's writer."""
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+  from tests.maxtext_toys import tiny_batches
 
   writer = _checkpointed(writer_cls, directory)
   batches = tiny_batches(writer._config, 9, seed=seed)
@@ -192,7 +193,7 @@ def test_checkpoints_cross_both_ways_mid_accumulation(tmp_path):
     ],
 )
 def test_where_maxtext_flag_cannot_zero1_still_matches(overrides):
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+  from tests.maxtext_toys import tiny_batches
 
   engines = [build(cls, **overrides)[0] for cls in _classes()]
   batches = tiny_batches(engines[0]._config, 2)
@@ -210,7 +211,7 @@ def test_muon_trains_like_maxtext_engine_with_its_moments_split():
   """MaxText's muon (optax.contrib.muon with per-parameter dimension numbers) defeats
   optax.tree_utils.tree_map_params; the plan then ties its state to the parameters by path
   and shape. Newton-Schulz is not elementwise, so parameters agree to float precision."""
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+  from tests.maxtext_toys import tiny_batches
 
   engines = [build(cls, opt_type="muon")[0] for cls in _classes()]
   batches = tiny_batches(engines[0]._config, 2)
@@ -228,7 +229,7 @@ def test_muon_trains_like_maxtext_engine_with_its_moments_split():
 def test_maxtext_flag_means_zero1_from_this_engine(shard_mode, caplog):
   """shard_optimizer_over_data=True asks for what the class does: our Zero-1 serves it (also
   on Auto meshes, where MaxText's declines), MaxText's own is bypassed, one info line says so."""
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+  from tests.maxtext_toys import tiny_batches
 
   stock_cls, ours_cls = _classes()
   stock, _ = build(stock_cls, shard_mode=shard_mode)
@@ -251,7 +252,7 @@ def test_maxtext_flag_means_zero1_from_this_engine(shard_mode, caplog):
 
 @needs_maxtext
 def test_ahead_of_time_engine_is_refused_by_name():
-  from nnx_zero1._src.bench.maxtext_arms import tiny_config, tiny_mesh
+  from tests.maxtext_toys import tiny_config, tiny_mesh
 
   _, ours = _classes()
   compile_module = importlib.import_module("maxtext.training_engine.maxtext_engine_compile")
@@ -293,7 +294,7 @@ def zero2_pair():
   the accumulators' per-device bytes read after the second step's first micro-batch."""
   if SKIP:
     pytest.skip(SKIP)
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+  from tests.maxtext_toys import tiny_batches
 
   engines = [build(cls)[0] for cls in (_classes()[1], _zero2_class())]
   batches = tiny_batches(engines[0]._config, 5, seed=7)
@@ -357,7 +358,7 @@ def test_zero2_reduce_scatters_every_micro_batch(zero2_pair):
 )
 def test_zero2_refused_where_maxtext_does_not_defer(overrides, reason, monkeypatch):
   """Refused before MaxText builds anything: no model, no optimizer, the config as it was."""
-  from nnx_zero1._src.bench.maxtext_arms import tiny_config, tiny_mesh
+  from tests.maxtext_toys import tiny_config, tiny_mesh
 
   stock, _ = _classes()
   monkeypatch.setattr(stock, "_build_model", lambda *a, **k: pytest.fail("MaxText built a model"))
@@ -371,7 +372,7 @@ def test_zero2_refused_where_maxtext_does_not_defer(overrides, reason, monkeypat
 @needs_maxtext
 def test_zero2_refused_without_compile():
   """MaxText's uncompiled fwd_bwd keeps no unreduced gradients: refused, the step untouched."""
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+  from tests.maxtext_toys import tiny_batches
 
   engine, config = build(_zero2_class())
   with pytest.raises(Zero1Error, match=r"call engine.compile\(batch\) first"):

@@ -191,7 +191,7 @@ def test_engine_offloads_and_checkpoints_cross_mid_accumulation(tmp_path):
   """The reference Zero1Engine with OFFLOAD_STATE_TO_HOST: bit-identical steps, and a checkpoint
   written mid-accumulation by the offloaded engine resumes in the on-device one (and back)."""
   from helpers import Decoder, lm_loss
-  from nnx_zero1.adapters.maxtext import Zero1Engine
+  from tests.reference_engine import Zero1Engine
 
   class OffloadEngine(Zero1Engine):
     OFFLOAD_STATE_TO_HOST = True

@@ -1,4 +1,5 @@
-"""The built (non-editable) wheel ships the adapters inside the package, not as `adapters`."""
+"""The built (non-editable) wheel ships the plugin only: the adapters inside the package (not as
+`adapters`), no benchmark harness, no reference engine."""
 
 import shutil
 import subprocess
@@ -33,8 +34,13 @@ def test_wheel_installs_adapters_as_nnx_zero1_adapters(tmp_path):
   assert "nnx_zero1/adapters/maxtext.py" in names
   assert "nnx_zero1/adapters/_maxtext_engine.py" in names
   assert "nnx_zero1/py.typed" in names
-  assert "nnx_zero1/bench/__main__.py" in names
-  assert not any(n.startswith("adapters/") for n in names)
+  assert not any(n.startswith(("adapters/", "benchmarks/", "tests/")) for n in names)
+  modules = [n for n in names if n.endswith(".py")]
+  assert not [n for n in modules if {"bench", "engine"} & set(Path(n).with_suffix("").parts)], modules
+  # The plugin stays small: the harness and the reference engine once were a third of these lines.
+  archive = zipfile.ZipFile(wheel)
+  lines = sum(archive.read(n).decode().count("\n") for n in modules)
+  assert lines <= 7000, f"the wheel holds {lines} lines of Python"
 
   site = tmp_path / "site"
   zipfile.ZipFile(wheel).extractall(site)
@@ -53,16 +59,17 @@ def test_from_a_source_checkout_root_the_adapters_import_and_the_bench_starts(tm
   """Python run from the repository root imports the source nnx_zero1/ (which has no adapters/)
   ahead of any installed copy; nnx_zero1.adapters must still import, from the checkout."""
   checkout = tmp_path / "checkout"
-  for folder in ("nnx_zero1", "adapters"):
+  for folder in ("nnx_zero1", "adapters", "benchmarks", "tests"):
     shutil.copytree(ROOT / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
   probe = (
-      "import nnx_zero1.adapters as a; from nnx_zero1.adapters.maxtext import Zero1Engine; "
+      "import nnx_zero1.adapters as a; from nnx_zero1.adapters.maxtext import Zero1EngineMixin; "
+      "from tests.reference_engine import Zero1Engine; "
       "from nnx_zero1.adapters.tunix import Zero1PeftTrainer; print(a.__file__)"
   )
   env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
   out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=checkout, capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.strip() == str(checkout / "adapters" / "__init__.py")
-  bench = subprocess.run([sys.executable, "-m", "nnx_zero1.bench", "--help"], env=env, cwd=checkout,
+  bench = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--help"], env=env, cwd=checkout,
                          capture_output=True, text=True)
   assert bench.returncode == 0 and "--quick" in bench.stdout, bench.stderr[-2000:]

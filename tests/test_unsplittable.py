@@ -66,7 +66,7 @@ def test_strict_accepts_every_parameter_shaped_leaf_split(make_tx):
 
 
 def test_real_llm_shapes_leave_at_most_half_a_percent_replicated_at_every_dp():
-  shapes = pytest.importorskip("nnx_zero1._src.bench.shapes")
+  shapes = pytest.importorskip("benchmarks.shapes")
   rows = shapes.shape_rows(shapes.REAL_SHAPES, dps=(2, 4, 8, 16))
   assert {r["model"] for r in rows} >= {"qwen3-0.6b", "llama-3.1-8b", "gemma-2-2b"}
   assert len(rows) == len(shapes.REAL_SHAPES) * 4

@@ -26,8 +26,8 @@ from test_accumulate import (
 from helpers import Decoder, assert_trees_close, assert_unchanged, lm_loss, snapshot
 from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, value_and_grad_accumulated
 from nnx_zero1._src.optimizer import _is_marked
-from nnx_zero1.adapters.maxtext import Engine, Zero1Engine
 from nnx_zero1.testing import collectives, loop_collectives
+from tests.reference_engine import Engine, Zero1Engine
 
 MICRO = 4
 

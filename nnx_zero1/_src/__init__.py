@@ -1,5 +1,4 @@
 """Private: everything under ``nnx_zero1._src`` may change without notice.
 
-The public names are ``nnx_zero1.__all__``, ``nnx_zero1.testing``, the adapters' classes and the
-bench CLI (``python -m nnx_zero1.bench``).
+The public names are ``nnx_zero1.__all__``, ``nnx_zero1.testing`` and the adapters' classes.
 """

@@ -1,7 +1,7 @@
 """Collectives and host transfers in compiled HLO text: what the bench reports and the tests assert.
 
-Private: ``compiled.as_text()`` parsed with small pure functions, so the bench
-(``nnx_zero1._src.bench.measure`` re-exports these) and the tests count the same way.
+Private: ``compiled.as_text()`` parsed with small pure functions, so the benchmark
+(``benchmarks/``), the tests and ``nnx_zero1.testing`` count the same way.
 """
 
 from __future__ import annotations

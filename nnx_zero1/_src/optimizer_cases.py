@@ -2,8 +2,8 @@
 
 The tests compare each against ``nnx.Optimizer`` (``tests/test_optimizer_coverage.py``,
 whose results ``scripts/coverage_table.py`` turns into the docs' coverage table; the
-bit-identity tests in ``tests/test_optimizer.py``), and the bench's
-``--optimizer`` choices are entries of it at a training learning rate.
+bit-identity tests in ``tests/test_optimizer.py``); the benchmark's ``--optimizer``
+choices (``benchmarks/settings.py``) are entries of it at a training learning rate.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import optax
 
-__all__ = ["BENCH", "CASES", "ELEMENTWISE_CONTRACT", "FROZEN", "OptimizerCase", "bench_optimizer"]
+__all__ = ["CASES", "ELEMENTWISE_CONTRACT", "FROZEN", "OptimizerCase"]
 
 FROZEN = "l1"  # the masked / multi_transform cases freeze the parameters whose path names this
 
@@ -138,27 +138,5 @@ CASES: dict[str, OptimizerCase] = {
     ),
 }
 
-# The ones DESIGN.md names as elementwise: bit-identical to nnx.Optimizer by contract.
+# The elementwise optimizers: bit-identical to nnx.Optimizer by contract.
 ELEMENTWISE_CONTRACT = ("sgd", "momentum", "adam", "adamw", "lion", "rmsprop", "adagrad")
-
-# The bench's --optimizer choices: (entry of CASES, training learning rate).
-BENCH: dict[str, tuple[str, float]] = {
-    "adamw": ("adamw", 1e-3),
-    "adam": ("adam", 1e-3),
-    "lion": ("lion", 1e-4),
-    "sgd": ("momentum", 1e-2),
-}
-
-
-def bench_optimizer(name: str) -> optax.GradientTransformation:
-  """The bench's ``--optimizer name``: an entry of :data:`CASES` at its training rate.
-
-  Example::
-
-    >>> import jax.numpy as jnp
-    >>> state = bench_optimizer("sgd").init({"w": jnp.ones(2)})  # sgd with momentum 0.9
-    >>> len(state)
-    2
-  """
-  case, learning_rate = BENCH[name]
-  return CASES[case].build(learning_rate)

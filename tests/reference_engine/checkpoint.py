@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src.checkpoint import abstract_arrays
-from nnx_zero1._src.engine import rows as replica_rows
+from tests.reference_engine import rows as replica_rows
 
 __all__ = [
     "make_manager", "restore", "fold_rows", "summed_accumulator", "rows_of", "converted_accumulator",

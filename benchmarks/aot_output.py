@@ -10,8 +10,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_zero1._src.bench.output import collective_cell as _collective_cell
-from nnx_zero1._src.bench.output import save_figure, write_files
+from benchmarks.output import collective_cell as _collective_cell
+from benchmarks.output import save_figure, write_files
 
 __all__ = ["HEADER", "cells", "table", "markdown", "plot", "write_all", "saving"]
 

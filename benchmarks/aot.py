@@ -1,9 +1,9 @@
 """Ahead of time: the bench's train steps compiled for a TPU topology on a machine without one.
 
-``python -m nnx_zero1.bench --aot v6e:2x2 --model qwen3-0.6b --dp 4 --ga 8``
+``python -m benchmarks.bench --aot v6e:2x2 --model qwen3-0.6b --dp 4 --ga 8``
 builds each arm's model, optimizer and batch abstractly (``nnx.eval_shape``,
 ``jax.ShapeDtypeStruct`` on a mesh of the topology's devices), lowers the very
-step the CPU bench runs (:func:`nnx_zero1._src.bench.run.train_step_jit`) and
+step the CPU bench runs (:func:`benchmarks.run.train_step_jit`) and
 compiles it with the real TPU compiler (libtpu). Nothing runs: the numbers are
 the compiler's per-device memory plan and the collectives of the TPU HLO.
 """
@@ -22,9 +22,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from nnx_zero1._src.bench import measure
-from nnx_zero1._src.bench.run import batch_sharding, split_step_jits, state_shardings, train_step_jit
-from nnx_zero1._src.bench.settings import (
+from benchmarks import measure
+from benchmarks.run import batch_sharding, split_step_jits, state_shardings, train_step_jit
+from benchmarks.settings import (
     ACCUMULATE_OPTIONS,
     OPTIMIZERS,
     STEP_ARMS,

@@ -1,6 +1,6 @@
 """Loading the TPU compiler (libtpu) in a CPU-only process, for ahead-of-time compiles.
 
-Two things stand between ``pip install "nnx-zero1[aot]"`` and a compile:
+Two things stand between ``pip install ".[aot]"`` and a compile:
 libtpu must be installed (the ``aot`` extra brings the one that matches jax),
 and a process killed while libtpu was loaded leaves its lockfile behind, which
 makes the next process that loads libtpu abort. A lockfile no live process has
@@ -33,9 +33,9 @@ def install_hint(jax_version: str) -> str:
   Example::
 
     >>> install_hint("0.12.0.1")
-    'pip install "nnx-zero1[aot]" (or: pip install "jax[tpu]==0.12.0.1"; Python >= 3.12)'
+    'pip install ".[aot]" (or: pip install "jax[tpu]==0.12.0.1"; Python >= 3.12)'
   """
-  return f'pip install "nnx-zero1[aot]" (or: pip install "jax[tpu]=={jax_version}"; Python >= 3.12)'
+  return f'pip install ".[aot]" (or: pip install "jax[tpu]=={jax_version}"; Python >= 3.12)'
 
 
 def require_libtpu() -> str:

@@ -14,13 +14,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src.bench.model import CONFIGS, Config, Transformer, count_params
+from benchmarks.model import CONFIGS, Config, Transformer, count_params
 from nnx_zero1._src.optimizer import Zero1Optimizer
-from nnx_zero1._src.optimizer_cases import BENCH, bench_optimizer
+from nnx_zero1.testing import CASES
 
 __all__ = [
-    "ACCUMULATE_OPTIONS", "LEVER_REFERENCE", "OPTIMIZERS", "OPTIMIZER_OPTIONS", "STEP_ARMS", "Settings",
-    "describe", "make_optimizer", "new_model", "row_fields", "tokens",
+    "ACCUMULATE_OPTIONS", "LEVER_REFERENCE", "OPTIMIZERS", "OPTIMIZER_CASES", "OPTIMIZER_OPTIONS",
+    "STEP_ARMS", "Settings", "bench_optimizer", "describe", "make_optimizer", "new_model", "row_fields",
+    "tokens",
 ]
 
 # The arms that train with one compiled step, and how: (Zero-1?, deferred reduction?).
@@ -41,8 +42,31 @@ OPTIMIZER_OPTIONS = {"zero1-offload": {"offload_state_to_host": True},
                      "zero2-offload": {"offload_state_to_host": True}}
 LEVER_REFERENCE = "zero1-accum"  # the arm the levers' step-time ratio is taken against
 
+# The bench's --optimizer choices: (entry of CASES, training learning rate).
+OPTIMIZER_CASES: dict[str, tuple[str, float]] = {
+    "adamw": ("adamw", 1e-3),
+    "adam": ("adam", 1e-3),
+    "lion": ("lion", 1e-4),
+    "sgd": ("momentum", 1e-2),
+}
+
+
+def bench_optimizer(name: str) -> optax.GradientTransformation:
+  """The bench's ``--optimizer name``: an entry of ``nnx_zero1.testing.CASES`` at its training rate.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> state = bench_optimizer("sgd").init({"w": jnp.ones(2)})  # sgd with momentum 0.9
+    >>> len(state)
+    2
+  """
+  case, learning_rate = OPTIMIZER_CASES[name]
+  return CASES[case].build(learning_rate)
+
+
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    name: functools.partial(bench_optimizer, name) for name in BENCH
+    name: functools.partial(bench_optimizer, name) for name in OPTIMIZER_CASES
 }
 
 

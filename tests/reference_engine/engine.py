@@ -1,6 +1,6 @@
 """``Engine``: the reference MaxText-style engine (``fwd_bwd`` per micro-batch, ``update`` per step).
 
-Public as ``nnx_zero1.adapters.maxtext.Engine``; see that module for the whole picture.
+Test scaffolding (``tests.reference_engine``); ``Zero1Engine`` is this class with ``Zero1EngineMixin``.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from jax.sharding import PartitionSpec as P
 from nnx_zero1._src import deferral
 from nnx_zero1._src.checkpoint import restore_into
 from nnx_zero1._src.compat import Filter
-from nnx_zero1._src.engine import checkpoint as _checkpoint
-from nnx_zero1._src.engine import kernels as _kernels
-from nnx_zero1._src.engine import rows as replica_rows
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.mesh import on_mesh
 from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size
+from tests.reference_engine import checkpoint as _checkpoint
+from tests.reference_engine import kernels as _kernels
+from tests.reference_engine import rows as replica_rows
 
 __all__ = ["Engine", "LossFn"]
 
-logger = logging.getLogger("nnx_zero1.adapters.maxtext")  # the public module users import it from
+logger = logging.getLogger("tests.reference_engine")
 
 LossFn = Callable[[Any, dict], jax.Array]  # (model, batch) -> mean loss; the model: any nnx.Module
 

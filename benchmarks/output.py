@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_zero1._src.bench.verdict import estimate_ratio, judge, judge_all
+from benchmarks.verdict import estimate_ratio, judge, judge_all
 
 __all__ = [
     "collective_cell", "table", "shapes_table", "targets", "markdown", "write_all", "plot_series",

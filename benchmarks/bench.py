@@ -1,4 +1,4 @@
-"""The command line of ``python -m nnx_zero1.bench``."""
+"""The command line of ``python -m benchmarks.bench``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from nnx_zero1._src.bench import devices
+from benchmarks import devices
 
-__all__ = ["parse_args", "default_arms", "missing_extras", "main"]
+__all__ = ["parse_args", "default_arms", "valid_arms", "missing_extras", "main"]
 
 STEP_ARMS = ("baseline", "zero1", "accum", "zero1-accum")
 ENGINE_ARMS = ("engine", "zero1-engine")
@@ -32,17 +32,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     >>> args.dp, args.model, args.steps
     ((2, 4), 'small', 10)
   """
-  from nnx_zero1._src.bench.model import CONFIGS  # imports jax without starting a backend
-  from nnx_zero1._src.bench.settings import OPTIMIZERS
+  from benchmarks.model import CONFIGS  # imports jax without starting a backend
+  from benchmarks.settings import OPTIMIZERS
 
   p = argparse.ArgumentParser(
-      prog="python -m nnx_zero1.bench",
+      prog="python -m benchmarks.bench",
       description="Memory, time and collectives of plain nnx.Optimizer vs Zero1Optimizer training.",
   )
   p.add_argument("--quick", action="store_true",
                  help="small model, 10 timed steps, the single-step arms only (baseline, zero1, accum, "
                  "zero1-accum): minutes on 2 CPU cores")
-  p.add_argument("--out", default="bench_out", help="folder for bench.json, bench.md, memory.png")
+  p.add_argument("--out", default=None,
+                 help="folder for bench.json, bench.md, memory.png (default: bench_out; with --aot: "
+                 "bench_out_aot)")
   p.add_argument("--dp", type=_ints, default=(2, 4, 8), help="data-parallel sizes, e.g. 2,4,8")
   p.add_argument("--ga", type=_ints, default=(1, 8), help="gradient-accumulation steps, e.g. 1,8")
   p.add_argument("--model", default=None, choices=list(CONFIGS),
@@ -76,19 +78,66 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   args = p.parse_args(list(argv))
   if args.model_config:
-    from nnx_zero1._src.bench.model import register_config
+    from benchmarks.model import register_config
 
     args.model = register_config(args.model_config)
   quick = {"model": "small", "steps": 10, "warmup": 1, "seq_len": 32}
   full = {"model": "base", "steps": 15, "warmup": 2, "seq_len": None}
+  args.quick_changes = {}  # what --quick set, printed at the start of the run
   for key, value in (quick if args.quick else full).items():
     if getattr(args, key) is None:
       setattr(args, key, value)
+      if args.quick:
+        args.quick_changes[key] = value
   if args.aot and not args.arms:
     args.arms = "baseline,zero1,zero1-accum"
+  if args.quick and not args.arms:
+    args.quick_changes["arms"] = ",".join(STEP_ARMS)
   # --quick keeps to the single-step arms: the engines add two compiles each (minutes on 2 cores).
   args.arms = tuple(args.arms.split(",")) if args.arms else STEP_ARMS if args.quick else default_arms()
+  _check_args(p, args)
   return args
+
+
+def valid_arms(aot: bool) -> tuple[str, ...]:
+  """The arm names ``--arms`` takes: the single-step arms (all ``--aot`` compiles) and the engines.
+
+  Example::
+
+    >>> valid_arms(aot=True)[:4]
+    ('baseline', 'zero1', 'accum', 'zero1-accum')
+  """
+  from benchmarks.settings import STEP_ARMS as ALL_STEP_ARMS
+
+  return tuple(ALL_STEP_ARMS) + (() if aot else ENGINE_ARMS)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Exits with status 2 and one line on stderr, naming the valid values, for a value the bench cannot run.
+
+  Before any jax work, so a typo costs nothing (argparse's ``error`` would add the whole usage).
+  """
+  error = lambda message: p.exit(2, f"{p.prog}: error: {message}\n")
+  arms = valid_arms(bool(args.aot))
+  unknown = [arm for arm in args.arms if arm not in arms]
+  if unknown:
+    mode = " with --aot" if args.aot else ""
+    error(f"--arms: unknown arm {', '.join(map(repr, unknown))}{mode}; valid arms: {', '.join(arms)}")
+  for flag, values, least in (("--dp", args.dp, 1), ("--ga", args.ga, 1)):
+    bad = [v for v in values if v < least] or ([] if values else ["(none)"])
+    if bad:
+      error(f"{flag} {','.join(map(str, bad))}: each value must be an integer >= {least}, e.g. {flag} 1,8")
+  if args.batch < 1:
+    error(f"--batch {args.batch}: must be an integer >= 1")
+  uneven = [dp for dp in args.dp if args.batch % dp]
+  if uneven:
+    divisors = [d for d in range(1, args.batch + 1) if args.batch % d == 0]
+    error(f"--dp {','.join(map(str, uneven))}: the global micro-batch (--batch {args.batch}) must split "
+            f"evenly over the data-parallel replicas; valid --dp values: {','.join(map(str, divisors))}")
+  if args.steps < 1 or args.warmup < 0:
+    error(f"--steps {args.steps} --warmup {args.warmup}: --steps must be >= 1 and --warmup >= 0")
+  if args.out is None:
+    args.out = "bench_out_aot" if args.aot else "bench_out"
 
 
 def default_arms() -> tuple[str, ...]:
@@ -100,11 +149,14 @@ def default_arms() -> tuple[str, ...]:
     >>> default_arms()[:4]
     ('baseline', 'zero1', 'accum', 'zero1-accum')
   """
-  has_engine = importlib.util.find_spec("nnx_zero1.adapters.maxtext") is not None
+  try:  # the engine arms run the reference engine of a source checkout's tests/
+    has_engine = importlib.util.find_spec("tests.reference_engine") is not None
+  except ModuleNotFoundError:
+    has_engine = False
   return STEP_ARMS + (ENGINE_ARMS if has_engine else ())
 
 
-_BENCH_EXTRA = ("matplotlib", "tqdm")  # what `pip install "nnx-zero1[bench]"` brings
+_BENCH_EXTRA = ("matplotlib", "tqdm")  # what `pip install ".[bench]"` brings
 
 
 def missing_extras(modules: Sequence[str] = _BENCH_EXTRA) -> list[str]:
@@ -135,10 +187,17 @@ def _devices_or_rerun(need: int, argv: Sequence[str]) -> int | None:
   if devices.request_cpu_devices(need):
     return None
   if os.environ.get(devices.CHILD_ENV):
-    raise SystemExit(f"nnx_zero1.bench: needs {need} devices and could not get them")
+    raise SystemExit(f"benchmarks.bench: needs {need} devices and could not get them")
   cmd, env = devices.rerun_command(need, list(argv))
-  print(f"nnx_zero1.bench: jax already started with too few devices; rerunning with {need}", file=sys.stderr)
+  print(f"benchmarks.bench: jax already started with too few devices; rerunning with {need}", file=sys.stderr)
   return subprocess.call(cmd, env=env)
+
+
+def _say_what_quick_sets(args: argparse.Namespace) -> None:
+  """One line on stderr: the settings ``--quick`` chose because no flag gave them."""
+  if args.quick_changes:
+    chosen = ", ".join(f"--{key.replace('_', '-')} {value}" for key, value in args.quick_changes.items())
+    print(f"benchmarks.bench: --quick sets {chosen} (a flag given explicitly wins)", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,14 +211,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
   if args.aot:
-    from nnx_zero1._src.bench import aot_cli  # compiles for a TPU topology; needs no devices
+    _say_what_quick_sets(args)
+    from benchmarks import aot_cli  # compiles for a TPU topology; needs no devices
 
     return aot_cli.main(args)
   missing = missing_extras()
   if missing:  # before any work: the table and plot need them at the end
-    print(f"nnx_zero1.bench: {', '.join(missing)} not installed; pip install \"nnx-zero1[bench]\"",
-          file=sys.stderr)
+    print(f"benchmarks.bench: {', '.join(missing)} not installed; "
+          'pip install ".[bench]" (from the repository root)', file=sys.stderr)
     return 2
+  _say_what_quick_sets(args)
   devices.synchronous_cpu_dispatch()
   rerun = _devices_or_rerun(max(args.dp), argv)
   if rerun is not None:
@@ -168,8 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   import jax
   from tqdm import tqdm
 
-  from nnx_zero1._src.bench import output, run, shapes
-  from nnx_zero1._src.bench import settings as settings_lib
+  from benchmarks import output, run, shapes
+  from benchmarks import settings as settings_lib
 
   settings = settings_lib.Settings(
       model=args.model, dp=args.dp, ga=args.ga, steps=args.steps, warmup=args.warmup, batch=args.batch,
@@ -205,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   }
   result = {"meta": meta, "rows": rows, "shapes": shape_rows}
   paths = output.write_all(result, args.out)
-  print(f"nnx_zero1.bench: model {args.model} ({meta['params']:,} params), {args.optimizer}, "
+  print(f"benchmarks.bench: model {args.model} ({meta['params']:,} params), {args.optimizer}, "
         f"{args.mesh} mesh, {meta['devices']} {device.platform} devices ({device.device_kind}) "
         f"on {meta['host_cpus']} host CPUs; {meta['wall_s']} s")
   print(output.table(rows))
@@ -215,3 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(output.shapes_table(shape_rows))
   print("wrote " + ", ".join(paths))
   return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

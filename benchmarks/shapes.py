@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src.bench.model import CONFIGS, Config, Transformer
+from benchmarks.model import CONFIGS, Config, Transformer
 from nnx_zero1._src.plan import make_plan
 
 __all__ = ["REAL_SHAPES", "abstract_params", "replicated_fraction", "shape_rows"]
@@ -33,7 +33,7 @@ def abstract_params(cfg: Config, mesh: AbstractMesh) -> Any:
 
   Example::
 
-    >>> from nnx_zero1._src.bench.model import CONFIGS
+    >>> from benchmarks.model import CONFIGS
     >>> mesh = AbstractMesh((2,), ("data",))
     >>> params = abstract_params(CONFIGS["tiny"], mesh)
     >>> jax.tree.leaves(params)[0].sharding.spec
@@ -62,7 +62,7 @@ def replicated_fraction(cfg: Config, dp: int, tx: optax.GradientTransformation |
 
   Example::
 
-    >>> from nnx_zero1._src.bench.model import CONFIGS
+    >>> from benchmarks.model import CONFIGS
     >>> row = replicated_fraction(CONFIGS["tiny"], 4)
     >>> row["replicated_fraction"] < 1e-3
     True

@@ -1,4 +1,4 @@
-"""``python -m nnx_zero1.bench --aot TOPOLOGY ...``: the bench's ahead-of-time mode, end to end."""
+"""``python -m benchmarks.bench --aot TOPOLOGY ...``: the bench's ahead-of-time mode, end to end."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import platform
 import sys
 import time
 
-from nnx_zero1._src.bench import libtpu
+from benchmarks import libtpu
 
 __all__ = ["AOT_ARMS", "main"]
 
@@ -34,19 +34,19 @@ def main(args: argparse.Namespace) -> int:
 
   Example::
 
-    from nnx_zero1._src.bench.cli import parse_args
+    from benchmarks.bench import parse_args
     main(parse_args(["--aot", "v6e:2x2", "--model", "tiny", "--dp", "4", "--ga", "2"]))
   """
   try:
     version = libtpu.require_libtpu()
   except libtpu.AotUnavailable as e:
-    print(f"nnx_zero1.bench: {e}", file=sys.stderr)
+    print(f"benchmarks.bench: {e}", file=sys.stderr)
     return 2
   _start_cpu_jax()
   import jax
 
-  from nnx_zero1._src.bench import aot, aot_output
-  from nnx_zero1._src.bench import settings as settings_lib
+  from benchmarks import aot, aot_output
+  from benchmarks import settings as settings_lib
 
   settings = settings_lib.Settings(
       model=args.model, dp=args.dp, ga=args.ga, batch=args.batch, seq_len=args.seq_len,
@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
         rows.append(row)
         if not args.no_progress:
           done = "refused (does not fit)" if row.get("hbm_oom") else "compiled"
-          print(f"nnx_zero1.bench: {done} {row['arm']} dp={dp} ga={ga} for {args.aot} in "
+          print(f"benchmarks.bench: {done} {row['arm']} dp={dp} ga={ga} for {args.aot} in "
                 f"{row['compile_s']} s", file=sys.stderr)
   meta = {
       **settings_lib.describe(settings),
@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
       "wall_s": round(time.perf_counter() - start, 1),
   }
   paths = aot_output.write_all({"meta": meta, "rows": rows}, args.out)
-  print(f"nnx_zero1.bench: model {args.model} ({meta['params']:,} params), {args.optimizer}, compiled for "
+  print(f"benchmarks.bench: model {args.model} ({meta['params']:,} params), {args.optimizer}, compiled for "
         f"{args.aot} by libtpu {version} (nothing ran); {meta['wall_s']} s")
   print(aot_output.table(rows))
   print("wrote " + ", ".join(paths))

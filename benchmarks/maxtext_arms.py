@@ -10,7 +10,7 @@ kernel's collectives, and the final loss.
 Run::
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    python -m nnx_zero1.bench.maxtext_arms --dp 4 --ga 4 --steps 5 --out bench_out
+    python -m benchmarks.maxtext_arms --dp 4 --ga 4 --steps 5 --out bench_out
 """
 
 from __future__ import annotations
@@ -19,79 +19,27 @@ import argparse
 import importlib
 import importlib.util
 import json
-import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from nnx_zero1._src.bench import devices
+from benchmarks import devices
 from nnx_zero1._src.report import bytes_per_device
 from nnx_zero1.testing import collectives
+from tests.maxtext_toys import tiny_batches, tiny_config, tiny_mesh
 
-__all__ = ["MISSING_MAXTEXT", "tiny_config", "tiny_mesh", "tiny_batches", "run_arm", "main"]
+__all__ = ["MISSING_MAXTEXT", "run_arm", "main"]
 
 MISSING_MAXTEXT = (
     "needs maxtext, which is not installed here: on Python >= 3.12, "
     "pip install -r .ci/requirements-newest.txt && pip install --no-deps maxtext==0.2.5"
 )
-
-TINY = dict(
-    model_name="default", run_name="nnx_zero1", base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2,
-    base_mlp_dim=64, base_num_decoder_layers=2, head_dim=16, vocab_size=128, max_target_length=16,
-    per_device_batch_size=1, shard_mode="explicit", ici_data_parallelism=4, ici_fsdp_parallelism=1,
-    attention="dot_product", dtype="float32", opt_type="adamw", dataset_type="synthetic",
-    profiler_steps=0, skip_jax_distributed_system=True, enable_checkpointing=False, checkpoint_dir="",
-    enable_goodput_recording=False, gradient_clipping_threshold=0, async_checkpointing=False,
-    enable_tensorboard=False, base_output_directory=os.path.join(tempfile.gettempdir(), "nnx_zero1_maxtext"),
-)
-
-
-def tiny_config(**overrides: Any) -> Any:
-  """A MaxText ``HyperParameters`` for a 2-layer, 32-wide decoder (MaxText's ``base.yml`` + overrides).
-
-  Example::
-
-    config = tiny_config(ici_data_parallelism=2, opt_type="sgd")
-  """
-  from nnx_zero1.adapters import _compat as _maxtext_compat
-
-  _maxtext_compat.ensure_tunix_types()
-  import maxtext
-  from maxtext.configs import pyconfig
-
-  base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-  args = {**TINY, **overrides}
-  return pyconfig.initialize(["nnx_zero1", base] + [f"{k}={v}" for k, v in args.items()])
-
-
-def tiny_mesh(config: Any) -> jax.sharding.Mesh:
-  """MaxText's mesh for ``config`` on the first (data x fsdp x tensor) devices."""
-  from maxtext.utils import maxtext_utils
-
-  n = config.ici_data_parallelism * max(config.ici_fsdp_parallelism, 1) * config.ici_tensor_parallelism
-  return maxtext_utils.get_mesh_from_config(config, jax.devices()[:n])
-
-
-def tiny_batches(config: Any, count: int, seed: int = 0) -> list[dict]:
-  """``count`` micro-batches of host arrays, one row per device, as MaxText's engine takes them."""
-  rng = np.random.default_rng(seed)
-  rows, length = int(config.micro_batch_size_to_train_on), config.max_target_length
-  out = []
-  for _ in range(count):
-    x = rng.integers(0, config.vocab_size, (rows, length)).astype(np.int32)
-    ones = np.ones((rows, length), np.int32)
-    out.append(dict(inputs=x, targets=np.roll(x, -1, 1), inputs_segmentation=ones, targets_segmentation=ones,
-                    inputs_position=np.tile(np.arange(length, dtype=np.int32), (rows, 1))))
-  return out
-
 
 def run_arm(name: str, dp: int, ga: int, steps: int, warmup: int = 1) -> dict:
   """One arm: builds the engine, runs ``warmup + steps`` optimizer steps, measures them."""
@@ -148,7 +96,7 @@ def _table(rows: Sequence[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs both arms and writes ``maxtext.json`` and ``maxtext.md`` into ``--out``."""
-  p = argparse.ArgumentParser(prog="python -m nnx_zero1.bench.maxtext_arms",
+  p = argparse.ArgumentParser(prog="python -m benchmarks.maxtext_arms",
                               description=__doc__.splitlines()[0])
   p.add_argument("--dp", type=int, default=4)
   p.add_argument("--ga", type=int, default=4)
@@ -156,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--out", default="bench_out")
   args = p.parse_args(argv)
   if importlib.util.find_spec("maxtext") is None:
-    print(f"nnx_zero1.bench.maxtext_arms: {MISSING_MAXTEXT}", file=sys.stderr)
+    print(f"benchmarks.maxtext_arms: {MISSING_MAXTEXT}", file=sys.stderr)
     return 2
   devices.synchronous_cpu_dispatch()  # the CPU thread-pool deadlock the tests avoid the same way
   rows = [run_arm(name, args.dp, args.ga, args.steps) for name in ("maxtext-flag", "zero1-maxtext")]

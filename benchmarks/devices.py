@@ -1,8 +1,8 @@
 """Getting enough (virtual CPU) devices for the bench, before or after jax has started.
 
-``python -m nnx_zero1.bench`` imports the parent package first, and
-``nnx_zero1/__init__.py`` imports jax, so setting ``XLA_FLAGS`` at the top of
-``__main__`` would be too late for the flag's usual place. But importing jax
+``python -m benchmarks.bench`` imports the bench's modules, and with them
+``nnx_zero1`` and jax, before ``main`` runs, so setting ``XLA_FLAGS`` in
+``main`` would be too late for the flag's usual place. But importing jax
 does not start a backend: the device count is fixed only when the first
 device or array is made. So the bench asks for its devices through jax's
 ``jax_num_cpu_devices`` option as the very first jax call. If the backend has
@@ -75,13 +75,13 @@ def rerun_command(n: int, argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
     >>> cmd, env = rerun_command(8, ["--quick"])
     >>> cmd[1:], flag_device_count(env["XLA_FLAGS"]), env[CHILD_ENV]
-    (['-m', 'nnx_zero1.bench', '--quick'], 8, '1')
+    (['-m', 'benchmarks.bench', '--quick'], 8, '1')
   """
   env = dict(os.environ)
   kept = re.sub(_COUNT_FLAG + r"=\d+", "", env.get("XLA_FLAGS", "")).strip()
   env["XLA_FLAGS"] = f"{kept} {_COUNT_FLAG}={n}".strip()
   env[CHILD_ENV] = "1"
-  return [sys.executable, "-m", "nnx_zero1.bench", *argv], env
+  return [sys.executable, "-m", "benchmarks.bench", *argv], env
 
 
 def synchronous_cpu_dispatch() -> bool:

@@ -20,10 +20,9 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src.accumulate import value_and_grad_accumulated
-from nnx_zero1._src.bench import measure
-from nnx_zero1._src.bench.model import loss_fn
-from nnx_zero1._src.bench.settings import (
+from benchmarks import measure
+from benchmarks.model import loss_fn
+from benchmarks.settings import (
     ACCUMULATE_OPTIONS,
     LEVER_REFERENCE,
     OPTIMIZERS,
@@ -34,6 +33,7 @@ from nnx_zero1._src.bench.settings import (
     row_fields,
     tokens,
 )
+from nnx_zero1._src.accumulate import value_and_grad_accumulated
 from nnx_zero1._src.hlo import collectives
 from nnx_zero1._src.optimizer import mark_zero1_grads
 from nnx_zero1._src.report import bytes_per_device, memory_kind_of
@@ -53,7 +53,7 @@ def accumulate_grads(model: nnx.Module, batches: jax.Array) -> tuple[jax.Array, 
 
   Example::
 
-    >>> from nnx_zero1._src.bench.model import CONFIGS, Transformer
+    >>> from benchmarks.model import CONFIGS, Transformer
     >>> model = Transformer(CONFIGS["tiny"], rngs=nnx.Rngs(0))
     >>> loss, grads = accumulate_grads(model, jnp.zeros((2, 2, 9), jnp.int32))
     >>> loss.shape
@@ -297,7 +297,7 @@ def _row(arm, times: list[float], loss: float, base_loss: float, same: bool, dp:
 def _make_arm(name: str, settings: Settings, mesh, example: np.ndarray):
   if name in STEP_ARMS:
     return StepArm(name, settings, mesh, example)
-  from nnx_zero1._src.bench import engine_arms  # only when the MaxText-style adapter is asked for
+  from benchmarks import engine_arms  # only when the MaxText-style adapter is asked for
 
   return engine_arms.EngineArm(name, settings, mesh, example)
 

@@ -1,1 +1,0 @@
-"""Private: the benchmark behind ``python -m nnx_zero1.bench``."""

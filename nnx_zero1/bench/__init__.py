@@ -1,1 +1,0 @@
-"""``python -m nnx_zero1.bench``: memory, time and collectives of plain vs Zero-1 training."""
