@@ -53,7 +53,6 @@ from nnx_zero1._src.specs import spec_axes
 
 from . import _compat
 from ._compat import ensure_tunix_types
-from .maxtext import Zero1EngineMixin
 
 ensure_tunix_types()
 

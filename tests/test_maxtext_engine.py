@@ -427,7 +427,7 @@ def test_offload_keeps_the_state_on_host_and_trains_bit_identically():
   """A subclass's ``OFFLOAD_STATE_TO_HOST = True`` reaches the optimizer MaxText's engine builds:
   the moments' Zero-1 shards sit in ``pinned_host`` memory between steps, and one step at GA 2
   gives the stock engine's parameters bit for bit."""
-  from nnx_zero1._src.bench.maxtext_arms import tiny_batches
+  from tests.maxtext_toys import tiny_batches
 
   stock_cls, ours = _classes()
 
