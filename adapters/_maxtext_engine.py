@@ -266,7 +266,8 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
     # Zero-1 layout) comes from the second trace, the graph -- and so ``zero1_plan`` -- from the first,
     # where every parameter looked replicated. The plan is therefore rebuilt from the parameters'
     # real layouts (with tensor or FSDP axes the first trace's plan would drop them).
-    with zero1_optimizers(mesh=self._mesh, data_axis="data", offload_state_to_host=self.OFFLOAD_STATE_TO_HOST):
+    offload = self.OFFLOAD_STATE_TO_HOST
+    with zero1_optimizers(mesh=self._mesh, data_axis="data", offload_state_to_host=offload):
       state = super()._trace_train_state(tx)
     optimizer = state.optimizer
     if not isinstance(optimizer, Zero1Optimizer):
