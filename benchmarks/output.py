@@ -19,6 +19,9 @@ __all__ = [
 OPT_BYTES_SLACK = 1.02
 STEP_RATIO_GOAL = 1.05
 STEP_RATIO_GA = 8
+# Above this share of the machine's CPU time used by other processes while the arms were timed,
+# step times are not judged: one arm's steps may have met the load and another's not.
+BUSY_SHARE = 0.10
 
 
 def _mib(n: float) -> str:
@@ -151,6 +154,10 @@ def _step_goal(rows: Sequence[dict], arm: str, label: str) -> str:
   ]
   measured = ", ".join(f"dp={dp} {e}" for dp, e in estimates) or "not measured"
   verdict = judge_all([judge(e, STEP_RATIO_GOAL) for _, e in estimates])
+  busy = max((r["other_cpu_share"] for r in at_ga if r.get("other_cpu_share") is not None), default=0.0)
+  if estimates and busy > BUSY_SHARE:
+    verdict = (f"inconclusive (machine busy: other processes used {busy:.0%} of its CPU time while the "
+               "arms were timed)")
   return (f"step time {label} <= {STEP_RATIO_GOAL} at GA={STEP_RATIO_GA} (median per-step ratio "
           f"[95% bootstrap interval]): {measured} -> {verdict}")
 

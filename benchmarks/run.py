@@ -330,6 +330,7 @@ def run_cell(
     tick()
   times: dict[str, list[float]] = {arm.name: [] for arm in built}
   losses: dict[str, float] = {}
+  others = measure.load_meter()
   for i in range(settings.warmup + settings.steps):
     step_tokens = tokens(settings, ga, i)
     for arm in built if i % 2 == 0 else built[::-1]:
@@ -339,6 +340,7 @@ def run_cell(
       if i >= settings.warmup:
         times[arm.name].append(seconds)
       tick()
+  other_load = others()
   reference = built[0]
   final = {arm.name: arm.params() for arm in built}
   equal = lambda a, b: all(np.array_equal(x, y) for x, y in zip(final[a], final[b], strict=True))  # noqa: E731
@@ -348,7 +350,10 @@ def run_cell(
     equal_to = [other.name for other in built if other is not arm and equal(arm.name, other.name)]
     rows.append(_row(arm, times[arm.name], losses[arm.name], losses[reference.name],
                      equal(arm.name, reference.name), dp, ga, settings, diff, equal_to))
-  return _with_lever_ratios(rows)
+  # What other processes took of the machine while the steps were timed: the verdicts say
+  # "inconclusive" rather than judge step times a busy machine skewed.
+  share = None if other_load is None else round(other_load, 3)
+  return _with_lever_ratios([{**r, "other_cpu_share": share} for r in rows])
 
 
 def _with_lever_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

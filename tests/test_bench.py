@@ -96,6 +96,27 @@ def test_goals_judge_step_time_from_the_interval_and_accum_by_bit_identity():
   assert not [line for line in lines if "1.2e-05" in line and "->" in line]  # a number, no verdict
   rows[-1]["params_equal_arms"] = []
   assert "zero1-accum parameters bit-identical to accum: False -> missed" in output.targets(rows)
+  slow = [row("baseline", 1.0, []), row("zero1", 1.3, [])]  # missed on a quiet machine
+  assert [ln for ln in output.targets(slow) if ln.startswith("step time Zero-1/plain")][0].endswith("missed")
+  for r in slow:  # the same times while other processes took 40% of the machine
+    r["other_cpu_share"] = 0.4
+  step = [ln for ln in output.targets(slow) if ln.startswith("step time Zero-1/plain")][0]
+  assert step.endswith("-> inconclusive (machine busy: other processes used 40% of its CPU time while the "
+                       "arms were timed)")
+
+
+def test_the_load_meter_sees_another_process_take_a_core():
+  import time
+
+  read = measure.load_meter()
+  spin = "import time\nt = time.time()\nwhile time.time() - t < 2: pass"
+  busy = subprocess.Popen([sys.executable, "-c", spin])
+  busy.wait(timeout=60)
+  share = read()
+  assert share is not None and share > 0.5 / (os.cpu_count() or 1)  # one core spun for ~2 of ~2 s
+  idle = measure.load_meter()
+  time.sleep(0.5)
+  assert idle() is not None
 
 
 def test_missing_optional_dependencies_give_one_line_before_any_work(tmp_path):
