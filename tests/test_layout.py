@@ -21,6 +21,16 @@ def test_first_divisible_dimension_takes_the_data_axis():
   assert spec((3, 5, 4)) == P(None, None, "data")
 
 
+def test_a_dimension_that_keeps_more_than_one_row_per_device_is_preferred():
+  # 2 rows over data (2) would leave one per device (issue 25: a LoRA factor of rank 2 or 4).
+  assert spec((2, 8)) == P(None, "data")
+  assert spec((2, 8), P(None, "tp")) == P(None, ("tp", "data"))
+  assert spec((2, 2, 6)) == P(None, None, "data")
+  # With no such dimension, the first one that divides takes it, one row per device.
+  assert spec((2, 3)) == P("data")
+  assert spec((2, 2)) == P("data")
+
+
 def test_indivisible_and_scalar_leaves_stay_as_they_are():
   s = NamedSharding(MESH, P())
   assert zero1_layout((3, 5), s) == (s, Reason.NOT_DIVISIBLE)

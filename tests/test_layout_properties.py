@@ -81,8 +81,11 @@ def check_rule(mesh, shape, spec, data_axis):
   fits = [i for i, (size, part) in enumerate(zip(shape, old)) if size % (width(part) * n) == 0]
   if not missing or not fits:  # scalars, leaves on every data axis, leaves nothing divides
     assert after == before
-  else:  # the first dimension that can take the missing data axes gets them, nothing else changes
-    assert new == [o + missing if i == fits[0] else o for i, o in enumerate(old)]
+  else:  # the first dimension that can take the missing data axes and keeps more than one row per
+    # device gets them (else the first that can take them); nothing else changes
+    rows = [i for i in fits if shape[i] // (width(old[i]) * n) > 1]
+    chosen = (rows or fits)[0]
+    assert new == [o + missing if i == chosen else o for i, o in enumerate(old)]
   if len(axes) > 1 and missing:  # composes: adding one data axis, then the others, is adding them all
     for first in axes:
       once = zero1_sharding(shape, zero1_sharding(shape, before, first), data_axis)

@@ -2,7 +2,8 @@
 
 Pure functions of (shape, sharding, data axis). :func:`zero1_layout` is the rule
 for a parameter-shaped leaf: it keeps the leaf's existing partitioning and adds
-the data axis to the first dimension that can take it. :func:`statistic_layout`
+the data axis to the first dimension that can take it and keeps more than one
+row per device (else to the first that can take it). :func:`statistic_layout`
 is the rule for a per-parameter statistic that keeps only some of its
 parameter's dimensions (adafactor's factored moments). Every leaf left whole
 carries a :class:`Reason`, which ``report`` shows.
@@ -89,13 +90,19 @@ def zero1_layout(
     return sharding, Reason.SCALAR
   n = data_axis_size(mesh, missing)
   entries = padded_entries(sharding.spec, len(shape))
-  for dim, (size, entry) in enumerate(zip(shape, entries)):
-    existing = entry_axes(entry)
-    if size % (math.prod(mesh.shape[a] for a in existing) * n) == 0:
-      entries[dim] = existing + missing
-      # Optimizer state holds whole values: never partial sums (unreduced) or reduced copies.
-      return NamedSharding(mesh, canonical_spec(entries), memory_kind=sharding.memory_kind), None
-  return sharding, Reason.ALREADY_SHARDED if len(missing) < len(axes) else Reason.NOT_DIVISIBLE
+  # Per device, dimension `dim` keeps size // parts[dim] (parts: the axes on it x the data axes).
+  parts = [math.prod(mesh.shape[a] for a in entry_axes(entry)) * n for entry in entries]
+  divisible = [dim for dim, size in enumerate(shape) if size % parts[dim] == 0]
+  if not divisible:
+    return sharding, Reason.ALREADY_SHARDED if len(missing) < len(axes) else Reason.NOT_DIVISIBLE
+  # Prefer a dimension that keeps more than one row per device: a slice with a new size-1
+  # dimension changes XLA's fusions (a transposed gradient's transpose becomes a bitcast) and
+  # with them which multiply-add the CPU backend contracts into an FMA, so it rounds
+  # differently from the whole leaf (docs/how_it_works.md, "The layout rule").
+  dim = next((d for d in divisible if shape[d] // parts[d] > 1), divisible[0])
+  entries[dim] = entry_axes(entries[dim]) + missing
+  # Optimizer state holds whole values: never partial sums (unreduced) or reduced copies.
+  return NamedSharding(mesh, canonical_spec(entries), memory_kind=sharding.memory_kind), None
 
 
 def zero1_sharding(
@@ -105,7 +112,8 @@ def zero1_sharding(
 
   Keeps every axis already in the spec and adds the data axis (or axes) to the
   first dimension whose size divides by (the product of the axes already on it)
-  x (the data-axis size). With a tuple data axis only the data axes the spec
+  x (the data-axis size) and leaves more than one row per device; if every such
+  dimension would leave one row, to the first of them. With a tuple data axis only the data axes the spec
   does not use yet are added (never one twice). A spec that uses every data
   axis, a scalar, or a leaf with no such dimension is returned unchanged. The
   rule is idempotent.
@@ -128,6 +136,11 @@ def zero1_sharding(
     >>> mesh = jax.make_mesh((1, 1), ("data", "tp"))
     >>> zero1_sharding((8, 6), NamedSharding(mesh, P(None, "tp"))).spec
     P('data', 'tp')
+    >>> mesh = jax.make_mesh((4, 2), ("data", "tp"))  # 4 rows over 4 replicas would leave 1 each
+    >>> zero1_sharding((4, 128), NamedSharding(mesh, P(None, "tp"))).spec
+    P(None, ('tp', 'data'))
+    >>> zero1_sharding((4, 6), NamedSharding(mesh, P())).spec  # no other dimension divides
+    P('data',)
     >>> mesh = jax.make_mesh((1, 1), ("replica", "data"))
     >>> zero1_sharding((8, 6), NamedSharding(mesh, P(None, "data")), ("replica", "data")).spec
     P('replica', 'data')
