@@ -45,8 +45,9 @@ def train(cls, shape, sharding):
       opt.update(model, grads)
 
     for i in range(STEPS):
-      x = jax.device_put(jax.random.normal(jax.random.key(i + 1), (8, 64)), NamedSharding(MESH, P("data")))
-      y = jax.device_put(jax.random.normal(jax.random.key(i + 11), (8, shape[1])), NamedSharding(MESH, P("data")))
+      batch = NamedSharding(MESH, P("data"))
+      x = jax.device_put(jax.random.normal(jax.random.key(i + 1), (8, 64)), batch)
+      y = jax.device_put(jax.random.normal(jax.random.key(i + 11), (8, shape[1])), batch)
       step(model, opt, x, y)
   return model, opt
 

@@ -41,7 +41,9 @@ def lora_qwen3() -> nnx.Module:
     model = qwen3.Qwen3(CONFIG, rngs=nnx.Rngs(0))
     x = model_input(batches(1)[0])
     provider = qwix.LoraProvider(module_path=PROJECTIONS, rank=4, alpha=2.0)
-    model = qwix.apply_lora_to_model(model, provider, x["input_tokens"], x["positions"], None, x["attention_mask"])
+    model = qwix.apply_lora_to_model(
+        model, provider, x["input_tokens"], x["positions"], None, x["attention_mask"]
+    )
   return place(model, MESH)
 
 
@@ -49,7 +51,9 @@ def lora_qwen3() -> nnx.Module:
 def trainers():
   out = {}
   for cls in (peft_trainer.PeftTrainer, Zero1PeftTrainer):
-    config = peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=STEPS, data_sharding_axis=("data",))
+    config = peft_trainer.TrainingConfig(
+        eval_every_n_steps=1000, max_steps=STEPS, data_sharding_axis=("data",)
+    )
     with MESH:
       trainer = cls(lora_qwen3(), optax.adamw(1e-3), config).with_gen_model_input_fn(model_input)
       trainer.train(batches(STEPS))
@@ -77,7 +81,10 @@ def test_every_lora_parameter_and_loss_is_bit_identical(trainers):
 def _bytes_on_first_device(tree) -> int:
   device = MESH.devices.flat[0]
   return sum(
-      s.data.nbytes for x in jax.tree.leaves(nnx.as_pure(tree)) for s in x.addressable_shards if s.device == device
+      s.data.nbytes
+      for x in jax.tree.leaves(nnx.as_pure(tree))
+      for s in x.addressable_shards
+      if s.device == device
   )
 
 
