@@ -33,7 +33,7 @@ def saving(rows: Sequence[dict], row: dict) -> int | None:
     >>> saving([base], {**base, "arm": "zero1", "peak_bytes_per_device": 7})
     3
   """
-  key = lambda r: (r["compiled_for"], r["model"] if "model" in r else None, r["dp"], r["ga"])  # noqa: E731
+  key = lambda r: (r["compiled_for"], r["model"] if "model" in r else None, r["dp"], r["ga"])
   base = next((r for r in rows if r["arm"] == "baseline" and key(r) == key(row)), None)
   if base is None or base["peak_bytes_per_device"] is None or row["peak_bytes_per_device"] is None:
     return None
@@ -73,7 +73,7 @@ def table(rows: Sequence[dict]) -> str:
   """
   body = cells(rows)
   widths = [max(len(row[i]) for row in [HEADER, *body]) for i in range(len(HEADER))]
-  line = lambda row: "  ".join(c.ljust(w) if i in (0, 1) else c.rjust(w)  # noqa: E731
+  line = lambda row: "  ".join(c.ljust(w) if i in (0, 1) else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths)))
   return "\n".join([line(HEADER), line(["-" * w for w in widths]), *map(line, body)])
 

@@ -343,7 +343,7 @@ def run_cell(
   other_load = others()
   reference = built[0]
   final = {arm.name: arm.params() for arm in built}
-  equal = lambda a, b: all(np.array_equal(x, y) for x, y in zip(final[a], final[b], strict=True))  # noqa: E731
+  equal = lambda a, b: all(np.array_equal(x, y) for x, y in zip(final[a], final[b], strict=True))
   rows = []
   for arm in built:
     diff = max(float(np.max(np.abs(x - y))) for x, y in zip(final[arm.name], final[reference.name]))

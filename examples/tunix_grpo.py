@@ -84,7 +84,7 @@ def main(steps: int, compare: bool) -> None:
     plain = train(rl_cluster_lib.RLCluster, mesh, steps)
     same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(actor.model)),
                                                     jax.tree.leaves(nnx.state(plain.model))))
-    state = lambda t: nnx.state(t.optimizer, nnx.optimizer.OptState)  # noqa: E731
+    state = lambda t: nnx.state(t.optimizer, nnx.optimizer.OptState)
     ratio = bytes_per_device(state(actor)) / bytes_per_device(state(plain))
     print(f"parameters bit-identical to RLCluster: {same}")
     print(f"optimizer bytes per device vs RLCluster: {ratio:.3f}x")

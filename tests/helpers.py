@@ -130,7 +130,7 @@ class Decoder(nnx.Module):
   """
 
   def __init__(self, rngs: nnx.Rngs, vocab: int = 64, dim: int = 64, heads: int = 4, ffn: int = 128):
-    linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)  # noqa: E731
+    linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)
     self.heads = heads
     self.embed = nnx.Embed(vocab, dim, rngs=rngs)
     self.attn_norm, self.mlp_norm, self.final_norm = (nnx.RMSNorm(dim, rngs=rngs) for _ in range(3))

@@ -265,7 +265,7 @@ def test_plain_optimizer_reads_partitioning_metadata_on_auto_meshes():
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   before = snapshot(model, opt)
   batch = {"x": np.ones((8, 16), np.float32), "y": np.zeros((8, 3), np.float32)}
-  loss_fn = lambda m, b: mlp_loss(m, b["x"], b["y"])  # noqa: E731
+  loss_fn = lambda m, b: mlp_loss(m, b["x"], b["y"])
   step = nnx.jit(lambda m, o, b: value_and_grad_accumulated(loss_fn, m, b, micro_batches=2, optimizer=o,
                                                              strict=True))
   with pytest.raises(Zero1Error, match=r"a parameter is sharded \(P\(None, 'model'\)\)"):
@@ -306,7 +306,7 @@ def test_loss_that_updates_batch_statistics_is_refused():
     model = Normed(nnx.Rngs(0))
     opt = Zero1Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   before = snapshot(model, opt)
-  loss_fn = lambda m, b: (m(b) ** 2).mean()  # noqa: E731
+  loss_fn = lambda m, b: (m(b) ** 2).mean()
   step = nnx.jit(lambda m, o, b: value_and_grad_accumulated(loss_fn, m, b, micro_batches=2, optimizer=o))
   with pytest.raises(Zero1Error, match=r"updates model state other than .*norm"):
     with jax.set_mesh(MESH):
@@ -323,7 +323,7 @@ def test_one_device_no_mesh_is_data_parallel_size_1(jit):
   """A model on one device and no mesh: the optimizer is nnx.Optimizer's (nothing to split) and the
   accumulated gradients are the plain mean over the micro-batches, value by value."""
   x = jax.numpy.arange(64.0).reshape(16, 4) / 64
-  loss = lambda m, b: jax.numpy.mean(m(b) ** 2)  # noqa: E731
+  loss = lambda m, b: jax.numpy.mean(m(b) ** 2)
 
   def ours_step(m, opt, b):
     value, grads = value_and_grad_accumulated(loss, m, b, micro_batches=4, optimizer=opt)
@@ -333,7 +333,7 @@ def test_one_device_no_mesh_is_data_parallel_size_1(jit):
   def plain_step(m, opt, b):  # the same micro-batches, summed in a scan, divided once
     graphdef, params = nnx.split(m, nnx.Param)
     value_and_grad = jax.value_and_grad(lambda p, mb: loss(nnx.merge(graphdef, p), mb))
-    add = lambda acc, mb: (jax.tree.map(jax.numpy.add, acc, value_and_grad(params, mb)), None)  # noqa: E731
+    add = lambda acc, mb: (jax.tree.map(jax.numpy.add, acc, value_and_grad(params, mb)), None)
     zero = (jax.numpy.zeros(()), jax.tree.map(jax.numpy.zeros_like, params))
     (value, grads), _ = jax.lax.scan(add, zero, b.reshape(4, 4, 4))
     opt.update(m, jax.tree.map(lambda g: g / 4, grads))

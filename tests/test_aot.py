@@ -115,7 +115,7 @@ def test_tpu_hlo_collective_structure(aot_run):
   _, _, rows = aot_run
   base, zero1, accum = rows["baseline"], rows["zero1"], rows["zero1-accum"]
   grad_bytes = base["param_bytes"]
-  c = lambda row, op: row["collectives"][op]  # noqa: E731
+  c = lambda row, op: row["collectives"][op]
   # baseline: every gradient all-reduced (the TPU compiler moves part of it out of the micro-batch
   # loop on its own), nothing scattered or gathered.
   assert c(base, "all-reduce")["bytes"] >= grad_bytes

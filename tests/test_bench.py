@@ -81,7 +81,7 @@ def test_step_goal_is_met_missed_or_inconclusive_from_paired_steps():
 
 def test_goals_judge_step_time_from_the_interval_and_accum_by_bit_identity():
   times = [10.0, 30.0, 11.0, 29.0, 10.5, 31.0]  # a machine whose load swings 3x
-  row = lambda arm, factor, equal: {  # noqa: E731
+  row = lambda arm, factor, equal: {
       "arm": arm, "dp": 2, "ga": output.STEP_RATIO_GA, "opt_state_bytes_per_device": 100, "loss_diff": 0.0,
       "step_ms": 20.0 * factor, "step_times_ms": [t * factor for t in times], "param_bytes": 8,
       "collectives": {op: {"count": 1, "bytes": 8} for op in ("reduce-scatter", "all-gather", "all-reduce")},

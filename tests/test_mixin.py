@@ -91,7 +91,7 @@ def test_imported_optimizer_name_is_routed_too():
 
 def test_one_step_matches_the_plain_trainer_bit_for_bit():
   x = jnp.arange(32, dtype=jnp.float32).reshape(4, 8) / 32
-  loss = lambda m: jnp.sum(m(x) ** 2)  # noqa: E731
+  loss = lambda m: jnp.sum(m(x) ** 2)
   trainers = []
   with jax.set_mesh(MESH):
     for cls in (Trainer, Zero1Trainer):

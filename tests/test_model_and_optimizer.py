@@ -43,7 +43,7 @@ def _train_once(jit: str, state, x, y, **extra):
     def step(graphdef, pure, x, y):
       state = nnx.merge(graphdef, pure)
       graphdef_m, params = nnx.split(state.model)
-      loss = lambda p: _mse(nnx.merge(graphdef_m, p), x, y)  # noqa: E731
+      loss = lambda p: _mse(nnx.merge(graphdef_m, p), x, y)
       grads = jax.grad(loss)(params)
       state.update(grads, **({k: f(loss, grads) for k, f in extra.items()}))
       return nnx.split(state)
@@ -52,7 +52,7 @@ def _train_once(jit: str, state, x, y, **extra):
 
   def step(state, x, y):
     graphdef_m = nnx.graphdef(state.model)
-    loss = lambda p: _mse(nnx.merge(graphdef_m, p), x, y)  # noqa: E731
+    loss = lambda p: _mse(nnx.merge(graphdef_m, p), x, y)
     grads = nnx.grad(_mse)(state.model, x, y)
     state.update(grads, **({k: f(loss, grads) for k, f in extra.items()}))
 
@@ -132,9 +132,9 @@ def test_bit_identical_to_model_and_optimizer_with_moments_split():
   assert type(plain) is nnx.ModelAndOptimizer and isinstance(ours, Zero1Optimizer)
   assert isinstance(ours, nnx.ModelAndOptimizer) and ours.mesh == MESH
   assert_trees_equal(nnx.state(ours.model), nnx.state(plain.model))
-  layout = lambda s: [(k, x.shape, x.dtype) for k, x in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(s)))]  # noqa: E731
+  layout = lambda s: [(k, x.shape, x.dtype) for k, x in jax.tree.leaves_with_path(nnx.as_pure(nnx.state(s)))]
   assert layout(ours) == layout(plain)  # the checkpoint tree: same paths, shapes and dtypes
-  mu = lambda s: s.opt_state[0].mu["kernel"][...]  # noqa: E731
+  mu = lambda s: s.opt_state[0].mu["kernel"][...]
   assert bytes_per_device(mu(ours)) * N == bytes_per_device(mu(plain))
   np.testing.assert_array_equal(np.asarray(mu(ours)), np.asarray(mu(plain)))
 

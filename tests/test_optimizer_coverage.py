@@ -53,7 +53,7 @@ def _apply_line_search(model, opt, x, y):
   of the parameters (a pure ``nnx.State``, as ``nnx.Optimizer`` passes them)."""
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   value, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-  value_fn = lambda params: loss_fn(nnx.merge(graphdef, params, rest), x, y)  # noqa: E731
+  value_fn = lambda params: loss_fn(nnx.merge(graphdef, params, rest), x, y)
   opt.update(model, grads, value=value, grad=grads, value_fn=value_fn)
 
 

@@ -52,7 +52,7 @@ def test_zero1_optimizer_sets_every_attribute_nnx_optimizer_sets():
     ours = Zero1Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
   missing = set(vars(plain)) - set(vars(ours))
   assert not missing, f"Zero1Optimizer does not set {sorted(missing)}"
-  pure = lambda opt: jax.tree.structure(nnx.to_pure_dict(nnx.state(opt)))  # noqa: E731
+  pure = lambda opt: jax.tree.structure(nnx.to_pure_dict(nnx.state(opt)))
   assert pure(plain) == pure(ours)
 
 

@@ -49,7 +49,7 @@ def test_outside_the_scope_nothing_changes():
 
 def test_same_arguments_and_bit_identical_step():
   x = jnp.arange(32, dtype=jnp.float32).reshape(4, 8) / 32
-  loss = lambda m: jnp.sum(m(x) ** 2)  # noqa: E731
+  loss = lambda m: jnp.sum(m(x) ** 2)
   models, opts = [], []
   with jax.set_mesh(MESH):
     for scoped in (False, True):

@@ -172,7 +172,7 @@ def test_model_spread_over_devices_without_a_mesh_is_refused():
 
 def dpo_batches(n: int) -> list:
   rng = np.random.default_rng(1)
-  ids = lambda: rng.integers(1, 256, (4, 4)).astype(np.int32)  # noqa: E731
+  ids = lambda: rng.integers(1, 256, (4, 4)).astype(np.int32)
   ones = np.ones((4, 4), np.int32)
   return [
       dpo_trainer.TrainingInput(

@@ -268,7 +268,7 @@ def _scan_per_replica(
   data = P(axes_entry(axes))
 
   def per_replica(params, rest, batch):
-    local_loss = lambda p, b: loss_of_params(p, rest, b)  # noqa: E731
+    local_loss = lambda p, b: loss_of_params(p, rest, b)
 
     def micro(carry, micro_batch):
       loss_sum, acc = carry
@@ -279,7 +279,7 @@ def _scan_per_replica(
     (loss_sum, acc), _ = jax.lax.scan(micro, start, _local_micro_batches(batch, micro_batches))
     return jax.lax.psum(loss_sum, axes) / micro_batches, acc
 
-  replicated = lambda tree: jax.tree.map(lambda x: place(x, NamedSharding(mesh, P())), tree)  # noqa: E731
+  replicated = lambda tree: jax.tree.map(lambda x: place(x, NamedSharding(mesh, P())), tree)
   params, rest = replicated(params), replicated(rest)
   batch = jax.tree.map(lambda x: place(x, NamedSharding(mesh, data)), batch)
   return jax.shard_map(
@@ -298,7 +298,7 @@ def _mean(sums: Any, micro_batches: int) -> list:
 def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets):
   """Per replica: a scan over its micro-batches with no collective, into one row per replica;
   then :func:`reduction.reduce_rows`, one collective per leaf, as the engines reduce theirs."""
-  varying = lambda x: jax.lax.pcast(x, axes, to="varying")  # noqa: E731
+  varying = lambda x: jax.lax.pcast(x, axes, to="varying")
   loss, rows = _scan_per_replica(
       loss_of_params, params, rest, batch, micro_batches, mesh, axes,
       zeros=lambda p: jax.tree.map(lambda x: varying(jnp.zeros_like(x))[None], p),

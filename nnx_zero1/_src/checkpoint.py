@@ -123,7 +123,7 @@ def abstract_state(obj: Any) -> nnx.State:
     sharding = targets.get(key_names(path))
     return jax.tree.map(lambda x: restore_target(x, mesh, sharding), variable)
 
-  is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731 -- paths end at the variable
+  is_variable = lambda x: isinstance(x, nnx.Variable)  # paths end at the variable
   flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
   unmatched = set(targets) - {key_names(path) for path, _ in flat}
   if unmatched:  # the plan and the state disagree: never fall back to the live layout silently

@@ -76,7 +76,7 @@ def value_fn_at_home(value_fn: Callable, plan, homes: Sequence[NamedSharding]) -
   def wrapped(params, *args, **kwargs):
     if not _inside_auto_axes(plan):
       return at_home(params, *args, **kwargs)
-    run = lambda p: at_home(p, *args, **kwargs)  # noqa: E731
+    run = lambda p: at_home(p, *args, **kwargs)
     return jax.sharding.explicit_axes(run, axes=plan.data_axis, in_sharding=(sliced,))(params)
 
   return wrapped

@@ -22,6 +22,7 @@ from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.specs import (
     DataAxis,
     canonical_spec,
+    check_data_axes_on_mesh,
     data_axes,
     data_axis_size,
     entry_axes,
@@ -79,7 +80,7 @@ def zero1_layout(
   """
   mesh = sharding.mesh
   axes = data_axes(data_axis)
-  data_axis_size(mesh, axes)  # every data axis is on the mesh
+  check_data_axes_on_mesh(mesh, axes)
   if len(spec_entries(sharding.spec)) > len(shape):
     raise Zero1Error(f"sharding spec {sharding.spec} has more entries than shape {tuple(shape)}")
   # With a tuple data axis, a spec may use some of them (FSDP over one): add only the others.

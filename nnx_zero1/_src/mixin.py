@@ -18,7 +18,7 @@ import jax
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.mesh import current_mesh
 from nnx_zero1._src.scope import zero1_optimizers
-from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size
+from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes
 
 __all__ = ["ShardedOptimizerMixin"]
 
@@ -97,7 +97,7 @@ class ShardedOptimizerMixin:
     options = self.zero1_options(*args, **kwargs)
     axes = data_axes(options["data_axis"])
     for mesh in self._zero1_meshes(*args, **kwargs):
-      data_axis_size(mesh, axes)
+      check_data_axes_on_mesh(mesh, axes)
     offload = bool(options.get("offload_state_to_host", False))  # older zero1_options() omit it
     scope = zero1_optimizers(data_axis=axes, strict=bool(options["strict"]), offload_state_to_host=offload)
     with scope as built:

@@ -27,7 +27,7 @@ from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_home
 from nnx_zero1._src.placement import current_sharding, off_mesh, place
 from nnx_zero1._src.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
-from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size, is_explicit, spec_entries
+from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes, is_explicit, spec_entries
 
 __all__ = ["Zero1Optimizer", "init_sharded_state", "mark_zero1_grads", "opt_state_init"]
 
@@ -109,7 +109,7 @@ def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, par
       jax.tree.unflatten(jax.tree.structure(state), compute_shardings(plan)),
   )
   arrays, rebuild = partition_arrays(kwargs)
-  run = lambda g, s, p, kw: tx.update(g, s, p, **rebuild(kw))  # noqa: E731
+  run = lambda g, s, p, kw: tx.update(g, s, p, **rebuild(kw))
   return jax.sharding.auto_axes(run, axes=plan.data_axis, out_sharding=out_sharding)(
       grads, state, params, arrays
   )
@@ -252,7 +252,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
             "jax.set_mesh(mesh)"
         )
       _warn_one_device(device)
-    data_axis_size(mesh, axes)
+    check_data_axes_on_mesh(mesh, axes)
     check_params(params, wrt, mesh)
     init = opt_state_init(tx)
     abstract_state = nnx.as_pure(jax.eval_shape(init, param_state))  # the one trace of tx.init

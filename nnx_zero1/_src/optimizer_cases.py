@@ -138,5 +138,5 @@ CASES: dict[str, OptimizerCase] = {
     ),
 }
 
-# The elementwise optimizers: bit-identical to nnx.Optimizer by contract.
+# The elementwise optimizers: bit-identical to nnx.Optimizer by contract (README, how_it_works.md).
 ELEMENTWISE_CONTRACT = ("sgd", "momentum", "adam", "adamw", "lion", "rmsprop", "adagrad")

@@ -269,7 +269,7 @@ def reduce_rows(
   ]
   in_specs = [accumulator_sharding(p, a.ndim - 1, axes).spec for a, p in zip(leaves, param_shardings)]
   # One local row, or several of which only the first is non-zero (gradients added already reduced).
-  local = lambda block, r: block[0] if r == axes else block.sum(0)  # noqa: E731
+  local = lambda block, r: block[0] if r == axes else block.sum(0)
   return jax.tree.unflatten(treedef, _reduce_each(leaves, mesh, in_specs, targets, dims, row_sets, local))
 
 
@@ -324,7 +324,7 @@ def reduce_unreduced(grads: Any, targets: Any, axes: tuple[str, ...] = ("data",)
     reduced = _reduce_each(leaves, mesh, in_specs, target_leaves, dims, [axes] * len(leaves), lambda x, _: x)
   else:
     acc_specs = [t.spec for t in target_leaves]
-    add = lambda acc, g: scatter_into(acc, g, dims, axes)  # noqa: E731
+    add = lambda acc, g: scatter_into(acc, g, dims, axes)
     acc = treedef.flatten_up_to(into)  # type: ignore[attr-defined]  # PyTreeDef's stub is not seen
     reduced = jax.shard_map(add, mesh=mesh, in_specs=(acc_specs, in_specs), out_specs=acc_specs)(acc, leaves)
   return jax.tree.unflatten(treedef, reduced)

@@ -133,7 +133,7 @@ class Zero1Report:
         for r in self.rows
     ]
     widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
-    line = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+    line = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
     axis = "x".join(self.data_axis)
     total = (
         f"optimizer state per device: {self.per_device_bytes:,} B "

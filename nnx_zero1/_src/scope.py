@@ -32,7 +32,7 @@ from nnx_zero1._src.compat import set_metaclass
 from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.model_and_optimizer import Zero1ModelAndOptimizer
 from nnx_zero1._src.optimizer import Zero1Optimizer
-from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size
+from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes
 
 __all__ = ["zero1_optimizers"]
 
@@ -138,7 +138,7 @@ def zero1_optimizers(
   """
   axes = data_axes(data_axis)
   if mesh is not None:
-    data_axis_size(resolve_mesh(mesh), axes)
+    check_data_axes_on_mesh(resolve_mesh(mesh), axes)
   _install()
   scope = _Scope(
       mesh=mesh, data_axis=axes, strict=bool(strict), built=[],

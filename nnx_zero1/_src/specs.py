@@ -33,6 +33,7 @@ __all__ = [
     "DataAxis",
     "axes_entry",
     "canonical_spec",
+    "check_data_axes_on_mesh",
     "data_axes",
     "data_axis_size",
     "entry_axes",
@@ -192,6 +193,17 @@ def data_axes(data_axis: DataAxis | None, default: DataAxis = "data") -> tuple[s
   if len(set(axes)) != len(axes):
     raise Zero1Error(f"data_axis {data_axis!r} names an axis twice")
   return axes
+
+
+def check_data_axes_on_mesh(mesh: Any, data_axis: DataAxis) -> None:
+  """Raises ``Zero1Error`` naming the mesh's axes unless every data axis is one of them.
+
+  Example::
+
+    >>> import jax
+    >>> check_data_axes_on_mesh(jax.make_mesh((1,), ("data",)), "data")
+  """
+  data_axis_size(mesh, data_axis)
 
 
 def data_axis_size(mesh: Any, data_axis: DataAxis) -> int:

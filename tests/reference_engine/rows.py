@@ -89,7 +89,7 @@ def local_grads(
     1.0
   """
   acc_specs = jax.tree.map(lambda a: P(axes_entry(axes)), acc)
-  add = lambda acc, grads: jax.tree.map(lambda a, g: a + g[None], acc, grads)  # noqa: E731
+  add = lambda acc, grads: jax.tree.map(lambda a, g: a + g[None], acc, grads)
   return _per_replica_step(loss_of_params, params, rest, acc, batch, mesh, axes, acc_specs, add)
 
 
@@ -98,7 +98,7 @@ def _per_replica_step(loss_of_params, params, rest, acc, batch, mesh, axes, acc_
   n = data_axis_size(mesh, axes)
 
   def per_replica(params, rest, acc, batch):
-    local = lambda p, b: loss_of_params(p, rest, b)  # noqa: E731
+    local = lambda p, b: loss_of_params(p, rest, b)
     loss, grads = replica_value_and_grad(local, params, batch, n, axes)
     return jax.lax.psum(loss, axes), add(acc, grads)
 
@@ -136,7 +136,7 @@ def scattered_grads(
   homes = [NamedSharding(mesh, P())] * len(targets)  # deferral's condition: replicated parameters
   dims = scatter_dims([p.ndim for p in jax.tree.leaves(params)], homes, targets, axes)
   acc_specs = jax.tree.unflatten(jax.tree.structure(acc), [t.spec for t in targets])
-  add = lambda acc, grads: scatter_into(acc, grads, dims, axes)  # noqa: E731
+  add = lambda acc, grads: scatter_into(acc, grads, dims, axes)
   return _per_replica_step(loss_of_params, params, rest, acc, batch, mesh, axes, acc_specs, add)
 
 
