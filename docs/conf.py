@@ -26,7 +26,13 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
+    "sphinx_copybutton",
 ]
+# The copy button copies code without its prompts (and without doctest output lines), so a
+# `pycon` block pastes into `python` as it is.
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = True
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build", "coverage_table.md"]  # coverage_table.md: included by coverage.md
 root_doc = "index"
