@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
-from nnx_zero1._src.placement import place
+from nnx_zero1._src.placement import place_tree
 from nnx_zero1._src.specs import is_explicit
 
 __all__ = ["partition_arrays", "value_fn_at_home"]
@@ -44,11 +44,6 @@ def partition_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
   return [x for x, a in zip(leaves, is_array) if a], rebuild
 
 
-def _place_tree(tree: Any, shardings: Sequence[NamedSharding]) -> Any:
-  leaves, treedef = jax.tree.flatten(tree)
-  return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, shardings, strict=True)])
-
-
 def value_fn_at_home(value_fn: Callable, plan, homes: Sequence[NamedSharding]) -> Callable:
   """``value_fn`` called with the parameters back on ``homes``, their own layout.
 
@@ -69,7 +64,7 @@ def value_fn_at_home(value_fn: Callable, plan, homes: Sequence[NamedSharding]) -
     4.0
   """
   def at_home(params, *args, **kwargs):
-    return value_fn(_place_tree(params, homes), *args, **kwargs)
+    return value_fn(place_tree(params, homes), *args, **kwargs)
 
   sliced = jax.tree.unflatten(plan.param_treedef, plan.zero1_param_shardings)
 

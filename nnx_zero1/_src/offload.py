@@ -10,17 +10,18 @@ the same tree, shapes and dtypes (checkpoints cross).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.placement import move_tree
 from nnx_zero1._src.plan import Zero1Plan
 
 __all__ = [
-    "DEVICE", "HOST", "check_host_memory", "compute_shardings", "offload_plan", "to_compute", "to_home",
+    "DEVICE", "HOST", "check_host_memory", "compute_shardings", "offload_plan", "to_compute", "to_storage",
 ]
 
 HOST = "pinned_host"  # page-locked: the transfer engine reads it without a staging copy
@@ -114,13 +115,6 @@ def compute_shardings(plan: Zero1Plan) -> list:
   return [_with_kind(s, DEVICE) for s in homes] if plan.offload_state else homes
 
 
-def _move(tree: Any, shardings: Sequence) -> Any:
-  # device_put is the one call that changes memory kind the same way eagerly and under jit,
-  # on Auto and Explicit meshes (with_sharding_constraint and reshard keep it).
-  leaves, treedef = jax.tree.flatten(tree)
-  return jax.tree.unflatten(treedef, [jax.device_put(x, s) for x, s in zip(leaves, shardings, strict=True)])
-
-
 def to_compute(state: Any, plan: Zero1Plan) -> Any:
   """The state (pure arrays) into device memory for the update; as it is when not offloaded.
 
@@ -132,10 +126,10 @@ def to_compute(state: Any, plan: Zero1Plan) -> Any:
     >>> to_compute((), plan)
     ()
   """
-  return _move(state, compute_shardings(plan)) if plan.offload_state else state
+  return move_tree(state, compute_shardings(plan)) if plan.offload_state else state
 
 
-def to_home(state: Any, plan: Zero1Plan) -> Any:
+def to_storage(state: Any, plan: Zero1Plan) -> Any:
   """The new state (pure arrays) back where the plan keeps it between steps (host memory if offloaded).
 
   Example::
@@ -143,7 +137,7 @@ def to_home(state: Any, plan: Zero1Plan) -> Any:
     >>> import jax, jax.numpy as jnp, optax
     >>> from nnx_zero1._src.plan import make_plan
     >>> plan = make_plan(optax.sgd(0.1), {"w": jnp.ones(2)}, jax.make_mesh((1,), ("data",)), ("data",))
-    >>> to_home((), plan)
+    >>> to_storage((), plan)
     ()
   """
-  return _move(state, [row.sharding for row in plan.state_leaves]) if plan.offload_state else state
+  return move_tree(state, [row.sharding for row in plan.state_leaves]) if plan.offload_state else state

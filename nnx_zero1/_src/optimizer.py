@@ -24,8 +24,8 @@ from nnx_zero1._src.compat import Filter, to_opt_state
 from nnx_zero1._src.errors import Zero1Error, Zero1Warning
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
 from nnx_zero1._src.mesh import resolve_mesh
-from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_home
-from nnx_zero1._src.placement import current_sharding, off_mesh, place
+from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_storage
+from nnx_zero1._src.placement import current_sharding, off_mesh, place, place_tree
 from nnx_zero1._src.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
 from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes, is_explicit, spec_entries
 
@@ -63,12 +63,6 @@ def mark_zero1_grads(grads: nnx.State) -> nnx.State:
 def _is_marked(grads: Any) -> bool:
   variables = _grad_variables(grads)
   return bool(variables) and all(v.get_metadata().get(ON_ZERO1_LAYOUT, False) for v in variables)
-
-
-def _place_all(tree: Any, shardings, only=None) -> Any:
-  leaves, treedef = jax.tree.flatten(tree)
-  placed = [x if only and not only(x) else place(x, s) for x, s in zip(leaves, shardings, strict=True)]
-  return jax.tree.unflatten(treedef, placed)
 
 
 def _warn_one_device(device: jax.Device) -> None:
@@ -160,7 +154,7 @@ def init_sharded_state(
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
     # Built under a trace (nnx.eval_shape, inside jit): an inner jit's out_shardings do not
     # reach the traced types, so give them the Zero-1 layout (and memory kind) explicitly.
-    state = to_home(_place_all(state, compute_shardings(plan)), plan)
+    state = to_storage(place_tree(state, compute_shardings(plan)), plan)
   variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   variables = [v for v in variables if jax.tree.leaves(v)]  # not masked-out (MaskedNode) ones
   for var, row in zip(variables, plan.state_leaves, strict=True):
@@ -326,10 +320,10 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     pin = self.pin_gradients and not _is_marked(grads)
     homes, sliced = _onto_zero1_layout(self.zero1_plan, params, pure_grads, state, pin=pin)
     new_params, new_state, updates = _run_on_slices(self.tx, self.zero1_plan, sliced, homes, kwargs)
-    nnx.update(model, _place_all(new_params, homes))
-    nnx.update(self.opt_state, nnx.state(to_home(new_state, self.zero1_plan), graph=self.graph))
+    nnx.update(model, place_tree(new_params, homes))
+    nnx.update(self.opt_state, nnx.state(to_storage(new_state, self.zero1_plan), graph=self.graph))
     self.step[...] += 1
-    return _place_all(updates, homes)
+    return place_tree(updates, homes)
 
 
 class _Slices(NamedTuple):
@@ -361,20 +355,20 @@ def _onto_zero1_layout(
   mesh on the layout recorded for them, where ``nnx.Optimizer``'s eager
   arithmetic under the mesh leaves them too.
   """
-  params = _place_all(params, plan.param_shardings, only=off_mesh)
-  grads = _place_all(grads, plan.param_shardings, only=off_mesh)
+  params = place_tree(params, plan.param_shardings, only=off_mesh)
+  grads = place_tree(grads, plan.param_shardings, only=off_mesh)
   homes = [current_sharding(x, s) for x, s in zip(jax.tree.leaves(params), plan.param_shardings)]
   if pin:
     # Pinned where they are (on an Auto mesh under jit: their parameters' layout), the
     # gradients keep XLA's sharding propagation from carrying the Zero-1 layout back
     # into the backward pass, where it would reorder sums. A no-op on Explicit meshes.
     pins = [current_sharding(g, s) for g, s in zip(jax.tree.leaves(grads), plan.param_shardings)]
-    grads = _place_all(grads, pins)
+    grads = place_tree(grads, pins)
   return homes, _Slices(
-      grads=_place_all(grads, plan.zero1_param_shardings),
-      params=_place_all(params, plan.zero1_param_shardings),
+      grads=place_tree(grads, plan.zero1_param_shardings),
+      params=place_tree(params, plan.zero1_param_shardings),
       # A no-op when the state is on the plan; re-places state restored onto another layout.
-      state=_place_all(to_compute(state, plan), compute_shardings(plan)),
+      state=place_tree(to_compute(state, plan), compute_shardings(plan)),
   )
 
 
@@ -387,4 +381,4 @@ def _run_on_slices(
     kwargs["value_fn"] = value_fn_at_home(kwargs["value_fn"], plan, homes)
   updates, new_state = _run_tx(tx, plan, sliced.grads, sliced.state, sliced.params, kwargs)
   new_params = optax.apply_updates(sliced.params, updates)
-  return new_params, _place_all(new_state, compute_shardings(plan)), updates
+  return new_params, place_tree(new_state, compute_shardings(plan)), updates

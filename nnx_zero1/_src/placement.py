@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -9,7 +10,7 @@ from jax.sharding import NamedSharding
 
 from nnx_zero1._src.specs import canonical_spec, entry_axes, is_explicit, spec_entries
 
-__all__ = ["place", "current_sharding", "off_mesh"]
+__all__ = ["current_sharding", "move_tree", "off_mesh", "place", "place_tree"]
 
 
 def _only(sharding: NamedSharding, keep) -> NamedSharding:
@@ -57,6 +58,49 @@ def place(x: Any, sharding: NamedSharding) -> Any:
   elif traced:
     return jax.lax.with_sharding_constraint(x, sharding)
   return jax.device_put(x, sharding)
+
+
+def place_tree(tree: Any, shardings: Sequence, *, only: Callable[[Any], bool] | None = None) -> Any:
+  """Puts every array of ``tree`` onto its sharding (in leaf order) with :func:`place`.
+
+  Args:
+    tree: a pytree of arrays (concrete or traced).
+    shardings: one target per leaf of ``tree``.
+    only: when given, only the leaves it accepts move; the others stay as they are.
+
+  Returns:
+    ``tree`` with its leaves placed.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> s = NamedSharding(jax.make_mesh((1,), ("data",)), P())
+    >>> place_tree({"w": jnp.ones(2)}, [s])["w"].sharding == s
+    True
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  placed = [x if only and not only(x) else place(x, s) for x, s in zip(leaves, shardings, strict=True)]
+  return jax.tree.unflatten(treedef, placed)
+
+
+def move_tree(tree: Any, shardings: Sequence) -> Any:
+  """Moves every array of ``tree`` to its sharding, memory kind included (device <-> host).
+
+  ``jax.device_put`` is the one call that changes memory kind the same way eagerly
+  and under jit, on Auto and Explicit meshes (``jax.reshard`` and sharding
+  constraints keep it), so host offload moves its state with this.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> s = NamedSharding(jax.make_mesh((1,), ("data",)), P(), memory_kind="pinned_host")
+    >>> move_tree([jnp.ones(2)], [s])[0].sharding.memory_kind
+    'pinned_host'
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, [jax.device_put(x, s) for x, s in zip(leaves, shardings, strict=True)])
 
 
 def off_mesh(x: Any) -> bool:
