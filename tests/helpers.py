@@ -98,6 +98,37 @@ def assert_trees_close(a, b, atol=1e-6, rtol=1e-6):
     np.testing.assert_allclose(x, y, atol=atol, rtol=rtol)
 
 
+def adam_drift_bound(lr: float, steps: int, b1: float = 0.9, b2: float = 0.999) -> float:
+  """How far apart, per element, two adam(w) runs can end whose gradients differ only in the
+  order of their sums.
+
+  Adam's step ``lr * m_hat / (sqrt(v_hat) + eps)`` is at most ``lr * max(1, (1 - b1) /
+  sqrt(1 - b2))`` in size (Kingma & Ba, section 2.1), whatever the gradient; a gradient near
+  zero whose last bit differs can change sign, so the two runs may step that far in opposite
+  directions, every step.
+  """
+  return 2 * lr * steps * max(1.0, (1 - b1) / np.sqrt(1 - b2))
+
+
+def assert_reordered_adam_close(a, b, lr: float, steps: int, typical: float = 1e-5, share: float = 0.01):
+  """``a`` and ``b`` (trees of parameters or optimizer state) from adam(w) runs whose gradient sums
+  were taken in another order: every element within :func:`adam_drift_bound`, and all but ``share``
+  of them within ``typical``. A wrong reduction (a missed average, a dropped replica) moves nearly
+  every element, so the second check still catches it; the first is all the arithmetic promises.
+  """
+  la, lb = pure(a), pure(b)
+  assert len(la) == len(lb)
+  bound = adam_drift_bound(lr, steps)
+  far, total = 0, 0
+  for x, y in zip(la, lb, strict=True):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    diff = np.abs(x - y)
+    assert np.all(diff <= bound + typical * (1 + np.abs(y))), (float(diff.max()), bound)
+    far += int(np.sum(diff > typical * (1 + np.abs(y))))
+    total += diff.size
+  assert far <= share * total, f"{far} of {total} elements differ by more than {typical} (relative)"
+
+
 def shardings(tree):
   """The sharding of every array leaf of an nnx state or module."""
   if isinstance(tree, nnx.Module | nnx.Optimizer):

@@ -17,7 +17,16 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import MLP, Decoder, assert_trees_close, assert_trees_equal, assert_unchanged, lm_loss, snapshot
+from helpers import (
+    MLP,
+    Decoder,
+    assert_reordered_adam_close,
+    assert_trees_close,
+    assert_trees_equal,
+    assert_unchanged,
+    lm_loss,
+    snapshot,
+)
 from helpers import loss_fn as mlp_loss
 from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, value_and_grad_accumulated
 from nnx_zero1._src.optimizer import _is_marked
@@ -115,8 +124,8 @@ def test_trains_like_nnx_optimizer_on_the_full_batch(adamw_runs):
     np.testing.assert_allclose(other_losses, losses, rtol=1e-6)
     # Micro-batches sum the gradient in another order than the full batch. Adam divides each
     # element by its own magnitude, so an element whose terms nearly cancel moves by a visible
-    # fraction of a step (1.2e-5 seen at lr 1e-3); a tenth of one step bounds that.
-    assert_trees_close(params(other), params(model), atol=1e-4, rtol=0)
+    # fraction of a step (1.2e-5 seen at lr 1e-3), and one whose sign flips by up to two steps.
+    assert_reordered_adam_close(params(other), params(model), lr=1e-3, steps=3)
   # The reduce-scatter and the all-reduce sum the replicas in the same order (CPU, jax 0.10.2).
   assert_trees_equal(params(adamw_runs["zero1"][0]), params(adamw_runs["plain"][0]))
 
@@ -243,7 +252,7 @@ def test_sharded_parameters_reduce_every_micro_batch_and_say_so(caplog):
   with caplog.at_level(logging.INFO, logger="nnx_zero1"):
     train(accum_step, model, opt, batches, mesh)
   assert "cannot defer the gradient reduction" in caplog.text and "a parameter is sharded" in caplog.text
-  assert_trees_close(params(model), params(full[0]), atol=1e-5, rtol=0)
+  assert_reordered_adam_close(params(model), params(full[0]), lr=1e-3, steps=2)
   assert model.up.kernel[...].sharding.spec == P(None, "model")
 
 

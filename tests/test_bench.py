@@ -16,6 +16,7 @@ from benchmarks.maxtext_arms import MISSING_MAXTEXT
 from benchmarks.model import Config
 from benchmarks.run import run_cell
 from benchmarks.settings import Settings
+from helpers import adam_drift_bound
 from nnx_zero1.testing import collectives, shape_bytes
 
 TINY = ["--model", "tiny", "--steps", "2", "--warmup", "0", "--batch", "8", "--seq-len", "16",
@@ -217,8 +218,8 @@ def test_accumulated_arms_reduce_once_and_match_the_engine():
   # accum (nnx.Optimizer): one all-reduce of the gradients per step, where baseline has one per micro-batch
   assert grads <= accum["collectives"]["all-reduce"]["bytes"] < grads + 1024
   assert base["collectives"]["all-reduce"]["bytes"] >= 2 * grads
-  for row in (accum, zero1, engine):
-    assert row["params_max_diff"] <= 1e-5
+  for row in (accum, zero1, engine):  # the order of the gradient sums, at most (warmup + steps, lr 1e-3)
+    assert row["params_max_diff"] <= adam_drift_bound(1e-3, steps=2)
   # One implementation of deferred reduction: bit-identical to the engine, with and without Zero-1.
   assert {"accum", "zero1-engine"} <= set(zero1["params_equal_arms"])
 
@@ -309,7 +310,7 @@ def test_memory_lever_arms_split_the_accumulator_and_offload_the_state():
   assert scattered[0] == 2 * scattered[1]
   assert zero2["collectives"]["all-gather"] == zero1["collectives"]["all-gather"]
   assert zero2["temp_bytes_per_device"] < zero1["temp_bytes_per_device"]
-  assert zero2["params_max_diff"] <= 1e-5
+  assert zero2["params_max_diff"] <= adam_drift_bound(1e-3, steps=2)  # another order of the sums
   # Offload: the optimizer state in host memory (only the 4-byte step count stays on device),
   # the same collectives and bit-identical parameters.
   assert offload["opt_state_bytes_by_memory_kind"] == {

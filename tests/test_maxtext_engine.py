@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_trees_equal, maxtext_process_settings_put_back
+from helpers import assert_reordered_adam_close, assert_trees_equal, maxtext_process_settings_put_back
 from nnx_zero1 import Zero1Error, bytes_per_device
 from nnx_zero1.testing import collectives
 
@@ -316,7 +316,8 @@ def test_zero2_parameters_match_deferred_accumulation(zero2_pair):
   assert deferred.train_step == zero2.train_step == 2
   diff = max_difference(params(zero2), params(deferred))
   print(f"max |parameter difference| ZeRO-2 vs deferred after 2 steps (GA 1, GA 4): {diff:.3g}")
-  assert diff <= 1e-5
+  # MaxText's schedule never exceeds the config's peak learning rate.
+  assert_reordered_adam_close(params(zero2), params(deferred), lr=deferred._config.learning_rate, steps=2)
 
 
 @needs_maxtext
@@ -393,7 +394,7 @@ def test_zero2_checkpoints_cross_with_deferred_accumulation_mid_step(tmp_path):
     zero2, deferred = (reader, writer) if reader_cls is zero2_cls else (writer, reader)
     assert bytes_per_device(zero2._accumulated_grads) * N == bytes_per_device(deferred._accumulated_grads)
     assert step(reader, rest) == step(writer, rest)
-    assert max_difference(params(reader), params(writer)) <= 1e-5
+    assert_reordered_adam_close(params(reader), params(writer), lr=writer._config.learning_rate, steps=1)
 
 
 @needs_maxtext

@@ -23,7 +23,7 @@ from test_accumulate import (
     train,
 )
 
-from helpers import Decoder, assert_trees_close, assert_unchanged, lm_loss, snapshot
+from helpers import Decoder, assert_reordered_adam_close, assert_unchanged, lm_loss, snapshot
 from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, value_and_grad_accumulated
 from nnx_zero1._src.optimizer import _is_marked
 from nnx_zero1.testing import collectives, loop_collectives
@@ -61,10 +61,10 @@ def runs(request):
   return mesh, out
 
 
-def test_parameters_within_1e_5_of_the_deferred_path(runs):
+def test_parameters_match_the_deferred_path_but_for_the_order_of_sums(runs):
   _, out = runs
-  assert_trees_close(params(out[True][0]), params(out[False][0]), atol=1e-5, rtol=1e-5)
-  assert_trees_close(out[True][1], out[False][1], atol=1e-5, rtol=1e-5)
+  assert_reordered_adam_close(params(out[True][0]), params(out[False][0]), lr=1e-3, steps=3)
+  assert_reordered_adam_close(out[True][1], out[False][1], lr=1e-3, steps=3)
   assert out[True][2] == pytest.approx(out[False][2], abs=1e-5)
 
 
@@ -160,9 +160,9 @@ def engines():
   return out
 
 
-def test_engine_within_1e_5_of_deferred_with_one_nth_of_the_accumulator(engines):
-  assert_trees_close(engines[True].model, engines[False].model, atol=1e-5, rtol=1e-5)
-  assert_trees_close(engines[True].optimizer, engines[False].optimizer, atol=1e-5, rtol=1e-5)
+def test_engine_matches_deferred_but_for_the_order_of_sums_with_one_nth_of_the_accumulator(engines):
+  assert_reordered_adam_close(engines[True].model, engines[False].model, lr=1e-3, steps=2)
+  assert_reordered_adam_close(engines[True].optimizer, engines[False].optimizer, lr=1e-3, steps=2)
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(params(engines[True].model)))
   assert bytes_per_device(engines[False]._grad_acc) == param_bytes  # one whole row per replica
   assert bytes_per_device(engines[True]._grad_acc) * 4 == param_bytes
@@ -210,6 +210,6 @@ def test_mid_accumulation_checkpoints_cross_between_zero2_and_deferred(source, t
   for b in data[2:]:
     resumed.fwd_bwd(b)
   resumed.update()
-  assert_trees_close(resumed.model, first.model, atol=1e-5, rtol=1e-5)
-  assert_trees_close(resumed.optimizer, first.optimizer, atol=1e-5, rtol=1e-5)
+  assert_reordered_adam_close(resumed.model, first.model, lr=1e-3, steps=1)
+  assert_reordered_adam_close(resumed.optimizer, first.optimizer, lr=1e-3, steps=1)
   resumed.close()
