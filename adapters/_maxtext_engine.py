@@ -47,9 +47,7 @@ from jax.sharding import NamedSharding
 from nnx_zero1._src.deferral import deferral_blocker
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.mesh import on_mesh
-from nnx_zero1._src.offload import offload_plan
 from nnx_zero1._src.optimizer import Zero1Optimizer
-from nnx_zero1._src.plan import make_plan
 from nnx_zero1._src.reduction import reduce_unreduced
 from nnx_zero1._src.scope import zero1_optimizers
 from nnx_zero1._src.specs import canonical_spec, entry_axes, spec_entries
@@ -273,11 +271,11 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
 
   def _trace_train_state(self, tx: Any) -> Any:
     # MaxText traces ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` twice: ``nnx.eval_shape`` for the
-    # module graph (its avals carry no shardings) and ``jax.eval_shape`` on the sharded avals for the
-    # state. Inside ``zero1_optimizers`` both build a ``Zero1Optimizer``: the state (moments on the
-    # Zero-1 layout) comes from the second trace, the graph -- and so ``zero1_plan`` -- from the first,
-    # where every parameter looked replicated. The plan is therefore rebuilt from the parameters'
-    # real layouts (with tensor or FSDP axes the first trace's plan would drop them).
+    # module graph and ``jax.eval_shape`` under an all-Explicit stand-in mesh for the state. Inside
+    # ``zero1_optimizers`` both build a ``Zero1Optimizer``: the state (moments on the Zero-1 layout)
+    # comes from the second trace, the graph -- and so ``zero1_plan`` -- from the first, whose plan
+    # reads the parameters' layouts off their traced types and, on axes the types do not carry, off
+    # their Variables' sharding metadata. That the two agree is checked here.
     offload = self.OFFLOAD_STATE_TO_HOST
     with zero1_optimizers(mesh=self._mesh, data_axis="data", offload_state_to_host=offload):
       state = super()._trace_train_state(tx)
@@ -287,10 +285,7 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
           f"Zero1AbstractMaxTextEngine: MaxText's _trace_train_state built a {type(optimizer).__name__}, "
           "not an nnx.Optimizer that zero1_optimizers could route to Zero1Optimizer."
       )
-    params = nnx.as_pure(nnx.state(state.model, nnx.Param))
-    plan = make_plan(optimizer.tx, params, self._mesh, optimizer.zero1_plan.data_axis)
-    if self.OFFLOAD_STATE_TO_HOST:
-      plan = offload_plan(plan)
+    plan = optimizer.zero1_plan
     traced_state = nnx.as_pure(nnx.state(optimizer.opt_state))
     traced = [getattr(getattr(x, "sharding", None), "spec", None) for x in jax.tree.leaves(traced_state)]
     planned = [getattr(row.sharding, "spec", None) for row in plan.state_leaves]
@@ -299,7 +294,6 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
           "Zero1AbstractMaxTextEngine: the traced optimizer state is not on the Zero-1 layout of the "
           f"parameters (mesh axes {dict(self._mesh.shape)})."
       )
-    optimizer.zero1_plan = plan
     if self.OFFLOAD_STATE_TO_HOST:
       # MaxText re-homes each traced aval on the real mesh by its spec alone, which drops the
       # host memory kind: restate the state on the plan's shardings, memory kind included.

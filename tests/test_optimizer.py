@@ -256,6 +256,12 @@ def test_built_under_nnx_eval_shape_on_an_auto_mesh_plans_from_sharding_metadata
   assert P("data", "tp") in {row.sharding.spec for row in plans[0].state_leaves}
 
 
+def test_zero1_plan_is_read_only():
+  opt = Zero1Optimizer(MLP(nnx.Rngs(0)), optax.adam(1e-3), MESH)
+  with pytest.raises(AttributeError):
+    opt.zero1_plan = opt.zero1_plan  # type: ignore[misc]
+
+
 @pytest.mark.parametrize("mesh", [MESH, AUTO], ids=["Explicit", "Auto"])
 def test_built_under_a_trace_without_mesh_takes_set_meshs(mesh):
   """``jax.sharding.get_mesh()`` refuses to answer while tracing; the optimizer still finds it."""

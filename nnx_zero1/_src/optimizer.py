@@ -271,9 +271,23 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       self.step = OptState(place(jnp.array(0, dtype=jnp.uint32), NamedSharding(mesh, PartitionSpec())))
       self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan, init=init))
     self.wrt = wrt
-    self.zero1_plan = plan
+    self._zero1_plan = plan
     self.pin_gradients = pin_gradients
     self.strict = strict
+
+  @property
+  def zero1_plan(self) -> Zero1Plan:
+    """Where every optimizer leaf lives, worked out once at construction (read-only).
+
+    A frozen record: ``mesh`` and ``data_axis``; the parameters' treedef,
+    shapes, their shardings as they were placed (``param_shardings``) and on
+    the Zero-1 layout (``zero1_param_shardings``); one ``state_leaves`` row per
+    leaf of ``opt_state`` in tree-leaf order, with its ``path``, ``shape``,
+    ``dtype``, ``sharding`` (memory kind included) and the ``reason`` it is not
+    split (None when it is); ``single_device`` (no mesh, one device: nothing is
+    placed) and ``offload_state``. ``report(opt)`` shows it as a table.
+    """
+    return self._zero1_plan
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
