@@ -42,14 +42,15 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import NamedSharding
 
+from nnx_zero1._src.deferral import deferral_blocker
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
-from nnx_zero1._src.offload import offload_plan
+from nnx_zero1._src.mesh import on_mesh
 from nnx_zero1._src.optimizer import Zero1Optimizer
-from nnx_zero1._src.plan import make_plan
 from nnx_zero1._src.reduction import reduce_unreduced
 from nnx_zero1._src.scope import zero1_optimizers
-from nnx_zero1._src.specs import spec_axes
+from nnx_zero1._src.specs import canonical_spec, entry_axes, spec_entries
 
 from . import _compat
 from ._compat import ensure_tunix_types
@@ -101,13 +102,22 @@ def _accumulator_refusal(config: Any, mesh: Any) -> str | None:
   )
 
 
-def _sharded_over_data(model: Any) -> str | None:
-  """A parameter's spec that uses ``data`` (MaxText leaves its gradient reduced); None if none does."""
-  for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
-    spec = getattr(getattr(leaf, "sharding", None), "spec", None)
-    if spec is not None and "data" in spec_axes(spec):
-      return str(spec)
-  return None
+def _zero2_blocker(model: Any, mesh: Any) -> str | None:
+  """Why ZeRO-2 finds no whole per-replica gradients to reduce-scatter, or None: the core's
+  ``deferral_blocker`` asked about the parameters' ``data`` axis alone.
+
+  MaxText defers the data-parallel all-reduce only where every mesh axis but ``data`` has size 1
+  (``_accumulator_refusal`` refuses the rest first), so a parameter's other axes split nothing;
+  a parameter split over ``data`` has its gradient reduced in every micro-batch.
+  """
+  params = jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param)))
+  over_data = [
+      NamedSharding(mesh, canonical_spec([
+          tuple(a for a in entry_axes(e) if a == "data") for e in spec_entries(on_mesh(x, mesh).spec)
+      ]))
+      for x in params
+  ]
+  return deferral_blocker((), over_data, ("data",))
 
 
 class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
@@ -179,10 +189,10 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
 
   def _build_optimizer(self, tx: Any) -> Zero1Optimizer:
     model, mesh = _compat.engine_model_and_mesh(self)
-    if self.SHARD_ACCUMULATOR and (spec := _sharded_over_data(model)) is not None:
+    if self.SHARD_ACCUMULATOR and (blocker := _zero2_blocker(model, mesh)) is not None:
       raise Zero1Error(
-          f"SHARD_ACCUMULATOR=True (ZeRO-2) needs each replica's whole gradients, but a parameter is sharded "
-          f"over 'data' ({spec}), whose gradient MaxText reduces in every micro-batch; {describe_mesh(mesh)}"
+          f"SHARD_ACCUMULATOR=True (ZeRO-2) needs each replica's whole gradients, but {blocker}: MaxText "
+          f"reduces the gradient of a parameter split over 'data' in every micro-batch; {describe_mesh(mesh)}"
       )
     return Zero1Optimizer(
         model, tx, mesh, wrt=nnx.Param, data_axis="data", offload_state_to_host=self.OFFLOAD_STATE_TO_HOST
@@ -261,11 +271,11 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
 
   def _trace_train_state(self, tx: Any) -> Any:
     # MaxText traces ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` twice: ``nnx.eval_shape`` for the
-    # module graph (its avals carry no shardings) and ``jax.eval_shape`` on the sharded avals for the
-    # state. Inside ``zero1_optimizers`` both build a ``Zero1Optimizer``: the state (moments on the
-    # Zero-1 layout) comes from the second trace, the graph -- and so ``zero1_plan`` -- from the first,
-    # where every parameter looked replicated. The plan is therefore rebuilt from the parameters'
-    # real layouts (with tensor or FSDP axes the first trace's plan would drop them).
+    # module graph and ``jax.eval_shape`` under an all-Explicit stand-in mesh for the state. Inside
+    # ``zero1_optimizers`` both build a ``Zero1Optimizer``: the state (moments on the Zero-1 layout)
+    # comes from the second trace, the graph -- and so ``zero1_plan`` -- from the first, whose plan
+    # reads the parameters' layouts off their traced types and, on axes the types do not carry, off
+    # their Variables' sharding metadata. That the two agree is checked here.
     offload = self.OFFLOAD_STATE_TO_HOST
     with zero1_optimizers(mesh=self._mesh, data_axis="data", offload_state_to_host=offload):
       state = super()._trace_train_state(tx)
@@ -275,10 +285,7 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
           f"Zero1AbstractMaxTextEngine: MaxText's _trace_train_state built a {type(optimizer).__name__}, "
           "not an nnx.Optimizer that zero1_optimizers could route to Zero1Optimizer."
       )
-    params = nnx.as_pure(nnx.state(state.model, nnx.Param))
-    plan = make_plan(optimizer.tx, params, self._mesh, optimizer.zero1_plan.data_axis)
-    if self.OFFLOAD_STATE_TO_HOST:
-      plan = offload_plan(plan)
+    plan = optimizer.zero1_plan
     traced_state = nnx.as_pure(nnx.state(optimizer.opt_state))
     traced = [getattr(getattr(x, "sharding", None), "spec", None) for x in jax.tree.leaves(traced_state)]
     planned = [getattr(row.sharding, "spec", None) for row in plan.state_leaves]
@@ -287,7 +294,6 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
           "Zero1AbstractMaxTextEngine: the traced optimizer state is not on the Zero-1 layout of the "
           f"parameters (mesh axes {dict(self._mesh.shape)})."
       )
-    optimizer.zero1_plan = plan
     if self.OFFLOAD_STATE_TO_HOST:
       # MaxText re-homes each traced aval on the real mesh by its spec alone, which drops the
       # host memory kind: restate the state on the plan's shardings, memory kind included.

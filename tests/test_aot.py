@@ -349,7 +349,8 @@ def test_maxtexts_ahead_of_time_engine_compiles_with_zero1():
   assert zero1_c["reduce-scatter"]["count"] > 0 and zero1_c["all-reduce"]["count"] > 0
   # With a tensor axis as well (data 2 x tensor 2; MaxText's flag covers pure data parallelism only
   # in its engine): the moments keep the parameters' tensor axis and add data, and the optimizer's
-  # plan is the state's layout (MaxText's first trace of the optimizer sees no shardings).
+  # plan is the state's layout (the plan comes from MaxText's first trace, nnx.eval_shape, the state
+  # from its second; nothing rebuilds the plan).
   tensor = rows["zero1-tensor"]
   assert tensor["plan_matches_state"] and zero1["plan_matches_state"]
   # OFFLOAD_STATE_TO_HOST on a subclass: the traced moments live in host memory, on the same layout,

@@ -399,20 +399,25 @@ def test_zero2_checkpoints_cross_with_deferred_accumulation_mid_step(tmp_path):
 
 @needs_maxtext
 def test_zero2_finds_a_parameter_sharded_over_data():
-  """What the ZeRO-2 refusal in ``_build_optimizer`` looks for: MaxText leaves such a parameter's
-  gradient reduced in every micro-batch, so no replica holds it whole to reduce-scatter."""
+  """What the ZeRO-2 refusal in ``_build_optimizer`` looks for, through the core's ``deferral_blocker``:
+  MaxText leaves the gradient of a parameter split over ``data`` reduced in every micro-batch, so no
+  replica holds it whole to reduce-scatter. Another axis does not block (MaxText defers only where
+  it has size 1, which ``_accumulator_refusal`` checks first)."""
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from nnx_zero1.adapters._maxtext_engine import _sharded_over_data
+  from nnx_zero1.adapters._maxtext_engine import _zero2_blocker
 
-  mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
+  mesh = jax.make_mesh((N // 2, 2), ("data", "tensor"), devices=jax.devices()[:N])
   model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
   nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
-  assert _sharded_over_data(model) is None
+  assert _zero2_blocker(model, mesh) is None
   kernel = model.kernel
-  kernel.set_value(jax.device_put(kernel.get_value(), NamedSharding(mesh, P("data", None))))
-  assert _sharded_over_data(model) == str(P("data", None))
+  kernel.set_value(jax.device_put(kernel.get_value(), NamedSharding(mesh, P(None, "tensor"))))
+  assert _zero2_blocker(model, mesh) is None
+  kernel.set_value(jax.device_put(kernel.get_value(), NamedSharding(mesh, P("data", "tensor"))))
+  blocker = _zero2_blocker(model, mesh)
+  assert blocker is not None and str(P("data")) in blocker and "no replica holds whole gradients" in blocker
 
 
 # -- host offload: OFFLOAD_STATE_TO_HOST -------------------------------------------------------------

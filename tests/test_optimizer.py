@@ -231,6 +231,37 @@ def test_built_under_a_trace_keeps_the_parameters_tensor_axis():
   assert mu.sharding.spec == P("data", "tp")
 
 
+@pytest.mark.parametrize(
+    "names, rules", [((None, "tp"), ()), (("embed", "mlp"), (("embed", None), ("mlp", "tp")))],
+    ids=["mesh-axes", "logical-names"],
+)
+def test_built_under_nnx_eval_shape_on_an_auto_mesh_plans_from_sharding_metadata(names, rules):
+  """On Auto axes a traced parameter's type carries no layout (MaxText's ahead-of-time engine builds
+  the optimizer under nnx.eval_shape): the plan reads each Variable's declared ``out_sharding``, as
+  ``nnx.get_named_sharding`` does (logical names through the rules in force), and is the plan of the
+  optimizer built on the model placed that way."""
+  from flax.core.spmd import logical_axis_rules
+
+  make = lambda: nnx.Linear(8, 16, rngs=nnx.Rngs(0), kernel_metadata={"out_sharding": names})
+  with jax.set_mesh(AUTO_TP), logical_axis_rules(rules):
+    abstract = nnx.eval_shape(lambda: Zero1Optimizer(make(), optax.adam(1e-3), AUTO_TP))
+    model = make()
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, nnx.get_named_sharding(state, AUTO_TP)))
+    placed = Zero1Optimizer(model, optax.adam(1e-3), AUTO_TP)
+  plans = abstract.zero1_plan, placed.zero1_plan
+  assert [plan.param_shardings[1].spec for plan in plans] == [P(None, "tp")] * 2  # [bias, kernel]
+  assert plans[0].zero1_param_shardings == plans[1].zero1_param_shardings
+  assert plans[0].state_leaves == plans[1].state_leaves
+  assert P("data", "tp") in {row.sharding.spec for row in plans[0].state_leaves}
+
+
+def test_zero1_plan_is_read_only():
+  opt = Zero1Optimizer(MLP(nnx.Rngs(0)), optax.adam(1e-3), MESH)
+  with pytest.raises(AttributeError):
+    opt.zero1_plan = opt.zero1_plan  # type: ignore[misc]
+
+
 @pytest.mark.parametrize("mesh", [MESH, AUTO], ids=["Explicit", "Auto"])
 def test_built_under_a_trace_without_mesh_takes_set_meshs(mesh):
   """``jax.sharding.get_mesh()`` refuses to answer while tracing; the optimizer still finds it."""

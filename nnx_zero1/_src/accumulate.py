@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src import deferral, reduction
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
-from nnx_zero1._src.mesh import resolve_mesh
+from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
 from nnx_zero1._src.optimizer import Zero1Optimizer, mark_zero1_grads
 from nnx_zero1._src.placement import current_sharding, place
 from nnx_zero1._src.specs import DataAxis, axes_entry, data_axes, data_axis_size
@@ -222,16 +222,11 @@ def _check_micro_batches(batch: Any, micro_batches: int, n: int, mesh) -> None:
 def _homes(params: nnx.State, optimizer: nnx.Optimizer, mesh) -> tuple[NamedSharding, ...]:
   """The parameters' layouts, as far as they can be seen. Concrete arrays and Explicit meshes
   carry them; on an Auto mesh under jit they come from the Zero1Optimizer's record, or from the
-  variables' ``out_sharding`` metadata (``nnx.with_partitioning``); else replicated is assumed
-  (and ``shard_map`` makes them so)."""
+  variables' ``out_sharding`` metadata (``mesh.variable_shardings``, as ``nnx.get_named_sharding``
+  reads it); else replicated is assumed (and ``shard_map`` makes them so)."""
   leaves = jax.tree.leaves(nnx.as_pure(params))
   plan = getattr(optimizer, "zero1_plan", None)
-  if plan is not None:
-    recorded = plan.param_shardings
-  else:
-    variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    specs = [P(*(v.get_metadata().get("out_sharding") or ())) for v in variables]
-    recorded = [NamedSharding(mesh, spec) for spec in specs]
+  recorded = plan.param_shardings if plan is not None else variable_shardings(params, mesh)
   return tuple(current_sharding(x, s) for x, s in zip(leaves, recorded, strict=True))
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_zero1._src.compat import context_mesh, legacy_context_mesh
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.specs import spec_axes
 
-__all__ = ["current_mesh", "mesh_of", "on_mesh", "resolve_mesh"]
+__all__ = ["current_mesh", "mesh_of", "on_mesh", "resolve_mesh", "variable_shardings"]
 
 _FIX = "pass mesh= or call it under jax.set_mesh(mesh)"
 
@@ -57,11 +58,15 @@ def mesh_of(x: Any) -> Mesh | AbstractMesh | None:
   return sharding.mesh if isinstance(sharding, NamedSharding) else None
 
 
-def on_mesh(x: Any, mesh: Mesh) -> NamedSharding:
+def on_mesh(x: Any, mesh: Mesh, declared: PartitionSpec | None = None) -> NamedSharding:
   """The sharding ``x`` has on ``mesh``: its own spec, or replicated when it is not placed on a mesh.
 
   An array built outside any mesh sits on one device; on ``mesh`` it counts as
-  replicated (as jit would place it).
+  replicated (as jit would place it). A traced ``x`` (an optimizer built under
+  ``nnx.eval_shape``, ``jax.eval_shape`` or jit) has its type's spec, which
+  carries Explicit mesh axes only; where ``declared`` (the spec its Variable's
+  sharding metadata declares, :func:`variable_shardings`) names an axis the type
+  cannot carry (an Auto axis, or no mesh in the type), ``declared`` stands.
 
   Example::
 
@@ -70,16 +75,58 @@ def on_mesh(x: Any, mesh: Mesh) -> NamedSharding:
     P()
   """
   if isinstance(x, jax.core.Tracer):
-    # Traced (an optimizer built under jax.eval_shape or jit): the abstract value's sharding, which
-    # names the spec on Explicit mesh axes (an Auto axis is not tracked there: it reads as replicated).
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    if spec is not None and set(spec_axes(spec)) <= set(mesh.axis_names):
+    typed = getattr(jax.typeof(x), "sharding", None)
+    if declared is not None and _names_axes_of(declared, mesh) and not (
+        set(spec_axes(declared)) <= _explicit_axes(getattr(typed, "mesh", None))):
+      return NamedSharding(mesh, PartitionSpec(*declared))
+    spec = getattr(typed, "spec", None)
+    if spec is not None and _names_axes_of(spec, mesh):
       return NamedSharding(mesh, PartitionSpec(*spec))
     return NamedSharding(mesh, PartitionSpec())
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding):
     return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
   return NamedSharding(mesh, PartitionSpec())
+
+
+def _names_axes_of(spec: PartitionSpec, mesh: Mesh) -> bool:
+  return set(spec_axes(spec)) <= set(mesh.axis_names)
+
+
+def _explicit_axes(mesh: Any) -> set[str]:
+  """The axes a traced array's type carries: its mesh's Explicit ones (none without a mesh)."""
+  if mesh is None or mesh.empty:
+    return set()
+  return {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit}
+
+
+def variable_shardings(variables: Any, mesh: Mesh) -> tuple[NamedSharding, ...]:
+  """The sharding of every Variable's value on ``mesh``, in tree-leaf order (:func:`on_mesh`).
+
+  Concrete values say where they are. Traced ones (a model or optimizer built
+  under ``nnx.eval_shape`` or ``jax.eval_shape``) also have the spec their
+  Variable's ``out_sharding`` metadata declares, read as ``nnx.get_named_sharding``
+  reads it (``nnx.get_partition_spec``: logical names through the logical-axis
+  rules in force), for the axes their type cannot carry.
+
+  Example::
+
+    >>> import jax
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> seen = []
+    >>> with jax.set_mesh(mesh):
+    ...   linear = nnx.eval_shape(lambda: nnx.Linear(2, 4, rngs=nnx.Rngs(0),
+    ...                                              kernel_metadata={"out_sharding": ("data", None)}))
+    ...   _ = jax.eval_shape(lambda state: seen.extend(variable_shardings(state, mesh)), nnx.state(linear))
+    >>> [s.spec for s in seen]  # bias, kernel
+    [P(None,), P('data', None)]
+  """
+  values = jax.tree.leaves(nnx.as_pure(variables))
+  if not any(isinstance(x, jax.core.Tracer) for x in values):
+    return tuple(on_mesh(x, mesh) for x in values)
+  declared = jax.tree.leaves(nnx.get_partition_spec(variables))
+  return tuple(on_mesh(x, mesh, d) for x, d in zip(values, declared, strict=True))
 
 
 def _concrete_meshes(tree: Any) -> tuple[list[Mesh], set[jax.Device]]:

@@ -23,7 +23,7 @@ from nnx_zero1._src.checks import (
 from nnx_zero1._src.compat import Filter, to_opt_state
 from nnx_zero1._src.errors import Zero1Error, Zero1Warning
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
-from nnx_zero1._src.mesh import resolve_mesh
+from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
 from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_storage
 from nnx_zero1._src.placement import current_sharding, off_mesh, place, place_tree
 from nnx_zero1._src.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
@@ -250,7 +250,10 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     check_params(params, wrt, mesh)
     init = opt_state_init(tx)
     abstract_state = nnx.as_pure(jax.eval_shape(init, param_state))  # the one trace of tx.init
-    plan = make_plan(tx, params, mesh, axes, abstract_state=abstract_state)
+    # Read off the Variables: traced parameters (built under nnx.eval_shape) on Auto axes carry
+    # their layout in sharding metadata only.
+    plan = make_plan(tx, params, mesh, axes, abstract_state=abstract_state,
+                     param_shardings=variable_shardings(param_state, mesh))
     if device is not None:
       plan = single_device_plan(plan, device)
     if strict:
@@ -268,9 +271,23 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       self.step = OptState(place(jnp.array(0, dtype=jnp.uint32), NamedSharding(mesh, PartitionSpec())))
       self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan, init=init))
     self.wrt = wrt
-    self.zero1_plan = plan
+    self._zero1_plan = plan
     self.pin_gradients = pin_gradients
     self.strict = strict
+
+  @property
+  def zero1_plan(self) -> Zero1Plan:
+    """Where every optimizer leaf lives, worked out once at construction (read-only).
+
+    A frozen record: ``mesh`` and ``data_axis``; the parameters' treedef,
+    shapes, their shardings as they were placed (``param_shardings``) and on
+    the Zero-1 layout (``zero1_param_shardings``); one ``state_leaves`` row per
+    leaf of ``opt_state`` in tree-leaf order, with its ``path``, ``shape``,
+    ``dtype``, ``sharding`` (memory kind included) and the ``reason`` it is not
+    split (None when it is); ``single_device`` (no mesh, one device: nothing is
+    placed) and ``offload_state``. ``report(opt)`` shows it as a table.
+    """
+    return self._zero1_plan
 
   @property
   def mesh(self) -> jax.sharding.Mesh:

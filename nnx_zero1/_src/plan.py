@@ -8,6 +8,7 @@ read at trace time without touching any array.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -126,7 +127,7 @@ def _refuse_unmapped(tx, rows, mesh, data_axis) -> None:
 
 def make_plan(
     tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_axis: DataAxis, *,
-    abstract_state: Any = None,
+    abstract_state: Any = None, param_shardings: Sequence[NamedSharding] | None = None,
 ) -> Zero1Plan:
   """Works out the Zero-1 layout of every leaf of ``tx.init(params)``.
 
@@ -137,6 +138,9 @@ def make_plan(
   everything else stays replicated. Masked-out parameters (``MaskedNode``) have
   no state leaves. ``abstract_state`` is ``jax.eval_shape(tx.init, params)`` as
   pure ``ShapeDtypeStruct``s, when the caller has it already (else it is traced here).
+  ``param_shardings`` are the parameters' shardings on ``mesh`` in tree-leaf order,
+  when the caller knows more than the arrays say (traced parameters' declared specs,
+  :func:`~nnx_zero1._src.mesh.variable_shardings`); else :func:`on_mesh` of each.
 
   Example::
 
@@ -148,7 +152,7 @@ def make_plan(
   """
   leaves, treedef = jax.tree.flatten(params)
   shapes = tuple(tuple(x.shape) for x in leaves)
-  shardings = tuple(on_mesh(x, mesh) for x in leaves)
+  shardings = tuple(on_mesh(x, mesh) for x in leaves) if param_shardings is None else tuple(param_shardings)
   layouts = tuple(zero1_layout(s, sh, data_axis) for s, sh in zip(shapes, shardings))  # once per parameter
   zero1 = tuple(sharding for sharding, _ in layouts)
   if abstract_state is None:
