@@ -360,3 +360,89 @@ def test_maxtexts_ahead_of_time_engine_compiles_with_zero1():
   assert offload["moment_specs"] == zero1["moment_specs"] and offload["plan_matches_state"]
   assert offload["update"]["args"] < zero1["update"]["args"]
   assert any("tensor" in s and "data" in s for s in tensor["moment_specs"])
+
+
+_ONE_PROGRAM_PEAK = """
+from benchmarks import libtpu
+libtpu.prepare_environment()
+import json
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from nnx_zero1 import Zero1Optimizer
+
+D, LAYERS, ROWS = 2048, 4, 16384  # activations well above the parameters: the peak is the backward's
+
+
+class Net(nnx.Module):
+  def __init__(self, rngs):
+    self.layers = nnx.List([nnx.Linear(D, D, rngs=rngs) for _ in range(LAYERS)])
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = jax.nn.gelu(layer(x))
+    return x
+
+
+def loss_fn(model, x):
+  return jnp.mean(model(x) ** 2)
+
+
+def compiled_bytes(cls, mesh, ga):
+  # Tunix's and a user's own step: one jitted function, gradients then optimizer.update, state donated.
+  with jax.set_mesh(mesh):
+    model, opt = nnx.eval_shape(lambda: (lambda m: (m, cls(m, optax.adamw(1e-3), wrt=nnx.Param)))(
+        Net(nnx.Rngs(0))))
+  graphdef, state = nnx.split((model, opt))
+  shardings = nnx.get_named_sharding(state, mesh)
+  avals = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+
+  def step(state, x):
+    model, opt = nnx.merge(graphdef, state)
+    gdef, params = nnx.split(model)
+    grad = jax.value_and_grad(lambda p, xb: loss_fn(nnx.merge(gdef, p), xb))
+    if ga == 1:
+      loss, grads = grad(params, x[0])
+    else:
+      def micro(carry, xb):
+        return jax.tree.map(jnp.add, carry, grad(params, xb)), None
+      zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+      (loss, grads), _ = jax.lax.scan(micro, zero, x)
+    opt.update(model, grads)
+    return nnx.state((model, opt)), loss
+
+  x = jax.ShapeDtypeStruct((ga, ROWS // ga, D), jnp.float32, sharding=NamedSharding(mesh, P(None, "data")))
+  with jax.set_mesh(mesh):
+    m = jax.jit(step, donate_argnums=0).lower(avals, x).compile().memory_analysis()
+  return m.argument_size_in_bytes, m.temp_size_in_bytes
+
+
+devices = np.array(topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu").devices[:4])
+out = {}
+# An Auto mesh as Tunix's models need (Explicit compiled to the same bytes), with a micro-batch scan:
+# where the copy was (GA 1 kept the whole saving already on this model).
+mesh = Mesh(devices, ("data",), axis_types=(AxisType.Auto,))
+plain, zero1 = (compiled_bytes(cls, mesh, 4) for cls in (nnx.Optimizer, Zero1Optimizer))
+out["Auto"] = {"plain": plain, "zero1": zero1}
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@needs_libtpu
+def test_one_program_step_keeps_zero1s_whole_saving_at_the_peak():
+  """Gradients and ``optimizer.update`` in one jitted step (Tunix's ``train_step``, a user's
+  ``nnx.jit`` loop), here with a micro-batch scan, compiled for v6e:2x2 at dp=4 on an Auto mesh:
+  the compiler's arguments + temp fall by at least 95% of what the layout rule takes off the
+  arguments (measured: 132%). Before the write-back over the old parameters the TPU compiler gave
+  the loop a copy of every parameter under Zero-1 and this was 50%."""
+  proc = subprocess.run([sys.executable, "-c", _ONE_PROGRAM_PEAK], env=_env(), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+  for case, row in json.loads(line[len("RESULT "):]).items():
+    (plain_args, plain_temp), (zero1_args, zero1_temp) = row["plain"], row["zero1"]
+    rule = plain_args - zero1_args  # the moments' (dp-1)/dp: what Zero-1 takes off the arguments
+    assert rule > 0, case
+    kept = (plain_args + plain_temp) - (zero1_args + zero1_temp)
+    assert kept >= 0.95 * rule, (case, kept / rule)

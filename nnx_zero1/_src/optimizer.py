@@ -337,10 +337,28 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     pin = self.pin_gradients and not _is_marked(grads)
     homes, sliced = _onto_zero1_layout(self.zero1_plan, params, pure_grads, state, pin=pin)
     new_params, new_state, updates = _run_on_slices(self.tx, self.zero1_plan, sliced, homes, kwargs)
-    nnx.update(model, place_tree(new_params, homes))
+    nnx.update(model, _over_old_parameters(place_tree(new_params, homes), params))
     nnx.update(self.opt_state, nnx.state(to_storage(new_state, self.zero1_plan), graph=self.graph))
     self.step[...] += 1
     return place_tree(updates, homes)
+
+
+def _over_old_parameters(new: Any, old: Any) -> Any:
+  """The gathered new parameters, written elementwise over the old ones when traced.
+
+  In one jitted step whose parameters are donated, the new parameters must land in
+  the old parameters' buffers. ``nnx.Optimizer``'s come from an elementwise add that
+  reads the old values and can write in place; Zero-1's come from an all-gather,
+  which cannot, while the forward and backward passes still read the old values, so
+  the TPU compiler gives those readers a copy of every parameter, live across the
+  activation peak. A ``select`` on a predicate the compiler cannot fold (it passes an
+  optimization barrier) reads the old parameters last and writes in place, as the
+  add does; it always picks ``new``, so the values are unchanged to the bit.
+  """
+  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(new)):
+    return new  # eager: every array is its own buffer already
+  take_new = jax.lax.optimization_barrier(jnp.ones((), dtype=bool))
+  return jax.tree.map(lambda n, o: jnp.where(take_new, n, o), new, old)
 
 
 class _Slices(NamedTuple):
