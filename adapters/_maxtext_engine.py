@@ -288,7 +288,7 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
     plan = optimizer.zero1_plan
     traced_state = nnx.as_pure(nnx.state(optimizer.opt_state))
     traced = [getattr(getattr(x, "sharding", None), "spec", None) for x in jax.tree.leaves(traced_state)]
-    planned = [getattr(row.sharding, "spec", None) for row in plan.state_leaves]
+    planned = [getattr(leaf.sharding, "spec", None) for leaf in plan.state_leaves]
     if len(traced) != len(planned) or any(t is not None and t != p for t, p in zip(traced, planned)):
       raise Zero1Error(
           "Zero1AbstractMaxTextEngine: the traced optimizer state is not on the Zero-1 layout of the "
@@ -298,7 +298,7 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
       # MaxText re-homes each traced aval on the real mesh by its spec alone, which drops the
       # host memory kind: restate the state on the plan's shardings, memory kind included.
       leaves, treedef = jax.tree.flatten(traced_state)
-      homed = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=row.sharding)
-               for x, row in zip(leaves, plan.state_leaves, strict=True)]
+      homed = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=leaf.sharding)
+               for x, leaf in zip(leaves, plan.state_leaves, strict=True)]
       nnx.update(optimizer.opt_state, jax.tree.unflatten(treedef, homed))
     return state

@@ -41,8 +41,8 @@ def _target_shardings(obj: Any) -> dict[tuple, Any]:
     return {}
   flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(obj.opt_state))[0]
   return {
-      ("opt_state", *key_names(path)): row.sharding
-      for (path, _), row in zip(flat, plan.state_leaves, strict=True)
+      ("opt_state", *key_names(path)): leaf.sharding
+      for (path, _), leaf in zip(flat, plan.state_leaves, strict=True)
   }
 
 

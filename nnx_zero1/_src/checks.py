@@ -129,9 +129,9 @@ def check_strict(plan: Zero1Plan) -> None:
   Newton-Schulz coefficients, adafactor's factored statistics) is not counted;
   ``report`` lists it with its reason.
   """
-  left = [row for row in plan.state_leaves if row.reason == Reason.NOT_DIVISIBLE]
+  left = [leaf for leaf in plan.state_leaves if leaf.reason == Reason.NOT_DIVISIBLE]
   if left:
-    names = ", ".join(f"{row.path} {row.dtype}{list(row.shape)} ({row.reason})" for row in left)
+    names = ", ".join(f"{leaf.path} {leaf.dtype}{list(leaf.shape)} ({leaf.reason})" for leaf in left)
     raise Zero1Error(
         f"strict=True, but these optimizer leaves cannot be split over "
         f"{plan.data_axis}: {names}; {describe_mesh(plan.mesh)}"

@@ -79,7 +79,7 @@ def offload_plan(plan: Zero1Plan) -> Zero1Plan:
     >>> import jax, jax.numpy as jnp, optax
     >>> from nnx_zero1._src.plan import make_plan
     >>> plan = make_plan(optax.adam(1e-3), {"w": jnp.ones(8)}, jax.make_mesh((1,), ("data",)), ("data",))
-    >>> {row.sharding.memory_kind for row in offload_plan(plan).state_leaves}
+    >>> {leaf.sharding.memory_kind for leaf in offload_plan(plan).state_leaves}
     {'pinned_host'}
   """
   if plan.single_device:
@@ -88,10 +88,10 @@ def offload_plan(plan: Zero1Plan) -> Zero1Plan:
         "(data-parallel size 1); pass mesh= or call it under jax.set_mesh(mesh)"
     )
   check_host_memory(_kinds(plan.mesh.devices.flat), describe_mesh(plan.mesh))
-  rows = tuple(
-      dataclasses.replace(row, sharding=_with_kind(row.sharding, HOST)) for row in plan.state_leaves
+  on_host = tuple(
+      dataclasses.replace(leaf, sharding=_with_kind(leaf.sharding, HOST)) for leaf in plan.state_leaves
   )
-  return dataclasses.replace(plan, state_leaves=rows, offload_state=True)
+  return dataclasses.replace(plan, state_leaves=on_host, offload_state=True)
 
 
 def _with_kind(sharding: Any, kind: str) -> Any:
@@ -111,8 +111,8 @@ def compute_shardings(plan: Zero1Plan) -> list:
     >>> [s.memory_kind for s in compute_shardings(plan)]
     ['device']
   """
-  homes = [row.sharding for row in plan.state_leaves]
-  return [_with_kind(s, DEVICE) for s in homes] if plan.offload_state else homes
+  storage = [leaf.sharding for leaf in plan.state_leaves]
+  return [_with_kind(s, DEVICE) for s in storage] if plan.offload_state else storage
 
 
 def to_compute(state: Any, plan: Zero1Plan) -> Any:
@@ -140,4 +140,4 @@ def to_storage(state: Any, plan: Zero1Plan) -> Any:
     >>> to_storage((), plan)
     ()
   """
-  return move_tree(state, [row.sharding for row in plan.state_leaves]) if plan.offload_state else state
+  return move_tree(state, [leaf.sharding for leaf in plan.state_leaves]) if plan.offload_state else state

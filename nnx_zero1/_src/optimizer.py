@@ -157,10 +157,10 @@ def init_sharded_state(
     state = to_storage(place_tree(state, compute_shardings(plan)), plan)
   variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   variables = [v for v in variables if jax.tree.leaves(v)]  # not masked-out (MaskedNode) ones
-  for var, row in zip(variables, plan.state_leaves, strict=True):
-    assert isinstance(row.sharding, NamedSharding)  # single-device plans never get here
-    if var.has_metadata("out_sharding") or row.reason is None:
-      var.set_metadata(out_sharding=spec_entries(row.sharding.spec))
+  for var, leaf in zip(variables, plan.state_leaves, strict=True):
+    assert isinstance(leaf.sharding, NamedSharding)  # single-device plans never get here
+    if var.has_metadata("out_sharding") or leaf.reason is None:
+      var.set_metadata(out_sharding=spec_entries(leaf.sharding.spec))
   return state
 
 
@@ -281,7 +281,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
 
     A frozen record: ``mesh`` and ``data_axis``; the parameters' treedef,
     shapes, their shardings as they were placed (``param_shardings``) and on
-    the Zero-1 layout (``zero1_param_shardings``); one ``state_leaves`` row per
+    the Zero-1 layout (``zero1_param_shardings``); one ``state_leaves`` entry per
     leaf of ``opt_state`` in tree-leaf order, with its ``path``, ``shape``,
     ``dtype``, ``sharding`` (memory kind included) and the ``reason`` it is not
     split (None when it is); ``single_device`` (no mesh, one device: nothing is

@@ -109,10 +109,10 @@ def _owners_of_state_leaves(tx, abstract_state, param_shapes, treedef) -> list[_
   return jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Owner))
 
 
-def _refuse_unmapped(tx, rows, mesh, data_axis) -> None:
+def _refuse_unmapped(tx, leaf_plans, mesh, data_axis) -> None:
   """Non-scalar state of which optax could tie none to a parameter would stay whole on
   every replica: a silently replicated optimizer. Refuse it by name."""
-  tensors = [r for r in rows if r.shape]
+  tensors = [r for r in leaf_plans if r.shape]
   unmapped = tensors and all(r.reason == Reason.NOT_PARAM_SHAPED for r in tensors)
   if data_axis_size(mesh, data_axis) > 1 and unmapped:
     name = getattr(tx.init, "__qualname__", type(tx).__name__).split(".<locals>")[0]
@@ -160,7 +160,7 @@ def make_plan(
     abstract_state = jax.eval_shape(tx.init, abstract_params)
   owners = _owners_of_state_leaves(tx, abstract_state, shapes, treedef)
   replicated = NamedSharding(mesh, PartitionSpec())
-  rows = []
+  leaf_plans = []
   flat_state = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
   for (path, leaf), owner in zip(flat_state, owners, strict=True):
     shape = tuple(leaf.shape)
@@ -176,8 +176,9 @@ def make_plan(
     by_parameter = reason == Reason.ALREADY_SHARDED
     reason = None if by_parameter else reason
     sharding = full_rank_sharding(sharding, len(shape))
-    rows.append(LeafPlan(jax.tree_util.keystr(path), shape, str(leaf.dtype), sharding, reason, by_parameter))
-  _refuse_unmapped(tx, rows, mesh, data_axis)
+    name = jax.tree_util.keystr(path)
+    leaf_plans.append(LeafPlan(name, shape, str(leaf.dtype), sharding, reason, by_parameter))
+  _refuse_unmapped(tx, leaf_plans, mesh, data_axis)
   return Zero1Plan(
       mesh=mesh,
       data_axis=tuple(data_axis),
@@ -185,7 +186,7 @@ def make_plan(
       param_shapes=shapes,
       param_shardings=shardings,
       zero1_param_shardings=zero1,
-      state_leaves=tuple(rows),
+      state_leaves=tuple(leaf_plans),
   )
 
 
@@ -217,8 +218,8 @@ def single_device_plan(plan: Zero1Plan, device: jax.Device) -> Zero1Plan:
     ['data-parallel size 1 (one device, no mesh)']
   """
   here = jax.sharding.SingleDeviceSharding(device)
-  rows = tuple(
-      dataclasses.replace(row, sharding=here, reason=row.reason or Reason.ONE_DEVICE)
-      for row in plan.state_leaves
+  on_device = tuple(
+      dataclasses.replace(leaf, sharding=here, reason=leaf.reason or Reason.ONE_DEVICE)
+      for leaf in plan.state_leaves
   )
-  return dataclasses.replace(plan, state_leaves=rows, single_device=True)
+  return dataclasses.replace(plan, state_leaves=on_device, single_device=True)
