@@ -7,7 +7,6 @@ keeping more than one row per device (``tests/test_degenerate_slices.py`` says w
 ``lora_b`` factors, ``(4, ...)`` with ``P(None, "tp")``, split dimension 0 into one row each.
 """
 
-import flax
 import jax
 import numpy as np
 import optax
@@ -15,19 +14,10 @@ import pytest
 import qwix
 from flax import nnx
 from jax.sharding import AxisType
-from tunix_toys import model_input, place
+from tunix_toys import model_input, peft_trainer, place, qwen3  # Tunix imported with flax's flag put back
 
 from nnx_zero1 import Zero1Optimizer
 from nnx_zero1.adapters.tunix import Zero1PeftTrainer
-
-# Importing Tunix's model modules sets flax's process-wide flax_always_shard_variable to False;
-# put it back so the test files run after this one in the same process keep flax's default
-# (the model is built inside nnx.use_eager_sharding(False) below, which is scoped).
-_always_shard = flax.config.flax_always_shard_variable
-from tunix.models.qwen3 import model as qwen3  # noqa: E402
-from tunix.sft import peft_trainer  # noqa: E402
-
-flax.config.update("flax_always_shard_variable", _always_shard)
 
 MESH = jax.make_mesh((4, 1, 2), ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
 CONFIG = qwen3.ModelConfig(

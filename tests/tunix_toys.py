@@ -1,9 +1,10 @@
 """Tunix's own toy models and inputs, and what the Tunix tests compare, shared by the Tunix test files.
 
-Importing ``tunix.tests.test_common`` sets flax's global ``flax_always_shard_variable``
-to False (Tunix's models are written for that). The flag is put back right after the
-import so other test files in the same pytest process keep flax's default; toy models
-are built inside ``nnx.use_eager_sharding(False)`` instead, which is scoped.
+Importing ``tunix.tests.test_common`` or Tunix's model modules sets flax's global
+``flax_always_shard_variable`` to False (Tunix's models are written for that). The flag
+is put back right after the imports so other test files in the same pytest process keep
+flax's default; models are built inside ``nnx.use_eager_sharding(False)`` instead, which
+is scoped. Import Tunix's modules from here.
 """
 
 import flax
@@ -18,6 +19,7 @@ from nnx_zero1._src.compat import jit_cache_size
 from nnx_zero1._src.specs import canonical_spec
 
 _always_shard = flax.config.flax_always_shard_variable
+from tunix.models.qwen3 import model as qwen3  # noqa: E402, F401 (for the tests: Tunix's real model class)
 from tunix.sft import peft_trainer  # noqa: E402
 from tunix.tests import test_common  # noqa: E402
 

@@ -6,11 +6,11 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from nnx_zero1._src.compat import context_mesh, legacy_context_mesh
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
-from nnx_zero1._src.specs import spec_axes
+from nnx_zero1._src.specs import is_explicit, spec_axes
 
 __all__ = ["current_mesh", "mesh_of", "on_mesh", "resolve_mesh", "variable_shardings"]
 
@@ -97,7 +97,7 @@ def _explicit_axes(mesh: Any) -> set[str]:
   """The axes a traced array's type carries: its mesh's Explicit ones (none without a mesh)."""
   if mesh is None or mesh.empty:
     return set()
-  return {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit}
+  return {name for name in mesh.axis_names if is_explicit(mesh, (name,))}
 
 
 def variable_shardings(variables: Any, mesh: Mesh) -> tuple[NamedSharding, ...]:

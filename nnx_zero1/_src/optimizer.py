@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -20,16 +19,17 @@ from nnx_zero1._src.checks import (
   check_state,
   check_strict,
 )
-from nnx_zero1._src.compat import Filter, to_opt_state
+from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.errors import Zero1Error, Zero1Warning
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
 from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
 from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_storage
 from nnx_zero1._src.placement import current_sharding, off_mesh, place, place_tree
 from nnx_zero1._src.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
-from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes, is_explicit, spec_entries
+from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes, is_explicit
+from nnx_zero1._src.state import init_sharded_state, opt_state_init
 
-__all__ = ["Zero1Optimizer", "init_sharded_state", "mark_zero1_grads", "opt_state_init"]
+__all__ = ["Zero1Optimizer", "mark_zero1_grads"]
 
 M = TypeVar("M")
 
@@ -107,61 +107,6 @@ def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, par
   return jax.sharding.auto_axes(run, axes=plan.data_axis, out_sharding=out_sharding)(
       grads, state, params, arrays
   )
-
-
-def opt_state_init(tx: optax.GradientTransformation) -> Callable[[Any], Any]:
-  """``param_state -> to_opt_state(tx.init(param_state))``, as ``nnx.Optimizer`` builds its state.
-
-  Use one such function for the abstract state and for the real one: jax
-  traces a function once per input type, so ``tx.init`` is traced once.
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp, optax
-    >>> jax.eval_shape(opt_state_init(optax.sgd(0.1)), {"w": jnp.ones(2)})
-    (EmptyState(), EmptyState())
-  """
-  return lambda param_state: to_opt_state(tx.init(param_state))
-
-
-def init_sharded_state(
-    tx: optax.GradientTransformation, param_state: Any, plan: Zero1Plan, *, init: Callable | None = None
-) -> Any:
-  """``to_opt_state(tx.init(param_state))``, created directly on the Zero-1 layout.
-
-  The state is built inside one jit whose output shardings are the plan's, so
-  no full-size replicated copy of the moments ever exists. ``init`` is
-  :func:`opt_state_init` ``(tx)``; pass the one the plan was made with. Parameter-derived
-  ``OptVariable``s record their Zero-1 layout in ``out_sharding`` metadata, so
-  code that re-places optimizer state from metadata keeps it.
-
-  Example::
-
-    >>> import jax, optax
-    >>> from flax import nnx
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-    >>> state = nnx.state(model, nnx.Param)
-    >>> plan = make_plan(optax.sgd(0.1), nnx.as_pure(state), mesh, ("data",))
-    >>> init_sharded_state(optax.sgd(0.1), state, plan)
-    (EmptyState(), EmptyState())
-  """
-  init = opt_state_init(tx) if init is None else init
-  abstract = jax.eval_shape(init, param_state)  # no new trace when `init` has traced param_state before
-  leaves, treedef = jax.tree.flatten(abstract)
-  targets = jax.tree.unflatten(treedef, [leaf.sharding for leaf in plan.state_leaves])
-  state = jax.jit(init, out_shardings=targets)(param_state)
-  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
-    # Built under a trace (nnx.eval_shape, inside jit): an inner jit's out_shardings do not
-    # reach the traced types, so give them the Zero-1 layout (and memory kind) explicitly.
-    state = to_storage(place_tree(state, compute_shardings(plan)), plan)
-  variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  variables = [v for v in variables if jax.tree.leaves(v)]  # not masked-out (MaskedNode) ones
-  for var, leaf in zip(variables, plan.state_leaves, strict=True):
-    assert isinstance(leaf.sharding, NamedSharding)  # single-device plans never get here
-    if var.has_metadata("out_sharding") or leaf.reason is None:
-      var.set_metadata(out_sharding=spec_entries(leaf.sharding.spec))
-  return state
 
 
 class Zero1Optimizer(nnx.Optimizer[M]):
