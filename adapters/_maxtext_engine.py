@@ -169,6 +169,16 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
 
   SHARD_ACCUMULATOR = False
   OFFLOAD_STATE_TO_HOST = False
+  STATE_DTYPE: Any = None
+  STATE_ROUNDING = "stochastic"
+
+  def _levers(self) -> dict[str, Any]:
+    """The memory levers this class asks for, as ``Zero1Optimizer`` keyword options."""
+    return {
+        "offload_state_to_host": self.OFFLOAD_STATE_TO_HOST,
+        "state_dtype": self.STATE_DTYPE,
+        "state_rounding": self.STATE_ROUNDING,
+    }
 
   @functools.wraps(_maxtext_engine.MaxTextTrainingEngine.__init__)  # type: ignore[misc]  # shows MaxText's signature
   def __init__(self, training_config, *args, **kwargs):
@@ -194,9 +204,7 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
           f"SHARD_ACCUMULATOR=True (ZeRO-2) needs each replica's whole gradients, but {blocker}: MaxText "
           f"reduces the gradient of a parameter split over 'data' in every micro-batch; {describe_mesh(mesh)}"
       )
-    return Zero1Optimizer(
-        model, tx, mesh, wrt=nnx.Param, data_axis="data", offload_state_to_host=self.OFFLOAD_STATE_TO_HOST
-    )
+    return Zero1Optimizer(model, tx, mesh, wrt=nnx.Param, data_axis="data", **self._levers())
 
   def _zero1_gradient_targets(self) -> Any:
     """The Zero-1 layout of every parameter, as a tree shaped like MaxText's parameter shardings."""
@@ -276,8 +284,7 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
     # comes from the second trace, the graph -- and so ``zero1_plan`` -- from the first, whose plan
     # reads the parameters' layouts off their traced types and, on axes the types do not carry, off
     # their Variables' sharding metadata. That the two agree is checked here.
-    offload = self.OFFLOAD_STATE_TO_HOST
-    with zero1_optimizers(mesh=self._mesh, data_axis="data", offload_state_to_host=offload):
+    with zero1_optimizers(mesh=self._mesh, data_axis="data", **self._levers()):
       state = super()._trace_train_state(tx)
     optimizer = state.optimizer
     if not isinstance(optimizer, Zero1Optimizer):

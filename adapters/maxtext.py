@@ -51,6 +51,8 @@ class _EngineHost(Protocol):
   @property
   def optimizer(self) -> nnx.Optimizer: ...
   OFFLOAD_STATE_TO_HOST: bool
+  STATE_DTYPE: Any
+  STATE_ROUNDING: str
 
 
 class Zero1EngineMixin:
@@ -74,7 +76,9 @@ class Zero1EngineMixin:
   signatures and checkpoint tree (``nnx.state(optimizer)`` has the same paths and shapes), so
   checkpoints cross between the plain and the Zero-1 engine. ``OFFLOAD_STATE_TO_HOST = True``
   on a subclass keeps the state shards in host memory between steps
-  (``Zero1Optimizer(offload_state_to_host=True)``).
+  (``Zero1Optimizer(offload_state_to_host=True)``); ``STATE_DTYPE = jnp.bfloat16`` stores the
+  state in bfloat16 between steps (``Zero1Optimizer(state_dtype=...)``, rounded as
+  ``STATE_ROUNDING`` says).
 
   Raises:
     Zero1Error: (from the engine's constructor) the optimizer cannot be made
@@ -99,13 +103,16 @@ class Zero1EngineMixin:
   """
 
   OFFLOAD_STATE_TO_HOST = False
+  STATE_DTYPE: Any = None
+  STATE_ROUNDING = "stochastic"
 
   def _make_optimizer(
       self: _EngineHost, model: nnx.Module, tx: optax.GradientTransformation
   ) -> Zero1Optimizer:
     return Zero1Optimizer(
         model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, strict=self.strict,
-        offload_state_to_host=self.OFFLOAD_STATE_TO_HOST,
+        offload_state_to_host=self.OFFLOAD_STATE_TO_HOST, state_dtype=self.STATE_DTYPE,
+        state_rounding=self.STATE_ROUNDING,
     )
 
   def _gradient_targets(self: _EngineHost) -> tuple[NamedSharding, ...]:

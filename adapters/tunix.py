@@ -53,6 +53,7 @@ except ModuleNotFoundError as e:
 
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.mixin import ShardedOptimizerMixin
+from nnx_zero1._src.scope import LEVERS
 from nnx_zero1._src.specs import DataAxis, data_axes
 
 __all__ = [
@@ -79,6 +80,12 @@ class Zero1TrainingConfig(TrainingConfig):
     zero1_strict: ``True`` raises ``Zero1Error`` when a parameter-shaped leaf
       cannot be split or when there is no mesh and the model is on one device;
       ``None``: the trainer class's ``zero1_strict`` (``False``).
+    zero1_offload_state_to_host: keep the state shards in host memory between
+      steps; ``None``: the trainer class's (``False``).
+    zero1_state_dtype: store the optimizer state in this dtype between steps
+      (e.g. ``jnp.bfloat16``, see ``Zero1Optimizer``); ``None``: the trainer class's
+      (as ``tx`` makes it).
+    zero1_state_rounding: ``"stochastic"`` or ``"nearest"``; ``None``: the trainer class's.
 
   Example::
 
@@ -91,6 +98,8 @@ class Zero1TrainingConfig(TrainingConfig):
   zero1_data_axis: DataAxis | None = None
   zero1_strict: bool | None = None
   zero1_offload_state_to_host: bool | None = None
+  zero1_state_dtype: Any = None
+  zero1_state_rounding: str | None = None
 
 
 def batch_axes(data_sharding_axis: Any) -> tuple[str, ...]:
@@ -147,7 +156,7 @@ class _Zero1Tunix(ShardedOptimizerMixin):
       **kwargs: the Tunix class's constructor keyword arguments.
 
     Returns:
-      ``{"data_axis": ..., "strict": ...}`` for this construction.
+      ``{"data_axis": ..., "strict": ..., <the memory levers>}`` for this construction.
 
     Raises:
       Zero1Error: the config's ``data_sharding_axis`` names no mesh axis and no
@@ -166,12 +175,11 @@ class _Zero1Tunix(ShardedOptimizerMixin):
       axis = self.zero1_data_axis
     if axis is None:
       axis = batch_axes(config.data_sharding_axis)
-    strict = getattr(config, "zero1_strict", None)
-    offload = getattr(config, "zero1_offload_state_to_host", None)
-    return {
-        "data_axis": axis, "strict": self.zero1_strict if strict is None else strict,
-        "offload_state_to_host": self.zero1_offload_state_to_host if offload is None else offload,
-    }
+    options = super().zero1_options(*args, **kwargs)  # the class attributes
+    for name in ("strict", *LEVERS):
+      value = getattr(config, f"zero1_{name}", None)
+      options[name] = options[name] if value is None else value
+    return {**options, "data_axis": axis}
 
 
 class Zero1PeftTrainer(_Zero1Tunix, PeftTrainer):

@@ -38,7 +38,7 @@ STEP_ARMS = {
 # The memory levers beyond Zero-1: each arm is zero1-accum plus options (docs/memory_levers.md).
 ACCUMULATE_OPTIONS = {"zero2-accum": {"shard_accumulator": True},
                       "zero2-offload": {"shard_accumulator": True}}
-OPTIMIZER_OPTIONS = {"zero1-offload": {"offload_state_to_host": True},
+OPTIMIZER_OPTIONS: dict[str, dict[str, Any]] = {"zero1-offload": {"offload_state_to_host": True},
                      "zero2-offload": {"offload_state_to_host": True}}
 LEVER_REFERENCE = "zero1-accum"  # the arm the levers' step-time ratio is taken against
 

@@ -17,7 +17,7 @@ import jax
 
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.mesh import current_mesh
-from nnx_zero1._src.scope import zero1_optimizers
+from nnx_zero1._src.scope import LEVERS, zero1_optimizers
 from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes
 
 __all__ = ["ShardedOptimizerMixin"]
@@ -77,11 +77,16 @@ class ShardedOptimizerMixin:
       split, or when the data-parallel size is 1 for lack of a mesh.
     zero1_offload_state_to_host: keep the state shards in host memory between
       steps (``Zero1Optimizer(offload_state_to_host=True)``).
+    zero1_state_dtype: store the state in this dtype between steps
+      (``Zero1Optimizer(state_dtype=...)``; ``None``: as ``tx`` makes it).
+    zero1_state_rounding: ``Zero1Optimizer(state_rounding=...)``.
   """
 
   zero1_data_axis: DataAxis | None = "data"  # None: left to zero1_options (the Tunix adapters' config)
   zero1_strict: bool = False
   zero1_offload_state_to_host: bool = False
+  zero1_state_dtype: Any = None
+  zero1_state_rounding: str = "stochastic"
 
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
@@ -98,8 +103,9 @@ class ShardedOptimizerMixin:
     axes = data_axes(options["data_axis"])
     for mesh in self._zero1_meshes(*args, **kwargs):
       check_data_axes_on_mesh(mesh, axes)
-    offload = bool(options.get("offload_state_to_host", False))  # older zero1_options() omit it
-    scope = zero1_optimizers(data_axis=axes, strict=bool(options["strict"]), offload_state_to_host=offload)
+    # Older zero1_options() return only data_axis and strict: the levers default to off.
+    levers = {name: options[name] for name in LEVERS if name in options}
+    scope = zero1_optimizers(data_axis=axes, strict=bool(options["strict"]), **levers)
     with scope as built:
       super().__init__(*args, **kwargs)
     if not built:
@@ -119,9 +125,10 @@ class ShardedOptimizerMixin:
       **kwargs: the constructor's keyword arguments.
 
     Returns:
-      ``{"data_axis": ..., "strict": ..., "offload_state_to_host": ...}``: the mesh
-      axis (or axes) to split the state over, whether to refuse leaves that cannot
-      be split, and whether to keep the state in host memory (may be left out: False).
+      ``{"data_axis": ..., "strict": ..., "offload_state_to_host": ..., "state_dtype": ...,
+      "state_rounding": ...}``: the mesh axis (or axes) to split the state over, whether
+      to refuse leaves that cannot be split, and the memory levers (each may be left
+      out: off).
 
     Example::
 
@@ -135,6 +142,8 @@ class ShardedOptimizerMixin:
     return {
         "data_axis": self.zero1_data_axis, "strict": self.zero1_strict,
         "offload_state_to_host": self.zero1_offload_state_to_host,
+        "state_dtype": self.zero1_state_dtype,
+        "state_rounding": self.zero1_state_rounding,
     }
 
   def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list[jax.sharding.Mesh]:

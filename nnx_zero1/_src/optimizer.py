@@ -26,6 +26,7 @@ from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
 from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_storage
 from nnx_zero1._src.placement import current_sharding, off_mesh, place, place_tree
 from nnx_zero1._src.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
+from nnx_zero1._src.precision import check_state_dtype, narrow, narrowed_plan, widen
 from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes, is_explicit
 from nnx_zero1._src.state import init_sharded_state, opt_state_init
 
@@ -155,12 +156,21 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       outside ``update``, at the price of a host-to-device and a device-to-host
       copy of the 1/N shards every step. Bit-identical to the state kept on device;
       the checkpoint tree is unchanged. The step count stays on device.
+    state_dtype: store every floating, parameter-tied state leaf (Adam's ``mu``
+      and ``nu``, momentum) in this dtype between steps, e.g. ``jnp.bfloat16``:
+      half the state's bytes. ``update`` computes in the dtype ``tx`` creates the
+      state in (float32 for float32 parameters) and narrows the result; scalars
+      (the count) are untouched. The checkpoint holds the stored dtype.
+    state_rounding: how ``state_dtype`` narrows: ``"stochastic"`` (the default;
+      unbiased, float32 to bfloat16 only) or ``"nearest"``, which cannot record a
+      change smaller than half a bfloat16 spacing (Adam's ``nu`` then never decays).
 
   Raises:
     Zero1Error: before any state exists, when the mesh lacks the data axes,
       ``wrt`` selects no parameter, a parameter lives off the mesh, optax's state
       cannot be tied to any parameter, ``strict`` finds a leaf that cannot be split,
-      or ``offload_state_to_host`` finds no mesh or a device without host memory.
+      or ``offload_state_to_host`` finds no mesh or a device without host memory;
+      a ``state_dtype`` that is not floating, or one asked for with no mesh.
   """
 
   def __init__(
@@ -175,8 +185,11 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       strict: bool = False,
       pin_gradients: bool = True,
       offload_state_to_host: bool = False,
+      state_dtype: Any = None,
+      state_rounding: str = "stochastic",
   ):
     axes = data_axes(data_axis)
+    stored_dtype = check_state_dtype(state_dtype, state_rounding)
     param_state = nnx.state(model, wrt, graph=graph)
     params = nnx.as_pure(param_state)
     mesh = resolve_mesh(mesh, params)
@@ -189,6 +202,11 @@ class Zero1Optimizer(nnx.Optimizer[M]):
             f"strict=True, but the model is on one device ({device}) and no mesh is set: "
             "data-parallel size 1, so Zero-1 would split nothing; pass mesh= or call it under "
             "jax.set_mesh(mesh)"
+        )
+      if stored_dtype is not None:
+        raise Zero1Error(
+            f"state_dtype={stored_dtype} needs a mesh: the model is on one device ({device}) and no mesh "
+            "is set; pass mesh= or call it under jax.set_mesh(mesh)"
         )
       _warn_one_device(device)
     check_data_axes_on_mesh(mesh, axes)
@@ -203,6 +221,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       plan = single_device_plan(plan, device)
     if strict:
       check_strict(plan)
+    plan = narrowed_plan(plan, stored_dtype, state_rounding)
     if offload_state_to_host:
       plan = offload_plan(plan)
     self.graph = graph
@@ -214,7 +233,8 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       # The step count lives on the mesh from the start, replicated, as a jitted step returns
       # it: a trainer that does not re-place its optimizer before jit compiles once, not twice.
       self.step = OptState(place(jnp.array(0, dtype=jnp.uint32), NamedSharding(mesh, PartitionSpec())))
-      self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan, init=init))
+      stored_init = lambda param_state: narrow(init(param_state), plan)
+      self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan, init=stored_init))
     self.wrt = wrt
     self._zero1_plan = plan
     self.pin_gradients = pin_gradients
@@ -280,10 +300,12 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     if self.zero1_plan.single_device:  # data-parallel size 1: nothing to split or move
       return super().update(model, grads, **kwargs)
     pin = self.pin_gradients and not _is_marked(grads)
-    homes, sliced = _onto_zero1_layout(self.zero1_plan, params, pure_grads, state, pin=pin)
-    new_params, new_state, updates = _run_on_slices(self.tx, self.zero1_plan, sliced, homes, kwargs)
+    plan = self.zero1_plan
+    homes, sliced = _onto_zero1_layout(plan, params, pure_grads, state, pin=pin)
+    new_params, new_state, updates = _run_on_slices(self.tx, plan, sliced, homes, kwargs)
     nnx.update(model, _over_old_parameters(place_tree(new_params, homes), params))
-    nnx.update(self.opt_state, nnx.state(to_storage(new_state, self.zero1_plan), graph=self.graph))
+    new_state = narrow(new_state, plan, step=self.step[...])
+    nnx.update(self.opt_state, nnx.state(to_storage(new_state, plan), graph=self.graph))
     self.step[...] += 1
     return place_tree(updates, homes)
 
@@ -348,7 +370,7 @@ def _onto_zero1_layout(
       grads=place_tree(grads, plan.zero1_param_shardings),
       params=place_tree(params, plan.zero1_param_shardings),
       # A no-op when the state is on the plan; re-places state restored onto another layout.
-      state=place_tree(to_compute(state, plan), compute_shardings(plan)),
+      state=widen(place_tree(to_compute(state, plan), compute_shardings(plan)), plan),
   )
 
 

@@ -36,6 +36,7 @@ class LeafPlan:
   sharding: jax.sharding.Sharding  # a NamedSharding; SingleDeviceSharding in a single-device plan
   reason: Reason | None  # None: split over the data axis
   by_parameter: bool = False  # split already by its parameter's own layout (FSDP): nothing added
+  compute_dtype: str | None = None  # stored in ``dtype`` but computed in this (``state_dtype``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Zero1Plan:
   state_leaves: tuple[LeafPlan, ...]
   single_device: bool = False  # no mesh, one device: nothing is placed, as nnx.Optimizer
   offload_state: bool = False  # state leaves in host memory between steps (``_src/offload.py``)
+  state_rounding: str = "nearest"  # how narrowed leaves are cast down (``_src/precision.py``)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -67,6 +68,7 @@ class ReportRow:
   reason: str  # "" when sharded
   by_parameter: bool = False  # split already by its parameter's layout (FSDP): Zero-1 added nothing
   memory_kind: str = "device"  # where it lives between steps: "device", or "pinned_host" when offloaded
+  compute_dtype: str = ""  # the dtype ``update`` computes it in, when stored narrower (``state_dtype``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +130,8 @@ class Zero1Report:
   def __str__(self) -> str:
     header = ("leaf", "shape", "dtype", "spec", "memory", "bytes/device", "status")
     body = [
-        (r.path, "x".join(map(str, r.shape)) or "()", r.dtype, r.spec, r.memory_kind,
+        (r.path, "x".join(map(str, r.shape)) or "()",
+         f"{r.dtype} ({r.compute_dtype} in update)" if r.compute_dtype else r.dtype, r.spec, r.memory_kind,
          f"{r.bytes_per_device:,}", _status(r))
         for r in self.rows
     ]
@@ -188,6 +191,8 @@ def report(opt) -> Zero1Report:
   leaves = jax.tree.leaves(nnx.as_pure(opt.opt_state))
   rows = []
   for leaf, row in zip(leaves, plan.state_leaves, strict=True):
+    # nnx.Optimizer keeps the state in the dtype tx makes it in.
+    itemsize = np.dtype(row.compute_dtype or leaf.dtype).itemsize
     rows.append(
         ReportRow(
             path=row.path,
@@ -196,13 +201,15 @@ def report(opt) -> Zero1Report:
             spec=str(leaf.sharding.spec) if hasattr(leaf.sharding, "spec") else type(leaf.sharding).__name__,
             bytes_per_device=bytes_per_device(leaf),
             full_bytes=leaf.nbytes,
-            replicated_optimizer_bytes=bytes_per_device(leaf) if row.by_parameter else math.prod(
-                _without_data_axes(leaf.sharding, plan.data_axis).shard_shape(leaf.shape)
-            ) * leaf.dtype.itemsize,
+            replicated_optimizer_bytes=math.prod(
+                (leaf.sharding if row.by_parameter else _without_data_axes(leaf.sharding, plan.data_axis))
+                .shard_shape(leaf.shape)
+            ) * itemsize,
             sharded=row.reason is None,
             reason=str(row.reason) if row.reason else "",
             by_parameter=row.by_parameter,
             memory_kind=memory_kind_of(leaf),
+            compute_dtype=row.compute_dtype or "",
         )
     )
   size = data_axis_size(plan.mesh, plan.data_axis)

@@ -22,7 +22,7 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -32,9 +32,13 @@ from nnx_zero1._src.compat import set_metaclass
 from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.model_and_optimizer import Zero1ModelAndOptimizer
 from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.precision import check_state_dtype
 from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes
 
-__all__ = ["zero1_optimizers"]
+__all__ = ["LEVERS", "zero1_optimizers"]
+
+# Zero1Optimizer's memory levers: the keyword options a scope, the mixin and the adapters pass through.
+LEVERS = ("offload_state_to_host", "state_dtype", "state_rounding")
 
 _OPTIMIZER = nnx.Optimizer
 _MODEL_AND_OPTIMIZER = nnx.ModelAndOptimizer
@@ -53,15 +57,14 @@ class _Scope:
   data_axis: tuple[str, ...]
   strict: bool
   built: list[Zero1Optimizer]
-  offload_state_to_host: bool = False
+  levers: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # Zero1Optimizer's memory levers
 
   def build(self, routed: type, model, tx, *args, **kwargs) -> Zero1Optimizer:
     if args:
       raise TypeError(f"nnx.{routed.__name__} takes 2 positional arguments but {2 + len(args)} were given")
     counterpart = _COUNTERPARTS[routed]
     opt = counterpart(
-        model, tx, self.mesh, data_axis=self.data_axis, strict=self.strict,
-        offload_state_to_host=self.offload_state_to_host, **kwargs,
+        model, tx, self.mesh, data_axis=self.data_axis, strict=self.strict, **self.levers, **kwargs,
     )
     self.built.append(opt)
     return opt
@@ -95,7 +98,7 @@ def _install() -> None:
 @contextlib.contextmanager
 def zero1_optimizers(
     mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = None, strict: bool = False,
-    *, offload_state_to_host: bool = False,
+    *, offload_state_to_host: bool = False, state_dtype: Any = None, state_rounding: str = "stochastic",
 ) -> Iterator[list[Zero1Optimizer]]:
   """Inside the block, ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` builds
   ``Zero1Optimizer(model, tx, mesh, wrt=..., graph=..., data_axis=..., strict=...)``
@@ -115,12 +118,16 @@ def zero1_optimizers(
     strict: as for ``Zero1Optimizer``.
     offload_state_to_host: as for ``Zero1Optimizer``: every optimizer built inside
       keeps its state shards in host memory between steps.
+    state_dtype: as for ``Zero1Optimizer``: every optimizer built inside stores
+      its state in this dtype between steps (e.g. ``jnp.bfloat16``).
+    state_rounding: as for ``Zero1Optimizer``.
 
   Returns:
     A context manager yielding the list of the ``Zero1Optimizer`` s built in the block so far.
 
   Raises:
-    Zero1Error: at entry, for a bad ``data_axis`` or a ``mesh`` without it; then
+    Zero1Error: at entry, for a bad ``data_axis``, a ``mesh`` without it or a bad
+      ``state_dtype`` / ``state_rounding``; then
       from each construction that cannot apply (as ``Zero1Optimizer`` does).
 
   Example::
@@ -137,12 +144,17 @@ def zero1_optimizers(
     'Optimizer'
   """
   axes = data_axes(data_axis)
+  check_state_dtype(state_dtype, state_rounding)
   if mesh is not None:
     check_data_axes_on_mesh(resolve_mesh(mesh), axes)
   _install()
   scope = _Scope(
       mesh=mesh, data_axis=axes, strict=bool(strict), built=[],
-      offload_state_to_host=bool(offload_state_to_host),
+      levers={
+          "offload_state_to_host": bool(offload_state_to_host),
+          "state_dtype": state_dtype,
+          "state_rounding": state_rounding,
+      },
   )
   token = _SCOPE.set(scope)
   try:
