@@ -171,6 +171,7 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
   OFFLOAD_STATE_TO_HOST = False
   STATE_DTYPE: Any = None
   STATE_ROUNDING = "stochastic"
+  MASTER_DTYPE: Any = None
 
   def _levers(self) -> dict[str, Any]:
     """The memory levers this class asks for, as ``Zero1Optimizer`` keyword options."""
@@ -178,6 +179,7 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
         "offload_state_to_host": self.OFFLOAD_STATE_TO_HOST,
         "state_dtype": self.STATE_DTYPE,
         "state_rounding": self.STATE_ROUNDING,
+        "master_dtype": self.MASTER_DTYPE,
     }
 
   @functools.wraps(_maxtext_engine.MaxTextTrainingEngine.__init__)  # type: ignore[misc]  # shows MaxText's signature

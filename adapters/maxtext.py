@@ -53,6 +53,7 @@ class _EngineHost(Protocol):
   OFFLOAD_STATE_TO_HOST: bool
   STATE_DTYPE: Any
   STATE_ROUNDING: str
+  MASTER_DTYPE: Any
 
 
 class Zero1EngineMixin:
@@ -78,7 +79,8 @@ class Zero1EngineMixin:
   on a subclass keeps the state shards in host memory between steps
   (``Zero1Optimizer(offload_state_to_host=True)``); ``STATE_DTYPE = jnp.bfloat16`` stores the
   state in bfloat16 between steps (``Zero1Optimizer(state_dtype=...)``, rounded as
-  ``STATE_ROUNDING`` says).
+  ``STATE_ROUNDING`` says); ``MASTER_DTYPE = jnp.float32`` keeps float32 master copies of a
+  bfloat16 model's parameters split over data (``Zero1Optimizer(master_dtype=...)``).
 
   Raises:
     Zero1Error: (from the engine's constructor) the optimizer cannot be made
@@ -105,6 +107,7 @@ class Zero1EngineMixin:
   OFFLOAD_STATE_TO_HOST = False
   STATE_DTYPE: Any = None
   STATE_ROUNDING = "stochastic"
+  MASTER_DTYPE: Any = None
 
   def _make_optimizer(
       self: _EngineHost, model: nnx.Module, tx: optax.GradientTransformation
@@ -112,7 +115,7 @@ class Zero1EngineMixin:
     return Zero1Optimizer(
         model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, strict=self.strict,
         offload_state_to_host=self.OFFLOAD_STATE_TO_HOST, state_dtype=self.STATE_DTYPE,
-        state_rounding=self.STATE_ROUNDING,
+        state_rounding=self.STATE_ROUNDING, master_dtype=self.MASTER_DTYPE,
     )
 
   def _gradient_targets(self: _EngineHost) -> tuple[NamedSharding, ...]:

@@ -86,6 +86,9 @@ class Zero1TrainingConfig(TrainingConfig):
       (e.g. ``jnp.bfloat16``, see ``Zero1Optimizer``); ``None``: the trainer class's
       (as ``tx`` makes it).
     zero1_state_rounding: ``"stochastic"`` or ``"nearest"``; ``None``: the trainer class's.
+    zero1_master_dtype: for a bfloat16 model, keep float32 master copies of the
+      trained parameters split over data (``Zero1Optimizer(master_dtype=...)``);
+      ``None``: the trainer class's (none).
 
   Example::
 
@@ -100,6 +103,7 @@ class Zero1TrainingConfig(TrainingConfig):
   zero1_offload_state_to_host: bool | None = None
   zero1_state_dtype: Any = None
   zero1_state_rounding: str | None = None
+  zero1_master_dtype: Any = None
 
 
 def batch_axes(data_sharding_axis: Any) -> tuple[str, ...]:

@@ -1,15 +1,18 @@
 """Loss curves of the bfloat16 levers against float32, on the bench's model and virtual CPU devices.
 
-``python -m benchmarks.precision --steps 300`` trains the bench's ``small`` transformer
+``python -m benchmarks.precision --steps 400`` trains the bench's ``small`` transformer
 (adamw 1e-3, data=8) from one initialisation on one stream of learnable token sequences
-(each an arithmetic progression modulo the vocabulary) once per arm:
+(each an arithmetic progression modulo the vocabulary) once per arm. Two comparisons:
 
-- ``zero1``: ``Zero1Optimizer`` with float32 state (the reference);
-- ``zero1-bf16state``: ``state_dtype=jnp.bfloat16`` with stochastic rounding (the default);
-- ``zero1-bf16state-nearest``: the same, rounded to nearest.
+- the state's precision, float32 parameters and compute: ``zero1`` (float32 state, the
+  reference), ``zero1-bf16state`` (``state_dtype=jnp.bfloat16``, stochastic rounding, the
+  default) and ``zero1-bf16state-nearest`` (rounded to nearest);
+- master weights, bfloat16 compute: ``zero1-f32params`` (float32 parameters cast to bfloat16
+  inside the loss: the reference), ``zero1-master`` (bfloat16 parameters,
+  ``master_dtype=jnp.float32``) and ``zero1-bf16`` (pure bfloat16: parameters and moments).
 
-Writes ``precision.json`` (every arm's losses, its state bytes per device, and its final
-loss's relative gap to the reference over the last tenth of the run) and ``precision.png``.
+Writes ``precision.json`` (every arm's losses, optimizer bytes per device and the relative gap
+of its final loss, the mean of the last tenth of the run, to its reference) and ``precision.png``.
 """
 
 from __future__ import annotations
@@ -21,11 +24,17 @@ import pathlib
 import sys
 from typing import Any
 
-ARMS: dict[str, dict[str, Any]] = {
-    "zero1": {},
-    "zero1-bf16state": {"state_dtype": "bfloat16"},
-    "zero1-bf16state-nearest": {"state_dtype": "bfloat16", "state_rounding": "nearest"},
+# arm: (its reference, the parameters' dtype, whether the loss computes in bfloat16, options).
+ARMS: dict[str, tuple[str, str, bool, dict[str, Any]]] = {
+    "zero1": ("zero1", "float32", False, {}),
+    "zero1-bf16state": ("zero1", "float32", False, {"state_dtype": "bfloat16"}),
+    "zero1-bf16state-nearest": (
+        "zero1", "float32", False, {"state_dtype": "bfloat16", "state_rounding": "nearest"}),
+    "zero1-f32params": ("zero1-f32params", "float32", True, {}),
+    "zero1-master": ("zero1-f32params", "bfloat16", True, {"master_dtype": "float32"}),
+    "zero1-bf16": ("zero1-f32params", "bfloat16", True, {}),
 }
+_DTYPE_OPTIONS = ("state_dtype", "master_dtype")
 
 
 def progressions(vocab: int, batch: int, seq: int, step: int) -> Any:
@@ -55,40 +64,47 @@ def run(steps: int, dp: int, out: pathlib.Path) -> dict[str, Any]:
 
   from benchmarks.model import loss_fn
   from benchmarks.settings import Settings, new_model
-  from nnx_zero1 import Zero1Optimizer, bytes_per_device
+  from nnx_zero1 import Zero1Optimizer, report
 
   settings = Settings(model="small")
   cfg = settings.config
   mesh = jax.make_mesh((dp,), ("data",))
   batch_sharding = NamedSharding(mesh, P("data"))
 
-  @nnx.jit
-  def step(model, optimizer, tokens):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+  def bf16_loss(model, tokens):
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+    return loss_fn(nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), *rest), tokens)
+
+  @nnx.jit(static_argnums=3)
+  def step(model, optimizer, tokens, bf16_compute):
+    loss, grads = nnx.value_and_grad(bf16_loss if bf16_compute else loss_fn)(model, tokens)
     optimizer.update(model, grads)
     return loss
 
   result: dict[str, Any] = {"model": "small", "dp": dp, "steps": steps, "lr": 1e-3, "arms": {}}
   with jax.set_mesh(mesh):
-    for arm, options in ARMS.items():
+    for arm, (_, param_dtype, bf16_compute, options) in ARMS.items():
       model = new_model(settings, mesh)
-      options = {k: jnp.dtype(v) if k == "state_dtype" else v for k, v in options.items()}
+      params = nnx.state(model, nnx.Param)
+      nnx.update(model, jax.tree.map(lambda x, dtype=param_dtype: x.astype(dtype), params))
+      options = {k: jnp.dtype(v) if k in _DTYPE_OPTIONS else v for k, v in options.items()}
       optimizer = Zero1Optimizer(model, optax.adamw(1e-3), mesh, **options)
-      losses = [
-          float(step(model, optimizer, jax.device_put(progressions(cfg.vocab, 16, cfg.seq_len, i), batch_sharding)))
-          for i in range(steps)
-      ]
+      losses = []
+      for i in range(steps):
+        batch = jax.device_put(progressions(cfg.vocab, 16, cfg.seq_len, i), batch_sharding)
+        losses.append(float(step(model, optimizer, batch, bf16_compute)))
       result["arms"][arm] = {
-          "losses": losses,
-          "opt_state_bytes_per_device": bytes_per_device(nnx.as_pure(optimizer.opt_state)),
+          "reference": ARMS[arm][0], "param_dtype": param_dtype, "bf16_compute": bf16_compute,
+          "options": {k: str(v) for k, v in options.items()}, "losses": losses,
+          "optimizer_bytes_per_device": report(optimizer).per_device_bytes,
       }
       print(f"{arm}: final loss {np.mean(losses[-max(1, steps // 10):]):.4f}", file=sys.stderr)
   tail = max(1, steps // 10)
-  reference = float(np.mean(result["arms"]["zero1"]["losses"][-tail:]))
-  for arm, row in result["arms"].items():
+  for row in result["arms"].values():
     final = float(np.mean(row["losses"][-tail:]))
+    reference = float(np.mean(result["arms"][row["reference"]]["losses"][-tail:]))
     row["final_loss"] = final
-    row["final_gap_to_float32_state"] = (final - reference) / reference
+    row["final_gap_to_reference"] = (final - reference) / reference
   out.mkdir(parents=True, exist_ok=True)
   (out / "precision.json").write_text(json.dumps(result, indent=1))
   _plot(result, out / "precision.png")
@@ -101,14 +117,19 @@ def _plot(result: dict[str, Any], path: pathlib.Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for arm, row in result["arms"].items():
-    ax.plot(row["losses"], label=f"{arm} (final {row['final_loss']:.3f})", linewidth=1)
-  ax.set_xlabel("step")
-  ax.set_ylabel("loss")
-  ax.set_yscale("log")
-  ax.set_title(f"bench model 'small', adamw 1e-3, data={result['dp']}: optimizer state precision")
-  ax.legend()
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+  titles = {"zero1": "state precision (float32 compute)",
+            "zero1-f32params": "master weights (bfloat16 compute)"}
+  for ax, (reference, title) in zip(axes, titles.items(), strict=True):
+    for arm, row in result["arms"].items():
+      if row["reference"] == reference:
+        gap = row["final_gap_to_reference"]
+        ax.plot(row["losses"], label=f"{arm} (final {row['final_loss']:.4f}, {gap:+.2%})", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_yscale("log")
+    ax.set_title(f"{title}, data={result['dp']}")
+    ax.legend()
+  axes[0].set_ylabel("loss")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
@@ -121,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   if args.steps < 1 or args.dp < 1:
     p.error("--steps and --dp must be >= 1")
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.dp}"
+  flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.dp}"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   run(args.steps, args.dp, args.out)
   return 0

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from nnx_zero1._src.checks import first_mismatch
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.master import master_shardings
 from nnx_zero1._src.mesh import on_mesh, resolve_mesh
 
 __all__ = ["abstract_arrays", "abstract_state", "key_names", "restore_into", "restore_target"]
@@ -40,10 +41,17 @@ def _target_shardings(obj: Any) -> dict[tuple, Any]:
   if plan is None:
     return {}
   flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(obj.opt_state))[0]
-  return {
+  targets = {
       ("opt_state", *key_names(path)): leaf.sharding
       for (path, _), leaf in zip(flat, plan.state_leaves, strict=True)
   }
+  if plan.master_dtype is not None:
+    masters = jax.tree_util.tree_flatten_with_path(nnx.as_pure(obj.master_params))[0]
+    targets.update({
+        ("master_params", *key_names(path)): sharding
+        for (path, _), sharding in zip(masters, master_shardings(plan), strict=True)
+    })
+  return targets
 
 
 def restore_target(x: Any, mesh: Any = None, sharding: Any = None) -> jax.ShapeDtypeStruct:
@@ -157,10 +165,17 @@ def restore_into(obj: Any, restored: Any) -> None:
   """
   target = abstract_state(obj)
   t_leaves, t_def = jax.tree.flatten(nnx.as_pure(target))
-  r_leaves, r_def = jax.tree.flatten(nnx.as_pure(restored))
+  # Compared by key paths, not tree types: an nnx.State and a dict holding the same names match.
+  t_paths = [key_names(path) for path, _ in jax.tree_util.tree_flatten_with_path(nnx.as_pure(target))[0]]
+  r_flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(restored))[0]
+  r_paths, r_leaves = [key_names(path) for path, _ in r_flat], [leaf for _, leaf in r_flat]
   axes = _mesh_words(obj)
-  if t_def != r_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub has no __ne__ mypy can see
-    raise Zero1Error(f"restored state does not match {type(obj).__name__}: tree {r_def} is not {t_def}{axes}")
+  if t_paths != r_paths:
+    missing = sorted(map(str, set(t_paths) - set(r_paths)))[:3]
+    extra = sorted(map(str, set(r_paths) - set(t_paths)))[:3]
+    raise Zero1Error(
+        f"restored state does not match {type(obj).__name__}: missing {missing}, unexpected {extra}{axes}"
+    )
   mismatch = first_mismatch(nnx.as_pure(target), r_leaves)
   if mismatch is not None:
     path, t, r = mismatch

@@ -80,6 +80,8 @@ class ShardedOptimizerMixin:
     zero1_state_dtype: store the state in this dtype between steps
       (``Zero1Optimizer(state_dtype=...)``; ``None``: as ``tx`` makes it).
     zero1_state_rounding: ``Zero1Optimizer(state_rounding=...)``.
+    zero1_master_dtype: keep master copies of the parameters in this dtype
+      (``Zero1Optimizer(master_dtype=...)``, for bfloat16 models).
   """
 
   zero1_data_axis: DataAxis | None = "data"  # None: left to zero1_options (the Tunix adapters' config)
@@ -87,6 +89,7 @@ class ShardedOptimizerMixin:
   zero1_offload_state_to_host: bool = False
   zero1_state_dtype: Any = None
   zero1_state_rounding: str = "stochastic"
+  zero1_master_dtype: Any = None
 
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
@@ -126,7 +129,7 @@ class ShardedOptimizerMixin:
 
     Returns:
       ``{"data_axis": ..., "strict": ..., "offload_state_to_host": ..., "state_dtype": ...,
-      "state_rounding": ...}``: the mesh axis (or axes) to split the state over, whether
+      "state_rounding": ..., "master_dtype": ...}``: the mesh axis (or axes) to split the state over, whether
       to refuse leaves that cannot be split, and the memory levers (each may be left
       out: off).
 
@@ -144,6 +147,7 @@ class ShardedOptimizerMixin:
         "offload_state_to_host": self.zero1_offload_state_to_host,
         "state_dtype": self.zero1_state_dtype,
         "state_rounding": self.zero1_state_rounding,
+        "master_dtype": self.zero1_master_dtype,
     }
 
   def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list[jax.sharding.Mesh]:

@@ -42,6 +42,7 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
     offload_state_to_host: as for ``Zero1Optimizer``.
     state_dtype: as for ``Zero1Optimizer``.
     state_rounding: as for ``Zero1Optimizer``.
+    master_dtype: as for ``Zero1Optimizer``.
 
   Raises:
     Zero1Error: as ``Zero1Optimizer`` does, before any state exists.
@@ -71,11 +72,13 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
       offload_state_to_host: bool = False,
       state_dtype: Any = None,
       state_rounding: str = "stochastic",
+      master_dtype: Any = None,
   ):
     # Zero1Optimizer's construction, not nnx.ModelAndOptimizer's (which would build the full,
     # replicated state first); then what ModelAndOptimizer adds: the model it updates.
     Zero1Optimizer.__init__(
         self, model, tx, mesh, wrt=wrt, data_axis=data_axis, strict=strict, pin_gradients=pin_gradients,
         offload_state_to_host=offload_state_to_host, state_dtype=state_dtype, state_rounding=state_rounding,
+        master_dtype=master_dtype,
     )
     self.model = model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -22,6 +23,15 @@ from nnx_zero1._src.checks import (
 from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.errors import Zero1Error, Zero1Warning
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
+from nnx_zero1._src.master import (
+  check_master_dtype,
+  init_masters,
+  master_plan,
+  masters_to_compute,
+  masters_to_storage,
+  to_master_dtype,
+  to_param_dtypes,
+)
 from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
 from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_storage
 from nnx_zero1._src.placement import current_sharding, off_mesh, place, place_tree
@@ -164,13 +174,21 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     state_rounding: how ``state_dtype`` narrows: ``"stochastic"`` (the default;
       unbiased, float32 to bfloat16 only) or ``"nearest"``, which cannot record a
       change smaller than half a bfloat16 spacing (Adam's ``nu`` then never decays).
+    master_dtype: for a bfloat16 (or float16) model, keep a copy of every
+      parameter in this dtype (``jnp.float32``) on its Zero-1 layout, 1/N per
+      device, as ``opt.master_params`` (checkpointed with ``nnx.state(opt)``):
+      ``tx`` runs on the master slices and the gradient slices cast to it, and the
+      model gets the new masters cast to its dtype through an all-gather in that
+      dtype (half the bytes of a float32 one).
 
   Raises:
     Zero1Error: before any state exists, when the mesh lacks the data axes,
       ``wrt`` selects no parameter, a parameter lives off the mesh, optax's state
       cannot be tied to any parameter, ``strict`` finds a leaf that cannot be split,
       or ``offload_state_to_host`` finds no mesh or a device without host memory;
-      a ``state_dtype`` that is not floating, or one asked for with no mesh.
+      a ``state_dtype`` that is not floating; a ``master_dtype`` that is not
+      floating, or for a model already in it, or with a parameter that is not
+      floating; either asked for with no mesh.
   """
 
   def __init__(
@@ -187,6 +205,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       offload_state_to_host: bool = False,
       state_dtype: Any = None,
       state_rounding: str = "stochastic",
+      master_dtype: Any = None,
   ):
     axes = data_axes(data_axis)
     stored_dtype = check_state_dtype(state_dtype, state_rounding)
@@ -203,15 +222,17 @@ class Zero1Optimizer(nnx.Optimizer[M]):
             "data-parallel size 1, so Zero-1 would split nothing; pass mesh= or call it under "
             "jax.set_mesh(mesh)"
         )
-      if stored_dtype is not None:
-        raise Zero1Error(
-            f"state_dtype={stored_dtype} needs a mesh: the model is on one device ({device}) and no mesh "
-            "is set; pass mesh= or call it under jax.set_mesh(mesh)"
-        )
+      for name, value in (("state_dtype", stored_dtype), ("master_dtype", master_dtype)):
+        if value is not None:
+          raise Zero1Error(
+              f"{name}={value} needs a mesh: the model is on one device ({device}) and no mesh "
+              "is set; pass mesh= or call it under jax.set_mesh(mesh)"
+          )
       _warn_one_device(device)
     check_data_axes_on_mesh(mesh, axes)
     check_params(params, wrt, mesh)
-    init = opt_state_init(tx)
+    master = check_master_dtype(master_dtype, params, mesh)
+    init = opt_state_init(tx) if master is None else _on_masters(opt_state_init(tx), master)
     abstract_state = nnx.as_pure(jax.eval_shape(init, param_state))  # the one trace of tx.init
     # Read off the Variables: traced parameters (built under nnx.eval_shape) on Auto axes carry
     # their layout in sharding metadata only.
@@ -221,7 +242,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       plan = single_device_plan(plan, device)
     if strict:
       check_strict(plan)
-    plan = narrowed_plan(plan, stored_dtype, state_rounding)
+    plan = master_plan(narrowed_plan(plan, stored_dtype, state_rounding), master)
     if offload_state_to_host:
       plan = offload_plan(plan)
     self.graph = graph
@@ -235,6 +256,8 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       self.step = OptState(place(jnp.array(0, dtype=jnp.uint32), NamedSharding(mesh, PartitionSpec())))
       stored_init = lambda param_state: narrow(init(param_state), plan)
       self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan, init=stored_init))
+      if master is not None:
+        self.master_params = nnx.data(init_masters(param_state, plan))
     self.wrt = wrt
     self._zero1_plan = plan
     self.pin_gradients = pin_gradients
@@ -302,12 +325,23 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     pin = self.pin_gradients and not _is_marked(grads)
     plan = self.zero1_plan
     homes, sliced = _onto_zero1_layout(plan, params, pure_grads, state, pin=pin)
+    if plan.master_dtype is not None:  # tx runs on the master copies and the gradients in their dtype
+      masters = masters_to_compute(nnx.as_pure(self.master_params), plan)
+      sliced = sliced._replace(params=masters, grads=to_master_dtype(sliced.grads, plan.master_dtype))
     new_params, new_state, updates = _run_on_slices(self.tx, plan, sliced, homes, kwargs)
+    if plan.master_dtype is not None:  # cast before the all-gather, which then carries the model's dtype
+      nnx.update(self.master_params, nnx.state(masters_to_storage(new_params, plan), graph=self.graph))
+      new_params, updates = to_param_dtypes(new_params, params), to_param_dtypes(updates, params)
     nnx.update(model, _over_old_parameters(place_tree(new_params, homes), params))
     new_state = narrow(new_state, plan, step=self.step[...])
     nnx.update(self.opt_state, nnx.state(to_storage(new_state, plan), graph=self.graph))
     self.step[...] += 1
     return place_tree(updates, homes)
+
+
+def _on_masters(init: Callable[[Any], Any], master_dtype: Any) -> Callable[[Any], Any]:
+  """``init`` on the parameters cast to the master dtype: ``tx``'s state is made for the masters."""
+  return lambda param_state: init(to_master_dtype(param_state, master_dtype))
 
 
 def _over_old_parameters(new: Any, old: Any) -> Any:

@@ -98,8 +98,8 @@ def narrowed_plan(plan: Zero1Plan, state_dtype: np.dtype | None, rounding: str =
   if state_dtype is None:
     return plan
   leaves = tuple(
-      dataclasses.replace(leaf, dtype=str(state_dtype), compute_dtype=leaf.dtype)
-      if _narrowable(leaf, state_dtype) else leaf
+      dataclasses.replace(leaf, dtype=str(np.dtype(state_dtype)), compute_dtype=leaf.dtype)
+      if _narrowable(leaf, np.dtype(state_dtype)) else leaf
       for leaf in plan.state_leaves
   )
   return dataclasses.replace(plan, state_leaves=leaves, state_rounding=rounding)

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.layout import Reason, zero1_layout
 from nnx_zero1._src.specs import canonical_spec, data_axis_size, entry_axes, spec_entries
 
 __all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device", "memory_kind_of"]
@@ -69,6 +70,7 @@ class ReportRow:
   by_parameter: bool = False  # split already by its parameter's layout (FSDP): Zero-1 added nothing
   memory_kind: str = "device"  # where it lives between steps: "device", or "pinned_host" when offloaded
   compute_dtype: str = ""  # the dtype ``update`` computes it in, when stored narrower (``state_dtype``)
+  master: bool = False  # a master copy of a parameter (``master_dtype``), not optax state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +125,11 @@ class Zero1Report:
     return self.per_device_bytes - self.host_bytes
 
   @property
+  def master_bytes(self) -> int:
+    """Of :attr:`per_device_bytes`, the master copies of the parameters (``master_dtype``)."""
+    return sum(r.bytes_per_device for r in self.rows if r.master)
+
+  @property
   def unsharded_bytes(self) -> int:
     """What one device would hold with ``nnx.Optimizer`` (its state laid out like the parameters)."""
     return sum(r.replicated_optimizer_bytes for r in self.rows)
@@ -141,13 +148,15 @@ class Zero1Report:
     total = (
         f"optimizer state per device: {self.per_device_bytes:,} B "
         f"(sharded {self.sharded_bytes:,} B + replicated {self.replicated_bytes:,} B; "
-        f"in host memory {self.host_bytes:,} B); "
+        f"in host memory {self.host_bytes:,} B; master copies {self.master_bytes:,} B); "
         f"nnx.Optimizer: {self.unsharded_bytes:,} B; data axis {axis} = {self.data_size}"
     )
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body), total])
 
 
 def _status(row: ReportRow) -> str:
+  if row.master:
+    return f"master copy, {'sharded' if row.sharded else 'replicated: ' + row.reason}"
   if not row.sharded:
     return f"replicated: {row.reason}"
   return "sharded by its parameter's layout" if row.by_parameter else "sharded"
@@ -212,5 +221,24 @@ def report(opt) -> Zero1Report:
             compute_dtype=row.compute_dtype or "",
         )
     )
+  if plan.master_dtype is not None:
+    rows.extend(_master_rows(opt, plan))
   size = data_axis_size(plan.mesh, plan.data_axis)
   return Zero1Report(rows=tuple(rows), data_axis=plan.data_axis, data_size=size)
+
+
+def _master_rows(opt, plan) -> list[ReportRow]:
+  """One row per master copy (``master_dtype``): ``nnx.Optimizer`` holds none of these bytes."""
+  flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(opt.master_params))[0]
+  rows = []
+  for (path, leaf), home in zip(flat, plan.param_shardings, strict=True):
+    _, reason = zero1_layout(leaf.shape, home, plan.data_axis)
+    by_parameter = reason == Reason.ALREADY_SHARDED
+    rows.append(ReportRow(
+        path=f"master_params{jax.tree_util.keystr(path)}", shape=tuple(leaf.shape), dtype=str(leaf.dtype),
+        spec=str(leaf.sharding.spec), bytes_per_device=bytes_per_device(leaf), full_bytes=leaf.nbytes,
+        replicated_optimizer_bytes=0, sharded=reason is None or by_parameter,
+        reason="" if reason is None or by_parameter else str(reason), by_parameter=by_parameter,
+        memory_kind=memory_kind_of(leaf), master=True,
+    ))
+  return rows

@@ -38,7 +38,7 @@ from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes
 __all__ = ["LEVERS", "zero1_optimizers"]
 
 # Zero1Optimizer's memory levers: the keyword options a scope, the mixin and the adapters pass through.
-LEVERS = ("offload_state_to_host", "state_dtype", "state_rounding")
+LEVERS = ("offload_state_to_host", "state_dtype", "state_rounding", "master_dtype")
 
 _OPTIMIZER = nnx.Optimizer
 _MODEL_AND_OPTIMIZER = nnx.ModelAndOptimizer
@@ -99,6 +99,7 @@ def _install() -> None:
 def zero1_optimizers(
     mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = None, strict: bool = False,
     *, offload_state_to_host: bool = False, state_dtype: Any = None, state_rounding: str = "stochastic",
+    master_dtype: Any = None,
 ) -> Iterator[list[Zero1Optimizer]]:
   """Inside the block, ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` builds
   ``Zero1Optimizer(model, tx, mesh, wrt=..., graph=..., data_axis=..., strict=...)``
@@ -121,6 +122,8 @@ def zero1_optimizers(
     state_dtype: as for ``Zero1Optimizer``: every optimizer built inside stores
       its state in this dtype between steps (e.g. ``jnp.bfloat16``).
     state_rounding: as for ``Zero1Optimizer``.
+    master_dtype: as for ``Zero1Optimizer``: every optimizer built inside keeps
+      master copies of its (bfloat16) parameters in this dtype, split over data.
 
   Returns:
     A context manager yielding the list of the ``Zero1Optimizer`` s built in the block so far.
@@ -154,6 +157,7 @@ def zero1_optimizers(
           "offload_state_to_host": bool(offload_state_to_host),
           "state_dtype": state_dtype,
           "state_rounding": state_rounding,
+          "master_dtype": master_dtype,
       },
   )
   token = _SCOPE.set(scope)
