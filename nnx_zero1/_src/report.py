@@ -148,7 +148,8 @@ class Zero1Report:
     total = (
         f"optimizer state per device: {self.per_device_bytes:,} B "
         f"(sharded {self.sharded_bytes:,} B + replicated {self.replicated_bytes:,} B; "
-        f"in host memory {self.host_bytes:,} B; master copies {self.master_bytes:,} B); "
+        f"in host memory {self.host_bytes:,} B"
+        f"{f'; master copies {self.master_bytes:,} B' if self.master_bytes else ''}); "
         f"nnx.Optimizer: {self.unsharded_bytes:,} B; data axis {axis} = {self.data_size}"
     )
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body), total])
