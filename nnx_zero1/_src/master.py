@@ -24,6 +24,7 @@ from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.offload import DEVICE, HOST
 from nnx_zero1._src.placement import move_tree, place_tree
 from nnx_zero1._src.plan import Zero1Plan
+from nnx_zero1._src.precision import as_dtype
 from nnx_zero1._src.specs import spec_entries
 
 __all__ = [
@@ -57,10 +58,7 @@ def check_master_dtype(master_dtype: Any, params: Any, mesh: jax.sharding.Mesh) 
   """
   if master_dtype is None:
     return None
-  try:
-    dtype = np.dtype(master_dtype)
-  except TypeError as e:
-    raise Zero1Error(f"master_dtype={master_dtype!r} is not a dtype ({e}); use e.g. jnp.float32") from None
+  dtype = as_dtype("master_dtype", master_dtype, "jnp.float32")
   if not jnp.issubdtype(dtype, jnp.floating):
     raise Zero1Error(f"master_dtype={dtype} is not a floating dtype (use jnp.float32); {describe_mesh(mesh)}")
   flat = jax.tree_util.tree_flatten_with_path(params)[0]

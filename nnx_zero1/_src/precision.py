@@ -27,11 +27,27 @@ from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.layout import Reason
 from nnx_zero1._src.plan import LeafPlan, Zero1Plan
 
-__all__ = ["ROUNDINGS", "check_state_dtype", "narrow", "narrowed_plan", "stochastic_round", "widen"]
+__all__ = [
+    "ROUNDINGS", "as_dtype", "check_state_dtype", "narrow", "narrowed_plan", "stochastic_round", "widen",
+]
 
 ROUNDINGS = ("stochastic", "nearest")
 _UNTIED = (Reason.SCALAR, Reason.NOT_PARAM_SHAPED)
 _LOW_BITS = 16  # what float32 has beyond bfloat16's mantissa
+
+
+def as_dtype(option: str, value: Any, example: str) -> np.dtype:
+  """``value`` as a numpy dtype, or a ``Zero1Error`` naming the option and a dtype to use.
+
+  Example::
+
+    >>> as_dtype("state_dtype", "bfloat16", "jnp.bfloat16")
+    dtype(bfloat16)
+  """
+  try:
+    return jnp.dtype(value)
+  except TypeError as e:
+    raise Zero1Error(f"{option}={value!r} is not a dtype ({e}); use e.g. {example}") from None
 
 
 def check_state_dtype(state_dtype: Any, rounding: str) -> np.dtype | None:
@@ -58,10 +74,7 @@ def check_state_dtype(state_dtype: Any, rounding: str) -> np.dtype | None:
     raise Zero1Error(f"state_rounding={rounding!r} is not one of {ROUNDINGS}")
   if state_dtype is None:
     return None
-  try:
-    dtype = np.dtype(state_dtype)
-  except TypeError as e:
-    raise Zero1Error(f"state_dtype={state_dtype!r} is not a dtype ({e}); use e.g. jnp.bfloat16") from None
+  dtype = as_dtype("state_dtype", state_dtype, "jnp.bfloat16")
   if not jnp.issubdtype(dtype, jnp.floating):
     raise Zero1Error(
         f"state_dtype={dtype} is not a floating dtype: optimizer moments need one (e.g. jnp.bfloat16)"
