@@ -199,6 +199,22 @@ def test_bad_state_dtype_is_refused_before_anything_changes(options, words):
   assert_unchanged(before, model)
 
 
+@pytest.mark.parametrize(
+    "model_dtype, tx", [(jnp.bfloat16, optax.adamw(LR)), (jnp.float32, optax.sgd(LR))],
+    ids=["bf16-adamw", "sgd"],
+)
+def test_a_state_dtype_that_changes_nothing_is_refused(model_dtype, tx):
+  """A bfloat16 model's adam moments are bfloat16 already; plain sgd has no state: both say so."""
+  mesh = mesh_of()
+  with jax.set_mesh(mesh):
+    model = MLP(nnx.Rngs(0))
+  nnx.update(model, jax.tree.map(lambda x: x.astype(model_dtype), nnx.state(model, nnx.Param)))
+  before = snapshot(model)
+  with pytest.raises(Zero1Error, match="state_dtype=bfloat16 changes nothing"):
+    Zero1Optimizer(model, tx, mesh, state_dtype=jnp.bfloat16)
+  assert_unchanged(before, model)
+
+
 def test_state_dtype_needs_a_mesh():
   model = MLP(nnx.Rngs(0))
   with pytest.raises(Zero1Error, match="needs a mesh"):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.layout import Reason
 from nnx_zero1._src.plan import LeafPlan, Zero1Plan
 
@@ -100,6 +100,10 @@ def narrowed_plan(plan: Zero1Plan, state_dtype: np.dtype | None, rounding: str =
   Such a leaf's ``dtype`` becomes ``state_dtype`` and its ``compute_dtype`` the
   dtype ``tx`` made it in; the others are unchanged.
 
+  Raises:
+    Zero1Error: no leaf would change (no such state, or all of it in ``state_dtype``
+      already): the option would be a silent no-op.
+
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
@@ -110,9 +114,17 @@ def narrowed_plan(plan: Zero1Plan, state_dtype: np.dtype | None, rounding: str =
   """
   if state_dtype is None:
     return plan
+  dtype = np.dtype(state_dtype)
+  if not any(_narrowable(leaf, dtype) for leaf in plan.state_leaves):
+    kept = sorted({leaf.dtype for leaf in plan.state_leaves if leaf.shape and leaf.reason not in _UNTIED})
+    raise Zero1Error(
+        f"state_dtype={dtype} changes nothing: the optimizer has no floating state tied to a parameter "
+        f"in another dtype (its parameter-tied state is {kept or 'empty'}); drop state_dtype; "
+        f"{describe_mesh(plan.mesh)}"
+    )
   leaves = tuple(
-      dataclasses.replace(leaf, dtype=str(np.dtype(state_dtype)), compute_dtype=leaf.dtype)
-      if _narrowable(leaf, np.dtype(state_dtype)) else leaf
+      dataclasses.replace(leaf, dtype=str(dtype), compute_dtype=leaf.dtype)
+      if _narrowable(leaf, dtype) else leaf
       for leaf in plan.state_leaves
   )
   return dataclasses.replace(plan, state_leaves=leaves, state_rounding=rounding)
