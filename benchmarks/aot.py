@@ -11,7 +11,6 @@ the compiler's per-device memory plan and the collectives of the TPU HLO.
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,15 +24,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from benchmarks import measure
 from benchmarks.run import batch_sharding, split_step_jits, state_shardings, train_step_jit
 from benchmarks.settings import (
-    ACCUMULATE_OPTIONS,
-    OPTIMIZERS,
-    STEP_ARMS,
-    Settings,
-    make_optimizer,
-    new_model,
-    row_fields,
+  ACCUMULATE_OPTIONS,
+  OPTIMIZERS,
+  STEP_ARMS,
+  Settings,
+  make_optimizer,
+  new_model,
+  row_fields,
 )
 from nnx_zero1._src.hlo import collectives, host_transfers, loop_collectives, loop_host_transfers
+from nnx_zero1._src.planner.compiled import hbm_oom
 from nnx_zero1._src.report import memory_kind_of
 
 __all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
@@ -250,32 +250,6 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
       "host_argument_bytes_per_device": mem["host_argument"],
       "host_transfers": _summed([host_transfers(h) for h in hlos]),
       "loop_host_transfers": _summed([loop_host_transfers(h) for h in hlos]),
-  }
-
-
-_OOM = re.compile(r"required for (?P<what>.*?) \((?P<need>[\d.]+)(?P<u1>[KMGT])\) exceeds available HBM "
-                  r"\((?P<have>[\d.]+)(?P<u2>[KMGT])\)")
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def hbm_oom(message: str) -> dict[str, Any] | None:
-  """The TPU compiler's "does not fit" refusal (``CompileTimeHbmOom``) as numbers; None for other errors.
-
-  Example::
-
-    >>> hbm_oom("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
-    ...         "required for HLO temporaries (52.59G) exceeds available HBM (31.24G). HLO module: jit")
-    {'required_bytes': 56468082524, 'available_bytes': 33543694581, 'required_for': 'HLO temporaries'}
-  """
-  if "CompileTimeHbmOom" not in message:
-    return None
-  m = _OOM.search(message)
-  if m is None:
-    return {"required_bytes": None, "available_bytes": None, "required_for": message[:300]}
-  return {
-      "required_bytes": int(float(m["need"]) * _UNITS[m["u1"]]),
-      "available_bytes": int(float(m["have"]) * _UNITS[m["u2"]]),
-      "required_for": m["what"],
   }
 
 
