@@ -31,9 +31,10 @@ from nnx_zero1._src.planner.run import DEFAULT_DEPTHS, Plan, make_plan_rows
 __all__ = ["Plan", "PlanError", "AotUnavailable", "plan", "parse_args", "main"]
 
 
-def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, seq_len: int = 1024, ga: int = 1,
-         param_dtype: str | None = None, compute_dtype: str | None = None, remat: str | None = None,
-         optimizer: str = "adamw", levers: str | Sequence[str] = ("baseline", "zero1"), full_depth: bool = False,
+def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, seq_len: int = 1024,
+         ga: int = 1, param_dtype: str | None = None, compute_dtype: str | None = None,
+         remat: str | None = None, optimizer: str = "adamw",
+         levers: str | Sequence[str] = ("baseline", "zero1"), full_depth: bool = False,
          progress: Callable[[str], None] | None = None) -> Plan:
   """Compiles each lever's training step for ``topology`` and says what it needs per device.
 
@@ -68,9 +69,9 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
     print(result)                      # one row per lever
     result.rows[1]["fits"]             # peak bytes per device <= what the compiler says is usable
   """
-  return make_plan_rows(model, topology, mesh=mesh, batch=batch, seq_len=seq_len, ga=ga, param_dtype=param_dtype,
-                        compute_dtype=compute_dtype, remat=remat, optimizer=optimizer, levers=levers,
-                        full_depth=full_depth, progress=progress)
+  return make_plan_rows(model, topology, mesh=mesh, batch=batch, seq_len=seq_len, ga=ga,
+                        param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
+                        optimizer=optimizer, levers=levers, full_depth=full_depth, progress=progress)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -82,11 +83,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     'baseline,zero1'
   """
   p = argparse.ArgumentParser(prog="python -m nnx_zero1.plan", description=__doc__.split("\n\n")[0])
-  p.add_argument("--model", required=True, help="tunix:CONFIG (e.g. tunix:qwen3_8b) or package.module:function "
-                 "(maxtext: models are not planned yet)")
+  p.add_argument("--model", required=True, help="tunix:CONFIG (e.g. tunix:qwen3_8b) or "
+                 "package.module:function (maxtext: models are not planned yet)")
   p.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v4:2x2x1, v5p:..., h100:8, h200:8, "
                  "a100-80g:8, b200:8, h100:2x8 (nodes x GPUs)")
-  p.add_argument("--mesh", default=None, help="axis sizes, e.g. data=4,fsdp=2 (default: every device on data)")
+  p.add_argument("--mesh", default=None,
+                 help="axis sizes, e.g. data=4,fsdp=2 (default: every device on data)")
   p.add_argument("--batch", type=int, default=8, help="global micro-batch in sequences (default 8)")
   p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
   p.add_argument("--ga", type=int, default=1, help="micro-batches per optimizer step (default 1)")
@@ -111,9 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   say = lambda line: print(f"nnx_zero1.plan: {line}", file=sys.stderr)
   try:
-    result = plan(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len, ga=args.ga,
-                  param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, remat=args.remat,
-                  optimizer=args.optimizer, levers=args.levers, full_depth=args.full_depth, progress=say)
+    result = plan(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len,
+                  ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
+                  remat=args.remat, optimizer=args.optimizer, levers=args.levers,
+                  full_depth=args.full_depth, progress=say)
   except (PlanError, AotUnavailable) as e:
     say(str(e))
     return 2

@@ -40,7 +40,8 @@ class Plan:
   def __str__(self) -> str:
     lines = [table(self.rows)]
     if self.next_steps:
-      lines += ["", "Nothing fits. Try next, in order:", *(f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))]
+      steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))
+      lines += ["", "Nothing fits. Try next, in order:", *steps]
     return "\n".join(lines)
 
   def write(self, out_dir: str) -> list[str]:
@@ -48,7 +49,8 @@ class Plan:
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "plan.md")]
     with open(paths[0], "w") as f:
-      json.dump({"meta": self.meta, "rows": self.rows, "next_steps": self.next_steps}, f, indent=1, default=str)
+      result = {"meta": self.meta, "rows": self.rows, "next_steps": self.next_steps}
+      json.dump(result, f, indent=1, default=str)
     with open(paths[1], "w") as f:
       f.write(markdown(self.meta, self.rows, self.next_steps))
     return paths
@@ -71,11 +73,12 @@ def _measured(lever_name: str, source: Any, depth: int | None, mesh: Any, settin
       "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
   }
   try:
-    compiled, seconds = compile_step(lever, state, source.loss_fn, mesh, settings["batch"], settings["seq_len"],
-                                     settings["ga"])
+    compiled, seconds = compile_step(lever, state, source.loss_fn, mesh, settings["batch"],
+                                     settings["seq_len"], settings["ga"])
   except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError) as e:
     words = " ".join(str(e).split())
-    return {**row, "error": f"{type(e).__name__}: {words[:400]}", "hbm_oom": hbm_oom(str(e)), "compile_s": 0.0}
+    error = f"{type(e).__name__}: {words[:400]}"
+    return {**row, "error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": 0.0}
   mem = memory(compiled)
   return {
       **row, "error": None, "compile_s": seconds,
@@ -97,16 +100,18 @@ def _lever_row(lever: str, source: Any, depths: Sequence[int] | None, mesh: Any,
   if r1["error"] or r2["error"]:
     return {**(r1 if r1["error"] else r2), "compile_s": compile_s, "depth": d1 if r1["error"] else d2,
             "depth_extrapolated_from": None}
-  row = extrapolate_row(r1, r2, d1, d2, source.full_depth, (*_EXTRAPOLATED, "opt_state_bytes_by_memory_kind",
-                                                            "param_bytes_per_device"))
+  keys = (*_EXTRAPOLATED, "opt_state_bytes_by_memory_kind", "param_bytes_per_device")
+  row = extrapolate_row(r1, r2, d1, d2, source.full_depth, keys)
   return {**row, "compile_s": compile_s, "depth": source.full_depth, "depth_extrapolated_from": [d1, d2]}
 
 
-def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, seq_len: int = 1024,
-                   ga: int = 1, param_dtype: str | None = None, compute_dtype: str | None = None,
+def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch: int = 8,
+                   seq_len: int = 1024, ga: int = 1, param_dtype: str | None = None,
+                   compute_dtype: str | None = None,
                    remat: str | None = None, optimizer: str = "adamw",
                    levers: str | Sequence[str] = ("baseline", "zero1"), full_depth: bool = False,
-                   depths: Sequence[int] = DEFAULT_DEPTHS, progress: Callable[[str], None] | None = None) -> Plan:
+                   depths: Sequence[int] = DEFAULT_DEPTHS,
+                   progress: Callable[[str], None] | None = None) -> Plan:
   """Compiles every lever's one-program training step for ``topology``; see :func:`nnx_zero1.plan.plan`."""
   from nnx_zero1._src.planner.steps import OPTIMIZERS
   from nnx_zero1._src.planner.targets import require_compiler
@@ -131,26 +136,28 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   source = model_source(model, param_dtype, compute_dtype, remat)
   target = make_target(topology)
   reduced = None if full_depth or not source.full_depth or source.full_depth <= max(depths) else tuple(depths)
-  axes = mesh_axes(sizes, model_axes(lambda: source.build(reduced[0] if reduced else None)), len(target.devices))
+  named = model_axes(lambda: source.build(reduced[0] if reduced else None))
+  axes = mesh_axes(sizes, named, len(target.devices))
   device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
                      axis_types=(AxisType.Auto,) * len(axes))
   rows_over = math.prod(axes[a] for a in batch_axes(device_mesh))
   if batch % rows_over:
-    raise PlanError(f"--batch {batch} does not split over the batch axes ({'x'.join(batch_axes(device_mesh))} "
-                    f"= {rows_over} devices)")
+    over = "x".join(batch_axes(device_mesh))
+    raise PlanError(f"--batch {batch} does not split over the batch axes ({over} = {rows_over} devices)")
   settings = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer}
   rows = []
   for name in names:
     row = _lever_row(name, source, reduced, device_mesh, settings)
     peak = row.get("peak_bytes_per_device")
-    fits = False if row.get("hbm_oom") else None if row["error"] else peak <= target.hbm_bytes
+    fits = False if row.get("hbm_oom") else None if peak is None else peak <= target.hbm_bytes
     rows.append({"lever": name, "compiled_for": topology, "device_kind": target.device_kind, "mesh": axes,
-                 "model": source.name, **row, "compile_s": round(row["compile_s"], 1), "hbm_bytes": target.hbm_bytes,
-                 "fits": fits})
+                 "model": source.name, **row, "compile_s": round(row["compile_s"], 1),
+                 "hbm_bytes": target.hbm_bytes, "fits": fits})
     if progress:
       progress(f"compiled {name} for {topology} in {rows[-1]['compile_s']} s")
-  meta = {"model": source.name, "layers": source.full_depth, "topology": topology, "device_kind": target.device_kind,
-          "mesh": axes, "batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer,
+  meta = {"model": source.name, "layers": source.full_depth, "topology": topology,
+          "device_kind": target.device_kind, "mesh": axes, "batch": batch, "seq_len": seq_len, "ga": ga,
+          "optimizer": optimizer,
           "param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat, "levers": list(names),
           "step": "one program (value_and_grad + optimizer.update, state donated)", "compiler": compiler,
           "jax": jax.__version__, "hbm_bytes": target.hbm_bytes, "hbm_source": target.hbm_source,

@@ -78,7 +78,8 @@ def abstract_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) 
   axes = batch_axes(mesh)
   if lever.deferred:
     return jax.ShapeDtypeStruct((ga * batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P(axes)))
-  return jax.ShapeDtypeStruct((ga, batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P(None, axes)))
+  sharding = NamedSharding(mesh, P(None, axes))
+  return jax.ShapeDtypeStruct((ga, batch, seq_len + 1), jnp.int32, sharding=sharding)
 
 
 def train_step(graphdef: Any, lever: Lever, loss_fn: Callable, ga: int) -> Callable:

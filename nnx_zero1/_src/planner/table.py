@@ -40,7 +40,7 @@ def _note(r: dict[str, Any]) -> str:
 
 def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
   """One tuple of strings per row, in :data:`HEADER`'s order."""
-  out = []
+  out: list[tuple[str, ...]] = []
   for r in rows:
     fits = "-" if r["fits"] is None else "yes" if r["fits"] else "NO"
     collectives = r.get("collectives") or {}
@@ -109,8 +109,9 @@ def next_steps(rows: Sequence[dict[str, Any]], levers: Sequence[str], remat: str
   if best is not None:
     short = (best["peak_bytes_per_device"] - best["hbm_bytes"]) / 2**30
     mesh = best["mesh"]
+    fsdp, data = 2 * mesh.get("fsdp", 1), max(1, mesh.get("data", 1) // 2)
     steps.append(f"{best['lever']} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
-                 f"gradients too (e.g. --mesh with fsdp={2 * mesh.get('fsdp', 1)}, data={max(1, mesh.get('data', 1) // 2)})")
+                 f"gradients too (e.g. --mesh data={data},fsdp={fsdp})")
     temp = best["temp_bytes_per_device"] or 0
     if remat is None:
       steps.append(f"--remat decoder (or block): recomputes activations; the temp is {temp / 2**30:.2f} GiB")
@@ -143,5 +144,6 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequen
     lines += ["", "| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|",
               *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells(rows)), "", _NOTE]
   if steps:
-    lines += ["", "## Nothing fits: what to try next, in order", "", *(f"{i}. {s}" for i, s in enumerate(steps, 1))]
+    numbered = (f"{i}. {s}" for i, s in enumerate(steps, 1))
+    lines += ["", "## Nothing fits: what to try next, in order", "", *numbered]
   return "\n".join(lines) + "\n"

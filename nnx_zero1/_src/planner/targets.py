@@ -96,8 +96,9 @@ def _gpu_usable_bytes(chip: str) -> tuple[int, str]:
   total = GPU_CHIPS[chip].memory_bytes
   pool = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", _JAX_GPU_POOL_FRACTION))
   fraction = min(GPU_SCHEDULER_FRACTION, pool)
-  source = (f"{fraction:.0%} of the {total:,} B device memory: the smaller of XLA's GPU scheduler limit "
-            f"({GPU_SCHEDULER_FRACTION:.0%}) and jax's GPU memory pool (XLA_PYTHON_CLIENT_MEM_FRACTION={pool})")
+  source = (f"{fraction:.0%} of the {total:,} B device memory: the smaller of XLA's GPU scheduler "
+            f"limit ({GPU_SCHEDULER_FRACTION:.0%}) and jax's GPU memory pool "
+            f"(XLA_PYTHON_CLIENT_MEM_FRACTION={pool})")
   return int(total * fraction), source
 
 
@@ -115,6 +116,7 @@ def make_target(topology: str) -> Target:
   if platform == "tpu":
     devices = _tpu_devices(topology)
     hbm = _tpu_usable_bytes(topology)
-    return Target(topology, platform, devices, hbm, "the TPU compiler's available HBM (its out-of-memory message)")
+    source = "the TPU compiler's available HBM (its out-of-memory message)"
+    return Target(topology, platform, devices, hbm, source)
   hbm, source = _gpu_usable_bytes(chip)
   return Target(topology, platform, _gpu_devices(chip, *shape), hbm, source)
