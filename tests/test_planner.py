@@ -88,8 +88,8 @@ def test_bad_inputs_exit_2_with_one_line(capsys, argv, words):
 def test_flags_are_the_contracts_names():
   args = parse_args(["--model", "tunix:qwen3_8b", "--topology", "v5e:2x4", "--mesh", "data=4,fsdp=2",
                      "--batch", "8", "--seq-len", "1024", "--ga", "8", "--param-dtype", "bfloat16",
-                     "--compute-dtype", "bfloat16", "--remat", "decoder", "--optimizer", "adamw", "--levers", "baseline,zero1",
-                     "--out", "d"])
+                     "--compute-dtype", "bfloat16", "--remat", "decoder", "--optimizer", "adamw",
+                     "--levers", "baseline,zero1", "--out", "d"])
   assert (args.mesh, args.ga, args.param_dtype, args.remat, args.out) == ("data=4,fsdp=2", 8, "bfloat16",
                                                                          "decoder", "d")
 
