@@ -11,7 +11,7 @@ from typing import Any
 
 from nnx_zero1._src.planner import compilers
 from nnx_zero1._src.planner.depth import extrapolate_row
-from nnx_zero1._src.planner.inputs import PlanError, mesh_axes, parse_levers, parse_mesh
+from nnx_zero1._src.planner.inputs import PlanError, mesh_axes, parse_levers, parse_mesh, parse_model
 from nnx_zero1._src.planner.levers import LEVERS
 from nnx_zero1._src.planner.table import markdown, next_steps, table
 
@@ -116,6 +116,7 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   from nnx_zero1._src.planner.steps import OPTIMIZERS
   from nnx_zero1._src.planner.targets import require_compiler
 
+  parse_model(model)
   names = parse_levers(levers, LEVERS)
   sizes = parse_mesh(mesh)
   if optimizer not in OPTIMIZERS:
