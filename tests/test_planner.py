@@ -103,6 +103,15 @@ def test_without_the_compiler_the_planner_says_what_to_install(monkeypatch):
   assert "nnx-zero1[" not in compilers.install_hint("0.12.0.1")  # not on the package index
 
 
+@pytest.mark.parametrize("topology, words", [("v6e:2x2", 'pip install ".[aot]"'),
+                                              ("h100:8", "pip install --no-deps jax-cuda13-plugin==")])
+def test_the_command_without_its_compiler_exits_2_with_the_install_line(monkeypatch, capsys, topology, words):
+  monkeypatch.setattr(compilers.importlib.util, "find_spec", lambda name: None)
+  assert main(["--model", "tests.planner_toys:tiny_lm", "--topology", topology]) == 2
+  err = capsys.readouterr().err.strip()
+  assert words in err and "\n" not in err
+
+
 def test_extrapolation_is_the_line_through_two_depths():
   assert extrapolate(110, 120, 1, 2, 28) == 380
   assert extrapolate(100, 140, 2, 4, 6) == 180
