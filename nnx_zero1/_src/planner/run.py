@@ -65,23 +65,23 @@ def _measured(lever_name: str, source: Any, depth: int | None, mesh: Any, settin
   from nnx_zero1._src.planner.steps import compile_step, lever_state
 
   lever = LEVERS[lever_name]
-  state = lever_state(lever, lambda: source.build(depth), settings["optimizer"], mesh)
-  by_kind = state.opt_state_bytes_by_memory_kind
-  row: dict[str, Any] = {
-      "opt_state_bytes_per_device": by_kind.get("device", 0),
-      "opt_state_bytes_by_memory_kind": by_kind,
-      "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
-  }
-  try:
+  row: dict[str, Any] = {"opt_state_bytes_per_device": None, "opt_state_bytes_by_memory_kind": None,
+                         "param_bytes_per_device": None}
+  try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
+    state = lever_state(lever, lambda: source.build(depth), settings["optimizer"], mesh)
+    by_kind = state.opt_state_bytes_by_memory_kind
+    row = {"opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
+           "param_bytes_per_device": abstract_bytes_per_device(state.state[0])}
     compiled, seconds = compile_step(lever, state, source.loss_fn, mesh, settings["batch"],
                                      settings["seq_len"], settings["ga"])
   except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError) as e:
     words = " ".join(str(e).split())
     error = f"{type(e).__name__}: {words[:400]}"
-    return {**row, "error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": 0.0}
+    refused = {"error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": 0.0}
+    return {**dict.fromkeys(_EXTRAPOLATED), **row, **refused}
   mem = memory(compiled)
   return {
-      **row, "error": None, "compile_s": seconds,
+      **row, "error": None, "hbm_oom": None, "compile_s": seconds,
       "argument_bytes_per_device": mem["argument"], "output_bytes_per_device": mem["output"],
       "alias_bytes_per_device": mem["alias"], "temp_bytes_per_device": mem["temp"],
       "peak_bytes_per_device": mem["peak"], "host_argument_bytes_per_device": mem["host_argument"],
