@@ -30,7 +30,7 @@ import optax
 
 from nnx_zero1._src.planner.inputs import PlanError, parse_model
 
-__all__ = ["ModelSource", "TUNIX_FAMILIES", "model_source", "next_token_loss", "tunix_loss"]
+__all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "model_source", "next_token_loss", "tunix_loss"]
 
 # Tunix's model families: (module, class); a configuration's name starts with its family's.
 TUNIX_FAMILIES = {
@@ -99,10 +99,15 @@ def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
   config = make_config()
   changes: dict[str, Any] = {}
   for field, value in (("param_dtype", param_dtype), ("dtype", compute_dtype)):
-    if value is not None:
-      if not hasattr(config, field):
-        raise PlanError(f"tunix:{name}'s ModelConfig has no {field}; leave its flag out")
+    if value is not None and hasattr(config, field):
       changes[field] = jnp.dtype(value)
+  # A family without a param_dtype field (llama3) gets its parameters cast after the build; one
+  # without a dtype field (llama3, gemma3) computes in its parameters' dtype.
+  cast_to = None if param_dtype is None or hasattr(config, "param_dtype") else jnp.dtype(param_dtype)
+  computes_in = changes.get("param_dtype", cast_to)
+  if compute_dtype is not None and not hasattr(config, "dtype") and jnp.dtype(compute_dtype) != computes_in:
+    raise PlanError(f"tunix:{name} computes in its parameters' dtype (its ModelConfig has no dtype): give "
+                    f"--param-dtype {compute_dtype}, or leave --compute-dtype out")
   if remat is not None:
     options = [m.name.lower() for m in module.RematConfig]
     if remat.lower() not in options:
@@ -114,9 +119,27 @@ def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
     from flax import nnx
 
     with nnx.use_eager_sharding(False):  # shardings stay metadata; the plan reads them from there
-      return cls(dataclasses.replace(config, num_layers=depth or config.num_layers), rngs=nnx.Rngs(0))
+      model = cls(dataclasses.replace(config, num_layers=depth or config.num_layers), rngs=nnx.Rngs(0))
+    return model if cast_to is None else cast_params(model, cast_to)
 
   return ModelSource(f"tunix:{name}", build, config.num_layers, tunix_loss)
+
+
+def cast_params(model: Any, dtype: Any) -> Any:
+  """``model`` with every floating ``nnx.Param`` cast to ``dtype`` (its metadata kept).
+
+  Example::
+
+    >>> from flax import nnx
+    >>> cast_params(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.bfloat16).kernel.dtype
+    dtype(bfloat16)
+  """
+  from flax import nnx
+
+  params = nnx.state(model, nnx.Param)
+  floating = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  nnx.update(model, jax.tree.map(floating, params))
+  return model
 
 
 def _default_loss(model: Any, tokens: jax.Array) -> jax.Array:
