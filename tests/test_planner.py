@@ -72,6 +72,23 @@ def test_topologies_levers_and_models_parse_or_are_refused_in_one_line():
     parse_model("maxtext:llama2-7b")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("tunix") is None, reason="needs Tunix: pip install \".[tunix]\"")
+def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
+  from nnx_zero1._src.planner.models import model_source
+
+  for model, words in (("tunix:mistral_7b", "Tunix families: qwen3"), ("tunix:qwen3_9b", "ModelConfig has"),
+                       ("tests.planner_toys:no_such", "unknown model tests.planner_toys:no_such")):
+    with pytest.raises(PlanError, match=words) as e:
+      model_source(model)
+    assert "\n" not in str(e.value)
+  with pytest.raises(PlanError, match="--remat 'sometimes' is not one of"):
+    model_source("tunix:qwen3_0p6b", remat="sometimes")
+  with pytest.raises(PlanError, match="computes in its parameters' dtype"):
+    model_source("tunix:llama3p1_8b", compute_dtype="bfloat16")  # float32 parameters, no dtype field
+  with pytest.raises(PlanError, match="apply to tunix: models"):
+    model_source("tests.planner_toys:tiny_lm", param_dtype="bfloat16")
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--levers", "zero3"], "unknown lever zero3"),
     (["--topology", "h300:8"], "unknown topology 'h300:8'"),
