@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nnx_zero1._src.planner import compilers
-from nnx_zero1._src.planner.depth import extrapolate_row
+from nnx_zero1._src.planner.depth import extrapolate_row, near_the_limit
 from nnx_zero1._src.planner.inputs import PlanError, mesh_axes, parse_levers, parse_mesh, parse_model
 from nnx_zero1._src.planner.levers import LEVERS
 from nnx_zero1._src.planner.table import markdown, next_steps, table
@@ -149,6 +149,11 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   rows = []
   for name in names:
     row = _lever_row(name, source, reduced, device_mesh, settings)
+    if row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes):
+      extrapolated = row
+      row = _lever_row(name, source, None, device_mesh, settings)
+      row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
+             "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"]}
     peak = row.get("peak_bytes_per_device")
     fits = False if row.get("hbm_oom") else None if peak is None else peak <= target.hbm_bytes
     rows.append({"lever": name, "compiled_for": topology, "device_kind": target.device_kind, "mesh": axes,
