@@ -224,3 +224,21 @@ def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):
   _check_rule_and_fits(result, data=8)
   assert result["rows"][0]["device_kind"] == "NVIDIA H100 80GB HBM3"
   assert result["meta"]["hbm_bytes"] == int(84_929_347_584 * 0.75)  # jax's GPU pool, the smaller limit
+
+
+_TWO_NODES = """
+from nnx_zero1._src.planner import compilers
+compilers.start_cpu_jax()
+from nnx_zero1._src.planner.targets import make_target
+target = make_target("h200:2x8")
+nodes = {d.process_index for d in target.devices}
+print(len(target.devices), len(nodes), target.device_kind)
+"""
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
+def test_a_two_node_gpu_target_has_both_nodes_devices():
+  proc = subprocess.run([sys.executable, "-c", _TWO_NODES], env=_env(), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split()[:2] == ["16", "2"] and "NVIDIA H200" in proc.stdout
