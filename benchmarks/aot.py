@@ -11,7 +11,6 @@ the compiler's per-device memory plan and the collectives of the TPU HLO.
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,21 +19,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh
 
 from benchmarks import measure
 from benchmarks.run import batch_sharding, split_step_jits, state_shardings, train_step_jit
 from benchmarks.settings import (
-    ACCUMULATE_OPTIONS,
-    OPTIMIZERS,
-    STEP_ARMS,
-    Settings,
-    make_optimizer,
-    new_model,
-    row_fields,
+  ACCUMULATE_OPTIONS,
+  OPTIMIZERS,
+  STEP_ARMS,
+  Settings,
+  make_optimizer,
+  new_model,
+  row_fields,
 )
 from nnx_zero1._src.hlo import collectives, host_transfers, loop_collectives, loop_host_transfers
-from nnx_zero1._src.report import memory_kind_of
+from nnx_zero1._src.planner.abstract import abstract_bytes_per_device, bytes_by_memory_kind, with_state_homes
+from nnx_zero1._src.planner.compiled import hbm_oom
 
 __all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
            "compile_split", "split_memory", "aot_row", "hbm_oom", "oom_row", "run_aot"]
@@ -66,23 +66,6 @@ def topology_mesh(topology: str, dp: int) -> Mesh:
   if len(devices) < dp:
     raise ValueError(f"--dp {dp} needs {dp} devices; topology {topology} has {len(devices)}")
   return Mesh(np.array(devices[:dp]), ("data",), axis_types=(AxisType.Explicit,))
-
-
-def abstract_bytes_per_device(tree: Any) -> int:
-  """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct``s (every device alike).
-
-  Example::
-
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> s = jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, jax.P("data")))
-    >>> abstract_bytes_per_device({"m": s})
-    32
-  """
-  total = 0
-  for x in jax.tree.leaves(tree):
-    shape = x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
-    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-  return total
 
 
 @dataclasses.dataclass
@@ -121,7 +104,7 @@ def abstract_arm(name: str, settings: Settings, mesh: Mesh, ga: int) -> Abstract
   with jax.set_mesh(mesh):
     model, optimizer = nnx.eval_shape(build)
   graphdef, state = nnx.split((model, optimizer))
-  shardings = _with_state_homes(state_shardings(state, mesh), optimizer)
+  shardings = with_state_homes(state_shardings(state, mesh), optimizer)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
   deferred = STEP_ARMS[name][1]
   seq = (settings.seq_len or settings.config.seq_len) + 1
@@ -132,31 +115,8 @@ def abstract_arm(name: str, settings: Settings, mesh: Mesh, ga: int) -> Abstract
       name=name, graphdef=graphdef, state=state, shardings=shardings, batch=batch,
       opt_state_bytes=abstract_bytes_per_device(nnx.state(optimizer)),
       param_bytes=sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)),
-      opt_state_bytes_by_memory_kind=_bytes_by_memory_kind(state[1]),
+      opt_state_bytes_by_memory_kind=bytes_by_memory_kind(state[1]),
   )
-
-
-def _bytes_by_memory_kind(tree: Any) -> dict[str, int]:
-  """Per-device bytes of a tree of sharded ``ShapeDtypeStruct``s, by memory kind (None is ``device``)."""
-  by_kind: dict[str, list[Any]] = {}
-  for x in jax.tree.leaves(tree):
-    by_kind.setdefault(memory_kind_of(x), []).append(x)
-  return {kind: abstract_bytes_per_device(leaves) for kind, leaves in sorted(by_kind.items())}
-
-
-def _with_state_homes(shardings: Any, optimizer: Any) -> Any:
-  """``shardings`` of a split (model, optimizer) with the optimizer state where its plan keeps it.
-
-  ``nnx.eval_shape`` keeps a leaf's layout but not its memory kind, so an
-  offloaded optimizer's state would otherwise be compiled as device-resident.
-  """
-  plan = getattr(optimizer, "zero1_plan", None)
-  if plan is None or not plan.offload_state:
-    return shardings
-  opt_state = shardings[1]["opt_state"]
-  treedef = jax.tree.structure(opt_state)
-  shardings[1]["opt_state"] = jax.tree.unflatten(treedef, [row.sharding for row in plan.state_leaves])
-  return shardings
 
 
 def compile_arm(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, float]:
@@ -250,32 +210,6 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
       "host_argument_bytes_per_device": mem["host_argument"],
       "host_transfers": _summed([host_transfers(h) for h in hlos]),
       "loop_host_transfers": _summed([loop_host_transfers(h) for h in hlos]),
-  }
-
-
-_OOM = re.compile(r"required for (?P<what>.*?) \((?P<need>[\d.]+)(?P<u1>[KMGT])\) exceeds available HBM "
-                  r"\((?P<have>[\d.]+)(?P<u2>[KMGT])\)")
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def hbm_oom(message: str) -> dict[str, Any] | None:
-  """The TPU compiler's "does not fit" refusal (``CompileTimeHbmOom``) as numbers; None for other errors.
-
-  Example::
-
-    >>> hbm_oom("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
-    ...         "required for HLO temporaries (52.59G) exceeds available HBM (31.24G). HLO module: jit")
-    {'required_bytes': 56468082524, 'available_bytes': 33543694581, 'required_for': 'HLO temporaries'}
-  """
-  if "CompileTimeHbmOom" not in message:
-    return None
-  m = _OOM.search(message)
-  if m is None:
-    return {"required_bytes": None, "available_bytes": None, "required_for": message[:300]}
-  return {
-      "required_bytes": int(float(m["need"]) * _UNITS[m["u1"]]),
-      "available_bytes": int(float(m["have"]) * _UNITS[m["u2"]]),
-      "required_for": m["what"],
   }
 
 

@@ -8,23 +8,11 @@ import platform
 import sys
 import time
 
-from benchmarks import libtpu
+from nnx_zero1._src.planner import compilers as libtpu
 
 __all__ = ["AOT_ARMS", "main"]
 
 AOT_ARMS = ("baseline", "zero1", "zero1-accum")
-
-
-def _start_cpu_jax() -> None:
-  """Keeps jax on its CPU backend (nothing runs; libtpu is only the compiler here)."""
-  import jax
-
-  libtpu.prepare_environment()
-  try:
-    jax.config.update("jax_platforms", "cpu")
-  except RuntimeError:  # a backend has started already: it must be the CPU one
-    if jax.default_backend() != "cpu":
-      raise
 
 
 def main(args: argparse.Namespace) -> int:
@@ -42,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
   except libtpu.AotUnavailable as e:
     print(f"benchmarks.bench: {e}", file=sys.stderr)
     return 2
-  _start_cpu_jax()
+  libtpu.start_cpu_jax()
   import jax
 
   from benchmarks import aot, aot_output

@@ -11,40 +11,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nnx_zero1._src.planner.compiled import memory
+
 __all__ = [
     "load_meter",
     "memory",
     "median_ms",
     "time_call",
 ]
-
-
-def memory(compiled: Any) -> dict[str, int]:
-  """Per-device argument, output, temp and peak bytes of a compiled kernel (device memory).
-
-  ``peak`` is argument + output - aliased (donated) + temp bytes: what the
-  kernel needs resident at once, computed the same way on every backend.
-  ``xla_peak`` is the backend's own figure where it reports one (0 otherwise;
-  on CPU it leaves out the temp buffers).
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp
-    >>> memory(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile())["argument"]
-    16
-  """
-  stats = compiled.memory_analysis()
-  sizes = {
-      "argument": int(stats.argument_size_in_bytes),
-      "output": int(stats.output_size_in_bytes),
-      "alias": int(stats.alias_size_in_bytes),
-      "temp": int(stats.temp_size_in_bytes),
-  }
-  sizes["peak"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
-  sizes["xla_peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
-  # Arguments in host memory (an offloaded optimizer state), which the device figures leave out.
-  sizes["host_argument"] = int(getattr(stats, "host_argument_size_in_bytes", 0) or 0)
-  return sizes
 
 
 def median_ms(seconds: list[float]) -> float:

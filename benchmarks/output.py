@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.verdict import estimate_ratio, judge, judge_all
+from nnx_zero1._src.planner.table import collective_cell
 
 __all__ = [
     "collective_cell", "table", "shapes_table", "targets", "markdown", "write_all", "plot_series",
@@ -27,21 +28,6 @@ BUSY_SHARE = 0.10
 
 def _mib(n: float) -> str:
   return f"{n / 2**20:.3f}"
-
-
-_SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "to-device": "in", "to-host": "out"}
-
-
-def collective_cell(c: dict[str, dict[str, int]]) -> str:
-  """Collectives (or host transfers) as one table cell, count x MiB per op.
-
-  Example::
-
-    >>> collective_cell({"all-reduce": {"count": 2, "bytes": 2**20}, "all-gather": {"count": 0, "bytes": 0}})
-    'AR 2x 1.000'
-  """
-  parts = [f"{_SHORT[k]} {v['count']}x {_mib(v['bytes'])}" for k, v in c.items() if v["count"]]
-  return ", ".join(parts) or "-"
 
 
 def _baseline(rows: Sequence[dict], row: dict) -> dict:

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -36,6 +35,7 @@ from benchmarks.settings import (
 from nnx_zero1._src.accumulate import value_and_grad_accumulated
 from nnx_zero1._src.hlo import collectives
 from nnx_zero1._src.optimizer import mark_zero1_grads
+from nnx_zero1._src.planner.steps import scan_value_and_grad
 from nnx_zero1._src.report import bytes_per_device, memory_kind_of
 
 __all__ = [
@@ -53,22 +53,14 @@ def accumulate_grads(model: nnx.Module, batches: jax.Array) -> tuple[jax.Array, 
 
   Example::
 
+    >>> import jax.numpy as jnp
     >>> from benchmarks.model import CONFIGS, Transformer
     >>> model = Transformer(CONFIGS["tiny"], rngs=nnx.Rngs(0))
     >>> loss, grads = accumulate_grads(model, jnp.zeros((2, 2, 9), jnp.int32))
     >>> loss.shape
     ()
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax types split as variadic
-  grad_fn = jax.value_and_grad(lambda p, tokens: loss_fn(nnx.merge(graphdef, p, rest), tokens))
-
-  def micro(total, tokens):
-    return jax.tree.map(jnp.add, total, grad_fn(params, tokens)), None
-
-  zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-  (loss, grads), _ = jax.lax.scan(micro, zero, batches)
-  n = batches.shape[0]
-  return loss / n, jax.tree.map(lambda g: g / n, grads)
+  return scan_value_and_grad(loss_fn, model, batches)
 
 
 def _grads(model, optimizer, batches, ga: int | None, options: dict):

@@ -15,9 +15,10 @@ import sys
 
 import pytest
 
-from benchmarks import libtpu, shapes
+from benchmarks import shapes
 from benchmarks.bench import parse_args
 from benchmarks.model import CONFIGS
+from nnx_zero1._src.planner import compilers as libtpu
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
@@ -173,7 +174,7 @@ def test_offloaded_state_leaves_device_memory_and_crosses_once_per_step(aot_run)
 
 
 _TWO_HOSTS = """
-from benchmarks import libtpu
+from nnx_zero1._src.planner import compilers as libtpu
 libtpu.prepare_environment()
 from benchmarks.aot import abstract_arm, topology_mesh
 from benchmarks.settings import Settings
@@ -363,7 +364,7 @@ def test_maxtexts_ahead_of_time_engine_compiles_with_zero1():
 
 
 _ONE_PROGRAM_PEAK = """
-from benchmarks import libtpu
+from nnx_zero1._src.planner import compilers as libtpu
 libtpu.prepare_environment()
 import json
 import jax, jax.numpy as jnp, numpy as np, optax

@@ -1,7 +1,8 @@
-"""Loading the TPU compiler (libtpu) in a CPU-only process, for ahead-of-time compiles.
+"""The TPU and GPU compilers in a CPU-only process, for ahead-of-time compiles.
 
-Two things stand between ``pip install ".[aot]"`` and a compile:
-libtpu must be installed (the ``aot`` extra brings the one that matches jax),
+What stands between ``pip install ".[aot]"`` and a compile: the compiler must be
+installed (the ``aot`` extra brings the libtpu that matches jax; XLA's GPU compiler
+is the CUDA plugin, installed ``--no-deps``), jax must stay on its CPU backend,
 and a process killed while libtpu was loaded leaves its lockfile behind, which
 makes the next process that loads libtpu abort. A lockfile no live process has
 open is stale and is removed before libtpu loads.
@@ -13,14 +14,17 @@ import importlib.metadata
 import importlib.util
 import os
 
-__all__ = ["LOCKFILE", "ENV", "AotUnavailable", "install_hint", "require_libtpu", "lockfile_holders",
-           "clear_stale_lockfile", "prepare_environment"]
+__all__ = ["LOCKFILE", "ENV", "AotUnavailable", "install_hint", "gpu_install_hint", "require_libtpu",
+           "require_cuda_plugin", "lockfile_holders", "clear_stale_lockfile", "prepare_environment",
+           "start_cpu_jax"]
 
 LOCKFILE = "/tmp/libtpu_lockfile"
 
 # Compile only: jax stays on the CPU backend, libtpu skips the cloud metadata server it would ask
 # for a TPU's identity, and loads although another process (a second compile) has it loaded.
-ENV = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+# The CUDA plugin, when installed, must not look for a GPU either.
+ENV = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+       "CUDA_VISIBLE_DEVICES": "-1"}
 
 
 class AotUnavailable(RuntimeError):
@@ -38,6 +42,32 @@ def install_hint(jax_version: str) -> str:
   return f'pip install ".[aot]" (or: pip install "jax[tpu]=={jax_version}"; Python >= 3.12)'
 
 
+def gpu_install_hint(jax_version: str) -> str:
+  """What to install for deviceless NVIDIA GPU compiles next to this jax.
+
+  Example::
+
+    >>> gpu_install_hint("0.12.0.1")
+    'pip install --no-deps jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 (Python >= 3.12)'
+  """
+  return (f"pip install --no-deps jax-cuda13-plugin=={jax_version} jax-cuda13-pjrt=={jax_version} "
+          "(Python >= 3.12)")
+
+
+def require_cuda_plugin() -> str:
+  """The CUDA plugin's version; raises ``AotUnavailable`` naming the install command when it is missing.
+
+  Raises:
+    AotUnavailable: XLA's GPU compiler (``jax-cuda13-plugin``) is not installed in this environment.
+  """
+  import jax
+
+  if importlib.util.find_spec("jax_cuda13_plugin") is None:
+    raise AotUnavailable(f"compiling for NVIDIA GPUs needs XLA's GPU compiler, which is not installed: "
+                         f"{gpu_install_hint(jax.__version__)}")
+  return importlib.metadata.version("jax-cuda13-plugin")
+
+
 def require_libtpu() -> str:
   """libtpu's version; raises ``AotUnavailable`` naming the install command when it is missing.
 
@@ -51,7 +81,7 @@ def require_libtpu() -> str:
   import jax
 
   if importlib.util.find_spec("libtpu") is None:
-    raise AotUnavailable(f"--aot needs the TPU compiler (libtpu), which is not installed: "
+    raise AotUnavailable(f"compiling for TPUs needs the TPU compiler (libtpu), which is not installed: "
                          f"{install_hint(jax.__version__)}")
   return importlib.metadata.version("libtpu")
 
@@ -141,3 +171,19 @@ def prepare_environment() -> None:
   for key, value in ENV.items():
     os.environ.setdefault(key, value)
   clear_stale_lockfile()
+
+
+def start_cpu_jax() -> None:
+  """Keeps jax on its CPU backend (nothing runs; the TPU and GPU compilers only compile).
+
+  Raises:
+    RuntimeError: a backend other than the CPU one has started in this process already.
+  """
+  import jax
+
+  prepare_environment()
+  try:
+    jax.config.update("jax_platforms", "cpu")
+  except RuntimeError:  # a backend has started already: it must be the CPU one
+    if jax.default_backend() != "cpu":
+      raise

@@ -1,0 +1,114 @@
+"""A model and its optimizer as shapes on a mesh: what a step compiles from, and no memory used."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_zero1._src.report import memory_kind_of
+
+__all__ = ["AbstractState", "abstract_bytes_per_device", "bytes_by_memory_kind", "with_state_homes",
+           "abstract_state", "model_axes"]
+
+
+def abstract_bytes_per_device(tree: Any) -> int:
+  """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct``s (every device alike).
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> s = jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, jax.P("data")))
+    >>> abstract_bytes_per_device({"m": s})
+    32
+  """
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
+    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+  return total
+
+
+def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
+  """Per-device bytes of a tree of sharded ``ShapeDtypeStruct``s, by memory kind (None is ``device``)."""
+  by_kind: dict[str, list[Any]] = {}
+  for x in jax.tree.leaves(tree):
+    by_kind.setdefault(memory_kind_of(x), []).append(x)
+  return {kind: abstract_bytes_per_device(leaves) for kind, leaves in sorted(by_kind.items())}
+
+
+def with_state_homes(shardings: Any, optimizer: Any) -> Any:
+  """``shardings`` of a split (model, optimizer) with the optimizer state where its plan keeps it.
+
+  ``nnx.eval_shape`` keeps a leaf's layout but not its memory kind, so an
+  offloaded optimizer's state would otherwise be compiled as device-resident.
+  """
+  plan = getattr(optimizer, "zero1_plan", None)
+  if plan is None or not plan.offload_state:
+    return shardings
+  opt_state = shardings[1]["opt_state"]
+  treedef = jax.tree.structure(opt_state)
+  shardings[1]["opt_state"] = jax.tree.unflatten(treedef, [row.sharding for row in plan.state_leaves])
+  return shardings
+
+
+def model_axes(build: Callable[[], Any]) -> tuple[str, ...]:
+  """The mesh axes a model's variables are annotated with, from one abstract build with no mesh.
+
+  Example::
+
+    >>> model_axes(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    ()
+  """
+  with nnx.use_eager_sharding(False):
+    model = nnx.eval_shape(build)
+  names: list[str] = []
+  for spec in jax.tree.leaves(nnx.get_partition_spec(nnx.state(model)), is_leaf=lambda x: isinstance(x, P)):
+    for entry in spec if isinstance(spec, P) else ():
+      for axis in entry if isinstance(entry, tuple) else (entry,):
+        if axis is not None and axis not in names:
+          names.append(axis)
+  return tuple(names)
+
+
+@dataclasses.dataclass
+class AbstractState:
+  """A split (model, optimizer) as ``ShapeDtypeStruct``s carrying their shardings."""
+
+  graphdef: Any
+  state: Any
+  shardings: Any
+  optimizer: Any  # the abstract optimizer (its zero1_plan, when it has one)
+
+  @property
+  def opt_state_bytes_by_memory_kind(self) -> dict[str, int]:
+    """Per-device optimizer-state bytes by memory kind (``pinned_host`` when offloaded)."""
+    return bytes_by_memory_kind(self.state[1])
+
+
+def abstract_state(build: Callable[[], tuple[Any, Any]], mesh: Mesh) -> AbstractState:
+  """``build() -> (model, optimizer)`` traced on ``mesh``; each leaf's sharding from its metadata.
+
+  Leaves the metadata places nowhere (optax's scalar count) are replicated on the mesh.
+
+  Example::
+
+    state = abstract_state(lambda: (model := make(), Zero1Optimizer(model, tx, mesh)), mesh)
+  """
+  with jax.set_mesh(mesh):
+    model, optimizer = nnx.eval_shape(build)
+  graphdef, state = nnx.split((model, optimizer))
+  named = nnx.get_named_sharding(state, mesh)
+  replicated = NamedSharding(mesh, P())
+  shardings = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else replicated, named,
+                           is_leaf=lambda x: isinstance(x, NamedSharding) or x is None)
+  shardings = with_state_homes(shardings, optimizer)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  return AbstractState(graphdef, state, shardings, optimizer)

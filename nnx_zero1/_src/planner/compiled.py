@@ -1,0 +1,71 @@
+"""What a compiled step says about itself: per-device memory, the TPU compiler's refusals, collectives."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from nnx_zero1._src.hlo import collectives, loop_collectives
+
+__all__ = ["memory", "hbm_oom", "collectives_of"]
+
+
+def memory(compiled: Any) -> dict[str, int]:
+  """Per-device argument, output, temp and peak bytes of a compiled kernel (device memory).
+
+  ``peak`` is argument + output - aliased (donated) + temp bytes: what the
+  kernel needs resident at once, computed the same way on every backend.
+  ``xla_peak`` is the backend's own figure where it reports one (0 otherwise;
+  on CPU it leaves out the temp buffers).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> memory(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile())["argument"]
+    16
+  """
+  stats = compiled.memory_analysis()
+  sizes = {
+      "argument": int(stats.argument_size_in_bytes),
+      "output": int(stats.output_size_in_bytes),
+      "alias": int(stats.alias_size_in_bytes),
+      "temp": int(stats.temp_size_in_bytes),
+  }
+  sizes["peak"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
+  sizes["xla_peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+  # Arguments in host memory (an offloaded optimizer state), which the device figures leave out.
+  sizes["host_argument"] = int(getattr(stats, "host_argument_size_in_bytes", 0) or 0)
+  return sizes
+
+
+_OOM = re.compile(r"required for (?P<what>.*?) \((?P<need>[\d.]+)(?P<u1>[KMGT])\) exceeds available HBM "
+                  r"\((?P<have>[\d.]+)(?P<u2>[KMGT])\)")
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def hbm_oom(message: str) -> dict[str, Any] | None:
+  """The TPU compiler's "does not fit" refusal (``CompileTimeHbmOom``) as numbers; None for other errors.
+
+  Example::
+
+    >>> hbm_oom("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
+    ...         "required for HLO temporaries (52.59G) exceeds available HBM (31.24G). HLO module: jit")
+    {'required_bytes': 56468082524, 'available_bytes': 33543694581, 'required_for': 'HLO temporaries'}
+  """
+  if "CompileTimeHbmOom" not in message:
+    return None
+  m = _OOM.search(message)
+  if m is None:
+    return {"required_bytes": None, "available_bytes": None, "required_for": message[:300]}
+  return {
+      "required_bytes": int(float(m["need"]) * _UNITS[m["u1"]]),
+      "available_bytes": int(float(m["have"]) * _UNITS[m["u2"]]),
+      "required_for": m["what"],
+  }
+
+
+def collectives_of(compiled: Any) -> dict[str, dict[str, dict[str, int]]]:
+  """A compiled step's collectives: ``per_step`` (every loop trip counted) and ``per_micro_batch``
+  (one trip of the micro-batch loop), each ``{op: {"count", "bytes"}}`` on one device."""
+  hlo = compiled.as_text() or ""
+  return {"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo)}

@@ -1,0 +1,130 @@
+"""The planner's inputs, parsed and checked: pure functions of strings, no compiler needed."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+__all__ = ["PlanError", "parse_mesh", "parse_levers", "parse_topology", "mesh_axes", "parse_model"]
+
+
+class PlanError(ValueError):
+  """An input the planner cannot plan for; the message names it and what is accepted."""
+
+
+def parse_mesh(text: str | None) -> dict[str, int]:
+  """``--mesh data=4,fsdp=2`` as ``{"data": 4, "fsdp": 2}`` (empty for None or "").
+
+  Raises:
+    PlanError: an entry is not ``name=size`` with a positive size, or an axis repeats.
+
+  Example::
+
+    >>> parse_mesh("data=4,fsdp=2")
+    {'data': 4, 'fsdp': 2}
+  """
+  sizes: dict[str, int] = {}
+  for entry in filter(None, (text or "").replace(" ", "").split(",")):
+    m = re.fullmatch(r"([A-Za-z_]\w*)=(\d+)", entry)
+    if m is None or int(m[2]) < 1:
+      raise PlanError(f"--mesh entry {entry!r} is not AXIS=SIZE with a size >= 1 (e.g. data=4,fsdp=2)")
+    if m[1] in sizes:
+      raise PlanError(f"--mesh names axis {m[1]!r} twice")
+    sizes[m[1]] = int(m[2])
+  return sizes
+
+
+def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
+              default_axis: str = "data") -> dict[str, int]:
+  """Every mesh axis and its size: ``sizes``, then the model's axes it omits at size 1.
+
+  With no sizes given, the default axis takes every device (pure data parallelism).
+
+  Raises:
+    PlanError: the sizes' product is not the topology's device count.
+
+  Example::
+
+    >>> mesh_axes({"data": 4, "fsdp": 2}, ["fsdp", "tp"], devices=8)
+    {'data': 4, 'fsdp': 2, 'tp': 1}
+    >>> mesh_axes({}, ["fsdp"], devices=8)
+    {'data': 8, 'fsdp': 1}
+  """
+  axes = dict(sizes) if sizes else {default_axis: devices}
+  axes.setdefault(default_axis, 1)
+  for name in model_axes:
+    axes.setdefault(name, 1)
+  if math.prod(axes.values()) != devices:
+    shape = ",".join(f"{k}={v}" for k, v in axes.items())
+    raise PlanError(f"--mesh {shape} has {math.prod(axes.values())} devices; the topology has {devices}")
+  return axes
+
+
+def parse_levers(text: str | Sequence[str], known: Iterable[str]) -> tuple[str, ...]:
+  """``--levers baseline,zero1`` as a tuple, each checked against the lever table.
+
+  Raises:
+    PlanError: a name is not a lever, or none is given.
+
+  Example::
+
+    >>> parse_levers("baseline,zero1", ["baseline", "zero1", "zero2"])
+    ('baseline', 'zero1')
+  """
+  names = tuple(filter(None, text.replace(" ", "").split(","))) if isinstance(text, str) else tuple(text)
+  known = tuple(known)
+  unknown = [n for n in names if n not in known]
+  if unknown or not names:
+    raise PlanError(f"unknown lever {', '.join(unknown) or '(none given)'}; levers: {', '.join(known)}")
+  return names
+
+
+def parse_topology(text: str, gpu_chips: Iterable[str]) -> tuple[str, str, tuple[int, ...]]:
+  """A topology as (platform, chip, shape): ``v6e:2x2`` is a TPU slice, ``h100:8`` / ``h100:2x8`` GPUs.
+
+  A GPU shape is (nodes, GPUs per node). A TPU name is libtpu's to check.
+
+  Raises:
+    PlanError: not ``CHIP:SHAPE``, or a GPU chip or shape the planner does not know.
+
+  Example::
+
+    >>> parse_topology("h100:2x8", ["h100"])
+    ('cuda', 'h100', (2, 8))
+    >>> parse_topology("v5e:2x4", ["h100"])
+    ('tpu', 'v5e', (2, 4))
+  """
+  chips = tuple(gpu_chips)
+  m = re.fullmatch(r"([\w\-]+):(\d+(?:x\d+)*)", text.strip())
+  hint = (f"TPU slices as libtpu names them (v5e:2x4, v6e:2x2, v4:2x2x1, v5p:2x2x1) or GPUs "
+          f"{', '.join(chips)} as CHIP:GPUS or CHIP:NODESxGPUS (h100:8, h100:2x8)")
+  if m is None:
+    raise PlanError(f"unknown topology {text!r}; {hint}")
+  chip, shape = m[1].lower(), tuple(int(n) for n in m[2].split("x"))
+  if re.fullmatch(r"v\d+[a-z]?", chip):
+    return "tpu", chip, shape
+  if chip not in chips or len(shape) > 2 or min(shape) < 1:
+    raise PlanError(f"unknown topology {text!r}; {hint}")
+  return "cuda", chip, shape if len(shape) == 2 else (1, shape[0])
+
+
+def parse_model(text: str) -> tuple[str, str]:
+  """``--model`` as (source, name): ``tunix:qwen3_8b`` or ``package.module:function``.
+
+  Raises:
+    PlanError: not ``SOURCE:NAME``, or ``maxtext:`` (not planned yet).
+
+  Example::
+
+    >>> parse_model("tunix:qwen3_0p6b"), parse_model("my_pkg.models:build")
+    (('tunix', 'qwen3_0p6b'), ('my_pkg.models', 'build'))
+  """
+  source, sep, name = text.strip().partition(":")
+  if not sep or not source or not name:
+    raise PlanError(f"unknown model {text!r}; give tunix:CONFIG (e.g. tunix:qwen3_8b) or "
+                    "package.module:function")
+  if source == "maxtext":
+    raise PlanError("maxtext: models are not planned yet; plan it as tunix:CONFIG or your own "
+                    "package.module:function")
+  return source, name

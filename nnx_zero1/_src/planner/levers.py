@@ -1,0 +1,59 @@
+"""The planner's levers: how each builds its optimizer and accumulates its gradients, one table.
+
+A lever is a way to train the same model: which optimizer (``nnx.Optimizer`` or
+``Zero1Optimizer`` with options) and which gradient accumulation (a ``lax.scan``
+of ``nnx.value_and_grad``, reduced wherever XLA puts it, or
+``value_and_grad_accumulated``, reduced once per step). A new lever is one entry
+of :data:`LEVERS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["Lever", "LEVERS", "make_optimizer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+  """One way to train: the optimizer's class and options, and how gradients accumulate."""
+
+  summary: str
+  zero1: bool  # Zero1Optimizer over the data axis (else nnx.Optimizer)
+  deferred: bool  # value_and_grad_accumulated (else a lax.scan of nnx.value_and_grad)
+  optimizer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  accumulate_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# In the order the planner suggests them: each saves more device memory than the one before.
+LEVERS: dict[str, Lever] = {
+    "baseline": Lever("nnx.Optimizer", zero1=False, deferred=False),
+    "zero1": Lever("Zero1Optimizer", zero1=True, deferred=False),
+    "zero1-accum": Lever("Zero1Optimizer + value_and_grad_accumulated (one reduce-scatter per step)",
+                         zero1=True, deferred=True),
+    "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
+                   zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
+    "offload": Lever("Zero1Optimizer(offload_state_to_host=True) (moments in host memory between steps)",
+                     zero1=True, deferred=False, optimizer_options={"offload_state_to_host": True}),
+    "zero2-offload": Lever("zero2 with offload_state_to_host=True", zero1=True, deferred=True,
+                           optimizer_options={"offload_state_to_host": True},
+                           accumulate_options={"shard_accumulator": True}),
+}
+
+
+def make_optimizer(lever: Lever, model: Any, tx: Any, mesh: Any, data_axis: str = "data") -> Any:
+  """The lever's optimizer for ``model``: ``nnx.Optimizer`` or ``Zero1Optimizer`` over ``data_axis``.
+
+  Example::
+
+    optimizer = make_optimizer(LEVERS["zero1"], model, optax.adamw(1e-4), mesh)
+  """
+  from flax import nnx
+
+  from nnx_zero1._src.optimizer import Zero1Optimizer
+
+  if not lever.zero1:
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+  return Zero1Optimizer(model, tx, mesh, data_axis=data_axis, **lever.optimizer_options)

@@ -1,0 +1,188 @@
+"""The models the planner builds, abstractly: Tunix's named configurations and the user's own function.
+
+``tunix:CONFIG`` is ``ModelConfig.CONFIG()`` of the Tunix family the name starts
+with (``qwen3_8b`` -> ``tunix.models.qwen3``), built at any depth with the
+dtypes and remat asked for. ``package.module:function`` is the user's own:
+
+- ``function()`` (or ``function(num_layers=d)``, when it takes ``num_layers``:
+  then the planner may compile reduced depths; its default is the full depth)
+  returns an ``nnx.Module``, or a tuple ``(model, loss_fn)``;
+- ``loss_fn(model, tokens) -> scalar`` gets int32 token ids shaped
+  ``(rows, seq_len + 1)``; without one, the model is called as
+  ``model(tokens[:, :-1])`` and its logits scored against ``tokens[:, 1:]``.
+
+The function is called under ``nnx.eval_shape`` on the plan's mesh
+(``jax.set_mesh``): it must create no arrays outside NNX variables, and its
+variables' ``sharding`` metadata names the mesh axes it is split over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from nnx_zero1._src.planner.inputs import PlanError, parse_model
+
+__all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "model_source", "next_token_loss", "tunix_loss"]
+
+# Tunix's model families: (module, class); a configuration's name starts with its family's.
+TUNIX_FAMILIES = {
+    "qwen3": ("tunix.models.qwen3.model", "Qwen3"),
+    "qwen2": ("tunix.models.qwen2.model", "Qwen2"),
+    "llama3": ("tunix.models.llama3.model", "Llama3"),
+    "gemma3": ("tunix.models.gemma3.model", "Gemma3"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+  """How to build one model abstractly, at full or reduced depth, and score it."""
+
+  name: str
+  build: Callable[[int | None], Any]  # depth (None: full) -> nnx.Module; called under nnx.eval_shape
+  full_depth: int | None  # layers at full depth; None: depth cannot be reduced
+  loss_fn: Callable[[Any, jax.Array], jax.Array]
+
+
+def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Mean cross-entropy of ``logits`` (for ``tokens[:, :-1]``) against ``tokens[:, 1:]``.
+
+  Example::
+
+    >>> float(next_token_loss(jnp.zeros((1, 2, 4)), jnp.zeros((1, 3), jnp.int32)))  # log(4)
+    1.3862943649291992
+  """
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+
+def tunix_loss(model: Any, tokens: jax.Array) -> jax.Array:
+  """Next-token loss of a Tunix decoder: causal mask and positions as Tunix's trainers pass them."""
+  inputs = tokens[:, :-1]
+  rows, length = inputs.shape
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), jnp.bool_)), (rows, length, length))
+  logits, _ = model(inputs, positions, None, mask)
+  return next_token_loss(logits, tokens)
+
+
+def _tunix_family(name: str) -> tuple[Any, Any]:
+  family = max((f for f in TUNIX_FAMILIES if name.startswith(f)), key=len, default=None)
+  if family is None:
+    raise PlanError(f"unknown model tunix:{name}; Tunix families: {', '.join(TUNIX_FAMILIES)} "
+                    f"(e.g. tunix:qwen3_8b, tunix:llama3p1_8b, tunix:gemma3_4b_pt)")
+  import flax
+
+  always_shard = flax.config.flax_always_shard_variable
+  try:
+    module = importlib.import_module(TUNIX_FAMILIES[family][0])
+  except ImportError as e:
+    raise PlanError(f"tunix:{name} needs Tunix: pip install \".[tunix]\" ({e})") from e
+  finally:  # Tunix's import turns flax's flag off for the whole process; the build scopes it instead
+    flax.config.update("flax_always_shard_variable", always_shard)
+  return module, getattr(module, TUNIX_FAMILIES[family][1])
+
+
+def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
+                  remat: str | None) -> ModelSource:
+  module, cls = _tunix_family(name)
+  make_config = getattr(module.ModelConfig, name, None)
+  if make_config is None:
+    known = sorted(n for n, v in vars(module.ModelConfig).items() if isinstance(v, classmethod))
+    raise PlanError(f"unknown model tunix:{name}; {module.__name__}.ModelConfig has {', '.join(known)}")
+  config = make_config()
+  changes: dict[str, Any] = {}
+  for field, value in (("param_dtype", param_dtype), ("dtype", compute_dtype)):
+    if value is not None and hasattr(config, field):
+      changes[field] = jnp.dtype(value)
+  # A family without a param_dtype field (llama3) gets its parameters cast after the build; one
+  # without a dtype field (llama3, gemma3) computes in its parameters' dtype.
+  cast_to = None if param_dtype is None or hasattr(config, "param_dtype") else jnp.dtype(param_dtype)
+  computes_in = changes.get("param_dtype", cast_to)
+  if compute_dtype is not None and not hasattr(config, "dtype") and jnp.dtype(compute_dtype) != computes_in:
+    raise PlanError(f"tunix:{name} computes in its parameters' dtype (its ModelConfig has no dtype): give "
+                    f"--param-dtype {compute_dtype}, or leave --compute-dtype out")
+  if remat is not None:
+    options = [m.name.lower() for m in module.RematConfig]
+    if remat.lower() not in options:
+      raise PlanError(f"--remat {remat!r} is not one of tunix:{name}'s {', '.join(options)}")
+    changes["remat_config"] = module.RematConfig[remat.upper()]
+  config = dataclasses.replace(config, **changes)
+
+  def build(depth: int | None) -> Any:
+    from flax import nnx
+
+    with nnx.use_eager_sharding(False):  # shardings stay metadata; the plan reads them from there
+      model = cls(dataclasses.replace(config, num_layers=depth or config.num_layers), rngs=nnx.Rngs(0))
+    return model if cast_to is None else cast_params(model, cast_to)
+
+  return ModelSource(f"tunix:{name}", build, config.num_layers, tunix_loss)
+
+
+def cast_params(model: Any, dtype: Any) -> Any:
+  """``model`` with every floating ``nnx.Param`` cast to ``dtype`` (its metadata kept).
+
+  Example::
+
+    >>> from flax import nnx
+    >>> cast_params(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.bfloat16).kernel.dtype
+    dtype(bfloat16)
+  """
+  from flax import nnx
+
+  params = nnx.state(model, nnx.Param)
+  floating = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  nnx.update(model, jax.tree.map(floating, params))
+  return model
+
+
+def _default_loss(model: Any, tokens: jax.Array) -> jax.Array:
+  return next_token_loss(model(tokens[:, :-1]), tokens)
+
+
+def _function_source(module_name: str, function_name: str) -> ModelSource:
+  try:
+    function = getattr(importlib.import_module(module_name), function_name)
+  except (ImportError, AttributeError) as e:
+    raise PlanError(f"unknown model {module_name}:{function_name}: {e}") from e
+  depth_parameter = inspect.signature(function).parameters.get("num_layers")
+  full_depth = getattr(depth_parameter, "default", None)
+  full_depth = full_depth if isinstance(full_depth, int) else None
+  loss: list[Callable] = []
+
+  def build(depth: int | None) -> Any:
+    built = function(num_layers=depth) if depth is not None else function()
+    model, *rest = built if isinstance(built, tuple) else (built,)
+    loss[:] = rest[:1]
+    return model
+
+  def loss_fn(model: Any, tokens: jax.Array) -> jax.Array:
+    return (loss[0] if loss else _default_loss)(model, tokens)
+
+  return ModelSource(f"{module_name}:{function_name}", build, full_depth, loss_fn)
+
+
+def model_source(model: str, param_dtype: str | None = None, compute_dtype: str | None = None,
+                 remat: str | None = None) -> ModelSource:
+  """The :class:`ModelSource` ``--model`` names.
+
+  Raises:
+    PlanError: an unknown family, configuration or function, or a flag the model cannot take.
+
+  Example::
+
+    source = model_source("tunix:qwen3_0p6b", param_dtype="bfloat16", compute_dtype="bfloat16")
+  """
+  source, name = parse_model(model)
+  if source == "tunix":
+    return _tunix_source(name, param_dtype, compute_dtype, remat)
+  if param_dtype or compute_dtype or remat:
+    raise PlanError(f"--param-dtype, --compute-dtype and --remat apply to tunix: models; {model} builds its "
+                    "own (set them in your function)")
+  return _function_source(source, name)

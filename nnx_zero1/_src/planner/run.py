@@ -1,0 +1,171 @@
+"""A plan, end to end: every lever's step compiled for the target, at reduced depths or in full."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nnx_zero1._src.planner import compilers
+from nnx_zero1._src.planner.depth import extrapolate_row, near_the_limit
+from nnx_zero1._src.planner.inputs import PlanError, mesh_axes, parse_levers, parse_mesh, parse_model
+from nnx_zero1._src.planner.levers import LEVERS
+from nnx_zero1._src.planner.table import markdown, next_steps, table
+
+__all__ = ["Plan", "make_plan_rows", "DEFAULT_DEPTHS"]
+
+DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for a model deeper than the second
+_EXTRAPOLATED = ("opt_state_bytes_per_device", "argument_bytes_per_device", "output_bytes_per_device",
+                 "alias_bytes_per_device", "temp_bytes_per_device", "peak_bytes_per_device",
+                 "host_argument_bytes_per_device", "collectives")
+
+
+@dataclasses.dataclass
+class Plan:
+  """What each lever needs per device on the target; ``str()`` is the printed table.
+
+  Attributes:
+    rows: one dict per lever (plan.json's rows).
+    meta: the settings and the compilers.
+    next_steps: what to try next, in order, when no row fits (empty otherwise).
+  """
+
+  rows: list[dict[str, Any]]
+  meta: dict[str, Any]
+  next_steps: list[str]
+
+  def __str__(self) -> str:
+    lines = [table(self.rows)]
+    if self.next_steps:
+      steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))
+      lines += ["", "Nothing fits. Try next, in order:", *steps]
+    return "\n".join(lines)
+
+  def write(self, out_dir: str) -> list[str]:
+    """Writes plan.json and plan.md into ``out_dir``; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "plan.md")]
+    with open(paths[0], "w") as f:
+      result = {"meta": self.meta, "rows": self.rows, "next_steps": self.next_steps}
+      json.dump(result, f, indent=1, default=str)
+    with open(paths[1], "w") as f:
+      f.write(markdown(self.meta, self.rows, self.next_steps))
+    return paths
+
+
+def _measured(lever_name: str, source: Any, depth: int | None, mesh: Any, settings: dict[str, Any]) -> dict:
+  """One compile of the lever's step at ``depth``: its per-device figures, or the compiler's refusal."""
+  import jax
+
+  from nnx_zero1._src.planner.abstract import abstract_bytes_per_device
+  from nnx_zero1._src.planner.compiled import collectives_of, hbm_oom, memory
+  from nnx_zero1._src.planner.steps import compile_step, lever_state
+
+  lever = LEVERS[lever_name]
+  row: dict[str, Any] = {"opt_state_bytes_per_device": None, "opt_state_bytes_by_memory_kind": None,
+                         "param_bytes_per_device": None}
+  try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
+    state = lever_state(lever, lambda: source.build(depth), settings["optimizer"], mesh)
+    by_kind = state.opt_state_bytes_by_memory_kind
+    row = {"opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
+           "param_bytes_per_device": abstract_bytes_per_device(state.state[0])}
+    compiled, seconds = compile_step(lever, state, source.loss_fn, mesh, settings["batch"],
+                                     settings["seq_len"], settings["ga"])
+  except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError) as e:
+    words = " ".join(str(e).split())
+    error = f"{type(e).__name__}: {words[:400]}"
+    refused = {"error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": 0.0}
+    return {**dict.fromkeys(_EXTRAPOLATED), **row, **refused}
+  mem = memory(compiled)
+  return {
+      **row, "error": None, "hbm_oom": None, "compile_s": seconds,
+      "argument_bytes_per_device": mem["argument"], "output_bytes_per_device": mem["output"],
+      "alias_bytes_per_device": mem["alias"], "temp_bytes_per_device": mem["temp"],
+      "peak_bytes_per_device": mem["peak"], "host_argument_bytes_per_device": mem["host_argument"],
+      "collectives": collectives_of(compiled),
+  }
+
+
+def _lever_row(lever: str, source: Any, depths: Sequence[int] | None, mesh: Any, settings: dict) -> dict:
+  if not depths:
+    row = _measured(lever, source, None, mesh, settings)
+    return {**row, "depth": source.full_depth, "depth_extrapolated_from": None}
+  d1, d2 = depths
+  r1 = _measured(lever, source, d1, mesh, settings)
+  r2 = _measured(lever, source, d2, mesh, settings) if not r1["error"] else r1
+  compile_s = r1["compile_s"] + (r2["compile_s"] if r2 is not r1 else 0.0)
+  if r1["error"] or r2["error"]:
+    return {**(r1 if r1["error"] else r2), "compile_s": compile_s, "depth": d1 if r1["error"] else d2,
+            "depth_extrapolated_from": None}
+  keys = (*_EXTRAPOLATED, "opt_state_bytes_by_memory_kind", "param_bytes_per_device")
+  row = extrapolate_row(r1, r2, d1, d2, source.full_depth, keys)
+  return {**row, "compile_s": compile_s, "depth": source.full_depth, "depth_extrapolated_from": [d1, d2]}
+
+
+def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch: int = 8,
+                   seq_len: int = 1024, ga: int = 1, param_dtype: str | None = None,
+                   compute_dtype: str | None = None,
+                   remat: str | None = None, optimizer: str = "adamw",
+                   levers: str | Sequence[str] = ("baseline", "zero1"), full_depth: bool = False,
+                   depths: Sequence[int] = DEFAULT_DEPTHS,
+                   progress: Callable[[str], None] | None = None) -> Plan:
+  """Compiles every lever's one-program training step for ``topology``; see :func:`nnx_zero1.plan.plan`."""
+  from nnx_zero1._src.planner.steps import OPTIMIZERS
+  from nnx_zero1._src.planner.targets import require_compiler
+
+  parse_model(model)
+  names = parse_levers(levers, LEVERS)
+  sizes = parse_mesh(mesh)
+  if optimizer not in OPTIMIZERS:
+    raise PlanError(f"unknown optimizer {optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
+  if min(batch, seq_len, ga) < 1:
+    raise PlanError(f"--batch, --seq-len and --ga must be >= 1, got {batch}, {seq_len}, {ga}")
+  compiler = require_compiler(topology)
+  compilers.start_cpu_jax()
+  import jax
+  import numpy as np
+  from jax.sharding import AxisType, Mesh
+
+  from nnx_zero1._src.planner.abstract import model_axes
+  from nnx_zero1._src.planner.models import model_source
+  from nnx_zero1._src.planner.steps import batch_axes
+  from nnx_zero1._src.planner.targets import make_target
+
+  source = model_source(model, param_dtype, compute_dtype, remat)
+  target = make_target(topology)
+  reduced = None if full_depth or not source.full_depth or source.full_depth <= max(depths) else tuple(depths)
+  named = model_axes(lambda: source.build(reduced[0] if reduced else None))
+  axes = mesh_axes(sizes, named, len(target.devices))
+  device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
+                     axis_types=(AxisType.Auto,) * len(axes))
+  rows_over = math.prod(axes[a] for a in batch_axes(device_mesh))
+  if batch % rows_over:
+    over = "x".join(batch_axes(device_mesh))
+    raise PlanError(f"--batch {batch} does not split over the batch axes ({over} = {rows_over} devices)")
+  settings = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer}
+  rows = []
+  for name in names:
+    row = _lever_row(name, source, reduced, device_mesh, settings)
+    if row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes):
+      extrapolated = row
+      row = _lever_row(name, source, None, device_mesh, settings)
+      row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
+             "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"]}
+    peak = row.get("peak_bytes_per_device")
+    fits = False if row.get("hbm_oom") else None if peak is None else peak <= target.hbm_bytes
+    rows.append({"lever": name, "compiled_for": topology, "device_kind": target.device_kind, "mesh": axes,
+                 "model": source.name, **row, "compile_s": round(row["compile_s"], 1),
+                 "hbm_bytes": target.hbm_bytes, "fits": fits})
+    if progress:
+      progress(f"compiled {name} for {topology} in {rows[-1]['compile_s']} s")
+  meta = {"model": source.name, "layers": source.full_depth, "topology": topology,
+          "device_kind": target.device_kind, "mesh": axes, "batch": batch, "seq_len": seq_len, "ga": ga,
+          "optimizer": optimizer,
+          "param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat, "levers": list(names),
+          "step": "one program (value_and_grad + optimizer.update, state donated)", "compiler": compiler,
+          "jax": jax.__version__, "hbm_bytes": target.hbm_bytes, "hbm_source": target.hbm_source,
+          "depth_extrapolated_from": list(reduced) if reduced else None}
+  return Plan(rows, meta, next_steps(rows, list(LEVERS), remat, batch, ga))

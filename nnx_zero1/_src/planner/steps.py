@@ -1,0 +1,125 @@
+"""One lever's training step for a target, built abstractly and compiled, never run.
+
+The step is one program, as Tunix's trainers and a user's own ``nnx.jit`` loop
+compile it: gradients over ``ga`` micro-batches, then ``optimizer.update``,
+the state donated and kept on its shardings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_zero1._src.accumulate import value_and_grad_accumulated
+from nnx_zero1._src.planner.abstract import AbstractState, abstract_state
+from nnx_zero1._src.planner.levers import Lever, make_optimizer
+
+__all__ = ["OPTIMIZERS", "scan_value_and_grad", "batch_axes", "abstract_batch", "train_step",
+           "compile_step", "lever_state"]
+
+# --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes).
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "adamw": lambda: optax.adamw(1e-5),
+    "adam": lambda: optax.adam(1e-5),
+    "lion": lambda: optax.lion(1e-6),
+    "sgd": lambda: optax.sgd(1e-3, momentum=0.9),
+    "adafactor": lambda: optax.adafactor(1e-3),
+}
+
+
+def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any) -> tuple[jax.Array, Any]:
+  """Mean loss and gradient over ``batches`` (dimension 0: micro-batches), one micro-batch at a time.
+
+  A ``lax.scan`` of ``jax.value_and_grad`` over the ``nnx.Param`` s: activations
+  of one micro-batch at a time; the reduction across replicas happens wherever
+  XLA puts it.
+
+  Example::
+
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> loss, grads = scan_value_and_grad(lambda m, x: m(x).mean(), model, jnp.ones((3, 4, 2)))
+    >>> loss.shape, grads["kernel"].shape
+    ((), (2, 1))
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax types split as variadic
+  grad_fn = jax.value_and_grad(lambda p, batch: loss_fn(nnx.merge(graphdef, p, rest), batch))
+
+  def micro(total, batch):
+    return jax.tree.map(jnp.add, total, grad_fn(params, batch)), None
+
+  zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  (loss, grads), _ = jax.lax.scan(micro, zero, batches)
+  n = jax.tree.leaves(batches)[0].shape[0]
+  return loss / n, jax.tree.map(lambda g: g / n, grads)
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes a batch's rows are split over: ``data`` and, where the mesh has it, ``fsdp``.
+
+  Example::
+
+    >>> batch_axes(jax.make_mesh((1, 1, 1), ("data", "fsdp", "tp")))
+    ('data', 'fsdp')
+  """
+  return tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+
+
+def abstract_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) -> jax.ShapeDtypeStruct:
+  """One step's token ids: ``(ga * batch, seq_len + 1)`` rows over the batch axes for a deferred
+  reduction (``value_and_grad_accumulated`` splits them), else ``(ga, batch, seq_len + 1)``."""
+  axes = batch_axes(mesh)
+  if lever.deferred:
+    return jax.ShapeDtypeStruct((ga * batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P(axes)))
+  sharding = NamedSharding(mesh, P(None, axes))
+  return jax.ShapeDtypeStruct((ga, batch, seq_len + 1), jnp.int32, sharding=sharding)
+
+
+def train_step(graphdef: Any, lever: Lever, loss_fn: Callable, ga: int) -> Callable:
+  """``(state, batch) -> (state, loss)``: the lever's gradients, then ``optimizer.update``."""
+
+  def step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    if lever.deferred:
+      loss, grads = value_and_grad_accumulated(loss_fn, model, batch, micro_batches=ga, optimizer=optimizer,
+                                               **lever.accumulate_options)
+    else:
+      loss, grads = scan_value_and_grad(loss_fn, model, batch)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  return step
+
+
+def lever_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, mesh: Mesh) -> AbstractState:
+  """The lever's model and optimizer, abstract, on ``mesh``."""
+
+  def build():
+    model = build_model()
+    return model, make_optimizer(lever, model, OPTIMIZERS[optimizer](), mesh)
+
+  return abstract_state(build, mesh)
+
+
+def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int, seq_len: int,
+                 ga: int) -> tuple[Any, float]:
+  """Compiles the lever's one-program step for the mesh's devices; returns (compiled, seconds).
+
+  Raises:
+    jax.errors.JaxRuntimeError: the compiler refused the program (e.g. it does not fit).
+  """
+  tokens = abstract_batch(lever, mesh, batch, seq_len, ga)
+  step = jax.jit(train_step(state.graphdef, lever, loss_fn, ga),
+                 in_shardings=(state.shardings, tokens.sharding),
+                 out_shardings=(state.shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):
+    compiled = step.lower(state.state, tokens).compile()
+  return compiled, time.perf_counter() - start

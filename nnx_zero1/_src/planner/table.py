@@ -1,0 +1,152 @@
+"""A plan's rows as text: the printed table, plan.md and what to try next when nothing fits."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["HEADER", "collective_cell", "cells", "table", "next_steps", "markdown"]
+
+HEADER = ("lever", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB", "usable GiB",
+          "fits", "compile s", "collectives per step (count x MiB)", "per micro-batch", "note")
+
+_SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "to-device": "in", "to-host": "out"}
+
+
+def collective_cell(c: dict[str, dict[str, int]]) -> str:
+  """Collectives (or host transfers) as one table cell, count x MiB per op.
+
+  Example::
+
+    >>> collective_cell({"all-reduce": {"count": 2, "bytes": 2**20}, "all-gather": {"count": 0, "bytes": 0}})
+    'AR 2x 1.000'
+  """
+  parts = [f"{_SHORT[k]} {v['count']}x {v['bytes'] / 2**20:.3f}" for k, v in c.items() if v["count"]]
+  return ", ".join(parts) or "-"
+
+
+def _gib(n: float | None) -> str:
+  return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def _note(r: dict[str, Any]) -> str:
+  if r.get("error"):
+    return f"refused: {r['error']}"
+  if r.get("extrapolated_peak_bytes_per_device"):
+    extrapolated = _gib(r["extrapolated_peak_bytes_per_device"])
+    return f"compiled whole (extrapolated: {extrapolated} GiB, near the limit)"
+  if r.get("depth_extrapolated_from"):
+    return f"extrapolated to {r['depth']} layers from {'/'.join(map(str, r['depth_extrapolated_from']))}"
+  return ""
+
+
+def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+  """One tuple of strings per row, in :data:`HEADER`'s order."""
+  out: list[tuple[str, ...]] = []
+  for r in rows:
+    fits = "-" if r["fits"] is None else "yes" if r["fits"] else "NO"
+    collectives = r.get("collectives") or {}
+    out.append((
+        r["lever"], r["compiled_for"], ",".join(f"{k}={v}" for k, v in r["mesh"].items()),
+        _gib(r["opt_state_bytes_per_device"]), _gib(r["argument_bytes_per_device"]),
+        _gib(r["temp_bytes_per_device"]), _gib(r["peak_bytes_per_device"]), _gib(r["hbm_bytes"]), fits,
+        f"{r['compile_s']:.0f}", collective_cell(collectives.get("per_step", {})),
+        collective_cell(collectives.get("per_micro_batch", {})), _note(r),
+    ))
+  return out
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+  """The rows as an aligned text table (GiB per device).
+
+  Example::
+
+    >>> row = {"lever": "zero1", "compiled_for": "v6e:2x2", "mesh": {"data": 4}, "hbm_bytes": 2**35,
+    ...        "opt_state_bytes_per_device": 2**30, "argument_bytes_per_device": 2**31, "fits": True,
+    ...        "temp_bytes_per_device": 0, "peak_bytes_per_device": 2**31, "compile_s": 1.0}
+    >>> table([row]).splitlines()[2].split()[:6]
+    ['zero1', 'v6e:2x2', 'data=4', '1.00', '2.00', '0.00']
+  """
+  body = cells(rows)
+  widths = [max(len(row[i]) for row in [HEADER, *body]) for i in range(len(HEADER))]
+  line = lambda row: "  ".join(c.ljust(w) if i in (0, 1, 2, 12) else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+  return "\n".join([line(HEADER), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def next_steps(rows: Sequence[dict[str, Any]], levers: Sequence[str], remat: str | None,
+               batch: int, ga: int) -> list[str]:
+  """What to try next, in order, when no row fits (empty when one does).
+
+  Args:
+    rows: the plan's rows.
+    levers: every lever the planner knows, lightest first.
+    remat: the ``--remat`` the plan used (None: none).
+    batch: the micro-batch, in sequences.
+    ga: micro-batches per step.
+
+  Example::
+
+    >>> row = {"lever": "baseline", "fits": False, "peak_bytes_per_device": 3 * 2**30, "hbm_bytes": 2**30,
+    ...        "temp_bytes_per_device": 2**30, "opt_state_bytes_per_device": 2**30, "mesh": {"data": 4}}
+    >>> next_steps([row], ["baseline", "zero1"], None, 8, 1)[0]
+    'the lever zero1 (--levers zero1): saves 0.75 GiB of optimizer state per device (the layout rule)'
+  """
+  if not rows or any(r["fits"] for r in rows):
+    return []
+  steps = []
+  tried = {r["lever"] for r in rows}
+  base = next((r for r in rows if r["lever"] == "baseline" and r["opt_state_bytes_per_device"]), None)
+  for name in levers:
+    if name in tried:
+      continue
+    saving = ""
+    if name == "zero1" and base is not None:
+      data = base["mesh"].get("data", 1)
+      saving = (f": saves {base['opt_state_bytes_per_device'] * (1 - 1 / data) / 2**30:.2f} GiB of optimizer "
+                "state per device (the layout rule)")
+    steps.append(f"the lever {name} (--levers {name}){saving}")
+  best = min((r for r in rows if r["peak_bytes_per_device"]), key=lambda r: r["peak_bytes_per_device"],
+             default=None)
+  if best is not None:
+    short = (best["peak_bytes_per_device"] - best["hbm_bytes"]) / 2**30
+    mesh = best["mesh"]
+    fsdp, data = 2 * mesh.get("fsdp", 1), max(1, mesh.get("data", 1) // 2)
+    steps.append(f"{best['lever']} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
+                 f"gradients too (e.g. --mesh data={data},fsdp={fsdp})")
+    temp = best["temp_bytes_per_device"] or 0
+    if remat is None:
+      steps.append(f"--remat decoder (or block): recomputes activations; the temp is {temp / 2**30:.2f} GiB")
+    if batch > 1:
+      steps.append(f"--batch {batch // 2} --ga {2 * ga} (the same tokens per step): activations halve, "
+                   f"up to ~{temp / 2 / 2**30:.2f} GiB")
+  return steps
+
+
+_NOTE = (
+    "Compiled ahead of time on a machine without the chips; nothing ran. Per device: `opt` is the "
+    "optimizer state in device memory, `args` / `temp` the compiled step's argument and temporary bytes "
+    "(`memory_analysis()`), `peak` = args + output - donated + temp; `usable` is what a program may use on "
+    "the chip, as the compiler reports it; `fits`: peak <= usable. Collectives are read from the "
+    "compiled HLO; those in the micro-batch loop count once per trip (`per micro-batch`)."
+)
+
+
+def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequence[str]) -> str:
+  """plan.md: the settings, the table and what to try next.
+
+  Example::
+
+    >>> markdown({"model": "m"}, [], []).splitlines()[0]
+    '# Will it fit? nnx-zero1 plan, compiled ahead of time'
+  """
+  lines = ["# Will it fit? nnx-zero1 plan, compiled ahead of time", ""]
+  lines += [f"- {k}: {json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in meta.items()]
+  if rows:
+    lines += ["", "| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|",
+              *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells(rows)), "", _NOTE]
+  if steps:
+    numbered = (f"{i}. {s}" for i, s in enumerate(steps, 1))
+    lines += ["", "## Nothing fits: what to try next, in order", "", *numbered]
+  return "\n".join(lines) + "\n"

@@ -1,0 +1,244 @@
+"""``python -m nnx_zero1.plan``: the planner's inputs, its arithmetic and its tables (every lane), and
+a tiny model planned for a TPU slice and for 8 H100s by the real compilers (CI lane 2, which installs
+libtpu and XLA's GPU compiler; a lane without one skips its test with the reason).
+"""
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from nnx_zero1 import zero1_sharding
+from nnx_zero1._src.planner import compilers
+from nnx_zero1._src.planner.depth import extrapolate, extrapolate_row
+from nnx_zero1._src.planner.inputs import (
+  PlanError,
+  mesh_axes,
+  parse_levers,
+  parse_mesh,
+  parse_model,
+  parse_topology,
+)
+from nnx_zero1._src.planner.levers import LEVERS
+from nnx_zero1._src.planner.table import next_steps, table
+from nnx_zero1.plan import main, parse_args
+from tests.planner_toys import tiny_lm
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+HAS_GPU_COMPILER = importlib.util.find_spec("jax_cuda13_plugin") is not None
+TOY = ["--model", "tests.planner_toys:tiny_lm", "--batch", "8", "--seq-len", "64",
+       "--levers", "baseline,zero1"]
+
+
+# Pure parts: every lane.
+
+def test_mesh_flag_parses_and_fills_the_models_axes_with_size_one():
+  assert parse_mesh("data=4, fsdp=2") == {"data": 4, "fsdp": 2}
+  assert mesh_axes({"data": 4, "fsdp": 2}, ["fsdp", "tp"], devices=8) == {"data": 4, "fsdp": 2, "tp": 1}
+  assert mesh_axes({}, ["tp"], devices=4) == {"data": 4, "tp": 1}
+  for bad in ("data", "data=0", "data=2,data=2", "data=x"):
+    with pytest.raises(PlanError, match="--mesh"):
+      parse_mesh(bad)
+
+
+def test_a_mesh_whose_product_is_not_the_device_count_is_refused():
+  with pytest.raises(PlanError, match=r"--mesh data=4,fsdp=4 has 16 devices; the topology has 8"):
+    mesh_axes({"data": 4, "fsdp": 4}, [], devices=8)
+
+
+def test_topologies_levers_and_models_parse_or_are_refused_in_one_line():
+  assert parse_topology("v4:2x2x1", ["h100"]) == ("tpu", "v4", (2, 2, 1))
+  assert parse_topology("H100:8", ["h100"]) == ("cuda", "h100", (1, 8))
+  for bad in ("h300:8", "h100", "h100:2x2x2", "tpu"):
+    with pytest.raises(PlanError, match="unknown topology") as e:
+      parse_topology(bad, ["h100"])
+    assert "\n" not in str(e.value)
+  assert parse_levers("zero1, zero2", LEVERS) == ("zero1", "zero2")
+  with pytest.raises(PlanError, match="unknown lever zero3; levers: baseline, zero1"):
+    parse_levers("zero1,zero3", LEVERS)
+  with pytest.raises(PlanError, match="unknown model"):
+    parse_model("qwen3_8b")
+  with pytest.raises(PlanError, match="maxtext: models are not planned yet"):
+    parse_model("maxtext:llama2-7b")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tunix") is None, reason="needs Tunix: pip install \".[tunix]\"")
+def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
+  from nnx_zero1._src.planner.models import model_source
+
+  for model, words in (("tunix:mistral_7b", "Tunix families: qwen3"), ("tunix:qwen3_9b", "ModelConfig has"),
+                       ("tests.planner_toys:no_such", "unknown model tests.planner_toys:no_such")):
+    with pytest.raises(PlanError, match=words) as e:
+      model_source(model)
+    assert "\n" not in str(e.value)
+  with pytest.raises(PlanError, match="--remat 'sometimes' is not one of"):
+    model_source("tunix:qwen3_0p6b", remat="sometimes")
+  with pytest.raises(PlanError, match="computes in its parameters' dtype"):
+    model_source("tunix:llama3p1_8b", compute_dtype="bfloat16")  # float32 parameters, no dtype field
+  with pytest.raises(PlanError, match="apply to tunix: models"):
+    model_source("tests.planner_toys:tiny_lm", param_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--levers", "zero3"], "unknown lever zero3"),
+    (["--topology", "h300:8"], "unknown topology 'h300:8'"),
+    (["--model", "no_colon"], "unknown model 'no_colon'"),
+    (["--mesh", "data=three"], "--mesh entry 'data=three'"),
+])
+def test_bad_inputs_exit_2_with_one_line(capsys, argv, words):
+  args = ["--model", "tests.planner_toys:tiny_lm", "--topology", "v6e:2x2", *argv]
+  assert main(args) == 2
+  err = capsys.readouterr().err.strip()
+  assert words in err and "\n" not in err
+
+
+def test_flags_are_the_contracts_names():
+  args = parse_args(["--model", "tunix:qwen3_8b", "--topology", "v5e:2x4", "--mesh", "data=4,fsdp=2",
+                     "--batch", "8", "--seq-len", "1024", "--ga", "8", "--param-dtype", "bfloat16",
+                     "--compute-dtype", "bfloat16", "--remat", "decoder", "--optimizer", "adamw",
+                     "--levers", "baseline,zero1", "--out", "d"])
+  assert (args.mesh, args.ga, args.param_dtype, args.remat, args.out) == ("data=4,fsdp=2", 8, "bfloat16",
+                                                                         "decoder", "d")
+
+
+def test_without_the_compiler_the_planner_says_what_to_install(monkeypatch):
+  monkeypatch.setattr(compilers.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(compilers.AotUnavailable, match=re.escape('pip install ".[aot]"')):
+    compilers.require_libtpu()
+  with pytest.raises(compilers.AotUnavailable, match="pip install --no-deps jax-cuda13-plugin=="):
+    compilers.require_cuda_plugin()
+  assert "nnx-zero1[" not in compilers.install_hint("0.12.0.1")  # not on the package index
+
+
+@pytest.mark.parametrize("topology, words", [("v6e:2x2", 'pip install ".[aot]"'),
+                                              ("h100:8", "pip install --no-deps jax-cuda13-plugin==")])
+def test_the_command_without_its_compiler_exits_2_with_the_install_line(monkeypatch, capsys, topology, words):
+  monkeypatch.setattr(compilers.importlib.util, "find_spec", lambda name: None)
+  assert main(["--model", "tests.planner_toys:tiny_lm", "--topology", topology]) == 2
+  err = capsys.readouterr().err.strip()
+  assert words in err and "\n" not in err
+
+
+def test_extrapolation_is_the_line_through_two_depths():
+  assert extrapolate(110, 120, 1, 2, 28) == 380
+  assert extrapolate(100, 140, 2, 4, 6) == 180
+  r1, r2 = {"a": 10, "b": None, "c": {"x": 1}}, {"a": 14, "b": 3, "c": {"x": 3}}
+  r = extrapolate_row(r1, r2, 2, 4, 8, ("a", "b", "c"))
+  assert r == {"a": 22, "b": None, "c": {"x": 7}}
+  with pytest.raises(ValueError):
+    extrapolate(1, 2, 4, 2, 8)
+
+
+def _row(lever, peak, **kw):
+  return {"lever": lever, "compiled_for": "v5e:2x4", "mesh": {"data": 8}, "opt_state_bytes_per_device": 2**30,
+          "argument_bytes_per_device": peak // 2, "temp_bytes_per_device": peak // 2,
+          "peak_bytes_per_device": peak,
+          "hbm_bytes": 16 * 2**30, "fits": peak <= 16 * 2**30, "compile_s": 3.0, "collectives": {}, **kw}
+
+
+def test_the_table_and_what_to_try_next_when_nothing_fits():
+  rows = [_row("baseline", 20 * 2**30), _row("zero1", 17 * 2**30, depth=28, depth_extrapolated_from=[2, 4])]
+  lines = table(rows).splitlines()
+  assert lines[0].split()[:2] == ["lever", "compiled"] and "extrapolated to 28 layers from 2/4" in lines[3]
+  steps = next_steps(rows, list(LEVERS), remat=None, batch=8, ga=1)
+  assert steps[0].startswith("the lever zero1-accum") and "zero1 comes closest, 1.00 GiB over" in steps[-3]
+  assert steps[-2].startswith("--remat decoder") and steps[-1].startswith("--batch 4 --ga 2")
+  assert next_steps([_row("zero1", 2**30)], list(LEVERS), None, 8, 1) == []
+
+
+# The compilers: CI lane 2.
+
+def _env() -> dict:
+  env = {k: v for k, v in os.environ.items() if k not in compilers.ENV}
+  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+  return env
+
+
+def _plan(tmp_path, *args) -> dict:
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *TOY, *args, "--out", str(tmp_path)],
+                        env=_env(), capture_output=True, text=True, timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / "plan.json").read_text())
+  assert (tmp_path / "plan.md").read_text().startswith("# Will it fit?")
+  return result
+
+
+def _rule_saving(data: int) -> int:
+  """Optimizer bytes per device the layout rule takes off each replica, on a CPU mesh of the same shape."""
+  mesh = jax.make_mesh((data,), ("data",), devices=jax.devices()[:data])
+  with jax.set_mesh(mesh):
+    model = nnx.eval_shape(lambda: tiny_lm())
+    opt = nnx.eval_shape(lambda: nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param))
+  saving = 0
+  for x in jax.tree.leaves(nnx.state(opt, nnx.OptState)):
+    home = x.sharding if isinstance(x.sharding, NamedSharding) else NamedSharding(mesh, jax.P())
+    zero1 = zero1_sharding(x.shape, home, "data")
+    rows_kept = math.prod(home.shard_shape(x.shape)) - math.prod(zero1.shard_shape(x.shape))
+    saving += rows_kept * np.dtype(x.dtype).itemsize
+  return saving
+
+
+def _check_rule_and_fits(result: dict, data: int) -> None:
+  rows = {r["lever"]: r for r in result["rows"]}
+  base, zero1 = rows["baseline"], rows["zero1"]
+  assert base["mesh"] == {"data": data} and base["depth_extrapolated_from"] is None
+  saving = _rule_saving(data)
+  assert saving > 0
+  assert base["argument_bytes_per_device"] - zero1["argument_bytes_per_device"] == saving
+  assert base["opt_state_bytes_per_device"] - zero1["opt_state_bytes_per_device"] == saving
+  for r in rows.values():
+    assert r["hbm_bytes"] == result["meta"]["hbm_bytes"]
+    assert r["fits"] == (r["peak_bytes_per_device"] <= r["hbm_bytes"])
+    assert set(r["collectives"]) == {"per_step", "per_micro_batch"}
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: pip install \".[aot]\" (Python >= 3.12), CI lane 2")
+def test_tpu_plan_saves_what_the_layout_rule_predicts_and_extrapolates_from_reduced_depth(tmp_path):
+  full = _plan(tmp_path / "full", "--topology", "v6e:2x2", "--full-depth")
+  _check_rule_and_fits(full, data=4)
+  assert full["meta"]["hbm_bytes"] == 33_543_694_581  # v6e: 31.24G, as the TPU compiler words it
+  reduced = _plan(tmp_path / "reduced", "--topology", "v6e:2x2")
+  for a, b in zip(full["rows"], reduced["rows"], strict=True):
+    assert b["depth_extrapolated_from"] == [2, 4] and b["depth"] == 6
+    assert b["argument_bytes_per_device"] == a["argument_bytes_per_device"]  # parameters are linear in depth
+    error = abs(b["peak_bytes_per_device"] - a["peak_bytes_per_device"]) / a["peak_bytes_per_device"]
+    print(f"{a['lever']}: extrapolated peak {b['peak_bytes_per_device']:,} B, "
+          f"compiled {a['peak_bytes_per_device']:,} B ({error:.2%})")
+    assert error < 0.05
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler: pip install --no-deps "
+                    "jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 (Python >= 3.12), CI lane 2")
+def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):
+  result = _plan(tmp_path, "--topology", "h100:8", "--full-depth")
+  _check_rule_and_fits(result, data=8)
+  assert result["rows"][0]["device_kind"] == "NVIDIA H100 80GB HBM3"
+  assert result["meta"]["hbm_bytes"] == int(84_929_347_584 * 0.75)  # jax's GPU pool, the smaller limit
+
+
+_TWO_NODES = """
+from nnx_zero1._src.planner import compilers
+compilers.start_cpu_jax()
+from nnx_zero1._src.planner.targets import make_target
+target = make_target("h200:2x8")
+nodes = {d.process_index for d in target.devices}
+print(len(target.devices), len(nodes), target.device_kind)
+"""
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
+def test_a_two_node_gpu_target_has_both_nodes_devices():
+  proc = subprocess.run([sys.executable, "-c", _TWO_NODES], env=_env(), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split()[:2] == ["16", "2"] and "NVIDIA H200" in proc.stdout
