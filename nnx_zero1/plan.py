@@ -52,7 +52,8 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
     remat: the model's remat policy (``tunix:`` models: ``none``, ``block``, ``decoder``).
     optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
     levers: names from the lever table (``baseline``, ``zero1``, ``zero1-accum``, ``zero2``,
-      ``offload``, ``zero2-offload``), a list or one comma-separated string.
+      ``offload``, ``zero2-offload``, ``zero1-bf16state``, ``zero1-master``), a list or one
+      comma-separated string.
     full_depth: compile deep models whole instead of at 2 and 4 layers, extrapolated.
     progress: called with one line after each lever's compiles.
 

@@ -11,10 +11,12 @@ class TinyLM(nnx.Module):
   # Every slice of the Zero-1 layout keeps a multiple of 128 elements per device at data=4: the TPU
   # lays 1-D arrays out in 128-element tiles, so a 64-element slice of a bias occupies 128 and the
   # arguments would fall by less than the layout rule's bytes.
-  def __init__(self, num_layers: int, vocab: int = 512, width: int = 512, *, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(vocab, width, rngs=rngs)
-    self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(num_layers)])
-    self.head = nnx.Linear(width, vocab, rngs=rngs)
+  def __init__(self, num_layers: int, vocab: int = 512, width: int = 512, *, rngs: nnx.Rngs,
+               dtype=jnp.float32):
+    kw = {"param_dtype": dtype, "dtype": dtype, "rngs": rngs}
+    self.embed = nnx.Embed(vocab, width, **kw)
+    self.layers = nnx.List([nnx.Linear(width, width, **kw) for _ in range(num_layers)])
+    self.head = nnx.Linear(width, vocab, **kw)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     x = self.embed(tokens)
@@ -26,6 +28,11 @@ class TinyLM(nnx.Module):
 def tiny_lm(num_layers: int = 6) -> TinyLM:
   """The planner's ``tests.planner_toys:tiny_lm``: default loss (next-token on its logits)."""
   return TinyLM(num_layers, rngs=nnx.Rngs(0))
+
+
+def tiny_lm_bf16(num_layers: int = 6) -> TinyLM:
+  """The same model with bfloat16 parameters and compute (the master-weights lever's case)."""
+  return TinyLM(num_layers, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
 
 
 def tiny_lm_with_loss(num_layers: int = 6):

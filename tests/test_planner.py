@@ -242,3 +242,29 @@ def test_a_two_node_gpu_target_has_both_nodes_devices():
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.split()[:2] == ["16", "2"] and "NVIDIA H200" in proc.stdout
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
+def test_gpu_plan_of_the_bfloat16_levers(tmp_path):
+  """On 8x H100: bfloat16 state halves a float32 model's moments; float32 master weights for a
+  bfloat16 model add 8P/dp bytes of arguments (masters 4P/dp, float32 moments 4P/dp over bfloat16
+  ones) and all-gather exactly what pure bfloat16 Zero-1 does, 2 bytes per parameter; on a bfloat16
+  model bfloat16 state would change nothing, and its row says so."""
+  f32 = {r["lever"]: r for r in _plan(tmp_path / "f32", "--topology", "h100:8", "--full-depth",
+                                       "--levers", "zero1,zero1-bf16state")["rows"]}
+  count = 8  # adam's step count: float32 scalars stay as they are
+  assert f32["zero1-bf16state"]["opt_state_bytes_per_device"] - count == (
+      f32["zero1"]["opt_state_bytes_per_device"] - count) // 2
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
+  argv = ["--model", "tests.planner_toys:tiny_lm_bf16", "--topology", "h100:8", "--full-depth",
+          "--levers", "zero1,zero1-master,zero1-bf16state"]
+  out = tmp_path / "bf16"
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv, *TOY[2:-2], "--out", str(out)],
+                        env=_env(), capture_output=True, text=True, timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  bf16 = {r["lever"]: r for r in json.loads((out / "plan.json").read_text())["rows"]}
+  gathered = [bf16[n]["collectives"]["per_step"]["all-gather"]["bytes"] for n in ("zero1", "zero1-master")]
+  assert gathered == [2 * params] * 2
+  args = [bf16[n]["argument_bytes_per_device"] for n in ("zero1", "zero1-master")]
+  assert args[1] - args[0] == params
+  assert "state_dtype=bfloat16 changes nothing" in bf16["zero1-bf16state"]["error"]

@@ -40,6 +40,11 @@ LEVERS: dict[str, Lever] = {
     "zero2-offload": Lever("zero2 with offload_state_to_host=True", zero1=True, deferred=True,
                            optimizer_options={"offload_state_to_host": True},
                            accumulate_options={"shard_accumulator": True}),
+    "zero1-bf16state": Lever("Zero1Optimizer(state_dtype=bfloat16) (moments in bfloat16 between steps)",
+                             zero1=True, deferred=False, optimizer_options={"state_dtype": "bfloat16"}),
+    # For a bfloat16 model (--param-dtype bfloat16): the float32 run's arithmetic at 2P + 12P/dp bytes.
+    "zero1-master": Lever("Zero1Optimizer(master_dtype=float32) (float32 master weights split over data)",
+                          zero1=True, deferred=False, optimizer_options={"master_dtype": "float32"}),
 }
 
 
