@@ -187,6 +187,7 @@ def test_every_entry_point_keeps_master_copies():
 
   class MasterEngine(Zero1Engine):
     MASTER_DTYPE = F32
+    STATE_DTYPE = jnp.bfloat16
 
   decoder = Decoder(nnx.Rngs(0), vocab=64)
   nnx.update(decoder, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(decoder, nnx.Param)))
@@ -195,10 +196,12 @@ def test_every_entry_point_keeps_master_copies():
   engine.fwd_bwd({"tokens": np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)})
   engine.update()
   assert report(engine.optimizer).master_bytes > 0
+  assert {x.dtype for x in jax.tree.leaves(nnx.as_pure(engine.optimizer.opt_state)) if x.ndim} == {
+      np.dtype(jnp.bfloat16)}
   assert {x.dtype for x in jax.tree.leaves(nnx.state(engine.model, nnx.Param))} == {np.dtype(jnp.bfloat16)}
 
 
-def test_tunix_trainer_keeps_master_copies_through_its_config():
+def test_tunix_trainer_takes_both_bfloat16_levers_from_its_config():
   from tunix_toys import model_input, sft_batches, toy
 
   from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
@@ -206,6 +209,7 @@ def test_tunix_trainer_keeps_master_copies_through_its_config():
   mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
   cfg = Zero1TrainingConfig(
       eval_every_n_steps=1000, max_steps=2, data_sharding_axis=(("data", "fsdp"),), zero1_master_dtype=F32,
+      zero1_state_dtype=jnp.bfloat16,
   )
   with mesh:
     model = toy(mesh, lora=False)
@@ -214,6 +218,8 @@ def test_tunix_trainer_keeps_master_copies_through_its_config():
     before = pure(trainer.optimizer.master_params)
     trainer.train(sft_batches(2))
   assert int(trainer.optimizer.step[...]) == 2
+  moments = [x for x in jax.tree.leaves(nnx.as_pure(trainer.optimizer.opt_state)) if x.ndim]
+  assert {x.dtype for x in moments} == {np.dtype(jnp.bfloat16)}
   after = pure(trainer.optimizer.master_params)
   assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
   for m, p in zip(after, pure(nnx.state(trainer.model, nnx.Param)), strict=True):

@@ -38,9 +38,10 @@ def test_wheel_installs_adapters_as_nnx_zero1_adapters(tmp_path):
   modules = [n for n in names if n.endswith(".py")]
   assert not [n for n in modules if {"bench", "engine"} & set(Path(n).with_suffix("").parts)], modules
   # The plugin stays small: the harness and the reference engine once were a third of these lines.
+  # 7,425 with the planner (a public command, ~1,700 lines) and the bfloat16 levers; a bound, not a goal.
   archive = zipfile.ZipFile(wheel)
   lines = sum(archive.read(n).decode().count("\n") for n in modules)
-  assert lines <= 7000, f"the wheel holds {lines} lines of Python"
+  assert lines <= 8000, f"the wheel holds {lines} lines of Python"
 
   site = tmp_path / "site"
   zipfile.ZipFile(wheel).extractall(site)

@@ -39,7 +39,7 @@ from nnx_zero1 import (
 from nnx_zero1._src.precision import stochastic_round
 from nnx_zero1.testing import collectives
 
-DATA = batches(4)
+DATA = batches(3)
 LR = 3e-3
 
 
@@ -88,8 +88,10 @@ def mesh_of(axis_type=AxisType.Explicit):
   return jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
 
 
-@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize(
+    "axis_type, rounding", [(AxisType.Auto, "stochastic"), (AxisType.Explicit, "nearest")],
+    ids=["auto-stochastic", "explicit-nearest"],
+)
 def test_trains_bit_identically_to_a_plain_optimizer_that_narrows_the_same_way(axis_type, rounding):
   mesh = mesh_of(axis_type)
   model, opt = build(mesh, state_dtype=jnp.bfloat16, state_rounding=rounding)
@@ -107,9 +109,9 @@ def test_eager_update_matches_the_jitted_one():
   mesh = mesh_of()
   jitted_model, jitted = build(mesh, state_dtype=jnp.bfloat16)
   eager_model, eager = build(mesh, state_dtype=jnp.bfloat16)
-  train(jitted_model, jitted, mesh, DATA[:2])
+  train(jitted_model, jitted, mesh, DATA[:1])
   with jax.set_mesh(mesh):
-    train(eager_model, eager, mesh, DATA[:2], step=eager_step)
+    train(eager_model, eager, mesh, DATA[:1], step=eager_step)
   assert stored_dtypes(eager) == BF16
   # The same stochastic rounding eager and jitted: the state agrees to the bit wherever the
   # moments do (plain nnx.Optimizer differs eager vs jit in the last bits of some gradients).
@@ -258,50 +260,3 @@ def test_scope_mixin_and_model_and_optimizer_store_bfloat16_state():
   with pytest.raises(Zero1Error, match="not a floating dtype"):
     with zero1_optimizers(mesh, state_dtype=jnp.int32):
       pass
-
-
-def test_engine_mixin_stores_bfloat16_state():
-  from helpers import Decoder, lm_loss
-  from tests.reference_engine import Zero1Engine
-
-  class Bf16Engine(Zero1Engine):
-    STATE_DTYPE = jnp.bfloat16
-
-  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-  engine = Bf16Engine(Decoder(nnx.Rngs(0), vocab=64), optax.adamw(1e-2), mesh, loss_fn=lm_loss)
-  rng = np.random.default_rng(0)
-  engine.fwd_bwd({"tokens": rng.integers(0, 64, (8, 17)).astype(np.int32)})
-  engine.update()
-  assert stored_dtypes(engine.optimizer) == BF16
-
-
-def test_composes_with_host_offload_bit_identically():
-  mesh = mesh_of()
-  on_device = build(mesh, state_dtype=jnp.bfloat16)
-  offloaded = build(mesh, state_dtype=jnp.bfloat16, offload_state_to_host=True)
-  for model, opt in (on_device, offloaded):
-    train(model, opt, mesh, DATA[:2])
-  assert stored_dtypes(offloaded[1]) == BF16
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(nnx.as_pure(offloaded[1].opt_state)) if x.ndim} == {
-      "pinned_host"}
-  assert_trees_equal(on_device[0], offloaded[0])
-  assert_trees_equal(on_device[1], offloaded[1])
-
-
-def test_tunix_trainer_stores_bfloat16_state_through_its_config():
-  from tunix_toys import model_input, sft_batches, toy
-
-  from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
-
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
-  cfg = Zero1TrainingConfig(
-      eval_every_n_steps=1000, max_steps=2, data_sharding_axis=(("data", "fsdp"),),
-      zero1_state_dtype=jnp.bfloat16,
-  )
-  with mesh:
-    trainer = Zero1PeftTrainer(toy(mesh, lora=False), optax.adamw(1e-2), cfg)
-    assert stored_dtypes(trainer.optimizer) == BF16
-    trainer = trainer.with_gen_model_input_fn(model_input)
-    trainer.train(sft_batches(2))
-  assert stored_dtypes(trainer.optimizer) == BF16
-  assert int(trainer.optimizer.step[...]) == 2
