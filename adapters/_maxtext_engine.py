@@ -49,7 +49,7 @@ from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.mesh import on_mesh
 from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.reduction import reduce_unreduced
-from nnx_zero1._src.scope import zero1_optimizers
+from nnx_zero1._src.scope import levers_of, zero1_optimizers
 from nnx_zero1._src.specs import canonical_spec, entry_axes, spec_entries
 
 from . import _compat
@@ -175,12 +175,7 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
 
   def _levers(self) -> dict[str, Any]:
     """The memory levers this class asks for, as ``Zero1Optimizer`` keyword options."""
-    return {
-        "offload_state_to_host": self.OFFLOAD_STATE_TO_HOST,
-        "state_dtype": self.STATE_DTYPE,
-        "state_rounding": self.STATE_ROUNDING,
-        "master_dtype": self.MASTER_DTYPE,
-    }
+    return levers_of(self, str.upper)
 
   @functools.wraps(_maxtext_engine.MaxTextTrainingEngine.__init__)  # type: ignore[misc]  # shows MaxText's signature
   def __init__(self, training_config, *args, **kwargs):

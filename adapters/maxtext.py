@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.scope import levers_of
 from nnx_zero1._src.specs import DataAxis
 
 __all__ = ["Zero1EngineMixin", "Zero1MaxTextTrainingEngine", "Zero1AbstractMaxTextEngine"]  # noqa: F822 (lazy)
@@ -114,8 +115,7 @@ class Zero1EngineMixin:
   ) -> Zero1Optimizer:
     return Zero1Optimizer(
         model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, strict=self.strict,
-        offload_state_to_host=self.OFFLOAD_STATE_TO_HOST, state_dtype=self.STATE_DTYPE,
-        state_rounding=self.STATE_ROUNDING, master_dtype=self.MASTER_DTYPE,
+        **levers_of(self, str.upper),
     )
 
   def _gradient_targets(self: _EngineHost) -> tuple[NamedSharding, ...]:

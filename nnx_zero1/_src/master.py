@@ -12,6 +12,7 @@ half the bytes of a float32 parameter's.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,7 +30,8 @@ from nnx_zero1._src.specs import spec_entries
 
 __all__ = [
     "check_master_dtype", "init_masters", "master_plan", "master_shardings", "masters_to_compute",
-    "masters_to_storage", "to_master_dtype", "to_param_dtypes",
+    "masters_to_storage", "on_masters", "slices_on_masters", "to_master_dtype", "to_param_dtypes",
+    "write_masters",
 ]
 
 
@@ -172,3 +174,31 @@ def masters_to_compute(masters: Any, plan: Zero1Plan) -> Any:
 def masters_to_storage(masters: Any, plan: Zero1Plan) -> Any:
   """The new masters where the plan keeps them between steps (host memory if offloaded)."""
   return move_tree(masters, master_shardings(plan)) if plan.offload_state else masters
+
+
+def on_masters(init: Callable[[Any], Any], master_dtype: Any) -> Callable[[Any], Any]:
+  """``init`` (parameters -> optimizer state) on the parameters cast to the master dtype:
+  ``tx``'s state is made for the masters, as a float32 model's would be.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> jax.eval_shape(on_masters(lambda p: p, "float32"), {"w": jnp.ones(2, jnp.bfloat16)})["w"].dtype
+    dtype('float32')
+  """
+  return lambda param_state: init(to_master_dtype(param_state, master_dtype))
+
+
+def slices_on_masters(sliced: Any, master_params: Any, plan: Zero1Plan) -> Any:
+  """``update``'s slices (a NamedTuple with ``params`` and ``grads``) with the master copies as
+  the parameters and the gradients in the master dtype: what ``tx`` runs on."""
+  masters = masters_to_compute(nnx.as_pure(master_params), plan)
+  return sliced._replace(params=masters, grads=to_master_dtype(sliced.grads, plan.master_dtype))
+
+
+def write_masters(master_params: Any, new_masters: Any, updates: Any, params: Any, plan: Zero1Plan,
+                  graph: bool | None = None) -> tuple[Any, Any]:
+  """Stores the new masters in ``master_params``; returns the new parameters and the updates in the
+  parameters' dtypes, still on the Zero-1 layout, so the all-gather that follows carries those."""
+  nnx.update(master_params, nnx.state(masters_to_storage(new_masters, plan), graph=graph))
+  return to_param_dtypes(new_masters, params), to_param_dtypes(updates, params)

@@ -17,7 +17,7 @@ import jax
 
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.mesh import current_mesh
-from nnx_zero1._src.scope import LEVERS, zero1_optimizers
+from nnx_zero1._src.scope import LEVERS, levers_of, zero1_optimizers
 from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes
 
 __all__ = ["ShardedOptimizerMixin"]
@@ -144,10 +144,7 @@ class ShardedOptimizerMixin:
     """
     return {
         "data_axis": self.zero1_data_axis, "strict": self.zero1_strict,
-        "offload_state_to_host": self.zero1_offload_state_to_host,
-        "state_dtype": self.zero1_state_dtype,
-        "state_rounding": self.zero1_state_rounding,
-        "master_dtype": self.zero1_master_dtype,
+        **levers_of(self, lambda name: f"zero1_{name}"),
     }
 
   def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list[jax.sharding.Mesh]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -27,10 +26,9 @@ from nnx_zero1._src.master import (
   check_master_dtype,
   init_masters,
   master_plan,
-  masters_to_compute,
-  masters_to_storage,
-  to_master_dtype,
-  to_param_dtypes,
+  on_masters,
+  slices_on_masters,
+  write_masters,
 )
 from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
 from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_storage
@@ -232,7 +230,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     check_data_axes_on_mesh(mesh, axes)
     check_params(params, wrt, mesh)
     master = check_master_dtype(master_dtype, params, mesh)
-    init = opt_state_init(tx) if master is None else _on_masters(opt_state_init(tx), master)
+    init = opt_state_init(tx) if master is None else on_masters(opt_state_init(tx), master)
     abstract_state = nnx.as_pure(jax.eval_shape(init, param_state))  # the one trace of tx.init
     # Read off the Variables: traced parameters (built under nnx.eval_shape) on Auto axes carry
     # their layout in sharding metadata only.
@@ -325,23 +323,16 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     pin = self.pin_gradients and not _is_marked(grads)
     plan = self.zero1_plan
     homes, sliced = _onto_zero1_layout(plan, params, pure_grads, state, pin=pin)
-    if plan.master_dtype is not None:  # tx runs on the master copies and the gradients in their dtype
-      masters = masters_to_compute(nnx.as_pure(self.master_params), plan)
-      sliced = sliced._replace(params=masters, grads=to_master_dtype(sliced.grads, plan.master_dtype))
+    if plan.master_dtype is not None:
+      sliced = slices_on_masters(sliced, self.master_params, plan)
     new_params, new_state, updates = _run_on_slices(self.tx, plan, sliced, homes, kwargs)
-    if plan.master_dtype is not None:  # cast before the all-gather, which then carries the model's dtype
-      nnx.update(self.master_params, nnx.state(masters_to_storage(new_params, plan), graph=self.graph))
-      new_params, updates = to_param_dtypes(new_params, params), to_param_dtypes(updates, params)
+    if plan.master_dtype is not None:
+      new_params, updates = write_masters(self.master_params, new_params, updates, params, plan, self.graph)
     nnx.update(model, _over_old_parameters(place_tree(new_params, homes), params))
     new_state = narrow(new_state, plan, step=self.step[...])
     nnx.update(self.opt_state, nnx.state(to_storage(new_state, plan), graph=self.graph))
     self.step[...] += 1
     return place_tree(updates, homes)
-
-
-def _on_masters(init: Callable[[Any], Any], master_dtype: Any) -> Callable[[Any], Any]:
-  """``init`` on the parameters cast to the master dtype: ``tx``'s state is made for the masters."""
-  return lambda param_state: init(to_master_dtype(param_state, master_dtype))
 
 
 def _over_old_parameters(new: Any, old: Any) -> Any:

@@ -52,7 +52,7 @@ class Zero1Plan:
   state_leaves: tuple[LeafPlan, ...]
   single_device: bool = False  # no mesh, one device: nothing is placed, as nnx.Optimizer
   offload_state: bool = False  # state leaves in host memory between steps (``_src/offload.py``)
-  state_rounding: str = "nearest"  # how narrowed leaves are cast down (``_src/precision.py``)
+  state_rounding: str | None = None  # how narrowed leaves are cast down; None: no state_dtype
   master_dtype: str | None = None  # float32 master copies of the parameters (``_src/master.py``)
 
 

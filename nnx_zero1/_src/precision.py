@@ -150,6 +150,8 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
 
 
 def _map_narrowed(state: Any, plan: Zero1Plan, cast: Callable[[int, Any, LeafPlan], Any]) -> Any:
+  if plan.state_rounding is None:  # no state_dtype: nothing is narrowed, every update skips this
+    return state
   leaves, treedef = jax.tree.flatten(state)
   return jax.tree.unflatten(treedef, [
       cast(i, x, leaf) if leaf.compute_dtype is not None else x
@@ -193,6 +195,8 @@ def narrow(state: Any, plan: Zero1Plan, step: Any = None) -> Any:
     >>> narrow(state, narrowed_plan(plan, jnp.bfloat16), step=jnp.uint32(3))[0].trace["w"].dtype
     dtype(bfloat16)
   """
+  if plan.state_rounding is None:
+    return state
   if step is None or plan.state_rounding == "nearest":
     return _map_narrowed(state, plan, lambda i, x, leaf: x.astype(leaf.dtype))
   key = jax.random.fold_in(jax.random.key(0), step)

@@ -22,7 +22,7 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -35,10 +35,25 @@ from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.precision import check_state_dtype
 from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes
 
-__all__ = ["LEVERS", "zero1_optimizers"]
+__all__ = ["LEVERS", "levers_of", "zero1_optimizers"]
 
 # Zero1Optimizer's memory levers: the keyword options a scope, the mixin and the adapters pass through.
 LEVERS = ("offload_state_to_host", "state_dtype", "state_rounding", "master_dtype")
+
+
+def levers_of(obj: Any, attribute: Callable[[str], str]) -> dict[str, Any]:
+  """Every lever as ``Zero1Optimizer``'s keyword, read off ``obj``'s attribute ``attribute(lever)``.
+
+  The trainer mixin names them ``zero1_<lever>``, the engines ``<LEVER>``.
+
+  Example::
+
+    >>> class Engine:
+    ...   OFFLOAD_STATE_TO_HOST, STATE_DTYPE, STATE_ROUNDING, MASTER_DTYPE = True, None, "nearest", None
+    >>> levers_of(Engine(), str.upper)["state_rounding"]
+    'nearest'
+  """
+  return {name: getattr(obj, attribute(name)) for name in LEVERS}
 
 _OPTIMIZER = nnx.Optimizer
 _MODEL_AND_OPTIMIZER = nnx.ModelAndOptimizer
