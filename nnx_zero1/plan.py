@@ -1,8 +1,9 @@
 """Will it fit? ``python -m nnx_zero1.plan``: a training step compiled for TPUs or NVIDIA GPUs, never run.
 
-Each lever's one-program training step (gradients over ``--ga`` micro-batches,
-then ``optimizer.update``, the state donated: how Tunix's trainers and a user's
-own ``nnx.jit`` loop compile) is built abstractly and compiled by the real
+Each lever's training step (gradients over ``--ga`` micro-batches, then
+``optimizer.update``, the state donated) is built abstractly, as one program
+(how Tunix's trainers and a user's own ``nnx.jit`` loop compile it) and as two
+(gradients, then update: MaxText's engine), and compiled by the real
 compiler for the target (libtpu for TPUs, XLA's GPU compiler deviceless for
 NVIDIA GPUs), on a machine with neither. The plan reads each program's
 per-device memory and collectives and says whether it fits the memory the
@@ -34,8 +35,8 @@ __all__ = ["Plan", "PlanError", "AotUnavailable", "plan", "parse_args", "main"]
 def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, seq_len: int = 1024,
          ga: int = 1, param_dtype: str | None = None, compute_dtype: str | None = None,
          remat: str | None = None, optimizer: str = "adamw",
-         levers: str | Sequence[str] = ("baseline", "zero1"), full_depth: bool = False,
-         progress: Callable[[str], None] | None = None) -> Plan:
+         levers: str | Sequence[str] = ("baseline", "zero1"), steps: str | Sequence[str] = ("one", "split"),
+         full_depth: bool = False, progress: Callable[[str], None] | None = None) -> Plan:
   """Compiles each lever's training step for ``topology`` and says what it needs per device.
 
   Args:
@@ -54,11 +55,14 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
     levers: names from the lever table (``baseline``, ``zero1``, ``zero1-accum``, ``zero2``,
       ``offload``, ``zero2-offload``, ``zero1-bf16state``, ``zero1-master``), a list or one
       comma-separated string.
+    steps: ``one`` (one program: gradients then ``optimizer.update``, as Tunix's trainers and
+      ``nnx.jit`` loops compile a step), ``split`` (two programs, gradients then update, as MaxText's
+      engine does: the rows add the update program's peak, flops and bytes accessed), or both.
     full_depth: compile deep models whole instead of at 2 and 4 layers, extrapolated.
     progress: called with one line after each lever's compiles.
 
   Returns:
-    A :class:`Plan`: ``rows`` (one dict per lever), ``meta``, ``next_steps``; ``str()`` is the table.
+    A :class:`Plan`: ``rows`` (one dict per lever and step), ``meta``, ``next_steps``; ``str()`` is the table.
 
   Raises:
     PlanError: an unknown model, topology, lever or optimizer, or a mesh that does not match.
@@ -72,7 +76,8 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
   """
   return make_plan_rows(model, topology, mesh=mesh, batch=batch, seq_len=seq_len, ga=ga,
                         param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-                        optimizer=optimizer, levers=levers, full_depth=full_depth, progress=progress)
+                        optimizer=optimizer, levers=levers, steps=steps, full_depth=full_depth,
+                        progress=progress)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -98,6 +103,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--remat", default=None, help="remat policy: none, block, decoder (tunix: models)")
   p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, lion, sgd, adafactor")
   p.add_argument("--levers", default="baseline,zero1", help=f"comma-separated, of: {', '.join(LEVERS)}")
+  p.add_argument("--steps", default="one,split", help="one (one program: gradients + update, as Tunix "
+                 "and nnx.jit loops compile it), split (two programs, as MaxText's engine); default both")
   p.add_argument("--full-depth", action="store_true",
                  help=f"compile deep models whole (default: at {DEFAULT_DEPTHS} layers, extrapolated)")
   p.add_argument("--out", default=None, help="folder for plan.json and plan.md")
@@ -116,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     result = plan(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len,
                   ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
-                  remat=args.remat, optimizer=args.optimizer, levers=args.levers,
+                  remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
                   full_depth=args.full_depth, progress=say)
   except (PlanError, AotUnavailable) as e:
     say(str(e))

@@ -94,6 +94,7 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
     (["--topology", "h300:8"], "unknown topology 'h300:8'"),
     (["--model", "no_colon"], "unknown model 'no_colon'"),
     (["--mesh", "data=three"], "--mesh entry 'data=three'"),
+    (["--steps", "one,fused"], "unknown step fused; steps: one, split"),
 ])
 def test_bad_inputs_exit_2_with_one_line(capsys, argv, words):
   args = ["--model", "tests.planner_toys:tiny_lm", "--topology", "v6e:2x2", *argv]
@@ -149,7 +150,7 @@ def _row(lever, peak, **kw):
 def test_the_table_and_what_to_try_next_when_nothing_fits():
   rows = [_row("baseline", 20 * 2**30), _row("zero1", 17 * 2**30, depth=28, depth_extrapolated_from=[2, 4])]
   lines = table(rows).splitlines()
-  assert lines[0].split()[:2] == ["lever", "compiled"] and "extrapolated to 28 layers from 2/4" in lines[3]
+  assert lines[0].split()[:3] == ["lever", "step", "compiled"] and "extrapolated to 28 layers from 2/4" in lines[3]
   steps = next_steps(rows, list(LEVERS), remat=None, batch=8, ga=1)
   assert steps[0].startswith("the lever zero1-accum") and "zero1 comes closest, 1.00 GiB over" in steps[-3]
   assert steps[-2].startswith("--remat decoder") and steps[-1].startswith("--batch 4 --ga 2")
@@ -188,27 +189,36 @@ def _rule_saving(data: int) -> int:
   return saving
 
 
-def _check_rule_and_fits(result: dict, data: int) -> None:
-  rows = {r["lever"]: r for r in result["rows"]}
-  base, zero1 = rows["baseline"], rows["zero1"]
-  assert base["mesh"] == {"data": data} and base["depth_extrapolated_from"] is None
+def _check_rule_and_fits(result: dict, data: int) -> dict:
+  """Both steps' arguments fall by the layout rule's bytes; returns the rows by (lever, step)."""
+  rows = {(r["lever"], r["step"]): r for r in result["rows"]}
+  assert set(rows) == {(lever, step) for lever in ("baseline", "zero1") for step in ("one", "split")}
   saving = _rule_saving(data)
   assert saving > 0
-  assert base["argument_bytes_per_device"] - zero1["argument_bytes_per_device"] == saving
-  assert base["opt_state_bytes_per_device"] - zero1["opt_state_bytes_per_device"] == saving
+  for step in ("one", "split"):
+    base, zero1 = rows["baseline", step], rows["zero1", step]
+    assert base["mesh"] == {"data": data} and base["depth_extrapolated_from"] is None
+    assert base["argument_bytes_per_device"] - zero1["argument_bytes_per_device"] == saving
+    assert base["opt_state_bytes_per_device"] - zero1["opt_state_bytes_per_device"] == saving
   for r in rows.values():
     assert r["hbm_bytes"] == result["meta"]["hbm_bytes"]
     assert r["fits"] == (r["peak_bytes_per_device"] <= r["hbm_bytes"])
     assert set(r["collectives"]) == {"per_step", "per_micro_batch"}
+    assert (r["update_peak_bytes_per_device"] is None) == (r["step"] == "one")
+  return rows
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: pip install \".[aot]\" (Python >= 3.12), CI lane 2")
 def test_tpu_plan_saves_what_the_layout_rule_predicts_and_extrapolates_from_reduced_depth(tmp_path):
-  full = _plan(tmp_path / "full", "--topology", "v6e:2x2", "--full-depth")
-  _check_rule_and_fits(full, data=4)
+  full = _plan(tmp_path / "full", "--topology", "v6e:2x2", "--full-depth", "--steps", "one,split")
+  rows = _check_rule_and_fits(full, data=4)
   assert full["meta"]["hbm_bytes"] == 33_543_694_581  # v6e: 31.24G, as the TPU compiler words it
-  reduced = _plan(tmp_path / "reduced", "--topology", "v6e:2x2")
-  for a, b in zip(full["rows"], reduced["rows"], strict=True):
+  # The split step's update program: Zero-1 updates a quarter of each moment and parameter per chip.
+  flops = [rows[lever, "split"]["update_flops_per_device"] for lever in ("baseline", "zero1")]
+  assert 0 < flops[1] < flops[0] / 2
+  reduced = _plan(tmp_path / "reduced", "--topology", "v6e:2x2", "--steps", "one")
+  one_program = [r for r in full["rows"] if r["step"] == "one"]
+  for a, b in zip(one_program, reduced["rows"], strict=True):
     assert b["depth_extrapolated_from"] == [2, 4] and b["depth"] == 6
     assert b["argument_bytes_per_device"] == a["argument_bytes_per_device"]  # parameters are linear in depth
     error = abs(b["peak_bytes_per_device"] - a["peak_bytes_per_device"]) / a["peak_bytes_per_device"]
@@ -220,8 +230,9 @@ def test_tpu_plan_saves_what_the_layout_rule_predicts_and_extrapolates_from_redu
 @pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler: pip install --no-deps "
                     "jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 (Python >= 3.12), CI lane 2")
 def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):
-  result = _plan(tmp_path, "--topology", "h100:8", "--full-depth")
-  _check_rule_and_fits(result, data=8)
+  result = _plan(tmp_path, "--topology", "h100:8", "--full-depth", "--steps", "one,split")
+  rows = _check_rule_and_fits(result, data=8)
+  assert rows["zero1", "split"]["update_flops_per_device"] is None  # XLA's GPU compiler has no cost analysis
   assert result["rows"][0]["device_kind"] == "NVIDIA H100 80GB HBM3"
   assert result["meta"]["hbm_bytes"] == int(84_929_347_584 * 0.75)  # jax's GPU pool, the smaller limit
 
@@ -252,7 +263,7 @@ def test_gpu_plan_of_the_bfloat16_levers(tmp_path):
   it halves on a float32 model, tests/test_state_dtype.py measures on CPU)."""
   params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
   argv = ["--model", "tests.planner_toys:tiny_lm_bf16", "--topology", "h100:8", "--full-depth",
-          "--levers", "zero1,zero1-master,zero1-bf16state"]
+          "--levers", "zero1,zero1-master,zero1-bf16state", "--steps", "one"]
   out = tmp_path / "bf16"
   proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv, *TOY[2:-2], "--out", str(out)],
                         env=_env(), capture_output=True, text=True, timeout=400)

@@ -7,7 +7,7 @@ from typing import Any
 
 from nnx_zero1._src.hlo import collectives, loop_collectives
 
-__all__ = ["memory", "hbm_oom", "collectives_of"]
+__all__ = ["memory", "split_memory", "cost", "hbm_oom", "collectives_of", "split_collectives_of"]
 
 
 def memory(compiled: Any) -> dict[str, int]:
@@ -36,6 +36,53 @@ def memory(compiled: Any) -> dict[str, int]:
   # Arguments in host memory (an offloaded optimizer state), which the device figures leave out.
   sizes["host_argument"] = int(getattr(stats, "host_argument_size_in_bytes", 0) or 0)
   return sizes
+
+
+def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -> dict[str, int]:
+  """Per-device bytes of a step compiled as two programs (:func:`memory` of each), as one step's.
+
+  The optimizer state stays in device memory while the gradient program runs
+  without reading it, so its device bytes (``resident``; 0 when offloaded) are
+  added there: ``argument`` is what that program reads plus that state,
+  ``temp`` its temporaries (the activations), ``peak`` the larger of the two
+  programs' resident bytes.
+
+  Example::
+
+    >>> g = {"argument": 10, "output": 4, "alias": 0, "temp": 50, "peak": 64}
+    >>> u = {"argument": 16, "output": 12, "alias": 12, "temp": 3, "peak": 19}
+    >>> split_memory(g, u, 2)["peak"], split_memory(g, u, 2)["argument"]
+    (66, 12)
+  """
+  return {
+      "argument": grads["argument"] + resident,
+      "output": grads["output"],
+      "alias": 0,
+      "temp": grads["temp"],
+      "peak": max(grads["peak"] + resident, update["peak"]),
+      "update_peak": update["peak"],
+      "update_temp": update["temp"],
+      "host_argument": max(grads.get("host_argument", 0), update.get("host_argument", 0)),
+  }
+
+
+def cost(compiled: Any) -> dict[str, int | None]:
+  """One device's ``flops`` and ``bytes_accessed`` by the compiler's cost analysis (None where it has none:
+  XLA's GPU compiler). A loop's body counts once, so these describe programs without one (an update).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> cost(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile())["flops"]
+    4
+  """
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, list | tuple):
+    analysis = analysis[0] if analysis else None
+  if not analysis:
+    return {"flops": None, "bytes_accessed": None}
+  value = lambda key: None if analysis.get(key) is None else int(analysis[key])
+  return {"flops": value("flops"), "bytes_accessed": value("bytes accessed")}
 
 
 _OOM = re.compile(r"required for (?P<what>.*?) \((?P<need>[\d.]+)(?P<u1>[KMGT])\) exceeds available HBM "
@@ -69,3 +116,10 @@ def collectives_of(compiled: Any) -> dict[str, dict[str, dict[str, int]]]:
   (one trip of the micro-batch loop), each ``{op: {"count", "bytes"}}`` on one device."""
   hlo = compiled.as_text() or ""
   return {"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo)}
+
+
+def split_collectives_of(grads: Any, update: Any) -> dict[str, dict[str, dict[str, int]]]:
+  """:func:`collectives_of` a step compiled as two programs: both programs' collectives, summed."""
+  a, b = collectives_of(grads), collectives_of(update)
+  return {when: {op: {k: a[when][op][k] + b[when][op][k] for k in ("count", "bytes")} for op in a[when]}
+          for when in a}

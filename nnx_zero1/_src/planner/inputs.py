@@ -61,11 +61,12 @@ def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
   return axes
 
 
-def parse_levers(text: str | Sequence[str], known: Iterable[str]) -> tuple[str, ...]:
-  """``--levers baseline,zero1`` as a tuple, each checked against the lever table.
+def parse_levers(text: str | Sequence[str], known: Iterable[str], what: str = "lever") -> tuple[str, ...]:
+  """``--levers baseline,zero1`` (or ``--steps one,split``: ``what="step"``) as a tuple, each checked
+  against ``known``.
 
   Raises:
-    PlanError: a name is not a lever, or none is given.
+    PlanError: a name is not known, or none is given.
 
   Example::
 
@@ -76,7 +77,7 @@ def parse_levers(text: str | Sequence[str], known: Iterable[str]) -> tuple[str, 
   known = tuple(known)
   unknown = [n for n in names if n not in known]
   if unknown or not names:
-    raise PlanError(f"unknown lever {', '.join(unknown) or '(none given)'}; levers: {', '.join(known)}")
+    raise PlanError(f"unknown {what} {', '.join(unknown) or '(none given)'}; {what}s: {', '.join(known)}")
   return names
 
 

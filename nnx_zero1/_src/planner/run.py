@@ -17,10 +17,18 @@ from nnx_zero1._src.planner.table import markdown, next_steps, table
 
 __all__ = ["Plan", "make_plan_rows", "DEFAULT_DEPTHS"]
 
+# A split step's update program alone (None for a one-program step): its peak and temp, and one
+# device's flops and bytes accessed by the compiler's cost analysis (None on the GPU compiler).
+_UPDATE = ("update_peak_bytes_per_device", "update_temp_bytes_per_device", "update_flops_per_device",
+           "update_bytes_accessed_per_device")
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for a model deeper than the second
+STEP_SHAPES = {
+    "one": "one program: gradients, then optimizer.update, the state donated (Tunix, nnx.jit loops)",
+    "split": "two programs: gradients; then optimizer.update, the state donated (MaxText's engine)",
+}
 _EXTRAPOLATED = ("opt_state_bytes_per_device", "argument_bytes_per_device", "output_bytes_per_device",
                  "alias_bytes_per_device", "temp_bytes_per_device", "peak_bytes_per_device",
-                 "host_argument_bytes_per_device", "collectives")
+                 "host_argument_bytes_per_device", "collectives", *_UPDATE)
 
 
 @dataclasses.dataclass
@@ -56,46 +64,64 @@ class Plan:
     return paths
 
 
-def _measured(lever_name: str, source: Any, depth: int | None, mesh: Any, settings: dict[str, Any]) -> dict:
+def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: Any,
+              settings: dict[str, Any]) -> dict:
   """One compile of the lever's step at ``depth``: its per-device figures, or the compiler's refusal."""
   import jax
 
   from nnx_zero1._src.planner.abstract import abstract_bytes_per_device
-  from nnx_zero1._src.planner.compiled import collectives_of, hbm_oom, memory
-  from nnx_zero1._src.planner.steps import compile_step, lever_state
+  from nnx_zero1._src.planner.compiled import (
+    collectives_of,
+    cost,
+    hbm_oom,
+    memory,
+    split_collectives_of,
+    split_memory,
+  )
+  from nnx_zero1._src.planner.steps import compile_split, compile_step, lever_state
 
   lever = LEVERS[lever_name]
   row: dict[str, Any] = {"opt_state_bytes_per_device": None, "opt_state_bytes_by_memory_kind": None,
                          "param_bytes_per_device": None}
+  shapes = (source.loss_fn, mesh, settings["batch"], settings["seq_len"], settings["ga"])
   try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
     state = lever_state(lever, lambda: source.build(depth), settings["optimizer"], mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
     row = {"opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
            "param_bytes_per_device": abstract_bytes_per_device(state.state[0])}
-    compiled, seconds = compile_step(lever, state, source.loss_fn, mesh, settings["batch"],
-                                     settings["seq_len"], settings["ga"])
+    if step == "one":
+      compiled, seconds = compile_step(lever, state, *shapes)
+    else:
+      grads, update, seconds = compile_split(lever, state, *shapes)
   except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError) as e:
     words = " ".join(str(e).split())
     error = f"{type(e).__name__}: {words[:400]}"
     refused = {"error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": 0.0}
     return {**dict.fromkeys(_EXTRAPOLATED), **row, **refused}
-  mem = memory(compiled)
+  if step == "one":
+    mem, collectives, update_cost = memory(compiled), collectives_of(compiled), dict.fromkeys(_UPDATE)
+  else:
+    mem = split_memory(memory(grads), memory(update), row["opt_state_bytes_per_device"])
+    collectives, spent = split_collectives_of(grads, update), cost(update)
+    update_cost = dict(zip(_UPDATE, (mem["update_peak"], mem["update_temp"], spent["flops"],
+                                     spent["bytes_accessed"]), strict=True))
   return {
       **row, "error": None, "hbm_oom": None, "compile_s": seconds,
       "argument_bytes_per_device": mem["argument"], "output_bytes_per_device": mem["output"],
       "alias_bytes_per_device": mem["alias"], "temp_bytes_per_device": mem["temp"],
       "peak_bytes_per_device": mem["peak"], "host_argument_bytes_per_device": mem["host_argument"],
-      "collectives": collectives_of(compiled),
+      "collectives": collectives, **update_cost,
   }
 
 
-def _lever_row(lever: str, source: Any, depths: Sequence[int] | None, mesh: Any, settings: dict) -> dict:
+def _lever_row(lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any,
+               settings: dict) -> dict:
   if not depths:
-    row = _measured(lever, source, None, mesh, settings)
+    row = _measured(lever, step, source, None, mesh, settings)
     return {**row, "depth": source.full_depth, "depth_extrapolated_from": None}
   d1, d2 = depths
-  r1 = _measured(lever, source, d1, mesh, settings)
-  r2 = _measured(lever, source, d2, mesh, settings) if not r1["error"] else r1
+  r1 = _measured(lever, step, source, d1, mesh, settings)
+  r2 = _measured(lever, step, source, d2, mesh, settings) if not r1["error"] else r1
   compile_s = r1["compile_s"] + (r2["compile_s"] if r2 is not r1 else 0.0)
   if r1["error"] or r2["error"]:
     return {**(r1 if r1["error"] else r2), "compile_s": compile_s, "depth": d1 if r1["error"] else d2,
@@ -109,15 +135,17 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
                    seq_len: int = 1024, ga: int = 1, param_dtype: str | None = None,
                    compute_dtype: str | None = None,
                    remat: str | None = None, optimizer: str = "adamw",
-                   levers: str | Sequence[str] = ("baseline", "zero1"), full_depth: bool = False,
+                   levers: str | Sequence[str] = ("baseline", "zero1"),
+                   steps: str | Sequence[str] = ("one", "split"), full_depth: bool = False,
                    depths: Sequence[int] = DEFAULT_DEPTHS,
                    progress: Callable[[str], None] | None = None) -> Plan:
-  """Compiles every lever's one-program training step for ``topology``; see :func:`nnx_zero1.plan.plan`."""
-  from nnx_zero1._src.planner.steps import OPTIMIZERS
+  """Compiles every lever's training step for ``topology``, in each shape; see :func:`nnx_zero1.plan.plan`."""
+  from nnx_zero1._src.planner.steps import OPTIMIZERS, STEPS
   from nnx_zero1._src.planner.targets import require_compiler
 
   parse_model(model)
   names = parse_levers(levers, LEVERS)
+  shapes = parse_levers(steps, dict.fromkeys(STEPS), what="step")
   sizes = parse_mesh(mesh)
   if optimizer not in OPTIMIZERS:
     raise PlanError(f"unknown optimizer {optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
@@ -147,25 +175,25 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
     raise PlanError(f"--batch {batch} does not split over the batch axes ({over} = {rows_over} devices)")
   settings = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer}
   rows = []
-  for name in names:
-    row = _lever_row(name, source, reduced, device_mesh, settings)
+  for name, step in ((n, s) for n in names for s in shapes):
+    row = _lever_row(name, step, source, reduced, device_mesh, settings)
     if row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes):
       extrapolated = row
-      row = _lever_row(name, source, None, device_mesh, settings)
+      row = _lever_row(name, step, source, None, device_mesh, settings)
       row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
              "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"]}
     peak = row.get("peak_bytes_per_device")
     fits = False if row.get("hbm_oom") else None if peak is None else peak <= target.hbm_bytes
-    rows.append({"lever": name, "compiled_for": topology, "device_kind": target.device_kind, "mesh": axes,
-                 "model": source.name, **row, "compile_s": round(row["compile_s"], 1),
+    rows.append({"lever": name, "step": step, "compiled_for": topology, "device_kind": target.device_kind,
+                 "mesh": axes, "model": source.name, **row, "compile_s": round(row["compile_s"], 1),
                  "hbm_bytes": target.hbm_bytes, "fits": fits})
     if progress:
-      progress(f"compiled {name} for {topology} in {rows[-1]['compile_s']} s")
+      progress(f"compiled {name} ({step}) for {topology} in {rows[-1]['compile_s']} s")
   meta = {"model": source.name, "layers": source.full_depth, "topology": topology,
           "device_kind": target.device_kind, "mesh": axes, "batch": batch, "seq_len": seq_len, "ga": ga,
           "optimizer": optimizer,
           "param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat, "levers": list(names),
-          "step": "one program (value_and_grad + optimizer.update, state donated)", "compiler": compiler,
+          "steps": {s: STEP_SHAPES[s] for s in shapes}, "compiler": compiler,
           "jax": jax.__version__, "hbm_bytes": target.hbm_bytes, "hbm_source": target.hbm_source,
           "depth_extrapolated_from": list(reduced) if reduced else None}
   return Plan(rows, meta, next_steps(rows, list(LEVERS), remat, batch, ga))

@@ -1,8 +1,11 @@
 """One lever's training step for a target, built abstractly and compiled, never run.
 
-The step is one program, as Tunix's trainers and a user's own ``nnx.jit`` loop
-compile it: gradients over ``ga`` micro-batches, then ``optimizer.update``,
-the state donated and kept on its shardings.
+A step is compiled in one of two shapes. ``one``: one program, as Tunix's
+trainers and a user's own ``nnx.jit`` loop compile it: gradients over ``ga``
+micro-batches, then ``optimizer.update``, the state donated and kept on its
+shardings. ``split``: two programs, as MaxText's engine compiles it: gradients
+(the parameters in, the gradients out), then the update (the state and the
+gradients in, the state donated).
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src.accumulate import value_and_grad_accumulated
+from nnx_zero1._src.optimizer import mark_zero1_grads
 from nnx_zero1._src.planner.abstract import AbstractState, abstract_state
 from nnx_zero1._src.planner.levers import Lever, make_optimizer
 
-__all__ = ["OPTIMIZERS", "scan_value_and_grad", "batch_axes", "abstract_batch", "train_step",
-           "compile_step", "lever_state"]
+__all__ = ["OPTIMIZERS", "STEPS", "scan_value_and_grad", "batch_axes", "abstract_batch", "train_step",
+           "grads_program", "update_program", "compile_step", "compile_split", "lever_state"]
+
+# --step: the shapes a step is compiled in (see the module's docstring).
+STEPS = ("one", "split")
 
 # --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes).
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -82,20 +89,47 @@ def abstract_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) 
   return jax.ShapeDtypeStruct((ga, batch, seq_len + 1), jnp.int32, sharding=sharding)
 
 
+def _gradients(model: Any, optimizer: Any, lever: Lever, loss_fn: Callable, batch: Any, ga: int) -> Any:
+  if lever.deferred:
+    return value_and_grad_accumulated(loss_fn, model, batch, micro_batches=ga, optimizer=optimizer,
+                                      **lever.accumulate_options)
+  return scan_value_and_grad(loss_fn, model, batch)
+
+
 def train_step(graphdef: Any, lever: Lever, loss_fn: Callable, ga: int) -> Callable:
   """``(state, batch) -> (state, loss)``: the lever's gradients, then ``optimizer.update``."""
 
   def step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
-    if lever.deferred:
-      loss, grads = value_and_grad_accumulated(loss_fn, model, batch, micro_batches=ga, optimizer=optimizer,
-                                               **lever.accumulate_options)
-    else:
-      loss, grads = scan_value_and_grad(loss_fn, model, batch)
+    loss, grads = _gradients(model, optimizer, lever, loss_fn, batch, ga)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
   return step
+
+
+def grads_program(graphdef: Any, lever: Lever, loss_fn: Callable, ga: int) -> Callable:
+  """``(state, batch) -> (grads, loss)``: the split step's first program (it reads no optimizer state)."""
+
+  def grads(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, g = _gradients(model, optimizer, lever, loss_fn, batch, ga)
+    return g, loss
+
+  return grads
+
+
+def update_program(graphdef: Any, lever: Lever) -> Callable:
+  """``(state, grads) -> state``: the split step's second program, ``optimizer.update`` alone."""
+
+  def update(state, grads):
+    model, optimizer = nnx.merge(graphdef, state)
+    if lever.deferred:  # already reduce-scattered; the mark is metadata that no program boundary keeps
+      grads = mark_zero1_grads(grads)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  return update
 
 
 def lever_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, mesh: Mesh) -> AbstractState:
@@ -123,3 +157,28 @@ def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Me
   with jax.set_mesh(mesh):
     compiled = step.lower(state.state, tokens).compile()
   return compiled, time.perf_counter() - start
+
+
+def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int,
+                  seq_len: int, ga: int) -> tuple[Any, Any, float]:
+  """Compiles the lever's step as two programs; returns (gradient program, update program, seconds).
+
+  The update program is compiled for the gradients as the first program leaves them (its output
+  shardings), as a loop that calls one after the other passes them.
+
+  Raises:
+    jax.errors.JaxRuntimeError: the compiler refused a program (e.g. it does not fit).
+  """
+  tokens = abstract_batch(lever, mesh, batch, seq_len, ga)
+  grads_jit = jax.jit(grads_program(state.graphdef, lever, loss_fn, ga),
+                      in_shardings=(state.shardings, tokens.sharding))
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):
+    grads_compiled = grads_jit.lower(state.state, tokens).compile()
+    shapes, _ = jax.eval_shape(grads_jit, state.state, tokens)
+    grads = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                         grads_compiled.output_shardings[0])
+    update_jit = jax.jit(update_program(state.graphdef, lever), out_shardings=state.shardings,
+                         donate_argnums=0)
+    update_compiled = update_jit.lower(state.state, grads).compile()
+  return grads_compiled, update_compiled, time.perf_counter() - start

@@ -8,8 +8,10 @@ from typing import Any
 
 __all__ = ["HEADER", "collective_cell", "cells", "table", "next_steps", "markdown"]
 
-HEADER = ("lever", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB", "usable GiB",
-          "fits", "compile s", "collectives per step (count x MiB)", "per micro-batch", "note")
+HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB",
+          "usable GiB", "fits", "compile s", "collectives per step (count x MiB)", "per micro-batch",
+          "update GFLOP", "update GiB accessed", "note")
+_LEFT = (0, 1, 2, 3, 15)  # the columns of words, aligned left
 
 _SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "to-device": "in", "to-host": "out"}
 
@@ -47,12 +49,15 @@ def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
   for r in rows:
     fits = "-" if r["fits"] is None else "yes" if r["fits"] else "NO"
     collectives = r.get("collectives") or {}
+    flops, accessed = r.get("update_flops_per_device"), r.get("update_bytes_accessed_per_device")
+    mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
     out.append((
-        r["lever"], r["compiled_for"], ",".join(f"{k}={v}" for k, v in r["mesh"].items()),
+        r["lever"], r.get("step", "one"), r["compiled_for"], mesh,
         _gib(r["opt_state_bytes_per_device"]), _gib(r["argument_bytes_per_device"]),
         _gib(r["temp_bytes_per_device"]), _gib(r["peak_bytes_per_device"]), _gib(r["hbm_bytes"]), fits,
         f"{r['compile_s']:.0f}", collective_cell(collectives.get("per_step", {})),
-        collective_cell(collectives.get("per_micro_batch", {})), _note(r),
+        collective_cell(collectives.get("per_micro_batch", {})),
+        "-" if flops is None else f"{flops / 1e9:.2f}", _gib(accessed), _note(r),
     ))
   return out
 
@@ -65,12 +70,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     >>> row = {"lever": "zero1", "compiled_for": "v6e:2x2", "mesh": {"data": 4}, "hbm_bytes": 2**35,
     ...        "opt_state_bytes_per_device": 2**30, "argument_bytes_per_device": 2**31, "fits": True,
     ...        "temp_bytes_per_device": 0, "peak_bytes_per_device": 2**31, "compile_s": 1.0}
-    >>> table([row]).splitlines()[2].split()[:6]
-    ['zero1', 'v6e:2x2', 'data=4', '1.00', '2.00', '0.00']
+    >>> table([row]).splitlines()[2].split()[:7]
+    ['zero1', 'one', 'v6e:2x2', 'data=4', '1.00', '2.00', '0.00']
   """
   body = cells(rows)
   widths = [max(len(row[i]) for row in [HEADER, *body]) for i in range(len(HEADER))]
-  line = lambda row: "  ".join(c.ljust(w) if i in (0, 1, 2, 12) else c.rjust(w)
+  line = lambda row: "  ".join(c.ljust(w) if i in _LEFT else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths))).rstrip()
   return "\n".join([line(HEADER), line(["-" * w for w in widths]), *map(line, body)])
 
@@ -128,8 +133,12 @@ _NOTE = (
     "Compiled ahead of time on a machine without the chips; nothing ran. Per device: `opt` is the "
     "optimizer state in device memory, `args` / `temp` the compiled step's argument and temporary bytes "
     "(`memory_analysis()`), `peak` = args + output - donated + temp; `usable` is what a program may use on "
-    "the chip, as the compiler reports it; `fits`: peak <= usable. Collectives are read from the "
-    "compiled HLO; those in the micro-batch loop count once per trip (`per micro-batch`)."
+    "the chip, as the compiler reports it; `fits`: peak <= usable. Step `one` is one program (gradients, "
+    "then update); `split` is two (gradients, then update): its args add the optimizer state the gradient "
+    "program leaves resident, its peak is the larger program's, its collectives both programs'. The update "
+    "program's flops and bytes accessed are the compiler's cost analysis for one device (none on GPU). "
+    "Collectives are read from the compiled HLO; those in the micro-batch loop count once per trip "
+    "(`per micro-batch`)."
 )
 
 
