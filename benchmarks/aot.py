@@ -34,10 +34,10 @@ from benchmarks.settings import (
 )
 from nnx_zero1._src.hlo import collectives, host_transfers, loop_collectives, loop_host_transfers
 from nnx_zero1._src.planner.abstract import abstract_bytes_per_device, bytes_by_memory_kind, with_state_homes
-from nnx_zero1._src.planner.compiled import hbm_oom
+from nnx_zero1._src.planner.compiled import hbm_oom, split_memory
 
 __all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
-           "compile_split", "split_memory", "aot_row", "hbm_oom", "oom_row", "run_aot"]
+           "compile_split", "aot_row", "hbm_oom", "oom_row", "run_aot"]
 
 # HBM per chip by jax's device_kind (public spec sheets); the "fits" column compares against it.
 HBM_BYTES = {
@@ -143,36 +143,6 @@ def compile_split(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, Any, floa
   return grads_compiled, update_compiled, time.perf_counter() - start
 
 
-def split_memory(grads_compiled: Any, update_compiled: Any, opt_state_bytes: int) -> dict[str, int]:
-  """Per-device bytes of a step compiled as two programs, as one step's figures.
-
-  The optimizer state stays resident while the gradient program runs without
-  it, so its device-resident bytes (``opt_state_bytes``; 0 when offloaded to
-  host) are added there: ``argument`` is what that program reads plus that
-  state, ``temp`` its temporaries (the activations), and ``peak`` the larger
-  of the two programs' resident bytes.
-
-  Example::
-
-    >>> g = {"argument": 10, "output": 4, "alias": 0, "temp": 50, "peak": 64}
-    >>> u = {"argument": 16, "output": 12, "alias": 12, "temp": 3, "peak": 19}
-    >>> split_memory(g, u, 2)["peak"], split_memory(g, u, 2)["argument"]
-    (66, 12)
-  """
-  grads = grads_compiled if isinstance(grads_compiled, dict) else measure.memory(grads_compiled)
-  update = update_compiled if isinstance(update_compiled, dict) else measure.memory(update_compiled)
-  return {
-      "argument": grads["argument"] + opt_state_bytes,
-      "output": grads["output"],
-      "alias": 0,
-      "temp": grads["temp"],
-      "peak": max(grads["peak"] + opt_state_bytes, update["peak"]),
-      "update_peak": update["peak"],
-      "update_temp": update["temp"],
-      "host_argument": max(grads.get("host_argument", 0), update.get("host_argument", 0)),
-  }
-
-
 def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int, settings: Settings,
             topology: str) -> dict[str, Any]:
   """bench.json's row for one compiled arm: the CPU rows' fields, ``compiled_for``, no timing.
@@ -185,7 +155,7 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
   """
   split = isinstance(compiled, tuple)
   if split:
-    mem = split_memory(compiled[0], compiled[1], arm.opt_state_device_bytes)
+    mem = split_memory(measure.memory(compiled[0]), measure.memory(compiled[1]), arm.opt_state_device_bytes)
   else:
     mem = measure.memory(compiled)
   hlos = [c.as_text() for c in compiled] if split else [compiled.as_text()]
