@@ -291,9 +291,14 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
       )
     plan = optimizer.zero1_plan
     traced_state = nnx.as_pure(nnx.state(optimizer.opt_state))
-    traced = [getattr(getattr(x, "sharding", None), "spec", None) for x in jax.tree.leaves(traced_state)]
-    planned = [getattr(leaf.sharding, "spec", None) for leaf in plan.state_leaves]
-    if len(traced) != len(planned) or any(t is not None and t != p for t, p in zip(traced, planned)):
+    # Equal layouts, not equal specs: under shard_mode=auto the plan names the parameters' size-1 axes
+    # (from their metadata) where the stand-in trace's types leave them out.
+    leaves = jax.tree.leaves(traced_state)
+    on_mesh = lambda spec: NamedSharding(self._mesh, spec)  # memory kinds are restated below
+    same = [getattr(x, "sharding", None) is None
+            or on_mesh(x.sharding.spec).is_equivalent_to(on_mesh(leaf.sharding.spec), len(x.shape))  # type: ignore[attr-defined]
+            for x, leaf in zip(leaves, plan.state_leaves)]
+    if len(leaves) != len(plan.state_leaves) or not all(same):
       raise Zero1Error(
           "Zero1AbstractMaxTextEngine: the traced optimizer state is not on the Zero-1 layout of the "
           f"parameters (mesh axes {dict(self._mesh.shape)})."

@@ -290,11 +290,12 @@ class Offloaded(Zero1AbstractMaxTextEngine):
   OFFLOAD_STATE_TO_HOST = True
 
 out = {}
-for arm in ("maxtext", "maxtext-flag", "zero1", "zero1-tensor", "zero1-offload"):
+for arm in ("maxtext", "maxtext-flag", "zero1", "zero1-tensor", "zero1-offload", "zero1-auto"):
   mesh_sizes = dict(ici_data_parallelism=2, ici_tensor_parallelism=2) if arm == "zero1-tensor" else {}
   config = tiny_config(compile_topology="v6e-4", compile_topology_num_slices=1, per_device_batch_size=2,
                        gradient_accumulation_steps=2, jax_cache_dir="",
-                       shard_optimizer_over_data=arm == "maxtext-flag", **mesh_sizes)
+                       shard_optimizer_over_data=arm == "maxtext-flag", **mesh_sizes,
+                       shard_mode="auto" if arm == "zero1-auto" else "explicit")
   mesh = train_compile.get_topology_mesh(config)
   cls = Zero1AbstractMaxTextEngine if arm.startswith("zero1") else mec.AbstractMaxTextEngine
   cls = Offloaded if arm == "zero1-offload" else cls
@@ -322,7 +323,7 @@ print("RESULT " + json.dumps(out), flush=True)
 def test_maxtexts_ahead_of_time_engine_compiles_with_zero1():
   # MaxText's own AOT engine (maxtext_engine_compile.AbstractMaxTextEngine) for v6e:2x2, dp=4, GA=2:
   # stock, with MaxText's flag shard_optimizer_over_data, and Zero1AbstractMaxTextEngine (also on
-  # data 2 x tensor 2).
+  # data 2 x tensor 2, with host offload, and under MaxText's default shard_mode=auto).
   env = {**_env(), **libtpu.ENV}
   libtpu.clear_stale_lockfile()
   proc = subprocess.run([sys.executable, "-c", _MAXTEXT_AOT], env=env, capture_output=True, text=True,
@@ -361,6 +362,12 @@ def test_maxtexts_ahead_of_time_engine_compiles_with_zero1():
   assert offload["moment_specs"] == zero1["moment_specs"] and offload["plan_matches_state"]
   assert offload["update"]["args"] < zero1["update"]["args"]
   assert any("tensor" in s and "data" in s for s in tensor["moment_specs"])
+  # MaxText's default shard_mode=auto: the state is traced under an all-Explicit stand-in of the Auto
+  # mesh, and lands on the same Zero-1 layout (the plan names the size-1 axes the traced types leave
+  # out, so only the layouts are equal, not the spec strings).
+  auto = rows["zero1-auto"]
+  assert auto["optimizer"] == "Zero1Optimizer" and all("data" in s for s in auto["moment_specs"])
+  assert auto["update"]["args"] == zero1["update"]["args"]
 
 
 _ONE_PROGRAM_PEAK = """

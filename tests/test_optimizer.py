@@ -355,3 +355,25 @@ def test_a_model_built_outside_the_mesh_trains_as_under_nnx_optimizer(jitted):
   assert all(s.is_equivalent_to(NamedSharding(MESH, P()), 2) for s in shardings(m1))
   mu = o1.opt_state[0].mu["l1"]["kernel"][...]
   assert bytes_per_device(mu) * 8 == mu.nbytes
+
+
+def test_state_traced_under_an_explicit_stand_in_of_its_auto_mesh():
+  # MaxText's ahead-of-time engine traces the optimizer state with jax.eval_shape under an
+  # all-Explicit copy of the real (Auto) mesh: the moments land on the Zero-1 layout of that copy,
+  # which the engine then re-homes onto the real mesh (it used to raise: a sharding constraint
+  # naming the Auto mesh inside the Explicit trace).
+  auto = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  stand_in = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+  model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  replicated = NamedSharding(stand_in, P())
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params)
+
+  def build(params):
+    opt = Zero1Optimizer(nnx.merge(graphdef, params), optax.adam(1e-3), auto)
+    return nnx.state(opt, nnx.OptState)
+
+  with jax.set_mesh(stand_in):
+    state = jax.eval_shape(build, params)
+  specs = {x.shape: x.sharding.spec for x in jax.tree.leaves(state) if x.ndim}
+  assert specs == {(8, 16): P("data", None), (16,): P("data")}

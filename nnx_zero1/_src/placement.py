@@ -28,6 +28,24 @@ def _already_on(x: Any, sharding: NamedSharding) -> bool:
   )
 
 
+def _on_the_traces_mesh(sharding: NamedSharding) -> NamedSharding:
+  """``sharding`` on the trace's mesh when that mesh is this one with other axis types, else as it is.
+
+  A tracer that sets a stand-in of the same axes around its trace (MaxText's
+  ahead-of-time engine traces the state under an all-Explicit copy of an Auto
+  mesh) decides there how each axis moves; a constraint naming the other mesh's
+  types would be refused.
+  """
+  ambient = jax.sharding.get_abstract_mesh()
+  mesh = sharding.mesh
+  if ambient.empty or tuple(ambient.axis_types) == tuple(mesh.axis_types):
+    return sharding
+  shape = lambda m: (tuple(m.axis_names), tuple(m.axis_sizes))
+  if shape(ambient) != shape(mesh):
+    return sharding
+  return NamedSharding(ambient, sharding.spec)  # memory kinds move by move_tree, never here
+
+
 def place(x: Any, sharding: NamedSharding) -> Any:
   """Puts one array onto ``sharding``, deciding per mesh axis: ``jax.reshard`` moves
   Explicit axes, a sharding constraint under jit (``device_put`` eagerly) moves Auto ones.
@@ -47,6 +65,8 @@ def place(x: Any, sharding: NamedSharding) -> Any:
   traced = isinstance(x, jax.core.Tracer)
   if not traced and _already_on(x, sharding):
     return x
+  if traced:
+    sharding = _on_the_traces_mesh(sharding)
   mesh = sharding.mesh
   auto = [a for a in mesh.axis_names if not is_explicit(mesh, (a,))]
   if not auto:
