@@ -3,7 +3,7 @@
 ``python -m benchmarks.bench --aot v6e:2x2 --model qwen3-0.6b --dp 4 --ga 8``
 builds each arm's model, optimizer and batch abstractly (``nnx.eval_shape``,
 ``jax.ShapeDtypeStruct`` on a mesh of the topology's devices), lowers the very
-step the CPU bench runs (:func:`benchmarks.run.train_step_jit`) and
+step the CPU bench runs (the planner's, :func:`benchmarks.run.train_step_jit`) and
 compiles it with the real TPU compiler (libtpu). Nothing runs: the numbers are
 the compiler's per-device memory plan and the collectives of the TPU HLO.
 """
@@ -22,19 +22,19 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from benchmarks import measure
-from benchmarks.run import batch_sharding, split_step_jits, state_shardings, train_step_jit
-from benchmarks.settings import (
-  ACCUMULATE_OPTIONS,
-  OPTIMIZERS,
-  STEP_ARMS,
-  Settings,
-  make_optimizer,
-  new_model,
-  row_fields,
-)
+from benchmarks.model import loss_fn
+from benchmarks.run import batch_sharding, state_shardings
+from benchmarks.settings import OPTIMIZERS, STEP_ARMS, Settings, lever, make_optimizer, new_model, row_fields
 from nnx_zero1._src.hlo import collectives, host_transfers, loop_collectives, loop_host_transfers
-from nnx_zero1._src.planner.abstract import abstract_bytes_per_device, bytes_by_memory_kind, with_state_homes
+from nnx_zero1._src.planner.abstract import (
+  AbstractState,
+  abstract_bytes_per_device,
+  bytes_by_memory_kind,
+  with_state_homes,
+)
 from nnx_zero1._src.planner.compiled import hbm_oom, split_memory
+from nnx_zero1._src.planner.steps import compile_split as planner_compile_split
+from nnx_zero1._src.planner.steps import compile_step
 
 __all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
            "compile_split", "aot_row", "hbm_oom", "oom_row", "run_aot"]
@@ -119,28 +119,26 @@ def abstract_arm(name: str, settings: Settings, mesh: Mesh, ga: int) -> Abstract
   )
 
 
+def _planner_args(arm: AbstractArm, ga: int) -> tuple[Any, ...]:
+  """The planner's compile arguments for the arm: its lever, state, the bench's loss, micro-batch rows
+  and tokens per sequence (the arm's batch is (ga, rows, seq + 1), or (ga * rows, seq + 1))."""
+  *lead, length = arm.batch.shape
+  rows = int(np.prod(lead)) // ga
+  state = AbstractState(arm.graphdef, arm.state, arm.shardings, None)
+  return lever(arm.name), state, loss_fn, rows, length - 1
+
+
 def compile_arm(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, float]:
-  """Compiles the arm's train step for the mesh's devices; returns (compiled, seconds)."""
-  options = ACCUMULATE_OPTIONS.get(arm.name, {})
-  step = train_step_jit(arm.graphdef, arm.shardings, mesh, STEP_ARMS[arm.name][1], ga, options)
-  start = time.perf_counter()
-  with jax.set_mesh(mesh):  # Explicit-mode ops (the embedding lookup) read the mesh from here
-    compiled = step.lower(arm.state, arm.batch).compile()
-  return compiled, time.perf_counter() - start
+  """Compiles the arm's train step (the planner's one-program step) for the mesh's devices; returns
+  (compiled, seconds)."""
+  arm_lever, state, loss, rows, length = _planner_args(arm, ga)
+  return compile_step(arm_lever, state, loss, mesh, rows, length, ga)
 
 
 def compile_split(arm: AbstractArm, mesh: Mesh, ga: int) -> tuple[Any, Any, float]:
-  """Compiles the arm's step as two programs (gradients, update); returns (grads, update, seconds)."""
-  deferred, zero1 = STEP_ARMS[arm.name][1], STEP_ARMS[arm.name][0]
-  grads_jit, update_jit = split_step_jits(
-      arm.graphdef, arm.shardings, mesh, deferred, zero1, ga, ACCUMULATE_OPTIONS.get(arm.name, {})
-  )
-  start = time.perf_counter()
-  with jax.set_mesh(mesh):
-    grads_compiled = grads_jit.lower(arm.state, arm.batch).compile()
-    grads, _ = jax.eval_shape(grads_jit, arm.state, arm.batch)
-    update_compiled = update_jit.lower(arm.state, grads).compile()
-  return grads_compiled, update_compiled, time.perf_counter() - start
+  """Compiles the arm's step as two programs (the planner's split step); returns (grads, update, seconds)."""
+  arm_lever, state, loss, rows, length = _planner_args(arm, ga)
+  return planner_compile_split(arm_lever, state, loss, mesh, rows, length, ga)
 
 
 def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int, settings: Settings,

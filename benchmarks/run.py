@@ -27,69 +27,20 @@ from benchmarks.settings import (
     OPTIMIZERS,
     STEP_ARMS,
     Settings,
+    lever,
     make_optimizer,
     new_model,
     row_fields,
     tokens,
 )
-from nnx_zero1._src.accumulate import value_and_grad_accumulated
 from nnx_zero1._src.hlo import collectives
-from nnx_zero1._src.optimizer import mark_zero1_grads
-from nnx_zero1._src.planner.steps import scan_value_and_grad
+from nnx_zero1._src.planner.steps import step_jit
 from nnx_zero1._src.report import bytes_per_device, memory_kind_of
 
 __all__ = [
-    "StepArm", "accumulate_grads", "accumulated_layout", "run_cell", "batch_sharding", "state_shardings",
-    "train_step_jit", "split_step_jits",
+    "StepArm", "accumulated_layout", "run_cell", "batch_sharding", "state_shardings",
+    "train_step_jit",
 ]
-
-def accumulate_grads(model: nnx.Module, batches: jax.Array) -> tuple[jax.Array, Any]:
-  """Mean loss and gradient over ``batches`` shaped (ga, batch, seq + 1), one micro-batch at a time.
-
-  A ``lax.scan`` over the micro-batches inside the step: activations of one
-  micro-batch at a time, one optimizer update per step (as MaxText and Tunix
-  do). The gradient reduction across replicas happens wherever XLA puts it;
-  the bench's collective counts show where that is.
-
-  Example::
-
-    >>> import jax.numpy as jnp
-    >>> from benchmarks.model import CONFIGS, Transformer
-    >>> model = Transformer(CONFIGS["tiny"], rngs=nnx.Rngs(0))
-    >>> loss, grads = accumulate_grads(model, jnp.zeros((2, 2, 9), jnp.int32))
-    >>> loss.shape
-    ()
-  """
-  return scan_value_and_grad(loss_fn, model, batches)
-
-
-def _grads(model, optimizer, batches, ga: int | None, options: dict):
-  if ga is None:
-    return accumulate_grads(model, batches)
-  return value_and_grad_accumulated(loss_fn, model, batches, micro_batches=ga, optimizer=optimizer, **options)
-
-
-def _train_step(graphdef, state, batches, ga: int | None, options: dict):
-  # nnx.jit's functional form: one merge per trace, no graph traversal per call.
-  model, optimizer = nnx.merge(graphdef, state)
-  loss, grads = _grads(model, optimizer, batches, ga, options)
-  optimizer.update(model, grads)
-  return nnx.state((model, optimizer)), loss
-
-
-def _grads_program(graphdef, state, batches, ga: int | None, options: dict):
-  model, optimizer = nnx.merge(graphdef, state)
-  loss, grads = _grads(model, optimizer, batches, ga, options)
-  return grads, loss
-
-
-def _update_program(graphdef, state, grads, reduce_scattered: bool):
-  model, optimizer = nnx.merge(graphdef, state)
-  if reduce_scattered:  # value_and_grad_accumulated's mark does not cross the program boundary
-    grads = mark_zero1_grads(grads)
-  optimizer.update(model, grads)
-  return nnx.state((model, optimizer))
-
 
 def accumulated_layout(step_tokens: np.ndarray, dp: int) -> np.ndarray:
   """One step's tokens (ga, batch, seq + 1) as the rows ``value_and_grad_accumulated`` splits.
@@ -137,48 +88,19 @@ def state_shardings(state: Any, mesh) -> Any:
   return jax.tree.map(on_mesh, state)
 
 
-def train_step_jit(graphdef, shardings: Any, mesh, deferred: bool, ga: int, options: dict | None = None):
-  """The one jitted train step of a step arm, which the CPU bench runs and ``--aot`` only compiles.
+def train_step_jit(graphdef, shardings: Any, mesh, arm: str, ga: int):
+  """The arm's one jitted train step, which the CPU bench runs: the planner's one-program step.
 
-  ``state -> (state, loss)``, the state donated and kept on ``shardings``;
-  ``deferred`` accumulates with ``value_and_grad_accumulated`` over ``ga``
-  micro-batches (with the keyword ``options``, e.g. ``shard_accumulator``),
-  otherwise with a ``lax.scan`` of ``jax.value_and_grad``.
+  ``(state, batch) -> (state, loss)``, the state donated and kept on ``shardings``
+  (:func:`nnx_zero1._src.planner.steps.step_jit` with the arm's lever and the
+  bench's loss).
 
   Example::
 
-    step = train_step_jit(graphdef, state_shardings(state, mesh), mesh, deferred=True, ga=8)
+    step = train_step_jit(graphdef, state_shardings(state, mesh), mesh, "zero1-accum", ga=8)
     compiled = step.lower(state, batch).compile()
   """
-  return jax.jit(
-      lambda s, b: _train_step(graphdef, s, b, ga if deferred else None, options or {}),
-      in_shardings=(shardings, batch_sharding(mesh, deferred)),
-      out_shardings=(shardings, NamedSharding(mesh, P())),
-      donate_argnums=0,
-  )
-
-
-def split_step_jits(
-    graphdef, shardings: Any, mesh, deferred: bool, zero1: bool, ga: int, options: dict | None = None
-):
-  """The same train step as two programs, as MaxText's engine compiles it: gradients, then update.
-
-  ``grads(state, batch) -> (grads, loss)`` reads the parameters (the
-  optimizer state is unused, and jit drops it from the program's arguments)
-  and ``update(state, grads) -> state`` donates the state. The first program
-  outputs no parameters, so nothing of parameter size is copied to free
-  the donated parameters for the update's all-gather while the activations
-  are live; the second has no activations.
-
-  Example::
-
-    grads_jit, update_jit = split_step_jits(graphdef, shardings, mesh, deferred=True, zero1=True, ga=8)
-  """
-  grads = jax.jit(lambda s, b: _grads_program(graphdef, s, b, ga if deferred else None, options or {}),
-                  in_shardings=(shardings, batch_sharding(mesh, deferred)))
-  update = jax.jit(lambda s, g: _update_program(graphdef, s, g, deferred and zero1),
-                   out_shardings=shardings, donate_argnums=0)
-  return grads, update
+  return step_jit(graphdef, shardings, batch_sharding(mesh, STEP_ARMS[arm][1]), lever(arm), loss_fn, ga)
 
 
 class StepArm:
@@ -206,8 +128,7 @@ class StepArm:
     self.batch_sharding = batch_sharding(mesh, self.deferred)
     shardings = state_shardings(state, mesh)
     self.state = jax.device_put(state, shardings)
-    options = ACCUMULATE_OPTIONS.get(name, {})
-    step = train_step_jit(self.graphdef, shardings, mesh, self.deferred, example.shape[0], options)
+    step = train_step_jit(self.graphdef, shardings, mesh, name, example.shape[0])
     start = time.perf_counter()
     with jax.set_mesh(mesh):  # Explicit-mode ops (the embedding lookup) read the mesh from here
       self.compiled = step.lower(self.state, self.prepare(example)).compile()

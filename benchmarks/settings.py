@@ -15,13 +15,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.model import CONFIGS, Config, Transformer, count_params
-from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.planner import levers
+from nnx_zero1._src.planner.levers import Lever
 from nnx_zero1.testing import CASES
 
 __all__ = [
     "ACCUMULATE_OPTIONS", "LEVER_REFERENCE", "OPTIMIZERS", "OPTIMIZER_CASES", "OPTIMIZER_OPTIONS",
-    "STEP_ARMS", "Settings", "bench_optimizer", "describe", "make_optimizer", "new_model", "row_fields",
-    "tokens",
+    "STEP_ARMS", "Settings", "bench_optimizer", "describe", "lever", "make_optimizer", "new_model",
+    "row_fields", "tokens",
 ]
 
 # The arms that train with one compiled step, and how: (Zero-1?, deferred reduction?).
@@ -101,11 +102,22 @@ class Settings:
     return dataclasses.replace(CONFIGS[self.model], remat=True) if self.remat else CONFIGS[self.model]
 
 
+def lever(arm: str) -> Lever:
+  """The step arm as the planner's lever: its optimizer and options, how it accumulates.
+
+  Example::
+
+    >>> lever("zero2-accum").accumulate_options
+    {'shard_accumulator': True}
+  """
+  zero1, deferred = STEP_ARMS[arm]
+  return Lever(arm, zero1=zero1, deferred=deferred, optimizer_options=OPTIMIZER_OPTIONS.get(arm, {}),
+               accumulate_options=ACCUMULATE_OPTIONS.get(arm, {}))
+
+
 def make_optimizer(arm: str, model, tx, mesh):
   """The arm's optimizer: ``nnx.Optimizer`` or ``Zero1Optimizer`` over the mesh's ``"data"`` axis."""
-  if not STEP_ARMS[arm][0]:
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
-  return Zero1Optimizer(model, tx, mesh, data_axis="data", **OPTIMIZER_OPTIONS.get(arm, {}))
+  return levers.make_optimizer(lever(arm), model, tx, mesh)
 
 
 def new_model(settings: Settings, mesh) -> Transformer:

@@ -27,7 +27,8 @@ from nnx_zero1._src.planner.abstract import AbstractState, abstract_state
 from nnx_zero1._src.planner.levers import Lever, make_optimizer
 
 __all__ = ["OPTIMIZERS", "STEPS", "scan_value_and_grad", "batch_axes", "abstract_batch", "train_step",
-           "grads_program", "update_program", "compile_step", "compile_split", "lever_state"]
+           "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",
+           "lever_state"]
 
 # --step: the shapes a step is compiled in (see the module's docstring).
 STEPS = ("one", "split")
@@ -124,7 +125,7 @@ def update_program(graphdef: Any, lever: Lever) -> Callable:
 
   def update(state, grads):
     model, optimizer = nnx.merge(graphdef, state)
-    if lever.deferred:  # already reduce-scattered; the mark is metadata that no program boundary keeps
+    if lever.zero1 and lever.deferred:  # reduce-scattered; the mark is metadata no program boundary keeps
       grads = mark_zero1_grads(grads)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer))
@@ -142,6 +143,37 @@ def lever_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, me
   return abstract_state(build, mesh)
 
 
+def step_jit(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever: Lever, loss_fn: Callable,
+             ga: int) -> Any:
+  """The one-program step, jitted: the state donated and kept on ``shardings``, the loss replicated.
+
+  Example::
+
+    step = step_jit(graphdef, shardings, NamedSharding(mesh, P(None, "data")), LEVERS["zero1"], loss_fn, 8)
+    state, loss = step(state, batch)
+  """
+  replicated = NamedSharding(batch_sharding.mesh, P())
+  return jax.jit(train_step(graphdef, lever, loss_fn, ga), in_shardings=(shardings, batch_sharding),
+                 out_shardings=(shardings, replicated), donate_argnums=0)
+
+
+def split_jits(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever: Lever, loss_fn: Callable,
+               ga: int) -> tuple[Any, Any]:
+  """The split step, jitted: ``grads(state, batch) -> (grads, loss)``, ``update(state, grads) -> state``.
+
+  The gradient program's unused arguments (the optimizer state) are dropped from
+  it; the update program donates the state and keeps it on ``shardings``.
+
+  Example::
+
+    grads_jit, update_jit = split_jits(graphdef, shardings, batch_sharding, LEVERS["zero1-accum"], loss_fn, 8)
+    state = update_jit(state, grads_jit(state, batch)[0])
+  """
+  grads = jax.jit(grads_program(graphdef, lever, loss_fn, ga), in_shardings=(shardings, batch_sharding))
+  update = jax.jit(update_program(graphdef, lever), out_shardings=shardings, donate_argnums=0)
+  return grads, update
+
+
 def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int, seq_len: int,
                  ga: int) -> tuple[Any, float]:
   """Compiles the lever's one-program step for the mesh's devices; returns (compiled, seconds).
@@ -150,9 +182,7 @@ def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Me
     jax.errors.JaxRuntimeError: the compiler refused the program (e.g. it does not fit).
   """
   tokens = abstract_batch(lever, mesh, batch, seq_len, ga)
-  step = jax.jit(train_step(state.graphdef, lever, loss_fn, ga),
-                 in_shardings=(state.shardings, tokens.sharding),
-                 out_shardings=(state.shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  step = step_jit(state.graphdef, state.shardings, tokens.sharding, lever, loss_fn, ga)
   start = time.perf_counter()
   with jax.set_mesh(mesh):
     compiled = step.lower(state.state, tokens).compile()
@@ -170,15 +200,12 @@ def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: M
     jax.errors.JaxRuntimeError: the compiler refused a program (e.g. it does not fit).
   """
   tokens = abstract_batch(lever, mesh, batch, seq_len, ga)
-  grads_jit = jax.jit(grads_program(state.graphdef, lever, loss_fn, ga),
-                      in_shardings=(state.shardings, tokens.sharding))
+  grads_jit, update_jit = split_jits(state.graphdef, state.shardings, tokens.sharding, lever, loss_fn, ga)
   start = time.perf_counter()
   with jax.set_mesh(mesh):
     grads_compiled = grads_jit.lower(state.state, tokens).compile()
     shapes, _ = jax.eval_shape(grads_jit, state.state, tokens)
     grads = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                          grads_compiled.output_shardings[0])
-    update_jit = jax.jit(update_program(state.graphdef, lever), out_shardings=state.shardings,
-                         donate_argnums=0)
     update_compiled = update_jit.lower(state.state, grads).compile()
   return grads_compiled, update_compiled, time.perf_counter() - start
