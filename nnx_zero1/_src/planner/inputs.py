@@ -126,6 +126,7 @@ def parse_model(text: str) -> tuple[str, str]:
     raise PlanError(f"unknown model {text!r}; give tunix:CONFIG (e.g. tunix:qwen3_8b) or "
                     "package.module:function")
   if source == "maxtext":
-    raise PlanError("maxtext: models are not planned yet; plan it as tunix:CONFIG or your own "
-                    "package.module:function")
+    raise PlanError("maxtext: models are not planned yet; from a clone, python -m benchmarks.maxtext_aot "
+                    "compiles MaxText's engine with and without Zero-1 for a TPU slice, or plan it as "
+                    "tunix:CONFIG or your own package.module:function")
   return source, name
