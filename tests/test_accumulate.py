@@ -234,11 +234,11 @@ def test_data_axis_tuple_reduce_scatters_over_both_axes():
   assert collectives(hlo)["reduce-scatter"] == {"count": len(sizes), "bytes": sum(sizes) // 4}
 
 
-def tensor_parallel(cls, mesh):
+def tensor_parallel(cls, mesh, split=True):
   with jax.set_mesh(mesh):
     model = Decoder(nnx.Rngs(0), vocab=VOCAB)
     nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
-    for layer, spec in ((model.up, P(None, "model")), (model.down, P("model", None))):
+    for layer, spec in ((model.up, P(None, "model")), (model.down, P("model", None))) if split else ():
       layer.kernel.value = jax.device_put(layer.kernel[...], NamedSharding(mesh, spec))
     return model, cls(model, optax.adamw(1e-3), wrt=nnx.Param)
 
@@ -254,6 +254,25 @@ def test_sharded_parameters_reduce_every_micro_batch_and_say_so(caplog):
   assert "cannot defer the gradient reduction" in caplog.text and "a parameter is sharded" in caplog.text
   assert_reordered_adam_close(params(model), params(full[0]), lr=1e-3, steps=2)
   assert model.up.kernel[...].sharding.spec == P(None, "model")
+
+
+def test_parameters_split_over_an_axis_of_size_one_defer_the_reduction(caplog):
+  # Tunix's models name fsdp and tp on every kernel; where those mesh axes have size 1 the parameters
+  # are whole on every device, and the reduction is deferred as for unannotated ones: the same
+  # parameters to the bit, and no gradient-sized collective in the micro-batch loop.
+  mesh = explicit_mesh((4, 1), ("data", "model"), AxisType.Auto)
+  batches = token_batches(2, seed=3)
+  model, opt = tensor_parallel(Zero1Optimizer, mesh)
+  assert model.up.kernel[...].sharding.spec == P(None, "model")
+  with caplog.at_level(logging.INFO, logger="nnx_zero1"):
+    train(accum_step, model, opt, batches, mesh)
+  assert "cannot defer" not in caplog.text
+  reference = tensor_parallel(Zero1Optimizer, mesh, split=False)
+  train(accum_step, *reference, batches, mesh)
+  assert_trees_equal(params(model), params(reference[0]))
+  with jax.set_mesh(mesh):
+    hlo = accum_step.lower(model, opt, on_mesh(batches[0], mesh)).compile().as_text()
+  assert_deferred(hlo, [x.nbytes for x in jax.tree.leaves(params(model))])
 
 
 def test_strict_refuses_sharded_parameters_and_changes_nothing():

@@ -62,27 +62,38 @@ def deferral_blocker(
 
   Deferral needs each replica to compute a whole gradient from its own rows:
   the batch split over the data axes only (on dimension 0), and the
-  parameters replicated.
+  parameters replicated. A mesh axis of size 1 splits nothing: Tunix's models
+  name ``fsdp`` and ``tp`` on every kernel, and on a mesh where both are 1 their
+  parameters are replicated.
 
   Example::
 
     >>> import jax
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
+    >>> mesh = jax.make_mesh((2, 2), ("data", "model"))
     >>> deferral_blocker([NamedSharding(mesh, P(("data", "model")))], [], ("data",))
     "the batch is sharded over ('model',) as well as the data axis"
+    >>> one = jax.make_mesh((2, 1), ("data", "model"))
+    >>> over_one = NamedSharding(one, P(("data", "model")))
+    >>> deferral_blocker([over_one], [NamedSharding(one, P("model"))], ("data",)) is None
+    True
   """
   for s in batch_shardings:
-    other = tuple(a for a in spec_axes(s.spec) if a not in axes)
+    other = tuple(a for a in _splitting(s) if a not in axes)
     if other:
       return f"the batch is sharded over {other} as well as the data axis"
     later = [d for d, e in enumerate(spec_entries(s.spec)) if d and set(entry_axes(e)) & set(axes)]
     if later:
       return f"the batch is split over the data axis on dimension {later[0]}, not dimension 0"
   for s in param_shardings:
-    if spec_axes(s.spec):
+    if _splitting(s):
       return f"a parameter is sharded ({s.spec}), so no replica holds whole gradients"
   return None
+
+
+def _splitting(sharding: NamedSharding) -> tuple[str, ...]:
+  """The mesh axes of more than one device that ``sharding`` splits over."""
+  return tuple(a for a in spec_axes(sharding.spec) if sharding.mesh.shape[a] > 1)
 
 
 def replica_value_and_grad(
