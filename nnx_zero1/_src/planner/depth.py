@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["NEAR_LIMIT", "extrapolate", "extrapolate_row", "near_the_limit"]
+__all__ = ["NEAR_LIMIT", "extrapolate", "extrapolate_row", "near_the_limit", "not_alike"]
 
 # Above this share of the usable memory a compiler trades overlap for memory (XLA's GPU scheduler plans
 # against its limit): a reduced-depth program, far from it, schedules its layers with more temp each.
@@ -69,3 +69,24 @@ def near_the_limit(peak: int | None, usable: int) -> bool:
     (True, False)
   """
   return peak is not None and peak > NEAR_LIMIT * usable
+
+
+def not_alike(temp_at_d1: int | None, temp_at_d2: int | None, d1: int, d2: int) -> str | None:
+  """Why two reduced depths cannot be extrapolated, or None: more layers needing less temp means the
+  compiler did not schedule the layers alike (or they are not alike: Gemma 3 interleaves local and
+  global attention), so the line through them says nothing of the full depth.
+
+  Measured: Tunix's gemma3_4b_pt on v6e:2x4 needed less temp at 4 layers than at 2, and its line
+  ran to a negative temp at 34.
+
+  Example::
+
+    >>> not_alike(3 * 2**30, 2 * 2**30, 2, 4)
+    'the temp fell from 3.00 GiB at 2 layers to 2.00 GiB at 4'
+    >>> not_alike(2 * 2**30, 3 * 2**30, 2, 4) is None
+    True
+  """
+  if temp_at_d1 is None or temp_at_d2 is None or temp_at_d2 >= temp_at_d1:
+    return None
+  fell = f"{temp_at_d1 / 2**30:.2f} GiB at {d1} layers to {temp_at_d2 / 2**30:.2f} GiB at {d2}"
+  return f"the temp fell from {fell}"

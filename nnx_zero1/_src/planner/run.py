@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nnx_zero1._src.planner import compilers
-from nnx_zero1._src.planner.depth import extrapolate_row, near_the_limit
+from nnx_zero1._src.planner.depth import extrapolate_row, near_the_limit, not_alike
 from nnx_zero1._src.planner.inputs import PlanError, mesh_axes, parse_levers, parse_mesh, parse_model
 from nnx_zero1._src.planner.levers import LEVERS
 from nnx_zero1._src.planner.table import markdown, next_steps, table
@@ -128,7 +128,9 @@ def _lever_row(lever: str, step: str, source: Any, depths: Sequence[int] | None,
             "depth_extrapolated_from": None}
   keys = (*_EXTRAPOLATED, "opt_state_bytes_by_memory_kind", "param_bytes_per_device")
   row = extrapolate_row(r1, r2, d1, d2, source.full_depth, keys)
-  return {**row, "compile_s": compile_s, "depth": source.full_depth, "depth_extrapolated_from": [d1, d2]}
+  doubt = not_alike(r1["temp_bytes_per_device"], r2["temp_bytes_per_device"], d1, d2)
+  return {**row, "compile_s": compile_s, "depth": source.full_depth, "depth_extrapolated_from": [d1, d2],
+          "not_alike": doubt}
 
 
 def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch: int = 8,
@@ -177,11 +179,13 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   rows = []
   for name, step in ((n, s) for n in names for s in shapes):
     row = _lever_row(name, step, source, reduced, device_mesh, settings)
-    if row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes):
+    near = row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes)
+    if near or row.get("not_alike"):
       extrapolated = row
       row = _lever_row(name, step, source, None, device_mesh, settings)
       row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
-             "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"]}
+             "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"],
+             "compiled_whole_because": extrapolated.get("not_alike") or "near the limit"}
     peak = row.get("peak_bytes_per_device")
     fits = False if row.get("hbm_oom") else None if peak is None else peak <= target.hbm_bytes
     rows.append({"lever": name, "step": step, "compiled_for": topology, "device_kind": target.device_kind,
