@@ -179,7 +179,8 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   rows = []
   for name, step in ((n, s) for n in names for s in shapes):
     row = _lever_row(name, step, source, reduced, device_mesh, settings)
-    near = row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes)
+    line_peak = row["peak_bytes_per_device"]
+    near = row["depth_extrapolated_from"] and near_the_limit(line_peak, target.hbm_bytes, target.platform)
     if near or row.get("not_alike"):
       extrapolated = row
       row = _lever_row(name, step, source, None, device_mesh, settings)
