@@ -32,7 +32,7 @@ from nnx_zero1._src.planner.abstract import (
   bytes_by_memory_kind,
   with_state_homes,
 )
-from nnx_zero1._src.planner.compiled import hbm_oom, split_memory
+from nnx_zero1._src.planner.compiled import hbm_oom, split_memory, summed
 from nnx_zero1._src.planner.steps import compile_split as planner_compile_split
 from nnx_zero1._src.planner.steps import compile_step
 
@@ -171,13 +171,13 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
       "fits": None if hbm is None else mem["peak"] <= hbm,
       "programs": 2 if split else 1,
       "compile_s": round(compile_s, 1),
-      "collectives": _summed([collectives(h) for h in hlos]),
-      "loop_collectives": _summed([loop_collectives(h) for h in hlos]),
+      "collectives": summed([collectives(h) for h in hlos]),
+      "loop_collectives": summed([loop_collectives(h) for h in hlos]),
       "param_bytes": arm.param_bytes,
       "opt_state_bytes_by_memory_kind": arm.opt_state_bytes_by_memory_kind,
       "host_argument_bytes_per_device": mem["host_argument"],
-      "host_transfers": _summed([host_transfers(h) for h in hlos]),
-      "loop_host_transfers": _summed([loop_host_transfers(h) for h in hlos]),
+      "host_transfers": summed([host_transfers(h) for h in hlos]),
+      "loop_host_transfers": summed([loop_host_transfers(h) for h in hlos]),
   }
 
 
@@ -194,10 +194,6 @@ def oom_row(arm: AbstractArm, oom: dict[str, Any], dp: int, ga: int, settings: S
       "collectives": None, "loop_collectives": None, "param_bytes": arm.param_bytes,
       "opt_state_bytes_by_memory_kind": arm.opt_state_bytes_by_memory_kind,
   }
-
-
-def _summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
-  return {op: {k: sum(c[op][k] for c in counts) for k in ("count", "bytes")} for op in counts[0]}
 
 
 def mesh_device_kind(compiled: Any) -> str:

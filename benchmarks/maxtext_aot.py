@@ -38,14 +38,13 @@ def compile_engine(zero1: bool, topology: str, overrides: dict[str, str]) -> dic
   from nnx_zero1.adapters import _compat
 
   _compat.ensure_tunix_types()  # before MaxText's engine modules import Tunix's
-  import jax
   import maxtext
-  import numpy as np
   from flax import nnx
   from maxtext.configs import pyconfig
   from maxtext.trainers.pre_train import train_compile
   from maxtext.training_engine import maxtext_engine_compile as mec
 
+  from nnx_zero1._src.planner.abstract import abstract_bytes_per_device
   from nnx_zero1._src.planner.compiled import memory, split_memory
   from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine
   from nnx_zero1.testing import collectives
@@ -58,8 +57,7 @@ def compile_engine(zero1: bool, topology: str, overrides: dict[str, str]) -> dic
   start = time.perf_counter()
   engine = (Zero1AbstractMaxTextEngine if zero1 else mec.AbstractMaxTextEngine)(config, mesh)
   kernels = engine.compile_kernels(mec.get_shaped_micro_batch(config))
-  state = [x for x in jax.tree.leaves(nnx.state(engine.optimizer.opt_state)) if getattr(x, "ndim", 0)]
-  opt_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in state)
+  opt_bytes = abstract_bytes_per_device(nnx.state(engine.optimizer.opt_state))
   mem = {name: memory(kernel) for name, kernel in kernels.items()}
   step = split_memory(mem["fwd_bwd_accum"], mem["update"], opt_bytes)
   return {

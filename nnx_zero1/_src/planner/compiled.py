@@ -7,7 +7,7 @@ from typing import Any
 
 from nnx_zero1._src.hlo import collectives, loop_collectives
 
-__all__ = ["memory", "split_memory", "cost", "hbm_oom", "collectives_of", "split_collectives_of"]
+__all__ = ["memory", "split_memory", "cost", "hbm_oom", "collectives_of", "summed", "split_collectives_of"]
 
 
 def memory(compiled: Any) -> dict[str, int]:
@@ -118,8 +118,18 @@ def collectives_of(compiled: Any) -> dict[str, dict[str, dict[str, int]]]:
   return {"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo)}
 
 
+def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+  """Several programs' ``{op: {"count", "bytes"}}`` (collectives or host transfers), added up.
+
+  Example::
+
+    >>> summed([{"all-gather": {"count": 1, "bytes": 8}}, {"all-gather": {"count": 2, "bytes": 4}}])
+    {'all-gather': {'count': 3, 'bytes': 12}}
+  """
+  return {op: {k: sum(c[op][k] for c in counts) for k in ("count", "bytes")} for op in counts[0]}
+
+
 def split_collectives_of(grads: Any, update: Any) -> dict[str, dict[str, dict[str, int]]]:
   """:func:`collectives_of` a step compiled as two programs: both programs' collectives, summed."""
   a, b = collectives_of(grads), collectives_of(update)
-  return {when: {op: {k: a[when][op][k] + b[when][op][k] for k in ("count", "bytes")} for op in a[when]}
-          for when in a}
+  return {when: summed([a[when], b[when]]) for when in a}

@@ -22,10 +22,6 @@ __all__ = ["Plan", "make_plan_rows", "DEFAULT_DEPTHS"]
 _UPDATE = ("update_peak_bytes_per_device", "update_temp_bytes_per_device", "update_flops_per_device",
            "update_bytes_accessed_per_device")
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for a model deeper than the second
-STEP_SHAPES = {
-    "one": "one program: gradients, then optimizer.update, the state donated (Tunix, nnx.jit loops)",
-    "split": "two programs: gradients; then optimizer.update, the state donated (MaxText's engine)",
-}
 _EXTRAPOLATED = ("opt_state_bytes_per_device", "argument_bytes_per_device", "output_bytes_per_device",
                  "alias_bytes_per_device", "temp_bytes_per_device", "peak_bytes_per_device",
                  "host_argument_bytes_per_device", "collectives", *_UPDATE)
@@ -147,7 +143,7 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
 
   parse_model(model)
   names = parse_levers(levers, LEVERS)
-  shapes = parse_levers(steps, dict.fromkeys(STEPS), what="step")
+  shapes = parse_levers(steps, STEPS, what="step")
   sizes = parse_mesh(mesh)
   if optimizer not in OPTIMIZERS:
     raise PlanError(f"unknown optimizer {optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
@@ -198,7 +194,7 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
           "device_kind": target.device_kind, "mesh": axes, "batch": batch, "seq_len": seq_len, "ga": ga,
           "optimizer": optimizer,
           "param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat, "levers": list(names),
-          "steps": {s: STEP_SHAPES[s] for s in shapes}, "compiler": compiler,
+          "steps": {s: STEPS[s] for s in shapes}, "compiler": compiler,
           "jax": jax.__version__, "hbm_bytes": target.hbm_bytes, "hbm_source": target.hbm_source,
           "depth_extrapolated_from": list(reduced) if reduced else None}
   return Plan(rows, meta, next_steps(rows, list(LEVERS), remat, batch, ga))

@@ -30,8 +30,11 @@ __all__ = ["OPTIMIZERS", "STEPS", "scan_value_and_grad", "batch_axes", "abstract
            "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",
            "lever_state"]
 
-# --step: the shapes a step is compiled in (see the module's docstring).
-STEPS = ("one", "split")
+# --steps: the shapes a step is compiled in, and what each is (plan.json's meta says it).
+STEPS = {
+    "one": "one program: gradients, then optimizer.update, the state donated (Tunix, nnx.jit loops)",
+    "split": "two programs: gradients; then optimizer.update, the state donated (MaxText's engine)",
+}
 
 # --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes).
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
