@@ -12,20 +12,24 @@ compiler says a program may use. Needs Python >= 3.12 and the compilers:
 ``pip install --no-deps jax-cuda13-plugin==JAX_VERSION jax-cuda13-pjrt==JAX_VERSION``.
 
 Models: ``tunix:CONFIG`` (a Tunix ``ModelConfig`` classmethod, e.g.
-``tunix:qwen3_8b``, ``tunix:llama3p1_8b``, ``tunix:gemma3_4b_pt``) or
+``tunix:qwen3_8b``, ``tunix:llama3p1_8b``, ``tunix:gemma3_4b_pt``),
+``maxtext:MODEL_NAME`` (MaxText's own engine and config, e.g.
+``maxtext:qwen3-0.6b``, with MaxText's ``key=value`` overrides; TPU slices, a
+split step, ``pip install --no-deps maxtext==0.2.5``) or
 ``package.module:function`` (your own; see ``docs/planner.md`` for what it
-returns). MaxText models are not planned yet. Deep models are compiled at 2 and
-4 layers and extrapolated per layer (``--full-depth`` compiles them whole).
+returns). Deep Tunix and own models are compiled at 2 and 4 layers and
+extrapolated per layer (``--full-depth`` compiles them whole); MaxText scans
+its layers and compiles whole.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from nnx_zero1._src.planner.compilers import AotUnavailable
-from nnx_zero1._src.planner.inputs import PlanError
+from nnx_zero1._src.planner.inputs import PlanError, parse_overrides
 from nnx_zero1._src.planner.levers import LEVERS
 from nnx_zero1._src.planner.run import DEFAULT_DEPTHS, Plan, make_plan_rows
 
@@ -36,11 +40,12 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
          ga: int = 1, param_dtype: str | None = None, compute_dtype: str | None = None,
          remat: str | None = None, optimizer: str = "adamw",
          levers: str | Sequence[str] = ("baseline", "zero1"), steps: str | Sequence[str] = ("one", "split"),
-         full_depth: bool = False, progress: Callable[[str], None] | None = None) -> Plan:
+         full_depth: bool = False, overrides: Mapping[str, str] | None = None,
+         progress: Callable[[str], None] | None = None) -> Plan:
   """Compiles each lever's training step for ``topology`` and says what it needs per device.
 
   Args:
-    model: ``tunix:CONFIG`` or ``package.module:function``.
+    model: ``tunix:CONFIG``, ``maxtext:MODEL_NAME`` or ``package.module:function``.
     topology: a TPU slice libtpu knows (``v5e:2x4``, ``v6e:2x2``, ``v4:2x2x1``) or NVIDIA GPUs
       (``h100:8``, ``h200:8``, ``a100-80g:8``, ``b200:8``; ``h100:2x8`` for two nodes).
     mesh: ``"data=4,fsdp=2"``; an axis the model names but this omits has size 1, and the
@@ -48,9 +53,10 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
     batch: the global micro-batch, in sequences.
     seq_len: tokens per sequence.
     ga: micro-batches per optimizer step.
-    param_dtype: the parameters' dtype (``tunix:`` models).
-    compute_dtype: the activations' dtype (``tunix:`` models).
-    remat: the model's remat policy (``tunix:`` models: ``none``, ``block``, ``decoder``).
+    param_dtype: the parameters' dtype (``tunix:`` models; MaxText's ``weight_dtype``).
+    compute_dtype: the activations' dtype (``tunix:`` models; MaxText's ``dtype``).
+    remat: the model's remat policy (``tunix:`` models: ``none``, ``block``, ``decoder``; MaxText's
+      ``remat_policy``).
     optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
     levers: names from the lever table (``baseline``, ``zero1``, ``zero1-accum``, ``zero2``,
       ``offload``, ``zero2-offload``, ``zero1-bf16state``, ``zero1-master``), a list or one
@@ -59,6 +65,7 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
       ``nnx.jit`` loops compile a step), ``split`` (two programs, gradients then update, as MaxText's
       engine does: the rows add the update program's peak, flops and bytes accessed), or both.
     full_depth: compile deep models whole instead of at 2 and 4 layers, extrapolated.
+    overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
     progress: called with one line after each lever's compiles.
 
   Returns:
@@ -77,7 +84,7 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
   return make_plan_rows(model, topology, mesh=mesh, batch=batch, seq_len=seq_len, ga=ga,
                         param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
                         optimizer=optimizer, levers=levers, steps=steps, full_depth=full_depth,
-                        progress=progress)
+                        overrides=dict(overrides) if overrides else None, progress=progress)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -89,8 +96,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     'baseline,zero1'
   """
   p = argparse.ArgumentParser(prog="python -m nnx_zero1.plan", description=__doc__.split("\n\n")[0])
-  p.add_argument("--model", required=True, help="tunix:CONFIG (e.g. tunix:qwen3_8b) or "
-                 "package.module:function (maxtext: models are not planned yet)")
+  p.add_argument("--model", required=True, help="tunix:CONFIG (e.g. tunix:qwen3_8b), maxtext:MODEL_NAME "
+                 "(e.g. maxtext:qwen3-0.6b) or package.module:function")
   p.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v4:2x2x1, v5p:..., h100:8, h200:8, "
                  "a100-80g:8, b200:8, h100:2x8 (nodes x GPUs)")
   p.add_argument("--mesh", default=None,
@@ -98,9 +105,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--batch", type=int, default=8, help="global micro-batch in sequences (default 8)")
   p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
   p.add_argument("--ga", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-  p.add_argument("--param-dtype", default=None, help="parameters' dtype, e.g. bfloat16 (tunix: models)")
-  p.add_argument("--compute-dtype", default=None, help="activations' dtype, e.g. bfloat16 (tunix: models)")
-  p.add_argument("--remat", default=None, help="remat policy: none, block, decoder (tunix: models)")
+  p.add_argument("--param-dtype", default=None, help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: "
+                 "models)")
+  p.add_argument("--compute-dtype", default=None,
+                 help="activations' dtype, e.g. bfloat16 (tunix: and maxtext: models)")
+  p.add_argument("--remat", default=None, help="remat policy: none, block, decoder (tunix: models); "
+                 "MaxText's remat_policy (maxtext: models: full, minimal, ...)")
   p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, lion, sgd, adafactor")
   p.add_argument("--levers", default="baseline,zero1", help=f"comma-separated, of: {', '.join(LEVERS)}")
   p.add_argument("--steps", default="one,split", help="one (one program: gradients + update, as Tunix "
@@ -108,6 +118,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--full-depth", action="store_true",
                  help=f"compile deep models whole (default: at {DEFAULT_DEPTHS} layers, extrapolated)")
   p.add_argument("--out", default=None, help="folder for plan.json and plan.md")
+  p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                 help="MaxText config overrides (maxtext: models), e.g. remat_policy=minimal")
   return p.parse_args(argv)
 
 
@@ -124,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = plan(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len,
                   ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
                   remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
-                  full_depth=args.full_depth, progress=say)
+                  full_depth=args.full_depth, overrides=parse_overrides(args.overrides), progress=say)
   except (PlanError, AotUnavailable) as e:
     say(str(e))
     return 2

@@ -27,9 +27,11 @@ from nnx_zero1._src.planner.inputs import (
   parse_levers,
   parse_mesh,
   parse_model,
+  parse_overrides,
   parse_topology,
 )
 from nnx_zero1._src.planner.levers import LEVERS
+from nnx_zero1._src.planner.maxtext import config_overrides, engine_attributes
 from nnx_zero1._src.planner.table import next_steps, table
 from nnx_zero1.plan import main, parse_args
 from tests.planner_toys import tiny_lm
@@ -68,8 +70,36 @@ def test_topologies_levers_and_models_parse_or_are_refused_in_one_line():
     parse_levers("zero1,zero3", LEVERS)
   with pytest.raises(PlanError, match="unknown model"):
     parse_model("qwen3_8b")
-  with pytest.raises(PlanError, match="maxtext: models are not planned yet"):
-    parse_model("maxtext:llama2-7b")
+  assert parse_model("maxtext:qwen3-0.6b") == ("maxtext", "qwen3-0.6b")
+
+
+def test_maxtext_settings_become_maxtexts_overrides_or_are_refused_in_one_line():
+  axes = ("data", "fsdp", "tensor")
+  settings = dict(batch=8, seq_len=1024, ga=8, optimizer="adamw", param_dtype="bfloat16", compute_dtype=None,
+                  remat="minimal", known_axes=axes)
+  o = config_overrides("qwen3-0.6b", "v6e:2x4", 8, {"data": 2, "fsdp": 4}, **settings,
+                       overrides={"remat_policy": "full"})
+  assert [o[f"ici_{a}_parallelism"] for a in axes] == ["2", "4", "1"]
+  assert [o[k] for k in ("per_device_batch_size", "gradient_accumulation_steps", "weight_dtype")] == [
+      "1", "8", "bfloat16"]
+  assert o["compile_topology"] == "v6e:2x4" and o["internal_compile_num_devices"] == "8"
+  assert o["remat_policy"] == "full" and "dtype" not in o  # the user's overrides last; MaxText's default kept
+  for mesh, changes, words in (
+      ({"tp": 8}, {}, "--mesh axis tp is not MaxText's; its mesh axes: data, fsdp"),
+      ({"data": 8}, {"optimizer": "lion"}, "--optimizer lion is not a MaxText opt_type"),
+      ({"data": 8}, {"batch": 4}, "--batch 4 does not split over the 8 devices")):
+    with pytest.raises(PlanError, match=re.escape(words)) as e:
+      config_overrides("qwen3-0.6b", "v6e:2x4", 8, mesh, **{**settings, **changes})
+    assert "\n" not in str(e.value)
+  assert engine_attributes("baseline", LEVERS["baseline"]) is None
+  assert engine_attributes("zero1", LEVERS["zero1"]) == {}
+  assert engine_attributes("offload", LEVERS["offload"]) == {"OFFLOAD_STATE_TO_HOST": True}
+  assert engine_attributes("zero2", LEVERS["zero2"]) == {"SHARD_ACCUMULATOR": True}
+  with pytest.raises(PlanError, match="MaxText's engine accumulates its own"):
+    engine_attributes("zero1-accum", LEVERS["zero1-accum"])
+  assert parse_overrides(["remat_policy=minimal", "a.b=1=2"]) == {"remat_policy": "minimal", "a.b": "1=2"}
+  with pytest.raises(PlanError, match="is not a MaxText config override"):
+    parse_overrides(["remat_policy"])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tunix") is None, reason="needs Tunix: pip install \".[tunix]\"")
@@ -95,6 +125,8 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
     (["--model", "no_colon"], "unknown model 'no_colon'"),
     (["--mesh", "data=three"], "--mesh entry 'data=three'"),
     (["--steps", "one,fused"], "unknown step fused; steps: one, split"),
+    (["remat_policy=full"], "config overrides (key=value) apply to maxtext: models"),
+    (["--model", "maxtext:qwen3-0.6b", "--steps", "one"], "as two programs: --steps split"),
 ])
 def test_bad_inputs_exit_2_with_one_line(capsys, argv, words):
   args = ["--model", "tests.planner_toys:tiny_lm", "--topology", "v6e:2x2", *argv]
@@ -275,3 +307,43 @@ def test_gpu_plan_of_the_bfloat16_levers(tmp_path):
   args = [bf16[n]["argument_bytes_per_device"] for n in ("zero1", "zero1-master")]
   assert args[1] - args[0] == params
   assert "state_dtype=bfloat16 changes nothing" in bf16["zero1-bf16state"]["error"]
+
+
+HAS_MAXTEXT = importlib.util.find_spec("maxtext") is not None
+
+
+@pytest.mark.skipif(not (HAS_LIBTPU and HAS_MAXTEXT),
+                    reason="needs libtpu and maxtext (extra aot + maxtext==0.2.5, Python >= 3.12), CI lane 2")
+def test_maxtext_plan_compiles_maxtexts_engine_for_each_lever(tmp_path):
+  """``maxtext:`` through MaxText's own ahead-of-time engine, a 2-layer decoder (MaxText's defaults and the
+  toys' overrides) on v6e:2x2, GA 2: each Zero-1 lever is ``Zero1AbstractMaxTextEngine``, the rows are
+  split steps, and a lever of this library's own accumulation is refused on its row."""
+  from tests.maxtext_toys import TINY
+
+  skip = ("model_name", "run_name", "per_device_batch_size", "max_target_length", "ici_data_parallelism",
+          "ici_fsdp_parallelism", "opt_type", "base_output_directory")
+  overrides = [f"{k}={v}" for k, v in TINY.items() if k not in skip]
+  argv = ["--model", "maxtext:default", "--topology", "v6e:2x2", "--batch", "8", "--seq-len", "16",
+          "--ga", "2", "--levers", "baseline,zero1,zero1-accum,offload", "--out", str(tmp_path), *overrides]
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv], env=_env(), capture_output=True,
+                        text=True, timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / "plan.json").read_text())
+  rows = {r["lever"]: r for r in result["rows"]}
+  assert result["meta"]["layers"] == 2 and list(result["meta"]["steps"]) == ["split"]
+  assert all(r["step"] == "split" and r["device_kind"].startswith("TPU v6") for r in rows.values())
+  base, zero1, offload = rows["baseline"], rows["zero1"], rows["offload"]
+  assert base["maxtext_config"]["shard_mode"].endswith("EXPLICIT")  # the toys' override, applied last
+  # A quarter of the moments per chip (the step count stays whole): the update kernel reads that much less.
+  assert 3 * zero1["opt_state_bytes_per_device"] < base["opt_state_bytes_per_device"]
+  assert zero1["update_peak_bytes_per_device"] < base["update_peak_bytes_per_device"]
+  assert 0 < zero1["update_flops_per_device"] < base["update_flops_per_device"] / 2
+  # A step is two micro-batches' gradient kernels and one update; Zero-1's update gathers the new slices.
+  gathered = {lever: (rows[lever]["collectives"]["per_step"]["all-gather"]["bytes"],
+                      rows[lever]["collectives"]["per_micro_batch"]["all-gather"]["bytes"])
+              for lever in ("baseline", "zero1")}
+  assert gathered["baseline"][0] == 2 * gathered["baseline"][1]
+  assert gathered["zero1"][0] - 2 * gathered["zero1"][1] > zero1["param_bytes_per_device"] / 2
+  assert offload["opt_state_bytes_by_memory_kind"].get("pinned_host", 0) > 0
+  assert offload["opt_state_bytes_per_device"] < zero1["opt_state_bytes_per_device"] / 10
+  assert "MaxText's engine accumulates its own" in rows["zero1-accum"]["error"]

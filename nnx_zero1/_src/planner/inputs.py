@@ -6,7 +6,8 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["PlanError", "parse_mesh", "parse_levers", "parse_topology", "mesh_axes", "parse_model"]
+__all__ = ["PlanError", "parse_mesh", "parse_levers", "parse_topology", "mesh_axes", "parse_model",
+           "parse_overrides"]
 
 
 class PlanError(ValueError):
@@ -111,10 +112,10 @@ def parse_topology(text: str, gpu_chips: Iterable[str]) -> tuple[str, str, tuple
 
 
 def parse_model(text: str) -> tuple[str, str]:
-  """``--model`` as (source, name): ``tunix:qwen3_8b`` or ``package.module:function``.
+  """``--model`` as (source, name): ``tunix:qwen3_8b``, ``maxtext:qwen3-0.6b`` or ``package.module:function``.
 
   Raises:
-    PlanError: not ``SOURCE:NAME``, or ``maxtext:`` (not planned yet).
+    PlanError: not ``SOURCE:NAME``.
 
   Example::
 
@@ -123,10 +124,26 @@ def parse_model(text: str) -> tuple[str, str]:
   """
   source, sep, name = text.strip().partition(":")
   if not sep or not source or not name:
-    raise PlanError(f"unknown model {text!r}; give tunix:CONFIG (e.g. tunix:qwen3_8b) or "
-                    "package.module:function")
-  if source == "maxtext":
-    raise PlanError("maxtext: models are not planned yet; from a clone, python -m benchmarks.maxtext_aot "
-                    "compiles MaxText's engine with and without Zero-1 for a TPU slice, or plan it as "
-                    "tunix:CONFIG or your own package.module:function")
+    raise PlanError(f"unknown model {text!r}; give tunix:CONFIG (e.g. tunix:qwen3_8b), maxtext:MODEL_NAME "
+                    "(e.g. maxtext:qwen3-0.6b) or package.module:function")
   return source, name
+
+
+def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
+  """MaxText config overrides, ``key=value`` as on MaxText's own command line, as a dict.
+
+  Raises:
+    PlanError: an entry is not ``key=value``.
+
+  Example::
+
+    >>> parse_overrides(["base_num_decoder_layers=4", "remat_policy=minimal"])
+    {'base_num_decoder_layers': '4', 'remat_policy': 'minimal'}
+  """
+  overrides = {}
+  for entry in entries:
+    key, sep, value = entry.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][\w.]*", key):
+      raise PlanError(f"{entry!r} is not a MaxText config override KEY=VALUE (e.g. remat_policy=minimal)")
+    overrides[key] = value
+  return overrides

@@ -74,13 +74,16 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     split_collectives_of,
     split_memory,
   )
+  from nnx_zero1._src.planner.maxtext import MaxTextModel, measure_maxtext
   from nnx_zero1._src.planner.steps import compile_split, compile_step, lever_state
 
   lever = LEVERS[lever_name]
   row: dict[str, Any] = {"opt_state_bytes_per_device": None, "opt_state_bytes_by_memory_kind": None,
                          "param_bytes_per_device": None}
-  shapes = (source.loss_fn, mesh, settings["batch"], settings["seq_len"], settings["ga"])
   try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
+    if isinstance(source, MaxTextModel):
+      return measure_maxtext(lever_name, lever, source.overrides)
+    shapes = (source.loss_fn, mesh, settings["batch"], settings["seq_len"], settings["ga"])
     state = lever_state(lever, lambda: source.build(depth), settings["optimizer"], mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
     row = {"opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
@@ -129,39 +132,17 @@ def _lever_row(lever: str, step: str, source: Any, depths: Sequence[int] | None,
           "not_alike": doubt}
 
 
-def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch: int = 8,
-                   seq_len: int = 1024, ga: int = 1, param_dtype: str | None = None,
-                   compute_dtype: str | None = None,
-                   remat: str | None = None, optimizer: str = "adamw",
-                   levers: str | Sequence[str] = ("baseline", "zero1"),
-                   steps: str | Sequence[str] = ("one", "split"), full_depth: bool = False,
-                   depths: Sequence[int] = DEFAULT_DEPTHS,
-                   progress: Callable[[str], None] | None = None) -> Plan:
-  """Compiles every lever's training step for ``topology``, in each shape; see :func:`nnx_zero1.plan.plan`."""
-  from nnx_zero1._src.planner.steps import OPTIMIZERS, STEPS
-  from nnx_zero1._src.planner.targets import require_compiler
-
-  parse_model(model)
-  names = parse_levers(levers, LEVERS)
-  shapes = parse_levers(steps, STEPS, what="step")
-  sizes = parse_mesh(mesh)
-  if optimizer not in OPTIMIZERS:
-    raise PlanError(f"unknown optimizer {optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
-  if min(batch, seq_len, ga) < 1:
-    raise PlanError(f"--batch, --seq-len and --ga must be >= 1, got {batch}, {seq_len}, {ga}")
-  compiler = require_compiler(topology)
-  compilers.start_cpu_jax()
-  import jax
+def _tunix_or_own(model: str, target: Any, sizes: dict[str, int], batch: int, full_depth: bool,
+                  depths: Sequence[int], dtypes_and_remat: tuple) -> tuple[Any, dict[str, int], Any, Any]:
+  """A ``tunix:`` or ``package.module:function`` model: its source, mesh axes, device mesh, reduced depths."""
   import numpy as np
   from jax.sharding import AxisType, Mesh
 
   from nnx_zero1._src.planner.abstract import model_axes
   from nnx_zero1._src.planner.models import model_source
   from nnx_zero1._src.planner.steps import batch_axes
-  from nnx_zero1._src.planner.targets import make_target
 
-  source = model_source(model, param_dtype, compute_dtype, remat)
-  target = make_target(topology)
+  source = model_source(model, *dtypes_and_remat)
   reduced = None if full_depth or not source.full_depth or source.full_depth <= max(depths) else tuple(depths)
   named = model_axes(lambda: source.build(reduced[0] if reduced else None))
   axes = mesh_axes(sizes, named, len(target.devices))
@@ -171,7 +152,72 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   if batch % rows_over:
     over = "x".join(batch_axes(device_mesh))
     raise PlanError(f"--batch {batch} does not split over the batch axes ({over} = {rows_over} devices)")
+  return source, axes, device_mesh, reduced
+
+
+def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], settings: dict[str, Any],
+             dtypes_and_remat: tuple, overrides: dict[str, str] | None) -> tuple[Any, dict[str, int]]:
+  """A ``maxtext:`` model: its config's overrides (MaxText builds its own mesh) and mesh axes."""
+  from nnx_zero1._src.planner.maxtext import MaxTextModel, config_overrides, mesh_axis_names
+
+  if target.platform != "tpu":
+    raise PlanError(f"maxtext:{name} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
+                    f"{topology} is a GPU target")
+  try:
+    known = mesh_axis_names()
+  except ImportError as e:
+    raise PlanError(f"maxtext:{name} needs MaxText (Python >= 3.12): pip install maxtext==0.2.5 ({e})") from e
+  axes = mesh_axes(sizes, (), len(target.devices))
+  param_dtype, compute_dtype, remat = dtypes_and_remat
+  config = config_overrides(name, topology, len(target.devices), axes, batch=settings["batch"],
+                            seq_len=settings["seq_len"], ga=settings["ga"], optimizer=settings["optimizer"],
+                            param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
+                            known_axes=known, overrides=overrides)
+  return MaxTextModel(f"maxtext:{name}", config), axes
+
+
+def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch: int = 8,
+                   seq_len: int = 1024, ga: int = 1, param_dtype: str | None = None,
+                   compute_dtype: str | None = None,
+                   remat: str | None = None, optimizer: str = "adamw",
+                   levers: str | Sequence[str] = ("baseline", "zero1"),
+                   steps: str | Sequence[str] = ("one", "split"), full_depth: bool = False,
+                   overrides: dict[str, str] | None = None, depths: Sequence[int] = DEFAULT_DEPTHS,
+                   progress: Callable[[str], None] | None = None) -> Plan:
+  """Compiles every lever's training step for ``topology``, in each shape; see :func:`nnx_zero1.plan.plan`."""
+  from nnx_zero1._src.planner.steps import OPTIMIZERS, STEPS
+  from nnx_zero1._src.planner.targets import require_compiler
+
+  kind, name = parse_model(model)
+  names = parse_levers(levers, LEVERS)
+  shapes = parse_levers(steps, STEPS, what="step")
+  sizes = parse_mesh(mesh)
+  if optimizer not in OPTIMIZERS:
+    raise PlanError(f"unknown optimizer {optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
+  if min(batch, seq_len, ga) < 1:
+    raise PlanError(f"--batch, --seq-len and --ga must be >= 1, got {batch}, {seq_len}, {ga}")
+  if overrides and kind != "maxtext":
+    raise PlanError(f"config overrides (key=value) apply to maxtext: models; {model} takes its settings from "
+                    "the flags")
+  if kind == "maxtext":
+    shapes = tuple(s for s in shapes if s == "split")
+    if not shapes:
+      raise PlanError(f"{model} compiles as MaxText's engine runs it, as two programs: --steps split")
+  compiler = require_compiler(topology)
+  compilers.start_cpu_jax()
+  import jax
+
+  from nnx_zero1._src.planner.targets import make_target
+
+  target = make_target(topology)
   settings = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer}
+  dtypes_and_remat = (param_dtype, compute_dtype, remat)
+  if kind == "maxtext":
+    source, axes = _maxtext(name, topology, target, sizes, settings, dtypes_and_remat, overrides)
+    device_mesh, reduced = None, None
+  else:
+    source, axes, device_mesh, reduced = _tunix_or_own(model, target, sizes, batch, full_depth, depths,
+                                                       dtypes_and_remat)
   rows = []
   for name, step in ((n, s) for n in names for s in shapes):
     row = _lever_row(name, step, source, reduced, device_mesh, settings)
@@ -190,11 +236,13 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
                  "hbm_bytes": target.hbm_bytes, "fits": fits})
     if progress:
       progress(f"compiled {name} ({step}) for {topology} in {rows[-1]['compile_s']} s")
-  meta = {"model": source.name, "layers": source.full_depth, "topology": topology,
+  layers = source.full_depth or next((int(r["maxtext_config"]["num_decoder_layers"]) for r in rows
+                                      if r.get("maxtext_config")), None)
+  meta = {"model": source.name, "layers": layers, "topology": topology,
           "device_kind": target.device_kind, "mesh": axes, "batch": batch, "seq_len": seq_len, "ga": ga,
           "optimizer": optimizer,
           "param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat, "levers": list(names),
           "steps": {s: STEPS[s] for s in shapes}, "compiler": compiler,
           "jax": jax.__version__, "hbm_bytes": target.hbm_bytes, "hbm_source": target.hbm_source,
-          "depth_extrapolated_from": list(reduced) if reduced else None}
+          "depth_extrapolated_from": list(reduced) if reduced else None, "overrides": overrides or None}
   return Plan(rows, meta, next_steps(rows, list(LEVERS), remat, batch, ga))

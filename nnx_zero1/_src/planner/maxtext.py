@@ -1,0 +1,188 @@
+"""``maxtext:MODEL``: MaxText's own engine as the planner's model, compiled for a TPU slice.
+
+MaxText compiles a step as its engine runs it, in kernels: ``fwd_bwd`` (the
+first micro-batch), ``fwd_bwd_accum`` (each further one) and ``update``. The
+config is MaxText's ``base.yml``, the model named, the plan's settings and the
+user's overrides; a lever is the engine class: ``baseline`` is MaxText's
+``AbstractMaxTextEngine``, a Zero-1 lever ``Zero1AbstractMaxTextEngine`` with
+the lever's options as its class attributes (``OFFLOAD_STATE_TO_HOST``,
+``SHARD_ACCUMULATOR``, ...). MaxText accumulates its own gradients and scans its
+layers (a model compiles whole, in about the time of a few layers), so a row is
+always a split step at full depth. Needs Python >= 3.12, ``maxtext`` and libtpu.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from nnx_zero1._src.planner.inputs import PlanError
+from nnx_zero1._src.planner.levers import Lever
+
+__all__ = ["MaxTextModel", "mesh_axis_names", "config_overrides", "engine_attributes", "measure_maxtext"]
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextModel:
+  """A MaxText model as the plan compiles it: its name and the whole config's overrides of ``base.yml``."""
+
+  name: str
+  overrides: Mapping[str, str]
+  full_depth: int | None = None  # compiled whole: MaxText scans its layers
+
+
+def mesh_axis_names() -> tuple[str, ...]:
+  """The mesh axes MaxText's config sizes (``ici_AXIS_parallelism``), e.g. ``data``, ``fsdp``, ``tensor``."""
+  from maxtext.configs import types
+
+  return tuple(n[len("ici_"):-len("_parallelism")] for n in types.IciParallelism.model_fields)
+
+
+# The plan's --optimizer names MaxText's opt_type knows under the same name.
+_OPT_TYPES = ("adamw", "sgd")
+
+
+def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping[str, int], *,
+                     batch: int, seq_len: int, ga: int, optimizer: str, param_dtype: str | None,
+                     compute_dtype: str | None, remat: str | None, known_axes: Iterable[str],
+                     overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+  """MaxText's config for a plan: its ``key=value`` overrides of ``base.yml``, the user's last.
+
+  A mesh axis ``A=n`` is MaxText's ``ici_A_parallelism=n``; every other axis is 1
+  (MaxText's ``ici_fsdp_parallelism`` default, -1, would take the devices left).
+  The topology is compiled under MaxText's ``internal_compile``: libtpu's own
+  name, as the plan's other models use it.
+
+  Raises:
+    PlanError: an axis MaxText's mesh has not, an optimizer it does not name alike, or a batch that
+      does not split over the devices.
+
+  Example::
+
+    >>> o = config_overrides("qwen3-0.6b", "v6e:2x2", 4, {"data": 4}, batch=8, seq_len=1024, ga=8,
+    ...                      optimizer="adamw", param_dtype=None, compute_dtype=None, remat=None,
+    ...                      known_axes=("data", "fsdp", "tensor"))
+    >>> o["per_device_batch_size"], o["ici_data_parallelism"], o["ici_fsdp_parallelism"]
+    ('2', '4', '1')
+  """
+  known = tuple(known_axes)
+  unknown = [a for a in axes if a not in known]
+  if unknown:
+    raise PlanError(f"--mesh axis {', '.join(unknown)} is not MaxText's; its mesh axes: {', '.join(known)}")
+  if optimizer not in _OPT_TYPES:
+    raise PlanError(f"--optimizer {optimizer} is not a MaxText opt_type; maxtext: models take "
+                    f"{', '.join(_OPT_TYPES)} (or opt_type=... as an override)")
+  if batch % devices:
+    raise PlanError(f"--batch {batch} does not split over the {devices} devices (MaxText's "
+                    "per_device_batch_size)")
+  config = {
+      "model_name": model_name, "run_name": "nnx_zero1_plan", "enable_checkpointing": "false",
+      "base_output_directory": os.path.join(tempfile.gettempdir(), "nnx_zero1_plan"),
+      "skip_jax_distributed_system": "true", "enable_goodput_recording": "false",
+      "jax_cache_dir": "", "internal_compile": "true", "compile_topology": topology,
+      "internal_compile_num_devices": str(devices), "compile_topology_num_slices": "1",
+      "per_device_batch_size": str(batch // devices), "max_target_length": str(seq_len),
+      "gradient_accumulation_steps": str(ga), "opt_type": optimizer,
+      **{f"ici_{a}_parallelism": "1" for a in known},
+      **{f"ici_{a}_parallelism": str(n) for a, n in axes.items()},
+  }
+  for key, value in (("weight_dtype", param_dtype), ("dtype", compute_dtype), ("remat_policy", remat)):
+    if value is not None:
+      config[key] = value
+  return {**config, **(overrides or {})}
+
+
+def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
+  """The class attributes of ``Zero1AbstractMaxTextEngine`` that make it ``lever`` (None: MaxText's own).
+
+  Raises:
+    PlanError: a lever of this library's own gradient accumulation (MaxText's engine accumulates its own).
+
+  Example::
+
+    >>> from nnx_zero1._src.planner.levers import LEVERS
+    >>> engine_attributes("zero2-offload", LEVERS["zero2-offload"])
+    {'OFFLOAD_STATE_TO_HOST': True, 'SHARD_ACCUMULATOR': True}
+  """
+  if not lever.zero1:
+    return None
+  if lever.deferred and not lever.accumulate_options.get("shard_accumulator"):
+    raise PlanError(f"{lever_name} is this library's gradient accumulation; MaxText's engine accumulates "
+                    "its own (and defers the data-parallel reduction itself under shard_mode=explicit): "
+                    "plan zero1 or zero2")
+  attributes = {k.upper(): v for k, v in lever.optimizer_options.items()}
+  if lever.accumulate_options.get("shard_accumulator"):
+    attributes["SHARD_ACCUMULATOR"] = True
+  return attributes
+
+
+def _kernel_collectives(kernel: Any) -> dict[str, dict[str, int]]:
+  from nnx_zero1._src.hlo import collectives
+
+  return collectives(kernel.as_text() or "")
+
+
+def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str]) -> dict[str, Any]:
+  """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
+
+  A step runs ``fwd_bwd`` once and ``fwd_bwd_accum`` ``ga - 1`` times, then ``update``; its memory
+  is the larger gradient kernel's with the optimizer state beside it, or the update's.
+
+  Raises:
+    PlanError: a lever MaxText's engine has no form of.
+    ValueError: MaxText's config or Zero-1 refusing the settings (the plan records it on the row).
+    jax.errors.JaxRuntimeError: the compiler refusing a kernel (the plan records it on the row).
+  """
+  from nnx_zero1.adapters import _compat
+
+  _compat.ensure_tunix_types()  # before MaxText's engine modules import Tunix's
+  import maxtext
+  from flax import nnx
+  from maxtext.configs import pyconfig
+  from maxtext.trainers.pre_train import train_compile
+  from maxtext.training_engine import maxtext_engine_compile as mec
+
+  from nnx_zero1._src.planner.abstract import abstract_bytes_per_device, bytes_by_memory_kind
+  from nnx_zero1._src.planner.compiled import cost, memory, split_memory, summed
+  from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine
+
+  attributes = engine_attributes(lever_name, lever)
+  base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+  config = pyconfig.initialize(["nnx_zero1.plan", base] + [f"{k}={v}" for k, v in overrides.items()])
+  mesh = train_compile.get_topology_mesh(config)
+  engine_class = (mec.AbstractMaxTextEngine if attributes is None
+                  else type(f"Zero1Engine_{lever_name}", (Zero1AbstractMaxTextEngine,), attributes))
+  start = time.perf_counter()
+  engine = engine_class(config, mesh)
+  kernels = engine.compile_kernels(mec.get_shaped_micro_batch(config))
+  seconds = time.perf_counter() - start
+  by_kind = bytes_by_memory_kind(nnx.state(engine.optimizer.opt_state))
+  model, _ = _compat.engine_model_and_mesh(engine)
+  ga = int(config.gradient_accumulation_steps)
+  runs = ["fwd_bwd"] + ["fwd_bwd_accum"] * (ga - 1)  # the gradient kernels one step runs, in order
+  grads = max((memory(kernels[name]) for name in set(runs)), key=lambda m: m["peak"])
+  mem = split_memory(grads, memory(kernels["update"]), by_kind.get("device", 0))
+  counted = {name: _kernel_collectives(kernels[name]) for name in (*set(runs), "update")}
+  micro = [counted[name] for name in runs]
+  per_step = summed([*micro, counted["update"]])
+  spent = cost(kernels["update"])
+  return {
+      "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
+      "param_bytes_per_device": abstract_bytes_per_device(nnx.state(model, nnx.Param)),
+      "error": None, "hbm_oom": None, "compile_s": seconds,
+      "argument_bytes_per_device": mem["argument"], "output_bytes_per_device": mem["output"],
+      "alias_bytes_per_device": mem["alias"], "temp_bytes_per_device": mem["temp"],
+      "peak_bytes_per_device": mem["peak"], "host_argument_bytes_per_device": mem["host_argument"],
+      "collectives": {"per_step": per_step, "per_micro_batch": micro[-1]},
+      "update_peak_bytes_per_device": mem["update_peak"], "update_temp_bytes_per_device": mem["update_temp"],
+      "update_flops_per_device": spent["flops"], "update_bytes_accessed_per_device": spent["bytes_accessed"],
+      "maxtext_config": {k: str(getattr(config, k)) for k in _REPORTED},
+  }
+
+
+# What MaxText's defaults chose, recorded on a row.
+_REPORTED = ("model_name", "shard_mode", "remat_policy", "scan_layers", "dtype", "weight_dtype", "opt_type",
+             "num_decoder_layers", "gradient_accumulation_steps", "global_batch_size_to_train_on")
