@@ -455,3 +455,42 @@ def test_one_program_step_keeps_zero1s_whole_saving_at_the_peak():
     assert rule > 0, case
     kept = (plain_args + plain_temp) - (zero1_args + zero1_temp)
     assert kept >= 0.95 * rule, (case, kept / rule)
+
+
+_GPU_ONE_PROGRAM = """
+import json
+from nnx_zero1._src.planner import compilers
+compilers.prepare_environment(); compilers.start_cpu_jax()
+import numpy as np
+from jax.sharding import AxisType, Mesh
+from nnx_zero1._src.planner.models import model_source
+from nnx_zero1._src.planner.run import _measured
+from nnx_zero1._src.planner.targets import make_target
+
+devices = np.array(make_target("h100:8").devices).reshape(8, 1, 1)
+mesh = Mesh(devices, ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
+source = model_source("tunix:qwen3_8b", "bfloat16", "bfloat16")
+settings = {"batch": 8, "seq_len": 1024, "ga": 1, "optimizer": "adamw"}
+rows = {lever: _measured(lever, "one", source, 1, mesh, settings) for lever in ("baseline", "zero1")}
+print("RESULT " + json.dumps({k: [r["argument_bytes_per_device"], r["temp_bytes_per_device"], r["error"]]
+                              for k, r in rows.items()}), flush=True)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda13_plugin") is None or
+                    importlib.util.find_spec("tunix") is None,
+                    reason="needs XLA's GPU compiler and Tunix (CI lane 2)")
+def test_gpu_one_program_step_gives_zero1_no_more_temp_than_the_baseline():
+  """XLA's GPU compiler schedules Zero-1's all-gathers into the donated parameter buffers itself: one
+  layer of Tunix's ``qwen3_8b`` (bf16, one jitted step, 8x H100, data=8) needs less temp under Zero-1
+  than under ``nnx.Optimizer`` (measured 2.67 against 3.19 GB). The TPU compiler's in-place write
+  (a ``select`` over the old parameters) would cost it 0.68 GB here (3.35 GB, above the baseline),
+  so only TPU meshes get it."""
+  proc = subprocess.run([sys.executable, "-c", _GPU_ONE_PROGRAM], env=_env(), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+  rows = json.loads(line[len("RESULT "):])
+  (base_args, base_temp, base_error), (zero1_args, zero1_temp, zero1_error) = rows["baseline"], rows["zero1"]
+  assert base_error is None and zero1_error is None
+  assert zero1_args < base_args / 2 and zero1_temp <= base_temp

@@ -328,15 +328,15 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     new_params, new_state, updates = _run_on_slices(self.tx, plan, sliced, homes, kwargs)
     if plan.master_dtype is not None:
       new_params, updates = write_masters(self.master_params, new_params, updates, params, plan, self.graph)
-    nnx.update(model, _over_old_parameters(place_tree(new_params, homes), params))
+    nnx.update(model, _over_old_parameters(place_tree(new_params, homes), params, plan.mesh))
     new_state = narrow(new_state, plan, step=self.step[...])
     nnx.update(self.opt_state, nnx.state(to_storage(new_state, plan), graph=self.graph))
     self.step[...] += 1
     return place_tree(updates, homes)
 
 
-def _over_old_parameters(new: Any, old: Any) -> Any:
-  """The gathered new parameters, written elementwise over the old ones when traced.
+def _over_old_parameters(new: Any, old: Any, mesh: Any) -> Any:
+  """The gathered new parameters, written elementwise over the old ones when traced for TPUs.
 
   In one jitted step whose parameters are donated, the new parameters must land in
   the old parameters' buffers. ``nnx.Optimizer``'s come from an elementwise add that
@@ -345,12 +345,21 @@ def _over_old_parameters(new: Any, old: Any) -> Any:
   the TPU compiler gives those readers a copy of every parameter, live across the
   activation peak. A ``select`` on a predicate the compiler cannot fold (it passes an
   optimization barrier) reads the old parameters last and writes in place, as the
-  add does; it always picks ``new``, so the values are unchanged to the bit.
+  add does; it always picks ``new``, so the values are unchanged to the bit. XLA's
+  GPU compiler schedules the all-gathers into the donated buffers itself, and the
+  ``select`` would cost it a gathered copy at the peak, so only a TPU mesh gets it.
   """
   if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(new)):
     return new  # eager: every array is its own buffer already
+  if _platform(mesh) != "tpu":
+    return new
   take_new = jax.lax.optimization_barrier(jnp.ones((), dtype=bool))
   return jax.tree.map(lambda n, o: jnp.where(take_new, n, o), new, old)
+
+
+def _platform(mesh: Any) -> str:
+  """The platform of ``mesh``'s devices (jax's default backend for an abstract mesh)."""
+  return mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else jax.default_backend()
 
 
 class _Slices(NamedTuple):
