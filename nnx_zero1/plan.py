@@ -17,9 +17,9 @@ Models: ``tunix:CONFIG`` (a Tunix ``ModelConfig`` classmethod, e.g.
 ``maxtext:qwen3-0.6b``, with MaxText's ``key=value`` overrides; TPU slices, a
 split step, ``pip install --no-deps maxtext==0.2.5``) or
 ``package.module:function`` (your own; see ``docs/planner.md`` for what it
-returns). Deep Tunix and own models are compiled at 2 and 4 layers and
-extrapolated per layer (``--full-depth`` compiles them whole); MaxText scans
-its layers and compiles whole.
+returns). For TPUs, deep Tunix and own models are compiled at 2 and 4 layers
+and extrapolated per layer (``--full-depth`` compiles them whole); GPU targets
+and MaxText (which scans its layers) compile whole.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
     steps: ``one`` (one program: gradients then ``optimizer.update``, as Tunix's trainers and
       ``nnx.jit`` loops compile a step), ``split`` (two programs, gradients then update, as MaxText's
       engine does: the rows add the update program's peak, flops and bytes accessed), or both.
-    full_depth: compile deep models whole instead of at 2 and 4 layers, extrapolated.
+    full_depth: compile deep models whole for TPUs too (by default at 2 and 4 layers, extrapolated).
     overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
     progress: called with one line after each lever's compiles.
 
@@ -116,7 +116,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--steps", default="one,split", help="one (one program: gradients + update, as Tunix "
                  "and nnx.jit loops compile it), split (two programs, as MaxText's engine); default both")
   p.add_argument("--full-depth", action="store_true",
-                 help=f"compile deep models whole (default: at {DEFAULT_DEPTHS} layers, extrapolated)")
+                 help=f"compile deep models whole for TPUs too (default: at {DEFAULT_DEPTHS} layers, "
+                 "extrapolated; GPU targets compile whole)")
   p.add_argument("--out", default=None, help="folder for plan.json and plan.md")
   p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                  help="MaxText config overrides (maxtext: models), e.g. remat_policy=minimal")

@@ -14,12 +14,10 @@ from typing import Any
 
 __all__ = ["NEAR_LIMIT", "extrapolate", "extrapolate_row", "near_the_limit", "not_alike"]
 
-# Above this share of the usable memory an extrapolated peak is checked by a whole compile. XLA's GPU
-# scheduler plans against its limit: near it, the whole program keeps less temp per layer than a shallow
-# one (the line overestimated qwen3_8b's baseline by 63%; elsewhere within 4%). The TPU compiler's
-# whole 8B programs kept more temp than the line said (qwen3_8b 28.24 GiB against 23.69 extrapolated,
-# llama3p1_8b 26.93 against 19.79: x1.36), so a TPU peak is trusted only well below the limit.
-NEAR_LIMIT = {"cuda": 0.75, "tpu": 0.5}
+# Above this share of the usable memory an extrapolated (TPU) peak is checked by a whole compile: the TPU
+# compiler's whole 8B programs kept more temp than the line said (qwen3_8b 28.24 GiB against 23.69
+# extrapolated, llama3p1_8b 26.93 against 19.79: x1.36), so a peak is trusted only well below the limit.
+NEAR_LIMIT = 0.5
 
 
 def extrapolate(at_d1: float, at_d2: float, d1: int, d2: int, depth: int) -> int:
@@ -60,18 +58,16 @@ def extrapolate_row(r1: Mapping[str, Any], r2: Mapping[str, Any], d1: int, d2: i
   return {**r2, **{k: walk(r1.get(k), r2.get(k)) for k in keys}}
 
 
-def near_the_limit(peak: int | None, usable: int, platform: str) -> bool:
-  """Whether an extrapolated peak is close enough to the usable memory that only a whole compile says
-  (:data:`NEAR_LIMIT` of it, by ``platform``: ``"cuda"`` or ``"tpu"``).
+def near_the_limit(peak: int | None, usable: int) -> bool:
+  """Whether an extrapolated peak is above :data:`NEAR_LIMIT` of the usable memory, where only a whole
+  compile says.
 
   Example::
 
-    >>> near_the_limit(61 * 2**30, 59 * 2**30, "cuda"), near_the_limit(35 * 2**30, 59 * 2**30, "cuda")
+    >>> near_the_limit(20 * 2**30, 31 * 2**30), near_the_limit(10 * 2**30, 31 * 2**30)
     (True, False)
-    >>> near_the_limit(20 * 2**30, 31 * 2**30, "tpu")
-    True
   """
-  return peak is not None and peak > NEAR_LIMIT[platform] * usable
+  return peak is not None and peak > NEAR_LIMIT * usable
 
 
 def not_alike(temp_at_d1: int | None, temp_at_d2: int | None, d1: int, d2: int) -> str | None:
