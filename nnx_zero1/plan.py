@@ -15,7 +15,7 @@ Models: ``tunix:CONFIG`` (a Tunix ``ModelConfig`` classmethod, e.g.
 ``tunix:qwen3_8b``, ``tunix:llama3p1_8b``, ``tunix:gemma3_4b_pt``),
 ``maxtext:MODEL_NAME`` (MaxText's own engine and config, e.g.
 ``maxtext:qwen3-0.6b``, with MaxText's ``key=value`` overrides; TPU slices, a
-split step, ``pip install --no-deps maxtext==0.2.5``) or
+split step, maxtext 0.2.5 installed as ``docs/planner.md`` says) or
 ``package.module:function`` (your own; see ``docs/planner.md`` for what it
 returns). For TPUs, deep Tunix and own models are compiled at 2 and 4 layers
 and extrapolated per layer (``--full-depth`` compiles them whole); GPU targets

@@ -347,3 +347,7 @@ def test_maxtext_plan_compiles_maxtexts_engine_for_each_lever(tmp_path):
   assert offload["opt_state_bytes_by_memory_kind"].get("pinned_host", 0) > 0
   assert offload["opt_state_bytes_per_device"] < zero1["opt_state_bytes_per_device"] / 10
   assert "MaxText's engine accumulates its own" in rows["zero1-accum"]["error"]
+  if HAS_GPU_COMPILER:  # MaxText's ahead-of-time engine compiles for TPUs only: one line, exit 2
+    gpu = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", "--model", "maxtext:default", "--topology",
+                          "h100:8"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert gpu.returncode == 2 and "for TPU slices only; h100:8 is a GPU target" in gpu.stderr

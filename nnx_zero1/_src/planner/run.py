@@ -169,7 +169,8 @@ def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], setti
   try:
     known = mesh_axis_names()
   except ImportError as e:
-    raise PlanError(f"maxtext:{name} needs MaxText (Python >= 3.12): pip install maxtext==0.2.5 ({e})") from e
+    raise PlanError(f"maxtext:{name} needs MaxText (Python >= 3.12), from a clone: pip install -r "
+                    f".ci/requirements-newest.txt && pip install --no-deps maxtext==0.2.5 ({e})") from e
   axes = mesh_axes(sizes, (), len(target.devices))
   param_dtype, compute_dtype, remat = dtypes_and_remat
   config = config_overrides(name, topology, len(target.devices), axes, batch=settings["batch"],
@@ -191,7 +192,7 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   from nnx_zero1._src.planner.steps import OPTIMIZERS, STEPS
   from nnx_zero1._src.planner.targets import require_compiler
 
-  kind, name = parse_model(model)
+  kind, model_name = parse_model(model)
   names = parse_levers(levers, LEVERS)
   shapes = parse_levers(steps, STEPS, what="step")
   sizes = parse_mesh(mesh)
@@ -216,7 +217,7 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   settings = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer}
   dtypes_and_remat = (param_dtype, compute_dtype, remat)
   if kind == "maxtext":
-    source, axes = _maxtext(name, topology, target, sizes, settings, dtypes_and_remat, overrides)
+    source, axes = _maxtext(model_name, topology, target, sizes, settings, dtypes_and_remat, overrides)
     device_mesh, reduced = None, None
   else:
     source, axes, device_mesh, reduced = _tunix_or_own(model, target, sizes, batch, full_depth, depths,
