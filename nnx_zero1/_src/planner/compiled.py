@@ -7,7 +7,8 @@ from typing import Any
 
 from nnx_zero1._src.hlo import collectives, loop_collectives
 
-__all__ = ["memory", "split_memory", "cost", "hbm_oom", "collectives_of", "summed", "split_collectives_of"]
+__all__ = ["memory", "split_memory", "cost", "hbm_oom", "collectives_of", "summed", "split_collectives_of",
+           "row_figures"]
 
 
 def memory(compiled: Any) -> dict[str, int]:
@@ -133,3 +134,27 @@ def split_collectives_of(grads: Any, update: Any) -> dict[str, dict[str, dict[st
   """:func:`collectives_of` a step compiled as two programs: both programs' collectives, summed."""
   a, b = collectives_of(grads), collectives_of(update)
   return {when: summed([a[when], b[when]]) for when in a}
+
+
+def row_figures(mem: dict[str, int], collectives: dict[str, Any],
+                update_cost: dict[str, int | None] | None = None) -> dict[str, Any]:
+  """A plan row's figures of a compiled step: its :func:`memory` (or :func:`split_memory`), its collectives
+  and, for a split step, the update program's peak, temp and :func:`cost` (``None`` for one program).
+
+  Example::
+
+    >>> m = {"argument": 10, "output": 4, "alias": 4, "temp": 50, "peak": 60, "host_argument": 0}
+    >>> row_figures(m, {})["peak_bytes_per_device"], row_figures(m, {})["update_flops_per_device"]
+    (60, None)
+  """
+  spent = update_cost or {}
+  return {
+      "argument_bytes_per_device": mem["argument"], "output_bytes_per_device": mem["output"],
+      "alias_bytes_per_device": mem["alias"], "temp_bytes_per_device": mem["temp"],
+      "peak_bytes_per_device": mem["peak"], "host_argument_bytes_per_device": mem["host_argument"],
+      "collectives": collectives,
+      "update_peak_bytes_per_device": mem.get("update_peak"),
+      "update_temp_bytes_per_device": mem.get("update_temp"),
+      "update_flops_per_device": spent.get("flops"),
+      "update_bytes_accessed_per_device": spent.get("bytes_accessed"),
+  }

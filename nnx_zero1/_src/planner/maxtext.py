@@ -146,7 +146,7 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   from maxtext.training_engine import maxtext_engine_compile as mec
 
   from nnx_zero1._src.planner.abstract import abstract_bytes_per_device, bytes_by_memory_kind
-  from nnx_zero1._src.planner.compiled import cost, memory, split_memory, summed
+  from nnx_zero1._src.planner.compiled import cost, memory, row_figures, split_memory, summed
   from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine
 
   attributes = engine_attributes(lever_name, lever)
@@ -168,17 +168,12 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   counted = {name: _kernel_collectives(kernels[name]) for name in (*set(runs), "update")}
   micro = [counted[name] for name in runs]
   per_step = summed([*micro, counted["update"]])
-  spent = cost(kernels["update"])
+  collectives = {"per_step": per_step, "per_micro_batch": micro[-1]}
   return {
       "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
       "param_bytes_per_device": abstract_bytes_per_device(nnx.state(model, nnx.Param)),
       "error": None, "hbm_oom": None, "compile_s": seconds,
-      "argument_bytes_per_device": mem["argument"], "output_bytes_per_device": mem["output"],
-      "alias_bytes_per_device": mem["alias"], "temp_bytes_per_device": mem["temp"],
-      "peak_bytes_per_device": mem["peak"], "host_argument_bytes_per_device": mem["host_argument"],
-      "collectives": {"per_step": per_step, "per_micro_batch": micro[-1]},
-      "update_peak_bytes_per_device": mem["update_peak"], "update_temp_bytes_per_device": mem["update_temp"],
-      "update_flops_per_device": spent["flops"], "update_bytes_accessed_per_device": spent["bytes_accessed"],
+      **row_figures(mem, collectives, cost(kernels["update"])),
       "maxtext_config": {k: str(getattr(config, k)) for k in _REPORTED},
   }
 

@@ -71,6 +71,7 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     cost,
     hbm_oom,
     memory,
+    row_figures,
     split_collectives_of,
     split_memory,
   )
@@ -98,19 +99,11 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     refused = {"error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": 0.0}
     return {**dict.fromkeys(_EXTRAPOLATED), **row, **refused}
   if step == "one":
-    mem, collectives, update_cost = memory(compiled), collectives_of(compiled), dict.fromkeys(_UPDATE)
+    figures = row_figures(memory(compiled), collectives_of(compiled))
   else:
     mem = split_memory(memory(grads), memory(update), row["opt_state_bytes_per_device"])
-    collectives, spent = split_collectives_of(grads, update), cost(update)
-    update_cost = dict(zip(_UPDATE, (mem["update_peak"], mem["update_temp"], spent["flops"],
-                                     spent["bytes_accessed"]), strict=True))
-  return {
-      **row, "error": None, "hbm_oom": None, "compile_s": seconds,
-      "argument_bytes_per_device": mem["argument"], "output_bytes_per_device": mem["output"],
-      "alias_bytes_per_device": mem["alias"], "temp_bytes_per_device": mem["temp"],
-      "peak_bytes_per_device": mem["peak"], "host_argument_bytes_per_device": mem["host_argument"],
-      "collectives": collectives, **update_cost,
-  }
+    figures = row_figures(mem, split_collectives_of(grads, update), cost(update))
+  return {**row, "error": None, "hbm_oom": None, "compile_s": seconds, **figures}
 
 
 def _lever_row(lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any,
