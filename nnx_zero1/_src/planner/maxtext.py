@@ -119,12 +119,6 @@ def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
   return attributes
 
 
-def _kernel_collectives(kernel: Any) -> dict[str, dict[str, int]]:
-  from nnx_zero1._src.hlo import collectives
-
-  return collectives(kernel.as_text() or "")
-
-
 def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str]) -> dict[str, Any]:
   """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
 
@@ -145,6 +139,7 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   from maxtext.trainers.pre_train import train_compile
   from maxtext.training_engine import maxtext_engine_compile as mec
 
+  from nnx_zero1._src.hlo import collectives
   from nnx_zero1._src.planner.abstract import abstract_bytes_per_device, bytes_by_memory_kind
   from nnx_zero1._src.planner.compiled import cost, memory, row_figures, split_memory, summed
   from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine
@@ -165,15 +160,14 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   runs = ["fwd_bwd"] + ["fwd_bwd_accum"] * (ga - 1)  # the gradient kernels one step runs, in order
   grads = max((memory(kernels[name]) for name in set(runs)), key=lambda m: m["peak"])
   mem = split_memory(grads, memory(kernels["update"]), by_kind.get("device", 0))
-  counted = {name: _kernel_collectives(kernels[name]) for name in (*set(runs), "update")}
+  counted = {name: collectives(kernels[name].as_text() or "") for name in (*set(runs), "update")}
   micro = [counted[name] for name in runs]
-  per_step = summed([*micro, counted["update"]])
-  collectives = {"per_step": per_step, "per_micro_batch": micro[-1]}
+  counts = {"per_step": summed([*micro, counted["update"]]), "per_micro_batch": micro[-1]}
   return {
       "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
       "param_bytes_per_device": abstract_bytes_per_device(nnx.state(model, nnx.Param)),
       "error": None, "hbm_oom": None, "compile_s": seconds,
-      **row_figures(mem, collectives, cost(kernels["update"])),
+      **row_figures(mem, counts, cost(kernels["update"])),
       "maxtext_config": {k: str(getattr(config, k)) for k in _REPORTED},
   }
 

@@ -17,14 +17,12 @@ from nnx_zero1._src.planner.table import markdown, next_steps, table
 
 __all__ = ["Plan", "make_plan_rows", "DEFAULT_DEPTHS"]
 
-# A split step's update program alone (None for a one-program step): its peak and temp, and one
-# device's flops and bytes accessed by the compiler's cost analysis (None on the GPU compiler).
-_UPDATE = ("update_peak_bytes_per_device", "update_temp_bytes_per_device", "update_flops_per_device",
-           "update_bytes_accessed_per_device")
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for a model deeper than the second
 _EXTRAPOLATED = ("opt_state_bytes_per_device", "argument_bytes_per_device", "output_bytes_per_device",
                  "alias_bytes_per_device", "temp_bytes_per_device", "peak_bytes_per_device",
-                 "host_argument_bytes_per_device", "collectives", *_UPDATE)
+                 "host_argument_bytes_per_device", "collectives", "update_peak_bytes_per_device",
+                 "update_temp_bytes_per_device", "update_flops_per_device",
+                 "update_bytes_accessed_per_device")
 
 
 @dataclasses.dataclass
