@@ -38,3 +38,15 @@ def test_zero1_adds_one_parameter_all_gather_and_nothing_else():
   assert plain["all-gather"] == {"count": 0, "bytes": 0}
   assert zero1["all-gather"]["bytes"] == sum(p.nbytes for p in split)
   assert 1 <= zero1["all-gather"]["count"] <= len(split)
+
+
+def test_an_async_all_reduce_on_gpu_counts_its_result_once():
+  """XLA's GPU HLO writes an async all-reduce's shape as ((operands), result): the data once, not twice."""
+  gpu = ("ENTRY %main {\n  %all-reduce-start.1 = ((f32[256]{0}), f32[256]{0}) all-reduce-start(%p), "
+         "to_apply=%add\n}\n")
+  combined = ("ENTRY %main {\n  %all-reduce-start.2 = ((f32[256]{0}, bf16[8]{0}), (f32[256]{0}, bf16[8]{0})) "
+              "all-reduce-start(%p, %q), to_apply=%add\n}\n")
+  cpu = "ENTRY %main {\n  %all-reduce-start.3 = f32[256]{0} all-reduce-start(%p), to_apply=%add\n}\n"
+  assert collectives(gpu)["all-reduce"] == {"count": 1, "bytes": 1024}
+  assert collectives(combined)["all-reduce"] == {"count": 1, "bytes": 1024 + 16}
+  assert collectives(cpu)["all-reduce"] == {"count": 1, "bytes": 1024}

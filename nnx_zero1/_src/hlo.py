@@ -85,6 +85,30 @@ def shape_bytes(shape: str, *, second_half: bool = False) -> int:
   return sum(_array_bytes(dtype, dims) for dtype, dims in arrays)
 
 
+def _result_bytes(shape: str, op: str, start: bool) -> int:
+  """Bytes a collective produces on one device, from its HLO shape.
+
+  A synchronous collective's shape is its result. An async ``all-gather-start``'s
+  is (operands, results). An async ``all-reduce-start``'s is its result on XLA's
+  CPU backend and ((operands), results) on XLA's GPU backend, where counting the
+  whole tuple would count the data twice.
+
+  Example::
+
+    >>> _result_bytes("((bf16[8]{0}), bf16[8]{0})", "all-reduce", start=True)  # GPU
+    16
+    >>> _result_bytes("f32[8]{0}", "all-reduce", start=True)  # CPU
+    32
+  """
+  if start and op == "all-reduce" and shape.startswith("(("):
+    depth = 0
+    for i, ch in enumerate(shape):
+      depth += {"(": 1, ")": -1}.get(ch, 0)
+      if depth == 1 and ch == ")":  # the operands' tuple has closed: the rest is the result
+        return shape_bytes(shape[i + 1:])
+  return shape_bytes(shape, second_half=start and op != "all-reduce")
+
+
 def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
   """Splits HLO text into {computation name: its instruction lines} and the entry's name."""
   bodies: dict[str, list[str]] = {}
@@ -174,7 +198,7 @@ def _count(lines: list[str], times: int, out: Counts) -> None:
       continue
     m = _OP.match(line)
     if m and times:
-      nbytes = shape_bytes(m["shape"], second_half=bool(m["start"]) and m["op"] != "all-reduce")
+      nbytes = _result_bytes(m["shape"], m["op"], bool(m["start"]))
       out[m["op"]]["count"] += times
       out[m["op"]]["bytes"] += times * nbytes
 
