@@ -1,0 +1,106 @@
+"""The planner's search for the largest micro-batch that fits: pure logic, compiles stood in by functions."""
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from nnx_zero1._src.planner.search import Probe, find_edge, line_limit, round_down
+
+GIB = 2**30
+
+
+def by_peak(peak, usable, refuse_from=None):
+  """A stand-in compiler: ``peak(batch)`` bytes, refused outright from ``refuse_from`` on."""
+  calls = []
+
+  def measure(batch):
+    calls.append(batch)
+    if refuse_from is not None and batch >= refuse_from:
+      return Probe(batch, None, False, f"RESOURCE_EXHAUSTED at {batch}")
+    p = peak(batch)
+    return Probe(batch, p, p <= usable)
+
+  return measure, calls
+
+
+def brute_force(peak, usable, step, cap, refuse_from=None):
+  fitting = [b for b in range(step, cap + 1, step)
+             if (refuse_from is None or b < refuse_from) and peak(b) <= usable]
+  return max(fitting, default=None)
+
+
+def test_a_linear_peak_takes_the_two_compiles_of_the_line_and_the_two_at_the_edge():
+  peak = lambda b: 3 * GIB + b * GIB // 4
+  measure, calls = by_peak(peak, 15 * GIB)
+  edge = find_edge(measure, step=4, usable=15 * GIB, start=8)
+  assert edge.max_micro_batch == brute_force(peak, 15 * GIB, 4, 1 << 14) == 48
+  assert edge.above == 52 and "peak 16.00 GiB > usable 15.00 GiB" == edge.refused_because
+  assert calls == [8, 16, 48, 52]
+
+
+def test_a_line_that_bends_near_the_limit_is_bisected_to_the_same_edge():
+  # Temp grows faster past 32 sequences (the compiler rematerialises): the line overshoots.
+  peak = lambda b: 2 * GIB + b * GIB // 8 + max(0, b - 32) * GIB // 2
+  measure, calls = by_peak(peak, 12 * GIB)
+  edge = find_edge(measure, step=4, usable=12 * GIB, start=8)
+  assert edge.max_micro_batch == brute_force(peak, 12 * GIB, 4, 1 << 14)
+  assert edge.above == edge.max_micro_batch + 4
+  assert len(calls) <= 8 and len(set(calls)) == len(calls)  # no compile twice
+
+
+def test_a_compiler_refusal_is_the_edge_and_its_message_says_why():
+  peak = lambda b: b * GIB // 8
+  measure, _ = by_peak(peak, 100 * GIB, refuse_from=40)
+  edge = find_edge(measure, step=8, usable=100 * GIB, start=8)
+  assert (edge.max_micro_batch, edge.above) == (32, 40)
+  assert edge.refused_because == "RESOURCE_EXHAUSTED at 40"
+
+
+def test_a_start_above_the_limit_searches_down():
+  peak = lambda b: 2 * GIB + b * GIB // 4
+  measure, _ = by_peak(peak, 10 * GIB)
+  edge = find_edge(measure, step=2, usable=10 * GIB, start=64)
+  assert (edge.max_micro_batch, edge.above) == (32, 34)
+
+
+def test_nothing_fits_when_the_smallest_micro_batch_does_not():
+  measure, calls = by_peak(lambda b: 20 * GIB + b, 16 * GIB)
+  edge = find_edge(measure, step=4, usable=16 * GIB, start=16)
+  assert edge.max_micro_batch is None and edge.above == 4 and calls == [16, 4]
+
+
+def test_the_cap_ends_a_search_where_everything_fits():
+  measure, _ = by_peak(lambda b: b, 2**60)
+  edge = find_edge(measure, step=4, usable=2**60, start=8, cap=256)
+  assert (edge.max_micro_batch, edge.above, edge.refused_because) == (256, None, None)
+
+
+def test_the_line_and_rounding():
+  assert round_down(7, 4) == 4 and round_down(1, 4) == 4
+  assert line_limit(Probe(8, 10, True), Probe(16, 10, True), 50, 4) is None  # flat: no prediction
+  assert line_limit(Probe(8, None, False, "x"), Probe(16, 18, True), 50, 4) is None
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(base=st.integers(0, 20), slope=st.integers(1, 64), bend_at=st.integers(1, 200),
+       bend=st.integers(0, 64), usable=st.integers(1, 200), step=st.sampled_from([1, 2, 4, 8]),
+       start=st.integers(1, 256))
+@example(base=0, slope=1, bend_at=1, bend=0, usable=1, step=1, start=1)
+def test_any_rising_peak_gives_the_brute_force_edge(base, slope, bend_at, bend, usable, step, start):
+  """Whatever the line's error, the edge is the largest micro-batch that fits, one step below a refusal."""
+  peak = lambda b: (base + slope * b + bend * max(0, b - bend_at)) * GIB // 16
+  measure, calls = by_peak(peak, usable * GIB)
+  edge = find_edge(measure, step=step, usable=usable * GIB, start=start, cap=4096, max_compiles=40)
+  expected = brute_force(peak, usable * GIB, step, 4096)
+  assert edge.max_micro_batch == expected
+  assert edge.above == (step if expected is None else expected + step)
+  assert len(set(calls)) == len(calls)
+
+
+@pytest.mark.parametrize("start", [4, 8, 40, 200])
+def test_a_linear_search_needs_at_most_five_compiles(start):
+  peak = lambda b: 7 * GIB + b * 3 * GIB // 32
+  measure, calls = by_peak(peak, 15 * GIB)
+  edge = find_edge(measure, step=4, usable=15 * GIB, start=start)
+  assert edge.max_micro_batch == brute_force(peak, 15 * GIB, 4, 1 << 14)
+  assert len(calls) <= 5, calls
