@@ -8,7 +8,7 @@ import platform
 import sys
 import time
 
-from nnx_zero1._src.planner import compilers as libtpu
+from nnx_zero1_plan import compilers as libtpu
 
 __all__ = ["AOT_ARMS", "main"]
 

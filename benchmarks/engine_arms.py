@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import measure
 from benchmarks.model import Transformer, loss_fn
 from benchmarks.settings import OPTIMIZERS, Settings, new_model
-from nnx_zero1._src.hlo import collectives
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1 import bytes_per_device
+from nnx_zero1.testing import collectives
 
 __all__ = ["EngineArm", "token_loss"]
 

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import devices
-from nnx_zero1._src.report import bytes_per_device
+from nnx_zero1 import bytes_per_device
 from nnx_zero1.testing import collectives
 from tests.maxtext_toys import tiny_batches, tiny_config, tiny_mesh
 

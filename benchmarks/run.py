@@ -22,20 +22,21 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import measure
 from benchmarks.model import loss_fn
 from benchmarks.settings import (
-    ACCUMULATE_OPTIONS,
-    LEVER_REFERENCE,
-    OPTIMIZERS,
-    STEP_ARMS,
-    Settings,
-    lever,
-    make_optimizer,
-    new_model,
-    row_fields,
-    tokens,
+  ACCUMULATE_OPTIONS,
+  LEVER_REFERENCE,
+  OPTIMIZERS,
+  STEP_ARMS,
+  Settings,
+  lever,
+  make_optimizer,
+  new_model,
+  row_fields,
+  tokens,
 )
-from nnx_zero1._src.hlo import collectives
-from nnx_zero1._src.planner.steps import step_jit
-from nnx_zero1._src.report import bytes_per_device, memory_kind_of
+from nnx_zero1 import bytes_per_device
+from nnx_zero1._src.report import memory_kind_of
+from nnx_zero1.testing import collectives
+from nnx_zero1_plan.steps import step_jit
 
 __all__ = [
     "StepArm", "accumulated_layout", "run_cell", "batch_sharding", "state_shardings",
@@ -92,7 +93,7 @@ def train_step_jit(graphdef, shardings: Any, mesh, arm: str, ga: int):
   """The arm's one jitted train step, which the CPU bench runs: the planner's one-program step.
 
   ``(state, batch) -> (state, loss)``, the state donated and kept on ``shardings``
-  (:func:`nnx_zero1._src.planner.steps.step_jit` with the arm's lever and the
+  (:func:`nnx_zero1_plan.steps.step_jit` with the arm's lever and the
   bench's loss).
 
   Example::

@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.model import CONFIGS, Config, Transformer, count_params
-from nnx_zero1._src.planner import levers
-from nnx_zero1._src.planner.levers import Lever
 from nnx_zero1.testing import CASES
+from nnx_zero1_plan import levers
+from nnx_zero1_plan.levers import Lever
 
 __all__ = [
     "ACCUMULATE_OPTIONS", "LEVER_REFERENCE", "OPTIMIZERS", "OPTIMIZER_CASES", "OPTIMIZER_OPTIONS",

@@ -1,151 +1,25 @@
-"""Will it fit? ``python -m nnx_zero1.plan``: a training step compiled for TPUs or NVIDIA GPUs, never run.
+"""``python -m nnx_zero1.plan``: the planner's command line, from its own distribution.
 
-Each lever's training step (gradients over ``--ga`` micro-batches, then
-``optimizer.update``, the state donated) is built abstractly, as one program
-(how Tunix's trainers and a user's own ``nnx.jit`` loop compile it) and as two
-(gradients, then update: MaxText's engine), and compiled by the real
-compiler for the target (libtpu for TPUs, XLA's GPU compiler deviceless for
-NVIDIA GPUs), on a machine with neither. The plan reads each program's
-per-device memory and collectives and says whether it fits the memory the
-compiler says a program may use. Needs Python >= 3.12 and the compilers:
-``pip install ".[aot]"`` from a clone (libtpu), and for GPUs
-``pip install --no-deps jax-cuda13-plugin==JAX_VERSION jax-cuda13-pjrt==JAX_VERSION``.
-
-Models: ``tunix:CONFIG`` (a Tunix ``ModelConfig`` classmethod, e.g.
-``tunix:qwen3_8b``, ``tunix:llama3p1_8b``, ``tunix:gemma3_4b_pt``),
-``maxtext:MODEL_NAME`` (MaxText's own engine and config, e.g.
-``maxtext:qwen3-0.6b``, with MaxText's ``key=value`` overrides; TPU slices, a
-split step, maxtext 0.2.5 installed as ``docs/planner.md`` says) or
-``package.module:function`` (your own; see ``docs/planner.md`` for what it
-returns). For TPUs, deep Tunix and own models are compiled at 2 and 4 layers
-and extrapolated per layer (``--full-depth`` compiles them whole); GPU targets
-and MaxText (which scans its layers) compile whole.
+The planner (``nnx-zero1-plan``, ``pip install ./planner`` from a clone) compiles a training
+step for TPUs and NVIDIA GPUs on a machine with neither; this module forwards to it, so the
+command and ``from nnx_zero1.plan import plan`` keep working once it is installed.
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
-from collections.abc import Callable, Mapping, Sequence
 
-from nnx_zero1._src.planner.compilers import AotUnavailable
-from nnx_zero1._src.planner.inputs import PlanError, parse_overrides
-from nnx_zero1._src.planner.levers import LEVERS
-from nnx_zero1._src.planner.run import DEFAULT_DEPTHS, Plan, make_plan_rows
+INSTALL = 'pip install ./planner (from a clone of nnx-zero1; "./planner[aot]" adds the TPU compiler)'
+
+try:
+  from nnx_zero1_plan import AotUnavailable, Plan, PlanError, main, parse_args, plan
+except ModuleNotFoundError as e:
+  if e.name != "nnx_zero1_plan":
+    raise
+  if __name__ != "__main__":
+    raise ModuleNotFoundError(f"nnx_zero1.plan needs the planner: {INSTALL}", name=e.name) from e
+  print(f"nnx_zero1.plan: the planner is not installed: {INSTALL}", file=sys.stderr)
+  sys.exit(2)
 
 __all__ = ["Plan", "PlanError", "AotUnavailable", "plan", "parse_args", "main"]
-
-
-def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, seq_len: int = 1024,
-         ga: int = 1, param_dtype: str | None = None, compute_dtype: str | None = None,
-         remat: str | None = None, optimizer: str = "adamw",
-         levers: str | Sequence[str] = ("baseline", "zero1"), steps: str | Sequence[str] = ("one", "split"),
-         full_depth: bool = False, overrides: Mapping[str, str] | None = None,
-         progress: Callable[[str], None] | None = None) -> Plan:
-  """Compiles each lever's training step for ``topology`` and says what it needs per device.
-
-  Args:
-    model: ``tunix:CONFIG``, ``maxtext:MODEL_NAME`` or ``package.module:function``.
-    topology: a TPU slice libtpu knows (``v5e:2x4``, ``v6e:2x2``, ``v4:2x2x1``) or NVIDIA GPUs
-      (``h100:8``, ``h200:8``, ``a100-80g:8``, ``b200:8``; ``h100:2x8`` for two nodes).
-    mesh: ``"data=4,fsdp=2"``; an axis the model names but this omits has size 1, and the
-      default is every device on ``data``. The sizes' product must be the device count.
-    batch: the global micro-batch, in sequences.
-    seq_len: tokens per sequence.
-    ga: micro-batches per optimizer step.
-    param_dtype: the parameters' dtype (``tunix:`` models; MaxText's ``weight_dtype``).
-    compute_dtype: the activations' dtype (``tunix:`` models; MaxText's ``dtype``).
-    remat: the model's remat policy (``tunix:`` models: ``none``, ``block``, ``decoder``; MaxText's
-      ``remat_policy``).
-    optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
-    levers: names from the lever table (``baseline``, ``zero1``, ``zero1-accum``, ``zero2``,
-      ``offload``, ``zero2-offload``, ``zero1-bf16state``, ``zero1-master``), a list or one
-      comma-separated string.
-    steps: ``one`` (one program: gradients then ``optimizer.update``, as Tunix's trainers and
-      ``nnx.jit`` loops compile a step), ``split`` (two programs, gradients then update, as MaxText's
-      engine does: the rows add the update program's peak, flops and bytes accessed), or both.
-    full_depth: compile deep models whole for TPUs too (by default at 2 and 4 layers, extrapolated).
-    overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
-    progress: called with one line after each lever's compiles.
-
-  Returns:
-    A :class:`Plan`: ``rows`` (one dict per lever and step), ``meta``, ``next_steps``; ``str()`` is the table.
-
-  Raises:
-    PlanError: an unknown model, topology, lever or optimizer, or a mesh that does not match.
-    AotUnavailable: the target's compiler is not installed (the message says what to install).
-
-  Example::
-
-    result = plan("tunix:qwen3_0p6b", "v6e:2x2", param_dtype="bfloat16", compute_dtype="bfloat16")
-    print(result)                      # one row per lever
-    result.rows[1]["fits"]             # peak bytes per device <= what the compiler says is usable
-  """
-  return make_plan_rows(model, topology, mesh=mesh, batch=batch, seq_len=seq_len, ga=ga,
-                        param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-                        optimizer=optimizer, levers=levers, steps=steps, full_depth=full_depth,
-                        overrides=dict(overrides) if overrides else None, progress=progress)
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  """The command line's flags (the names are a contract).
-
-  Example::
-
-    >>> parse_args(["--model", "tunix:qwen3_0p6b", "--topology", "h100:8"]).levers
-    'baseline,zero1'
-  """
-  p = argparse.ArgumentParser(prog="python -m nnx_zero1.plan", description=__doc__.split("\n\n")[0])
-  p.add_argument("--model", required=True, help="tunix:CONFIG (e.g. tunix:qwen3_8b), maxtext:MODEL_NAME "
-                 "(e.g. maxtext:qwen3-0.6b) or package.module:function")
-  p.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v4:2x2x1, v5p:..., h100:8, h200:8, "
-                 "a100-80g:8, b200:8, h100:2x8 (nodes x GPUs)")
-  p.add_argument("--mesh", default=None,
-                 help="axis sizes, e.g. data=4,fsdp=2 (default: every device on data)")
-  p.add_argument("--batch", type=int, default=8, help="global micro-batch in sequences (default 8)")
-  p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
-  p.add_argument("--ga", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-  p.add_argument("--param-dtype", default=None, help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: "
-                 "models)")
-  p.add_argument("--compute-dtype", default=None,
-                 help="activations' dtype, e.g. bfloat16 (tunix: and maxtext: models)")
-  p.add_argument("--remat", default=None, help="remat policy: none, block, decoder (tunix: models); "
-                 "MaxText's remat_policy (maxtext: models: full, minimal, ...)")
-  p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, lion, sgd, adafactor")
-  p.add_argument("--levers", default="baseline,zero1", help=f"comma-separated, of: {', '.join(LEVERS)}")
-  p.add_argument("--steps", default="one,split", help="one (one program: gradients + update, as Tunix "
-                 "and nnx.jit loops compile it), split (two programs, as MaxText's engine); default both")
-  p.add_argument("--full-depth", action="store_true",
-                 help=f"compile deep models whole for TPUs too (default: at {DEFAULT_DEPTHS} layers, "
-                 "extrapolated; GPU targets compile whole)")
-  p.add_argument("--out", default=None, help="folder for plan.json and plan.md")
-  p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                 help="MaxText config overrides (maxtext: models), e.g. remat_policy=minimal")
-  return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """Runs the command line; returns 0, or 2 with one line on stderr for input it cannot plan.
-
-  Example::
-
-    main(["--model", "tunix:qwen3_0p6b", "--topology", "h100:8", "--out", "plan_out"])
-  """
-  args = parse_args(argv)
-  say = lambda line: print(f"nnx_zero1.plan: {line}", file=sys.stderr)
-  try:
-    result = plan(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len,
-                  ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
-                  remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
-                  full_depth=args.full_depth, overrides=parse_overrides(args.overrides), progress=say)
-  except (PlanError, AotUnavailable) as e:
-    say(str(e))
-    return 2
-  print(result)
-  if args.out:
-    print("wrote " + ", ".join(result.write(args.out)))
-  return 0
-
 
 if __name__ == "__main__":
   sys.exit(main())

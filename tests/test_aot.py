@@ -18,7 +18,7 @@ import pytest
 from benchmarks import shapes
 from benchmarks.bench import parse_args
 from benchmarks.model import CONFIGS
-from nnx_zero1._src.planner import compilers as libtpu
+from nnx_zero1_plan import compilers as libtpu
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
@@ -174,7 +174,7 @@ def test_offloaded_state_leaves_device_memory_and_crosses_once_per_step(aot_run)
 
 
 _TWO_HOSTS = """
-from nnx_zero1._src.planner import compilers as libtpu
+from nnx_zero1_plan import compilers as libtpu
 libtpu.prepare_environment()
 from benchmarks.aot import abstract_arm, topology_mesh
 from benchmarks.settings import Settings
@@ -246,7 +246,7 @@ def test_without_libtpu_the_mode_says_what_to_install_and_fails():
   proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", *ARGS, "--out", "/tmp/nnx-zero1-aot-none"],
                         env=_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
-  assert 'pip install ".[aot]"' in proc.stderr and "jax[tpu]==" in proc.stderr
+  assert 'pip install "./planner[aot]"' in proc.stderr and "jax[tpu]==" in proc.stderr
 
 
 def test_a_users_model_shape_from_json(tmp_path):
@@ -371,7 +371,7 @@ def test_maxtexts_ahead_of_time_engine_compiles_with_zero1():
 
 
 _ONE_PROGRAM_PEAK = """
-from nnx_zero1._src.planner import compilers as libtpu
+from nnx_zero1_plan import compilers as libtpu
 libtpu.prepare_environment()
 import json
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -459,13 +459,13 @@ def test_one_program_step_keeps_zero1s_whole_saving_at_the_peak():
 
 _GPU_ONE_PROGRAM = """
 import json
-from nnx_zero1._src.planner import compilers
+from nnx_zero1_plan import compilers
 compilers.prepare_environment(); compilers.start_cpu_jax()
 import numpy as np
 from jax.sharding import AxisType, Mesh
-from nnx_zero1._src.planner.models import model_source
-from nnx_zero1._src.planner.run import _measured
-from nnx_zero1._src.planner.targets import make_target
+from nnx_zero1_plan.models import model_source
+from nnx_zero1_plan.run import _measured
+from nnx_zero1_plan.targets import make_target
 
 devices = np.array(make_target("h100:8").devices).reshape(8, 1, 1)
 mesh = Mesh(devices, ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)

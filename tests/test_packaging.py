@@ -1,5 +1,5 @@
 """The built (non-editable) wheel ships the plugin only: the adapters inside the package (not as
-`adapters`), no benchmark harness, no reference engine."""
+`adapters`), no planner (its own distribution, planner/), no benchmark harness, no reference engine."""
 
 import shutil
 import subprocess
@@ -37,11 +37,12 @@ def test_wheel_installs_adapters_as_nnx_zero1_adapters(tmp_path):
   assert not any(n.startswith(("adapters/", "benchmarks/", "tests/")) for n in names)
   modules = [n for n in names if n.endswith(".py")]
   assert not [n for n in modules if {"bench", "engine"} & set(Path(n).with_suffix("").parts)], modules
-  # The plugin stays small: the harness and the reference engine once were a third of these lines.
-  # 7,425 with the planner (a public command, ~1,700 lines) and the bfloat16 levers; a bound, not a goal.
+  assert not [n for n in modules if "planner" in n or n.startswith("nnx_zero1_plan/")], modules
+  # The plugin stays small: the harness and the reference engine once were a third of these lines,
+  # the planner (now planner/, its own distribution) a quarter; a bound, not a goal.
   archive = zipfile.ZipFile(wheel)
   lines = sum(archive.read(n).decode().count("\n") for n in modules)
-  assert lines <= 8000, f"the wheel holds {lines} lines of Python"
+  assert lines <= 6000, f"the wheel holds {lines} lines of Python"
 
   site = tmp_path / "site"
   zipfile.ZipFile(wheel).extractall(site)
@@ -54,6 +55,20 @@ def test_wheel_installs_adapters_as_nnx_zero1_adapters(tmp_path):
       cwd=tmp_path, capture_output=True, text=True, check=True,
   )
   assert out.stdout.strip().startswith(str(site))
+
+  # Importing the plugin changes no environment variable jax did not (Tunix, imported by its adapter,
+  # sets one of its own); without the planner installed, its command says how to install it and exits 2.
+  probe = ("import os, jax; before = dict(os.environ); "
+           "import nnx_zero1, nnx_zero1.testing, nnx_zero1.adapters.maxtext; "
+           "changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}; "
+           "assert not changed, changed")
+  env = {"PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-2000:]
+  absent = ("import runpy, sys; sys.modules['nnx_zero1_plan'] = None; sys.argv[1:] = ['--help']; "
+            "runpy.run_module('nnx_zero1.plan', run_name='__main__')")  # as if only this wheel were installed
+  out = subprocess.run([sys.executable, "-c", absent], env=env, cwd=tmp_path, capture_output=True, text=True)
+  assert out.returncode == 2 and "pip install ./planner" in out.stderr, (out.returncode, out.stderr[-2000:])
 
 
 def test_from_a_source_checkout_root_the_adapters_import_and_the_bench_starts(tmp_path):

@@ -19,9 +19,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnx_zero1 import zero1_sharding
-from nnx_zero1._src.planner import compilers
-from nnx_zero1._src.planner.depth import extrapolate, extrapolate_row
-from nnx_zero1._src.planner.inputs import (
+from nnx_zero1.plan import main, parse_args
+from nnx_zero1_plan import compilers
+from nnx_zero1_plan.depth import extrapolate, extrapolate_row
+from nnx_zero1_plan.inputs import (
   PlanError,
   mesh_axes,
   parse_levers,
@@ -30,10 +31,9 @@ from nnx_zero1._src.planner.inputs import (
   parse_overrides,
   parse_topology,
 )
-from nnx_zero1._src.planner.levers import LEVERS
-from nnx_zero1._src.planner.maxtext import config_overrides, engine_attributes
-from nnx_zero1._src.planner.table import next_steps, table
-from nnx_zero1.plan import main, parse_args
+from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.maxtext import config_overrides, engine_attributes
+from nnx_zero1_plan.table import next_steps, table
 from tests.planner_toys import tiny_lm
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -104,7 +104,7 @@ def test_maxtext_settings_become_maxtexts_overrides_or_are_refused_in_one_line()
 
 @pytest.mark.skipif(importlib.util.find_spec("tunix") is None, reason="needs Tunix: pip install \".[tunix]\"")
 def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
-  from nnx_zero1._src.planner.models import model_source
+  from nnx_zero1_plan.models import model_source
 
   for model, words in (("tunix:mistral_7b", "Tunix families: qwen3"), ("tunix:qwen3_9b", "ModelConfig has"),
                        ("tests.planner_toys:no_such", "unknown model tests.planner_toys:no_such")):
@@ -146,14 +146,14 @@ def test_flags_are_the_contracts_names():
 
 def test_without_the_compiler_the_planner_says_what_to_install(monkeypatch):
   monkeypatch.setattr(compilers.importlib.util, "find_spec", lambda name: None)
-  with pytest.raises(compilers.AotUnavailable, match=re.escape('pip install ".[aot]"')):
+  with pytest.raises(compilers.AotUnavailable, match=re.escape('pip install "./planner[aot]"')):
     compilers.require_libtpu()
   with pytest.raises(compilers.AotUnavailable, match="pip install --no-deps jax-cuda13-plugin=="):
     compilers.require_cuda_plugin()
   assert "nnx-zero1[" not in compilers.install_hint("0.12.0.1")  # not on the package index
 
 
-@pytest.mark.parametrize("topology, words", [("v6e:2x2", 'pip install ".[aot]"'),
+@pytest.mark.parametrize("topology, words", [("v6e:2x2", 'pip install "./planner[aot]"'),
                                               ("h100:8", "pip install --no-deps jax-cuda13-plugin==")])
 def test_the_command_without_its_compiler_exits_2_with_the_install_line(monkeypatch, capsys, topology, words):
   monkeypatch.setattr(compilers.importlib.util, "find_spec", lambda name: None)
@@ -241,7 +241,7 @@ def _check_rule_and_fits(result: dict, data: int) -> dict:
   return rows
 
 
-@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: pip install \".[aot]\" (Python >= 3.12), CI lane 2")
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: ./planner[aot], Python >= 3.12 (CI lane 2)")
 def test_tpu_plan_saves_what_the_layout_rule_predicts_and_extrapolates_from_reduced_depth(tmp_path):
   full = _plan(tmp_path / "full", "--topology", "v6e:2x2", "--full-depth", "--steps", "one,split")
   rows = _check_rule_and_fits(full, data=4)
@@ -271,9 +271,9 @@ def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):
 
 
 _TWO_NODES = """
-from nnx_zero1._src.planner import compilers
+from nnx_zero1_plan import compilers
 compilers.start_cpu_jax()
-from nnx_zero1._src.planner.targets import make_target
+from nnx_zero1_plan.targets import make_target
 target = make_target("h200:2x8")
 nodes = {d.process_index for d in target.devices}
 print(len(target.devices), len(nodes), target.device_kind)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nnx_zero1._src.planner.search import Probe, find_edge, line_limit, round_down
+from nnx_zero1_plan.search import Probe, find_edge, line_limit, round_down
 
 GIB = 2**30
 

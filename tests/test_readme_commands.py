@@ -47,10 +47,10 @@ def _run(command: str, venv: Path, cwd: Path, timeout: int = 900) -> subprocess.
 
 def test_the_two_set_up_commands_come_first_and_ci_runs_the_second_verbatim():
   main, tests = _readme_commands()[:2]
-  assert main == 'pip install ".[bench]" && python -m benchmarks.bench --quick'
-  assert tests == 'pip install -e ".[tunix,test]" && python -m pytest'
+  assert main == 'pip install ".[bench]" ./planner && python -m benchmarks.bench --quick'
+  assert tests == 'pip install -e ".[tunix,test]" -e ./planner && python -m pytest'
   ci = (ROOT / ".ci" / "run").read_text()
-  assert re.search(r"^pip install -e \"\.\[tunix,test\]\" && python -m pytest$", ci, flags=re.M)
+  assert re.search(r"^pip install -e \"\.\[tunix,test\]\" -e \./planner && python -m pytest$", ci, flags=re.M)
 
 
 def test_the_main_command_runs_from_the_root_and_elsewhere_the_installed_copy_imports(venv, tmp_path):

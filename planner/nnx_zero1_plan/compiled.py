@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from nnx_zero1._src.hlo import collectives, loop_collectives
+from nnx_zero1.testing import collectives, loop_collectives
 
 __all__ = ["memory", "split_memory", "cost", "hbm_oom", "collectives_of", "summed", "split_collectives_of",
            "row_figures"]

@@ -11,9 +11,9 @@ import functools
 import os
 from typing import Any
 
-from nnx_zero1._src.planner import compilers
-from nnx_zero1._src.planner.gpu_chips import GPU_CHIPS, target_config
-from nnx_zero1._src.planner.inputs import PlanError, parse_topology
+from nnx_zero1_plan import compilers
+from nnx_zero1_plan.gpu_chips import GPU_CHIPS, target_config
+from nnx_zero1_plan.inputs import PlanError, parse_topology
 
 __all__ = ["Target", "GPU_SCHEDULER_FRACTION", "make_target", "require_compiler"]
 
@@ -77,7 +77,7 @@ def _tpu_usable_bytes(topology: str) -> int:
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-  from nnx_zero1._src.planner.compiled import hbm_oom
+  from nnx_zero1_plan.compiled import hbm_oom
 
   devices = _tpu_devices(topology)[:1]
   huge = jax.ShapeDtypeStruct((2**40,), jnp.int8, sharding=NamedSharding(Mesh(np.array(devices), ("x",)),

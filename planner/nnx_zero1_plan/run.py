@@ -9,11 +9,11 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nnx_zero1._src.planner import compilers
-from nnx_zero1._src.planner.depth import extrapolate_row, near_the_limit, not_alike
-from nnx_zero1._src.planner.inputs import PlanError, mesh_axes, parse_levers, parse_mesh, parse_model
-from nnx_zero1._src.planner.levers import LEVERS
-from nnx_zero1._src.planner.table import markdown, next_steps, table
+from nnx_zero1_plan import compilers
+from nnx_zero1_plan.depth import extrapolate_row, near_the_limit, not_alike
+from nnx_zero1_plan.inputs import PlanError, mesh_axes, parse_levers, parse_mesh, parse_model
+from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.table import markdown, next_steps, table
 
 __all__ = ["Plan", "make_plan_rows", "DEFAULT_DEPTHS"]
 
@@ -63,8 +63,8 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
   """One compile of the lever's step at ``depth``: its per-device figures, or the compiler's refusal."""
   import jax
 
-  from nnx_zero1._src.planner.abstract import abstract_bytes_per_device
-  from nnx_zero1._src.planner.compiled import (
+  from nnx_zero1_plan.abstract import abstract_bytes_per_device
+  from nnx_zero1_plan.compiled import (
     collectives_of,
     cost,
     hbm_oom,
@@ -73,8 +73,8 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     split_collectives_of,
     split_memory,
   )
-  from nnx_zero1._src.planner.maxtext import MaxTextModel, measure_maxtext
-  from nnx_zero1._src.planner.steps import compile_split, compile_step, lever_state
+  from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
+  from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
 
   lever = LEVERS[lever_name]
   row: dict[str, Any] = {"opt_state_bytes_per_device": None, "opt_state_bytes_by_memory_kind": None,
@@ -129,9 +129,9 @@ def _tunix_or_own(model: str, target: Any, sizes: dict[str, int], batch: int, fu
   import numpy as np
   from jax.sharding import AxisType, Mesh
 
-  from nnx_zero1._src.planner.abstract import model_axes
-  from nnx_zero1._src.planner.models import model_source
-  from nnx_zero1._src.planner.steps import batch_axes
+  from nnx_zero1_plan.abstract import model_axes
+  from nnx_zero1_plan.models import model_source
+  from nnx_zero1_plan.steps import batch_axes
 
   source = model_source(model, *dtypes_and_remat)
   # GPU targets compile whole: XLA's GPU compiler does so in minutes, and schedules a deep program's
@@ -152,7 +152,7 @@ def _tunix_or_own(model: str, target: Any, sizes: dict[str, int], batch: int, fu
 def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], settings: dict[str, Any],
              dtypes_and_remat: tuple, overrides: dict[str, str] | None) -> tuple[Any, dict[str, int]]:
   """A ``maxtext:`` model: its config's overrides (MaxText builds its own mesh) and mesh axes."""
-  from nnx_zero1._src.planner.maxtext import MaxTextModel, config_overrides, mesh_axis_names
+  from nnx_zero1_plan.maxtext import MaxTextModel, config_overrides, mesh_axis_names
 
   if target.platform != "tpu":
     raise PlanError(f"maxtext:{name} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
@@ -180,8 +180,8 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
                    overrides: dict[str, str] | None = None, depths: Sequence[int] = DEFAULT_DEPTHS,
                    progress: Callable[[str], None] | None = None) -> Plan:
   """Compiles every lever's training step for ``topology``, in each shape; see :func:`nnx_zero1.plan.plan`."""
-  from nnx_zero1._src.planner.steps import OPTIMIZERS, STEPS
-  from nnx_zero1._src.planner.targets import require_compiler
+  from nnx_zero1_plan.steps import OPTIMIZERS, STEPS
+  from nnx_zero1_plan.targets import require_compiler
 
   kind, model_name = parse_model(model)
   names = parse_levers(levers, LEVERS)
@@ -202,7 +202,7 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   compilers.start_cpu_jax()
   import jax
 
-  from nnx_zero1._src.planner.targets import make_target
+  from nnx_zero1_plan.targets import make_target
 
   target = make_target(topology)
   settings = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer}

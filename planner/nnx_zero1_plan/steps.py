@@ -21,10 +21,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1._src.accumulate import value_and_grad_accumulated
+from nnx_zero1 import value_and_grad_accumulated
+
+# Not public: a program boundary drops the metadata that says gradients are already on Zero-1's
+# layout, and the split step's update program puts it back. The planner is released with this
+# version of the optimizer (its pyproject.toml pins it).
 from nnx_zero1._src.optimizer import mark_zero1_grads
-from nnx_zero1._src.planner.abstract import AbstractState, abstract_state
-from nnx_zero1._src.planner.levers import Lever, make_optimizer
+from nnx_zero1_plan.abstract import AbstractState, abstract_state
+from nnx_zero1_plan.levers import Lever, make_optimizer
 
 __all__ = ["OPTIMIZERS", "STEPS", "scan_value_and_grad", "batch_axes", "abstract_batch", "train_step",
            "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",

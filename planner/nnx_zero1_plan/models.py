@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nnx_zero1._src.planner.inputs import PlanError, parse_model
+from nnx_zero1_plan.inputs import PlanError, parse_model
 
 __all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "model_source", "next_token_loss", "tunix_loss"]
 

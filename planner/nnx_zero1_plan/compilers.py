@@ -1,6 +1,6 @@
 """The TPU and GPU compilers in a CPU-only process, for ahead-of-time compiles.
 
-What stands between ``pip install ".[aot]"`` and a compile: the compiler must be
+What stands between ``pip install "./planner[aot]"`` and a compile: the compiler must be
 installed (the ``aot`` extra brings the libtpu that matches jax; XLA's GPU compiler
 is the CUDA plugin, installed ``--no-deps``), jax must stay on its CPU backend,
 and a process killed while libtpu was loaded leaves its lockfile behind, which
@@ -37,9 +37,9 @@ def install_hint(jax_version: str) -> str:
   Example::
 
     >>> install_hint("0.12.0.1")
-    'pip install ".[aot]" (or: pip install "jax[tpu]==0.12.0.1"; Python >= 3.12)'
+    'pip install "./planner[aot]" (or: pip install "jax[tpu]==0.12.0.1"; Python >= 3.12)'
   """
-  return f'pip install ".[aot]" (or: pip install "jax[tpu]=={jax_version}"; Python >= 3.12)'
+  return f'pip install "./planner[aot]" (or: pip install "jax[tpu]=={jax_version}"; Python >= 3.12)'
 
 
 def gpu_install_hint(jax_version: str) -> str:

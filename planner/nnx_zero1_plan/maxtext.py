@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from nnx_zero1._src.planner.inputs import PlanError
-from nnx_zero1._src.planner.levers import Lever
+from nnx_zero1_plan.inputs import PlanError
+from nnx_zero1_plan.levers import Lever
 
 __all__ = ["MaxTextModel", "mesh_axis_names", "config_overrides", "engine_attributes", "measure_maxtext"]
 
@@ -103,7 +103,7 @@ def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
 
   Example::
 
-    >>> from nnx_zero1._src.planner.levers import LEVERS
+    >>> from nnx_zero1_plan.levers import LEVERS
     >>> engine_attributes("zero2-offload", LEVERS["zero2-offload"])
     {'OFFLOAD_STATE_TO_HOST': True, 'SHARD_ACCUMULATOR': True}
   """
@@ -130,19 +130,17 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
     ValueError: MaxText's config or Zero-1 refusing the settings (the plan records it on the row).
     jax.errors.JaxRuntimeError: the compiler refusing a kernel (the plan records it on the row).
   """
-  from nnx_zero1.adapters import _compat
-
-  _compat.ensure_tunix_types()  # before MaxText's engine modules import Tunix's
+  # First: the adapter supplies the Tunix types MaxText's engine modules import where Tunix is absent.
+  from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine  # isort: skip
   import maxtext
   from flax import nnx
   from maxtext.configs import pyconfig
   from maxtext.trainers.pre_train import train_compile
   from maxtext.training_engine import maxtext_engine_compile as mec
 
-  from nnx_zero1._src.hlo import collectives
-  from nnx_zero1._src.planner.abstract import abstract_bytes_per_device, bytes_by_memory_kind
-  from nnx_zero1._src.planner.compiled import cost, memory, row_figures, split_memory, summed
-  from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine
+  from nnx_zero1.testing import collectives
+  from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_memory_kind
+  from nnx_zero1_plan.compiled import cost, memory, row_figures, split_memory, summed
 
   attributes = engine_attributes(lever_name, lever)
   base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
@@ -155,7 +153,7 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   kernels = engine.compile_kernels(mec.get_shaped_micro_batch(config))
   seconds = time.perf_counter() - start
   by_kind = bytes_by_memory_kind(nnx.state(engine.optimizer.opt_state))
-  model, _ = _compat.engine_model_and_mesh(engine)
+  model = engine._model  # where maxtext 0.2.5's engine keeps it (the version the planner supports)
   ga = int(config.gradient_accumulation_steps)
   runs = ["fwd_bwd"] + ["fwd_bwd_accum"] * (ga - 1)  # the gradient kernels one step runs, in order
   grads = max((memory(kernels[name]) for name in set(runs)), key=lambda m: m["peak"])

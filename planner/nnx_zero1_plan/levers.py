@@ -57,7 +57,7 @@ def make_optimizer(lever: Lever, model: Any, tx: Any, mesh: Any, data_axis: str 
   """
   from flax import nnx
 
-  from nnx_zero1._src.optimizer import Zero1Optimizer
+  from nnx_zero1 import Zero1Optimizer
 
   if not lever.zero1:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)

@@ -149,9 +149,10 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     elif guessed is not None and guessed == lo and lo + step not in probes and lo + step <= cap:
       batch, trust_line = lo + step, False  # confirm the line's limit: one step above it must not fit
     else:
-      batch = _between(lo, hi, step, cap)
-      if batch is None:
+      halfway = _between(lo, hi, step, cap)
+      if halfway is None:
         break
+      batch = halfway
     fits = at(batch).fits
     if batch == guessed and not fits:
       trust_line = False  # the line overshot: bisect

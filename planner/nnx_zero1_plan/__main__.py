@@ -1,0 +1,7 @@
+"""``python -m nnx_zero1_plan``: the planner's command line (also ``python -m nnx_zero1.plan``)."""
+
+import sys
+
+from nnx_zero1_plan import main
+
+sys.exit(main())
