@@ -127,6 +127,13 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
     (["--steps", "one,fused"], "unknown step fused; steps: one, split"),
     (["remat_policy=full"], "config overrides (key=value) apply to maxtext: models"),
     (["--model", "maxtext:qwen3-0.6b", "--steps", "one"], "as two programs: --steps split"),
+    (["--mesh", "dta=4"], "unknown --mesh axis dta; axes the model names or the planner splits over: data"),
+    (["--levers", "zero1-master"], "--levers zero1-master does not apply to tests.planner_toys:tiny_lm: "
+                                   "zero1-master keeps float32 copies of narrower parameters"),
+    (["--model", "tests.planner_toys:tiny_lm_bf16", "--levers", "zero1,zero1-bf16state"],
+     "zero1-bf16state stores the state in bfloat16; for bfloat16 parameters it is bfloat16 already"),
+    (["--remat", "block"], "--remat apply to tunix: models"),
+    (["--margin", "1.5"], "--margin is the share of the usable memory to leave free"),
 ])
 def test_bad_inputs_exit_2_with_one_line(capsys, argv, words):
   args = ["--model", "tests.planner_toys:tiny_lm", "--topology", "v6e:2x2", *argv]
@@ -184,10 +191,26 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   lines = table(rows).splitlines()
   assert lines[0].split()[:3] == ["lever", "step", "compiled"]
   assert "extrapolated to 28 layers from 2/4" in lines[3]
-  steps = next_steps(rows, list(LEVERS), remat=None, batch=8, ga=1)
-  assert steps[0].startswith("the lever zero1-accum") and "zero1 comes closest, 1.00 GiB over" in steps[-3]
-  assert steps[-2].startswith("--remat decoder") and steps[-1].startswith("--batch 4 --ga 2")
-  assert next_steps([_row("zero1", 2**30)], list(LEVERS), None, 8, 1) == []
+  meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8, "fsdp": 1}, "batch": 32,
+          "seq_len": 1024, "ga": 1, "levers": ["baseline", "zero1"], "steps": ["one"]}
+  blocked = {"zero1-master": "float32 already"}
+  steps = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat="decoder", batch_unit=8)
+  at = "python -m nnx_zero1.plan --model tunix:qwen3_8b --topology v5e:2x4 --mesh data=8,fsdp=1 --batch"
+  assert steps[0] == f"the lever zero1-accum: {at} 32 --seq-len 1024 --ga 1 --levers zero1-accum --steps one"
+  assert not [s for s in steps if "zero1-master" in s]  # a lever that cannot apply is not offered
+  assert steps[-3].startswith("zero1 comes closest, 1.00 GiB over") and "--mesh data=4,fsdp=2" in steps[-3]
+  assert steps[-2].startswith("remat (recomputes") and steps[-2].endswith("--remat decoder")
+  assert steps[-1].startswith("half the micro-batch") and f"{at} 16 --seq-len 1024 --ga 2" in steps[-1]
+  # Half of 8 sequences does not split over 8 devices; a model with no --remat is not offered one.
+  steps = next_steps(rows, dict(meta, batch=8), list(LEVERS), blocked=blocked, remat=None, batch_unit=8)
+  assert not [s for s in steps if s.startswith(("half", "remat"))]
+  # After the compiler refused every program: the smaller micro-batch still.
+  refused = [dict(_row("baseline", 0), peak_bytes_per_device=None, fits=False, error="RESOURCE_EXHAUSTED")]
+  steps = next_steps(refused, meta, ["baseline"], blocked={}, remat=None, batch_unit=8)
+  assert steps == ["half the micro-batch, twice the accumulation (the same tokens per step; the compiler "
+                   f"refused every program at this micro-batch): {at} 16 --seq-len 1024 --ga 2 --levers "
+                   "baseline --steps one"]
+  assert next_steps([_row("zero1", 2**30)], meta, list(LEVERS), blocked={}, remat=None, batch_unit=8) == []
 
 
 # The compilers: CI lane 2.
@@ -292,11 +315,11 @@ def test_a_two_node_gpu_target_has_both_nodes_devices():
 def test_gpu_plan_of_the_bfloat16_levers(tmp_path):
   """On 8x H100, a bfloat16 model: float32 master weights add 8P/dp bytes of arguments (masters
   4P/dp, float32 moments 4P/dp over bfloat16 ones) and all-gather exactly what pure bfloat16 Zero-1
-  does, 2 bytes per parameter; bfloat16 state would change nothing there, and its row says so (what
-  it halves on a float32 model, tests/test_state_dtype.py measures on CPU)."""
+  does, 2 bytes per parameter (bfloat16 state would change nothing there: the planner refuses it,
+  tests above; what it halves on a float32 model, tests/test_state_dtype.py measures on CPU)."""
   params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
   argv = ["--model", "tests.planner_toys:tiny_lm_bf16", "--topology", "h100:8", "--full-depth",
-          "--levers", "zero1,zero1-master,zero1-bf16state", "--steps", "one"]
+          "--levers", "zero1,zero1-master", "--steps", "one"]
   out = tmp_path / "bf16"
   proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv, *TOY[2:-2], "--out", str(out)],
                         env=_env(), capture_output=True, text=True, timeout=400)
@@ -306,7 +329,29 @@ def test_gpu_plan_of_the_bfloat16_levers(tmp_path):
   assert gathered == [2 * params] * 2
   args = [bf16[n]["argument_bytes_per_device"] for n in ("zero1", "zero1-master")]
   assert args[1] - args[0] == params
-  assert "state_dtype=bfloat16 changes nothing" in bf16["zero1-bf16state"]["error"]
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
+def test_a_search_on_8_h100_finds_each_levers_edge_and_recommends_by_it(tmp_path):
+  """The search, compiled for 8 H100s: a 99% margin leaves the tiny model ~0.6 GiB, so its edge is a few
+  hundred sequences away; every claim is checked against the compiles the search made."""
+  result = _plan(tmp_path, "--topology", "h100:8", "--steps", "one", "--search", "--margin", "0.99")
+  usable = int(result["meta"]["hbm_bytes"] * 0.01)
+  rows = {r["lever"]: r for r in result["rows"]}
+  for r in rows.values():
+    probes = {p["batch"]: p for p in r["search"]}
+    edge, above = r["max_micro_batch"], r["above"]
+    assert edge % 8 == 0 and edge >= 16 and above == edge + 8, (edge, above)
+    assert probes[edge]["fits"] and probes[edge]["peak_bytes_per_device"] <= usable
+    assert not probes[above]["fits"] and probes[above]["peak_bytes_per_device"] > usable
+    assert r["refused_because"].startswith("peak ") and len(probes) <= 10
+    # Near the edge the compiler's peaks wobble by MiB; across the search they rise with the batch.
+    assert probes[8]["peak_bytes_per_device"] < probes[edge]["peak_bytes_per_device"]
+  assert rows["zero1"]["max_micro_batch"] >= rows["baseline"]["max_micro_batch"]
+  best = result["recommendation"]
+  assert best["micro_batch"] == max(r["max_micro_batch"] for r in rows.values())
+  assert best["cli"].startswith("python -m nnx_zero1.plan --model tests.planner_toys:tiny_lm --topology h100")
+  assert f"--batch {best['micro_batch']} " in best["cli"] and best["lever"] in rows
 
 
 HAS_MAXTEXT = importlib.util.find_spec("maxtext") is not None

@@ -1,6 +1,7 @@
 """The recommendation's order (pure: rows in, one configuration out), value by value."""
 
-from nnx_zero1_plan.recommend import ORDER, baseline_beats, recommend, reproduce
+from nnx_zero1_plan.inputs import command_line
+from nnx_zero1_plan.recommend import ORDER, baseline_beats, recommend
 
 G = 2**30
 META = {"model": "mymodels.models:build", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8,
@@ -17,7 +18,8 @@ def test_the_largest_micro_batch_wins_over_fewer_collective_bytes():
   best = recommend(rows, META)
   assert (best["lever"], best["micro_batch"], best["step"]) == ("zero1", 84, "one")
   assert best["code"] == "Zero1Optimizer(model, tx, mesh)"
-  assert "--levers zero1" in best["cli"] and "--batch 84" in best["cli"]
+  assert best["cli"] == ("python -m nnx_zero1.plan --model mymodels.models:build --topology h100:4 "
+                         "--mesh data=4 --batch 84 --seq-len 1024 --ga 1 --levers zero1 --steps one")
   assert best["order"] == list(ORDER) and best["baseline_beats"] == []
 
 
@@ -64,8 +66,9 @@ def test_when_the_baseline_fits_more_it_says_so_with_the_figures():
 
 
 def test_the_command_line_reproduces_the_settings_that_matter():
-  meta = dict(META, param_dtype="bfloat16", optimizer="lion")
-  cli = reproduce(meta, "zero1", "split", 32, "block")
+  meta = dict(META, param_dtype="bfloat16", optimizer="lion", overrides={"scan_layers": "false"})
+  cli = command_line(meta, levers=["zero1"], steps=["split"], batch=32, remat="block")
   assert cli.startswith("python -m nnx_zero1.plan --model mymodels.models:build --topology h100:4 "
                         "--mesh data=4")
-  assert cli.endswith("--levers zero1 --steps split --param-dtype bfloat16 --optimizer lion --remat block")
+  assert cli.endswith("--levers zero1 --steps split --param-dtype bfloat16 --remat block --optimizer lion "
+                      "scan_layers=false")

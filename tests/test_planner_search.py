@@ -97,6 +97,25 @@ def test_any_rising_peak_gives_the_brute_force_edge(base, slope, bend_at, bend, 
   assert len(set(calls)) == len(calls)
 
 
+def test_a_flat_start_then_a_line_is_not_compiled_at_the_cap():
+  # A small model at small micro-batches: the fixed part dominates and the line is nearly flat.
+  peak = lambda b: 40 * GIB + max(0, b - 64) * GIB // 4
+  measure, calls = by_peak(peak, 60 * GIB)
+  edge = find_edge(measure, step=8, usable=60 * GIB, start=8)
+  assert edge.max_micro_batch == brute_force(peak, 60 * GIB, 8, 1 << 14) == 144
+  assert edge.above == 152 and max(calls) <= 8 * 16 + 64 and len(calls) <= 9, calls
+
+
+def test_a_noisy_peak_ends_on_a_fitting_batch_below_a_refused_one():
+  # The compiler's peaks wobble by a few MiB between neighbouring micro-batches.
+  wobble = [0, 7, -5, 3, -8, 6, -2, 9, -6, 1]
+  peak = lambda b: 2 * GIB + b * GIB // 64 + wobble[(b // 8) % 10] * 2**20 * 8
+  measure, calls = by_peak(peak, 40 * GIB)
+  edge = find_edge(measure, step=8, usable=40 * GIB, start=8)
+  assert peak(edge.max_micro_batch) <= 40 * GIB < peak(edge.above) and edge.above == edge.max_micro_batch + 8
+  assert abs(edge.max_micro_batch - 38 * 64) <= 16 and len(calls) <= 10, calls
+
+
 @pytest.mark.parametrize("start", [4, 8, 40, 200])
 def test_a_linear_search_needs_at_most_five_compiles(start):
   peak = lambda b: 7 * GIB + b * 3 * GIB // 32

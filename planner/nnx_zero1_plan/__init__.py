@@ -34,6 +34,8 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
+import tqdm
+
 from nnx_zero1_plan.compilers import AotUnavailable
 from nnx_zero1_plan.inputs import PlanError, parse_overrides
 from nnx_zero1_plan.levers import LEVERS
@@ -46,8 +48,8 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
          ga: int = 1, param_dtype: str | None = None, compute_dtype: str | None = None,
          remat: str | None = None, optimizer: str = "adamw",
          levers: str | Sequence[str] = ("baseline", "zero1"), steps: str | Sequence[str] = ("one", "split"),
-         full_depth: bool = False, overrides: Mapping[str, str] | None = None,
-         progress: Callable[[str], None] | None = None) -> Plan:
+         full_depth: bool = False, overrides: Mapping[str, str] | None = None, search: bool = False,
+         margin: float = 0.05, progress: Callable[[str], None] | None = None) -> Plan:
   """Compiles each lever's training step for ``topology`` and says what it needs per device.
 
   Args:
@@ -72,13 +74,21 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
       engine does: the rows add the update program's peak, flops and bytes accessed), or both.
     full_depth: compile deep models whole for TPUs too (by default at 2 and 4 layers, extrapolated).
     overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
-    progress: called with one line after each lever's compiles.
+    search: for each lever and step, also find the largest micro-batch that fits (a multiple of the
+      batch axes' size, from ``batch`` on): a line through two compiles, the edge confirmed one step
+      above it, bisection where the line is wrong. Each row gains ``max_micro_batch``, ``above`` (the
+      micro-batch one step up, refused), ``refused_because`` and ``search`` (every compile).
+    margin: the share of the usable memory to leave free: a search's limit, and what the
+      recommendation counts as fitting.
+    progress: called with one line as each compile starts and ends, and after each lever.
 
   Returns:
-    A :class:`Plan`: ``rows`` (one dict per lever and step), ``meta``, ``next_steps``; ``str()`` is the table.
+    A :class:`Plan`: ``rows`` (one dict per lever and step), ``meta``, ``recommendation`` (the lever,
+    micro-batch, code and command to run, by a stated order), ``next_steps``; ``str()`` is the table.
 
   Raises:
-    PlanError: an unknown model, topology, lever or optimizer, or a mesh that does not match.
+    PlanError: an unknown model, topology, lever, optimizer or mesh axis, a mesh that does not match,
+      or a lever that cannot apply to the model (``zero1-master`` on float32 parameters).
     AotUnavailable: the target's compiler is not installed (the message says what to install).
 
   Example::
@@ -90,7 +100,8 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
   return make_plan_rows(model, topology, mesh=mesh, batch=batch, seq_len=seq_len, ga=ga,
                         param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
                         optimizer=optimizer, levers=levers, steps=steps, full_depth=full_depth,
-                        overrides=dict(overrides) if overrides else None, progress=progress)
+                        overrides=dict(overrides) if overrides else None, search=search, margin=margin,
+                        progress=progress)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -118,13 +129,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--remat", default=None, help="remat policy: none, block, decoder (tunix: models); "
                  "MaxText's remat_policy (maxtext: models: full, minimal, ...)")
   p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, lion, sgd, adafactor")
-  p.add_argument("--levers", default="baseline,zero1", help=f"comma-separated, of: {', '.join(LEVERS)}")
+  p.add_argument("--levers", default="baseline,zero1",
+                 help=f"comma-separated, of: {', '.join(LEVERS)} (default baseline,zero1)")
   p.add_argument("--steps", default="one,split", help="one (one program: gradients + update, as Tunix "
                  "and nnx.jit loops compile it), split (two programs, as MaxText's engine); default both")
   p.add_argument("--full-depth", action="store_true",
                  help=f"compile deep models whole for TPUs too (default: at {DEFAULT_DEPTHS} layers, "
                  "extrapolated; GPU targets compile whole)")
-  p.add_argument("--out", default=None, help="folder for plan.json and plan.md")
+  p.add_argument("--search", action="store_true", help="also find each lever's largest micro-batch that fits "
+                 "(from --batch up, a few compiles per lever), and recommend by it")
+  p.add_argument("--margin", type=float, default=0.05, help="share of the usable memory to leave free, for "
+                 "the search and the recommendation (default 0.05)")
+  p.add_argument("--out", default=None, help="folder for plan.json and plan.md (default: none)")
   p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                  help="MaxText config overrides (maxtext: models), e.g. remat_policy=minimal")
   return p.parse_args(argv)
@@ -138,15 +154,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     main(["--model", "tunix:qwen3_0p6b", "--topology", "h100:8", "--out", "plan_out"])
   """
   args = parse_args(argv)
-  say = lambda line: print(f"nnx_zero1.plan: {line}", file=sys.stderr)
+  # A search runs a few compiles per lever: a bar counts them, the lines go above it.
+  bar = (tqdm.tqdm(desc="nnx_zero1.plan: search", unit=" compiles", file=sys.stderr, disable=None)
+         if args.search else None)  # disable=None: no bar where stderr is not a terminal
+
+  def say(line: str) -> None:
+    if bar is None:
+      print(f"nnx_zero1.plan: {line}", file=sys.stderr)
+      return
+    bar.write(f"nnx_zero1.plan: {line}", file=sys.stderr)
+    if line.startswith("compiled "):
+      bar.update()
+
   try:
     result = plan(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len,
                   ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
                   remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
-                  full_depth=args.full_depth, overrides=parse_overrides(args.overrides), progress=say)
+                  full_depth=args.full_depth, overrides=parse_overrides(args.overrides), search=args.search,
+                  margin=args.margin, progress=say)
   except (PlanError, AotUnavailable) as e:
     say(str(e))
     return 2
+  finally:
+    if bar is not None:
+      bar.close()
   print(result)
   if args.out:
     print("wrote " + ", ".join(result.write(args.out)))

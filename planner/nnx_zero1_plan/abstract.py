@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["AbstractState", "abstract_bytes_per_device", "bytes_by_memory_kind", "with_state_homes",
-           "abstract_state", "model_axes"]
+           "abstract_state", "describe_model"]
 
 
 def abstract_bytes_per_device(tree: Any) -> int:
@@ -57,13 +57,14 @@ def with_state_homes(shardings: Any, optimizer: Any) -> Any:
   return shardings
 
 
-def model_axes(build: Callable[[], Any]) -> tuple[str, ...]:
-  """The mesh axes a model's variables are annotated with, from one abstract build with no mesh.
+def describe_model(build: Callable[[], Any]) -> tuple[tuple[str, ...], frozenset[str]]:
+  """The mesh axes a model's variables are annotated with, and its floating parameters' dtypes, from one
+  abstract build with no mesh.
 
   Example::
 
-    >>> model_axes(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-    ()
+    >>> describe_model(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    ((), frozenset({'float32'}))
   """
   with nnx.use_eager_sharding(False):
     model = nnx.eval_shape(build)
@@ -73,7 +74,9 @@ def model_axes(build: Callable[[], Any]) -> tuple[str, ...]:
       for axis in entry if isinstance(entry, tuple) else (entry,):
         if axis is not None and axis not in names:
           names.append(axis)
-  return tuple(names)
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  dtypes = frozenset(str(x.dtype) for x in params if jax.numpy.issubdtype(x.dtype, jax.numpy.floating))
+  return tuple(names), dtypes
 
 
 @dataclasses.dataclass

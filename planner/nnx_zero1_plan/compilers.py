@@ -23,8 +23,11 @@ LOCKFILE = "/tmp/libtpu_lockfile"
 # Compile only: jax stays on the CPU backend, libtpu skips the cloud metadata server it would ask
 # for a TPU's identity, and loads although another process (a second compile) has it loaded.
 # The CUDA plugin, when installed, must not look for a GPU either.
+# TPU_WORKER_HOSTNAMES and TPU_ACCELERATOR_TYPE: libtpu starting on a machine with no TPU prints six
+# lines of warnings and errors about the host metadata it could not read; these answer it. The compile
+# target is the topology's description, not these (v4, v5e and v6e plans measured byte-identical).
 ENV = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-       "CUDA_VISIBLE_DEVICES": "-1"}
+       "CUDA_VISIBLE_DEVICES": "-1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v6e-4"}
 
 
 class AotUnavailable(RuntimeError):

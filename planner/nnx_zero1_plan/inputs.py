@@ -5,9 +5,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-__all__ = ["PlanError", "parse_mesh", "parse_levers", "parse_topology", "mesh_axes", "parse_model",
-           "parse_overrides"]
+__all__ = ["PlanError", "parse_mesh", "parse_levers", "parse_topology", "mesh_axes", "check_axis_names",
+           "parse_model", "parse_overrides", "command_line"]
+
+# The axes a batch or the parameters split over without the model naming them (Zero-1's data axis,
+# fsdp for the batch and the layout rule, tp for a model that names it); any other axis must be the model's.
+PLANNER_AXES = ("data", "fsdp", "tp")
 
 
 class PlanError(ValueError):
@@ -60,6 +65,29 @@ def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
     shape = ",".join(f"{k}={v}" for k, v in axes.items())
     raise PlanError(f"--mesh {shape} has {math.prod(axes.values())} devices; the topology has {devices}")
   return axes
+
+
+def check_axis_names(sizes: Mapping[str, int], model_axes: Iterable[str],
+                     accepted: Iterable[str] = PLANNER_AXES) -> None:
+  """Refuses a ``--mesh`` axis the model does not name and the planner does not know (a misspelling).
+
+  Raises:
+    PlanError: naming the axis and the axes that would be understood.
+
+  Example::
+
+    >>> check_axis_names({"data": 4}, ["fsdp"])
+    >>> try:
+    ...   check_axis_names({"dta": 4}, ["fsdp", "tp"])
+    ... except PlanError as e:
+    ...   print(e)
+    unknown --mesh axis dta; axes the model names or the planner splits over: data, fsdp, tp
+  """
+  known = tuple(dict.fromkeys([*accepted, *model_axes]))
+  unknown = [a for a in sizes if a not in known]
+  if unknown:
+    raise PlanError(f"unknown --mesh axis {', '.join(unknown)}; axes the model names or the planner "
+                    f"splits over: {', '.join(known)}")
 
 
 def parse_levers(text: str | Sequence[str], known: Iterable[str], what: str = "lever") -> tuple[str, ...]:
@@ -147,3 +175,39 @@ def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
       raise PlanError(f"{entry!r} is not a MaxText config override KEY=VALUE (e.g. remat_policy=minimal)")
     overrides[key] = value
   return overrides
+
+
+def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
+  """The planner's command for a plan's settings (``meta``), with ``changes`` made: the inverse of parsing.
+
+  Example::
+
+    >>> meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8}, "batch": 8,
+    ...         "seq_len": 1024, "ga": 1, "levers": ["baseline", "zero1"], "steps": {"one": "..."}}
+    >>> print(*command_line(meta, levers=["zero1"], batch=16).split(" --"), sep="\\n  --")
+    python -m nnx_zero1.plan
+      --model tunix:qwen3_8b
+      --topology v5e:2x4
+      --mesh data=8
+      --batch 16
+      --seq-len 1024
+      --ga 1
+      --levers zero1
+      --steps one
+  """
+  s = {**meta, **changes}
+  joined = lambda names: names if isinstance(names, str) else ",".join(names)
+  mesh = ",".join(f"{k}={v}" for k, v in s["mesh"].items())
+  words = ["python -m nnx_zero1.plan", f"--model {s['model']}", f"--topology {s['topology']}",
+           f"--mesh {mesh}", f"--batch {s['batch']}", f"--seq-len {s['seq_len']}", f"--ga {s['ga']}",
+           f"--levers {joined(s['levers'])}", f"--steps {joined(s['steps'])}"]
+  for flag, key in (("--param-dtype", "param_dtype"), ("--compute-dtype", "compute_dtype"),
+                    ("--remat", "remat")):
+    if s.get(key):
+      words.append(f"{flag} {s[key]}")
+  if s.get("optimizer", "adamw") != "adamw":
+    words.append(f"--optimizer {s['optimizer']}")
+  if s.get("full_depth"):
+    words.append("--full-depth")
+  words += [f"{k}={v}" for k, v in (s.get("overrides") or {}).items()]
+  return " ".join(words)

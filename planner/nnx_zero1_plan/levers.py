@@ -10,10 +10,10 @@ of :data:`LEVERS`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
-__all__ = ["Lever", "LEVERS", "make_optimizer"]
+__all__ = ["Lever", "LEVERS", "lever_blocker", "make_optimizer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,24 @@ LEVERS: dict[str, Lever] = {
     "zero1-master": Lever("Zero1Optimizer(master_dtype=float32) (float32 master weights split over data)",
                           zero1=True, deferred=False, optimizer_options={"master_dtype": "float32"}),
 }
+
+
+def lever_blocker(name: str, param_dtypes: Collection[str]) -> str | None:
+  """Why lever ``name`` cannot change anything for parameters of ``param_dtypes`` (None: it applies).
+
+  Example::
+
+    >>> lever_blocker("zero1-master", {"float32"})
+    'zero1-master keeps float32 copies of narrower parameters; these are float32 already'
+    >>> lever_blocker("zero1-bf16state", {"bfloat16"}) is None, lever_blocker("zero1", {"float32"}) is None
+    (False, True)
+  """
+  dtypes = ", ".join(sorted(param_dtypes))
+  if name == "zero1-master" and set(param_dtypes) <= {"float32", "float64"}:
+    return f"zero1-master keeps float32 copies of narrower parameters; these are {dtypes} already"
+  if name == "zero1-bf16state" and set(param_dtypes) <= {"bfloat16"}:
+    return f"zero1-bf16state stores the state in bfloat16; for {dtypes} parameters it is bfloat16 already"
+  return None
 
 
 def make_optimizer(lever: Lever, model: Any, tx: Any, mesh: Any, data_axis: str = "data") -> Any:

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ORDER", "LEVER_CODE", "micro_batch_of", "recommend", "baseline_beats", "reproduce"]
+from nnx_zero1_plan.inputs import command_line
+
+__all__ = ["ORDER", "LEVER_CODE", "micro_batch_of", "recommend", "baseline_beats"]
 
 ORDER = ("fits with the margin", "largest micro-batch", "fewest collective bytes per token", "no remat",
          "the lighter lever")
@@ -75,37 +77,6 @@ def _code(lever: str, model: str) -> str:
     return "Zero1MaxTextTrainingEngine (from nnx_zero1.adapters.maxtext)" + (
         f" subclassed with {option}" if option else "")
   return LEVER_CODE[lever]
-
-
-def reproduce(meta: Mapping[str, Any], lever: str, step: str, micro_batch: int, remat: str | None) -> str:
-  """The planner's command line for one lever at one micro-batch.
-
-  Example::
-
-    >>> meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8}, "seq_len": 1024,
-    ...         "ga": 1}
-    >>> print(*reproduce(meta, "zero1", "one", 16, None).split(" --"), sep="\\n  --")
-    python -m nnx_zero1.plan
-      --model tunix:qwen3_8b
-      --topology v5e:2x4
-      --mesh data=8
-      --batch 16
-      --seq-len 1024
-      --ga 1
-      --levers zero1
-      --steps one
-  """
-  mesh = ",".join(f"{k}={v}" for k, v in meta["mesh"].items())
-  words = ["python -m nnx_zero1.plan", f"--model {meta['model']}", f"--topology {meta['topology']}",
-           f"--mesh {mesh}", f"--batch {micro_batch}", f"--seq-len {meta['seq_len']}", f"--ga {meta['ga']}",
-           f"--levers {lever}", f"--steps {step}"]
-  for flag, key in (("--param-dtype", "param_dtype"), ("--compute-dtype", "compute_dtype"),
-                    ("--optimizer", "optimizer")):
-    if meta.get(key) and not (key == "optimizer" and meta[key] == "adamw"):
-      words.append(f"{flag} {meta[key]}")
-  if remat:
-    words.append(f"--remat {remat}")
-  return " ".join(words)
 
 
 def baseline_beats(rows: Sequence[Mapping[str, Any]], batch: int, margin: float) -> list[str]:
@@ -184,6 +155,7 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *, mar
   _, best, micro, remat = min(candidates, key=lambda c: c[0])
   return {"lever": best["lever"], "step": step, "micro_batch": micro, "remat": remat,
           "code": _code(best["lever"], str(meta.get("model", ""))),
-          "cli": reproduce(meta, best["lever"], step, micro, remat), "order": list(ORDER),
+          "cli": command_line(meta, levers=[best["lever"]], steps=[step], batch=micro, remat=remat),
+          "order": list(ORDER),
           "baseline_beats": baseline_beats([r for r in rows if r.get("step", "one") == step], meta["batch"],
                                            margin)}

@@ -11,9 +11,20 @@ from typing import Any
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.depth import extrapolate_row, near_the_limit, not_alike
-from nnx_zero1_plan.inputs import PlanError, mesh_axes, parse_levers, parse_mesh, parse_model
-from nnx_zero1_plan.levers import LEVERS
-from nnx_zero1_plan.table import markdown, next_steps, table
+from nnx_zero1_plan.gpu_chips import GPU_CHIPS
+from nnx_zero1_plan.inputs import (
+  PlanError,
+  check_axis_names,
+  mesh_axes,
+  parse_levers,
+  parse_mesh,
+  parse_model,
+  parse_topology,
+)
+from nnx_zero1_plan.levers import LEVERS, lever_blocker
+from nnx_zero1_plan.recommend import recommend
+from nnx_zero1_plan.search import Probe, find_edge
+from nnx_zero1_plan.table import markdown, next_steps, recommendation_lines, table
 
 __all__ = ["Plan", "make_plan_rows", "DEFAULT_DEPTHS"]
 
@@ -33,14 +44,17 @@ class Plan:
     rows: one dict per lever (plan.json's rows).
     meta: the settings and the compilers.
     next_steps: what to try next, in order, when no row fits (empty otherwise).
+    recommendation: the configuration to run (see :func:`nnx_zero1_plan.recommend.recommend`), or None
+      when no row fits with the margin.
   """
 
   rows: list[dict[str, Any]]
   meta: dict[str, Any]
   next_steps: list[str]
+  recommendation: dict[str, Any] | None = None
 
   def __str__(self) -> str:
-    lines = [table(self.rows)]
+    lines = [table(self.rows), *recommendation_lines(self.recommendation, self.meta)]
     if self.next_steps:
       steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))
       lines += ["", "Nothing fits. Try next, in order:", *steps]
@@ -51,10 +65,11 @@ class Plan:
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "plan.md")]
     with open(paths[0], "w") as f:
-      result = {"meta": self.meta, "rows": self.rows, "next_steps": self.next_steps}
+      result = {"meta": self.meta, "rows": self.rows, "recommendation": self.recommendation,
+                "next_steps": self.next_steps}
       json.dump(result, f, indent=1, default=str)
     with open(paths[1], "w") as f:
-      f.write(markdown(self.meta, self.rows, self.next_steps))
+      f.write(markdown(self.meta, self.rows, self.next_steps, self.recommendation))
     return paths
 
 
@@ -77,11 +92,17 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
   from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
 
   lever = LEVERS[lever_name]
+  say = settings.get("progress") or (lambda line: None)
+  at = f"{lever_name} ({step}) at micro-batch {settings['batch']}" + (f", {depth} layers" if depth else "")
+  say(f"compiling {at} ...")
   row: dict[str, Any] = {"opt_state_bytes_per_device": None, "opt_state_bytes_by_memory_kind": None,
                          "param_bytes_per_device": None}
   try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
     if isinstance(source, MaxTextModel):
-      return measure_maxtext(lever_name, lever, source.overrides)
+      measured = measure_maxtext(lever_name, lever, source.overrides)
+      say(f"compiled {at} in {measured['compile_s']:.0f} s: peak "
+          f"{measured['peak_bytes_per_device'] / 2**30:.2f} GiB")
+      return measured
     shapes = (source.loss_fn, mesh, settings["batch"], settings["seq_len"], settings["ga"])
     state = lever_state(lever, lambda: source.build(depth), settings["optimizer"], mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
@@ -95,12 +116,14 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     words = " ".join(str(e).split())
     error = f"{type(e).__name__}: {words[:400]}"
     refused = {"error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": 0.0}
+    say(f"compiled {at}: refused ({error[:120]})")
     return {**dict.fromkeys(_EXTRAPOLATED), **row, **refused}
   if step == "one":
     figures = row_figures(memory(compiled), collectives_of(compiled))
   else:
     mem = split_memory(memory(grads), memory(update), row["opt_state_bytes_per_device"])
     figures = row_figures(mem, split_collectives_of(grads, update), cost(update))
+  say(f"compiled {at} in {seconds:.0f} s: peak {figures['peak_bytes_per_device'] / 2**30:.2f} GiB")
   return {**row, "error": None, "hbm_oom": None, "compile_s": seconds, **figures}
 
 
@@ -123,35 +146,67 @@ def _lever_row(lever: str, step: str, source: Any, depths: Sequence[int] | None,
           "not_alike": doubt}
 
 
-def _tunix_or_own(model: str, target: Any, sizes: dict[str, int], batch: int, full_depth: bool,
-                  depths: Sequence[int], dtypes_and_remat: tuple) -> tuple[Any, dict[str, int], Any, Any]:
-  """A ``tunix:`` or ``package.module:function`` model: its source, mesh axes, device mesh, reduced depths."""
-  import numpy as np
-  from jax.sharding import AxisType, Mesh
+@dataclasses.dataclass(frozen=True)
+class _Model:
+  """What a plan compiles: the model at a micro-batch, its mesh, and what the checks and hints need."""
 
-  from nnx_zero1_plan.abstract import model_axes
+  source_at: Callable[[int], Any]  # global micro-batch -> ModelSource or MaxTextModel
+  axes: dict[str, int]
+  device_mesh: Any  # None for MaxText (its engine builds its own)
+  reduced: tuple[int, ...] | None  # the depths compiled and extrapolated from (None: whole)
+  batch_unit: int  # a micro-batch is a multiple of the batch axes' size
+  param_dtypes: frozenset[str]
+  remat_hint: str | None  # the remat policy "Try next" suggests (None: the model takes no --remat)
+  named: tuple[str, ...] = ()  # the mesh axes the model's variables name
+
+
+def _tunix_or_own(model: str, platform: str, sizes: dict[str, int], full_depth: bool, depths: Sequence[int],
+                  dtypes_and_remat: tuple) -> _Model:
+  """A ``tunix:`` or ``package.module:function`` model, described from one abstract build (no compiler
+  needed): the axes it names (a ``--mesh`` axis it does not name is refused here) and its dtypes."""
+  from nnx_zero1_plan.abstract import describe_model
   from nnx_zero1_plan.models import model_source
-  from nnx_zero1_plan.steps import batch_axes
 
   source = model_source(model, *dtypes_and_remat)
   # GPU targets compile whole: XLA's GPU compiler does so in minutes, and schedules a deep program's
   # collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the line, 7.95 whole).
   shallow = not source.full_depth or source.full_depth <= max(depths)
-  reduced = None if full_depth or target.platform != "tpu" or shallow else tuple(depths)
-  named = model_axes(lambda: source.build(reduced[0] if reduced else None))
-  axes = mesh_axes(sizes, named, len(target.devices))
+  reduced = None if full_depth or platform != "tpu" or shallow else tuple(depths)
+  named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
+  check_axis_names(sizes, named)
+  remat_hint = "decoder" if parse_model(model)[0] == "tunix" else None
+  return _Model(lambda b: source, dict(sizes), None, reduced, 1, dtypes, remat_hint, named)
+
+
+def _on_devices(planned: _Model, target: Any, batch: int) -> _Model:
+  """``planned`` on the target's devices: every mesh axis sized, the device mesh, the batch's unit."""
+  import numpy as np
+  from jax.sharding import AxisType, Mesh
+
+  from nnx_zero1_plan.steps import batch_axes
+
+  axes = mesh_axes(planned.axes, planned.named, len(target.devices))
   device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
                      axis_types=(AxisType.Auto,) * len(axes))
   rows_over = math.prod(axes[a] for a in batch_axes(device_mesh))
   if batch % rows_over:
     over = "x".join(batch_axes(device_mesh))
     raise PlanError(f"--batch {batch} does not split over the batch axes ({over} = {rows_over} devices)")
-  return source, axes, device_mesh, reduced
+  return dataclasses.replace(planned, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
+
+
+def _refuse_blocked(names: Sequence[str], planned: _Model, model: str) -> dict[str, str]:
+  """The levers that cannot apply to the model, and why; raises when one was asked for."""
+  blocked = {n: why for n in LEVERS if (why := lever_blocker(n, planned.param_dtypes))}
+  for name in names:
+    if name in blocked:
+      raise PlanError(f"--levers {name} does not apply to {model}: {blocked[name]}")
+  return blocked
 
 
 def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], settings: dict[str, Any],
-             dtypes_and_remat: tuple, overrides: dict[str, str] | None) -> tuple[Any, dict[str, int]]:
-  """A ``maxtext:`` model: its config's overrides (MaxText builds its own mesh) and mesh axes."""
+             dtypes_and_remat: tuple, overrides: dict[str, str] | None) -> _Model:
+  """A ``maxtext:`` model: its config's overrides at each micro-batch (MaxText builds its own mesh)."""
   from nnx_zero1_plan.maxtext import MaxTextModel, config_overrides, mesh_axis_names
 
   if target.platform != "tpu":
@@ -164,11 +219,59 @@ def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], setti
                     f".ci/requirements-newest.txt && pip install --no-deps maxtext==0.2.5 ({e})") from e
   axes = mesh_axes(sizes, (), len(target.devices))
   param_dtype, compute_dtype, remat = dtypes_and_remat
-  config = config_overrides(name, topology, len(target.devices), axes, batch=settings["batch"],
-                            seq_len=settings["seq_len"], ga=settings["ga"], optimizer=settings["optimizer"],
-                            param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-                            known_axes=known, overrides=overrides)
-  return MaxTextModel(f"maxtext:{name}", config), axes
+
+  def source_at(batch: int) -> MaxTextModel:
+    config = config_overrides(name, topology, len(target.devices), axes, batch=batch,
+                              seq_len=settings["seq_len"], ga=settings["ga"], optimizer=settings["optimizer"],
+                              param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
+                              known_axes=known, overrides=overrides)
+    return MaxTextModel(f"maxtext:{name}", config)
+
+  source_at(settings["batch"])  # the settings checked before any compile
+  weights = (overrides or {}).get("weight_dtype") or param_dtype or "float32"
+  return _Model(source_at, axes, None, None, len(target.devices), frozenset({weights}), "full")
+
+
+def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, Any], target: Any,
+         topology: str) -> dict:
+  """One lever's row at one micro-batch: compiled at reduced depths and extrapolated, or whole (also when
+  the line comes near the limit or the two depths disagree)."""
+  settings = {**settings, "batch": batch}
+  source = model.source_at(batch)
+  row = _lever_row(name, step, source, model.reduced, model.device_mesh, settings)
+  near = row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes)
+  if near or row.get("not_alike"):
+    extrapolated = row
+    row = _lever_row(name, step, source, None, model.device_mesh, settings)
+    row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
+           "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"],
+           "compiled_whole_because": extrapolated.get("not_alike") or "near the limit"}
+  peak = row.get("peak_bytes_per_device")
+  fits = False if row.get("hbm_oom") else None if peak is None else peak <= target.hbm_bytes
+  return {"lever": name, "step": step, "compiled_for": topology, "device_kind": target.device_kind,
+          "mesh": model.axes, "model": source.name, "batch": batch, **row,
+          "compile_s": round(row["compile_s"], 1),
+          "hbm_bytes": target.hbm_bytes, "fits": fits}
+
+
+def _search(first: dict, row_at: Callable[[int], dict], unit: int, usable: int) -> dict[str, Any]:
+  """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch)."""
+  rows = {first["batch"]: first}
+
+  def measure(batch: int) -> Probe:
+    if batch not in rows:
+      rows[batch] = row_at(batch)
+    row = rows[batch]
+    peak = row.get("peak_bytes_per_device")
+    fits = not row.get("error") and peak is not None and peak <= usable
+    return Probe(batch, peak, fits, row.get("error"))
+
+  edge = find_edge(measure, step=unit, usable=usable, start=first["batch"])
+  probes = [{"batch": p.batch, "peak_bytes_per_device": p.peak, "fits": p.fits, "compile_s": rows[p.batch][
+      "compile_s"]} for p in edge.probes]
+  return {"max_micro_batch": edge.max_micro_batch, "above": edge.above,
+          "refused_because": edge.refused_because,
+          "search": probes, "search_compile_s": round(sum(p["compile_s"] for p in probes), 1)}
 
 
 def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch: int = 8,
@@ -178,6 +281,7 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
                    levers: str | Sequence[str] = ("baseline", "zero1"),
                    steps: str | Sequence[str] = ("one", "split"), full_depth: bool = False,
                    overrides: dict[str, str] | None = None, depths: Sequence[int] = DEFAULT_DEPTHS,
+                   search: bool = False, margin: float = 0.05,
                    progress: Callable[[str], None] | None = None) -> Plan:
   """Compiles every lever's training step for ``topology``, in each shape; see :func:`nnx_zero1.plan.plan`."""
   from nnx_zero1_plan.steps import OPTIMIZERS, STEPS
@@ -191,6 +295,8 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
     raise PlanError(f"unknown optimizer {optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
   if min(batch, seq_len, ga) < 1:
     raise PlanError(f"--batch, --seq-len and --ga must be >= 1, got {batch}, {seq_len}, {ga}")
+  if not 0 <= margin < 1:
+    raise PlanError(f"--margin is the share of the usable memory to leave free, in [0, 1); got {margin}")
   if overrides and kind != "maxtext":
     raise PlanError(f"config overrides (key=value) apply to maxtext: models; {model} takes its settings from "
                     "the flags")
@@ -198,46 +304,48 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
     shapes = tuple(s for s in shapes if s == "split")
     if not shapes:
       raise PlanError(f"{model} compiles as MaxText's engine runs it, as two programs: --steps split")
-  compiler = require_compiler(topology)
+  platform, _, _ = parse_topology(topology, GPU_CHIPS)
+  dtypes_and_remat = (param_dtype, compute_dtype, remat)
   compilers.start_cpu_jax()
+  if kind != "maxtext":  # described before the compiler is looked for: a misspelt axis needs none
+    planned = _tunix_or_own(model, platform, sizes, full_depth, depths, dtypes_and_remat)
+    blocked = _refuse_blocked(names, planned, model)
+  compiler = require_compiler(topology)
   import jax
 
   from nnx_zero1_plan.targets import make_target
 
   target = make_target(topology)
-  settings = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer}
-  dtypes_and_remat = (param_dtype, compute_dtype, remat)
+  settings: dict[str, Any] = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer,
+                              "progress": progress}
   if kind == "maxtext":
-    source, axes = _maxtext(model_name, topology, target, sizes, settings, dtypes_and_remat, overrides)
-    device_mesh, reduced = None, None
+    planned = _maxtext(model_name, topology, target, sizes, settings, dtypes_and_remat, overrides)
+    blocked = _refuse_blocked(names, planned, model)
   else:
-    source, axes, device_mesh, reduced = _tunix_or_own(model, target, sizes, batch, full_depth, depths,
-                                                       dtypes_and_remat)
+    planned = _on_devices(planned, target, batch)
+  usable = int(target.hbm_bytes * (1 - margin))
   rows = []
   for name, step in ((n, s) for n in names for s in shapes):
-    row = _lever_row(name, step, source, reduced, device_mesh, settings)
-    line_peak = row["peak_bytes_per_device"]
-    near = row["depth_extrapolated_from"] and near_the_limit(line_peak, target.hbm_bytes)
-    if near or row.get("not_alike"):
-      extrapolated = row
-      row = _lever_row(name, step, source, None, device_mesh, settings)
-      row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
-             "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"],
-             "compiled_whole_because": extrapolated.get("not_alike") or "near the limit"}
-    peak = row.get("peak_bytes_per_device")
-    fits = False if row.get("hbm_oom") else None if peak is None else peak <= target.hbm_bytes
-    rows.append({"lever": name, "step": step, "compiled_for": topology, "device_kind": target.device_kind,
-                 "mesh": axes, "model": source.name, **row, "compile_s": round(row["compile_s"], 1),
-                 "hbm_bytes": target.hbm_bytes, "fits": fits})
+    row_at = lambda b, name=name, step=step: _row(name, step, planned, b, settings, target, topology)
+    row = row_at(batch)
+    if search:
+      row = {**row, **_search(row, row_at, planned.batch_unit, usable)}
+    rows.append(row)
     if progress:
-      progress(f"compiled {name} ({step}) for {topology} in {rows[-1]['compile_s']} s")
-  layers = source.full_depth or next((int(r["maxtext_config"]["num_decoder_layers"]) for r in rows
-                                      if r.get("maxtext_config")), None)
-  meta = {"model": source.name, "layers": layers, "topology": topology,
-          "device_kind": target.device_kind, "mesh": axes, "batch": batch, "seq_len": seq_len, "ga": ga,
+      found = f"; the largest micro-batch that fits: {row['max_micro_batch']}" if search else ""
+      progress(f"done: {name} ({step}) for {topology}{found}")
+  layers = planned.source_at(batch).full_depth or next(
+      (int(r["maxtext_config"]["num_decoder_layers"]) for r in rows if r.get("maxtext_config")), None)
+  meta = {"model": planned.source_at(batch).name, "layers": layers, "topology": topology,
+          "device_kind": target.device_kind, "mesh": planned.axes, "batch": batch, "seq_len": seq_len,
+          "ga": ga,
           "optimizer": optimizer,
           "param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat, "levers": list(names),
           "steps": {s: STEPS[s] for s in shapes}, "compiler": compiler,
           "jax": jax.__version__, "hbm_bytes": target.hbm_bytes, "hbm_source": target.hbm_source,
-          "depth_extrapolated_from": list(reduced) if reduced else None, "overrides": overrides or None}
-  return Plan(rows, meta, next_steps(rows, list(LEVERS), remat, batch, ga))
+          "depth_extrapolated_from": list(planned.reduced) if planned.reduced else None,
+          "full_depth": full_depth, "overrides": overrides or None, "search": search, "margin": margin,
+          "batch_unit": planned.batch_unit}
+  hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
+                     batch_unit=planned.batch_unit)
+  return Plan(rows, meta, hints, recommend(rows, meta, margin=margin))

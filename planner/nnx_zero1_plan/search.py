@@ -2,10 +2,14 @@
 
 A step's peak grows close to linearly with its micro-batch (the activations), so
 two compiles give a line and the line gives the limit; the compiles at the
-predicted limit and one step above it confirm the edge. Where the line is wrong
-(the compiler rematerialises or schedules differently near the limit) the edge
-is bisected between the largest micro-batch known to fit and the smallest known
-not to. Pure: the compiles are the caller's ``measure``.
+predicted limit and one step above it confirm the edge. Where the line falls
+short, the edge is galloped to (one step, two, four); where it overshoots (the
+compiler rematerialises or schedules differently near the limit), the line
+between the largest micro-batch known to fit and the smallest known not to
+takes turns with bisection. The compiler's peaks are not exactly monotone (a few
+MiB of scheduling noise between neighbours), so the edge is a micro-batch that
+fits with the one a step above it refused. Pure: the compiles are the caller's
+``measure``.
 """
 
 from __future__ import annotations
@@ -86,19 +90,15 @@ def _why(probe: Probe, usable: int) -> str:
 
 
 def _line_guess(probes: dict[int, Probe], usable: int, step: int) -> int | None:
-  """The line's limit through the compiles nearest the edge that have a peak: the largest that fits and the
-  smallest that does not, else the two largest that fit."""
-  known = sorted((p for p in probes.values() if p.peak is not None), key=lambda p: p.batch)
-  fitting, over = [p for p in known if p.fits], [p for p in known if not p.fits]
-  if fitting and over:
-    return line_limit(fitting[-1], over[0], usable, step)
-  return line_limit(fitting[-2], fitting[-1], usable, step) if len(fitting) > 1 else None
-
-
-def _between(lo: int, hi: int | None, step: int, cap: int) -> int | None:
-  """Bisection's next micro-batch (doubling while nothing was refused); None when the bracket is closed."""
-  target = min(2 * lo, round_down(cap, step)) if hi is None else round_down((lo + hi) // 2, step)
-  return target if target > lo and (hi is None or target < hi) else None
+  """The line's limit through the largest compile that fits and one far below it (at most half its
+  micro-batch, else the smallest): far apart, so that the compiler's noise of a few MiB between
+  neighbouring micro-batches does not tilt the line."""
+  fitting = sorted((p for p in probes.values() if p.fits and p.peak is not None), key=lambda p: p.batch)
+  if len(fitting) < 2:
+    return None
+  top = fitting[-1]
+  far = [p for p in fitting[:-1] if p.batch <= top.batch // 2] or fitting[:1]
+  return line_limit(far[-1], top, usable, step)
 
 
 def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start: int, cap: int = 1 << 14,
@@ -141,20 +141,32 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     lo, hi = step, first
   else:
     lo, hi = first, None
-  trust_line, guessed = True, None  # the line is tried once: its limit, then one step above it
+  stride = 0  # once the line stops gaining, the edge is galloped to: one step, two, four, ...
+  moved: list[bool] = []  # once bracketed, which end each compile moved (True: the fitting one)
+  top = round_down(cap, step)
   while len(probes) < max_compiles and (hi is None or hi - lo > step):
-    guess = _line_guess(probes, usable, step) if trust_line else None
-    if guess is not None and guess > lo and (hi is None or guess < hi) and guess <= cap:
-      batch = guessed = guess
-    elif guessed is not None and guessed == lo and lo + step not in probes and lo + step <= cap:
-      batch, trust_line = lo + step, False  # confirm the line's limit: one step above it must not fit
-    else:
-      halfway = _between(lo, hi, step, cap)
-      if halfway is None:
+    if hi is None:
+      guess = _line_guess(probes, usable, step)
+      if guess is None:  # no rising line yet (a fixed part dominates small micro-batches): double
+        batch = 2 * lo
+      elif guess >= lo + 2 * step:  # at most 8x in one jump: a nearly flat line overshoots wildly
+        batch, stride = min(guess, 8 * lo), 0
+      else:
+        stride = 2 * stride or step
+        batch = lo + stride
+      batch = min(batch, top)
+      if batch <= lo:
         break
-      batch = halfway
+    else:
+      # The line between the ends, kept one step inside them; bisection when the line moved the
+      # same end twice running (it is bent there, and would creep).
+      guess = line_limit(probes[lo], probes[hi], usable, step)
+      if guess is None or moved[-2:] in ([True, True], [False, False]):
+        batch = round_down((lo + hi) // 2, step)
+      else:
+        batch = min(max(guess, lo + step), hi - step)
     fits = at(batch).fits
-    if batch == guessed and not fits:
-      trust_line = False  # the line overshot: bisect
+    if hi is not None:
+      moved.append(fits)
     lo, hi = (batch, hi) if fits else (lo, batch)
   return edge(lo, hi)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["HEADER", "collective_cell", "cells", "table", "next_steps", "markdown"]
+from nnx_zero1_plan.inputs import command_line
+
+__all__ = ["HEADER", "collective_cell", "cells", "table", "next_steps", "recommendation_lines", "markdown"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB",
-          "usable GiB", "fits", "compile s", "collectives per step (count x MiB)", "per micro-batch",
+          "usable GiB", "fits", "max micro-batch", "compile s", "collectives per step (count x MiB)",
+          "per micro-batch",
           "update GFLOP", "update GiB accessed", "note")
-_LEFT = (0, 1, 2, 3, 15)  # the columns of words, aligned left
+_LEFT = (0, 1, 2, 3, 16)  # the columns of words, aligned left
 
 _SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "to-device": "in", "to-host": "out"}
 
@@ -43,6 +46,12 @@ def _note(r: dict[str, Any]) -> str:
   return ""
 
 
+def _max_micro_batch(r: dict[str, Any]) -> str:
+  if "max_micro_batch" not in r:
+    return "-"
+  return "none" if r["max_micro_batch"] is None else str(r["max_micro_batch"])
+
+
 def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
   """One tuple of strings per row, in :data:`HEADER`'s order."""
   out: list[tuple[str, ...]] = []
@@ -55,7 +64,8 @@ def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
         r["lever"], r.get("step", "one"), r["compiled_for"], mesh,
         _gib(r["opt_state_bytes_per_device"]), _gib(r["argument_bytes_per_device"]),
         _gib(r["temp_bytes_per_device"]), _gib(r["peak_bytes_per_device"]), _gib(r["hbm_bytes"]), fits,
-        f"{r['compile_s']:.0f}", collective_cell(collectives.get("per_step", {})),
+        _max_micro_batch(r), f"{r.get('search_compile_s', r['compile_s']):.0f}",
+        collective_cell(collectives.get("per_step", {})),
         collective_cell(collectives.get("per_micro_batch", {})),
         "-" if flops is None else f"{flops / 1e9:.2f}", _gib(accessed), _note(r),
     ))
@@ -80,23 +90,26 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
   return "\n".join([line(HEADER), line(["-" * w for w in widths]), *map(line, body)])
 
 
-def next_steps(rows: Sequence[dict[str, Any]], levers: Sequence[str], remat: str | None,
-               batch: int, ga: int) -> list[str]:
-  """What to try next, in order, when no row fits (empty when one does).
+def next_steps(rows: Sequence[dict[str, Any]], meta: Mapping[str, Any], levers: Sequence[str], *,
+               blocked: Mapping[str, str], remat: str | None, batch_unit: int) -> list[str]:
+  """What to try next, in order, when no row fits (empty when one does): each item ends with its command.
 
   Args:
     rows: the plan's rows.
+    meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``ga``, ...).
     levers: every lever the planner knows, lightest first.
-    remat: the ``--remat`` the plan used (None: none).
-    batch: the micro-batch, in sequences.
-    ga: micro-batches per step.
+    blocked: the levers that cannot apply to this model, and why (they are not suggested).
+    remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
+    batch_unit: the batch axes' size: a micro-batch is a multiple of it.
 
   Example::
 
     >>> row = {"lever": "baseline", "fits": False, "peak_bytes_per_device": 3 * 2**30, "hbm_bytes": 2**30,
     ...        "temp_bytes_per_device": 2**30, "opt_state_bytes_per_device": 2**30, "mesh": {"data": 4}}
-    >>> next_steps([row], ["baseline", "zero1"], None, 8, 1)[0]
-    'the lever zero1 (--levers zero1): saves 0.75 GiB of optimizer state per device (the layout rule)'
+    >>> meta = {"model": "m:f", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8, "seq_len": 1024,
+    ...         "ga": 1, "levers": ["baseline"], "steps": ["one"]}
+    >>> next_steps([row], meta, ["baseline", "zero1"], blocked={}, remat=None, batch_unit=4)[0][:75]
+    'the lever zero1: saves 0.75 GiB of optimizer state per device (the layout r'
   """
   if not rows or any(r["fits"] for r in rows):
     return []
@@ -104,29 +117,60 @@ def next_steps(rows: Sequence[dict[str, Any]], levers: Sequence[str], remat: str
   tried = {r["lever"] for r in rows}
   base = next((r for r in rows if r["lever"] == "baseline" and r["opt_state_bytes_per_device"]), None)
   for name in levers:
-    if name in tried:
+    if name in tried or name in blocked:
       continue
     saving = ""
     if name == "zero1" and base is not None:
       data = base["mesh"].get("data", 1)
       saving = (f": saves {base['opt_state_bytes_per_device'] * (1 - 1 / data) / 2**30:.2f} GiB of optimizer "
                 "state per device (the layout rule)")
-    steps.append(f"the lever {name} (--levers {name}){saving}")
+    steps.append(f"the lever {name}{saving}: {command_line(meta, levers=[name])}")
   best = min((r for r in rows if r["peak_bytes_per_device"]), key=lambda r: r["peak_bytes_per_device"],
              default=None)
+  temp = (best or {}).get("temp_bytes_per_device") or 0
   if best is not None:
     short = (best["peak_bytes_per_device"] - best["hbm_bytes"]) / 2**30
-    mesh = best["mesh"]
-    fsdp, data = 2 * mesh.get("fsdp", 1), max(1, mesh.get("data", 1) // 2)
-    steps.append(f"{best['lever']} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
-                 f"gradients too (e.g. --mesh data={data},fsdp={fsdp})")
-    temp = best["temp_bytes_per_device"] or 0
-    if remat is None:
-      steps.append(f"--remat decoder (or block): recomputes activations; the temp is {temp / 2**30:.2f} GiB")
-    if batch > 1:
-      steps.append(f"--batch {batch // 2} --ga {2 * ga} (the same tokens per step): activations halve, "
-                   f"up to ~{temp / 2 / 2**30:.2f} GiB")
+    mesh = dict(meta["mesh"])
+    if "fsdp" in mesh and mesh.get("data", 1) > 1:
+      mesh["data"], mesh["fsdp"] = mesh["data"] // 2, 2 * mesh["fsdp"]
+      steps.append(f"{best['lever']} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
+                   f"gradients too: {command_line(meta, levers=[best['lever']], mesh=mesh)}")
+    if remat is not None and not meta.get("remat"):
+      steps.append(f"remat (recomputes activations; the temp is {temp / 2**30:.2f} GiB): "
+                   f"{command_line(meta, levers=[best['lever']], remat=remat)}")
+  half = meta["batch"] // 2 // batch_unit * batch_unit
+  if half >= batch_unit:
+    why = (f"activations shrink, up to ~{temp / 2 / 2**30:.2f} GiB" if best is not None
+           else "the compiler refused every program at this micro-batch")
+    lever = best["lever"] if best is not None else rows[-1]["lever"]
+    steps.append(f"half the micro-batch, twice the accumulation (the same tokens per step; {why}): "
+                 f"{command_line(meta, levers=[lever], batch=half, ga=2 * meta['ga'])}")
   return steps
+
+
+def recommendation_lines(rec: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> list[str]:
+  """The recommendation under the table: the configuration, its code, its command, and where the
+  baseline beats a Zero-1 lever, why.
+
+  Example::
+
+    >>> rec = {"lever": "zero1", "step": "one", "micro_batch": 84, "remat": None,
+    ...        "code": "Zero1Optimizer(...)", "cli": "python -m nnx_zero1.plan ...", "baseline_beats": []}
+    >>> print("\\n".join(recommendation_lines(rec, {"margin": 0.05, "search": True})))
+    <BLANKLINE>
+    Recommended: zero1 at micro-batch 84 (one program), the largest that fits with a 5% margin
+      code: Zero1Optimizer(...)
+      reproduce: python -m nnx_zero1.plan ...
+  """
+  if rec is None:
+    return []
+  shape = {"one": "one program", "split": "two programs"}.get(rec["step"], rec["step"])
+  remat = f", remat {rec['remat']}" if rec["remat"] not in (None, "none") else ""
+  which = "the largest that fits" if meta.get("search") else "fits"
+  lines = ["", f"Recommended: {rec['lever']} at micro-batch {rec['micro_batch']} ({shape}{remat}), {which} "
+           f"with a {meta.get('margin', 0):.0%} margin", f"  code: {rec['code']}",
+           f"  reproduce: {rec['cli']}"]
+  return lines + [f"  note: {line}" for line in rec["baseline_beats"]]
 
 
 _NOTE = (
@@ -142,7 +186,8 @@ _NOTE = (
 )
 
 
-def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequence[str]) -> str:
+def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequence[str],
+             recommendation: Mapping[str, Any] | None = None) -> str:
   """plan.md: the settings, the table and what to try next.
 
   Example::
@@ -155,6 +200,7 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequen
   if rows:
     lines += ["", "| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|",
               *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells(rows)), "", _NOTE]
+  lines += recommendation_lines(recommendation, meta)
   if steps:
     numbered = (f"{i}. {s}" for i, s in enumerate(steps, 1))
     lines += ["", "## Nothing fits: what to try next, in order", "", *numbered]
