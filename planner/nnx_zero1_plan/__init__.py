@@ -64,7 +64,8 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
     param_dtype: the parameters' dtype (``tunix:`` models; MaxText's ``weight_dtype``).
     compute_dtype: the activations' dtype (``tunix:`` models; MaxText's ``dtype``).
     remat: the model's remat policy (``tunix:`` models: ``none``, ``block``, ``decoder``; MaxText's
-      ``remat_policy``).
+      ``remat_policy``); several, comma-separated, compile each lever under each (a row apiece, and
+      with ``search`` a largest micro-batch apiece).
     optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
     levers: names from the lever table (``baseline``, ``zero1``, ``zero1-accum``, ``zero2``,
       ``offload``, ``zero2-offload``, ``zero1-bf16state``, ``zero1-master``), a list or one
@@ -127,7 +128,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--compute-dtype", default=None,
                  help="activations' dtype, e.g. bfloat16 (tunix: and maxtext: models)")
   p.add_argument("--remat", default=None, help="remat policy: none, block, decoder (tunix: models); "
-                 "MaxText's remat_policy (maxtext: models: full, minimal, ...)")
+                 "MaxText's remat_policy (maxtext: models: full, minimal, ...); several, comma-separated, "
+                 "plan each (default: the model's own)")
   p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, lion, sgd, adafactor")
   p.add_argument("--levers", default="baseline,zero1",
                  help=f"comma-separated, of: {', '.join(LEVERS)} (default baseline,zero1)")

@@ -305,11 +305,13 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
     if not shapes:
       raise PlanError(f"{model} compiles as MaxText's engine runs it, as two programs: --steps split")
   platform, _, _ = parse_topology(topology, GPU_CHIPS)
-  dtypes_and_remat = (param_dtype, compute_dtype, remat)
+  # Several remat policies ("none,block"): each lever is compiled under each, a row apiece.
+  policies = tuple(dict.fromkeys(filter(None, (remat or "").replace(" ", "").split(",")))) or (None,)
   compilers.start_cpu_jax()
   if kind != "maxtext":  # described before the compiler is looked for: a misspelt axis needs none
-    planned = _tunix_or_own(model, platform, sizes, full_depth, depths, dtypes_and_remat)
-    blocked = _refuse_blocked(names, planned, model)
+    plans = {p: _tunix_or_own(model, platform, sizes, full_depth, depths, (param_dtype, compute_dtype, p))
+             for p in policies}
+    blocked = _refuse_blocked(names, plans[policies[0]], model)
   compiler = require_compiler(topology)
   import jax
 
@@ -319,21 +321,25 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   settings: dict[str, Any] = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer,
                               "progress": progress}
   if kind == "maxtext":
-    planned = _maxtext(model_name, topology, target, sizes, settings, dtypes_and_remat, overrides)
-    blocked = _refuse_blocked(names, planned, model)
+    plans = {p: _maxtext(model_name, topology, target, sizes, settings, (param_dtype, compute_dtype, p),
+                         overrides) for p in policies}
+    blocked = _refuse_blocked(names, plans[policies[0]], model)
   else:
-    planned = _on_devices(planned, target, batch)
+    plans = {p: _on_devices(m, target, batch) for p, m in plans.items()}
+  planned = plans[policies[0]]  # the axes, the batch's unit and the hints are the same under every policy
   usable = int(target.hbm_bytes * (1 - margin))
   rows = []
-  for name, step in ((n, s) for n in names for s in shapes):
-    row_at = lambda b, name=name, step=step: _row(name, step, planned, b, settings, target, topology)
+  for policy, name, step in ((p, n, s) for p in policies for n in names for s in shapes):
+    row_at = lambda b, p=policy, n=name, s=step: {**_row(n, s, plans[p], b, settings, target, topology),
+                                                  "remat": p}
     row = row_at(batch)
     if search:
       row = {**row, **_search(row, row_at, planned.batch_unit, usable)}
     rows.append(row)
     if progress:
       found = f"; the largest micro-batch that fits: {row['max_micro_batch']}" if search else ""
-      progress(f"done: {name} ({step}) for {topology}{found}")
+      under = f", remat {policy}" if policy else ""
+      progress(f"done: {name} ({step}{under}) for {topology}{found}")
   layers = planned.source_at(batch).full_depth or next(
       (int(r["maxtext_config"]["num_decoder_layers"]) for r in rows if r.get("maxtext_config")), None)
   meta = {"model": planned.source_at(batch).name, "layers": layers, "topology": topology,

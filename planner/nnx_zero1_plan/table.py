@@ -61,7 +61,8 @@ def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
     flops, accessed = r.get("update_flops_per_device"), r.get("update_bytes_accessed_per_device")
     mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
     out.append((
-        r["lever"], r.get("step", "one"), r["compiled_for"], mesh,
+        r["lever"], r.get("step", "one") + (f", remat {r['remat']}" if r.get("remat") else ""),
+        r["compiled_for"], mesh,
         _gib(r["opt_state_bytes_per_device"]), _gib(r["argument_bytes_per_device"]),
         _gib(r["temp_bytes_per_device"]), _gib(r["peak_bytes_per_device"]), _gib(r["hbm_bytes"]), fits,
         _max_micro_batch(r), f"{r.get('search_compile_s', r['compile_s']):.0f}",
