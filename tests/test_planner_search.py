@@ -123,3 +123,21 @@ def test_a_linear_search_needs_at_most_five_compiles(start):
   edge = find_edge(measure, step=4, usable=15 * GIB, start=start)
   assert edge.max_micro_batch == brute_force(peak, 15 * GIB, 4, 1 << 14)
   assert len(calls) <= 5, calls
+
+
+def test_past_a_micro_batch_compiled_whole_the_search_compiles_whole_at_once():
+  from nnx_zero1_plan.run import _search
+
+  calls = []
+
+  def row_at(batch, whole=False):
+    calls.append((batch, whole))
+    near = batch >= 32 and not whole  # the extrapolated line came near the limit: compiled whole after it
+    row = {"batch": batch, "peak_bytes_per_device": batch * GIB // 4, "error": None, "compile_s": 1.0}
+    return {**row, "compiled_whole_because": "near the limit"} if near else row
+
+  found = _search(row_at(8), row_at, unit=8, usable=15 * GIB)
+  assert found["max_micro_batch"] == 56 and found["above"] == 64
+  first_near = next(i for i, (b, whole) in enumerate(calls) if b >= 32 and not whole)
+  after = calls[first_near + 1:]
+  assert after and all(whole for b, whole in after if b >= calls[first_near][0]), calls

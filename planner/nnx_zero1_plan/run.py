@@ -233,12 +233,12 @@ def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], setti
 
 
 def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, Any], target: Any,
-         topology: str) -> dict:
-  """One lever's row at one micro-batch: compiled at reduced depths and extrapolated, or whole (also when
-  the line comes near the limit or the two depths disagree)."""
+         topology: str, whole: bool = False) -> dict:
+  """One lever's row at one micro-batch: compiled at reduced depths and extrapolated, or whole (asked
+  for, or when the line comes near the limit or the two depths disagree)."""
   settings = {**settings, "batch": batch}
   source = model.source_at(batch)
-  row = _lever_row(name, step, source, model.reduced, model.device_mesh, settings)
+  row = _lever_row(name, step, source, None if whole else model.reduced, model.device_mesh, settings)
   near = row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes)
   if near or row.get("not_alike"):
     extrapolated = row
@@ -246,6 +246,8 @@ def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, An
     row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
            "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"],
            "compiled_whole_because": extrapolated.get("not_alike") or "near the limit"}
+  if whole and model.reduced:
+    row = {**row, "compiled_whole_because": "a smaller micro-batch came near the limit"}
   peak = row.get("peak_bytes_per_device")
   fits = False if row.get("hbm_oom") else None if peak is None else peak <= target.hbm_bytes
   return {"lever": name, "step": step, "compiled_for": topology, "device_kind": target.device_kind,
@@ -254,13 +256,17 @@ def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, An
           "hbm_bytes": target.hbm_bytes, "fits": fits}
 
 
-def _search(first: dict, row_at: Callable[[int], dict], unit: int, usable: int) -> dict[str, Any]:
-  """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch)."""
+def _search(first: dict, row_at: Callable[[int, bool], dict], unit: int, usable: int) -> dict[str, Any]:
+  """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch).
+
+  ``row_at(batch, whole)`` compiles; once a micro-batch was compiled whole for being near the limit,
+  every larger one is compiled whole at once (its reduced depths would be compiled in vain)."""
   rows = {first["batch"]: first}
 
   def measure(batch: int) -> Probe:
     if batch not in rows:
-      rows[batch] = row_at(batch)
+      near = [b for b, r in rows.items() if r.get("compiled_whole_because") == "near the limit"]
+      rows[batch] = row_at(batch, bool(near) and batch >= min(near))
     row = rows[batch]
     peak = row.get("peak_bytes_per_device")
     fits = not row.get("error") and peak is not None and peak <= usable
@@ -330,8 +336,8 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   usable = int(target.hbm_bytes * (1 - margin))
   rows = []
   for policy, name, step in ((p, n, s) for p in policies for n in names for s in shapes):
-    row_at = lambda b, p=policy, n=name, s=step: {**_row(n, s, plans[p], b, settings, target, topology),
-                                                  "remat": p}
+    row_at = lambda b, whole=False, p=policy, n=name, s=step: {
+        **_row(n, s, plans[p], b, settings, target, topology, whole), "remat": p}
     row = row_at(batch)
     if search:
       row = {**row, **_search(row, row_at, planned.batch_unit, usable)}

@@ -39,7 +39,7 @@ def _note(r: dict[str, Any]) -> str:
   if r.get("error"):
     return f"refused: {r['error']}"
   if r.get("compiled_whole_because"):
-    extrapolated = _gib(r["extrapolated_peak_bytes_per_device"])
+    extrapolated = _gib(r.get("extrapolated_peak_bytes_per_device"))
     return f"compiled whole (extrapolated: {extrapolated} GiB; {r['compiled_whole_because']})"
   if r.get("depth_extrapolated_from"):
     return f"extrapolated to {r['depth']} layers from {'/'.join(map(str, r['depth_extrapolated_from']))}"
