@@ -60,7 +60,8 @@ def test_when_the_baseline_fits_more_it_says_so_with_the_figures():
   zero1 = _row("zero1", max_micro_batch=40, temp_bytes_per_device=14 * G, argument_bytes_per_device=G)
   (line,) = baseline_beats([base, zero1], 8, 0.05)
   assert line.startswith("baseline fits micro-batch 48 where zero1 fits 40")
-  assert "+2.00 GiB" in line and "save 2.00 GiB" in line
+  assert "at micro-batch 8 (one step) zero1's temporaries are +2.00 GiB" in line
+  assert line.endswith("and its arguments save 2.00 GiB")
   assert recommend([base, zero1], META)["baseline_beats"] == [line]
   assert baseline_beats([base, dict(zero1, max_micro_batch=48)], 8, 0.05) == []
 

@@ -273,8 +273,10 @@ def _search(first: dict, row_at: Callable[[int, bool], dict], unit: int, usable:
     return Probe(batch, peak, fits, row.get("error"))
 
   edge = find_edge(measure, step=unit, usable=usable, start=first["batch"])
-  probes = [{"batch": p.batch, "peak_bytes_per_device": p.peak, "fits": p.fits, "compile_s": rows[p.batch][
-      "compile_s"]} for p in edge.probes]
+  probes = [{"batch": p.batch, "peak_bytes_per_device": p.peak, "fits": p.fits,
+             "temp_bytes_per_device": rows[p.batch].get("temp_bytes_per_device"),
+             "argument_bytes_per_device": rows[p.batch].get("argument_bytes_per_device"),
+             "compile_s": rows[p.batch]["compile_s"]} for p in edge.probes]
   return {"max_micro_batch": edge.max_micro_batch, "above": edge.above,
           "refused_because": edge.refused_because,
           "search": probes, "search_compile_s": round(sum(p["compile_s"] for p in probes), 1)}
