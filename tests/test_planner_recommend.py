@@ -73,3 +73,12 @@ def test_the_command_line_reproduces_the_settings_that_matter():
                         "--mesh data=4")
   assert cli.endswith("--levers zero1 --steps split --param-dtype bfloat16 --remat block --optimizer lion "
                       "scan_layers=false")
+
+
+def test_a_zero1_row_the_compiler_refused_is_said_so_not_given_figures():
+  base = _row("baseline", temp_bytes_per_device=12 * G, argument_bytes_per_device=3 * G)
+  refused = _row("zero1", fits=False, peak=None, temp_bytes_per_device=None, argument_bytes_per_device=None,
+                 error="JaxRuntimeError: RESOURCE_EXHAUSTED: CompileTimeHbmOom")
+  (line,) = baseline_beats([base, refused], 8, 0.05)
+  assert line == ("baseline fits micro-batch 8 where zero1 fits none: at micro-batch 8 (one step) the "
+                  "compiler refused zero1: JaxRuntimeError: RESOURCE_EXHAUSTED: CompileTimeHbmOom")

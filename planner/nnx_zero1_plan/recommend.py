@@ -116,7 +116,12 @@ def baseline_beats(rows: Sequence[Mapping[str, Any]], batch: int, margin: float)
       b, z, compared = _figures_at(base, at_base), _figures_at(r, at_base), at_base
       if b is base or z is r:  # no search compiled both there: the plan's own micro-batch
         b, z, compared = base, r, batch
-      temp = (z.get("temp_bytes_per_device") or 0) - (b.get("temp_bytes_per_device") or 0)
+      if z.get("temp_bytes_per_device") is None or b.get("temp_bytes_per_device") is None:
+        why = (z.get("error") or "no figures")[:160]
+        out.append(f"baseline fits micro-batch {at_base} where {r['lever']} fits {at_lever or 'none'}: at "
+                   f"micro-batch {compared} ({step} step) the compiler refused {r['lever']}: {why}")
+        continue
+      temp = z["temp_bytes_per_device"] - b["temp_bytes_per_device"]
       args = (b.get("argument_bytes_per_device") or 0) - (z.get("argument_bytes_per_device") or 0)
       saved = (f"more than the {args / 2**30:.2f} GiB its arguments save" if temp > args
                else f"and its arguments save {args / 2**30:.2f} GiB")
