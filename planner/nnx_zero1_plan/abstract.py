@@ -12,6 +12,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+# Not public, as mark_zero1_grads in steps.py: the planner is released with this version of the optimizer.
+from nnx_zero1._src.report import memory_kind_of
+
 __all__ = ["AbstractState", "abstract_bytes_per_device", "bytes_by_memory_kind", "with_state_homes",
            "abstract_state", "describe_model"]
 
@@ -38,7 +41,7 @@ def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
   """Per-device bytes of a tree of sharded ``ShapeDtypeStruct``s, by memory kind (None is ``device``)."""
   by_kind: dict[str, list[Any]] = {}
   for x in jax.tree.leaves(tree):
-    by_kind.setdefault(getattr(getattr(x, "sharding", None), "memory_kind", None) or "device", []).append(x)
+    by_kind.setdefault(memory_kind_of(x), []).append(x)
   return {kind: abstract_bytes_per_device(leaves) for kind, leaves in sorted(by_kind.items())}
 
 

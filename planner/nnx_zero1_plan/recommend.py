@@ -13,33 +13,10 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import command_line
 
-__all__ = ["ORDER", "LEVER_CODE", "micro_batch_of", "recommend", "baseline_beats"]
+__all__ = ["ORDER", "micro_batch_of", "lever_code", "recommend", "baseline_beats"]
 
 ORDER = ("fits with the margin", "largest micro-batch", "fewest collective bytes per token", "no remat",
          "the lighter lever")
-
-# The constructor line that turns each lever on in an own nnx loop.
-LEVER_CODE = {
-    "baseline": "nnx.Optimizer(model, tx, wrt=nnx.Param)",
-    "zero1": "Zero1Optimizer(model, tx, mesh)",
-    "zero1-accum": "Zero1Optimizer(model, tx, mesh); grads from value_and_grad_accumulated(loss_fn, model, "
-                   "batch, micro_batches=GA, optimizer=optimizer)",
-    "zero2": "Zero1Optimizer(model, tx, mesh); grads from value_and_grad_accumulated(loss_fn, model, batch, "
-             "micro_batches=GA, optimizer=optimizer, shard_accumulator=True)",
-    "offload": "Zero1Optimizer(model, tx, mesh, offload_state_to_host=True)",
-    "zero2-offload": "Zero1Optimizer(model, tx, mesh, offload_state_to_host=True); grads from "
-                     "value_and_grad_accumulated(..., shard_accumulator=True)",
-    "zero1-bf16state": "Zero1Optimizer(model, tx, mesh, state_dtype=jnp.bfloat16)",
-    "zero1-master": "Zero1Optimizer(model, tx, mesh, master_dtype=jnp.float32)",
-}
-# Tunix's trainers read the options off TrainingConfig attributes named zero1_<option>.
-_TUNIX_OPTIONS = {"offload": "zero1_offload_state_to_host=True",
-                  "zero1-bf16state": "zero1_state_dtype=jnp.bfloat16",
-                  "zero1-master": "zero1_master_dtype=jnp.float32"}
-# MaxText's engine reads them off class attributes.
-_MAXTEXT_OPTIONS = {"offload": "OFFLOAD_STATE_TO_HOST = True",
-                    "zero1-bf16state": "STATE_DTYPE = jnp.bfloat16",
-                    "zero1-master": "MASTER_DTYPE = jnp.float32"}
 
 
 def micro_batch_of(row: Mapping[str, Any], batch: int, margin: float) -> int | None:
@@ -64,19 +41,49 @@ def _collective_bytes(row: Mapping[str, Any]) -> int:
   return sum(v["bytes"] for v in per_step.values())
 
 
-def _code(lever: str, model: str) -> str:
+def _spelled(value: Any) -> str:
+  """An option's value as code: a dtype's name (the levers hold them as strings) is ``jnp``'s."""
+  return f"jnp.{value}" if isinstance(value, str) else repr(value)
+
+
+def lever_code(name: str, model: str) -> str:
+  """The code that turns lever ``name`` on where ``model``'s users train: their own loop, Tunix's trainers
+  (``Zero1TrainingConfig``'s ``zero1_*`` options) or MaxText's engine (the class attributes
+  :func:`nnx_zero1_plan.maxtext.engine_attributes` gives). Written from the lever table, so a new lever
+  needs no entry here.
+
+  Example::
+
+    >>> lever_code("offload", "my_pkg.models:build")
+    'Zero1Optimizer(model, tx, mesh, offload_state_to_host=True)'
+    >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
+    'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
+  """
+  from nnx_zero1_plan.levers import LEVERS
+  from nnx_zero1_plan.maxtext import engine_attributes
+
+  lever = LEVERS[name]
+  options = [f"{k}={_spelled(v)}" for k, v in lever.optimizer_options.items()]
   if model.startswith("tunix:"):
-    trainer = "nnx.Optimizer via PeftTrainer" if lever == "baseline" else "Zero1PeftTrainer (from " \
-        "nnx_zero1.adapters.tunix) in place of PeftTrainer"
-    option = _TUNIX_OPTIONS.get(lever)
-    return trainer + (f", with training_config.{option}" if option else "")
+    if not lever.zero1:
+      return "Tunix's PeftTrainer with its TrainingConfig, as it is"
+    config = "".join(f", zero1_{option}" for option in options)
+    return f"Zero1PeftTrainer (nnx_zero1.adapters.tunix) with Zero1TrainingConfig(...{config})"
   if model.startswith("maxtext:"):
-    if lever == "baseline":
+    attributes = engine_attributes(name, lever)
+    if attributes is None:
       return "MaxText's own MaxTextTrainingEngine"
-    option = _MAXTEXT_OPTIONS.get(lever)
-    return "Zero1MaxTextTrainingEngine (from nnx_zero1.adapters.maxtext)" + (
-        f" subclassed with {option}" if option else "")
-  return LEVER_CODE[lever]
+    spelled = "; ".join(f"{k} = {_spelled(v)}" for k, v in attributes.items())
+    return "Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext)" + (f" subclassed with {spelled}"
+                                                                      if spelled else "")
+  if not lever.zero1:
+    return "nnx.Optimizer(model, tx, wrt=nnx.Param)"
+  code = f"Zero1Optimizer({', '.join(['model, tx, mesh', *options])})"
+  if lever.deferred:
+    accumulate = "".join(f", {k}={_spelled(v)}" for k, v in lever.accumulate_options.items())
+    code += (f"; grads from value_and_grad_accumulated(loss_fn, model, batch, micro_batches=GA, "
+             f"optimizer=optimizer{accumulate})")
+  return code
 
 
 def _figures_at(row: Mapping[str, Any], batch: int) -> Mapping[str, Any]:
@@ -174,7 +181,7 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *, mar
     return None
   _, best, micro, remat = min(candidates, key=lambda c: c[0])
   return {"lever": best["lever"], "step": step, "micro_batch": micro, "remat": remat,
-          "code": _code(best["lever"], str(meta.get("model", ""))),
+          "code": lever_code(best["lever"], str(meta.get("model", ""))),
           "cli": command_line(meta, levers=[best["lever"]], steps=[step], batch=micro, remat=remat),
           "order": list(ORDER),
           "baseline_beats": baseline_beats([r for r in rows if r.get("step", "one") == step], meta["batch"],

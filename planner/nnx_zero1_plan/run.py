@@ -29,6 +29,7 @@ from nnx_zero1_plan.table import markdown, next_steps, recommendation_lines, tab
 __all__ = ["Plan", "make_plan_rows", "DEFAULT_DEPTHS"]
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for a model deeper than the second
+_NEAR = "near the limit"  # why a row was compiled whole after its reduced depths: the search keys on it
 _EXTRAPOLATED = ("opt_state_bytes_per_device", "argument_bytes_per_device", "output_bytes_per_device",
                  "alias_bytes_per_device", "temp_bytes_per_device", "peak_bytes_per_device",
                  "host_argument_bytes_per_device", "collectives", "update_peak_bytes_per_device",
@@ -245,7 +246,7 @@ def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, An
     row = _lever_row(name, step, source, None, model.device_mesh, settings)
     row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
            "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"],
-           "compiled_whole_because": extrapolated.get("not_alike") or "near the limit"}
+           "compiled_whole_because": extrapolated.get("not_alike") or _NEAR}
   if whole and model.reduced:
     row = {**row, "compiled_whole_because": "a smaller micro-batch came near the limit"}
   peak = row.get("peak_bytes_per_device")
@@ -265,7 +266,7 @@ def _search(first: dict, row_at: Callable[[int, bool], dict], unit: int, usable:
 
   def measure(batch: int) -> Probe:
     if batch not in rows:
-      near = [b for b, r in rows.items() if r.get("compiled_whole_because") == "near the limit"]
+      near = [b for b, r in rows.items() if r.get("compiled_whole_because") == _NEAR]
       rows[batch] = row_at(batch, bool(near) and batch >= min(near))
     row = rows[batch]
     peak = row.get("peak_bytes_per_device")
