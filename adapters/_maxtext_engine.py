@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding
 
 from nnx_zero1._src.deferral import deferral_blocker
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
-from nnx_zero1._src.mesh import on_mesh
+from nnx_zero1._src.mesh import sharding_on_mesh
 from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.reduction import reduce_unreduced
 from nnx_zero1._src.scope import levers_of, zero1_optimizers
@@ -113,7 +113,7 @@ def _zero2_blocker(model: Any, mesh: Any) -> str | None:
   params = jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param)))
   over_data = [
       NamedSharding(mesh, canonical_spec([
-          tuple(a for a in entry_axes(e) if a == "data") for e in spec_entries(on_mesh(x, mesh).spec)
+          tuple(a for a in entry_axes(e) if a == "data") for e in spec_entries(sharding_on_mesh(x, mesh).spec)
       ]))
       for x in params
   ]
@@ -294,9 +294,9 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
     # Equal layouts, not equal specs: under shard_mode=auto the plan names the parameters' size-1 axes
     # (from their metadata) where the stand-in trace's types leave them out.
     leaves = jax.tree.leaves(traced_state)
-    on_mesh = lambda spec: NamedSharding(self._mesh, spec)  # memory kinds are restated below
+    named = lambda spec: NamedSharding(self._mesh, spec)  # memory kinds are restated below
     same = [getattr(x, "sharding", None) is None
-            or on_mesh(x.sharding.spec).is_equivalent_to(on_mesh(leaf.sharding.spec), len(x.shape))  # type: ignore[attr-defined]
+            or named(x.sharding.spec).is_equivalent_to(named(leaf.sharding.spec), len(x.shape))  # type: ignore[attr-defined]
             for x, leaf in zip(leaves, plan.state_leaves)]
     if len(leaves) != len(plan.state_leaves) or not all(same):
       raise Zero1Error(

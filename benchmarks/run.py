@@ -85,8 +85,9 @@ def state_shardings(state: Any, mesh) -> Any:
     P()
   """
   replicated = NamedSharding(mesh, P())
-  on_mesh = lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else replicated
-  return jax.tree.map(on_mesh, state)
+  return jax.tree.map(
+      lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else replicated, state
+  )
 
 
 def train_step_jit(graphdef, shardings: Any, mesh, arm: str, ga: int):

@@ -3,7 +3,7 @@
 For each named config of Qwen3, Llama and Gemma shape, the parameters are
 built abstractly (``nnx.eval_shape``), given a replicated sharding on an
 abstract data-parallel mesh of size dp, and run through
-:func:`nnx_zero1._src.plan.make_plan`. A leaf that no dimension of divides stays
+:func:`nnx_zero1._src.layout_plan.make_plan`. A leaf that no dimension of divides stays
 replicated; the table says what fraction of the optimizer's bytes that is.
 """
 
@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.model import CONFIGS, Config, Transformer
-from nnx_zero1._src.plan import make_plan
+from nnx_zero1._src.layout_plan import make_plan
 
 __all__ = ["REAL_SHAPES", "abstract_params", "replicated_fraction", "shape_rows"]
 

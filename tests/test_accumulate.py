@@ -48,7 +48,7 @@ def token_batches(n, rows=ROWS, seed=0):
   return [{"tokens": rng.integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)} for _ in range(n)]
 
 
-def on_mesh(batch, mesh=MESH):
+def batch_on_mesh(batch, mesh=MESH):
   return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), batch)
 
 
@@ -82,7 +82,7 @@ def full_batch_step(model, opt, batch):
 
 def train(step, model, opt, batches, mesh=MESH, **kwargs):
   with jax.set_mesh(mesh):
-    return [float(step(model, opt, on_mesh(b, mesh), **kwargs)) for b in batches]
+    return [float(step(model, opt, batch_on_mesh(b, mesh), **kwargs)) for b in batches]
 
 
 def params(model):
@@ -92,7 +92,7 @@ def params(model):
 @pytest.mark.parametrize("cls", [Zero1Optimizer, nnx.Optimizer])
 def test_loss_and_grads_match_full_batch_value_and_grad(cls):
   model, opt = build(cls, optax.adamw(1e-3))
-  batch = on_mesh(token_batches(1)[0])
+  batch = batch_on_mesh(token_batches(1)[0])
   with jax.set_mesh(MESH):
     loss, grads = accumulated(model, opt, batch)
     ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(lm_loss))(model, batch)
@@ -179,7 +179,7 @@ def test_bit_identical_to_zero1_engine(tx, step):
 def step_hlo(cls, mesh=MESH, **kwargs):
   model, opt = build(cls, optax.adamw(1e-3), mesh)
   with jax.set_mesh(mesh):
-    hlo = accum_step.lower(model, opt, on_mesh(token_batches(1)[0], mesh), **kwargs).compile().as_text()
+    hlo = accum_step.lower(model, opt, batch_on_mesh(token_batches(1)[0], mesh), **kwargs).compile().as_text()
   sizes = [x.nbytes for x in jax.tree.leaves(params(model))]
   return hlo, sizes
 
@@ -271,7 +271,7 @@ def test_parameters_split_over_an_axis_of_size_one_defer_the_reduction(caplog):
   train(accum_step, *reference, batches, mesh)
   assert_trees_equal(params(model), params(reference[0]))
   with jax.set_mesh(mesh):
-    hlo = accum_step.lower(model, opt, on_mesh(batches[0], mesh)).compile().as_text()
+    hlo = accum_step.lower(model, opt, batch_on_mesh(batches[0], mesh)).compile().as_text()
   assert_deferred(hlo, [x.nbytes for x in jax.tree.leaves(params(model))])
 
 
@@ -298,7 +298,7 @@ def test_plain_optimizer_reads_partitioning_metadata_on_auto_meshes():
                                                              strict=True))
   with pytest.raises(Zero1Error, match=r"a parameter is sharded \(P\(None, 'model'\)\)"):
     with jax.set_mesh(mesh):
-      step(model, opt, on_mesh(batch, mesh))
+      step(model, opt, batch_on_mesh(batch, mesh))
   assert_unchanged(before, model, opt)
 
 
@@ -338,11 +338,11 @@ def test_loss_that_updates_batch_statistics_is_refused():
   step = nnx.jit(lambda m, o, b: value_and_grad_accumulated(loss_fn, m, b, micro_batches=2, optimizer=o))
   with pytest.raises(Zero1Error, match=r"updates model state other than .*norm"):
     with jax.set_mesh(MESH):
-      step(model, opt, on_mesh(np.ones((8, 4), np.float32)))
+      step(model, opt, batch_on_mesh(np.ones((8, 4), np.float32)))
   assert_unchanged(before, model, opt)
   model.eval()  # batch statistics read, not written: fine
   with jax.set_mesh(MESH):
-    loss, _ = step(model, opt, on_mesh(np.ones((8, 4), np.float32)))
+    loss, _ = step(model, opt, batch_on_mesh(np.ones((8, 4), np.float32)))
   assert np.isfinite(float(loss))
 
 

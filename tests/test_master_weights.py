@@ -270,7 +270,7 @@ def test_without_master_dtype_the_state_tree_is_nnx_optimizers():
 def test_composes_with_zero2():
   """ZeRO-2's reduce-scattered gradients (bfloat16 here) feed the float32 masters as the deferred
   path's do: the two runs differ only in the order of their sums."""
-  from test_accumulate import on_mesh, token_batches
+  from test_accumulate import batch_on_mesh, token_batches
   from test_zero2 import step
 
   from helpers import assert_reordered_adam_close
@@ -284,7 +284,7 @@ def test_composes_with_zero2():
     opt = Zero1Optimizer(model, optax.adamw(1e-3), mesh, master_dtype=F32)
     with jax.set_mesh(mesh):
       for batch in token_batches(2, seed=1):
-        step(model, opt, on_mesh(batch, mesh), shard=shard)
+        step(model, opt, batch_on_mesh(batch, mesh), shard=shard)
     runs.append(opt)
   # bfloat16 gradient sums round at 2**-9, so another summation order moves more elements past
   # 1e-5 than float32 sums do (2.3% here); a wrong reduction would move nearly all of them.

@@ -13,14 +13,14 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from test_accumulate import (
-    MESH,
-    build,
-    explicit_mesh,
-    on_mesh,
-    params,
-    tensor_parallel,
-    token_batches,
-    train,
+  MESH,
+  batch_on_mesh,
+  build,
+  explicit_mesh,
+  params,
+  tensor_parallel,
+  token_batches,
+  train,
 )
 
 from helpers import Decoder, assert_reordered_adam_close, assert_unchanged, lm_loss, snapshot
@@ -72,7 +72,7 @@ def test_gradients_arrive_on_the_zero1_layout_marked(runs):
   mesh, out = runs
   model, opt, _ = out[True]
   with jax.set_mesh(mesh):
-    _, grads = accumulated(model, opt, on_mesh(token_batches(1)[0], mesh))
+    _, grads = accumulated(model, opt, batch_on_mesh(token_batches(1)[0], mesh))
   assert _is_marked(grads)
   plan = opt.zero1_plan
   leaves = jax.tree.leaves(nnx.as_pure(grads))
@@ -86,7 +86,7 @@ def test_hlo_reduce_scatters_inside_the_loop_and_gathers_parameters_once_outside
   mesh, out = runs
   model, opt, _ = out[True]
   with jax.set_mesh(mesh):
-    hlo = step.lower(model, opt, on_mesh(token_batches(1)[0], mesh)).compile().as_text()
+    hlo = step.lower(model, opt, batch_on_mesh(token_batches(1)[0], mesh)).compile().as_text()
   sizes = [x.nbytes for x in jax.tree.leaves(params(model))]
   inside, total = loop_collectives(hlo), collectives(hlo)
   # One reduce-scatter per leaf and micro-batch, each a quarter of its gradient.
@@ -107,7 +107,7 @@ def test_conflicting_request_is_refused_and_changes_nothing(kwargs, message):
   model, opt = build(Zero1Optimizer, optax.adamw(1e-3))
   before = snapshot(model, opt)
   with pytest.raises(Zero1Error, match=message), jax.set_mesh(MESH):
-    accumulated(model, opt, on_mesh(token_batches(1)[0]), **kwargs)
+    accumulated(model, opt, batch_on_mesh(token_batches(1)[0]), **kwargs)
   assert_unchanged(before, model, opt)
 
 
@@ -116,7 +116,7 @@ def test_plain_optimizer_is_refused_with_the_reason():
   before = snapshot(model, opt)
   with pytest.raises(Zero1Error, match=r"Zero-1 layout, which a plain nnx.Optimizer does not have"):
     with jax.set_mesh(MESH):
-      accumulated(model, opt, on_mesh(token_batches(1)[0]))
+      accumulated(model, opt, batch_on_mesh(token_batches(1)[0]))
   assert_unchanged(before, model, opt)
 
 

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from nnx_zero1._src.checks import first_mismatch
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.master import master_shardings
-from nnx_zero1._src.mesh import on_mesh, resolve_mesh
+from nnx_zero1._src.mesh import resolve_mesh, sharding_on_mesh
 
 __all__ = ["abstract_arrays", "abstract_state", "key_names", "restore_into", "restore_target"]
 
@@ -70,7 +70,7 @@ def restore_target(x: Any, mesh: Any = None, sharding: Any = None) -> jax.ShapeD
   """
   sharding = x.sharding if sharding is None else sharding
   if not isinstance(sharding, NamedSharding) and mesh is not None:
-    sharding = on_mesh(x, mesh)
+    sharding = sharding_on_mesh(x, mesh)
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 

@@ -11,8 +11,8 @@ from jax.sharding import Mesh
 
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.layout import Reason
+from nnx_zero1._src.layout_plan import Zero1Plan
 from nnx_zero1._src.mesh import mesh_of
-from nnx_zero1._src.plan import Zero1Plan
 
 __all__ = [
     "check_params", "check_model", "check_grads", "check_state", "check_strict", "first_mismatch",

@@ -56,7 +56,7 @@ def value_fn_at_home(value_fn: Callable, plan, homes: Sequence[NamedSharding]) -
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> plan = make_plan(optax.sgd(0.1), {"w": jnp.ones(4)}, mesh, ("data",))
     >>> fn = value_fn_at_home(lambda p: p["w"].sum(), plan, plan.param_shardings)

@@ -22,9 +22,9 @@ from flax import nnx
 
 from nnx_zero1._src.compat import to_opt_state
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.layout_plan import Zero1Plan
 from nnx_zero1._src.offload import DEVICE, HOST
 from nnx_zero1._src.placement import move_tree, place_tree
-from nnx_zero1._src.plan import Zero1Plan
 from nnx_zero1._src.precision import as_dtype
 from nnx_zero1._src.specs import spec_entries
 
@@ -90,7 +90,7 @@ def master_plan(plan: Zero1Plan, master_dtype: np.dtype | None) -> Zero1Plan:
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> plan = make_plan(optax.sgd(0.1), {"w": jnp.ones(4)}, jax.make_mesh((1,), ("data",)), ("data",))
     >>> master_plan(plan, jnp.dtype("float32")).master_dtype
     'float32'
@@ -134,7 +134,7 @@ def master_shardings(plan: Zero1Plan) -> list:
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> plan = make_plan(optax.sgd(0.1), {"w": jnp.ones(4)}, jax.make_mesh((1,), ("data",)), ("data",))
     >>> from jax.sharding import PartitionSpec as P
     >>> master_shardings(plan)[0].spec == P("data")

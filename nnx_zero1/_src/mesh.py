@@ -12,7 +12,7 @@ from nnx_zero1._src.compat import context_mesh, legacy_context_mesh
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.specs import is_explicit, spec_axes
 
-__all__ = ["current_mesh", "mesh_of", "on_mesh", "resolve_mesh", "variable_shardings"]
+__all__ = ["current_mesh", "mesh_of", "sharding_on_mesh", "resolve_mesh", "variable_shardings"]
 
 _FIX = "pass mesh= or call it under jax.set_mesh(mesh)"
 
@@ -58,7 +58,7 @@ def mesh_of(x: Any) -> Mesh | AbstractMesh | None:
   return sharding.mesh if isinstance(sharding, NamedSharding) else None
 
 
-def on_mesh(x: Any, mesh: Mesh, declared: PartitionSpec | None = None) -> NamedSharding:
+def sharding_on_mesh(x: Any, mesh: Mesh, declared: PartitionSpec | None = None) -> NamedSharding:
   """The sharding ``x`` has on ``mesh``: its own spec, or replicated when it is not placed on a mesh.
 
   An array built outside any mesh sits on one device; on ``mesh`` it counts as
@@ -71,7 +71,7 @@ def on_mesh(x: Any, mesh: Mesh, declared: PartitionSpec | None = None) -> NamedS
   Example::
 
     >>> import jax, jax.numpy as jnp
-    >>> on_mesh(jnp.ones(3), jax.make_mesh((1,), ("data",))).spec
+    >>> sharding_on_mesh(jnp.ones(3), jax.make_mesh((1,), ("data",))).spec
     P()
   """
   if isinstance(x, jax.core.Tracer):
@@ -101,7 +101,7 @@ def _explicit_axes(mesh: Any) -> set[str]:
 
 
 def variable_shardings(variables: Any, mesh: Mesh) -> tuple[NamedSharding, ...]:
-  """The sharding of every Variable's value on ``mesh``, in tree-leaf order (:func:`on_mesh`).
+  """The sharding of every Variable's value on ``mesh``, in tree-leaf order (:func:`sharding_on_mesh`).
 
   Concrete values say where they are. Traced ones (a model or optimizer built
   under ``nnx.eval_shape`` or ``jax.eval_shape``) also have the spec their
@@ -124,9 +124,9 @@ def variable_shardings(variables: Any, mesh: Mesh) -> tuple[NamedSharding, ...]:
   """
   values = jax.tree.leaves(nnx.as_pure(variables))
   if not any(isinstance(x, jax.core.Tracer) for x in values):
-    return tuple(on_mesh(x, mesh) for x in values)
+    return tuple(sharding_on_mesh(x, mesh) for x in values)
   declared = jax.tree.leaves(nnx.get_partition_spec(variables))
-  return tuple(on_mesh(x, mesh, d) for x, d in zip(values, declared, strict=True))
+  return tuple(sharding_on_mesh(x, mesh, d) for x, d in zip(values, declared, strict=True))
 
 
 def _concrete_meshes(tree: Any) -> tuple[list[Mesh], set[jax.Device]]:

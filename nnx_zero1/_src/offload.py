@@ -17,8 +17,8 @@ import jax
 from jax.sharding import NamedSharding
 
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.layout_plan import Zero1Plan
 from nnx_zero1._src.placement import move_tree
-from nnx_zero1._src.plan import Zero1Plan
 
 __all__ = [
     "DEVICE", "HOST", "check_host_memory", "compute_shardings", "offload_plan", "to_compute", "to_storage",
@@ -77,7 +77,7 @@ def offload_plan(plan: Zero1Plan) -> Zero1Plan:
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> plan = make_plan(optax.adam(1e-3), {"w": jnp.ones(8)}, jax.make_mesh((1,), ("data",)), ("data",))
     >>> {leaf.sharding.memory_kind for leaf in offload_plan(plan).state_leaves}
     {'pinned_host'}
@@ -105,7 +105,7 @@ def compute_shardings(plan: Zero1Plan) -> list:
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> plan = offload_plan(make_plan(optax.sgd(0.1, 0.9), {"w": jnp.ones(8)},
     ...                               jax.make_mesh((1,), ("data",)), ("data",)))
     >>> [s.memory_kind for s in compute_shardings(plan)]
@@ -121,7 +121,7 @@ def to_compute(state: Any, plan: Zero1Plan) -> Any:
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> plan = make_plan(optax.sgd(0.1), {"w": jnp.ones(2)}, jax.make_mesh((1,), ("data",)), ("data",))
     >>> to_compute((), plan)
     ()
@@ -135,7 +135,7 @@ def to_storage(state: Any, plan: Zero1Plan) -> Any:
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> plan = make_plan(optax.sgd(0.1), {"w": jnp.ones(2)}, jax.make_mesh((1,), ("data",)), ("data",))
     >>> to_storage((), plan)
     ()

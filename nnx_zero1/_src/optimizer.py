@@ -22,6 +22,7 @@ from nnx_zero1._src.checks import (
 from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.errors import Zero1Error, Zero1Warning
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
+from nnx_zero1._src.layout_plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
 from nnx_zero1._src.master import (
   check_master_dtype,
   init_masters,
@@ -33,7 +34,6 @@ from nnx_zero1._src.master import (
 from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
 from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_storage
 from nnx_zero1._src.placement import current_sharding, off_mesh, place, place_tree
-from nnx_zero1._src.plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
 from nnx_zero1._src.precision import check_state_dtype, narrow, narrowed_plan, widen
 from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes, is_explicit
 from nnx_zero1._src.state import init_sharded_state, opt_state_init

@@ -131,8 +131,8 @@ def off_mesh(x: Any) -> bool:
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> on_mesh = NamedSharding(jax.make_mesh((1,), ("data",)), P())
-    >>> off_mesh(jnp.ones(2)), off_mesh(jax.device_put(jnp.ones(2), on_mesh))
+    >>> placed = NamedSharding(jax.make_mesh((1,), ("data",)), P())
+    >>> off_mesh(jnp.ones(2)), off_mesh(jax.device_put(jnp.ones(2), placed))
     (True, False)
   """
   if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):

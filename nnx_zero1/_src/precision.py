@@ -25,7 +25,7 @@ import numpy as np
 
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.layout import Reason
-from nnx_zero1._src.plan import LeafPlan, Zero1Plan
+from nnx_zero1._src.layout_plan import LeafPlan, Zero1Plan
 
 __all__ = [
     "ROUNDINGS", "as_dtype", "check_state_dtype", "narrow", "narrowed_plan", "stochastic_round", "widen",
@@ -107,7 +107,7 @@ def narrowed_plan(plan: Zero1Plan, state_dtype: np.dtype | None, rounding: str =
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> plan = make_plan(optax.adam(1e-3), {"w": jnp.ones(4)}, jax.make_mesh((1,), ("data",)), ("data",))
     >>> [(leaf.dtype, leaf.compute_dtype) for leaf in narrowed_plan(plan, jnp.bfloat16).state_leaves]
     [('int32', None), ('bfloat16', 'float32'), ('bfloat16', 'float32')]
@@ -165,7 +165,7 @@ def widen(state: Any, plan: Zero1Plan) -> Any:
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> plan = make_plan(optax.sgd(0.1, 0.9), {"w": jnp.ones(4)}, jax.make_mesh((1,), ("data",)), ("data",))
     >>> widen((optax.TraceState(trace={"w": jnp.ones(4, jnp.bfloat16)}), ()),
     ...       narrowed_plan(plan, jnp.bfloat16))[0].trace["w"].dtype
@@ -189,7 +189,7 @@ def narrow(state: Any, plan: Zero1Plan, step: Any = None) -> Any:
   Example::
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> plan = make_plan(optax.sgd(0.1, 0.9), {"w": jnp.ones(4)}, jax.make_mesh((1,), ("data",)), ("data",))
     >>> state = (optax.TraceState(trace={"w": jnp.ones(4)}), ())
     >>> narrow(state, narrowed_plan(plan, jnp.bfloat16), step=jnp.uint32(3))[0].trace["w"].dtype

@@ -11,9 +11,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnx_zero1._src.compat import to_opt_state
+from nnx_zero1._src.layout_plan import Zero1Plan
 from nnx_zero1._src.offload import compute_shardings, to_storage
 from nnx_zero1._src.placement import place_tree
-from nnx_zero1._src.plan import Zero1Plan
 from nnx_zero1._src.specs import spec_entries
 
 __all__ = ["init_sharded_state", "opt_state_init"]
@@ -52,7 +52,7 @@ def init_sharded_state(
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     >>> state = nnx.state(model, nnx.Param)
-    >>> from nnx_zero1._src.plan import make_plan
+    >>> from nnx_zero1._src.layout_plan import make_plan
     >>> plan = make_plan(optax.sgd(0.1), nnx.as_pure(state), mesh, ("data",))
     >>> init_sharded_state(optax.sgd(0.1), state, plan)
     (EmptyState(), EmptyState())

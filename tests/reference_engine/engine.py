@@ -22,7 +22,7 @@ from nnx_zero1._src import deferral
 from nnx_zero1._src.checkpoint import restore_into
 from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
-from nnx_zero1._src.mesh import on_mesh
+from nnx_zero1._src.mesh import sharding_on_mesh
 from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size
 from tests.reference_engine import checkpoint as _checkpoint
 from tests.reference_engine import kernels as _kernels
@@ -40,7 +40,7 @@ def _on_mesh(tree: Any, mesh: Mesh) -> Any:
   def put(x):
     if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh:
       return x
-    return jax.device_put(x, on_mesh(x, mesh))
+    return jax.device_put(x, sharding_on_mesh(x, mesh))
 
   return jax.tree.map(put, tree)
 

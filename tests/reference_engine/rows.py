@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src.deferral import replica_value_and_grad
-from nnx_zero1._src.mesh import on_mesh
+from nnx_zero1._src.mesh import sharding_on_mesh
 from nnx_zero1._src.reduction import accumulator_sharding, row_axes, scatter_dims, scatter_into
 from nnx_zero1._src.specs import axes_entry, data_axis_size
 
@@ -40,7 +40,7 @@ def zeros_accumulator(params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
   n = data_axis_size(mesh, axes)
 
   def zeros(p):
-    sharding = accumulator_sharding(on_mesh(p, mesh), p.ndim, axes)
+    sharding = accumulator_sharding(sharding_on_mesh(p, mesh), p.ndim, axes)
     return jax.device_put(jnp.zeros((n, *p.shape), p.dtype), sharding)
 
   return jax.tree.map(zeros, params)

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.layout import Reason, memory_layout, statistic_layout, zero1_layout
-from nnx_zero1._src.mesh import on_mesh
+from nnx_zero1._src.mesh import sharding_on_mesh
 from nnx_zero1._src.specs import DataAxis, data_axis_size, full_rank_sharding
 
 __all__ = [
@@ -143,7 +143,7 @@ def make_plan(
   pure ``ShapeDtypeStruct``s, when the caller has it already (else it is traced here).
   ``param_shardings`` are the parameters' shardings on ``mesh`` in tree-leaf order,
   when the caller knows more than the arrays say (traced parameters' declared specs,
-  :func:`~nnx_zero1._src.mesh.variable_shardings`); else :func:`on_mesh` of each.
+  :func:`~nnx_zero1._src.mesh.variable_shardings`); else :func:`sharding_on_mesh` of each.
 
   Example::
 
@@ -155,7 +155,9 @@ def make_plan(
   """
   leaves, treedef = jax.tree.flatten(params)
   shapes = tuple(tuple(x.shape) for x in leaves)
-  shardings = tuple(on_mesh(x, mesh) for x in leaves) if param_shardings is None else tuple(param_shardings)
+  if param_shardings is None:
+    param_shardings = [sharding_on_mesh(x, mesh) for x in leaves]
+  shardings = tuple(param_shardings)
   layouts = tuple(zero1_layout(s, sh, data_axis) for s, sh in zip(shapes, shardings))  # once per parameter
   zero1 = tuple(sharding for sharding, _ in layouts)
   if abstract_state is None:
