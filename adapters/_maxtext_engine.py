@@ -48,8 +48,9 @@ from nnx_zero1._src.deferral import deferral_blocker
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.mesh import sharding_on_mesh
 from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.options import Zero1Options, levers_of
 from nnx_zero1._src.reduction import reduce_unreduced
-from nnx_zero1._src.scope import levers_of, zero1_optimizers
+from nnx_zero1._src.scope import options_scope
 from nnx_zero1._src.specs import canonical_spec, entry_axes, spec_entries
 
 from . import _compat
@@ -173,9 +174,9 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
   STATE_ROUNDING = "stochastic"
   MASTER_DTYPE: Any = None
 
-  def _levers(self) -> dict[str, Any]:
-    """The memory levers this class asks for, as ``Zero1Optimizer`` keyword options."""
-    return levers_of(self, str.upper)
+  def _zero1_options(self) -> Zero1Options:
+    """The options this class asks for: the data axis ``data`` and its memory levers."""
+    return Zero1Options(data_axis="data", **levers_of(self, str.upper))
 
   @functools.wraps(_maxtext_engine.MaxTextTrainingEngine.__init__)  # type: ignore[misc]  # shows MaxText's signature
   def __init__(self, training_config, *args, **kwargs):
@@ -201,7 +202,7 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
           f"SHARD_ACCUMULATOR=True (ZeRO-2) needs each replica's whole gradients, but {blocker}: MaxText "
           f"reduces the gradient of a parameter split over 'data' in every micro-batch; {describe_mesh(mesh)}"
       )
-    return Zero1Optimizer(model, tx, mesh, wrt=nnx.Param, data_axis="data", **self._levers())
+    return Zero1Optimizer(model, tx, mesh, wrt=nnx.Param, **self._zero1_options().keywords())
 
   def _zero1_gradient_targets(self) -> Any:
     """The Zero-1 layout of every parameter, as a tree shaped like MaxText's parameter shardings."""
@@ -281,7 +282,7 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
     # comes from the second trace, the graph -- and so ``zero1_plan`` -- from the first, whose plan
     # reads the parameters' layouts off their traced types and, on axes the types do not carry, off
     # their Variables' sharding metadata. That the two agree is checked here.
-    with zero1_optimizers(mesh=self._mesh, data_axis="data", **self._levers()):
+    with options_scope(self._mesh, self._zero1_options()):
       state = super()._trace_train_state(tx)
     optimizer = state.optimizer
     if not isinstance(optimizer, Zero1Optimizer):

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.optimizer import Zero1Optimizer
-from nnx_zero1._src.scope import levers_of
+from nnx_zero1._src.options import Zero1Options, levers_of
 from nnx_zero1._src.specs import DataAxis
 
 __all__ = ["Zero1EngineMixin", "Zero1MaxTextTrainingEngine", "Zero1AbstractMaxTextEngine"]  # noqa: F822 (lazy)
@@ -113,10 +113,8 @@ class Zero1EngineMixin:
   def _make_optimizer(
       self: _EngineHost, model: nnx.Module, tx: optax.GradientTransformation
   ) -> Zero1Optimizer:
-    return Zero1Optimizer(
-        model, tx, self.mesh, wrt=self.wrt, data_axis=self.data_axis, strict=self.strict,
-        **levers_of(self, str.upper),
-    )
+    options = Zero1Options(data_axis=self.data_axis, strict=self.strict, **levers_of(self, str.upper))
+    return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, **options.keywords())
 
   def _gradient_targets(self: _EngineHost) -> tuple[NamedSharding, ...]:
     optimizer = self.optimizer

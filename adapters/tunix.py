@@ -53,7 +53,6 @@ except ModuleNotFoundError as e:
 
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.mixin import ShardedOptimizerMixin
-from nnx_zero1._src.scope import LEVERS
 from nnx_zero1._src.specs import DataAxis, data_axes
 
 __all__ = [
@@ -80,6 +79,8 @@ class Zero1TrainingConfig(TrainingConfig):
     zero1_strict: ``True`` raises ``Zero1Error`` when a parameter-shaped leaf
       cannot be split or when there is no mesh and the model is on one device;
       ``None``: the trainer class's ``zero1_strict`` (``False``).
+    zero1_pin_gradients: ``Zero1Optimizer(pin_gradients=...)``; ``None``: the trainer
+      class's (``True``: bit-identical gradients).
     zero1_offload_state_to_host: keep the state shards in host memory between
       steps; ``None``: the trainer class's (``False``).
     zero1_state_dtype: store the optimizer state in this dtype between steps
@@ -100,6 +101,7 @@ class Zero1TrainingConfig(TrainingConfig):
 
   zero1_data_axis: DataAxis | None = None
   zero1_strict: bool | None = None
+  zero1_pin_gradients: bool | None = None
   zero1_offload_state_to_host: bool | None = None
   zero1_state_dtype: Any = None
   zero1_state_rounding: str | None = None
@@ -160,7 +162,7 @@ class _Zero1Tunix(ShardedOptimizerMixin):
       **kwargs: the Tunix class's constructor keyword arguments.
 
     Returns:
-      ``{"data_axis": ..., "strict": ..., <the memory levers>}`` for this construction.
+      ``Zero1Optimizer``'s keyword options by name, for this construction.
 
     Raises:
       Zero1Error: the config's ``data_sharding_axis`` names no mesh axis and no
@@ -180,7 +182,7 @@ class _Zero1Tunix(ShardedOptimizerMixin):
     if axis is None:
       axis = batch_axes(config.data_sharding_axis)
     options = super().zero1_options(*args, **kwargs)  # the class attributes
-    for name in ("strict", *LEVERS):
+    for name in options:
       value = getattr(config, f"zero1_{name}", None)
       options[name] = options[name] if value is None else value
     return {**options, "data_axis": axis}

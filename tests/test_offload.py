@@ -22,7 +22,7 @@ from nnx_zero1 import (
   restore_into,
   zero1_optimizers,
 )
-from nnx_zero1._src.offload import check_host_memory
+from nnx_zero1._src.storage import check_host_memory
 
 DATA = batches(3)
 

@@ -36,7 +36,7 @@ from nnx_zero1 import (
   restore_into,
   zero1_optimizers,
 )
-from nnx_zero1._src.precision import stochastic_round
+from nnx_zero1._src.storage import stochastic_round
 from nnx_zero1.testing import collectives
 
 DATA = batches(3)

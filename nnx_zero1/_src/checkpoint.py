@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding
 
 from nnx_zero1._src.checks import first_mismatch
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
-from nnx_zero1._src.master import master_shardings
 from nnx_zero1._src.mesh import resolve_mesh, sharding_on_mesh
+from nnx_zero1._src.storage import master_shardings
 
 __all__ = ["abstract_arrays", "abstract_state", "key_names", "restore_into", "restore_target"]
 

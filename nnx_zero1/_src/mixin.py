@@ -10,6 +10,7 @@ checkpoint, re-place the state from its variable metadata) sees that layout.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -17,8 +18,9 @@ import jax
 
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.mesh import current_mesh
-from nnx_zero1._src.scope import LEVERS, levers_of, zero1_optimizers
-from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes
+from nnx_zero1._src.options import Zero1Options
+from nnx_zero1._src.scope import options_scope
+from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh
 
 __all__ = ["ShardedOptimizerMixin"]
 
@@ -75,6 +77,7 @@ class ShardedOptimizerMixin:
     zero1_data_axis: the mesh axis (or tuple of axes) the state is split over.
     zero1_strict: raise ``Zero1Error`` when a parameter-shaped leaf cannot be
       split, or when the data-parallel size is 1 for lack of a mesh.
+    zero1_pin_gradients: ``Zero1Optimizer(pin_gradients=...)``.
     zero1_offload_state_to_host: keep the state shards in host memory between
       steps (``Zero1Optimizer(offload_state_to_host=True)``).
     zero1_state_dtype: store the state in this dtype between steps
@@ -86,6 +89,7 @@ class ShardedOptimizerMixin:
 
   zero1_data_axis: DataAxis | None = "data"  # None: left to zero1_options (the Tunix adapters' config)
   zero1_strict: bool = False
+  zero1_pin_gradients: bool = True
   zero1_offload_state_to_host: bool = False
   zero1_state_dtype: Any = None
   zero1_state_rounding: str = "stochastic"
@@ -102,19 +106,15 @@ class ShardedOptimizerMixin:
     cls.__signature__ = signature  # type: ignore[attr-defined]  # the attribute inspect.signature reads
 
   def __init__(self, *args: Any, **kwargs: Any):
-    options = self.zero1_options(*args, **kwargs)
-    axes = data_axes(options["data_axis"])
+    options = Zero1Options(**self.zero1_options(*args, **kwargs))  # the one check of the options
     for mesh in self._zero1_meshes(*args, **kwargs):
-      check_data_axes_on_mesh(mesh, axes)
-    # Older zero1_options() return only data_axis and strict: the levers default to off.
-    levers = {name: options[name] for name in LEVERS if name in options}
-    scope = zero1_optimizers(data_axis=axes, strict=bool(options["strict"]), **levers)
-    with scope as built:
+      check_data_axes_on_mesh(mesh, options.data_axis)
+    with options_scope(None, options) as built:
       super().__init__(*args, **kwargs)
     if not built:
       raise Zero1Error(
           f"{type(self).__name__}.__init__ built no nnx.Optimizer in this thread, so there was "
-          f"nothing to make Zero-1 (data axis {axes})"
+          f"nothing to make Zero-1 (data axis {options.data_axis})"
       )
 
   def zero1_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -128,10 +128,10 @@ class ShardedOptimizerMixin:
       **kwargs: the constructor's keyword arguments.
 
     Returns:
-      ``{"data_axis": ..., "strict": ..., "offload_state_to_host": ..., "state_dtype": ...,
-      "state_rounding": ..., "master_dtype": ...}``: the mesh axis (or axes) to split the state over, whether
-      to refuse leaves that cannot be split, and the memory levers (each may be left
-      out: off).
+      ``Zero1Optimizer``'s keyword options by name (``{"data_axis": ..., "strict": ...,
+      "pin_gradients": ..., "offload_state_to_host": ..., "state_dtype": ..., "state_rounding": ...,
+      "master_dtype": ...}``); any left out takes ``Zero1Optimizer``'s default. ``data_axis``
+      ``None`` means ``"data"``.
 
     Example::
 
@@ -142,10 +142,7 @@ class ShardedOptimizerMixin:
       ...   def zero1_options(self, model, tx, config):
       ...     return {"data_axis": config["data_axis"], "strict": True}
     """
-    return {
-        "data_axis": self.zero1_data_axis, "strict": self.zero1_strict,
-        **levers_of(self, lambda name: f"zero1_{name}"),
-    }
+    return {field.name: getattr(self, f"zero1_{field.name}") for field in dataclasses.fields(Zero1Options)}
 
   def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list[jax.sharding.Mesh]:
     """Meshes the optimizers will be built on, checked for the data axis before

@@ -18,6 +18,7 @@ from flax import nnx
 
 from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.options import Zero1Options
 from nnx_zero1._src.specs import DataAxis
 
 __all__ = ["Zero1ModelAndOptimizer"]
@@ -76,9 +77,10 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
   ):
     # Zero1Optimizer's construction, not nnx.ModelAndOptimizer's (which would build the full,
     # replicated state first); then what ModelAndOptimizer adds: the model it updates.
-    Zero1Optimizer.__init__(
-        self, model, tx, mesh, wrt=wrt, data_axis=data_axis, strict=strict, pin_gradients=pin_gradients,
+    options = Zero1Options(
+        data_axis=data_axis, strict=strict, pin_gradients=pin_gradients,
         offload_state_to_host=offload_state_to_host, state_dtype=state_dtype, state_rounding=state_rounding,
         master_dtype=master_dtype,
     )
+    self._zero1_build(model, tx, mesh, wrt, None, options)
     self.model = model

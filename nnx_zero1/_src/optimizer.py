@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -12,31 +11,15 @@ from flax import nnx
 from flax.nnx.training.optimizer import OptState
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_zero1._src.checks import (
-  check_grads,
-  check_model,
-  check_params,
-  check_state,
-  check_strict,
-)
+from nnx_zero1._src.checks import check_grads, check_model, check_state
 from nnx_zero1._src.compat import Filter
-from nnx_zero1._src.errors import Zero1Error, Zero1Warning
+from nnx_zero1._src.construction import finished_plan, init_masters, init_sharded_state, opt_state_init
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
-from nnx_zero1._src.layout_plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
-from nnx_zero1._src.master import (
-  check_master_dtype,
-  init_masters,
-  master_plan,
-  on_masters,
-  slices_on_masters,
-  write_masters,
-)
-from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
-from nnx_zero1._src.offload import compute_shardings, offload_plan, to_compute, to_storage
+from nnx_zero1._src.layout_plan import Zero1Plan
+from nnx_zero1._src.options import Zero1Options
 from nnx_zero1._src.placement import current_sharding, off_mesh, place, place_tree
-from nnx_zero1._src.precision import check_state_dtype, narrow, narrowed_plan, widen
-from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes, is_explicit
-from nnx_zero1._src.state import init_sharded_state, opt_state_init
+from nnx_zero1._src.specs import DataAxis, is_explicit
+from nnx_zero1._src.storage import compute_shardings, load, store
 
 __all__ = ["Zero1Optimizer", "mark_zero1_grads"]
 
@@ -72,27 +55,6 @@ def mark_zero1_grads(grads: nnx.State) -> nnx.State:
 def _is_marked(grads: Any) -> bool:
   variables = _grad_variables(grads)
   return bool(variables) and all(v.get_metadata().get(ON_ZERO1_LAYOUT, False) for v in variables)
-
-
-def _warn_one_device(device: jax.Device) -> None:
-  """Data-parallel size 1 is legal, but with more devices visible it is most likely a forgotten mesh."""
-  if jax.device_count() > 1:
-    warnings.warn(
-        f"Zero1Optimizer: no mesh is set and the model is on one device ({device}) while "
-        f"{jax.device_count()} are visible: data-parallel size 1, nothing is split. Pass mesh= or build "
-        "the model and optimizer under jax.set_mesh(mesh) (strict=True makes this an error).",
-        Zero1Warning,
-        stacklevel=3,
-    )
-
-
-def _device_of(params: Any) -> jax.Device:
-  """The one device unplaced parameters sit on (the default device if none is known)."""
-  for leaf in jax.tree.leaves(params):
-    devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
-    if devices:
-      return next(iter(devices))
-  return jax.devices()[0]
 
 
 def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, params, kwargs):
@@ -205,61 +167,34 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       state_rounding: str = "stochastic",
       master_dtype: Any = None,
   ):
-    axes = data_axes(data_axis)
-    stored_dtype = check_state_dtype(state_dtype, state_rounding)
+    options = Zero1Options(
+        data_axis=data_axis, strict=strict, pin_gradients=pin_gradients,
+        offload_state_to_host=offload_state_to_host, state_dtype=state_dtype, state_rounding=state_rounding,
+        master_dtype=master_dtype,
+    )
+    self._zero1_build(model, tx, mesh, wrt, graph, options)
+
+  def _zero1_build(self, model: Any, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh | None,
+                   wrt: Filter, graph: bool | None, options: Zero1Options) -> None:
+    """Builds the optimizer from the checked options (what every constructor runs)."""
     param_state = nnx.state(model, wrt, graph=graph)
-    params = nnx.as_pure(param_state)
-    mesh = resolve_mesh(mesh, params)
-    device = None
-    if mesh is None:  # one device, no mesh: data-parallel size 1
-      device = _device_of(params)
-      mesh = one_device_mesh(device, axes)
-      if strict:
-        raise Zero1Error(
-            f"strict=True, but the model is on one device ({device}) and no mesh is set: "
-            "data-parallel size 1, so Zero-1 would split nothing; pass mesh= or call it under "
-            "jax.set_mesh(mesh)"
-        )
-      for name, value in (("state_dtype", stored_dtype), ("master_dtype", master_dtype)):
-        if value is not None:
-          raise Zero1Error(
-              f"{name}={value} needs a mesh: the model is on one device ({device}) and no mesh "
-              "is set; pass mesh= or call it under jax.set_mesh(mesh)"
-          )
-      _warn_one_device(device)
-    check_data_axes_on_mesh(mesh, axes)
-    check_params(params, wrt, mesh)
-    master = check_master_dtype(master_dtype, params, mesh)
-    init = opt_state_init(tx) if master is None else on_masters(opt_state_init(tx), master)
-    abstract_state = nnx.as_pure(jax.eval_shape(init, param_state))  # the one trace of tx.init
-    # Read off the Variables: traced parameters (built under nnx.eval_shape) on Auto axes carry
-    # their layout in sharding metadata only.
-    plan = make_plan(tx, params, mesh, axes, abstract_state=abstract_state,
-                     param_shardings=variable_shardings(param_state, mesh))
-    if device is not None:
-      plan = single_device_plan(plan, device)
-    if strict:
-      check_strict(plan)
-    plan = master_plan(narrowed_plan(plan, stored_dtype, state_rounding), master)
-    if offload_state_to_host:
-      plan = offload_plan(plan)
+    plan = finished_plan(tx, param_state, mesh, options, wrt)
     self.graph = graph
     self.tx = tx
     if plan.single_device:  # exactly nnx.Optimizer's state
       self.step = OptState(jnp.array(0, dtype=jnp.uint32))
-      self.opt_state = nnx.data(init(param_state))
+      self.opt_state = nnx.data(opt_state_init(tx)(param_state))
     else:
       # The step count lives on the mesh from the start, replicated, as a jitted step returns
       # it: a trainer that does not re-place its optimizer before jit compiles once, not twice.
-      self.step = OptState(place(jnp.array(0, dtype=jnp.uint32), NamedSharding(mesh, PartitionSpec())))
-      stored_init = lambda param_state: narrow(init(param_state), plan)
-      self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan, init=stored_init))
-      if master is not None:
+      self.step = OptState(place(jnp.array(0, dtype=jnp.uint32), NamedSharding(plan.mesh, PartitionSpec())))
+      self.opt_state = nnx.data(init_sharded_state(tx, param_state, plan))
+      if plan.master_dtype is not None:
         self.master_params = nnx.data(init_masters(param_state, plan))
     self.wrt = wrt
     self._zero1_plan = plan
-    self.pin_gradients = pin_gradients
-    self.strict = strict
+    self.pin_gradients = options.pin_gradients
+    self.strict = options.strict
 
   @property
   def zero1_plan(self) -> Zero1Plan:
@@ -317,22 +252,31 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       >>> int(opt.step[...])
       1
     """
-    params, pure_grads, state = _read_checked(self, model, grads)
+    params, pure_grads, stored = _read_checked(self, model, grads)
     if self.zero1_plan.single_device:  # data-parallel size 1: nothing to split or move
       return super().update(model, grads, **kwargs)
-    pin = self.pin_gradients and not _is_marked(grads)
     plan = self.zero1_plan
-    homes, sliced = _onto_zero1_layout(plan, params, pure_grads, state, pin=pin)
-    if plan.master_dtype is not None:
-      sliced = slices_on_masters(sliced, self.master_params, plan)
-    new_params, new_state, updates = _run_on_slices(self.tx, plan, sliced, homes, kwargs)
-    if plan.master_dtype is not None:
-      new_params, updates = write_masters(self.master_params, new_params, updates, params, plan, self.graph)
+    pin = self.pin_gradients and not _is_marked(grads)
+    homes, sliced = _onto_zero1_layout(plan, params, pure_grads, pin=pin)
+    masters = nnx.as_pure(self.master_params) if plan.master_dtype is not None else None
+    state, masters = load(plan, stored, masters)
+    if masters is not None:  # tx runs on the master copies, as on a model in the master dtype
+      sliced = _Slices(grads=_cast_like(sliced.grads, masters), params=masters)
+    new_params, new_state, updates = _run_on_slices(self.tx, plan, sliced, state, homes, kwargs)
+    new_state, new_masters = store(plan, new_state, new_params if masters is not None else None,
+                                   step=self.step[...])
+    if new_masters is not None:  # the model gets the masters in its own dtype: a narrower all-gather
+      nnx.update(self.master_params, nnx.state(new_masters, graph=self.graph))
+      new_params, updates = _cast_like(new_params, params), _cast_like(updates, params)
     nnx.update(model, _over_old_parameters(place_tree(new_params, homes), params, plan.mesh))
-    new_state = narrow(new_state, plan, step=self.step[...])
-    nnx.update(self.opt_state, nnx.state(to_storage(new_state, plan), graph=self.graph))
+    nnx.update(self.opt_state, nnx.state(new_state, graph=self.graph))
     self.step[...] += 1
     return place_tree(updates, homes)
+
+
+def _cast_like(tree: Any, like: Any) -> Any:
+  """Every array of ``tree`` in the dtype of its counterpart in ``like``."""
+  return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
 
 
 def _over_old_parameters(new: Any, old: Any, mesh: Any) -> Any:
@@ -363,11 +307,10 @@ def _platform(mesh: Any) -> str:
 
 
 class _Slices(NamedTuple):
-  """Gradients, parameters and state on the Zero-1 layout."""
+  """Gradients and parameters on the Zero-1 layout."""
 
   grads: Any
   params: Any
-  state: Any
 
 
 def _read_checked(opt: Zero1Optimizer, model: Any, grads: Any) -> tuple[Any, Any, Any]:
@@ -382,9 +325,7 @@ def _read_checked(opt: Zero1Optimizer, model: Any, grads: Any) -> tuple[Any, Any
   return params, pure_grads, state
 
 
-def _onto_zero1_layout(
-    plan: Zero1Plan, params: Any, grads: Any, state: Any, *, pin: bool
-) -> tuple[list, _Slices]:
+def _onto_zero1_layout(plan: Zero1Plan, params: Any, grads: Any, *, pin: bool) -> tuple[list, _Slices]:
   """Onto the Zero-1 layout: the parameters' current layouts (where they go back to) and the slices.
 
   Arrays left on one device (a model built outside the mesh) first join the
@@ -403,18 +344,16 @@ def _onto_zero1_layout(
   return homes, _Slices(
       grads=place_tree(grads, plan.zero1_param_shardings),
       params=place_tree(params, plan.zero1_param_shardings),
-      # A no-op when the state is on the plan; re-places state restored onto another layout.
-      state=widen(place_tree(to_compute(state, plan), compute_shardings(plan)), plan),
   )
 
 
 def _run_on_slices(
-    tx: optax.GradientTransformation, plan: Zero1Plan, sliced: _Slices, homes: list, kwargs: dict
+    tx: optax.GradientTransformation, plan: Zero1Plan, sliced: _Slices, state: Any, homes: list, kwargs: dict
 ) -> tuple[Any, Any, Any]:
   """Run the transformation on the slices: (new parameters, new state, updates), all still sliced."""
   kwargs = nnx.as_pure(kwargs)
   if callable(kwargs.get("value_fn")):  # optax's line searches evaluate it on the slices
     kwargs["value_fn"] = value_fn_at_home(kwargs["value_fn"], plan, homes)
-  updates, new_state = _run_tx(tx, plan, sliced.grads, sliced.state, sliced.params, kwargs)
+  updates, new_state = _run_tx(tx, plan, sliced.grads, state, sliced.params, kwargs)
   new_params = optax.apply_updates(sliced.params, updates)
   return new_params, place_tree(new_state, compute_shardings(plan)), updates

@@ -22,7 +22,7 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -32,28 +32,10 @@ from nnx_zero1._src.compat import set_metaclass
 from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.model_and_optimizer import Zero1ModelAndOptimizer
 from nnx_zero1._src.optimizer import Zero1Optimizer
-from nnx_zero1._src.precision import check_state_dtype
-from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh, data_axes
+from nnx_zero1._src.options import Zero1Options
+from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh
 
-__all__ = ["LEVERS", "levers_of", "zero1_optimizers"]
-
-# Zero1Optimizer's memory levers: the keyword options a scope, the mixin and the adapters pass through.
-LEVERS = ("offload_state_to_host", "state_dtype", "state_rounding", "master_dtype")
-
-
-def levers_of(obj: Any, attribute: Callable[[str], str]) -> dict[str, Any]:
-  """Every lever as ``Zero1Optimizer``'s keyword, read off ``obj``'s attribute ``attribute(lever)``.
-
-  The trainer mixin names them ``zero1_<lever>``, the engines ``<LEVER>``.
-
-  Example::
-
-    >>> class Engine:
-    ...   OFFLOAD_STATE_TO_HOST, STATE_DTYPE, STATE_ROUNDING, MASTER_DTYPE = True, None, "nearest", None
-    >>> levers_of(Engine(), str.upper)["state_rounding"]
-    'nearest'
-  """
-  return {name: getattr(obj, attribute(name)) for name in LEVERS}
+__all__ = ["options_scope", "zero1_optimizers"]
 
 _OPTIMIZER = nnx.Optimizer
 _MODEL_AND_OPTIMIZER = nnx.ModelAndOptimizer
@@ -69,18 +51,14 @@ class _Scope:
   """What one ``zero1_optimizers`` block asked for, and the optimizers built in it."""
 
   mesh: jax.sharding.Mesh | None
-  data_axis: tuple[str, ...]
-  strict: bool
+  options: Zero1Options
   built: list[Zero1Optimizer]
-  levers: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # Zero1Optimizer's memory levers
 
   def build(self, routed: type, model, tx, *args, **kwargs) -> Zero1Optimizer:
     if args:
       raise TypeError(f"nnx.{routed.__name__} takes 2 positional arguments but {2 + len(args)} were given")
     counterpart = _COUNTERPARTS[routed]
-    opt = counterpart(
-        model, tx, self.mesh, data_axis=self.data_axis, strict=self.strict, **self.levers, **kwargs,
-    )
+    opt = counterpart(model, tx, self.mesh, **self.options.keywords(), **kwargs)
     self.built.append(opt)
     return opt
 
@@ -161,20 +139,35 @@ def zero1_optimizers(
     >>> type(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)).__name__
     'Optimizer'
   """
-  axes = data_axes(data_axis)
-  check_state_dtype(state_dtype, state_rounding)
-  if mesh is not None:
-    check_data_axes_on_mesh(resolve_mesh(mesh), axes)
-  _install()
-  scope = _Scope(
-      mesh=mesh, data_axis=axes, strict=bool(strict), built=[],
-      levers={
-          "offload_state_to_host": bool(offload_state_to_host),
-          "state_dtype": state_dtype,
-          "state_rounding": state_rounding,
-          "master_dtype": master_dtype,
-      },
+  options = Zero1Options(
+      data_axis="data" if data_axis is None else data_axis, strict=strict,
+      offload_state_to_host=offload_state_to_host, state_dtype=state_dtype, state_rounding=state_rounding,
+      master_dtype=master_dtype,
   )
+  with options_scope(mesh, options) as built:
+    yield built
+
+
+@contextlib.contextmanager
+def options_scope(mesh: jax.sharding.Mesh | None, options: Zero1Options) -> Iterator[list[Zero1Optimizer]]:
+  """:func:`zero1_optimizers` for a caller that holds the options record (the mixin, the engines).
+
+  Raises:
+    Zero1Error: at entry, a ``mesh`` without the data axes.
+
+  Example::
+
+    >>> import jax, optax
+    >>> from flax import nnx
+    >>> with options_scope(jax.make_mesh((1,), ("data",)), Zero1Options(strict=True)) as built:
+    ...   opt = nnx.Optimizer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), wrt=nnx.Param)
+    >>> built[0].strict
+    True
+  """
+  if mesh is not None:
+    check_data_axes_on_mesh(resolve_mesh(mesh), options.data_axis)
+  _install()
+  scope = _Scope(mesh=mesh, options=options, built=[])
   token = _SCOPE.set(scope)
   try:
     yield scope.built

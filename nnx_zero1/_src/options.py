@@ -1,0 +1,140 @@
+"""The Zero-1 options of one optimizer: one frozen record, checked once.
+
+Every entry point (``Zero1Optimizer``, ``Zero1ModelAndOptimizer``,
+``zero1_optimizers``, ``ShardedOptimizerMixin``, the Tunix and MaxText adapters)
+turns the options it was given into a :class:`Zero1Options` and passes that on.
+Building the record is the check of what the values alone can tell (a name, a
+dtype, a rounding); what needs the parameters or the mesh is checked when the
+plan is built from it (``_src/construction.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.specs import DataAxis, data_axes
+
+__all__ = ["ROUNDINGS", "Zero1Options", "as_dtype", "levers_of"]
+
+ROUNDINGS = ("stochastic", "nearest")
+_LEVER = {"lever": True}  # a memory lever: the adapters read it off a trainer's or engine's attributes
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero1Options:
+  """What a ``Zero1Optimizer`` was asked for, beyond its model, ``tx``, mesh and ``wrt``.
+
+  The fields are ``Zero1Optimizer``'s keyword arguments of the same names (see
+  its docstring); building the record normalises them (``data_axis`` to a tuple
+  of names, dtypes to numpy dtypes) and refuses what cannot apply.
+
+  Raises:
+    Zero1Error: a ``data_axis`` that is not a name or a tuple of distinct names; a
+      flag that is not a bool; a ``state_rounding`` that is not one of
+      ``ROUNDINGS``; a ``state_dtype`` or ``master_dtype`` that is not a floating
+      dtype; stochastic rounding to anything but bfloat16.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> options = Zero1Options(data_axis="data", state_dtype=jnp.bfloat16)
+    >>> options.data_axis, options.state_dtype, options.offload_state_to_host
+    (('data',), dtype(bfloat16), False)
+  """
+
+  data_axis: DataAxis = "data"
+  strict: bool = False
+  pin_gradients: bool = True
+  offload_state_to_host: bool = dataclasses.field(default=False, metadata=_LEVER)
+  state_dtype: Any = dataclasses.field(default=None, metadata=_LEVER)
+  state_rounding: str = dataclasses.field(default="stochastic", metadata=_LEVER)
+  master_dtype: Any = dataclasses.field(default=None, metadata=_LEVER)
+
+  def __post_init__(self) -> None:
+    normal: dict[str, Any] = {
+        "data_axis": data_axes(self.data_axis),
+        "state_dtype": _state_dtype(self.state_dtype, self.state_rounding),
+        "master_dtype": _master_dtype(self.master_dtype),
+    }
+    for name in ("strict", "pin_gradients", "offload_state_to_host"):
+      value = getattr(self, name)
+      if not isinstance(value, bool | np.bool_):
+        raise Zero1Error(f"{name}={value!r} is not a bool; pass True or False")
+      normal[name] = bool(value)
+    for name, value in normal.items():
+      object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
+
+  def keywords(self) -> dict[str, Any]:
+    """The record as ``Zero1Optimizer``'s keyword arguments.
+
+    Example::
+
+      >>> Zero1Options(strict=True).keywords()["strict"]
+      True
+    """
+    return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
+def levers_of(obj: Any, attribute: Callable[[str], str]) -> dict[str, Any]:
+  """Every memory lever of :class:`Zero1Options`, read off ``obj``'s attribute ``attribute(lever)``.
+
+  The trainer mixin names them ``zero1_<lever>``, the engines ``<LEVER>``.
+
+  Example::
+
+    >>> class Engine:
+    ...   OFFLOAD_STATE_TO_HOST, STATE_DTYPE, STATE_ROUNDING, MASTER_DTYPE = True, None, "nearest", None
+    >>> levers_of(Engine(), str.upper)["state_rounding"]
+    'nearest'
+  """
+  names = [f.name for f in dataclasses.fields(Zero1Options) if f.metadata.get("lever")]
+  return {name: getattr(obj, attribute(name)) for name in names}
+
+
+def as_dtype(option: str, value: Any, example: str) -> np.dtype:
+  """``value`` as a numpy dtype, or a ``Zero1Error`` naming the option and a dtype to use.
+
+  Example::
+
+    >>> as_dtype("state_dtype", "bfloat16", "jnp.bfloat16")
+    dtype(bfloat16)
+  """
+  try:
+    return jnp.dtype(value)
+  except TypeError as e:
+    raise Zero1Error(f"{option}={value!r} is not a dtype ({e}); use e.g. {example}") from None
+
+
+def _state_dtype(state_dtype: Any, rounding: str) -> np.dtype | None:
+  """The storage dtype asked for: None, or a floating dtype that ``rounding`` can narrow to."""
+  if rounding not in ROUNDINGS:
+    raise Zero1Error(f"state_rounding={rounding!r} is not one of {ROUNDINGS}")
+  if state_dtype is None:
+    return None
+  dtype = as_dtype("state_dtype", state_dtype, "jnp.bfloat16")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise Zero1Error(
+        f"state_dtype={dtype} is not a floating dtype: optimizer moments need one (e.g. jnp.bfloat16)"
+    )
+  if rounding == "stochastic" and dtype != jnp.bfloat16:
+    raise Zero1Error(
+        f"state_rounding='stochastic' narrows float32 to bfloat16 only, not to {dtype}; "
+        "pass state_rounding='nearest'"
+    )
+  return dtype
+
+
+def _master_dtype(master_dtype: Any) -> np.dtype | None:
+  """The master dtype asked for: None, or a floating dtype (checked against the parameters later)."""
+  if master_dtype is None:
+    return None
+  dtype = as_dtype("master_dtype", master_dtype, "jnp.float32")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise Zero1Error(f"master_dtype={dtype} is not a floating dtype (use jnp.float32)")
+  return dtype
