@@ -138,7 +138,8 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
 
   Two more levers, each a class attribute of a subclass (as on ``Zero1EngineMixin``):
   ``OFFLOAD_STATE_TO_HOST = True`` keeps the optimizer state's Zero-1 shards in
-  host memory between steps (``Zero1Optimizer(offload_state_to_host=True)``;
+  host memory between steps (``Zero1Optimizer(offload_state_to_host=True)``, or a fraction of
+  their bytes;
   MaxText's kernels read the host memory kind off the live arrays), and ZeRO-2:
   a subclass with ``SHARD_ACCUMULATOR = True`` reduce-scatters every
   micro-batch's gradients into an accumulator on the Zero-1 layout (1/N of the

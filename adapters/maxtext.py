@@ -51,7 +51,7 @@ class _EngineHost(Protocol):
   def strict(self) -> bool: ...
   @property
   def optimizer(self) -> nnx.Optimizer: ...
-  OFFLOAD_STATE_TO_HOST: bool
+  OFFLOAD_STATE_TO_HOST: bool | float
   STATE_DTYPE: Any
   STATE_ROUNDING: str
   MASTER_DTYPE: Any
@@ -78,7 +78,8 @@ class Zero1EngineMixin:
   signatures and checkpoint tree (``nnx.state(optimizer)`` has the same paths and shapes), so
   checkpoints cross between the plain and the Zero-1 engine. ``OFFLOAD_STATE_TO_HOST = True``
   on a subclass keeps the state shards in host memory between steps
-  (``Zero1Optimizer(offload_state_to_host=True)``); ``STATE_DTYPE = jnp.bfloat16`` stores the
+  (``Zero1Optimizer(offload_state_to_host=True)``; a fraction such as ``0.25`` keeps that share of
+  their bytes there); ``STATE_DTYPE = jnp.bfloat16`` stores the
   state in bfloat16 between steps (``Zero1Optimizer(state_dtype=...)``, rounded as
   ``STATE_ROUNDING`` says); ``MASTER_DTYPE = jnp.float32`` keeps float32 master copies of a
   bfloat16 model's parameters split over data (``Zero1Optimizer(master_dtype=...)``).

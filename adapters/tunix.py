@@ -82,7 +82,8 @@ class Zero1TrainingConfig(TrainingConfig):
     zero1_pin_gradients: ``Zero1Optimizer(pin_gradients=...)``; ``None``: the trainer
       class's (``True``: bit-identical gradients).
     zero1_offload_state_to_host: keep the state shards in host memory between
-      steps; ``None``: the trainer class's (``False``).
+      steps, or a fraction of their bytes (e.g. ``0.25``); ``None``: the trainer
+      class's (``False``).
     zero1_state_dtype: store the optimizer state in this dtype between steps
       (e.g. ``jnp.bfloat16``, see ``Zero1Optimizer``); ``None``: the trainer class's
       (as ``tx`` makes it).
@@ -102,7 +103,7 @@ class Zero1TrainingConfig(TrainingConfig):
   zero1_data_axis: DataAxis | None = None
   zero1_strict: bool | None = None
   zero1_pin_gradients: bool | None = None
-  zero1_offload_state_to_host: bool | None = None
+  zero1_offload_state_to_host: bool | float | None = None
   zero1_state_dtype: Any = None
   zero1_state_rounding: str | None = None
   zero1_master_dtype: Any = None

@@ -78,8 +78,8 @@ class ShardedOptimizerMixin:
     zero1_strict: raise ``Zero1Error`` when a parameter-shaped leaf cannot be
       split, or when the data-parallel size is 1 for lack of a mesh.
     zero1_pin_gradients: ``Zero1Optimizer(pin_gradients=...)``.
-    zero1_offload_state_to_host: keep the state shards in host memory between
-      steps (``Zero1Optimizer(offload_state_to_host=True)``).
+    zero1_offload_state_to_host: keep the state shards, or a fraction of their
+      bytes, in host memory between steps (``Zero1Optimizer(offload_state_to_host=...)``).
     zero1_state_dtype: store the state in this dtype between steps
       (``Zero1Optimizer(state_dtype=...)``; ``None``: as ``tx`` makes it).
     zero1_state_rounding: ``Zero1Optimizer(state_rounding=...)``.
@@ -90,7 +90,7 @@ class ShardedOptimizerMixin:
   zero1_data_axis: DataAxis | None = "data"  # None: left to zero1_options (the Tunix adapters' config)
   zero1_strict: bool = False
   zero1_pin_gradients: bool = True
-  zero1_offload_state_to_host: bool = False
+  zero1_offload_state_to_host: bool | float = False
   zero1_state_dtype: Any = None
   zero1_state_rounding: str = "stochastic"
   zero1_master_dtype: Any = None

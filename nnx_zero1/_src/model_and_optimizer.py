@@ -70,7 +70,7 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
       data_axis: DataAxis = "data",
       strict: bool = False,
       pin_gradients: bool = True,
-      offload_state_to_host: bool = False,
+      offload_state_to_host: bool | float = False,
       state_dtype: Any = None,
       state_rounding: str = "stochastic",
       master_dtype: Any = None,

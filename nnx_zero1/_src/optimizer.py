@@ -124,8 +124,12 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     offload_state_to_host: keep the state's Zero-1 shards in host memory
       (``pinned_host``) between steps: no optimizer state in device memory
       outside ``update``, at the price of a host-to-device and a device-to-host
-      copy of the 1/N shards every step. Bit-identical to the state kept on device;
-      the checkpoint tree is unchanged. The step count stays on device.
+      copy of the 1/N shards every step. A fraction ``f`` in (0, 1) offloads only
+      that share of the state's bytes per device, whole leaves, the largest first
+      (device memory keeps at most ``1 - f`` of them, less by under one leaf), so
+      only those are copied; master copies stay on device unless ``True``.
+      ``report`` says where each leaf lives. Bit-identical to the state kept on
+      device; the checkpoint tree is unchanged. The step count stays on device.
     state_dtype: store every floating, parameter-tied state leaf (Adam's ``mu``
       and ``nu``, momentum) in this dtype between steps, e.g. ``jnp.bfloat16``:
       half the state's bytes. ``update`` computes in the dtype ``tx`` creates the
@@ -162,7 +166,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       graph: bool | None = None,
       strict: bool = False,
       pin_gradients: bool = True,
-      offload_state_to_host: bool = False,
+      offload_state_to_host: bool | float = False,
       state_dtype: Any = None,
       state_rounding: str = "stochastic",
       master_dtype: Any = None,

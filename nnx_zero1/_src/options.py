@@ -36,7 +36,8 @@ class Zero1Options:
 
   Raises:
     Zero1Error: a ``data_axis`` that is not a name or a tuple of distinct names; a
-      flag that is not a bool; a ``state_rounding`` that is not one of
+      flag that is not a bool; an ``offload_state_to_host`` that is neither a bool nor a
+      fraction in (0, 1]; a ``state_rounding`` that is not one of
       ``ROUNDINGS``; a ``state_dtype`` or ``master_dtype`` that is not a floating
       dtype; stochastic rounding to anything but bfloat16.
 
@@ -51,7 +52,7 @@ class Zero1Options:
   data_axis: DataAxis = "data"
   strict: bool = False
   pin_gradients: bool = True
-  offload_state_to_host: bool = dataclasses.field(default=False, metadata=_LEVER)
+  offload_state_to_host: bool | float = dataclasses.field(default=False, metadata=_LEVER)
   state_dtype: Any = dataclasses.field(default=None, metadata=_LEVER)
   state_rounding: str = dataclasses.field(default="stochastic", metadata=_LEVER)
   master_dtype: Any = dataclasses.field(default=None, metadata=_LEVER)
@@ -61,14 +62,26 @@ class Zero1Options:
         "data_axis": data_axes(self.data_axis),
         "state_dtype": _state_dtype(self.state_dtype, self.state_rounding),
         "master_dtype": _master_dtype(self.master_dtype),
+        "offload_state_to_host": _offload(self.offload_state_to_host),
     }
-    for name in ("strict", "pin_gradients", "offload_state_to_host"):
+    for name in ("strict", "pin_gradients"):
       value = getattr(self, name)
       if not isinstance(value, bool | np.bool_):
         raise Zero1Error(f"{name}={value!r} is not a bool; pass True or False")
       normal[name] = bool(value)
     for name, value in normal.items():
       object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
+
+  @property
+  def offload_fraction(self) -> float:
+    """The share of the state's bytes kept in host memory: 0, a fraction, or 1 (``True``).
+
+    Example::
+
+      >>> Zero1Options(offload_state_to_host=True).offload_fraction
+      1.0
+    """
+    return float(self.offload_state_to_host)
 
   def keywords(self) -> dict[str, Any]:
     """The record as ``Zero1Optimizer``'s keyword arguments.
@@ -128,6 +141,18 @@ def _state_dtype(state_dtype: Any, rounding: str) -> np.dtype | None:
         "pass state_rounding='nearest'"
     )
   return dtype
+
+
+def _offload(offload: Any) -> bool | float:
+  """``True``, ``False``, or the fraction of the state's bytes to keep in host memory, in (0, 1]."""
+  if isinstance(offload, bool | np.bool_):
+    return bool(offload)
+  if isinstance(offload, int | float | np.floating | np.integer) and 0 < offload <= 1:
+    return True if offload == 1 else float(offload)
+  raise Zero1Error(
+      f"offload_state_to_host={offload!r} is neither a bool nor a fraction in (0, 1]: pass True (all of "
+      "the state), False (none) or the share of the state's bytes to keep in host memory, e.g. 0.25"
+  )
 
 
 def _master_dtype(master_dtype: Any) -> np.dtype | None:

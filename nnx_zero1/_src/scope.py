@@ -91,8 +91,8 @@ def _install() -> None:
 @contextlib.contextmanager
 def zero1_optimizers(
     mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = None, strict: bool = False,
-    *, offload_state_to_host: bool = False, state_dtype: Any = None, state_rounding: str = "stochastic",
-    master_dtype: Any = None,
+    *, offload_state_to_host: bool | float = False, state_dtype: Any = None,
+    state_rounding: str = "stochastic", master_dtype: Any = None,
 ) -> Iterator[list[Zero1Optimizer]]:
   """Inside the block, ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` builds
   ``Zero1Optimizer(model, tx, mesh, wrt=..., graph=..., data_axis=..., strict=...)``
@@ -111,7 +111,8 @@ def zero1_optimizers(
     data_axis: the data-parallel mesh axis (or axes); ``None`` means ``"data"``.
     strict: as for ``Zero1Optimizer``.
     offload_state_to_host: as for ``Zero1Optimizer``: every optimizer built inside
-      keeps its state shards in host memory between steps.
+      keeps its state shards (``True``) or that fraction of their bytes in host
+      memory between steps.
     state_dtype: as for ``Zero1Optimizer``: every optimizer built inside stores
       its state in this dtype between steps (e.g. ``jnp.bfloat16``).
     state_rounding: as for ``Zero1Optimizer``.

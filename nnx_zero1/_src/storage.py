@@ -21,7 +21,8 @@ collective), and equal whatever the data-parallel size.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,7 +38,7 @@ from nnx_zero1._src.placement import move_tree, place_tree
 
 __all__ = [
     "DEVICE", "HOST", "check_host_memory", "compute_shardings", "load", "master_shardings", "narrowed",
-    "stochastic_round", "storage_plan", "store",
+    "offloaded_leaves", "stochastic_round", "storage_plan", "store",
 ]
 
 HOST = "pinned_host"  # page-locked: the transfer engine reads it without a staging copy
@@ -86,7 +87,7 @@ def storage_plan(plan: Zero1Plan, options: Zero1Options, params: Any) -> Zero1Pl
   master_dtype = _checked_master_dtype(options.master_dtype, params, plan.mesh)
   if master_dtype is not None:
     plan = dataclasses.replace(plan, master_dtype=str(master_dtype))
-  return _offloaded_plan(plan) if options.offload_state_to_host else plan
+  return _offloaded_plan(plan, options.offload_fraction) if options.offload_state_to_host else plan
 
 
 def _narrowable(leaf: LeafPlan, dtype: np.dtype) -> bool:
@@ -168,17 +169,63 @@ def check_host_memory(kinds_by_device: Mapping[str, Iterable[str]], mesh_words: 
     )
 
 
-def _offloaded_plan(plan: Zero1Plan) -> Zero1Plan:
-  """Every state leaf (and master copy) in host memory, same layout; this process's devices checked."""
+def offloaded_leaves(leaf_bytes: Sequence[int], fraction: float) -> tuple[bool, ...]:
+  """Which leaves live in host memory for ``offload_state_to_host=fraction``: the largest first.
+
+  Leaves are taken in order of their bytes per device, largest first (ties: tree
+  order), until those taken hold at least ``fraction`` of the bytes: the leaves left
+  in device memory hold at most ``1 - fraction`` of them, and at least that less one
+  leaf. Few, large copies; the small ones (the count) go last. ``1`` takes every leaf.
+
+  Args:
+    leaf_bytes: each leaf's bytes per device, in tree-leaf order.
+    fraction: the share of the bytes to put in host memory, in (0, 1].
+
+  Returns:
+    One bool per leaf: True where it lives in host memory.
+
+  Example::
+
+    >>> offloaded_leaves([4, 400, 400, 100], 0.25)
+    (False, True, False, False)
+  """
+  if fraction >= 1:
+    return (True,) * len(leaf_bytes)
+  target = fraction * sum(leaf_bytes)
+  taken: set[int] = set()
+  held = 0
+  for i in sorted(range(len(leaf_bytes)), key=lambda i: (-leaf_bytes[i], i)):
+    if held >= target:
+      break
+    taken.add(i)
+    held += leaf_bytes[i]
+  return tuple(i in taken for i in range(len(leaf_bytes)))
+
+
+def _leaf_bytes(leaf: LeafPlan) -> int:
+  """One leaf's stored bytes on one device (its Zero-1 shard)."""
+  return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+
+
+def _offloaded_plan(plan: Zero1Plan, fraction: float) -> Zero1Plan:
+  """The chosen state leaves (and, for the whole state, the master copies) in host memory, same
+  layout; this process's devices checked first."""
   # Only this process's devices (each process checks its own): another host's devices may expose
   # no memories here, as a multi-host TPU topology compiled ahead of time does.
   local = [d for d in plan.mesh.devices.flat if d.process_index == jax.process_index()]
   check_host_memory({str(d): tuple(m.kind for m in d.addressable_memories()) for d in local},
                     describe_mesh(plan.mesh))
-  on_host = tuple(
-      dataclasses.replace(leaf, sharding=_with_kind(leaf.sharding, HOST)) for leaf in plan.state_leaves
+  on_host = offloaded_leaves([_leaf_bytes(leaf) for leaf in plan.state_leaves], fraction)
+  leaves = tuple(
+      dataclasses.replace(leaf, sharding=_with_kind(leaf.sharding, HOST)) if host else leaf
+      for leaf, host in zip(plan.state_leaves, on_host, strict=True)
   )
-  return dataclasses.replace(plan, state_leaves=on_host, offload_state=True)
+  return dataclasses.replace(plan, state_leaves=leaves, offload_state=any(on_host),
+                             offload_masters=fraction >= 1)
+
+
+def _on_host(leaf: LeafPlan) -> bool:
+  return leaf.sharding.memory_kind == HOST
 
 
 def _with_kind(sharding: Any, kind: str) -> Any:
@@ -199,8 +246,8 @@ def compute_shardings(plan: Zero1Plan) -> list:
     ...                                                        params))]
     ['device']
   """
-  storage = [leaf.sharding for leaf in plan.state_leaves]
-  return [_with_kind(s, DEVICE) for s in storage] if plan.offload_state else storage
+  return [_with_kind(leaf.sharding, DEVICE) if _on_host(leaf) else leaf.sharding
+          for leaf in plan.state_leaves]
 
 
 def master_shardings(plan: Zero1Plan, kind: str = HOST) -> list:
@@ -216,7 +263,7 @@ def master_shardings(plan: Zero1Plan, kind: str = HOST) -> list:
     >>> master_shardings(plan)[0].spec == P("data")
     True
   """
-  kind = HOST if plan.offload_state and kind == HOST else DEVICE
+  kind = HOST if plan.offload_masters and kind == HOST else DEVICE
   return [s.with_memory_kind(kind) for s in plan.zero1_param_shardings]
 
 
@@ -241,11 +288,11 @@ def load(plan: Zero1Plan, state: Any, masters: Any = None) -> tuple[Any, Any]:
     ((), None)
   """
   shardings = compute_shardings(plan)
-  state = move_tree(state, shardings) if plan.offload_state else state
+  state = _move_offloaded(state, shardings, plan)
   state = _map_narrowed(place_tree(state, shardings), plan, lambda i, x, leaf: x.astype(leaf.compute_dtype))
   if masters is not None:
     on_device = master_shardings(plan, DEVICE)
-    masters = place_tree(move_tree(masters, on_device) if plan.offload_state else masters, on_device)
+    masters = place_tree(move_tree(masters, on_device) if plan.offload_masters else masters, on_device)
   return state, masters
 
 
@@ -270,11 +317,22 @@ def store(plan: Zero1Plan, state: Any, masters: Any = None, *, step: Any = None)
     >>> store(plan, ())
     ((), None)
   """
-  state = narrowed(state, plan, step=step)
+  stored = [leaf.sharding for leaf in plan.state_leaves]
+  state = _move_offloaded(narrowed(state, plan, step=step), stored, plan)
+  if masters is not None and plan.offload_masters:
+    masters = move_tree(masters, master_shardings(plan))
+  return state, masters
+
+
+def _move_offloaded(state: Any, shardings: list, plan: Zero1Plan) -> Any:
+  """The offloaded leaves of ``state`` moved to ``shardings``' memory kinds; the others as they are."""
   if not plan.offload_state:
-    return state, masters
-  state = move_tree(state, [leaf.sharding for leaf in plan.state_leaves])
-  return state, None if masters is None else move_tree(masters, master_shardings(plan))
+    return state
+  leaves, treedef = jax.tree.flatten(state)
+  return jax.tree.unflatten(treedef, [
+      move_tree([x], [s])[0] if _on_host(leaf) else x
+      for x, s, leaf in zip(leaves, shardings, plan.state_leaves, strict=True)
+  ])
 
 
 def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
