@@ -37,13 +37,13 @@ ROOT = pathlib.Path(__file__).parent
 # Folders whose doctests run on the module under its one importable name.
 _PACKAGE_OF = {
     ROOT / "adapters": "nnx_zero1.adapters",
-    ROOT / "tests" / "reference_engine": "tests.reference_engine",
+    ROOT / "tests" / "support" / "reference_engine": "tests.support.reference_engine",
 }
 
 
 class _PackageDoctests(DoctestModule):
   """Doctests of ``adapters/X.py`` run on ``nnx_zero1.adapters.X`` (the one name the package has),
-  those of ``tests/reference_engine/X.py`` on ``tests.reference_engine.X``.
+  those of ``tests/support/reference_engine/X.py`` on ``tests.support.reference_engine.X``.
 
   Imported by path, pytest would load each file a second time under another top-level name
   (``adapters.X``, a name that belongs to an unrelated PyPI project; ``reference_engine.X``), with
@@ -67,7 +67,7 @@ def pytest_collect_file(file_path, parent):
 
 # Never collected for doctests: importing it imports maxtext (Python >= 3.12), which changes
 # process-wide settings (flax_always_shard_variable=False, wrapped jax.lax functions) for every test
-# collected after it. tests/test_maxtext_engine.py imports it itself and puts those settings back.
+# collected after it. tests/adapters/test_maxtext_engine.py imports it itself and puts those settings back.
 collect_ignore = ["adapters/_maxtext_engine.py"]
 
 

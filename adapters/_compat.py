@@ -12,7 +12,7 @@ Two jobs, both for ``Zero1MaxTextTrainingEngine``:
   none, so a Tunix release that ships them is used as it is.
 - MaxText's private names (a config's pydantic model, the engine's model, mesh
   and gradient shardings), each read or written by one small function here, so a MaxText
-  release that renames one breaks one function, which ``tests/test_compat.py``
+  release that renames one breaks one function, which ``tests/core/test_compat.py``
   names.
 """
 

@@ -150,7 +150,7 @@ def default_arms() -> tuple[str, ...]:
     ('baseline', 'zero1', 'accum', 'zero1-accum')
   """
   try:  # the engine arms run the reference engine of a source checkout's tests/
-    has_engine = importlib.util.find_spec("tests.reference_engine") is not None
+    has_engine = importlib.util.find_spec("tests.support.reference_engine") is not None
   except ModuleNotFoundError:
     has_engine = False
   return STEP_ARMS + (ENGINE_ARMS if has_engine else ())

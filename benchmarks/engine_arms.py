@@ -51,7 +51,7 @@ class EngineArm:
   """
 
   def __init__(self, name: str, settings: Settings, mesh, example: np.ndarray):
-    from tests.reference_engine import Engine, Zero1Engine
+    from tests.support.reference_engine import Engine, Zero1Engine
 
     cls = {"engine": Engine, "zero1-engine": Zero1Engine}[name]
     self.name = name

@@ -32,7 +32,7 @@ from flax import nnx
 from benchmarks import devices
 from nnx_zero1 import bytes_per_device
 from nnx_zero1.testing import collectives
-from tests.maxtext_toys import tiny_batches, tiny_config, tiny_mesh
+from tests.support.maxtext_toys import tiny_batches, tiny_config, tiny_mesh
 
 __all__ = ["MISSING_MAXTEXT", "run_arm", "main"]
 

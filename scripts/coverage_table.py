@@ -1,13 +1,13 @@
 """Prints the docs' optimizer coverage table (docs/coverage_table.md), generated from the coverage tests.
 
-Runs ``tests/test_optimizer_coverage.py`` with ``NNX_ZERO1_COVERAGE_JSON`` set and
+Runs ``tests/core/test_optimizer_coverage.py`` with ``NNX_ZERO1_COVERAGE_JSON`` set and
 turns the JSON it writes into a markdown table; ``--json PATH`` reads a file an
 earlier run wrote instead of running the tests.
 
 Example::
 
   python scripts/coverage_table.py > docs/coverage_table.md
-  NNX_ZERO1_COVERAGE_JSON=/tmp/cov.json python -m pytest tests/test_optimizer_coverage.py
+  NNX_ZERO1_COVERAGE_JSON=/tmp/cov.json python -m pytest tests/core/test_optimizer_coverage.py
   python scripts/coverage_table.py --json /tmp/cov.json
 """
 
@@ -25,7 +25,7 @@ import tempfile
 from nnx_zero1._src.layout import Reason
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TEST = "tests/test_optimizer_coverage.py"
+TEST = "tests/core/test_optimizer_coverage.py"
 MESHES = ("Explicit", "Auto")
 SHORT = {  # report's reasons, shortened for a table cell (a Reason equals its text)
     Reason.NOT_DIVISIBLE: "no dim divisible",

@@ -79,7 +79,7 @@ def test_from_a_source_checkout_root_the_adapters_import_and_the_bench_starts(tm
     shutil.copytree(ROOT / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
   probe = (
       "import nnx_zero1.adapters as a; from nnx_zero1.adapters.maxtext import Zero1EngineMixin; "
-      "from tests.reference_engine import Zero1Engine; "
+      "from tests.support.reference_engine import Zero1Engine; "
       "from nnx_zero1.adapters.tunix import Zero1PeftTrainer; print(a.__file__)"
   )
   env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}

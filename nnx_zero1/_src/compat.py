@@ -2,7 +2,7 @@
 
 Each is wrapped in one small function so that a dependency upgrade that moves
 or removes it breaks here, with a message naming the installed version, and
-``tests/test_compat.py`` fails loudly. Public APIs are used wherever they exist.
+``tests/core/test_compat.py`` fails loudly. Public APIs are used wherever they exist.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The optax transformations this project runs, in one list.
 
-The tests compare each against ``nnx.Optimizer`` (``tests/test_optimizer_coverage.py``,
+The tests compare each against ``nnx.Optimizer`` (``tests/core/test_optimizer_coverage.py``,
 whose results ``scripts/coverage_table.py`` turns into the docs' coverage table; the
-bit-identity tests in ``tests/test_optimizer.py``); the benchmark's ``--optimizer``
+bit-identity tests in ``tests/core/test_optimizer.py``); the benchmark's ``--optimizer``
 choices (``benchmarks/settings.py``) are entries of it at a training learning rate.
 """
 

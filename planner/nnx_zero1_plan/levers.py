@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-__all__ = ["Lever", "LEVERS", "lever_blocker", "make_optimizer"]
+__all__ = ["Lever", "LEVERS", "lever_blocker", "make_optimizer", "with_offload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Lever:
   deferred: bool  # value_and_grad_accumulated (else a lax.scan of nnx.value_and_grad)
   optimizer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   accumulate_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  picks_offload: bool = False  # the plan picks offload_state_to_host's fraction (see run.py)
 
 
 # In the order the planner suggests them: each saves more device memory than the one before.
@@ -35,6 +36,9 @@ LEVERS: dict[str, Lever] = {
                          zero1=True, deferred=True),
     "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
                    zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
+    "offload-fraction": Lever("Zero1Optimizer(offload_state_to_host=f) (the smallest share of the state in "
+                              "host memory that fits, picked from the compiled bytes)",
+                              zero1=True, deferred=False, picks_offload=True),
     "offload": Lever("Zero1Optimizer(offload_state_to_host=True) (moments in host memory between steps)",
                      zero1=True, deferred=False, optimizer_options={"offload_state_to_host": True}),
     "zero2-offload": Lever("zero2 with offload_state_to_host=True", zero1=True, deferred=True,
@@ -64,6 +68,18 @@ def lever_blocker(name: str, param_dtypes: Collection[str]) -> str | None:
   if name == "zero1-bf16state" and set(param_dtypes) <= {"bfloat16"}:
     return f"zero1-bf16state stores the state in bfloat16; for {dtypes} parameters it is bfloat16 already"
   return None
+
+
+def with_offload(lever: Lever, fraction: float) -> Lever:
+  """``lever`` with ``fraction`` of its optimizer state in host memory (0: none).
+
+  Example::
+
+    >>> with_offload(LEVERS["offload-fraction"], 0.25).optimizer_options
+    {'offload_state_to_host': 0.25}
+  """
+  return dataclasses.replace(lever, optimizer_options={**lever.optimizer_options,
+                                                       "offload_state_to_host": fraction or False})
 
 
 def make_optimizer(lever: Lever, model: Any, tx: Any, mesh: Any, data_axis: str = "data") -> Any:

@@ -46,23 +46,27 @@ def _spelled(value: Any) -> str:
   return f"jnp.{value}" if isinstance(value, str) else repr(value)
 
 
-def lever_code(name: str, model: str) -> str:
+def lever_code(name: str, model: str, offload_fraction: float | None = None) -> str:
   """The code that turns lever ``name`` on where ``model``'s users train: their own loop, Tunix's trainers
   (``Zero1TrainingConfig``'s ``zero1_*`` options) or MaxText's engine (the class attributes
   :func:`nnx_zero1_plan.maxtext.engine_attributes` gives). Written from the lever table, so a new lever
-  needs no entry here.
+  needs no entry here; ``offload-fraction`` writes the ``offload_fraction`` its plan picked.
 
   Example::
 
     >>> lever_code("offload", "my_pkg.models:build")
     'Zero1Optimizer(model, tx, mesh, offload_state_to_host=True)'
+    >>> lever_code("offload-fraction", "my_pkg.models:build", 0.37)
+    'Zero1Optimizer(model, tx, mesh, offload_state_to_host=0.37)'
     >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
     'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
   """
-  from nnx_zero1_plan.levers import LEVERS
+  from nnx_zero1_plan.levers import LEVERS, with_offload
   from nnx_zero1_plan.maxtext import engine_attributes
 
   lever = LEVERS[name]
+  if lever.picks_offload:
+    lever = with_offload(lever, offload_fraction or 0.0)
   options = [f"{k}={_spelled(v)}" for k, v in lever.optimizer_options.items()]
   if model.startswith("tunix:"):
     if not lever.zero1:
@@ -181,7 +185,7 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *, mar
     return None
   _, best, micro, remat = min(candidates, key=lambda c: c[0])
   return {"lever": best["lever"], "step": step, "micro_batch": micro, "remat": remat,
-          "code": lever_code(best["lever"], str(meta.get("model", ""))),
+          "code": lever_code(best["lever"], str(meta.get("model", "")), best.get("offload_fraction")),
           "cli": command_line(meta, levers=[best["lever"]], steps=[step], batch=micro, remat=remat),
           "order": list(ORDER),
           "baseline_beats": baseline_beats([r for r in rows if r.get("step", "one") == step], meta["batch"],

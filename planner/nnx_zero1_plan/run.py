@@ -21,9 +21,9 @@ from nnx_zero1_plan.inputs import (
   parse_model,
   parse_topology,
 )
-from nnx_zero1_plan.levers import LEVERS, lever_blocker
+from nnx_zero1_plan.levers import LEVERS, lever_blocker, with_offload
 from nnx_zero1_plan.recommend import recommend
-from nnx_zero1_plan.search import Probe, find_edge
+from nnx_zero1_plan.search import Probe, find_edge, next_fraction
 from nnx_zero1_plan.table import markdown, next_steps, recommendation_lines, table
 
 __all__ = ["Plan", "make_plan_rows", "DEFAULT_DEPTHS"]
@@ -95,6 +95,9 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
   lever = LEVERS[lever_name]
   say = settings.get("progress") or (lambda line: None)
   at = f"{lever_name} ({step}) at micro-batch {settings['batch']}" + (f", {depth} layers" if depth else "")
+  if lever.picks_offload:
+    lever = with_offload(lever, settings.get("offload_fraction", 0.0))
+    at += f", {settings.get('offload_fraction', 0.0):.0%} of the state offloaded"
   say(f"compiling {at} ...")
   row: dict[str, Any] = {"opt_state_bytes_per_device": None, "opt_state_bytes_by_memory_kind": None,
                          "param_bytes_per_device": None}
@@ -283,6 +286,44 @@ def _search(first: dict, row_at: Callable[[int, bool], dict], unit: int, usable:
           "search": probes, "search_compile_s": round(sum(p["compile_s"] for p in probes), 1)}
 
 
+def _offload_search(row_with: Callable[[float], dict], usable: int, tries: int = 4) -> dict[str, Any]:
+  """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever).
+
+  Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the
+  state, its largest leaves, go to host memory, and a compile confirms the guess. Where it missed
+  (the compiler kept some of the offloaded bytes live), the next guess divides what it missed by the
+  bytes each share of the state actually saved, the line through the last two compiles (``tries``
+  compiles at most). The row is the last compile's, with ``offload_fraction`` and every compile
+  (``offload_search``)."""
+  fraction, row = 0.0, row_with(0.0)
+  tried: list[dict[str, Any]] = []
+  refused = None
+  while True:
+    peak = row.get("peak_bytes_per_device")
+    tried.append({"fraction": fraction, "peak_bytes_per_device": peak, "compile_s": row["compile_s"],
+                  "fits": peak is not None and not row.get("error") and peak <= usable})
+    if row.get("error") or peak is None:
+      refused = row.get("error") or "no figures"
+      break
+    state = sum((row.get("opt_state_bytes_by_memory_kind") or {}).values())
+    saved_per_share = state
+    if len(tried) > 1 and tried[-2]["peak_bytes_per_device"] is not None:
+      slope = (tried[-2]["peak_bytes_per_device"] - peak) / (fraction - tried[-2]["fraction"])
+      saved_per_share = int(slope) if 0 < slope < state else state
+    share = next_fraction(peak, usable, saved_per_share, fraction)
+    if share is None:
+      refused = (f"{(peak - usable) / 2**30:.2f} GiB over the usable memory with {fraction:.0%} offloaded, "
+                 f"more than the {state * (1 - fraction) / 2**30:.2f} GiB of state still on device saves")
+      break
+    if share == fraction or len(tried) == tries:
+      break
+    fraction, row = share, row_with(share)
+  if not tried[-1]["fits"] and refused is None:
+    refused = f"{tries} compiles did not find a fraction that fits"
+  return {**row, "offload_fraction": fraction, "offload_search": tried, "offload_refused_because": refused,
+          "compile_s": round(sum(t["compile_s"] for t in tried), 1)}
+
+
 def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch: int = 8,
                    seq_len: int = 1024, ga: int = 1, param_dtype: str | None = None,
                    compute_dtype: str | None = None,
@@ -341,12 +382,22 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   for policy, name, step in ((p, n, s) for p in policies for n in names for s in shapes):
     row_at = lambda b, whole=False, p=policy, n=name, s=step: {
         **_row(n, s, plans[p], b, settings, target, topology, whole), "remat": p}
-    row = row_at(batch)
-    if search:
+    if LEVERS[name].picks_offload:  # the fraction is searched at --batch, the micro-batch is not
+      def row_with(f: float, p: Any = policy, n: str = name, s: str = step) -> dict:
+        return {**_row(n, s, plans[p], batch, {**settings, "offload_fraction": f}, target, topology),
+                "remat": p}
+      row = _offload_search(row_with, usable)
+    else:
+      row = row_at(batch)
+    if search and not LEVERS[name].picks_offload:
       row = {**row, **_search(row, row_at, planned.batch_unit, usable)}
     rows.append(row)
     if progress:
-      found = f"; the largest micro-batch that fits: {row['max_micro_batch']}" if search else ""
+      found = ""
+      if "max_micro_batch" in row:
+        found = f"; the largest micro-batch that fits: {row['max_micro_batch']}"
+      if "offload_fraction" in row:
+        found = f"; the smallest share of the state to offload: {row['offload_fraction']:.0%}"
       under = f", remat {policy}" if policy else ""
       progress(f"done: {name} ({step}{under}) for {topology}{found}")
   layers = planned.source_at(batch).full_depth or next(

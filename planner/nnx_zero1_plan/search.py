@@ -15,9 +15,10 @@ fits with the one a step above it refused. Pure: the compiles are the caller's
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
-__all__ = ["Probe", "Edge", "round_down", "line_limit", "find_edge"]
+__all__ = ["Probe", "Edge", "round_down", "line_limit", "find_edge", "next_fraction"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,3 +171,23 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
       moved.append(fits)
     lo, hi = (batch, hi) if fits else (lo, batch)
   return edge(lo, hi)
+
+
+def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.0) -> float | None:
+  """The share of the optimizer state to offload next, for a step whose peak with ``fraction`` of it
+  offloaded is ``peak``: ``fraction`` when it fits, else ``fraction`` plus the bytes over ``usable`` as a
+  share of ``state_bytes`` (the bytes the whole state saves: its bytes per device, or what a line
+  through two compiles says), rounded up to a hundredth; None when that is more than the whole state.
+
+  Example::
+
+    >>> next_fraction(peak=110, usable=100, state_bytes=40), next_fraction(95, 100, 40, 0.25)
+    (0.25, 0.25)
+    >>> next_fraction(150, 100, 40) is None
+    True
+  """
+  if peak <= usable:
+    return fraction
+  share = fraction + (peak - usable) / max(state_bytes, 1)
+  share = math.ceil(round(share * 100, 6)) / 100
+  return None if share > 1 else share

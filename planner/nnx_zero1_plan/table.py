@@ -38,6 +38,8 @@ def _gib(n: float | None) -> str:
 def _note(r: dict[str, Any]) -> str:
   if r.get("error"):
     return f"refused: {r['error']}"
+  if r.get("offload_refused_because"):
+    return f"no fraction fits: {r['offload_refused_because']}"
   if r.get("compiled_whole_because"):
     extrapolated = _gib(r.get("extrapolated_peak_bytes_per_device"))
     return f"compiled whole (extrapolated: {extrapolated} GiB; {r['compiled_whole_because']})"
@@ -52,6 +54,13 @@ def _max_micro_batch(r: dict[str, Any]) -> str:
   return "none" if r["max_micro_batch"] is None else str(r["max_micro_batch"])
 
 
+def _lever(r: dict[str, Any]) -> str:
+  """The lever, with the share it offloads (``offload-fraction``) and the state's bytes in host memory."""
+  host = (r.get("opt_state_bytes_by_memory_kind") or {}).get("pinned_host")
+  picked = f" {r['offload_fraction']:.2f}" if "offload_fraction" in r else ""
+  return r["lever"] + picked + (f" (+{_gib(host)} GiB host)" if host else "")
+
+
 def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
   """One tuple of strings per row, in :data:`HEADER`'s order."""
   out: list[tuple[str, ...]] = []
@@ -61,7 +70,7 @@ def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
     flops, accessed = r.get("update_flops_per_device"), r.get("update_bytes_accessed_per_device")
     mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
     out.append((
-        r["lever"], r.get("step", "one") + (f", remat {r['remat']}" if r.get("remat") else ""),
+        _lever(r), r.get("step", "one") + (f", remat {r['remat']}" if r.get("remat") else ""),
         r["compiled_for"], mesh,
         _gib(r["opt_state_bytes_per_device"]), _gib(r["argument_bytes_per_device"]),
         _gib(r["temp_bytes_per_device"]), _gib(r["peak_bytes_per_device"]), _gib(r["hbm_bytes"]), fits,

@@ -1,0 +1,140 @@
+"""``Zero1Options``: the one record of a Zero-1 optimizer's options, checked once, forwarded by every
+entry point."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnx_zero1 import (
+  ShardedOptimizerMixin,
+  Zero1Error,
+  Zero1ModelAndOptimizer,
+  Zero1Optimizer,
+  bytes_per_device,
+  zero1_optimizers,
+)
+from nnx_zero1._src.options import Zero1Options, levers_of
+
+MESH = jax.make_mesh((8,), ("data",))
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"data_axis": ()}, "data_axis must be a mesh axis name"),
+    ({"data_axis": ("data", "data")}, "names an axis twice"),
+    ({"strict": "yes"}, "strict='yes' is not a bool"),
+    ({"pin_gradients": None}, "pin_gradients=None is not a bool"),
+    ({"offload_state_to_host": 1.5}, "offload_state_to_host=1.5 is neither a bool nor a fraction"),
+    ({"state_rounding": "up"}, "state_rounding='up' is not one of"),
+    ({"state_dtype": jnp.int8}, "state_dtype=int8 is not a floating dtype"),
+    ({"state_dtype": "no-such-dtype"}, "state_dtype='no-such-dtype' is not a dtype"),
+    ({"state_dtype": jnp.float16}, "narrows float32 to bfloat16 only"),
+    ({"master_dtype": jnp.int32}, "master_dtype=int32 is not a floating dtype"),
+])
+def test_a_bad_option_is_refused_by_name_when_the_record_is_built(options, words):
+  with pytest.raises(Zero1Error, match=words):
+    Zero1Options(**options)
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"strict": "yes"}, "strict='yes' is not a bool"),
+    ({"state_rounding": "up"}, "state_rounding='up' is not one of"),
+    ({"master_dtype": jnp.int32}, "master_dtype=int32 is not a floating dtype"),
+])
+def test_every_entry_point_refuses_through_the_record_before_any_state(options, words):
+  model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+  before = jax.tree.map(np.asarray, nnx.state(model))
+  with pytest.raises(Zero1Error, match=words):
+    Zero1Optimizer(model, optax.adam(1e-3), MESH, **options)
+  with pytest.raises(Zero1Error, match=words):
+    Zero1ModelAndOptimizer(model, optax.adam(1e-3), MESH, **options)
+  if "strict" not in options:  # the scope's strict is positional; the levers are keywords
+    with pytest.raises(Zero1Error, match=words), zero1_optimizers(MESH, **options):
+      pass
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(model), before)
+
+
+def test_the_record_is_normalised_frozen_and_round_trips_through_its_keywords():
+  options = Zero1Options(data_axis="data", state_dtype="bfloat16", master_dtype="float32",
+                         strict=np.bool_(True))
+  assert options.data_axis == ("data",)
+  assert options.state_dtype == np.dtype(jnp.bfloat16) and options.master_dtype == np.dtype("float32")
+  assert options.strict is True
+  assert Zero1Options(**options.keywords()) == options
+  assert hash(options) == hash(Zero1Options(**options.keywords()))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    options.strict = False  # type: ignore[misc]
+  assert Zero1Options() == Zero1Options(data_axis=("data",))
+
+
+def test_the_levers_are_the_records_memory_options_read_off_any_naming():
+  class Engine:
+    OFFLOAD_STATE_TO_HOST, STATE_DTYPE, STATE_ROUNDING, MASTER_DTYPE = True, jnp.bfloat16, "nearest", None
+
+  class Trainer:
+    zero1_offload_state_to_host, zero1_state_dtype, zero1_state_rounding, zero1_master_dtype = (
+        False, None, "stochastic", jnp.float32)
+
+  assert levers_of(Engine(), str.upper) == {
+      "offload_state_to_host": True, "state_dtype": jnp.bfloat16, "state_rounding": "nearest",
+      "master_dtype": None,
+  }
+  assert set(levers_of(Trainer(), lambda name: f"zero1_{name}")) == {
+      f.name for f in dataclasses.fields(Zero1Options)} - {"data_axis", "strict", "pin_gradients"}
+
+
+def _bf16_model():
+  return nnx.Linear(16, 16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+
+class _Trainer:
+  def __init__(self, model, tx):
+    self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+class _Zero1Trainer(ShardedOptimizerMixin, _Trainer):
+  zero1_strict = True
+  zero1_pin_gradients = False
+  zero1_offload_state_to_host = True
+  zero1_state_dtype = jnp.bfloat16
+  zero1_state_rounding = "nearest"
+  zero1_master_dtype = jnp.float32
+
+
+LEVERS = {"offload_state_to_host": True, "state_dtype": jnp.bfloat16, "state_rounding": "nearest",
+          "master_dtype": jnp.float32}
+
+
+def _built(entry):
+  model = _bf16_model()
+  if entry == "optimizer":
+    return Zero1Optimizer(model, optax.adam(1e-3), MESH, strict=True, pin_gradients=False, **LEVERS)
+  if entry == "model_and_optimizer":
+    return Zero1ModelAndOptimizer(model, optax.adam(1e-3), MESH, strict=True, pin_gradients=False, **LEVERS)
+  if entry == "scope":
+    with zero1_optimizers(MESH, "data", True, **LEVERS):
+      return nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  with jax.set_mesh(MESH):
+    return _Zero1Trainer(model, optax.adam(1e-3)).optimizer
+
+
+@pytest.mark.parametrize("entry", ["optimizer", "model_and_optimizer", "scope", "mixin"])
+def test_every_entry_point_forwards_every_option_to_the_same_effect(entry):
+  opt = _built(entry)
+  assert isinstance(opt, Zero1Optimizer)
+  # Effects, read off the arrays: the moments are bfloat16 and in host memory, 1/8 per device; the
+  # float32 master copies are in host memory, 1/8 per device; the count stays on device.
+  mu = opt.opt_state[0].mu["kernel"][...]
+  assert mu.dtype == jnp.bfloat16 and mu.sharding.memory_kind == "pinned_host"
+  assert bytes_per_device(mu) == 16 * 16 * 2 // 8
+  master = opt.master_params["kernel"][...]
+  assert master.dtype == jnp.float32 and master.sharding.memory_kind == "pinned_host"
+  assert bytes_per_device(master) == 16 * 16 * 4 // 8
+  assert opt.step[...].sharding.memory_kind == "device"
+  assert opt.strict is True and opt.data_axis == ("data",)
+  if entry != "scope":  # the scope takes no pin_gradients: nnx.Optimizer's call keeps the default
+    assert opt.pin_gradients is False

@@ -1,0 +1,214 @@
+"""``python -m nnx_zero1.plan`` with the real compilers: a tiny model planned for a TPU slice and for
+8 H100s (CI lane 2, which installs libtpu and XLA's GPU compiler; a lane without one skips each test
+with the reason)."""
+
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from nnx_zero1 import zero1_sharding
+from nnx_zero1_plan import compilers
+from tests.support.planner_toys import tiny_lm
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+HAS_GPU_COMPILER = importlib.util.find_spec("jax_cuda13_plugin") is not None
+TOYS = "tests.support.planner_toys"  # the planner's toy models, by their module's name
+TOY = ["--model", f"{TOYS}:tiny_lm", "--batch", "8", "--seq-len", "64",
+       "--levers", "baseline,zero1"]
+
+
+# The compilers: CI lane 2.
+
+def _env() -> dict:
+  env = {k: v for k, v in os.environ.items() if k not in compilers.ENV}
+  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+  return env
+
+
+def _plan(tmp_path, *args) -> dict:
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *TOY, *args, "--out", str(tmp_path)],
+                        env=_env(), capture_output=True, text=True, timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / "plan.json").read_text())
+  assert (tmp_path / "plan.md").read_text().startswith("# Will it fit?")
+  return result
+
+
+def _rule_saving(data: int) -> int:
+  """Optimizer bytes per device the layout rule takes off each replica, on a CPU mesh of the same shape."""
+  mesh = jax.make_mesh((data,), ("data",), devices=jax.devices()[:data])
+  with jax.set_mesh(mesh):
+    model = nnx.eval_shape(lambda: tiny_lm())
+    opt = nnx.eval_shape(lambda: nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param))
+  saving = 0
+  for x in jax.tree.leaves(nnx.state(opt, nnx.OptState)):
+    home = x.sharding if isinstance(x.sharding, NamedSharding) else NamedSharding(mesh, jax.P())
+    zero1 = zero1_sharding(x.shape, home, "data")
+    rows_kept = math.prod(home.shard_shape(x.shape)) - math.prod(zero1.shard_shape(x.shape))
+    saving += rows_kept * np.dtype(x.dtype).itemsize
+  return saving
+
+
+def _check_rule_and_fits(result: dict, data: int) -> dict:
+  """Both steps' arguments fall by the layout rule's bytes; returns the rows by (lever, step)."""
+  rows = {(r["lever"], r["step"]): r for r in result["rows"]}
+  assert set(rows) == {(lever, step) for lever in ("baseline", "zero1") for step in ("one", "split")}
+  saving = _rule_saving(data)
+  assert saving > 0
+  for step in ("one", "split"):
+    base, zero1 = rows["baseline", step], rows["zero1", step]
+    assert base["mesh"] == {"data": data} and base["depth_extrapolated_from"] is None
+    assert base["argument_bytes_per_device"] - zero1["argument_bytes_per_device"] == saving
+    assert base["opt_state_bytes_per_device"] - zero1["opt_state_bytes_per_device"] == saving
+  for r in rows.values():
+    assert r["hbm_bytes"] == result["meta"]["hbm_bytes"]
+    assert r["fits"] == (r["peak_bytes_per_device"] <= r["hbm_bytes"])
+    assert set(r["collectives"]) == {"per_step", "per_micro_batch"}
+    assert (r["update_peak_bytes_per_device"] is None) == (r["step"] == "one")
+  return rows
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: ./planner[aot], Python >= 3.12 (CI lane 2)")
+def test_tpu_plan_saves_what_the_layout_rule_predicts_and_extrapolates_from_reduced_depth(tmp_path):
+  full = _plan(tmp_path / "full", "--topology", "v6e:2x2", "--full-depth", "--steps", "one,split")
+  rows = _check_rule_and_fits(full, data=4)
+  assert full["meta"]["hbm_bytes"] == 33_543_694_581  # v6e: 31.24G, as the TPU compiler words it
+  # The split step's update program: Zero-1 updates a quarter of each moment and parameter per chip.
+  flops = [rows[lever, "split"]["update_flops_per_device"] for lever in ("baseline", "zero1")]
+  assert 0 < flops[1] < flops[0] / 2
+  reduced = _plan(tmp_path / "reduced", "--topology", "v6e:2x2", "--steps", "one")
+  one_program = [r for r in full["rows"] if r["step"] == "one"]
+  for a, b in zip(one_program, reduced["rows"], strict=True):
+    assert b["depth_extrapolated_from"] == [2, 4] and b["depth"] == 6
+    assert b["argument_bytes_per_device"] == a["argument_bytes_per_device"]  # parameters are linear in depth
+    error = abs(b["peak_bytes_per_device"] - a["peak_bytes_per_device"]) / a["peak_bytes_per_device"]
+    print(f"{a['lever']}: extrapolated peak {b['peak_bytes_per_device']:,} B, "
+          f"compiled {a['peak_bytes_per_device']:,} B ({error:.2%})")
+    assert error < 0.05
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler: pip install --no-deps "
+                    "jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 (Python >= 3.12), CI lane 2")
+def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):
+  result = _plan(tmp_path, "--topology", "h100:8", "--full-depth", "--steps", "one,split")
+  rows = _check_rule_and_fits(result, data=8)
+  assert rows["zero1", "split"]["update_flops_per_device"] is None  # XLA's GPU compiler has no cost analysis
+  assert result["rows"][0]["device_kind"] == "NVIDIA H100 80GB HBM3"
+  assert result["meta"]["hbm_bytes"] == int(84_929_347_584 * 0.75)  # jax's GPU pool, the smaller limit
+
+
+_TWO_NODES = """
+from nnx_zero1_plan import compilers
+compilers.start_cpu_jax()
+from nnx_zero1_plan.targets import make_target
+target = make_target("h200:2x8")
+nodes = {d.process_index for d in target.devices}
+print(len(target.devices), len(nodes), target.device_kind)
+"""
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
+def test_a_two_node_gpu_target_has_both_nodes_devices():
+  proc = subprocess.run([sys.executable, "-c", _TWO_NODES], env=_env(), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split()[:2] == ["16", "2"] and "NVIDIA H200" in proc.stdout
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
+def test_gpu_plan_of_the_bfloat16_levers(tmp_path):
+  """On 8x H100, a bfloat16 model: float32 master weights add 8P/dp bytes of arguments (masters
+  4P/dp, float32 moments 4P/dp over bfloat16 ones) and all-gather exactly what pure bfloat16 Zero-1
+  does, 2 bytes per parameter (bfloat16 state would change nothing there: the planner refuses it,
+  tests above; what it halves on a float32 model, tests/core/test_state_dtype.py measures on CPU)."""
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
+  argv = ["--model", "tests.support.planner_toys:tiny_lm_bf16", "--topology", "h100:8", "--full-depth",
+          "--levers", "zero1,zero1-master", "--steps", "one"]
+  out = tmp_path / "bf16"
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv, *TOY[2:-2], "--out", str(out)],
+                        env=_env(), capture_output=True, text=True, timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  bf16 = {r["lever"]: r for r in json.loads((out / "plan.json").read_text())["rows"]}
+  gathered = [bf16[n]["collectives"]["per_step"]["all-gather"]["bytes"] for n in ("zero1", "zero1-master")]
+  assert gathered == [2 * params] * 2
+  args = [bf16[n]["argument_bytes_per_device"] for n in ("zero1", "zero1-master")]
+  assert args[1] - args[0] == params
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
+def test_a_search_on_8_h100_finds_the_edge_and_recommends_by_it(tmp_path):
+  """The search, compiled for 8 H100s: a 99.9% margin leaves the tiny model ~61 MiB, so its edge is a
+  hundred-odd sequences away; every claim is checked against the compiles the search made."""
+  result = _plan(tmp_path, "--topology", "h100:8", "--steps", "one", "--search", "--margin", "0.999",
+                 "--levers", "zero1")
+  usable = int(result["meta"]["hbm_bytes"] * 0.001)
+  rows = {r["lever"]: r for r in result["rows"]}
+  for r in rows.values():
+    probes = {p["batch"]: p for p in r["search"]}
+    edge, above = r["max_micro_batch"], r["above"]
+    assert edge % 8 == 0 and edge >= 16 and above == edge + 8, (edge, above)
+    assert probes[edge]["fits"] and probes[edge]["peak_bytes_per_device"] <= usable
+    assert not probes[above]["fits"] and probes[above]["peak_bytes_per_device"] > usable
+    assert r["refused_because"].startswith("peak ") and len(probes) <= 10
+    # Near the edge the compiler's peaks wobble by MiB; across the search they rise with the batch.
+    assert probes[8]["peak_bytes_per_device"] < probes[edge]["peak_bytes_per_device"]
+  best = result["recommendation"]
+  assert best["lever"] == "zero1" and best["micro_batch"] == rows["zero1"]["max_micro_batch"]
+  assert best["cli"].startswith(f"python -m nnx_zero1.plan --model {TOYS}:tiny_lm --topology h100")
+  assert f"--batch {best['micro_batch']} " in best["cli"] and best["lever"] in rows
+
+
+HAS_MAXTEXT = importlib.util.find_spec("maxtext") is not None
+
+
+@pytest.mark.skipif(not (HAS_LIBTPU and HAS_MAXTEXT),
+                    reason="needs libtpu and maxtext (extra aot + maxtext==0.2.5, Python >= 3.12), CI lane 2")
+def test_maxtext_plan_compiles_maxtexts_engine_for_each_lever(tmp_path):
+  """``maxtext:`` through MaxText's own ahead-of-time engine, a 2-layer decoder (MaxText's defaults and the
+  toys' overrides) on v6e:2x2, GA 2: each Zero-1 lever is ``Zero1AbstractMaxTextEngine``, the rows are
+  split steps, and a lever of this library's own accumulation is refused on its row."""
+  from tests.support.maxtext_toys import TINY
+
+  skip = ("model_name", "run_name", "per_device_batch_size", "max_target_length", "ici_data_parallelism",
+          "ici_fsdp_parallelism", "opt_type", "base_output_directory")
+  overrides = [f"{k}={v}" for k, v in TINY.items() if k not in skip]
+  argv = ["--model", "maxtext:default", "--topology", "v6e:2x2", "--batch", "8", "--seq-len", "16",
+          "--ga", "2", "--levers", "baseline,zero1,zero1-accum,offload", "--out", str(tmp_path), *overrides]
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv], env=_env(), capture_output=True,
+                        text=True, timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / "plan.json").read_text())
+  rows = {r["lever"]: r for r in result["rows"]}
+  assert result["meta"]["layers"] == 2 and list(result["meta"]["steps"]) == ["split"]
+  assert all(r["step"] == "split" and r["device_kind"].startswith("TPU v6") for r in rows.values())
+  base, zero1, offload = rows["baseline"], rows["zero1"], rows["offload"]
+  assert base["maxtext_config"]["shard_mode"].endswith("EXPLICIT")  # the toys' override, applied last
+  # A quarter of the moments per chip (the step count stays whole): the update kernel reads that much less.
+  assert 3 * zero1["opt_state_bytes_per_device"] < base["opt_state_bytes_per_device"]
+  assert zero1["update_peak_bytes_per_device"] < base["update_peak_bytes_per_device"]
+  assert 0 < zero1["update_flops_per_device"] < base["update_flops_per_device"] / 2
+  # A step is two micro-batches' gradient kernels and one update; Zero-1's update gathers the new slices.
+  gathered = {lever: (rows[lever]["collectives"]["per_step"]["all-gather"]["bytes"],
+                      rows[lever]["collectives"]["per_micro_batch"]["all-gather"]["bytes"])
+              for lever in ("baseline", "zero1")}
+  assert gathered["baseline"][0] == 2 * gathered["baseline"][1]
+  assert gathered["zero1"][0] - 2 * gathered["zero1"][1] > zero1["param_bytes_per_device"] / 2
+  assert offload["opt_state_bytes_by_memory_kind"].get("pinned_host", 0) > 0
+  assert offload["opt_state_bytes_per_device"] < zero1["opt_state_bytes_per_device"] / 10
+  assert "MaxText's engine accumulates its own" in rows["zero1-accum"]["error"]
+  if HAS_GPU_COMPILER:  # MaxText's ahead-of-time engine compiles for TPUs only: one line, exit 2
+    gpu = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", "--model", "maxtext:default", "--topology",
+                          "h100:8"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert gpu.returncode == 2 and "for TPU slices only; h100:8 is a GPU target" in gpu.stderr

@@ -1,0 +1,201 @@
+"""``python -m nnx_zero1.plan``: the planner's inputs, its arithmetic and its tables, with no compiler
+(every lane; the plans the real compilers make are tests/planner/test_compiled_plans.py)."""
+
+
+import importlib.util
+import re
+
+import pytest
+
+from nnx_zero1.plan import main, parse_args
+from nnx_zero1_plan import compilers
+from nnx_zero1_plan.depth import extrapolate, extrapolate_row
+from nnx_zero1_plan.inputs import (
+  PlanError,
+  mesh_axes,
+  parse_levers,
+  parse_mesh,
+  parse_model,
+  parse_overrides,
+  parse_topology,
+)
+from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.maxtext import config_overrides, engine_attributes
+from nnx_zero1_plan.table import next_steps, table
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+HAS_GPU_COMPILER = importlib.util.find_spec("jax_cuda13_plugin") is not None
+TOYS = "tests.support.planner_toys"  # the planner's toy models, by their module's name
+TOY = ["--model", f"{TOYS}:tiny_lm", "--batch", "8", "--seq-len", "64",
+       "--levers", "baseline,zero1"]
+
+
+# Pure parts: every lane.
+
+def test_mesh_flag_parses_and_fills_the_models_axes_with_size_one():
+  assert parse_mesh("data=4, fsdp=2") == {"data": 4, "fsdp": 2}
+  assert mesh_axes({"data": 4, "fsdp": 2}, ["fsdp", "tp"], devices=8) == {"data": 4, "fsdp": 2, "tp": 1}
+  assert mesh_axes({}, ["tp"], devices=4) == {"data": 4, "tp": 1}
+  for bad in ("data", "data=0", "data=2,data=2", "data=x"):
+    with pytest.raises(PlanError, match="--mesh"):
+      parse_mesh(bad)
+
+
+def test_a_mesh_whose_product_is_not_the_device_count_is_refused():
+  with pytest.raises(PlanError, match=r"--mesh data=4,fsdp=4 has 16 devices; the topology has 8"):
+    mesh_axes({"data": 4, "fsdp": 4}, [], devices=8)
+
+
+def test_topologies_levers_and_models_parse_or_are_refused_in_one_line():
+  assert parse_topology("v4:2x2x1", ["h100"]) == ("tpu", "v4", (2, 2, 1))
+  assert parse_topology("H100:8", ["h100"]) == ("cuda", "h100", (1, 8))
+  for bad in ("h300:8", "h100", "h100:2x2x2", "tpu"):
+    with pytest.raises(PlanError, match="unknown topology") as e:
+      parse_topology(bad, ["h100"])
+    assert "\n" not in str(e.value)
+  assert parse_levers("zero1, zero2", LEVERS) == ("zero1", "zero2")
+  with pytest.raises(PlanError, match="unknown lever zero3; levers: baseline, zero1"):
+    parse_levers("zero1,zero3", LEVERS)
+  with pytest.raises(PlanError, match="unknown model"):
+    parse_model("qwen3_8b")
+  assert parse_model("maxtext:qwen3-0.6b") == ("maxtext", "qwen3-0.6b")
+
+
+def test_maxtext_settings_become_maxtexts_overrides_or_are_refused_in_one_line():
+  axes = ("data", "fsdp", "tensor")
+  settings = dict(batch=8, seq_len=1024, ga=8, optimizer="adamw", param_dtype="bfloat16", compute_dtype=None,
+                  remat="minimal", known_axes=axes)
+  o = config_overrides("qwen3-0.6b", "v6e:2x4", 8, {"data": 2, "fsdp": 4}, **settings,
+                       overrides={"remat_policy": "full"})
+  assert [o[f"ici_{a}_parallelism"] for a in axes] == ["2", "4", "1"]
+  assert [o[k] for k in ("per_device_batch_size", "gradient_accumulation_steps", "weight_dtype")] == [
+      "1", "8", "bfloat16"]
+  assert o["compile_topology"] == "v6e:2x4" and o["internal_compile_num_devices"] == "8"
+  assert o["remat_policy"] == "full" and "dtype" not in o  # the user's overrides last; MaxText's default kept
+  for mesh, changes, words in (
+      ({"tp": 8}, {}, "--mesh axis tp is not MaxText's; its mesh axes: data, fsdp"),
+      ({"data": 8}, {"optimizer": "lion"}, "--optimizer lion is not a MaxText opt_type"),
+      ({"data": 8}, {"batch": 4}, "--batch 4 does not split over the 8 devices")):
+    with pytest.raises(PlanError, match=re.escape(words)) as e:
+      config_overrides("qwen3-0.6b", "v6e:2x4", 8, mesh, **{**settings, **changes})
+    assert "\n" not in str(e.value)
+  assert engine_attributes("baseline", LEVERS["baseline"]) is None
+  assert engine_attributes("zero1", LEVERS["zero1"]) == {}
+  assert engine_attributes("offload", LEVERS["offload"]) == {"OFFLOAD_STATE_TO_HOST": True}
+  assert engine_attributes("zero2", LEVERS["zero2"]) == {"SHARD_ACCUMULATOR": True}
+  with pytest.raises(PlanError, match="MaxText's engine accumulates its own"):
+    engine_attributes("zero1-accum", LEVERS["zero1-accum"])
+  assert parse_overrides(["remat_policy=minimal", "a.b=1=2"]) == {"remat_policy": "minimal", "a.b": "1=2"}
+  with pytest.raises(PlanError, match="is not a MaxText config override"):
+    parse_overrides(["remat_policy"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tunix") is None, reason="needs Tunix: pip install \".[tunix]\"")
+def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
+  from nnx_zero1_plan.models import model_source
+
+  for model, words in (("tunix:mistral_7b", "Tunix families: qwen3"), ("tunix:qwen3_9b", "ModelConfig has"),
+                       (f"{TOYS}:no_such", f"unknown model {TOYS}:no_such")):
+    with pytest.raises(PlanError, match=words) as e:
+      model_source(model)
+    assert "\n" not in str(e.value)
+  with pytest.raises(PlanError, match="--remat 'sometimes' is not one of"):
+    model_source("tunix:qwen3_0p6b", remat="sometimes")
+  with pytest.raises(PlanError, match="computes in its parameters' dtype"):
+    model_source("tunix:llama3p1_8b", compute_dtype="bfloat16")  # float32 parameters, no dtype field
+  with pytest.raises(PlanError, match="apply to tunix: models"):
+    model_source("tests.support.planner_toys:tiny_lm", param_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--levers", "zero3"], "unknown lever zero3"),
+    (["--topology", "h300:8"], "unknown topology 'h300:8'"),
+    (["--model", "no_colon"], "unknown model 'no_colon'"),
+    (["--mesh", "data=three"], "--mesh entry 'data=three'"),
+    (["--steps", "one,fused"], "unknown step fused; steps: one, split"),
+    (["remat_policy=full"], "config overrides (key=value) apply to maxtext: models"),
+    (["--model", "maxtext:qwen3-0.6b", "--steps", "one"], "as two programs: --steps split"),
+    (["--mesh", "dta=4"], "unknown --mesh axis dta; axes the model names or the planner splits over: data"),
+    (["--levers", "zero1-master"], f"--levers zero1-master does not apply to {TOYS}:tiny_lm: "
+                                   "zero1-master keeps float32 copies of narrower parameters"),
+    (["--model", "tests.support.planner_toys:tiny_lm_bf16", "--levers", "zero1,zero1-bf16state"],
+     "zero1-bf16state stores the state in bfloat16; for bfloat16 parameters it is bfloat16 already"),
+    (["--remat", "block"], "--remat apply to tunix: models"),
+    (["--margin", "1.5"], "--margin is the share of the usable memory to leave free"),
+])
+def test_bad_inputs_exit_2_with_one_line(capsys, argv, words):
+  args = ["--model", "tests.support.planner_toys:tiny_lm", "--topology", "v6e:2x2", *argv]
+  assert main(args) == 2
+  err = capsys.readouterr().err.strip()
+  assert words in err and "\n" not in err
+
+
+def test_flags_are_the_contracts_names():
+  args = parse_args(["--model", "tunix:qwen3_8b", "--topology", "v5e:2x4", "--mesh", "data=4,fsdp=2",
+                     "--batch", "8", "--seq-len", "1024", "--ga", "8", "--param-dtype", "bfloat16",
+                     "--compute-dtype", "bfloat16", "--remat", "decoder", "--optimizer", "adamw",
+                     "--levers", "baseline,zero1", "--out", "d"])
+  assert (args.mesh, args.ga, args.param_dtype, args.remat, args.out) == ("data=4,fsdp=2", 8, "bfloat16",
+                                                                         "decoder", "d")
+
+
+def test_without_the_compiler_the_planner_says_what_to_install(monkeypatch):
+  monkeypatch.setattr(compilers.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(compilers.AotUnavailable, match=re.escape('pip install "./planner[aot]"')):
+    compilers.require_libtpu()
+  with pytest.raises(compilers.AotUnavailable, match="pip install --no-deps jax-cuda13-plugin=="):
+    compilers.require_cuda_plugin()
+  assert "nnx-zero1[" not in compilers.install_hint("0.12.0.1")  # not on the package index
+
+
+@pytest.mark.parametrize("topology, words", [("v6e:2x2", 'pip install "./planner[aot]"'),
+                                              ("h100:8", "pip install --no-deps jax-cuda13-plugin==")])
+def test_the_command_without_its_compiler_exits_2_with_the_install_line(monkeypatch, capsys, topology, words):
+  monkeypatch.setattr(compilers.importlib.util, "find_spec", lambda name: None)
+  assert main(["--model", "tests.support.planner_toys:tiny_lm", "--topology", topology]) == 2
+  err = capsys.readouterr().err.strip()
+  assert words in err and "\n" not in err
+
+
+def test_extrapolation_is_the_line_through_two_depths():
+  assert extrapolate(110, 120, 1, 2, 28) == 380
+  assert extrapolate(100, 140, 2, 4, 6) == 180
+  r1, r2 = {"a": 10, "b": None, "c": {"x": 1}}, {"a": 14, "b": 3, "c": {"x": 3}}
+  r = extrapolate_row(r1, r2, 2, 4, 8, ("a", "b", "c"))
+  assert r == {"a": 22, "b": None, "c": {"x": 7}}
+  with pytest.raises(ValueError):
+    extrapolate(1, 2, 4, 2, 8)
+
+
+def _row(lever, peak, **kw):
+  return {"lever": lever, "compiled_for": "v5e:2x4", "mesh": {"data": 8}, "opt_state_bytes_per_device": 2**30,
+          "argument_bytes_per_device": peak // 2, "temp_bytes_per_device": peak // 2,
+          "peak_bytes_per_device": peak,
+          "hbm_bytes": 16 * 2**30, "fits": peak <= 16 * 2**30, "compile_s": 3.0, "collectives": {}, **kw}
+
+
+def test_the_table_and_what_to_try_next_when_nothing_fits():
+  rows = [_row("baseline", 20 * 2**30), _row("zero1", 17 * 2**30, depth=28, depth_extrapolated_from=[2, 4])]
+  lines = table(rows).splitlines()
+  assert lines[0].split()[:3] == ["lever", "step", "compiled"]
+  assert "extrapolated to 28 layers from 2/4" in lines[3]
+  meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8, "fsdp": 1}, "batch": 32,
+          "seq_len": 1024, "ga": 1, "levers": ["baseline", "zero1"], "steps": ["one"]}
+  blocked = {"zero1-master": "float32 already"}
+  steps = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat="decoder", batch_unit=8)
+  at = "python -m nnx_zero1.plan --model tunix:qwen3_8b --topology v5e:2x4 --mesh data=8,fsdp=1 --batch"
+  assert steps[0] == f"the lever zero1-accum: {at} 32 --seq-len 1024 --ga 1 --levers zero1-accum --steps one"
+  assert not [s for s in steps if "zero1-master" in s]  # a lever that cannot apply is not offered
+  assert steps[-3].startswith("zero1 comes closest, 1.00 GiB over") and "--mesh data=4,fsdp=2" in steps[-3]
+  assert steps[-2].startswith("remat (recomputes") and steps[-2].endswith("--remat decoder")
+  assert steps[-1].startswith("half the micro-batch") and f"{at} 16 --seq-len 1024 --ga 2" in steps[-1]
+  # Half of 8 sequences does not split over 8 devices; a model with no --remat is not offered one.
+  steps = next_steps(rows, dict(meta, batch=8), list(LEVERS), blocked=blocked, remat=None, batch_unit=8)
+  assert not [s for s in steps if s.startswith(("half", "remat"))]
+  # After the compiler refused every program: the smaller micro-batch still.
+  refused = [dict(_row("baseline", 0), peak_bytes_per_device=None, fits=False, error="RESOURCE_EXHAUSTED")]
+  steps = next_steps(refused, meta, ["baseline"], blocked={}, remat=None, batch_unit=8)
+  assert steps == ["half the micro-batch, twice the accumulation (the same tokens per step; the compiler "
+                   f"refused every program at this micro-batch): {at} 16 --seq-len 1024 --ga 2 --levers "
+                   "baseline --steps one"]
+  assert next_steps([_row("zero1", 2**30)], meta, list(LEVERS), blocked={}, remat=None, batch_unit=8) == []

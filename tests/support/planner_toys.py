@@ -1,0 +1,41 @@
+"""A tiny decoder-shaped NNX model for the planner's tests: ``package.module:function`` models."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class TinyLM(nnx.Module):
+  """Embedding, ``num_layers`` residual MLP blocks, a head: the shape the planner extrapolates."""
+
+  # Every slice of the Zero-1 layout keeps a multiple of 128 elements per device at data=4: the TPU
+  # lays 1-D arrays out in 128-element tiles, so a 64-element slice of a bias occupies 128 and the
+  # arguments would fall by less than the layout rule's bytes.
+  def __init__(self, num_layers: int, vocab: int = 512, width: int = 512, *, rngs: nnx.Rngs,
+               dtype=jnp.float32):
+    kw = {"param_dtype": dtype, "dtype": dtype, "rngs": rngs}
+    self.embed = nnx.Embed(vocab, width, **kw)
+    self.layers = nnx.List([nnx.Linear(width, width, **kw) for _ in range(num_layers)])
+    self.head = nnx.Linear(width, vocab, **kw)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    x = self.embed(tokens)
+    for layer in self.layers:
+      x = x + jax.nn.gelu(layer(x))
+    return self.head(x)
+
+
+def tiny_lm(num_layers: int = 6) -> TinyLM:
+  """The planner's ``tests.support.planner_toys:tiny_lm``: default loss (next-token on its logits)."""
+  return TinyLM(num_layers, rngs=nnx.Rngs(0))
+
+
+def tiny_lm_bf16(num_layers: int = 6) -> TinyLM:
+  """The same model with bfloat16 parameters and compute (the master-weights lever's case)."""
+  return TinyLM(num_layers, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+
+
+def tiny_lm_with_loss(num_layers: int = 6):
+  """The same model with its own loss: ``(model, loss_fn)``."""
+  loss = lambda model, tokens: jnp.mean(model(tokens[:, :-1]).astype(jnp.float32) ** 2)
+  return TinyLM(num_layers, rngs=nnx.Rngs(0)), loss
