@@ -209,7 +209,18 @@ def _lever_lines(rows: Sequence[dict]) -> list[str]:
     same = ["zero1-accum" in r["params_equal_arms"] for r, _ in offload]
     lines.append("zero1-offload parameters bit-identical to zero1-accum: "
                  + ", ".join(map(str, same)) + (" -> met" if all(same) else " -> missed"))
-  for r, e in zero2 + offload:
+  fractions = []
+  for arm, fraction in (("zero1-offload-0.25", 0.25), ("zero1-offload-0.5", 0.5)):
+    for r, e in pairs(arm):
+      kinds, total = r["opt_state_bytes_by_memory_kind"], sum(e["opt_state_bytes_by_memory_kind"].values())
+      share = kinds.get("device", 0) / total
+      bitwise = "zero1-accum" in r["params_equal_arms"]
+      met = " -> met" if share <= 1 - fraction and bitwise else " -> missed"
+      lines.append(f"{arm} optimizer state in device memory <= {1 - fraction:.2f} of zero1-accum's, "
+                   f"bit-identical parameters; copied {2 * kinds.get('pinned_host', 0):,} B/device per step: "
+                   f"{share:.3f}, {bitwise}{met}")
+      fractions.append((r, e))
+  for r, e in zero2 + offload + fractions:
     lines.append(f"(no goal) {r['arm']} dp={r['dp']} ga={r['ga']}: step time / zero1-accum's "
                  f"{r['step_ms'] / e['step_ms']:.3f}")
   return lines

@@ -33,14 +33,20 @@ STEP_ARMS = {
     "zero1-accum": (True, True),  # Zero1Optimizer; value_and_grad_accumulated (one reduce-scatter per step)
     "zero2-accum": (True, True),  # zero1-accum with shard_accumulator=True (a reduce-scatter per micro-batch)
     "zero1-offload": (True, True),  # zero1-accum with offload_state_to_host=True
+    "zero1-offload-0.25": (True, True),  # a quarter of the state's bytes offloaded, the largest leaves
+    "zero1-offload-0.5": (True, True),  # half of them
     "zero2-offload": (True, True),  # zero1-accum with both levers
 }
 
 # The memory levers beyond Zero-1: each arm is zero1-accum plus options (docs/memory_levers.md).
 ACCUMULATE_OPTIONS = {"zero2-accum": {"shard_accumulator": True},
                       "zero2-offload": {"shard_accumulator": True}}
-OPTIMIZER_OPTIONS: dict[str, dict[str, Any]] = {"zero1-offload": {"offload_state_to_host": True},
-                     "zero2-offload": {"offload_state_to_host": True}}
+OPTIMIZER_OPTIONS: dict[str, dict[str, Any]] = {
+    "zero1-offload": {"offload_state_to_host": True},
+    "zero1-offload-0.25": {"offload_state_to_host": 0.25},
+    "zero1-offload-0.5": {"offload_state_to_host": 0.5},
+    "zero2-offload": {"offload_state_to_host": True},
+}
 LEVER_REFERENCE = "zero1-accum"  # the arm the levers' step-time ratio is taken against
 
 # The bench's --optimizer choices: (entry of CASES, training learning rate).
