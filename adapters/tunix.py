@@ -73,24 +73,18 @@ class Zero1TrainingConfig(TrainingConfig):
   Pass it wherever a Tunix trainer takes its ``training_config`` (for
   ``Zero1RLCluster``, as ``cluster_config.training_config``).
 
+  Each ``zero1_<option>`` is ``Zero1Optimizer``'s keyword option of that name; ``None`` keeps the
+  trainer class's ``zero1_<option>`` (the mixin's defaults: ``Zero1Optimizer``'s).
+
   Attributes:
     zero1_data_axis: the mesh axis (or tuple of axes) to split the optimizer
       state over; ``None``: the axes of ``data_sharding_axis`` (see :func:`batch_axes`).
-    zero1_strict: ``True`` raises ``Zero1Error`` when a parameter-shaped leaf
-      cannot be split or when there is no mesh and the model is on one device;
-      ``None``: the trainer class's ``zero1_strict`` (``False``).
-    zero1_pin_gradients: ``Zero1Optimizer(pin_gradients=...)``; ``None``: the trainer
-      class's (``True``: bit-identical gradients).
-    zero1_offload_state_to_host: keep the state shards in host memory between
-      steps, or a fraction of their bytes (e.g. ``0.25``); ``None``: the trainer
-      class's (``False``).
-    zero1_state_dtype: store the optimizer state in this dtype between steps
-      (e.g. ``jnp.bfloat16``, see ``Zero1Optimizer``); ``None``: the trainer class's
-      (as ``tx`` makes it).
-    zero1_state_rounding: ``"stochastic"`` or ``"nearest"``; ``None``: the trainer class's.
-    zero1_master_dtype: for a bfloat16 model, keep float32 master copies of the
-      trained parameters split over data (``Zero1Optimizer(master_dtype=...)``);
-      ``None``: the trainer class's (none).
+    zero1_strict: ``Zero1Optimizer(strict=...)``.
+    zero1_pin_gradients: ``Zero1Optimizer(pin_gradients=...)``.
+    zero1_offload_state_to_host: ``Zero1Optimizer(offload_state_to_host=...)``: ``True`` or a fraction.
+    zero1_state_dtype: ``Zero1Optimizer(state_dtype=...)``, e.g. ``jnp.bfloat16``.
+    zero1_state_rounding: ``Zero1Optimizer(state_rounding=...)``.
+    zero1_master_dtype: ``Zero1Optimizer(master_dtype=...)``, for bfloat16 models.
 
   Example::
 

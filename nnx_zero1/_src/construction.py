@@ -1,11 +1,6 @@
-"""From (model, tx, mesh, options) to the finished plan and the state born on it.
-
-What ``Zero1Optimizer.__init__`` does, as functions: :func:`finished_plan` is the
-one place a plan is built from :class:`~nnx_zero1._src.options.Zero1Options`
-(every refusal raised before any state exists), and the optimizer state and
-master copies are then created directly on that plan's layout, inside one jit
-each, so no full-size copy of the moments ever exists.
-"""
+"""What ``Zero1Optimizer.__init__`` does: :func:`finished_plan`, the one place a plan is built from
+the options (every refusal before any state exists), then the state and master copies born on it,
+inside one jit each, so no full-size copy of the moments ever exists."""
 
 from __future__ import annotations
 
@@ -37,10 +32,8 @@ def finished_plan(
 ) -> Zero1Plan:
   """The plan for ``tx`` on ``param_state`` (an ``nnx.State`` of parameters), as ``options`` ask.
 
-  Resolves the mesh (``None``: the current one, else the parameters'; one device and
-  no mesh is data-parallel size 1, which warns when more devices are visible), checks
-  the parameters, traces ``tx.init`` once and lays out every leaf, then applies the
-  storage options.
+  Resolves the mesh (``None``: the current one, else the parameters'; one device and no mesh
+  is data-parallel size 1), checks the parameters, lays out every leaf, applies the storage.
 
   Raises:
     Zero1Error: everything ``Zero1Optimizer`` refuses, before any state exists.

@@ -75,16 +75,12 @@ class ShardedOptimizerMixin:
 
   Attributes:
     zero1_data_axis: the mesh axis (or tuple of axes) the state is split over.
-    zero1_strict: raise ``Zero1Error`` when a parameter-shaped leaf cannot be
-      split, or when the data-parallel size is 1 for lack of a mesh.
+    zero1_strict: ``Zero1Optimizer(strict=...)``.
     zero1_pin_gradients: ``Zero1Optimizer(pin_gradients=...)``.
-    zero1_offload_state_to_host: keep the state shards, or a fraction of their
-      bytes, in host memory between steps (``Zero1Optimizer(offload_state_to_host=...)``).
-    zero1_state_dtype: store the state in this dtype between steps
-      (``Zero1Optimizer(state_dtype=...)``; ``None``: as ``tx`` makes it).
+    zero1_offload_state_to_host: ``Zero1Optimizer(offload_state_to_host=...)``: ``True`` or a fraction.
+    zero1_state_dtype: ``Zero1Optimizer(state_dtype=...)``, e.g. ``jnp.bfloat16``.
     zero1_state_rounding: ``Zero1Optimizer(state_rounding=...)``.
-    zero1_master_dtype: keep master copies of the parameters in this dtype
-      (``Zero1Optimizer(master_dtype=...)``, for bfloat16 models).
+    zero1_master_dtype: ``Zero1Optimizer(master_dtype=...)``, for bfloat16 models.
   """
 
   zero1_data_axis: DataAxis | None = "data"  # None: left to zero1_options (the Tunix adapters' config)

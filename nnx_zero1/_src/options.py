@@ -1,11 +1,8 @@
 """The Zero-1 options of one optimizer: one frozen record, checked once.
 
-Every entry point (``Zero1Optimizer``, ``Zero1ModelAndOptimizer``,
-``zero1_optimizers``, ``ShardedOptimizerMixin``, the Tunix and MaxText adapters)
-turns the options it was given into a :class:`Zero1Options` and passes that on.
-Building the record is the check of what the values alone can tell (a name, a
-dtype, a rounding); what needs the parameters or the mesh is checked when the
-plan is built from it (``_src/construction.py``).
+Every entry point turns the options it was given into a :class:`Zero1Options` and passes that
+on. Building the record checks what the values alone can tell (a name, a dtype, a rounding);
+what needs the parameters or the mesh is checked when the plan is built from it.
 """
 
 from __future__ import annotations

@@ -109,15 +109,11 @@ def zero1_optimizers(
       ``with mesh:``, the mesh the parameters live on; one device and no mesh is
       data-parallel size 1).
     data_axis: the data-parallel mesh axis (or axes); ``None`` means ``"data"``.
-    strict: as for ``Zero1Optimizer``.
-    offload_state_to_host: as for ``Zero1Optimizer``: every optimizer built inside
-      keeps its state shards (``True``) or that fraction of their bytes in host
-      memory between steps.
-    state_dtype: as for ``Zero1Optimizer``: every optimizer built inside stores
-      its state in this dtype between steps (e.g. ``jnp.bfloat16``).
+    strict: as for ``Zero1Optimizer``, for every optimizer built inside.
+    offload_state_to_host: as for ``Zero1Optimizer`` (``True`` or a fraction).
+    state_dtype: as for ``Zero1Optimizer`` (e.g. ``jnp.bfloat16``).
     state_rounding: as for ``Zero1Optimizer``.
-    master_dtype: as for ``Zero1Optimizer``: every optimizer built inside keeps
-      master copies of its (bfloat16) parameters in this dtype, split over data.
+    master_dtype: as for ``Zero1Optimizer`` (for bfloat16 parameters).
 
   Returns:
     A context manager yielding the list of the ``Zero1Optimizer`` s built in the block so far.

@@ -91,10 +91,8 @@ def storage_plan(plan: Zero1Plan, options: Zero1Options, params: Any) -> Zero1Pl
 
 
 def _narrowable(leaf: LeafPlan, dtype: np.dtype) -> bool:
-  return (
-      bool(leaf.shape) and leaf.reason not in _UNTIED
-      and jnp.issubdtype(leaf.dtype, jnp.floating) and np.dtype(leaf.dtype) != dtype
-  )
+  floating = jnp.issubdtype(leaf.dtype, jnp.floating) and np.dtype(leaf.dtype) != dtype
+  return bool(leaf.shape) and leaf.reason not in _UNTIED and floating
 
 
 def _narrowed_plan(plan: Zero1Plan, state_dtype: np.dtype | None, rounding: str) -> Zero1Plan:
@@ -172,10 +170,9 @@ def check_host_memory(kinds_by_device: Mapping[str, Iterable[str]], mesh_words: 
 def offloaded_leaves(leaf_bytes: Sequence[int], fraction: float) -> tuple[bool, ...]:
   """Which leaves live in host memory for ``offload_state_to_host=fraction``: the largest first.
 
-  Leaves are taken in order of their bytes per device, largest first (ties: tree
-  order), until those taken hold at least ``fraction`` of the bytes: the leaves left
-  in device memory hold at most ``1 - fraction`` of them, and at least that less one
-  leaf. Few, large copies; the small ones (the count) go last. ``1`` takes every leaf.
+  Largest bytes per device first (ties: tree order), until those taken hold at least
+  ``fraction`` of the bytes: device memory keeps at most ``1 - fraction``, less by under
+  one leaf. Few, large copies; the small ones (the count) go last.
 
   Args:
     leaf_bytes: each leaf's bytes per device, in tree-leaf order.
@@ -277,15 +274,8 @@ def load(plan: Zero1Plan, state: Any, masters: Any = None) -> tuple[Any, Any]:
 
   Returns:
     ``(state, masters)`` on the plan's layout in device memory, the state in the
-    dtypes ``tx`` made it in. State restored onto another layout is re-placed.
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp, optax
-    >>> from nnx_zero1._src.layout_plan import make_plan
-    >>> plan = make_plan(optax.sgd(0.1), {"w": jnp.ones(2)}, jax.make_mesh((1,), ("data",)), ("data",))
-    >>> load(plan, ())
-    ((), None)
+    dtypes ``tx`` made it in (see :func:`store`'s example). State restored onto another
+    layout is re-placed.
   """
   shardings = compute_shardings(plan)
   state = _move_offloaded(state, shardings, plan)
@@ -313,9 +303,12 @@ def store(plan: Zero1Plan, state: Any, masters: Any = None, *, step: Any = None)
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from nnx_zero1._src.layout_plan import make_plan
-    >>> plan = make_plan(optax.sgd(0.1), {"w": jnp.ones(2)}, jax.make_mesh((1,), ("data",)), ("data",))
-    >>> store(plan, ())
-    ((), None)
+    >>> params = {"w": jnp.ones(8)}
+    >>> plan = make_plan(optax.sgd(0.1, 0.9), params, jax.make_mesh((1,), ("data",)), ("data",))
+    >>> plan = storage_plan(plan, Zero1Options(offload_state_to_host=True), params)
+    >>> stored, _ = store(plan, (optax.TraceState(trace=params), optax.EmptyState()))
+    >>> stored[0].trace["w"].sharding.memory_kind, load(plan, stored)[0][0].trace["w"].sharding.memory_kind
+    ('pinned_host', 'device')
   """
   stored = [leaf.sharding for leaf in plan.state_leaves]
   state = _move_offloaded(narrowed(state, plan, step=step), stored, plan)

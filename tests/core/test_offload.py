@@ -22,7 +22,17 @@ from nnx_zero1 import (
   zero1_optimizers,
 )
 from nnx_zero1._src.storage import check_host_memory
-from tests.support.helpers import MLP, assert_trees_equal, assert_unchanged, batches, pure, snapshot, train
+from tests.support.helpers import (
+  MLP,
+  assert_fraction_kept_on_device,
+  assert_trees_equal,
+  assert_unchanged,
+  batches,
+  bytes_by_kind,
+  pure,
+  snapshot,
+  train,
+)
 
 DATA = batches(3)
 
@@ -231,6 +241,7 @@ def test_engine_offloads_and_checkpoints_cross_mid_accumulation(tmp_path):
 
 
 def test_tunix_trainer_offloads_through_its_config(tmp_path):
+  """All of the state, and half of it (``zero1_offload_state_to_host=0.5``), through Tunix's config."""
   from tunix.sft import peft_trainer
 
   from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
@@ -238,7 +249,7 @@ def test_tunix_trainer_offloads_through_its_config(tmp_path):
 
   mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
   trained = []
-  for offload in (False, True):
+  for offload in (False, True, 0.5):
     cfg = Zero1TrainingConfig(
         eval_every_n_steps=1000, max_steps=2, data_sharding_axis=(("data", "fsdp"),),
         zero1_offload_state_to_host=offload,
@@ -250,5 +261,7 @@ def test_tunix_trainer_offloads_through_its_config(tmp_path):
     assert isinstance(trainer, peft_trainer.PeftTrainer)
     trained.append(trainer)
   assert kinds(trained[1].optimizer) == {"pinned_host"}
-  assert_trees_equal(trained[0].model, trained[1].model)
-  assert_trees_equal(trained[0].optimizer, trained[1].optimizer)
+  assert_fraction_kept_on_device(trained[2].optimizer, 0.5, bytes_by_kind(trained[0].optimizer)["device"])
+  for other in trained[1:]:
+    assert_trees_equal(trained[0].model, other.model)
+    assert_trees_equal(trained[0].optimizer, other.optimizer)

@@ -10,7 +10,6 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
 
 from nnx_zero1 import (
   ShardedOptimizerMixin,
@@ -23,34 +22,20 @@ from nnx_zero1 import (
   zero1_optimizers,
 )
 from nnx_zero1._src.storage import offloaded_leaves
-from tests.support.helpers import MLP, assert_trees_equal, assert_unchanged, batches, snapshot, train
+from tests.support.helpers import (
+  MLP,
+  assert_fraction_kept_on_device,
+  assert_trees_equal,
+  assert_unchanged,
+  batches,
+  bytes_by_kind,
+  snapshot,
+  train,
+)
 
 MESH = jax.make_mesh((8,), ("data",))
 DATA = batches(3)
 FRACTIONS = (0.25, 0.5, 0.75)
-
-
-def bytes_by_kind(opt) -> dict[str, int]:
-  """The most bytes any one device holds of the optimizer state, per memory kind."""
-  held: dict[tuple, int] = {}
-  for leaf in jax.tree.leaves(nnx.as_pure(opt.opt_state)):
-    for shard in leaf.addressable_shards:
-      key = (shard.data.sharding.memory_kind, shard.device)
-      held[key] = held.get(key, 0) + shard.data.nbytes
-  kinds = {kind for kind, _ in held}
-  return {kind: max(n for (k, _), n in held.items() if k == kind) for kind in kinds}
-
-
-def largest_leaf(opt) -> int:
-  leaves = jax.tree.leaves(nnx.as_pure(opt.opt_state))
-  return max(max(s.data.nbytes for s in x.addressable_shards) for x in leaves)
-
-
-def assert_fraction_kept_on_device(opt, fraction, total):
-  """Device memory holds at most (1 - f) of the state's bytes, and less than that by under one leaf."""
-  held = bytes_by_kind(opt)
-  assert held.get("device", 0) + held.get("pinned_host", 0) == total
-  assert total * (1 - fraction) - largest_leaf(opt) <= held.get("device", 0) <= total * (1 - fraction)
 
 
 def test_the_rule_takes_the_largest_leaves_until_f_of_the_bytes():
@@ -168,29 +153,6 @@ def test_the_engine_attribute_takes_a_fraction():
   assert_fraction_kept_on_device(engines[1].optimizer, 0.5, total)
   assert_trees_equal(engines[1].model, engines[0].model)
   assert_trees_equal(engines[1].optimizer, engines[0].optimizer)
-
-
-def test_the_tunix_config_takes_a_fraction():
-  from tunix.sft import peft_trainer
-
-  from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
-  from tests.support.tunix_toys import model_input, sft_batches, toy
-
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
-  trained = []
-  for offload in (False, 0.5):
-    cfg = Zero1TrainingConfig(eval_every_n_steps=1000, max_steps=2, data_sharding_axis=(("data", "fsdp"),),
-                              zero1_offload_state_to_host=offload)
-    with mesh:
-      trainer = Zero1PeftTrainer(toy(mesh, lora=False), optax.adamw(1e-2), cfg)
-      trainer = trainer.with_gen_model_input_fn(model_input)
-      trainer.train(sft_batches(2))
-    assert isinstance(trainer, peft_trainer.PeftTrainer)
-    trained.append(trainer)
-  total = bytes_by_kind(trained[0].optimizer)["device"]
-  assert_fraction_kept_on_device(trained[1].optimizer, 0.5, total)
-  assert_trees_equal(trained[0].model, trained[1].model)
-  assert_trees_equal(trained[0].optimizer, trained[1].optimizer)
 
 
 @pytest.mark.parametrize("offload", [0, 0.0, 1.5, -0.25, "half", None])

@@ -129,6 +129,26 @@ def assert_reordered_adam_close(a, b, lr: float, steps: int, typical: float = 1e
   assert far <= share * total, f"{far} of {total} elements differ by more than {typical} (relative)"
 
 
+def bytes_by_kind(opt) -> dict[str, int]:
+  """The most bytes any one device holds of the optimizer state, per memory kind (``addressable_shards``)."""
+  held: dict[tuple, int] = {}
+  for leaf in jax.tree.leaves(nnx.as_pure(opt.opt_state)):
+    for shard in leaf.addressable_shards:
+      key = (shard.data.sharding.memory_kind, shard.device)
+      held[key] = held.get(key, 0) + shard.data.nbytes
+  return {kind: max(n for (k, _), n in held.items() if k == kind) for kind in {k for k, _ in held}}
+
+
+def assert_fraction_kept_on_device(opt, fraction, total):
+  """``offload_state_to_host=fraction``: device memory holds at most (1 - fraction) of the state's
+  ``total`` bytes per device, and less than that by under one leaf."""
+  held = bytes_by_kind(opt)
+  leaves = jax.tree.leaves(nnx.as_pure(opt.opt_state))
+  largest = max(max(s.data.nbytes for s in x.addressable_shards) for x in leaves)
+  assert held.get("device", 0) + held.get("pinned_host", 0) == total
+  assert total * (1 - fraction) - largest <= held.get("device", 0) <= total * (1 - fraction)
+
+
 def shardings(tree):
   """The sharding of every array leaf of an nnx state or module."""
   if isinstance(tree, nnx.Module | nnx.Optimizer):
