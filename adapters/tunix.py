@@ -73,18 +73,14 @@ class Zero1TrainingConfig(TrainingConfig):
   Pass it wherever a Tunix trainer takes its ``training_config`` (for
   ``Zero1RLCluster``, as ``cluster_config.training_config``).
 
-  Each ``zero1_<option>`` is ``Zero1Optimizer``'s keyword option of that name; ``None`` keeps the
-  trainer class's ``zero1_<option>`` (the mixin's defaults: ``Zero1Optimizer``'s).
+  ``zero1_strict``, ``zero1_pin_gradients``, ``zero1_offload_state_to_host`` (``True`` or a
+  fraction), ``zero1_state_dtype``, ``zero1_state_rounding`` and ``zero1_master_dtype`` are
+  ``Zero1Optimizer``'s keyword options of those names; ``None`` keeps the trainer class's
+  attribute of the same name (``ShardedOptimizerMixin``'s defaults are ``Zero1Optimizer``'s).
 
   Attributes:
     zero1_data_axis: the mesh axis (or tuple of axes) to split the optimizer
       state over; ``None``: the axes of ``data_sharding_axis`` (see :func:`batch_axes`).
-    zero1_strict: ``Zero1Optimizer(strict=...)``.
-    zero1_pin_gradients: ``Zero1Optimizer(pin_gradients=...)``.
-    zero1_offload_state_to_host: ``Zero1Optimizer(offload_state_to_host=...)``: ``True`` or a fraction.
-    zero1_state_dtype: ``Zero1Optimizer(state_dtype=...)``, e.g. ``jnp.bfloat16``.
-    zero1_state_rounding: ``Zero1Optimizer(state_rounding=...)``.
-    zero1_master_dtype: ``Zero1Optimizer(master_dtype=...)``, for bfloat16 models.
 
   Example::
 
