@@ -249,7 +249,7 @@ def compute_shardings(plan: Zero1Plan) -> list:
 
 def master_shardings(plan: Zero1Plan, kind: str = HOST) -> list:
   """Where each master copy lives between steps (``kind=HOST``): its parameter's Zero-1 layout,
-  in host memory when the state is offloaded; ``kind=DEVICE``: where ``tx`` reads it.
+  in host memory when the whole state is (``True``); ``kind=DEVICE``: where ``tx`` reads it.
 
   Example::
 
