@@ -20,11 +20,11 @@ for _flag in ("--xla_cpu_collective_timeout_seconds", "--xla_cpu_collective_call
   if _flag not in _FLAGS:
     _FLAGS += f" {_flag}=1200"
 # LLVM's optimisation of each compiled program is most of the suite's time, and the suite
-# compiles thousands of small programs that run once. Unoptimised code computes the same float
-# operations in the same order (the suite's bit-identity checks pass at both levels), so the
-# tests skip it: lane 1 takes about a quarter less time. The examples the tests run in child
-# processes (the quickstart, the engine and Tunix examples, the README's benchmark) drop these
-# flags and still compare Zero-1 with nnx.Optimizer bit for bit at XLA's default level.
+# compiles thousands of small programs that run once, so the tests skip it (a quarter less time).
+# A bit-identity test compiles Zero-1 and nnx.Optimizer at the same level; every one passes at
+# both levels. The examples the tests run in child processes (the quickstart, the engine and
+# Tunix examples, the README's benchmark) drop these flags, so Zero-1 is still compared with
+# nnx.Optimizer bit for bit at XLA's default level.
 if "--xla_backend_optimization_level" not in _FLAGS:
   _FLAGS += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8").strip()
