@@ -4,7 +4,8 @@ Two things the tests of this project and the benchmark both need, and that a
 user checking their own training step needs too:
 
 - counting collectives in compiled HLO text (``jitted.lower(...).compile().as_text()``):
-  :func:`collectives`, :func:`loop_collectives`, :func:`shape_bytes`, and the copies between
+  :func:`collectives`, :func:`loop_collectives`, :func:`sent_bytes` (what each device sends, one basis
+  for all three collectives), :func:`shape_bytes`, and the copies between
   host and device memory an offloaded optimizer state makes in the TPU compiler's HLO:
   :func:`host_transfers`, :func:`loop_host_transfers`;
 - the optax transformations this project runs against ``nnx.Optimizer``, with
@@ -25,6 +26,7 @@ from nnx_zero1._src.hlo import (
     host_transfers,
     loop_collectives,
     loop_host_transfers,
+    sent_bytes,
     shape_bytes,
 )
 from nnx_zero1._src.optimizer_cases import CASES, ELEMENTWISE_CONTRACT, FROZEN, OptimizerCase
@@ -40,5 +42,6 @@ __all__ = [
     "host_transfers",
     "loop_collectives",
     "loop_host_transfers",
+    "sent_bytes",
     "shape_bytes",
 ]

@@ -49,7 +49,8 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
          remat: str | None = None, optimizer: str = "adamw",
          levers: str | Sequence[str] = ("baseline", "zero1"), steps: str | Sequence[str] = ("one", "split"),
          full_depth: bool = False, overrides: Mapping[str, str] | None = None, search: bool = False,
-         margin: float = 0.05, progress: Callable[[str], None] | None = None) -> Plan:
+         margin: float | None = None, gpu_memory_fraction: float = 0.75,
+         progress: Callable[[str], None] | None = None) -> Plan:
   """Compiles each lever's training step for ``topology`` and says what it needs per device.
 
   Args:
@@ -76,11 +77,18 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
     full_depth: compile deep models whole for TPUs too (by default at 2 and 4 layers, extrapolated).
     overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
     search: for each lever and step, also find the largest micro-batch that fits (a multiple of the
-      batch axes' size, from ``batch`` on): a line through two compiles, the edge confirmed one step
-      above it, bisection where the line is wrong. Each row gains ``max_micro_batch``, ``above`` (the
-      micro-batch one step up, refused), ``refused_because`` and ``search`` (every compile).
-    margin: the share of the usable memory to leave free: a search's limit, and what the
-      recommendation counts as fitting.
+      batch axes' size, from ``batch`` on): a line through two compiles, bisection where the line is
+      wrong, the edge below the first micro-batch that does not fit (near the limit, where the compilers'
+      peaks stop rising, every micro-batch below the edge is compiled too). Each row gains
+      ``max_micro_batch``, ``above`` (one step up, refused), ``refused_because``, ``at_max`` and
+      ``at_above`` (the figures there), ``fits_above`` (micro-batches above the edge that fit),
+      ``search_unfinished`` and ``search`` (every compile).
+    margin: the share of the memory to leave free; by default (None) the backend's reserve, what the run
+      needs beyond the compiler's figure (TPU: none, the compiler's check is the whole footprint; GPU:
+      256 MiB, :data:`nnx_zero1_plan.targets.DEFAULT_RESERVE_BYTES`). ``fits``, the search's limit and the
+      recommendation use what is left.
+    gpu_memory_fraction: GPU targets: the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` the run will use (jax's
+      default 0.75); the compiler is told to plan for that pool, and it is the usable memory.
     progress: called with one line as each compile starts and ends, and after each lever.
 
   Returns:
@@ -102,7 +110,7 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
                         param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
                         optimizer=optimizer, levers=levers, steps=steps, full_depth=full_depth,
                         overrides=dict(overrides) if overrides else None, search=search, margin=margin,
-                        progress=progress)
+                        gpu_memory_fraction=gpu_memory_fraction, progress=progress)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -140,8 +148,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "extrapolated; GPU targets compile whole)")
   p.add_argument("--search", action="store_true", help="also find each lever's largest micro-batch that fits "
                  "(from --batch up, a few compiles per lever), and recommend by it")
-  p.add_argument("--margin", type=float, default=0.05, help="share of the usable memory to leave free, for "
-                 "the search and the recommendation (default 0.05)")
+  p.add_argument("--margin", type=float, default=None, help="share of the memory to leave free (default: the "
+                 "backend's reserve, what a run needs beyond the compiler's figure: TPU none, GPU 256 MiB)")
+  p.add_argument("--gpu-memory-fraction", type=float, default=0.75, help="GPU targets: the "
+                 "XLA_PYTHON_CLIENT_MEM_FRACTION the run will use (default jax's 0.75); the compiler plans "
+                 "for it")
   p.add_argument("--out", default=None, help="folder for plan.json and plan.md (default: none)")
   p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                  help="MaxText config overrides (maxtext: models), e.g. remat_policy=minimal")
@@ -173,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
                   remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
                   full_depth=args.full_depth, overrides=parse_overrides(args.overrides), search=args.search,
+                  gpu_memory_fraction=args.gpu_memory_fraction,
                   margin=args.margin, progress=say)
   except (PlanError, AotUnavailable) as e:
     say(str(e))

@@ -5,19 +5,24 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from nnx_zero1.testing import collectives, loop_collectives
+from nnx_zero1.testing import collectives, loop_collectives, sent_bytes
 
-__all__ = ["memory", "split_memory", "cost", "hbm_oom", "collectives_of", "summed", "split_collectives_of",
+__all__ = ["PEAK_SOURCE", "memory", "split_memory", "cost", "hbm_oom", "collectives_of", "summed",
+           "split_collectives_of",
            "row_figures"]
 
 
 def memory(compiled: Any) -> dict[str, int]:
   """Per-device argument, output, temp and peak bytes of a compiled kernel (device memory).
 
-  ``peak`` is argument + output - aliased (donated) + temp bytes: what the
-  kernel needs resident at once, computed the same way on every backend.
-  ``xla_peak`` is the backend's own figure where it reports one (0 otherwise;
-  on CPU it leaves out the temp buffers).
+  ``peak`` is the compiler's own figure for everything the program holds at
+  once, ``total_allocation_bytes``, where the backend reports it: the TPU
+  compiler's temporaries overlap the arguments near the limit, so its total is
+  below the sum, and on an H200 XLA's GPU compiler's total equals the sum and
+  the allocator's peak was 50 MiB above it. ``formula_peak`` is that sum,
+  argument + output - aliased (donated) + temp, kept for comparison and used
+  where the backend has no total (XLA's CPU compiler in jax 0.10.2).
+  ``xla_peak`` is the backend's ``peak_memory_in_bytes`` (0 where absent).
 
   Example::
 
@@ -32,11 +37,17 @@ def memory(compiled: Any) -> dict[str, int]:
       "alias": int(stats.alias_size_in_bytes),
       "temp": int(stats.temp_size_in_bytes),
   }
-  sizes["peak"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
+  sizes["formula_peak"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
+  total = int(getattr(stats, "total_allocation_bytes", 0) or 0)
+  sizes["peak"] = total or sizes["formula_peak"]
   sizes["xla_peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
   # Arguments in host memory (an offloaded optimizer state), which the device figures leave out.
   sizes["host_argument"] = int(getattr(stats, "host_argument_size_in_bytes", 0) or 0)
   return sizes
+
+
+PEAK_SOURCE = ("the compiler's total_allocation_bytes (arguments + outputs - donated + temp where it reports "
+               "no total)")
 
 
 def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -> dict[str, int]:
@@ -50,8 +61,8 @@ def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -
 
   Example::
 
-    >>> g = {"argument": 10, "output": 4, "alias": 0, "temp": 50, "peak": 64}
-    >>> u = {"argument": 16, "output": 12, "alias": 12, "temp": 3, "peak": 19}
+    >>> g = {"argument": 10, "output": 4, "alias": 0, "temp": 50, "peak": 64, "formula_peak": 64}
+    >>> u = {"argument": 16, "output": 12, "alias": 12, "temp": 3, "peak": 19, "formula_peak": 19}
     >>> split_memory(g, u, 2)["peak"], split_memory(g, u, 2)["argument"]
     (66, 12)
   """
@@ -61,6 +72,7 @@ def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -
       "alias": 0,
       "temp": grads["temp"],
       "peak": max(grads["peak"] + resident, update["peak"]),
+      "formula_peak": max(grads["formula_peak"] + resident, update["formula_peak"]),
       "update_peak": update["peak"],
       "update_temp": update["temp"],
       "host_argument": max(grads.get("host_argument", 0), update.get("host_argument", 0)),
@@ -114,9 +126,11 @@ def hbm_oom(message: str) -> dict[str, Any] | None:
 
 def collectives_of(compiled: Any) -> dict[str, dict[str, dict[str, int]]]:
   """A compiled step's collectives: ``per_step`` (every loop trip counted) and ``per_micro_batch``
-  (one trip of the micro-batch loop), each ``{op: {"count", "bytes"}}`` on one device."""
+  (one trip of the micro-batch loop), each ``{op: {"count", "bytes"}}`` on one device (bytes: the results'),
+  and ``sent_per_step``, the bytes one device sends for them (:func:`nnx_zero1.testing.sent_bytes`)."""
   hlo = compiled.as_text() or ""
-  return {"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo)}
+  return {"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo),
+          "sent_per_step": sent_bytes(hlo)}
 
 
 def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
@@ -151,7 +165,8 @@ def row_figures(mem: dict[str, int], collectives: dict[str, Any],
   return {
       "argument_bytes_per_device": mem["argument"], "output_bytes_per_device": mem["output"],
       "alias_bytes_per_device": mem["alias"], "temp_bytes_per_device": mem["temp"],
-      "peak_bytes_per_device": mem["peak"], "host_argument_bytes_per_device": mem["host_argument"],
+      "peak_bytes_per_device": mem["peak"], "formula_peak_bytes_per_device": mem.get("formula_peak"),
+      "host_argument_bytes_per_device": mem["host_argument"],
       "collectives": collectives,
       "update_peak_bytes_per_device": mem.get("update_peak"),
       "update_temp_bytes_per_device": mem.get("update_temp"),

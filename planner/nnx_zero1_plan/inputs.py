@@ -7,7 +7,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["PlanError", "parse_mesh", "parse_levers", "parse_topology", "mesh_axes", "check_axis_names",
+__all__ = ["shortened", "PlanError", "parse_mesh", "parse_levers", "parse_topology", "mesh_axes",
+           "check_axis_names",
            "parse_model", "parse_overrides", "command_line"]
 
 # The axes a batch or the parameters split over without the model naming them (Zero-1's data axis,
@@ -177,6 +178,19 @@ def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
   return overrides
 
 
+def shortened(text: str, limit: int) -> str:
+  """``text`` cut to at most ``limit`` characters at a word's end, with an ellipsis where it was cut.
+
+  Example::
+
+    >>> shortened("RESOURCE_EXHAUSTED: HLO temporaries exceed HBM", 30)
+    'RESOURCE_EXHAUSTED: HLO ...'
+  """
+  if len(text) <= limit:
+    return text
+  return text[:limit - 4].rsplit(" ", 1)[0] + " ..."
+
+
 def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
   """The planner's command for a plan's settings (``meta``), with ``changes`` made: the inverse of parsing.
 
@@ -209,5 +223,9 @@ def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
     words.append(f"--optimizer {s['optimizer']}")
   if s.get("full_depth"):
     words.append("--full-depth")
+  if s.get("margin") is not None:
+    words.append(f"--margin {s['margin']}")
+  if s.get("gpu_memory_fraction") not in (None, 0.75):
+    words.append(f"--gpu-memory-fraction {s['gpu_memory_fraction']}")
   words += [f"{k}={v}" for k, v in (s.get("overrides") or {}).items()]
   return " ".join(words)

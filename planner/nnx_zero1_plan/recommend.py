@@ -1,9 +1,11 @@
 """The configuration a plan recommends, by a stated order, with the code that writes it.
 
-The order: a row must fit with the margin the user set; then the largest
+The order: a row must fit (the compiler accepted it, and its peak is within the
+usable memory: the device's less the reserve or the margin); then the largest
 micro-batch (the most tokens per step per chip); then the fewest collective
-bytes per token; then no remat; then the lighter lever. Pure: rows in, one dict
-out.
+bytes each device sends per token (the same basis for all-reduce, reduce-scatter
+and all-gather, within 1%); then the most headroom at that micro-batch; then no
+remat; then the lighter lever. Pure: rows in, one dict out.
 """
 
 from __future__ import annotations
@@ -13,32 +15,46 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import command_line
 
-__all__ = ["ORDER", "micro_batch_of", "lever_code", "recommend", "baseline_beats"]
+__all__ = ["ORDER", "micro_batch_of", "sent_bytes_of", "lever_code", "recommend", "baseline_beats",
+           "why_picked"]
 
-ORDER = ("fits with the margin", "largest micro-batch", "fewest collective bytes per token", "no remat",
-         "the lighter lever")
+ORDER = ("fits", "largest micro-batch", "fewest collective bytes sent per token (within 1%)",
+         "most headroom at that micro-batch", "no remat", "the lighter lever")
+_SAME_BYTES = 0.01  # collective bytes this close are a tie: the headroom decides
 
 
-def micro_batch_of(row: Mapping[str, Any], batch: int, margin: float) -> int | None:
-  """The micro-batch a row stands for: its search's edge, else ``batch`` if it fits with the margin.
+def micro_batch_of(row: Mapping[str, Any], batch: int) -> int | None:
+  """The micro-batch a row stands for: its search's edge, else ``batch`` where the row fits.
 
   Example::
 
-    >>> micro_batch_of({"fits": True, "peak_bytes_per_device": 90, "hbm_bytes": 100}, 8, margin=0.05)
-    8
-    >>> micro_batch_of({"fits": True, "peak_bytes_per_device": 97, "hbm_bytes": 100}, 8, margin=0.05)
+    >>> micro_batch_of({"fits": True}, 8), micro_batch_of({"fits": False}, 8)
+    (8, None)
+    >>> micro_batch_of({"fits": True, "max_micro_batch": 56}, 8)
+    56
   """
   if "max_micro_batch" in row:
     return row["max_micro_batch"]
-  peak = row.get("peak_bytes_per_device")
-  if not row.get("fits") or peak is None:
-    return None
-  return batch if peak <= row["hbm_bytes"] * (1 - margin) else None
+  return batch if row.get("fits") else None
 
 
-def _collective_bytes(row: Mapping[str, Any]) -> int:
-  per_step = (row.get("collectives") or {}).get("per_step", {})
+def sent_bytes_of(row: Mapping[str, Any]) -> int:
+  """The collective bytes one device sends per step (the results' bytes where a row has no send count).
+
+  Example::
+
+    >>> sent_bytes_of({"collectives": {"sent_per_step": {"all-reduce": {"count": 1, "bytes": 6}}}})
+    6
+  """
+  collectives = row.get("collectives") or {}
+  per_step = collectives.get("sent_per_step") or collectives.get("per_step", {})
   return sum(v["bytes"] for v in per_step.values())
+
+
+def _headroom_at(row: Mapping[str, Any], batch: int) -> int | None:
+  """The usable bytes a row leaves free at ``batch``: its search's compile there, else its own."""
+  at = _figures_at(row, batch)
+  return at.get("headroom_bytes_per_device")
 
 
 def _spelled(value: Any) -> str:
@@ -46,18 +62,38 @@ def _spelled(value: Any) -> str:
   return f"jnp.{value}" if isinstance(value, str) else repr(value)
 
 
-def lever_code(name: str, model: str, offload_fraction: float | None = None) -> str:
-  """The code that turns lever ``name`` on where ``model``'s users train: their own loop, Tunix's trainers
-  (``Zero1TrainingConfig``'s ``zero1_*`` options) or MaxText's engine (the class attributes
+def _own_loop_code(options: list[str], mesh: Mapping[str, int] | None, optimizer: str) -> str:
+  """The lines that build the optimizer in a user's own loop, pasteable after ``model = ...``."""
+  from nnx_zero1_plan.steps import OPTIMIZER_CODE
+
+  axes = dict(mesh or {"data": 1})
+  shape = ", ".join(str(v) for v in axes.values()) + ("," if len(axes) == 1 else "")
+  names = ", ".join(repr(k) for k in axes) + ("," if len(axes) == 1 else "")
+  return "; ".join([
+      "import jax, jax.numpy as jnp, optax", "from nnx_zero1 import Zero1Optimizer",
+      f"mesh = jax.make_mesh(({shape}), ({names}))",
+      f"optimizer = Zero1Optimizer({', '.join(['model', OPTIMIZER_CODE[optimizer], 'mesh', *options])})"])
+
+
+def lever_code(name: str, model: str, offload_fraction: float | None = None,
+               mesh: Mapping[str, int] | None = None, optimizer: str = "adamw") -> str:
+  """The code that turns lever ``name`` on where ``model``'s users train: their own loop (imports, the
+  mesh and the optimizer, pasteable after ``model = ...``), Tunix's trainers (``Zero1TrainingConfig``'s
+  ``zero1_*`` options) or MaxText's engine (the class attributes
   :func:`nnx_zero1_plan.maxtext.engine_attributes` gives). Written from the lever table, so a new lever
   needs no entry here; ``offload-fraction`` writes the ``offload_fraction`` its plan picked.
 
   Example::
 
-    >>> lever_code("offload", "my_pkg.models:build")
-    'Zero1Optimizer(model, tx, mesh, offload_state_to_host=True)'
-    >>> lever_code("offload-fraction", "my_pkg.models:build", 0.37)
-    'Zero1Optimizer(model, tx, mesh, offload_state_to_host=0.37)'
+    >>> print(lever_code("offload", "my_pkg.models:build", mesh={"data": 4}).replace("; ", "\\n"))
+    import jax, jax.numpy as jnp, optax
+    from nnx_zero1 import Zero1Optimizer
+    mesh = jax.make_mesh((4,), ('data',))
+    optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)
+    >>> print(*lever_code("offload-fraction", "my_pkg.models:build", 0.37, {"data": 2, "fsdp": 2}).split(
+    ...     "; ")[2:], sep="\\n")
+    mesh = jax.make_mesh((2, 2), ('data', 'fsdp'))
+    optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=0.37)
     >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
     'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
   """
@@ -72,7 +108,8 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None) -> 
     if not lever.zero1:
       return "Tunix's PeftTrainer with its TrainingConfig, as it is"
     config = "".join(f", zero1_{option}" for option in options)
-    return f"Zero1PeftTrainer (nnx_zero1.adapters.tunix) with Zero1TrainingConfig(...{config})"
+    return ("from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig; "
+            f"Zero1PeftTrainer(model, optimizer, Zero1TrainingConfig(...{config}))")
   if model.startswith("maxtext:"):
     attributes = engine_attributes(name, lever)
     if attributes is None:
@@ -81,12 +118,15 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None) -> 
     return "Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext)" + (f" subclassed with {spelled}"
                                                                       if spelled else "")
   if not lever.zero1:
-    return "nnx.Optimizer(model, tx, wrt=nnx.Param)"
-  code = f"Zero1Optimizer({', '.join(['model, tx, mesh', *options])})"
+    from nnx_zero1_plan.steps import OPTIMIZER_CODE
+
+    tx = OPTIMIZER_CODE[optimizer]
+    return f"import optax; from flax import nnx; optimizer = nnx.Optimizer(model, {tx}, wrt=nnx.Param)"
+  code = _own_loop_code(options, mesh, optimizer)
   if lever.deferred:
     accumulate = "".join(f", {k}={_spelled(v)}" for k, v in lever.accumulate_options.items())
-    code += (f"; grads from value_and_grad_accumulated(loss_fn, model, batch, micro_batches=GA, "
-             f"optimizer=optimizer{accumulate})")
+    code += ("; from nnx_zero1 import value_and_grad_accumulated; loss, grads = value_and_grad_accumulated("
+             f"loss_fn, model, batch, micro_batches=GA, optimizer=optimizer{accumulate})")
   return code
 
 
@@ -95,7 +135,7 @@ def _figures_at(row: Mapping[str, Any], batch: int) -> Mapping[str, Any]:
   return next((p for p in row.get("search", ()) if p["batch"] == batch), row)
 
 
-def baseline_beats(rows: Sequence[Mapping[str, Any]], batch: int, margin: float) -> list[str]:
+def baseline_beats(rows: Sequence[Mapping[str, Any]], batch: int) -> list[str]:
   """One sentence for each Zero-1 lever that fits a smaller micro-batch than ``nnx.Optimizer``, saying why:
   its temporaries against the arguments it saves, at the baseline's largest micro-batch where a search
   compiled both there, else at the plan's.
@@ -107,7 +147,7 @@ def baseline_beats(rows: Sequence[Mapping[str, Any]], batch: int, margin: float)
     ...     {"batch": 48, "temp_bytes_per_device": 12 * g, "argument_bytes_per_device": 3 * g}]}
     >>> z = {"lever": "zero1", "step": "one", "max_micro_batch": 44, "search": [
     ...     {"batch": 48, "temp_bytes_per_device": 14 * g, "argument_bytes_per_device": 1.5 * g}]}
-    >>> line = baseline_beats([base, z], 8, 0.0)[0]
+    >>> line = baseline_beats([base, z], 8)[0]
     >>> print(*line.replace(": ", ", ").split(", "), sep="\\n")
     baseline fits micro-batch 48 where zero1 fits 44
     at micro-batch 48 (one step) zero1's temporaries are +2.00 GiB against the baseline's
@@ -119,9 +159,9 @@ def baseline_beats(rows: Sequence[Mapping[str, Any]], batch: int, margin: float)
     base = next((r for r in same if r["lever"] == "baseline"), None)
     if base is None:
       continue
-    at_base = micro_batch_of(base, batch, margin) or 0
+    at_base = micro_batch_of(base, batch) or 0
     for r in same:
-      at_lever = micro_batch_of(r, batch, margin) or 0
+      at_lever = micro_batch_of(r, batch) or 0
       if r["lever"] == "baseline" or at_lever >= at_base:
         continue
       b, z, compared = _figures_at(base, at_base), _figures_at(r, at_base), at_base
@@ -142,31 +182,59 @@ def baseline_beats(rows: Sequence[Mapping[str, Any]], batch: int, margin: float)
   return out
 
 
-def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *, margin: float = 0.05,
-              step: str | None = None) -> dict[str, Any] | None:
-  """The configuration to run, by :data:`ORDER`, among the rows of one step shape.
-
-  Args:
-    rows: the plan's rows (each may carry ``max_micro_batch`` from a search, and ``remat``).
-    meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``seq_len``, ``ga``, ...).
-    margin: the share of the usable memory to leave free (0.05: a row must fit in 95%).
-    step: the step shape to choose among (default: ``split`` for MaxText's engine, else ``one`` where
-      there are such rows).
-
-  Returns:
-    ``{"lever", "step", "micro_batch", "remat", "code", "cli", "order", "baseline_beats"}``, or None when no
-    row fits with the margin.
+def why_picked(best: Mapping[str, Any], rivals: Sequence[Mapping[str, Any]], micro: int) -> list[str]:
+  """One sentence for each lever that fits the same micro-batch as the pick: the headroom each leaves there
+  and the bytes each sends, and which of :data:`ORDER` decided.
 
   Example::
 
     >>> g = 2**30
-    >>> rows = [{"lever": "baseline", "step": "one", "fits": True, "peak_bytes_per_device": 9 * g,
-    ...          "hbm_bytes": 16 * g}, {"lever": "zero1", "step": "one", "fits": True,
-    ...          "peak_bytes_per_device": 7 * g, "hbm_bytes": 16 * g}]
+    >>> z = {"lever": "zero1", "headroom_bytes_per_device": 5 * g, "collectives": {}}
+    >>> b = {"lever": "baseline", "headroom_bytes_per_device": 1 * g, "collectives": {}}
+    >>> print(why_picked(z, [b], 8)[0].replace("; ", "\\n"))
+    at micro-batch 8 zero1 leaves 5.00 GiB free and baseline 1.00 GiB
+    both send 0.00 GiB of collectives per step: zero1 for its headroom
+  """
+  out = []
+  mine, my_room = sent_bytes_of(best), _headroom_at(best, micro)
+  for rival in rivals:
+    theirs, room = sent_bytes_of(rival), _headroom_at(rival, micro)
+    gib = lambda n: "?" if n is None else f"{n / 2**30:.2f}"
+    if abs(mine - theirs) <= _SAME_BYTES * max(mine, theirs, 1):
+      sent, reason = f"both send {gib(mine)} GiB of collectives per step", "its headroom"
+    else:
+      sent = (f"{best['lever']} sends {gib(mine)} GiB of collectives per step and {rival['lever']} "
+              f"{gib(theirs)}")
+      reason = "its fewer collective bytes"
+    out.append(f"at micro-batch {micro} {best['lever']} leaves {gib(my_room)} GiB free and {rival['lever']} "
+               f"{gib(room)} GiB; {sent}: {best['lever']} for {reason}")
+  return out
+
+
+def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
+              step: str | None = None) -> dict[str, Any] | None:
+  """The configuration to run, by :data:`ORDER`, among the rows of one step shape.
+
+  Args:
+    rows: the plan's rows (each may carry ``max_micro_batch`` from a search, and ``remat``); ``fits`` is
+      within the usable memory (the reserve or the margin taken off).
+    meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``seq_len``, ``ga``, ...).
+    step: the step shape to choose among (default: ``split`` for MaxText's engine, else ``one`` where
+      there are such rows).
+
+  Returns:
+    ``{"lever", "step", "micro_batch", "remat", "code", "cli", "order", "baseline_beats", "why"}``, or None
+    when no row fits.
+
+  Example::
+
+    >>> g = 2**30
+    >>> rows = [{"lever": "baseline", "step": "one", "fits": True, "headroom_bytes_per_device": 7 * g},
+    ...         {"lever": "zero1", "step": "one", "fits": True, "headroom_bytes_per_device": 9 * g}]
     >>> meta = {"model": "m:f", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8, "seq_len": 1024,
     ...         "ga": 1}
     >>> recommend(rows, meta)["lever"]
-    'baseline'
+    'zero1'
   """
   shapes = [r.get("step", "one") for r in rows]
   if step is None:
@@ -174,19 +242,29 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *, mar
     step = step if step in shapes else (shapes[0] if shapes else step)
   candidates = []
   for order, r in enumerate(rows):
-    micro = micro_batch_of(r, meta["batch"], margin)
+    micro = micro_batch_of(r, meta["batch"])
     if r.get("step", "one") != step or not micro:
       continue
-    tokens = micro * meta["seq_len"] * meta["ga"]
-    remat = r.get("remat", meta.get("remat"))
-    key = (-micro, _collective_bytes(r) / tokens, remat not in (None, "none"), order)
-    candidates.append((key, r, micro, remat))
+    candidates.append((micro, sent_bytes_of(r) / (micro * meta["seq_len"] * meta["ga"]), order, r))
   if not candidates:
     return None
-  _, best, micro, remat = min(candidates, key=lambda c: c[0])
-  return {"lever": best["lever"], "step": step, "micro_batch": micro, "remat": remat,
-          "code": lever_code(best["lever"], str(meta.get("model", "")), best.get("offload_fraction")),
-          "cli": command_line(meta, levers=[best["lever"]], steps=[step], batch=micro, remat=remat),
+  best_micro = max(c[0] for c in candidates)
+  level = [c for c in candidates if c[0] == best_micro]
+  fewest = min(c[1] for c in level)
+  level = [c for c in level if c[1] <= fewest * (1 + _SAME_BYTES)]
+
+  def rest(c: tuple) -> tuple:
+    remat = c[3].get("remat", meta.get("remat"))
+    room = _headroom_at(c[3], best_micro)
+    return (-(room or 0), remat not in (None, "none"), c[2])
+
+  best = min(level, key=rest)[3]
+  remat = best.get("remat", meta.get("remat"))
+  rivals = [c[3] for c in candidates if c[0] == best_micro and c[3] is not best]
+  return {"lever": best["lever"], "step": step, "micro_batch": best_micro, "remat": remat,
+          "code": lever_code(best["lever"], str(meta.get("model", "")), best.get("offload_fraction"),
+                             meta.get("mesh"), meta.get("optimizer", "adamw")),
+          "cli": command_line(meta, levers=[best["lever"]], steps=[step], batch=best_micro, remat=remat),
           "order": list(ORDER),
-          "baseline_beats": baseline_beats([r for r in rows if r.get("step", "one") == step], meta["batch"],
-                                           margin)}
+          "baseline_beats": baseline_beats([r for r in rows if r.get("step", "one") == step], meta["batch"]),
+          "why": why_picked(best, rivals, best_micro)}

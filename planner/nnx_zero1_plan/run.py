@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from nnx_zero1_plan.inputs import (
   parse_mesh,
   parse_model,
   parse_topology,
+  shortened,
 )
 from nnx_zero1_plan.levers import LEVERS, lever_blocker, with_offload
 from nnx_zero1_plan.recommend import recommend
@@ -32,7 +34,8 @@ DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for a model deeper than the s
 _NEAR = "near the limit"  # why a row was compiled whole after its reduced depths: the search keys on it
 _EXTRAPOLATED = ("opt_state_bytes_per_device", "argument_bytes_per_device", "output_bytes_per_device",
                  "alias_bytes_per_device", "temp_bytes_per_device", "peak_bytes_per_device",
-                 "host_argument_bytes_per_device", "collectives", "update_peak_bytes_per_device",
+                 "formula_peak_bytes_per_device", "flops_per_device", "host_argument_bytes_per_device",
+                 "collectives", "update_peak_bytes_per_device",
                  "update_temp_bytes_per_device", "update_flops_per_device",
                  "update_bytes_accessed_per_device")
 
@@ -101,6 +104,7 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
   say(f"compiling {at} ...")
   row: dict[str, Any] = {"opt_state_bytes_per_device": None, "opt_state_bytes_by_memory_kind": None,
                          "param_bytes_per_device": None}
+  started = time.perf_counter()
   try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
     if isinstance(source, MaxTextModel):
       measured = measure_maxtext(lever_name, lever, source.overrides)
@@ -117,13 +121,13 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     else:
       grads, update, seconds = compile_split(lever, state, *shapes)
   except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError) as e:
-    words = " ".join(str(e).split())
-    error = f"{type(e).__name__}: {words[:400]}"
-    refused = {"error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": 0.0}
-    say(f"compiled {at}: refused ({error[:120]})")
+    error = shortened(f"{type(e).__name__}: {' '.join(str(e).split())}", 400)
+    refused = {"error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": time.perf_counter() - started}
+    say(f"compiled {at}: refused in {refused['compile_s']:.0f} s ({shortened(error, 160)})")
     return {**dict.fromkeys(_EXTRAPOLATED), **row, **refused}
   if step == "one":
-    figures = row_figures(memory(compiled), collectives_of(compiled))
+    figures = {**row_figures(memory(compiled), collectives_of(compiled)),
+               "flops_per_device": cost(compiled)["flops"]}
   else:
     mem = split_memory(memory(grads), memory(update), row["opt_state_bytes_per_device"])
     figures = row_figures(mem, split_collectives_of(grads, update), cost(update))
@@ -237,9 +241,10 @@ def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], setti
 
 
 def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, Any], target: Any,
-         topology: str, whole: bool = False) -> dict:
+         topology: str, usable: int, whole: bool = False) -> dict:
   """One lever's row at one micro-batch: compiled at reduced depths and extrapolated, or whole (asked
-  for, or when the line comes near the limit or the two depths disagree)."""
+  for, or when the line comes near the limit or the two depths disagree). ``fits``: the compiler accepted
+  it and its peak is within ``usable`` (the memory less the reserve)."""
   settings = {**settings, "batch": batch}
   source = model.source_at(batch)
   row = _lever_row(name, step, source, None if whole else model.reduced, model.device_mesh, settings)
@@ -253,11 +258,16 @@ def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, An
   if whole and model.reduced:
     row = {**row, "compiled_whole_because": "a smaller micro-batch came near the limit"}
   peak = row.get("peak_bytes_per_device")
-  fits = False if row.get("hbm_oom") else None if peak is None else peak <= target.hbm_bytes
+  fits = False if row.get("hbm_oom") else None if peak is None else peak <= usable
   return {"lever": name, "step": step, "compiled_for": topology, "device_kind": target.device_kind,
           "mesh": model.axes, "model": source.name, "batch": batch, **row,
-          "compile_s": round(row["compile_s"], 1),
-          "hbm_bytes": target.hbm_bytes, "fits": fits}
+          "compile_s": round(row["compile_s"], 1), "hbm_bytes": target.hbm_bytes, "usable_bytes": usable,
+          "headroom_bytes_per_device": None if peak is None else usable - peak, "fits": fits}
+
+
+_AT_EDGE = ("peak_bytes_per_device", "formula_peak_bytes_per_device", "temp_bytes_per_device",
+            "argument_bytes_per_device", "headroom_bytes_per_device", "flops_per_device", "compile_s",
+            "error")
 
 
 def _search(first: dict, row_at: Callable[[int, bool], dict], unit: int, usable: int) -> dict[str, Any]:
@@ -277,12 +287,12 @@ def _search(first: dict, row_at: Callable[[int, bool], dict], unit: int, usable:
     return Probe(batch, peak, fits, row.get("error"))
 
   edge = find_edge(measure, step=unit, usable=usable, start=first["batch"])
-  probes = [{"batch": p.batch, "peak_bytes_per_device": p.peak, "fits": p.fits,
-             "temp_bytes_per_device": rows[p.batch].get("temp_bytes_per_device"),
-             "argument_bytes_per_device": rows[p.batch].get("argument_bytes_per_device"),
-             "compile_s": rows[p.batch]["compile_s"]} for p in edge.probes]
+  probes = [{"batch": p.batch, "fits": p.fits, **{k: rows[p.batch].get(k) for k in _AT_EDGE}}
+            for p in edge.probes]
+  at = lambda batch: next((p for p in probes if p["batch"] == batch), None)
   return {"max_micro_batch": edge.max_micro_batch, "above": edge.above,
-          "refused_because": edge.refused_because,
+          "refused_because": edge.refused_because, "search_unfinished": edge.unfinished,
+          "fits_above": list(edge.fits_above), "at_max": at(edge.max_micro_batch), "at_above": at(edge.above),
           "search": probes, "search_compile_s": round(sum(p["compile_s"] for p in probes), 1)}
 
 
@@ -331,7 +341,7 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
                    levers: str | Sequence[str] = ("baseline", "zero1"),
                    steps: str | Sequence[str] = ("one", "split"), full_depth: bool = False,
                    overrides: dict[str, str] | None = None, depths: Sequence[int] = DEFAULT_DEPTHS,
-                   search: bool = False, margin: float = 0.05,
+                   search: bool = False, margin: float | None = None, gpu_memory_fraction: float = 0.75,
                    progress: Callable[[str], None] | None = None) -> Plan:
   """Compiles every lever's training step for ``topology``, in each shape; see :func:`nnx_zero1.plan.plan`."""
   from nnx_zero1_plan.steps import OPTIMIZERS, STEPS
@@ -345,8 +355,8 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
     raise PlanError(f"unknown optimizer {optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
   if min(batch, seq_len, ga) < 1:
     raise PlanError(f"--batch, --seq-len and --ga must be >= 1, got {batch}, {seq_len}, {ga}")
-  if not 0 <= margin < 1:
-    raise PlanError(f"--margin is the share of the usable memory to leave free, in [0, 1); got {margin}")
+  if margin is not None and not 0 <= margin < 1:
+    raise PlanError(f"--margin is the share of the memory to leave free, in [0, 1); got {margin}")
   if overrides and kind != "maxtext":
     raise PlanError(f"config overrides (key=value) apply to maxtext: models; {model} takes its settings from "
                     "the flags")
@@ -365,9 +375,9 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   compiler = require_compiler(topology)
   import jax
 
-  from nnx_zero1_plan.targets import make_target
+  from nnx_zero1_plan.targets import make_target, usable_bytes
 
-  target = make_target(topology)
+  target = make_target(topology, gpu_memory_fraction)
   settings: dict[str, Any] = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer,
                               "progress": progress}
   if kind == "maxtext":
@@ -377,14 +387,14 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   else:
     plans = {p: _on_devices(m, target, batch) for p, m in plans.items()}
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are the same under every policy
-  usable = int(target.hbm_bytes * (1 - margin))
+  usable = usable_bytes(target.hbm_bytes, target.platform, margin)
   rows = []
   for policy, name, step in ((p, n, s) for p in policies for n in names for s in shapes):
     row_at = lambda b, whole=False, p=policy, n=name, s=step: {
-        **_row(n, s, plans[p], b, settings, target, topology, whole), "remat": p}
+        **_row(n, s, plans[p], b, settings, target, topology, usable, whole), "remat": p}
     if LEVERS[name].picks_offload:  # the fraction is searched at --batch, the micro-batch is not
       def row_with(f: float, p: Any = policy, n: str = name, s: str = step) -> dict:
-        return {**_row(n, s, plans[p], batch, {**settings, "offload_fraction": f}, target, topology),
+        return {**_row(n, s, plans[p], batch, {**settings, "offload_fraction": f}, target, topology, usable),
                 "remat": p}
       row = _offload_search(row_with, usable)
     else:
@@ -402,16 +412,20 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
       progress(f"done: {name} ({step}{under}) for {topology}{found}")
   layers = planned.source_at(batch).full_depth or next(
       (int(r["maxtext_config"]["num_decoder_layers"]) for r in rows if r.get("maxtext_config")), None)
+  extrapolated = [r["depth_extrapolated_from"] for r in rows if r.get("depth_extrapolated_from")]
+  from nnx_zero1_plan.compiled import PEAK_SOURCE
+
   meta = {"model": planned.source_at(batch).name, "layers": layers, "topology": topology,
           "device_kind": target.device_kind, "mesh": planned.axes, "batch": batch, "seq_len": seq_len,
-          "ga": ga,
-          "optimizer": optimizer,
-          "param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat, "levers": list(names),
-          "steps": {s: STEPS[s] for s in shapes}, "compiler": compiler,
+          "ga": ga, "optimizer": optimizer, "param_dtype": param_dtype,
+          "param_dtypes": sorted(planned.param_dtypes), "compute_dtype": compute_dtype, "remat": remat,
+          "levers": list(names), "steps": {s: STEPS[s] for s in shapes}, "compiler": compiler,
           "jax": jax.__version__, "hbm_bytes": target.hbm_bytes, "hbm_source": target.hbm_source,
-          "depth_extrapolated_from": list(planned.reduced) if planned.reduced else None,
+          "usable_bytes": usable, "peak_source": PEAK_SOURCE,
+          "gpu_memory_fraction": gpu_memory_fraction if target.platform == "cuda" else None,
+          "depth_extrapolated_from": extrapolated[0] if extrapolated else None,
           "full_depth": full_depth, "overrides": overrides or None, "search": search, "margin": margin,
           "batch_unit": planned.batch_unit}
   hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)
-  return Plan(rows, meta, hints, recommend(rows, meta, margin=margin))
+  return Plan(rows, meta, hints, recommend(rows, meta))

@@ -1,14 +1,16 @@
 """The largest micro-batch that fits, found with as few compiles as the arithmetic allows.
 
-A step's peak grows close to linearly with its micro-batch (the activations), so
-two compiles give a line and the line gives the limit; the compiles at the
-predicted limit and one step above it confirm the edge. Where the line falls
-short, the edge is galloped to (one step, two, four); where it overshoots (the
-compiler rematerialises or schedules differently near the limit), the line
-between the largest micro-batch known to fit and the smallest known not to
-takes turns with bisection. The compiler's peaks are not exactly monotone (a few
-MiB of scheduling noise between neighbours), so the edge is a micro-batch that
-fits with the one a step above it refused. Pure: the compiles are the caller's
+A step's peak grows close to linearly with its micro-batch (the activations)
+until it nears the memory limit; there both compilers fill the memory they are
+given (the TPU compiler rematerialises, XLA's GPU scheduler reorders), so the
+peaks flatten and land a little above or below the limit in no order. Two
+compiles give a line and the line a first guess; where the line falls short, the
+edge is galloped to (one step, two, four); once bracketed, the line between the
+largest micro-batch known to fit and the smallest known not to takes turns with
+bisection. A micro-batch that fits within :data:`BAND` of the limit vouches for
+no smaller one: every micro-batch below it is compiled too, down to one clear of
+the limit, and above it the search climbs one step at a time. So the edge lies
+below the first failure, whichever micro-batch the search started from. Pure: the compiles are the caller's
 ``measure``.
 """
 
@@ -18,7 +20,12 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-__all__ = ["Probe", "Edge", "round_down", "line_limit", "find_edge", "next_fraction"]
+__all__ = ["BAND", "Probe", "Edge", "round_down", "line_limit", "find_edge", "next_fraction"]
+
+# Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
+# with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8): a fitting
+# micro-batch there vouches for none below it, so the ones below are compiled too.
+BAND = 0.03
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +50,24 @@ class Edge:
   """Where a lever stops fitting.
 
   Attributes:
-    max_micro_batch: the largest micro-batch that fits (None: not even the smallest).
-    above: the micro-batch one step above it, compiled and refused (None: the search's cap fits).
+    max_micro_batch: the largest micro-batch that fits, with every micro-batch the search compiled below it
+      fitting too (None: not even the smallest).
+    above: the micro-batch one step above it, compiled and refused (None: the search's cap fits, or the
+      budget ended first).
     refused_because: why ``above`` does not fit: the compiler's refusal, or its peak against the
       usable memory.
     probes: every compile, in the order they ran.
+    unfinished: why the edge is not confirmed (the compile budget ended first), else None.
+    fits_above: micro-batches above the edge that the search compiled and that fit (the compiler's figures
+      are not monotonic there).
   """
 
   max_micro_batch: int | None
   above: int | None
   refused_because: str | None
   probes: tuple[Probe, ...]
+  unfinished: str | None = None
+  fits_above: tuple[int, ...] = ()
 
 
 def round_down(batch: float, step: int) -> int:
@@ -103,16 +117,19 @@ def _line_guess(probes: dict[int, Probe], usable: int, step: int) -> int | None:
 
 
 def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start: int, cap: int = 1 << 14,
-              max_compiles: int = 12) -> Edge:
-  """The largest multiple of ``step`` whose compile fits, and the compile one step above it that does not.
+              max_compiles: int = 12, band: float = BAND) -> Edge:
+  """The largest multiple of ``step`` that fits below the first that does not, and that one.
 
   Args:
     measure: compiles the step at a global micro-batch and says what it needs (a :class:`Probe`).
     step: the micro-batch's unit: the batch axes' size (every device gets whole sequences).
-    usable: bytes per device the step may use (the margin taken off already).
+    usable: bytes per device the step may use (the reserve taken off already).
     start: the first micro-batch to compile (the user's ``--batch``).
     cap: the largest micro-batch the search compiles.
-    max_compiles: a bound on the compiles; when it is reached the bracket so far is returned.
+    max_compiles: a bound on the compiles; when it is reached the bracket so far is returned, and
+      :attr:`Edge.unfinished` says so.
+    band: within this share of ``usable`` a fitting compile is at the limit and vouches for no smaller
+      micro-batch (see :data:`BAND`).
 
   Returns:
     An :class:`Edge`.
@@ -122,7 +139,7 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     >>> peak = lambda b: 2 + b  # GiB-like units: 2 of state, 1 per sequence
     >>> edge = find_edge(lambda b: Probe(b, peak(b), peak(b) <= 50), step=4, usable=50, start=8)
     >>> edge.max_micro_batch, edge.above, len(edge.probes)
-    (48, 52, 4)
+    (48, 52, 5)
   """
   probes: dict[int, Probe] = {}
 
@@ -131,22 +148,50 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
       probes[batch] = measure(batch)
     return probes[batch]
 
-  def edge(lo: int | None, hi: int | None) -> Edge:
-    because = None if hi is None else _why(probes[hi], usable)
-    return Edge(lo, hi, because, tuple(probes.values()))
+  def bracket() -> tuple[int | None, int | None]:
+    """The smallest compile that does not fit, and the largest that fits below it."""
+    hi = min((b for b, p in probes.items() if not p.fits), default=None)
+    lo = max((b for b, p in probes.items() if p.fits and (hi is None or b < hi)), default=None)
+    return lo, hi
 
-  first = round_down(start, step)
-  if not at(first).fits:
-    if first == step or not at(step).fits:
-      return edge(None, step)
-    lo, hi = step, first
-  else:
-    lo, hi = first, None
+  def clear(batch: int) -> bool:
+    p = probes[batch]
+    return p.fits and p.peak is not None and p.peak <= usable * (1 - band)
+
+  def edge(unfinished: str | None = None) -> Edge:
+    lo, hi = bracket()
+    because = None if hi is None else _why(probes[hi], usable)
+    above = tuple(sorted(b for b, p in probes.items() if p.fits and hi is not None and b > hi))
+    if hi is not None and lo is not None and hi - lo > step and unfinished is None:
+      unfinished = f"the bracket {lo}..{hi} is wider than one step"
+    return Edge(lo, hi, because, tuple(probes.values()), unfinished, above)
+
+  def unconfirmed(lo: int) -> int | None:
+    """The next micro-batch below ``lo`` to compile before ``lo`` vouches for the ones below it (every one
+    down to a compile clear of the limit), or None when none is left."""
+    batch = lo
+    while not clear(batch) and batch - step >= step:
+      batch -= step
+      if batch not in probes:
+        return batch
+    return None
+
+  budget = f"the search's {max_compiles} compiles ran out before the edge was confirmed"
+  at(round_down(start, step))
   stride = 0  # once the line stops gaining, the edge is galloped to: one step, two, four, ...
   moved: list[bool] = []  # once bracketed, which end each compile moved (True: the fitting one)
   top = round_down(cap, step)
-  while len(probes) < max_compiles and (hi is None or hi - lo > step):
-    if hi is None:
+  while True:
+    lo, hi = bracket()
+    if lo is None:  # nothing fits yet: the smallest micro-batch, then bisection up from it
+      if step in probes:
+        return edge()
+      batch = step
+    elif (below := unconfirmed(lo)) is not None:
+      batch = below
+    elif hi is None and not clear(lo):  # at the limit and nothing refused yet: one step at a time
+      batch = lo + step
+    elif hi is None:  # nothing refused yet: the line's guess, or galloping
       guess = _line_guess(probes, usable, step)
       if guess is None:  # no rising line yet (a fixed part dominates small micro-batches): double
         batch = 2 * lo
@@ -155,10 +200,7 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
       else:
         stride = 2 * stride or step
         batch = lo + stride
-      batch = min(batch, top)
-      if batch <= lo:
-        break
-    else:
+    elif hi - lo > step:
       # The line between the ends, kept one step inside them; bisection when the line moved the
       # same end twice running (it is bent there, and would creep).
       guess = line_limit(probes[lo], probes[hi], usable, step)
@@ -166,11 +208,15 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
         batch = round_down((lo + hi) // 2, step)
       else:
         batch = min(max(guess, lo + step), hi - step)
+    else:
+      return edge()
+    if lo is not None and hi is None and batch > lo and (batch := min(batch, top)) <= lo:
+      return edge()  # the cap fits
+    if len(probes) >= max_compiles:
+      return edge(budget)
     fits = at(batch).fits
     if hi is not None:
       moved.append(fits)
-    lo, hi = (batch, hi) if fits else (lo, batch)
-  return edge(lo, hi)
 
 
 def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.0) -> float | None:

@@ -8,13 +8,14 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import command_line
 
-__all__ = ["HEADER", "collective_cell", "cells", "table", "next_steps", "recommendation_lines", "markdown"]
+__all__ = ["HEADER", "EDGE_HEADER", "collective_cell", "cells", "edge_cells", "table", "next_steps",
+           "recommendation_lines", "markdown"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB",
-          "usable GiB", "fits", "max micro-batch", "compile s", "collectives per step (count x MiB)",
-          "per micro-batch",
-          "update GFLOP", "update GiB accessed", "note")
-_LEFT = (0, 1, 2, 3, 16)  # the columns of words, aligned left
+          "args+temp GiB", "usable GiB", "fits", "max micro-batch", "compile s",
+          "collectives per step (count x MiB)", "per micro-batch", "update GFLOP", "update GiB accessed",
+          "note")
+_LEFT = (0, 1, 2, 3, 17)  # the columns of words, aligned left
 
 _SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "to-device": "in", "to-host": "out"}
 
@@ -38,6 +39,8 @@ def _gib(n: float | None) -> str:
 def _note(r: dict[str, Any]) -> str:
   if r.get("error"):
     return f"refused: {r['error']}"
+  if r.get("search_unfinished"):
+    return f"edge not confirmed: {r['search_unfinished']}"
   if r.get("offload_refused_because"):
     return f"no fraction fits: {r['offload_refused_because']}"
   if r.get("compiled_whole_because"):
@@ -73,13 +76,54 @@ def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
         _lever(r), r.get("step", "one") + (f", remat {r['remat']}" if r.get("remat") else ""),
         r["compiled_for"], mesh,
         _gib(r["opt_state_bytes_per_device"]), _gib(r["argument_bytes_per_device"]),
-        _gib(r["temp_bytes_per_device"]), _gib(r["peak_bytes_per_device"]), _gib(r["hbm_bytes"]), fits,
+        _gib(r["temp_bytes_per_device"]), _gib(r["peak_bytes_per_device"]),
+        _gib(r.get("formula_peak_bytes_per_device")), _gib(r.get("usable_bytes", r["hbm_bytes"])), fits,
         _max_micro_batch(r), f"{r.get('search_compile_s', r['compile_s']):.0f}",
         collective_cell(collectives.get("per_step", {})),
         collective_cell(collectives.get("per_micro_batch", {})),
         "-" if flops is None else f"{flops / 1e9:.2f}", _gib(accessed), _note(r),
     ))
   return out
+
+
+EDGE_HEADER = ("lever", "step", "max micro-batch", "peak GiB", "headroom GiB", "temp GiB", "TFLOP",
+               "one step up", "its peak GiB / refusal", "compiles", "note")
+
+
+def edge_cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+  """A searched row's figures at its largest micro-batch and one step above it (:data:`EDGE_HEADER`).
+
+  Example::
+
+    >>> row = {"lever": "zero1", "max_micro_batch": 52, "above": 56, "search": [1, 2],
+    ...        "at_max": {"peak_bytes_per_device": 2**34, "headroom_bytes_per_device": 2**29,
+    ...                   "temp_bytes_per_device": 2**33, "flops_per_device": 2.2e13},
+    ...        "at_above": {"peak_bytes_per_device": None, "error": "refused"}}
+    >>> edge_cells([row])[0][:9]
+    ('zero1', 'one', '52', '16.00', '0.50', '8.00', '22.00', '56', 'refused')
+  """
+  out = []
+  for r in rows:
+    if "max_micro_batch" not in r:
+      continue
+    at, above = r.get("at_max") or {}, r.get("at_above") or {}
+    flops = at.get("flops_per_device")
+    above_peak = above.get("peak_bytes_per_device")
+    refusal = _gib(above_peak) if above_peak is not None else (above.get("error") or "-")[:60]
+    note = r.get("search_unfinished") or (f"fits again above: {', '.join(map(str, r['fits_above']))} "
+                                          "(not monotonic)" if r.get("fits_above") else "")
+    out.append((r["lever"], r.get("step", "one"), _max_micro_batch(r), _gib(at.get("peak_bytes_per_device")),
+                _gib(at.get("headroom_bytes_per_device")), _gib(at.get("temp_bytes_per_device")),
+                "-" if flops is None else f"{flops / 1e12:.2f}", str(r.get("above") or "-"), refusal,
+                str(len(r.get("search", ()))), note))
+  return out
+
+
+def _aligned(header: Sequence[str], body: Sequence[Sequence[str]], left: Sequence[int]) -> str:
+  widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+  line = lambda row: "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+  return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
@@ -93,11 +137,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     >>> table([row]).splitlines()[2].split()[:7]
     ['zero1', 'one', 'v6e:2x2', 'data=4', '1.00', '2.00', '0.00']
   """
-  body = cells(rows)
-  widths = [max(len(row[i]) for row in [HEADER, *body]) for i in range(len(HEADER))]
-  line = lambda row: "  ".join(c.ljust(w) if i in _LEFT else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-  return "\n".join([line(HEADER), line(["-" * w for w in widths]), *map(line, body)])
+  text = _aligned(HEADER, cells(rows), _LEFT)
+  edges = edge_cells(rows)
+  if edges:
+    text += "\n\nAt each lever's largest micro-batch (the compiler's figures):\n" + _aligned(
+        EDGE_HEADER, edges, (0, 1, 10))
+  return text
 
 
 def next_steps(rows: Sequence[dict[str, Any]], meta: Mapping[str, Any], levers: Sequence[str], *,
@@ -158,19 +203,29 @@ def next_steps(rows: Sequence[dict[str, Any]], meta: Mapping[str, Any], levers: 
   return steps
 
 
+def _limit_words(meta: Mapping[str, Any]) -> str:
+  """How the usable memory was set: the user's margin, or the backend's reserve."""
+  if meta.get("margin") is not None:
+    return f"a {meta['margin']:.0%} margin"
+  reserve = (meta.get("hbm_bytes") or 0) - (meta.get("usable_bytes") or meta.get("hbm_bytes") or 0)
+  return f"the backend's {reserve / 2**30:.2f} GiB reserve" if reserve else "the compiler's own check"
+
+
 def recommendation_lines(rec: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> list[str]:
-  """The recommendation under the table: the configuration, its code, its command, and where the
-  baseline beats a Zero-1 lever, why.
+  """The recommendation under the table: the configuration, its code, its command, why it beat the levers
+  that fit as far, and where the baseline beats a Zero-1 lever, why.
 
   Example::
 
     >>> rec = {"lever": "zero1", "step": "one", "micro_batch": 84, "remat": None,
-    ...        "code": "Zero1Optimizer(...)", "cli": "python -m nnx_zero1.plan ...", "baseline_beats": []}
+    ...        "code": "Zero1Optimizer(...)", "cli": "python -m nnx_zero1.plan ...", "baseline_beats": [],
+    ...        "why": ["at micro-batch 84 zero1 leaves ..."]}
     >>> print("\\n".join(recommendation_lines(rec, {"margin": 0.05, "search": True})))
     <BLANKLINE>
     Recommended: zero1 at micro-batch 84 (one program), the largest that fits with a 5% margin
       code: Zero1Optimizer(...)
       reproduce: python -m nnx_zero1.plan ...
+      why: at micro-batch 84 zero1 leaves ...
   """
   if rec is None:
     return []
@@ -178,22 +233,30 @@ def recommendation_lines(rec: Mapping[str, Any] | None, meta: Mapping[str, Any])
   remat = f", remat {rec['remat']}" if rec["remat"] not in (None, "none") else ""
   which = "the largest that fits" if meta.get("search") else "fits"
   lines = ["", f"Recommended: {rec['lever']} at micro-batch {rec['micro_batch']} ({shape}{remat}), {which} "
-           f"with a {meta.get('margin', 0):.0%} margin", f"  code: {rec['code']}",
-           f"  reproduce: {rec['cli']}"]
+           f"with {_limit_words(meta)}", f"  code: {rec['code']}", f"  reproduce: {rec['cli']}"]
+  lines += [f"  why: {line}" for line in rec.get("why", ())]
   return lines + [f"  note: {line}" for line in rec["baseline_beats"]]
 
 
 _NOTE = (
     "Compiled ahead of time on a machine without the chips; nothing ran. Per device: `opt` is the "
     "optimizer state in device memory, `args` / `temp` the compiled step's argument and temporary bytes "
-    "(`memory_analysis()`), `peak` = args + output - donated + temp; `usable` is what a program may use on "
-    "the chip, as the compiler reports it; `fits`: peak <= usable. Step `one` is one program (gradients, "
-    "then update); `split` is two (gradients, then update): its args add the optimizer state the gradient "
-    "program leaves resident, its peak is the larger program's, its collectives both programs'. The update "
-    "program's flops and bytes accessed are the compiler's cost analysis for one device (none on GPU). "
-    "Collectives are read from the compiled HLO; those in the micro-batch loop count once per trip "
-    "(`per micro-batch`)."
+    "(`memory_analysis()`), `peak` the compiler's own figure for what the program holds at once "
+    "(`total_allocation_bytes`; the TPU compiler's temporaries overlap the arguments near the limit), "
+    "`args+temp` = args + output - donated + temp, for comparison; `usable` is the memory a program may "
+    "use on the chip (TPU: the compiler's available HBM; GPU: jax's memory pool, which the compiler is told "
+    "to plan for) less the reserve or margin; `fits`: the compiler accepted the program and peak <= usable. "
+    "Step `one` is one program (gradients, then update); `split` is two (gradients, then update): its args "
+    "add the optimizer state the gradient program leaves resident, its peak is the larger program's, its collectives "
+    "both programs'. The update program's flops and bytes accessed are the compiler's cost analysis for one "
+    "device (none on GPU). Collectives are read from the compiled HLO; those in the micro-batch loop count "
+    "once per trip (`per micro-batch`)."
 )
+
+
+def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+  return ["", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+          *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in body)]
 
 
 def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequence[str],
@@ -208,8 +271,10 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequen
   lines = ["# Will it fit? nnx-zero1 plan, compiled ahead of time", ""]
   lines += [f"- {k}: {json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in meta.items()]
   if rows:
-    lines += ["", "| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|",
-              *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells(rows)), "", _NOTE]
+    lines += _markdown_table(HEADER, cells(rows)) + ["", _NOTE]
+    edges = edge_cells(rows)
+    if edges:
+      lines += ["", "## At each lever's largest micro-batch", ""] + _markdown_table(EDGE_HEADER, edges)
   lines += recommendation_lines(recommendation, meta)
   if steps:
     numbered = (f"{i}. {s}" for i, s in enumerate(steps, 1))

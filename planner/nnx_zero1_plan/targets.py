@@ -8,19 +8,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS, target_config
 from nnx_zero1_plan.inputs import PlanError, parse_topology
 
-__all__ = ["Target", "GPU_SCHEDULER_FRACTION", "make_target", "require_compiler"]
+__all__ = ["Target", "GPU_SCHEDULER_FRACTION", "JAX_GPU_POOL_FRACTION", "CUDA_CONTEXT_BYTES",
+           "DEFAULT_RESERVE_BYTES", "gpu_pool_bytes", "usable_bytes", "make_target", "require_compiler"]
 
-# XLA's GPU compiler schedules for 80% of the device memory (its "base limit", which it names when a
-# program's arguments exceed it); jax's GPU client preallocates XLA_PYTHON_CLIENT_MEM_FRACTION (0.75).
+# XLA's GPU compiler schedules a program for the device memory it is told: on a GPU, jax's memory pool (the
+# allocator's bytes_limit); deviceless, 80% of the target's device_memory_size (its "base limit"). Measured
+# on an H200 (examples.planner_decoder:build, micro-batch 24): temp 40.92 GiB with a 27.96 GiB pool and 64.57
+# GiB with a 104.85 GiB pool, the same program. So a GPU target is described to the compiler with
+# device_memory_size = pool / 0.8: the deviceless schedule is planned for the pool the program will get.
 GPU_SCHEDULER_FRACTION = 0.8
-_JAX_GPU_POOL_FRACTION = 0.75
+# jax's GPU client takes XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the memory free when it starts;
+# the CUDA context holds the rest (an H200 with jax 0.11.2: 150,754,820,096 B total, pool 112,583,507,968 B
+# at 0.75, so 643,476,139 B held before the pool).
+JAX_GPU_POOL_FRACTION = 0.75
+CUDA_CONTEXT_BYTES = 643_476_139
+# What the run needs beyond the compiler's figure, per device, by default. TPU: nothing; the TPU compiler
+# refuses a program whose whole footprint (total_allocation_bytes) exceeds the HBM it names, so what it
+# accepts is its word. GPU: a real H200's allocator peaked 50 MiB above the compiler's arguments + temp in
+# every step that ran (three micro-batches, two pool sizes; benchmarks.limit); 256 MiB leaves five times
+# that for what one GPU could not show (NCCL's and cuBLAS's buffers on several).
+DEFAULT_RESERVE_BYTES = {"tpu": 0, "cuda": 256 * 2**20}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +50,20 @@ class Target:
   def device_kind(self) -> str:
     """jax's name for the chip (``"TPU v6 lite"``, ``"NVIDIA H100 80GB HBM3"``)."""
     return self.devices[0].device_kind
+
+
+def usable_bytes(hbm_bytes: int, platform: str, margin: float | None = None) -> int:
+  """What a step may use per device: ``hbm_bytes`` less the margin (a share), or by default less the
+  backend's reserve (:data:`DEFAULT_RESERVE_BYTES`).
+
+  Example::
+
+    >>> usable_bytes(1000, "tpu"), usable_bytes(1000, "tpu", margin=0.05), usable_bytes(2**30, "cuda")
+    (1000, 950, 805306368)
+  """
+  if margin is not None:
+    return int(hbm_bytes * (1 - margin))
+  return hbm_bytes - DEFAULT_RESERVE_BYTES.get(platform, 0)
 
 
 def require_compiler(topology: str) -> str:
@@ -61,12 +88,24 @@ def _tpu_devices(topology: str) -> tuple[Any, ...]:
     raise PlanError(f"libtpu does not know topology {topology!r}: {str(e).splitlines()[0]}") from e
 
 
-def _gpu_devices(chip: str, nodes: int, per_node: int) -> tuple[Any, ...]:
+def _gpu_devices(chip: str, nodes: int, per_node: int, pool: int) -> tuple[Any, ...]:
   from jax.experimental import topologies
 
-  desc = topologies.get_topology_desc(platform="cuda", target_config=target_config(GPU_CHIPS[chip]),
+  described = dataclasses.replace(GPU_CHIPS[chip], memory_bytes=int(pool / GPU_SCHEDULER_FRACTION))
+  desc = topologies.get_topology_desc(platform="cuda", target_config=target_config(described),
                                       topology=f"1x{nodes}x{per_node}")
   return tuple(desc.devices)
+
+
+def gpu_pool_bytes(chip: str, fraction: float = JAX_GPU_POOL_FRACTION) -> int:
+  """jax's GPU memory pool on ``chip`` at ``XLA_PYTHON_CLIENT_MEM_FRACTION=fraction``: what a program may use.
+
+  Example::
+
+    >>> gpu_pool_bytes("h200")  # 112,583,507,968 B measured on an H200
+    112583507967
+  """
+  return int(fraction * (GPU_CHIPS[chip].memory_bytes - CUDA_CONTEXT_BYTES))
 
 
 @functools.cache
@@ -92,21 +131,16 @@ def _tpu_usable_bytes(topology: str) -> int:
   raise PlanError(f"the TPU compiler accepted a 1 TiB program for {topology}; cannot read its usable HBM")
 
 
-def _gpu_usable_bytes(chip: str) -> tuple[int, str]:
-  total = GPU_CHIPS[chip].memory_bytes
-  pool = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", _JAX_GPU_POOL_FRACTION))
-  fraction = min(GPU_SCHEDULER_FRACTION, pool)
-  source = (f"{fraction:.0%} of the {total:,} B device memory: the smaller of XLA's GPU scheduler "
-            f"limit ({GPU_SCHEDULER_FRACTION:.0%}) and jax's GPU memory pool "
-            f"(XLA_PYTHON_CLIENT_MEM_FRACTION={pool})")
-  return int(total * fraction), source
-
-
-def make_target(topology: str) -> Target:
+def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION) -> Target:
   """The target ``topology`` names, its devices and usable memory per device (the compiler loaded).
 
+  Args:
+    topology: a TPU slice (``v5e:2x4``) or NVIDIA GPUs (``h100:8``, ``h100:2x8``).
+    gpu_memory_fraction: on GPUs, the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` the run will use: the pool's share
+      of the device memory, which the compiler plans for (the planning process's own setting is not read).
+
   Raises:
-    PlanError: the topology is unknown (to the planner, or to libtpu).
+    PlanError: the topology is unknown (to the planner, or to libtpu), or the fraction is not in (0, 1].
 
   Example::
 
@@ -118,5 +152,11 @@ def make_target(topology: str) -> Target:
     hbm = _tpu_usable_bytes(topology)
     source = "the TPU compiler's available HBM (its out-of-memory message)"
     return Target(topology, platform, devices, hbm, source)
-  hbm, source = _gpu_usable_bytes(chip)
-  return Target(topology, platform, _gpu_devices(chip, *shape), hbm, source)
+  if not 0 < gpu_memory_fraction <= 1:
+    raise PlanError(f"--gpu-memory-fraction is XLA_PYTHON_CLIENT_MEM_FRACTION, in (0, 1]; "
+                    f"got {gpu_memory_fraction}")
+  pool = gpu_pool_bytes(chip, gpu_memory_fraction)
+  source = (f"jax's GPU memory pool at XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_memory_fraction}: that share of "
+            f"the {GPU_CHIPS[chip].memory_bytes:,} B device memory less the CUDA context; the compiler "
+            f"schedules for it")
+  return Target(topology, platform, _gpu_devices(chip, *shape, pool), pool, source)

@@ -121,7 +121,7 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
     (["--model", "tests.support.planner_toys:tiny_lm_bf16", "--levers", "zero1,zero1-bf16state"],
      "zero1-bf16state stores the state in bfloat16; for bfloat16 parameters it is bfloat16 already"),
     (["--remat", "block"], "--remat apply to tunix: models"),
-    (["--margin", "1.5"], "--margin is the share of the usable memory to leave free"),
+    (["--margin", "1.5"], "--margin is the share of the memory to leave free"),
 ])
 def test_bad_inputs_exit_2_with_one_line(capsys, argv, words):
   args = ["--model", "tests.support.planner_toys:tiny_lm", "--topology", "v6e:2x2", *argv]

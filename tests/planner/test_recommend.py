@@ -17,7 +17,9 @@ def test_the_largest_micro_batch_wins_over_fewer_collective_bytes():
   rows = [_row("baseline", max_micro_batch=80, collective=1), _row("zero1", max_micro_batch=84, collective=2)]
   best = recommend(rows, META)
   assert (best["lever"], best["micro_batch"], best["step"]) == ("zero1", 84, "one")
-  assert best["code"] == "Zero1Optimizer(model, tx, mesh)"
+  assert best["code"].split("; ") == [
+      "import jax, jax.numpy as jnp, optax", "from nnx_zero1 import Zero1Optimizer",
+      "mesh = jax.make_mesh((4,), ('data',))", "optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh)"]
   assert best["cli"] == ("python -m nnx_zero1.plan --model mymodels.models:build --topology h100:4 "
                          "--mesh data=4 --batch 84 --seq-len 1024 --ga 1 --levers zero1 --steps one")
   assert best["order"] == list(ORDER) and best["baseline_beats"] == []
@@ -30,10 +32,29 @@ def test_at_one_micro_batch_fewer_collective_bytes_then_no_remat_then_the_lighte
   assert recommend([_row("baseline"), _row("zero1")], META)["lever"] == "baseline"
 
 
-def test_the_margin_decides_what_fits():
-  rows = [_row("baseline", peak=int(15.5 * G)), _row("zero1", peak=14 * G)]
-  assert recommend(rows, META, margin=0.05)["lever"] == "zero1"  # 15.5 > 0.95 * 16
-  assert recommend(rows, META, margin=0.0)["lever"] == "baseline"
+def test_at_one_micro_batch_and_equal_bytes_the_headroom_decides_and_is_said():
+  rows = [_row("baseline", collective=100, headroom_bytes_per_device=G),
+          _row("zero1", collective=100, headroom_bytes_per_device=5 * G)]
+  best = recommend(rows, META)
+  assert best["lever"] == "zero1"
+  assert best["why"] == ["at micro-batch 8 zero1 leaves 5.00 GiB free and baseline 1.00 GiB; both send 0.00 "
+                         "GiB of collectives per step: zero1 for its headroom"]
+  # More bytes than 1% over the other's: the bytes decide, and the headroom given up is said.
+  rows[1]["collectives"]["per_step"]["all-reduce"]["bytes"] = 150
+  best = recommend(rows, META)
+  assert best["lever"] == "baseline" and best["why"][0].endswith("baseline for its fewer collective bytes")
+
+
+def test_sent_bytes_are_the_basis_where_a_row_has_them():
+  rows = [_row("baseline", collective=1, headroom_bytes_per_device=G),
+          _row("zero1", collective=9, headroom_bytes_per_device=2 * G)]
+  rows[1]["collectives"]["sent_per_step"] = {"reduce-scatter": {"count": 1, "bytes": 1}}
+  assert recommend(rows, META)["lever"] == "zero1"
+
+
+def test_only_rows_that_fit_compete():
+  rows = [_row("baseline", fits=False), _row("zero1", peak=14 * G)]
+  assert recommend(rows, META)["lever"] == "zero1"
   assert recommend([_row("baseline", peak=20 * G, fits=False)], META) is None
 
 
@@ -48,10 +69,11 @@ def test_only_rows_of_the_chosen_step_shape_compete():
 
 def test_the_code_is_each_host_s_own_option():
   rows = [_row("offload", max_micro_batch=16)]
-  assert recommend(rows, META)["code"] == "Zero1Optimizer(model, tx, mesh, offload_state_to_host=True)"
+  assert recommend(rows, META)["code"].endswith(
+      "Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)")
   tunix = recommend(rows, dict(META, model="tunix:qwen3_8b"))["code"]
-  assert tunix == ("Zero1PeftTrainer (nnx_zero1.adapters.tunix) with "
-                   "Zero1TrainingConfig(..., zero1_offload_state_to_host=True)")
+  assert tunix == ("from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig; "
+                   "Zero1PeftTrainer(model, optimizer, Zero1TrainingConfig(..., zero1_offload_state_to_host=True))")
   maxtext = recommend([_row("offload", step="split", max_micro_batch=16)], dict(META, model="maxtext:x"))
   assert maxtext["code"].endswith("subclassed with OFFLOAD_STATE_TO_HOST = True")
 
@@ -59,12 +81,12 @@ def test_the_code_is_each_host_s_own_option():
 def test_when_the_baseline_fits_more_it_says_so_with_the_figures():
   base = _row("baseline", max_micro_batch=48, temp_bytes_per_device=12 * G, argument_bytes_per_device=3 * G)
   zero1 = _row("zero1", max_micro_batch=40, temp_bytes_per_device=14 * G, argument_bytes_per_device=G)
-  (line,) = baseline_beats([base, zero1], 8, 0.05)
+  (line,) = baseline_beats([base, zero1], 8)
   assert line.startswith("baseline fits micro-batch 48 where zero1 fits 40")
   assert "at micro-batch 8 (one step) zero1's temporaries are +2.00 GiB" in line
   assert line.endswith("and its arguments save 2.00 GiB")
   assert recommend([base, zero1], META)["baseline_beats"] == [line]
-  assert baseline_beats([base, dict(zero1, max_micro_batch=48)], 8, 0.05) == []
+  assert baseline_beats([base, dict(zero1, max_micro_batch=48)], 8) == []
 
 
 def test_the_command_line_reproduces_the_settings_that_matter():
@@ -74,22 +96,39 @@ def test_the_command_line_reproduces_the_settings_that_matter():
                         "--mesh data=4")
   assert cli.endswith("--levers zero1 --steps split --param-dtype bfloat16 --remat block --optimizer lion "
                       "scan_layers=false")
+  # The margin and the GPU pool are part of what a row was compiled and judged against.
+  cli = command_line(dict(meta, margin=0.0, gpu_memory_fraction=0.9), levers=["zero1"], steps=["one"])
+  assert "--margin 0.0 --gpu-memory-fraction 0.9" in cli
 
 
 def test_a_zero1_row_the_compiler_refused_is_said_so_not_given_figures():
   base = _row("baseline", temp_bytes_per_device=12 * G, argument_bytes_per_device=3 * G)
   refused = _row("zero1", fits=False, peak=None, temp_bytes_per_device=None, argument_bytes_per_device=None,
                  error="JaxRuntimeError: RESOURCE_EXHAUSTED: CompileTimeHbmOom")
-  (line,) = baseline_beats([base, refused], 8, 0.05)
+  (line,) = baseline_beats([base, refused], 8)
   assert line == ("baseline fits micro-batch 8 where zero1 fits none: at micro-batch 8 (one step) the "
                   "compiler refused zero1: JaxRuntimeError: RESOURCE_EXHAUSTED: CompileTimeHbmOom")
 
 
 def test_the_code_is_written_from_the_lever_table():
-  assert lever_code("baseline", "my_pkg.models:build") == "nnx.Optimizer(model, tx, wrt=nnx.Param)"
-  assert lever_code("zero1-master", "m:f") == "Zero1Optimizer(model, tx, mesh, master_dtype=jnp.float32)"
-  assert lever_code("zero2-offload", "m:f") == (
-      "Zero1Optimizer(model, tx, mesh, offload_state_to_host=True); grads from value_and_grad_accumulated("
-      "loss_fn, model, batch, micro_batches=GA, optimizer=optimizer, shard_accumulator=True)")
+  assert lever_code("baseline", "my_pkg.models:build") == (
+      "import optax; from flax import nnx; optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)")
+  assert lever_code("zero1-master", "m:f").endswith(
+      "Zero1Optimizer(model, optax.adamw(1e-5), mesh, master_dtype=jnp.float32)")
+  assert lever_code("zero2-offload", "m:f").endswith(
+      "Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True); from nnx_zero1 import "
+      "value_and_grad_accumulated; loss, grads = value_and_grad_accumulated(loss_fn, model, batch, "
+      "micro_batches=GA, optimizer=optimizer, shard_accumulator=True)")
+
+
+def test_the_code_pastes_and_runs():
+  """The recommendation's own-loop code, run as written after ``model = ...`` (a mesh of this machine's devices)."""
+  import jax
+  from flax import nnx
+
+  code = lever_code("zero1", "m:f", mesh={"data": jax.device_count()}).replace("; ", "\n")
+  namespace = {"model": nnx.Linear(8, 8, rngs=nnx.Rngs(0))}
+  exec(code, namespace)
+  assert type(namespace["optimizer"]).__name__ == "Zero1Optimizer"
   assert lever_code("zero2", "maxtext:qwen3-0.6b").endswith("subclassed with SHARD_ACCUMULATOR = True")
   assert lever_code("baseline", "tunix:qwen3_8b") == "Tunix's PeftTrainer with its TrainingConfig, as it is"

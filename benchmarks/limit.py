@@ -1,0 +1,153 @@
+"""The compiler's memory figures against what a real accelerator's allocator holds when the step runs.
+
+``python -m benchmarks.limit`` compiles one lever's training step (the
+planner's own step, :mod:`nnx_zero1_plan.steps`) on the devices this process
+has, at each micro-batch asked for, reads ``memory_analysis()``, runs the step
+and reads the allocator's peak (``Device.memory_stats()``). Each micro-batch
+runs in a fresh child process, so each peak is that step's alone. It is the
+evidence for the planner's margin: what the run time holds beyond the
+compiler's figure, and whether a step the compiler's figure puts under the
+memory pool runs.
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 python -m benchmarks.limit \\
+        --model examples.planner_decoder:build --batch 8,16,24 --out bench_out/limit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["measure", "main"]
+
+_STATS = ("bytes_limit", "bytes_in_use", "peak_bytes_in_use", "largest_alloc_size", "bytes_reserved")
+
+
+def _device_stats(device: Any) -> dict[str, int]:
+  stats = device.memory_stats() or {}
+  return {k: int(stats[k]) for k in _STATS if k in stats}
+
+
+def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: str, steps: int = 3
+            ) -> dict[str, Any]:
+  """One lever's step at ``batch`` on this process's devices: compiled, run ``steps`` times, measured.
+
+  Returns:
+    The compiler's figures (``memory_analysis()``'s fields, bytes per device), the allocator's
+    (``memory_stats()`` before the compile and after the run), the step's median time, and the
+    run's error in one line (None when every step ran).
+  """
+  import jax
+  import numpy as np
+  from flax import nnx
+  from jax.sharding import AxisType, Mesh
+
+  from nnx_zero1_plan.levers import LEVERS, make_optimizer
+  from nnx_zero1_plan.models import model_source
+  from nnx_zero1_plan.steps import OPTIMIZERS, abstract_batch, lever_state, step_jit
+
+  devices = jax.devices()
+  device = devices[0]
+  mesh = Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
+  lever = LEVERS[lever_name]
+  source = model_source(model)
+  abstract = lever_state(lever, lambda: source.build(None), optimizer, mesh)
+  with jax.set_mesh(mesh):
+    built = source.build(None)
+    state = nnx.state((built, make_optimizer(lever, built, OPTIMIZERS[optimizer](), mesh)))
+  state = jax.device_put(state, abstract.shardings)
+  spec = abstract_batch(lever, mesh, batch, seq_len, 1)
+  tokens = jax.device_put(np.random.default_rng(0).integers(0, 1000, spec.shape, dtype=np.int32), spec.sharding)
+  row: dict[str, Any] = {"model": model, "lever": lever_name, "batch": batch, "seq_len": seq_len,
+                         "devices": len(devices), "device_kind": device.device_kind,
+                         "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+                         "before_compile": _device_stats(device)}
+  step = step_jit(abstract.graphdef, abstract.shardings, spec.sharding, lever, source.loss_fn, 1)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):
+    compiled = step.lower(state, tokens).compile()
+  row["compile_s"] = round(time.perf_counter() - start, 1)
+  analysis = compiled.memory_analysis()
+  row["compiler"] = {k: int(getattr(analysis, k, 0) or 0) for k in (
+      "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+      "generated_code_size_in_bytes", "peak_memory_in_bytes", "total_allocation_bytes")}
+  times, row["run_error"] = [], None
+  try:
+    for _ in range(steps):
+      start = time.perf_counter()
+      state, loss = compiled(state, tokens)
+      loss.block_until_ready()
+      times.append(time.perf_counter() - start)
+    row["loss"] = float(loss)
+  except Exception as e:  # the allocator's out-of-memory is a JaxRuntimeError; keep any error's first line
+    row["run_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+  row["step_ms"] = round(1000 * sorted(times[1:] or times)[len(times[1:] or times) // 2], 2) if times else None
+  row["after_run"] = _device_stats(device)
+  return row
+
+
+def _table(rows: Sequence[dict[str, Any]]) -> str:
+  gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"
+  head = ("mem fraction", "micro-batch", "args", "temp", "args+temp", "total_allocation", "peak_memory_in",
+          "pool (bytes_limit)", "run peak", "run peak - args - temp", "ran", "step ms")
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    if "compiler" not in r:
+      lines.append(f"| {r.get('mem_fraction')} | {r['batch']} | child failed: {r.get('error', '')[:200]} |")
+      continue
+    c, after = r["compiler"], r["after_run"]
+    args, temp = c["argument_size_in_bytes"], c["temp_size_in_bytes"]
+    peak = after.get("peak_bytes_in_use")
+    lines.append("| " + " | ".join([
+        str(r["mem_fraction"]), str(r["batch"]), gib(args), gib(temp), gib(args + temp),
+        gib(c["total_allocation_bytes"]), gib(c["peak_memory_in_bytes"]), gib(after.get("bytes_limit")),
+        gib(peak), gib(None if peak is None else peak - args - temp),
+        "yes" if r["run_error"] is None else "NO: " + r["run_error"][:80], str(r["step_ms"])]) + " |")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.limit", description=__doc__.splitlines()[0])
+  p.add_argument("--model", default="examples.planner_decoder:build", help="a planner model (package.module:fn)")
+  p.add_argument("--lever", default="baseline")
+  p.add_argument("--batch", default="8,16", help="global micro-batches, one child process each")
+  p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--optimizer", default="adamw")
+  p.add_argument("--timeout", type=int, default=240, help="seconds per micro-batch")
+  p.add_argument("--out", default="bench_out/limit")
+  p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.child is not None:
+    print("LIMIT_ROW " + json.dumps(measure(args.model, args.lever, args.child, args.seq_len, args.optimizer)))
+    return 0
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, "limit.jsonl")
+  rows = []
+  for batch in (int(b) for b in args.batch.split(",")):
+    cmd = [sys.executable, "-m", "benchmarks.limit", "--model", args.model, "--lever", args.lever,
+           "--seq-len", str(args.seq_len), "--optimizer", args.optimizer, "--child", str(batch)]
+    try:
+      done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+      found = [line[10:] for line in done.stdout.splitlines() if line.startswith("LIMIT_ROW ")]
+      row = json.loads(found[0]) if found else {
+          "batch": batch, "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+          "error": " ".join(done.stderr.split())[-600:]}
+    except subprocess.TimeoutExpired:
+      row = {"batch": batch, "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+             "error": f"timed out after {args.timeout} s"}
+    rows.append(row)
+    with open(path, "a") as f:
+      f.write(json.dumps(row) + "\n")
+    print(_table([row]).splitlines()[-1], flush=True)
+  print(_table(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
