@@ -51,7 +51,11 @@ OPTIMIZER_CODE = {
     "adafactor": "optax.adafactor(1e-3)",
 }
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    name: (lambda code=code: eval(code, {"optax": optax})) for name, code in OPTIMIZER_CODE.items()
+    "adamw": lambda: optax.adamw(1e-5),
+    "adam": lambda: optax.adam(1e-5),
+    "lion": lambda: optax.lion(1e-6),
+    "sgd": lambda: optax.sgd(1e-3, momentum=0.9),
+    "adafactor": lambda: optax.adafactor(1e-3),
 }
 
 

@@ -102,7 +102,7 @@ def edge_cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
     >>> edge_cells([row])[0][:9]
     ('zero1', 'one', '52', '16.00', '0.50', '8.00', '22.00', '56', 'refused')
   """
-  out = []
+  out: list[tuple[str, ...]] = []
   for r in rows:
     if "max_micro_batch" not in r:
       continue
@@ -247,8 +247,8 @@ _NOTE = (
     "use on the chip (TPU: the compiler's available HBM; GPU: jax's memory pool, which the compiler is told "
     "to plan for) less the reserve or margin; `fits`: the compiler accepted the program and peak <= usable. "
     "Step `one` is one program (gradients, then update); `split` is two (gradients, then update): its args "
-    "add the optimizer state the gradient program leaves resident, its peak is the larger program's, its collectives "
-    "both programs'. The update program's flops and bytes accessed are the compiler's cost analysis for one "
+    "add the optimizer state the gradient program leaves resident, its peak is the larger program's, its "
+    "collectives both programs'. The update program's flops and bytes accessed are the compiler's cost analysis for one "
     "device (none on GPU). Collectives are read from the compiled HLO; those in the micro-batch loop count "
     "once per trip (`per micro-batch`)."
 )

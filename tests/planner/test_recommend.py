@@ -73,7 +73,8 @@ def test_the_code_is_each_host_s_own_option():
       "Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)")
   tunix = recommend(rows, dict(META, model="tunix:qwen3_8b"))["code"]
   assert tunix == ("from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig; "
-                   "Zero1PeftTrainer(model, optimizer, Zero1TrainingConfig(..., zero1_offload_state_to_host=True))")
+                   "Zero1PeftTrainer(model, optimizer, Zero1TrainingConfig(..., "
+                   "zero1_offload_state_to_host=True))")
   maxtext = recommend([_row("offload", step="split", max_micro_batch=16)], dict(META, model="maxtext:x"))
   assert maxtext["code"].endswith("subclassed with OFFLOAD_STATE_TO_HOST = True")
 
@@ -112,7 +113,8 @@ def test_a_zero1_row_the_compiler_refused_is_said_so_not_given_figures():
 
 def test_the_code_is_written_from_the_lever_table():
   assert lever_code("baseline", "my_pkg.models:build") == (
-      "import optax; from flax import nnx; optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)")
+      "import optax; from flax import nnx; "
+      "optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)")
   assert lever_code("zero1-master", "m:f").endswith(
       "Zero1Optimizer(model, optax.adamw(1e-5), mesh, master_dtype=jnp.float32)")
   assert lever_code("zero2-offload", "m:f").endswith(
@@ -122,7 +124,7 @@ def test_the_code_is_written_from_the_lever_table():
 
 
 def test_the_code_pastes_and_runs():
-  """The recommendation's own-loop code, run as written after ``model = ...`` (a mesh of this machine's devices)."""
+  """The recommendation's own-loop code, run as written after ``model = ...`` (on this machine's devices)."""
   import jax
   from flax import nnx
 
@@ -132,3 +134,17 @@ def test_the_code_pastes_and_runs():
   assert type(namespace["optimizer"]).__name__ == "Zero1Optimizer"
   assert lever_code("zero2", "maxtext:qwen3-0.6b").endswith("subclassed with SHARD_ACCUMULATOR = True")
   assert lever_code("baseline", "tunix:qwen3_8b") == "Tunix's PeftTrainer with its TrainingConfig, as it is"
+
+
+def test_the_code_writes_the_optimizer_the_plan_compiled():
+  import jax.numpy as jnp
+  import optax
+
+  from nnx_zero1_plan.steps import OPTIMIZER_CODE, OPTIMIZERS
+
+  assert set(OPTIMIZER_CODE) == set(OPTIMIZERS)
+  params = {"w": jnp.arange(1.0, 5.0)}
+  for name, code in OPTIMIZER_CODE.items():
+    written, compiled = eval(code, {"optax": optax}), OPTIMIZERS[name]()
+    ours = written.update(params, written.init(params), params)[0]["w"]
+    assert jnp.array_equal(ours, compiled.update(params, compiled.init(params), params)[0]["w"]), name

@@ -139,7 +139,8 @@ def saturating(limit, per_sequence, noise, seed=0):
   def peak(batch):
     if batch not in table:
       rising = 4 * GIB + batch * per_sequence
-      table[batch] = rising if rising < limit * (1 - noise) else int(limit * (1 + wobble.uniform(-noise, noise)))
+      landed = int(limit * (1 + wobble.uniform(-noise, noise)))
+      table[batch] = rising if rising < limit * (1 - noise) else landed
     return table[batch]
 
   return peak
@@ -165,7 +166,8 @@ def test_a_saturating_non_monotonic_peak_gives_one_edge_from_any_start(seed):
 
 def test_fits_above_names_the_compiles_that_fit_past_a_refusal():
   peaks = {8: 10, 16: 20, 24: 101, 32: 99, 40: 120}
-  edge = find_edge(lambda b: Probe(b, peaks.get(b, 200), peaks.get(b, 200) <= 100), step=8, usable=100, start=32)
+  measure = lambda b: Probe(b, peaks.get(b, 200), peaks.get(b, 200) <= 100)
+  edge = find_edge(measure, step=8, usable=100, start=32)
   assert (edge.max_micro_batch, edge.above) == (16, 24) and edge.fits_above == (32,)
 
 
