@@ -81,8 +81,9 @@ def table(rows: Sequence[dict]) -> str:
 _NOTE = (
     "Compiled ahead of time by the TPU compiler (libtpu) on a machine without a TPU; nothing ran. "
     "Per device: `opt` is the optimizer state, `args` / `temp` the compiled step's argument and "
-    "temporary bytes (`memory_analysis()`), `peak` = args + output - donated + temp, what the chip "
-    "holds at once; `saved` is the baseline's peak minus this arm's; `fits`: peak <= the chip's HBM. "
+    "temporary bytes (`memory_analysis()`), `peak` the compiler's own figure for what the chip holds at "
+    "once (`total_allocation_bytes`; args + output - donated + temp where it reports none); `saved` is "
+    "the baseline's peak minus this arm's; `fits`: peak <= the chip's HBM. "
     "`host` is the optimizer state the step reads from host memory (`zero1-offload`), and host "
     "transfers are the TPU HLO's copies between host and device memory (`in`: to the device). "
     "Collectives are read from the TPU HLO; those in the micro-batch loop count once per trip. With "

@@ -293,7 +293,8 @@ def _search(first: dict, row_at: Callable[[int, bool], dict], unit: int, usable:
   return {"max_micro_batch": edge.max_micro_batch, "above": edge.above,
           "refused_because": edge.refused_because, "search_unfinished": edge.unfinished,
           "fits_above": list(edge.fits_above), "at_max": at(edge.max_micro_batch), "at_above": at(edge.above),
-          "search": probes, "search_compile_s": round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1)}
+          "search": probes,
+          "search_compile_s": round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1)}
 
 
 def _offload_search(row_with: Callable[[float], dict], usable: int, tries: int = 4) -> dict[str, Any]:

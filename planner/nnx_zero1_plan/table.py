@@ -248,9 +248,9 @@ _NOTE = (
     "to plan for) less the reserve or margin; `fits`: the compiler accepted the program and peak <= usable. "
     "Step `one` is one program (gradients, then update); `split` is two (gradients, then update): its args "
     "add the optimizer state the gradient program leaves resident, its peak is the larger program's, its "
-    "collectives both programs'. The update program's flops and bytes accessed are the compiler's cost analysis for one "
-    "device (none on GPU). Collectives are read from the compiled HLO; those in the micro-batch loop count "
-    "once per trip (`per micro-batch`)."
+    "collectives both programs'. The update program's flops and bytes accessed are the compiler's cost "
+    "analysis for one device (none on GPU). Collectives are read from the compiled HLO; those in the "
+    "micro-batch loop count once per trip (`per micro-batch`)."
 )
 
 
