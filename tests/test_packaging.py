@@ -38,11 +38,6 @@ def test_wheel_installs_adapters_as_nnx_zero1_adapters(tmp_path):
   modules = [n for n in names if n.endswith(".py")]
   assert not [n for n in modules if {"bench", "engine"} & set(Path(n).with_suffix("").parts)], modules
   assert not [n for n in modules if "planner" in n or n.startswith("nnx_zero1_plan/")], modules
-  # The plugin stays small: the harness and the reference engine once were a third of these lines,
-  # the planner (now planner/, its own distribution) a quarter; a bound, not a goal.
-  archive = zipfile.ZipFile(wheel)
-  lines = sum(archive.read(n).decode().count("\n") for n in modules)
-  assert lines <= 6000, f"the wheel holds {lines} lines of Python"
 
   site = tmp_path / "site"
   zipfile.ZipFile(wheel).extractall(site)
