@@ -39,7 +39,7 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   """One lever's step at ``batch`` on this process's devices: compiled, run ``steps`` times, measured.
 
   Returns:
-    The compiler's figures (``memory_analysis()``'s fields, bytes per device), the allocator's
+    The compiler's figures (:func:`nnx_zero1_plan.compiled.memory`, bytes per device), the allocator's
     (``memory_stats()`` before the compile and after the run), the step's median time, and the
     run's error in one line (None when every step ran).
   """
@@ -48,6 +48,7 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   from flax import nnx
   from jax.sharding import AxisType, Mesh
 
+  from nnx_zero1_plan.compiled import memory
   from nnx_zero1_plan.levers import LEVERS, make_optimizer
   from nnx_zero1_plan.models import model_source
   from nnx_zero1_plan.steps import OPTIMIZERS, abstract_batch, lever_state, step_jit
@@ -74,10 +75,7 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   with jax.set_mesh(mesh):
     compiled = step.lower(state, tokens).compile()
   row["compile_s"] = round(time.perf_counter() - start, 1)
-  analysis = compiled.memory_analysis()
-  row["compiler"] = {k: int(getattr(analysis, k, 0) or 0) for k in (
-      "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-      "generated_code_size_in_bytes", "peak_memory_in_bytes", "total_allocation_bytes")}
+  row["compiler"] = memory(compiled)
   times, row["run_error"] = [], None
   try:
     for _ in range(steps):
@@ -96,20 +94,19 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
 
 def _table(rows: Sequence[dict[str, Any]]) -> str:
   gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"
-  head = ("mem fraction", "micro-batch", "args", "temp", "args+temp", "total_allocation", "peak_memory_in",
-          "pool (bytes_limit)", "run peak", "run peak - args - temp", "ran", "step ms")
+  head = ("mem fraction", "micro-batch", "args", "temp", "args+out-alias+temp", "compiler's peak", "xla_peak",
+          "pool (bytes_limit)", "run peak", "run peak - args+out-alias+temp", "ran", "step ms")
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     if "compiler" not in r:
       lines.append(f"| {r.get('mem_fraction')} | {r['batch']} | child failed: {r.get('error', '')[:200]} |")
       continue
     c, after = r["compiler"], r["after_run"]
-    args, temp = c["argument_size_in_bytes"], c["temp_size_in_bytes"]
     peak = after.get("peak_bytes_in_use")
     lines.append("| " + " | ".join([
-        str(r["mem_fraction"]), str(r["batch"]), gib(args), gib(temp), gib(args + temp),
-        gib(c["total_allocation_bytes"]), gib(c["peak_memory_in_bytes"]), gib(after.get("bytes_limit")),
-        gib(peak), gib(None if peak is None else peak - args - temp),
+        str(r["mem_fraction"]), str(r["batch"]), gib(c["argument"]), gib(c["temp"]), gib(c["formula_peak"]),
+        gib(c["peak"]), gib(c["xla_peak"]), gib(after.get("bytes_limit")),
+        gib(peak), gib(None if peak is None else peak - c["formula_peak"]),
         "yes" if r["run_error"] is None else "NO: " + r["run_error"][:80], str(r["step_ms"])]) + " |")
   return "\n".join(lines)
 

@@ -7,7 +7,7 @@ Private: ``compiled.as_text()`` parsed with small pure functions, so the benchma
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 __all__ = [
     "COLLECTIVES", "TRANSFERS", "shape_bytes", "collectives", "loop_collectives", "sent_bytes", "group_size",
@@ -192,18 +192,22 @@ def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, in
 Counts = dict[str, dict[str, int]]
 
 
-def _count(lines: list[str], times: int, out: Counts) -> None:
+def _collective_ops(lines: list[str]) -> Iterator[tuple[str, int, str]]:
+  """(op, bytes of its result on one device, the line) for each collective among ``lines``."""
   for line in lines:
     fused = _FUSED_REDUCE_SCATTER.match(line)
-    if fused and times:
-      out["reduce-scatter"]["count"] += times
-      out["reduce-scatter"]["bytes"] += times * shape_bytes(fused["shape"])
+    if fused:
+      yield "reduce-scatter", shape_bytes(fused["shape"]), line
       continue
     m = _OP.match(line)
-    if m and times:
-      nbytes = _result_bytes(m["shape"], m["op"], bool(m["start"]))
-      out[m["op"]]["count"] += times
-      out[m["op"]]["bytes"] += times * nbytes
+    if m:
+      yield m["op"], _result_bytes(m["shape"], m["op"], bool(m["start"])), line
+
+
+def _count(lines: list[str], times: int, out: Counts) -> None:
+  for op, nbytes, _ in _collective_ops(lines) if times else ():
+    out[op]["count"] += times
+    out[op]["bytes"] += times * nbytes
 
 
 def group_size(line: str, devices: int) -> int:
@@ -236,13 +240,7 @@ def _sent(op: str, result: int, n: int) -> int:
 
 def _count_sent(devices: int) -> Callable[[list[str], int, Counts], None]:
   def count(lines: list[str], times: int, out: Counts) -> None:
-    for line in lines:
-      fused = _FUSED_REDUCE_SCATTER.match(line)
-      m = fused or _OP.match(line)
-      if not (m and times):
-        continue
-      op = "reduce-scatter" if fused else m["op"]
-      result = shape_bytes(m["shape"]) if fused else _result_bytes(m["shape"], m["op"], bool(m["start"]))
+    for op, result, line in _collective_ops(lines) if times else ():
       out[op]["count"] += times
       out[op]["bytes"] += times * _sent(op, result, group_size(line, devices))
 

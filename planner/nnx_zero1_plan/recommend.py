@@ -62,17 +62,15 @@ def _spelled(value: Any) -> str:
   return f"jnp.{value}" if isinstance(value, str) else repr(value)
 
 
-def _own_loop_code(options: list[str], mesh: Mapping[str, int] | None, optimizer: str) -> str:
+def _own_loop_code(options: list[str], mesh: Mapping[str, int] | None, tx: str) -> str:
   """The lines that build the optimizer in a user's own loop, pasteable after ``model = ...``."""
-  from nnx_zero1_plan.steps import OPTIMIZER_CODE
-
   axes = dict(mesh or {"data": 1})
   shape = ", ".join(str(v) for v in axes.values()) + ("," if len(axes) == 1 else "")
   names = ", ".join(repr(k) for k in axes) + ("," if len(axes) == 1 else "")
   return "; ".join([
       "import jax, jax.numpy as jnp, optax", "from nnx_zero1 import Zero1Optimizer",
       f"mesh = jax.make_mesh(({shape}), ({names}))",
-      f"optimizer = Zero1Optimizer({', '.join(['model', OPTIMIZER_CODE[optimizer], 'mesh', *options])})"])
+      f"optimizer = Zero1Optimizer({', '.join(['model', tx, 'mesh', *options])})"])
 
 
 def lever_code(name: str, model: str, offload_fraction: float | None = None,
@@ -99,7 +97,9 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
   """
   from nnx_zero1_plan.levers import LEVERS, with_offload
   from nnx_zero1_plan.maxtext import engine_attributes
+  from nnx_zero1_plan.steps import OPTIMIZER_CODE
 
+  tx = OPTIMIZER_CODE[optimizer]
   lever = LEVERS[name]
   if lever.picks_offload:
     lever = with_offload(lever, offload_fraction or 0.0)
@@ -118,11 +118,8 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     return "Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext)" + (f" subclassed with {spelled}"
                                                                       if spelled else "")
   if not lever.zero1:
-    from nnx_zero1_plan.steps import OPTIMIZER_CODE
-
-    tx = OPTIMIZER_CODE[optimizer]
     return f"import optax; from flax import nnx; optimizer = nnx.Optimizer(model, {tx}, wrt=nnx.Param)"
-  code = _own_loop_code(options, mesh, optimizer)
+  code = _own_loop_code(options, mesh, tx)
   if lever.deferred:
     accumulate = "".join(f", {k}={_spelled(v)}" for k, v in lever.accumulate_options.items())
     code += ("; from nnx_zero1 import value_and_grad_accumulated; loss, grads = value_and_grad_accumulated("

@@ -376,6 +376,7 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   compiler = require_compiler(topology)
   import jax
 
+  from nnx_zero1_plan.compiled import PEAK_SOURCE
   from nnx_zero1_plan.targets import make_target, usable_bytes
 
   target = make_target(topology, gpu_memory_fraction)
@@ -414,8 +415,6 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
   layers = planned.source_at(batch).full_depth or next(
       (int(r["maxtext_config"]["num_decoder_layers"]) for r in rows if r.get("maxtext_config")), None)
   extrapolated = [r["depth_extrapolated_from"] for r in rows if r.get("depth_extrapolated_from")]
-  from nnx_zero1_plan.compiled import PEAK_SOURCE
-
   meta = {"model": planned.source_at(batch).name, "layers": layers, "topology": topology,
           "device_kind": target.device_kind, "mesh": planned.axes, "batch": batch, "seq_len": seq_len,
           "ga": ga, "optimizer": optimizer, "param_dtype": param_dtype,
