@@ -1,11 +1,14 @@
-"""A user's own decoder for the planner: ``--model examples.planner_decoder:build`` from the repository root.
+"""A user's own decoders for the planner: ``--model examples.planner_decoder:build`` from the repository root.
 
-Twelve pre-norm layers (causal attention, 16 heads, a SwiGLU MLP), d_model 1024, vocabulary 32,000,
-an untied head, float32: 266.9M parameters. The planner calls ``build`` under ``nnx.eval_shape`` (no
-weights are made) at 2 and 4 layers and at its default depth, and scores the logits against the next
-tokens::
+``build``: twelve pre-norm layers (causal attention, 16 heads, a SwiGLU MLP), d_model 1024, vocabulary
+32,000, an untied head, float32: 266.9M parameters. ``build_1b``: the same blocks at 1.21B parameters in
+bfloat16 (24 layers, d_model 2048, grouped-query attention with 16 query and 4 key/value heads, SwiGLU
+5632). The planner calls them under ``nnx.eval_shape`` (no weights are made), at reduced depths and at
+their default depth, and scores the logits against the next tokens::
 
   python -m nnx_zero1.plan --model examples.planner_decoder:build --topology h100:4 --steps one --search
+  python -m nnx_zero1.plan --model examples.planner_decoder:build_1b --topology h200:8 --steps one \
+      --seq-len 2048 --search
 """
 
 import jax
@@ -16,19 +19,26 @@ from flax import nnx
 class Block(nnx.Module):
   """One pre-norm decoder layer: causal self-attention, then a SwiGLU MLP, each added to its input."""
 
-  def __init__(self, width: int, heads: int, hidden: int, *, rngs: nnx.Rngs):
-    self.heads = heads
-    self.attn_norm, self.mlp_norm = nnx.RMSNorm(width, rngs=rngs), nnx.RMSNorm(width, rngs=rngs)
-    self.qkv = nnx.Linear(width, 3 * width, use_bias=False, rngs=rngs)
-    self.out = nnx.Linear(width, width, use_bias=False, rngs=rngs)
-    self.gate_up = nnx.Linear(width, 2 * hidden, use_bias=False, rngs=rngs)
-    self.down = nnx.Linear(hidden, width, use_bias=False, rngs=rngs)
+  def __init__(self, width: int, heads: int, kv_heads: int, hidden: int, *, dtype: jnp.dtype,
+               rngs: nnx.Rngs):
+    self.heads, self.kv_heads = heads, kv_heads
+    kv_width = width // heads * kv_heads
+    linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                            rngs=rngs)
+    norm = lambda: nnx.RMSNorm(width, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    self.attn_norm, self.mlp_norm = norm(), norm()
+    self.qkv = linear(width, width + 2 * kv_width)
+    self.out = linear(width, width)
+    self.gate_up = linear(width, 2 * hidden)
+    self.down = linear(hidden, width)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, length, width = x.shape
-    q, k, v = jnp.split(self.qkv(self.attn_norm(x)), 3, axis=-1)
-    heads = lambda t: t.reshape(batch, length, self.heads, width // self.heads)
-    attended = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+    head_dim = width // self.heads
+    q, k, v = jnp.split(self.qkv(self.attn_norm(x)), [width, width + self.kv_heads * head_dim], axis=-1)
+    heads = lambda t, n: t.reshape(batch, length, n, head_dim)
+    attended = jax.nn.dot_product_attention(heads(q, self.heads), heads(k, self.kv_heads),
+                                            heads(v, self.kv_heads), is_causal=True)
     x = x + self.out(attended.reshape(batch, length, width))
     gate, up = jnp.split(self.gate_up(self.mlp_norm(x)), 2, axis=-1)
     return x + self.down(jax.nn.silu(gate) * up)
@@ -38,11 +48,12 @@ class Decoder(nnx.Module):
   """Token embedding, ``num_layers`` blocks, a final norm and an untied head to the vocabulary."""
 
   def __init__(self, num_layers: int, *, vocab: int = 32_000, width: int = 1024, heads: int = 16,
-               hidden: int = 4096, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(vocab, width, rngs=rngs)
-    self.blocks = nnx.List([Block(width, heads, hidden, rngs=rngs) for _ in range(num_layers)])
-    self.norm = nnx.RMSNorm(width, rngs=rngs)
-    self.head = nnx.Linear(width, vocab, use_bias=False, rngs=rngs)
+               kv_heads: int = 16, hidden: int = 4096, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(vocab, width, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    self.blocks = nnx.List([Block(width, heads, kv_heads, hidden, dtype=dtype, rngs=rngs)
+                            for _ in range(num_layers)])
+    self.norm = nnx.RMSNorm(width, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    self.head = nnx.Linear(width, vocab, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     x = self.embed(tokens)
@@ -52,5 +63,11 @@ class Decoder(nnx.Module):
 
 
 def build(num_layers: int = 12) -> Decoder:
-  """The planner's entry point: the decoder at ``num_layers`` (its default is the full depth)."""
+  """The 266.9M float32 decoder at ``num_layers`` (its default is the full depth)."""
   return Decoder(num_layers, rngs=nnx.Rngs(0))
+
+
+def build_1b(num_layers: int = 24) -> Decoder:
+  """The 1.21B bfloat16 decoder with grouped-query attention at ``num_layers`` (default: the full depth)."""
+  return Decoder(num_layers, width=2048, heads=16, kv_heads=4, hidden=5632, dtype=jnp.bfloat16,
+                 rngs=nnx.Rngs(0))

@@ -9,6 +9,7 @@ from nnx_zero1._src.layout import zero1_sharding
 from nnx_zero1._src.mixin import ShardedOptimizerMixin
 from nnx_zero1._src.model_and_optimizer import Zero1ModelAndOptimizer
 from nnx_zero1._src.optimizer import Zero1Optimizer
+from nnx_zero1._src.options import Zero1Options
 from nnx_zero1._src.report import Zero1Report, bytes_per_device, report
 from nnx_zero1._src.scope import zero1_optimizers
 
@@ -17,6 +18,7 @@ __all__ = [
     "Zero1Error",
     "Zero1ModelAndOptimizer",
     "Zero1Optimizer",
+    "Zero1Options",
     "Zero1Report",
     "Zero1Warning",
     "abstract_state",

@@ -18,7 +18,7 @@ from flax import nnx
 
 from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.optimizer import Zero1Optimizer
-from nnx_zero1._src.options import Zero1Options
+from nnx_zero1._src.options import options_from
 from nnx_zero1._src.specs import DataAxis
 
 __all__ = ["Zero1ModelAndOptimizer"]
@@ -28,7 +28,7 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
   """``nnx.ModelAndOptimizer`` with its optimizer state split over the data axis (Zero-1).
 
   Same arguments as ``nnx.ModelAndOptimizer`` plus ``Zero1Optimizer``'s
-  (``mesh``, ``data_axis``, ``strict``, ``pin_gradients``); ``update(grads)``
+  ``mesh`` and every option of :class:`Zero1Options`; ``update(grads)``
   updates ``self.model``. Inside ``zero1_optimizers()``, ``nnx.ModelAndOptimizer(...)``
   builds one of these.
 
@@ -77,10 +77,6 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
   ):
     # Zero1Optimizer's construction, not nnx.ModelAndOptimizer's (which would build the full,
     # replicated state first); then what ModelAndOptimizer adds: the model it updates.
-    options = Zero1Options(
-        data_axis=data_axis, strict=strict, pin_gradients=pin_gradients,
-        offload_state_to_host=offload_state_to_host, state_dtype=state_dtype, state_rounding=state_rounding,
-        master_dtype=master_dtype,
-    )
+    options = options_from(locals())
     self._zero1_build(model, tx, mesh, wrt, None, options)
     self.model = model

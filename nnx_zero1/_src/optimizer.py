@@ -16,7 +16,7 @@ from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.construction import finished_plan, init_masters, init_sharded_state, opt_state_init
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
 from nnx_zero1._src.layout_plan import Zero1Plan
-from nnx_zero1._src.options import Zero1Options
+from nnx_zero1._src.options import Zero1Options, options_from
 from nnx_zero1._src.placement import current_sharding, off_mesh, place, place_tree
 from nnx_zero1._src.specs import DataAxis, is_explicit
 from nnx_zero1._src.storage import compute_shardings, load, store
@@ -171,11 +171,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       state_rounding: str = "stochastic",
       master_dtype: Any = None,
   ):
-    options = Zero1Options(
-        data_axis=data_axis, strict=strict, pin_gradients=pin_gradients,
-        offload_state_to_host=offload_state_to_host, state_dtype=state_dtype, state_rounding=state_rounding,
-        master_dtype=master_dtype,
-    )
+    options = options_from(locals())
     self._zero1_build(model, tx, mesh, wrt, graph, options)
 
   def _zero1_build(self, model: Any, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh | None,

@@ -32,7 +32,7 @@ from nnx_zero1._src.compat import set_metaclass
 from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.model_and_optimizer import Zero1ModelAndOptimizer
 from nnx_zero1._src.optimizer import Zero1Optimizer
-from nnx_zero1._src.options import Zero1Options
+from nnx_zero1._src.options import Zero1Options, options_from
 from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh
 
 __all__ = ["options_scope", "zero1_optimizers"]
@@ -90,8 +90,8 @@ def _install() -> None:
 
 @contextlib.contextmanager
 def zero1_optimizers(
-    mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = None, strict: bool = False,
-    *, offload_state_to_host: bool | float = False, state_dtype: Any = None,
+    mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = "data", strict: bool = False,
+    *, pin_gradients: bool = True, offload_state_to_host: bool | float = False, state_dtype: Any = None,
     state_rounding: str = "stochastic", master_dtype: Any = None,
 ) -> Iterator[list[Zero1Optimizer]]:
   """Inside the block, ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` builds
@@ -110,6 +110,7 @@ def zero1_optimizers(
       data-parallel size 1).
     data_axis: the data-parallel mesh axis (or axes); ``None`` means ``"data"``.
     strict: as for ``Zero1Optimizer``, for every optimizer built inside.
+    pin_gradients: as for ``Zero1Optimizer``.
     offload_state_to_host: as for ``Zero1Optimizer`` (``True`` or a fraction).
     state_dtype: as for ``Zero1Optimizer`` (e.g. ``jnp.bfloat16``).
     state_rounding: as for ``Zero1Optimizer``.
@@ -136,11 +137,7 @@ def zero1_optimizers(
     >>> type(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)).__name__
     'Optimizer'
   """
-  options = Zero1Options(
-      data_axis="data" if data_axis is None else data_axis, strict=strict,
-      offload_state_to_host=offload_state_to_host, state_dtype=state_dtype, state_rounding=state_rounding,
-      master_dtype=master_dtype,
-  )
+  options = options_from({**locals(), "data_axis": "data" if data_axis is None else data_axis})
   with options_scope(mesh, options) as built:
     yield built
 

@@ -2,6 +2,7 @@
 entry point."""
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +16,12 @@ from nnx_zero1 import (
   Zero1Error,
   Zero1ModelAndOptimizer,
   Zero1Optimizer,
+  Zero1Options,
   bytes_per_device,
   zero1_optimizers,
 )
-from nnx_zero1._src.options import Zero1Options, levers_of
+from nnx_zero1._src.options import levers_of
+from nnx_zero1.adapters.maxtext import Zero1EngineMixin
 
 MESH = jax.make_mesh((8,), ("data",))
 
@@ -52,9 +55,8 @@ def test_every_entry_point_refuses_through_the_record_before_any_state(options, 
     Zero1Optimizer(model, optax.adam(1e-3), MESH, **options)
   with pytest.raises(Zero1Error, match=words):
     Zero1ModelAndOptimizer(model, optax.adam(1e-3), MESH, **options)
-  if "strict" not in options:  # the scope's strict is positional; the levers are keywords
-    with pytest.raises(Zero1Error, match=words), zero1_optimizers(MESH, **options):
-      pass
+  with pytest.raises(Zero1Error, match=words), zero1_optimizers(MESH, **options):
+    pass
   jax.tree.map(np.testing.assert_array_equal, nnx.state(model), before)
 
 
@@ -116,7 +118,7 @@ def _built(entry):
   if entry == "model_and_optimizer":
     return Zero1ModelAndOptimizer(model, optax.adam(1e-3), MESH, strict=True, pin_gradients=False, **LEVERS)
   if entry == "scope":
-    with zero1_optimizers(MESH, "data", True, **LEVERS):
+    with zero1_optimizers(MESH, "data", True, pin_gradients=False, **LEVERS):
       return nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
   with jax.set_mesh(MESH):
     return _Zero1Trainer(model, optax.adam(1e-3)).optimizer
@@ -135,6 +137,45 @@ def test_every_entry_point_forwards_every_option_to_the_same_effect(entry):
   assert master.dtype == jnp.float32 and master.sharding.memory_kind == "pinned_host"
   assert bytes_per_device(master) == 16 * 16 * 4 // 8
   assert opt.step[...].sharding.memory_kind == "device"
-  assert opt.strict is True and opt.data_axis == ("data",)
-  if entry != "scope":  # the scope takes no pin_gradients: nnx.Optimizer's call keeps the default
-    assert opt.pin_gradients is False
+  assert opt.strict is True and opt.data_axis == ("data",) and opt.pin_gradients is False
+
+
+RECORD = {field.name: field.default for field in dataclasses.fields(Zero1Options)}
+ENGINE_OWN = {"data_axis", "strict", "pin_gradients"}  # an engine's own attributes, or the engine's choice
+
+
+def _options_in_signature(entry):
+  parameters = inspect.signature(entry).parameters
+  return {name: p.default for name, p in parameters.items() if name in RECORD}, set(parameters)
+
+
+ENTRY_POINTS = [Zero1Optimizer.__init__, Zero1ModelAndOptimizer.__init__, zero1_optimizers]
+NOT_OPTIONS = {"self", "model", "tx", "mesh", "wrt", "graph"}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_constructor_takes_every_option_of_the_record_with_its_default(entry):
+  # Drift fails here: an option added to the record but not to an entry point, or a default that differs.
+  options, names = _options_in_signature(entry)
+  assert options == RECORD
+  assert names - set(RECORD) <= NOT_OPTIONS
+
+
+def test_the_mixins_and_the_engines_read_every_option_by_the_records_names():
+  assert {name: getattr(ShardedOptimizerMixin, f"zero1_{name}") for name in RECORD} == RECORD
+  levers = {name: default for name, default in RECORD.items() if name not in ENGINE_OWN}
+  assert {name: getattr(Zero1EngineMixin, name.upper()) for name in levers} == levers
+  assert set(levers_of(Zero1EngineMixin, str.upper)) == set(levers)
+
+
+def test_one_record_passes_to_every_entry_point_as_keywords():
+  options = Zero1Options(strict=True, pin_gradients=False, state_dtype=jnp.bfloat16, state_rounding="nearest")
+  model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+  built = [Zero1Optimizer(model, optax.adam(1e-3), MESH, **options.keywords()),
+           Zero1ModelAndOptimizer(model, optax.adam(1e-3), MESH, **options.keywords())]
+  with zero1_optimizers(MESH, **options.keywords()):
+    built.append(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
+  for opt in built:
+    assert isinstance(opt, Zero1Optimizer)
+    assert (opt.strict, opt.pin_gradients, opt.zero1_plan.state_rounding) == (True, False, "nearest")
+    assert opt.opt_state[0].mu["kernel"][...].dtype == jnp.bfloat16
