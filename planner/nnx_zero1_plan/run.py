@@ -25,13 +25,12 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS, lever_blocker, with_offload
 from nnx_zero1_plan.recommend import recommend
-from nnx_zero1_plan.search import Probe, find_edge, next_fraction
+from nnx_zero1_plan.search import NEAR, offload_search, search_row
 from nnx_zero1_plan.table import markdown, next_steps, recommendation_lines, table
 
 __all__ = ["Plan", "make_plan_rows", "DEFAULT_DEPTHS"]
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for a model deeper than the second
-_NEAR = "near the limit"  # why a row was compiled whole after its reduced depths: the search keys on it
 _EXTRAPOLATED = ("opt_state_bytes_per_device", "argument_bytes_per_device", "output_bytes_per_device",
                  "alias_bytes_per_device", "temp_bytes_per_device", "peak_bytes_per_device",
                  "formula_peak_bytes_per_device", "flops_per_device", "host_argument_bytes_per_device",
@@ -254,7 +253,7 @@ def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, An
     row = _lever_row(name, step, source, None, model.device_mesh, settings)
     row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
            "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"],
-           "compiled_whole_because": extrapolated.get("not_alike") or _NEAR}
+           "compiled_whole_because": extrapolated.get("not_alike") or NEAR}
   if whole and model.reduced:
     row = {**row, "compiled_whole_because": "a smaller micro-batch came near the limit"}
   peak = row.get("peak_bytes_per_device")
@@ -263,76 +262,6 @@ def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, An
           "mesh": model.axes, "model": source.name, "batch": batch, **row,
           "compile_s": round(row["compile_s"], 1), "hbm_bytes": target.hbm_bytes, "usable_bytes": usable,
           "headroom_bytes_per_device": None if peak is None else usable - peak, "fits": fits}
-
-
-_AT_EDGE = ("peak_bytes_per_device", "formula_peak_bytes_per_device", "temp_bytes_per_device",
-            "argument_bytes_per_device", "headroom_bytes_per_device", "flops_per_device", "compile_s",
-            "error")
-
-
-def _search(first: dict, row_at: Callable[[int, bool], dict], unit: int, usable: int) -> dict[str, Any]:
-  """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch).
-
-  ``row_at(batch, whole)`` compiles; once a micro-batch was compiled whole for being near the limit,
-  every larger one is compiled whole at once (its reduced depths would be compiled in vain)."""
-  rows = {first["batch"]: first}
-
-  def measure(batch: int) -> Probe:
-    if batch not in rows:
-      near = [b for b, r in rows.items() if r.get("compiled_whole_because") == _NEAR]
-      rows[batch] = row_at(batch, bool(near) and batch >= min(near))
-    row = rows[batch]
-    peak = row.get("peak_bytes_per_device")
-    fits = not row.get("error") and peak is not None and peak <= usable
-    return Probe(batch, peak, fits, row.get("error"))
-
-  edge = find_edge(measure, step=unit, usable=usable, start=first["batch"])
-  probes = [{"batch": p.batch, "fits": p.fits, **{k: rows[p.batch].get(k) for k in _AT_EDGE}}
-            for p in edge.probes]
-  at = lambda batch: next((p for p in probes if p["batch"] == batch), None)
-  return {"max_micro_batch": edge.max_micro_batch, "above": edge.above,
-          "refused_because": edge.refused_because, "search_unfinished": edge.unfinished,
-          "fits_above": list(edge.fits_above), "at_max": at(edge.max_micro_batch), "at_above": at(edge.above),
-          "search": probes,
-          "search_compile_s": round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1)}
-
-
-def _offload_search(row_with: Callable[[float], dict], usable: int, tries: int = 4) -> dict[str, Any]:
-  """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever).
-
-  Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the
-  state, its largest leaves, go to host memory, and a compile confirms the guess. Where it missed
-  (the compiler kept some of the offloaded bytes live), the next guess divides what it missed by the
-  bytes each share of the state actually saved, the line through the last two compiles (``tries``
-  compiles at most). The row is the last compile's, with ``offload_fraction`` and every compile
-  (``offload_search``)."""
-  fraction, row = 0.0, row_with(0.0)
-  tried: list[dict[str, Any]] = []
-  refused = None
-  while True:
-    peak = row.get("peak_bytes_per_device")
-    tried.append({"fraction": fraction, "peak_bytes_per_device": peak, "compile_s": row["compile_s"],
-                  "fits": peak is not None and not row.get("error") and peak <= usable})
-    if row.get("error") or peak is None:
-      refused = row.get("error") or "no figures"
-      break
-    state = sum((row.get("opt_state_bytes_by_memory_kind") or {}).values())
-    saved_per_share = state
-    if len(tried) > 1 and tried[-2]["peak_bytes_per_device"] is not None:
-      slope = (tried[-2]["peak_bytes_per_device"] - peak) / (fraction - tried[-2]["fraction"])
-      saved_per_share = int(slope) if 0 < slope < state else state
-    share = next_fraction(peak, usable, saved_per_share, fraction)
-    if share is None:
-      refused = (f"{(peak - usable) / 2**30:.2f} GiB over the usable memory with {fraction:.0%} offloaded, "
-                 f"more than the {state * (1 - fraction) / 2**30:.2f} GiB of state still on device saves")
-      break
-    if share == fraction or len(tried) == tries:
-      break
-    fraction, row = share, row_with(share)
-  if not tried[-1]["fits"] and refused is None:
-    refused = f"{tries} compiles did not find a fraction that fits"
-  return {**row, "offload_fraction": fraction, "offload_search": tried, "offload_refused_because": refused,
-          "compile_s": round(sum(t["compile_s"] for t in tried), 1)}
 
 
 def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch: int = 8,
@@ -398,11 +327,11 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
       def row_with(f: float, p: Any = policy, n: str = name, s: str = step) -> dict:
         return {**_row(n, s, plans[p], batch, {**settings, "offload_fraction": f}, target, topology, usable),
                 "remat": p}
-      row = _offload_search(row_with, usable)
+      row = offload_search(row_with, usable)
     else:
       row = row_at(batch)
     if search and not LEVERS[name].picks_offload:
-      row = {**row, **_search(row, row_at, planned.batch_unit, usable)}
+      row = {**row, **search_row(row, row_at, planned.batch_unit, usable)}
     rows.append(row)
     if progress:
       found = ""

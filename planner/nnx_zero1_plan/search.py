@@ -19,13 +19,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["BAND", "Probe", "Edge", "round_down", "line_limit", "find_edge", "next_fraction"]
+__all__ = ["BAND", "NEAR", "Probe", "Edge", "round_down", "line_limit", "find_edge", "next_fraction",
+           "search_row", "offload_search"]
 
 # Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
 # with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8): a fitting
 # micro-batch there vouches for none below it, so the ones below are compiled too.
 BAND = 0.03
+NEAR = "near the limit"  # why a row was compiled whole after its reduced depths: the search keys on it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,3 +240,73 @@ def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.
   share = fraction + (peak - usable) / max(state_bytes, 1)
   share = math.ceil(round(share * 100, 6)) / 100
   return None if share > 1 else share
+
+
+_AT_EDGE = ("peak_bytes_per_device", "formula_peak_bytes_per_device", "temp_bytes_per_device",
+            "argument_bytes_per_device", "headroom_bytes_per_device", "flops_per_device", "compile_s",
+            "error")
+
+
+def search_row(first: dict, row_at: Callable[[int, bool], dict], unit: int, usable: int) -> dict[str, Any]:
+  """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch).
+
+  ``row_at(batch, whole)`` compiles; once a micro-batch was compiled whole for being near the limit,
+  every larger one is compiled whole at once (its reduced depths would be compiled in vain)."""
+  rows = {first["batch"]: first}
+
+  def measure(batch: int) -> Probe:
+    if batch not in rows:
+      near = [b for b, r in rows.items() if r.get("compiled_whole_because") == NEAR]
+      rows[batch] = row_at(batch, bool(near) and batch >= min(near))
+    row = rows[batch]
+    peak = row.get("peak_bytes_per_device")
+    fits = not row.get("error") and peak is not None and peak <= usable
+    return Probe(batch, peak, fits, row.get("error"))
+
+  edge = find_edge(measure, step=unit, usable=usable, start=first["batch"])
+  probes = [{"batch": p.batch, "fits": p.fits, **{k: rows[p.batch].get(k) for k in _AT_EDGE}}
+            for p in edge.probes]
+  at = lambda batch: next((p for p in probes if p["batch"] == batch), None)
+  return {"max_micro_batch": edge.max_micro_batch, "above": edge.above,
+          "refused_because": edge.refused_because, "search_unfinished": edge.unfinished,
+          "fits_above": list(edge.fits_above), "at_max": at(edge.max_micro_batch), "at_above": at(edge.above),
+          "search": probes,
+          "search_compile_s": round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1)}
+
+
+def offload_search(row_with: Callable[[float], dict], usable: int, tries: int = 4) -> dict[str, Any]:
+  """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever).
+
+  Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the
+  state, its largest leaves, go to host memory, and a compile confirms the guess. Where it missed
+  (the compiler kept some of the offloaded bytes live), the next guess divides what it missed by the
+  bytes each share of the state actually saved, the line through the last two compiles (``tries``
+  compiles at most). The row is the last compile's, with ``offload_fraction`` and every compile
+  (``offload_search``)."""
+  fraction, row = 0.0, row_with(0.0)
+  tried: list[dict[str, Any]] = []
+  refused = None
+  while True:
+    peak = row.get("peak_bytes_per_device")
+    tried.append({"fraction": fraction, "peak_bytes_per_device": peak, "compile_s": row["compile_s"],
+                  "fits": peak is not None and not row.get("error") and peak <= usable})
+    if row.get("error") or peak is None:
+      refused = row.get("error") or "no figures"
+      break
+    state = sum((row.get("opt_state_bytes_by_memory_kind") or {}).values())
+    saved_per_share = state
+    if len(tried) > 1 and tried[-2]["peak_bytes_per_device"] is not None:
+      slope = (tried[-2]["peak_bytes_per_device"] - peak) / (fraction - tried[-2]["fraction"])
+      saved_per_share = int(slope) if 0 < slope < state else state
+    share = next_fraction(peak, usable, saved_per_share, fraction)
+    if share is None:
+      refused = (f"{(peak - usable) / 2**30:.2f} GiB over the usable memory with {fraction:.0%} offloaded, "
+                 f"more than the {state * (1 - fraction) / 2**30:.2f} GiB of state still on device saves")
+      break
+    if share == fraction or len(tried) == tries:
+      break
+    fraction, row = share, row_with(share)
+  if not tried[-1]["fits"] and refused is None:
+    refused = f"{tries} compiles did not find a fraction that fits"
+  return {**row, "offload_fraction": fraction, "offload_search": tried, "offload_refused_because": refused,
+          "compile_s": round(sum(t["compile_s"] for t in tried), 1)}

@@ -7,8 +7,7 @@ import pytest
 
 from nnx_zero1_plan.levers import LEVERS, with_offload
 from nnx_zero1_plan.recommend import lever_code
-from nnx_zero1_plan.run import _offload_search
-from nnx_zero1_plan.search import next_fraction
+from nnx_zero1_plan.search import next_fraction, offload_search
 from nnx_zero1_plan.table import table
 
 MIB = 2**20
@@ -34,7 +33,7 @@ def compiles(peak_at):
 def test_the_pick_is_the_smallest_hundredth_that_fits_when_offload_saves_its_bytes(usable_mib):
   usable = usable_mib * MIB
   row_with, log = compiles(lambda f: 600 * MIB + int(STATE * (1 - f)))  # every offloaded byte leaves the peak
-  row = _offload_search(row_with, usable)
+  row = offload_search(row_with, usable)
   smallest = max(0.0, math.ceil((1000 - usable_mib) / 400 * 100) / 100)
   assert row["offload_fraction"] == pytest.approx(smallest)
   assert row["peak_bytes_per_device"] <= usable and row["offload_refused_because"] is None
@@ -46,7 +45,7 @@ def test_the_pick_is_the_smallest_hundredth_that_fits_when_offload_saves_its_byt
 def test_a_guess_that_misses_moves_up_by_what_it_missed():
   # The compiler keeps a third of each offloaded byte live (copies at the peak): the first guess misses.
   row_with, log = compiles(lambda f: 600 * MIB + int(STATE * (1 - f)) + int(STATE * f / 3))
-  row = _offload_search(row_with, 850 * MIB)
+  row = offload_search(row_with, 850 * MIB)
   assert log[0] == 0.0 and log[1] == pytest.approx(0.38) and len(log) == 3  # the line through two finds it
   assert row["offload_search"][-1]["fits"] and row["peak_bytes_per_device"] <= 850 * MIB
   assert all(not t["fits"] for t in row["offload_search"][:-1])
@@ -54,7 +53,7 @@ def test_a_guess_that_misses_moves_up_by_what_it_missed():
 
 def test_when_even_the_whole_state_cannot_make_it_fit_the_row_says_why():
   row_with, log = compiles(lambda f: 600 * MIB + int(STATE * (1 - f)))
-  row = _offload_search(row_with, 500 * MIB)  # 500 MiB over, the state is 400
+  row = offload_search(row_with, 500 * MIB)  # 500 MiB over, the state is 400
   assert log == [0.0]
   assert "more than the 0.39 GiB of state still on device saves" in row["offload_refused_because"]
   assert "no fraction fits" in table([{**row, "step": "one", "compiled_for": "v5e:2x2", "mesh": {"data": 4},
@@ -65,7 +64,7 @@ def test_when_even_the_whole_state_cannot_make_it_fit_the_row_says_why():
 def test_a_compiler_refusal_ends_the_pick_with_its_words():
   row_with, log = compiles(lambda f: 0)
   refused = lambda f: {**row_with(f), "peak_bytes_per_device": None, "error": "CompileTimeHbmOom: 17 GiB"}
-  row = _offload_search(refused, 100 * MIB)
+  row = offload_search(refused, 100 * MIB)
   assert row["offload_refused_because"] == "CompileTimeHbmOom: 17 GiB" and len(log) == 1
 
 

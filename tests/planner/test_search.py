@@ -180,7 +180,7 @@ def test_a_spent_budget_is_said():
 
 
 def test_past_a_micro_batch_compiled_whole_the_search_compiles_whole_at_once():
-  from nnx_zero1_plan.run import _search
+  from nnx_zero1_plan.search import search_row
 
   calls = []
 
@@ -190,8 +190,21 @@ def test_past_a_micro_batch_compiled_whole_the_search_compiles_whole_at_once():
     row = {"batch": batch, "peak_bytes_per_device": batch * GIB // 4, "error": None, "compile_s": 1.0}
     return {**row, "compiled_whole_because": "near the limit"} if near else row
 
-  found = _search(row_at(8), row_at, unit=8, usable=15 * GIB)
+  found = search_row(row_at(8), row_at, unit=8, usable=15 * GIB)
   assert found["max_micro_batch"] == 56 and found["above"] == 64
   first_near = next(i for i, (b, whole) in enumerate(calls) if b >= 32 and not whole)
   after = calls[first_near + 1:]
   assert after and all(whole for b, whole in after if b >= calls[first_near][0]), calls
+
+
+@pytest.mark.parametrize("start", [8, 48, 176])
+def test_a_sharp_bend_at_the_default_budget_is_found_or_said(start):
+  # Flat while a fixed part dominates, then steep: the line from the flat part overshoots far.
+  peak = lambda b: 40 * GIB + b * GIB // 20 + max(0, b - 200) * 2 * GIB
+  measure, calls = by_peak(peak, 60 * GIB)
+  edge = find_edge(measure, step=8, usable=60 * GIB, start=start)
+  assert peak(edge.max_micro_batch) <= 60 * GIB
+  if edge.unfinished is None:
+    assert (edge.max_micro_batch, edge.above) == (200, 208), calls
+  else:
+    assert "compiles ran out" in edge.unfinished or "wider than one step" in edge.unfinished
