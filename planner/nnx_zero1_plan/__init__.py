@@ -32,64 +32,36 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tqdm
 
+from nnx_zero1_plan import compilers
+from nnx_zero1_plan.child import plan_in_child
 from nnx_zero1_plan.compilers import AotUnavailable
 from nnx_zero1_plan.inputs import PlanError, parse_overrides
 from nnx_zero1_plan.levers import LEVERS
-from nnx_zero1_plan.run import DEFAULT_DEPTHS, Plan, make_plan_rows
+from nnx_zero1_plan.request import DEFAULT_DEPTHS, PlanRequest
+from nnx_zero1_plan.run import Plan, make_plan
 
-__all__ = ["Plan", "PlanError", "AotUnavailable", "plan", "parse_args", "main"]
+__all__ = ["Plan", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "main"]
 
 
-def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, seq_len: int = 1024,
-         ga: int = 1, param_dtype: str | None = None, compute_dtype: str | None = None,
-         remat: str | None = None, optimizer: str = "adamw",
-         levers: str | Sequence[str] = ("baseline", "zero1"), steps: str | Sequence[str] = ("one", "split"),
-         full_depth: bool = False, overrides: Mapping[str, str] | None = None, search: bool = False,
-         margin: float | None = None, gpu_memory_fraction: float = 0.75,
-         progress: Callable[[str], None] | None = None) -> Plan:
+def plan(model: str | PlanRequest, topology: str | None = None, *,
+         progress: Callable[[str], None] | None = None, **settings: Any) -> Plan:
   """Compiles each lever's training step for ``topology`` and says what it needs per device.
 
+  The compiles run in a planning process of its own: the caller's process (a notebook's, a trainer's)
+  keeps its environment, its devices and its jax backends, and no file is written unless the caller
+  writes the plan (:meth:`Plan.write`).
+
   Args:
-    model: ``tunix:CONFIG``, ``maxtext:MODEL_NAME`` or ``package.module:function``.
-    topology: a TPU slice libtpu knows (``v5e:2x4``, ``v6e:2x2``, ``v4:2x2x1``) or NVIDIA GPUs
-      (``h100:8``, ``h200:8``, ``a100-80g:8``, ``b200:8``; ``h100:2x8`` for two nodes).
-    mesh: ``"data=4,fsdp=2"``; an axis the model names but this omits has size 1, and the
-      default is every device on ``data``. The sizes' product must be the device count.
-    batch: the global micro-batch, in sequences.
-    seq_len: tokens per sequence.
-    ga: micro-batches per optimizer step.
-    param_dtype: the parameters' dtype (``tunix:`` models; MaxText's ``weight_dtype``).
-    compute_dtype: the activations' dtype (``tunix:`` models; MaxText's ``dtype``).
-    remat: the model's remat policy (``tunix:`` models: ``none``, ``block``, ``decoder``; MaxText's
-      ``remat_policy``); several, comma-separated, compile each lever under each (a row apiece, and
-      with ``search`` a largest micro-batch apiece).
-    optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
-    levers: names from the lever table (``baseline``, ``zero1``, ``zero1-accum``, ``zero2``,
-      ``offload``, ``zero2-offload``, ``zero1-bf16state``, ``zero1-master``), a list or one
-      comma-separated string.
-    steps: ``one`` (one program: gradients then ``optimizer.update``, as Tunix's trainers and
-      ``nnx.jit`` loops compile a step), ``split`` (two programs, gradients then update, as MaxText's
-      engine does: the rows add the update program's peak, flops and bytes accessed), or both.
-    full_depth: compile deep models whole for TPUs too (by default at 2 and 4 layers, extrapolated).
-    overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
-    search: for each lever and step, also find the largest micro-batch that fits (a multiple of the
-      batch axes' size, from ``batch`` on): a line through two compiles, bisection where the line is
-      wrong, the edge below the first micro-batch that does not fit (near the limit, where the compilers'
-      peaks stop rising, every micro-batch below the edge is compiled too). Each row gains
-      ``max_micro_batch``, ``above`` (one step up, refused), ``refused_because``, ``at_max`` and
-      ``at_above`` (the figures there), ``fits_above`` (micro-batches above the edge that fit),
-      ``search_unfinished`` and ``search`` (every compile).
-    margin: the share of the memory to leave free; by default (None) the backend's reserve, what the run
-      needs beyond the compiler's figure (TPU: none, the compiler's check is the whole footprint; GPU:
-      256 MiB, :data:`nnx_zero1_plan.targets.DEFAULT_RESERVE_BYTES`). ``fits``, the search's limit and the
-      recommendation use what is left.
-    gpu_memory_fraction: GPU targets: the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` the run will use (jax's
-      default 0.75); the compiler is told to plan for that pool, and it is the usable memory.
+    model: ``tunix:CONFIG``, ``maxtext:MODEL_NAME`` or ``package.module:function``; or a whole
+      :class:`PlanRequest` (then nothing else but ``progress``).
+    topology: the target, as :class:`PlanRequest` takes it.
     progress: called with one line as each compile starts and ends, and after each lever.
+    **settings: the other fields of :class:`PlanRequest` by name (``batch``, ``search``, ``margin``, ...).
 
   Returns:
     A :class:`Plan`: ``rows`` (one dict per lever and step), ``meta``, ``recommendation`` (the lever,
@@ -99,6 +71,7 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
     PlanError: an unknown model, topology, lever, optimizer or mesh axis, a mesh that does not match,
       or a lever that cannot apply to the model (``zero1-master`` on float32 parameters).
     AotUnavailable: the target's compiler is not installed (the message says what to install).
+    TypeError: a setting :class:`PlanRequest` does not have.
 
   Example::
 
@@ -106,11 +79,13 @@ def plan(model: str, topology: str, *, mesh: str | None = None, batch: int = 8, 
     print(result)                      # one row per lever
     result.rows[1]["fits"]             # peak bytes per device <= what the compiler says is usable
   """
-  return make_plan_rows(model, topology, mesh=mesh, batch=batch, seq_len=seq_len, ga=ga,
-                        param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-                        optimizer=optimizer, levers=levers, steps=steps, full_depth=full_depth,
-                        overrides=dict(overrides) if overrides else None, search=search, margin=margin,
-                        gpu_memory_fraction=gpu_memory_fraction, progress=progress)
+  if isinstance(model, PlanRequest):
+    if topology is not None or settings:
+      raise TypeError("plan(request) takes the request's own settings; pass nothing else but progress")
+    return plan_in_child(model, progress)
+  if topology is None:
+    raise TypeError("plan() needs a topology, e.g. plan('tunix:qwen3_0p6b', 'v6e:2x2')")
+  return plan_in_child(PlanRequest(model, topology, **settings), progress)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -180,12 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
       bar.update()
 
   try:
-    result = plan(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len,
-                  ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
-                  remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
-                  full_depth=args.full_depth, overrides=parse_overrides(args.overrides), search=args.search,
-                  gpu_memory_fraction=args.gpu_memory_fraction,
-                  margin=args.margin, progress=say)
+    request = PlanRequest(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len,
+                          ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
+                          remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
+                          full_depth=args.full_depth, overrides=parse_overrides(args.overrides),
+                          search=args.search, margin=args.margin,
+                          gpu_memory_fraction=args.gpu_memory_fraction)
+    compilers.start_cpu_jax()  # the command line's process is the planner's own
+    result = make_plan(request, progress=say)
   except (PlanError, AotUnavailable) as e:
     say(str(e))
     return 2

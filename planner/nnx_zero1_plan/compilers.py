@@ -16,7 +16,7 @@ import os
 
 __all__ = ["LOCKFILE", "ENV", "AotUnavailable", "install_hint", "gpu_install_hint", "require_libtpu",
            "require_cuda_plugin", "lockfile_holders", "clear_stale_lockfile", "prepare_environment",
-           "start_cpu_jax"]
+           "start_cpu_jax", "keep_jax_on_cpu"]
 
 LOCKFILE = "/tmp/libtpu_lockfile"
 
@@ -26,8 +26,10 @@ LOCKFILE = "/tmp/libtpu_lockfile"
 # TPU_WORKER_HOSTNAMES and TPU_ACCELERATOR_TYPE: libtpu starting on a machine with no TPU prints six
 # lines of warnings and errors about the host metadata it could not read; these answer it. The compile
 # target is the topology's description, not these (v4, v5e and v6e plans measured byte-identical).
+# TPU_MIN_LOG_LEVEL: libtpu writes no log files (by default it fills /tmp/tpu_logs with one set per process).
 ENV = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-       "CUDA_VISIBLE_DEVICES": "-1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v6e-4"}
+       "CUDA_VISIBLE_DEVICES": "-1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v6e-4",
+       "TPU_MIN_LOG_LEVEL": "3"}
 
 
 class AotUnavailable(RuntimeError):
@@ -177,6 +179,17 @@ def prepare_environment() -> None:
 
 
 def start_cpu_jax() -> None:
+  """Prepares this process for the compilers (:func:`prepare_environment`) and keeps jax on its CPU
+  backend: what the command line does to its own process.
+
+  Raises:
+    RuntimeError: a backend other than the CPU one has started in this process already.
+  """
+  prepare_environment()
+  keep_jax_on_cpu()
+
+
+def keep_jax_on_cpu() -> None:
   """Keeps jax on its CPU backend (nothing runs; the TPU and GPU compilers only compile).
 
   Raises:
@@ -184,7 +197,6 @@ def start_cpu_jax() -> None:
   """
   import jax
 
-  prepare_environment()
   try:
     jax.config.update("jax_platforms", "cpu")
   except RuntimeError:  # a backend has started already: it must be the CPU one

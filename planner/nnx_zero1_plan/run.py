@@ -7,30 +7,27 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.depth import extrapolate_row, near_the_limit, not_alike
-from nnx_zero1_plan.gpu_chips import GPU_CHIPS
 from nnx_zero1_plan.inputs import (
   PlanError,
   check_axis_names,
   mesh_axes,
-  parse_levers,
   parse_mesh,
   parse_model,
-  parse_topology,
   shortened,
 )
 from nnx_zero1_plan.levers import LEVERS, lever_blocker, with_offload
 from nnx_zero1_plan.recommend import recommend
+from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.search import NEAR, offload_search, search_row
 from nnx_zero1_plan.table import markdown, next_steps, recommendation_lines, table
 
-__all__ = ["Plan", "make_plan_rows", "DEFAULT_DEPTHS"]
+__all__ = ["Plan", "make_plan"]
 
-DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for a model deeper than the second
 _EXTRAPOLATED = ("opt_state_bytes_per_device", "argument_bytes_per_device", "output_bytes_per_device",
                  "alias_bytes_per_device", "temp_bytes_per_device", "peak_bytes_per_device",
                  "formula_peak_bytes_per_device", "flops_per_device", "host_argument_bytes_per_device",
@@ -212,7 +209,7 @@ def _refuse_blocked(names: Sequence[str], planned: _Model, model: str) -> dict[s
 
 
 def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], settings: dict[str, Any],
-             dtypes_and_remat: tuple, overrides: dict[str, str] | None) -> _Model:
+             dtypes_and_remat: tuple, overrides: Mapping[str, str] | None) -> _Model:
   """A ``maxtext:`` model: its config's overrides at each micro-batch (MaxText builds its own mesh)."""
   from nnx_zero1_plan.maxtext import MaxTextModel, config_overrides, mesh_axis_names
 
@@ -264,61 +261,52 @@ def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, An
           "headroom_bytes_per_device": None if peak is None else usable - peak, "fits": fits}
 
 
-def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch: int = 8,
-                   seq_len: int = 1024, ga: int = 1, param_dtype: str | None = None,
-                   compute_dtype: str | None = None,
-                   remat: str | None = None, optimizer: str = "adamw",
-                   levers: str | Sequence[str] = ("baseline", "zero1"),
-                   steps: str | Sequence[str] = ("one", "split"), full_depth: bool = False,
-                   overrides: dict[str, str] | None = None, depths: Sequence[int] = DEFAULT_DEPTHS,
-                   search: bool = False, margin: float | None = None, gpu_memory_fraction: float = 0.75,
-                   progress: Callable[[str], None] | None = None) -> Plan:
-  """Compiles every lever's training step for ``topology``, in each shape; see :func:`nnx_zero1.plan.plan`."""
-  from nnx_zero1_plan.steps import OPTIMIZERS, STEPS
+def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
+  """Compiles every lever's training step for the request's topology in this process, which it keeps on
+  jax's CPU backend and expects prepared for the compilers (the command line's, after
+  :func:`nnx_zero1_plan.compilers.start_cpu_jax`, or the planning process :func:`nnx_zero1_plan.plan` starts).
+
+  Args:
+    request: the plan's settings, checked.
+    progress: called with one line as each compile starts and ends, and after each lever.
+
+  Returns:
+    The :class:`Plan`.
+
+  Raises:
+    PlanError: what only the model or the compiler can tell (an axis the model does not name, a lever
+      that cannot apply, a topology libtpu does not know).
+    AotUnavailable: the target's compiler is not installed.
+  """
+  from nnx_zero1_plan.steps import STEPS
   from nnx_zero1_plan.targets import require_compiler
 
-  kind, model_name = parse_model(model)
-  names = parse_levers(levers, LEVERS)
-  shapes = parse_levers(steps, STEPS, what="step")
-  sizes = parse_mesh(mesh)
-  if optimizer not in OPTIMIZERS:
-    raise PlanError(f"unknown optimizer {optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
-  if min(batch, seq_len, ga) < 1:
-    raise PlanError(f"--batch, --seq-len and --ga must be >= 1, got {batch}, {seq_len}, {ga}")
-  if margin is not None and not 0 <= margin < 1:
-    raise PlanError(f"--margin is the share of the memory to leave free, in [0, 1); got {margin}")
-  if overrides and kind != "maxtext":
-    raise PlanError(f"config overrides (key=value) apply to maxtext: models; {model} takes its settings from "
-                    "the flags")
-  if kind == "maxtext":
-    shapes = tuple(s for s in shapes if s == "split")
-    if not shapes:
-      raise PlanError(f"{model} compiles as MaxText's engine runs it, as two programs: --steps split")
-  platform, _, _ = parse_topology(topology, GPU_CHIPS)
-  # Several remat policies ("none,block"): each lever is compiled under each, a row apiece.
-  policies = tuple(dict.fromkeys(filter(None, (remat or "").replace(" ", "").split(",")))) or (None,)
-  compilers.start_cpu_jax()
+  r = request
+  kind, model_name = parse_model(r.model)
+  names, shapes, sizes, policies, platform = r.levers, r.steps, parse_mesh(r.mesh), r.policies, r.platform
+  compilers.keep_jax_on_cpu()
   if kind != "maxtext":  # described before the compiler is looked for: a misspelt axis needs none
-    plans = {p: _tunix_or_own(model, platform, sizes, full_depth, depths, (param_dtype, compute_dtype, p))
-             for p in policies}
-    blocked = _refuse_blocked(names, plans[policies[0]], model)
-  compiler = require_compiler(topology)
+    plans = {p: _tunix_or_own(r.model, platform, sizes, r.full_depth, r.depths,
+                              (r.param_dtype, r.compute_dtype, p)) for p in policies}
+    blocked = _refuse_blocked(names, plans[policies[0]], r.model)
+  compiler = require_compiler(r.topology)
   import jax
 
   from nnx_zero1_plan.compiled import PEAK_SOURCE
   from nnx_zero1_plan.targets import make_target, usable_bytes
 
-  target = make_target(topology, gpu_memory_fraction)
-  settings: dict[str, Any] = {"batch": batch, "seq_len": seq_len, "ga": ga, "optimizer": optimizer,
+  target = make_target(r.topology, r.gpu_memory_fraction)
+  batch, topology = r.batch, r.topology
+  settings: dict[str, Any] = {"batch": batch, "seq_len": r.seq_len, "ga": r.ga, "optimizer": r.optimizer,
                               "progress": progress}
   if kind == "maxtext":
-    plans = {p: _maxtext(model_name, topology, target, sizes, settings, (param_dtype, compute_dtype, p),
-                         overrides) for p in policies}
-    blocked = _refuse_blocked(names, plans[policies[0]], model)
+    plans = {p: _maxtext(model_name, topology, target, sizes, settings, (r.param_dtype, r.compute_dtype, p),
+                         r.overrides) for p in policies}
+    blocked = _refuse_blocked(names, plans[policies[0]], r.model)
   else:
     plans = {p: _on_devices(m, target, batch) for p, m in plans.items()}
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are the same under every policy
-  usable = usable_bytes(target.hbm_bytes, target.platform, margin)
+  usable = usable_bytes(target.hbm_bytes, target.platform, r.margin)
   rows = []
   for policy, name, step in ((p, n, s) for p in policies for n in names for s in shapes):
     row_at = lambda b, whole=False, p=policy, n=name, s=step: {
@@ -330,7 +318,7 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
       row = offload_search(row_with, usable)
     else:
       row = row_at(batch)
-    if search and not LEVERS[name].picks_offload:
+    if r.search and not LEVERS[name].picks_offload:
       row = {**row, **search_row(row, row_at, planned.batch_unit, usable)}
     rows.append(row)
     if progress:
@@ -342,18 +330,18 @@ def make_plan_rows(model: str, topology: str, *, mesh: str | None = None, batch:
       under = f", remat {policy}" if policy else ""
       progress(f"done: {name} ({step}{under}) for {topology}{found}")
   layers = planned.source_at(batch).full_depth or next(
-      (int(r["maxtext_config"]["num_decoder_layers"]) for r in rows if r.get("maxtext_config")), None)
-  extrapolated = [r["depth_extrapolated_from"] for r in rows if r.get("depth_extrapolated_from")]
+      (int(row["maxtext_config"]["num_decoder_layers"]) for row in rows if row.get("maxtext_config")), None)
+  extrapolated = [row["depth_extrapolated_from"] for row in rows if row.get("depth_extrapolated_from")]
   meta = {"model": planned.source_at(batch).name, "layers": layers, "topology": topology,
-          "device_kind": target.device_kind, "mesh": planned.axes, "batch": batch, "seq_len": seq_len,
-          "ga": ga, "optimizer": optimizer, "param_dtype": param_dtype,
-          "param_dtypes": sorted(planned.param_dtypes), "compute_dtype": compute_dtype, "remat": remat,
+          "device_kind": target.device_kind, "mesh": planned.axes, "batch": batch, "seq_len": r.seq_len,
+          "ga": r.ga, "optimizer": r.optimizer, "param_dtype": r.param_dtype,
+          "param_dtypes": sorted(planned.param_dtypes), "compute_dtype": r.compute_dtype, "remat": r.remat,
           "levers": list(names), "steps": {s: STEPS[s] for s in shapes}, "compiler": compiler,
           "jax": jax.__version__, "hbm_bytes": target.hbm_bytes, "hbm_source": target.hbm_source,
           "usable_bytes": usable, "peak_source": PEAK_SOURCE,
-          "gpu_memory_fraction": gpu_memory_fraction if target.platform == "cuda" else None,
+          "gpu_memory_fraction": r.gpu_memory_fraction if target.platform == "cuda" else None,
           "depth_extrapolated_from": extrapolated[0] if extrapolated else None,
-          "full_depth": full_depth, "overrides": overrides or None, "search": search, "margin": margin,
+          "full_depth": r.full_depth, "overrides": r.overrides, "search": r.search, "margin": r.margin,
           "batch_unit": planned.batch_unit}
   hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)

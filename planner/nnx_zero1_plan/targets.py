@@ -140,7 +140,7 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
       of the device memory, which the compiler plans for (the planning process's own setting is not read).
 
   Raises:
-    PlanError: the topology is unknown (to the planner, or to libtpu), or the fraction is not in (0, 1].
+    PlanError: the topology is unknown (to the planner, or to libtpu).
 
   Example::
 
@@ -152,9 +152,6 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
     hbm = _tpu_usable_bytes(topology)
     source = "the TPU compiler's available HBM (its out-of-memory message)"
     return Target(topology, platform, devices, hbm, source)
-  if not 0 < gpu_memory_fraction <= 1:
-    raise PlanError(f"--gpu-memory-fraction is XLA_PYTHON_CLIENT_MEM_FRACTION, in (0, 1]; "
-                    f"got {gpu_memory_fraction}")
   pool = gpu_pool_bytes(chip, gpu_memory_fraction)
   source = (f"jax's GPU memory pool at XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_memory_fraction}: that share of "
             f"the {GPU_CHIPS[chip].memory_bytes:,} B device memory less the CUDA context; the compiler "

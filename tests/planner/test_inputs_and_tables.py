@@ -199,3 +199,38 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
                    f"refused every program at this micro-batch): {at} 16 --seq-len 1024 --ga 2 --levers "
                    "baseline --steps one"]
   assert next_steps([_row("zero1", 2**30)], meta, list(LEVERS), blocked={}, remat=None, batch_unit=8) == []
+
+
+def test_the_request_is_checked_once_normalised_and_crosses_as_json():
+  from nnx_zero1_plan import PlanRequest
+
+  request = PlanRequest(f"{TOYS}:tiny_lm", "v6e:2x2", levers="baseline, zero1", steps=["one"],
+                        remat="none,block", overrides=None, search=True, margin=0.0)
+  assert request.levers == ("baseline", "zero1") and request.steps == ("one",)
+  assert request.policies == ("none", "block") and request.platform == "tpu"
+  assert PlanRequest.from_json(request.to_json()) == request
+  assert PlanRequest("maxtext:qwen3-0.6b", "v6e:2x2").steps == ("split",)
+  refused = [({"batch": 0}, "--batch, --seq-len and --ga must be >= 1"), ({"margin": 1.0}, "--margin is the"),
+             ({"gpu_memory_fraction": 0}, "in \\(0, 1\\]"), ({"optimizer": "adamx"}, "unknown optimizer"),
+             ({"levers": "zero3"}, "unknown lever zero3"), ({"overrides": {"a": "b"}}, "apply to maxtext:"),
+             ({"topology": "h999:8"}, "unknown topology")]
+  for bad, words in refused:
+    with pytest.raises(PlanError, match=words):
+      PlanRequest(**{"model": f"{TOYS}:tiny_lm", "topology": "v6e:2x2", **bad})
+
+
+def test_plan_from_python_refuses_in_this_process_and_raises_the_planning_processes_errors():
+  import os
+
+  from nnx_zero1_plan import plan
+
+  environ = dict(os.environ)
+  with pytest.raises(PlanError, match="unknown lever"):
+    plan(f"{TOYS}:tiny_lm", "v6e:2x2", levers="zero3")  # the request's check: no process is started
+  with pytest.raises(TypeError, match="needs a topology"):
+    plan(f"{TOYS}:tiny_lm")
+  # A float32 model cannot take float32 masters: found by the planning process from the model, raised here.
+  lines: list[str] = []
+  with pytest.raises(PlanError, match="zero1-master"):
+    plan(f"{TOYS}:tiny_lm", "v6e:2x2", levers="zero1-master", steps="one", progress=lines.append)
+  assert dict(os.environ) == environ

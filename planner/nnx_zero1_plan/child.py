@@ -1,0 +1,106 @@
+"""A plan from Python, compiled in a planning process of its own.
+
+The compilers need a process prepared for them (jax held on its CPU backend, the CUDA plugin
+and libtpu told there is no device, :data:`nnx_zero1_plan.compilers.ENV`). A notebook's or a
+trainer's process must stay as it was, its GPUs visible and its environment untouched, so
+:func:`plan_in_child` starts ``python -m nnx_zero1_plan.child`` with that environment, hands
+it the request on stdin and reads back, line by line on its stdout, the progress and then the
+plan. Whatever else the process prints (libtpu's warnings) is kept for the error message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+
+from nnx_zero1_plan import compilers
+from nnx_zero1_plan.inputs import PlanError
+from nnx_zero1_plan.request import PlanRequest
+from nnx_zero1_plan.run import Plan
+
+__all__ = ["MARK", "plan_in_child", "child_environment", "main"]
+
+MARK = "nnx_zero1_plan.child:"  # starts every line of the protocol on the planning process's stdout
+_ERRORS = {"PlanError": PlanError, "AotUnavailable": compilers.AotUnavailable}
+
+
+def child_environment(environ: dict[str, str], path: list[str]) -> dict[str, str]:
+  """The planning process's environment: ``environ`` with the compilers' settings (the caller's own
+  values kept) and ``path`` as its ``PYTHONPATH``, so a ``package.module:function`` model the caller can
+  import, it can too.
+
+  Example::
+
+    >>> env = child_environment({"HOME": "/root"}, ["/work", "/usr/lib/python3"])
+    >>> env["JAX_PLATFORMS"], env["PYTHONPATH"], env["HOME"]
+    ('cpu', '/work:/usr/lib/python3', '/root')
+  """
+  return {**compilers.ENV, **environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
+  """Runs ``request`` in a planning process; this process's environment, files and jax are left alone.
+
+  Args:
+    request: the plan's settings.
+    progress: called with each progress line as the planning process reports it.
+
+  Returns:
+    The :class:`Plan`, as the command line would print and write it.
+
+  Raises:
+    PlanError, AotUnavailable: as the planning process raised them.
+    RuntimeError: the planning process failed otherwise (its last lines of output in the message).
+  """
+  path = [os.getcwd() if entry == "" else entry for entry in sys.path]
+  env = child_environment(dict(os.environ), path)
+  command = [sys.executable, "-m", "nnx_zero1_plan.child"]
+  other: list[str] = []
+  result = None
+  with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        env=env, text=True) as child:
+    assert child.stdin is not None and child.stdout is not None  # both are pipes
+    child.stdin.write(request.to_json())
+    child.stdin.close()
+    for line in child.stdout:
+      if not line.startswith(MARK):
+        other.append(line.rstrip("\n"))
+        continue
+      message = json.loads(line[len(MARK):])
+      if "progress" in message and progress:
+        progress(message["progress"])
+      result = message if "progress" not in message else result
+  if result is not None and "plan" in result:
+    fields = result["plan"]
+    return Plan(fields["rows"], fields["meta"], fields["next_steps"], fields["recommendation"])
+  if result is not None and result["error"]["type"] in _ERRORS:
+    raise _ERRORS[result["error"]["type"]](result["error"]["message"])
+  why = result["error"]["traceback"] if result is not None else "\n".join(other[-20:])
+  raise RuntimeError(f"the planning process failed (exit status {child.returncode}):\n{why}")
+
+
+def _say(message: dict) -> None:
+  print(MARK + json.dumps(message, default=str), flush=True)
+
+
+def main() -> int:
+  """The planning process: the request from stdin, the progress and the plan (or the error) to stdout."""
+  from nnx_zero1_plan.run import make_plan
+
+  try:
+    request = PlanRequest.from_json(sys.stdin.read())
+    result = make_plan(request, progress=lambda line: _say({"progress": line}))
+  except Exception as e:  # every failure goes back to the caller, who raises it
+    _say({"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}})
+    return 1
+  _say({"plan": {"rows": result.rows, "meta": result.meta, "next_steps": result.next_steps,
+                 "recommendation": result.recommendation}})
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

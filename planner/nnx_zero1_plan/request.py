@@ -1,0 +1,155 @@
+"""What a plan is asked for: one frozen record, checked once, that crosses into the planning process.
+
+``plan()``, the command line and the planning process build their compiles from a
+:class:`PlanRequest`. Building it checks everything the values alone can tell (names,
+ranges, combinations) without a compiler, so a misspelt flag costs nothing; it travels to
+the process that compiles as JSON (:meth:`PlanRequest.to_json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nnx_zero1_plan.gpu_chips import GPU_CHIPS
+from nnx_zero1_plan.inputs import PlanError, parse_levers, parse_mesh, parse_model, parse_topology
+from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.steps import OPTIMIZERS, STEPS
+
+__all__ = ["DEFAULT_DEPTHS", "PlanRequest"]
+
+DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for a model deeper than the second
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+  """One plan's settings: what :func:`nnx_zero1_plan.plan` and the command line's flags take.
+
+  Building the record normalises ``levers`` and ``steps`` to tuples of names (a ``maxtext:`` model keeps
+  ``split`` only), ``overrides`` to a dict, and refuses what cannot be planned.
+
+  Attributes:
+    model: ``tunix:CONFIG``, ``maxtext:MODEL_NAME`` or ``package.module:function``.
+    topology: a TPU slice libtpu knows (``v5e:2x4``, ``v6e:2x2``, ``v4:2x2x1``) or NVIDIA GPUs
+      (``h100:8``, ``h200:8``, ``a100-80g:8``, ``b200:8``; ``h100:2x8`` for two nodes).
+    mesh: ``"data=4,fsdp=2"``; an axis the model names but this omits has size 1, and the
+      default is every device on ``data``. The sizes' product must be the device count.
+    batch: the global micro-batch, in sequences.
+    seq_len: tokens per sequence.
+    ga: micro-batches per optimizer step.
+    param_dtype: the parameters' dtype (``tunix:`` models; MaxText's ``weight_dtype``).
+    compute_dtype: the activations' dtype (``tunix:`` models; MaxText's ``dtype``).
+    remat: the model's remat policy (``tunix:`` models: ``none``, ``block``, ``decoder``; MaxText's
+      ``remat_policy``); several, comma-separated, compile each lever under each (a row apiece, and
+      with ``search`` a largest micro-batch apiece).
+    optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
+    levers: names from the lever table (``baseline``, ``zero1``, ``zero1-accum``, ``zero2``,
+      ``offload``, ``zero2-offload``, ``zero1-bf16state``, ``zero1-master``), a list or one
+      comma-separated string.
+    steps: ``one`` (one program: gradients then ``optimizer.update``, as Tunix's trainers and
+      ``nnx.jit`` loops compile a step), ``split`` (two programs, gradients then update, as MaxText's
+      engine does: the rows add the update program's peak, flops and bytes accessed), or both.
+    full_depth: compile deep models whole for TPUs too (by default at 2 and 4 layers, extrapolated).
+    overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
+    search: for each lever and step, also find the largest micro-batch that fits (a multiple of the
+      batch axes' size, from ``batch`` on): a line through two compiles, bisection where the line is
+      wrong, the edge below the first micro-batch that does not fit (near the limit, where the compilers'
+      peaks stop rising, every micro-batch below the edge is compiled too). Each row gains
+      ``max_micro_batch``, ``above`` (one step up, refused), ``refused_because``, ``at_max`` and
+      ``at_above`` (the figures there), ``fits_above`` (micro-batches above the edge that fit),
+      ``search_unfinished`` and ``search`` (every compile).
+    margin: the share of the memory to leave free; by default (None) the backend's reserve, what the run
+      needs beyond the compiler's figure (TPU: none, the compiler's check is the whole footprint; GPU:
+      256 MiB, :data:`nnx_zero1_plan.targets.DEFAULT_RESERVE_BYTES`). ``fits``, the search's limit and the
+      recommendation use what is left.
+    gpu_memory_fraction: GPU targets: the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` the run will use (jax's
+      default 0.75); the compiler is told to plan for that pool, and it is the usable memory.
+    depths: the reduced depths a deep model is compiled at for TPUs (``full_depth`` off).
+
+  Raises:
+    PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh; a batch,
+      sequence length or ``ga`` below 1; a margin outside [0, 1) or a GPU memory fraction outside (0, 1];
+      overrides for a model that is not ``maxtext:``; a ``maxtext:`` model without the ``split`` step.
+
+  Example::
+
+    >>> request = PlanRequest("tunix:qwen3_0p6b", "h100:8", levers="zero1", batch=16)
+    >>> request.levers, request.steps, request.platform
+    (('zero1',), ('one', 'split'), 'cuda')
+  """
+
+  model: str
+  topology: str
+  mesh: str | None = None
+  batch: int = 8
+  seq_len: int = 1024
+  ga: int = 1
+  param_dtype: str | None = None
+  compute_dtype: str | None = None
+  remat: str | None = None
+  optimizer: str = "adamw"
+  levers: str | Sequence[str] = ("baseline", "zero1")
+  steps: str | Sequence[str] = ("one", "split")
+  full_depth: bool = False
+  overrides: Mapping[str, str] | None = None
+  search: bool = False
+  margin: float | None = None
+  gpu_memory_fraction: float = 0.75
+  depths: Sequence[int] = DEFAULT_DEPTHS
+
+  def __post_init__(self) -> None:
+    kind, _ = parse_model(self.model)
+    parse_topology(self.topology, GPU_CHIPS)
+    parse_mesh(self.mesh)
+    steps = parse_levers(self.steps, STEPS, what="step")
+    if self.optimizer not in OPTIMIZERS:
+      raise PlanError(f"unknown optimizer {self.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
+    if min(self.batch, self.seq_len, self.ga) < 1:
+      raise PlanError(f"--batch, --seq-len and --ga must be >= 1, got {self.batch}, {self.seq_len}, "
+                      f"{self.ga}")
+    if self.margin is not None and not 0 <= self.margin < 1:
+      raise PlanError(f"--margin is the share of the memory to leave free, in [0, 1); got {self.margin}")
+    if not 0 < self.gpu_memory_fraction <= 1:
+      raise PlanError(f"--gpu-memory-fraction is XLA_PYTHON_CLIENT_MEM_FRACTION, in (0, 1]; "
+                      f"got {self.gpu_memory_fraction}")
+    if self.overrides and kind != "maxtext":
+      raise PlanError(f"config overrides (key=value) apply to maxtext: models; {self.model} takes its "
+                      "settings from the flags")
+    if kind == "maxtext":
+      steps = tuple(s for s in steps if s == "split")
+      if not steps:
+        raise PlanError(f"{self.model} compiles as MaxText's engine runs it, as two programs: --steps split")
+    normal = {"levers": parse_levers(self.levers, LEVERS), "steps": steps,
+              "overrides": dict(self.overrides) if self.overrides else None,
+              "depths": tuple(self.depths)}
+    for name, value in normal.items():
+      object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
+
+  @property
+  def platform(self) -> str:
+    """``"tpu"`` or ``"cuda"``, from the topology."""
+    return parse_topology(self.topology, GPU_CHIPS)[0]
+
+  @property
+  def policies(self) -> tuple[str | None, ...]:
+    """The remat policies to plan under: each of ``remat``'s comma-separated names, or ``(None,)``."""
+    return tuple(dict.fromkeys(filter(None, (self.remat or "").replace(" ", "").split(",")))) or (None,)
+
+  def to_json(self) -> str:
+    """The record as JSON, for the planning process (:meth:`from_json` reads it back).
+
+    Example::
+
+      >>> request = PlanRequest("tunix:qwen3_0p6b", "v6e:2x2", search=True)
+      >>> PlanRequest.from_json(request.to_json()) == request
+      True
+    """
+    return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def from_json(cls, text: str) -> PlanRequest:
+    """The record :meth:`to_json` wrote."""
+    fields: dict[str, Any] = json.loads(text)
+    return cls(**fields)
