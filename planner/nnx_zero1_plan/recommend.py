@@ -97,7 +97,7 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
   """
   from nnx_zero1_plan.levers import LEVERS, with_offload
   from nnx_zero1_plan.maxtext import engine_attributes
-  from nnx_zero1_plan.steps import OPTIMIZER_CODE
+  from nnx_zero1_plan.request import OPTIMIZER_CODE
 
   tx = OPTIMIZER_CODE[optimizer]
   lever = LEVERS[name]

@@ -16,11 +16,26 @@ from typing import Any
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS
 from nnx_zero1_plan.inputs import PlanError, parse_levers, parse_mesh, parse_model, parse_topology
 from nnx_zero1_plan.levers import LEVERS
-from nnx_zero1_plan.steps import OPTIMIZERS, STEPS
 
-__all__ = ["DEFAULT_DEPTHS", "PlanRequest"]
+__all__ = ["DEFAULT_DEPTHS", "OPTIMIZER_CODE", "STEPS", "PlanRequest"]
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for a model deeper than the second
+
+# --steps: the shapes a step is compiled in, and what each is (plan.json's meta says it).
+STEPS = {
+    "one": "one program: gradients, then optimizer.update, the state donated (Tunix, nnx.jit loops)",
+    "split": "two programs: gradients; then optimizer.update, the state donated (MaxText's engine)",
+}
+
+# --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes), as the
+# recommendation's code writes them.
+OPTIMIZER_CODE = {
+    "adamw": "optax.adamw(1e-5)",
+    "adam": "optax.adam(1e-5)",
+    "lion": "optax.lion(1e-6)",
+    "sgd": "optax.sgd(1e-3, momentum=0.9)",
+    "adafactor": "optax.adafactor(1e-3)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +119,8 @@ class PlanRequest:
     parse_topology(self.topology, GPU_CHIPS)
     parse_mesh(self.mesh)
     steps = parse_levers(self.steps, STEPS, what="step")
-    if self.optimizer not in OPTIMIZERS:
-      raise PlanError(f"unknown optimizer {self.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
+    if self.optimizer not in OPTIMIZER_CODE:
+      raise PlanError(f"unknown optimizer {self.optimizer!r}; optimizers: {', '.join(OPTIMIZER_CODE)}")
     if min(self.batch, self.seq_len, self.ga) < 1:
       raise PlanError(f"--batch, --seq-len and --ga must be >= 1, got {self.batch}, {self.seq_len}, "
                       f"{self.ga}")

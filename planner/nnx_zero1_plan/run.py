@@ -22,7 +22,7 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS, lever_blocker, with_offload
 from nnx_zero1_plan.recommend import recommend
-from nnx_zero1_plan.request import PlanRequest
+from nnx_zero1_plan.request import STEPS, PlanRequest
 from nnx_zero1_plan.search import NEAR, offload_search, search_row
 from nnx_zero1_plan.table import markdown, next_steps, recommendation_lines, table
 
@@ -278,7 +278,6 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
       that cannot apply, a topology libtpu does not know).
     AotUnavailable: the target's compiler is not installed.
   """
-  from nnx_zero1_plan.steps import STEPS
   from nnx_zero1_plan.targets import require_compiler
 
   r = request

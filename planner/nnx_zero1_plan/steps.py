@@ -30,26 +30,12 @@ from nnx_zero1._src.optimizer import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
 from nnx_zero1_plan.levers import Lever, make_optimizer
 
-__all__ = ["OPTIMIZER_CODE", "OPTIMIZERS", "STEPS", "scan_value_and_grad", "batch_axes", "abstract_batch",
+__all__ = ["OPTIMIZERS", "scan_value_and_grad", "batch_axes", "abstract_batch",
            "train_step",
            "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",
            "lever_state"]
 
-# --steps: the shapes a step is compiled in, and what each is (plan.json's meta says it).
-STEPS = {
-    "one": "one program: gradients, then optimizer.update, the state donated (Tunix, nnx.jit loops)",
-    "split": "two programs: gradients; then optimizer.update, the state donated (MaxText's engine)",
-}
-
-# --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes), as the
-# recommendation's code writes them.
-OPTIMIZER_CODE = {
-    "adamw": "optax.adamw(1e-5)",
-    "adam": "optax.adam(1e-5)",
-    "lion": "optax.lion(1e-6)",
-    "sgd": "optax.sgd(1e-3, momentum=0.9)",
-    "adafactor": "optax.adafactor(1e-3)",
-}
+# Keyed as request.OPTIMIZER_CODE, which writes each of them as code.
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adamw": lambda: optax.adamw(1e-5),
     "adam": lambda: optax.adam(1e-5),

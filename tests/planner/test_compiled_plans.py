@@ -120,12 +120,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.models import model_source
-from nnx_zero1_plan.run import make_plan_rows
+from nnx_zero1_plan.request import PlanRequest
+from nnx_zero1_plan.run import make_plan
 from nnx_zero1_plan.steps import compile_step, lever_state
 from nnx_zero1_plan.targets import make_target
 
-plan = make_plan_rows("tests.support.planner_toys:tiny_lm", "v6e:2x2", batch=8, seq_len=64, levers="zero1",
-                      steps="one", full_depth=True)
+plan = make_plan(PlanRequest("tests.support.planner_toys:tiny_lm", "v6e:2x2", batch=8, seq_len=64,
+                             levers="zero1", steps="one", full_depth=True))
 source = model_source("tests.support.planner_toys:tiny_lm")
 mesh = Mesh(np.array(make_target("v6e:2x2").devices), ("data",), axis_types=(AxisType.Auto,))
 state = lever_state(LEVERS["zero1"], lambda: source.build(None), "adamw", mesh)
@@ -151,6 +152,39 @@ def test_a_tpu_row_is_the_compilers_own_accounting():
   assert row["formula_peak_bytes_per_device"] == out["formula"]
   assert row["usable_bytes"] == row["hbm_bytes"] == 33_543_694_581
   assert row["fits"] is True and row["flops_per_device"] > 0
+
+
+_UNTOUCHED = """
+import json, os, sys, tempfile
+environ = dict(os.environ)
+tmp, logs = tempfile.gettempdir(), "/tmp/tpu_logs"
+listing = lambda d: sorted(os.listdir(d)) if os.path.isdir(d) else []
+before = listing(tmp), listing(logs)
+from nnx_zero1_plan import plan
+lines = []
+result = plan("tests.support.planner_toys:tiny_lm", "v6e:2x2", batch=8, seq_len=64, levers="zero1",
+              steps="one", full_depth=True, progress=lines.append)
+after = listing(tmp), listing(logs)
+print("RESULT " + json.dumps({"environ": dict(os.environ) == environ, "files": after == before,
+      "jax": "jax" in sys.modules, "fits": result.rows[0]["fits"], "lines": lines,
+      "table": str(result)}))
+"""
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: ./planner[aot], Python >= 3.12 (CI lane 2)")
+def test_plan_from_python_leaves_the_process_and_its_files_as_they_were(tmp_path):
+  """A notebook's ``plan()``: the compiles happen in a planning process of their own; the caller's
+  environment, its temporary folder and libtpu's log folder are as before, and it has not even imported
+  jax (which sets libtpu's variables on import)."""
+  env = {**_env(), "TMPDIR": str(tmp_path)}
+  proc = subprocess.run([sys.executable, "-c", _UNTOUCHED], env=env, capture_output=True, text=True,
+                        timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+  out = json.loads(line[len("RESULT "):])
+  assert out["environ"] and out["files"] and not out["jax"]
+  assert out["fits"] is True and any(ln.startswith("compiled zero1 (one)") for ln in out["lines"])
+  assert out["table"].startswith("lever ") and "zero1" in out["table"]
 
 
 _TWO_NODES = """

@@ -140,7 +140,8 @@ def test_the_code_writes_the_optimizer_the_plan_compiled():
   import jax.numpy as jnp
   import optax
 
-  from nnx_zero1_plan.steps import OPTIMIZER_CODE, OPTIMIZERS
+  from nnx_zero1_plan.request import OPTIMIZER_CODE
+  from nnx_zero1_plan.steps import OPTIMIZERS
 
   assert set(OPTIMIZER_CODE) == set(OPTIMIZERS)
   params = {"w": jnp.arange(1.0, 5.0)}
