@@ -51,7 +51,7 @@ from nnx_zero1._src.optimizer import Zero1Optimizer
 from nnx_zero1._src.options import Zero1Options, levers_of
 from nnx_zero1._src.reduction import reduce_unreduced
 from nnx_zero1._src.scope import options_scope
-from nnx_zero1._src.specs import canonical_spec, entry_axes, spec_entries
+from nnx_zero1._src.specs import keep_axes
 
 from . import _compat
 from ._compat import ensure_tunix_types
@@ -112,12 +112,7 @@ def _zero2_blocker(model: Any, mesh: Any) -> str | None:
   a parameter split over ``data`` has its gradient reduced in every micro-batch.
   """
   params = jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param)))
-  over_data = [
-      NamedSharding(mesh, canonical_spec([
-          tuple(a for a in entry_axes(e) if a == "data") for e in spec_entries(sharding_on_mesh(x, mesh).spec)
-      ]))
-      for x in params
-  ]
+  over_data = [keep_axes(sharding_on_mesh(x, mesh), lambda a: a == "data") for x in params]
   return deferral_blocker((), over_data, ("data",))
 
 

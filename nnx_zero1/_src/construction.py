@@ -1,4 +1,4 @@
-"""What ``Zero1Optimizer.__init__`` does: :func:`finished_plan`, the one place a plan is built from
+"""What ``Zero1Optimizer.__init__`` does: :func:`build_plan`, the one place a plan is built from
 the options (every refusal before any state exists), then the state and master copies born on it,
 inside one jit each, so no full-size copy of the moments ever exists."""
 
@@ -23,10 +23,10 @@ from nnx_zero1._src.placement import move_tree, place_tree
 from nnx_zero1._src.specs import check_data_axes_on_mesh, spec_entries
 from nnx_zero1._src.storage import DEVICE, compute_shardings, master_shardings, narrowed, storage_plan, store
 
-__all__ = ["finished_plan", "init_masters", "init_sharded_state", "opt_state_init"]
+__all__ = ["build_plan", "init_masters", "init_sharded_state", "opt_state_init"]
 
 
-def finished_plan(
+def build_plan(
     tx: optax.GradientTransformation, param_state: Any, mesh: jax.sharding.Mesh | None,
     options: Zero1Options, wrt: Filter = nnx.Param,
 ) -> Zero1Plan:
@@ -43,7 +43,7 @@ def finished_plan(
     >>> import jax, optax
     >>> from flax import nnx
     >>> params = nnx.state(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Param)
-    >>> plan = finished_plan(optax.adam(1e-3), params, jax.make_mesh((1,), ("data",)), Zero1Options())
+    >>> plan = build_plan(optax.adam(1e-3), params, jax.make_mesh((1,), ("data",)), Zero1Options())
     >>> len(plan.state_leaves)
     5
   """
@@ -136,7 +136,7 @@ def init_sharded_state(tx: optax.GradientTransformation, param_state: Any, plan:
     >>> from flax import nnx
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> state = nnx.state(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Param)
-    >>> plan = finished_plan(optax.sgd(0.1), state, mesh, Zero1Options())
+    >>> plan = build_plan(optax.sgd(0.1), state, mesh, Zero1Options())
     >>> init_sharded_state(optax.sgd(0.1), state, plan)
     (EmptyState(), EmptyState())
   """
@@ -172,7 +172,7 @@ def init_masters(param_state: Any, plan: Zero1Plan) -> Any:
     >>> from flax import nnx
     >>> model = nnx.Linear(2, 2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     >>> state = nnx.state(model, nnx.Param)
-    >>> plan = finished_plan(optax.sgd(0.1), state, jax.make_mesh((1,), ("data",)),
+    >>> plan = build_plan(optax.sgd(0.1), state, jax.make_mesh((1,), ("data",)),
     ...                      Zero1Options(master_dtype=jnp.float32))
     >>> init_masters(state, plan)["kernel"][...].dtype
     dtype('float32')

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_zero1._src.checks import check_grads, check_model, check_state
 from nnx_zero1._src.compat import Filter
-from nnx_zero1._src.construction import finished_plan, init_masters, init_sharded_state, opt_state_init
+from nnx_zero1._src.construction import build_plan, init_masters, init_sharded_state, opt_state_init
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
 from nnx_zero1._src.layout_plan import Zero1Plan
 from nnx_zero1._src.options import Zero1Options, options_from
@@ -178,7 +178,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
                    wrt: Filter, graph: bool | None, options: Zero1Options) -> None:
     """Builds the optimizer from the checked options (what every constructor runs)."""
     param_state = nnx.state(model, wrt, graph=graph)
-    plan = finished_plan(tx, param_state, mesh, options, wrt)
+    plan = build_plan(tx, param_state, mesh, options, wrt)
     self.graph = graph
     self.tx = tx
     if plan.single_device:  # exactly nnx.Optimizer's state

@@ -8,16 +8,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from nnx_zero1._src.specs import canonical_spec, entry_axes, is_explicit, spec_entries
+from nnx_zero1._src.specs import is_explicit, keep_axes
 
 __all__ = ["current_sharding", "move_tree", "off_mesh", "place", "place_tree"]
-
-
-def _only(sharding: NamedSharding, keep) -> NamedSharding:
-  """``sharding`` with only the mesh axes ``keep`` accepts left in its spec."""
-  entries = [tuple(a for a in entry_axes(e) if keep(a)) for e in spec_entries(sharding.spec)]
-  spec = canonical_spec([e or None for e in entries])
-  return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
 
 
 def _already_on(x: Any, sharding: NamedSharding) -> bool:
@@ -72,9 +65,9 @@ def place(x: Any, sharding: NamedSharding) -> Any:
   if not auto:
     return jax.reshard(x, sharding)
   if is_explicit(sharding):  # a mixed mesh: the Explicit axes by reshard, then the Auto ones
-    x = jax.reshard(x, _only(sharding, lambda a: a not in auto))
+    x = jax.reshard(x, keep_axes(sharding, lambda a: a not in auto))
     if traced:
-      return jax.lax.with_sharding_constraint(x, _only(sharding, lambda a: a in auto))
+      return jax.lax.with_sharding_constraint(x, keep_axes(sharding, lambda a: a in auto))
   elif traced:
     return jax.lax.with_sharding_constraint(x, sharding)
   return jax.device_put(x, sharding)

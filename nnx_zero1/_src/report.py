@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.layout import Reason, zero1_layout
-from nnx_zero1._src.specs import canonical_spec, data_axis_size, entry_axes, spec_entries
+from nnx_zero1._src.specs import data_axis_size, keep_axes
 
 __all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device", "memory_kind_of"]
 
@@ -165,11 +165,9 @@ def _status(row: ReportRow) -> str:
 
 def _without_data_axes(sharding, data_axis: tuple[str, ...]):
   """The layout ``nnx.Optimizer`` would give this leaf: the same spec less the data axes."""
-  spec = getattr(sharding, "spec", None)
-  if spec is None:
+  if not isinstance(sharding, NamedSharding):
     return sharding
-  entries = [tuple(a for a in entry_axes(e) if a not in data_axis) for e in spec_entries(spec)]
-  return NamedSharding(sharding.mesh, canonical_spec(entries))
+  return keep_axes(sharding, lambda a: a not in data_axis)
 
 
 def report(opt) -> Zero1Report:

@@ -22,7 +22,7 @@ meshes alone).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -132,6 +132,20 @@ def canonical_spec(entries: Sequence[Any]) -> PartitionSpec:
   while out and out[-1] is None:
     out.pop()
   return PartitionSpec(*out)
+
+
+def keep_axes(sharding: NamedSharding, keep: Callable[[str], bool]) -> NamedSharding:
+  """``sharding`` with only the mesh axes ``keep`` accepts left in its spec (same mesh, memory kind).
+
+  Example::
+
+    >>> import jax
+    >>> mesh = jax.make_mesh((1, 1), ("data", "tp"))
+    >>> keep_axes(NamedSharding(mesh, PartitionSpec(("data", "tp"), None)), lambda a: a != "data").spec
+    P('tp',)
+  """
+  entries = [tuple(a for a in entry_axes(e) if keep(a)) for e in spec_entries(sharding.spec)]
+  return NamedSharding(sharding.mesh, canonical_spec(entries), memory_kind=sharding.memory_kind)
 
 
 def is_explicit(mesh_or_sharding: Any, axes: Sequence[str] | None = None) -> bool:

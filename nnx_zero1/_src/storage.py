@@ -140,7 +140,8 @@ def _checked_master_dtype(master_dtype: np.dtype | None, params: Any, mesh: Any)
   return master_dtype
 
 
-def check_host_memory(kinds_by_device: Mapping[str, Iterable[str]], mesh_words: str = "") -> None:
+def check_host_memory(kinds_by_device: Mapping[str, Iterable[str]], mesh_words: str = "",
+                      asked: bool | float = True) -> None:
   """Refuses host offload when some device cannot address ``pinned_host`` memory.
 
   A pure function of each device's memory kinds (``device.addressable_memories()``),
@@ -149,6 +150,7 @@ def check_host_memory(kinds_by_device: Mapping[str, Iterable[str]], mesh_words: 
   Args:
     kinds_by_device: device name to the memory kinds it can address.
     mesh_words: how the error names the mesh.
+    asked: the ``offload_state_to_host`` the user passed (``True`` or a fraction), as the error names it.
 
   Raises:
     Zero1Error: a device lacks ``pinned_host`` (never a silent copy to device memory).
@@ -161,7 +163,7 @@ def check_host_memory(kinds_by_device: Mapping[str, Iterable[str]], mesh_words: 
   if lacking:
     have = sorted(set(kinds_by_device[lacking[0]]))
     raise Zero1Error(
-        f"offload_state_to_host=True needs host memory ({HOST!r}) on every device, but "
+        f"offload_state_to_host={asked!r} needs host memory ({HOST!r}) on every device, but "
         f"{', '.join(lacking[:3])} can address only {have}; keep the state on device "
         f"(offload_state_to_host=False){'; ' + mesh_words if mesh_words else ''}"
     )
@@ -211,7 +213,7 @@ def _offloaded_plan(plan: Zero1Plan, fraction: float) -> Zero1Plan:
   # no memories here, as a multi-host TPU topology compiled ahead of time does.
   local = [d for d in plan.mesh.devices.flat if d.process_index == jax.process_index()]
   check_host_memory({str(d): tuple(m.kind for m in d.addressable_memories()) for d in local},
-                    describe_mesh(plan.mesh))
+                    describe_mesh(plan.mesh), True if fraction == 1 else fraction)
   on_host = offloaded_leaves([_leaf_bytes(leaf) for leaf in plan.state_leaves], fraction)
   leaves = tuple(
       dataclasses.replace(leaf, sharding=_with_kind(leaf.sharding, HOST)) if host else leaf

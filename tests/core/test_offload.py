@@ -182,6 +182,8 @@ def test_backend_without_host_memory_is_refused():
   words = r"needs host memory \('pinned_host'\).*GPU_3 can address only \['device'\]"
   with pytest.raises(Zero1Error, match=words):
     check_host_memory({"GPU_2": ("device", "pinned_host"), "GPU_3": ("device",)}, "mesh axes ('data',)")
+  with pytest.raises(Zero1Error, match=r"offload_state_to_host=0.25 needs host memory"):  # the fraction asked
+    check_host_memory({"GPU_3": ("device",)}, asked=0.25)
 
 
 def test_values_unchanged_by_offload_after_each_step():
