@@ -52,6 +52,7 @@ from nnx_zero1._src.options import Zero1Options, levers_of
 from nnx_zero1._src.reduction import reduce_unreduced
 from nnx_zero1._src.scope import options_scope
 from nnx_zero1._src.specs import keep_axes
+from nnx_zero1._src.storage import master_shardings
 
 from . import _compat
 from ._compat import ensure_tunix_types
@@ -114,6 +115,14 @@ def _zero2_blocker(model: Any, mesh: Any) -> str | None:
   params = jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param)))
   over_data = [keep_axes(sharding_on_mesh(x, mesh), lambda a: a == "data") for x in params]
   return deferral_blocker((), over_data, ("data",))
+
+
+def _restate(node: Any, shardings: list) -> None:
+  """Gives the abstract arrays in ``node`` (in tree order) these shardings, memory kinds included."""
+  leaves, treedef = jax.tree.flatten(nnx.as_pure(nnx.state(node)))
+  homed = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+           for x, sharding in zip(leaves, shardings, strict=True)]
+  nnx.update(node, jax.tree.unflatten(treedef, homed))
 
 
 class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
@@ -302,9 +311,8 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
       )
     if self.OFFLOAD_STATE_TO_HOST:
       # MaxText re-homes each traced aval on the real mesh by its spec alone, which drops the
-      # host memory kind: restate the state on the plan's shardings, memory kind included.
-      leaves, treedef = jax.tree.flatten(traced_state)
-      homed = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=leaf.sharding)
-               for x, leaf in zip(leaves, plan.state_leaves, strict=True)]
-      nnx.update(optimizer.opt_state, jax.tree.unflatten(treedef, homed))
+      # host memory kind: restate the state (and offloaded master copies) on the plan's shardings.
+      _restate(optimizer.opt_state, [leaf.sharding for leaf in plan.state_leaves])
+      if plan.master_dtype is not None and plan.offload_masters:
+        _restate(optimizer.master_params, master_shardings(plan))
     return state

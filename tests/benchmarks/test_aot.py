@@ -289,16 +289,21 @@ from nnx_zero1.testing import collectives
 class Offloaded(Zero1AbstractMaxTextEngine):
   OFFLOAD_STATE_TO_HOST = True
 
+class OffloadedMasters(Offloaded):
+  MASTER_DTYPE = "float32"
+
 out = {}
-for arm in ("maxtext", "maxtext-flag", "zero1", "zero1-tensor", "zero1-offload", "zero1-auto"):
+for arm in ("maxtext", "maxtext-flag", "zero1", "zero1-tensor", "zero1-offload", "zero1-auto",
+            "zero1-offload-master"):
   mesh_sizes = dict(ici_data_parallelism=2, ici_tensor_parallelism=2) if arm == "zero1-tensor" else {}
   config = tiny_config(compile_topology="v6e-4", compile_topology_num_slices=1, per_device_batch_size=2,
                        gradient_accumulation_steps=2, jax_cache_dir="",
                        shard_optimizer_over_data=arm == "maxtext-flag", **mesh_sizes,
-                       shard_mode="auto" if arm == "zero1-auto" else "explicit")
+                       shard_mode="auto" if arm == "zero1-auto" else "explicit",
+                       **({"weight_dtype": "bfloat16"} if arm == "zero1-offload-master" else {}))
   mesh = train_compile.get_topology_mesh(config)
   cls = Zero1AbstractMaxTextEngine if arm.startswith("zero1") else mec.AbstractMaxTextEngine
-  cls = Offloaded if arm == "zero1-offload" else cls
+  cls = {"zero1-offload": Offloaded, "zero1-offload-master": OffloadedMasters}.get(arm, cls)
   engine = cls(config, mesh)
   compiled = engine.compile_kernels(mec.get_shaped_micro_batch(config))
   opt = [x for x in jax.tree.leaves(nnx.state(engine.optimizer)) if getattr(x, "ndim", 0)]
@@ -308,7 +313,9 @@ for arm in ("maxtext", "maxtext-flag", "zero1", "zero1-tensor", "zero1-offload",
          "plan_matches_state": plan is not None and [str(r.sharding.spec) for r in plan.state_leaves]
                                == state_specs,
          "moment_specs": sorted({str(x.sharding.spec) for x in opt}),
-         "moment_memory_kinds": sorted({str(x.sharding.memory_kind) for x in opt})}
+         "moment_memory_kinds": sorted({str(x.sharding.memory_kind) for x in opt}),
+         "master_memory_kinds": sorted({str(x.sharding.memory_kind) for x in jax.tree.leaves(
+             nnx.state(getattr(engine.optimizer, "master_params", {})))})}
   for name, c in compiled.items():
     m = c.memory_analysis()
     row[name] = {"args": m.argument_size_in_bytes, "temp": m.temp_size_in_bytes,
@@ -361,6 +368,11 @@ def test_maxtexts_ahead_of_time_engine_compiles_with_zero1():
   assert offload["moment_memory_kinds"] == ["pinned_host"] and zero1["moment_memory_kinds"] == ["device"]
   assert offload["moment_specs"] == zero1["moment_specs"] and offload["plan_matches_state"]
   assert offload["update"]["args"] < zero1["update"]["args"]
+  # With MASTER_DTYPE on a bfloat16 model too: the float32 master copies are restated in host memory
+  # with the moments (MaxText re-homes a traced aval by its spec alone), and the update kernel compiles.
+  masters = rows["zero1-offload-master"]
+  assert masters["master_memory_kinds"] == ["pinned_host"] == masters["moment_memory_kinds"]
+  assert masters["update"]["args"] > 0
   assert any("tensor" in s and "data" in s for s in tensor["moment_specs"])
   # MaxText's default shard_mode=auto: the state is traced under an all-Explicit stand-in of the Auto
   # mesh, and lands on the same Zero-1 layout (the plan names the size-1 axes the traced types leave
