@@ -291,3 +291,17 @@ def test_maxtext_plan_compiles_maxtexts_engine_for_each_lever(tmp_path):
     gpu = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", "--model", "maxtext:default", "--topology",
                           "h100:8"], env=_env(), capture_output=True, text=True, timeout=300)
     assert gpu.returncode == 2 and "for TPU slices only; h100:8 is a GPU target" in gpu.stderr
+
+
+@pytest.mark.skipif(not (HAS_GPU_COMPILER and HAS_LIBTPU), reason="needs both compilers (CI lane 2)")
+def test_with_the_compilers_installed_jax_platforms_cpu_imports_jax_quietly():
+  """The documented environment for a user's own jax programs beside the planner's compilers: without
+  ``JAX_PLATFORMS=cpu``, ``import jax`` prints the CUDA plugin's cuDNN traceback and libtpu's search for
+  a TPU; with it, nothing."""
+  script = "import jax; print(jax.devices())"
+  env = {k: v for k, v in _env().items() if not k.startswith(("JAX_", "TPU_"))}
+  noisy = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+  quiet = subprocess.run([sys.executable, "-c", script], env={**env, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=120)
+  assert quiet.returncode == 0 and "CpuDevice" in quiet.stdout and quiet.stderr == "", quiet.stderr[-2000:]
+  assert "cuDNN" in noisy.stderr  # the noise is there without it, so the test can fail
