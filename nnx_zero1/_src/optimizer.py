@@ -57,29 +57,6 @@ def _is_marked(grads: Any) -> bool:
   return bool(variables) and all(v.get_metadata().get(ON_ZERO1_LAYOUT, False) for v in variables)
 
 
-def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, params, kwargs):
-  """``tx.update`` on the slices. On an Explicit mesh the data axis is Auto inside it.
-
-  optax code was written for arrays the data axis does not split; with Explicit
-  sharding types some of it is then illegal (Muon's ``X @ X.T`` on a row-split
-  ``X``). Inside ``auto_axes`` the compiler places the intermediates and the
-  outputs land on the plan's layout; elementwise arithmetic is unchanged.
-  Keyword arguments that are not arrays (a line search's ``value_fn``) are
-  passed as they are, the arrays as inputs.
-  """
-  if not is_explicit(plan.mesh, plan.data_axis):
-    return tx.update(grads, state, params, **kwargs)
-  out_sharding = (
-      jax.tree.unflatten(plan.param_treedef, plan.zero1_param_shardings),
-      jax.tree.unflatten(jax.tree.structure(state), compute_shardings(plan)),
-  )
-  arrays, rebuild = partition_arrays(kwargs)
-  run = lambda g, s, p, kw: tx.update(g, s, p, **rebuild(kw))
-  return jax.sharding.auto_axes(run, axes=plan.data_axis, out_sharding=out_sharding)(
-      grads, state, params, arrays
-  )
-
-
 class Zero1Optimizer(nnx.Optimizer[M]):
   """An ``nnx.Optimizer`` whose state is split over the data-parallel axis (ZeRO-1).
 
@@ -258,13 +235,10 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     plan = self.zero1_plan
     pin = self.pin_gradients and not _is_marked(grads)
     homes, sliced = _onto_zero1_layout(plan, params, pure_grads, pin=pin)
-    masters = nnx.as_pure(self.master_params) if plan.master_dtype is not None else None
-    state, masters = load(plan, stored, masters)
-    if masters is not None:  # tx runs on the master copies, as on a model in the master dtype
-      sliced = _Slices(grads=_cast_like(sliced.grads, masters), params=masters)
-    new_params, new_state, updates = _run_on_slices(self.tx, plan, sliced, state, homes, kwargs)
-    new_state, new_masters = store(plan, new_state, new_params if masters is not None else None,
-                                   step=self.step[...])
+    state, masters = load(plan, stored, _stored_masters(self))
+    new_params, new_state, updates = _run_on_slices(self.tx, plan, _on_masters(sliced, masters), state, homes,
+                                                    kwargs)
+    new_state, new_masters = store(plan, new_state, new_params, step=self.step[...])
     if new_masters is not None:  # the model gets the masters in its own dtype: a narrower all-gather
       nnx.update(self.master_params, nnx.state(new_masters, graph=self.graph))
       new_params, updates = _cast_like(new_params, params), _cast_like(updates, params)
@@ -272,38 +246,6 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     nnx.update(self.opt_state, nnx.state(new_state, graph=self.graph))
     self.step[...] += 1
     return place_tree(updates, homes)
-
-
-def _cast_like(tree: Any, like: Any) -> Any:
-  """Every array of ``tree`` in the dtype of its counterpart in ``like``."""
-  return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
-
-
-def _over_old_parameters(new: Any, old: Any, mesh: Any) -> Any:
-  """The gathered new parameters, written elementwise over the old ones when traced for TPUs.
-
-  In one jitted step whose parameters are donated, the new parameters must land in
-  the old parameters' buffers. ``nnx.Optimizer``'s come from an elementwise add that
-  reads the old values and can write in place; Zero-1's come from an all-gather,
-  which cannot, while the forward and backward passes still read the old values, so
-  the TPU compiler gives those readers a copy of every parameter, live across the
-  activation peak. A ``select`` on a predicate the compiler cannot fold (it passes an
-  optimization barrier) reads the old parameters last and writes in place, as the
-  add does; it always picks ``new``, so the values are unchanged to the bit. XLA's
-  GPU compiler schedules the all-gathers into the donated buffers itself, and the
-  ``select`` would cost it a gathered copy at the peak, so only a TPU mesh gets it.
-  """
-  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(new)):
-    return new  # eager: every array is its own buffer already
-  if _platform(mesh) != "tpu":
-    return new
-  take_new = jax.lax.optimization_barrier(jnp.ones((), dtype=bool))
-  return jax.tree.map(lambda n, o: jnp.where(take_new, n, o), new, old)
-
-
-def _platform(mesh: Any) -> str:
-  """The platform of ``mesh``'s devices (jax's default backend for an abstract mesh)."""
-  return mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else jax.default_backend()
 
 
 class _Slices(NamedTuple):
@@ -347,6 +289,19 @@ def _onto_zero1_layout(plan: Zero1Plan, params: Any, grads: Any, *, pin: bool) -
   )
 
 
+def _stored_masters(opt: Zero1Optimizer) -> Any:
+  """The master copies as stored (pure), or None when the optimizer keeps none."""
+  return nnx.as_pure(opt.master_params) if opt.zero1_plan.master_dtype is not None else None
+
+
+def _on_masters(sliced: _Slices, masters: Any) -> _Slices:
+  """What ``tx`` runs on: the master copies and the gradient slices cast to them, as on a model in the
+  master dtype; the slices as they are when there are no masters."""
+  if masters is None:
+    return sliced
+  return _Slices(grads=_cast_like(sliced.grads, masters), params=masters)
+
+
 def _run_on_slices(
     tx: optax.GradientTransformation, plan: Zero1Plan, sliced: _Slices, state: Any, homes: list, kwargs: dict
 ) -> tuple[Any, Any, Any]:
@@ -357,3 +312,58 @@ def _run_on_slices(
   updates, new_state = _run_tx(tx, plan, sliced.grads, state, sliced.params, kwargs)
   new_params = optax.apply_updates(sliced.params, updates)
   return new_params, place_tree(new_state, compute_shardings(plan)), updates
+
+
+def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, params, kwargs):
+  """``tx.update`` on the slices. On an Explicit mesh the data axis is Auto inside it.
+
+  optax code was written for arrays the data axis does not split; with Explicit
+  sharding types some of it is then illegal (Muon's ``X @ X.T`` on a row-split
+  ``X``). Inside ``auto_axes`` the compiler places the intermediates and the
+  outputs land on the plan's layout; elementwise arithmetic is unchanged.
+  Keyword arguments that are not arrays (a line search's ``value_fn``) are
+  passed as they are, the arrays as inputs.
+  """
+  if not is_explicit(plan.mesh, plan.data_axis):
+    return tx.update(grads, state, params, **kwargs)
+  out_sharding = (
+      jax.tree.unflatten(plan.param_treedef, plan.zero1_param_shardings),
+      jax.tree.unflatten(jax.tree.structure(state), compute_shardings(plan)),
+  )
+  arrays, rebuild = partition_arrays(kwargs)
+  run = lambda g, s, p, kw: tx.update(g, s, p, **rebuild(kw))
+  return jax.sharding.auto_axes(run, axes=plan.data_axis, out_sharding=out_sharding)(
+      grads, state, params, arrays
+  )
+
+
+def _cast_like(tree: Any, like: Any) -> Any:
+  """Every array of ``tree`` in the dtype of its counterpart in ``like``."""
+  return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
+
+
+def _over_old_parameters(new: Any, old: Any, mesh: Any) -> Any:
+  """The gathered new parameters, written elementwise over the old ones when traced for TPUs.
+
+  In one jitted step whose parameters are donated, the new parameters must land in
+  the old parameters' buffers. ``nnx.Optimizer``'s come from an elementwise add that
+  reads the old values and can write in place; Zero-1's come from an all-gather,
+  which cannot, while the forward and backward passes still read the old values, so
+  the TPU compiler gives those readers a copy of every parameter, live across the
+  activation peak. A ``select`` on a predicate the compiler cannot fold (it passes an
+  optimization barrier) reads the old parameters last and writes in place, as the
+  add does; it always picks ``new``, so the values are unchanged to the bit. XLA's
+  GPU compiler schedules the all-gathers into the donated buffers itself, and the
+  ``select`` would cost it a gathered copy at the peak, so only a TPU mesh gets it.
+  """
+  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(new)):
+    return new  # eager: every array is its own buffer already
+  if _platform(mesh) != "tpu":
+    return new
+  take_new = jax.lax.optimization_barrier(jnp.ones((), dtype=bool))
+  return jax.tree.map(lambda n, o: jnp.where(take_new, n, o), new, old)
+
+
+def _platform(mesh: Any) -> str:
+  """The platform of ``mesh``'s devices (jax's default backend for an abstract mesh)."""
+  return mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else jax.default_backend()

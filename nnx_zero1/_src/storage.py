@@ -294,12 +294,13 @@ def store(plan: Zero1Plan, state: Any, masters: Any = None, *, step: Any = None)
   Args:
     plan: the optimizer's plan.
     state: the new state on the plan's layout, pure arrays in its tree-leaf order.
-    masters: the new master copies (pure), or None.
+    masters: the parameters ``tx`` computed (pure): the new master copies when the plan keeps
+      them, else ignored; or None.
     step: the step count, which seeds stochastic rounding; None rounds to nearest.
 
   Returns:
     ``(state, masters)``: the state narrowed to its stored dtypes, both in host
-    memory when offloaded.
+    memory when offloaded; masters None when the plan keeps none.
 
   Example::
 
@@ -314,6 +315,8 @@ def store(plan: Zero1Plan, state: Any, masters: Any = None, *, step: Any = None)
   """
   stored = [leaf.sharding for leaf in plan.state_leaves]
   state = _move_offloaded(narrowed(state, plan, step=step), stored, plan)
+  if plan.master_dtype is None:
+    return state, None
   if masters is not None and plan.offload_masters:
     masters = move_tree(masters, master_shardings(plan))
   return state, masters
