@@ -17,7 +17,7 @@ from nnx_zero1._src.checks import check_params, check_strict
 from nnx_zero1._src.compat import Filter, to_opt_state
 from nnx_zero1._src.errors import Zero1Error, Zero1Warning
 from nnx_zero1._src.layout_plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
-from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
+from nnx_zero1._src.mesh import resolve_mesh, traced, variable_shardings
 from nnx_zero1._src.options import Zero1Options
 from nnx_zero1._src.placement import move_tree, place_tree
 from nnx_zero1._src.specs import check_data_axes_on_mesh, spec_entries
@@ -114,11 +114,7 @@ def opt_state_init(tx: optax.GradientTransformation, master_dtype: Any = None) -
   """
   if master_dtype is None:
     return lambda param_state: to_opt_state(tx.init(param_state))
-  return lambda param_state: to_opt_state(tx.init(_cast(param_state, master_dtype)))
-
-
-def _cast(tree: Any, dtype: Any) -> Any:
-  return jax.tree.map(lambda x: x.astype(dtype), tree)
+  return lambda param_state: to_opt_state(tx.init(optax.tree.cast(param_state, master_dtype)))
 
 
 def init_sharded_state(tx: optax.GradientTransformation, param_state: Any, plan: Zero1Plan) -> Any:
@@ -145,7 +141,7 @@ def init_sharded_state(tx: optax.GradientTransformation, param_state: Any, plan:
   abstract = jax.eval_shape(init, param_state)  # no new trace: `init` has traced param_state before
   targets = jax.tree.unflatten(jax.tree.structure(abstract), [leaf.sharding for leaf in plan.state_leaves])
   state = jax.jit(stored_init, out_shardings=targets)(param_state)
-  if _traced(state):
+  if traced(state):
     # Built under a trace (nnx.eval_shape, inside jit): an inner jit's out_shardings do not
     # reach the traced types, so give them the Zero-1 layout (and memory kind) explicitly.
     state, _ = store(plan, place_tree(state, compute_shardings(plan)))
@@ -179,8 +175,9 @@ def init_masters(param_state: Any, plan: Zero1Plan) -> Any:
   """
   storage = master_shardings(plan)
   targets = jax.tree.unflatten(jax.tree.structure(param_state), storage)
-  masters = jax.jit(lambda state: _cast(state, plan.master_dtype), out_shardings=targets)(param_state)
-  if _traced(masters):  # built under a trace
+  cast = jax.jit(lambda state: optax.tree.cast(state, plan.master_dtype), out_shardings=targets)
+  masters = cast(param_state)
+  if traced(masters):  # built under a trace
     masters = move_tree(place_tree(masters, master_shardings(plan, DEVICE)), storage)
   masters = to_opt_state(masters)
   variables = jax.tree.leaves(masters, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -189,6 +186,4 @@ def init_masters(param_state: Any, plan: Zero1Plan) -> Any:
   return masters
 
 
-def _traced(tree: Any) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 

@@ -12,7 +12,7 @@ from nnx_zero1._src.compat import context_mesh, legacy_context_mesh
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.specs import is_explicit, spec_axes
 
-__all__ = ["current_mesh", "mesh_of", "sharding_on_mesh", "resolve_mesh", "variable_shardings"]
+__all__ = ["current_mesh", "mesh_of", "sharding_on_mesh", "resolve_mesh", "traced", "variable_shardings"]
 
 _FIX = "pass mesh= or call it under jax.set_mesh(mesh)"
 
@@ -100,6 +100,20 @@ def _explicit_axes(mesh: Any) -> set[str]:
   return {name for name in mesh.axis_names if is_explicit(mesh, (name,))}
 
 
+def traced(tree: Any) -> bool:
+  """Whether any array of ``tree`` is a tracer (the code runs under ``jit``, ``eval_shape``, ...).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> seen = [traced({"w": jnp.ones(2)})]
+    >>> _ = jax.eval_shape(lambda x: seen.append(traced(x)) or x, jnp.ones(2))
+    >>> seen
+    [False, True]
+  """
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
 def variable_shardings(variables: Any, mesh: Mesh) -> tuple[NamedSharding, ...]:
   """The sharding of every Variable's value on ``mesh``, in tree-leaf order (:func:`sharding_on_mesh`).
 
@@ -123,7 +137,7 @@ def variable_shardings(variables: Any, mesh: Mesh) -> tuple[NamedSharding, ...]:
     [P(None,), P('data', None)]
   """
   values = jax.tree.leaves(nnx.as_pure(variables))
-  if not any(isinstance(x, jax.core.Tracer) for x in values):
+  if not traced(values):
     return tuple(sharding_on_mesh(x, mesh) for x in values)
   declared = jax.tree.leaves(nnx.get_partition_spec(variables))
   return tuple(sharding_on_mesh(x, mesh, d) for x, d in zip(values, declared, strict=True))

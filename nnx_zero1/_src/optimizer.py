@@ -16,6 +16,7 @@ from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.construction import build_plan, init_masters, init_sharded_state, opt_state_init
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
 from nnx_zero1._src.layout_plan import Zero1Plan
+from nnx_zero1._src.mesh import traced
 from nnx_zero1._src.options import Zero1Options, options_from
 from nnx_zero1._src.placement import current_sharding, off_mesh, place, place_tree
 from nnx_zero1._src.specs import DataAxis, is_explicit
@@ -241,7 +242,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     new_state, new_masters = store(plan, new_state, new_params, step=self.step[...])
     if new_masters is not None:  # the model gets the masters in its own dtype: a narrower all-gather
       nnx.update(self.master_params, nnx.state(new_masters, graph=self.graph))
-      new_params, updates = _cast_like(new_params, params), _cast_like(updates, params)
+      new_params, updates = optax.tree.cast_like(new_params, params), optax.tree.cast_like(updates, params)
     nnx.update(model, _over_old_parameters(place_tree(new_params, homes), params, plan.mesh))
     nnx.update(self.opt_state, nnx.state(new_state, graph=self.graph))
     self.step[...] += 1
@@ -299,7 +300,7 @@ def _on_masters(sliced: _Slices, masters: Any) -> _Slices:
   master dtype; the slices as they are when there are no masters."""
   if masters is None:
     return sliced
-  return _Slices(grads=_cast_like(sliced.grads, masters), params=masters)
+  return _Slices(grads=optax.tree.cast_like(sliced.grads, masters), params=masters)
 
 
 def _run_on_slices(
@@ -337,11 +338,6 @@ def _run_tx(tx: optax.GradientTransformation, plan: Zero1Plan, grads, state, par
   )
 
 
-def _cast_like(tree: Any, like: Any) -> Any:
-  """Every array of ``tree`` in the dtype of its counterpart in ``like``."""
-  return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
-
-
 def _over_old_parameters(new: Any, old: Any, mesh: Any) -> Any:
   """The gathered new parameters, written elementwise over the old ones when traced for TPUs.
 
@@ -356,7 +352,7 @@ def _over_old_parameters(new: Any, old: Any, mesh: Any) -> Any:
   GPU compiler schedules the all-gathers into the donated buffers itself, and the
   ``select`` would cost it a gathered copy at the peak, so only a TPU mesh gets it.
   """
-  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(new)):
+  if not traced(new):
     return new  # eager: every array is its own buffer already
   if _platform(mesh) != "tpu":
     return new
