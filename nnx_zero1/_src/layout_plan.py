@@ -49,6 +49,7 @@ class Zero1Plan:
   param_shapes: tuple[tuple[int, ...], ...]
   param_shardings: tuple[NamedSharding, ...]  # as the parameters were placed
   zero1_param_shardings: tuple[NamedSharding, ...]
+  param_reasons: tuple[Reason | None, ...]  # why a parameter's Zero-1 layout does not split it (None: split)
   state_leaves: tuple[LeafPlan, ...]
   single_device: bool = False  # no mesh, one device: nothing is placed, as nnx.Optimizer
   offload_state: bool = False  # some state leaves in host memory between steps (``_src/storage.py``)
@@ -192,6 +193,7 @@ def make_plan(
       param_shapes=shapes,
       param_shardings=shardings,
       zero1_param_shardings=zero1,
+      param_reasons=tuple(reason for _, reason in layouts),
       state_leaves=tuple(leaf_plans),
   )
 

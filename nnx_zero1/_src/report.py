@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnx_zero1._src.errors import Zero1Error
-from nnx_zero1._src.layout import Reason, zero1_layout
+from nnx_zero1._src.layout import Reason
 from nnx_zero1._src.specs import data_axis_size, keep_axes
 
 __all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device", "memory_kind_of"]
@@ -230,8 +230,7 @@ def _master_rows(opt, plan) -> list[ReportRow]:
   """One row per master copy (``master_dtype``): ``nnx.Optimizer`` holds none of these bytes."""
   flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(opt.master_params))[0]
   rows = []
-  for (path, leaf), home in zip(flat, plan.param_shardings, strict=True):
-    _, reason = zero1_layout(leaf.shape, home, plan.data_axis)
+  for (path, leaf), reason in zip(flat, plan.param_reasons, strict=True):
     by_parameter = reason == Reason.ALREADY_SHARDED
     rows.append(ReportRow(
         path=f"master_params{jax.tree_util.keystr(path)}", shape=tuple(leaf.shape), dtype=str(leaf.dtype),
