@@ -10,16 +10,14 @@ inherited ``update(grads)`` hands ``self.model`` to ``Zero1Optimizer.update``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import optax
 from flax import nnx
 
-from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.optimizer import Zero1Optimizer
-from nnx_zero1._src.options import options_from
-from nnx_zero1._src.specs import DataAxis
 
 __all__ = ["Zero1ModelAndOptimizer"]
 
@@ -37,6 +35,7 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
     tx: the optax transformation.
     mesh: as for ``Zero1Optimizer`` (``None``: the current or the parameters' mesh).
     wrt: the variables to optimize (default ``nnx.Param``).
+    graph: as for ``Zero1Optimizer``.
     data_axis: the data-parallel mesh axis or axes.
     strict: as for ``Zero1Optimizer``.
     pin_gradients: as for ``Zero1Optimizer``.
@@ -60,23 +59,10 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
     (1, True)
   """
 
-  def __init__(
-      self,
-      model: Any,
-      tx: optax.GradientTransformation,
-      mesh: jax.sharding.Mesh | None = None,
-      *,
-      wrt: Filter = nnx.Param,
-      data_axis: DataAxis = "data",
-      strict: bool = False,
-      pin_gradients: bool = True,
-      offload_state_to_host: bool | float = False,
-      state_dtype: Any = None,
-      state_rounding: str = "stochastic",
-      master_dtype: Any = None,
-  ):
+  @functools.wraps(Zero1Optimizer.__init__)  # type: ignore[misc]  # its arguments, listed once
+  def __init__(self, model: Any, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh | None = None,
+               **options: Any):
     # Zero1Optimizer's construction, not nnx.ModelAndOptimizer's (which would build the full,
     # replicated state first); then what ModelAndOptimizer adds: the model it updates.
-    options = options_from(locals())
-    self._zero1_build(model, tx, mesh, wrt, None, options)
+    Zero1Optimizer.__init__(self, model, tx, mesh, **options)
     self.model = model
