@@ -5,7 +5,8 @@ user checking their own training step needs too:
 
 - counting collectives in compiled HLO text (``jitted.lower(...).compile().as_text()``):
   :func:`collectives`, :func:`loop_collectives`, :func:`sent_bytes` (what each device sends, one basis
-  for all three collectives), :func:`shape_bytes`, and the copies between
+  for all three collectives), :func:`across_bytes` (how much of it crosses between TPU slices or GPU
+  nodes), :func:`shape_bytes`, and the copies between
   host and device memory an offloaded optimizer state makes in the TPU compiler's HLO:
   :func:`host_transfers`, :func:`loop_host_transfers`;
 - the optax transformations this project runs against ``nnx.Optimizer``, with
@@ -26,10 +27,10 @@ from nnx_zero1._src.hlo import (
     host_transfers,
     loop_collectives,
     loop_host_transfers,
-    sent_bytes,
     shape_bytes,
 )
 from nnx_zero1._src.optimizer_cases import CASES, ELEMENTWISE_CONTRACT, FROZEN, OptimizerCase
+from nnx_zero1._src.traffic import across_bytes, sent_bytes
 
 __all__ = [
     "CASES",
@@ -38,6 +39,7 @@ __all__ = [
     "FROZEN",
     "OptimizerCase",
     "TRANSFERS",
+    "across_bytes",
     "collectives",
     "host_transfers",
     "loop_collectives",

@@ -10,8 +10,8 @@ import re
 from collections.abc import Callable, Iterator
 
 __all__ = [
-    "COLLECTIVES", "TRANSFERS", "shape_bytes", "collectives", "loop_collectives", "sent_bytes", "group_size",
-    "host_transfers", "loop_host_transfers", "condition_trip_count",
+    "COLLECTIVES", "TRANSFERS", "Counts", "shape_bytes", "collectives", "loop_collectives", "collective_ops",
+    "per_call", "partitions", "host_transfers", "loop_host_transfers", "condition_trip_count",
 ]
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
@@ -40,8 +40,6 @@ _COPY_START = re.compile(
 )
 _HOST_SPACE = "S(5)}"
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
-_GROUP_LIST = re.compile(r"replica_groups=\{\{([0-9, ]*)\}")
-_GROUP_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
 _CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -192,7 +190,7 @@ def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, in
 Counts = dict[str, dict[str, int]]
 
 
-def _collective_ops(lines: list[str]) -> Iterator[tuple[str, int, str]]:
+def collective_ops(lines: list[str]) -> Iterator[tuple[str, int, str]]:
   """(op, bytes of its result on one device, the line) for each collective among ``lines``."""
   for line in lines:
     fused = _FUSED_REDUCE_SCATTER.match(line)
@@ -205,46 +203,9 @@ def _collective_ops(lines: list[str]) -> Iterator[tuple[str, int, str]]:
 
 
 def _count(lines: list[str], times: int, out: Counts) -> None:
-  for op, nbytes, _ in _collective_ops(lines) if times else ():
+  for op, nbytes, _ in collective_ops(lines) if times else ():
     out[op]["count"] += times
     out[op]["bytes"] += times * nbytes
-
-
-def group_size(line: str, devices: int) -> int:
-  """The devices in each group of a collective's HLO line (``devices`` where its groups are all of them).
-
-  Example::
-
-    >>> group_size("all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add", 4)
-    2
-    >>> group_size("all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}", 8)
-    4
-    >>> group_size("all-reduce(%p), replica_groups={}, to_apply=%add", 8)
-    8
-  """
-  listed = _GROUP_LIST.search(line)
-  if listed:
-    return len([d for d in listed[1].split(",") if d.strip()])
-  iota = _GROUP_IOTA.search(line)
-  return int(iota[1]) if iota else devices
-
-
-def _sent(op: str, result: int, n: int) -> int:
-  """Bytes one device sends for a collective whose result on it is ``result`` bytes, in groups of ``n``: a
-  ring all-reduce sends 2(n-1)/n of the data, a reduce-scatter and an all-gather (n-1)/n of it (the data is
-  n results for a reduce-scatter, one for an all-gather and an all-reduce)."""
-  if op == "reduce-scatter":
-    return result * (n - 1)
-  return result * (n - 1) * (2 if op == "all-reduce" else 1) // n
-
-
-def _count_sent(devices: int) -> Callable[[list[str], int, Counts], None]:
-  def count(lines: list[str], times: int, out: Counts) -> None:
-    for op, result, line in _collective_ops(lines) if times else ():
-      out[op]["count"] += times
-      out[op]["bytes"] += times * _sent(op, result, group_size(line, devices))
-
-  return count
 
 
 def _count_transfers(lines: list[str], times: int, out: Counts) -> None:
@@ -259,7 +220,19 @@ def _count_transfers(lines: list[str], times: int, out: Counts) -> None:
       out[op]["bytes"] += times * shape_bytes(m["dst"])
 
 
-def _per_call(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
+def partitions(hlo: str) -> int:
+  """The devices a compiled SPMD program runs on: its module's ``num_partitions`` (1 when it names none).
+
+  Example::
+
+    >>> partitions("HloModule jit_f, num_partitions=8"), partitions("HloModule jit_f")
+    (8, 1)
+  """
+  found = _PARTITIONS.search(hlo)
+  return int(found[1]) if found else 1
+
+
+def per_call(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
   """``count`` over every computation, each weighted by how often it runs per call of the entry."""
   bodies, entry = _computations(hlo)
   runs = _executions(bodies, entry)
@@ -318,7 +291,7 @@ def collectives(hlo: str) -> Counts:
     >>> collectives(hlo)["all-reduce"]
     {'count': 1, 'bytes': 32}
   """
-  return _per_call(hlo, _count, COLLECTIVES)
+  return per_call(hlo, _count, COLLECTIVES)
 
 
 def loop_collectives(hlo: str) -> Counts:
@@ -350,40 +323,6 @@ def loop_collectives(hlo: str) -> Counts:
   return _per_trip(hlo, _count, COLLECTIVES)
 
 
-def sent_bytes(hlo: str, devices: int | None = None) -> Counts:
-  """The bytes one device sends per call of a compiled kernel, per collective, on one basis for all three.
-
-  :func:`collectives` counts each op's result, so a reduce-scatter reads as 1/n of the all-reduce that
-  moves the same data. Here each op counts what a ring algorithm sends from one device: an all-reduce
-  2(n-1)/n of its data, a reduce-scatter and an all-gather (n-1)/n, with n the devices in its replica
-  groups. So an all-reduce of some gradients sends what their reduce-scatter plus the all-gather of the
-  results sends.
-
-  Args:
-    hlo: the text of a compiled kernel, ``jitted.lower(...).compile().as_text()``.
-    devices: the devices of the program, the group size of a collective over all of them (default: the
-      module's ``num_partitions``, else 1).
-
-  Returns:
-    ``{op: {"count": int, "bytes": int}}`` for each op of :data:`COLLECTIVES`; bytes are those one device
-    sends, every loop trip counted.
-
-  Example::
-
-    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[2] {
-    ...   %ar = f32[8]{0} all-reduce(%p), replica_groups={}, to_apply=%add
-    ...   ROOT %rs = f32[2]{0} reduce-scatter(%p), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
-    ... }'''
-    >>> sent = sent_bytes(hlo, 4)
-    >>> sent["all-reduce"]["bytes"], sent["reduce-scatter"]["bytes"]
-    (48, 24)
-  """
-  if devices is None:
-    partitions = _PARTITIONS.search(hlo)
-    devices = int(partitions[1]) if partitions else 1
-  return _per_call(hlo, _count_sent(devices), COLLECTIVES)
-
-
 def host_transfers(hlo: str) -> Counts:
   """Copies between host and device memory per call of a kernel compiled by the TPU compiler.
 
@@ -407,7 +346,7 @@ def host_transfers(hlo: str) -> Counts:
     >>> host_transfers(hlo)["to-device"]
     {'count': 1, 'bytes': 32}
   """
-  return _per_call(hlo, _count_transfers, TRANSFERS)
+  return per_call(hlo, _count_transfers, TRANSFERS)
 
 
 def loop_host_transfers(hlo: str) -> Counts:

@@ -1,0 +1,149 @@
+"""What each device sends for a compiled program's collectives, and how much of it crosses the slow network.
+
+Counting a collective by its result (``hlo.collectives``) reads a reduce-scatter as 1/n of the all-reduce
+that moves the same data. Here each op counts what a ring sends from one device: an all-reduce 2(n-1)/n
+of its data, a reduce-scatter and an all-gather (n-1)/n, n the devices in its replica group. On a pod the
+devices sit in domains (TPU slices joined over the data-center network, GPU nodes over InfiniBand): a
+group within one domain sends over the fast links only; a group spanning k domains, reduced
+hierarchically (within each domain, then across domains among peers, then within again), sends
+(k-1)/(n-1) of its bytes across.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from nnx_zero1._src.hlo import COLLECTIVES, Counts, collective_ops, partitions, per_call
+
+__all__ = ["replica_groups", "group_size", "sent_bytes", "across_bytes"]
+
+_GROUP_LIST = re.compile(r"replica_groups=\{((?:\{[0-9, ]*\},?\s*)*)\}")
+_GROUP_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+
+
+def replica_groups(line: str, devices: int) -> list[tuple[int, ...]]:
+  """The device groups of a collective's HLO line, in either of HLO's spellings (all ``devices``, one
+  group, where it lists none).
+
+  Example::
+
+    >>> replica_groups("all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add", 4)
+    [(0, 1), (2, 3)]
+    >>> replica_groups("all-gather(%p), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}", 4)
+    [(0, 2), (1, 3)]
+    >>> replica_groups("all-reduce(%p), replica_groups={}, to_apply=%add", 2)
+    [(0, 1)]
+  """
+  iota = _GROUP_IOTA.search(line)
+  if iota:
+    count, size = int(iota[1]), int(iota[2])
+    dims = [int(d) for d in iota[3].split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota[4]:
+      ids = ids.transpose([int(d) for d in iota[4].split(",")])
+    return [tuple(int(i) for i in row) for row in ids.reshape(count, size)]
+  listed = _GROUP_LIST.search(line)
+  groups = re.findall(r"\{([0-9, ]*)\}", listed[1]) if listed else []
+  parsed = [tuple(int(d) for d in g.split(",") if d.strip()) for g in groups]
+  return [g for g in parsed if g] or [tuple(range(devices))]
+
+
+def group_size(line: str, devices: int) -> int:
+  """The devices in each group of a collective's HLO line (``devices`` where its groups are all of them).
+
+  Example::
+
+    >>> group_size("all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}", 8)
+    4
+  """
+  return len(replica_groups(line, devices)[0])
+
+
+def _sent(op: str, result: int, n: int) -> int:
+  """Bytes one device sends for a collective whose result on it is ``result`` bytes, in groups of ``n``
+  (the data is n results for a reduce-scatter, one for an all-gather and an all-reduce)."""
+  if op == "reduce-scatter":
+    return result * (n - 1)
+  return result * (n - 1) * (2 if op == "all-reduce" else 1) // n
+
+
+def _domains_spanned(groups: list[tuple[int, ...]], domain_of: Sequence[int]) -> int:
+  """The most domains any one group spans."""
+  return max(len({domain_of[d] for d in group}) for group in groups)
+
+
+def _count(devices: int, domain_of: Sequence[int] | None) -> Callable[[list[str], int, Counts], None]:
+  def count(lines: list[str], times: int, out: Counts) -> None:
+    for op, result, line in collective_ops(lines) if times else ():
+      groups = replica_groups(line, devices)
+      n = len(groups[0])
+      sent = _sent(op, result, n)
+      out[op]["count"] += times
+      out[op]["bytes"] += times * sent
+      if domain_of is not None and n > 1:
+        k = _domains_spanned(groups, domain_of)
+        out[op]["across_bytes"] = out[op].get("across_bytes", 0) + times * sent * (k - 1) // (n - 1)
+
+  return count
+
+
+def sent_bytes(hlo: str, devices: int | None = None) -> Counts:
+  """The bytes one device sends per call of a compiled kernel, per collective, on one basis for all three.
+
+  An all-reduce of some gradients sends what their reduce-scatter plus the all-gather of the results
+  sends.
+
+  Args:
+    hlo: the text of a compiled kernel, ``jitted.lower(...).compile().as_text()``.
+    devices: the devices of the program, the group size of a collective over all of them (default: the
+      module's ``num_partitions``, else 1).
+
+  Returns:
+    ``{op: {"count": int, "bytes": int}}`` for each op of :data:`~nnx_zero1.testing.COLLECTIVES`; bytes are
+    those one device sends, every loop trip counted.
+
+  Example::
+
+    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[2] {
+    ...   %ar = f32[8]{0} all-reduce(%p), replica_groups={}, to_apply=%add
+    ...   ROOT %rs = f32[2]{0} reduce-scatter(%p), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+    ... }'''
+    >>> sent = sent_bytes(hlo, 4)
+    >>> sent["all-reduce"]["bytes"], sent["reduce-scatter"]["bytes"]
+    (48, 24)
+  """
+  counted = per_call(hlo, _count(devices or partitions(hlo), None), COLLECTIVES)
+  return {op: {"count": c["count"], "bytes": c["bytes"]} for op, c in counted.items()}
+
+
+def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
+  """:func:`sent_bytes`, and of those the bytes that cross between domains (TPU slices, GPU nodes).
+
+  A group within one domain sends nothing across; a group of n devices spanning k domains, reduced
+  hierarchically, sends (k-1)/(n-1) of its bytes across: an estimate of the algorithm, from the groups the
+  compiler chose.
+
+  Args:
+    hlo: the text of a compiled kernel.
+    domain_of: for each device of the program, in its partition order (the mesh's devices, flat), the
+      domain it sits in (a TPU device's ``slice_index``, a GPU's node).
+
+  Returns:
+    ``{op: {"count", "bytes", "across_bytes"}}`` per op, per call, every loop trip counted.
+
+  Example::
+
+    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   %in = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add
+    ...   ROOT %out = f32[8]{0} all-reduce(%in), replica_groups={{0,2},{1,3}}, to_apply=%add
+    ... }'''
+    >>> across_bytes(hlo, [0, 0, 1, 1])["all-reduce"]  # the second pair spans the two domains
+    {'count': 2, 'bytes': 64, 'across_bytes': 32}
+  """
+  counted = per_call(hlo, _count(len(domain_of), domain_of), COLLECTIVES)
+  return {op: {"count": c["count"], "bytes": c["bytes"], "across_bytes": c.get("across_bytes", 0)}
+          for op, c in counted.items()}
