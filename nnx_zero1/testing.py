@@ -5,8 +5,8 @@ user checking their own training step needs too:
 
 - counting collectives in compiled HLO text (``jitted.lower(...).compile().as_text()``):
   :func:`collectives`, :func:`loop_collectives`, :func:`sent_bytes` (what each device sends, one basis
-  for all three collectives), :func:`across_bytes` (how much of it crosses between TPU slices or GPU
-  nodes), :func:`shape_bytes`, and the copies between
+  for all three collectives), :func:`across_bytes` and :func:`dcn_bytes` (what crosses between GPU
+  nodes or TPU slices), :func:`shape_bytes`, and the copies between
   host and device memory an offloaded optimizer state makes in the TPU compiler's HLO:
   :func:`host_transfers`, :func:`loop_host_transfers`;
 - the optax transformations this project runs against ``nnx.Optimizer``, with
@@ -30,7 +30,7 @@ from nnx_zero1._src.hlo import (
     shape_bytes,
 )
 from nnx_zero1._src.optimizer_cases import CASES, ELEMENTWISE_CONTRACT, FROZEN, OptimizerCase
-from nnx_zero1._src.traffic import across_bytes, sent_bytes
+from nnx_zero1._src.traffic import across_bytes, dcn_bytes, sent_bytes
 
 __all__ = [
     "CASES",
@@ -41,6 +41,7 @@ __all__ = [
     "TRANSFERS",
     "across_bytes",
     "collectives",
+    "dcn_bytes",
     "host_transfers",
     "loop_collectives",
     "loop_host_transfers",

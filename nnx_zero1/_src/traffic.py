@@ -17,11 +17,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from nnx_zero1._src.hlo import COLLECTIVES, Counts, collective_ops, partitions, per_call
+from nnx_zero1._src.hlo import COLLECTIVES, Counts, collective_ops, partitions, per_call, shape_bytes
 
-__all__ = ["replica_groups", "group_size", "sent_bytes", "across_bytes"]
+__all__ = ["replica_groups", "group_size", "sent_bytes", "across_bytes", "dcn_bytes"]
 
 _GROUP_LIST = re.compile(r"replica_groups=\{((?:\{[0-9, ]*\},?\s*)*)\}")
+# A multi-slice TPU program is one slice's program; what crosses slices is a send to the megascale runtime
+# (the data-center network), named by its transfer type, its operand the bytes one device hands over.
+_MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z0-9]+\[[0-9,]*\])\S*, '
+                             r'.*\bsend\(.*_xla_megascale_transfer_type="(?P<kind>\w+)"')
 _GROUP_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 
 
@@ -147,3 +151,53 @@ def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
   counted = per_call(hlo, _count(len(domain_of), domain_of), COLLECTIVES)
   return {op: {"count": c["count"], "bytes": c["bytes"], "across_bytes": c.get("across_bytes", 0)}
           for op, c in counted.items()}
+
+
+def _dcn_sent(kind: str, operand: int, slices: int) -> int:
+  """Bytes one device sends over the data-center network for a megascale transfer of ``operand`` bytes
+  among ``slices``: a ring all-reduce 2(k-1)/k of it, an all-gather of its shard (k-1) times it, a
+  reduce-scatter (k-1)/k of it, anything else the operand once."""
+  k = slices
+  if kind == "ALL_REDUCE":
+    return operand * 2 * (k - 1) // k
+  if kind == "ALL_GATHER":
+    return operand * (k - 1)
+  if kind == "REDUCE_SCATTER":
+    return operand * (k - 1) // k
+  return operand
+
+
+def dcn_bytes(hlo: str, slices: int) -> Counts:
+  """The bytes one device sends between TPU slices per call of a multi-slice program, per transfer type.
+
+  The TPU compiler compiles a multi-slice program as one slice's program; each collective over the
+  slices becomes a send to the megascale runtime (after the within-slice part: a gradient all-reduce is
+  reduce-scattered inside the slice, all-reduced across slices, gathered inside again), its operand what
+  one device hands over. Each is counted once (its ``recv`` is the same transfer), every loop trip too.
+
+  Args:
+    hlo: the text of a compiled multi-slice TPU program.
+    slices: the slices the program spans.
+
+  Returns:
+    ``{op: {"count": int, "bytes": int}}`` by transfer type (``all-reduce``, ``all-gather``, ...), bytes
+    those one device sends over the data-center network by a ring among the slices.
+
+  Example::
+
+    >>> hlo = \'\'\'ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   %s = (f32[1024], token[]) send(%p), frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+    ... }\'\'\'
+    >>> dcn_bytes(hlo, 2)
+    {'all-reduce': {'count': 1, 'bytes': 4096}}
+  """
+  def count(lines: list[str], times: int, out: Counts) -> None:
+    for line in lines if times else ():
+      m = _MEGASCALE_SEND.match(line)
+      if m:
+        op = m["kind"].lower().replace("_", "-")
+        entry = out.setdefault(op, {"count": 0, "bytes": 0})
+        entry["count"] += times
+        entry["bytes"] += times * _dcn_sent(m["kind"], shape_bytes(m["array"]), slices)
+
+  return {op: c for op, c in per_call(hlo, count, ()).items() if c["count"]}

@@ -101,6 +101,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "(e.g. maxtext:qwen3-0.6b) or package.module:function")
   p.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v4:2x2x1, v5p:..., h100:8, h200:8, "
                  "a100-80g:8, b200:8, h100:2x8 (nodes x GPUs)")
+  p.add_argument("--slices", type=int, default=1, help="TPU slices of --topology joined over the data-center "
+                 "network (default 1); the default mesh gains replica across them (GPU nodes: h100:8x8)")
   p.add_argument("--mesh", default=None,
                  help="axis sizes, e.g. data=4,fsdp=2 (default: every device on data)")
   p.add_argument("--batch", type=int, default=8, help="global micro-batch in sequences (default 8)")
@@ -160,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
                           full_depth=args.full_depth, overrides=parse_overrides(args.overrides),
                           search=args.search, margin=args.margin,
-                          gpu_memory_fraction=args.gpu_memory_fraction)
+                          gpu_memory_fraction=args.gpu_memory_fraction, slices=args.slices)
     compilers.start_cpu_jax()  # the command line's process is the planner's own
     result = make_plan(request, progress=say)
   except (PlanError, AotUnavailable) as e:

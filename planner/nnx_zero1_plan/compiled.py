@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
-from nnx_zero1.testing import collectives, loop_collectives, sent_bytes
+from nnx_zero1.testing import across_bytes, collectives, dcn_bytes, loop_collectives, sent_bytes
 
-__all__ = ["PEAK_SOURCE", "memory", "split_memory", "cost", "hbm_oom", "collectives_of", "summed",
-           "split_collectives_of",
-           "row_figures"]
+__all__ = ["PEAK_SOURCE", "memory", "split_memory", "cost", "hbm_oom", "collectives_of", "across_per_step",
+           "summed", "split_collectives_of", "row_figures"]
 
 
 def memory(compiled: Any) -> dict[str, int]:
@@ -124,13 +124,34 @@ def hbm_oom(message: str) -> dict[str, Any] | None:
   }
 
 
-def collectives_of(compiled: Any) -> dict[str, dict[str, dict[str, int]]]:
+def collectives_of(compiled: Any,
+                   domain_of: Sequence[int] | None = None) -> dict[str, dict[str, dict[str, int]]]:
   """A compiled step's collectives: ``per_step`` (every loop trip counted) and ``per_micro_batch``
   (one trip of the micro-batch loop), each ``{op: {"count", "bytes"}}`` on one device (bytes: the results'),
-  and ``sent_per_step``, the bytes one device sends for them (:func:`nnx_zero1.testing.sent_bytes`)."""
+  and ``sent_per_step``, the bytes one device sends for them (:func:`nnx_zero1.testing.sent_bytes`). On a
+  pod (``domain_of``: each device's slice or node, in the mesh's order, over more than one), also
+  ``across_per_step``: ``{op: {"count", "bytes"}}``, the bytes one device sends over the slow network
+  (:func:`across_per_step`)."""
   hlo = compiled.as_text() or ""
-  return {"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo),
-          "sent_per_step": sent_bytes(hlo)}
+  found = {"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo),
+           "sent_per_step": sent_bytes(hlo)}
+  if domain_of is not None and len(set(domain_of)) > 1:
+    found["across_per_step"] = across_per_step(hlo, domain_of)
+  return found
+
+
+def across_per_step(hlo: str, domain_of: Sequence[int]) -> dict[str, dict[str, int]]:
+  """The bytes one device sends between slices or nodes per step, by collective.
+
+  A multi-slice TPU program names them itself: its transfers to the megascale runtime
+  (:func:`nnx_zero1.testing.dcn_bytes`). A multi-node GPU program is one program over every device: its
+  collectives whose replica groups span nodes, hierarchically reduced
+  (:func:`nnx_zero1.testing.across_bytes`; an estimate of NCCL's algorithm, from the compiler's groups).
+  """
+  if "_xla_megascale_transfer_type" in hlo:
+    return dcn_bytes(hlo, len(set(domain_of)))
+  return {op: {"count": c["count"], "bytes": c["across_bytes"]}
+          for op, c in across_bytes(hlo, domain_of).items() if c["across_bytes"]}
 
 
 def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
@@ -141,12 +162,15 @@ def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]
     >>> summed([{"all-gather": {"count": 1, "bytes": 8}}, {"all-gather": {"count": 2, "bytes": 4}}])
     {'all-gather': {'count': 3, 'bytes': 12}}
   """
-  return {op: {k: sum(c[op][k] for c in counts) for k in ("count", "bytes")} for op in counts[0]}
+  ops = dict.fromkeys(op for c in counts for op in c)
+  keys = {op: dict.fromkeys(k for c in counts for k in c.get(op, {})) for op in ops}
+  return {op: {k: sum(c.get(op, {}).get(k, 0) for c in counts) for k in keys[op]} for op in ops}
 
 
-def split_collectives_of(grads: Any, update: Any) -> dict[str, dict[str, dict[str, int]]]:
+def split_collectives_of(grads: Any, update: Any,
+                         domain_of: Sequence[int] | None = None) -> dict[str, dict[str, dict[str, int]]]:
   """:func:`collectives_of` a step compiled as two programs: both programs' collectives, summed."""
-  a, b = collectives_of(grads), collectives_of(update)
+  a, b = collectives_of(grads, domain_of), collectives_of(update, domain_of)
   return {when: summed([a[when], b[when]]) for when in a}
 
 

@@ -13,7 +13,7 @@ __all__ = ["shortened", "PlanError", "parse_mesh", "parse_levers", "parse_topolo
 
 # The axes a batch or the parameters split over without the model naming them (Zero-1's data axis,
 # fsdp for the batch and the layout rule, tp for a model that names it); any other axis must be the model's.
-PLANNER_AXES = ("data", "fsdp", "tp")
+PLANNER_AXES = ("replica", "data", "fsdp", "tp")
 
 
 class PlanError(ValueError):
@@ -43,10 +43,11 @@ def parse_mesh(text: str | None) -> dict[str, int]:
 
 
 def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
-              default_axis: str = "data") -> dict[str, int]:
+              default_axis: str = "data", domains: int = 1) -> dict[str, int]:
   """Every mesh axis and its size: ``sizes``, then the model's axes it omits at size 1.
 
-  With no sizes given, the default axis takes every device (pure data parallelism).
+  With no sizes given, the default axis takes every device (pure data parallelism); on a pod of
+  ``domains`` slices or nodes, ``replica`` crosses them and the default axis takes each one's devices.
 
   Raises:
     PlanError: the sizes' product is not the topology's device count.
@@ -57,8 +58,11 @@ def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
     {'data': 4, 'fsdp': 2, 'tp': 1}
     >>> mesh_axes({}, ["fsdp"], devices=8)
     {'data': 8, 'fsdp': 1}
+    >>> mesh_axes({}, [], devices=16, domains=2)
+    {'replica': 2, 'data': 8}
   """
-  axes = dict(sizes) if sizes else {default_axis: devices}
+  whole = {"replica": domains, default_axis: devices // domains} if domains > 1 else {default_axis: devices}
+  axes = dict(sizes) if sizes else whole
   axes.setdefault(default_axis, 1)
   for name in model_axes:
     axes.setdefault(name, 1)
@@ -82,7 +86,7 @@ def check_axis_names(sizes: Mapping[str, int], model_axes: Iterable[str],
     ...   check_axis_names({"dta": 4}, ["fsdp", "tp"])
     ... except PlanError as e:
     ...   print(e)
-    unknown --mesh axis dta; axes the model names or the planner splits over: data, fsdp, tp
+    unknown --mesh axis dta; axes the model names or the planner splits over: replica, data, fsdp, tp
   """
   known = tuple(dict.fromkeys([*accepted, *model_axes]))
   unknown = [a for a in sizes if a not in known]
@@ -221,6 +225,8 @@ def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
       words.append(f"{flag} {s[key]}")
   if s.get("optimizer", "adamw") != "adamw":
     words.append(f"--optimizer {s['optimizer']}")
+  if s.get("slices", 1) > 1:
+    words.append(f"--slices {s['slices']}")
   if s.get("full_depth"):
     words.append("--full-depth")
   if s.get("margin") is not None:

@@ -32,6 +32,8 @@ class Lever:
 LEVERS: dict[str, Lever] = {
     "baseline": Lever("nnx.Optimizer", zero1=False, deferred=False),
     "zero1": Lever("Zero1Optimizer", zero1=True, deferred=False),
+    "zero1-pod": Lever("Zero1Optimizer over replica and data (the state split across slices or nodes too)",
+                       zero1=True, deferred=False, optimizer_options={"data_axis": ("replica", "data")}),
     "zero1-accum": Lever("Zero1Optimizer + value_and_grad_accumulated (one reduce-scatter per step)",
                          zero1=True, deferred=True),
     "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
@@ -52,8 +54,9 @@ LEVERS: dict[str, Lever] = {
 }
 
 
-def lever_blocker(name: str, param_dtypes: Collection[str]) -> str | None:
-  """Why lever ``name`` cannot change anything for parameters of ``param_dtypes`` (None: it applies).
+def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) -> str | None:
+  """Why lever ``name`` cannot change anything for parameters of ``param_dtypes`` on a target of ``domains``
+  slices or nodes (None: it applies).
 
   Example::
 
@@ -63,6 +66,8 @@ def lever_blocker(name: str, param_dtypes: Collection[str]) -> str | None:
     (False, True)
   """
   dtypes = ", ".join(sorted(param_dtypes))
+  if name == "zero1-pod" and domains < 2:
+    return "zero1-pod splits the state across slices or nodes too; this target is one (--slices, h100:8x8)"
   if name == "zero1-master" and set(param_dtypes) <= {"float32", "float64"}:
     return f"zero1-master keeps float32 copies of narrower parameters; these are {dtypes} already"
   if name == "zero1-bf16state" and set(param_dtypes) <= {"bfloat16"}:
@@ -95,4 +100,4 @@ def make_optimizer(lever: Lever, model: Any, tx: Any, mesh: Any, data_axis: str 
 
   if not lever.zero1:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
-  return Zero1Optimizer(model, tx, mesh, data_axis=data_axis, **lever.optimizer_options)
+  return Zero1Optimizer(model, tx, mesh, **{"data_axis": data_axis, **lever.optimizer_options})

@@ -18,8 +18,9 @@ from nnx_zero1_plan.inputs import command_line
 __all__ = ["ORDER", "micro_batch_of", "sent_bytes_of", "lever_code", "recommend", "baseline_beats",
            "why_picked"]
 
-ORDER = ("fits", "largest micro-batch", "fewest collective bytes sent per token (within 1%)",
-         "most headroom at that micro-batch", "no remat", "the lighter lever")
+ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
+         "fewest collective bytes sent per token (within 1%)", "most headroom at that micro-batch",
+         "no remat", "the lighter lever")
 _SAME_BYTES = 0.01  # collective bytes this close are a tie: the headroom decides
 
 
@@ -49,6 +50,17 @@ def sent_bytes_of(row: Mapping[str, Any]) -> int:
   collectives = row.get("collectives") or {}
   per_step = collectives.get("sent_per_step") or collectives.get("per_step", {})
   return sum(v["bytes"] for v in per_step.values())
+
+
+def across_bytes_of(row: Mapping[str, Any]) -> int:
+  """The bytes one device sends per step between slices or nodes (0 on one slice or node).
+
+  Example::
+
+    >>> across_bytes_of({"collectives": {"across_per_step": {"all-gather": {"count": 2, "bytes": 8}}}})
+    8
+  """
+  return sum(v["bytes"] for v in ((row.get("collectives") or {}).get("across_per_step") or {}).values())
 
 
 def _headroom_at(row: Mapping[str, Any], batch: int) -> int | None:
@@ -193,11 +205,15 @@ def why_picked(best: Mapping[str, Any], rivals: Sequence[Mapping[str, Any]], mic
     both send 0.00 GiB of collectives per step: zero1 for its headroom
   """
   out = []
-  mine, my_room = sent_bytes_of(best), _headroom_at(best, micro)
+  mine, my_room, my_across = sent_bytes_of(best), _headroom_at(best, micro), across_bytes_of(best)
   for rival in rivals:
-    theirs, room = sent_bytes_of(rival), _headroom_at(rival, micro)
+    theirs, room, their_across = sent_bytes_of(rival), _headroom_at(rival, micro), across_bytes_of(rival)
     gib = lambda n: "?" if n is None else f"{n / 2**30:.2f}"
-    if abs(mine - theirs) <= _SAME_BYTES * max(mine, theirs, 1):
+    if abs(my_across - their_across) > _SAME_BYTES * max(my_across, their_across, 1):
+      sent = (f"{best['lever']} sends {gib(my_across)} GiB per step over the slow network and "
+              f"{rival['lever']} {gib(their_across)}")
+      reason = "its fewer bytes between slices or nodes"
+    elif abs(mine - theirs) <= _SAME_BYTES * max(mine, theirs, 1):
       sent, reason = f"both send {gib(mine)} GiB of collectives per step", "its headroom"
     else:
       sent = (f"{best['lever']} sends {gib(mine)} GiB of collectives per step and {rival['lever']} "
@@ -237,27 +253,29 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
   if step is None:
     step = "split" if str(meta.get("model", "")).startswith("maxtext:") else "one"
     step = step if step in shapes else (shapes[0] if shapes else step)
-  candidates = []
+  candidates: list[tuple[int, float, float, int, Mapping[str, Any]]] = []
   for order, r in enumerate(rows):
     micro = micro_batch_of(r, meta["batch"])
     if r.get("step", "one") != step or not micro:
       continue
-    candidates.append((micro, sent_bytes_of(r) / (micro * meta["seq_len"] * meta["ga"]), order, r))
+    tokens = micro * meta["seq_len"] * meta["ga"]
+    candidates.append((micro, across_bytes_of(r) / tokens, sent_bytes_of(r) / tokens, order, r))
   if not candidates:
     return None
   best_micro = max(c[0] for c in candidates)
   level = [c for c in candidates if c[0] == best_micro]
-  fewest = min(c[1] for c in level)
-  level = [c for c in level if c[1] <= fewest * (1 + _SAME_BYTES)]
+  for bytes_of in (lambda c: c[1], lambda c: c[2]):  # the slow network's bytes first, then all collectives'
+    fewest = min(bytes_of(c) for c in level)
+    level = [c for c in level if bytes_of(c) <= fewest * (1 + _SAME_BYTES)]
 
   def rest(c: tuple) -> tuple:
-    remat = c[3].get("remat", meta.get("remat"))
-    room = _headroom_at(c[3], best_micro)
-    return (-(room or 0), remat not in (None, "none"), c[2])
+    remat = c[4].get("remat", meta.get("remat"))
+    room = _headroom_at(c[4], best_micro)
+    return (-(room or 0), remat not in (None, "none"), c[3])
 
-  best = min(level, key=rest)[3]
+  best = min(level, key=rest)[4]
   remat = best.get("remat", meta.get("remat"))
-  rivals = [c[3] for c in candidates if c[0] == best_micro and c[3] is not best]
+  rivals = [c[4] for c in candidates if c[0] == best_micro and c[4] is not best]
   return {"lever": best["lever"], "step": step, "micro_batch": best_micro, "remat": remat,
           "code": lever_code(best["lever"], str(meta.get("model", "")), best.get("offload_fraction"),
                              meta.get("mesh"), meta.get("optimizer", "adamw")),

@@ -81,6 +81,8 @@ class PlanRequest:
       recommendation use what is left.
     gpu_memory_fraction: GPU targets: the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` the run will use (jax's
       default 0.75); the compiler is told to plan for that pool, and it is the usable memory.
+    slices: TPU slices of ``topology`` joined over the data-center network (a pod); GPU nodes are in the
+      topology (``h100:8x8``). On several, the default mesh gains ``replica`` across them.
     depths: the reduced depths a deep model is compiled at for TPUs (``full_depth`` off).
 
   Raises:
@@ -112,6 +114,7 @@ class PlanRequest:
   search: bool = False
   margin: float | None = None
   gpu_memory_fraction: float = 0.75
+  slices: int = 1
   depths: Sequence[int] = DEFAULT_DEPTHS
 
   def __post_init__(self) -> None:
@@ -129,6 +132,9 @@ class PlanRequest:
     if not 0 < self.gpu_memory_fraction <= 1:
       raise PlanError(f"--gpu-memory-fraction is XLA_PYTHON_CLIENT_MEM_FRACTION, in (0, 1]; "
                       f"got {self.gpu_memory_fraction}")
+    if self.slices < 1 or (self.slices > 1 and self.platform != "tpu"):
+      raise PlanError(f"--slices {self.slices}: TPU slices joined over the data-center network, 1 or more; "
+                      "GPU nodes are in the topology (h100:8x8: 8 nodes of 8)")
     if self.overrides and kind != "maxtext":
       raise PlanError(f"config overrides (key=value) apply to maxtext: models; {self.model} takes its "
                       "settings from the flags")
@@ -146,6 +152,12 @@ class PlanRequest:
   def platform(self) -> str:
     """``"tpu"`` or ``"cuda"``, from the topology."""
     return parse_topology(self.topology, GPU_CHIPS)[0]
+
+  @property
+  def domains(self) -> int:
+    """The slices (TPU) or nodes (GPU) the plan spans."""
+    _, _, shape = parse_topology(self.topology, GPU_CHIPS)
+    return self.slices if self.platform == "tpu" else shape[0]
 
   @property
   def policies(self) -> tuple[str | None, ...]:

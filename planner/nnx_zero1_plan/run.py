@@ -122,11 +122,11 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     say(f"compiled {at}: refused in {refused['compile_s']:.0f} s ({shortened(error, 160)})")
     return {**dict.fromkeys(_EXTRAPOLATED), **row, **refused}
   if step == "one":
-    figures = {**row_figures(memory(compiled), collectives_of(compiled)),
+    figures = {**row_figures(memory(compiled), collectives_of(compiled, _domains_in_order(mesh))),
                "flops_per_device": cost(compiled)["flops"]}
   else:
     mem = split_memory(memory(grads), memory(update), row["opt_state_bytes_per_device"])
-    figures = row_figures(mem, split_collectives_of(grads, update), cost(update))
+    figures = row_figures(mem, split_collectives_of(grads, update, _domains_in_order(mesh)), cost(update))
   say(f"compiled {at} in {seconds:.0f} s: peak {figures['peak_bytes_per_device'] / 2**30:.2f} GiB")
   return {**row, "error": None, "hbm_oom": None, "compile_s": seconds, **figures}
 
@@ -189,7 +189,7 @@ def _on_devices(planned: _Model, target: Any, batch: int) -> _Model:
 
   from nnx_zero1_plan.steps import batch_axes
 
-  axes = mesh_axes(planned.axes, planned.named, len(target.devices))
+  axes = mesh_axes(planned.axes, planned.named, len(target.devices), domains=target.domains)
   device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
                      axis_types=(AxisType.Auto,) * len(axes))
   rows_over = math.prod(axes[a] for a in batch_axes(device_mesh))
@@ -199,9 +199,16 @@ def _on_devices(planned: _Model, target: Any, batch: int) -> _Model:
   return dataclasses.replace(planned, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
 
 
-def _refuse_blocked(names: Sequence[str], planned: _Model, model: str) -> dict[str, str]:
-  """The levers that cannot apply to the model, and why; raises when one was asked for."""
-  blocked = {n: why for n in LEVERS if (why := lever_blocker(n, planned.param_dtypes))}
+def _domains_in_order(mesh: Any) -> list[int] | None:
+  """Each device's slice or node, in the mesh's order (None without a device mesh: MaxText builds its own)."""
+  from nnx_zero1_plan.targets import domain_of
+
+  return None if mesh is None else [domain_of(d) for d in mesh.devices.flat]
+
+
+def _refuse_blocked(names: Sequence[str], planned: _Model, model: str, domains: int) -> dict[str, str]:
+  """The levers that cannot apply to the model or the target, and why; raises when one was asked for."""
+  blocked = {n: why for n in LEVERS if (why := lever_blocker(n, planned.param_dtypes, domains))}
   for name in names:
     if name in blocked:
       raise PlanError(f"--levers {name} does not apply to {model}: {blocked[name]}")
@@ -213,9 +220,11 @@ def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], setti
   """A ``maxtext:`` model: its config's overrides at each micro-batch (MaxText builds its own mesh)."""
   from nnx_zero1_plan.maxtext import MaxTextModel, config_overrides, mesh_axis_names
 
-  if target.platform != "tpu":
-    raise PlanError(f"maxtext:{name} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
-                    f"{topology} is a GPU target")
+  if target.platform != "tpu" or target.domains > 1:
+    raise PlanError(f"maxtext:{name} compiles through MaxText's ahead-of-time engine, for one TPU slice "
+                    f"here; {topology} is a GPU target" if target.platform != "tpu" else
+                    f"maxtext:{name} is planned on one slice (its dcn_* axes are not set up here yet); "
+                    "plan a Tunix or your own model across slices")
   try:
     known = mesh_axis_names()
   except ImportError as e:
@@ -287,21 +296,21 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   if kind != "maxtext":  # described before the compiler is looked for: a misspelt axis needs none
     plans = {p: _tunix_or_own(r.model, platform, sizes, r.full_depth, r.depths,
                               (r.param_dtype, r.compute_dtype, p)) for p in policies}
-    blocked = _refuse_blocked(names, plans[policies[0]], r.model)
+    blocked = _refuse_blocked(names, plans[policies[0]], r.model, r.domains)
   compiler = require_compiler(r.topology)
   import jax
 
   from nnx_zero1_plan.compiled import PEAK_SOURCE
   from nnx_zero1_plan.targets import make_target, usable_bytes
 
-  target = make_target(r.topology, r.gpu_memory_fraction)
+  target = make_target(r.topology, r.gpu_memory_fraction, r.slices)
   batch, topology = r.batch, r.topology
   settings: dict[str, Any] = {"batch": batch, "seq_len": r.seq_len, "ga": r.ga, "optimizer": r.optimizer,
                               "progress": progress}
   if kind == "maxtext":
     plans = {p: _maxtext(model_name, topology, target, sizes, settings, (r.param_dtype, r.compute_dtype, p),
                          r.overrides) for p in policies}
-    blocked = _refuse_blocked(names, plans[policies[0]], r.model)
+    blocked = _refuse_blocked(names, plans[policies[0]], r.model, r.domains)
   else:
     plans = {p: _on_devices(m, target, batch) for p, m in plans.items()}
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are the same under every policy
@@ -341,7 +350,7 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
           "gpu_memory_fraction": r.gpu_memory_fraction if target.platform == "cuda" else None,
           "depth_extrapolated_from": extrapolated[0] if extrapolated else None,
           "full_depth": r.full_depth, "overrides": r.overrides, "search": r.search, "margin": r.margin,
-          "batch_unit": planned.batch_unit}
+          "batch_unit": planned.batch_unit, "slices": r.slices, "domains": target.domains}
   hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)
   return Plan(rows, meta, hints, recommend(rows, meta))

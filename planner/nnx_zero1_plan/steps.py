@@ -72,14 +72,15 @@ def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any) -> t
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-  """The mesh axes a batch's rows are split over: ``data`` and, where the mesh has it, ``fsdp``.
+  """The mesh axes a batch's rows are split over: ``data`` and, where the mesh has them, ``replica`` (across
+  slices or nodes) and ``fsdp``.
 
   Example::
 
     >>> batch_axes(jax.make_mesh((1, 1, 1), ("data", "fsdp", "tp")))
     ('data', 'fsdp')
   """
-  return tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+  return tuple(a for a in ("replica", "data", "fsdp") if a in mesh.axis_names)
 
 
 def abstract_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) -> jax.ShapeDtypeStruct:

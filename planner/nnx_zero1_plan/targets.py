@@ -51,6 +51,17 @@ class Target:
     """jax's name for the chip (``"TPU v6 lite"``, ``"NVIDIA H100 80GB HBM3"``)."""
     return self.devices[0].device_kind
 
+  @property
+  def domains(self) -> int:
+    """The slices (TPU) or nodes (GPU) the devices sit in, joined by the slow network."""
+    return len({domain_of(d) for d in self.devices})
+
+
+def domain_of(device: Any) -> int:
+  """The slice (a TPU's ``slice_index``) or node (a GPU's process) ``device`` sits in."""
+  slice_index = getattr(device, "slice_index", None)
+  return device.process_index if slice_index is None else slice_index
+
 
 def usable_bytes(hbm_bytes: int, platform: str, margin: float | None = None) -> int:
   """What a step may use per device: ``hbm_bytes`` less the margin (a share), or by default less the
@@ -79,11 +90,12 @@ def require_compiler(topology: str) -> str:
   return f"jax-cuda13-plugin {compilers.require_cuda_plugin()}"
 
 
-def _tpu_devices(topology: str) -> tuple[Any, ...]:
+def _tpu_devices(topology: str, slices: int = 1) -> tuple[Any, ...]:
   from jax.experimental import topologies
 
   try:
-    return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+    desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices)
+    return tuple(desc.devices)
   except Exception as e:  # libtpu's own refusal, in its words
     raise PlanError(f"libtpu does not know topology {topology!r}: {str(e).splitlines()[0]}") from e
 
@@ -131,13 +143,14 @@ def _tpu_usable_bytes(topology: str) -> int:
   raise PlanError(f"the TPU compiler accepted a 1 TiB program for {topology}; cannot read its usable HBM")
 
 
-def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION) -> Target:
+def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION, slices: int = 1) -> Target:
   """The target ``topology`` names, its devices and usable memory per device (the compiler loaded).
 
   Args:
     topology: a TPU slice (``v5e:2x4``) or NVIDIA GPUs (``h100:8``, ``h100:2x8``).
     gpu_memory_fraction: on GPUs, the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` the run will use: the pool's share
       of the device memory, which the compiler plans for (the planning process's own setting is not read).
+    slices: TPU slices of ``topology`` joined over the data-center network (libtpu's ``num_slices``).
 
   Raises:
     PlanError: the topology is unknown (to the planner, or to libtpu).
@@ -145,10 +158,11 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
   Example::
 
     target = make_target("h100:2x8")   # 16 H100s on two nodes, deviceless
+    target = make_target("v5e:2x4", slices=2)   # two 8-chip slices joined over the data-center network
   """
   platform, chip, shape = parse_topology(topology, GPU_CHIPS)
   if platform == "tpu":
-    devices = _tpu_devices(topology)
+    devices = _tpu_devices(topology, slices)
     hbm = _tpu_usable_bytes(topology)
     source = "the TPU compiler's available HBM (its out-of-memory message)"
     return Target(topology, platform, devices, hbm, source)

@@ -115,7 +115,8 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
     (["--steps", "one,fused"], "unknown step fused; steps: one, split"),
     (["remat_policy=full"], "config overrides (key=value) apply to maxtext: models"),
     (["--model", "maxtext:qwen3-0.6b", "--steps", "one"], "as two programs: --steps split"),
-    (["--mesh", "dta=4"], "unknown --mesh axis dta; axes the model names or the planner splits over: data"),
+    (["--mesh", "dta=4"], "unknown --mesh axis dta; axes the model names or the planner splits over: "
+                          "replica, data"),
     (["--levers", "zero1-master"], f"--levers zero1-master does not apply to {TOYS}:tiny_lm: "
                                    "zero1-master keeps float32 copies of narrower parameters"),
     (["--model", "tests.support.planner_toys:tiny_lm_bf16", "--levers", "zero1,zero1-bf16state"],
@@ -181,7 +182,7 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   assert "extrapolated to 28 layers from 2/4" in lines[3]
   meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8, "fsdp": 1}, "batch": 32,
           "seq_len": 1024, "ga": 1, "levers": ["baseline", "zero1"], "steps": ["one"]}
-  blocked = {"zero1-master": "float32 already"}
+  blocked = {"zero1-master": "float32 already", "zero1-pod": "one slice"}
   steps = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat="decoder", batch_unit=8)
   at = "python -m nnx_zero1.plan --model tunix:qwen3_8b --topology v5e:2x4 --mesh data=8,fsdp=1 --batch"
   assert steps[0] == f"the lever zero1-accum: {at} 32 --seq-len 1024 --ga 1 --levers zero1-accum --steps one"
