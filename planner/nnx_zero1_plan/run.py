@@ -145,7 +145,8 @@ def _lever_row(lever: str, step: str, source: Any, depths: Sequence[int] | None,
             "depth_extrapolated_from": None}
   keys = (*_EXTRAPOLATED, "opt_state_bytes_by_memory_kind", "param_bytes_per_device")
   row = extrapolate_row(r1, r2, d1, d2, source.full_depth, keys)
-  doubt = not_alike(r1["temp_bytes_per_device"], r2["temp_bytes_per_device"], d1, d2)
+  doubt = (not_alike(r1["temp_bytes_per_device"], r2["temp_bytes_per_device"], d1, d2)
+           or not_alike(r1["peak_bytes_per_device"], r2["peak_bytes_per_device"], d1, d2, "peak"))
   return {**row, "compile_s": compile_s, "depth": source.full_depth, "depth_extrapolated_from": [d1, d2],
           "not_alike": doubt}
 

@@ -168,6 +168,16 @@ def test_extrapolation_is_the_line_through_two_depths():
     extrapolate(1, 2, 4, 2, 8)
 
 
+def test_depths_whose_temp_or_peak_fall_are_not_extrapolated():
+  from nnx_zero1_plan.depth import not_alike
+
+  g = 2**30
+  assert not_alike(3 * g, 2 * g, 2, 4) == "the temp fell from 3.00 GiB at 2 layers to 2.00 GiB at 4"
+  # llama3p1_70b, Zero-1 across two v5p slices: the peaks at 2 and 4 layers (37.65, 37.26 GiB)
+  assert not_alike(int(37.65 * g), int(37.26 * g), 2, 4, "peak").startswith("the peak fell from 37.65 GiB")
+  assert not_alike(2 * g, 2 * g, 2, 4) is None and not_alike(None, g, 2, 4) is None
+
+
 def _row(lever, peak, **kw):
   return {"lever": lever, "compiled_for": "v5e:2x4", "mesh": {"data": 8}, "opt_state_bytes_per_device": 2**30,
           "argument_bytes_per_device": peak // 2, "temp_bytes_per_device": peak // 2,
