@@ -221,10 +221,11 @@ def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], setti
   """A ``maxtext:`` model: its config's overrides at each micro-batch (MaxText builds its own mesh)."""
   from nnx_zero1_plan.maxtext import MaxTextModel, config_overrides, mesh_axis_names
 
-  if target.platform != "tpu" or target.domains > 1:
-    raise PlanError(f"maxtext:{name} compiles through MaxText's ahead-of-time engine, for one TPU slice "
-                    f"here; {topology} is a GPU target" if target.platform != "tpu" else
-                    f"maxtext:{name} is planned on one slice (its dcn_* axes are not set up here yet); "
+  if target.platform != "tpu":
+    raise PlanError(f"maxtext:{name} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
+                    f"{topology} is a GPU target")
+  if target.domains > 1:
+    raise PlanError(f"maxtext:{name} is planned on one slice (its dcn_* axes are not set up here yet); "
                     "plan a Tunix or your own model across slices")
   try:
     known = mesh_axis_names()
