@@ -313,6 +313,6 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
       # MaxText re-homes each traced aval on the real mesh by its spec alone, which drops the
       # host memory kind: restate the state (and offloaded master copies) on the plan's shardings.
       _restate(optimizer.opt_state, [leaf.sharding for leaf in plan.state_leaves])
-      if plan.master_dtype is not None and plan.offload_masters:
+      if plan.offload_masters:
         _restate(optimizer.master_params, master_shardings(plan))
     return state

@@ -53,7 +53,7 @@ class Zero1Plan:
   state_leaves: tuple[LeafPlan, ...]
   single_device: bool = False  # no mesh, one device: nothing is placed, as nnx.Optimizer
   offload_state: bool = False  # some state leaves in host memory between steps (``_src/storage.py``)
-  offload_masters: bool = False  # the master copies too (``offload_state_to_host=True``)
+  offload_masters: bool = False  # master copies kept, and in host memory (``offload_state_to_host=True``)
   state_rounding: str | None = None  # how narrowed leaves are cast down; None: no state_dtype
   master_dtype: str | None = None  # float32 master copies of the parameters (``_src/storage.py``)
 

@@ -220,7 +220,7 @@ def _offloaded_plan(plan: Zero1Plan, fraction: float) -> Zero1Plan:
       for leaf, host in zip(plan.state_leaves, on_host, strict=True)
   )
   return dataclasses.replace(plan, state_leaves=leaves, offload_state=any(on_host),
-                             offload_masters=fraction >= 1)
+                             offload_masters=fraction >= 1 and plan.master_dtype is not None)
 
 
 def _on_host(leaf: LeafPlan) -> bool:

@@ -27,6 +27,7 @@ _GROUP_LIST = re.compile(r"replica_groups=\{((?:\{[0-9, ]*\},?\s*)*)\}")
 _MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z0-9]+\[[0-9,]*\])\S*, '
                              r'.*\bsend\(.*_xla_megascale_transfer_type="(?P<kind>\w+)"')
 _GROUP_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_FIRST_GROUP = re.compile(r"replica_groups=\{\{([0-9, ]*)\}")
 
 
 def replica_groups(line: str, devices: int) -> list[tuple[int, ...]]:
@@ -64,7 +65,12 @@ def group_size(line: str, devices: int) -> int:
     >>> group_size("all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}", 8)
     4
   """
-  return len(replica_groups(line, devices)[0])
+  iota = _GROUP_IOTA.search(line)
+  if iota:
+    return int(iota[2])
+  first = _FIRST_GROUP.search(line)
+  size = len([d for d in first[1].split(",") if d.strip()]) if first else 0
+  return size or devices
 
 
 def _sent(op: str, result: int, n: int) -> int:
@@ -83,13 +89,12 @@ def _domains_spanned(groups: list[tuple[int, ...]], domain_of: Sequence[int]) ->
 def _count(devices: int, domain_of: Sequence[int] | None) -> Callable[[list[str], int, Counts], None]:
   def count(lines: list[str], times: int, out: Counts) -> None:
     for op, result, line in collective_ops(lines) if times else ():
-      groups = replica_groups(line, devices)
-      n = len(groups[0])
+      n = group_size(line, devices)
       sent = _sent(op, result, n)
       out[op]["count"] += times
       out[op]["bytes"] += times * sent
-      if domain_of is not None and n > 1:
-        k = _domains_spanned(groups, domain_of)
+      if domain_of is not None and n > 1:  # the groups spelled out only where domains are asked about
+        k = _domains_spanned(replica_groups(line, devices), domain_of)
         out[op]["across_bytes"] = out[op].get("across_bytes", 0) + times * sent * (k - 1) // (n - 1)
 
   return count
@@ -153,18 +158,14 @@ def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
           for op, c in counted.items()}
 
 
-def _dcn_sent(kind: str, operand: int, slices: int) -> int:
-  """Bytes one device sends over the data-center network for a megascale transfer of ``operand`` bytes
-  among ``slices``: a ring all-reduce 2(k-1)/k of it, an all-gather of its shard (k-1) times it, a
-  reduce-scatter (k-1)/k of it, anything else the operand once."""
-  k = slices
-  if kind == "ALL_REDUCE":
-    return operand * 2 * (k - 1) // k
-  if kind == "ALL_GATHER":
-    return operand * (k - 1)
-  if kind == "REDUCE_SCATTER":
-    return operand * (k - 1) // k
-  return operand
+def _dcn_sent(op: str, operand: int, slices: int) -> int:
+  """Bytes one device sends among ``slices`` for a megascale transfer of ``operand`` bytes: :func:`_sent`'s
+  ring, whose result is the operand for an all-reduce, k operands for an all-gather (its shard), 1/k of it
+  for a reduce-scatter; another transfer sends its operand once."""
+  if op not in COLLECTIVES:
+    return operand
+  result = {"all-gather": operand * slices, "reduce-scatter": operand // slices}.get(op, operand)
+  return _sent(op, result, slices)
 
 
 def dcn_bytes(hlo: str, slices: int) -> Counts:
@@ -195,9 +196,9 @@ def dcn_bytes(hlo: str, slices: int) -> Counts:
     for line in lines if times else ():
       m = _MEGASCALE_SEND.match(line)
       if m:
-        op = m["kind"].lower().replace("_", "-")
+        op = m["kind"].lower().replace("_", "-")  # ALL_REDUCE: all-reduce
         entry = out.setdefault(op, {"count": 0, "bytes": 0})
         entry["count"] += times
-        entry["bytes"] += times * _dcn_sent(m["kind"], shape_bytes(m["array"]), slices)
+        entry["bytes"] += times * _dcn_sent(op, shape_bytes(m["array"]), slices)
 
   return {op: c for op, c in per_call(hlo, count, ()).items() if c["count"]}
