@@ -179,3 +179,27 @@ def test_one_record_passes_to_every_entry_point_as_keywords():
     assert isinstance(opt, Zero1Optimizer)
     assert (opt.strict, opt.pin_gradients, opt.zero1_plan.state_rounding) == (True, False, "nearest")
     assert opt.opt_state[0].mu["kernel"][...].dtype == jnp.bfloat16
+
+
+def test_pin_gradients_reaches_the_step_through_the_scope():
+  # The effect, in the traced step: on an Auto mesh each gradient is held on its parameter's layout by one
+  # sharding constraint (kernel and bias: two), which pin_gradients=False leaves out.
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+
+  def constraints(pin):
+    with jax.set_mesh(mesh):
+      model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+      with zero1_optimizers(mesh, pin_gradients=pin):
+        opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+      @nnx.jit
+      def step(model, opt, x):
+        opt.update(model, nnx.grad(lambda m: (m(x) ** 2).mean())(model))
+
+      x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data")))
+      return step.lower(model, opt, x).as_text().count("sharding_constraint")
+
+  assert constraints(True) - constraints(False) == 2
