@@ -18,6 +18,10 @@ Two processes with two virtual CPU devices each, the data axis spanning both:
       --devices 2 --coordinator 127.0.0.1:12355 &
   python examples/train_with_checkpoints.py --dir /tmp/mp --num-processes 2 --process-id 1 \\
       --devices 2 --coordinator 127.0.0.1:12355
+
+With ``--replica 2`` the mesh is ``(replica, data)``, ``replica`` across the processes as it would
+cross TPU slices or GPU nodes, and Zero-1 splits the state over both axes
+(``data_axis=("replica", "data")``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--process-id", type=int, default=0)
   parser.add_argument("--coordinator", default="127.0.0.1:12355", help="host:port of process 0")
   parser.add_argument("--out", default=None, help="write the final model and optimizer state here (.npz)")
+  parser.add_argument("--replica", type=int, default=1,
+                      help="a replica axis of this size across processes; Zero-1 splits over it and data")
+  parser.add_argument("--optimizer", choices=("zero1", "nnx"), default="zero1",
+                      help="nnx: the same run with flax's nnx.Optimizer, for comparison")
   parser.add_argument("--offload-state-to-host", action="store_true",
                       help="keep the optimizer state's shards in host memory between steps")
   return parser.parse_args(argv)
@@ -53,7 +61,7 @@ import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from nnx_zero1 import Zero1Optimizer, abstract_state, restore_into  # noqa: E402
@@ -76,19 +84,31 @@ def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def batch(step: int, mesh) -> tuple[jax.Array, jax.Array]:
-  """The batch of step ``step``: a function of the step only, split over the data axis."""
+  """The batch of step ``step``: a function of the step only, split over every axis of the mesh."""
   rng = np.random.default_rng(step)
   x = rng.standard_normal((BATCH, 16), dtype=np.float32)
   y = rng.standard_normal((BATCH, 4), dtype=np.float32)
-  shard = NamedSharding(mesh, P("data"))
+  shard = NamedSharding(mesh, P(mesh.axis_names))
   return global_array(x, shard), global_array(y, shard)
 
 
-def build(mesh, offload_state_to_host: bool = False) -> tuple[MLP, Zero1Optimizer]:
+def make_mesh(replica: int) -> Mesh:
+  """``("data",)`` over every device; with ``replica > 1``, ``("replica", "data")``, each replica's
+  devices in one process (devices ordered by process), as a replica axis crosses slices or nodes."""
+  if replica == 1:
+    return jax.make_mesh((jax.device_count(),), ("data",))
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  return Mesh(np.array(devices).reshape(replica, -1), ("replica", "data"))
+
+
+def build(mesh, offload_state_to_host: bool = False, optimizer: str = "zero1") -> tuple[MLP, nnx.Optimizer]:
   model = MLP(nnx.Rngs(0))  # the same values in every process; then placed on the global mesh
   replicated = NamedSharding(mesh, P())
   nnx.update(model, jax.tree.map(lambda x: global_array(np.asarray(x), replicated), nnx.state(model)))
-  return model, Zero1Optimizer(model, optax.adamw(1e-2), mesh, offload_state_to_host=offload_state_to_host)
+  if optimizer == "nnx":
+    return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+  return model, Zero1Optimizer(model, optax.adamw(1e-2), mesh, data_axis=mesh.axis_names,
+                               offload_state_to_host=offload_state_to_host)
 
 
 @nnx.jit
@@ -107,6 +127,13 @@ def host_values(tree) -> dict[str, np.ndarray]:
   }
 
 
+def bytes_on_one_device(tree) -> tuple[int, int]:
+  """The bytes of ``tree``'s shards on this process's first device, and of the whole tree."""
+  device, leaves = jax.local_devices()[0], jax.tree.leaves(nnx.as_pure(tree))
+  return (sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device),
+          sum(x.nbytes for x in leaves))
+
+
 def main(args: argparse.Namespace) -> None:
   if args.num_processes > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -114,8 +141,8 @@ def main(args: argparse.Namespace) -> None:
         args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
         initialization_timeout=60,
     )
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  model, opt = build(mesh, args.offload_state_to_host)
+  mesh = make_mesh(args.replica)
+  model, opt = build(mesh, args.offload_state_to_host, args.optimizer)
   directory = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="zero1-ckpt-"))
   options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
   with ocp.CheckpointManager(directory, options=options) as manager:
@@ -126,12 +153,17 @@ def main(args: argparse.Namespace) -> None:
       restore_into(model, restored["model"])
       restore_into(opt, restored["opt"])
     print(f"start step {step} on {jax.device_count()} devices in {jax.process_count()} processes", flush=True)
+    if args.replica > 1:
+      by_process = [sorted({d.process_index for d in row}) for row in mesh.devices]
+      print("replicas by process:", by_process, flush=True)
     while step < args.steps:
       loss = train_step(model, opt, *batch(step, mesh))
       step += 1
       manager.save(step, args=ocp.args.StandardSave({"model": nnx.state(model), "opt": nnx.state(opt)}))
       print(f"step {step} loss {float(loss.addressable_data(0)):.8f}", flush=True)
     manager.wait_until_finished()
+  on_device, whole = bytes_on_one_device(nnx.state(opt))
+  print(f"optimizer state: {on_device} bytes on one device of {whole}", flush=True)
   if args.out:
     values = {f"model{k}": v for k, v in host_values(nnx.state(model)).items()}
     values |= {f"opt{k}": v for k, v in host_values(nnx.state(opt)).items()}

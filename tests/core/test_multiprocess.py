@@ -3,6 +3,8 @@ gloo collectives), the data axis spanning both, train like one process with 4 de
 bit-identically with the optimizer state offloaded to host memory), and their checkpoint
 restores in a single process at another data-parallel size."""
 
+import re
+
 import numpy as np
 
 from tests.support.subprocesses import children, free_port, load
@@ -44,3 +46,35 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
     # cross-process reductions may round differently from in-process ones in the last bits
     np.testing.assert_allclose(two[key], one[key], rtol=1e-6, atol=1e-6, err_msg=key)
     np.testing.assert_array_equal(back[key], two[key], err_msg=key)
+
+
+def test_zero1_over_replica_and_data_with_replica_across_processes_trains_like_one_process(tmp_path):
+  """The mesh ``(replica=2, data=2)``, ``replica`` across two processes (as it crosses TPU slices or
+  GPU nodes), the state split over both axes: bit-identical to nnx.Optimizer on the same two processes
+  and, in one process, to nnx.Optimizer there; two processes differ from one only where nnx.Optimizer's
+  two do, in gloo's summation order."""
+  out = {}
+  with children() as start:
+    for optimizer in ("zero1", "nnx"):
+      run = lambda name, *more, optimizer=optimizer: start(
+          "--dir", str(tmp_path / name), "--steps", str(STEPS), "--replica", "2", "--optimizer", optimizer,
+          "--out", str(tmp_path / f"{name}.npz"), *more)
+      port = free_port()
+      workers = [run(f"{optimizer}-two", "--devices", "2", "--num-processes", "2",
+                     "--coordinator", f"127.0.0.1:{port}", "--process-id", str(i)) for i in range(2)]
+      single = run(f"{optimizer}-one", "--devices", "4")
+      printed = [w.finish() for w in workers]
+      single.finish()
+      assert all("replicas by process: [[0], [1]]" in text for text in printed)
+      found = re.search(r"optimizer state: (\d+) bytes on one device of (\d+)", printed[1])
+      on_device, whole = map(int, found.groups())
+      # Zero-1: a quarter of the moments per device, the two 4-byte step counters whole; nnx.Optimizer: all
+      assert on_device == ((whole - 8) // 4 + 8 if optimizer == "zero1" else whole), (optimizer, on_device)
+      out[optimizer] = load(tmp_path / f"{optimizer}-two.npz"), load(tmp_path / f"{optimizer}-one.npz")
+
+  (zero1_two, zero1_one), (nnx_two, nnx_one) = out["zero1"], out["nnx"]
+  assert sorted(zero1_two) == sorted(nnx_two) == sorted(zero1_one) and int(zero1_two["opt['step']"]) == STEPS
+  for key in zero1_two:
+    np.testing.assert_array_equal(zero1_two[key], nnx_two[key], err_msg=key)
+    np.testing.assert_array_equal(zero1_one[key], nnx_one[key], err_msg=key)
+    np.testing.assert_allclose(zero1_two[key], zero1_one[key], rtol=1e-5, atol=1e-7, err_msg=key)
