@@ -21,6 +21,7 @@ from nnx_zero1_plan.inputs import (
   shortened,
 )
 from nnx_zero1_plan.levers import LEVERS, lever_blocker, with_offload
+from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.recommend import recommend
 from nnx_zero1_plan.request import STEPS, PlanRequest
 from nnx_zero1_plan.search import NEAR, offload_search, search_row
@@ -266,6 +267,8 @@ def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, An
     row = {**row, "compiled_whole_because": "a smaller micro-batch came near the limit"}
   peak = row.get("peak_bytes_per_device")
   fits = False if row.get("hbm_oom") else None if peak is None else peak <= usable
+  if target.domains > 1 and row.get("collectives"):
+    row = {**row, "network_per_step": network_per_step(row["collectives"], target.chip, target.platform)}
   return {"lever": name, "step": step, "compiled_for": topology, "device_kind": target.device_kind,
           "mesh": model.axes, "model": source.name, "batch": batch, **row,
           "compile_s": round(row["compile_s"], 1), "hbm_bytes": target.hbm_bytes, "usable_bytes": usable,

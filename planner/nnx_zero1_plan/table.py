@@ -8,14 +8,16 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import command_line
 
-__all__ = ["HEADER", "EDGE_HEADER", "collective_cell", "cells", "edge_cells", "table", "next_steps",
-           "recommendation_lines", "markdown"]
+__all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "collective_cell", "network_cell", "header", "cells",
+           "edge_cells", "table", "next_steps", "recommendation_lines", "markdown"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB",
           "args+temp GiB", "usable GiB", "fits", "max micro-batch", "compile s",
           "collectives per step (count x MiB)", "per micro-batch", "update GFLOP", "update GiB accessed",
           "note")
-_LEFT = (0, 1, 2, 3, 17)  # the columns of words, aligned left
+_LEFT = (0, 1, 2, 3)  # the columns of words, aligned left, and the note (the last)
+# A pod's plan has two more columns, before the note: what one device sends per step over each network.
+POD_HEADER = ("inside slice/node per step, MiB (est.)", "over the slow network per step, MiB (est.)")
 
 _SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "to-device": "in", "to-host": "out"}
 
@@ -64,8 +66,32 @@ def _lever(r: dict[str, Any]) -> str:
   return r["lever"] + picked + (f" (+{_gib(host)} GiB host)" if host else "")
 
 
+def network_cell(network: Mapping[str, Any] | None) -> str:
+  """One network's bytes per step (MiB) and the time they take at its public bandwidth, an estimate.
+
+  Example::
+
+    >>> network_cell({"network": "DCN", "bytes": 1102404096, "estimate_ms": 176.4})
+    'DCN 1,051.3 (~176.4 ms)'
+  """
+  if not network:
+    return "-"
+  ms = "" if network["estimate_ms"] is None else f" (~{network['estimate_ms']:,.1f} ms)"
+  return f"{network['network']} {network['bytes'] / 2**20:,.1f}{ms}"
+
+
+def _is_pod(rows: Sequence[dict[str, Any]]) -> bool:
+  return any("network_per_step" in r for r in rows)
+
+
+def header(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+  """:data:`HEADER`, with :data:`POD_HEADER` before the note where the rows are a pod's."""
+  return HEADER[:-1] + POD_HEADER + HEADER[-1:] if _is_pod(rows) else HEADER
+
+
 def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
-  """One tuple of strings per row, in :data:`HEADER`'s order."""
+  """One tuple of strings per row, in :func:`header`'s order."""
+  pod = _is_pod(rows)
   out: list[tuple[str, ...]] = []
   for r in rows:
     fits = "-" if r["fits"] is None else "yes" if r["fits"] else "NO"
@@ -81,7 +107,10 @@ def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
         _max_micro_batch(r), f"{r.get('search_compile_s', r['compile_s']):.0f}",
         collective_cell(collectives.get("per_step", {})),
         collective_cell(collectives.get("per_micro_batch", {})),
-        "-" if flops is None else f"{flops / 1e9:.2f}", _gib(accessed), _note(r),
+        "-" if flops is None else f"{flops / 1e9:.2f}", _gib(accessed),
+        *((network_cell(r.get("network_per_step", {}).get("fast")),
+           network_cell(r.get("network_per_step", {}).get("slow"))) if pod else ()),
+        _note(r),
     ))
   return out
 
@@ -137,7 +166,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     >>> table([row]).splitlines()[2].split()[:7]
     ['zero1', 'one', 'v6e:2x2', 'data=4', '1.00', '2.00', '0.00']
   """
-  text = _aligned(HEADER, cells(rows), _LEFT)
+  head = header(rows)
+  text = _aligned(head, cells(rows), (*_LEFT, len(head) - 1))
   edges = edge_cells(rows)
   if edges:
     text += "\n\nAt each lever's largest micro-batch (the compiler's figures):\n" + _aligned(
@@ -253,6 +283,13 @@ _NOTE = (
     "micro-batch loop count once per trip (`per micro-batch`)."
 )
 
+_POD_NOTE = (
+    " On a pod, what one device sends per step inside its slice or node (ICI, NVLink) and over the slow "
+    "network between them (DCN, InfiniBand): a TPU program's collectives and its megascale transfers; a GPU "
+    "program's node-spanning collectives split by NCCL's hierarchical algorithm (an estimate). The times are "
+    "estimates: the bytes at the chip's public per-direction bandwidth, no latency, no overlap."
+)
+
 
 def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
   return ["", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
@@ -271,7 +308,7 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequen
   lines = ["# Will it fit? nnx-zero1 plan, compiled ahead of time", ""]
   lines += [f"- {k}: {json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in meta.items()]
   if rows:
-    lines += _markdown_table(HEADER, cells(rows)) + ["", _NOTE]
+    lines += _markdown_table(header(rows), cells(rows)) + ["", _NOTE + (_POD_NOTE if _is_pod(rows) else "")]
     edges = edge_cells(rows)
     if edges:
       lines += ["", "## At each lever's largest micro-batch", ""] + _markdown_table(EDGE_HEADER, edges)

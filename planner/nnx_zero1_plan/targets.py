@@ -47,6 +47,11 @@ class Target:
   hbm_source: str
 
   @property
+  def chip(self) -> str:
+    """The topology's chip as the planner names it (``"v5p"``, ``"h100"``)."""
+    return parse_topology(self.name, GPU_CHIPS)[1]
+
+  @property
   def device_kind(self) -> str:
     """jax's name for the chip (``"TPU v6 lite"``, ``"NVIDIA H100 80GB HBM3"``)."""
     return self.devices[0].device_kind

@@ -327,3 +327,12 @@ def test_a_two_slice_plan_names_the_bytes_that_cross_the_data_center_network(tmp
   state = {n: r["opt_state_bytes_per_device"] for n, r in rows.items()}
   assert state["zero1-pod"] * 2 == pytest.approx(state["zero1"], rel=0.01)
   assert result["recommendation"]["lever"] == "zero1"  # it fits as far, and sends less across slices
+  # Each network's bytes per step and their time at v5e's public figures (25 Gbps DCN per chip: 2 x 100
+  # Gbps per 8-chip host; 1,600 Gbps ICI), an estimate; the table and plan.md name them.
+  for name, row in rows.items():
+    fast, slow = row["network_per_step"]["fast"], row["network_per_step"]["slow"]
+    assert slow == {"network": "DCN", "bytes": sum(c["bytes"] for c in across[name].values()),
+                    "estimate_ms": round(1000 * slow["bytes"] / (25e9 / 8), 1)}
+    assert fast["network"] == "ICI" and fast["bytes"] == sum(
+        c["bytes"] for c in row["collectives"]["sent_per_step"].values()) > 0
+  assert "over the slow network per step" in (tmp_path / "plan.md").read_text()
