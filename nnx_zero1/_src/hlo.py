@@ -110,7 +110,7 @@ def _result_bytes(shape: str, op: str, start: bool) -> int:
   return shape_bytes(shape, second_half=start and op != "all-reduce")
 
 
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
   """Splits HLO text into {computation name: its instruction lines} and the entry's name."""
   bodies: dict[str, list[str]] = {}
   entry, current = None, None
@@ -234,7 +234,7 @@ def partitions(hlo: str) -> int:
 
 def per_call(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
   """``count`` over every computation, each weighted by how often it runs per call of the entry."""
-  bodies, entry = _computations(hlo)
+  bodies, entry = computations(hlo)
   runs = _executions(bodies, entry)
   out = {op: {"count": 0, "bytes": 0} for op in ops}
   for name, lines in bodies.items():
@@ -244,7 +244,7 @@ def per_call(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tup
 
 def _per_trip(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
   """``count`` over the computations inside while-loop bodies (and what they call), each once."""
-  bodies, entry = _computations(hlo)
+  bodies, entry = computations(hlo)
   inside: set[str] = set()
 
   def visit(name: str, in_loop: bool) -> None:

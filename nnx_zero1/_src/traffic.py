@@ -17,7 +17,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from nnx_zero1._src.hlo import COLLECTIVES, Counts, collective_ops, partitions, per_call, shape_bytes
+from nnx_zero1._src.hlo import (
+  COLLECTIVES,
+  Counts,
+  collective_ops,
+  computations,
+  partitions,
+  per_call,
+  shape_bytes,
+)
 
 __all__ = ["replica_groups", "group_size", "sent_bytes", "across_bytes", "dcn_bytes"]
 
@@ -28,6 +36,34 @@ _MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z
                              r'.*\bsend\(.*_xla_megascale_transfer_type="(?P<kind>\w+)"')
 _GROUP_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _FIRST_GROUP = re.compile(r"replica_groups=\{\{([0-9, ]*)\}")
+_GROUPS = re.compile(r"replica_groups=(?:\{(?:\{[0-9, ]*\},?\s*)*\}|\[\d+,\d+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?"
+                     r"|mesh\[[^\]]*\]\s*\{[^}]*\})")
+_MESH_GROUP = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_FUSED_CALL = re.compile(r"\bcalls=%?(all-reduce-scatter[\w.\-]*)")
+
+
+def _mesh_groups(line: str) -> list[tuple[int, ...]] | None:
+  """The groups of a collective spelt over mesh axes (``replica_groups=mesh['replica'=2,'data'=4]
+  {'data'}``, Shardy's form), devices numbered in the mesh's row-major order; None in another spelling.
+
+  A listed sub-axis ``'data':(p)s`` is the size-s part of the axis after its major p.
+  """
+  m = _MESH_GROUP.search(line)
+  if m is None:
+    return None
+  axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", m[1])]
+  listed = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m[2])
+  groups: dict[tuple[int, ...], list[int]] = {}
+  for device, coords in enumerate(np.ndindex(*(size for _, size in axes))):
+    key = []
+    for (name, size), c in zip(axes, coords, strict=True):
+      for axis, pre, part in listed:
+        if axis == name:
+          step = size // (int(pre) * int(part)) if part else 1
+          c -= (c // step) % (int(part) if part else size) * step
+      key.append(c)
+    groups.setdefault(tuple(key), []).append(device)
+  return [tuple(g) for g in groups.values()]
 
 
 def replica_groups(line: str, devices: int) -> list[tuple[int, ...]]:
@@ -42,7 +78,12 @@ def replica_groups(line: str, devices: int) -> list[tuple[int, ...]]:
     [(0, 2), (1, 3)]
     >>> replica_groups("all-reduce(%p), replica_groups={}, to_apply=%add", 2)
     [(0, 1)]
+    >>> replica_groups("all-reduce(%p), replica_groups=mesh['replica'=2,'data'=4] {'data':(1)2}", 8)
+    [(0, 2), (1, 3), (4, 6), (5, 7)]
   """
+  over_axes = _mesh_groups(line)
+  if over_axes is not None:
+    return over_axes
   iota = _GROUP_IOTA.search(line)
   if iota:
     count, size = int(iota[1]), int(iota[2])
@@ -64,7 +105,12 @@ def group_size(line: str, devices: int) -> int:
 
     >>> group_size("all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}", 8)
     4
+    >>> group_size("all-reduce(%p), replica_groups=mesh['replica'=2,'data'=4] {'data'}", 8)
+    4
   """
+  over_axes = _mesh_groups(line)
+  if over_axes is not None:
+    return len(over_axes[0])
   iota = _GROUP_IOTA.search(line)
   if iota:
     return int(iota[2])
@@ -84,6 +130,29 @@ def _sent(op: str, result: int, n: int) -> int:
 def _domains_spanned(groups: list[tuple[int, ...]], domain_of: Sequence[int]) -> int:
   """The most domains any one group spans."""
   return max(len({domain_of[d] for d in group}) for group in groups)
+
+
+def with_fused_groups(hlo: str) -> str:
+  """``hlo`` with each of the TPU compiler's fused reduce-scatters given its groups.
+
+  The fusion's line (``fusion(...), calls=%all-reduce-scatter``) names none: they are on the all-reduce
+  inside the computation it calls. Read off the fusion's line alone, a reduce-scatter over a slice's 16
+  chips would count as one over all of the program's devices.
+
+  Example::
+
+    >>> hlo = '''%all-reduce-scatter (p: f32[8]) -> f32[4] {
+    ...   %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add
+    ... }
+    ... ENTRY %main (q: f32[8]) -> f32[4] {
+    ...   ROOT %rs = f32[4]{0} fusion(%q), kind=kCustom, calls=%all-reduce-scatter
+    ... }'''
+    >>> with_fused_groups(hlo).splitlines()[-2].split(", ", 2)[2]
+    'calls=%all-reduce-scatter, replica_groups={{0,1},{2,3}}'
+  """
+  inner = {name: next((m[0] for m in map(_GROUPS.search, lines) if m), None)
+           for name, lines in computations(hlo)[0].items() if name.startswith("all-reduce-scatter")}
+  return _FUSED_CALL.sub(lambda m: m[0] + (f", {inner[m[1]]}" if inner.get(m[1]) else ""), hlo)
 
 
 def _count(devices: int, domain_of: Sequence[int] | None) -> Callable[[list[str], int, Counts], None]:
@@ -125,7 +194,7 @@ def sent_bytes(hlo: str, devices: int | None = None) -> Counts:
     >>> sent["all-reduce"]["bytes"], sent["reduce-scatter"]["bytes"]
     (48, 24)
   """
-  counted = per_call(hlo, _count(devices or partitions(hlo), None), COLLECTIVES)
+  counted = per_call(with_fused_groups(hlo), _count(devices or partitions(hlo), None), COLLECTIVES)
   return {op: {"count": c["count"], "bytes": c["bytes"]} for op, c in counted.items()}
 
 
@@ -153,7 +222,7 @@ def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
     >>> across_bytes(hlo, [0, 0, 1, 1])["all-reduce"]  # the second pair spans the two domains
     {'count': 2, 'bytes': 64, 'across_bytes': 32}
   """
-  counted = per_call(hlo, _count(len(domain_of), domain_of), COLLECTIVES)
+  counted = per_call(with_fused_groups(hlo), _count(len(domain_of), domain_of), COLLECTIVES)
   return {op: {"count": c["count"], "bytes": c["bytes"], "across_bytes": c.get("across_bytes", 0)}
           for op, c in counted.items()}
 

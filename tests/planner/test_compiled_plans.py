@@ -336,3 +336,52 @@ def test_a_two_slice_plan_names_the_bytes_that_cross_the_data_center_network(tmp
     assert fast["network"] == "ICI" and fast["bytes"] == sum(
         c["bytes"] for c in row["collectives"]["sent_per_step"].values()) > 0
   assert "over the slow network per step" in (tmp_path / "plan.md").read_text()
+
+
+_GROUPS = """
+import json
+from nnx_zero1_plan import compilers
+compilers.start_cpu_jax()
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from nnx_zero1.testing import collectives, sent_bytes
+from nnx_zero1_plan.targets import make_target
+mesh = Mesh(np.array(make_target("v5e:2x4").devices).reshape(2, 4), ("replica", "data"))
+spelt = lambda hlo: [ln.split("replica_groups=")[1][:45] for ln in hlo.splitlines() if "groups=" in ln]
+counted = lambda counts: {op: c["bytes"] for op, c in counts.items() if c["count"]}
+def summed(rows_over, out_spec):
+  x = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P(rows_over)))
+  hlo = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, out_spec)).lower(x).compile().as_text()
+  return {"spelt": spelt(hlo), "sent": counted(sent_bytes(hlo))}
+halves = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+pairs = jax.jit(lambda a: a.reshape(2, 4, 1024, 1024).sum(0),
+                out_shardings=NamedSharding(mesh, P(None, "data")))
+hlo = pairs.lower(halves).compile().as_text()
+print("RESULT " + json.dumps({"data": summed("data", P()), "replica": summed("replica", P()),
+      "both": summed(("replica", "data"), P()), "scatter": summed("data", P("data")),
+      "major half": counted(sent_bytes(hlo)), "major half results": counted(collectives(hlo)),
+      "major half spelt": spelt(hlo)}))
+"""
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: ./planner[aot], Python >= 3.12 (CI lane 2)")
+def test_the_bytes_sent_read_each_collectives_groups_in_the_tpu_compilers_spellings():
+  """A sum of (1024, 1024) float32 blocks (4 MiB) on a (replica 2, data 4) v5e mesh, over data, over
+  replica, over both, scattered over data, and over the major half of data (a sub-axis): each collective
+  sends what a ring of its group sends, whichever way the compiler spells the group (listed, iota, over
+  mesh axes, or a fused all-reduce-scatter naming its groups inside)."""
+  proc = subprocess.run([sys.executable, "-c", _GROUPS], env=_env(), capture_output=True, text=True,
+                        timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+  out = json.loads(line[len("RESULT "):])
+  block = 1024 * 1024 * 4
+  assert out["data"]["sent"] == {"all-reduce": 2 * 3 * block // 4}, out["data"]
+  assert out["replica"]["sent"] == {"all-reduce": 2 * 1 * block // 2}, out["replica"]
+  assert out["both"]["sent"] == {"all-reduce": 2 * 7 * block // 8}, out["both"]
+  assert out["scatter"]["sent"] == {"reduce-scatter": 3 * block // 4}, out["scatter"]
+  # pairs of devices, over the major half of data (a sub-axis 'data':(1)2, then 'data':(2)2): groups of 2
+  results = out["major half results"]
+  assert any(":(1)2" in s for s in out["major half spelt"]), out["major half spelt"]
+  assert out["major half"] == {"all-reduce": 2 * 1 * results["all-reduce"] // 2,
+                               "all-gather": 1 * results["all-gather"] // 2}, out
