@@ -48,13 +48,13 @@ _OPT_TYPES = ("adamw", "sgd")
 def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping[str, int], *,
                      batch: int, seq_len: int, ga: int, optimizer: str, param_dtype: str | None,
                      compute_dtype: str | None, remat: str | None, known_axes: Iterable[str],
-                     overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+                     overrides: Mapping[str, str] | None = None, slices: int = 1) -> dict[str, str]:
   """MaxText's config for a plan: its ``key=value`` overrides of ``base.yml``, the user's last.
 
-  A mesh axis ``A=n`` is MaxText's ``ici_A_parallelism=n``; every other axis is 1
-  (MaxText's ``ici_fsdp_parallelism`` default, -1, would take the devices left).
-  The topology is compiled under MaxText's ``internal_compile``: libtpu's own
-  name, as the plan's other models use it.
+  A mesh axis ``A=n`` is MaxText's ``ici_A_parallelism=n`` (one slice's devices); every other axis is 1
+  (MaxText's ``ici_fsdp_parallelism`` default, -1, would take the devices left). On several slices
+  ``dcn_data_parallelism`` is their number: MaxText's data axis spans them. The topology is compiled
+  under MaxText's ``internal_compile``: libtpu's own name, as the plan's other models use it.
 
   Raises:
     PlanError: an axis MaxText's mesh has not, an optimizer it does not name alike, or a batch that
@@ -83,7 +83,8 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
       "base_output_directory": os.path.join(tempfile.gettempdir(), "nnx_zero1_plan"),
       "skip_jax_distributed_system": "true", "enable_goodput_recording": "false",
       "jax_cache_dir": "", "internal_compile": "true", "compile_topology": topology,
-      "internal_compile_num_devices": str(devices), "compile_topology_num_slices": "1",
+      "internal_compile_num_devices": str(devices), "compile_topology_num_slices": str(slices),
+      **({"dcn_data_parallelism": str(slices)} if slices > 1 else {}),
       "per_device_batch_size": str(batch // devices), "max_target_length": str(seq_len),
       "gradient_accumulation_steps": str(ga), "opt_type": optimizer,
       **{f"ici_{a}_parallelism": "1" for a in known},
@@ -109,6 +110,9 @@ def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
   """
   if not lever.zero1:
     return None
+  if "data_axis" in lever.optimizer_options:
+    raise PlanError(f"{lever_name} names mesh axes MaxText's mesh has not; MaxText's data axis is "
+                    "dcn_data x ici_data, so on several slices its zero1 splits the state across them")
   if lever.deferred and not lever.accumulate_options.get("shard_accumulator"):
     raise PlanError(f"{lever_name} is this library's gradient accumulation; MaxText's engine accumulates "
                     "its own (and defers the data-parallel reduction itself under shard_mode=explicit): "
@@ -138,9 +142,9 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   from maxtext.trainers.pre_train import train_compile
   from maxtext.training_engine import maxtext_engine_compile as mec
 
-  from nnx_zero1.testing import collectives
   from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_memory_kind
-  from nnx_zero1_plan.compiled import cost, memory, row_figures, split_memory, summed
+  from nnx_zero1_plan.compiled import collectives_of, cost, memory, row_figures, split_memory, summed
+  from nnx_zero1_plan.targets import domain_of
 
   attributes = engine_attributes(lever_name, lever)
   base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
@@ -158,9 +162,11 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   runs = ["fwd_bwd"] + ["fwd_bwd_accum"] * (ga - 1)  # the gradient kernels one step runs, in order
   grads = max((memory(kernels[name]) for name in set(runs)), key=lambda m: m["peak"])
   mem = split_memory(grads, memory(kernels["update"]), by_kind.get("device", 0))
-  counted = {name: collectives(kernels[name].as_text() or "") for name in (*set(runs), "update")}
-  micro = [counted[name] for name in runs]
-  counts = {"per_step": summed([*micro, counted["update"]]), "per_micro_batch": micro[-1]}
+  domains = [domain_of(d) for d in mesh.devices.flat]
+  counted = {name: collectives_of(kernels[name], domains) for name in (*set(runs), "update")}
+  step = [counted[name] for name in (*runs, "update")]
+  counts = {when: summed([kernel[when] for kernel in step]) for when in step[-1] if when != "per_micro_batch"}
+  counts["per_micro_batch"] = counted[runs[-1]]["per_step"]
   return {
       "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
       "param_bytes_per_device": abstract_bytes_per_device(nnx.state(model, nnx.Param)),

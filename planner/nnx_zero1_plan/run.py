@@ -225,22 +225,19 @@ def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], setti
   if target.platform != "tpu":
     raise PlanError(f"maxtext:{name} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
                     f"{topology} is a GPU target")
-  if target.domains > 1:
-    raise PlanError(f"maxtext:{name} is planned on one slice (its dcn_* axes are not set up here yet); "
-                    "plan a Tunix or your own model across slices")
   try:
     known = mesh_axis_names()
   except ImportError as e:
     raise PlanError(f"maxtext:{name} needs MaxText (Python >= 3.12), from a clone: pip install -r "
                     f".ci/requirements-newest.txt && pip install --no-deps maxtext==0.2.5 ({e})") from e
-  axes = mesh_axes(sizes, (), len(target.devices))
+  axes = mesh_axes(sizes, (), len(target.devices) // target.domains)  # one slice's: MaxText's ici_* axes
   param_dtype, compute_dtype, remat = dtypes_and_remat
 
   def source_at(batch: int) -> MaxTextModel:
     config = config_overrides(name, topology, len(target.devices), axes, batch=batch,
                               seq_len=settings["seq_len"], ga=settings["ga"], optimizer=settings["optimizer"],
                               param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-                              known_axes=known, overrides=overrides)
+                              known_axes=known, overrides=overrides, slices=target.domains)
     return MaxTextModel(f"maxtext:{name}", config)
 
   source_at(settings["batch"])  # the settings checked before any compile

@@ -293,6 +293,36 @@ def test_maxtext_plan_compiles_maxtexts_engine_for_each_lever(tmp_path):
     assert gpu.returncode == 2 and "for TPU slices only; h100:8 is a GPU target" in gpu.stderr
 
 
+@pytest.mark.skipif(not (HAS_LIBTPU and HAS_MAXTEXT),
+                    reason="needs libtpu and maxtext (extra aot + maxtext==0.2.5, Python >= 3.12), CI lane 2")
+def test_maxtext_plan_across_two_slices_splits_the_state_over_maxtexts_data_axis(tmp_path):
+  """``maxtext:`` on two v5e:2x2 slices: MaxText's data axis is dcn_data x ici_data, so its Zero-1 engine
+  splits the state over all 8 chips, across the slices (an eighth of the baseline's moments per chip), each
+  row says what crosses the data-center network, and zero1-pod, which names a replica axis, is refused."""
+  from tests.support.maxtext_toys import TINY
+
+  skip = ("model_name", "run_name", "per_device_batch_size", "max_target_length", "ici_data_parallelism",
+          "ici_fsdp_parallelism", "opt_type", "base_output_directory")
+  overrides = [f"{k}={v}" for k, v in TINY.items() if k not in skip]
+  argv = ["--model", "maxtext:default", "--topology", "v5e:2x2", "--slices", "2", "--batch", "8",
+          "--seq-len", "16", "--ga", "2", "--levers", "baseline,zero1,zero1-pod", "--out", str(tmp_path),
+          *overrides]
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv], env=_env(), capture_output=True,
+                        text=True, timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / "plan.json").read_text())
+  assert result["meta"]["domains"] == 2 and result["meta"]["mesh"] == {"data": 4}  # one slice's ici axes
+  rows = {r["lever"]: r for r in result["rows"]}
+  base, zero1 = rows["baseline"], rows["zero1"]
+  assert base["maxtext_config"]["num_decoder_layers"] == "2"
+  whole = 8  # the two int32 step counters
+  assert (zero1["opt_state_bytes_per_device"] - whole) * 8 == base["opt_state_bytes_per_device"] - whole
+  for row in (base, zero1):
+    assert row["network_per_step"]["slow"]["bytes"] == sum(
+        c["bytes"] for c in row["collectives"]["across_per_step"].values()) > 0
+  assert "MaxText's data axis is dcn_data x ici_data" in rows["zero1-pod"]["error"]
+
+
 @pytest.mark.skipif(not (HAS_GPU_COMPILER and HAS_LIBTPU), reason="needs both compilers (CI lane 2)")
 def test_with_the_compilers_installed_jax_platforms_cpu_imports_jax_quietly():
   """The documented environment for a user's own jax programs beside the planner's compilers: without
