@@ -63,9 +63,11 @@ class Target:
 
 
 def domain_of(device: Any) -> int:
-  """The slice (a TPU's ``slice_index``) or node (a GPU's process) ``device`` sits in."""
-  slice_index = getattr(device, "slice_index", None)
-  return device.process_index if slice_index is None else slice_index
+  """The slice (a TPU's ``slice_index``) or node (a GPU's process) ``device`` sits in.
+
+  A GPU device has a ``slice_index`` too, 0 on every node: only a TPU's names its slice.
+  """
+  return device.slice_index if device.platform == "tpu" else device.process_index
 
 
 def usable_bytes(hbm_bytes: int, platform: str, margin: float | None = None) -> int:

@@ -206,6 +206,30 @@ def test_a_two_node_gpu_target_has_both_nodes_devices():
 
 
 @pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
+def test_a_two_node_gpu_plan_names_the_bytes_that_cross_infiniband(tmp_path):
+  """h100:2x8 (replica=2 nodes x data=8): the gradients' all-reduce over all 16 GPUs sends 2(15/16) x 4P
+  bytes per GPU for P float32 parameters, and reduced hierarchically (k-1)/(n-1) = 1/15 of them cross
+  between the nodes, P/2; Zero-1 inside each node adds its all-gather there and nothing across; Zero-1
+  across the nodes reduce-scatters and gathers over all 16 instead, P/4 across each: the baseline's P/2
+  in all, with an eighth of the baseline's moments per GPU."""
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
+  result = _plan(tmp_path, "--topology", "h100:2x8", "--batch", "16", "--full-depth", "--steps", "one",
+                 "--levers", "baseline,zero1,zero1-pod")
+  assert result["meta"]["mesh"] == {"replica": 2, "data": 8} and result["meta"]["domains"] == 2
+  rows = {r["lever"]: r for r in result["rows"]}
+  across = {name: {op: c["bytes"] for op, c in row["collectives"]["across_per_step"].items()}
+            for name, row in rows.items()}
+  grads = 4 * params
+  assert across["baseline"] == across["zero1"] == {"all-reduce": grads // 8}
+  assert across["zero1-pod"] == {"reduce-scatter": grads // 16, "all-gather": grads // 16}
+  state = {n: r["opt_state_bytes_per_device"] for n, r in rows.items()}
+  assert (state["zero1-pod"] - 8) * 16 == state["baseline"] - 8 == (state["zero1"] - 8) * 8
+  slow = rows["zero1-pod"]["network_per_step"]["slow"]
+  assert slow == {"network": "InfiniBand", "bytes": grads // 8,
+                  "estimate_ms": round(1000 * grads / 8 / 50e9, 1)}  # 400 Gb/s per GPU
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
 def test_gpu_plan_of_the_bfloat16_levers(tmp_path):
   """On 8x H100, a bfloat16 model: float32 master weights add 8P/dp bytes of arguments (masters
   4P/dp, float32 moments 4P/dp over bfloat16 ones) and all-gather exactly what pure bfloat16 Zero-1
