@@ -65,9 +65,10 @@ class Target:
 def domain_of(device: Any) -> int:
   """The slice (a TPU's ``slice_index``) or node (a GPU's process) ``device`` sits in.
 
-  A GPU device has a ``slice_index`` too, 0 on every node: only a TPU's names its slice.
+  A GPU device has a ``slice_index`` too, 0 on every node: only a TPU's names its slice (a one-slice
+  topology's TPU devices have none).
   """
-  return device.slice_index if device.platform == "tpu" else device.process_index
+  return getattr(device, "slice_index", 0) if device.platform == "tpu" else device.process_index
 
 
 def usable_bytes(hbm_bytes: int, platform: str, margin: float | None = None) -> int:

@@ -3,11 +3,8 @@
 with the reason)."""
 
 
-import importlib.util
 import json
 import math
-import os
-import re
 import subprocess
 import sys
 
@@ -19,31 +16,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnx_zero1 import zero1_sharding
-from nnx_zero1_plan import compilers
+from tests.support.compiled_plans import (
+  HAS_GPU_COMPILER,
+  HAS_LIBTPU,
+  HAS_MAXTEXT,
+  TOY,
+  TOYS,
+  planner_env,
+  run_plan,
+)
 from tests.support.planner_toys import tiny_lm
-
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-HAS_GPU_COMPILER = importlib.util.find_spec("jax_cuda13_plugin") is not None
-TOYS = "tests.support.planner_toys"  # the planner's toy models, by their module's name
-TOY = ["--model", f"{TOYS}:tiny_lm", "--batch", "8", "--seq-len", "64",
-       "--levers", "baseline,zero1"]
-
-
-# The compilers: CI lane 2.
-
-def _env() -> dict:
-  env = {k: v for k, v in os.environ.items() if k not in compilers.ENV}
-  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-  return env
-
-
-def _plan(tmp_path, *args) -> dict:
-  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *TOY, *args, "--out", str(tmp_path)],
-                        env=_env(), capture_output=True, text=True, timeout=400)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads((tmp_path / "plan.json").read_text())
-  assert (tmp_path / "plan.md").read_text().startswith("# Will it fit?")
-  return result
 
 
 def _rule_saving(data: int) -> int:
@@ -83,13 +65,13 @@ def _check_rule_and_fits(result: dict, data: int) -> dict:
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: ./planner[aot], Python >= 3.12 (CI lane 2)")
 def test_tpu_plan_saves_what_the_layout_rule_predicts_and_extrapolates_from_reduced_depth(tmp_path):
-  full = _plan(tmp_path / "full", "--topology", "v6e:2x2", "--full-depth", "--steps", "one,split")
+  full = run_plan(tmp_path / "full", "--topology", "v6e:2x2", "--full-depth", "--steps", "one,split")
   rows = _check_rule_and_fits(full, data=4)
   assert full["meta"]["hbm_bytes"] == 33_543_694_581  # v6e: 31.24G, as the TPU compiler words it
   # The split step's update program: Zero-1 updates a quarter of each moment and parameter per chip.
   flops = [rows[lever, "split"]["update_flops_per_device"] for lever in ("baseline", "zero1")]
   assert 0 < flops[1] < flops[0] / 2
-  reduced = _plan(tmp_path / "reduced", "--topology", "v6e:2x2", "--steps", "one")
+  reduced = run_plan(tmp_path / "reduced", "--topology", "v6e:2x2", "--steps", "one")
   one_program = [r for r in full["rows"] if r["step"] == "one"]
   for a, b in zip(one_program, reduced["rows"], strict=True):
     assert b["depth_extrapolated_from"] == [2, 4] and b["depth"] == 6
@@ -103,7 +85,7 @@ def test_tpu_plan_saves_what_the_layout_rule_predicts_and_extrapolates_from_redu
 @pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler: pip install --no-deps "
                     "jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 (Python >= 3.12), CI lane 2")
 def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):
-  result = _plan(tmp_path, "--topology", "h100:8", "--full-depth", "--steps", "one,split")
+  result = run_plan(tmp_path, "--topology", "h100:8", "--full-depth", "--steps", "one,split")
   rows = _check_rule_and_fits(result, data=8)
   assert rows["zero1", "split"]["update_flops_per_device"] is None  # XLA's GPU compiler has no cost analysis
   assert result["rows"][0]["device_kind"] == "NVIDIA H100 80GB HBM3"
@@ -142,8 +124,8 @@ def test_a_tpu_row_is_the_compilers_own_accounting():
   """Zero-1's row on v6e:2x2: its peak is the TPU compiler's ``total_allocation_bytes`` (what its own
   out-of-memory check weighs), the sum of arguments and temporaries kept beside it, and no reserve is
   taken off the HBM the compiler names."""
-  proc = subprocess.run([sys.executable, "-c", _ACCOUNTING], env=_env(), capture_output=True, text=True,
-                        timeout=400)
+  proc = subprocess.run([sys.executable, "-c", _ACCOUNTING], env=planner_env(),
+                        capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
   out = json.loads(line[len("RESULT "):])
@@ -176,7 +158,7 @@ def test_plan_from_python_leaves_the_process_and_its_files_as_they_were(tmp_path
   """A notebook's ``plan()``: the compiles happen in a planning process of their own; the caller's
   environment, its temporary folder and libtpu's log folder are as before, and it has not even imported
   jax (which sets libtpu's variables on import)."""
-  env = {**_env(), "TMPDIR": str(tmp_path)}
+  env = {**planner_env(), "TMPDIR": str(tmp_path)}
   proc = subprocess.run([sys.executable, "-c", _UNTOUCHED], env=env, capture_output=True, text=True,
                         timeout=400)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -199,34 +181,10 @@ print(len(target.devices), len(nodes), target.device_kind)
 
 @pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
 def test_a_two_node_gpu_target_has_both_nodes_devices():
-  proc = subprocess.run([sys.executable, "-c", _TWO_NODES], env=_env(), capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, "-c", _TWO_NODES], env=planner_env(), capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.split()[:2] == ["16", "2"] and "NVIDIA H200" in proc.stdout
-
-
-@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
-def test_a_two_node_gpu_plan_names_the_bytes_that_cross_infiniband(tmp_path):
-  """h100:2x8 (replica=2 nodes x data=8): the gradients' all-reduce over all 16 GPUs sends 2(15/16) x 4P
-  bytes per GPU for P float32 parameters, and reduced hierarchically (k-1)/(n-1) = 1/15 of them cross
-  between the nodes, P/2; Zero-1 inside each node adds its all-gather there and nothing across; Zero-1
-  across the nodes reduce-scatters and gathers over all 16 instead, P/4 across each: the baseline's P/2
-  in all, with an eighth of the baseline's moments per GPU."""
-  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
-  result = _plan(tmp_path, "--topology", "h100:2x8", "--batch", "16", "--full-depth", "--steps", "one",
-                 "--levers", "baseline,zero1,zero1-pod")
-  assert result["meta"]["mesh"] == {"replica": 2, "data": 8} and result["meta"]["domains"] == 2
-  rows = {r["lever"]: r for r in result["rows"]}
-  across = {name: {op: c["bytes"] for op, c in row["collectives"]["across_per_step"].items()}
-            for name, row in rows.items()}
-  grads = 4 * params
-  assert across["baseline"] == across["zero1"] == {"all-reduce": grads // 8}
-  assert across["zero1-pod"] == {"reduce-scatter": grads // 16, "all-gather": grads // 16}
-  state = {n: r["opt_state_bytes_per_device"] for n, r in rows.items()}
-  assert (state["zero1-pod"] - 8) * 16 == state["baseline"] - 8 == (state["zero1"] - 8) * 8
-  slow = rows["zero1-pod"]["network_per_step"]["slow"]
-  assert slow == {"network": "InfiniBand", "bytes": grads // 8,
-                  "estimate_ms": round(1000 * grads / 8 / 50e9, 1)}  # 400 Gb/s per GPU
 
 
 @pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
@@ -240,7 +198,7 @@ def test_gpu_plan_of_the_bfloat16_levers(tmp_path):
           "--levers", "zero1,zero1-master", "--steps", "one"]
   out = tmp_path / "bf16"
   proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv, *TOY[2:-2], "--out", str(out)],
-                        env=_env(), capture_output=True, text=True, timeout=400)
+                        env=planner_env(), capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stderr[-3000:]
   bf16 = {r["lever"]: r for r in json.loads((out / "plan.json").read_text())["rows"]}
   gathered = [bf16[n]["collectives"]["per_step"]["all-gather"]["bytes"] for n in ("zero1", "zero1-master")]
@@ -253,7 +211,7 @@ def test_gpu_plan_of_the_bfloat16_levers(tmp_path):
 def test_a_search_on_8_h100_finds_the_edge_and_recommends_by_it(tmp_path):
   """The search, compiled for 8 H100s: a 99.9% margin leaves the tiny model ~61 MiB, so its edge is a
   hundred-odd sequences away; every claim is checked against the compiles the search made."""
-  result = _plan(tmp_path, "--topology", "h100:8", "--steps", "one", "--search", "--margin", "0.999",
+  result = run_plan(tmp_path, "--topology", "h100:8", "--steps", "one", "--search", "--margin", "0.999",
                  "--levers", "zero1")
   usable = int(result["meta"]["hbm_bytes"] * 0.001)
   rows = {r["lever"]: r for r in result["rows"]}
@@ -273,9 +231,6 @@ def test_a_search_on_8_h100_finds_the_edge_and_recommends_by_it(tmp_path):
   assert f"--batch {best['micro_batch']} " in best["cli"] and best["lever"] in rows
 
 
-HAS_MAXTEXT = importlib.util.find_spec("maxtext") is not None
-
-
 @pytest.mark.skipif(not (HAS_LIBTPU and HAS_MAXTEXT),
                     reason="needs libtpu and maxtext (extra aot + maxtext==0.2.5, Python >= 3.12), CI lane 2")
 def test_maxtext_plan_compiles_maxtexts_engine_for_each_lever(tmp_path):
@@ -289,8 +244,8 @@ def test_maxtext_plan_compiles_maxtexts_engine_for_each_lever(tmp_path):
   overrides = [f"{k}={v}" for k, v in TINY.items() if k not in skip]
   argv = ["--model", "maxtext:default", "--topology", "v6e:2x2", "--batch", "8", "--seq-len", "16",
           "--ga", "2", "--levers", "baseline,zero1,zero1-accum,offload", "--out", str(tmp_path), *overrides]
-  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv], env=_env(), capture_output=True,
-                        text=True, timeout=400)
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv], env=planner_env(),
+                        capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads((tmp_path / "plan.json").read_text())
   rows = {r["lever"]: r for r in result["rows"]}
@@ -313,38 +268,8 @@ def test_maxtext_plan_compiles_maxtexts_engine_for_each_lever(tmp_path):
   assert "MaxText's engine accumulates its own" in rows["zero1-accum"]["error"]
   if HAS_GPU_COMPILER:  # MaxText's ahead-of-time engine compiles for TPUs only: one line, exit 2
     gpu = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", "--model", "maxtext:default", "--topology",
-                          "h100:8"], env=_env(), capture_output=True, text=True, timeout=300)
+                          "h100:8"], env=planner_env(), capture_output=True, text=True, timeout=300)
     assert gpu.returncode == 2 and "for TPU slices only; h100:8 is a GPU target" in gpu.stderr
-
-
-@pytest.mark.skipif(not (HAS_LIBTPU and HAS_MAXTEXT),
-                    reason="needs libtpu and maxtext (extra aot + maxtext==0.2.5, Python >= 3.12), CI lane 2")
-def test_maxtext_plan_across_two_slices_splits_the_state_over_maxtexts_data_axis(tmp_path):
-  """``maxtext:`` on two v5e:2x2 slices: MaxText's data axis is dcn_data x ici_data, so its Zero-1 engine
-  splits the state over all 8 chips, across the slices (an eighth of the baseline's moments per chip), each
-  row says what crosses the data-center network, and zero1-pod, which names a replica axis, is refused."""
-  from tests.support.maxtext_toys import TINY
-
-  skip = ("model_name", "run_name", "per_device_batch_size", "max_target_length", "ici_data_parallelism",
-          "ici_fsdp_parallelism", "opt_type", "base_output_directory")
-  overrides = [f"{k}={v}" for k, v in TINY.items() if k not in skip]
-  argv = ["--model", "maxtext:default", "--topology", "v5e:2x2", "--slices", "2", "--batch", "8",
-          "--seq-len", "16", "--ga", "2", "--levers", "baseline,zero1,zero1-pod", "--out", str(tmp_path),
-          *overrides]
-  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv], env=_env(), capture_output=True,
-                        text=True, timeout=400)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads((tmp_path / "plan.json").read_text())
-  assert result["meta"]["domains"] == 2 and result["meta"]["mesh"] == {"data": 4}  # one slice's ici axes
-  rows = {r["lever"]: r for r in result["rows"]}
-  base, zero1 = rows["baseline"], rows["zero1"]
-  assert base["maxtext_config"]["num_decoder_layers"] == "2"
-  whole = 8  # the two int32 step counters
-  assert (zero1["opt_state_bytes_per_device"] - whole) * 8 == base["opt_state_bytes_per_device"] - whole
-  for row in (base, zero1):
-    assert row["network_per_step"]["slow"]["bytes"] == sum(
-        c["bytes"] for c in row["collectives"]["across_per_step"].values()) > 0
-  assert "MaxText's data axis is dcn_data x ici_data" in rows["zero1-pod"]["error"]
 
 
 @pytest.mark.skipif(not (HAS_GPU_COMPILER and HAS_LIBTPU), reason="needs both compilers (CI lane 2)")
@@ -353,89 +278,9 @@ def test_with_the_compilers_installed_jax_platforms_cpu_imports_jax_quietly():
   ``JAX_PLATFORMS=cpu``, ``import jax`` prints the CUDA plugin's cuDNN traceback and libtpu's search for
   a TPU; with it, nothing."""
   script = "import jax; print(jax.devices())"
-  env = {k: v for k, v in _env().items() if not k.startswith(("JAX_", "TPU_"))}
+  env = {k: v for k, v in planner_env().items() if not k.startswith(("JAX_", "TPU_"))}
   noisy = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
   quiet = subprocess.run([sys.executable, "-c", script], env={**env, "JAX_PLATFORMS": "cpu"},
                          capture_output=True, text=True, timeout=120)
   assert quiet.returncode == 0 and "CpuDevice" in quiet.stdout and quiet.stderr == "", quiet.stderr[-2000:]
   assert "cuDNN" in noisy.stderr  # the noise is there without it, so the test can fail
-
-
-@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: ./planner[aot], Python >= 3.12 (CI lane 2)")
-def test_a_two_slice_plan_names_the_bytes_that_cross_the_data_center_network(tmp_path):
-  """v5e:2x2 in two slices (8 chips, replica=2 x data=4): the gradients are reduce-scattered inside each
-  slice and their quarter all-reduced across slices, P float32 bytes per chip over the data-center network
-  (2(k-1)/k of 4P/4, k=2) for every lever; Zero-1 across slices (zero1-pod) halves the state again and adds
-  the all-gather of each chip's 1/8 of the parameters across slices, P/2 bytes. By hand within 1% (the TPU
-  pads some leaves)."""
-  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
-  result = _plan(tmp_path, "--topology", "v5e:2x2", "--slices", "2", "--full-depth", "--steps", "one",
-                 "--levers", "baseline,zero1,zero1-pod")
-  assert result["meta"]["mesh"] == {"replica": 2, "data": 4} and result["meta"]["domains"] == 2
-  rows = {r["lever"]: r for r in result["rows"]}
-  across = {n: r["collectives"]["across_per_step"] for n, r in rows.items()}
-  for name in ("baseline", "zero1", "zero1-pod"):
-    assert across[name]["all-reduce"]["bytes"] == pytest.approx(4 * params / 4, rel=0.01)
-  assert "all-gather" not in across["zero1"]
-  assert across["zero1-pod"]["all-gather"]["bytes"] == pytest.approx(4 * params / 8, rel=0.01)
-  state = {n: r["opt_state_bytes_per_device"] for n, r in rows.items()}
-  assert state["zero1-pod"] * 2 == pytest.approx(state["zero1"], rel=0.01)
-  assert result["recommendation"]["lever"] == "zero1"  # it fits as far, and sends less across slices
-  # Each network's bytes per step and their time at v5e's public figures (25 Gbps DCN per chip: 2 x 100
-  # Gbps per 8-chip host; 1,600 Gbps ICI), an estimate; the table and plan.md name them.
-  for name, row in rows.items():
-    fast, slow = row["network_per_step"]["fast"], row["network_per_step"]["slow"]
-    assert slow == {"network": "DCN", "bytes": sum(c["bytes"] for c in across[name].values()),
-                    "estimate_ms": round(1000 * slow["bytes"] / (25e9 / 8), 1)}
-    assert fast["network"] == "ICI" and fast["bytes"] == sum(
-        c["bytes"] for c in row["collectives"]["sent_per_step"].values()) > 0
-  assert "over the slow network per step" in (tmp_path / "plan.md").read_text()
-
-
-_GROUPS = """
-import json
-from nnx_zero1_plan import compilers
-compilers.start_cpu_jax()
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from nnx_zero1.testing import collectives, sent_bytes
-from nnx_zero1_plan.targets import make_target
-mesh = Mesh(np.array(make_target("v5e:2x4").devices).reshape(2, 4), ("replica", "data"))
-spelt = lambda hlo: [ln.split("replica_groups=")[1][:45] for ln in hlo.splitlines() if "groups=" in ln]
-counted = lambda counts: {op: c["bytes"] for op, c in counts.items() if c["count"]}
-def summed(rows_over, out_spec):
-  x = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P(rows_over)))
-  hlo = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, out_spec)).lower(x).compile().as_text()
-  return {"spelt": spelt(hlo), "sent": counted(sent_bytes(hlo))}
-halves = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-pairs = jax.jit(lambda a: a.reshape(2, 4, 1024, 1024).sum(0),
-                out_shardings=NamedSharding(mesh, P(None, "data")))
-hlo = pairs.lower(halves).compile().as_text()
-print("RESULT " + json.dumps({"data": summed("data", P()), "replica": summed("replica", P()),
-      "both": summed(("replica", "data"), P()), "scatter": summed("data", P("data")),
-      "major half": counted(sent_bytes(hlo)), "major half results": counted(collectives(hlo)),
-      "major half spelt": spelt(hlo)}))
-"""
-
-
-@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: ./planner[aot], Python >= 3.12 (CI lane 2)")
-def test_the_bytes_sent_read_each_collectives_groups_in_the_tpu_compilers_spellings():
-  """A sum of (1024, 1024) float32 blocks (4 MiB) on a (replica 2, data 4) v5e mesh, over data, over
-  replica, over both, scattered over data, and over the major half of data (a sub-axis): each collective
-  sends what a ring of its group sends, whichever way the compiler spells the group (listed, iota, over
-  mesh axes, or a fused all-reduce-scatter naming its groups inside)."""
-  proc = subprocess.run([sys.executable, "-c", _GROUPS], env=_env(), capture_output=True, text=True,
-                        timeout=400)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-  out = json.loads(line[len("RESULT "):])
-  block = 1024 * 1024 * 4
-  assert out["data"]["sent"] == {"all-reduce": 2 * 3 * block // 4}, out["data"]
-  assert out["replica"]["sent"] == {"all-reduce": 2 * 1 * block // 2}, out["replica"]
-  assert out["both"]["sent"] == {"all-reduce": 2 * 7 * block // 8}, out["both"]
-  assert out["scatter"]["sent"] == {"reduce-scatter": 3 * block // 4}, out["scatter"]
-  # pairs of devices, over the major half of data (a sub-axis 'data':(1)2, then 'data':(2)2): groups of 2
-  results = out["major half results"]
-  assert any(":(1)2" in s for s in out["major half spelt"]), out["major half spelt"]
-  assert out["major half"] == {"all-reduce": 2 * 1 * results["all-reduce"] // 2,
-                               "all-gather": 1 * results["all-gather"] // 2}, out
