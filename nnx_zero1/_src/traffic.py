@@ -36,9 +36,9 @@ _MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z
                              r'.*\bsend\(.*_xla_megascale_transfer_type="(?P<kind>\w+)"')
 _GROUP_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _FIRST_GROUP = re.compile(r"replica_groups=\{\{([0-9, ]*)\}")
-_GROUPS = re.compile(r"replica_groups=(?:\{(?:\{[0-9, ]*\},?\s*)*\}|\[\d+,\d+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?"
-                     r"|mesh\[[^\]]*\]\s*\{[^}]*\})")
 _MESH_GROUP = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# A collective's groups in any of the three spellings, whole.
+_GROUPS = re.compile("|".join(p.pattern for p in (_MESH_GROUP, _GROUP_IOTA, _GROUP_LIST)))
 _FUSED_CALL = re.compile(r"\bcalls=%?(all-reduce-scatter[\w.\-]*)")
 
 
@@ -67,8 +67,8 @@ def _mesh_groups(line: str) -> list[tuple[int, ...]] | None:
 
 
 def replica_groups(line: str, devices: int) -> list[tuple[int, ...]]:
-  """The device groups of a collective's HLO line, in either of HLO's spellings (all ``devices``, one
-  group, where it lists none).
+  """The device groups of a collective's HLO line, in any of HLO's spellings (listed, iota, over mesh
+  axes; all ``devices``, one group, where it names none).
 
   Example::
 

@@ -9,7 +9,7 @@ from typing import Any
 from nnx_zero1.testing import across_bytes, collectives, dcn_bytes, loop_collectives, sent_bytes
 
 __all__ = ["PEAK_SOURCE", "memory", "split_memory", "cost", "hbm_oom", "collectives_of", "across_per_step",
-           "summed", "split_collectives_of", "row_figures"]
+           "summed", "summed_collectives", "split_collectives_of", "row_figures"]
 
 
 def memory(compiled: Any) -> dict[str, int]:
@@ -167,11 +167,17 @@ def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]
   return {op: {k: sum(c.get(op, {}).get(k, 0) for c in counts) for k in keys[op]} for op in ops}
 
 
+def summed_collectives(programs: Sequence[dict[str, dict[str, dict[str, int]]]]
+                       ) -> dict[str, dict[str, dict[str, int]]]:
+  """Several programs' :func:`collectives_of`, one step's: each figure (``per_step``, ``sent_per_step``,
+  ...) added up over the programs, in the order one step runs them (a program run twice, twice)."""
+  return {when: summed([p[when] for p in programs]) for when in programs[0]}
+
+
 def split_collectives_of(grads: Any, update: Any,
                          domain_of: Sequence[int] | None = None) -> dict[str, dict[str, dict[str, int]]]:
   """:func:`collectives_of` a step compiled as two programs: both programs' collectives, summed."""
-  a, b = collectives_of(grads, domain_of), collectives_of(update, domain_of)
-  return {when: summed([a[when], b[when]]) for when in a}
+  return summed_collectives([collectives_of(grads, domain_of), collectives_of(update, domain_of)])
 
 
 def row_figures(mem: dict[str, int], collectives: dict[str, Any],

@@ -70,8 +70,7 @@ def near_the_limit(peak: int | None, usable: int) -> bool:
   return peak is not None and peak > NEAR_LIMIT * usable
 
 
-def not_alike(temp_at_d1: int | None, temp_at_d2: int | None, d1: int, d2: int,
-              what: str = "temp") -> str | None:
+def not_alike(at_d1: int | None, at_d2: int | None, d1: int, d2: int, what: str = "temp") -> str | None:
   """Why two reduced depths cannot be extrapolated, or None: more layers needing less temp (or a lower
   peak, ``what="peak"``) means the compiler did not schedule the layers alike (or they are not alike:
   Gemma 3 interleaves local and global attention), so the line through them says nothing of the full
@@ -88,7 +87,7 @@ def not_alike(temp_at_d1: int | None, temp_at_d2: int | None, d1: int, d2: int,
     >>> not_alike(2 * 2**30, 3 * 2**30, 2, 4) is None
     True
   """
-  if temp_at_d1 is None or temp_at_d2 is None or temp_at_d2 >= temp_at_d1:
+  if at_d1 is None or at_d2 is None or at_d2 >= at_d1:
     return None
-  fell = f"{temp_at_d1 / 2**30:.2f} GiB at {d1} layers to {temp_at_d2 / 2**30:.2f} GiB at {d2}"
+  fell = f"{at_d1 / 2**30:.2f} GiB at {d1} layers to {at_d2 / 2**30:.2f} GiB at {d2}"
   return f"the {what} fell from {fell}"

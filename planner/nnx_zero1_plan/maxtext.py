@@ -143,7 +143,14 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   from maxtext.training_engine import maxtext_engine_compile as mec
 
   from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_memory_kind
-  from nnx_zero1_plan.compiled import collectives_of, cost, memory, row_figures, split_memory, summed
+  from nnx_zero1_plan.compiled import (
+      collectives_of,
+      cost,
+      memory,
+      row_figures,
+      split_memory,
+      summed_collectives,
+  )
   from nnx_zero1_plan.targets import domain_of
 
   attributes = engine_attributes(lever_name, lever)
@@ -164,9 +171,8 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   mem = split_memory(grads, memory(kernels["update"]), by_kind.get("device", 0))
   domains = [domain_of(d) for d in mesh.devices.flat]
   counted = {name: collectives_of(kernels[name], domains) for name in (*set(runs), "update")}
-  step = [counted[name] for name in (*runs, "update")]
-  counts = {when: summed([kernel[when] for kernel in step]) for when in step[-1] if when != "per_micro_batch"}
-  counts["per_micro_batch"] = counted[runs[-1]]["per_step"]
+  step = summed_collectives([counted[name] for name in (*runs, "update")])
+  counts = {**step, "per_micro_batch": counted[runs[-1]]["per_step"]}  # a gradient kernel's, whole
   return {
       "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
       "param_bytes_per_device": abstract_bytes_per_device(nnx.state(model, nnx.Param)),
