@@ -123,6 +123,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--full-depth", action="store_true",
                  help=f"compile deep models whole for TPUs too (default: at {DEFAULT_DEPTHS} layers, "
                  "extrapolated; GPU targets compile whole)")
+  p.add_argument("--tunix-sharding", default="default", help="tunix: models' activation constraints, "
+                 "applied as on the chips: default (Tunix's, the mesh's data axes in each batch entry), none "
+                 "(XLA's propagation), or JSON of ShardingConfig act_* fields")
   p.add_argument("--search", action="store_true", help="also find each lever's largest micro-batch that fits "
                  "(from --batch up, a few compiles per lever), and recommend by it")
   p.add_argument("--margin", type=float, default=None, help="share of the memory to leave free (default: the "
@@ -162,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
                           full_depth=args.full_depth, overrides=parse_overrides(args.overrides),
                           search=args.search, margin=args.margin,
-                          gpu_memory_fraction=args.gpu_memory_fraction, slices=args.slices)
+                          gpu_memory_fraction=args.gpu_memory_fraction, slices=args.slices,
+                          tunix_sharding=args.tunix_sharding)
     compilers.start_cpu_jax()  # the command line's process is the planner's own
     result = make_plan(request, progress=say)
   except (PlanError, AotUnavailable) as e:

@@ -11,6 +11,9 @@ dtypes and remat asked for. ``package.module:function`` is the user's own:
   ``(rows, seq_len + 1)``; without one, the model is called as
   ``model(tokens[:, :-1])`` and its logits scored against ``tokens[:, 1:]``.
 
+A ``tunix:`` model is traced with its own activation sharding constraints applied, as
+Tunix applies them on the chips (:mod:`nnx_zero1_plan.tunix_sharding`, ``--tunix-sharding``).
+
 The function is called under ``nnx.eval_shape`` on the plan's mesh
 (``jax.set_mesh``): it must create no arrays outside NNX variables, and its
 variables' ``sharding`` metadata names the mesh axes it is split over.
@@ -21,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from nnx_zero1_plan.inputs import PlanError, parse_model
+from nnx_zero1_plan.tunix_sharding import activation_fields, specs_for, tunix_constraints
 
 __all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "model_source", "next_token_loss", "tunix_loss"]
 
@@ -49,6 +53,8 @@ class ModelSource:
   build: Callable[[int | None], Any]  # depth (None: full) -> nnx.Module; called under nnx.eval_shape
   full_depth: int | None  # layers at full depth; None: depth cannot be reduced
   loss_fn: Callable[[Any, jax.Array], jax.Array]
+  # mesh axes -> the activation specs applied (``tunix_sharding.sharding_of``); None: not a tunix: model
+  activation_sharding: Callable[[Iterable[str]], dict[str, tuple] | str] | None = None
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -90,7 +96,7 @@ def _tunix_family(name: str) -> tuple[Any, Any]:
 
 
 def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
-                  remat: str | None) -> ModelSource:
+                  remat: str | None, tunix_sharding: str = "default") -> ModelSource:
   module, cls = _tunix_family(name)
   make_config = getattr(module.ModelConfig, name, None)
   if make_config is None:
@@ -114,15 +120,35 @@ def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
       raise PlanError(f"--remat {remat!r} is not one of tunix:{name}'s {', '.join(options)}")
     changes["remat_config"] = module.RematConfig[remat.upper()]
   config = dataclasses.replace(config, **changes)
+  defaults = activation_fields(config.shd_config)
+  specs_on = lambda axes: specs_for(defaults, tunix_sharding, axes)
+  specs_on(())  # a malformed --tunix-sharding is refused before any compile
+
+  def described(axes: Iterable[str]) -> dict[str, tuple] | str:
+    specs = specs_on(axes)
+    return "none" if specs is None else specs
 
   def build(depth: int | None) -> Any:
     from flax import nnx
 
+    # The activation specs name only the axes of the mesh the model is built on (none outside one).
+    specs = specs_on(jax.sharding.get_abstract_mesh().axis_names)
+    shd_config = config.shd_config if specs is None else dataclasses.replace(config.shd_config, **specs)
     with nnx.use_eager_sharding(False):  # shardings stay metadata; the plan reads them from there
-      model = cls(dataclasses.replace(config, num_layers=depth or config.num_layers), rngs=nnx.Rngs(0))
+      model = cls(dataclasses.replace(config, num_layers=depth or config.num_layers, shd_config=shd_config),
+                  rngs=nnx.Rngs(0))
     return model if cast_to is None else cast_params(model, cast_to)
 
-  return ModelSource(f"tunix:{name}", build, config.num_layers, tunix_loss)
+  # gemma3 calls tunix.utils.sharding_utils.shard; llama3, qwen2 and qwen3 their own module's shard.
+  shard_modules = [m for m in (module, getattr(module, "sharding_utils", None)) if m is not None]
+
+  def constrained_loss(model: Any, tokens: jax.Array) -> jax.Array:
+    with tunix_constraints(shard_modules):
+      return tunix_loss(model, tokens)
+
+  return ModelSource(f"tunix:{name}", build, config.num_layers,
+                     tunix_loss if tunix_sharding == "none" else constrained_loss,
+                     described)
 
 
 def cast_params(model: Any, dtype: Any) -> Any:
@@ -169,8 +195,9 @@ def _function_source(module_name: str, function_name: str) -> ModelSource:
 
 
 def model_source(model: str, param_dtype: str | None = None, compute_dtype: str | None = None,
-                 remat: str | None = None) -> ModelSource:
-  """The :class:`ModelSource` ``--model`` names.
+                 remat: str | None = None, tunix_sharding: str = "default") -> ModelSource:
+  """The :class:`ModelSource` ``--model`` names; ``tunix_sharding`` is ``--tunix-sharding``
+  (:mod:`nnx_zero1_plan.tunix_sharding`).
 
   Raises:
     PlanError: an unknown family, configuration or function, or a flag the model cannot take.
@@ -181,7 +208,9 @@ def model_source(model: str, param_dtype: str | None = None, compute_dtype: str 
   """
   source, name = parse_model(model)
   if source == "tunix":
-    return _tunix_source(name, param_dtype, compute_dtype, remat)
+    return _tunix_source(name, param_dtype, compute_dtype, remat, tunix_sharding)
+  if tunix_sharding != "default":
+    raise PlanError(f"--tunix-sharding applies to tunix: models; {model} constrains its own activations")
   if param_dtype or compute_dtype or remat:
     raise PlanError(f"--param-dtype, --compute-dtype and --remat apply to tunix: models; {model} builds its "
                     "own (set them in your function)")

@@ -84,6 +84,10 @@ class PlanRequest:
     slices: TPU slices of ``topology`` joined over the data-center network (a pod); GPU nodes are in the
       topology (``h100:8x8``). On several, the default mesh gains ``replica`` across them.
     depths: the reduced depths a deep model is compiled at for TPUs (``full_depth`` off).
+    tunix_sharding: a ``tunix:`` model's activation sharding constraints, applied as Tunix applies them on
+      the chips: ``default`` (Tunix's ``ShardingConfig``, the mesh's data axes added to each batch entry),
+      ``none`` (XLA's own propagation), or a JSON object of ``act_*`` fields
+      (:mod:`nnx_zero1_plan.tunix_sharding`).
 
   Raises:
     PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh; a batch,
@@ -116,6 +120,7 @@ class PlanRequest:
   gpu_memory_fraction: float = 0.75
   slices: int = 1
   depths: Sequence[int] = DEFAULT_DEPTHS
+  tunix_sharding: str = "default"
 
   def __post_init__(self) -> None:
     kind, _ = parse_model(self.model)
@@ -135,6 +140,8 @@ class PlanRequest:
     if self.slices < 1 or (self.slices > 1 and self.platform != "tpu"):
       raise PlanError(f"--slices {self.slices}: TPU slices joined over the data-center network, 1 or more; "
                       "GPU nodes are in the topology (h100:8x8: 8 nodes of 8)")
+    if self.tunix_sharding != "default" and kind != "tunix":
+      raise PlanError(f"--tunix-sharding applies to tunix: models; {self.model} shards its own activations")
     if self.overrides and kind != "maxtext":
       raise PlanError(f"config overrides (key=value) apply to maxtext: models; {self.model} takes its "
                       "settings from the flags")

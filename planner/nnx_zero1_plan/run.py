@@ -26,6 +26,7 @@ from nnx_zero1_plan.recommend import recommend
 from nnx_zero1_plan.request import STEPS, PlanRequest
 from nnx_zero1_plan.search import NEAR, offload_search, search_row
 from nnx_zero1_plan.table import markdown, next_steps, recommendation_lines, table
+from nnx_zero1_plan.tunix_sharding import sharding_of
 
 __all__ = ["Plan", "make_plan"]
 
@@ -268,6 +269,7 @@ def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, An
     row = {**row, "network_per_step": network_per_step(row["collectives"], target.chip, target.platform)}
   return {"lever": name, "step": step, "compiled_for": topology, "device_kind": target.device_kind,
           "mesh": model.axes, "model": source.name, "batch": batch, **row,
+          "activation_sharding": sharding_of(source, model.axes),
           "compile_s": round(row["compile_s"], 1), "hbm_bytes": target.hbm_bytes, "usable_bytes": usable,
           "headroom_bytes_per_device": None if peak is None else usable - peak, "fits": fits}
 
@@ -297,7 +299,7 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   compilers.keep_jax_on_cpu()
   if kind != "maxtext":  # described before the compiler is looked for: a misspelt axis needs none
     plans = {p: _tunix_or_own(r.model, platform, sizes, r.full_depth, r.depths,
-                              (r.param_dtype, r.compute_dtype, p)) for p in policies}
+                              (r.param_dtype, r.compute_dtype, p, r.tunix_sharding)) for p in policies}
     blocked = _refuse_blocked(names, plans[policies[0]], r.model, r.domains)
   compiler = require_compiler(r.topology)
   import jax
@@ -352,7 +354,8 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
           "gpu_memory_fraction": r.gpu_memory_fraction if target.platform == "cuda" else None,
           "depth_extrapolated_from": extrapolated[0] if extrapolated else None,
           "full_depth": r.full_depth, "overrides": r.overrides, "search": r.search, "margin": r.margin,
-          "batch_unit": planned.batch_unit, "slices": r.slices, "domains": target.domains}
+          "batch_unit": planned.batch_unit, "slices": r.slices, "domains": target.domains,
+          "activation_sharding": sharding_of(planned.source_at(batch), planned.axes)}
   hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)
   return Plan(rows, meta, hints, recommend(rows, meta))

@@ -3,6 +3,7 @@
 with the reason)."""
 
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -134,6 +135,67 @@ def test_a_tpu_row_is_the_compilers_own_accounting():
   assert row["formula_peak_bytes_per_device"] == out["formula"]
   assert row["usable_bytes"] == row["hbm_bytes"] == 33_543_694_581
   assert row["fits"] is True and row["flops_per_device"] > 0
+
+
+_TUNIX_CONSTRAINTS = """
+import json
+from nnx_zero1_plan import compilers
+compilers.start_cpu_jax()
+import flax
+always = flax.config.flax_always_shard_variable
+from tunix.models.llama3 import model as llama3
+flax.config.update("flax_always_shard_variable", always)  # Tunix's import turns it off; the planner scopes it
+llama3.ModelConfig.llama3_tiny = classmethod(lambda cls: cls(
+    num_layers=2, vocab_size=512, embed_dim=128, hidden_dim=256, num_heads=4, head_dim=32, num_kv_heads=2,
+    rope_theta=10_000, norm_eps=1e-5, weight_tying=True))
+import jax
+from nnx_zero1_plan.request import PlanRequest
+from nnx_zero1_plan.run import make_plan
+from nnx_zero1_plan.steps import abstract_batch, step_jit
+import nnx_zero1_plan.steps as steps
+
+lowered = {}
+compile_step = steps.compile_step
+def lower_too(lever, state, loss_fn, mesh, batch, seq_len, ga):  # the program each row compiles, as lowered
+  tokens = abstract_batch(lever, mesh, batch, seq_len, ga)
+  with jax.set_mesh(mesh):
+    text = step_jit(state.graphdef, state.shardings, tokens.sharding, lever, loss_fn, ga).lower(
+        state.state, tokens).as_text()
+  lowered.setdefault(option, []).append(sum('{"data", "fsdp"}' in line for line in text.splitlines()
+                                            if "sharding_constraint" in line))
+  return compile_step(lever, state, loss_fn, mesh, batch, seq_len, ga)
+steps.compile_step = lower_too
+plans = {}
+for option in ("default", "none"):
+  plan = make_plan(PlanRequest("tunix:llama3_tiny", "v5e:2x2", mesh="data=2,fsdp=2", batch=8, seq_len=64,
+                               levers="baseline,zero1", steps="one", tunix_sharding=option))
+  plans[option] = {"meta": plan.meta["activation_sharding"],
+                   "rows": [[r["activation_sharding"], r["error"], r["peak_bytes_per_device"]]
+                            for r in plan.rows]}
+print("RESULT " + json.dumps({"plans": plans, "lowered": lowered}))
+"""
+
+
+@pytest.mark.skipif(not (HAS_LIBTPU and importlib.util.find_spec("tunix")),
+                    reason="needs libtpu and Tunix (Python >= 3.12, CI lane 2)")
+def test_a_tunix_plan_compiles_the_models_own_activation_constraints():
+  """Tunix's models constrain their activations only off a CPU; a ``tunix:`` plan compiles them as on the
+  chips (a 2-layer llama3 on v5e:2x2, data=2, fsdp=2): each lever's lowered program carries the
+  constraints, batch entries over data and fsdp, and the rows and meta name the specs; ``none`` compiles
+  XLA's own propagation and says so."""
+  proc = subprocess.run([sys.executable, "-c", _TUNIX_CONSTRAINTS], env=planner_env(), capture_output=True,
+                        text=True, timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+  out = json.loads(line[len("RESULT "):])
+  applied = {"act_btd": [["data", "fsdp"], None, "tp"], "act_btf": [["data", "fsdp"], None, "tp"],
+             "act_btnh": [["data", "fsdp"], None, "tp", None]}
+  default, none = out["plans"]["default"], out["plans"]["none"]
+  assert default["meta"] == applied and none["meta"] == "none"
+  assert [r[0] for r in default["rows"]] == [applied] * 2 and [r[0] for r in none["rows"]] == ["none"] * 2
+  assert all(r[1] is None and r[2] > 0 for r in default["rows"] + none["rows"])
+  # 5 constraints a layer (q, k, v, the attention's output, the embedding's), forward and backward
+  assert min(out["lowered"]["default"]) >= 10 and out["lowered"]["none"] == [0, 0]
 
 
 _UNTOUCHED = """

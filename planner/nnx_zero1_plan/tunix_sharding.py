@@ -1,0 +1,175 @@
+"""Tunix's activation sharding constraints, applied while a ``tunix:`` model is traced, as on the chips.
+
+Tunix's model modules call ``shard(x, shd_config.act_*)`` on their activations, and
+``shard`` constrains only in a process whose first device is not a CPU, under the
+legacy ``with mesh:`` (google-tunix 0.1.7, e.g. ``tunix/models/llama3/model.py``).
+The planner's process runs jax's CPU backend (its TPU and GPU devices are
+compile-only), so without this module it compiles XLA's own propagation, not
+the program Tunix compiles on the chips. ``--tunix-sharding`` says which
+activation specs apply:
+
+- ``default``: Tunix's ``ShardingConfig`` with the mesh's data axes (``replica``,
+  ``data``) in front of each activation's batch entry, what a Tunix user with a
+  data axis passes (``docs/tunix.md``);
+- ``none``: no constraints, XLA's own propagation (the planner before this);
+- a JSON object of ``act_*`` fields, e.g. ``{"act_btd": [["data", "fsdp"], null, "tp"]}``:
+  those specs as given, Tunix's defaults for the fields it leaves out.
+
+In every case an axis the mesh lacks is dropped, so each spec is valid on the mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from nnx_zero1_plan.inputs import PlanError
+
+__all__ = ["TUNIX_SHARDING", "DATA_AXES", "activation_fields", "activation_specs", "specs_for", "constrain",
+           "tunix_constraints", "sharding_of"]
+
+# --tunix-sharding's names; anything else is read as a JSON object of act_* fields.
+TUNIX_SHARDING = {
+  "default": "Tunix's ShardingConfig, the mesh's data axes in front of each activation's batch entry",
+  "none": "no activation constraints: XLA's own propagation",
+}
+DATA_AXES = ("replica", "data")  # what a Tunix user adds to the batch entry, in the batch's own order
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+  return tuple(a for a in (entry if isinstance(entry, tuple | list) else (entry,)) if a is not None)
+
+
+def _entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def activation_fields(shd_config: Any) -> dict[str, tuple]:
+  """The ``act_*`` fields of a Tunix ``ShardingConfig``: the specs its ``shard`` calls apply."""
+  values = ((f.name, getattr(shd_config, f.name)) for f in dataclasses.fields(shd_config))
+  return {f: tuple(v) for f, v in values if f.startswith("act_") and v is not None}
+
+
+def activation_specs(specs: Mapping[str, Sequence[Any]], axes: Iterable[str],
+                     add_data_axes: bool = True) -> dict[str, tuple]:
+  """Tunix activation specs as they apply on a mesh with ``axes``.
+
+  Args:
+    specs: ``ShardingConfig`` field -> spec (entry 0 is the batch's).
+    axes: the mesh's axis names.
+    add_data_axes: put the mesh's data axes (:data:`DATA_AXES`) in front of each batch entry: without
+      them each data replica computes its ``fsdp`` group's whole batch.
+
+  Returns:
+    The specs, every axis the mesh lacks dropped.
+
+  Example::
+
+    >>> activation_specs({"act_btd": ("fsdp", None, "tp")}, ("data", "fsdp", "tp"))
+    {'act_btd': (('data', 'fsdp'), None, 'tp')}
+    >>> activation_specs({"act_btd": ("fsdp", "sp", "tp")}, ("fsdp",))
+    {'act_btd': ('fsdp', None, None)}
+  """
+  on_mesh = tuple(axes)
+  result = {}
+  for field, spec in specs.items():
+    entries = [[a for a in _axes(e) if a in on_mesh] for e in spec]
+    if add_data_axes and entries:
+      entries[0] = [a for a in DATA_AXES if a in on_mesh and a not in entries[0]] + entries[0]
+    result[field] = tuple(_entry(e) for e in entries)
+  return result
+
+
+def _given(option: str, known: Iterable[str]) -> dict[str, tuple]:
+  """A JSON ``--tunix-sharding``: ``act_*`` field -> spec (entries null, an axis, or a list of axes)."""
+  try:
+    given = json.loads(option)
+  except json.JSONDecodeError:
+    given = None
+  is_entry = lambda e: e is None or isinstance(e, str) or (isinstance(e, list) and
+                                                          all(isinstance(a, str) for a in e))
+  is_spec = lambda s: isinstance(s, list) and all(map(is_entry, s))
+  if not isinstance(given, dict) or not all(map(is_spec, given.values())):
+    raise PlanError(f"--tunix-sharding {option!r}: {' or '.join(TUNIX_SHARDING)}, or a JSON object of "
+                    'ShardingConfig act_* fields, e.g. {"act_btd": [["data", "fsdp"], null, "tp"]}')
+  unknown = sorted(set(given) - set(known))
+  if unknown:
+    raise PlanError(f"--tunix-sharding names {', '.join(unknown)}; this model's activation fields: "
+                    f"{', '.join(sorted(known))}")
+  return {f: tuple(tuple(e) if isinstance(e, list) else e for e in s) for f, s in given.items()}
+
+
+def specs_for(defaults: Mapping[str, tuple], option: str, axes: Iterable[str]) -> dict[str, tuple] | None:
+  """The activation specs ``--tunix-sharding`` applies on a mesh with ``axes`` (None for ``none``).
+
+  Args:
+    defaults: the model's ``ShardingConfig`` ``act_*`` fields (:func:`activation_fields`).
+    option: ``default``, ``none`` or a JSON object of ``act_*`` fields.
+    axes: the mesh's axis names.
+
+  Raises:
+    PlanError: an option neither name nor such a JSON object, or a field the model does not have.
+
+  Example::
+
+    >>> specs_for({"act_btd": ("fsdp", None, "tp")}, '{"act_btd": ["fsdp", null, null]}', ("data", "fsdp"))
+    {'act_btd': ('fsdp', None, None)}
+  """
+  if option == "none":
+    return None
+  if option == "default":
+    return activation_specs(defaults, axes)
+  return activation_specs({**defaults, **_given(option, defaults)}, axes, add_data_axes=False)
+
+
+def constrain(x: Any, spec: Sequence[Any], eager: bool = False) -> Any:
+  """Tunix's ``shard`` as it runs on the chips: ``x`` constrained to ``spec`` on the mesh in context.
+
+  The spec is taken on the mesh ``jax.set_mesh`` gives (an abstract mesh), not a concrete one: inside a
+  ``shard_map`` (the ``*-accum`` levers' per-replica loss) its manual axes cannot be named, so they are
+  dropped, and where every axis is manual nothing is left to constrain. ``eager`` (``device_put``) means
+  the same thing in a traced program.
+  """
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  del eager
+  mesh = jax.sharding.get_abstract_mesh()
+  auto = [a for a in mesh.axis_names if a not in mesh.manual_axes]
+  if mesh.empty or not auto:
+    return x
+  return jax.lax.with_sharding_constraint(x, P(*(_entry([a for a in _axes(e) if a in auto]) for e in spec)))
+
+
+@contextlib.contextmanager
+def tunix_constraints(modules: Iterable[Any]) -> Iterator[None]:
+  """Within: each module's ``shard`` is :func:`constrain`; restored after.
+
+  Tunix's ``shard`` skips its constraint where ``jax.devices()[0]`` is a CPU, and the planner must keep
+  jax on its CPU backend; making that check see a TPU would mean changing jax's backend or jax itself,
+  for the whole process. Swapping Tunix's one-line function for one that does what its last line does
+  touches Tunix only, and only while the model is traced (the planner traces in one thread).
+
+  Example::
+
+    with tunix_constraints([tunix.models.llama3.model]):
+      logits, _ = model(tokens, positions, None, mask)   # traced: the activations constrained
+  """
+  saved = [(m, m.shard) for m in modules if callable(getattr(m, "shard", None))]
+  for module, _ in saved:
+    module.shard = constrain
+  try:
+    yield
+  finally:
+    for module, shard in saved:
+      module.shard = shard
+
+
+def sharding_of(source: Any, axes: Iterable[str]) -> dict[str, tuple] | str | None:
+  """What a row and plan.json's meta say of the model's activation constraints on a mesh with ``axes``:
+  the specs applied, ``"none"``, or None for a model that is not ``tunix:``."""
+  describe: Callable[[Iterable[str]], Any] | None = getattr(source, "activation_sharding", None)
+  return None if describe is None else describe(axes)
