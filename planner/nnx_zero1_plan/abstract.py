@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 # Not public, as mark_zero1_grads in steps.py: the planner is released with this version of the optimizer.
 from nnx_zero1._src.report import memory_kind_of
 
-__all__ = ["AbstractState", "abstract_bytes_per_device", "bytes_by_memory_kind", "with_state_homes",
-           "abstract_state", "describe_model"]
+__all__ = ["AbstractState", "abstract_bytes_per_device", "bytes_by_memory_kind", "state_split",
+           "with_state_homes", "abstract_state", "describe_model"]
 
 
 def abstract_bytes_per_device(tree: Any) -> int:
@@ -43,6 +43,31 @@ def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
   for x in jax.tree.leaves(tree):
     by_kind.setdefault(memory_kind_of(x), []).append(x)
   return {kind: abstract_bytes_per_device(leaves) for kind, leaves in sorted(by_kind.items())}
+
+
+def state_split(tree: Any, data_axes: tuple[str, ...]) -> dict[str, float]:
+  """The share of a state's bytes split over each combination of ``data_axes`` (``"none"``: not split over
+  any of them), from the ``ShapeDtypeStruct``s' shardings: what a plan's row says its layout splits.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1, 1), ("replica", "data"))
+    >>> on = lambda spec: NamedSharding(mesh, P(*spec))
+    >>> tree = {"mu": jax.ShapeDtypeStruct((12, 4), jnp.float32, sharding=on(("data",))),
+    ...         "nu": jax.ShapeDtypeStruct((12, 4), jnp.float32, sharding=on((("replica", "data"),))),
+    ...         "count": jax.ShapeDtypeStruct((), jnp.int32, sharding=on(()))}
+    >>> {k: round(v, 3) for k, v in state_split(tree, ("replica", "data")).items()}
+    {'data': 0.495, 'none': 0.01, 'replica,data': 0.495}
+  """
+  totals: dict[str, int] = {}
+  for x in jax.tree.leaves(tree):
+    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
+    named = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a}
+    over = ",".join(a for a in data_axes if a in named) or "none"
+    totals[over] = totals.get(over, 0) + int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+  whole = sum(totals.values()) or 1
+  return {over: n / whole for over, n in sorted(totals.items())}
 
 
 def with_state_homes(shardings: Any, optimizer: Any) -> Any:

@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from nnx_zero1.testing import across_bytes, collectives, dcn_bytes, loop_collectives, sent_bytes
+from nnx_zero1_plan.hlo_flops import dot_flops
 
-__all__ = ["PEAK_SOURCE", "memory", "split_memory", "cost", "hbm_oom", "collectives_of", "across_per_step",
-           "summed", "summed_collectives", "split_collectives_of", "row_figures"]
+__all__ = ["COMPUTE_SOURCES", "PEAK_SOURCE", "memory", "split_memory", "cost", "step_flops", "hbm_oom",
+           "collectives_of", "across_per_step", "summed", "summed_collectives", "split_collectives_of",
+           "row_figures"]
 
 
 def memory(compiled: Any) -> dict[str, int]:
@@ -96,6 +98,29 @@ def cost(compiled: Any) -> dict[str, int | None]:
     return {"flops": None, "bytes_accessed": None}
   value = lambda key: None if analysis.get(key) is None else int(analysis[key])
   return {"flops": value("flops"), "bytes_accessed": value("bytes accessed")}
+
+
+COMPUTE_SOURCES = {
+    "cost_analysis": "the compiler's cost analysis (a loop's body counted once)",
+    "hlo_dots": "the compiled HLO's matmuls, counted (each loop's body times its trip count)",
+}
+
+
+def step_flops(compiled: Any) -> tuple[int | None, str]:
+  """A step program's flops on one device and where they come from (a key of :data:`COMPUTE_SOURCES`): the
+  compiler's cost analysis, or, where it has none (XLA's GPU compiler), the matmuls counted from the compiled
+  HLO (:func:`nnx_zero1_plan.hlo_flops.dot_flops`), so every compiled point carries its compute.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> step_flops(jax.jit(lambda a, b: a @ b).lower(jnp.ones((2, 3)), jnp.ones((3, 4))).compile())
+    (48, 'cost_analysis')
+  """
+  flops = cost(compiled)["flops"]
+  if flops is not None:
+    return flops, "cost_analysis"
+  return dot_flops(compiled.as_text()), "hlo_dots"
 
 
 _OOM = re.compile(r"required for (?P<what>.*?) \((?P<need>[\d.]+)(?P<u1>[KMGT])\) exceeds available HBM "

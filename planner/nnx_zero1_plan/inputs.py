@@ -227,8 +227,8 @@ def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
     words.append(f"--optimizer {s['optimizer']}")
   if s.get("slices", 1) > 1:
     words.append(f"--slices {s['slices']}")
-  if s.get("full_depth"):
-    words.append("--full-depth")
+  if s.get("estimate"):
+    words.append("--estimate")
   if s.get("margin") is not None:
     words.append(f"--margin {s['margin']}")
   if s.get("gpu_memory_fraction") not in (None, 0.75):

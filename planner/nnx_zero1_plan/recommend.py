@@ -1,8 +1,12 @@
 """The configuration a plan recommends, by a stated order, with the code that writes it.
 
-The order: a row must fit (the compiler accepted it, and its peak is within the
-usable memory: the device's less the reserve or the margin); then the largest
-micro-batch (the most tokens per step per chip); then the fewest collective
+The order: a row must fit (the compiler accepted the whole program, and its peak
+is within the usable memory: the device's less the reserve or the margin; an
+estimate decides nothing, and a Zero-1 lever whose optimizer state per device is
+the baseline's is not a candidate); then the largest micro-batch (the most
+tokens per step per chip; a lever stands at a micro-batch where its own compile
+fitted, even above its edge, so no edge is weighed against a micro-batch the
+other lever was never compiled at); then the fewest collective
 bytes each device sends per token (the same basis for all-reduce, reduce-scatter
 and all-gather, within 1%); then the most headroom at that micro-batch; then no
 remat; then the lighter lever. Pure: rows in, one dict out.
@@ -15,8 +19,8 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import command_line
 
-__all__ = ["ORDER", "micro_batch_of", "sent_bytes_of", "lever_code", "recommend", "baseline_beats",
-           "why_picked"]
+__all__ = ["ORDER", "micro_batch_of", "fitted_at", "splits_nothing", "sent_bytes_of", "lever_code",
+           "recommend", "recompute_note", "baseline_beats", "why_picked"]
 
 ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
          "fewest collective bytes sent per token (within 1%)", "most headroom at that micro-batch",
@@ -37,6 +41,71 @@ def micro_batch_of(row: Mapping[str, Any], batch: int) -> int | None:
   if "max_micro_batch" in row:
     return row["max_micro_batch"]
   return batch if row.get("fits") else None
+
+
+def fitted_at(row: Mapping[str, Any], batch: int) -> set[int]:
+  """The micro-batches at which the row's own whole compiles fitted (its search's, and its own at ``batch``
+  where the row has no ``batch`` of its own).
+
+  Example::
+
+    >>> sorted(fitted_at({"fits": True, "batch": 8, "search": [{"batch": 140, "fits": True},
+    ...                   {"batch": 132, "fits": False}]}, 8))
+    [8, 140]
+  """
+  points = {p["batch"] for p in row.get("search", ()) if p.get("fits")}
+  return points | ({row.get("batch", batch)} if row.get("fits") else set())
+
+
+_RECOMPUTE = 0.05  # compute per sequence this much above the cheapest fitting point: the compiler recomputes
+
+
+def recompute_note(row: Mapping[str, Any], micro: int) -> str | None:
+  """Where a row's compute per sequence at ``micro`` is more than 5% above its cheapest fitting compile's (the
+  compiler rematerialises to fit), one sentence saying a larger micro-batch trades memory for recompute
+  there; None otherwise, or where its compiles carry no flops.
+
+  Example::
+
+    >>> row = {"lever": "zero1", "search": [{"batch": 8, "fits": True, "flops_per_device": 8e12},
+    ...                                     {"batch": 48, "fits": True, "flops_per_device": 60e12}]}
+    >>> print(recompute_note(row, 48).replace(": ", ":\\n"))
+    zero1 at micro-batch 48 computes 1.25 TFLOP per sequence per device against 1.00 at 8:
+    +25% recompute, a larger micro-batch trades memory for it
+  """
+  points = {p["batch"]: p["flops_per_device"] / p["batch"] for p in row.get("search", ())
+            if p.get("fits") and p.get("flops_per_device")}
+  if micro not in points or len(points) < 2:
+    return None
+  cheapest = min(points, key=lambda b: points[b])
+  extra = points[micro] / points[cheapest] - 1
+  if extra <= _RECOMPUTE:
+    return None
+  return (f"{row['lever']} at micro-batch {micro} computes {points[micro] / 1e12:.2f} TFLOP per sequence per "
+          f"device against {points[cheapest] / 1e12:.2f} at {cheapest}: {extra:+.0%} recompute, a larger "
+          "micro-batch trades memory for it")
+
+
+def splits_nothing(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> bool:
+  """Whether a Zero-1 row holds the baseline's optimizer state per device (the baseline's row of the same step
+  and remat, within 0.1%), with none of it in host memory: its layout split nothing (a data axis of size 1,
+  or no leaf that divides), so it is the baseline under another name.
+
+  Example::
+
+    >>> base = {"lever": "baseline", "opt_state_bytes_per_device": 1000}
+    >>> pod = {"lever": "zero1-pod", "opt_state_bytes_per_device": 1000}
+    >>> splits_nothing(pod, [base, pod]), splits_nothing({**pod, "opt_state_bytes_per_device": 250}, [base])
+    (True, False)
+  """
+  if row["lever"] == "baseline" or (row.get("opt_state_bytes_by_memory_kind") or {}).get("pinned_host"):
+    return False
+  same = lambda r: (r.get("step", "one"), r.get("remat")) == (row.get("step", "one"), row.get("remat"))
+  base = next((r for r in rows if r["lever"] == "baseline" and same(r)), None)
+  mine, theirs = row.get("opt_state_bytes_per_device"), (base or {}).get("opt_state_bytes_per_device")
+  if mine is None or theirs is None:
+    return False
+  return abs(mine - theirs) <= 0.001 * theirs
 
 
 def sent_bytes_of(row: Mapping[str, Any]) -> int:
@@ -173,6 +242,8 @@ def baseline_beats(rows: Sequence[Mapping[str, Any]], batch: int) -> list[str]:
       at_lever = micro_batch_of(r, batch) or 0
       if r["lever"] == "baseline" or at_lever >= at_base:
         continue
+      if at_base in fitted_at(r, batch):  # its own compile fitted there: it does not fit less
+        continue
       b, z, compared = _figures_at(base, at_base), _figures_at(r, at_base), at_base
       if b is base or z is r:  # no search compiled both there: the plan's own micro-batch
         b, z, compared = base, r, batch
@@ -236,8 +307,8 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
       there are such rows).
 
   Returns:
-    ``{"lever", "step", "micro_batch", "remat", "code", "cli", "order", "baseline_beats", "why"}``, or None
-    when no row fits.
+    ``{"lever", "step", "micro_batch", "remat", "code", "cli", "order", "baseline_beats", "why", "notes"}``
+    (``notes``: edges not confirmed, levers left out for splitting nothing), or None when no row fits.
 
   Example::
 
@@ -253,17 +324,19 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
   if step is None:
     step = "split" if str(meta.get("model", "")).startswith("maxtext:") else "one"
     step = step if step in shapes else (shapes[0] if shapes else step)
-  candidates: list[tuple[int, float, float, int, Mapping[str, Any]]] = []
-  for order, r in enumerate(rows):
-    micro = micro_batch_of(r, meta["batch"])
-    if r.get("step", "one") != step or not micro:
-      continue
-    tokens = micro * meta["seq_len"] * meta["ga"]
-    candidates.append((micro, across_bytes_of(r) / tokens, sent_bytes_of(r) / tokens, order, r))
-  if not candidates:
+  same_step = [r for r in rows if r.get("step", "one") == step]
+  skipped = [f"{r['lever']} holds the baseline's optimizer state per device (its layout splits nothing): "
+             "not a candidate" for r in same_step if splits_nothing(r, same_step)]
+  edges = {i: micro_batch_of(r, meta["batch"]) for i, r in enumerate(rows)
+           if r.get("step", "one") == step and not splits_nothing(r, same_step)}
+  if not any(edges.values()):
     return None
-  best_micro = max(c[0] for c in candidates)
-  level = [c for c in candidates if c[0] == best_micro]
+  best_micro = max(m for m in edges.values() if m)
+  tokens = best_micro * meta["seq_len"] * meta["ga"]
+  # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not.
+  level = [(best_micro, across_bytes_of(rows[i]) / tokens, sent_bytes_of(rows[i]) / tokens, i, rows[i])
+           for i, m in edges.items() if m == best_micro or best_micro in fitted_at(rows[i], meta["batch"])]
+  candidates = list(level)
   for bytes_of in (lambda c: c[1], lambda c: c[2]):  # the slow network's bytes first, then all collectives'
     fewest = min(bytes_of(c) for c in level)
     level = [c for c in level if bytes_of(c) <= fewest * (1 + _SAME_BYTES)]
@@ -275,11 +348,15 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
 
   best = min(level, key=rest)[4]
   remat = best.get("remat", meta.get("remat"))
-  rivals = [c[4] for c in candidates if c[0] == best_micro and c[4] is not best]
+  rivals = [c[4] for c in candidates if c[4] is not best]
+  unconfirmed = [f"{r['lever']}'s edge is not confirmed ({r['search_unfinished']}): it fits at least "
+                 f"{micro_batch_of(r, meta['batch'])}" for r in same_step if r.get("search_unfinished")
+                 and not splits_nothing(r, same_step)]
   return {"lever": best["lever"], "step": step, "micro_batch": best_micro, "remat": remat,
           "code": lever_code(best["lever"], str(meta.get("model", "")), best.get("offload_fraction"),
                              meta.get("mesh"), meta.get("optimizer", "adamw")),
           "cli": command_line(meta, levers=[best["lever"]], steps=[step], batch=best_micro, remat=remat),
           "order": list(ORDER),
-          "baseline_beats": baseline_beats([r for r in rows if r.get("step", "one") == step], meta["batch"]),
-          "why": why_picked(best, rivals, best_micro)}
+          "baseline_beats": baseline_beats(same_step, meta["batch"]),
+          "why": why_picked(best, rivals, best_micro),
+          "notes": [*unconfirmed, *skipped, *filter(None, [recompute_note(best, best_micro)])]}

@@ -1,4 +1,4 @@
-"""A plan, end to end: every lever's step compiled for the target, at reduced depths or in full."""
+"""A plan, end to end: every lever's step compiled whole for the target (reduced depths for an estimate)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan import compilers
-from nnx_zero1_plan.depth import extrapolate_row, near_the_limit, not_alike
+from nnx_zero1_plan.depth import NEAR, estimate_mark, extrapolate_row, near_the_limit, not_alike
 from nnx_zero1_plan.inputs import (
   PlanError,
   check_axis_names,
+  command_line,
   mesh_axes,
   parse_mesh,
   parse_model,
@@ -24,9 +25,10 @@ from nnx_zero1_plan.levers import LEVERS, lever_blocker, with_offload
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.recommend import recommend
 from nnx_zero1_plan.request import STEPS, PlanRequest
-from nnx_zero1_plan.search import NEAR, offload_search, search_row
-from nnx_zero1_plan.table import markdown, next_steps, recommendation_lines, table
+from nnx_zero1_plan.search import fits_in, offload_search, search_row
+from nnx_zero1_plan.table import markdown, next_steps, recommendation_lines, table, way_out_lines
 from nnx_zero1_plan.tunix_sharding import sharding_of
+from nnx_zero1_plan.way_out import Change, changes_to_try, find_way_out
 
 __all__ = ["Plan", "make_plan"]
 
@@ -48,15 +50,19 @@ class Plan:
     next_steps: what to try next, in order, when no row fits (empty otherwise).
     recommendation: the configuration to run (see :func:`nnx_zero1_plan.recommend.recommend`), or None
       when no row fits with the margin.
+    way_out: when no row fits, the changes compiled to make room and the first that fits
+      (:func:`nnx_zero1_plan.way_out.find_way_out`); None otherwise.
   """
 
   rows: list[dict[str, Any]]
   meta: dict[str, Any]
   next_steps: list[str]
   recommendation: dict[str, Any] | None = None
+  way_out: dict[str, Any] | None = None
 
   def __str__(self) -> str:
-    lines = [table(self.rows), *recommendation_lines(self.recommendation, self.meta)]
+    lines = [table(self.rows), *recommendation_lines(self.recommendation, self.meta),
+             *way_out_lines(self.way_out)]
     if self.next_steps:
       steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))
       lines += ["", "Nothing fits. Try next, in order:", *steps]
@@ -68,10 +74,10 @@ class Plan:
     paths = [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "plan.md")]
     with open(paths[0], "w") as f:
       result = {"meta": self.meta, "rows": self.rows, "recommendation": self.recommendation,
-                "next_steps": self.next_steps}
+                "way_out": self.way_out, "next_steps": self.next_steps}
       json.dump(result, f, indent=1, default=str)
     with open(paths[1], "w") as f:
-      f.write(markdown(self.meta, self.rows, self.next_steps, self.recommendation))
+      f.write(markdown(self.meta, self.rows, self.next_steps, self.recommendation, self.way_out))
     return paths
 
 
@@ -80,7 +86,7 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
   """One compile of the lever's step at ``depth``: its per-device figures, or the compiler's refusal."""
   import jax
 
-  from nnx_zero1_plan.abstract import abstract_bytes_per_device
+  from nnx_zero1_plan.abstract import abstract_bytes_per_device, state_split
   from nnx_zero1_plan.compiled import (
     collectives_of,
     cost,
@@ -89,6 +95,7 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     row_figures,
     split_collectives_of,
     split_memory,
+    step_flops,
   )
   from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
   from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
@@ -113,7 +120,9 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     state = lever_state(lever, lambda: source.build(depth), settings["optimizer"], mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
     row = {"opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
-           "param_bytes_per_device": abstract_bytes_per_device(state.state[0])}
+           "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
+           "state_split": {"axes": list(_data_axes(lever)), "share": state_split(state.state[1],
+                                                                                   _data_axes(lever))}}
     if step == "one":
       compiled, seconds = compile_step(lever, state, *shapes)
     else:
@@ -124,13 +133,20 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     say(f"compiled {at}: refused in {refused['compile_s']:.0f} s ({shortened(error, 160)})")
     return {**dict.fromkeys(_EXTRAPOLATED), **row, **refused}
   if step == "one":
-    figures = {**row_figures(memory(compiled), collectives_of(compiled, _domains_in_order(mesh))),
-               "flops_per_device": cost(compiled)["flops"]}
+    figures = row_figures(memory(compiled), collectives_of(compiled, _domains_in_order(mesh)))
   else:
     mem = split_memory(memory(grads), memory(update), row["opt_state_bytes_per_device"])
     figures = row_figures(mem, split_collectives_of(grads, update, _domains_in_order(mesh)), cost(update))
+  flops, source = step_flops(compiled if step == "one" else grads)
+  figures = {**figures, "flops_per_device": flops, "flops_source": source}
   say(f"compiled {at} in {seconds:.0f} s: peak {figures['peak_bytes_per_device'] / 2**30:.2f} GiB")
   return {**row, "error": None, "hbm_oom": None, "compile_s": seconds, **figures}
+
+
+def _data_axes(lever: Any) -> tuple[str, ...]:
+  """The mesh axes a lever splits the optimizer state over (the baseline: ``data``, where it splits none)."""
+  axes = lever.optimizer_options.get("data_axis", "data")
+  return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _lever_row(lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any,
@@ -167,7 +183,7 @@ class _Model:
   named: tuple[str, ...] = ()  # the mesh axes the model's variables name
 
 
-def _tunix_or_own(model: str, platform: str, sizes: dict[str, int], full_depth: bool, depths: Sequence[int],
+def _tunix_or_own(model: str, platform: str, sizes: dict[str, int], estimate: bool, depths: Sequence[int],
                   dtypes_and_remat: tuple) -> _Model:
   """A ``tunix:`` or ``package.module:function`` model, described from one abstract build (no compiler
   needed): the axes it names (a ``--mesh`` axis it does not name is refused here) and its dtypes."""
@@ -175,10 +191,11 @@ def _tunix_or_own(model: str, platform: str, sizes: dict[str, int], full_depth: 
   from nnx_zero1_plan.models import model_source
 
   source = model_source(model, *dtypes_and_remat)
-  # GPU targets compile whole: XLA's GPU compiler does so in minutes, and schedules a deep program's
-  # collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the line, 7.95 whole).
+  # An estimate is for TPUs only: XLA's GPU compiler compiles a whole program in minutes, and schedules a
+  # deep program's collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the line,
+  # 7.95 whole).
   shallow = not source.full_depth or source.full_depth <= max(depths)
-  reduced = None if full_depth or platform != "tpu" or shallow else tuple(depths)
+  reduced = tuple(depths) if estimate and platform == "tpu" and not shallow else None
   named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
   check_axis_names(sizes, named)
   remat_hint = "decoder" if parse_model(model)[0] == "tunix" else None
@@ -247,13 +264,14 @@ def _maxtext(name: str, topology: str, target: Any, sizes: dict[str, int], setti
 
 
 def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, Any], target: Any,
-         topology: str, usable: int, whole: bool = False) -> dict:
-  """One lever's row at one micro-batch: compiled at reduced depths and extrapolated, or whole (asked
-  for, or when the line comes near the limit or the two depths disagree). ``fits``: the compiler accepted
-  it and its peak is within ``usable`` (the memory less the reserve)."""
+         topology: str, usable: int) -> dict:
+  """One lever's row at one micro-batch, compiled whole; for an estimate (``model.reduced``), compiled at
+  reduced depths and extrapolated, and compiled whole anyway where the line comes near the limit or the two
+  depths disagree. ``fits``: the compiler accepted the whole program and its peak is within ``usable``
+  (the memory less the reserve); an estimate's is None and ``fits_estimate`` says what the line says."""
   settings = {**settings, "batch": batch}
   source = model.source_at(batch)
-  row = _lever_row(name, step, source, None if whole else model.reduced, model.device_mesh, settings)
+  row = _lever_row(name, step, source, model.reduced, model.device_mesh, settings)
   near = row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes)
   if near or row.get("not_alike"):
     extrapolated = row
@@ -261,17 +279,20 @@ def _row(name: str, step: str, model: _Model, batch: int, settings: dict[str, An
     row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
            "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"],
            "compiled_whole_because": extrapolated.get("not_alike") or NEAR}
-  if whole and model.reduced:
-    row = {**row, "compiled_whole_because": "a smaller micro-batch came near the limit"}
   peak = row.get("peak_bytes_per_device")
-  fits = False if row.get("hbm_oom") else None if peak is None else peak <= usable
+  verdict = fits_in(row, usable)
+  row = {**row, "headroom_bytes_per_device": None if peak is None else usable - peak}
+  if row["depth_extrapolated_from"]:
+    row = {**row, "estimate": estimate_mark(row, (*_EXTRAPOLATED, "headroom_bytes_per_device")),
+           "fits_estimate": verdict}
+    verdict = None
   if target.domains > 1 and row.get("collectives"):
     row = {**row, "network_per_step": network_per_step(row["collectives"], target.chip, target.platform)}
   return {"lever": name, "step": step, "compiled_for": topology, "device_kind": target.device_kind,
           "mesh": model.axes, "model": source.name, "batch": batch, **row,
           "activation_sharding": sharding_of(source, model.axes),
           "compile_s": round(row["compile_s"], 1), "hbm_bytes": target.hbm_bytes, "usable_bytes": usable,
-          "headroom_bytes_per_device": None if peak is None else usable - peak, "fits": fits}
+          "fits": verdict}
 
 
 def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
@@ -298,7 +319,7 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   names, shapes, sizes, policies, platform = r.levers, r.steps, parse_mesh(r.mesh), r.policies, r.platform
   compilers.keep_jax_on_cpu()
   if kind != "maxtext":  # described before the compiler is looked for: a misspelt axis needs none
-    plans = {p: _tunix_or_own(r.model, platform, sizes, r.full_depth, r.depths,
+    plans = {p: _tunix_or_own(r.model, platform, sizes, r.estimate, r.depths,
                               (r.param_dtype, r.compute_dtype, p, r.tunix_sharding)) for p in policies}
     blocked = _refuse_blocked(names, plans[policies[0]], r.model, r.domains)
   compiler = require_compiler(r.topology)
@@ -321,8 +342,8 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   usable = usable_bytes(target.hbm_bytes, target.platform, r.margin)
   rows = []
   for policy, name, step in ((p, n, s) for p in policies for n in names for s in shapes):
-    row_at = lambda b, whole=False, p=policy, n=name, s=step: {
-        **_row(n, s, plans[p], b, settings, target, topology, usable, whole), "remat": p}
+    row_at = lambda b, p=policy, n=name, s=step: {
+        **_row(n, s, plans[p], b, settings, target, topology, usable), "remat": p}
     if LEVERS[name].picks_offload:  # the fraction is searched at --batch, the micro-batch is not
       def row_with(f: float, p: Any = policy, n: str = name, s: str = step) -> dict:
         return {**_row(n, s, plans[p], batch, {**settings, "offload_fraction": f}, target, topology, usable),
@@ -353,9 +374,32 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
           "usable_bytes": usable, "peak_source": PEAK_SOURCE,
           "gpu_memory_fraction": r.gpu_memory_fraction if target.platform == "cuda" else None,
           "depth_extrapolated_from": extrapolated[0] if extrapolated else None,
-          "full_depth": r.full_depth, "overrides": r.overrides, "search": r.search, "margin": r.margin,
+          "estimate": r.estimate, "overrides": r.overrides, "search": r.search, "margin": r.margin,
           "batch_unit": planned.batch_unit, "slices": r.slices, "domains": target.domains,
           "activation_sharding": sharding_of(planned.source_at(batch), planned.axes)}
   hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)
-  return Plan(rows, meta, hints, recommend(rows, meta))
+  way_out = None
+  if rows and not r.estimate and not any(row["fits"] for row in rows):
+
+    def compile_changed(change: Change) -> dict:
+      s = change.settings
+      policy = s.get("remat", policies[0])
+      try:
+        if kind == "maxtext":
+          model = _maxtext(model_name, topology, target, sizes, settings,
+                           (r.param_dtype, r.compute_dtype, policy), r.overrides)
+        else:
+          model = _on_devices(_tunix_or_own(r.model, platform, s.get("mesh", sizes), False, r.depths,
+                                            (r.param_dtype, r.compute_dtype, policy)), target, batch)
+      except PlanError as e:
+        return {"fits": False, "error": str(e)}
+      changed = {**settings, "ga": s.get("ga", r.ga)}
+      return _row(s["levers"][0], shapes[0], model, s.get("batch", batch), changed, target, topology, usable)
+
+    lever = "zero1" if "zero1" not in blocked else "baseline"
+    changes = changes_to_try(meta, lever=lever, batch_unit=planned.batch_unit, remat=planned.remat_hint,
+                             named_axes=planned.named, host_memory=target.platform == "tpu")
+    way_out = find_way_out(changes, compile_changed,
+                           lambda c: command_line(meta, steps=[shapes[0]], **c.settings))
+  return Plan(rows, meta, hints, recommend(rows, meta), way_out)

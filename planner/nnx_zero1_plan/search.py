@@ -21,14 +21,29 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BAND", "NEAR", "Probe", "Edge", "round_down", "line_limit", "find_edge", "next_fraction",
+__all__ = ["BAND", "fits_in", "Probe", "Edge", "round_down", "line_limit", "find_edge", "next_fraction",
            "search_row", "offload_search"]
 
 # Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
 # with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8): a fitting
 # micro-batch there vouches for none below it, so the ones below are compiled too.
 BAND = 0.03
-NEAR = "near the limit"  # why a row was compiled whole after its reduced depths: the search keys on it
+
+
+def fits_in(row: dict[str, Any], usable: int) -> bool | None:
+  """Whether a compiled row fits: the one verdict the plan, the search and the offload search use. False
+  where the compiler refused the program for memory, else its peak within ``usable``; None where there are
+  no figures (a refusal for another reason).
+
+  Example::
+
+    >>> fits_in({"peak_bytes_per_device": 10}, 12), fits_in({"hbm_oom": "16.1G > 15.75G"}, 12)
+    (True, False)
+    >>> fits_in({"peak_bytes_per_device": None, "error": "TypeError: ..."}, 12) is None
+    True
+  """
+  peak = row.get("peak_bytes_per_device")
+  return False if row.get("hbm_oom") else None if peak is None else peak <= usable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,21 +262,18 @@ _AT_EDGE = ("peak_bytes_per_device", "formula_peak_bytes_per_device", "temp_byte
             "error")
 
 
-def search_row(first: dict, row_at: Callable[[int, bool], dict], unit: int, usable: int) -> dict[str, Any]:
+def search_row(first: dict, row_at: Callable[[int], dict], unit: int, usable: int) -> dict[str, Any]:
   """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch).
 
-  ``row_at(batch, whole)`` compiles; once a micro-batch was compiled whole for being near the limit,
-  every larger one is compiled whole at once (its reduced depths would be compiled in vain)."""
+  ``row_at(batch)`` compiles the whole program at ``batch``: an edge is the compiler's word, never an
+  estimate's."""
   rows = {first["batch"]: first}
 
   def measure(batch: int) -> Probe:
     if batch not in rows:
-      near = [b for b, r in rows.items() if r.get("compiled_whole_because") == NEAR]
-      rows[batch] = row_at(batch, bool(near) and batch >= min(near))
+      rows[batch] = row_at(batch)
     row = rows[batch]
-    peak = row.get("peak_bytes_per_device")
-    fits = not row.get("error") and peak is not None and peak <= usable
-    return Probe(batch, peak, fits, row.get("error"))
+    return Probe(batch, row.get("peak_bytes_per_device"), bool(fits_in(row, usable)), row.get("error"))
 
   edge = find_edge(measure, step=unit, usable=usable, start=first["batch"])
   probes = [{"batch": p.batch, "fits": p.fits, **{k: rows[p.batch].get(k) for k in _AT_EDGE}}
@@ -289,7 +301,7 @@ def offload_search(row_with: Callable[[float], dict], usable: int, tries: int = 
   while True:
     peak = row.get("peak_bytes_per_device")
     tried.append({"fraction": fraction, "peak_bytes_per_device": peak, "compile_s": row["compile_s"],
-                  "fits": peak is not None and not row.get("error") and peak <= usable})
+                  "fits": bool(fits_in(row, usable))})
     if row.get("error") or peak is None:
       refused = row.get("error") or "no figures"
       break

@@ -9,7 +9,8 @@ from typing import Any
 from nnx_zero1_plan.inputs import command_line
 
 __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "collective_cell", "network_cell", "header", "cells",
-           "edge_cells", "table", "next_steps", "recommendation_lines", "markdown"]
+           "edge_cells", "split_words", "way_out_lines", "table", "next_steps", "recommendation_lines",
+           "markdown"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB",
           "args+temp GiB", "usable GiB", "fits", "max micro-batch", "compile s",
@@ -38,7 +39,37 @@ def _gib(n: float | None) -> str:
   return "-" if n is None else f"{n / 2**30:.2f}"
 
 
+def split_words(r: Mapping[str, Any]) -> str | None:
+  """What a Zero-1 row's layout splits, where it is not the whole state over every axis the lever names
+  (None where it is, and for the baseline): the share of the state's bytes over each set of axes.
+
+  Example::
+
+    >>> r = {"lever": "zero1-pod", "state_split": {"axes": ["replica", "data"],
+    ...      "share": {"data": 0.998, "none": 0.002}}}
+    >>> split_words(r)
+    'splits 0% of the state over replica,data, 99.8% over data only'
+    >>> split_words({"lever": "zero1", "state_split": {"axes": ["data"], "share": {"data": 0.999,
+    ...              "none": 0.001}}}) is None
+    True
+  """
+  split = r.get("state_split")
+  if not split or r["lever"] == "baseline":
+    return None
+  share, every = split["share"], ",".join(split["axes"])
+  if share.get(every, 0) >= 0.99:
+    return None
+  words = [f"splits {share.get(every, 0):.0%} of the state over {every}"]
+  words += [f"{v:.1%} over {k} only" for k, v in share.items() if k not in (every, "none") and v]
+  return ", ".join(words)
+
+
 def _note(r: dict[str, Any]) -> str:
+  notes = [n for n in (split_words(r), _verdict_note(r)) if n]
+  return "; ".join(notes)
+
+
+def _verdict_note(r: dict[str, Any]) -> str:
   if r.get("error"):
     return f"refused: {r['error']}"
   if r.get("search_unfinished"):
@@ -47,9 +78,11 @@ def _note(r: dict[str, Any]) -> str:
     return f"no fraction fits: {r['offload_refused_because']}"
   if r.get("compiled_whole_because"):
     extrapolated = _gib(r.get("extrapolated_peak_bytes_per_device"))
-    return f"compiled whole (extrapolated: {extrapolated} GiB; {r['compiled_whole_because']})"
-  if r.get("depth_extrapolated_from"):
-    return f"extrapolated to {r['depth']} layers from {'/'.join(map(str, r['depth_extrapolated_from']))}"
+    return f"compiled whole (estimate: {extrapolated} GiB; {r['compiled_whole_because']})"
+  if r.get("estimate"):
+    up_to = r["estimate"]["whole_peak_over_estimate_up_to"]
+    return (f"~ ESTIMATE, {r['estimate']['method']}: decides nothing (whole programs have peaked up to "
+            f"{up_to}x the estimate)")
   return ""
 
 
@@ -94,22 +127,24 @@ def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
   pod = _is_pod(rows)
   out: list[tuple[str, ...]] = []
   for r in rows:
-    fits = "-" if r["fits"] is None else "yes" if r["fits"] else "NO"
+    verdict = r.get("fits_estimate") if r.get("estimate") else r["fits"]
+    fits = "-" if verdict is None else "yes" if verdict else "NO"
     collectives = r.get("collectives") or {}
     flops, accessed = r.get("update_flops_per_device"), r.get("update_bytes_accessed_per_device")
     mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+    ex = "~" if r.get("estimate") else ""  # an estimate's figures, each marked
     out.append((
         _lever(r), r.get("step", "one") + (f", remat {r['remat']}" if r.get("remat") else ""),
         r["compiled_for"], mesh,
-        _gib(r["opt_state_bytes_per_device"]), _gib(r["argument_bytes_per_device"]),
-        _gib(r["temp_bytes_per_device"]), _gib(r["peak_bytes_per_device"]),
-        _gib(r.get("formula_peak_bytes_per_device")), _gib(r.get("usable_bytes", r["hbm_bytes"])), fits,
-        _max_micro_batch(r), f"{r.get('search_compile_s', r['compile_s']):.0f}",
-        collective_cell(collectives.get("per_step", {})),
-        collective_cell(collectives.get("per_micro_batch", {})),
-        "-" if flops is None else f"{flops / 1e9:.2f}", _gib(accessed),
-        *((network_cell(r.get("network_per_step", {}).get("fast")),
-           network_cell(r.get("network_per_step", {}).get("slow"))) if pod else ()),
+        _gib(r["opt_state_bytes_per_device"]), ex + _gib(r["argument_bytes_per_device"]),
+        ex + _gib(r["temp_bytes_per_device"]), ex + _gib(r["peak_bytes_per_device"]),
+        ex + _gib(r.get("formula_peak_bytes_per_device")), _gib(r.get("usable_bytes", r["hbm_bytes"])),
+        ex + fits, _max_micro_batch(r), f"{r.get('search_compile_s', r['compile_s']):.0f}",
+        ex + collective_cell(collectives.get("per_step", {})),
+        ex + collective_cell(collectives.get("per_micro_batch", {})),
+        "-" if flops is None else f"{ex}{flops / 1e9:.2f}", ex + _gib(accessed),
+        *((ex + network_cell(r.get("network_per_step", {}).get("fast")),
+           ex + network_cell(r.get("network_per_step", {}).get("slow"))) if pod else ()),
         _note(r),
     ))
   return out
@@ -196,7 +231,7 @@ def next_steps(rows: Sequence[dict[str, Any]], meta: Mapping[str, Any], levers: 
     >>> next_steps([row], meta, ["baseline", "zero1"], blocked={}, remat=None, batch_unit=4)[0][:75]
     'the lever zero1: saves 0.75 GiB of optimizer state per device (the layout r'
   """
-  if not rows or any(r["fits"] for r in rows):
+  if not rows or any(r["fits"] or r.get("fits_estimate") for r in rows):
     return []
   steps = []
   tried = {r["lever"] for r in rows}
@@ -258,6 +293,9 @@ def recommendation_lines(rec: Mapping[str, Any] | None, meta: Mapping[str, Any])
       why: at micro-batch 84 zero1 leaves ...
   """
   if rec is None:
+    if meta.get("estimate"):
+      return ["", "Nothing is recommended from an estimate: the same command without --estimate compiles the "
+              "whole programs and decides."]
     return []
   shape = {"one": "one program", "split": "two programs"}.get(rec["step"], rec["step"])
   remat = f", remat {rec['remat']}" if rec["remat"] not in (None, "none") else ""
@@ -265,7 +303,7 @@ def recommendation_lines(rec: Mapping[str, Any] | None, meta: Mapping[str, Any])
   lines = ["", f"Recommended: {rec['lever']} at micro-batch {rec['micro_batch']} ({shape}{remat}), {which} "
            f"with {_limit_words(meta)}", f"  code: {rec['code']}", f"  reproduce: {rec['cli']}"]
   lines += [f"  why: {line}" for line in rec.get("why", ())]
-  return lines + [f"  note: {line}" for line in rec["baseline_beats"]]
+  return lines + [f"  note: {line}" for line in (*rec["baseline_beats"], *rec.get("notes", ()))]
 
 
 _NOTE = (
@@ -279,7 +317,8 @@ _NOTE = (
     "Step `one` is one program (gradients, then update); `split` is two (gradients, then update): its args "
     "add the optimizer state the gradient program leaves resident, its peak is the larger program's, its "
     "collectives both programs'. The update program's flops and bytes accessed are the compiler's cost "
-    "analysis for one device (none on GPU). Collectives are read from the compiled HLO; those in the "
+    "analysis for one device (none on GPU; there a step's flops are its matmuls counted from the compiled "
+    "HLO). Collectives are read from the compiled HLO; those in the "
     "micro-batch loop count once per trip (`per micro-batch`)."
 )
 
@@ -291,13 +330,42 @@ _POD_NOTE = (
 )
 
 
+def way_out_lines(way_out: Mapping[str, Any] | None) -> list[str]:
+  """When nothing fits, what was compiled to make room: the first change that fits, with its command, and the
+  changes before it that did not.
+
+  Example::
+
+    >>> out = {"found": {"what": "remat block", "command": "python -m nnx_zero1.plan ...",
+    ...                  "peak_bytes_per_device": 2**33},
+    ...        "tried": [{"what": "half the micro-batch", "fits": False, "peak_bytes_per_device": None,
+    ...                   "error": "RESOURCE_EXHAUSTED"}, {"what": "remat block", "fits": True}]}
+    >>> print("\\n".join(way_out_lines(out)))
+    <BLANKLINE>
+    Nothing fits as asked; compiled, the first change that fits: remat block (peak 8.00 GiB)
+      reproduce: python -m nnx_zero1.plan ...
+      tried first: half the micro-batch: RESOURCE_EXHAUSTED
+  """
+  if not way_out:
+    return []
+  found = way_out["found"]
+  before = [t for t in way_out["tried"] if not t["fits"]]
+  tried = [f"  tried first: {t['what']}: {t['error'] or _gib(t['peak_bytes_per_device']) + ' GiB'}"[:200]
+           for t in before]
+  if found is None:
+    return ["", "Nothing fits as asked, and no change compiled fits either:", *tried]
+  return ["", f"Nothing fits as asked; compiled, the first change that fits: {found['what']} (peak "
+          f"{_gib(found['peak_bytes_per_device'])} GiB)", f"  reproduce: {found['command']}", *tried]
+
+
 def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
   return ["", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
           *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in body)]
 
 
 def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequence[str],
-             recommendation: Mapping[str, Any] | None = None) -> str:
+             recommendation: Mapping[str, Any] | None = None,
+             way_out: Mapping[str, Any] | None = None) -> str:
   """plan.md: the settings, the table and what to try next.
 
   Example::
@@ -312,7 +380,7 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequen
     edges = edge_cells(rows)
     if edges:
       lines += ["", "## At each lever's largest micro-batch", ""] + _markdown_table(EDGE_HEADER, edges)
-  lines += recommendation_lines(recommendation, meta)
+  lines += recommendation_lines(recommendation, meta) + way_out_lines(way_out)
   if steps:
     numbered = (f"{i}. {s}" for i, s in enumerate(steps, 1))
     lines += ["", "## Nothing fits: what to try next, in order", "", *numbered]

@@ -65,17 +65,21 @@ def _check_rule_and_fits(result: dict, data: int) -> dict:
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: ./planner[aot], Python >= 3.12 (CI lane 2)")
-def test_tpu_plan_saves_what_the_layout_rule_predicts_and_extrapolates_from_reduced_depth(tmp_path):
-  full = run_plan(tmp_path / "full", "--topology", "v6e:2x2", "--full-depth", "--steps", "one,split")
+def test_tpu_plan_saves_what_the_layout_rule_predicts_and_marks_an_estimate(tmp_path):
+  full = run_plan(tmp_path / "full", "--topology", "v6e:2x2", "--steps", "one,split")  # whole: the default
   rows = _check_rule_and_fits(full, data=4)
   assert full["meta"]["hbm_bytes"] == 33_543_694_581  # v6e: 31.24G, as the TPU compiler words it
   # The split step's update program: Zero-1 updates a quarter of each moment and parameter per chip.
   flops = [rows[lever, "split"]["update_flops_per_device"] for lever in ("baseline", "zero1")]
   assert 0 < flops[1] < flops[0] / 2
-  reduced = run_plan(tmp_path / "reduced", "--topology", "v6e:2x2", "--steps", "one")
+  reduced = run_plan(tmp_path / "reduced", "--topology", "v6e:2x2", "--steps", "one", "--estimate")
+  assert reduced["recommendation"] is None  # nothing is recommended from an estimate
   one_program = [r for r in full["rows"] if r["step"] == "one"]
   for a, b in zip(one_program, reduced["rows"], strict=True):
     assert b["depth_extrapolated_from"] == [2, 4] and b["depth"] == 6
+    assert b["estimate"]["method"] == "extrapolated to 6 layers from 2/4" and "peak_bytes_per_device" in (
+        b["estimate"]["figures"])
+    assert b["fits"] is None and b["fits_estimate"] == a["fits"]
     assert b["argument_bytes_per_device"] == a["argument_bytes_per_device"]  # parameters are linear in depth
     error = abs(b["peak_bytes_per_device"] - a["peak_bytes_per_device"]) / a["peak_bytes_per_device"]
     print(f"{a['lever']}: extrapolated peak {b['peak_bytes_per_device']:,} B, "
@@ -89,6 +93,12 @@ def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):
   result = run_plan(tmp_path, "--topology", "h100:8", "--full-depth", "--steps", "one,split")
   rows = _check_rule_and_fits(result, data=8)
   assert rows["zero1", "split"]["update_flops_per_device"] is None  # XLA's GPU compiler has no cost analysis
+  # ... so a step's compute is its matmuls counted from the HLO: per GPU, one sequence of 64 tokens through 7
+  # square 512 x 512 matmuls (6 layers and the head), forward and twice that backward.
+  for lever in ("baseline", "zero1"):
+    assert rows[lever, "one"]["flops_source"] == rows[lever, "split"]["flops_source"] == "hlo_dots"
+    assert rows[lever, "one"]["flops_per_device"] == rows[lever, "split"]["flops_per_device"] == (
+        3 * 2 * 64 * 512 * 512 * 7)
   assert result["rows"][0]["device_kind"] == "NVIDIA H100 80GB HBM3"
   # jax's GPU pool at its default 0.75 of what the CUDA context leaves, less the GPU's 256 MiB reserve
   assert result["meta"]["hbm_bytes"] == int(0.75 * (84_929_347_584 - 643_476_139))
@@ -109,7 +119,7 @@ from nnx_zero1_plan.steps import compile_step, lever_state
 from nnx_zero1_plan.targets import make_target
 
 plan = make_plan(PlanRequest("tests.support.planner_toys:tiny_lm", "v6e:2x2", batch=8, seq_len=64,
-                             levers="zero1", steps="one", full_depth=True))
+                             levers="zero1", steps="one"))
 source = model_source("tests.support.planner_toys:tiny_lm")
 mesh = Mesh(np.array(make_target("v6e:2x2").devices), ("data",), axis_types=(AxisType.Auto,))
 state = lever_state(LEVERS["zero1"], lambda: source.build(None), "adamw", mesh)
@@ -207,7 +217,7 @@ before = listing(tmp), listing(logs)
 from nnx_zero1_plan import plan
 lines = []
 result = plan("tests.support.planner_toys:tiny_lm", "v6e:2x2", batch=8, seq_len=64, levers="zero1",
-              steps="one", full_depth=True, progress=lines.append)
+              steps="one", progress=lines.append)
 after = listing(tmp), listing(logs)
 print("RESULT " + json.dumps({"environ": dict(os.environ) == environ, "files": after == before,
       "jax": "jax" in sys.modules, "fits": result.rows[0]["fits"], "lines": lines,
@@ -256,7 +266,7 @@ def test_gpu_plan_of_the_bfloat16_levers(tmp_path):
   does, 2 bytes per parameter (bfloat16 state would change nothing there: the planner refuses it,
   tests above; what it halves on a float32 model, tests/core/test_state_dtype.py measures on CPU)."""
   params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
-  argv = ["--model", "tests.support.planner_toys:tiny_lm_bf16", "--topology", "h100:8", "--full-depth",
+  argv = ["--model", "tests.support.planner_toys:tiny_lm_bf16", "--topology", "h100:8",
           "--levers", "zero1,zero1-master", "--steps", "one"]
   out = tmp_path / "bf16"
   proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *argv, *TOY[2:-2], "--out", str(out)],
@@ -346,3 +356,25 @@ def test_with_the_compilers_installed_jax_platforms_cpu_imports_jax_quietly():
                          capture_output=True, text=True, timeout=120)
   assert quiet.returncode == 0 and "CpuDevice" in quiet.stdout and quiet.stderr == "", quiet.stderr[-2000:]
   assert "cuDNN" in noisy.stderr  # the noise is there without it, so the test can fail
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler: pip install --no-deps "
+                    "jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 (Python >= 3.12), CI lane 2")
+def test_when_nothing_fits_the_first_change_that_fits_is_found_by_a_compile(tmp_path):
+  # A margin that leaves ~70 MB of the pool: at micro-batch 64 x 256 tokens neither lever fits (the compiler
+  # says ~0.09 GiB); a smaller micro-batch is the first change a user tries, and the compile decides.
+  result = run_plan(tmp_path, "--topology", "h100:8", "--batch", "64", "--seq-len", "256", "--steps", "one",
+                    "--margin", "0.9989")
+  assert not any(r["fits"] for r in result["rows"]) and result["recommendation"] is None
+  way_out = result["way_out"]
+  found = way_out["found"]
+  assert found is not None and found["fits"]
+  assert found["peak_bytes_per_device"] <= result["meta"]["usable_bytes"]
+  assert found == way_out["tried"][-1] and not any(t["fits"] for t in way_out["tried"][:-1])
+  assert found["what"].startswith("micro-batch ") and "--levers zero1 " in found["command"]
+  # Its command reproduces it: the same change, planned alone, fits.
+  words = found["command"].split()[3:]
+  again = run_plan(tmp_path / "again", *words)
+  assert [r["fits"] for r in again["rows"]] == [True]
+  assert again["rows"][0]["peak_bytes_per_device"] == found["peak_bytes_per_device"]
+  assert "Nothing fits as asked; compiled, the first change that fits" in (tmp_path / "plan.md").read_text()

@@ -186,10 +186,17 @@ def _row(lever, peak, **kw):
 
 
 def test_the_table_and_what_to_try_next_when_nothing_fits():
-  rows = [_row("baseline", 20 * 2**30), _row("zero1", 17 * 2**30, depth=28, depth_extrapolated_from=[2, 4])]
+  from nnx_zero1_plan.depth import estimate_mark
+
+  estimated = _row("zero1", 17 * 2**30, depth=28, depth_extrapolated_from=[2, 4])
+  estimated.update(estimate=estimate_mark(estimated, ("peak_bytes_per_device",)), fits=None,
+                   fits_estimate=False)
+  rows = [_row("baseline", 20 * 2**30), estimated]
   lines = table(rows).splitlines()
   assert lines[0].split()[:3] == ["lever", "step", "compiled"]
-  assert "extrapolated to 28 layers from 2/4" in lines[3]
+  # Every figure of an estimate is marked, and its note says it decides nothing and how far off it has been.
+  assert "~ ESTIMATE, extrapolated to 28 layers from 2/4: decides nothing" in lines[3] and "1.36x" in lines[3]
+  assert lines[3].split()[5:9] == ["~8.50", "~8.50", "~17.00", "~-"] and "~NO" in lines[3].split()
   meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8, "fsdp": 1}, "batch": 32,
           "seq_len": 1024, "ga": 1, "levers": ["baseline", "zero1"], "steps": ["one"]}
   blocked = {"zero1-master": "float32 already", "zero1-pod": "one slice"}

@@ -22,7 +22,7 @@ def test_a_two_node_gpu_plan_names_the_bytes_that_cross_infiniband(tmp_path):
   across the nodes reduce-scatters and gathers over all 16 instead, P/4 across each: the baseline's P/2
   in all, with an eighth of the baseline's moments per GPU."""
   params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
-  result = run_plan(tmp_path, "--topology", "h100:2x8", "--batch", "16", "--full-depth", "--steps", "one",
+  result = run_plan(tmp_path, "--topology", "h100:2x8", "--batch", "16", "--steps", "one",
                  "--levers", "baseline,zero1,zero1-pod")
   assert result["meta"]["mesh"] == {"replica": 2, "data": 8} and result["meta"]["domains"] == 2
   rows = {r["lever"]: r for r in result["rows"]}
@@ -33,6 +33,12 @@ def test_a_two_node_gpu_plan_names_the_bytes_that_cross_infiniband(tmp_path):
   assert across["zero1-pod"] == {"reduce-scatter": grads // 16, "all-gather": grads // 16}
   state = {n: r["opt_state_bytes_per_device"] for n, r in rows.items()}
   assert (state["zero1-pod"] - 8) * 16 == state["baseline"] - 8 == (state["zero1"] - 8) * 8
+  # Each row says what its layout splits, over which axes: all but the step counter.
+  split = {n: r["state_split"] for n, r in rows.items()}
+  assert split["zero1-pod"]["axes"] == ["replica", "data"] and split["zero1"]["axes"] == ["data"]
+  assert split["baseline"]["share"] == {"none": 1.0}
+  assert split["zero1"]["share"]["data"] == split["zero1-pod"]["share"]["replica,data"] == 1 - 8 / (
+      state["baseline"])
   slow = rows["zero1-pod"]["network_per_step"]["slow"]
   assert slow == {"network": "InfiniBand", "bytes": grads // 8,
                   "estimate_ms": round(1000 * grads / 8 / 50e9, 1)}  # 400 Gb/s per GPU
@@ -76,7 +82,7 @@ def test_a_two_slice_plan_names_the_bytes_that_cross_the_data_center_network(tmp
   the all-gather of each chip's 1/8 of the parameters across slices, P/2 bytes. By hand within 1% (the TPU
   pads some leaves)."""
   params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
-  result = run_plan(tmp_path, "--topology", "v5e:2x2", "--slices", "2", "--full-depth", "--steps", "one",
+  result = run_plan(tmp_path, "--topology", "v5e:2x2", "--slices", "2", "--steps", "one",
                  "--levers", "baseline,zero1,zero1-pod")
   assert result["meta"]["mesh"] == {"replica": 2, "data": 4} and result["meta"]["domains"] == 2
   rows = {r["lever"]: r for r in result["rows"]}

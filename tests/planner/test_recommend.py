@@ -149,3 +149,47 @@ def test_the_code_writes_the_optimizer_the_plan_compiled():
     written, compiled = eval(code, {"optax": optax}), OPTIMIZERS[name]()
     ours = written.update(params, written.init(params), params)[0]["w"]
     assert jnp.array_equal(ours, compiled.update(params, compiled.init(params), params)[0]["w"]), name
+
+
+def test_on_a_non_monotonic_bend_a_lever_stands_where_its_own_compile_fitted():
+  # h100:4, the user's 266.9M float32 decoder at --margin 0: the baseline's search ran out of compiles with
+  # every one fitting (edge 140, not confirmed); Zero-1 was refused at 132 (edge 128) but fitted at 136, 140
+  # and 144. Both fit 140 by their own compiles: the bytes and the headroom there decide, not 140 > 128.
+  search = lambda fitted, refused=(): ([{"batch": b, "fits": True, "headroom_bytes_per_device": G // 4}
+                                        for b in fitted] + [{"batch": b, "fits": False} for b in refused])
+  base = _row("baseline", max_micro_batch=140, search_unfinished="the search's 12 compiles ran out",
+              search=search([8, 80, 120, 136, 140]), collective=100)
+  zero1 = _row("zero1", max_micro_batch=128, fits_above=[136, 140, 144], collective=100,
+               search=search([8, 80, 128, 136, 140, 144], refused=[132]))
+  next(p for p in zero1["search"] if p["batch"] == 140)["headroom_bytes_per_device"] = G  # more room at 140
+  best = recommend([base, zero1], META)
+  assert (best["lever"], best["micro_batch"]) == ("zero1", 140)
+  assert best["why"][0].startswith("at micro-batch 140 zero1 leaves 1.00 GiB free and baseline 0.25 GiB")
+  assert best["baseline_beats"] == []  # never "baseline fits 140 where zero1 fits 128"
+  assert best["notes"] == ["baseline's edge is not confirmed (the search's 12 compiles ran out): it fits at "
+                           "least 140"]
+  # A lever never compiled at the best micro-batch does not stand there: the larger edge wins.
+  zero1["search"] = search([8, 80, 128], refused=[132])
+  assert recommend([base, zero1], META)["lever"] == "baseline"
+
+
+def test_a_zero1_lever_holding_the_baseline_s_state_is_never_recommended():
+  # Three v5p slices, no leaf divisible by replica x data: zero1-pod held the baseline's state per chip.
+  base = _row("baseline", opt_state_bytes_per_device=27 * G, collective=10, headroom_bytes_per_device=G)
+  pod = _row("zero1-pod", opt_state_bytes_per_device=27 * G, collective=1, headroom_bytes_per_device=G)
+  zero1 = _row("zero1", opt_state_bytes_per_device=7 * G, fits=False)
+  best = recommend([base, pod, zero1], META)
+  assert best["lever"] == "baseline"
+  assert best["notes"] == ["zero1-pod holds the baseline's optimizer state per device (its layout splits "
+                           "nothing): not a candidate"]
+  # Offloaded state splits nothing but moves it off the device: it stays a candidate.
+  offloaded = dict(pod, opt_state_bytes_by_memory_kind={"device": 27 * G, "pinned_host": G})
+  assert recommend([base, offloaded], META)["lever"] == "zero1-pod"
+
+
+def test_an_estimate_is_never_recommended():
+  estimate = _row("zero1", fits=None, fits_estimate=True, estimate={"method": "extrapolated"})
+  assert recommend([estimate], META) is None
+  from nnx_zero1_plan.table import recommendation_lines
+
+  assert "without --estimate" in recommendation_lines(None, {"estimate": True})[1]

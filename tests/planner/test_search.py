@@ -179,24 +179,6 @@ def test_a_spent_budget_is_said():
   assert edge.max_micro_batch is not None and peak(edge.max_micro_batch) <= 15 * GIB
 
 
-def test_past_a_micro_batch_compiled_whole_the_search_compiles_whole_at_once():
-  from nnx_zero1_plan.search import search_row
-
-  calls = []
-
-  def row_at(batch, whole=False):
-    calls.append((batch, whole))
-    near = batch >= 32 and not whole  # the extrapolated line came near the limit: compiled whole after it
-    row = {"batch": batch, "peak_bytes_per_device": batch * GIB // 4, "error": None, "compile_s": 1.0}
-    return {**row, "compiled_whole_because": "near the limit"} if near else row
-
-  found = search_row(row_at(8), row_at, unit=8, usable=15 * GIB)
-  assert found["max_micro_batch"] == 56 and found["above"] == 64
-  first_near = next(i for i, (b, whole) in enumerate(calls) if b >= 32 and not whole)
-  after = calls[first_near + 1:]
-  assert after and all(whole for b, whole in after if b >= calls[first_near][0]), calls
-
-
 @pytest.mark.parametrize("start", [8, 48, 176])
 def test_a_sharp_bend_at_the_default_budget_is_found_or_said(start):
   # Flat while a fixed part dominates, then steep: the line from the flat part overshoots far.
