@@ -3,8 +3,10 @@
 ``build``: twelve pre-norm layers (causal attention, 16 heads, a SwiGLU MLP), d_model 1024, vocabulary
 32,000, an untied head, float32: 266.9M parameters. ``build_1b``: the same blocks at 1.21B parameters in
 bfloat16 (24 layers, d_model 2048, grouped-query attention with 16 query and 4 key/value heads, SwiGLU
-5632). The planner calls them under ``nnx.eval_shape`` (no weights are made), at reduced depths and at
-their default depth, and scores the logits against the next tokens::
+5632). ``build_7b``: the same blocks at 7.24B parameters in bfloat16, Llama-style (32 layers, d_model 4096,
+grouped-query attention 32/8, SwiGLU 14336). The planner calls them under ``nnx.eval_shape`` (no weights
+are made), at their default depth (and at reduced depths for ``--estimate``), and scores the logits
+against the next tokens::
 
   python -m nnx_zero1.plan --model examples.planner_decoder:build --topology h100:4 --steps one --search
   python -m nnx_zero1.plan --model examples.planner_decoder:build_1b --topology h200:8 --steps one \
@@ -70,4 +72,10 @@ def build(num_layers: int = 12) -> Decoder:
 def build_1b(num_layers: int = 24) -> Decoder:
   """The 1.21B bfloat16 decoder with grouped-query attention at ``num_layers`` (default: the full depth)."""
   return Decoder(num_layers, width=2048, heads=16, kv_heads=4, hidden=5632, dtype=jnp.bfloat16,
+                 rngs=nnx.Rngs(0))
+
+
+def build_7b(num_layers: int = 32) -> Decoder:
+  """The 7.24B bfloat16 Llama-style decoder at ``num_layers`` (default: the full depth)."""
+  return Decoder(num_layers, width=4096, heads=32, kv_heads=8, hidden=14336, dtype=jnp.bfloat16,
                  rngs=nnx.Rngs(0))
