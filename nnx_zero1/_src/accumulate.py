@@ -309,12 +309,11 @@ def _scatter_every_micro_batch(
   """ZeRO-2: per replica, each micro-batch's gradients reduce-scattered
   (:func:`reduction.scatter_into`) into an accumulator on the Zero-1 layout."""
   leaves = jax.tree.leaves(params)
-  dims = reduction.scatter_dims([x.ndim for x in leaves], homes, targets, axes)
-  n = data_axis_size(mesh, axes)
+  scatters = reduction.scatters_of([x.ndim for x in leaves], homes, targets, axes)
   loss, sums = _scan_per_replica(
       loss_of_params, params, rest, batch, micro_batches, mesh, axes,
-      zeros=lambda p: reduction.scattered_zeros(p, dims, axes, n),
-      add=lambda acc, g: reduction.scatter_into(acc, g, dims, axes),
+      zeros=lambda p: reduction.scattered_zeros(p, scatters),
+      add=lambda acc, g: reduction.scatter_into(acc, g, scatters, axes),
       out_specs=jax.tree.unflatten(jax.tree.structure(params), [t.spec for t in targets]),
   )
   return loss, _mean(sums, micro_batches)

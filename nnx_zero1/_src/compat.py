@@ -14,7 +14,8 @@ import jax
 from flax.nnx import filterlib  # a documented flax module; nnx has no top-level ``Filter``
 
 __all__ = [
-    "Filter", "context_mesh", "jit_cache_size", "legacy_context_mesh", "set_metaclass", "to_opt_state",
+    "Filter", "context_mesh", "jit_cache_size", "legacy_context_mesh", "optimizer_sharding_of",
+    "set_metaclass", "to_opt_state",
 ]
 
 Filter = filterlib.Filter
@@ -94,6 +95,27 @@ def to_opt_state(tree: Any) -> Any:
   except ImportError as e:  # pragma: no cover -- only on a flax that moved it
     raise _missing("flax.nnx.training.optimizer.to_opt_state", "flax", flax.__version__, e) from e
   return flax_to_opt_state(tree)
+
+
+def optimizer_sharding_of(variable: Any) -> Any:
+  """The sharding a Variable's ``optimizer_sharding`` metadata declares for its optimizer state
+  (None when it declares none).
+
+  flax (>= 0.12.7) spells it as Variable metadata, ``nnx.Param(x,
+  optimizer_sharding=(None, "data"))``, and its ``to_opt_state`` (:func:`to_opt_state`)
+  turns it into the state's ``out_sharding``; the name is flax's convention, read in
+  that private function only, not an exported API.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> optimizer_sharding_of(nnx.Param(jnp.ones((2, 4)), optimizer_sharding=(None, "data")))
+    (None, 'data')
+    >>> optimizer_sharding_of(nnx.Param(jnp.ones(2))) is None
+    True
+  """
+  return variable.get_metadata("optimizer_sharding", None)
 
 
 def jit_cache_size(jitted: Any) -> int:

@@ -16,7 +16,14 @@ from jax.sharding import NamedSharding
 from nnx_zero1._src.checks import check_params, check_strict
 from nnx_zero1._src.compat import Filter, to_opt_state
 from nnx_zero1._src.errors import Zero1Error, Zero1Warning
-from nnx_zero1._src.layout_plan import Zero1Plan, make_plan, one_device_mesh, single_device_plan
+from nnx_zero1._src.layout_plan import (
+    Zero1Plan,
+    declared_specs,
+    make_plan,
+    one_device_mesh,
+    param_layouts,
+    single_device_plan,
+)
 from nnx_zero1._src.mesh import resolve_mesh, traced, variable_shardings
 from nnx_zero1._src.options import Zero1Options
 from nnx_zero1._src.placement import move_tree, place_tree
@@ -62,11 +69,15 @@ def build_plan(
       )
   check_data_axes_on_mesh(mesh, axes)
   check_params(params, wrt, mesh)
-  abstract_state = nnx.as_pure(jax.eval_shape(opt_state_init(tx, options.master_dtype), param_state))
   # Read off the Variables: traced parameters (built under nnx.eval_shape) on Auto axes carry
-  # their layout in sharding metadata only.
-  plan = make_plan(tx, params, mesh, axes, abstract_state=abstract_state,
-                   param_shardings=variable_shardings(param_state, mesh))
+  # their layout in sharding metadata only. A declared optimizer_sharding is refused here, before
+  # flax places even the abstract state by it (with no mesh nothing is placed, as nnx.Optimizer).
+  shardings = variable_shardings(param_state, mesh)
+  declared = declared_specs(param_state) if device is None else None
+  param_layouts(params, shardings, axes, declared)
+  abstract_state = nnx.as_pure(jax.eval_shape(opt_state_init(tx, options.master_dtype), param_state))
+  plan = make_plan(tx, params, mesh, axes, abstract_state=abstract_state, param_shardings=shardings,
+                   declared=declared)
   if device is not None:
     plan = single_device_plan(plan, device)
   if options.strict:

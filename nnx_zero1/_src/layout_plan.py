@@ -1,8 +1,10 @@
 """The Zero-1 plan: which optimizer leaves go where, worked out once at construction.
 
-Pure functions of (tx, abstract params, their shardings, mesh, data axis). The
-plan is hashable so it can live as a static attribute of the optimizer and be
-read at trace time without touching any array.
+Pure functions of (tx, abstract params, their shardings, mesh, data axis), and
+of the layouts the parameters' Variables declare for their optimizer state
+(:func:`declared_specs`, the one reader of that metadata). The plan is hashable
+so it can live as a static attribute of the optimizer and be read at trace time
+without touching any array.
 """
 
 from __future__ import annotations
@@ -14,16 +16,28 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from nnx_zero1._src.compat import optimizer_sharding_of
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
-from nnx_zero1._src.layout import Reason, memory_layout, statistic_layout, zero1_layout
+from nnx_zero1._src.layout import (
+    Reason,
+    declared_layout,
+    is_split,
+    memory_layout,
+    statistic_layout,
+    zero1_layout,
+)
 from nnx_zero1._src.mesh import sharding_on_mesh
-from nnx_zero1._src.specs import DataAxis, data_axis_size, full_rank_sharding
+from nnx_zero1._src.specs import DataAxis, data_axes, data_axis_size, full_rank_sharding
 
 __all__ = [
-    "LeafPlan", "Zero1Plan", "make_plan", "one_device_mesh", "single_device_plan",
+    "LeafPlan", "Zero1Plan", "declared_specs", "make_plan", "one_device_mesh", "param_layouts",
+    "single_device_plan",
 ]
+
+_NOTES = (Reason.PARTLY_SPLIT, Reason.DECLARED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +48,10 @@ class LeafPlan:
   shape: tuple[int, ...]
   dtype: str
   sharding: jax.sharding.Sharding  # a NamedSharding; SingleDeviceSharding in a single-device plan
-  reason: Reason | None  # None: split over the data axis
+  reason: Reason | None  # None: split over the data axis (all of them, or see ``note``)
   by_parameter: bool = False  # split already by its parameter's own layout (FSDP): nothing added
   compute_dtype: str | None = None  # stored in ``dtype`` but computed in this (``state_dtype``)
+  note: Reason | None = None  # how a split leaf is split: PARTLY_SPLIT or DECLARED (reason is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +64,7 @@ class Zero1Plan:
   param_shapes: tuple[tuple[int, ...], ...]
   param_shardings: tuple[NamedSharding, ...]  # as the parameters were placed
   zero1_param_shardings: tuple[NamedSharding, ...]
-  param_reasons: tuple[Reason | None, ...]  # why a parameter's Zero-1 layout does not split it (None: split)
+  param_reasons: tuple[Reason | None, ...]  # each parameter's zero1_layout reason (split: ``is_split``)
   state_leaves: tuple[LeafPlan, ...]
   single_device: bool = False  # no mesh, one device: nothing is placed, as nnx.Optimizer
   offload_state: bool = False  # some state leaves in host memory between steps (``_src/storage.py``)
@@ -130,9 +145,88 @@ def _refuse_unmapped(tx, leaf_plans, mesh, data_axis) -> None:
     )
 
 
+def declared_specs(variables: Any) -> tuple[PartitionSpec | None, ...]:
+  """Each Variable's declared ``optimizer_sharding`` as a spec, in tree-leaf order (None: none declared).
+
+  Read as ``nnx.get_partition_spec`` reads ``out_sharding`` (logical names through the
+  logical-axis rules in force and the Variable's own ``sharding_rules``), which is what
+  ``nnx.Optimizer`` places the state by.
+
+  Args:
+    variables: a pytree of ``nnx.Variable`` s (an ``nnx.State`` of parameters).
+
+  Returns:
+    One ``PartitionSpec`` or None per Variable.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> declared_specs({"w": nnx.Param(jnp.ones((2, 4)), optimizer_sharding=(None, "data")),
+    ...                 "b": nnx.Param(jnp.ones(4))})
+    (None, P(None, 'data'))
+  """
+  out: list[PartitionSpec | None] = []
+  for var in jax.tree.leaves(variables, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    declared = optimizer_sharding_of(var) if isinstance(var, nnx.Variable) else None
+    if declared is None:
+      out.append(None)
+    else:  # a stand-in whose out_sharding is the declared one: placement metadata only, nothing moves
+      spec = jax.tree.leaves(nnx.get_partition_spec(var.replace(out_sharding=declared)))[0]
+      out.append(PartitionSpec(*spec))
+  return tuple(out)
+
+
+def param_layouts(
+    params: Any, param_shardings: Sequence[NamedSharding], data_axis: DataAxis,
+    declared: Sequence[PartitionSpec | None] | None = None,
+) -> tuple[tuple[NamedSharding, Reason | None], ...]:
+  """Each parameter's Zero-1 layout and its reason, in tree-leaf order: the rule's
+  (:func:`zero1_layout`), or the one its Variable declares (``declared``) where Zero-1 can honour it
+  (:func:`declared_layout`).
+
+  Args:
+    params: the parameters, a pytree of arrays (or ``ShapeDtypeStruct`` s).
+    param_shardings: their shardings, in tree-leaf order.
+    data_axis: the data-parallel mesh axis, or a tuple of axes.
+    declared: their declared ``optimizer_sharding`` specs (:func:`declared_specs`); None: none.
+
+  Returns:
+    ``(sharding, reason)`` per parameter, as :func:`zero1_layout` returns them.
+
+  Raises:
+    Zero1Error: naming the parameter, the declared spec and why it cannot be honoured.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> home = NamedSharding(mesh, P())
+    >>> [s.spec for s, _ in param_layouts({"w": jnp.ones((4, 2))}, [home], ("data",), [P(None, "data")])]
+    [P(None, 'data')]
+  """
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  declared = tuple(declared) if declared is not None else (None,) * len(flat)
+  out = []
+  for (path, x), sharding, spec in zip(flat, param_shardings, declared, strict=True):
+    if spec is None:
+      out.append(zero1_layout(tuple(x.shape), sharding, data_axis))
+      continue
+    try:
+      out.append(declared_layout(tuple(x.shape), sharding, spec, data_axis))
+    except Zero1Error as e:
+      raise Zero1Error(
+          f"parameter {jax.tree_util.keystr(path)} declares optimizer_sharding {spec}, which Zero-1 over "
+          f"{data_axes(data_axis)} cannot honour: {e}; {describe_mesh(sharding.mesh)}"
+      ) from None
+  return tuple(out)
+
+
 def make_plan(
     tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_axis: DataAxis, *,
     abstract_state: Any = None, param_shardings: Sequence[NamedSharding] | None = None,
+    declared: Sequence[PartitionSpec | None] | None = None,
 ) -> Zero1Plan:
   """Works out the Zero-1 layout of every leaf of ``tx.init(params)``.
 
@@ -146,6 +240,12 @@ def make_plan(
   ``param_shardings`` are the parameters' shardings on ``mesh`` in tree-leaf order,
   when the caller knows more than the arrays say (traced parameters' declared specs,
   :func:`~nnx_zero1._src.mesh.variable_shardings`); else :func:`sharding_on_mesh` of each.
+  ``declared`` are the parameters' declared ``optimizer_sharding`` specs in the same order
+  (:func:`declared_specs`; None: none), each honoured (:func:`declared_layout`) or refused.
+
+  Raises:
+    Zero1Error: a declared ``optimizer_sharding`` Zero-1 cannot honour (naming the
+      parameter, the spec and why), or state of which nothing can be tied to a parameter.
 
   Example::
 
@@ -160,7 +260,7 @@ def make_plan(
   if param_shardings is None:
     param_shardings = [sharding_on_mesh(x, mesh) for x in leaves]
   shardings = tuple(param_shardings)
-  layouts = tuple(zero1_layout(s, sh, data_axis) for s, sh in zip(shapes, shardings))  # once per parameter
+  layouts = param_layouts(params, shardings, data_axis, declared)  # once per parameter
   zero1 = tuple(sharding for sharding, _ in layouts)
   if abstract_state is None:
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -178,13 +278,16 @@ def make_plan(
     elif owner.index is not None:
       i = owner.index
       sharding, reason = statistic_layout(shape, shapes[i], zero1[i], data_axis)
+      if reason is None and layouts[i][1] in _NOTES:  # it follows its parameter's layout
+        reason = layouts[i][1]
     else:
       sharding, reason = replicated, Reason.SCALAR if not shape else Reason.NOT_PARAM_SHAPED
     by_parameter = reason == Reason.ALREADY_SHARDED
-    reason = None if by_parameter else reason
+    note = reason if reason in _NOTES else None
+    reason = None if is_split(reason) else reason
     sharding = full_rank_sharding(sharding, len(shape))
     name = jax.tree_util.keystr(path)
-    leaf_plans.append(LeafPlan(name, shape, str(leaf.dtype), sharding, reason, by_parameter))
+    leaf_plans.append(LeafPlan(name, shape, str(leaf.dtype), sharding, reason, by_parameter, note=note))
   _refuse_unmapped(tx, leaf_plans, mesh, data_axis)
   return Zero1Plan(
       mesh=mesh,
@@ -227,7 +330,7 @@ def single_device_plan(plan: Zero1Plan, device: jax.Device) -> Zero1Plan:
   """
   here = jax.sharding.SingleDeviceSharding(device)
   on_device = tuple(
-      dataclasses.replace(leaf, sharding=here, reason=leaf.reason or Reason.ONE_DEVICE)
+      dataclasses.replace(leaf, sharding=here, reason=leaf.reason or Reason.ONE_DEVICE, note=None)
       for leaf in plan.state_leaves
   )
   return dataclasses.replace(plan, state_leaves=on_device, single_device=True)

@@ -10,7 +10,10 @@ MaxText's engine all reduce gradients here (whether they may wait to do so is
   collective per leaf (:func:`reduce_local`, through one ``shard_map`` wrapper):
   a ``psum_scatter`` (a literal reduce-scatter) straight onto a layout that adds
   the data axes to one dimension (the Zero-1 layout), or a ``psum`` onto the
-  parameter's own layout;
+  parameter's own layout. A leaf the layout rule splits over only some of the
+  data axes, or over several dimensions (:data:`Scatter`), takes a
+  ``psum_scatter`` per dimension and a ``psum`` over the data axes it is not
+  split over;
 - :func:`scatter_into` is the same collective inside a micro-batch loop (ZeRO-2):
   each micro-batch's gradient reduce-scattered into an accumulator already on the
   Zero-1 layout, 1/N of the gradient per device.
@@ -34,82 +37,95 @@ from nnx_zero1._src.specs import (
 )
 
 __all__ = [
+    "Scatter",
     "accumulator_sharding",
     "mean_of_sums",
     "reduce_local",
     "reduce_rows",
     "reduce_unreduced",
     "row_axes",
-    "scatter_dim",
-    "scatter_dims",
     "scatter_into",
+    "scatter_of",
     "scattered_zeros",
+    "scatters_of",
 ]
 
+Scatter = tuple[tuple[int, tuple[str, ...]], ...]
+"""How one leaf's sum reaches its target layout: per dimension the target adds data axes to,
+``(dimension, those axes)``, each a ``psum_scatter`` there; the data axes it adds nowhere are
+``psum``-ed. ``()``: a ``psum`` over every data axis, onto the parameter's own layout."""
 
-def reduce_local(partial: jax.Array, dim: int | None, axes: tuple[str, ...]) -> jax.Array:
-  """Inside ``shard_map``: sums one partial gradient over the replicas with one collective.
 
-  ``dim`` None: ``psum`` (an all-reduce), the whole sum on every replica.
-  Otherwise ``psum_scatter`` along ``dim`` (a literal ``reduce-scatter``):
-  each replica gets its 1/n slice of the sum, as on a layout that adds the
-  data axes to that dimension (the Zero-1 layout).
+def _scattered(scatter: Scatter) -> tuple[str, ...]:
+  return tuple(a for _, over in scatter for a in over)
+
+
+def reduce_local(partial: jax.Array, scatter: Scatter, axes: tuple[str, ...]) -> jax.Array:
+  """Inside ``shard_map``: sums one partial gradient over the replicas.
+
+  ``scatter`` ``()``: ``psum`` (an all-reduce), the whole sum on every replica.
+  Otherwise a ``psum_scatter`` (a literal ``reduce-scatter``) along each of its
+  dimensions over the axes it names there, so each replica gets its slice of
+  the sum as on the target layout (the Zero-1 layout), then a ``psum`` over the
+  data axes the target does not split over (a leaf split over only some of them).
 
   Example::
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> f = lambda g: reduce_local(g, 0, ("data",))
+    >>> f = lambda g: reduce_local(g, ((0, ("data",)),), ("data",))
     >>> jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P("data"), check_vma=False)(jnp.ones(4)).tolist()
     [1.0, 1.0, 1.0, 1.0]
   """
-  if dim is None:
-    return jax.lax.psum(partial, axes)
-  return jax.lax.psum_scatter(partial, axes, scatter_dimension=dim, tiled=True)
+  for dim, over in scatter:
+    partial = jax.lax.psum_scatter(partial, over, scatter_dimension=dim, tiled=True)
+  rest = tuple(a for a in axes if a not in _scattered(scatter))
+  return jax.lax.psum(partial, rest) if rest else partial
 
 
-def scattered_zeros(params: Any, dims: Sequence[int | None], axes: tuple[str, ...], n: int) -> Any:
+def scattered_zeros(params: Any, scatters: Sequence[Scatter]) -> Any:
   """Inside ``shard_map``: a zero accumulator for :func:`scatter_into`, one replica's block.
 
-  A leaf with a scatter dimension gets its 1/n slice there (varying over the
-  data axes, as ``psum_scatter``'s result); one without (an all-reduced leaf)
-  is whole (invariant, as ``psum``'s).
+  A leaf with a scatter gets its slice on each of its dimensions (varying over
+  the axes scattered, as ``psum_scatter``'s result); one without (an all-reduced
+  leaf) is whole (invariant, as ``psum``'s).
 
   Example::
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> f = lambda w, b: scattered_zeros([w, b], [0, None], ("data",), 1)
+    >>> f = lambda w, b: scattered_zeros([w, b], [((0, ("data",)),), ()])
     >>> [z.shape for z in jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=[P("data"), P()])(
     ...     jnp.ones((8, 2)), jnp.ones(3))]
     [(8, 2), (3,)]
   """
-  def zeros(p, dim):
-    if dim is None:
+  def zeros(p, scatter):
+    if not scatter:
       return jax.numpy.zeros_like(p)
     shape = list(p.shape)
-    shape[dim] //= n
+    for dim, over in scatter:
+      shape[dim] //= jax.lax.axis_size(over)
     block = jax.numpy.zeros(shape, p.dtype)
-    return jax.lax.pcast(block, axes, to="varying")
+    return jax.lax.pcast(block, _scattered(scatter), to="varying")
 
   leaves, treedef = jax.tree.flatten(params)
-  return jax.tree.unflatten(treedef, [zeros(p, d) for p, d in zip(leaves, dims, strict=True)])
+  return jax.tree.unflatten(treedef, [zeros(p, d) for p, d in zip(leaves, scatters, strict=True)])
 
 
-def scatter_into(acc: Any, grads: Any, dims: Sequence[int | None], axes: tuple[str, ...]) -> Any:
+def scatter_into(acc: Any, grads: Any, scatters: Sequence[Scatter], axes: tuple[str, ...]) -> Any:
   """Inside ``shard_map``: adds one micro-batch's per-replica gradients to a sharded accumulator.
 
   Each leaf is reduced with :func:`reduce_local` (one collective per leaf and
-  micro-batch: a reduce-scatter onto ``dims``, an all-reduce where ``dims`` is
-  None) and added to this replica's block of ``acc``, so the accumulator is
-  never whole on any device (ZeRO-2).
+  micro-batch: a reduce-scatter as ``scatters`` says, an all-reduce where its
+  scatter is ``()``) and added to this replica's block of ``acc``, so the
+  accumulator is never whole on any device (ZeRO-2).
 
   Args:
     acc: this replica's accumulator blocks (from :func:`scattered_zeros`).
     grads: this replica's whole gradients of the micro-batch.
-    dims: per leaf, the dimension to scatter along (:func:`scatter_dims`).
+    scatters: per leaf, how it reaches its target layout (:func:`scatters_of`).
     axes: the data axes.
 
   Returns:
@@ -120,30 +136,57 @@ def scatter_into(acc: Any, grads: Any, dims: Sequence[int | None], axes: tuple[s
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> f = lambda g: scatter_into(scattered_zeros([g], [0], ("data",), 1), [g], [0], ("data",))[0]
+    >>> over = [((0, ("data",)),)]
+    >>> f = lambda g: scatter_into(scattered_zeros([g], over), [g], over, ("data",))[0]
     >>> jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P("data"), check_vma=False)(jnp.ones(4)).tolist()
     [1.0, 1.0, 1.0, 1.0]
   """
   a_leaves, treedef = jax.tree.flatten(acc)
   g_leaves = treedef.flatten_up_to(grads)  # type: ignore[attr-defined]  # PyTreeDef's stub is not seen
-  reduced = [reduce_local(g, d, axes) for g, d in zip(g_leaves, dims, strict=True)]
+  reduced = [reduce_local(g, d, axes) for g, d in zip(g_leaves, scatters, strict=True)]
   # The barrier keeps each collective in its micro-batch: the TPU compiler otherwise moves a
   # reduction that only feeds a loop's running sum out of the loop (sum of reduce-scatters =
   # reduce-scatter of the sum), which brings back a whole accumulator per replica.
-  reduced = jax.lax.optimization_barrier(reduced)
+  reduced = _barrier(reduced, [frozenset(_scattered(s)) for s in scatters])
   summed = [a + r for a, r in zip(a_leaves, reduced, strict=True)]
   return jax.tree.unflatten(treedef, summed)
 
 
-def scatter_dim(param_spec: P, target_spec: P, ndim: int, axes: tuple[str, ...]) -> int | None:
-  """The dimension where ``target_spec`` adds the data axes to ``param_spec``; None if it does not."""
+def _barrier(values: list, varying: Sequence[frozenset]) -> list:
+  """``optimization_barrier`` over ``values``, one per set of axes they vary over (``varying``):
+  jax 0.10.2's barrier gives every result the union of its operands' varying axes, which would
+  make an all-reduced leaf (invariant) or one split over some data axes vary over all of them."""
+  out = list(values)
+  for key in dict.fromkeys(varying):
+    group = [i for i, k in enumerate(varying) if k == key]
+    for i, value in zip(group, jax.lax.optimization_barrier([values[i] for i in group]), strict=True):
+      out[i] = value
+  return out
+
+
+def scatter_of(param_spec: P, target_spec: P, ndim: int, axes: tuple[str, ...]) -> Scatter:
+  """Where ``target_spec`` adds data axes (some of ``axes``) to ``param_spec``'s entries.
+
+  Raises ``Zero1Error`` when ``target_spec`` is not ``param_spec`` with data axes
+  appended to its entries (one collective per dimension could not reach it).
+
+  Example::
+
+    >>> scatter_of(P(None, "tp"), P("data", "tp"), 2, ("replica", "data"))
+    ((0, ('data',)),)
+    >>> scatter_of(P(), P(), 1, ("data",))
+    ()
+  """
+  out = []
   pairs = zip(padded_entries(param_spec, ndim), padded_entries(target_spec, ndim))
   for dim, (before, after) in enumerate(pairs):
-    if entry_axes(after) == entry_axes(before) + tuple(axes):
-      return dim
-    if entry_axes(after) != entry_axes(before):
+    old, new = entry_axes(before), entry_axes(after)
+    if new == old:
+      continue
+    if new[: len(old)] != old or not set(new[len(old):]) <= set(axes):
       raise Zero1Error(f"cannot reduce-scatter {param_spec} onto {target_spec} over {axes}")
-  return None
+    out.append((dim, new[len(old):]))
+  return tuple(out)
 
 
 def mean_of_sums(sums: Any, count: jax.Array) -> Any:
@@ -162,12 +205,12 @@ def mean_of_sums(sums: Any, count: jax.Array) -> Any:
   return jax.tree.map(lambda g: g / count.astype(g.dtype), sums)
 
 
-def scatter_dims(
+def scatters_of(
     ndims: Sequence[int], param_shardings: Sequence[NamedSharding], targets: Sequence[NamedSharding],
     axes: tuple[str, ...],
-) -> list[int | None]:
-  """For each parameter, the dimension :func:`reduce_local` scatters along to reach its target
-  layout (None: the target is the parameter's own layout, an all-reduce).
+) -> list[Scatter]:
+  """For each parameter, how :func:`reduce_local` reaches its target layout (:func:`scatter_of`;
+  ``()``: the target is the parameter's own layout, an all-reduce).
 
   Example::
 
@@ -175,11 +218,11 @@ def scatter_dims(
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> home = NamedSharding(mesh, P())
-    >>> scatter_dims([2, 1], [home, home], [NamedSharding(mesh, P(None, "data")), home], ("data",))
-    [1, None]
+    >>> scatters_of([2, 1], [home, home], [NamedSharding(mesh, P(None, "data")), home], ("data",))
+    [((1, ('data',)),), ()]
   """
   return [
-      scatter_dim(p.spec, t.spec, ndim, axes)
+      scatter_of(p.spec, t.spec, ndim, axes)
       for ndim, p, t in zip(ndims, param_shardings, targets, strict=True)
   ]
 
@@ -216,14 +259,14 @@ def accumulator_sharding(param_sharding: NamedSharding, ndim: int, axes: tuple[s
 
 def _reduce_each(
     leaves: Sequence[jax.Array], mesh: Any, in_specs: Sequence[P], targets: Sequence[NamedSharding],
-    dims: Sequence[int | None], axes: Sequence[tuple[str, ...]],
+    scatters: Sequence[Scatter], axes: Sequence[tuple[str, ...]],
     local: Callable[[jax.Array, tuple], jax.Array],
 ) -> list[jax.Array]:
   """The one ``shard_map``: each leaf's local block -> ``local(block, axes)`` -> one collective."""
   def per_replica(*blocks):
     return tuple(
         reduce_local(local(b, a), d, a) if a else local(b, a)
-        for b, d, a in zip(blocks, dims, axes, strict=True)
+        for b, d, a in zip(blocks, scatters, axes, strict=True)
     )
 
   out_specs = tuple(t.spec for t in targets)
@@ -238,8 +281,9 @@ def reduce_rows(
 
   A leaf whose target adds the data axes to one dimension of its parameter's
   layout is reduce-scattered onto it (``psum_scatter``, a literal
-  ``reduce-scatter`` in the HLO); a leaf whose target is the parameter's own
-  layout is all-reduced (``psum``).
+  ``reduce-scatter`` in the HLO; a target split over only some of them adds a
+  ``psum`` over the rest); a leaf whose target is the parameter's own layout is
+  all-reduced (``psum``).
 
   Args:
     rows: per parameter, ``(N, *param.shape)`` on :func:`accumulator_sharding`.
@@ -263,14 +307,14 @@ def reduce_rows(
   """
   leaves, treedef = jax.tree.flatten(rows)
   row_sets = [row_axes(p.spec, axes) for p in param_shardings]
-  dims = [
-      scatter_dim(p.spec, t.spec, a.ndim - 1, r)
+  scatters = [
+      scatter_of(p.spec, t.spec, a.ndim - 1, r)
       for a, p, t, r in zip(leaves, param_shardings, targets, row_sets, strict=True)
   ]
   in_specs = [accumulator_sharding(p, a.ndim - 1, axes).spec for a, p in zip(leaves, param_shardings)]
   # One local row, or several of which only the first is non-zero (gradients added already reduced).
   local = lambda block, r: block[0] if r == axes else block.sum(0)
-  return jax.tree.unflatten(treedef, _reduce_each(leaves, mesh, in_specs, targets, dims, row_sets, local))
+  return jax.tree.unflatten(treedef, _reduce_each(leaves, mesh, in_specs, targets, scatters, row_sets, local))
 
 
 def reduce_unreduced(grads: Any, targets: Any, axes: tuple[str, ...] = ("data",), *, into: Any = None) -> Any:
@@ -318,13 +362,15 @@ def reduce_unreduced(grads: Any, targets: Any, axes: tuple[str, ...] = ("data",)
   target_leaves = treedef.flatten_up_to(targets)  # type: ignore[attr-defined]  # PyTreeDef's stub is not seen
   mesh = target_leaves[0].mesh
   homes = [P(*jax.typeof(g).sharding.spec.partitions) for g in leaves]
-  dims = scatter_dims([g.ndim for g in leaves], [NamedSharding(mesh, h) for h in homes], target_leaves, axes)
+  home_shardings = [NamedSharding(mesh, h) for h in homes]
+  scatters = scatters_of([g.ndim for g in leaves], home_shardings, target_leaves, axes)
   in_specs = [P(*home, unreduced=set(axes)) for home in homes]
   if into is None:
-    reduced = _reduce_each(leaves, mesh, in_specs, target_leaves, dims, [axes] * len(leaves), lambda x, _: x)
+    every = [axes] * len(leaves)
+    reduced = _reduce_each(leaves, mesh, in_specs, target_leaves, scatters, every, lambda x, _: x)
   else:
     acc_specs = [t.spec for t in target_leaves]
-    add = lambda acc, g: scatter_into(acc, g, dims, axes)
+    add = lambda acc, g: scatter_into(acc, g, scatters, axes)
     acc = treedef.flatten_up_to(into)  # type: ignore[attr-defined]  # PyTreeDef's stub is not seen
     reduced = jax.shard_map(add, mesh=mesh, in_specs=(acc_specs, in_specs), out_specs=acc_specs)(acc, leaves)
   return jax.tree.unflatten(treedef, reduced)

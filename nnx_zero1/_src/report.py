@@ -12,8 +12,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnx_zero1._src.errors import Zero1Error
-from nnx_zero1._src.layout import Reason
-from nnx_zero1._src.specs import data_axis_size, keep_axes
+from nnx_zero1._src.layout import Reason, is_split
+from nnx_zero1._src.specs import data_axis_size, keep_axes, spec_axes
 
 __all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device", "memory_kind_of"]
 
@@ -71,6 +71,8 @@ class ReportRow:
   memory_kind: str = "device"  # where it lives between steps: "device", or "pinned_host" when offloaded
   compute_dtype: str = ""  # the dtype ``update`` computes it in, when stored narrower (``state_dtype``)
   master: bool = False  # a master copy of a parameter (``master_dtype``), not optax state
+  data_axes: tuple[str, ...] = ()  # the data axes it is split over (fewer than all: see ``note``)
+  note: str = ""  # how a sharded leaf is laid out: over only some data axes, or as its Variable declares
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,10 +159,25 @@ class Zero1Report:
 
 def _status(row: ReportRow) -> str:
   if row.master:
-    return f"master copy, {'sharded' if row.sharded else 'replicated: ' + row.reason}"
+    return f"master copy, {_sharded(row) if row.sharded else 'replicated: ' + row.reason}"
   if not row.sharded:
     return f"replicated: {row.reason}"
-  return "sharded by its parameter's layout" if row.by_parameter else "sharded"
+  return "sharded by its parameter's layout" if row.by_parameter else _sharded(row)
+
+
+def _sharded(row: ReportRow) -> str:
+  """'sharded', and over which data axes when fewer than all, or laid out as declared."""
+  if row.note == Reason.PARTLY_SPLIT:
+    return f"sharded over {'x'.join(row.data_axes)} only ({row.note})"
+  if row.note:
+    return f"sharded over {'x'.join(row.data_axes) or 'no data axis'}, {row.note}"
+  return "sharded"
+
+
+def _split_over(sharding, data_axis: tuple[str, ...]) -> tuple[str, ...]:
+  """The data axes ``sharding`` splits a leaf over, in ``data_axis`` order."""
+  used = set(spec_axes(sharding.spec)) if isinstance(sharding, NamedSharding) else set()
+  return tuple(a for a in data_axis if a in used)
 
 
 def _without_data_axes(sharding, data_axis: tuple[str, ...]):
@@ -201,6 +218,8 @@ def report(opt) -> Zero1Report:
   for leaf, row in zip(leaves, plan.state_leaves, strict=True):
     # nnx.Optimizer keeps the state in the dtype tx makes it in.
     itemsize = np.dtype(row.compute_dtype or leaf.dtype).itemsize
+    # nnx.Optimizer places a leaf by its Variable's optimizer_sharding too (flax >= 0.12.7).
+    own_layout = row.by_parameter or row.note == Reason.DECLARED
     rows.append(
         ReportRow(
             path=row.path,
@@ -210,7 +229,7 @@ def report(opt) -> Zero1Report:
             bytes_per_device=bytes_per_device(leaf),
             full_bytes=leaf.nbytes,
             replicated_optimizer_bytes=math.prod(
-                (leaf.sharding if row.by_parameter else _without_data_axes(leaf.sharding, plan.data_axis))
+                (leaf.sharding if own_layout else _without_data_axes(leaf.sharding, plan.data_axis))
                 .shard_shape(leaf.shape)
             ) * itemsize,
             sharded=row.reason is None,
@@ -218,6 +237,8 @@ def report(opt) -> Zero1Report:
             by_parameter=row.by_parameter,
             memory_kind=memory_kind_of(leaf),
             compute_dtype=row.compute_dtype or "",
+            data_axes=_split_over(leaf.sharding, plan.data_axis) if row.reason is None else (),
+            note=str(row.note) if row.note else "",
         )
     )
   if plan.master_dtype is not None:
@@ -232,11 +253,13 @@ def _master_rows(opt, plan) -> list[ReportRow]:
   rows = []
   for (path, leaf), reason in zip(flat, plan.param_reasons, strict=True):
     by_parameter = reason == Reason.ALREADY_SHARDED
+    split = is_split(reason)
     rows.append(ReportRow(
         path=f"master_params{jax.tree_util.keystr(path)}", shape=tuple(leaf.shape), dtype=str(leaf.dtype),
         spec=str(leaf.sharding.spec), bytes_per_device=bytes_per_device(leaf), full_bytes=leaf.nbytes,
-        replicated_optimizer_bytes=0, sharded=reason is None or by_parameter,
-        reason="" if reason is None or by_parameter else str(reason), by_parameter=by_parameter,
-        memory_kind=memory_kind_of(leaf), master=True,
+        replicated_optimizer_bytes=0, sharded=split, reason="" if split else str(reason),
+        by_parameter=by_parameter, memory_kind=memory_kind_of(leaf), master=True,
+        data_axes=_split_over(leaf.sharding, plan.data_axis) if split else (),
+        note=str(reason) if reason in (Reason.PARTLY_SPLIT, Reason.DECLARED) else "",
     ))
   return rows

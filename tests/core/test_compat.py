@@ -41,6 +41,18 @@ def test_to_opt_state_is_what_nnx_optimizer_builds():
   assert type(ours[0].count) is nnx.OptArray, FLAX
 
 
+def test_optimizer_sharding_is_the_metadata_nnx_optimizer_places_its_state_by():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    model = nnx.Linear(16, 8, kernel_metadata={"optimizer_sharding": (None, "data")}, rngs=nnx.Rngs(0))
+    mu = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param).opt_state[0].mu["kernel"]
+  declared = _compat.optimizer_sharding_of(model.kernel)
+  assert declared == (None, "data"), f"the metadata's name changed on {FLAX}"
+  assert _compat.optimizer_sharding_of(model.bias) is None, FLAX
+  assert mu.get_metadata("out_sharding") == (None, "data"), f"to_opt_state no longer reads it on {FLAX}"
+  assert mu[...].sharding.spec == jax.sharding.PartitionSpec(None, "data"), FLAX
+
+
 def test_filter_type_accepts_what_wrt_accepts():
   for wrt in (nnx.Param, "params", nnx.Any(nnx.Param, nnx.LoRAParam), ...):
     assert nnx.filterlib.to_predicate(wrt) is not None, FLAX

@@ -1,10 +1,12 @@
 """Property tests of the layout rule (hypothesis): random shapes of rank 0-4, random
 existing specs, random meshes and data axes always give a valid ``NamedSharding`` that
 keeps the existing axes, uses each data axis at most once (adding only those of a tuple
-data axis the spec does not use yet), divides every dimension, is idempotent, and leaves
-unsplittable leaves exactly as they were."""
+data axis the spec does not use yet), divides every dimension, is idempotent, splits
+over the largest part of a tuple data axis some dimension takes where none takes all of
+it (and says so), and leaves unsplittable leaves exactly as they were."""
 
 import functools
+import itertools
 import math
 
 import jax
@@ -14,6 +16,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import zero1_sharding
+from nnx_zero1._src.layout import Reason, zero1_layout
 from nnx_zero1._src.specs import data_axes
 
 NAMES = ("data", "tp", "fsdp", "replica")
@@ -79,18 +82,46 @@ def check_rule(mesh, shape, spec, data_axis):
   missing = tuple(a for a in axes if not any(a in part for part in old))  # only these are added
   n = math.prod(mesh.shape[a] for a in missing)
   fits = [i for i, (size, part) in enumerate(zip(shape, old)) if size % (width(part) * n) == 0]
-  if not missing or not fits:  # scalars, leaves on every data axis, leaves nothing divides
+  reason = zero1_layout(shape, before, data_axis)[1]
+  if not missing or not shape:  # scalars, leaves on every data axis
     assert after == before
-  else:  # the first dimension that can take the missing data axes and keeps more than one row per
-    # device gets them (else the first that can take them); nothing else changes
+  elif fits:  # the first dimension that can take the missing data axes and keeps more than one row
+    # per device gets them (else the first that can take them); nothing else changes
     rows = [i for i in fits if shape[i] // (width(old[i]) * n) > 1]
     chosen = (rows or fits)[0]
     assert new == [o + missing if i == chosen else o for i, o in enumerate(old)]
+    assert reason is None
+  else:  # no dimension takes them all: the largest part some dimension takes, then what is left
+    check_partial_split(mesh, shape, old, new, missing, reason)
   if len(axes) > 1 and missing:  # composes: adding one data axis, then the others, is adding them all
     for first in axes:
       once = zero1_sharding(shape, zero1_sharding(shape, before, first), data_axis)
       assert entries(once.spec, rank) == entries(zero1_sharding(shape, once, data_axis).spec, rank)
       assert all(sum(a in part for part in entries(once.spec, rank)) <= 1 for a in axes)
+
+
+def parts_of(axes):
+  """Every non-empty part of ``axes``, in their order."""
+  return [p for k in range(1, len(axes) + 1) for p in itertools.combinations(axes, k)]
+
+
+def check_partial_split(mesh, shape, old, new, missing, reason):
+  width = lambda part: math.prod(mesh.shape[a] for a in part)
+  takes = lambda entries, part: any(size % (width(e) * width(part)) == 0 for size, e in zip(shape, entries))
+  added = [n[len(o):] for o, n in zip(old, new)]
+  assert all(set(p) <= set(missing) for p in added)
+  left = tuple(a for a in missing if not any(a in p for p in added))
+  # A fixed point: no part of what is left (that splits something) fits any dimension now.
+  for part in parts_of(left):
+    if width(part) > 1 or part == left:
+      assert not takes(new, part), (part, new)
+  splitting = [p for p in parts_of(missing) if width(p) > 1 and takes(old, p)]
+  if not splitting:  # nothing divides: the leaf stays as it is
+    assert new == old
+    assert reason in (Reason.NOT_DIVISIBLE, Reason.ALREADY_SHARDED)
+  else:  # the first part added is the largest one any dimension takes, the rest on other dimensions
+    assert max(width(p) for p in added) == max(width(p) for p in splitting)
+    assert reason == (Reason.PARTLY_SPLIT if left else None)
 
 
 @PROPERTY

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
-from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device
+from nnx_zero1 import Zero1Error, Zero1Optimizer, bytes_per_device, value_and_grad_accumulated
 from nnx_zero1._src.optimizer import _is_marked
 from nnx_zero1.testing import collectives, loop_collectives
 from tests.support.accumulate import (
@@ -33,7 +33,16 @@ from tests.support.accumulate import (
 from tests.support.accumulate import (
   zero2_step as step,
 )
-from tests.support.helpers import Decoder, assert_reordered_adam_close, assert_unchanged, lm_loss, snapshot
+from tests.support.helpers import (
+  MLP,
+  Decoder,
+  assert_reordered_adam_close,
+  assert_trees_close,
+  assert_unchanged,
+  lm_loss,
+  snapshot,
+)
+from tests.support.helpers import loss_fn as mlp_loss
 from tests.support.reference_engine import Engine, Zero1Engine
 
 
@@ -88,6 +97,28 @@ def test_hlo_reduce_scatters_inside_the_loop_and_gathers_parameters_once_outside
   assert total["all-reduce"]["bytes"] <= 4 * total["all-reduce"]["count"]
   assert inside["all-gather"]["count"] == 0
   assert total["all-gather"]["bytes"] == sum(sizes)
+
+
+def test_a_leaf_no_dimension_of_which_divides_is_all_reduced_next_to_the_scattered_ones():
+  # The MLP's last bias (3) divides by no data size: its gradient is all-reduced each micro-batch,
+  # whole on every replica, while the others are reduce-scattered in the same barrier's loop.
+  with jax.set_mesh(MESH):
+    model = MLP(nnx.Rngs(0))
+    opt = Zero1Optimizer(model, optax.adamw(1e-3))
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.standard_normal((16, 16), np.float32), "y": rng.standard_normal((16, 3), np.float32)}
+  batch = batch_on_mesh(batch)
+  mse = lambda m, b: mlp_loss(m, b["x"], b["y"])
+  results = {}
+  for shard in (False, True):
+    with jax.set_mesh(MESH):
+      run = nnx.jit(lambda m, o, b, shard=shard: value_and_grad_accumulated(
+          mse, m, b, micro_batches=MICRO, optimizer=o, shard_accumulator=shard))
+      results[shard] = run(model, opt, batch)
+  np.testing.assert_allclose(float(results[True][0]), float(results[False][0]), rtol=1e-6)
+  assert_trees_close(results[True][1], results[False][1])
+  bias = results[True][1]["l3"]["bias"][...]
+  assert bias.shape == (3,) and bytes_per_device(bias) == bias.nbytes
 
 
 @pytest.mark.parametrize("kwargs, message", [

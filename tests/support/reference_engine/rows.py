@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src.deferral import replica_value_and_grad
 from nnx_zero1._src.mesh import sharding_on_mesh
-from nnx_zero1._src.reduction import accumulator_sharding, row_axes, scatter_dims, scatter_into
+from nnx_zero1._src.reduction import accumulator_sharding, row_axes, scatter_into, scatters_of
 from nnx_zero1._src.specs import axes_entry, data_axis_size
 
 __all__ = [
@@ -134,9 +134,9 @@ def scattered_grads(
     [1.0, 1.0, 1.0, 1.0]
   """
   homes = [NamedSharding(mesh, P())] * len(targets)  # deferral's condition: replicated parameters
-  dims = scatter_dims([p.ndim for p in jax.tree.leaves(params)], homes, targets, axes)
+  scatters = scatters_of([p.ndim for p in jax.tree.leaves(params)], homes, targets, axes)
   acc_specs = jax.tree.unflatten(jax.tree.structure(acc), [t.spec for t in targets])
-  add = lambda acc, grads: scatter_into(acc, grads, dims, axes)
+  add = lambda acc, grads: scatter_into(acc, grads, scatters, axes)
   return _per_replica_step(loss_of_params, params, rest, acc, batch, mesh, axes, acc_specs, add)
 
 
