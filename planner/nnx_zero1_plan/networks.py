@@ -30,10 +30,12 @@ class Links:
 _GBIT = 1e9 / 8
 
 LINKS: dict[str, Links] = {
-    # Cloud TPU's system pages: v5e 1,600 Gbps ICI per chip, 2 x 100 Gbps NICs per 8-chip host; v6e 3,584
-    # Gbps ICI, 4 x 200 Gbps per 8-chip host; v5p 1,200 GBps bidirectional ICI, 50 Gbps DCN per chip.
+    # Cloud TPU's system pages as read in December 2026: v5e 1,600 Gbps ICI per chip, 2 x 100 Gbps NICs per
+    # 8-chip host; v6e 3,200 Gbps ICI per chip (800 GBps bidirectional), 4 x 200 Gbps per 8-chip host; v5p
+    # 1,200 GBps bidirectional ICI, 50 Gbps DCN per chip. The DCN figures per chip agree with the scaling
+    # book's tpus.md (jax-ml.github.io/scaling-book: 3.125e9, 12.5e9 and 6.25e9 B/s).
     "v5e": Links("ICI", 1600 * _GBIT, "DCN", 200 / 8 * _GBIT, "cloud.google.com/tpu/docs/v5e"),
-    "v6e": Links("ICI", 3584 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e"),
+    "v6e": Links("ICI", 3200 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e"),
     "v5p": Links("ICI", 600e9, "DCN", 50 * _GBIT, "cloud.google.com/tpu/docs/v5p"),
     # NVIDIA's DGX systems: NVLink per GPU (A100 600 GB/s, H100 and H200 900 GB/s, B200 1.8 TB/s, both
     # directions) and one InfiniBand port per GPU (DGX A100 200 Gb/s, DGX H100/H200/B200 400 Gb/s).
