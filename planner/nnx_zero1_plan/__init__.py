@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +47,7 @@ from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.request import DEFAULT_DEPTHS, PlanRequest
 from nnx_zero1_plan.run import Plan, make_plan
 
-__all__ = ["Plan", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "main"]
+__all__ = ["Plan", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "request_of", "main"]
 
 
 def plan(model: str | PlanRequest, topology: str | None = None, *,
@@ -104,9 +105,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "a100-80g:8, b200:8, h100:2x8 (nodes x GPUs)")
   p.add_argument("--slices", type=int, default=1, help="TPU slices of --topology joined over the data-center "
                  "network (default 1); the default mesh gains replica across them (GPU nodes: h100:8x8)")
-  p.add_argument("--mesh", default=None,
-                 help="axis sizes, e.g. data=4,fsdp=2 (default: every device on data)")
-  p.add_argument("--batch", type=int, default=8, help="global micro-batch in sequences (default 8)")
+  p.add_argument("--gpus-per-node", type=int, default=None, help="GPU nodes of other than the chip's "
+                 "standard 8 GPUs, said again: --topology h100:8x2 --gpus-per-node 2 (8 nodes of 2)")
+  p.add_argument("--mesh", default=None, help="axis sizes, e.g. data=4,fsdp=2 (default: every device on "
+                 "data; on a pod replica=SLICES_OR_NODES first, then data)")
+  p.add_argument("--batch", type=int, default=None, help="global micro-batch in sequences (default: the "
+                 "smallest multiple of the batch axes' size of at least 8)")
   p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
   p.add_argument("--ga", type=int, default=1, help="micro-batches per optimizer step (default 1)")
   p.add_argument("--param-dtype", default=None, help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: "
@@ -138,13 +142,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "XLA_PYTHON_CLIENT_MEM_FRACTION the run will use (default jax's 0.75); the compiler plans "
                  "for it")
   p.add_argument("--out", default=None, help="folder for plan.json and plan.md (default: none)")
+  p.add_argument("--traceback", action="store_true", help="with a refusal (its one line), the whole "
+                 "traceback too: where a model builder of your own raised")
   p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                  help="MaxText config overrides (maxtext: models), e.g. remat_policy=minimal")
   return p.parse_args(argv)
 
 
+def request_of(args: argparse.Namespace) -> PlanRequest:
+  """The :class:`PlanRequest` the command line's flags (:func:`parse_args`) ask for, checked.
+
+  Raises:
+    PlanError: what :class:`PlanRequest` refuses, or a malformed MaxText override.
+
+  Example::
+
+    >>> request_of(parse_args(["--model", "m:f", "--topology", "h100:2x8"])).domains
+    2
+  """
+  return PlanRequest(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len,
+                     ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
+                     remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
+                     full_depth=args.full_depth, estimate=args.estimate,
+                     overrides=parse_overrides(args.overrides), search=args.search, margin=args.margin,
+                     gpu_memory_fraction=args.gpu_memory_fraction,
+                     slices=args.slices, tunix_sharding=args.tunix_sharding, gpus_per_node=args.gpus_per_node)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  """Runs the command line; returns 0, or 2 with one line on stderr for input it cannot plan.
+  """Runs the command line; returns 0, or 2 with one line on stderr for input it cannot plan (with
+  ``--traceback``, the traceback above it).
 
   Example::
 
@@ -164,17 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       bar.update()
 
   try:
-    request = PlanRequest(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len,
-                          ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
-                          remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
-                          full_depth=args.full_depth, estimate=args.estimate,
-                          overrides=parse_overrides(args.overrides),
-                          search=args.search, margin=args.margin,
-                          gpu_memory_fraction=args.gpu_memory_fraction, slices=args.slices,
-                          tunix_sharding=args.tunix_sharding)
+    request = request_of(args)
     compilers.start_cpu_jax()  # the command line's process is the planner's own
     result = make_plan(request, progress=say)
   except (PlanError, AotUnavailable) as e:
+    if args.traceback:
+      traceback.print_exception(e, file=sys.stderr)
     say(str(e))
     return 2
   finally:

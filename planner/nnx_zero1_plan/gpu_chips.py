@@ -29,6 +29,7 @@ class GpuChip:
   l2_cache_bytes: int
   shared_memory_per_core: int
   shared_memory_per_block_optin: int
+  node_gpus: int = 8  # GPUs in the part's standard node (NVIDIA's DGX / HGX boards)
 
 
 GPU_CHIPS: dict[str, GpuChip] = {

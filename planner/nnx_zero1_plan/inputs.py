@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["shortened", "PlanError", "parse_mesh", "parse_levers", "parse_topology", "mesh_axes",
-           "check_axis_names",
+           "check_replica", "micro_batch", "check_axis_names",
            "parse_model", "parse_overrides", "command_line"]
 
 # The axes a batch or the parameters split over without the model naming them (Zero-1's data axis,
@@ -43,14 +43,15 @@ def parse_mesh(text: str | None) -> dict[str, int]:
 
 
 def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
-              default_axis: str = "data", domains: int = 1) -> dict[str, int]:
+              default_axis: str = "data", domains: int = 1, where: str = "slices or nodes") -> dict[str, int]:
   """Every mesh axis and its size: ``sizes``, then the model's axes it omits at size 1.
 
   With no sizes given, the default axis takes every device (pure data parallelism); on a pod of
   ``domains`` slices or nodes, ``replica`` crosses them and the default axis takes each one's devices.
 
   Raises:
-    PlanError: the sizes' product is not the topology's device count.
+    PlanError: the sizes' product is not the topology's device count, or ``replica`` does not cross the
+      slices or nodes (:func:`check_replica`).
 
   Example::
 
@@ -69,7 +70,78 @@ def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
   if math.prod(axes.values()) != devices:
     shape = ",".join(f"{k}={v}" for k, v in axes.items())
     raise PlanError(f"--mesh {shape} has {math.prod(axes.values())} devices; the topology has {devices}")
+  check_replica(axes, domains, default_axis, where)
   return axes
+
+
+def _spelled_mesh(axes: Mapping[str, int]) -> str:
+  return ",".join(f"{k}={v}" for k, v in axes.items())
+
+
+def check_replica(axes: Mapping[str, int], domains: int, default_axis: str = "data",
+                  where: str = "slices or nodes") -> None:
+  """Refuses a mesh whose ``replica`` axis does not run across the ``domains`` slices or nodes, one each.
+
+  The devices are laid out in the mesh's order, slice (or node) by slice, so only an outermost ``replica``
+  of the slices' number crosses them; any other axis in its place would split the batch and the state across
+  the slow network under a name that says it does not.
+
+  Raises:
+    PlanError: on a pod, ``replica`` is not the outermost axis or not the number of slices or nodes; on one
+      slice or node, ``replica`` is larger than 1. The message gives the mesh that would be.
+
+  Example::
+
+    >>> check_replica({"replica": 2, "data": 8}, domains=2)
+    >>> try:
+    ...   check_replica({"data": 8, "replica": 2}, domains=2, where="nodes")
+    ... except PlanError as e:
+    ...   print(str(e).replace("; ", ";\\n"))
+    --mesh data=8,replica=2: on 2 nodes, replica must be the outermost axis, its size the number of nodes;
+    the devices are laid out in the mesh's order, so only then does it cross them: --mesh replica=2,data=8
+  """
+  replica = axes.get("replica", 1)
+  if domains < 2:
+    if replica > 1:
+      raise PlanError(f"--mesh {_spelled_mesh(axes)}: replica runs across TPU slices or GPU nodes, and "
+                      f"this target is one; name the axis {default_axis}, or plan a pod (--slices N on a TPU "
+                      "slice, CHIP:NODESxGPUS for GPU nodes)")
+    return
+  if next(iter(axes)) == "replica" and replica == domains:
+    return
+  rest = {k: v for k, v in axes.items() if k != "replica"}
+  rest[default_axis] = rest.get(default_axis, 1) * replica
+  inside = math.prod(rest.values())
+  others = inside // rest[default_axis]
+  suggestion = ""
+  if inside % domains == 0 and (inside // domains) % others == 0:
+    rest[default_axis] = inside // domains // others
+    suggestion = f": --mesh {_spelled_mesh({'replica': domains, **rest})}"
+  raise PlanError(f"--mesh {_spelled_mesh(axes)}: on {domains} {where}, replica must be the outermost axis, "
+                  f"its size the number of {where}; the devices are laid out in the mesh's order, so only "
+                  f"then does it cross them{suggestion}")
+
+
+def micro_batch(batch: int | None, unit: int, over: str) -> int:
+  """The plan's global micro-batch: ``--batch``, checked to split over the batch axes (``unit`` devices), or
+  by default (None) the smallest multiple of ``unit`` of at least 8 sequences.
+
+  Raises:
+    PlanError: ``batch`` is not a multiple of ``unit``.
+
+  Example::
+
+    >>> micro_batch(None, 4, "data"), micro_batch(None, 64, "replica x data"), micro_batch(None, 3, "data")
+    (8, 64, 9)
+    >>> micro_batch(16, 8, "data")
+    16
+  """
+  if batch is None:
+    return -(-8 // unit) * unit
+  if batch % unit:
+    raise PlanError(f"--batch {batch} does not split over the batch axes ({over} = {unit} devices): give a "
+                    f"multiple of {unit}, or leave --batch out for {micro_batch(None, unit, over)}")
+  return batch
 
 
 def check_axis_names(sizes: Mapping[str, int], model_axes: Iterable[str],

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nnx_zero1_plan.inputs import PlanError, parse_model
+from nnx_zero1_plan.inputs import PlanError, parse_model, shortened
 from nnx_zero1_plan.tunix_sharding import activation_fields, specs_for, tunix_constraints
 
 __all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "model_source", "next_token_loss", "tunix_loss"]
@@ -172,18 +172,30 @@ def _default_loss(model: Any, tokens: jax.Array) -> jax.Array:
   return next_token_loss(model(tokens[:, :-1]), tokens)
 
 
+def _raised(what: str, e: Exception) -> PlanError:
+  """A user's code's exception as one line naming it (the command's ``--traceback`` shows where)."""
+  first = next(iter(str(e).strip().splitlines()), "")
+  return PlanError(f"{what} raised {type(e).__name__}" + (f": {shortened(first, 300)}" if first else "") +
+                   " (--traceback shows where)")
+
+
 def _function_source(module_name: str, function_name: str) -> ModelSource:
   try:
     function = getattr(importlib.import_module(module_name), function_name)
   except (ImportError, AttributeError) as e:
     raise PlanError(f"unknown model {module_name}:{function_name}: {e}") from e
+  except Exception as e:  # the module's own code, run on import
+    raise _raised(f"importing {module_name}", e) from e
   depth_parameter = inspect.signature(function).parameters.get("num_layers")
   full_depth = getattr(depth_parameter, "default", None)
   full_depth = full_depth if isinstance(full_depth, int) else None
   loss: list[Callable] = []
 
   def build(depth: int | None) -> Any:
-    built = function(num_layers=depth) if depth is not None else function()
+    try:
+      built = function(num_layers=depth) if depth is not None else function()
+    except Exception as e:  # the user's builder: one line naming it, not the planner's traceback around it
+      raise _raised(f"the model builder {module_name}:{function_name}", e) from e
     model, *rest = built if isinstance(built, tuple) else (built,)
     loss[:] = rest[:1]
     return model

@@ -14,10 +14,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS
-from nnx_zero1_plan.inputs import PlanError, parse_levers, parse_mesh, parse_model, parse_topology
+from nnx_zero1_plan.inputs import (
+  PlanError,
+  check_replica,
+  parse_levers,
+  parse_mesh,
+  parse_model,
+  parse_topology,
+)
 from nnx_zero1_plan.levers import LEVERS
 
-__all__ = ["DEFAULT_DEPTHS", "OPTIMIZER_CODE", "STEPS", "PlanRequest"]
+__all__ = ["DEFAULT_DEPTHS", "OPTIMIZER_CODE", "STEPS", "PlanRequest", "check_topology"]
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for an estimate (``estimate=True``) of a deeper model
 
@@ -38,6 +45,56 @@ OPTIMIZER_CODE = {
 }
 
 
+def check_topology(topology: str, slices: int = 1, gpus_per_node: int | None = None) -> None:
+  """Refuses a topology, ``--slices`` or ``--gpus-per-node`` that is wrong, or right only by an unusual
+  reading, each in its own line.
+
+  Raises:
+    PlanError: an unknown topology; ``slices`` below 1, or above 1 for GPUs (their nodes are in the
+      topology); GPU nodes spelt with other than the chip's standard node of GPUs, unless ``gpus_per_node``
+      says it again; ``gpus_per_node`` that does not match the topology, or on a TPU.
+
+  Example::
+
+    >>> try:
+    ...   check_topology("h100:8x2")
+    ... except PlanError as e:
+    ...   print(str(e).replace(": did", ":\\ndid"))
+    h100:8x2 reads as 8 nodes of 2 GPUs, fewer than an H100 node's 8:
+    did you mean h100:2x8? For nodes of 2 GPUs, say --gpus-per-node 2
+    >>> check_topology("h100:8x2", gpus_per_node=2)
+  """
+  platform, chip, shape = parse_topology(topology, GPU_CHIPS)
+  if slices < 1:
+    raise PlanError(f"--slices {slices}: the number of TPU slices joined over the data-center network, 1 or "
+                    "more (1, the default, is one slice)")
+  if platform != "tpu":
+    nodes, per_node = shape
+    if slices > 1:
+      nodes_meant = slices * nodes
+      raise PlanError(f"--slices {slices} joins TPU slices; GPU nodes are in the topology: for {nodes_meant} "
+                      f"nodes of {per_node} GPUs, --topology {chip}:{nodes_meant}x{per_node}")
+    standard = GPU_CHIPS[chip].node_gpus
+    spelt_as_nodes = "x" in topology.partition(":")[2]
+    if gpus_per_node is not None and gpus_per_node != per_node:
+      raise PlanError(f"--gpus-per-node {gpus_per_node} does not match {topology} ({nodes} nodes of "
+                      f"{per_node} GPUs)")
+    # One number is one node (a machine of 4 GPUs is common); nodes x GPUs of another size than the chip's
+    # node, or one node larger than it, is more often the two numbers swapped or a pod meant.
+    if gpus_per_node is None and per_node != standard and (spelt_as_nodes or per_node > standard):
+      total = nodes * per_node
+      fewer = "fewer" if per_node < standard else "more"
+      article = "an" if chip[0] in "aefhilmnorsx" else "a"  # the letters whose names start with a vowel
+      guess = f"did you mean {chip}:{total // standard}x{standard}? " if total % standard == 0 else ""
+      what = f"{nodes} nodes of {per_node} GPUs" if spelt_as_nodes else f"one node of {per_node} GPUs"
+      nodes_of = f"nodes of {per_node} GPUs" if spelt_as_nodes else f"one node of {per_node} GPUs"
+      say = f"{'For' if guess else 'for'} {nodes_of}, say --gpus-per-node {per_node}"
+      raise PlanError(f"{topology} reads as {what}, {fewer} than {article} {chip.upper()} node's {standard}: "
+                      f"{guess}{say}")
+  elif gpus_per_node is not None:
+    raise PlanError(f"--gpus-per-node is for GPU nodes; {topology} is a TPU slice (--slices N for several)")
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanRequest:
   """One plan's settings: what :func:`nnx_zero1_plan.plan` and the command line's flags take.
@@ -51,7 +108,9 @@ class PlanRequest:
       (``h100:8``, ``h200:8``, ``a100-80g:8``, ``b200:8``; ``h100:2x8`` for two nodes).
     mesh: ``"data=4,fsdp=2"``; an axis the model names but this omits has size 1, and the
       default is every device on ``data``. The sizes' product must be the device count.
-    batch: the global micro-batch, in sequences.
+    batch: the global micro-batch, in sequences; by default (None) the smallest multiple of the batch
+      axes' size (``replica`` x ``data`` x ``fsdp``) of at least 8, stated in the plan's meta
+      (``batch_default``).
     seq_len: tokens per sequence.
     ga: micro-batches per optimizer step.
     param_dtype: the parameters' dtype (``tunix:`` models; MaxText's ``weight_dtype``).
@@ -83,6 +142,8 @@ class PlanRequest:
       default 0.75); the compiler is told to plan for that pool, and it is the usable memory.
     slices: TPU slices of ``topology`` joined over the data-center network (a pod); GPU nodes are in the
       topology (``h100:8x8``). On several, the default mesh gains ``replica`` across them.
+    gpus_per_node: GPU targets written ``CHIP:NODESxGPUS`` whose nodes are not the chip's standard node of 8:
+      the GPUs each node has, said again, so ``h100:8x2`` is never a silent misspelling of ``h100:2x8``.
     depths: the reduced depths a deep model is compiled at for an estimate (``estimate``).
     estimate: for TPUs, compile a deep model at ``depths`` and extrapolate per layer instead of compiling it
       whole: minutes instead of tens of minutes, and figures measured up to 1.36x low
@@ -96,7 +157,10 @@ class PlanRequest:
       (:mod:`nnx_zero1_plan.tunix_sharding`).
 
   Raises:
-    PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh; a batch,
+    PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one whose
+      ``replica`` does not run across the slices or nodes (:func:`nnx_zero1_plan.inputs.check_replica`); a
+      wrong ``slices`` or ``gpus_per_node``, or GPU nodes of an unusual size unsaid (:func:`check_topology`);
+      a batch,
       sequence length or ``ga`` below 1; a margin outside [0, 1) or a GPU memory fraction outside (0, 1];
       overrides for a model that is not ``maxtext:``; a ``maxtext:`` model without the ``split`` step.
 
@@ -110,7 +174,7 @@ class PlanRequest:
   model: str
   topology: str
   mesh: str | None = None
-  batch: int = 8
+  batch: int | None = None
   seq_len: int = 1024
   ga: int = 1
   param_dtype: str | None = None
@@ -128,15 +192,18 @@ class PlanRequest:
   depths: Sequence[int] = DEFAULT_DEPTHS
   estimate: bool = False
   tunix_sharding: str = "default"
+  gpus_per_node: int | None = None
 
   def __post_init__(self) -> None:
     kind, _ = parse_model(self.model)
-    parse_topology(self.topology, GPU_CHIPS)
-    parse_mesh(self.mesh)
+    check_topology(self.topology, self.slices, self.gpus_per_node)
+    sizes = parse_mesh(self.mesh)
+    if sizes and kind != "maxtext":  # MaxText's --mesh is one slice's ici_* axes, no replica among them
+      check_replica(sizes, self.domains, where="slices" if self.platform == "tpu" else "nodes")
     steps = parse_levers(self.steps, STEPS, what="step")
     if self.optimizer not in OPTIMIZER_CODE:
       raise PlanError(f"unknown optimizer {self.optimizer!r}; optimizers: {', '.join(OPTIMIZER_CODE)}")
-    if min(self.batch, self.seq_len, self.ga) < 1:
+    if min(8 if self.batch is None else self.batch, self.seq_len, self.ga) < 1:
       raise PlanError(f"--batch, --seq-len and --ga must be >= 1, got {self.batch}, {self.seq_len}, "
                       f"{self.ga}")
     if self.margin is not None and not 0 <= self.margin < 1:
@@ -144,9 +211,6 @@ class PlanRequest:
     if not 0 < self.gpu_memory_fraction <= 1:
       raise PlanError(f"--gpu-memory-fraction is XLA_PYTHON_CLIENT_MEM_FRACTION, in (0, 1]; "
                       f"got {self.gpu_memory_fraction}")
-    if self.slices < 1 or (self.slices > 1 and self.platform != "tpu"):
-      raise PlanError(f"--slices {self.slices}: TPU slices joined over the data-center network, 1 or more; "
-                      "GPU nodes are in the topology (h100:8x8: 8 nodes of 8)")
     if self.estimate and self.search:
       raise PlanError("--search finds an edge from whole compiles, and --estimate decides no edge: leave out "
                       "one of them")

@@ -17,6 +17,7 @@ from nnx_zero1_plan.inputs import (
   check_axis_names,
   command_line,
   mesh_axes,
+  micro_batch,
   parse_mesh,
   parse_model,
   shortened,
@@ -61,7 +62,8 @@ class Plan:
   way_out: dict[str, Any] | None = None
 
   def __str__(self) -> str:
-    lines = [table(self.rows), *recommendation_lines(self.recommendation, self.meta),
+    stated = [f"\n{self.meta['batch_default']}"] if self.meta.get("batch_default") else []
+    lines = [table(self.rows), *stated, *recommendation_lines(self.recommendation, self.meta),
              *way_out_lines(self.way_out)]
     if self.next_steps:
       steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))
@@ -202,21 +204,27 @@ def _tunix_or_own(model: str, platform: str, sizes: dict[str, int], estimate: bo
   return _Model(lambda b: source, dict(sizes), None, reduced, 1, dtypes, remat_hint, named)
 
 
-def _on_devices(planned: _Model, target: Any, batch: int) -> _Model:
-  """``planned`` on the target's devices: every mesh axis sized, the device mesh, the batch's unit."""
+def _on_devices(planned: _Model, target: Any) -> _Model:
+  """``planned`` on the target's devices: every mesh axis sized (``replica`` across the slices or nodes), the
+  device mesh, the batch's unit."""
   import numpy as np
   from jax.sharding import AxisType, Mesh
 
   from nnx_zero1_plan.steps import batch_axes
 
-  axes = mesh_axes(planned.axes, planned.named, len(target.devices), domains=target.domains)
+  where = "slices" if target.platform == "tpu" else "nodes"
+  axes = mesh_axes(planned.axes, planned.named, len(target.devices), domains=target.domains, where=where)
   device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
                      axis_types=(AxisType.Auto,) * len(axes))
   rows_over = math.prod(axes[a] for a in batch_axes(device_mesh))
-  if batch % rows_over:
-    over = "x".join(batch_axes(device_mesh))
-    raise PlanError(f"--batch {batch} does not split over the batch axes ({over} = {rows_over} devices)")
   return dataclasses.replace(planned, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
+
+
+def _batch_words(planned: _Model) -> str:
+  """The batch axes, as the refusal and the default's sentence name them (``replica x data``)."""
+  from nnx_zero1_plan.steps import batch_axes
+
+  return " x ".join(batch_axes(planned.device_mesh)) if planned.device_mesh is not None else "the devices"
 
 
 def _domains_in_order(mesh: Any) -> list[int] | None:
@@ -329,15 +337,24 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   from nnx_zero1_plan.targets import make_target, usable_bytes
 
   target = make_target(r.topology, r.gpu_memory_fraction, r.slices)
-  batch, topology = r.batch, r.topology
+  topology = r.topology
+  if kind != "maxtext":
+    plans = {p: _on_devices(m, target) for p, m in plans.items()}
+  # MaxText splits its global batch over every device (per_device_batch_size), and checks it itself.
+  unit, over = ((len(target.devices), "every device") if kind == "maxtext"
+                else (plans[policies[0]].batch_unit, _batch_words(plans[policies[0]])))
+  batch = r.batch if kind == "maxtext" and r.batch is not None else micro_batch(r.batch, unit, over)
+  batch_default = None if r.batch is not None else (
+      f"--batch not given: micro-batch {batch}, the smallest of at least 8 sequences that splits over the "
+      f"batch axes ({over} = {unit} devices)")
+  if batch_default and progress:
+    progress(batch_default)
   settings: dict[str, Any] = {"batch": batch, "seq_len": r.seq_len, "ga": r.ga, "optimizer": r.optimizer,
                               "progress": progress}
   if kind == "maxtext":
     plans = {p: _maxtext(model_name, topology, target, sizes, settings, (r.param_dtype, r.compute_dtype, p),
                          r.overrides) for p in policies}
     blocked = _refuse_blocked(names, plans[policies[0]], r.model, r.domains)
-  else:
-    plans = {p: _on_devices(m, target, batch) for p, m in plans.items()}
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are the same under every policy
   usable = usable_bytes(target.hbm_bytes, target.platform, r.margin)
   rows = []
@@ -367,7 +384,7 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   extrapolated = [row["depth_extrapolated_from"] for row in rows if row.get("depth_extrapolated_from")]
   meta = {"model": planned.source_at(batch).name, "layers": layers, "topology": topology,
           "device_kind": target.device_kind, "mesh": planned.axes, "batch": batch, "seq_len": r.seq_len,
-          "ga": r.ga, "optimizer": r.optimizer, "param_dtype": r.param_dtype,
+          "batch_default": batch_default, "ga": r.ga, "optimizer": r.optimizer, "param_dtype": r.param_dtype,
           "param_dtypes": sorted(planned.param_dtypes), "compute_dtype": r.compute_dtype, "remat": r.remat,
           "levers": list(names), "steps": {s: STEPS[s] for s in shapes}, "compiler": compiler,
           "jax": jax.__version__, "hbm_bytes": target.hbm_bytes, "hbm_source": target.hbm_source,
@@ -391,7 +408,8 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
                            (r.param_dtype, r.compute_dtype, policy), r.overrides)
         else:
           model = _on_devices(_tunix_or_own(r.model, platform, s.get("mesh", sizes), False, r.depths,
-                                            (r.param_dtype, r.compute_dtype, policy)), target, batch)
+                                            (r.param_dtype, r.compute_dtype, policy)), target)
+          micro_batch(s.get("batch", batch), model.batch_unit, _batch_words(model))
       except PlanError as e:
         return {"fits": False, "error": str(e)}
       changed = {**settings, "ga": s.get("ga", r.ga)}

@@ -283,12 +283,14 @@ def recommendation_lines(rec: Mapping[str, Any] | None, meta: Mapping[str, Any])
   Example::
 
     >>> rec = {"lever": "zero1", "step": "one", "micro_batch": 84, "remat": None,
-    ...        "code": "Zero1Optimizer(...)", "cli": "python -m nnx_zero1.plan ...", "baseline_beats": [],
-    ...        "why": ["at micro-batch 84 zero1 leaves ..."]}
+    ...        "code": "mesh = ...\\noptimizer = Zero1Optimizer(...)", "cli": "python -m nnx_zero1.plan ...",
+    ...        "baseline_beats": [], "why": ["at micro-batch 84 zero1 leaves ..."]}
     >>> print("\\n".join(recommendation_lines(rec, {"margin": 0.05, "search": True})))
     <BLANKLINE>
     Recommended: zero1 at micro-batch 84 (one program), the largest that fits with a 5% margin
-      code: Zero1Optimizer(...)
+      code:
+        mesh = ...
+        optimizer = Zero1Optimizer(...)
       reproduce: python -m nnx_zero1.plan ...
       why: at micro-batch 84 zero1 leaves ...
   """
@@ -300,8 +302,9 @@ def recommendation_lines(rec: Mapping[str, Any] | None, meta: Mapping[str, Any])
   shape = {"one": "one program", "split": "two programs"}.get(rec["step"], rec["step"])
   remat = f", remat {rec['remat']}" if rec["remat"] not in (None, "none") else ""
   which = "the largest that fits" if meta.get("search") else "fits"
+  code = [f"    {line}".rstrip() for line in rec["code"].splitlines()]
   lines = ["", f"Recommended: {rec['lever']} at micro-batch {rec['micro_batch']} ({shape}{remat}), {which} "
-           f"with {_limit_words(meta)}", f"  code: {rec['code']}", f"  reproduce: {rec['cli']}"]
+           f"with {_limit_words(meta)}", "  code:", *code, f"  reproduce: {rec['cli']}"]
   lines += [f"  why: {line}" for line in rec.get("why", ())]
   return lines + [f"  note: {line}" for line in (*rec["baseline_beats"], *rec.get("notes", ()))]
 

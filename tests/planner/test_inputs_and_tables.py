@@ -123,12 +123,61 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
      "zero1-bf16state stores the state in bfloat16; for bfloat16 parameters it is bfloat16 already"),
     (["--remat", "block"], "--remat apply to tunix: models"),
     (["--margin", "1.5"], "--margin is the share of the memory to leave free"),
+    # Pods: each wrong --slices its own answer, GPU nodes said one way, replica across the slices or nodes.
+    (["--slices", "0"], "--slices 0: the number of TPU slices joined over the data-center network, 1 or "
+                        "more"),
+    (["--topology", "h100:8", "--slices", "2"], "--slices 2 joins TPU slices; GPU nodes are in the topology: "
+                                                "for 2 nodes of 8 GPUs, --topology h100:2x8"),
+    (["--topology", "h100:8x2"], "h100:8x2 reads as 8 nodes of 2 GPUs, fewer than an H100 node's 8: did you "
+                                 "mean h100:2x8? For nodes of 2 GPUs, say --gpus-per-node 2"),
+    (["--topology", "h100:2x8", "--gpus-per-node", "4"], "--gpus-per-node 4 does not match h100:2x8"),
+    (["--gpus-per-node", "8"], "--gpus-per-node is for GPU nodes; v6e:2x2 is a TPU slice"),
+    (["--topology", "h100:2x8", "--mesh", "data=8,replica=2"],
+     "--mesh data=8,replica=2: on 2 nodes, replica must be the outermost axis, its size the number of nodes; "
+     "the devices are laid out in the mesh's order, so only then does it cross them: "
+     "--mesh replica=2,data=8"),
+    (["--slices", "2", "--mesh", "replica=4,data=2"], "on 2 slices, replica must be the outermost axis"),
+    (["--mesh", "replica=2,data=2"], "--mesh replica=2,data=2: replica runs across TPU slices or GPU nodes, "
+                                     "and this target is one"),
+    # A builder of the user's own that raises: one line naming it and its exception.
+    (["--model", f"{TOYS}:tiny_lm_that_raises"], f"the model builder {TOYS}:tiny_lm_that_raises raised "
+                                                  "ValueError: vocab must be even, got 511 (num_layers=6) "
+                                                  "(--traceback shows where)"),
 ])
 def test_bad_inputs_exit_2_with_one_line(capsys, argv, words):
   args = ["--model", "tests.support.planner_toys:tiny_lm", "--topology", "v6e:2x2", *argv]
   assert main(args) == 2
   err = capsys.readouterr().err.strip()
   assert words in err and "\n" not in err
+
+
+def test_traceback_shows_where_a_builder_raised_above_its_one_line(capsys):
+  assert main(["--model", f"{TOYS}:tiny_lm_that_raises", "--topology", "v6e:2x2", "--traceback"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[0] == "Traceback (most recent call last):"
+  assert 'raise ValueError(f"vocab must be even' in "\n".join(err)
+  assert err[-1].startswith(f"nnx_zero1.plan: the model builder {TOYS}:tiny_lm_that_raises raised ValueError")
+
+
+def test_the_default_micro_batch_splits_over_the_whole_pod_and_replica_crosses_it():
+  from nnx_zero1_plan.inputs import check_replica, micro_batch
+
+  assert [micro_batch(None, unit, "data") for unit in (1, 4, 8, 12, 64)] == [8, 8, 8, 12, 64]
+  assert micro_batch(16, 8, "data") == 16
+  with pytest.raises(PlanError, match=re.escape("--batch 8 does not split over the batch axes (replica x "
+                                                "data = 64 devices): give a multiple of 64, or leave --batch "
+                                                "out for 64")):
+    micro_batch(8, 64, "replica x data")
+  # The default mesh on a pod: replica outermost, one slice or node each; any other is refused, with the mesh
+  # that would be.
+  assert mesh_axes({}, ["tp"], devices=64, domains=8) == {"replica": 8, "data": 8, "tp": 1}
+  for sizes, words in (({"data": 64}, "--mesh replica=8,data=8"),
+                       ({"replica": 4, "data": 16}, "replica=8,data=8"),
+                       ({"data": 8, "replica": 8}, "--mesh replica=8,data=8"),
+                       ({"replica": 4, "data": 2, "fsdp": 8}, "replica=8,data=1,fsdp=8")):
+    with pytest.raises(PlanError, match=re.escape(words)):
+      mesh_axes(sizes, [], devices=64, domains=8)
+  check_replica({"replica": 8, "data": 1, "fsdp": 8}, domains=8)  # HSDP: fsdp inside each node
 
 
 def test_flags_are_the_contracts_names():

@@ -80,6 +80,6 @@ def test_the_lever_code_writes_the_picked_fraction_in_each_home():
   assert lever_code("offload-fraction", "my.models:build", 0.37).endswith(
       "Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=0.37)")
   assert lever_code("offload-fraction", "tunix:qwen3_0p6b", 0.5).endswith(
-      "Zero1TrainingConfig(..., zero1_offload_state_to_host=0.5))")
+      "zero1_data_axis='data', zero1_offload_state_to_host=0.5))")
   assert lever_code("offload-fraction", "maxtext:qwen3-0.6b", 0.25).endswith(
       "subclassed with OFFLOAD_STATE_TO_HOST = 0.25")

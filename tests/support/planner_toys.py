@@ -35,6 +35,11 @@ def tiny_lm_bf16(num_layers: int = 6) -> TinyLM:
   return TinyLM(num_layers, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
 
 
+def tiny_lm_that_raises(num_layers: int = 6) -> TinyLM:
+  """A builder with a mistake in it, as a user's can have: the planner names it in one line."""
+  raise ValueError(f"vocab must be even, got 511 (num_layers={num_layers})")
+
+
 def tiny_lm_with_loss(num_layers: int = 6):
   """The same model with its own loss: ``(model, loss_fn)``."""
   loss = lambda model, tokens: jnp.mean(model(tokens[:, :-1]).astype(jnp.float32) ** 2)

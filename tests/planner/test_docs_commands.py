@@ -1,0 +1,111 @@
+"""Every ``python -m nnx_zero1.plan`` command the documentation shows runs as pasted: each parses into a
+checked ``PlanRequest`` and a mesh and micro-batch that split over its topology's devices (no compiler, every
+lane), a placeholder model (``my_pkg.models:build``) standing for the planner's toy; one pod command runs end
+to end on the toy with XLA's GPU compiler (lane 2)."""
+
+import json
+import math
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from nnx_zero1.plan import parse_args
+from nnx_zero1_plan import request_of
+from nnx_zero1_plan.inputs import PlanError, mesh_axes, micro_batch, parse_mesh, parse_model, parse_topology
+from tests.support.compiled_plans import HAS_GPU_COMPILER, TOYS, planner_env
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SOURCES = sorted([ROOT / "README.md", ROOT / "planner" / "README.md", *ROOT.glob("docs/*.md"),
+                  *ROOT.glob("planner/nnx_zero1_plan/*.py"), *ROOT.glob("examples/*.py")])
+COMMAND = "python -m nnx_zero1.plan"
+TOY = f"{TOYS}:tiny_lm"
+
+
+def commands(text: str) -> list[str]:
+  """Each planner command in ``text`` as pasted: an inline code span whole, or a line with its ``\\``
+  continuations, up to a shell comment or the next command of a chain."""
+  found = []
+  for m in re.finditer(re.escape(COMMAND), text):
+    if m.start() and text[m.start() - 1] == "`":
+      command = text[m.start():text.index("`", m.end())]
+    else:
+      lines = text[m.start():].split("\n")
+      command = lines.pop(0)
+      while command.rstrip().endswith("\\") and lines:
+        command = command.rstrip()[:-1] + " " + lines.pop(0)
+    command = re.split(r"&&|;|\|", " ".join(command.split()))[0].strip()
+    if "--model" in command and "..." not in command and "{" not in command:
+      found.append(command)
+  return found
+
+
+def documented() -> list[tuple[str, str]]:
+  return [(str(path.relative_to(ROOT)), command) for path in SOURCES
+          for command in commands(path.read_text())]
+
+
+def _pasted(command: str) -> list[str]:
+  """The command's flags, a placeholder model (one of the docs' ``my_...`` modules) as the toy."""
+  argv = shlex.split(command, comments=True)[3:]
+  model = argv.index("--model") + 1
+  if argv[model].startswith("my"):
+    argv[model] = TOY
+  return argv
+
+
+def _devices(topology: str, slices: int) -> int:
+  """The devices a topology names: GPUs, or one TPU device per chip of every slice (v4 and later)."""
+  platform, _, shape = parse_topology(topology, ["h100", "h200", "a100-80g", "b200"])
+  return math.prod(shape) * (slices if platform == "tpu" else 1)
+
+
+DOCUMENTED = documented()
+
+
+def test_the_documentation_shows_the_planners_commands():
+  found = DOCUMENTED
+  assert len(found) >= 20, found
+  assert any("h100:8x8" in c and "--mesh" not in c for _, c in found)  # the pod command that failed as pasted
+
+
+@pytest.mark.parametrize("where, command", DOCUMENTED,
+                         ids=[f"{w}-{i}" for i, (w, _) in enumerate(DOCUMENTED)])
+def test_each_documented_command_parses_into_a_plan_of_its_topology(where, command):
+  """The flags as ``main`` reads them, the request it checks, then the checks that need only the topology's
+  device count: the mesh (``replica`` across the slices or nodes) and the micro-batch split over it."""
+  request = request_of(parse_args(_pasted(command)))
+  devices = _devices(request.topology, request.slices)
+  if parse_model(request.model)[0] == "maxtext":  # --mesh names one slice's ici_* axes; the batch is global
+    assert request.batch is None or request.batch % devices == 0, (where, command)
+    return
+  where_word = "slices" if request.platform == "tpu" else "nodes"
+  try:
+    axes = mesh_axes(parse_mesh(request.mesh), [], devices, domains=request.domains, where=where_word)
+    unit = math.prod(axes[a] for a in ("replica", "data", "fsdp") if a in axes)
+    micro_batch(request.batch, unit, "the batch axes")
+  except PlanError as e:
+    pytest.fail(f"{where}: {command}: {e}")
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
+def test_the_eight_node_pod_command_runs_as_pasted(tmp_path):
+  """docs/pods.md's eight nodes of eight H100s, the toy for its placeholder model: the default micro-batch
+  is 64, one sequence per GPU, said in the plan; replica runs across the nodes; the recommendation's code
+  builds that mesh node by node."""
+  (command,) = [c for w, c in DOCUMENTED if w == "docs/pods.md" and "h100:8x8" in c and "--mesh" not in c]
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *_pasted(command), "--out", str(tmp_path)],
+                        env=planner_env(), capture_output=True, text=True, timeout=500)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / "plan.json").read_text())
+  meta = result["meta"]
+  assert meta["mesh"] == {"replica": 8, "data": 8} and meta["domains"] == 8 and meta["batch"] == 64
+  assert meta["batch_default"].startswith("--batch not given: micro-batch 64, the smallest")
+  assert "--batch not given: micro-batch 64" in proc.stdout
+  assert {r["lever"] for r in result["rows"]} == {"baseline", "zero1", "zero1-pod"}
+  assert all(r["fits"] for r in result["rows"])
+  code = result["recommendation"]["code"]
+  assert "np.array(by_node).reshape(8, 8), ('replica', 'data')" in code
