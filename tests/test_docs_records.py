@@ -1,0 +1,100 @@
+"""The docs' measured tables against the plans they were made from: a figure that drifts from its kept
+source fails here.
+
+A table whose figures come from a kept plan names it on the line above it::
+
+  <!-- figures: docs/data/decoder_7b_v5p_2slices/plan.json -->
+
+Each of its rows whose first cell is a lever of that plan is checked cell by cell, by the column's name:
+GiB to two decimals (optimizer state, arguments, temp, peak), the verdict (fits), the compile seconds, and
+the bytes each chip sends (``N B`` over the slow network, ``N MiB`` of it, ``N GB`` inside the slice). Every
+kept plan folder says how it was made (``measured.json``: the command and the versions).
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_MARK = re.compile(r"<!-- figures: (?P<source>\S+) -->\n(?P<table>(?:\|.*\|\n)+)")
+_GIB = {"optimizer state": "opt_state_bytes_per_device", "arguments": "argument_bytes_per_device",
+        "temp": "temp_bytes_per_device", "peak": "peak_bytes_per_device"}
+
+
+def _marked_tables() -> list[tuple[str, str, str]]:
+  found = []
+  for doc in sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")]):
+    for m in _MARK.finditer(doc.read_text()):
+      found.append((doc.name, m["source"], m["table"]))
+  return found
+
+
+def _cells(line: str) -> list[str]:
+  return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _numbers(text: str, unit: str) -> list[float]:
+  return [float(n.replace(",", "")) for n in re.findall(rf"([\d,]+(?:\.\d+)?) {unit}\b", text)]
+
+
+def _check_cell(column: str, cell: str, row: dict) -> None:
+  plain = cell.replace("*", "").strip()
+  network = row.get("network_per_step") or {}
+  if column in _GIB:
+    value = row[_GIB[column]]
+    assert plain == ("-" if value is None else f"{value / 2**30:.2f}"), (column, cell)
+  elif column == "fits":
+    assert plain.split(":")[0].lower() == ("yes" if row["fits"] else "no"), (column, cell)
+  elif column.startswith("compile"):
+    assert plain == f"{round(row['compile_s'])} s", (column, cell)
+  elif column.startswith("over DCN") or column.startswith("over InfiniBand"):
+    across = {c["bytes"] for c in ((row.get("collectives") or {}).get("across_per_step") or {}).values()}
+    for n in _numbers(plain, "B"):
+      assert n in across, (column, cell, across)
+    for n in _numbers(plain, "MiB"):
+      assert n == round(network["slow"]["bytes"] / 2**20, 1), (column, cell)
+  elif column.startswith("over ICI") or column.startswith("over NVLink"):
+    for n in _numbers(plain, "GB"):
+      assert n == round(network["fast"]["bytes"] / 1e9, 1), (column, cell)
+
+
+MARKED = _marked_tables()
+
+
+def test_the_docs_mark_the_tables_of_the_kept_plans():
+  sources = {source for _, source, _ in MARKED}
+  assert {"docs/data/decoder_7b_v5p_2slices/plan.json",
+          "docs/data/tunix_llama3p1_70b_v5p_2slices/plan.json"} <= sources
+  for plan in (ROOT / "docs" / "data").glob("*/**/plan.json"):
+    measured = json.loads(next(p for p in (plan.parent, plan.parent.parent)
+                               if (p / "measured.json").exists()).joinpath("measured.json").read_text())
+    assert measured.get("command") or measured.get("commands"), plan
+    assert measured["versions"]["jax"], plan
+
+
+@pytest.mark.parametrize("doc, source, table", MARKED, ids=[f"{d}:{s}" for d, s, _ in MARKED])
+def test_every_figure_of_a_marked_table_is_its_kept_plans(doc, source, table):
+  rows = {r["lever"]: r for r in json.loads((ROOT / source).read_text())["rows"]}
+  header, _, *body = table.strip().splitlines()
+  columns = _cells(header)
+  checked = 0
+  for line in body:
+    cells = _cells(line)
+    lever = cells[0].strip("`")
+    if lever not in rows:
+      continue
+    for column, cell in zip(columns[1:], cells[1:], strict=True):
+      _check_cell(column, cell, rows[lever])
+    checked += 1
+  assert checked == len(body), f"{doc}: rows not in {source}"
+
+
+def test_a_drifted_figure_fails():
+  source = "docs/data/decoder_7b_v5p_2slices/plan.json"
+  row = next(r for r in json.loads((ROOT / source).read_text())["rows"] if r["lever"] == "zero1")
+  with pytest.raises(AssertionError):
+    _check_cell("peak", f"{row['peak_bytes_per_device'] / 2**30 + 0.01:.2f}", row)
+  with pytest.raises(AssertionError):
+    _check_cell("over DCN per step (per chip)", "all-reduce 1,000,000 B", row)
