@@ -109,13 +109,21 @@ def splits_nothing(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) ->
 
 
 def sent_bytes_of(row: Mapping[str, Any]) -> int:
-  """The collective bytes one device sends per step (the results' bytes where a row has no send count).
+  """The collective bytes one device sends per step on every network together, one basis on every backend:
+  on a pod, its bytes inside the slice or node plus those between them (a TPU program's megascale transfers
+  are not among its collectives; a GPU program's node-spanning collectives are, split between the two);
+  elsewhere its collectives' sent bytes (the results' bytes where a row has no send count).
 
   Example::
 
     >>> sent_bytes_of({"collectives": {"sent_per_step": {"all-reduce": {"count": 1, "bytes": 6}}}})
     6
+    >>> sent_bytes_of({"network_per_step": {"fast": {"bytes": 6}, "slow": {"bytes": 2}}})
+    8
   """
+  network = row.get("network_per_step")
+  if network:
+    return network["fast"]["bytes"] + network["slow"]["bytes"]
   collectives = row.get("collectives") or {}
   per_step = collectives.get("sent_per_step") or collectives.get("per_step", {})
   return sum(v["bytes"] for v in per_step.values())

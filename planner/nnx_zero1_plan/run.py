@@ -63,7 +63,7 @@ class Plan:
 
   def __str__(self) -> str:
     stated = [f"\n{self.meta['batch_default']}"] if self.meta.get("batch_default") else []
-    lines = [table(self.rows), *stated, *recommendation_lines(self.recommendation, self.meta),
+    lines = [table(self.rows, wide=False), *stated, *recommendation_lines(self.recommendation, self.meta),
              *way_out_lines(self.way_out)]
     if self.next_steps:
       steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))

@@ -8,9 +8,9 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import command_line
 
-__all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "collective_cell", "network_cell", "header", "cells",
-           "edge_cells", "split_words", "way_out_lines", "table", "next_steps", "recommendation_lines",
-           "markdown"]
+__all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "header",
+           "cells", "edge_cells", "split_words", "way_out_lines", "table", "next_steps",
+           "recommendation_lines", "markdown"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB",
           "args+temp GiB", "usable GiB", "fits", "max micro-batch", "compile s",
@@ -190,8 +190,34 @@ def _aligned(header: Sequence[str], body: Sequence[Sequence[str]], left: Sequenc
   return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
 
 
-def table(rows: Sequence[dict[str, Any]]) -> str:
-  """The rows as an aligned text table (GiB per device).
+# The terminal's table: what a user decides by, in a width that fits a terminal; plan.md has every column.
+COMPACT = ("lever", "step", "opt GiB", "args GiB", "temp GiB", "peak GiB", "usable GiB", "fits",
+           "max micro-batch", "sent GiB per step", *POD_HEADER, "compile s", "note")
+
+
+def _compact(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+  """:data:`COMPACT`'s columns of :func:`cells` (a search's column only with a search, the pod's only on a
+  pod), with the collective bytes each device sends per step on every network together."""
+  from nnx_zero1_plan.recommend import sent_bytes_of
+
+  full = header(rows)
+  keep = [c for c in COMPACT if c in full or c == "sent GiB per step"]
+  if not any("max_micro_batch" in r for r in rows):
+    keep.remove("max micro-batch")
+  body = []
+  for r, row_cells in zip(rows, cells(rows), strict=True):
+    by_name = dict(zip(full, row_cells, strict=True))
+    sent = sent_bytes_of(r)
+    marked = "~" if r.get("estimate") else ""
+    by_name["sent GiB per step"] = marked + (f"{sent / 2**30:.2f}" if sent else "-")
+    body.append(tuple(by_name[c] for c in keep))
+  short = dict(zip(POD_HEADER, ("inside, MiB (est.)", "across, MiB (est.)"), strict=True))
+  return tuple(short.get(c, c) for c in keep), body
+
+
+def table(rows: Sequence[dict[str, Any]], wide: bool = True) -> str:
+  """The rows as an aligned text table (GiB per device): every column (plan.md's), or ``wide=False`` the
+  terminal's (:data:`COMPACT`, under a line naming the target and the mesh).
 
   Example::
 
@@ -200,9 +226,18 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     ...        "temp_bytes_per_device": 0, "peak_bytes_per_device": 2**31, "compile_s": 1.0}
     >>> table([row]).splitlines()[2].split()[:7]
     ['zero1', 'one', 'v6e:2x2', 'data=4', '1.00', '2.00', '0.00']
+    >>> table([row], wide=False).splitlines()[0]
+    'compiled for v6e:2x2, mesh data=4; GiB per device (every column: plan.md)'
   """
-  head = header(rows)
-  text = _aligned(head, cells(rows), (*_LEFT, len(head) - 1))
+  if wide:
+    head, body = header(rows), cells(rows)
+  else:
+    head, body = _compact(rows)
+  text = _aligned(head, body, (*(range(4) if wide else range(2)), len(head) - 1))
+  if not wide and rows:
+    mesh = ",".join(f"{k}={v}" for k, v in rows[0]["mesh"].items())
+    title = f"compiled for {rows[0]['compiled_for']}, mesh {mesh}; GiB per device (every column: plan.md)"
+    text = title + "\n" + text
   edges = edge_cells(rows)
   if edges:
     text += "\n\nAt each lever's largest micro-batch (the compiler's figures):\n" + _aligned(
