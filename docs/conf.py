@@ -34,7 +34,8 @@ copybutton_prompt_text = r">>> |\.\.\. |\$ "
 copybutton_prompt_is_regexp = True
 copybutton_only_copy_prompt_lines = True
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build", "coverage_table.md", "data"]  # coverage_table.md: included by coverage.md; data: kept plans
+# coverage_table.md is included by coverage.md; data/ holds kept plans and their raw output, not pages.
+exclude_patterns = ["_build", "coverage_table.md", "data"]
 root_doc = "index"
 
 # Internal links and cross-references are checked: with -W every broken one fails the build.
