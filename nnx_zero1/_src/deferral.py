@@ -59,8 +59,9 @@ def batch_sharding(shape: Sequence[int], sharding: Any, mesh: Mesh, axes: tuple[
 
 
 def reduction_axes(batch_shardings: Sequence[NamedSharding], axes: tuple[str, ...]) -> tuple[str, ...]:
-  """The axes per-replica gradients are summed over: the axes every batch leaf's dimension 0 is split over,
-  in their order, when those are ``axes`` (where the state is split) and more; else ``axes``.
+  """The axes per-replica gradients are summed over: the axes of more than one device every batch leaf's
+  dimension 0 is split over, in their order, when those are ``axes`` (where the state is split) and more;
+  else ``axes``.
 
   A pod's batch is split over ``("replica", "data")`` while Zero-1 may split the state over ``data``
   alone: the gradients are then reduce-scattered over ``data`` and all-reduced over ``replica`` (the
@@ -71,13 +72,18 @@ def reduction_axes(batch_shardings: Sequence[NamedSharding], axes: tuple[str, ..
 
     >>> import jax
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((1, 1), ("replica", "data"))
+    >>> mesh = jax.make_mesh((2, 1), ("replica", "data"), devices=jax.devices()[:2])
     >>> reduction_axes([NamedSharding(mesh, P(("replica", "data"), None))], ("data",))
     ('replica', 'data')
     >>> reduction_axes([NamedSharding(mesh, P("data"))], ("data",)), reduction_axes([], ("data",))
     (('data',), ('data',))
+    >>> reduction_axes([NamedSharding(mesh, P(("replica", "data")))], ("replica",))  # data: one device
+    ('replica',)
   """
-  firsts = {entry_axes(padded_entries(s.spec, 1)[0]) for s in batch_shardings}
+  # Axes of one device split nothing (Tunix names fsdp on its batches where fsdp may be 1): the
+  # program stays the one over ``axes``.
+  firsts = {tuple(a for a in entry_axes(padded_entries(s.spec, 1)[0]) if a in axes or s.mesh.shape[a] > 1)
+            for s in batch_shardings}
   if len(firsts) == 1:
     (first,) = firsts
     if set(axes) < set(first):
