@@ -112,8 +112,14 @@ def value_and_grad_accumulated(
       rows must divide by it.
     optimizer: the ``Zero1Optimizer`` or ``nnx.Optimizer`` that will apply the
       gradients; its ``wrt``, mesh and layout decide what is reduced where.
-    data_axis: the data-parallel mesh axis (or axes); default: the
-      ``Zero1Optimizer``'s, or ``"data"``.
+    data_axis: the mesh axis (or axes) the batch's rows are split over and the
+      gradients summed over; it includes the axes a ``Zero1Optimizer`` splits its
+      state over and may name more (``("replica", "data")`` for a state split over
+      ``data`` only: each gradient is reduce-scattered over ``data`` and its slice
+      all-reduced over ``replica``, the bytes of one all-reduce on each network).
+      Default: the axes dimension 0 of every batch leaf is split over, where that
+      can be seen (concrete arrays, Explicit meshes) and includes the optimizer's
+      axes; else the ``Zero1Optimizer``'s, or ``"data"``.
     strict: raise ``Zero1Error`` instead of reducing every micro-batch when the
       reduction cannot be deferred; default: ``optimizer.strict`` (False for
       ``nnx.Optimizer``).
@@ -131,7 +137,7 @@ def value_and_grad_accumulated(
 
   Raises:
     Zero1Error: a batch whose rows do not split into replicas x micro-batches, a
-      ``data_axis`` other than the ``Zero1Optimizer``'s, no mesh for a plain
+      ``data_axis`` without the ``Zero1Optimizer``'s axes, no mesh for a plain
       ``nnx.Optimizer``, a ``loss_fn`` that updates other model state,
       (``strict``) a reduction that cannot be deferred, or ``shard_accumulator``
       with a plain ``nnx.Optimizer``, ``defer_reduction=False`` or gradients no
@@ -140,14 +146,18 @@ def value_and_grad_accumulated(
   zero1 = optimizer if isinstance(optimizer, Zero1Optimizer) else None
   if shard_accumulator:
     _check_shard_accumulator(zero1, defer_reduction)
-  axes = data_axes(data_axis, default=zero1.data_axis if zero1 is not None else "data")
   strict = bool(getattr(optimizer, "strict", False) if strict is None else strict)
   graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)  # type: ignore[misc]  # flax types split as variadic
   pure_params, pure_rest = nnx.as_pure(params), nnx.as_pure(rest)
   mesh = zero1.mesh if zero1 is not None else _plain_mesh(pure_params, batch)
+  state_axes = zero1.data_axis if zero1 is not None else data_axes("data")
+  if data_axis is None:
+    axes = deferral.reduction_axes(_batch_shardings(batch, mesh), state_axes)
+  else:
+    axes = data_axes(data_axis)
   n = data_axis_size(mesh, axes)
-  if zero1 is not None and axes != zero1.data_axis:
-    raise Zero1Error(f"data_axis={axes} but the Zero1Optimizer splits its state over "
+  if zero1 is not None and not set(zero1.data_axis) <= set(axes):
+    raise Zero1Error(f"data_axis={axes} does not include the axes the Zero1Optimizer splits its state over, "
                      f"{zero1.data_axis}; {describe_mesh(mesh)}")
   _check_micro_batches(batch, micro_batches, n, mesh)
   one_device = zero1 is not None and zero1.zero1_plan.single_device

@@ -27,7 +27,10 @@ from jax.sharding import PartitionSpec as P
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.specs import canonical_spec, entry_axes, padded_entries, spec_axes, spec_entries
 
-__all__ = ["batch_sharding", "defer", "deferral_blocker", "loss_of_params", "replica_value_and_grad"]
+__all__ = [
+    "batch_sharding", "defer", "deferral_blocker", "loss_of_params", "reduction_axes",
+    "replica_value_and_grad",
+]
 
 
 def batch_sharding(shape: Sequence[int], sharding: Any, mesh: Mesh, axes: tuple[str, ...]) -> NamedSharding:
@@ -53,6 +56,39 @@ def batch_sharding(shape: Sequence[int], sharding: Any, mesh: Mesh, axes: tuple[
     entries[0] = entries[0] + tuple(axes)
   # The canonical spelling, so equal layouts share a kernel.
   return NamedSharding(mesh, canonical_spec(entries))
+
+
+def reduction_axes(batch_shardings: Sequence[NamedSharding], axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes per-replica gradients are summed over: the axes of more than one device every batch leaf's
+  dimension 0 is split over, in their order, when those are ``axes`` (where the state is split) and more;
+  else ``axes``.
+
+  A pod's batch is split over ``("replica", "data")`` while Zero-1 may split the state over ``data``
+  alone: the gradients are then reduce-scattered over ``data`` and all-reduced over ``replica`` (the
+  reduction's bytes on each network are those of one all-reduce), where reducing over ``data`` alone
+  would not sum the slices' gradients at all.
+
+  Example::
+
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((2, 1), ("replica", "data"), devices=jax.devices()[:2])
+    >>> reduction_axes([NamedSharding(mesh, P(("replica", "data"), None))], ("data",))
+    ('replica', 'data')
+    >>> reduction_axes([NamedSharding(mesh, P("data"))], ("data",)), reduction_axes([], ("data",))
+    (('data',), ('data',))
+    >>> reduction_axes([NamedSharding(mesh, P(("replica", "data")))], ("replica",))  # data: one device
+    ('replica',)
+  """
+  # Axes of one device split nothing (Tunix names fsdp on its batches where fsdp may be 1): the
+  # program stays the one over ``axes``.
+  firsts = {tuple(a for a in entry_axes(padded_entries(s.spec, 1)[0]) if a in axes or s.mesh.shape[a] > 1)
+            for s in batch_shardings}
+  if len(firsts) == 1:
+    (first,) = firsts
+    if set(axes) < set(first):
+      return first
+  return axes
 
 
 def deferral_blocker(

@@ -36,7 +36,11 @@ _MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z
                              r'.*\bsend\(.*_xla_megascale_transfer_type="(?P<kind>\w+)"')
 _GROUP_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _FIRST_GROUP = re.compile(r"replica_groups=\{\{([0-9, ]*)\}")
-_MESH_GROUP = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# Over mesh axes, the mesh's positions optionally numbered by an iota of device ids
+# (``device_ids=([2,4]T(1,0))``: position p is device ``iota(2,4).T.flat[p]``) or by a list of them.
+_MESH_GROUP = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                         r"(?:,\s*device_ids=(?:\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\)|\[([0-9,]+)\]))?"
+                         r"\s*\{([^}]*)\}")
 # A collective's groups in any of the three spellings, whole.
 _GROUPS = re.compile("|".join(p.pattern for p in (_MESH_GROUP, _GROUP_IOTA, _GROUP_LIST)))
 _FUSED_CALL = re.compile(r"\bcalls=%?(all-reduce-scatter[\w.\-]*)")
@@ -44,7 +48,9 @@ _FUSED_CALL = re.compile(r"\bcalls=%?(all-reduce-scatter[\w.\-]*)")
 
 def _mesh_groups(line: str) -> list[tuple[int, ...]] | None:
   """The groups of a collective spelt over mesh axes (``replica_groups=mesh['replica'=2,'data'=4]
-  {'data'}``, Shardy's form), devices numbered in the mesh's row-major order; None in another spelling.
+  {'data'}``, Shardy's form), devices numbered in the mesh's row-major order unless ``device_ids`` numbers
+  them (jax 0.10.2's CPU compiler: ``mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}``);
+  None in another spelling.
 
   A listed sub-axis ``'data':(p)s`` is the size-s part of the axis after its major p.
   """
@@ -52,7 +58,13 @@ def _mesh_groups(line: str) -> list[tuple[int, ...]] | None:
   if m is None:
     return None
   axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", m[1])]
-  listed = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m[2])
+  listed = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m[5])
+  ids = np.arange(math.prod(size for _, size in axes))
+  if m[2]:
+    ids = np.arange(ids.size).reshape([int(d) for d in m[2].split(",")])
+    ids = (ids.transpose([int(d) for d in m[3].split(",")]) if m[3] else ids).reshape(-1)
+  elif m[4]:
+    ids = np.array([int(d) for d in m[4].split(",")])
   groups: dict[tuple[int, ...], list[int]] = {}
   for device, coords in enumerate(np.ndindex(*(size for _, size in axes))):
     key = []
@@ -62,7 +74,7 @@ def _mesh_groups(line: str) -> list[tuple[int, ...]] | None:
           step = size // (int(pre) * int(part)) if part else 1
           c -= (c // step) % (int(part) if part else size) * step
       key.append(c)
-    groups.setdefault(tuple(key), []).append(device)
+    groups.setdefault(tuple(key), []).append(int(ids[device]))
   return [tuple(g) for g in groups.values()]
 
 
@@ -80,6 +92,8 @@ def replica_groups(line: str, devices: int) -> list[tuple[int, ...]]:
     [(0, 1)]
     >>> replica_groups("all-reduce(%p), replica_groups=mesh['replica'=2,'data'=4] {'data':(1)2}", 8)
     [(0, 2), (1, 3), (4, 6), (5, 7)]
+    >>> replica_groups("all-gather(%p), replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}", 8)
+    [(0, 1, 2, 3), (4, 5, 6, 7)]
   """
   over_axes = _mesh_groups(line)
   if over_axes is not None:

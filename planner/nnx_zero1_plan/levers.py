@@ -36,6 +36,9 @@ LEVERS: dict[str, Lever] = {
                        zero1=True, deferred=False, optimizer_options={"data_axis": ("replica", "data")}),
     "zero1-accum": Lever("Zero1Optimizer + value_and_grad_accumulated (one reduce-scatter per step)",
                          zero1=True, deferred=True),
+    "zero1-pod-accum": Lever("zero1-pod + value_and_grad_accumulated (reduce-scattered inside each slice or "
+                             "node, then across them: the baseline's bytes on each network)",
+                             zero1=True, deferred=True, optimizer_options={"data_axis": ("replica", "data")}),
     "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
                    zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
     "offload-fraction": Lever("Zero1Optimizer(offload_state_to_host=f) (the smallest share of the state in "
@@ -66,8 +69,8 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
     (False, True)
   """
   dtypes = ", ".join(sorted(param_dtypes))
-  if name == "zero1-pod" and domains < 2:
-    return "zero1-pod splits the state across slices or nodes too; this target is one (--slices, h100:8x8)"
+  if name in ("zero1-pod", "zero1-pod-accum") and domains < 2:
+    return f"{name} splits the state across slices or nodes too; this target is one (--slices, h100:8x8)"
   if name == "zero1-master" and set(param_dtypes) <= {"float32", "float64"}:
     return f"zero1-master keeps float32 copies of narrower parameters; these are {dtypes} already"
   if name == "zero1-bf16state" and set(param_dtypes) <= {"bfloat16"}:

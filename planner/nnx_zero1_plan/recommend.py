@@ -302,6 +302,9 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
            f"  {built}"]
   if lever.deferred:
     accumulate = "".join(f", {k}={_spelled(v)}" for k, v in lever.accumulate_options.items())
+    state_axes = lever.optimizer_options.get("data_axis", ("data",))
+    if "replica" in (mesh or {}) and "replica" not in state_axes:  # the batch's axes: summed over replica too
+      accumulate += f", data_axis={('replica', *state_axes)!r}"
     lines[1] += ", value_and_grad_accumulated"
     lines += ["  # each step: loss, grads = value_and_grad_accumulated(loss_fn, model, batch, "
               f"micro_batches=GA, optimizer=optimizer{accumulate})"]

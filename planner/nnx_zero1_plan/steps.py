@@ -11,7 +11,7 @@ gradients in, the state donated).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -31,7 +31,7 @@ from nnx_zero1_plan.abstract import AbstractState, abstract_state
 from nnx_zero1_plan.levers import Lever, make_optimizer
 
 __all__ = ["OPTIMIZERS", "scan_value_and_grad", "batch_axes", "abstract_batch",
-           "train_step",
+           "summed_over", "train_step",
            "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",
            "lever_state"]
 
@@ -93,10 +93,29 @@ def abstract_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) 
   return jax.ShapeDtypeStruct((ga, batch, seq_len + 1), jnp.int32, sharding=sharding)
 
 
+def summed_over(mesh_axes: Sequence[str], state_axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes a deferred lever sums its gradients over: the state's, and ``replica`` first where the mesh
+  has it (a pod's batch is split over it too; a state split over ``data`` alone is then reduce-scattered
+  over ``data`` and all-reduced over ``replica``).
+
+  Example::
+
+    >>> summed_over(("replica", "data"), ("data",)), summed_over(("data",), ("data",))
+    (('replica', 'data'), ('data',))
+  """
+  if "replica" in mesh_axes and "replica" not in state_axes:
+    return ("replica", *state_axes)
+  return state_axes
+
+
 def _gradients(model: Any, optimizer: Any, lever: Lever, loss_fn: Callable, batch: Any, ga: int) -> Any:
   if lever.deferred:
+    # On an Auto mesh the batch's layout is not in its traced type: the axes are named. The mesh is the
+    # one the step is traced under (a plain optimizer has none of its own).
+    state_axes = tuple(getattr(optimizer, "data_axis", ("data",)))
+    axes = summed_over(jax.sharding.get_abstract_mesh().axis_names, state_axes)
     return value_and_grad_accumulated(loss_fn, model, batch, micro_batches=ga, optimizer=optimizer,
-                                      **lever.accumulate_options)
+                                      data_axis=axes, **lever.accumulate_options)
   return scan_value_and_grad(loss_fn, model, batch)
 
 

@@ -158,8 +158,10 @@ def test_value_and_grad_accumulated_reduce_scatters_over_the_part_and_all_reduce
     assert g.sharding.is_equivalent_to(target, g.ndim), (g.sharding, target)  # onto its Zero-1 layout
   step_collectives = collectives(hlo)
   # One reduce-scatter per leaf and dimension it is split on (l4's kernel: data on 20, then replica on
-  # 6), of float32 bytes per device: l1 75 + 5, l2 60 + 3, l3 60 + 5, l4 (30 then 15) + 3.
-  assert step_collectives["reduce-scatter"] == {"count": 9, "bytes": 4 * (80 + 63 + 65 + 45 + 3)}
+  # 6), and a dimension split over both axes takes two, over data (a quarter) then over replica (an
+  # eighth), float32 bytes per device: l1 75 + 5, l2 (120 then 60) + (6 then 3), l3 (120 then 60) + 5,
+  # l4 (30 then 15) + 3.
+  assert step_collectives["reduce-scatter"] == {"count": 12, "bytes": 4 * (80 + 189 + 185 + 45 + 3)}
   # The partly split leaves' slices all-reduced over the rest (l1 75 + 5, l3's bias 5, l4's bias 3),
   # and the loss: no gradient is all-reduced whole.
   assert 4 * 88 <= step_collectives["all-reduce"]["bytes"] < 4 * 88 + 64
