@@ -238,7 +238,8 @@ def test_plan_from_python_leaves_the_process_and_its_files_as_they_were(tmp_path
   out = json.loads(line[len("RESULT "):])
   assert out["environ"] and out["files"] and not out["jax"]
   assert out["fits"] is True and any(ln.startswith("compiled zero1 (one)") for ln in out["lines"])
-  assert out["table"].startswith("lever ") and "zero1" in out["table"]
+  assert out["table"].startswith("compiled for v6e:2x2, mesh data=4")  # the terminal's table, titled
+  assert "\nlever " in out["table"] and "zero1" in out["table"]
 
 
 _TWO_NODES = """
