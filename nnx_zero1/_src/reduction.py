@@ -21,7 +21,6 @@ MaxText's engine all reduce gradients here (whether they may wait to do so is
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,22 +30,21 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.specs import (
-    axes_entry,
-    entry_axes,
-    padded_entries,
-    spec_axes,
+  axes_entry,
+  entry_axes,
+  padded_entries,
+  spec_axes,
 )
+from nnx_zero1._src.stages import all_reduce_by_stages, scatter_by_stages
 
 __all__ = [
     "Scatter",
     "accumulator_sharding",
-    "all_reduce_by_stages",
     "mean_of_sums",
     "reduce_local",
     "reduce_rows",
     "reduce_unreduced",
     "row_axes",
-    "scatter_by_stages",
     "scatter_into",
     "scatter_of",
     "scattered_zeros",
@@ -87,78 +85,6 @@ def reduce_local(partial: jax.Array, scatter: Scatter, axes: tuple[str, ...]) ->
     partial = scatter_by_stages(partial, over, dim)
   rest = tuple(a for a in axes if a not in _scattered(scatter))
   return jax.lax.psum(partial, rest) if rest else partial
-
-
-def all_reduce_by_stages(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """Inside ``shard_map``: ``psum`` of ``x`` over ``axes``, the axis listed last first: a reduce-scatter
-  over it, the slice all-reduced over the others, then all-gathered back.
-
-  The bytes on each network are one all-reduce's, as the TPU compiler lowers a ``psum`` over a slice's
-  and the slices' axes, and every replica sums in the order :func:`scatter_by_stages` and
-  :func:`reduce_local` do (inside the last axis first), so a plain optimizer's gradients are Zero-1's to
-  the bit, wherever Zero-1 splits them. One axis, or no dimension that divides by the last axis's size:
-  one ``psum``.
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((1, 1), ("replica", "data"))
-    >>> f = lambda g: all_reduce_by_stages(g, ("replica", "data"))
-    >>> jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(jnp.arange(4.0)).tolist()
-    [0.0, 1.0, 2.0, 3.0]
-  """
-  inner, outer = axes[-1], axes[:-1]
-  size = jax.lax.axis_size(inner)
-  dim = next((d for d, n in enumerate(x.shape) if n % size == 0), None)
-  if not outer or dim is None:
-    return jax.lax.psum(x, axes)
-  x = jax.lax.psum_scatter(x, inner, scatter_dimension=dim, tiled=True)
-  x = all_reduce_by_stages(x, outer)
-  return jax.lax.all_gather(x, inner, axis=dim, tiled=True, to="invarying")
-
-
-def scatter_by_stages(x: jax.Array, over: tuple[str, ...], dim: int) -> jax.Array:
-  """Inside ``shard_map``: ``psum_scatter`` of ``x`` over the axes ``over`` on ``dim``, one axis at a time,
-  the axis listed last first, onto the block ``P((*over,))`` gives this replica.
-
-  A data axis tuple lists the slow axis first (``("replica", "data")``: ``replica`` across TPU slices or
-  GPU nodes). The TPU compiler lowers one ``psum_scatter`` over both as an all-reduce inside each slice
-  and a reduce-scatter across them; scattered over ``data`` first and then over ``replica``, it is a
-  reduce-scatter inside the slice and one across, half the bytes inside and the same across. The blocks
-  of ``dim`` are reordered first (a local transpose) so that the scatter over the last axis listed takes
-  the outermost blocks, and the result is this replica's block of the layout ``over`` names, as one
-  ``psum_scatter`` over all of them would give it (the sums taken in another order).
-
-  Args:
-    x: this replica's partial sum (whole along ``dim``, which divides by the axes' sizes).
-    over: the mesh axes, as the target layout lists them on ``dim``.
-    dim: the dimension scattered.
-
-  Returns:
-    The sum over ``over`` of this replica's block, ``x.shape[dim] // prod(sizes)`` along ``dim``.
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((1, 1), ("replica", "data"))
-    >>> f = lambda g: scatter_by_stages(g, ("replica", "data"), 0)
-    >>> jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(("replica", "data")), check_vma=False)(
-    ...     jnp.arange(4.0)).tolist()
-    [0.0, 1.0, 2.0, 3.0]
-  """
-  if len(over) == 1:
-    return jax.lax.psum_scatter(x, over, scatter_dimension=dim, tiled=True)
-  sizes = tuple(jax.lax.axis_size(a) for a in over)
-  blocks = x.shape[dim] // math.prod(sizes)
-  split = x.reshape(*x.shape[:dim], *sizes, blocks, *x.shape[dim + 1:])
-  k = len(over)
-  order = (*range(dim), *reversed(range(dim, dim + k)), *range(dim + k, split.ndim))
-  x = split.transpose(order).reshape(x.shape)
-  for axis in reversed(over):
-    x = jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
-  return x
 
 
 def scattered_zeros(params: Any, scatters: Sequence[Scatter]) -> Any:

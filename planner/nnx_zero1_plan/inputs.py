@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -305,5 +306,9 @@ def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
     words.append(f"--margin {s['margin']}")
   if s.get("gpu_memory_fraction") not in (None, 0.75):
     words.append(f"--gpu-memory-fraction {s['gpu_memory_fraction']}")
+  if s.get("gpus_per_node") is not None:
+    words.append(f"--gpus-per-node {s['gpus_per_node']}")
+  if s.get("tunix_sharding") not in (None, "default"):
+    words.append(f"--tunix-sharding {shlex.quote(s['tunix_sharding'])}")
   words += [f"{k}={v}" for k, v in (s.get("overrides") or {}).items()]
   return " ".join(words)

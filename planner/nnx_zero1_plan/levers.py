@@ -10,10 +10,10 @@ of :data:`LEVERS`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Lever", "LEVERS", "lever_blocker", "make_optimizer", "with_offload"]
+__all__ = ["Lever", "LEVERS", "lever_blocker", "make_optimizer", "state_axes", "summed_over", "with_offload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,33 @@ LEVERS: dict[str, Lever] = {
     "zero1-master": Lever("Zero1Optimizer(master_dtype=float32) (float32 master weights split over data)",
                           zero1=True, deferred=False, optimizer_options={"master_dtype": "float32"}),
 }
+
+
+def state_axes(lever: Lever) -> tuple[str, ...]:
+  """The mesh axes a lever splits the optimizer state over (the baseline: ``data``, where it splits none).
+
+  Example::
+
+    >>> state_axes(LEVERS["zero1-pod"]), state_axes(LEVERS["baseline"])
+    (('replica', 'data'), ('data',))
+  """
+  axes = lever.optimizer_options.get("data_axis", "data")
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def summed_over(mesh_axes: Sequence[str], state_axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes a deferred lever sums its gradients over: the state's, and ``replica`` first where the mesh
+  has it (a pod's batch is split over it too; a state split over ``data`` alone is then reduce-scattered
+  over ``data`` and all-reduced over ``replica``).
+
+  Example::
+
+    >>> summed_over(("replica", "data"), ("data",)), summed_over(("data",), ("data",))
+    (('replica', 'data'), ('data',))
+  """
+  if "replica" in mesh_axes and "replica" not in state_axes:
+    return ("replica", *state_axes)
+  return state_axes
 
 
 def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) -> str | None:

@@ -272,7 +272,7 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
     'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
   """
-  from nnx_zero1_plan.levers import LEVERS, with_offload
+  from nnx_zero1_plan.levers import LEVERS, state_axes, summed_over, with_offload
   from nnx_zero1_plan.maxtext import engine_attributes
   from nnx_zero1_plan.request import OPTIMIZER_CODE
 
@@ -302,9 +302,9 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
            f"  {built}"]
   if lever.deferred:
     accumulate = "".join(f", {k}={_spelled(v)}" for k, v in lever.accumulate_options.items())
-    state_axes = lever.optimizer_options.get("data_axis", ("data",))
-    if "replica" in (mesh or {}) and "replica" not in state_axes:  # the batch's axes: summed over replica too
-      accumulate += f", data_axis={('replica', *state_axes)!r}"
+    own, summed = state_axes(lever), summed_over(tuple(mesh or {}), state_axes(lever))
+    if summed != own:  # a pod's batch is split over replica too: the gradients are summed over it
+      accumulate += f", data_axis={summed!r}"
     lines[1] += ", value_and_grad_accumulated"
     lines += ["  # each step: loss, grads = value_and_grad_accumulated(loss_fn, model, batch, "
               f"micro_batches=GA, optimizer=optimizer{accumulate})"]

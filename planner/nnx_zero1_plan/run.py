@@ -22,7 +22,7 @@ from nnx_zero1_plan.inputs import (
   parse_model,
   shortened,
 )
-from nnx_zero1_plan.levers import LEVERS, lever_blocker, with_offload
+from nnx_zero1_plan.levers import LEVERS, lever_blocker, state_axes, with_offload
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.recommend import recommend
 from nnx_zero1_plan.request import STEPS, PlanRequest
@@ -123,8 +123,8 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
     by_kind = state.opt_state_bytes_by_memory_kind
     row = {"opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
            "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
-           "state_split": {"axes": list(_data_axes(lever)), "share": state_split(state.state[1],
-                                                                                   _data_axes(lever))}}
+           "state_split": {"axes": list(state_axes(lever)), "share": state_split(state.state[1],
+                                                                                   state_axes(lever))}}
     if step == "one":
       compiled, seconds = compile_step(lever, state, *shapes)
     else:
@@ -143,12 +143,6 @@ def _measured(lever_name: str, step: str, source: Any, depth: int | None, mesh: 
   figures = {**figures, "flops_per_device": flops, "flops_source": source}
   say(f"compiled {at} in {seconds:.0f} s: peak {figures['peak_bytes_per_device'] / 2**30:.2f} GiB")
   return {**row, "error": None, "hbm_oom": None, "compile_s": seconds, **figures}
-
-
-def _data_axes(lever: Any) -> tuple[str, ...]:
-  """The mesh axes a lever splits the optimizer state over (the baseline: ``data``, where it splits none)."""
-  axes = lever.optimizer_options.get("data_axis", "data")
-  return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _lever_row(lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any,
@@ -393,7 +387,8 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
           "depth_extrapolated_from": extrapolated[0] if extrapolated else None,
           "estimate": r.estimate, "overrides": r.overrides, "search": r.search, "margin": r.margin,
           "batch_unit": planned.batch_unit, "slices": r.slices, "domains": target.domains,
-          "activation_sharding": sharding_of(planned.source_at(batch), planned.axes)}
+          "activation_sharding": sharding_of(planned.source_at(batch), planned.axes),
+          "tunix_sharding": r.tunix_sharding, "gpus_per_node": r.gpus_per_node}
   hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)
   way_out = None

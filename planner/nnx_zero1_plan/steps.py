@@ -11,7 +11,7 @@ gradients in, the state donated).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,10 +28,10 @@ from nnx_zero1 import value_and_grad_accumulated
 # version of the optimizer (its pyproject.toml pins it).
 from nnx_zero1._src.optimizer import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
-from nnx_zero1_plan.levers import Lever, make_optimizer
+from nnx_zero1_plan.levers import Lever, make_optimizer, summed_over
 
 __all__ = ["OPTIMIZERS", "scan_value_and_grad", "batch_axes", "abstract_batch",
-           "summed_over", "train_step",
+           "train_step",
            "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",
            "lever_state"]
 
@@ -91,21 +91,6 @@ def abstract_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) 
     return jax.ShapeDtypeStruct((ga * batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P(axes)))
   sharding = NamedSharding(mesh, P(None, axes))
   return jax.ShapeDtypeStruct((ga, batch, seq_len + 1), jnp.int32, sharding=sharding)
-
-
-def summed_over(mesh_axes: Sequence[str], state_axes: tuple[str, ...]) -> tuple[str, ...]:
-  """The axes a deferred lever sums its gradients over: the state's, and ``replica`` first where the mesh
-  has it (a pod's batch is split over it too; a state split over ``data`` alone is then reduce-scattered
-  over ``data`` and all-reduced over ``replica``).
-
-  Example::
-
-    >>> summed_over(("replica", "data"), ("data",)), summed_over(("data",), ("data",))
-    (('replica', 'data'), ('data',))
-  """
-  if "replica" in mesh_axes and "replica" not in state_axes:
-    return ("replica", *state_axes)
-  return state_axes
 
 
 def _gradients(model: Any, optimizer: Any, lever: Lever, loss_fn: Callable, batch: Any, ga: int) -> Any:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import command_line
+from nnx_zero1_plan.recommend import sent_bytes_of
 
 __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "header",
            "cells", "edge_cells", "split_words", "way_out_lines", "table", "next_steps",
@@ -198,8 +199,6 @@ COMPACT = ("lever", "step", "opt GiB", "args GiB", "temp GiB", "peak GiB", "usab
 def _compact(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
   """:data:`COMPACT`'s columns of :func:`cells` (a search's column only with a search, the pod's only on a
   pod), with the collective bytes each device sends per step on every network together."""
-  from nnx_zero1_plan.recommend import sent_bytes_of
-
   full = header(rows)
   keep = [c for c in COMPACT if c in full or c == "sent GiB per step"]
   if not any("max_micro_batch" in r for r in rows):

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import Zero1Optimizer, bytes_per_device, value_and_grad_accumulated
-from nnx_zero1._src.reduction import scatter_by_stages
+from nnx_zero1._src.stages import scatter_by_stages
 from nnx_zero1.testing import across_bytes, collectives, loop_collectives
 from tests.support.accumulate import VOCAB, token_batches
 from tests.support.helpers import Decoder, assert_trees_equal, lm_loss

@@ -4,6 +4,7 @@
 
 import importlib.util
 import re
+import shlex
 
 import pytest
 
@@ -12,6 +13,7 @@ from nnx_zero1_plan import compilers
 from nnx_zero1_plan.depth import extrapolate, extrapolate_row
 from nnx_zero1_plan.inputs import (
   PlanError,
+  command_line,
   mesh_axes,
   parse_levers,
   parse_mesh,
@@ -301,3 +303,15 @@ def test_plan_from_python_refuses_in_this_process_and_raises_the_planning_proces
   with pytest.raises(PlanError, match="zero1-master"):
     plan(f"{TOYS}:tiny_lm", "v6e:2x2", levers="zero1-master", steps="one", progress=lines.append)
   assert dict(os.environ) == environ
+
+
+def test_the_reproduce_command_carries_every_setting_that_changes_the_plan():
+  from nnx_zero1_plan import parse_args, request_of
+
+  meta = {"model": "tunix:llama3p2_1b", "topology": "h100:4x4", "mesh": {"replica": 4, "data": 4},
+          "batch": 16, "seq_len": 1024, "ga": 1, "levers": ["zero1"], "steps": ["one"], "gpus_per_node": 4,
+          "tunix_sharding": '{"act_btd": [["data"], null, "tp"]}'}
+  line = command_line(meta)
+  assert "--gpus-per-node 4" in line and "--tunix-sharding" in line
+  request = request_of(parse_args(shlex.split(line)[3:]))  # what it reproduces is what was planned
+  assert (request.gpus_per_node, request.tunix_sharding) == (4, meta["tunix_sharding"])
