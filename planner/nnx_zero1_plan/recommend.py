@@ -8,8 +8,9 @@ tokens per step per chip; a lever stands at a micro-batch where its own compile
 fitted, even above its edge, so no edge is weighed against a micro-batch the
 other lever was never compiled at); then the fewest collective
 bytes each device sends per token (the same basis for all-reduce, reduce-scatter
-and all-gather, within 1%); then the most headroom at that micro-batch; then no
-remat; then the lighter lever. Pure: rows in, one dict out.
+and all-gather, within 1%); then the fewest bytes copied to and from host memory
+(an offloaded state, within 1%); then the most headroom at that micro-batch; then
+no remat; then the lighter lever. Pure: rows in, one dict out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ __all__ = ["ORDER", "micro_batch_of", "fitted_at", "splits_nothing", "sent_bytes
            "lever_code", "recommend", "recompute_note", "baseline_beats", "why_picked"]
 
 ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
-         "fewest collective bytes sent per token (within 1%)", "most headroom at that micro-batch",
+         "fewest collective bytes sent per token (within 1%)",
+         "fewest bytes copied to and from host memory per step (offloaded state; within 1%)",
+         "most headroom at that micro-batch",
          "no remat", "the lighter lever")
 _SAME_BYTES = 0.01  # collective bytes this close are a tie: the headroom decides
 
@@ -365,6 +368,17 @@ def baseline_beats(rows: Sequence[Mapping[str, Any]], batch: int) -> list[str]:
   return out
 
 
+def host_bytes_of(row: Mapping[str, Any]) -> int:
+  """The bytes a row's step copies between host and device memory: its offloaded state, in and out.
+
+  Example::
+
+    >>> host_bytes_of({"host_argument_bytes_per_device": 100}), host_bytes_of({})
+    (200, 0)
+  """
+  return 2 * (row.get("host_argument_bytes_per_device") or 0)
+
+
 def why_picked(best: Mapping[str, Any], rivals: Sequence[Mapping[str, Any]], micro: int) -> list[str]:
   """One sentence for each lever that fits the same micro-batch as the pick: the headroom each leaves there
   and the bytes each sends, and which of :data:`ORDER` decided.
@@ -389,6 +403,11 @@ def why_picked(best: Mapping[str, Any], rivals: Sequence[Mapping[str, Any]], mic
       reason = "its fewer bytes between slices or nodes"
     elif abs(mine - theirs) <= _SAME_BYTES * max(mine, theirs, 1):
       sent, reason = f"both send {gib(mine)} GiB of collectives per step", "its headroom"
+      my_host, their_host = host_bytes_of(best), host_bytes_of(rival)
+      if abs(my_host - their_host) > _SAME_BYTES * max(my_host, their_host, 1):
+        sent += (f"; {best['lever']} copies {gib(my_host)} GiB to and from host memory per step and "
+                 f"{rival['lever']} {gib(their_host)}")
+        reason = "its fewer bytes over the host link"
     else:
       sent = (f"{best['lever']} sends {gib(mine)} GiB of collectives per step and {rival['lever']} "
               f"{gib(theirs)}")
@@ -450,7 +469,8 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
   level = [(best_micro, across_bytes_of(rows[i]) / tokens, sent_bytes_of(rows[i]) / tokens, i, rows[i])
            for i, m in edges.items() if m == best_micro or best_micro in fitted_at(rows[i], meta["batch"])]
   candidates = list(level)
-  for bytes_of in (lambda c: c[1], lambda c: c[2]):  # the slow network's bytes first, then all collectives'
+  # The slow network's bytes first, then all collectives', then the host link's.
+  for bytes_of in (lambda c: c[1], lambda c: c[2], lambda c: host_bytes_of(c[4])):
     fewest = min(bytes_of(c) for c in level)
     level = [c for c in level if bytes_of(c) <= fewest * (1 + _SAME_BYTES)]
 

@@ -209,3 +209,17 @@ def test_an_estimate_is_never_recommended():
   from nnx_zero1_plan.table import recommendation_lines
 
   assert "without --estimate" in recommendation_lines(None, {"estimate": True})[1]
+
+
+def test_at_one_micro_batch_and_equal_collectives_fewer_bytes_over_the_host_link_win_over_headroom():
+  # offload moves the whole state to host memory and back every step; the fraction that fits, a third.
+  rows = [_row("offload-fraction", collective=100, headroom_bytes_per_device=0, offload_fraction=0.29,
+               host_argument_bytes_per_device=G // 3),
+          _row("offload", collective=100, headroom_bytes_per_device=G, host_argument_bytes_per_device=G)]
+  best = recommend(rows, META)
+  assert best["lever"] == "offload-fraction"
+  assert "offload_state_to_host=0.29" in best["code"]
+  assert best["why"] == [
+      "at micro-batch 8 offload-fraction leaves 0.00 GiB free and offload 1.00 GiB; both send 0.00 GiB of "
+      "collectives per step; offload-fraction copies 0.67 GiB to and from host memory per step and offload "
+      "2.00: offload-fraction for its fewer bytes over the host link"]
