@@ -7,7 +7,8 @@ A table whose figures come from a kept plan names it on the line above it::
 
 (several plans, separated by spaces, where a table joins their rows). Each of its rows, found by its first
 cell, a lever of one of them (or, where the first column is ``model``, by the model's name, the end of
-``meta.model``, and the lever after it), is checked cell by cell, by the column's name:
+``meta.model``, and the lever after it; and by its ``step`` where the table has that column), is checked
+cell by cell, by the column's name:
 GiB to two decimals (optimizer state, arguments, temp, peak), the verdict (fits), the compile seconds, and
 the bytes each chip sends (``N B`` over the slow network, ``N MiB`` of it, ``N GB`` inside the slice). Every
 kept plan folder says how it was made (``measured.json``: the command and the versions).
@@ -79,16 +80,19 @@ def test_the_docs_mark_the_tables_of_the_kept_plans():
 @pytest.mark.parametrize("doc, source, table", MARKED, ids=[f"{d}:{s}" for d, s, _ in MARKED])
 def test_every_figure_of_a_marked_table_is_its_kept_plans(doc, source, table):
   plans = [json.loads((ROOT / s).read_text()) for s in source.split()]
-  rows = {(p["meta"]["model"].split(":")[-1], r["lever"]): r for p in plans for r in p["rows"]}
+  rows = [(p["meta"]["model"].split(":")[-1], r) for p in plans for r in p["rows"]]
   header, _, *body = table.strip().splitlines()
   columns = _cells(header)
   by_model = columns[0] == "model"
+  step_at = columns.index("step") - by_model if "step" in columns else None
   for line in body:
     cells = _cells(line)
     model = cells.pop(0).split()[0] if by_model else None
-    lever = cells[0].strip("`").split()[0]
-    found = [r for (m, lv), r in rows.items() if lv == lever and model in (None, m)]
-    assert len(found) == 1, f"{doc}: {model or ''} {lever} is not one row of {source}"
+    lever = cells[0].split()[0].strip("`")
+    step = cells[step_at] if step_at is not None else None
+    found = [r for m, r in rows if r["lever"] == lever and model in (None, m)
+             and step in (None, r.get("step"))]
+    assert len(found) == 1, f"{doc}: {model or ''} {lever} {step or ''} is not one row of {source}"
     for column, cell in zip(columns[1 + by_model:], cells[1:], strict=True):
       _check_cell(column, cell, found[0])
 
