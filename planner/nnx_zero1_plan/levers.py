@@ -39,6 +39,13 @@ LEVERS: dict[str, Lever] = {
     "zero1-pod-accum": Lever("zero1-pod + value_and_grad_accumulated (reduce-scattered inside each slice or "
                              "node, then across them: the baseline's bytes on each network)",
                              zero1=True, deferred=True, optimizer_options={"data_axis": ("replica", "data")}),
+    "zero1-accum-bf16across": Lever("zero1-accum, its gradients all-reduced across slices or nodes in bfloat16 "
+                                    "(half the slow network's bytes; not bit-identical)", zero1=True,
+                                    deferred=True, accumulate_options={"across_dtype": "bfloat16"}),
+    "zero1-pod-accum-bf16across": Lever("zero1-pod-accum, its gradients reduce-scattered across slices or nodes "
+                                        "in bfloat16 (not bit-identical)", zero1=True, deferred=True,
+                                        optimizer_options={"data_axis": ("replica", "data")},
+                                        accumulate_options={"across_dtype": "bfloat16"}),
     "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
                    zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
     "offload-fraction": Lever("Zero1Optimizer(offload_state_to_host=f) (the smallest share of the state in "
@@ -98,6 +105,8 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
   dtypes = ", ".join(sorted(param_dtypes))
   if name in ("zero1-pod", "zero1-pod-accum") and domains < 2:
     return f"{name} splits the state across slices or nodes too; this target is one (--slices, h100:8x8)"
+  if name.endswith("-bf16across") and domains < 2:
+    return f"{name} narrows what crosses between slices or nodes; this target is one (--slices, h100:8x8)"
   if name == "zero1-master" and set(param_dtypes) <= {"float32", "float64"}:
     return f"zero1-master keeps float32 copies of narrower parameters; these are {dtypes} already"
   if name == "zero1-bf16state" and set(param_dtypes) <= {"bfloat16"}:
