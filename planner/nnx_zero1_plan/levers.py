@@ -39,13 +39,15 @@ LEVERS: dict[str, Lever] = {
     "zero1-pod-accum": Lever("zero1-pod + value_and_grad_accumulated (reduce-scattered inside each slice or "
                              "node, then across them: the baseline's bytes on each network)",
                              zero1=True, deferred=True, optimizer_options={"data_axis": ("replica", "data")}),
-    "zero1-accum-bf16across": Lever("zero1-accum, its gradients all-reduced across slices or nodes in bfloat16 "
-                                    "(half the slow network's bytes; not bit-identical)", zero1=True,
-                                    deferred=True, accumulate_options={"across_dtype": "bfloat16"}),
-    "zero1-pod-accum-bf16across": Lever("zero1-pod-accum, its gradients reduce-scattered across slices or nodes "
-                                        "in bfloat16 (not bit-identical)", zero1=True, deferred=True,
-                                        optimizer_options={"data_axis": ("replica", "data")},
-                                        accumulate_options={"across_dtype": "bfloat16"}),
+    # across_dtype: the gradients' hop between slices or nodes in bfloat16, half its bytes; not bit-identical.
+    "zero1-accum-bf16across": Lever(
+        "zero1-accum, its gradients all-reduced across slices or nodes in bfloat16", zero1=True,
+        deferred=True,
+        accumulate_options={"across_dtype": "bfloat16"}),
+    "zero1-pod-accum-bf16across": Lever(
+        "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in bfloat16", zero1=True,
+        deferred=True, optimizer_options={"data_axis": ("replica", "data")},
+        accumulate_options={"across_dtype": "bfloat16"}),
     "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
                    zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
     "offload-fraction": Lever("Zero1Optimizer(offload_state_to_host=f) (the smallest share of the state in "
