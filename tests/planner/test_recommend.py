@@ -209,3 +209,17 @@ def test_an_estimate_is_never_recommended():
   from nnx_zero1_plan.table import recommendation_lines
 
   assert "without --estimate" in recommendation_lines(None, {"estimate": True})[1]
+
+
+def test_a_pick_that_narrows_the_hop_across_says_it_is_not_bit_identical():
+  meta = {**META, "topology": "h100:2x8", "mesh": {"replica": 2, "data": 8}, "domains": 2}
+  across = lambda n: {"across_per_step": {"all-reduce": {"count": 1, "bytes": n}}}
+  rows = [_row("zero1-accum", collectives=across(2 * G)),
+          _row("zero1-accum-bf16across", collectives=across(G))]
+  best = recommend(rows, meta)
+  assert best["lever"] == "zero1-accum-bf16across"
+  assert "across_dtype=jnp.bfloat16" in best["code"]
+  assert [n for n in best["notes"] if "not bit-identical" in n] == [
+      "zero1-accum-bf16across is not bit-identical: its gradients cross between slices or nodes in bfloat16 "
+      "(across_dtype; docs/pods.md measures the loss against the exact reduction)"]
+  assert not [n for n in recommend(rows[:1], meta)["notes"] if "not bit-identical" in n]
