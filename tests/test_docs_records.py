@@ -23,7 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 _MARK = re.compile(r"<!-- figures: (?P<source>[^>]+?) -->\n(?P<table>(?:\|.*\|\n)+)")
 _GIB = {"optimizer state": "opt_state_bytes_per_device", "arguments": "argument_bytes_per_device",
-        "temp": "temp_bytes_per_device", "peak": "peak_bytes_per_device"}
+        "temp": "temp_bytes_per_device", "peak": "peak_bytes_per_device",
+        "state in host memory": "host_argument_bytes_per_device"}
 
 
 def _marked_tables() -> list[tuple[str, str, str]]:
@@ -45,7 +46,9 @@ def _numbers(text: str, unit: str) -> list[float]:
 def _check_cell(column: str, cell: str, row: dict) -> None:
   plain = cell.replace("*", "").strip()
   network = row.get("network_per_step") or {}
-  if column in _GIB:
+  if column.endswith(" (B)"):  # bytes, exactly
+    _check_bytes(column.removesuffix(" (B)"), plain, row, network)
+  elif column in _GIB:
     value = row[_GIB[column]]
     assert plain == ("-" if value is None else f"{value / 2**30:.2f}"), (column, cell)
   elif column == "fits":
@@ -61,6 +64,20 @@ def _check_cell(column: str, cell: str, row: dict) -> None:
   elif column.startswith("over ICI") or column.startswith("over NVLink"):
     for n in _numbers(plain, "GB"):
       assert n == round(network["fast"]["bytes"] / 1e9, 1), (column, cell)
+
+
+def _check_bytes(column: str, plain: str, row: dict, network: dict) -> None:
+  numbers = [int(n.replace(",", "")) for n in re.findall(r"\d[\d,]*", plain)]
+  if column in _GIB:
+    assert numbers == [row[_GIB[column]]], (column, plain)
+  elif column.startswith("over DCN") or column.startswith("over InfiniBand"):
+    across = {op: c["bytes"] for op, c in (row["collectives"].get("across_per_step") or {}).items()}
+    said = dict(zip(re.findall(r"([a-z-]+) \d", plain), numbers, strict=True))
+    assert said == across, (column, plain, across)
+  elif column.startswith("over ICI") or column.startswith("over NVLink"):
+    assert numbers == [network["fast"]["bytes"]], (column, plain)
+  else:
+    raise AssertionError(f"no kept figure for a column of bytes named {column!r}")
 
 
 MARKED = _marked_tables()
@@ -104,3 +121,7 @@ def test_a_drifted_figure_fails():
     _check_cell("peak", f"{row['peak_bytes_per_device'] / 2**30 + 0.01:.2f}", row)
   with pytest.raises(AssertionError):
     _check_cell("over DCN per step (per chip)", "all-reduce 1,000,000 B", row)
+  with pytest.raises(AssertionError):
+    _check_cell("optimizer state (B)", f"{row['opt_state_bytes_per_device'] + 1:,}", row)
+  with pytest.raises(AssertionError):  # a transfer the kept plan does not have
+    _check_cell("over DCN per step (B)", "all-reduce 1,000,000", row)

@@ -31,6 +31,7 @@ from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
 from nnx_zero1._src.optimizer import Zero1Optimizer, mark_zero1_grads
 from nnx_zero1._src.placement import current_sharding, place
 from nnx_zero1._src.specs import DataAxis, axes_entry, data_axes, data_axis_size
+from nnx_zero1._src.stages import EXACT, Across
 
 __all__ = ["value_and_grad_accumulated"]
 
@@ -50,6 +51,7 @@ def value_and_grad_accumulated(
     strict: bool | None = None,
     defer_reduction: bool = True,
     shard_accumulator: bool = False,
+    across_dtype: Any = None,
 ) -> tuple[jax.Array, nnx.State]:
   """The mean loss and gradients of ``batch``, accumulated over micro-batches and reduced once.
 
@@ -130,6 +132,14 @@ def value_and_grad_accumulated(
       price of one reduce-scatter per micro-batch instead of one per step.
       Needs a ``Zero1Optimizer`` and the conditions of the deferred reduction.
       The result equals the deferred one up to the order of the sums.
+    across_dtype: a narrower floating dtype (``jnp.bfloat16``) for the stages of
+      the reduction over the slow axes: every data axis but the last one listed
+      (``("replica", "data")``: ``replica``, across TPU slices or GPU nodes).
+      What crosses between slices or nodes is then half the bytes, rounded to
+      that dtype; inside them the sums keep the gradient's dtype. Not
+      bit-identical to the exact reduction (``docs/pods.md`` measures the loss).
+      Needs a data axis over several mesh axes and the deferred reduction; where
+      the slow axes have size 1 nothing crosses and nothing is rounded.
 
   Returns:
     ``(loss, grads)``: the mean loss over the batch (a replicated scalar) and
@@ -141,7 +151,8 @@ def value_and_grad_accumulated(
       ``nnx.Optimizer``, a ``loss_fn`` that updates other model state,
       (``strict``) a reduction that cannot be deferred, or ``shard_accumulator``
       with a plain ``nnx.Optimizer``, ``defer_reduction=False`` or gradients no
-      replica can compute whole.
+      replica can compute whole; ``across_dtype`` that is not a floating dtype,
+      with one data axis, or where the reduction cannot be deferred.
   """
   zero1 = optimizer if isinstance(optimizer, Zero1Optimizer) else None
   if shard_accumulator:
@@ -160,6 +171,7 @@ def value_and_grad_accumulated(
     raise Zero1Error(f"data_axis={axes} does not include the axes the Zero1Optimizer splits its state over, "
                      f"{zero1.data_axis}; {describe_mesh(mesh)}")
   _check_micro_batches(batch, micro_batches, n, mesh)
+  across = _across(across_dtype, axes, mesh)
   one_device = zero1 is not None and zero1.zero1_plan.single_device
   if one_device:
     # Data-parallel size 1 (one device, no mesh): the one replica's program on the plan's
@@ -172,17 +184,21 @@ def value_and_grad_accumulated(
   args = (loss_of_params, pure_params, pure_rest, batch, micro_batches, mesh, axes)
 
   blocker = deferral.deferral_blocker(_batch_shardings(batch, mesh), homes, axes)
+  if across.dtype is not None and (blocker is not None or not defer_reduction):
+    why = blocker if blocker is not None else "defer_reduction=False asks for XLA's reduction"
+    raise Zero1Error(f"across_dtype={across.dtype.name} narrows the library's own reduction across "
+                     f"{sorted(across.axes)}, but {why}; {describe_mesh(mesh)}")
   if shard_accumulator:
     if blocker is not None:
       raise Zero1Error(f"shard_accumulator=True needs each replica's whole gradients, but {blocker}; "
                        f"{describe_mesh(mesh)}")
-    loss, grads = _scatter_every_micro_batch(*args, homes, targets)
+    loss, grads = _scatter_every_micro_batch(*args, homes, targets, across)
     return loss, mark_zero1_grads(_as_state(params, grads))
   if not deferral.defer(blocker, requested=defer_reduction, strict=strict, mesh=mesh,
                          who="value_and_grad_accumulated", log=logger if defer_reduction else None):
     loss, grads = _reduce_each_micro_batch(*args)
     return loss, _as_state(params, grads)
-  loss, grads = _reduce_once(*args, homes, targets)
+  loss, grads = _reduce_once(*args, homes, targets, across)
   if one_device:  # back on the device the parameters (and nnx.Optimizer's arithmetic) live on
     loss, grads = jax.device_put((loss, grads), jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]))
   state = _as_state(params, grads)
@@ -201,6 +217,26 @@ def _check_shard_accumulator(zero1: Zero1Optimizer | None, defer_reduction: bool
         "shard_accumulator=True reduce-scatters every micro-batch's per-replica gradients; "
         "defer_reduction=False asks for the global program instead: pass one or the other"
     )
+
+
+def _across(dtype: Any, axes: tuple[str, ...], mesh) -> Across:
+  """The slow axes (every data axis but the last listed) and ``dtype`` for their stages, or
+  ``Zero1Error`` where a narrower dtype cannot apply."""
+  if dtype is None:
+    return EXACT
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise Zero1Error(f"across_dtype must be a floating dtype such as jnp.bfloat16; {describe_mesh(mesh)}")
+  if len(axes) < 2:
+    raise Zero1Error(
+        f"across_dtype={dtype.name} narrows the reduction over the slow axes of a data axis over several "
+        f"mesh axes, the slow one first (data_axis=(\"replica\", \"data\")); the gradients are summed "
+        f"over {axes} only; {describe_mesh(mesh)}")
+  slow = frozenset(a for a in axes[:-1] if mesh.shape[a] > 1)
+  return Across(slow, dtype) if slow else EXACT  # one slice or node: nothing crosses, nothing is rounded
 
 
 def _plain_mesh(params: Any, batch: Any) -> Any:
@@ -300,7 +336,7 @@ def _mean(sums: Any, micro_batches: int) -> list:
   return jax.tree.leaves(reduction.mean_of_sums(sums, count))
 
 
-def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets):
+def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets, across):
   """Per replica: a scan over its micro-batches with no collective, into one row per replica;
   then :func:`reduction.reduce_rows`, one collective per leaf, as the engines reduce theirs."""
   varying = lambda x: jax.lax.pcast(x, axes, to="varying")
@@ -310,11 +346,11 @@ def _reduce_once(loss_of_params, params, rest, batch, micro_batches, mesh, axes,
       add=lambda acc, g: jax.tree.map(lambda a, x: a + x[None], acc, g),
       out_specs=jax.tree.map(lambda _: P(axes_entry(axes)), params),
   )
-  return loss, _mean(reduction.reduce_rows(rows, homes, targets, mesh, axes), micro_batches)
+  return loss, _mean(reduction.reduce_rows(rows, homes, targets, mesh, axes, across), micro_batches)
 
 
 def _scatter_every_micro_batch(
-    loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets
+    loss_of_params, params, rest, batch, micro_batches, mesh, axes, homes, targets, across
 ):
   """ZeRO-2: per replica, each micro-batch's gradients reduce-scattered
   (:func:`reduction.scatter_into`) into an accumulator on the Zero-1 layout."""
@@ -323,7 +359,7 @@ def _scatter_every_micro_batch(
   loss, sums = _scan_per_replica(
       loss_of_params, params, rest, batch, micro_batches, mesh, axes,
       zeros=lambda p: reduction.scattered_zeros(p, scatters),
-      add=lambda acc, g: reduction.scatter_into(acc, g, scatters, axes),
+      add=lambda acc, g: reduction.scatter_into(acc, g, scatters, axes, across),
       out_specs=jax.tree.unflatten(jax.tree.structure(params), [t.spec for t in targets]),
   )
   return loss, _mean(sums, micro_batches)

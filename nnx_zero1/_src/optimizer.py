@@ -243,6 +243,8 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     if new_masters is not None:  # the model gets the masters in its own dtype: a narrower all-gather
       nnx.update(self.master_params, nnx.state(new_masters, graph=self.graph))
       new_params, updates = optax.tree.cast_like(new_params, params), optax.tree.cast_like(updates, params)
+      if traced(new_params):  # the cast stays before the all-gather: the TPU compiler moves it after
+        new_params = jax.lax.optimization_barrier(new_params)
     nnx.update(model, _over_old_parameters(place_tree(new_params, homes), params, plan.mesh))
     nnx.update(self.opt_state, nnx.state(new_state, graph=self.graph))
     self.step[...] += 1

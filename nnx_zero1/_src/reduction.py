@@ -35,7 +35,7 @@ from nnx_zero1._src.specs import (
   padded_entries,
   spec_axes,
 )
-from nnx_zero1._src.stages import all_reduce_by_stages, scatter_by_stages
+from nnx_zero1._src.stages import EXACT, Across, all_reduce_by_stages, psum_by_network, scatter_by_stages
 
 __all__ = [
     "Scatter",
@@ -61,14 +61,17 @@ def _scattered(scatter: Scatter) -> tuple[str, ...]:
   return tuple(a for _, over in scatter for a in over)
 
 
-def reduce_local(partial: jax.Array, scatter: Scatter, axes: tuple[str, ...]) -> jax.Array:
+def reduce_local(
+    partial: jax.Array, scatter: Scatter, axes: tuple[str, ...], across: Across = EXACT,
+) -> jax.Array:
   """Inside ``shard_map``: sums one partial gradient over the replicas.
 
   ``scatter`` ``()``: ``psum`` (an all-reduce), the whole sum on every replica.
   Otherwise a ``psum_scatter`` (a literal ``reduce-scatter``) along each of its
   dimensions over the axes it names there, so each replica gets its slice of
   the sum as on the target layout (the Zero-1 layout), then a ``psum`` over the
-  data axes the target does not split over (a leaf split over only some of them).
+  data axes the target does not split over (a leaf split over only some of them). Each stage over
+  ``across``'s slow axes runs in its dtype.
 
   Example::
 
@@ -80,11 +83,11 @@ def reduce_local(partial: jax.Array, scatter: Scatter, axes: tuple[str, ...]) ->
     [1.0, 1.0, 1.0, 1.0]
   """
   if not scatter:
-    return all_reduce_by_stages(partial, axes)
+    return all_reduce_by_stages(partial, axes, across)
   for dim, over in scatter:
-    partial = scatter_by_stages(partial, over, dim)
+    partial = scatter_by_stages(partial, over, dim, across)
   rest = tuple(a for a in axes if a not in _scattered(scatter))
-  return jax.lax.psum(partial, rest) if rest else partial
+  return psum_by_network(partial, rest, across) if rest else partial
 
 
 def scattered_zeros(params: Any, scatters: Sequence[Scatter]) -> Any:
@@ -117,7 +120,9 @@ def scattered_zeros(params: Any, scatters: Sequence[Scatter]) -> Any:
   return jax.tree.unflatten(treedef, [zeros(p, d) for p, d in zip(leaves, scatters, strict=True)])
 
 
-def scatter_into(acc: Any, grads: Any, scatters: Sequence[Scatter], axes: tuple[str, ...]) -> Any:
+def scatter_into(
+    acc: Any, grads: Any, scatters: Sequence[Scatter], axes: tuple[str, ...], across: Across = EXACT,
+) -> Any:
   """Inside ``shard_map``: adds one micro-batch's per-replica gradients to a sharded accumulator.
 
   Each leaf is reduced with :func:`reduce_local` (one collective per leaf and
@@ -130,6 +135,7 @@ def scatter_into(acc: Any, grads: Any, scatters: Sequence[Scatter], axes: tuple[
     grads: this replica's whole gradients of the micro-batch.
     scatters: per leaf, how it reaches its target layout (:func:`scatters_of`).
     axes: the data axes.
+    across: the slow axes and the dtype their stages run in.
 
   Returns:
     The new accumulator blocks.
@@ -146,7 +152,7 @@ def scatter_into(acc: Any, grads: Any, scatters: Sequence[Scatter], axes: tuple[
   """
   a_leaves, treedef = jax.tree.flatten(acc)
   g_leaves = treedef.flatten_up_to(grads)  # type: ignore[attr-defined]  # PyTreeDef's stub is not seen
-  reduced = [reduce_local(g, d, axes) for g, d in zip(g_leaves, scatters, strict=True)]
+  reduced = [reduce_local(g, d, axes, across) for g, d in zip(g_leaves, scatters, strict=True)]
   # The barrier keeps each collective in its micro-batch: the TPU compiler otherwise moves a
   # reduction that only feeds a loop's running sum out of the loop (sum of reduce-scatters =
   # reduce-scatter of the sum), which brings back a whole accumulator per replica.
@@ -263,12 +269,12 @@ def accumulator_sharding(param_sharding: NamedSharding, ndim: int, axes: tuple[s
 def _reduce_each(
     leaves: Sequence[jax.Array], mesh: Any, in_specs: Sequence[P], targets: Sequence[NamedSharding],
     scatters: Sequence[Scatter], axes: Sequence[tuple[str, ...]],
-    local: Callable[[jax.Array, tuple], jax.Array],
+    local: Callable[[jax.Array, tuple], jax.Array], across: Across = EXACT,
 ) -> list[jax.Array]:
   """The one ``shard_map``: each leaf's local block -> ``local(block, axes)`` -> one collective."""
   def per_replica(*blocks):
     return tuple(
-        reduce_local(local(b, a), d, a) if a else local(b, a)
+        reduce_local(local(b, a), d, a, across) if a else local(b, a)
         for b, d, a in zip(blocks, scatters, axes, strict=True)
     )
 
@@ -278,7 +284,7 @@ def _reduce_each(
 
 def reduce_rows(
     rows: Any, param_shardings: Sequence[NamedSharding], targets: Sequence[NamedSharding],
-    mesh: Mesh, axes: tuple[str, ...],
+    mesh: Mesh, axes: tuple[str, ...], across: Across = EXACT,
 ) -> Any:
   """Sums each leaf's per-replica rows with one collective per leaf.
 
@@ -294,6 +300,7 @@ def reduce_rows(
     targets: where each reduced gradient goes (its parameter's layout or the Zero-1 one).
     mesh: the mesh.
     axes: the data axes.
+    across: the slow axes and the dtype their stages run in (default: all exact).
 
   Returns:
     The summed gradients, shaped like the parameters, on ``targets``.
@@ -317,7 +324,8 @@ def reduce_rows(
   in_specs = [accumulator_sharding(p, a.ndim - 1, axes).spec for a, p in zip(leaves, param_shardings)]
   # One local row, or several of which only the first is non-zero (gradients added already reduced).
   local = lambda block, r: block[0] if r == axes else block.sum(0)
-  return jax.tree.unflatten(treedef, _reduce_each(leaves, mesh, in_specs, targets, scatters, row_sets, local))
+  reduced = _reduce_each(leaves, mesh, in_specs, targets, scatters, row_sets, local, across)
+  return jax.tree.unflatten(treedef, reduced)
 
 
 def reduce_unreduced(grads: Any, targets: Any, axes: tuple[str, ...] = ("data",), *, into: Any = None) -> Any:

@@ -39,6 +39,20 @@ LEVERS: dict[str, Lever] = {
     "zero1-pod-accum": Lever("zero1-pod + value_and_grad_accumulated (reduce-scattered inside each slice or "
                              "node, then across them: the baseline's bytes on each network)",
                              zero1=True, deferred=True, optimizer_options={"data_axis": ("replica", "data")}),
+    # For a bfloat16 model on a pod: float32 masters split over every chip, the parameters gathered across in
+    # bfloat16, the gradients reduced by the library.
+    "zero1-pod-master-accum": Lever(
+        "zero1-pod-accum with master_dtype=float32 (float32 masters split over every chip)", zero1=True,
+        deferred=True, optimizer_options={"data_axis": ("replica", "data"), "master_dtype": "float32"}),
+    # across_dtype: the gradients' hop between slices or nodes in bfloat16, half its bytes; not bit-identical.
+    "zero1-accum-bf16across": Lever(
+        "zero1-accum, its gradients all-reduced across slices or nodes in bfloat16", zero1=True,
+        deferred=True,
+        accumulate_options={"across_dtype": "bfloat16"}),
+    "zero1-pod-accum-bf16across": Lever(
+        "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in bfloat16", zero1=True,
+        deferred=True, optimizer_options={"data_axis": ("replica", "data")},
+        accumulate_options={"across_dtype": "bfloat16"}),
     "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
                    zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
     "offload-fraction": Lever("Zero1Optimizer(offload_state_to_host=f) (the smallest share of the state in "
@@ -96,10 +110,12 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
     (False, True)
   """
   dtypes = ", ".join(sorted(param_dtypes))
-  if name in ("zero1-pod", "zero1-pod-accum") and domains < 2:
+  if name in ("zero1-pod", "zero1-pod-accum", "zero1-pod-master-accum") and domains < 2:
     return f"{name} splits the state across slices or nodes too; this target is one (--slices, h100:8x8)"
-  if name == "zero1-master" and set(param_dtypes) <= {"float32", "float64"}:
-    return f"zero1-master keeps float32 copies of narrower parameters; these are {dtypes} already"
+  if name.endswith("-bf16across") and domains < 2:
+    return f"{name} narrows what crosses between slices or nodes; this target is one (--slices, h100:8x8)"
+  if "master" in name and set(param_dtypes) <= {"float32", "float64"}:
+    return f"{name} keeps float32 copies of narrower parameters; these are {dtypes} already"
   if name == "zero1-bf16state" and set(param_dtypes) <= {"bfloat16"}:
     return f"zero1-bf16state stores the state in bfloat16; for {dtypes} parameters it is bfloat16 already"
   return None

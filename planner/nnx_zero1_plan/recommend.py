@@ -379,6 +379,23 @@ def host_bytes_of(row: Mapping[str, Any]) -> int:
   return 2 * (row.get("host_argument_bytes_per_device") or 0)
 
 
+def narrowed_note(lever: str) -> str | None:
+  """What a lever that narrows the gradients' hop between slices or nodes gives up (None: nothing).
+
+  Example::
+
+    >>> narrowed_note("zero1"), narrowed_note("zero1-accum-bf16across")[:44]
+    (None, 'zero1-accum-bf16across is not bit-identical:')
+  """
+  from nnx_zero1_plan.levers import LEVERS
+
+  dtype = LEVERS[lever].accumulate_options.get("across_dtype") if lever in LEVERS else None
+  if dtype is None:
+    return None
+  return (f"{lever} is not bit-identical: its gradients cross between slices or nodes in {dtype} "
+          "(across_dtype; docs/pods.md measures the loss against the exact reduction)")
+
+
 def why_picked(best: Mapping[str, Any], rivals: Sequence[Mapping[str, Any]], micro: int) -> list[str]:
   """One sentence for each lever that fits the same micro-batch as the pick: the headroom each leaves there
   and the bytes each sends, and which of :data:`ORDER` decided.
@@ -494,4 +511,5 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
           "order": list(ORDER),
           "baseline_beats": baseline_beats(same_step, meta["batch"]),
           "why": why_picked(best, rivals, best_micro),
-          "notes": [*unconfirmed, *skipped, *filter(None, [recompute_note(best, best_micro)])]}
+          "notes": [*unconfirmed, *skipped, *filter(None, [recompute_note(best, best_micro),
+                                                          narrowed_note(best["lever"])])]}

@@ -169,7 +169,8 @@ def test_deferred_zero1_on_a_pod_sends_no_more_than_the_baseline_on_either_netwo
   the parameters after it) and zero1 1.5x the baseline's over NVLink on GPU nodes."""
   params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
   result = run_plan(tmp_path, "--topology", *topology, "--steps", "one",
-                    "--levers", "baseline,zero1,zero1-pod,zero1-accum,zero1-pod-accum")
+                    "--levers", "baseline,zero1,zero1-pod,zero1-accum,zero1-pod-accum,zero1-accum-bf16across,"
+                    "zero1-pod-accum-bf16across")
   rows = {r["lever"]: r for r in result["rows"]}
   assert not [r["error"] for r in rows.values() if r["error"]]
   net = {n: {k: r["network_per_step"][k]["bytes"] for k in ("fast", "slow")} for n, r in rows.items()}
@@ -186,6 +187,15 @@ def test_deferred_zero1_on_a_pod_sends_no_more_than_the_baseline_on_either_netwo
   assert across["zero1-pod-accum"]["all-gather"] == pytest.approx(share, rel=0.01)
   assert across["zero1-pod-accum"].get("all-reduce", 0) < 0.01 * share  # the loss only
   assert across["zero1-accum"]["all-reduce"] == pytest.approx(across["baseline"]["all-reduce"], rel=0.01)
+  # across_dtype=bfloat16: the gradients' hop across in half the bytes, the parameters' as before, and
+  # nothing more inside.
+  narrow = {n: across[f"{n}-bf16across"] for n in ("zero1-accum", "zero1-pod-accum")}
+  half = across["zero1-accum"]["all-reduce"] / 2
+  assert narrow["zero1-accum"]["all-reduce"] == pytest.approx(half, rel=0.01)
+  assert narrow["zero1-pod-accum"]["reduce-scatter"] == pytest.approx(share / 2, rel=0.01)
+  assert narrow["zero1-pod-accum"]["all-gather"] == across["zero1-pod-accum"]["all-gather"]
+  for name in narrow:
+    assert net[f"{name}-bf16across"]["fast"] <= 1.005 * net["baseline"]["fast"], (name, net)
   # What the one-program levers still send (the compilers place that reduction): 1.5x on one network.
   worse = "slow" if topology[0].startswith("v5e") else "fast"
   name = "zero1-pod" if worse == "slow" else "zero1"
@@ -193,3 +203,21 @@ def test_deferred_zero1_on_a_pod_sends_no_more_than_the_baseline_on_either_netwo
   # Each deferred lever's state: a quarter or eighth (TPU), an eighth or sixteenth (GPU) of the moments.
   state = {n: r["opt_state_bytes_per_device"] for n, r in rows.items()}
   assert state["zero1-accum"] == state["zero1"] and state["zero1-pod-accum"] == state["zero1-pod"]
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (extra aot, Python >= 3.12), CI lane 2")
+def test_float32_masters_on_a_pod_send_the_bfloat16_parameters_across(tmp_path):
+  """A bfloat16 model with float32 masters split over every chip of two v5e slices: the parameters cross the
+  data-center network in bfloat16, (k-1) x 2P/8 per chip, as zero1-pod-accum's do, not the float32 masters
+  (the TPU compiler moves a narrowing cast after the all-gather unless it is held before it)."""
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
+  result = run_plan(tmp_path, "--model", "tests.support.planner_toys:tiny_lm_bf16", "--topology", "v5e:2x2",
+                    "--slices", "2", "--steps", "one", "--levers", "zero1-pod-accum,zero1-pod-master-accum")
+  rows = {r["lever"]: r for r in result["rows"]}
+  gathered = {n: r["collectives"]["across_per_step"]["all-gather"]["bytes"] for n, r in rows.items()}
+  assert gathered["zero1-pod-master-accum"] == gathered["zero1-pod-accum"]
+  assert gathered["zero1-pod-master-accum"] == pytest.approx(2 * params / 8, rel=0.01)
+  # The masters, 4P/8 per chip, and the moments in float32 over them, 2 x 2P/8 more than in bfloat16.
+  state = {n: r["opt_state_bytes_per_device"] for n, r in rows.items()}
+  masters = state["zero1-pod-master-accum"] - state["zero1-pod-accum"]
+  assert masters == pytest.approx(8 * params / 8, rel=0.001)

@@ -223,3 +223,17 @@ def test_at_one_micro_batch_and_equal_collectives_fewer_bytes_over_the_host_link
       "at micro-batch 8 offload-fraction leaves 0.00 GiB free and offload 1.00 GiB; both send 0.00 GiB of "
       "collectives per step; offload-fraction copies 0.67 GiB to and from host memory per step and offload "
       "2.00: offload-fraction for its fewer bytes over the host link"]
+
+
+def test_a_pick_that_narrows_the_hop_across_says_it_is_not_bit_identical():
+  meta = {**META, "topology": "h100:2x8", "mesh": {"replica": 2, "data": 8}, "domains": 2}
+  across = lambda n: {"across_per_step": {"all-reduce": {"count": 1, "bytes": n}}}
+  rows = [_row("zero1-accum", collectives=across(2 * G)),
+          _row("zero1-accum-bf16across", collectives=across(G))]
+  best = recommend(rows, meta)
+  assert best["lever"] == "zero1-accum-bf16across"
+  assert "across_dtype=jnp.bfloat16" in best["code"]
+  assert [n for n in best["notes"] if "not bit-identical" in n] == [
+      "zero1-accum-bf16across is not bit-identical: its gradients cross between slices or nodes in bfloat16 "
+      "(across_dtype; docs/pods.md measures the loss against the exact reduction)"]
+  assert not [n for n in recommend(rows[:1], meta)["notes"] if "not bit-identical" in n]

@@ -1,0 +1,108 @@
+"""``value_and_grad_accumulated(across_dtype=jnp.bfloat16)``: the stage of the gradient reduction between
+slices or nodes in bfloat16, the stages inside at full precision; refused where it cannot apply.
+
+8 virtual CPU devices as ``replica=2 x data=4`` (``replica`` for two slices). XLA's CPU compiler runs a
+bfloat16 collective in float32 after rounding its operands, so the bytes are checked in the program as
+lowered (the TPU and GPU compilers keep bfloat16: tests/planner/test_pod_plans.py counts what crosses),
+and the values against the exact reduction.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_zero1 import Zero1Error, Zero1Optimizer, value_and_grad_accumulated
+from tests.support.accumulate import VOCAB, explicit_mesh, token_batches
+from tests.support.helpers import Decoder, assert_trees_equal, lm_loss
+
+AXES = ("replica", "data")
+ROWS = 32
+ACROSS_GROUPS = "{{0,4},{1,5},{2,6},{3,7}}"  # replica: device i of one slice with device i of the other
+
+
+def build(cls, mesh, **kwargs):
+  with jax.set_mesh(mesh):
+    model = Decoder(nnx.Rngs(0), vocab=VOCAB)
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+    return model, cls(model, optax.adamw(1e-2), wrt=nnx.Param, **kwargs)
+
+
+def on(mesh, batch):
+  return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(AXES))), batch)
+
+
+@nnx.jit(static_argnames=("across", "shard"))
+def grads_of(model, opt, batch, across=None, shard=False):
+  return value_and_grad_accumulated(lm_loss, model, batch, micro_batches=2, optimizer=opt, data_axis=AXES,
+                                    across_dtype=across, shard_accumulator=shard)[1]
+
+
+def leaves(state):
+  return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def pod(shape=(2, 4)):
+  return explicit_mesh(shape, AXES)
+
+
+@pytest.mark.parametrize("cls, kwargs, shard", [
+    (Zero1Optimizer, {"data_axis": AXES}, False),
+    (Zero1Optimizer, {"data_axis": "data"}, False),
+    (Zero1Optimizer, {"data_axis": AXES}, True),
+    (nnx.Optimizer, {}, False),
+], ids=["zero1-over-both", "zero1-inside", "zero2-over-both", "nnx-optimizer"])
+def test_only_the_hop_across_is_rounded_to_bfloat16(cls, kwargs, shard):
+  mesh = pod()
+  model, opt = build(cls, mesh, **kwargs)
+  batch = on(mesh, token_batches(1, rows=ROWS)[0])
+  with jax.set_mesh(mesh):
+    exact = leaves(grads_of(model, opt, batch, shard=shard))
+    narrow = leaves(grads_of(model, opt, batch, across=jnp.bfloat16, shard=shard))
+    lowered = grads_of.lower(model, opt, batch, across=jnp.bfloat16, shard=shard).as_text(dialect="hlo")
+  assert [x.dtype for x in narrow] == [x.dtype for x in exact]
+  # Each gradient is the sum of two slices' sums, each rounded to bfloat16 (8 bits of mantissa), and the
+  # sum rounded again: within 2^-7 of the largest magnitude, and not the exact sum.
+  for e, n in zip(exact, narrow, strict=True):
+    assert np.max(np.abs(n - e)) <= 2.0**-7 * np.max(np.abs(e)) + 1e-30
+  assert any(np.any(n != e) for e, n in zip(exact, narrow, strict=True))
+  # In the program: every collective over replica's groups is bfloat16, none over data's is.
+  across, inside = [], []
+  for line in lowered.splitlines():
+    if re.search(r" (reduce-scatter|all-reduce|all-gather)\(", line):
+      (across if ACROSS_GROUPS in line else inside).append(line)
+  assert across and all(re.search(r"= bf16\[", line) for line in across), across
+  assert inside and not [line for line in inside if re.search(r"= bf16\[", line)], inside
+
+
+def test_one_slice_rounds_nothing():
+  """On one slice (replica=1) nothing crosses, and the gradients are the exact reduction's, bit for bit."""
+  mesh = pod((1, 8))
+  model, opt = build(Zero1Optimizer, mesh, data_axis=AXES)
+  batch = on(mesh, token_batches(1, rows=ROWS)[0])
+  with jax.set_mesh(mesh):
+    assert_trees_equal(grads_of(model, opt, batch), grads_of(model, opt, batch, across=jnp.bfloat16))
+
+
+@pytest.mark.parametrize("call, match", [
+    (dict(data_axis="data"), "summed over \\('data',\\) only"),
+    (dict(across_dtype=jnp.int8), "must be a floating dtype"),
+    (dict(across_dtype="not a dtype"), "must be a floating dtype"),
+    (dict(defer_reduction=False), "defer_reduction=False"),
+], ids=["one-data-axis", "integer", "not-a-dtype", "not-deferred"])
+def test_where_it_cannot_apply_it_is_refused_and_nothing_changes(call, match):
+  mesh = pod()
+  model, opt = build(Zero1Optimizer, mesh, data_axis="data")
+  batch = on(mesh, token_batches(1, rows=ROWS)[0])
+  before = leaves((nnx.state(model), nnx.state(opt)))
+  kwargs = {"data_axis": AXES, "across_dtype": jnp.bfloat16, **call}
+  with jax.set_mesh(mesh), pytest.raises(Zero1Error, match=match):
+    value_and_grad_accumulated(lm_loss, model, batch, micro_batches=2, optimizer=opt, **kwargs)
+  for b, a in zip(before, leaves((nnx.state(model), nnx.state(opt))), strict=True):
+    np.testing.assert_array_equal(a, b)
