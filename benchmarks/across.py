@@ -76,24 +76,14 @@ def run(steps: int, seeds: list[int], out: pathlib.Path) -> dict[str, Any]:
 
 
 def _plot(result: dict[str, Any], path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from benchmarks.precision import plot_losses
 
   seeds = sorted({r["seed"] for r in result["runs"]})
-  fig, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds), 4), sharey=True, squeeze=False)
-  for ax, seed in zip(axes[0], seeds, strict=True):
-    for r in (r for r in result["runs"] if r["seed"] == seed):
-      ax.plot(r["losses"], label=f"{r['arm']} (final {r['final_loss']:.4f}, {r['final_gap_to_exact']:+.2%})",
-              linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_yscale("log")
-    ax.set_title(f"seed {seed}, replica=2 x data=4, Zero-1 over both")
-    ax.legend()
-  axes[0][0].set_ylabel("loss")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  panels = [(f"seed {seed}, replica=2 x data=4, Zero-1 over both",
+             [(f"{r['arm']} (final {r['final_loss']:.4f}, {r['final_gap_to_exact']:+.2%})", r["losses"])
+              for r in result["runs"] if r["seed"] == seed])
+            for seed in seeds]
+  plot_losses(panels, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,24 +112,32 @@ def run(steps: int, dp: int, out: pathlib.Path) -> dict[str, Any]:
 
 
 def _plot(result: dict[str, Any], path: pathlib.Path) -> None:
+  titles = {"zero1": "state precision (float32 compute)",
+            "zero1-f32params": "master weights (bfloat16 compute)"}
+  panels = [(f"{title}, data={result['dp']}",
+             [(f"{arm} (final {row['final_loss']:.4f}, {row['final_gap_to_reference']:+.2%})", row["losses"])
+              for arm, row in result["arms"].items() if row["reference"] == reference])
+            for reference, title in titles.items()]
+  plot_losses(panels, path)
+
+
+def plot_losses(panels: list[tuple[str, list[tuple[str, list[float]]]]], path: pathlib.Path) -> None:
+  """Loss curves side by side, one panel per ``(title, [(label, losses), ...])``, log scale, saved to
+  ``path``."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
-  titles = {"zero1": "state precision (float32 compute)",
-            "zero1-f32params": "master weights (bfloat16 compute)"}
-  for ax, (reference, title) in zip(axes, titles.items(), strict=True):
-    for arm, row in result["arms"].items():
-      if row["reference"] == reference:
-        gap = row["final_gap_to_reference"]
-        ax.plot(row["losses"], label=f"{arm} (final {row['final_loss']:.4f}, {gap:+.2%})", linewidth=1)
+  fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), sharey=True, squeeze=False)
+  for ax, (title, curves) in zip(axes[0], panels, strict=True):
+    for label, losses in curves:
+      ax.plot(losses, label=label, linewidth=1)
     ax.set_xlabel("step")
     ax.set_yscale("log")
-    ax.set_title(f"{title}, data={result['dp']}")
+    ax.set_title(title)
     ax.legend()
-  axes[0].set_ylabel("loss")
+  axes[0][0].set_ylabel("loss")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 

@@ -19,8 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import Zero1Error, Zero1Optimizer, value_and_grad_accumulated
-from tests.support.accumulate import VOCAB, explicit_mesh, token_batches
-from tests.support.helpers import Decoder, assert_trees_equal, lm_loss
+from tests.support.accumulate import build as build_on
+from tests.support.accumulate import explicit_mesh, token_batches
+from tests.support.helpers import assert_trees_equal, lm_loss
 
 AXES = ("replica", "data")
 ROWS = 32
@@ -28,10 +29,7 @@ ACROSS_GROUPS = "{{0,4},{1,5},{2,6},{3,7}}"  # replica: device i of one slice wi
 
 
 def build(cls, mesh, **kwargs):
-  with jax.set_mesh(mesh):
-    model = Decoder(nnx.Rngs(0), vocab=VOCAB)
-    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
-    return model, cls(model, optax.adamw(1e-2), wrt=nnx.Param, **kwargs)
+  return build_on(cls, optax.adamw(1e-2), mesh, **kwargs)
 
 
 def on(mesh, batch):
