@@ -222,9 +222,9 @@ def test_on_a_pod_fewer_bytes_over_the_slow_network_decide_before_all_bytes_and_
   rows[1]["collectives"]["across_per_step"] = across(G // 2)
   best = recommend(rows, pod)
   assert best["lever"] == "zero1-pod"
-  assert best["why"] == ["at micro-batch 8 zero1-pod leaves 1.00 GiB free and zero1 2.00 GiB; zero1-pod sends "
-                         "0.50 GiB per step over the slow network and zero1 1.00: zero1-pod for its fewer "
-                         "bytes between slices or nodes"]
+  assert best["why"] == ["at micro-batch 8 zero1-pod leaves 1.00 GiB free and zero1 2.00 GiB; zero1-pod "
+                         "sends 0.50 GiB per step over the slow network and zero1 1.00: zero1-pod for its "
+                         "fewer bytes between slices or nodes"]
   # Within 1% over the slow network: all the bytes decide again.
   rows[1]["collectives"]["across_per_step"] = across(G - G // 200)
   best = recommend(rows, pod)
