@@ -15,23 +15,28 @@ import importlib.util
 import os
 from collections.abc import Mapping
 
-__all__ = ["LOCKFILE", "ENV", "CALLERS_OWN", "AotUnavailable", "install_hint", "gpu_install_hint",
-           "require_libtpu", "require_cuda_plugin", "lockfile_holders", "clear_stale_lockfile",
-           "planning_environment", "prepare_planning_process", "prepare_environment", "start_cpu_jax",
-           "keep_jax_on_cpu"]
+__all__ = ["LOCKFILE", "HOST_ACCELERATOR_TYPE", "ENV", "CALLERS_OWN", "AotUnavailable", "install_hint",
+           "gpu_install_hint", "require_libtpu", "require_cuda_plugin", "lockfile_holders",
+           "clear_stale_lockfile", "planning_environment", "prepare_planning_process", "prepare_environment",
+           "start_cpu_jax", "keep_jax_on_cpu"]
 
 LOCKFILE = "/tmp/libtpu_lockfile"
+
+# The TPU host libtpu is told it runs on, where there is none: libtpu starting on a machine with no TPU
+# prints six lines of warnings and errors about the host metadata it could not read, and this (with one
+# worker, TPU_WORKER_HOSTNAMES=localhost) answers it. v6e-4 is a slice of one host, so the two agree. It is
+# not the compile target, which is the topology's description: plans for v4, v5e and v6e topologies were
+# measured byte-identical whatever this names.
+HOST_ACCELERATOR_TYPE = "v6e-4"
 
 # Compile only: jax stays on the CPU backend, libtpu skips the cloud metadata server it would ask
 # for a TPU's identity, and loads although another process (a second compile) has it loaded.
 # The CUDA plugin, when installed, must not look for a GPU either.
-# TPU_WORKER_HOSTNAMES and TPU_ACCELERATOR_TYPE: libtpu starting on a machine with no TPU prints six
-# lines of warnings and errors about the host metadata it could not read; these answer it. The compile
-# target is the topology's description, not these (v4, v5e and v6e plans measured byte-identical).
+# TPU_WORKER_HOSTNAMES and TPU_ACCELERATOR_TYPE: the host metadata libtpu asks for (see above).
 # TPU_MIN_LOG_LEVEL: libtpu writes no log files (by default it fills /tmp/tpu_logs with one set per process).
 ENV = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-       "CUDA_VISIBLE_DEVICES": "-1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v6e-4",
-       "TPU_MIN_LOG_LEVEL": "3"}
+       "CUDA_VISIBLE_DEVICES": "-1", "TPU_WORKER_HOSTNAMES": "localhost",
+       "TPU_ACCELERATOR_TYPE": HOST_ACCELERATOR_TYPE, "TPU_MIN_LOG_LEVEL": "3"}
 # The settings of ENV a caller's own value replaces: how much libtpu logs is the caller's to choose. The
 # others hold whatever the caller's environment says: a caller on a GPU or TPU machine has its devices
 # visible, and a planning process that saw them would start on them or stop at a lockfile.

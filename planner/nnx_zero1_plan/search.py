@@ -21,13 +21,32 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BAND", "fits_in", "Probe", "Edge", "round_down", "line_limit", "find_edge", "next_fraction",
-           "search_row", "offload_search"]
+__all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPILES", "fits_in", "Probe",
+           "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search"]
 
 # Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
 # with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8): a fitting
 # micro-batch there vouches for none below it, so the ones below are compiled too.
 BAND = 0.03
+# The largest global micro-batch the search compiles, in sequences: it ends a search in which every compile
+# fits (a tiny model on a large pod) before doubling reaches shapes too large to trace. A bound, not a
+# measurement: two orders of magnitude above the largest edge the documented plans found (152 on h200:8).
+MAX_MICRO_BATCH = 1 << 14
+# The compiles one lever's search may take before it reports its bracket as unconfirmed. The searches
+# measured on h200:8 (docs/planner.md: a 1.21B decoder, from either start) took 7 to 9; at this budget
+# tests/planner/test_search.py finishes a linear peak (6 at most), the GPU's saturating peak and a sharp
+# bend from starts 48 and 176, but not the bend from 8 (14 needed: a strict xfail there). A compile took
+# about a minute on two cores, so this bounds one lever's search to about twelve minutes.
+MAX_COMPILES = 12
+# At most this many times the largest fitting micro-batch in one jump on the line's guess: from a nearly flat
+# start (a fixed part dominating small micro-batches) the line's guess runs to thousands of sequences, a
+# compile there is large and slow and most likely refused. Three doublings in one compile: a flat start at 8
+# reaches 64, then 512, within the budget's first compiles (tests/planner/test_search.py's flat starts).
+MAX_JUMP = 8
+# The compiles the offload-fraction search may take: the first says how far over the step is, the second
+# confirms the share that saves it, and two more follow the line through the last two compiles where the
+# compiler kept some offloaded bytes live. A bound: what does not fit by then is refused, saying so.
+OFFLOAD_COMPILES = 4
 
 
 def fits_in(row: dict[str, Any], usable: int) -> bool | None:
@@ -134,8 +153,8 @@ def _line_guess(probes: dict[int, Probe], usable: int, step: int) -> int | None:
   return line_limit(far[-1], top, usable, step)
 
 
-def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start: int, cap: int = 1 << 14,
-              max_compiles: int = 12, band: float = BAND) -> Edge:
+def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start: int,
+              cap: int = MAX_MICRO_BATCH, max_compiles: int = MAX_COMPILES, band: float = BAND) -> Edge:
   """The largest multiple of ``step`` that fits below the first that does not, and that one.
 
   Args:
@@ -143,9 +162,9 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     step: the micro-batch's unit: the batch axes' size (every device gets whole sequences).
     usable: bytes per device the step may use (the reserve taken off already).
     start: the first micro-batch to compile (the user's ``--batch``).
-    cap: the largest micro-batch the search compiles.
-    max_compiles: a bound on the compiles; when it is reached the bracket so far is returned, and
-      :attr:`Edge.unfinished` says so.
+    cap: the largest micro-batch the search compiles (see :data:`MAX_MICRO_BATCH`).
+    max_compiles: a bound on the compiles (see :data:`MAX_COMPILES`); when it is reached the bracket so
+      far is returned, and :attr:`Edge.unfinished` says so.
     band: within this share of ``usable`` a fitting compile is at the limit and vouches for no smaller
       micro-batch (see :data:`BAND`).
 
@@ -213,8 +232,8 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
       guess = _line_guess(probes, usable, step)
       if guess is None:  # no rising line yet (a fixed part dominates small micro-batches): double
         batch = 2 * lo
-      elif guess >= lo + 2 * step:  # at most 8x in one jump: a nearly flat line overshoots wildly
-        batch, stride = min(guess, 8 * lo), 0
+      elif guess >= lo + 2 * step:  # a nearly flat line overshoots wildly: at most MAX_JUMP times in one
+        batch, stride = min(guess, MAX_JUMP * lo), 0
       else:
         stride = 2 * stride or step
         batch = lo + stride
@@ -286,7 +305,8 @@ def search_row(first: dict, row_at: Callable[[int], dict], unit: int, usable: in
           "search_compile_s": round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1)}
 
 
-def offload_search(row_with: Callable[[float], dict], usable: int, tries: int = 4) -> dict[str, Any]:
+def offload_search(row_with: Callable[[float], dict], usable: int,
+                   tries: int = OFFLOAD_COMPILES) -> dict[str, Any]:
   """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever).
 
   Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the

@@ -315,3 +315,23 @@ def test_the_reproduce_command_carries_every_setting_that_changes_the_plan():
   assert "--gpus-per-node 4" in line and "--tunix-sharding" in line
   request = request_of(parse_args(shlex.split(line)[3:]))  # what it reproduces is what was planned
   assert (request.gpus_per_node, request.tunix_sharding) == (4, meta["tunix_sharding"])
+
+
+def test_a_pods_table_has_each_networks_bytes_and_time_before_the_note():
+  """A pod's rows (``network_per_step``) add two columns before the note, in plan.md's table and the
+  terminal's: each network's name, MiB per step and its estimated time; other plans have neither."""
+  nets = lambda fast, slow: {"fast": {"network": "ICI", "bytes": fast * 2**20, "estimate_ms": 0.5},
+                             "slow": {"network": "DCN", "bytes": slow * 2**20, "estimate_ms": None}}
+  rows = [_row("baseline", 8 * 2**30, network_per_step=nets(3, 2)),
+          _row("zero1-pod", 6 * 2**30, network_per_step=nets(4, 1.5))]
+  wide = table(rows).splitlines()
+  assert "inside slice/node per step, MiB (est.)  over the slow network per step, MiB (est.)" in wide[0]
+  assert wide[0].split("  ")[-1].strip() == "note"
+  assert re.search(r"ICI 3\.0 \(~0\.5 ms\)\s+DCN 2\.0$", wide[2]), wide[2]
+  assert re.search(r"ICI 4\.0 \(~0\.5 ms\)\s+DCN 1\.5$", wide[3]), wide[3]
+  compact = table(rows, wide=False).splitlines()
+  assert "inside, MiB (est.)  across, MiB (est.)" in compact[1]
+  assert re.search(r"ICI 4\.0 \(~0\.5 ms\)\s+DCN 1\.5\s+3$", compact[4]), compact[4]
+  plain = [{k: v for k, v in r.items() if k != "network_per_step"} for r in rows]
+  assert "MiB (est.)" not in table(plain) and "MiB (est.)" not in table(plain, wide=False)
+  assert "DCN" not in table(plain)
