@@ -6,8 +6,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.inputs import command_line
 from nnx_zero1_plan.recommend import sent_bytes_of
+from nnx_zero1_plan.request import command_line
 
 __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "header",
            "cells", "edge_cells", "split_words", "way_out_lines", "table", "next_steps",
