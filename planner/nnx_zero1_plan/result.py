@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_zero1_plan.row import Row
 from nnx_zero1_plan.table import markdown, recommendation_lines, table, way_out_lines
 
 __all__ = ["Plan"]
@@ -24,7 +25,8 @@ class Plan:
   """What each lever needs per device on the target; ``str()`` is the printed table.
 
   Attributes:
-    rows: one dict per lever (plan.json's rows).
+    rows: one :class:`~nnx_zero1_plan.row.Row` per lever, step and remat policy (plan.json's rows; each
+      reads as a mapping of their field names: ``row["fits"]``).
     meta: the settings and the compilers.
     next_steps: what to try next, in order, when no row fits (empty otherwise).
     recommendation: the configuration to run (see :func:`nnx_zero1_plan.recommend.recommend`), or None
@@ -33,7 +35,7 @@ class Plan:
       (:func:`nnx_zero1_plan.way_out.find_way_out`); None otherwise.
   """
 
-  rows: list[dict[str, Any]]
+  rows: list[Row]
   meta: dict[str, Any]
   next_steps: list[str]
   recommendation: dict[str, Any] | None = None
@@ -53,18 +55,20 @@ class Plan:
 
     Example::
 
-      >>> plan = Plan([{"lever": "zero1"}], {"model": "m:f"}, [])
+      >>> plan = Plan([], {"model": "m:f"}, ["the lever zero1: ..."])
       >>> Plan.from_record(json.loads(json.dumps(plan.to_record()))) == plan
       True
     """
-    return {"meta": self.meta, "rows": self.rows, "recommendation": self.recommendation,
-            "way_out": self.way_out, "next_steps": self.next_steps}
+    rows = [row.to_json() for row in self.rows]
+    return {"meta": self.meta, "rows": rows, "recommendation": self.recommendation, "way_out": self.way_out,
+            "next_steps": self.next_steps}
 
   @classmethod
   def from_record(cls, record: Mapping[str, Any]) -> Plan:
     """The plan :meth:`to_record` wrote (plan.json's object, or the planning process's answer)."""
-    return cls(list(record["rows"]), dict(record["meta"]), list(record["next_steps"]),
-               record.get("recommendation"), record.get("way_out"))
+    rows = [Row.from_json(row) for row in record["rows"]]
+    return cls(rows, dict(record["meta"]), list(record["next_steps"]), record.get("recommendation"),
+               record.get("way_out"))
 
   def write(self, out_dir: str) -> list[str]:
     """Writes plan.json and plan.md into ``out_dir``; returns their paths."""

@@ -31,6 +31,7 @@ from nnx_zero1_plan.planned_model import (
 from nnx_zero1_plan.recommend import recommend
 from nnx_zero1_plan.request import STEPS, PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
+from nnx_zero1_plan.row import Row
 from nnx_zero1_plan.search import offload_search, search_row
 from nnx_zero1_plan.table import next_steps
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
@@ -56,7 +57,7 @@ def _micro_batch(request: PlanRequest, planned: PlannedModel | None,
 
 
 def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel, name: str, step: str,
-               policy: str | None, batch: int) -> dict[str, Any]:
+               policy: str | None, batch: int) -> Row:
   """One lever's row under one remat policy: compiled at ``batch``, and for ``offload-fraction`` the smallest
   share offloaded that fits (searched at ``batch``), or with ``search`` the largest micro-batch that fits."""
   shape = StepShape(batch, request.seq_len, request.ga, request.optimizer)
@@ -64,11 +65,11 @@ def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel,
   if LEVERS[name].picks_offload:  # the fraction is searched at --batch, the micro-batch is not
     row_with = lambda f: {**compiler.row(name, step, model, dataclasses.replace(shape, offload_fraction=f)),
                           "remat": policy}
-    return offload_search(row_with, compiler.usable)
+    return Row.from_json(offload_search(row_with, compiler.usable))
   row = row_at(batch)
   if request.search:
     row = {**row, **search_row(row, row_at, model.batch_unit, compiler.usable)}
-  return row
+  return Row.from_json(row)
 
 
 def _done(name: str, step: str, policy: str | None, topology: str, row: Mapping[str, Any]) -> str:
@@ -82,7 +83,7 @@ def _done(name: str, step: str, policy: str | None, topology: str, row: Mapping[
   return f"done: {name} ({step}{under}) for {topology}{found}"
 
 
-def _meta(request: PlanRequest, planned: PlannedModel, target: Target, rows: Sequence[Mapping[str, Any]],
+def _meta(request: PlanRequest, planned: PlannedModel, target: Target, rows: Sequence[Row],
           batch: int, batch_default: str | None, compiler: str, usable: int) -> dict[str, Any]:
   """plan.json's meta: the settings as planned (the mesh and micro-batch resolved), the compilers, the
   memory."""

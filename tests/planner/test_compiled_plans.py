@@ -124,7 +124,7 @@ source = model_source("tests.support.planner_toys:tiny_lm")
 mesh = Mesh(np.array(make_target("v6e:2x2").devices), ("data",), axis_types=(AxisType.Auto,))
 state = lever_state(LEVERS["zero1"], lambda: source.build(None), "adamw", mesh)
 stats = compile_step(LEVERS["zero1"], state, source.loss_fn, mesh, 8, 64, 1)[0].memory_analysis()
-print("RESULT " + json.dumps({"row": plan.rows[0], "total": stats.total_allocation_bytes,
+print("RESULT " + json.dumps({"row": plan.rows[0].to_json(), "total": stats.total_allocation_bytes,
       "formula": stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
                  + stats.temp_size_in_bytes}, default=str))
 """
