@@ -2,9 +2,11 @@
 
 The planner is its own distribution, ``nnx-zero1-plan`` (``pip install ./planner`` from a
 clone of nnx-zero1), released with the optimizer it plans for. ``plan``, :class:`Plan`,
-``main`` and the command line are its interface; its modules (``steps``, ``levers``,
+:class:`Row`, ``main`` and the command line are its interface; its modules (``steps``, ``levers``,
 ``compiled``, ``abstract``, ``compilers``, ``table``) are the building blocks the
-benchmark harness shares.
+benchmark harness shares. Which modules are pure (this one, and everything the caller's process
+imports: no jax), which trace or compile, and which orchestrates (``run``) is ARCHITECTURE.md's
+planner section.
 
 Each lever's training step (gradients over ``--ga`` micro-batches, then
 ``optimizer.update``, the state donated) is built abstractly, as one program
@@ -46,8 +48,10 @@ from nnx_zero1_plan.inputs import PlanError, parse_overrides
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.request import DEFAULT_DEPTHS, SETTING_DEFAULTS, PlanRequest
 from nnx_zero1_plan.result import Plan
+from nnx_zero1_plan.row import Row
 
-__all__ = ["Plan", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "request_of", "main"]
+__all__ = ["Plan", "Row", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "request_of",
+           "main"]
 
 
 def plan(model: str | PlanRequest, topology: str | None = None, *,
@@ -66,8 +70,9 @@ def plan(model: str | PlanRequest, topology: str | None = None, *,
     **settings: the other fields of :class:`PlanRequest` by name (``batch``, ``search``, ``margin``, ...).
 
   Returns:
-    A :class:`Plan`: ``rows`` (one dict per lever and step), ``meta``, ``recommendation`` (the lever,
-    micro-batch, code and command to run, by a stated order), ``next_steps``; ``str()`` is the table.
+    A :class:`Plan`: ``rows`` (one :class:`Row` per lever and step, read as a mapping), ``meta``,
+    ``recommendation`` (the lever, micro-batch, code and command to run, by a stated order),
+    ``next_steps``; ``str()`` is the table.
 
   Raises:
     PlanError: an unknown model, topology, lever, optimizer or mesh axis, a mesh that does not match,
