@@ -40,7 +40,7 @@ STEPS = {
 }
 
 # --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes), as the
-# recommendation's code writes them.
+# recommendation's code writes them; the compiled step builds them from this code (steps.OPTIMIZERS).
 OPTIMIZER_CODE = {
     "adamw": "optax.adamw(1e-5)",
     "adam": "optax.adam(1e-5)",
