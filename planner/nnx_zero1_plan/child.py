@@ -21,7 +21,7 @@ from collections.abc import Callable
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.request import PlanRequest
-from nnx_zero1_plan.run import Plan
+from nnx_zero1_plan.result import Plan
 
 __all__ = ["MARK", "plan_in_child", "main"]
 
@@ -63,8 +63,7 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
         progress(message["progress"])
       result = message if "progress" not in message else result
   if result is not None and "plan" in result:
-    fields = result["plan"]
-    return Plan(fields["rows"], fields["meta"], fields["next_steps"], fields["recommendation"])
+    return Plan.from_record(result["plan"])
   if result is not None and result["error"]["type"] in _ERRORS:
     raise _ERRORS[result["error"]["type"]](result["error"]["message"])
   why = result["error"]["traceback"] if result is not None else "\n".join(other[-20:])
@@ -85,8 +84,7 @@ def main() -> int:
   except Exception as e:  # every failure goes back to the caller, who raises it
     _say({"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}})
     return 1
-  _say({"plan": {"rows": result.rows, "meta": result.meta, "next_steps": result.next_steps,
-                 "recommendation": result.recommendation}})
+  _say({"plan": result.to_record()})
   return 0
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.inputs import PlanError, command_line, parse_topology
+from nnx_zero1_plan.inputs import PlanError, parse_topology
+from nnx_zero1_plan.request import command_line
 
 __all__ = ["ORDER", "micro_batch_of", "fitted_at", "splits_nothing", "sent_bytes_of", "mesh_code",
            "lever_code", "recommend", "recompute_note", "baseline_beats", "why_picked"]

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPILES", "fits_in", "Probe",
-           "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search"]
+__all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPILES", "SEARCH_FIELDS",
+           "OFFLOAD_FIELDS", "fits_in", "Probe", "Edge", "round_down", "line_limit", "find_edge",
+           "next_fraction", "search_row", "offload_search"]
 
 # Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
 # with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8): a fitting
@@ -49,7 +50,7 @@ MAX_JUMP = 8
 OFFLOAD_COMPILES = 4
 
 
-def fits_in(row: dict[str, Any], usable: int) -> bool | None:
+def fits_in(row: Mapping[str, Any], usable: int) -> bool | None:
   """Whether a compiled row fits: the one verdict the plan, the search and the offload search use. False
   where the compiler refused the program for memory, else its peak within ``usable``; None where there are
   no figures (a refusal for another reason).
@@ -275,6 +276,11 @@ def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.
   share = math.ceil(round(share * 100, 6)) / 100
   return None if share > 1 else share
 
+
+# What a row gains from :func:`search_row` and from :func:`offload_search` (plan.json's names).
+SEARCH_FIELDS = ("max_micro_batch", "above", "refused_because", "search_unfinished", "fits_above", "at_max",
+                 "at_above", "search", "search_compile_s")
+OFFLOAD_FIELDS = ("offload_fraction", "offload_search", "offload_refused_because")
 
 _AT_EDGE = ("peak_bytes_per_device", "formula_peak_bytes_per_device", "temp_bytes_per_device",
             "argument_bytes_per_device", "headroom_bytes_per_device", "flops_per_device", "compile_s",

@@ -6,8 +6,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.inputs import command_line
 from nnx_zero1_plan.recommend import sent_bytes_of
+from nnx_zero1_plan.request import command_line
 
 __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "header",
            "cells", "edge_cells", "split_words", "way_out_lines", "table", "next_steps",
@@ -65,12 +65,12 @@ def split_words(r: Mapping[str, Any]) -> str | None:
   return ", ".join(words)
 
 
-def _note(r: dict[str, Any]) -> str:
+def _note(r: Mapping[str, Any]) -> str:
   notes = [n for n in (split_words(r), _verdict_note(r)) if n]
   return "; ".join(notes)
 
 
-def _verdict_note(r: dict[str, Any]) -> str:
+def _verdict_note(r: Mapping[str, Any]) -> str:
   if r.get("error"):
     return f"refused: {r['error']}"
   if r.get("search_unfinished"):
@@ -87,13 +87,13 @@ def _verdict_note(r: dict[str, Any]) -> str:
   return ""
 
 
-def _max_micro_batch(r: dict[str, Any]) -> str:
+def _max_micro_batch(r: Mapping[str, Any]) -> str:
   if "max_micro_batch" not in r:
     return "-"
   return "none" if r["max_micro_batch"] is None else str(r["max_micro_batch"])
 
 
-def _lever(r: dict[str, Any]) -> str:
+def _lever(r: Mapping[str, Any]) -> str:
   """The lever, with the share it offloads (``offload-fraction``) and the state's bytes in host memory."""
   host = (r.get("opt_state_bytes_by_memory_kind") or {}).get("pinned_host")
   picked = f" {r['offload_fraction']:.2f}" if "offload_fraction" in r else ""
@@ -114,16 +114,16 @@ def network_cell(network: Mapping[str, Any] | None) -> str:
   return f"{network['network']} {network['bytes'] / 2**20:,.1f}{ms}"
 
 
-def _is_pod(rows: Sequence[dict[str, Any]]) -> bool:
+def _is_pod(rows: Sequence[Mapping[str, Any]]) -> bool:
   return any("network_per_step" in r for r in rows)
 
 
-def header(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+def header(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
   """:data:`HEADER`, with :data:`POD_HEADER` before the note where the rows are a pod's."""
   return HEADER[:-1] + POD_HEADER + HEADER[-1:] if _is_pod(rows) else HEADER
 
 
-def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+def cells(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, ...]]:
   """One tuple of strings per row, in :func:`header`'s order."""
   pod = _is_pod(rows)
   out: list[tuple[str, ...]] = []
@@ -155,7 +155,7 @@ EDGE_HEADER = ("lever", "step", "max micro-batch", "peak GiB", "headroom GiB", "
                "one step up", "its peak GiB / refusal", "compiles", "note")
 
 
-def edge_cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+def edge_cells(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, ...]]:
   """A searched row's figures at its largest micro-batch and one step above it (:data:`EDGE_HEADER`).
 
   Example::
@@ -196,7 +196,7 @@ COMPACT = ("lever", "step", "opt GiB", "args GiB", "temp GiB", "peak GiB", "usab
            "max micro-batch", "sent GiB per step", *POD_HEADER, "compile s", "note")
 
 
-def _compact(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+def _compact(rows: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
   """:data:`COMPACT`'s columns of :func:`cells` (a search's column only with a search, the pod's only on a
   pod), with the collective bytes each device sends per step on every network together."""
   full = header(rows)
@@ -214,7 +214,7 @@ def _compact(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], list[tupl
   return tuple(short.get(c, c) for c in keep), body
 
 
-def table(rows: Sequence[dict[str, Any]], wide: bool = True) -> str:
+def table(rows: Sequence[Mapping[str, Any]], wide: bool = True) -> str:
   """The rows as an aligned text table (GiB per device): every column (plan.md's), or ``wide=False`` the
   terminal's (:data:`COMPACT`, under a line naming the target and the mesh).
 
@@ -244,7 +244,7 @@ def table(rows: Sequence[dict[str, Any]], wide: bool = True) -> str:
   return text
 
 
-def next_steps(rows: Sequence[dict[str, Any]], meta: Mapping[str, Any], levers: Sequence[str], *,
+def next_steps(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], levers: Sequence[str], *,
                blocked: Mapping[str, str], remat: str | None, batch_unit: int) -> list[str]:
   """What to try next, in order, when no row fits (empty when one does): each item ends with its command.
 
@@ -400,7 +400,7 @@ def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> lis
           *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in body)]
 
 
-def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequence[str],
+def markdown(meta: dict[str, Any], rows: Sequence[Mapping[str, Any]], steps: Sequence[str],
              recommendation: Mapping[str, Any] | None = None,
              way_out: Mapping[str, Any] | None = None) -> str:
   """plan.md: the settings, the table and what to try next.

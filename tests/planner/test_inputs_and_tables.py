@@ -13,7 +13,6 @@ from nnx_zero1_plan import compilers
 from nnx_zero1_plan.depth import extrapolate, extrapolate_row
 from nnx_zero1_plan.inputs import (
   PlanError,
-  command_line,
   mesh_axes,
   parse_levers,
   parse_mesh,
@@ -23,6 +22,7 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.maxtext import config_overrides, engine_attributes
+from nnx_zero1_plan.request import command_line
 from nnx_zero1_plan.table import next_steps, table
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None

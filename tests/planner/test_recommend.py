@@ -1,7 +1,7 @@
 """The recommendation's order (pure: rows in, one configuration out), value by value."""
 
-from nnx_zero1_plan.inputs import command_line
 from nnx_zero1_plan.recommend import ORDER, baseline_beats, lever_code, recommend
+from nnx_zero1_plan.request import command_line
 
 G = 2**30
 META = {"model": "mymodels.models:build", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8,
