@@ -237,3 +237,14 @@ def test_a_pick_that_narrows_the_hop_across_says_it_is_not_bit_identical():
       "zero1-accum-bf16across is not bit-identical: its gradients cross between slices or nodes in bfloat16 "
       "(across_dtype; docs/pods.md measures the loss against the exact reduction)"]
   assert not [n for n in recommend(rows[:1], meta)["notes"] if "not bit-identical" in n]
+
+
+def test_a_deferred_levers_code_for_a_tunix_model_gives_its_gradient_call():
+  """Tunix's trainer reduces the gradients itself (optax.MultiSteps): a deferred lever's code says the
+  gradients the plan compiled are value_and_grad_accumulated's, with the lever's options and axes."""
+  code = lever_code("zero1-accum-bf16across", "tunix:qwen3_0p6b", mesh={"replica": 2, "data": 4})
+  assert "from nnx_zero1 import value_and_grad_accumulated" in code.splitlines()
+  assert code.splitlines()[-1] == (
+      "  # each step: loss, grads = value_and_grad_accumulated(loss_fn, model, batch, micro_batches=GA, "
+      "optimizer=trainer.optimizer, across_dtype=jnp.bfloat16, data_axis=('replica', 'data'))")
+  assert "value_and_grad_accumulated" not in lever_code("zero1", "tunix:qwen3_0p6b", mesh={"data": 4})
