@@ -28,14 +28,13 @@ _SEED_STRIDE = 10**6  # seed s trains on the streams' steps s * 10**6, s * 10**6
 
 def run(steps: int, seeds: list[int], out: pathlib.Path) -> dict[str, Any]:
   import jax
-  import numpy as np
   import optax
   from flax import nnx
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   from benchmarks.model import loss_fn
-  from benchmarks.precision import progressions
+  from benchmarks.precision import final_loss, progressions
   from benchmarks.settings import Settings, new_model
   from nnx_zero1 import Zero1Optimizer, value_and_grad_accumulated
 
@@ -62,9 +61,8 @@ def run(steps: int, seeds: list[int], out: pathlib.Path) -> dict[str, Any]:
           batch = progressions(settings.config.vocab, 32, settings.config.seq_len, seed * _SEED_STRIDE + i)
           losses.append(float(step(model, optimizer, jax.device_put(batch, rows), across)))
         result["runs"].append({"arm": arm, "seed": seed, "across_dtype": across, "losses": losses})
-        print(f"seed {seed} {arm}: final loss {np.mean(losses[-max(1, steps // 10):]):.5f}", file=sys.stderr)
-  tail = max(1, steps // 10)
-  final = {(r["seed"], r["arm"]): float(np.mean(r["losses"][-tail:])) for r in result["runs"]}
+        print(f"seed {seed} {arm}: final loss {final_loss(losses):.5f}", file=sys.stderr)
+  final = {(r["seed"], r["arm"]): final_loss(r["losses"]) for r in result["runs"]}
   for r in result["runs"]:
     r["final_loss"] = final[r["seed"], r["arm"]]
     exact = final[r["seed"], "exact"]

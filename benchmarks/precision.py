@@ -56,7 +56,6 @@ def progressions(vocab: int, batch: int, seq: int, step: int) -> Any:
 def run(steps: int, dp: int, out: pathlib.Path) -> dict[str, Any]:
   import jax
   import jax.numpy as jnp
-  import numpy as np
   import optax
   from flax import nnx
   from jax.sharding import NamedSharding
@@ -98,17 +97,29 @@ def run(steps: int, dp: int, out: pathlib.Path) -> dict[str, Any]:
           "options": {k: str(v) for k, v in options.items()}, "losses": losses,
           "optimizer_bytes_per_device": report(optimizer).per_device_bytes,
       }
-      print(f"{arm}: final loss {np.mean(losses[-max(1, steps // 10):]):.4f}", file=sys.stderr)
-  tail = max(1, steps // 10)
+      print(f"{arm}: final loss {final_loss(losses):.4f}", file=sys.stderr)
   for row in result["arms"].values():
-    final = float(np.mean(row["losses"][-tail:]))
-    reference = float(np.mean(result["arms"][row["reference"]]["losses"][-tail:]))
+    final = final_loss(row["losses"])
+    reference = final_loss(result["arms"][row["reference"]]["losses"])
     row["final_loss"] = final
     row["final_gap_to_reference"] = (final - reference) / reference
   out.mkdir(parents=True, exist_ok=True)
   (out / "precision.json").write_text(json.dumps(result, indent=1))
   _plot(result, out / "precision.png")
   return result
+
+
+def final_loss(losses: list[float]) -> float:
+  """A run's final loss: the mean of its last tenth (at least one step).
+
+  Example::
+
+    >>> final_loss([4.0, 3.0] + [1.0] * 18)
+    1.0
+  """
+  import numpy as np
+
+  return float(np.mean(losses[-max(1, len(losses) // 10):]))
 
 
 def _plot(result: dict[str, Any], path: pathlib.Path) -> None:

@@ -125,3 +125,49 @@ def test_a_drifted_figure_fails():
     _check_cell("optimizer state (B)", f"{row['opt_state_bytes_per_device'] + 1:,}", row)
   with pytest.raises(AssertionError):  # a transfer the kept plan does not have
     _check_cell("over DCN per step (B)", "all-reduce 1,000,000", row)
+
+
+def _table_under(doc: str, header: str) -> list[list[str]]:
+  """The body rows of the table in ``doc`` whose header line starts with ``header``."""
+  lines = (ROOT / doc).read_text().splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith(header))
+  body = []
+  for line in lines[start + 2:]:
+    if not line.startswith("|"):
+      break
+    body.append(_cells(line))
+  return body
+
+
+def test_the_loss_table_is_the_kept_across_runs():
+  """docs/pods.md's loss with the gradients crossing in bfloat16: each seed's final losses and gap are
+  benchmarks.across's kept output (docs/data/across_bf16/across.json)."""
+  runs = json.loads((ROOT / "docs/data/across_bf16/across.json").read_text())["runs"]
+  final = {(r["seed"], r["arm"]): r for r in runs}
+  body = _table_under("docs/pods.md", "| seed | exact |")
+  assert [int(row[0]) for row in body] == sorted({r["seed"] for r in runs})
+  for seed, exact, narrow, gap in body:
+    assert exact == f"{final[int(seed), 'exact']['final_loss']:.6f}"
+    assert narrow == f"{final[int(seed), 'bf16across']['final_loss']:.6f}"
+    assert gap == f"{final[int(seed), 'bf16across']['final_gap_to_exact']:+.3%}"
+
+
+def test_the_slow_network_arithmetic_is_the_formula_and_the_kept_toy_plan_within_its_padding():
+  """docs/pods.md's bytes per chip per step over DCN by formula, for the toy (P parameters, k=2 slices of
+  d=4, float32): each figure is its formula's, and the kept plan's compiled bytes for those levers are
+  within 1% of it (the TPU's padding). The last row (a bfloat16 model's masters) is lane 2's test."""
+  plan = json.loads((ROOT / "docs/data/tiny_lm_v5e_2slices/plan.json").read_text())
+  slow = {r["lever"]: r["network_per_step"]["slow"]["bytes"] for r in plan["rows"]}
+  p, k, d, b = 2_100_736, 2, 4, 4
+  formulas = {"baseline, `zero1-accum`": (2 * (k - 1) / k * b * p / d, ["baseline", "zero1-accum"]),
+              "`zero1-pod-accum`": (2 * (k - 1) / k * b * p / d, ["zero1-pod-accum"]),
+              "`zero1-accum-bf16across`": (2 * (k - 1) / k * 2 * p / d, ["zero1-accum-bf16across"]),
+              "`zero1-pod-accum-bf16across`": ((k - 1) / k * (2 + b) * p / d, ["zero1-pod-accum-bf16across"])}
+  body = _table_under("docs/pods.md", "| lever | over DCN / InfiniBand (bytes per chip per step)")
+  assert len(body) == len(formulas) + 1
+  for lever, _, figure in body[:-1]:
+    bytes_, levers = formulas[lever]
+    assert int(figure.replace(",", "")) == bytes_, lever
+    for name in levers:
+      assert slow[name] == pytest.approx(bytes_, rel=0.01), (name, slow[name], bytes_)
+  assert int(body[-1][2].replace(",", "")) == (k - 1) / k * 4 * p / d

@@ -74,10 +74,10 @@ def build_plan(
   # flax places even the abstract state by it (with no mesh nothing is placed, as nnx.Optimizer).
   shardings = variable_shardings(param_state, mesh)
   declared = declared_specs(param_state) if device is None else None
-  param_layouts(params, shardings, axes, declared)
+  layouts = param_layouts(params, shardings, axes, declared)
   abstract_state = nnx.as_pure(jax.eval_shape(opt_state_init(tx, options.master_dtype), param_state))
   plan = make_plan(tx, params, mesh, axes, abstract_state=abstract_state, param_shardings=shardings,
-                   declared=declared)
+                   layouts=layouts)
   if device is not None:
     plan = single_device_plan(plan, device)
   if options.strict:

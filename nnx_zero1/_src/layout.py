@@ -35,6 +35,7 @@ from nnx_zero1._src.specs import (
 )
 
 __all__ = [
+    "NOTES",
     "Reason",
     "declared_layout",
     "is_split",
@@ -70,7 +71,9 @@ class Reason(enum.StrEnum):
   DECLARED = "laid out as the variable's optimizer_sharding declares"
 
 
-_SPLIT = frozenset({Reason.ALREADY_SHARDED, Reason.PARTLY_SPLIT, Reason.DECLARED})
+NOTES = frozenset({Reason.PARTLY_SPLIT, Reason.DECLARED})
+"""The reasons that say how a split leaf is split, not why a leaf is whole."""
+_SPLIT = NOTES | {Reason.ALREADY_SHARDED}
 
 
 def is_split(reason: Reason | None) -> bool:

@@ -22,6 +22,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from nnx_zero1._src.compat import optimizer_sharding_of
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.layout import (
+    NOTES,
     Reason,
     declared_layout,
     is_split,
@@ -36,8 +37,6 @@ __all__ = [
     "LeafPlan", "Zero1Plan", "declared_specs", "make_plan", "one_device_mesh", "param_layouts",
     "single_device_plan",
 ]
-
-_NOTES = (Reason.PARTLY_SPLIT, Reason.DECLARED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +225,7 @@ def param_layouts(
 def make_plan(
     tx: optax.GradientTransformation, params: Any, mesh: Mesh, data_axis: DataAxis, *,
     abstract_state: Any = None, param_shardings: Sequence[NamedSharding] | None = None,
-    declared: Sequence[PartitionSpec | None] | None = None,
+    layouts: Sequence[tuple[NamedSharding, Reason | None]] | None = None,
 ) -> Zero1Plan:
   """Works out the Zero-1 layout of every leaf of ``tx.init(params)``.
 
@@ -240,12 +239,12 @@ def make_plan(
   ``param_shardings`` are the parameters' shardings on ``mesh`` in tree-leaf order,
   when the caller knows more than the arrays say (traced parameters' declared specs,
   :func:`~nnx_zero1._src.mesh.variable_shardings`); else :func:`sharding_on_mesh` of each.
-  ``declared`` are the parameters' declared ``optimizer_sharding`` specs in the same order
-  (:func:`declared_specs`; None: none), each honoured (:func:`declared_layout`) or refused.
+  ``layouts`` are the parameters' Zero-1 layouts in the same order when the caller has
+  worked them out (:func:`param_layouts`, with the layouts their Variables declare); else
+  the rule's (:func:`zero1_layout`) for each.
 
   Raises:
-    Zero1Error: a declared ``optimizer_sharding`` Zero-1 cannot honour (naming the
-      parameter, the spec and why), or state of which nothing can be tied to a parameter.
+    Zero1Error: state of which nothing can be tied to a parameter.
 
   Example::
 
@@ -260,7 +259,8 @@ def make_plan(
   if param_shardings is None:
     param_shardings = [sharding_on_mesh(x, mesh) for x in leaves]
   shardings = tuple(param_shardings)
-  layouts = param_layouts(params, shardings, data_axis, declared)  # once per parameter
+  if layouts is None:
+    layouts = param_layouts(params, shardings, data_axis)  # once per parameter
   zero1 = tuple(sharding for sharding, _ in layouts)
   if abstract_state is None:
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -278,12 +278,12 @@ def make_plan(
     elif owner.index is not None:
       i = owner.index
       sharding, reason = statistic_layout(shape, shapes[i], zero1[i], data_axis)
-      if reason is None and layouts[i][1] in _NOTES:  # it follows its parameter's layout
+      if reason is None and layouts[i][1] in NOTES:  # it follows its parameter's layout
         reason = layouts[i][1]
     else:
       sharding, reason = replicated, Reason.SCALAR if not shape else Reason.NOT_PARAM_SHAPED
     by_parameter = reason == Reason.ALREADY_SHARDED
-    note = reason if reason in _NOTES else None
+    note = reason if reason in NOTES else None
     reason = None if is_split(reason) else reason
     sharding = full_rank_sharding(sharding, len(shape))
     name = jax.tree_util.keystr(path)

@@ -29,12 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src.errors import Zero1Error
-from nnx_zero1._src.specs import (
-  axes_entry,
-  entry_axes,
-  padded_entries,
-  spec_axes,
-)
+from nnx_zero1._src.specs import axes_entry, entry_axes, padded_entries, spec_axes
 from nnx_zero1._src.stages import EXACT, Across, all_reduce_by_stages, psum_by_network, scatter_by_stages
 
 __all__ = [

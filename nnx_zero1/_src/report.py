@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnx_zero1._src.errors import Zero1Error
-from nnx_zero1._src.layout import Reason, is_split
+from nnx_zero1._src.layout import NOTES, Reason, is_split
 from nnx_zero1._src.specs import data_axis_size, keep_axes, spec_axes
 
 __all__ = ["Zero1Report", "ReportRow", "report", "bytes_per_device", "memory_kind_of"]
@@ -260,6 +260,6 @@ def _master_rows(opt, plan) -> list[ReportRow]:
         replicated_optimizer_bytes=0, sharded=split, reason="" if split else str(reason),
         by_parameter=by_parameter, memory_kind=memory_kind_of(leaf), master=True,
         data_axes=_split_over(leaf.sharding, plan.data_axis) if split else (),
-        note=str(reason) if reason in (Reason.PARTLY_SPLIT, Reason.DECLARED) else "",
+        note=str(reason) if reason in NOTES else "",
     ))
   return rows

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 # Not public, as mark_zero1_grads in steps.py: the planner is released with this version of the optimizer.
 from nnx_zero1._src.report import memory_kind_of
+from nnx_zero1._src.specs import spec_axes
 
 __all__ = ["AbstractState", "abstract_bytes_per_device", "bytes_by_memory_kind", "state_split",
            "with_state_homes", "abstract_state", "describe_model"]
@@ -63,7 +64,7 @@ def state_split(tree: Any, data_axes: tuple[str, ...]) -> dict[str, float]:
   totals: dict[str, int] = {}
   for x in jax.tree.leaves(tree):
     spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
-    named = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a}
+    named = set(spec_axes(spec))
     over = ",".join(a for a in data_axes if a in named) or "none"
     totals[over] = totals.get(over, 0) + int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
   whole = sum(totals.values()) or 1

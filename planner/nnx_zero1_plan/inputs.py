@@ -8,7 +8,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 __all__ = ["shortened", "PlanError", "ModelRef", "Topology", "parse_mesh", "parse_levers", "parse_topology",
-           "mesh_axes", "check_replica", "micro_batch", "check_axis_names", "parse_model", "parse_overrides"]
+           "mesh_axes", "check_replica", "micro_batch", "check_axis_names", "parse_model", "parse_overrides",
+           "spelled_mesh"]
 
 # The axes a batch or the parameters split over without the model naming them (Zero-1's data axis,
 # fsdp for the batch and the layout rule, tp for a model that names it); any other axis must be the model's.
@@ -107,13 +108,14 @@ def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
   for name in model_axes:
     axes.setdefault(name, 1)
   if math.prod(axes.values()) != devices:
-    shape = ",".join(f"{k}={v}" for k, v in axes.items())
+    shape = spelled_mesh(axes)
     raise PlanError(f"--mesh {shape} has {math.prod(axes.values())} devices; the topology has {devices}")
   check_replica(axes, domains, default_axis, where)
   return axes
 
 
-def _spelled_mesh(axes: Mapping[str, int]) -> str:
+def spelled_mesh(axes: Mapping[str, int]) -> str:
+  """A mesh as ``--mesh`` spells it: ``replica=2,data=4``."""
   return ",".join(f"{k}={v}" for k, v in axes.items())
 
 
@@ -142,7 +144,7 @@ def check_replica(axes: Mapping[str, int], domains: int, default_axis: str = "da
   replica = axes.get("replica", 1)
   if domains < 2:
     if replica > 1:
-      raise PlanError(f"--mesh {_spelled_mesh(axes)}: replica runs across TPU slices or GPU nodes, and "
+      raise PlanError(f"--mesh {spelled_mesh(axes)}: replica runs across TPU slices or GPU nodes, and "
                       f"this target is one; name the axis {default_axis}, or plan a pod (--slices N on a TPU "
                       "slice, CHIP:NODESxGPUS for GPU nodes)")
     return
@@ -155,8 +157,8 @@ def check_replica(axes: Mapping[str, int], domains: int, default_axis: str = "da
   suggestion = ""
   if inside % domains == 0 and (inside // domains) % others == 0:
     rest[default_axis] = inside // domains // others
-    suggestion = f": --mesh {_spelled_mesh({'replica': domains, **rest})}"
-  raise PlanError(f"--mesh {_spelled_mesh(axes)}: on {domains} {where}, replica must be the outermost axis, "
+    suggestion = f": --mesh {spelled_mesh({'replica': domains, **rest})}"
+  raise PlanError(f"--mesh {spelled_mesh(axes)}: on {domains} {where}, replica must be the outermost axis, "
                   f"its size the number of {where}; the devices are laid out in the mesh's order, so only "
                   f"then does it cross them{suggestion}")
 

@@ -109,15 +109,16 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
     >>> lever_blocker("zero1-bf16state", {"bfloat16"}) is None, lever_blocker("zero1", {"float32"}) is None
     (False, True)
   """
-  dtypes = ", ".join(sorted(param_dtypes))
-  if name in ("zero1-pod", "zero1-pod-accum", "zero1-pod-master-accum") and domains < 2:
-    return f"{name} splits the state across slices or nodes too; this target is one (--slices, h100:8x8)"
-  if name.endswith("-bf16across") and domains < 2:
-    return f"{name} narrows what crosses between slices or nodes; this target is one (--slices, h100:8x8)"
-  if "master" in name and set(param_dtypes) <= {"float32", "float64"}:
+  lever, dtypes = LEVERS[name], ", ".join(sorted(param_dtypes))
+  one = "this target is one (--slices, h100:8x8)"
+  if lever.accumulate_options.get("across_dtype") and domains < 2:
+    return f"{name} narrows what crosses between slices or nodes; {one}"
+  if "replica" in state_axes(lever) and domains < 2:
+    return f"{name} splits the state across slices or nodes too; {one}"
+  if "master_dtype" in lever.optimizer_options and set(param_dtypes) <= {"float32", "float64"}:
     return f"{name} keeps float32 copies of narrower parameters; these are {dtypes} already"
-  if name == "zero1-bf16state" and set(param_dtypes) <= {"bfloat16"}:
-    return f"zero1-bf16state stores the state in bfloat16; for {dtypes} parameters it is bfloat16 already"
+  if lever.optimizer_options.get("state_dtype") == "bfloat16" and set(param_dtypes) <= {"bfloat16"}:
+    return f"{name} stores the state in bfloat16; for {dtypes} parameters it is bfloat16 already"
   return None
 
 

@@ -276,7 +276,7 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
     'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
   """
-  from nnx_zero1_plan.levers import LEVERS, state_axes, summed_over, with_offload
+  from nnx_zero1_plan.levers import LEVERS, with_offload
   from nnx_zero1_plan.maxtext import engine_attributes
   from nnx_zero1_plan.request import OPTIMIZER_CODE
 
@@ -294,7 +294,12 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
                                                                       if spelled else "")
   mesh_lines = mesh_code(mesh, platform, domains)
   if model.startswith("tunix:"):
-    return "\n".join(_tunix_code(lever, options, mesh_lines, mesh, tx, activation_sharding))
+    lines = _tunix_code(lever, options, mesh_lines, mesh, tx, activation_sharding)
+    if lever.deferred:  # Tunix's trainer accumulates with optax.MultiSteps, reduced every micro-batch
+      lines[1] += "\nfrom nnx_zero1 import value_and_grad_accumulated"
+      lines += ["  # this lever's gradients are value_and_grad_accumulated's, in your own nnx.jit step "
+                "(Tunix's trainer computes its own):", _accumulate_line(lever, mesh, "trainer.optimizer")]
+    return "\n".join(lines)
   if not lever.zero1:
     built = f"optimizer = nnx.Optimizer(model, {tx}, wrt=nnx.Param)"
     imports = ["import jax, optax", "from flax import nnx"]
@@ -305,14 +310,22 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
            "  model = ...  # your model, built here: its parameters' sharding names the mesh's axes",
            f"  {built}"]
   if lever.deferred:
-    accumulate = "".join(f", {k}={_spelled(v)}" for k, v in lever.accumulate_options.items())
-    own, summed = state_axes(lever), summed_over(tuple(mesh or {}), state_axes(lever))
-    if summed != own:  # a pod's batch is split over replica too: the gradients are summed over it
-      accumulate += f", data_axis={summed!r}"
     lines[1] += ", value_and_grad_accumulated"
-    lines += ["  # each step: loss, grads = value_and_grad_accumulated(loss_fn, model, batch, "
-              f"micro_batches=GA, optimizer=optimizer{accumulate})"]
+    lines.append(_accumulate_line(lever, mesh, "optimizer"))
   return "\n".join(lines)
+
+
+def _accumulate_line(lever: Any, mesh: Mapping[str, int] | None, optimizer: str) -> str:
+  """The comment that gives a deferred lever's gradient call, its options and the axes it sums over."""
+  from nnx_zero1_plan.levers import state_axes, summed_over
+
+  accumulate = "".join(f", {k}={_spelled(v)}" for k, v in lever.accumulate_options.items())
+  own = state_axes(lever)
+  summed = summed_over(tuple(mesh or {}), own)
+  if summed != own:  # a pod's batch is split over replica too: the gradients are summed over it
+    accumulate += f", data_axis={summed!r}"
+  return ("  # each step: loss, grads = value_and_grad_accumulated(loss_fn, model, batch, "
+          f"micro_batches=GA, optimizer={optimizer}{accumulate})")
 
 
 def _figures_at(row: Mapping[str, Any], batch: int) -> Mapping[str, Any]:

@@ -24,6 +24,7 @@ from nnx_zero1_plan.inputs import (
   parse_mesh,
   parse_model,
   parse_topology,
+  spelled_mesh,
 )
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.targets import JAX_GPU_POOL_FRACTION
@@ -309,7 +310,7 @@ def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
   """
   s = {**meta, **changes}
   joined = lambda names: names if isinstance(names, str) else ",".join(names)
-  mesh = ",".join(f"{k}={v}" for k, v in s["mesh"].items())
+  mesh = spelled_mesh(s["mesh"])
   words = ["python -m nnx_zero1.plan", f"--model {s['model']}", f"--topology {s['topology']}",
            f"--mesh {mesh}", f"--batch {s['batch']}", f"--seq-len {s['seq_len']}", f"--ga {s['ga']}",
            f"--levers {joined(s['levers'])}", f"--steps {joined(s['steps'])}"]

@@ -29,7 +29,7 @@ from nnx_zero1 import value_and_grad_accumulated
 # version of the optimizer (its pyproject.toml pins it).
 from nnx_zero1._src.optimizer import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
-from nnx_zero1_plan.levers import Lever, make_optimizer, summed_over
+from nnx_zero1_plan.levers import Lever, make_optimizer, state_axes, summed_over
 from nnx_zero1_plan.request import OPTIMIZER_CODE
 
 __all__ = ["OPTIMIZERS", "scan_value_and_grad", "batch_axes", "abstract_batch",
@@ -103,8 +103,7 @@ def _gradients(model: Any, optimizer: Any, lever: Lever, loss_fn: Callable, batc
   if lever.deferred:
     # On an Auto mesh the batch's layout is not in its traced type: the axes are named. The mesh is the
     # one the step is traced under (a plain optimizer has none of its own).
-    state_axes = tuple(getattr(optimizer, "data_axis", ("data",)))
-    axes = summed_over(jax.sharding.get_abstract_mesh().axis_names, state_axes)
+    axes = summed_over(jax.sharding.get_abstract_mesh().axis_names, state_axes(lever))
     return value_and_grad_accumulated(loss_fn, model, batch, micro_batches=ga, optimizer=optimizer,
                                       data_axis=axes, **lever.accumulate_options)
   return scan_value_and_grad(loss_fn, model, batch)

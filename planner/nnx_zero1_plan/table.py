@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.recommend import sent_bytes_of
 from nnx_zero1_plan.request import command_line
 
@@ -132,7 +133,7 @@ def cells(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, ...]]:
     fits = "-" if verdict is None else "yes" if verdict else "NO"
     collectives = r.get("collectives") or {}
     flops, accessed = r.get("update_flops_per_device"), r.get("update_bytes_accessed_per_device")
-    mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+    mesh = spelled_mesh(r["mesh"])
     ex = "~" if r.get("estimate") else ""  # an estimate's figures, each marked
     out.append((
         _lever(r), r.get("step", "one") + (f", remat {r['remat']}" if r.get("remat") else ""),
@@ -234,7 +235,7 @@ def table(rows: Sequence[Mapping[str, Any]], wide: bool = True) -> str:
     head, body = _compact(rows)
   text = _aligned(head, body, (*(range(4) if wide else range(2)), len(head) - 1))
   if not wide and rows:
-    mesh = ",".join(f"{k}={v}" for k, v in rows[0]["mesh"].items())
+    mesh = spelled_mesh(rows[0]["mesh"])
     title = f"compiled for {rows[0]['compiled_for']}, mesh {mesh}; GiB per device (every column: plan.md)"
     text = title + "\n" + text
   edges = edge_cells(rows)

@@ -255,3 +255,14 @@ def test_on_a_pod_fewer_bytes_over_the_slow_network_decide_before_all_bytes_and_
   rows[1]["collectives"]["across_per_step"] = across(G - G // 200)
   best = recommend(rows, pod)
   assert best["lever"] == "zero1" and best["why"][0].endswith("zero1 for its fewer collective bytes")
+
+
+def test_a_deferred_levers_code_for_a_tunix_model_gives_its_gradient_call():
+  """Tunix's trainer reduces the gradients itself (optax.MultiSteps): a deferred lever's code says the
+  gradients the plan compiled are value_and_grad_accumulated's, with the lever's options and axes."""
+  code = lever_code("zero1-accum-bf16across", "tunix:qwen3_0p6b", mesh={"replica": 2, "data": 4})
+  assert "from nnx_zero1 import value_and_grad_accumulated" in code.splitlines()
+  assert code.splitlines()[-1] == (
+      "  # each step: loss, grads = value_and_grad_accumulated(loss_fn, model, batch, micro_batches=GA, "
+      "optimizer=trainer.optimizer, across_dtype=jnp.bfloat16, data_axis=('replica', 'data'))")
+  assert "value_and_grad_accumulated" not in lever_code("zero1", "tunix:qwen3_0p6b", mesh={"data": 4})
