@@ -26,7 +26,6 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from nnx_zero1._src.specs import axes_entry
 from nnx_zero1_plan.inputs import PlanError
 
 __all__ = ["TUNIX_SHARDING", "DATA_AXES", "activation_fields", "activation_specs", "specs_for", "constrain",
@@ -42,6 +41,12 @@ DATA_AXES = ("replica", "data")  # what a Tunix user adds to the batch entry, in
 
 def _axes(entry: Any) -> tuple[str, ...]:
   return tuple(a for a in (entry if isinstance(entry, tuple | list) else (entry,)) if a is not None)
+
+
+def _entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
+  # nnx_zero1._src.specs.axes_entry, written here: that module imports jax, and the caller's process
+  # (plan(), which never imports jax) imports this one.
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def activation_fields(shd_config: Any) -> dict[str, tuple]:
@@ -76,7 +81,7 @@ def activation_specs(specs: Mapping[str, Sequence[Any]], axes: Iterable[str],
     entries = [[a for a in _axes(e) if a in on_mesh] for e in spec]
     if add_data_axes and entries:
       entries[0] = [a for a in DATA_AXES if a in on_mesh and a not in entries[0]] + entries[0]
-    result[field] = tuple(axes_entry(e) for e in entries)
+    result[field] = tuple(_entry(e) for e in entries)
   return result
 
 
@@ -138,7 +143,7 @@ def constrain(x: Any, spec: Sequence[Any], eager: bool = False) -> Any:
   auto = [a for a in mesh.axis_names if a not in mesh.manual_axes]
   if mesh.empty or not auto:
     return x
-  kept = P(*(axes_entry([a for a in _axes(e) if a in auto]) for e in spec))
+  kept = P(*(_entry([a for a in _axes(e) if a in auto]) for e in spec))
   return jax.lax.with_sharding_constraint(x, kept)
 
 
