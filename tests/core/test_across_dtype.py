@@ -19,26 +19,44 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import Zero1Error, Zero1Optimizer, value_and_grad_accumulated
-from tests.support.accumulate import build as build_on
-from tests.support.accumulate import explicit_mesh, token_batches
-from tests.support.helpers import assert_trees_equal, lm_loss
+from tests.support.accumulate import explicit_mesh
+from tests.support.helpers import assert_trees_equal
 
 AXES = ("replica", "data")
 ROWS = 32
 ACROSS_GROUPS = "{{0,4},{1,5},{2,6},{3,7}}"  # replica: device i of one slice with device i of the other
 
 
+class MLP(nnx.Module):
+  """Two layers whose every dimension divides by the pod's 8 devices: each leaf is split (a quick compile)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.up, self.down = nnx.Linear(16, 64, rngs=rngs), nnx.Linear(64, 16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.gelu(self.up(x)))
+
+
+def loss_fn(model, batch):
+  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
 def build(cls, mesh, **kwargs):
-  return build_on(cls, optax.adamw(1e-2), mesh, **kwargs)
+  with jax.set_mesh(mesh):
+    model = MLP(nnx.Rngs(0))
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+    return model, cls(model, optax.adamw(1e-2), wrt=nnx.Param, **kwargs)
 
 
-def on(mesh, batch):
+def a_batch(mesh):
+  rng = np.random.default_rng(0)
+  batch = {k: rng.normal(size=(ROWS, 16)).astype(np.float32) for k in ("x", "y")}
   return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(AXES))), batch)
 
 
 @nnx.jit(static_argnames=("across", "shard"))
 def grads_of(model, opt, batch, across=None, shard=False):
-  return value_and_grad_accumulated(lm_loss, model, batch, micro_batches=2, optimizer=opt, data_axis=AXES,
+  return value_and_grad_accumulated(loss_fn, model, batch, micro_batches=2, optimizer=opt, data_axis=AXES,
                                     across_dtype=across, shard_accumulator=shard)[1]
 
 
@@ -59,7 +77,7 @@ def pod(shape=(2, 4)):
 def test_only_the_hop_across_is_rounded_to_bfloat16(cls, kwargs, shard):
   mesh = pod()
   model, opt = build(cls, mesh, **kwargs)
-  batch = on(mesh, token_batches(1, rows=ROWS)[0])
+  batch = a_batch(mesh)
   with jax.set_mesh(mesh):
     exact = leaves(grads_of(model, opt, batch, shard=shard))
     narrow = leaves(grads_of(model, opt, batch, across=jnp.bfloat16, shard=shard))
@@ -83,7 +101,7 @@ def test_one_slice_rounds_nothing():
   """On one slice (replica=1) nothing crosses, and the gradients are the exact reduction's, bit for bit."""
   mesh = pod((1, 8))
   model, opt = build(Zero1Optimizer, mesh, data_axis=AXES)
-  batch = on(mesh, token_batches(1, rows=ROWS)[0])
+  batch = a_batch(mesh)
   with jax.set_mesh(mesh):
     assert_trees_equal(grads_of(model, opt, batch), grads_of(model, opt, batch, across=jnp.bfloat16))
 
@@ -97,10 +115,10 @@ def test_one_slice_rounds_nothing():
 def test_where_it_cannot_apply_it_is_refused_and_nothing_changes(call, match):
   mesh = pod()
   model, opt = build(Zero1Optimizer, mesh, data_axis="data")
-  batch = on(mesh, token_batches(1, rows=ROWS)[0])
+  batch = a_batch(mesh)
   before = leaves((nnx.state(model), nnx.state(opt)))
   kwargs = {"data_axis": AXES, "across_dtype": jnp.bfloat16, **call}
   with jax.set_mesh(mesh), pytest.raises(Zero1Error, match=match):
-    value_and_grad_accumulated(lm_loss, model, batch, micro_batches=2, optimizer=opt, **kwargs)
+    value_and_grad_accumulated(loss_fn, model, batch, micro_batches=2, optimizer=opt, **kwargs)
   for b, a in zip(before, leaves((nnx.state(model), nnx.state(opt))), strict=True):
     np.testing.assert_array_equal(a, b)
