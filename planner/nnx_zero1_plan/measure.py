@@ -31,20 +31,13 @@ from nnx_zero1_plan.levers import LEVERS, state_axes, with_offload
 from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.planned_model import PlannedModel
+from nnx_zero1_plan.row import PER_LAYER
 from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
 from nnx_zero1_plan.targets import Target, domain_of
 from nnx_zero1_plan.tunix_sharding import sharding_of
 
-__all__ = ["EXTRAPOLATED", "StepShape", "measured", "RowCompiler"]
-
-# The figures an estimate extrapolates per layer (and None where the compiler refused the program).
-EXTRAPOLATED = ("opt_state_bytes_per_device", "argument_bytes_per_device", "output_bytes_per_device",
-                "alias_bytes_per_device", "temp_bytes_per_device", "peak_bytes_per_device",
-                "formula_peak_bytes_per_device", "flops_per_device", "host_argument_bytes_per_device",
-                "collectives", "update_peak_bytes_per_device",
-                "update_temp_bytes_per_device", "update_flops_per_device",
-                "update_bytes_accessed_per_device")
+__all__ = ["StepShape", "measured", "RowCompiler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +112,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     error = shortened(f"{type(e).__name__}: {' '.join(str(e).split())}", 400)
     refused = {"error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": time.perf_counter() - started}
     say(f"compiled {at}: refused in {refused['compile_s']:.0f} s ({shortened(error, 160)})")
-    return {**dict.fromkeys(EXTRAPOLATED), **row, **refused}
+    return {**dict.fromkeys(PER_LAYER), **row, **refused}
   if step == "one":
     figures = row_figures(memory(compiled), collectives_of(compiled, _domains_in_order(mesh)))
   else:
@@ -145,8 +138,7 @@ def _at_depths(lever: str, step: str, source: Any, depths: Sequence[int] | None,
   if r1["error"] or r2["error"]:
     return {**(r1 if r1["error"] else r2), "compile_s": compile_s, "depth": d1 if r1["error"] else d2,
             "depth_extrapolated_from": None}
-  keys = (*EXTRAPOLATED, "opt_state_bytes_by_memory_kind", "param_bytes_per_device")
-  row = extrapolate_row(r1, r2, d1, d2, source.full_depth, keys)
+  row = extrapolate_row(r1, r2, d1, d2, source.full_depth, PER_LAYER)
   doubt = (not_alike(r1["temp_bytes_per_device"], r2["temp_bytes_per_device"], d1, d2)
            or not_alike(r1["peak_bytes_per_device"], r2["peak_bytes_per_device"], d1, d2, "peak"))
   return {**row, "compile_s": compile_s, "depth": source.full_depth, "depth_extrapolated_from": [d1, d2],
@@ -191,7 +183,7 @@ class RowCompiler:
     verdict = fits_in(row, self.usable)
     row = {**row, "headroom_bytes_per_device": None if peak is None else self.usable - peak}
     if row["depth_extrapolated_from"]:
-      row = {**row, "estimate": estimate_mark(row, (*EXTRAPOLATED, "headroom_bytes_per_device")),
+      row = {**row, "estimate": estimate_mark(row, (*PER_LAYER, "headroom_bytes_per_device")),
              "fits_estimate": verdict}
       verdict = None
     if target.domains > 1 and row.get("collectives"):

@@ -72,13 +72,13 @@ def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel,
   return Row.from_json(row)
 
 
-def _done(name: str, step: str, policy: str | None, topology: str, row: Mapping[str, Any]) -> str:
+def _done(name: str, step: str, policy: str | None, topology: str, row: Row) -> str:
   """The progress line after a lever: what its search found."""
   found = ""
-  if "max_micro_batch" in row:
-    found = f"; the largest micro-batch that fits: {row['max_micro_batch']}"
-  if "offload_fraction" in row:
-    found = f"; the smallest share of the state to offload: {row['offload_fraction']:.0%}"
+  if row.searched is not None:
+    found = f"; the largest micro-batch that fits: {row.searched.max_micro_batch}"
+  if row.offloaded is not None:
+    found = f"; the smallest share of the state to offload: {row.offloaded.offload_fraction:.0%}"
   under = f", remat {policy}" if policy else ""
   return f"done: {name} ({step}{under}) for {topology}{found}"
 
@@ -89,9 +89,9 @@ def _meta(request: PlanRequest, planned: PlannedModel, target: Target, rows: Seq
   memory."""
   r = request
   source = planned.source_at(batch)
-  layers = source.full_depth or next(
-      (int(row["maxtext_config"]["num_decoder_layers"]) for row in rows if row.get("maxtext_config")), None)
-  extrapolated = [row["depth_extrapolated_from"] for row in rows if row.get("depth_extrapolated_from")]
+  layers = source.full_depth or next((int(row.figures.maxtext_config["num_decoder_layers"]) for row in rows
+                                      if row.figures.maxtext_config), None)
+  extrapolated = [row.made.depth_extrapolated_from for row in rows if row.made.depth_extrapolated_from]
   return {"model": source.name, "layers": layers, "topology": r.topology,
           "device_kind": target.device_kind, "mesh": planned.axes, "batch": batch, "seq_len": r.seq_len,
           "batch_default": batch_default, "ga": r.ga, "optimizer": r.optimizer, "param_dtype": r.param_dtype,
@@ -182,6 +182,6 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)
   way_out = None
-  if rows and not request.estimate and not any(row["fits"] for row in rows):
+  if rows and not request.estimate and not any(row.fits for row in rows):
     way_out = _way_out(compiler, request, planned, meta, blocked)
   return Plan(rows, meta, hints, recommend(rows, meta), way_out)

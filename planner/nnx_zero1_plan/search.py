@@ -21,9 +21,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPILES", "SEARCH_FIELDS",
-           "OFFLOAD_FIELDS", "fits_in", "Probe", "Edge", "round_down", "line_limit", "find_edge",
-           "next_fraction", "search_row", "offload_search"]
+from nnx_zero1_plan.row import AT_EDGE, Offloaded, Searched
+
+__all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPILES", "fits_in", "Probe",
+           "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search"]
 
 # Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
 # with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8): a fitting
@@ -278,21 +279,11 @@ def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.
   return None if share > 1 else share
 
 
-# What a row gains from :func:`search_row` and from :func:`offload_search` (plan.json's names).
-SEARCH_FIELDS = ("max_micro_batch", "above", "refused_because", "search_unfinished", "fits_above", "at_max",
-                 "at_above", "search", "search_compile_s")
-OFFLOAD_FIELDS = ("offload_fraction", "offload_search", "offload_refused_because")
-
-_AT_EDGE = ("peak_bytes_per_device", "formula_peak_bytes_per_device", "temp_bytes_per_device",
-            "argument_bytes_per_device", "headroom_bytes_per_device", "flops_per_device", "compile_s",
-            "error")
-
-
 def search_row(first: dict, row_at: Callable[[int], dict], unit: int, usable: int) -> dict[str, Any]:
   """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch).
 
   ``row_at(batch)`` compiles the whole program at ``batch``: an edge is the compiler's word, never an
-  estimate's."""
+  estimate's. Returns the :class:`~nnx_zero1_plan.row.Searched` record's fields, by plan.json's names."""
   rows = {first["batch"]: first}
 
   def measure(batch: int) -> Probe:
@@ -302,14 +293,15 @@ def search_row(first: dict, row_at: Callable[[int], dict], unit: int, usable: in
     return Probe(batch, row.get("peak_bytes_per_device"), bool(fits_in(row, usable)), row.get("error"))
 
   edge = find_edge(measure, step=unit, usable=usable, start=first["batch"])
-  probes = [{"batch": p.batch, "fits": p.fits, **{k: rows[p.batch].get(k) for k in _AT_EDGE}}
+  probes = [{"batch": p.batch, "fits": p.fits, **{k: rows[p.batch].get(k) for k in AT_EDGE}}
             for p in edge.probes]
   at = lambda batch: next((p for p in probes if p["batch"] == batch), None)
-  return {"max_micro_batch": edge.max_micro_batch, "above": edge.above,
-          "refused_because": edge.refused_because, "search_unfinished": edge.unfinished,
-          "fits_above": list(edge.fits_above), "at_max": at(edge.max_micro_batch), "at_above": at(edge.above),
-          "search": probes,
-          "search_compile_s": round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1)}
+  searched = Searched(max_micro_batch=edge.max_micro_batch, above=edge.above,
+                      refused_because=edge.refused_because, search_unfinished=edge.unfinished,
+                      fits_above=list(edge.fits_above), at_max=at(edge.max_micro_batch),
+                      at_above=at(edge.above), search=probes,
+                      search_compile_s=round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1))
+  return dataclasses.asdict(searched)
 
 
 def offload_search(row_with: Callable[[float], dict], usable: int,
@@ -320,8 +312,8 @@ def offload_search(row_with: Callable[[float], dict], usable: int,
   state, its largest leaves, go to host memory, and a compile confirms the guess. Where it missed
   (the compiler kept some of the offloaded bytes live), the next guess divides what it missed by the
   bytes each share of the state actually saved, the line through the last two compiles (``tries``
-  compiles at most). The row is the last compile's, with ``offload_fraction`` and every compile
-  (``offload_search``)."""
+  compiles at most). The row is the last compile's, with the :class:`~nnx_zero1_plan.row.Offloaded`
+  record's fields (``offload_fraction``, every compile in ``offload_search``)."""
   fraction, row = 0.0, row_with(0.0)
   tried: list[dict[str, Any]] = []
   refused = None
@@ -347,5 +339,5 @@ def offload_search(row_with: Callable[[float], dict], usable: int,
     fraction, row = share, row_with(share)
   if not tried[-1]["fits"] and refused is None:
     refused = f"{tries} compiles did not find a fraction that fits"
-  return {**row, "offload_fraction": fraction, "offload_search": tried, "offload_refused_because": refused,
-          "compile_s": round(sum(t["compile_s"] for t in tried), 1)}
+  offloaded = Offloaded(offload_fraction=fraction, offload_search=tried, offload_refused_because=refused)
+  return {**row, **dataclasses.asdict(offloaded), "compile_s": round(sum(t["compile_s"] for t in tried), 1)}

@@ -2,9 +2,12 @@
 (every lane; the plans the real compilers make are tests/planner/test_compiled_plans.py)."""
 
 
+import dataclasses
 import importlib.util
+import json
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +26,8 @@ from nnx_zero1_plan.inputs import (
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.maxtext import config_overrides, engine_attributes
 from nnx_zero1_plan.request import command_line
+from nnx_zero1_plan.result import Plan
+from nnx_zero1_plan.row import Made, Row
 from nnx_zero1_plan.table import next_steps, table
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -335,3 +340,21 @@ def test_a_pods_table_has_each_networks_bytes_and_time_before_the_note():
   plain = [{k: v for k, v in r.items() if k != "network_per_step"} for r in rows]
   assert "MiB (est.)" not in table(plain) and "MiB (est.)" not in table(plain, wide=False)
   assert "DCN" not in table(plain)
+
+
+def test_every_kept_plans_rows_read_into_typed_records_and_write_back_the_same_fields():
+  kept = sorted((Path(__file__).resolve().parents[2] / "docs" / "data").glob("**/plan.json"))
+  assert len(kept) >= 10
+  notes = {f.name for f in dataclasses.fields(Made)}
+  for path in kept:
+    record = json.loads(path.read_text())
+    for row, written in zip(Plan.from_record(record).rows, record["rows"], strict=True):
+      assert row.made.depth and row.figures.peak_bytes_per_device == written["peak_bytes_per_device"]
+      again = row.to_json()
+      # Every field of the kept row comes back with its value, but a note that says nothing (None).
+      assert {k: v for k, v in written.items() if not (k in notes and v is None)} == {
+          k: again[k] for k in written if k in again}, path
+      assert Row.from_json(json.loads(json.dumps(again))) == row
+  written = json.loads(kept[0].read_text())["rows"][0]
+  with pytest.raises(KeyError, match="peak_gib"):  # a field no record has: another planner's plan.json
+    Row.from_json({**written, "peak_gib": 1.0})
