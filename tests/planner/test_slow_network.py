@@ -2,12 +2,16 @@
 on eight virtual CPU devices standing for two slices or nodes of four; the TPU compiler's multi-slice
 transfers are ``test_pod_plans.py``'s (lane 2)."""
 
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1.testing import sent_bytes
+from nnx_zero1_plan.networks import LINKS
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
 
@@ -57,3 +61,42 @@ ENTRY %main (p: f32[1024]) -> f32[1024] {
   assert counted["all-reduce"] == {"count": 1, "bytes": 4096 * 2 * 3 // 4}
   assert counted["reduce-scatter"] == {"count": 1, "bytes": 1024 * 3 // 4}
   assert counted["all-gather"] == {"count": 3, "bytes": 3 * 1024 * 3}
+
+
+_UNIT = {"Gbps": 1e9 / 8, "Gb/s": 1e9 / 8, "GBps": 1e9, "GB/s": 1e9}
+_PLANNER_NAME = {"v5e": ["v5e"], "v6e": ["v6e"], "v5p": ["v5p"], "A100": ["a100-80g"],
+                 "H100, H200": ["h100", "h200"], "B200": ["b200"]}
+
+
+def _rate(words: str) -> tuple[str, float]:
+  """A docs cell's network and its rate per chip and direction, in bytes per second: ``ICI 1,600 Gbps``,
+  ``NVLink 450 GB/s each way``, ``DCN 25 Gbps per chip (2 x 100 Gbps per 8-chip host)`` (its parenthesis
+  checked to give the same rate)."""
+  m = re.match(r"(\S+) ([\d,]+) (Gbps|Gb/s|GBps|GB/s)", words)
+  assert m, words
+  rate = float(m[2].replace(",", "")) * _UNIT[m[3]]
+  host = re.search(r"\((\d+) x (\d+) (Gbps) per (\d+)-chip host\)", words)
+  if host:
+    assert rate == int(host[1]) * int(host[2]) * _UNIT[host[3]] / int(host[4]), words
+  both = re.search(r"\(([\d,]+) (GBps|GB/s) both", words)
+  if both:
+    assert rate == float(both[1].replace(",", "")) * _UNIT[both[2]] / 2, words
+  return m[1], rate
+
+
+def test_each_chips_link_rates_are_docs_pods_public_figures_in_words():
+  """The rates the estimates divide by (``chips.CHIPS``, in bytes per second per direction) against
+  docs/pods.md's table of the public figures as the vendors word them (Gbps, GB/s, per 8-chip host, both
+  ways), converted here: the two are written apart and cannot drift apart unnoticed."""
+  text = (Path(__file__).resolve().parents[2] / "docs" / "pods.md").read_text()
+  rows = re.findall(r"^\| ([^|]+) \| ((?:ICI|NVLink)[^|]+) \| ((?:DCN|InfiniBand)[^|]+) \| [^|]+ \|$", text,
+                    flags=re.M)
+  assert {r[0] for r in rows} == set(_PLANNER_NAME)
+  checked = set()
+  for chips, fast, slow in rows:
+    for name in _PLANNER_NAME[chips]:
+      links = LINKS[name]
+      assert (links.fast, links.fast_bytes_per_s) == _rate(fast), name
+      assert (links.slow, links.slow_bytes_per_s) == _rate(slow), name
+      checked.add(name)
+  assert checked == set(LINKS)  # every chip the planner knows
