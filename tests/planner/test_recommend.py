@@ -1,6 +1,7 @@
 """The recommendation's order (pure: rows in, one configuration out), value by value."""
 
-from nnx_zero1_plan.recommend import ORDER, baseline_beats, lever_code, recommend
+from nnx_zero1_plan.printed_code import lever_code
+from nnx_zero1_plan.recommend import ORDER, baseline_beats, recommend
 from nnx_zero1_plan.request import command_line
 
 G = 2**30
