@@ -33,10 +33,9 @@ from nnx_zero1_plan.request import STEPS, PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
 from nnx_zero1_plan.search import offload_search, search_row
-from nnx_zero1_plan.table import next_steps
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
 from nnx_zero1_plan.tunix_sharding import sharding_of
-from nnx_zero1_plan.way_out import Change, changes_to_try, find_way_out
+from nnx_zero1_plan.way_out import Change, changes_to_try, find_way_out, next_steps
 
 __all__ = ["make_plan"]
 

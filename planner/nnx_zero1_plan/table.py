@@ -1,4 +1,4 @@
-"""A plan's rows as text: the printed table, plan.md and what to try next when nothing fits."""
+"""A plan's rows as text: the printed table and plan.md (with what to try next when nothing fits)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,9 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.recommend import sent_bytes_of
-from nnx_zero1_plan.request import command_line
 
 __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "header",
-           "cells", "edge_cells", "split_words", "way_out_lines", "table", "next_steps",
-           "recommendation_lines", "markdown"]
+           "cells", "edge_cells", "split_words", "way_out_lines", "table", "recommendation_lines", "markdown"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB",
           "args+temp GiB", "usable GiB", "fits", "max micro-batch", "compile s",
@@ -243,64 +241,6 @@ def table(rows: Sequence[Mapping[str, Any]], wide: bool = True) -> str:
     text += "\n\nAt each lever's largest micro-batch (the compiler's figures):\n" + _aligned(
         EDGE_HEADER, edges, (0, 1, 10))
   return text
-
-
-def next_steps(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], levers: Sequence[str], *,
-               blocked: Mapping[str, str], remat: str | None, batch_unit: int) -> list[str]:
-  """What to try next, in order, when no row fits (empty when one does): each item ends with its command.
-
-  Args:
-    rows: the plan's rows.
-    meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``ga``, ...).
-    levers: every lever the planner knows, lightest first.
-    blocked: the levers that cannot apply to this model, and why (they are not suggested).
-    remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
-    batch_unit: the batch axes' size: a micro-batch is a multiple of it.
-
-  Example::
-
-    >>> row = {"lever": "baseline", "fits": False, "peak_bytes_per_device": 3 * 2**30, "hbm_bytes": 2**30,
-    ...        "temp_bytes_per_device": 2**30, "opt_state_bytes_per_device": 2**30, "mesh": {"data": 4}}
-    >>> meta = {"model": "m:f", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8, "seq_len": 1024,
-    ...         "ga": 1, "levers": ["baseline"], "steps": ["one"]}
-    >>> next_steps([row], meta, ["baseline", "zero1"], blocked={}, remat=None, batch_unit=4)[0][:75]
-    'the lever zero1: saves 0.75 GiB of optimizer state per device (the layout r'
-  """
-  if not rows or any(r["fits"] or r.get("fits_estimate") for r in rows):
-    return []
-  steps = []
-  tried = {r["lever"] for r in rows}
-  base = next((r for r in rows if r["lever"] == "baseline" and r["opt_state_bytes_per_device"]), None)
-  for name in levers:
-    if name in tried or name in blocked:
-      continue
-    saving = ""
-    if name == "zero1" and base is not None:
-      data = base["mesh"].get("data", 1)
-      saving = (f": saves {base['opt_state_bytes_per_device'] * (1 - 1 / data) / 2**30:.2f} GiB of optimizer "
-                "state per device (the layout rule)")
-    steps.append(f"the lever {name}{saving}: {command_line(meta, levers=[name])}")
-  best = min((r for r in rows if r["peak_bytes_per_device"]), key=lambda r: r["peak_bytes_per_device"],
-             default=None)
-  temp = (best or {}).get("temp_bytes_per_device") or 0
-  if best is not None:
-    short = (best["peak_bytes_per_device"] - best["hbm_bytes"]) / 2**30
-    mesh = dict(meta["mesh"])
-    if "fsdp" in mesh and mesh.get("data", 1) > 1:
-      mesh["data"], mesh["fsdp"] = mesh["data"] // 2, 2 * mesh["fsdp"]
-      steps.append(f"{best['lever']} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
-                   f"gradients too: {command_line(meta, levers=[best['lever']], mesh=mesh)}")
-    if remat is not None and not meta.get("remat"):
-      steps.append(f"remat (recomputes activations; the temp is {temp / 2**30:.2f} GiB): "
-                   f"{command_line(meta, levers=[best['lever']], remat=remat)}")
-  half = meta["batch"] // 2 // batch_unit * batch_unit
-  if half >= batch_unit:
-    why = (f"activations shrink, up to ~{temp / 2 / 2**30:.2f} GiB" if best is not None
-           else "the compiler refused every program at this micro-batch")
-    lever = best["lever"] if best is not None else rows[-1]["lever"]
-    steps.append(f"half the micro-batch, twice the accumulation (the same tokens per step; {why}): "
-                 f"{command_line(meta, levers=[lever], batch=half, ga=2 * meta['ga'])}")
-  return steps
 
 
 def _limit_words(meta: Mapping[str, Any]) -> str:

@@ -28,7 +28,8 @@ from nnx_zero1_plan.maxtext import config_overrides, engine_attributes
 from nnx_zero1_plan.request import command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Made, Row
-from nnx_zero1_plan.table import next_steps, table
+from nnx_zero1_plan.table import table
+from nnx_zero1_plan.way_out import next_steps
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 HAS_GPU_COMPILER = importlib.util.find_spec("jax_cuda13_plugin") is not None
