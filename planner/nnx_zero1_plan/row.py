@@ -90,9 +90,14 @@ PER_LAYER = _names(Figures, "per_layer")
 AT_EDGE = _names(Figures, "at_edge")
 
 
+def _note() -> Any:
+  """A :class:`Made` field that plan.json carries only where it says something (not None)."""
+  return dataclasses.field(default=None, metadata={"only_when_set": True})
+
+
 @dataclasses.dataclass(frozen=True)
 class Made:
-  """How a row's figures were made; plan.json carries a field only where it says something (not None).
+  """How a row's figures were made: the depth always, each other note where it says something (not None).
 
   Attributes:
     depth: the layers the figures are for (the model's own).
@@ -108,12 +113,12 @@ class Made:
 
   depth: int | None = None
   depth_extrapolated_from: Sequence[int] | None = None
-  not_alike: str | None = None
-  estimate: Mapping[str, Any] | None = None
-  fits_estimate: bool | None = None
-  extrapolated_peak_bytes_per_device: int | None = None
-  compiled_whole_because: str | None = None
-  network_per_step: Mapping[str, Any] | None = None
+  not_alike: str | None = _note()
+  estimate: Mapping[str, Any] | None = _note()
+  fits_estimate: bool | None = _note()
+  extrapolated_peak_bytes_per_device: int | None = _note()
+  compiled_whole_because: str | None = _note()
+  network_per_step: Mapping[str, Any] | None = _note()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +206,7 @@ class Row(Mapping[str, Any]):
   offloaded: Offloaded | None = None
 
   def to_json(self) -> dict[str, Any]:
-    """plan.json's row: every record's fields side by side (:class:`Made`'s where they are not None, a
+    """plan.json's row: every record's fields side by side (:class:`Made`'s notes where they are set, a
     search's where there was one).
 
     Example::
@@ -236,7 +241,7 @@ class Row(Mapping[str, Any]):
   @functools.cached_property
   def _fields(self) -> dict[str, Any]:
     own = {k: getattr(self, k) for k in _OWN}
-    made = {k: v for k, v in dataclasses.asdict(self.made).items() if v is not None}
+    made = {k: v for k, v in dataclasses.asdict(self.made).items() if v is not None or k not in _WHEN_SET}
     found = {k: v for record in (self.searched, self.offloaded) if record is not None
              for k, v in dataclasses.asdict(record).items()}
     return {**own, **dataclasses.asdict(self.figures), **made, **found}
@@ -253,4 +258,5 @@ class Row(Mapping[str, Any]):
 
 _RECORDS = ("figures", "made", "searched", "offloaded")
 _OWN = tuple(f.name for f in dataclasses.fields(Row) if f.name not in _RECORDS)
+_WHEN_SET = frozenset(_names(Made, "only_when_set"))
 _KNOWN = frozenset((*_OWN, *_names(Figures), *_names(Made), *_names(Searched), *_names(Offloaded)))
