@@ -1,4 +1,5 @@
-"""Eight virtual CPU devices for every test and doctest; XLA_FLAGS must be set before jax is imported."""
+"""Eight virtual CPU devices for every test and doctest, and one compilation cache for the run; XLA_FLAGS must
+be set before jax is imported."""
 
 import os
 
@@ -30,10 +31,27 @@ if "--xla_backend_optimization_level" not in _FLAGS:
 os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 assert jax.device_count() == 8, "tests need 8 virtual CPU devices; import jax after conftest"
+
+# The suite compiles many programs more than once (the nnx.Optimizer step each comparison trains, a
+# parametrisation's twin, the same eager op in every test): jax's persistent compilation cache, in a folder
+# the run's test workers share and the run removes, compiles each once. Its key is the program, its devices,
+# jax's and XLA's versions and flags, so a hit is the executable the compile would have made; an entry a
+# worker reads while the other still writes it fails to load, and jax compiles it again.
+_COMPILES = os.environ.get("NNX_ZERO1_TEST_COMPILES")
+if _COMPILES is None:  # pytest's first process, before its workers start (they inherit the variable)
+  _COMPILES = os.environ["NNX_ZERO1_TEST_COMPILES"] = tempfile.mkdtemp(prefix="nnx-zero1-compiles-")
+  atexit.register(shutil.rmtree, _COMPILES, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILES)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 import importlib  # noqa: E402
 import pathlib  # noqa: E402

@@ -207,7 +207,7 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
           f"SHARD_ACCUMULATOR=True (ZeRO-2) needs each replica's whole gradients, but {blocker}: MaxText "
           f"reduces the gradient of a parameter split over 'data' in every micro-batch; {describe_mesh(mesh)}"
       )
-    return Zero1Optimizer(model, tx, mesh, wrt=nnx.Param, **self._zero1_options().keywords())
+    return Zero1Optimizer(model, tx, mesh, wrt=nnx.Param, options=self._zero1_options())
 
   def _zero1_gradient_targets(self) -> Any:
     """The Zero-1 layout of every parameter, as a tree shaped like MaxText's parameter shardings."""

@@ -115,7 +115,7 @@ class Zero1EngineMixin:
       self: _EngineHost, model: nnx.Module, tx: optax.GradientTransformation
   ) -> Zero1Optimizer:
     options = Zero1Options(data_axis=self.data_axis, strict=self.strict, **levers_of(self, str.upper))
-    return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, **options.keywords())
+    return Zero1Optimizer(model, tx, self.mesh, wrt=self.wrt, options=options)
 
   def _gradient_targets(self: _EngineHost) -> tuple[NamedSharding, ...]:
     optimizer = self.optimizer

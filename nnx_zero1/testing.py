@@ -5,8 +5,7 @@ user checking their own training step needs too:
 
 - counting collectives in compiled HLO text (``jitted.lower(...).compile().as_text()``):
   :func:`collectives`, :func:`loop_collectives`, :func:`sent_bytes` (what each device sends, one basis
-  for all three collectives), :func:`across_bytes` and :func:`dcn_bytes` (what crosses between GPU
-  nodes or TPU slices), :func:`shape_bytes`, and the copies between
+  for all three collectives), :func:`shape_bytes`, and the copies between
   host and device memory an offloaded optimizer state makes in the TPU compiler's HLO:
   :func:`host_transfers`, :func:`loop_host_transfers`;
 - the optax transformations this project runs against ``nnx.Optimizer``, with
@@ -30,7 +29,7 @@ from nnx_zero1._src.hlo import (
     shape_bytes,
 )
 from nnx_zero1._src.optimizer_cases import CASES, ELEMENTWISE_CONTRACT, FROZEN, OptimizerCase
-from nnx_zero1._src.traffic import across_bytes, dcn_bytes, sent_bytes
+from nnx_zero1._src.traffic import sent_bytes
 
 __all__ = [
     "CASES",
@@ -39,9 +38,7 @@ __all__ = [
     "FROZEN",
     "OptimizerCase",
     "TRANSFERS",
-    "across_bytes",
     "collectives",
-    "dcn_bytes",
     "host_transfers",
     "loop_collectives",
     "loop_host_transfers",

@@ -2,9 +2,10 @@
 the repository root (the benchmark harness, ``benchmarks/``, is not in the wheel), and from elsewhere
 Python imports what pip installed.
 
-The venv sees this environment's packages (``--system-site-packages``) so pip resolves the
-dependencies without downloading them again; the package itself is installed into the venv by the
-README's own ``pip install`` and shadows any other copy. The benchmark command runs as written plus
+The venv sees this environment's packages (a ``.pth`` naming its site-packages: ``--system-site-packages``
+would show the base interpreter's, not this virtual environment's, and pip would install the whole
+stack again) so pip finds the dependencies installed; the package itself is installed into the venv by
+the README's own ``pip install`` and shadows any other copy. The benchmark command runs as written plus
 flags that shorten it (one dp, one GA, one step, two arms), so the test takes a minute, not ten.
 The test command needs no test here: CI's first lane runs it verbatim in a fresh venv from the
 repository root (checked below).
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +35,11 @@ def _readme_commands() -> list[str]:
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
   path = tmp_path_factory.mktemp("readme") / "venv"
-  subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True)
+  subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+  own = subprocess.run([path / "bin" / "python", "-c", "import site; print(site.getsitepackages()[0])"],
+                       check=True, capture_output=True, text=True).stdout.strip()
+  # Appended after the venv's own site-packages, so what the README's pip installs shadows them.
+  (Path(own) / "_this_environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
   return path
 
 

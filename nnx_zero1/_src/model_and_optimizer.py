@@ -43,6 +43,7 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
     state_dtype: as for ``Zero1Optimizer``.
     state_rounding: as for ``Zero1Optimizer``.
     master_dtype: as for ``Zero1Optimizer``.
+    options: as for ``Zero1Optimizer``: every option as one :class:`Zero1Options` record.
 
   Raises:
     Zero1Error: as ``Zero1Optimizer`` does, before any state exists.
@@ -61,8 +62,8 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
 
   @functools.wraps(Zero1Optimizer.__init__)  # type: ignore[misc]  # its arguments, listed once
   def __init__(self, model: Any, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh | None = None,
-               **options: Any):
+               **keywords: Any):
     # Zero1Optimizer's construction, not nnx.ModelAndOptimizer's (which would build the full,
     # replicated state first); then what ModelAndOptimizer adds: the model it updates.
-    Zero1Optimizer.__init__(self, model, tx, mesh, **options)
+    Zero1Optimizer.__init__(self, model, tx, mesh, **keywords)
     self.model = model

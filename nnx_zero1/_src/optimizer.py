@@ -17,7 +17,7 @@ from nnx_zero1._src.construction import build_plan, init_masters, init_sharded_s
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
 from nnx_zero1._src.layout_plan import Zero1Plan
 from nnx_zero1._src.mesh import traced
-from nnx_zero1._src.options import Zero1Options, options_from
+from nnx_zero1._src.options import Zero1Options
 from nnx_zero1._src.placement import current_sharding, off_mesh, place, place_tree
 from nnx_zero1._src.specs import DataAxis, is_explicit
 from nnx_zero1._src.storage import compute_shardings, load, store
@@ -56,6 +56,22 @@ def mark_zero1_grads(grads: nnx.State) -> nnx.State:
 def _is_marked(grads: Any) -> bool:
   variables = _grad_variables(grads)
   return bool(variables) and all(v.get_metadata().get(ON_ZERO1_LAYOUT, False) for v in variables)
+
+
+def _only_record(options: Zero1Options, keywords: Zero1Options) -> Zero1Options:
+  """``options``, refused when ``keywords`` (the keyword options beside it) asks for anything itself.
+
+  Example::
+
+    >>> _only_record(Zero1Options(strict=True), Zero1Options()).strict
+    True
+  """
+  default = Zero1Options().keywords()
+  clashing = sorted(name for name, value in keywords.keywords().items() if value != default[name])
+  if clashing:
+    raise TypeError(f"pass the options as options=Zero1Options(...) or as keywords, not both: "
+                    f"{', '.join(clashing)} given beside options=")
+  return options
 
 
 class Zero1Optimizer(nnx.Optimizer[M]):
@@ -122,6 +138,9 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       ``tx`` runs on the master slices and the gradient slices cast to it, and the
       model gets the new masters cast to its dtype through an all-gather in that
       dtype (half the bytes of a float32 one).
+    options: every option above as one :class:`Zero1Options` record, passed on whole (as
+      ``zero1_optimizers`` and the engines pass theirs); the keyword options are then left at
+      their defaults.
 
   Raises:
     Zero1Error: before any state exists, when the mesh lacks the data axes,
@@ -131,6 +150,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       a ``state_dtype`` that is not floating; a ``master_dtype`` that is not
       floating, or for a model already in it, or with a parameter that is not
       floating; either asked for with no mesh.
+    TypeError: ``options`` together with a keyword option away from its default.
   """
 
   def __init__(
@@ -148,9 +168,12 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       state_dtype: Any = None,
       state_rounding: str = "stochastic",
       master_dtype: Any = None,
+      options: Zero1Options | None = None,
   ):
-    options = options_from(locals())
-    self._zero1_build(model, tx, mesh, wrt, graph, options)
+    given = Zero1Options(data_axis=data_axis, strict=strict, pin_gradients=pin_gradients,
+                         offload_state_to_host=offload_state_to_host, state_dtype=state_dtype,
+                         state_rounding=state_rounding, master_dtype=master_dtype)
+    self._zero1_build(model, tx, mesh, wrt, graph, given if options is None else _only_record(options, given))
 
   def _zero1_build(self, model: Any, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh | None,
                    wrt: Filter, graph: bool | None, options: Zero1Options) -> None:

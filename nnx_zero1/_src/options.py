@@ -8,7 +8,7 @@ what needs the parameters or the mesh is checked when the plan is built from it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -17,7 +17,7 @@ import numpy as np
 from nnx_zero1._src.errors import Zero1Error
 from nnx_zero1._src.specs import DataAxis, data_axes
 
-__all__ = ["ROUNDINGS", "Zero1Options", "as_dtype", "levers_of", "options_from"]
+__all__ = ["ROUNDINGS", "Zero1Options", "as_dtype", "levers_of"]
 
 ROUNDINGS = ("stochastic", "nearest")
 _LEVER = {"lever": True}  # a memory lever: the adapters read it off a trainer's or engine's attributes
@@ -30,10 +30,10 @@ class Zero1Options:
   The fields are ``Zero1Optimizer``'s keyword arguments of the same names (see
   its docstring); building the record normalises them (``data_axis`` to a tuple
   of names, dtypes to numpy dtypes) and refuses what cannot apply. Every entry
-  point takes the same options by these names: build the record once and pass
-  ``**options.keywords()`` to ``Zero1Optimizer``, ``Zero1ModelAndOptimizer`` or
-  ``zero1_optimizers``; the trainer mixin and Tunix's config read them as
-  ``zero1_<name>``, the engines' memory levers as ``<NAME>``.
+  point takes the same options by these names: build the record once and pass it
+  whole as ``Zero1Optimizer(..., options=options)`` (or ``Zero1ModelAndOptimizer``), or
+  ``**options.keywords()`` to any of them and ``zero1_optimizers``; the trainer mixin and
+  Tunix's config read them as ``zero1_<name>``, the engines' memory levers as ``<NAME>``.
 
   Raises:
     Zero1Error: a ``data_axis`` that is not a name or a tuple of distinct names; a
@@ -94,20 +94,6 @@ class Zero1Options:
       True
     """
     return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-
-
-def options_from(arguments: Mapping[str, Any]) -> Zero1Options:
-  """The record from an entry point's arguments by the record's field names (extra names are ignored).
-
-  Example::
-
-    >>> def entry(model, *, data_axis="data", strict=False, pin_gradients=True, offload_state_to_host=False,
-    ...           state_dtype=None, state_rounding="stochastic", master_dtype=None):
-    ...   return options_from(locals())
-    >>> entry(None, strict=True).strict
-    True
-  """
-  return Zero1Options(**{field.name: arguments[field.name] for field in dataclasses.fields(Zero1Options)})
 
 
 def levers_of(obj: Any, attribute: Callable[[str], str]) -> dict[str, Any]:

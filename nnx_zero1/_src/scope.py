@@ -32,7 +32,7 @@ from nnx_zero1._src.compat import set_metaclass
 from nnx_zero1._src.mesh import resolve_mesh
 from nnx_zero1._src.model_and_optimizer import Zero1ModelAndOptimizer
 from nnx_zero1._src.optimizer import Zero1Optimizer
-from nnx_zero1._src.options import Zero1Options, options_from
+from nnx_zero1._src.options import Zero1Options
 from nnx_zero1._src.specs import DataAxis, check_data_axes_on_mesh
 
 __all__ = ["options_scope", "zero1_optimizers"]
@@ -58,7 +58,7 @@ class _Scope:
     if args:
       raise TypeError(f"nnx.{routed.__name__} takes 2 positional arguments but {2 + len(args)} were given")
     counterpart = _COUNTERPARTS[routed]
-    opt = counterpart(model, tx, self.mesh, **self.options.keywords(), **kwargs)
+    opt = counterpart(model, tx, self.mesh, options=self.options, **kwargs)
     self.built.append(opt)
     return opt
 
@@ -137,7 +137,9 @@ def zero1_optimizers(
     >>> type(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)).__name__
     'Optimizer'
   """
-  options = options_from({**locals(), "data_axis": "data" if data_axis is None else data_axis})
+  options = Zero1Options(data_axis="data" if data_axis is None else data_axis, strict=strict,
+                         pin_gradients=pin_gradients, offload_state_to_host=offload_state_to_host,
+                         state_dtype=state_dtype, state_rounding=state_rounding, master_dtype=master_dtype)
   with options_scope(mesh, options) as built:
     yield built
 

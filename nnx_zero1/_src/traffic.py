@@ -1,19 +1,18 @@
-"""What each device sends for a compiled program's collectives, and how much of it crosses the slow network.
+"""What each device sends for a compiled program's collectives.
 
 Counting a collective by its result (``hlo.collectives``) reads a reduce-scatter as 1/n of the all-reduce
 that moves the same data. Here each op counts what a ring sends from one device: an all-reduce 2(n-1)/n
-of its data, a reduce-scatter and an all-gather (n-1)/n, n the devices in its replica group. On a pod the
-devices sit in domains (TPU slices joined over the data-center network, GPU nodes over InfiniBand): a
-group within one domain sends over the fast links only; a group spanning k domains, reduced
-hierarchically (within each domain, then across domains among peers, then within again), sends
-(k-1)/(n-1) of its bytes across.
+of its data, a reduce-scatter and an all-gather (n-1)/n, n the devices in its replica group (read off the
+collective's line in any of HLO's spellings: :func:`replica_groups`, :func:`group_size`). What of those
+bytes crosses a pod's slow network is the planner's accounting (``nnx_zero1_plan.slow_network``), built on
+:func:`sent_counter`.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,16 +23,11 @@ from nnx_zero1._src.hlo import (
   computations,
   partitions,
   per_call,
-  shape_bytes,
 )
 
-__all__ = ["replica_groups", "group_size", "sent_bytes", "across_bytes", "dcn_bytes"]
+__all__ = ["replica_groups", "group_size", "ring_sent", "with_fused_groups", "sent_counter", "sent_bytes"]
 
 _GROUP_LIST = re.compile(r"replica_groups=\{((?:\{[0-9, ]*\},?\s*)*)\}")
-# A multi-slice TPU program is one slice's program; what crosses slices is a send to the megascale runtime
-# (the data-center network), named by its transfer type, its operand the bytes one device hands over.
-_MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z0-9]+\[[0-9,]*\])\S*, '
-                             r'.*\bsend\(.*_xla_megascale_transfer_type="(?P<kind>\w+)"')
 _GROUP_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _FIRST_GROUP = re.compile(r"replica_groups=\{\{([0-9, ]*)\}")
 # Over mesh axes, the mesh's positions optionally numbered by an iota of device ids
@@ -133,17 +127,18 @@ def group_size(line: str, devices: int) -> int:
   return size or devices
 
 
-def _sent(op: str, result: int, n: int) -> int:
-  """Bytes one device sends for a collective whose result on it is ``result`` bytes, in groups of ``n``
-  (the data is n results for a reduce-scatter, one for an all-gather and an all-reduce)."""
+def ring_sent(op: str, result: int, n: int) -> int:
+  """Bytes one device sends by a ring for a collective whose result on it is ``result`` bytes, in groups
+  of ``n`` (the data is n results for a reduce-scatter, one for an all-gather and an all-reduce).
+
+  Example::
+
+    >>> ring_sent("all-reduce", 8, 4), ring_sent("reduce-scatter", 2, 4), ring_sent("all-gather", 8, 4)
+    (12, 6, 6)
+  """
   if op == "reduce-scatter":
     return result * (n - 1)
   return result * (n - 1) * (2 if op == "all-reduce" else 1) // n
-
-
-def _domains_spanned(groups: list[tuple[int, ...]], domain_of: Sequence[int]) -> int:
-  """The most domains any one group spans."""
-  return max(len({domain_of[d] for d in group}) for group in groups)
 
 
 def with_fused_groups(hlo: str) -> str:
@@ -169,16 +164,30 @@ def with_fused_groups(hlo: str) -> str:
   return _FUSED_CALL.sub(lambda m: m[0] + (f", {inner[m[1]]}" if inner.get(m[1]) else ""), hlo)
 
 
-def _count(devices: int, domain_of: Sequence[int] | None) -> Callable[[list[str], int, Counts], None]:
+# More figures for one collective, from its line, its group size and the bytes one device sends for it.
+Extra = Callable[[str, int, int], dict[str, int]]
+
+
+def sent_counter(devices: int, extra: Extra | None = None) -> Callable[[list[str], int, Counts], None]:
+  """A counter for ``hlo.per_call``: each collective's count and the bytes one device sends for it
+  (:func:`ring_sent`), and what ``extra(line, n, sent)`` adds, summed per op, every loop trip counted.
+
+  Args:
+    devices: the devices of the program, the group size of a collective over all of them.
+    extra: called for each collective whose groups hold more than one device; its figures are added to
+      the op's under their names.
+
+  Returns:
+    ``count(lines, times, out)``, adding to ``out`` in place.
+  """
   def count(lines: list[str], times: int, out: Counts) -> None:
     for op, result, line in collective_ops(lines) if times else ():
       n = group_size(line, devices)
-      sent = _sent(op, result, n)
+      sent = ring_sent(op, result, n)
       out[op]["count"] += times
       out[op]["bytes"] += times * sent
-      if domain_of is not None and n > 1:  # the groups spelled out only where domains are asked about
-        k = _domains_spanned(replica_groups(line, devices), domain_of)
-        out[op]["across_bytes"] = out[op].get("across_bytes", 0) + times * sent * (k - 1) // (n - 1)
+      for name, value in (extra(line, n, sent) if extra is not None and n > 1 else {}).items():
+        out[op][name] = out[op].get(name, 0) + times * value
 
   return count
 
@@ -208,80 +217,6 @@ def sent_bytes(hlo: str, devices: int | None = None) -> Counts:
     >>> sent["all-reduce"]["bytes"], sent["reduce-scatter"]["bytes"]
     (48, 24)
   """
-  counted = per_call(with_fused_groups(hlo), _count(devices or partitions(hlo), None), COLLECTIVES)
+  counted = per_call(with_fused_groups(hlo), sent_counter(devices or partitions(hlo)), COLLECTIVES)
   return {op: {"count": c["count"], "bytes": c["bytes"]} for op, c in counted.items()}
 
-
-def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
-  """:func:`sent_bytes`, and of those the bytes that cross between domains (TPU slices, GPU nodes).
-
-  A group within one domain sends nothing across; a group of n devices spanning k domains, reduced
-  hierarchically, sends (k-1)/(n-1) of its bytes across: an estimate of the algorithm, from the groups the
-  compiler chose.
-
-  Args:
-    hlo: the text of a compiled kernel.
-    domain_of: for each device of the program, in its partition order (the mesh's devices, flat), the
-      domain it sits in (a TPU device's ``slice_index``, a GPU's node).
-
-  Returns:
-    ``{op: {"count", "bytes", "across_bytes"}}`` per op, per call, every loop trip counted.
-
-  Example::
-
-    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
-    ...   %in = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add
-    ...   ROOT %out = f32[8]{0} all-reduce(%in), replica_groups={{0,2},{1,3}}, to_apply=%add
-    ... }'''
-    >>> across_bytes(hlo, [0, 0, 1, 1])["all-reduce"]  # the second pair spans the two domains
-    {'count': 2, 'bytes': 64, 'across_bytes': 32}
-  """
-  counted = per_call(with_fused_groups(hlo), _count(len(domain_of), domain_of), COLLECTIVES)
-  return {op: {"count": c["count"], "bytes": c["bytes"], "across_bytes": c.get("across_bytes", 0)}
-          for op, c in counted.items()}
-
-
-def _dcn_sent(op: str, operand: int, slices: int) -> int:
-  """Bytes one device sends among ``slices`` for a megascale transfer of ``operand`` bytes: :func:`_sent`'s
-  ring, whose result is the operand for an all-reduce, k operands for an all-gather (its shard), 1/k of it
-  for a reduce-scatter; another transfer sends its operand once."""
-  if op not in COLLECTIVES:
-    return operand
-  result = {"all-gather": operand * slices, "reduce-scatter": operand // slices}.get(op, operand)
-  return _sent(op, result, slices)
-
-
-def dcn_bytes(hlo: str, slices: int) -> Counts:
-  """The bytes one device sends between TPU slices per call of a multi-slice program, per transfer type.
-
-  The TPU compiler compiles a multi-slice program as one slice's program; each collective over the
-  slices becomes a send to the megascale runtime (after the within-slice part: a gradient all-reduce is
-  reduce-scattered inside the slice, all-reduced across slices, gathered inside again), its operand what
-  one device hands over. Each is counted once (its ``recv`` is the same transfer), every loop trip too.
-
-  Args:
-    hlo: the text of a compiled multi-slice TPU program.
-    slices: the slices the program spans.
-
-  Returns:
-    ``{op: {"count": int, "bytes": int}}`` by transfer type (``all-reduce``, ``all-gather``, ...), bytes
-    those one device sends over the data-center network by a ring among the slices.
-
-  Example::
-
-    >>> hlo = \'\'\'ENTRY %main (p: f32[8]) -> f32[8] {
-    ...   %s = (f32[1024], token[]) send(%p), frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
-    ... }\'\'\'
-    >>> dcn_bytes(hlo, 2)
-    {'all-reduce': {'count': 1, 'bytes': 4096}}
-  """
-  def count(lines: list[str], times: int, out: Counts) -> None:
-    for line in lines if times else ():
-      m = _MEGASCALE_SEND.match(line)
-      if m:
-        op = m["kind"].lower().replace("_", "-")  # ALL_REDUCE: all-reduce
-        entry = out.setdefault(op, {"count": 0, "bytes": 0})
-        entry["count"] += times
-        entry["bytes"] += times * _dcn_sent(op, shape_bytes(m["array"]), slices)
-
-  return {op: c for op, c in per_call(hlo, count, ()).items() if c["count"]}

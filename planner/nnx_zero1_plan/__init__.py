@@ -2,9 +2,11 @@
 
 The planner is its own distribution, ``nnx-zero1-plan`` (``pip install ./planner`` from a
 clone of nnx-zero1), released with the optimizer it plans for. ``plan``, :class:`Plan`,
-``main`` and the command line are its interface; its modules (``steps``, ``levers``,
+:class:`Row`, ``main`` and the command line are its interface; its modules (``steps``, ``levers``,
 ``compiled``, ``abstract``, ``compilers``, ``table``) are the building blocks the
-benchmark harness shares.
+benchmark harness shares. Which modules are pure (this one, and everything the caller's process
+imports: no jax), which trace or compile, and which orchestrates (``run``) is ARCHITECTURE.md's
+planner section.
 
 Each lever's training step (gradients over ``--ga`` micro-batches, then
 ``optimizer.update``, the state donated) is built abstractly, as one program
@@ -44,10 +46,12 @@ from nnx_zero1_plan.child import plan_in_child
 from nnx_zero1_plan.compilers import AotUnavailable
 from nnx_zero1_plan.inputs import PlanError, parse_overrides
 from nnx_zero1_plan.levers import LEVERS
-from nnx_zero1_plan.request import DEFAULT_DEPTHS, PlanRequest
-from nnx_zero1_plan.run import Plan, make_plan
+from nnx_zero1_plan.request import DEFAULT_DEPTHS, SETTING_DEFAULTS, PlanRequest
+from nnx_zero1_plan.result import Plan
+from nnx_zero1_plan.row import Row
 
-__all__ = ["Plan", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "request_of", "main"]
+__all__ = ["Plan", "Row", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "request_of",
+           "main"]
 
 
 def plan(model: str | PlanRequest, topology: str | None = None, *,
@@ -66,8 +70,9 @@ def plan(model: str | PlanRequest, topology: str | None = None, *,
     **settings: the other fields of :class:`PlanRequest` by name (``batch``, ``search``, ``margin``, ...).
 
   Returns:
-    A :class:`Plan`: ``rows`` (one dict per lever and step), ``meta``, ``recommendation`` (the lever,
-    micro-batch, code and command to run, by a stated order), ``next_steps``; ``str()`` is the table.
+    A :class:`Plan`: ``rows`` (one :class:`Row` per lever and step, read as a mapping), ``meta``,
+    ``recommendation`` (the lever, micro-batch, code and command to run, by a stated order),
+    ``next_steps``; ``str()`` is the table.
 
   Raises:
     PlanError: an unknown model, topology, lever, optimizer or mesh axis, a mesh that does not match,
@@ -96,34 +101,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   Example::
 
     >>> parse_args(["--model", "tunix:qwen3_0p6b", "--topology", "h100:8"]).levers
-    'baseline,zero1'
+    ('baseline', 'zero1')
   """
   p = argparse.ArgumentParser(prog="python -m nnx_zero1.plan", description=__doc__.split("\n\n")[0])
   p.add_argument("--model", required=True, help="tunix:CONFIG (e.g. tunix:qwen3_8b), maxtext:MODEL_NAME "
                  "(e.g. maxtext:qwen3-0.6b) or package.module:function")
   p.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v4:2x2x1, v5p:..., h100:8, h200:8, "
                  "a100-80g:8, b200:8, h100:2x8 (nodes x GPUs)")
-  p.add_argument("--slices", type=int, default=1, help="TPU slices of --topology joined over the data-center "
+  p.add_argument("--slices", type=int, help="TPU slices of --topology joined over the data-center "
                  "network (default 1); the default mesh gains replica across them (GPU nodes: h100:8x8)")
-  p.add_argument("--gpus-per-node", type=int, default=None, help="GPU nodes of other than the chip's "
+  p.add_argument("--gpus-per-node", type=int, help="GPU nodes of other than the chip's "
                  "standard 8 GPUs, said again: --topology h100:8x2 --gpus-per-node 2 (8 nodes of 2)")
-  p.add_argument("--mesh", default=None, help="axis sizes, e.g. data=4,fsdp=2 (default: every device on "
+  p.add_argument("--mesh", help="axis sizes, e.g. data=4,fsdp=2 (default: every device on "
                  "data; on a pod replica=SLICES_OR_NODES first, then data)")
-  p.add_argument("--batch", type=int, default=None, help="global micro-batch in sequences (default: the "
+  p.add_argument("--batch", type=int, help="global micro-batch in sequences (default: the "
                  "smallest multiple of the batch axes' size of at least 8)")
-  p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
-  p.add_argument("--ga", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-  p.add_argument("--param-dtype", default=None, help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: "
+  p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024)")
+  p.add_argument("--ga", type=int, help="micro-batches per optimizer step (default 1)")
+  p.add_argument("--param-dtype", help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: "
                  "models)")
-  p.add_argument("--compute-dtype", default=None,
-                 help="activations' dtype, e.g. bfloat16 (tunix: and maxtext: models)")
-  p.add_argument("--remat", default=None, help="remat policy: none, block, decoder (tunix: models); "
+  p.add_argument("--compute-dtype", help="activations' dtype, e.g. bfloat16 (tunix: and maxtext: models)")
+  p.add_argument("--remat", help="remat policy: none, block, decoder (tunix: models); "
                  "MaxText's remat_policy (maxtext: models: full, minimal, ...); several, comma-separated, "
                  "plan each (default: the model's own)")
-  p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, lion, sgd, adafactor")
-  p.add_argument("--levers", default="baseline,zero1",
-                 help=f"comma-separated, of: {', '.join(LEVERS)} (default baseline,zero1)")
-  p.add_argument("--steps", default="one,split", help="one (one program: gradients + update, as Tunix "
+  p.add_argument("--optimizer", help="adamw (default), adam, lion, sgd, adafactor")
+  p.add_argument("--levers", help=f"comma-separated, of: {', '.join(LEVERS)} (default baseline,zero1)")
+  p.add_argument("--steps", help="one (one program: gradients + update, as Tunix "
                  "and nnx.jit loops compile it), split (two programs, as MaxText's engine); default both")
   p.add_argument("--estimate", action="store_true",
                  help=f"TPUs: compile deep models at {DEFAULT_DEPTHS} layers and extrapolate (quicker; "
@@ -131,21 +134,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "whole programs")
   p.add_argument("--full-depth", action="store_true",
                  help="whole programs: the default (kept for old command lines)")
-  p.add_argument("--tunix-sharding", default="default", help="tunix: models' activation constraints, "
+  p.add_argument("--tunix-sharding", help="tunix: models' activation constraints, "
                  "applied as on the chips: default (Tunix's, the mesh's data axes in each batch entry), none "
                  "(XLA's propagation), or JSON of ShardingConfig act_* fields")
   p.add_argument("--search", action="store_true", help="also find each lever's largest micro-batch that fits "
                  "(from --batch up, a few compiles per lever), and recommend by it")
-  p.add_argument("--margin", type=float, default=None, help="share of the memory to leave free (default: the "
+  p.add_argument("--margin", type=float, help="share of the memory to leave free (default: the "
                  "backend's reserve, what a run needs beyond the compiler's figure: TPU none, GPU 256 MiB)")
-  p.add_argument("--gpu-memory-fraction", type=float, default=0.75, help="GPU targets: the "
-                 "XLA_PYTHON_CLIENT_MEM_FRACTION the run will use (default jax's 0.75); the compiler plans "
-                 "for it")
+  p.add_argument("--gpu-memory-fraction", type=float, help="GPU targets: the XLA_PYTHON_CLIENT_MEM_FRACTION "
+                 f"the run will use (default jax's {SETTING_DEFAULTS['gpu_memory_fraction']}); the compiler "
+                 "plans for it")
   p.add_argument("--out", default=None, help="folder for plan.json and plan.md (default: none)")
   p.add_argument("--traceback", action="store_true", help="with a refusal (its one line), the whole "
                  "traceback too: where a model builder of your own raised")
   p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                  help="MaxText config overrides (maxtext: models), e.g. remat_policy=minimal")
+  p.set_defaults(**SETTING_DEFAULTS)  # each flag's default is its PlanRequest field's
   return p.parse_args(argv)
 
 
@@ -160,13 +164,8 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
     >>> request_of(parse_args(["--model", "m:f", "--topology", "h100:2x8"])).domains
     2
   """
-  return PlanRequest(args.model, args.topology, mesh=args.mesh, batch=args.batch, seq_len=args.seq_len,
-                     ga=args.ga, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
-                     remat=args.remat, optimizer=args.optimizer, levers=args.levers, steps=args.steps,
-                     full_depth=args.full_depth, estimate=args.estimate,
-                     overrides=parse_overrides(args.overrides), search=args.search, margin=args.margin,
-                     gpu_memory_fraction=args.gpu_memory_fraction,
-                     slices=args.slices, tunix_sharding=args.tunix_sharding, gpus_per_node=args.gpus_per_node)
+  flags = {name: getattr(args, name) for name in SETTING_DEFAULTS if name in args}
+  return PlanRequest(args.model, args.topology, **{**flags, "overrides": parse_overrides(args.overrides)})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -193,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     request = request_of(args)
     compilers.start_cpu_jax()  # the command line's process is the planner's own
+    from nnx_zero1_plan.run import make_plan  # jax's, imported once this process is prepared for it
+
     result = make_plan(request, progress=say)
   except (PlanError, AotUnavailable) as e:
     if args.traceback:

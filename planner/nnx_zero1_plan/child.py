@@ -1,9 +1,10 @@
 """A plan from Python, compiled in a planning process of its own.
 
 The compilers need a process prepared for them (jax held on its CPU backend, the CUDA plugin
-and libtpu told there is no device, :data:`nnx_zero1_plan.compilers.ENV`). A notebook's or a
-trainer's process must stay as it was, its GPUs visible and its environment untouched, so
-:func:`plan_in_child` starts ``python -m nnx_zero1_plan.child`` with that environment, hands
+and libtpu told there is no device, :data:`nnx_zero1_plan.compilers.ENV` over the caller's own
+values). A notebook's or a trainer's process must stay as it was, its GPUs visible and its
+environment untouched, so :func:`plan_in_child` prepares ``python -m nnx_zero1_plan.child`` as the
+command line prepares its own process (:func:`nnx_zero1_plan.compilers.prepare_planning_process`), hands
 it the request on stdin and reads back, line by line on its stdout, the progress and then the
 plan. Whatever else the process prints (libtpu's warnings) is kept for the error message.
 """
@@ -20,26 +21,12 @@ from collections.abc import Callable
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.request import PlanRequest
-from nnx_zero1_plan.run import Plan
+from nnx_zero1_plan.result import Plan
 
-__all__ = ["MARK", "plan_in_child", "child_environment", "main"]
+__all__ = ["MARK", "plan_in_child", "main"]
 
 MARK = "nnx_zero1_plan.child:"  # starts every line of the protocol on the planning process's stdout
 _ERRORS = {"PlanError": PlanError, "AotUnavailable": compilers.AotUnavailable}
-
-
-def child_environment(environ: dict[str, str], path: list[str]) -> dict[str, str]:
-  """The planning process's environment: ``environ`` with the compilers' settings (the caller's own
-  values kept) and ``path`` as its ``PYTHONPATH``, so a ``package.module:function`` model the caller can
-  import, it can too.
-
-  Example::
-
-    >>> env = child_environment({"HOME": "/root"}, ["/work", "/usr/lib/python3"])
-    >>> env["JAX_PLATFORMS"], env["PYTHONPATH"], env["HOME"]
-    ('cpu', '/work:/usr/lib/python3', '/root')
-  """
-  return {**compilers.ENV, **environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
@@ -56,8 +43,9 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
     PlanError, AotUnavailable: as the planning process raised them.
     RuntimeError: the planning process failed otherwise (its last lines of output in the message).
   """
+  # This process's import path, so a ``package.module:function`` model the caller can import, it can too.
   path = [os.getcwd() if entry == "" else entry for entry in sys.path]
-  env = child_environment(dict(os.environ), path)
+  env = {**compilers.prepare_planning_process(os.environ), "PYTHONPATH": os.pathsep.join(path)}
   command = [sys.executable, "-m", "nnx_zero1_plan.child"]
   other: list[str] = []
   result = None
@@ -75,8 +63,7 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
         progress(message["progress"])
       result = message if "progress" not in message else result
   if result is not None and "plan" in result:
-    fields = result["plan"]
-    return Plan(fields["rows"], fields["meta"], fields["next_steps"], fields["recommendation"])
+    return Plan.from_record(result["plan"])
   if result is not None and result["error"]["type"] in _ERRORS:
     raise _ERRORS[result["error"]["type"]](result["error"]["message"])
   why = result["error"]["traceback"] if result is not None else "\n".join(other[-20:])
@@ -97,8 +84,7 @@ def main() -> int:
   except Exception as e:  # every failure goes back to the caller, who raises it
     _say({"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}})
     return 1
-  _say({"plan": {"rows": result.rows, "meta": result.meta, "next_steps": result.next_steps,
-                 "recommendation": result.recommendation}})
+  _say({"plan": result.to_record()})
   return 0
 
 

@@ -6,8 +6,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_zero1.testing import across_bytes, collectives, dcn_bytes, loop_collectives, sent_bytes
+from nnx_zero1.testing import collectives, loop_collectives, sent_bytes
 from nnx_zero1_plan.hlo_flops import dot_flops
+from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
 __all__ = ["COMPUTE_SOURCES", "PEAK_SOURCE", "memory", "split_memory", "cost", "step_flops", "hbm_oom",
            "collectives_of", "across_per_step", "summed", "summed_collectives", "split_collectives_of",
@@ -169,9 +170,10 @@ def across_per_step(hlo: str, domain_of: Sequence[int]) -> dict[str, dict[str, i
   """The bytes one device sends between slices or nodes per step, by collective.
 
   A multi-slice TPU program names them itself: its transfers to the megascale runtime
-  (:func:`nnx_zero1.testing.dcn_bytes`). A multi-node GPU program is one program over every device: its
-  collectives whose replica groups span nodes, hierarchically reduced
-  (:func:`nnx_zero1.testing.across_bytes`; an estimate of NCCL's algorithm, from the compiler's groups).
+  (:func:`nnx_zero1_plan.slow_network.dcn_bytes`). A multi-node GPU program is one program over every
+  device: its collectives whose replica groups span nodes, hierarchically reduced
+  (:func:`nnx_zero1_plan.slow_network.across_bytes`; an estimate of NCCL's algorithm, from the
+  compiler's groups).
   """
   if "_xla_megascale_transfer_type" in hlo:
     return dcn_bytes(hlo, len(set(domain_of)))

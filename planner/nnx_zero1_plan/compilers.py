@@ -13,23 +13,34 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+from collections.abc import Mapping
 
-__all__ = ["LOCKFILE", "ENV", "AotUnavailable", "install_hint", "gpu_install_hint", "require_libtpu",
-           "require_cuda_plugin", "lockfile_holders", "clear_stale_lockfile", "prepare_environment",
+__all__ = ["LOCKFILE", "HOST_ACCELERATOR_TYPE", "ENV", "CALLERS_OWN", "AotUnavailable", "install_hint",
+           "gpu_install_hint", "require_libtpu", "require_cuda_plugin", "lockfile_holders",
+           "clear_stale_lockfile", "planning_environment", "prepare_planning_process", "prepare_environment",
            "start_cpu_jax", "keep_jax_on_cpu"]
 
 LOCKFILE = "/tmp/libtpu_lockfile"
 
+# The TPU host libtpu is told it runs on, where there is none: libtpu starting on a machine with no TPU
+# prints six lines of warnings and errors about the host metadata it could not read, and this (with one
+# worker, TPU_WORKER_HOSTNAMES=localhost) answers it. v6e-4 is a slice of one host, so the two agree. It is
+# not the compile target, which is the topology's description: plans for v4, v5e and v6e topologies were
+# measured byte-identical whatever this names.
+HOST_ACCELERATOR_TYPE = "v6e-4"
+
 # Compile only: jax stays on the CPU backend, libtpu skips the cloud metadata server it would ask
 # for a TPU's identity, and loads although another process (a second compile) has it loaded.
 # The CUDA plugin, when installed, must not look for a GPU either.
-# TPU_WORKER_HOSTNAMES and TPU_ACCELERATOR_TYPE: libtpu starting on a machine with no TPU prints six
-# lines of warnings and errors about the host metadata it could not read; these answer it. The compile
-# target is the topology's description, not these (v4, v5e and v6e plans measured byte-identical).
+# TPU_WORKER_HOSTNAMES and TPU_ACCELERATOR_TYPE: the host metadata libtpu asks for (see above).
 # TPU_MIN_LOG_LEVEL: libtpu writes no log files (by default it fills /tmp/tpu_logs with one set per process).
 ENV = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-       "CUDA_VISIBLE_DEVICES": "-1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v6e-4",
-       "TPU_MIN_LOG_LEVEL": "3"}
+       "CUDA_VISIBLE_DEVICES": "-1", "TPU_WORKER_HOSTNAMES": "localhost",
+       "TPU_ACCELERATOR_TYPE": HOST_ACCELERATOR_TYPE, "TPU_MIN_LOG_LEVEL": "3"}
+# The settings of ENV a caller's own value replaces: how much libtpu logs is the caller's to choose. The
+# others hold whatever the caller's environment says: a caller on a GPU or TPU machine has its devices
+# visible, and a planning process that saw them would start on them or stop at a lockfile.
+CALLERS_OWN = frozenset({"TPU_MIN_LOG_LEVEL"})
 
 
 class AotUnavailable(RuntimeError):
@@ -165,17 +176,53 @@ def clear_stale_lockfile(path: str = LOCKFILE) -> bool:
   return True
 
 
+def planning_environment(environ: Mapping[str, str]) -> dict[str, str]:
+  """A planning process's environment: ``environ`` under :data:`ENV`, but for the caller's own
+  :data:`CALLERS_OWN` values.
+
+  Example::
+
+    >>> env = planning_environment({"HOME": "/root", "JAX_PLATFORMS": "cuda", "TPU_MIN_LOG_LEVEL": "0"})
+    >>> env["HOME"], env["JAX_PLATFORMS"], env["CUDA_VISIBLE_DEVICES"], env["TPU_MIN_LOG_LEVEL"]
+    ('/root', 'cpu', '-1', '0')
+  """
+  return {**environ, **ENV, **{key: environ[key] for key in CALLERS_OWN if key in environ}}
+
+
+def prepare_planning_process(environ: Mapping[str, str], lockfile: str = LOCKFILE) -> dict[str, str]:
+  """Prepares a planning process before it can load a compiler: its environment, and libtpu's lockfile
+  removed when stale. Both ways into the planner run it: the command line for its own process
+  (:func:`prepare_environment`), ``plan()`` for the process it starts.
+
+  A lockfile a live process holds stays: another planner's, or a trainer's on this TPU machine (the
+  caller of ``plan()`` itself, perhaps). The planning process loads libtpu beside it
+  (``ALLOW_MULTIPLE_LIBTPU_LOAD``).
+
+  Args:
+    environ: the environment the planning process starts from (the caller's).
+    lockfile: libtpu's lockfile.
+
+  Returns:
+    The planning process's environment (:func:`planning_environment`).
+
+  Example::
+
+    >>> prepare_planning_process({"HOME": "/root"}, "/nonexistent/libtpu_lockfile")["JAX_PLATFORMS"]
+    'cpu'
+  """
+  clear_stale_lockfile(lockfile)
+  return planning_environment(environ)
+
+
 def prepare_environment() -> None:
-  """Sets :data:`ENV` (keeping values already set) and clears a stale lockfile; call before jax starts.
+  """Makes this process a planning process (:func:`prepare_planning_process`); call before jax starts.
 
   Example::
 
     prepare_environment()
     import jax; jax.experimental.topologies.get_topology_desc("v6e:2x2", "tpu")
   """
-  for key, value in ENV.items():
-    os.environ.setdefault(key, value)
-  clear_stale_lockfile()
+  os.environ.update(prepare_planning_process(os.environ))
 
 
 def start_cpu_jax() -> None:

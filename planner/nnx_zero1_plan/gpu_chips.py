@@ -2,46 +2,18 @@
 
 XLA compiles for a GPU it does not have from this description (deviceless
 compilation, ``jax.experimental.topologies.get_topology_desc(platform="cuda",
-target_config=...)``). Every figure comes from the chip's public specification
-sheet (NVIDIA's data sheets and CUDA's per-compute-capability limits); the
-device memory is the total that ``cudaMemGetInfo`` / ``nvidia-smi`` reports for
-the part, in bytes.
+target_config=...)``). The figures are :data:`nnx_zero1_plan.chips.CHIPS`' (each
+part's public specification sheet).
 """
 
 from __future__ import annotations
 
-import dataclasses
+from nnx_zero1_plan.chips import CHIPS, GpuChip
 
 __all__ = ["GpuChip", "GPU_CHIPS", "target_config"]
 
-
-@dataclasses.dataclass(frozen=True)
-class GpuChip:
-  """One NVIDIA part's public figures, what XLA's GPU cost model and compiler read."""
-
-  description: str  # the device_kind jax reports for it
-  compute_capability: tuple[int, int]
-  core_count: int  # streaming multiprocessors
-  fpus_per_core: int
-  clock_rate_ghz: float
-  memory_bytes: int
-  memory_bandwidth: int  # bytes per second
-  l2_cache_bytes: int
-  shared_memory_per_core: int
-  shared_memory_per_block_optin: int
-  node_gpus: int = 8  # GPUs in the part's standard node (NVIDIA's DGX / HGX boards)
-
-
-GPU_CHIPS: dict[str, GpuChip] = {
-    "a100-80g": GpuChip("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 81920 * 2**20, 2_039_000_000_000,
-                        40 * 2**20, 167936, 166912),
-    "h100": GpuChip("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 84_929_347_584, 3_352_320_000_000,
-                    50 * 2**20, 233472, 232448),
-    "h200": GpuChip("NVIDIA H200", (9, 0), 132, 128, 1.98, 143771 * 2**20, 4_800_000_000_000,
-                    50 * 2**20, 233472, 232448),
-    "b200": GpuChip("NVIDIA B200", (10, 0), 148, 128, 1.965, 183359 * 2**20, 8_000_000_000_000,
-                    126 * 2**20, 233472, 232448),
-}
+# The GPUs among the chips, by the planner's name for each (``h100``): the topologies it compiles for.
+GPU_CHIPS: dict[str, GpuChip] = {name: chip.gpu for name, chip in CHIPS.items() if chip.gpu is not None}
 
 
 def target_config(chip: GpuChip) -> str:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import math
 import re
-import shlex
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import NamedTuple
 
-__all__ = ["shortened", "PlanError", "parse_mesh", "parse_levers", "parse_topology", "mesh_axes",
-           "check_replica", "micro_batch", "check_axis_names",
-           "parse_model", "parse_overrides", "command_line", "spelled_mesh"]
+__all__ = ["shortened", "PlanError", "ModelRef", "Topology", "parse_mesh", "parse_levers", "parse_topology",
+           "mesh_axes", "check_replica", "micro_batch", "check_axis_names", "parse_model", "parse_overrides",
+           "spelled_mesh"]
 
 # The axes a batch or the parameters split over without the model naming them (Zero-1's data axis,
 # fsdp for the batch and the layout rule, tp for a model that names it); any other axis must be the model's.
@@ -19,6 +18,46 @@ PLANNER_AXES = ("replica", "data", "fsdp", "tp")
 
 class PlanError(ValueError):
   """An input the planner cannot plan for; the message names it and what is accepted."""
+
+
+class ModelRef(NamedTuple):
+  """``--model`` parsed: where the model comes from and its name there.
+
+  Attributes:
+    kind: ``"tunix"``, ``"maxtext"``, or the user's module (``"my_pkg.models"``).
+    name: Tunix's ``ModelConfig`` classmethod, MaxText's model name, or the user's function.
+  """
+
+  kind: str
+  name: str
+
+  def __str__(self) -> str:
+    """As ``--model`` spells it: ``tunix:qwen3_8b``."""
+    return f"{self.kind}:{self.name}"
+
+
+class Topology(NamedTuple):
+  """``--topology`` parsed.
+
+  Attributes:
+    platform: ``"tpu"`` or ``"cuda"``.
+    chip: the chip as the planner names it (``"v5e"``, ``"h100"``).
+    shape: a TPU slice's shape as libtpu names it (``(2, 4)``), or GPUs' (nodes, GPUs per node).
+  """
+
+  platform: str
+  chip: str
+  shape: tuple[int, ...]
+
+  def domains(self, slices: int = 1) -> int:
+    """The slices (TPU: ``slices`` of this one) or nodes (GPU: the shape's first number) the target spans.
+
+    Example::
+
+      >>> Topology("cuda", "h100", (2, 8)).domains(), Topology("tpu", "v5p", (2, 2, 1)).domains(slices=2)
+      (2, 2)
+    """
+    return slices if self.platform == "tpu" else self.shape[0]
 
 
 def parse_mesh(text: str | None) -> dict[str, int]:
@@ -189,8 +228,8 @@ def parse_levers(text: str | Sequence[str], known: Iterable[str], what: str = "l
   return names
 
 
-def parse_topology(text: str, gpu_chips: Iterable[str]) -> tuple[str, str, tuple[int, ...]]:
-  """A topology as (platform, chip, shape): ``v6e:2x2`` is a TPU slice, ``h100:8`` / ``h100:2x8`` GPUs.
+def parse_topology(text: str, gpu_chips: Iterable[str]) -> Topology:
+  """A topology as a :class:`Topology`: ``v6e:2x2`` is a TPU slice, ``h100:8`` / ``h100:2x8`` GPUs.
 
   A GPU shape is (nodes, GPUs per node). A TPU name is libtpu's to check.
 
@@ -200,9 +239,9 @@ def parse_topology(text: str, gpu_chips: Iterable[str]) -> tuple[str, str, tuple
   Example::
 
     >>> parse_topology("h100:2x8", ["h100"])
-    ('cuda', 'h100', (2, 8))
+    Topology(platform='cuda', chip='h100', shape=(2, 8))
     >>> parse_topology("v5e:2x4", ["h100"])
-    ('tpu', 'v5e', (2, 4))
+    Topology(platform='tpu', chip='v5e', shape=(2, 4))
   """
   chips = tuple(gpu_chips)
   m = re.fullmatch(r"([\w\-]+):(\d+(?:x\d+)*)", text.strip())
@@ -212,28 +251,31 @@ def parse_topology(text: str, gpu_chips: Iterable[str]) -> tuple[str, str, tuple
     raise PlanError(f"unknown topology {text!r}; {hint}")
   chip, shape = m[1].lower(), tuple(int(n) for n in m[2].split("x"))
   if re.fullmatch(r"v\d+[a-z]?", chip):
-    return "tpu", chip, shape
+    return Topology("tpu", chip, shape)
   if chip not in chips or len(shape) > 2 or min(shape) < 1:
     raise PlanError(f"unknown topology {text!r}; {hint}")
-  return "cuda", chip, shape if len(shape) == 2 else (1, shape[0])
+  return Topology("cuda", chip, shape if len(shape) == 2 else (1, shape[0]))
 
 
-def parse_model(text: str) -> tuple[str, str]:
-  """``--model`` as (source, name): ``tunix:qwen3_8b``, ``maxtext:qwen3-0.6b`` or ``package.module:function``.
+def parse_model(text: str) -> ModelRef:
+  """``--model`` as a :class:`ModelRef`: ``tunix:qwen3_8b``, ``maxtext:qwen3-0.6b`` or
+  ``package.module:function``.
 
   Raises:
     PlanError: not ``SOURCE:NAME``.
 
   Example::
 
-    >>> parse_model("tunix:qwen3_0p6b"), parse_model("my_pkg.models:build")
-    (('tunix', 'qwen3_0p6b'), ('my_pkg.models', 'build'))
+    >>> parse_model("tunix:qwen3_0p6b")
+    ModelRef(kind='tunix', name='qwen3_0p6b')
+    >>> tuple(parse_model("my_pkg.models:build"))
+    ('my_pkg.models', 'build')
   """
   source, sep, name = text.strip().partition(":")
   if not sep or not source or not name:
     raise PlanError(f"unknown model {text!r}; give tunix:CONFIG (e.g. tunix:qwen3_8b), maxtext:MODEL_NAME "
                     "(e.g. maxtext:qwen3-0.6b) or package.module:function")
-  return source, name
+  return ModelRef(source, name)
 
 
 def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
@@ -267,49 +309,3 @@ def shortened(text: str, limit: int) -> str:
   if len(text) <= limit:
     return text
   return text[:limit - 4].rsplit(" ", 1)[0] + " ..."
-
-
-def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
-  """The planner's command for a plan's settings (``meta``), with ``changes`` made: the inverse of parsing.
-
-  Example::
-
-    >>> meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8}, "batch": 8,
-    ...         "seq_len": 1024, "ga": 1, "levers": ["baseline", "zero1"], "steps": {"one": "..."}}
-    >>> print(*command_line(meta, levers=["zero1"], batch=16).split(" --"), sep="\\n  --")
-    python -m nnx_zero1.plan
-      --model tunix:qwen3_8b
-      --topology v5e:2x4
-      --mesh data=8
-      --batch 16
-      --seq-len 1024
-      --ga 1
-      --levers zero1
-      --steps one
-  """
-  s = {**meta, **changes}
-  joined = lambda names: names if isinstance(names, str) else ",".join(names)
-  mesh = spelled_mesh(s["mesh"])
-  words = ["python -m nnx_zero1.plan", f"--model {s['model']}", f"--topology {s['topology']}",
-           f"--mesh {mesh}", f"--batch {s['batch']}", f"--seq-len {s['seq_len']}", f"--ga {s['ga']}",
-           f"--levers {joined(s['levers'])}", f"--steps {joined(s['steps'])}"]
-  for flag, key in (("--param-dtype", "param_dtype"), ("--compute-dtype", "compute_dtype"),
-                    ("--remat", "remat")):
-    if s.get(key):
-      words.append(f"{flag} {s[key]}")
-  if s.get("optimizer", "adamw") != "adamw":
-    words.append(f"--optimizer {s['optimizer']}")
-  if s.get("slices", 1) > 1:
-    words.append(f"--slices {s['slices']}")
-  if s.get("estimate"):
-    words.append("--estimate")
-  if s.get("margin") is not None:
-    words.append(f"--margin {s['margin']}")
-  if s.get("gpu_memory_fraction") not in (None, 0.75):
-    words.append(f"--gpu-memory-fraction {s['gpu_memory_fraction']}")
-  if s.get("gpus_per_node") is not None:
-    words.append(f"--gpus-per-node {s['gpus_per_node']}")
-  if s.get("tunix_sharding") not in (None, "default"):
-    words.append(f"--tunix-sharding {shlex.quote(s['tunix_sharding'])}")
-  words += [f"{k}={v}" for k, v in (s.get("overrides") or {}).items()]
-  return " ".join(words)

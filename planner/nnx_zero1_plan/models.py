@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nnx_zero1_plan.inputs import PlanError, parse_model, shortened
+from nnx_zero1_plan.inputs import ModelRef, PlanError, parse_model, shortened
 from nnx_zero1_plan.tunix_sharding import activation_fields, specs_for, tunix_constraints
 
 __all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "model_source", "next_token_loss", "tunix_loss"]
@@ -206,10 +206,10 @@ def _function_source(module_name: str, function_name: str) -> ModelSource:
   return ModelSource(f"{module_name}:{function_name}", build, full_depth, loss_fn)
 
 
-def model_source(model: str, param_dtype: str | None = None, compute_dtype: str | None = None,
+def model_source(model: str | ModelRef, param_dtype: str | None = None, compute_dtype: str | None = None,
                  remat: str | None = None, tunix_sharding: str = "default") -> ModelSource:
-  """The :class:`ModelSource` ``--model`` names; ``tunix_sharding`` is ``--tunix-sharding``
-  (:mod:`nnx_zero1_plan.tunix_sharding`).
+  """The :class:`ModelSource` ``--model`` names (as given, or parsed); ``tunix_sharding`` is
+  ``--tunix-sharding`` (:mod:`nnx_zero1_plan.tunix_sharding`).
 
   Raises:
     PlanError: an unknown family, configuration or function, or a flag the model cannot take.
@@ -218,7 +218,7 @@ def model_source(model: str, param_dtype: str | None = None, compute_dtype: str 
 
     source = model_source("tunix:qwen3_0p6b", param_dtype="bfloat16", compute_dtype="bfloat16")
   """
-  source, name = parse_model(model)
+  source, name = model if isinstance(model, ModelRef) else parse_model(model)
   if source == "tunix":
     return _tunix_source(name, param_dtype, compute_dtype, remat, tunix_sharding)
   if tunix_sharding != "default":

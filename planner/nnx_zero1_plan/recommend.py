@@ -1,4 +1,4 @@
-"""The configuration a plan recommends, by a stated order, with the code that writes it.
+"""The configuration a plan recommends, by a stated order, with the code that writes it (:mod:`printed_code`).
 
 The order: a row must fit (the compiler accepted the whole program, and its peak
 is within the usable memory: the device's less the reserve or the margin; an
@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.inputs import PlanError, command_line, parse_topology
+from nnx_zero1_plan.inputs import PlanError, parse_topology
+from nnx_zero1_plan.printed_code import lever_code
+from nnx_zero1_plan.request import command_line
 
-__all__ = ["ORDER", "micro_batch_of", "fitted_at", "splits_nothing", "sent_bytes_of", "mesh_code",
-           "lever_code", "recommend", "recompute_note", "baseline_beats", "why_picked"]
+__all__ = ["ORDER", "micro_batch_of", "fitted_at", "splits_nothing", "sent_bytes_of", "recommend",
+           "recompute_note", "baseline_beats", "why_picked"]
 
 ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
          "fewest collective bytes sent per token (within 1%)",
@@ -147,184 +149,6 @@ def _headroom_at(row: Mapping[str, Any], batch: int) -> int | None:
   """The usable bytes a row leaves free at ``batch``: its search's compile there, else its own."""
   at = _figures_at(row, batch)
   return at.get("headroom_bytes_per_device")
-
-
-def _spelled(value: Any) -> str:
-  """An option's value as code: a dtype's name (the levers hold them as strings) is ``jnp``'s."""
-  return f"jnp.{value}" if isinstance(value, str) else repr(value)
-
-
-def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: int = 1) -> list[str]:
-  """The lines that build the mesh a plan compiled, from the devices of one call
-  (``devices = jax.devices()``), so that ``replica`` is outermost and runs across the slices or nodes.
-
-  One slice or node: ``jax.make_mesh``. TPU slices: MaxText's multi-slice mesh,
-  ``mesh_utils.create_hybrid_device_mesh`` (``jax.make_mesh`` refuses devices of several slices). GPU nodes:
-  the devices ordered node by node, then shaped: XLA numbers a multi-process GPU cluster's hosts as slices
-  (``slice_index``, from each host's boot id), which ``jax.make_mesh`` refuses too, and a compile-only
-  topology's nodes by ``process_index``. Every axis is Auto, as the plan compiled it.
-
-  Args:
-    mesh: the plan's axes and sizes, ``replica`` first on a pod (None: one ``data`` axis of size 1).
-    platform: ``"tpu"`` or ``"cuda"``.
-    domains: the slices or nodes the devices sit in.
-
-  Returns:
-    Python lines (the imports they need first, then a blank line), ending with ``mesh = ...``.
-
-  Example::
-
-    >>> print("\\n".join(mesh_code({"replica": 2, "data": 4}, "tpu", domains=2)[3:]))
-    devices = jax.devices()
-    # replica across the 2 slices (the data-center network), the other axes inside each slice
-    mesh = Mesh(mesh_utils.create_hybrid_device_mesh((1, 4), (2, 1), devices, allow_split_physical_axes=True),
-                ('replica', 'data'), axis_types=(AxisType.Auto,) * 2)
-  """
-  axes = dict(mesh or {"data": 1})
-  names = "(" + ", ".join(repr(k) for k in axes) + ("," if len(axes) == 1 else "") + ")"
-  shape = lambda sizes: "(" + ", ".join(map(str, sizes)) + ("," if len(sizes) == 1 else "") + ")"
-  types = "(AxisType.Auto,)" + (f" * {len(axes)}" if len(axes) > 1 else "")
-  pod = domains > 1 and axes.get("replica") == domains
-  if pod and platform == "tpu":
-    inside = [1 if k == "replica" else v for k, v in axes.items()]
-    across = [domains if k == "replica" else 1 for k in axes]
-    return ["from jax.experimental import mesh_utils", "from jax.sharding import AxisType, Mesh", "",
-            "devices = jax.devices()",
-            f"# replica across the {domains} slices (the data-center network), the other axes inside each "
-            "slice",
-            f"mesh = Mesh(mesh_utils.create_hybrid_device_mesh({shape(inside)}, {shape(across)}, devices, "
-            "allow_split_physical_axes=True),",
-            f"            {names}, axis_types={types})"]
-  if pod:
-    return ["import numpy as np", "from jax.sharding import AxisType, Mesh", "",
-            "devices = jax.devices()",
-            f"# replica across the {domains} nodes, outermost: the devices node by node (XLA numbers a "
-            "cluster's hosts as",
-            "# slices, which jax.make_mesh refuses; a compile-only topology numbers its nodes as processes)",
-            "by_node = sorted(devices, key=lambda d: (getattr(d, 'slice_index', 0), d.process_index, d.id))",
-            f"mesh = Mesh(np.array(by_node).reshape{shape(list(axes.values()))}, {names}, "
-            f"axis_types={types})"]
-  return ["from jax.sharding import AxisType", "", "devices = jax.devices()",
-          f"mesh = jax.make_mesh({shape(list(axes.values()))}, {names}, {types}, devices=devices)"]
-
-
-def _tuples(value: Any) -> Any:
-  """A JSON value with its lists as tuples: activation specs as ``ShardingConfig`` spells them."""
-  return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
-
-
-def _tunix_code(lever: Any, options: list[str], mesh_lines: list[str], mesh: Mapping[str, int] | None,
-                tx: str, activation_sharding: Any) -> list[str]:
-  """Tunix's trainer on the plan's mesh: the batch over its data axes, Zero-1's options as the config's."""
-  batch = tuple(a for a in ("replica", "data", "fsdp") if a in (mesh or {"data": 1}))
-  config = [f"data_sharding_axis=({batch!r},)"]
-  if lever.zero1:
-    named = "data_axis" in lever.optimizer_options
-    config += [*([] if named else ["zero1_data_axis='data'"]), *(f"zero1_{o}" for o in options)]
-  trainer = ("Zero1PeftTrainer", "Zero1TrainingConfig") if lever.zero1 else ("PeftTrainer", "TrainingConfig")
-  imports = ("from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig" if lever.zero1
-             else "from tunix.sft.peft_trainer import PeftTrainer, TrainingConfig")
-  lines = ["import jax, jax.numpy as jnp, optax", imports, *mesh_lines]
-  if isinstance(activation_sharding, dict):
-    specs = {k: _tuples(v) for k, v in activation_sharding.items()}
-    lines += ["# the activations' sharding the plan compiled (ShardingConfig act_* fields, the data axes in "
-              "each batch entry):",
-              "# build the model with "
-              "shd_config=dataclasses.replace(config.shd_config, **activation_sharding)",
-              f"activation_sharding = {specs!r}"]
-  return lines + ["with mesh:  # Tunix reads its mesh from this context",
-                  "  model = ...  # your model, built here",
-                  f"  trainer = {trainer[0]}(model, {tx}, {trainer[1]}(..., {', '.join(config)}))"]
-
-
-def lever_code(name: str, model: str, offload_fraction: float | None = None,
-               mesh: Mapping[str, int] | None = None, optimizer: str = "adamw", *, platform: str = "tpu",
-               domains: int = 1, activation_sharding: Any = None) -> str:
-  """The code that turns lever ``name`` on where ``model``'s users train, as they paste it: their own loop
-  (imports, the mesh the plan compiled, then the model built under it, then the optimizer), Tunix's trainers
-  (the mesh, the activations' sharding the plan compiled, ``Zero1TrainingConfig``'s ``zero1_*`` options) or
-  MaxText's engine (the class attributes :func:`nnx_zero1_plan.maxtext.engine_attributes` gives). Written
-  from the lever table, so a new lever needs no entry here; ``offload-fraction`` writes the
-  ``offload_fraction`` its plan picked.
-
-  Args:
-    name: the lever.
-    model: the plan's ``--model``.
-    offload_fraction: the share of the state the plan offloads (``offload-fraction``).
-    mesh: the plan's axes and sizes.
-    optimizer: the plan's ``--optimizer``.
-    platform: ``"tpu"`` or ``"cuda"``: how a pod's mesh is built (:func:`mesh_code`).
-    domains: the slices or nodes the plan spans.
-    activation_sharding: a ``tunix:`` plan's activation specs (its meta's ``activation_sharding``).
-
-  Returns:
-    Python source, newline-separated; ``model = ...`` is the user's own line. MaxText's is one sentence.
-
-  Example::
-
-    >>> print(lever_code("offload", "my_pkg.models:build", mesh={"data": 4}))
-    import jax, jax.numpy as jnp, optax
-    from nnx_zero1 import Zero1Optimizer
-    from jax.sharding import AxisType
-    <BLANKLINE>
-    devices = jax.devices()
-    mesh = jax.make_mesh((4,), ('data',), (AxisType.Auto,), devices=devices)
-    with jax.set_mesh(mesh):
-      model = ...  # your model, built here: its parameters' sharding names the mesh's axes
-      optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)
-    >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
-    'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
-  """
-  from nnx_zero1_plan.levers import LEVERS, with_offload
-  from nnx_zero1_plan.maxtext import engine_attributes
-  from nnx_zero1_plan.request import OPTIMIZER_CODE
-
-  tx = OPTIMIZER_CODE[optimizer]
-  lever = LEVERS[name]
-  if lever.picks_offload:
-    lever = with_offload(lever, offload_fraction or 0.0)
-  options = [f"{k}={_spelled(v)}" for k, v in lever.optimizer_options.items()]
-  if model.startswith("maxtext:"):
-    attributes = engine_attributes(name, lever)
-    if attributes is None:
-      return "MaxText's own MaxTextTrainingEngine"
-    spelled = "; ".join(f"{k} = {_spelled(v)}" for k, v in attributes.items())
-    return "Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext)" + (f" subclassed with {spelled}"
-                                                                      if spelled else "")
-  mesh_lines = mesh_code(mesh, platform, domains)
-  if model.startswith("tunix:"):
-    lines = _tunix_code(lever, options, mesh_lines, mesh, tx, activation_sharding)
-    if lever.deferred:  # Tunix's trainer accumulates with optax.MultiSteps, reduced every micro-batch
-      lines[1] += "\nfrom nnx_zero1 import value_and_grad_accumulated"
-      lines += ["  # this lever's gradients are value_and_grad_accumulated's, in your own nnx.jit step "
-                "(Tunix's trainer computes its own):", _accumulate_line(lever, mesh, "trainer.optimizer")]
-    return "\n".join(lines)
-  if not lever.zero1:
-    built = f"optimizer = nnx.Optimizer(model, {tx}, wrt=nnx.Param)"
-    imports = ["import jax, optax", "from flax import nnx"]
-  else:
-    built = f"optimizer = Zero1Optimizer({', '.join(['model', tx, 'mesh', *options])})"
-    imports = ["import jax, jax.numpy as jnp, optax", "from nnx_zero1 import Zero1Optimizer"]
-  lines = [*imports, *mesh_lines, "with jax.set_mesh(mesh):",
-           "  model = ...  # your model, built here: its parameters' sharding names the mesh's axes",
-           f"  {built}"]
-  if lever.deferred:
-    lines[1] += ", value_and_grad_accumulated"
-    lines.append(_accumulate_line(lever, mesh, "optimizer"))
-  return "\n".join(lines)
-
-
-def _accumulate_line(lever: Any, mesh: Mapping[str, int] | None, optimizer: str) -> str:
-  """The comment that gives a deferred lever's gradient call, its options and the axes it sums over."""
-  from nnx_zero1_plan.levers import state_axes, summed_over
-
-  accumulate = "".join(f", {k}={_spelled(v)}" for k, v in lever.accumulate_options.items())
-  own = state_axes(lever)
-  summed = summed_over(tuple(mesh or {}), own)
-  if summed != own:  # a pod's batch is split over replica too: the gradients are summed over it
-    accumulate += f", data_axis={summed!r}"
-  return ("  # each step: loss, grads = value_and_grad_accumulated(loss_fn, model, batch, "
-          f"micro_batches=GA, optimizer={optimizer}{accumulate})")
 
 
 def _figures_at(row: Mapping[str, Any], batch: int) -> Mapping[str, Any]:

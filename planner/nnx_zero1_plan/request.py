@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS
 from nnx_zero1_plan.inputs import (
+  ModelRef,
   PlanError,
+  Topology,
   check_replica,
   parse_levers,
   parse_mesh,
   parse_model,
   parse_topology,
+  spelled_mesh,
 )
 from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.targets import JAX_GPU_POOL_FRACTION
 
-__all__ = ["DEFAULT_DEPTHS", "OPTIMIZER_CODE", "STEPS", "PlanRequest", "check_topology"]
+__all__ = ["DEFAULT_DEPTHS", "OPTIMIZER_CODE", "STEPS", "PlanRequest", "SETTING_DEFAULTS", "check_topology",
+           "command_line"]
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for an estimate (``estimate=True``) of a deeper model
 
@@ -35,7 +41,7 @@ STEPS = {
 }
 
 # --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes), as the
-# recommendation's code writes them.
+# recommendation's code writes them; the compiled step builds them from this code (steps.OPTIMIZERS).
 OPTIMIZER_CODE = {
     "adamw": "optax.adamw(1e-5)",
     "adam": "optax.adam(1e-5)",
@@ -45,9 +51,12 @@ OPTIMIZER_CODE = {
 }
 
 
-def check_topology(topology: str, slices: int = 1, gpus_per_node: int | None = None) -> None:
-  """Refuses a topology, ``--slices`` or ``--gpus-per-node`` that is wrong, or right only by an unusual
-  reading, each in its own line.
+def check_topology(topology: str, slices: int = 1, gpus_per_node: int | None = None) -> Topology:
+  """``topology`` parsed, or refused with ``--slices`` or ``--gpus-per-node`` when wrong, or right only by an
+  unusual reading, each in its own line.
+
+  Returns:
+    The :class:`~nnx_zero1_plan.inputs.Topology`.
 
   Raises:
     PlanError: an unknown topology; ``slices`` below 1, or above 1 for GPUs (their nodes are in the
@@ -62,9 +71,10 @@ def check_topology(topology: str, slices: int = 1, gpus_per_node: int | None = N
     ...   print(str(e).replace(": did", ":\\ndid"))
     h100:8x2 reads as 8 nodes of 2 GPUs, fewer than an H100 node's 8:
     did you mean h100:2x8? For nodes of 2 GPUs, say --gpus-per-node 2
-    >>> check_topology("h100:8x2", gpus_per_node=2)
+    >>> check_topology("h100:8x2", gpus_per_node=2).shape
+    (8, 2)
   """
-  platform, chip, shape = parse_topology(topology, GPU_CHIPS)
+  parsed = platform, chip, shape = parse_topology(topology, GPU_CHIPS)
   if slices < 1:
     raise PlanError(f"--slices {slices}: the number of TPU slices joined over the data-center network, 1 or "
                     "more (1, the default, is one slice)")
@@ -93,6 +103,7 @@ def check_topology(topology: str, slices: int = 1, gpus_per_node: int | None = N
                       f"{guess}{say}")
   elif gpus_per_node is not None:
     raise PlanError(f"--gpus-per-node is for GPU nodes; {topology} is a TPU slice (--slices N for several)")
+  return parsed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +111,8 @@ class PlanRequest:
   """One plan's settings: what :func:`nnx_zero1_plan.plan` and the command line's flags take.
 
   Building the record normalises ``levers`` and ``steps`` to tuples of names (a ``maxtext:`` model keeps
-  ``split`` only), ``overrides`` to a dict, and refuses what cannot be planned.
+  ``split`` only), ``overrides`` to a dict, parses ``model``, ``topology`` and ``mesh`` once (``model_ref``,
+  ``topology_ref``, ``mesh_sizes``: what the planning process reads), and refuses what cannot be planned.
 
   Attributes:
     model: ``tunix:CONFIG``, ``maxtext:MODEL_NAME`` or ``package.module:function``.
@@ -155,6 +167,9 @@ class PlanRequest:
       the chips: ``default`` (Tunix's ``ShardingConfig``, the mesh's data axes added to each batch entry),
       ``none`` (XLA's own propagation), or a JSON object of ``act_*`` fields
       (:mod:`nnx_zero1_plan.tunix_sharding`).
+    model_ref: ``model`` parsed (not an argument: worked out when the record is built).
+    topology_ref: ``topology`` parsed.
+    mesh_sizes: ``mesh`` parsed (``{"data": 4, "fsdp": 2}``; empty for the default mesh).
 
   Raises:
     PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one whose
@@ -187,16 +202,21 @@ class PlanRequest:
   overrides: Mapping[str, str] | None = None
   search: bool = False
   margin: float | None = None
-  gpu_memory_fraction: float = 0.75
+  gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION
   slices: int = 1
   depths: Sequence[int] = DEFAULT_DEPTHS
   estimate: bool = False
   tunix_sharding: str = "default"
   gpus_per_node: int | None = None
+  model_ref: ModelRef = dataclasses.field(init=False, repr=False, compare=False)
+  topology_ref: Topology = dataclasses.field(init=False, repr=False, compare=False)
+  mesh_sizes: Mapping[str, int] = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self) -> None:
-    kind, _ = parse_model(self.model)
-    check_topology(self.topology, self.slices, self.gpus_per_node)
+    model_ref = parse_model(self.model)
+    kind = model_ref.kind
+    topology_ref = check_topology(self.topology, self.slices, self.gpus_per_node)
+    object.__setattr__(self, "topology_ref", topology_ref)  # frozen: what the checks below read
     sizes = parse_mesh(self.mesh)
     if sizes and kind != "maxtext":  # MaxText's --mesh is one slice's ici_* axes, no replica among them
       check_replica(sizes, self.domains, where="slices" if self.platform == "tpu" else "nodes")
@@ -227,20 +247,19 @@ class PlanRequest:
         raise PlanError(f"{self.model} compiles as MaxText's engine runs it, as two programs: --steps split")
     normal = {"levers": parse_levers(self.levers, LEVERS), "steps": steps,
               "overrides": dict(self.overrides) if self.overrides else None,
-              "depths": tuple(self.depths)}
+              "depths": tuple(self.depths), "model_ref": model_ref, "mesh_sizes": sizes}
     for name, value in normal.items():
       object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
 
   @property
   def platform(self) -> str:
     """``"tpu"`` or ``"cuda"``, from the topology."""
-    return parse_topology(self.topology, GPU_CHIPS)[0]
+    return self.topology_ref.platform
 
   @property
   def domains(self) -> int:
     """The slices (TPU) or nodes (GPU) the plan spans."""
-    _, _, shape = parse_topology(self.topology, GPU_CHIPS)
-    return self.slices if self.platform == "tpu" else shape[0]
+    return self.topology_ref.domains(self.slices)
 
   @property
   def policies(self) -> tuple[str | None, ...]:
@@ -256,10 +275,62 @@ class PlanRequest:
       >>> PlanRequest.from_json(request.to_json()) == request
       True
     """
-    return json.dumps(dataclasses.asdict(self))
+    return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
 
   @classmethod
   def from_json(cls, text: str) -> PlanRequest:
     """The record :meth:`to_json` wrote."""
     fields: dict[str, Any] = json.loads(text)
     return cls(**fields)
+
+
+# Each setting's default, as :class:`PlanRequest` declares it (the command line's flags take theirs here).
+SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanRequest)
+                    if f.init and f.default is not dataclasses.MISSING}
+
+
+def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
+  """The planner's command for a plan's settings (``meta``), with ``changes`` made: the inverse of parsing,
+  a setting at :class:`PlanRequest`'s default left out.
+
+  Example::
+
+    >>> meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8}, "batch": 8,
+    ...         "seq_len": 1024, "ga": 1, "levers": ["baseline", "zero1"], "steps": {"one": "..."}}
+    >>> print(*command_line(meta, levers=["zero1"], batch=16).split(" --"), sep="\\n  --")
+    python -m nnx_zero1.plan
+      --model tunix:qwen3_8b
+      --topology v5e:2x4
+      --mesh data=8
+      --batch 16
+      --seq-len 1024
+      --ga 1
+      --levers zero1
+      --steps one
+  """
+  s = {**meta, **changes}
+  joined = lambda names: names if isinstance(names, str) else ",".join(names)
+  mesh = spelled_mesh(s["mesh"])
+  words = ["python -m nnx_zero1.plan", f"--model {s['model']}", f"--topology {s['topology']}",
+           f"--mesh {mesh}", f"--batch {s['batch']}", f"--seq-len {s['seq_len']}", f"--ga {s['ga']}",
+           f"--levers {joined(s['levers'])}", f"--steps {joined(s['steps'])}"]
+  for flag, key in (("--param-dtype", "param_dtype"), ("--compute-dtype", "compute_dtype"),
+                    ("--remat", "remat")):
+    if s.get(key):
+      words.append(f"{flag} {s[key]}")
+  if s.get("optimizer", SETTING_DEFAULTS["optimizer"]) != SETTING_DEFAULTS["optimizer"]:
+    words.append(f"--optimizer {s['optimizer']}")
+  if s.get("slices", 1) > 1:
+    words.append(f"--slices {s['slices']}")
+  if s.get("estimate"):
+    words.append("--estimate")
+  if s.get("margin") is not None:
+    words.append(f"--margin {s['margin']}")
+  if s.get("gpu_memory_fraction") not in (None, SETTING_DEFAULTS["gpu_memory_fraction"]):
+    words.append(f"--gpu-memory-fraction {s['gpu_memory_fraction']}")
+  if s.get("gpus_per_node") is not None:
+    words.append(f"--gpus-per-node {s['gpus_per_node']}")
+  if s.get("tunix_sharding") not in (None, SETTING_DEFAULTS["tunix_sharding"]):
+    words.append(f"--tunix-sharding {shlex.quote(s['tunix_sharding'])}")
+  words += [f"{k}={v}" for k, v in (s.get("overrides") or {}).items()]
+  return " ".join(words)

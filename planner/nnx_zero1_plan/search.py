@@ -18,19 +18,41 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["BAND", "fits_in", "Probe", "Edge", "round_down", "line_limit", "find_edge", "next_fraction",
-           "search_row", "offload_search"]
+from nnx_zero1_plan.row import AT_EDGE, Offloaded, Searched
+
+__all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPILES", "fits_in", "Probe",
+           "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search"]
 
 # Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
 # with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8): a fitting
 # micro-batch there vouches for none below it, so the ones below are compiled too.
 BAND = 0.03
+# The largest global micro-batch the search compiles, in sequences: it ends a search in which every compile
+# fits (a tiny model on a large pod) before doubling reaches shapes too large to trace. A bound, not a
+# measurement: two orders of magnitude above the largest edge the documented plans found (152 on h200:8).
+MAX_MICRO_BATCH = 1 << 14
+# The compiles one lever's search may take before it reports its bracket as unconfirmed. The searches
+# measured on h200:8 (docs/planner.md: a 1.21B decoder, from either start) took 7 to 9; a sharp bend (a
+# flat start, then steep) from the default micro-batch 8 takes 14 (tests/planner/test_search.py, which
+# finishes a linear peak, the GPU's saturating peak and that bend from 8, 48 and 176 at this budget). A
+# compile took about a minute on two cores, so this bounds one lever's search to about a quarter hour;
+# a search that needs fewer stops sooner.
+MAX_COMPILES = 16
+# At most this many times the largest fitting micro-batch in one jump on the line's guess: from a nearly flat
+# start (a fixed part dominating small micro-batches) the line's guess runs to thousands of sequences, a
+# compile there is large and slow and most likely refused. Three doublings in one compile: a flat start at 8
+# reaches 64, then 512, within the budget's first compiles (tests/planner/test_search.py's flat starts).
+MAX_JUMP = 8
+# The compiles the offload-fraction search may take: the first says how far over the step is, the second
+# confirms the share that saves it, and two more follow the line through the last two compiles where the
+# compiler kept some offloaded bytes live. A bound: what does not fit by then is refused, saying so.
+OFFLOAD_COMPILES = 4
 
 
-def fits_in(row: dict[str, Any], usable: int) -> bool | None:
+def fits_in(row: Mapping[str, Any], usable: int) -> bool | None:
   """Whether a compiled row fits: the one verdict the plan, the search and the offload search use. False
   where the compiler refused the program for memory, else its peak within ``usable``; None where there are
   no figures (a refusal for another reason).
@@ -134,8 +156,8 @@ def _line_guess(probes: dict[int, Probe], usable: int, step: int) -> int | None:
   return line_limit(far[-1], top, usable, step)
 
 
-def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start: int, cap: int = 1 << 14,
-              max_compiles: int = 12, band: float = BAND) -> Edge:
+def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start: int,
+              cap: int = MAX_MICRO_BATCH, max_compiles: int = MAX_COMPILES, band: float = BAND) -> Edge:
   """The largest multiple of ``step`` that fits below the first that does not, and that one.
 
   Args:
@@ -143,9 +165,9 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     step: the micro-batch's unit: the batch axes' size (every device gets whole sequences).
     usable: bytes per device the step may use (the reserve taken off already).
     start: the first micro-batch to compile (the user's ``--batch``).
-    cap: the largest micro-batch the search compiles.
-    max_compiles: a bound on the compiles; when it is reached the bracket so far is returned, and
-      :attr:`Edge.unfinished` says so.
+    cap: the largest micro-batch the search compiles (see :data:`MAX_MICRO_BATCH`).
+    max_compiles: a bound on the compiles (see :data:`MAX_COMPILES`); when it is reached the bracket so
+      far is returned, and :attr:`Edge.unfinished` says so.
     band: within this share of ``usable`` a fitting compile is at the limit and vouches for no smaller
       micro-batch (see :data:`BAND`).
 
@@ -213,8 +235,8 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
       guess = _line_guess(probes, usable, step)
       if guess is None:  # no rising line yet (a fixed part dominates small micro-batches): double
         batch = 2 * lo
-      elif guess >= lo + 2 * step:  # at most 8x in one jump: a nearly flat line overshoots wildly
-        batch, stride = min(guess, 8 * lo), 0
+      elif guess >= lo + 2 * step:  # a nearly flat line overshoots wildly: at most MAX_JUMP times in one
+        batch, stride = min(guess, MAX_JUMP * lo), 0
       else:
         stride = 2 * stride or step
         batch = lo + stride
@@ -257,16 +279,11 @@ def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.
   return None if share > 1 else share
 
 
-_AT_EDGE = ("peak_bytes_per_device", "formula_peak_bytes_per_device", "temp_bytes_per_device",
-            "argument_bytes_per_device", "headroom_bytes_per_device", "flops_per_device", "compile_s",
-            "error")
-
-
 def search_row(first: dict, row_at: Callable[[int], dict], unit: int, usable: int) -> dict[str, Any]:
   """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch).
 
   ``row_at(batch)`` compiles the whole program at ``batch``: an edge is the compiler's word, never an
-  estimate's."""
+  estimate's. Returns the :class:`~nnx_zero1_plan.row.Searched` record's fields, by plan.json's names."""
   rows = {first["batch"]: first}
 
   def measure(batch: int) -> Probe:
@@ -276,25 +293,27 @@ def search_row(first: dict, row_at: Callable[[int], dict], unit: int, usable: in
     return Probe(batch, row.get("peak_bytes_per_device"), bool(fits_in(row, usable)), row.get("error"))
 
   edge = find_edge(measure, step=unit, usable=usable, start=first["batch"])
-  probes = [{"batch": p.batch, "fits": p.fits, **{k: rows[p.batch].get(k) for k in _AT_EDGE}}
+  probes = [{"batch": p.batch, "fits": p.fits, **{k: rows[p.batch].get(k) for k in AT_EDGE}}
             for p in edge.probes]
   at = lambda batch: next((p for p in probes if p["batch"] == batch), None)
-  return {"max_micro_batch": edge.max_micro_batch, "above": edge.above,
-          "refused_because": edge.refused_because, "search_unfinished": edge.unfinished,
-          "fits_above": list(edge.fits_above), "at_max": at(edge.max_micro_batch), "at_above": at(edge.above),
-          "search": probes,
-          "search_compile_s": round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1)}
+  searched = Searched(max_micro_batch=edge.max_micro_batch, above=edge.above,
+                      refused_because=edge.refused_because, search_unfinished=edge.unfinished,
+                      fits_above=list(edge.fits_above), at_max=at(edge.max_micro_batch),
+                      at_above=at(edge.above), search=probes,
+                      search_compile_s=round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1))
+  return dataclasses.asdict(searched)
 
 
-def offload_search(row_with: Callable[[float], dict], usable: int, tries: int = 4) -> dict[str, Any]:
+def offload_search(row_with: Callable[[float], dict], usable: int,
+                   tries: int = OFFLOAD_COMPILES) -> dict[str, Any]:
   """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever).
 
   Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the
   state, its largest leaves, go to host memory, and a compile confirms the guess. Where it missed
   (the compiler kept some of the offloaded bytes live), the next guess divides what it missed by the
   bytes each share of the state actually saved, the line through the last two compiles (``tries``
-  compiles at most). The row is the last compile's, with ``offload_fraction`` and every compile
-  (``offload_search``)."""
+  compiles at most). The row is the last compile's, with the :class:`~nnx_zero1_plan.row.Offloaded`
+  record's fields (``offload_fraction``, every compile in ``offload_search``)."""
   fraction, row = 0.0, row_with(0.0)
   tried: list[dict[str, Any]] = []
   refused = None
@@ -320,5 +339,5 @@ def offload_search(row_with: Callable[[float], dict], usable: int, tries: int = 
     fraction, row = share, row_with(share)
   if not tried[-1]["fits"] and refused is None:
     refused = f"{tries} compiles did not find a fraction that fits"
-  return {**row, "offload_fraction": fraction, "offload_search": tried, "offload_refused_because": refused,
-          "compile_s": round(sum(t["compile_s"] for t in tried), 1)}
+  offloaded = Offloaded(offload_fraction=fraction, offload_search=tried, offload_refused_because=refused)
+  return {**row, **dataclasses.asdict(offloaded), "compile_s": round(sum(t["compile_s"] for t in tried), 1)}

@@ -10,6 +10,7 @@ gradients in, the state donated).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,19 +30,24 @@ from nnx_zero1 import value_and_grad_accumulated
 from nnx_zero1._src.optimizer import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
 from nnx_zero1_plan.levers import Lever, make_optimizer, state_axes, summed_over
+from nnx_zero1_plan.request import OPTIMIZER_CODE
 
 __all__ = ["OPTIMIZERS", "scan_value_and_grad", "batch_axes", "abstract_batch",
            "train_step",
            "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",
            "lever_state"]
 
-# Keyed as request.OPTIMIZER_CODE, which writes each of them as code.
+
+
+def _written(code: str) -> optax.GradientTransformation:
+  """The transformation ``code`` (an entry of :data:`nnx_zero1_plan.request.OPTIMIZER_CODE`, the
+  ``--optimizer`` menu) writes: the step compiles the very code the recommendation prints."""
+  return eval(code, {"optax": optax})  # the planner's own constant menu, never user input
+
+
+# The --optimizer menu as transformations, built from its code (one menu: request.OPTIMIZER_CODE).
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "adamw": lambda: optax.adamw(1e-5),
-    "adam": lambda: optax.adam(1e-5),
-    "lion": lambda: optax.lion(1e-6),
-    "sgd": lambda: optax.sgd(1e-3, momentum=0.9),
-    "adafactor": lambda: optax.adafactor(1e-3),
+    name: functools.partial(_written, code) for name, code in OPTIMIZER_CODE.items()
 }
 
 

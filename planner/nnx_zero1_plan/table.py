@@ -1,4 +1,4 @@
-"""A plan's rows as text: the printed table, plan.md and what to try next when nothing fits."""
+"""A plan's rows as text: the printed table and plan.md (with what to try next when nothing fits)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.inputs import command_line, spelled_mesh
+from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.recommend import sent_bytes_of
 
 __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "header",
-           "cells", "edge_cells", "split_words", "way_out_lines", "table", "next_steps",
-           "recommendation_lines", "markdown"]
+           "cells", "edge_cells", "split_words", "way_out_lines", "table", "recommendation_lines", "markdown"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB",
           "args+temp GiB", "usable GiB", "fits", "max micro-batch", "compile s",
@@ -65,12 +64,12 @@ def split_words(r: Mapping[str, Any]) -> str | None:
   return ", ".join(words)
 
 
-def _note(r: dict[str, Any]) -> str:
+def _note(r: Mapping[str, Any]) -> str:
   notes = [n for n in (split_words(r), _verdict_note(r)) if n]
   return "; ".join(notes)
 
 
-def _verdict_note(r: dict[str, Any]) -> str:
+def _verdict_note(r: Mapping[str, Any]) -> str:
   if r.get("error"):
     return f"refused: {r['error']}"
   if r.get("search_unfinished"):
@@ -87,13 +86,13 @@ def _verdict_note(r: dict[str, Any]) -> str:
   return ""
 
 
-def _max_micro_batch(r: dict[str, Any]) -> str:
+def _max_micro_batch(r: Mapping[str, Any]) -> str:
   if "max_micro_batch" not in r:
     return "-"
   return "none" if r["max_micro_batch"] is None else str(r["max_micro_batch"])
 
 
-def _lever(r: dict[str, Any]) -> str:
+def _lever(r: Mapping[str, Any]) -> str:
   """The lever, with the share it offloads (``offload-fraction``) and the state's bytes in host memory."""
   host = (r.get("opt_state_bytes_by_memory_kind") or {}).get("pinned_host")
   picked = f" {r['offload_fraction']:.2f}" if "offload_fraction" in r else ""
@@ -114,16 +113,16 @@ def network_cell(network: Mapping[str, Any] | None) -> str:
   return f"{network['network']} {network['bytes'] / 2**20:,.1f}{ms}"
 
 
-def _is_pod(rows: Sequence[dict[str, Any]]) -> bool:
+def _is_pod(rows: Sequence[Mapping[str, Any]]) -> bool:
   return any("network_per_step" in r for r in rows)
 
 
-def header(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+def header(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
   """:data:`HEADER`, with :data:`POD_HEADER` before the note where the rows are a pod's."""
   return HEADER[:-1] + POD_HEADER + HEADER[-1:] if _is_pod(rows) else HEADER
 
 
-def cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+def cells(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, ...]]:
   """One tuple of strings per row, in :func:`header`'s order."""
   pod = _is_pod(rows)
   out: list[tuple[str, ...]] = []
@@ -155,7 +154,7 @@ EDGE_HEADER = ("lever", "step", "max micro-batch", "peak GiB", "headroom GiB", "
                "one step up", "its peak GiB / refusal", "compiles", "note")
 
 
-def edge_cells(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+def edge_cells(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, ...]]:
   """A searched row's figures at its largest micro-batch and one step above it (:data:`EDGE_HEADER`).
 
   Example::
@@ -196,7 +195,7 @@ COMPACT = ("lever", "step", "opt GiB", "args GiB", "temp GiB", "peak GiB", "usab
            "max micro-batch", "sent GiB per step", *POD_HEADER, "compile s", "note")
 
 
-def _compact(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+def _compact(rows: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
   """:data:`COMPACT`'s columns of :func:`cells` (a search's column only with a search, the pod's only on a
   pod), with the collective bytes each device sends per step on every network together."""
   full = header(rows)
@@ -214,7 +213,7 @@ def _compact(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], list[tupl
   return tuple(short.get(c, c) for c in keep), body
 
 
-def table(rows: Sequence[dict[str, Any]], wide: bool = True) -> str:
+def table(rows: Sequence[Mapping[str, Any]], wide: bool = True) -> str:
   """The rows as an aligned text table (GiB per device): every column (plan.md's), or ``wide=False`` the
   terminal's (:data:`COMPACT`, under a line naming the target and the mesh).
 
@@ -242,64 +241,6 @@ def table(rows: Sequence[dict[str, Any]], wide: bool = True) -> str:
     text += "\n\nAt each lever's largest micro-batch (the compiler's figures):\n" + _aligned(
         EDGE_HEADER, edges, (0, 1, 10))
   return text
-
-
-def next_steps(rows: Sequence[dict[str, Any]], meta: Mapping[str, Any], levers: Sequence[str], *,
-               blocked: Mapping[str, str], remat: str | None, batch_unit: int) -> list[str]:
-  """What to try next, in order, when no row fits (empty when one does): each item ends with its command.
-
-  Args:
-    rows: the plan's rows.
-    meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``ga``, ...).
-    levers: every lever the planner knows, lightest first.
-    blocked: the levers that cannot apply to this model, and why (they are not suggested).
-    remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
-    batch_unit: the batch axes' size: a micro-batch is a multiple of it.
-
-  Example::
-
-    >>> row = {"lever": "baseline", "fits": False, "peak_bytes_per_device": 3 * 2**30, "hbm_bytes": 2**30,
-    ...        "temp_bytes_per_device": 2**30, "opt_state_bytes_per_device": 2**30, "mesh": {"data": 4}}
-    >>> meta = {"model": "m:f", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8, "seq_len": 1024,
-    ...         "ga": 1, "levers": ["baseline"], "steps": ["one"]}
-    >>> next_steps([row], meta, ["baseline", "zero1"], blocked={}, remat=None, batch_unit=4)[0][:75]
-    'the lever zero1: saves 0.75 GiB of optimizer state per device (the layout r'
-  """
-  if not rows or any(r["fits"] or r.get("fits_estimate") for r in rows):
-    return []
-  steps = []
-  tried = {r["lever"] for r in rows}
-  base = next((r for r in rows if r["lever"] == "baseline" and r["opt_state_bytes_per_device"]), None)
-  for name in levers:
-    if name in tried or name in blocked:
-      continue
-    saving = ""
-    if name == "zero1" and base is not None:
-      data = base["mesh"].get("data", 1)
-      saving = (f": saves {base['opt_state_bytes_per_device'] * (1 - 1 / data) / 2**30:.2f} GiB of optimizer "
-                "state per device (the layout rule)")
-    steps.append(f"the lever {name}{saving}: {command_line(meta, levers=[name])}")
-  best = min((r for r in rows if r["peak_bytes_per_device"]), key=lambda r: r["peak_bytes_per_device"],
-             default=None)
-  temp = (best or {}).get("temp_bytes_per_device") or 0
-  if best is not None:
-    short = (best["peak_bytes_per_device"] - best["hbm_bytes"]) / 2**30
-    mesh = dict(meta["mesh"])
-    if "fsdp" in mesh and mesh.get("data", 1) > 1:
-      mesh["data"], mesh["fsdp"] = mesh["data"] // 2, 2 * mesh["fsdp"]
-      steps.append(f"{best['lever']} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
-                   f"gradients too: {command_line(meta, levers=[best['lever']], mesh=mesh)}")
-    if remat is not None and not meta.get("remat"):
-      steps.append(f"remat (recomputes activations; the temp is {temp / 2**30:.2f} GiB): "
-                   f"{command_line(meta, levers=[best['lever']], remat=remat)}")
-  half = meta["batch"] // 2 // batch_unit * batch_unit
-  if half >= batch_unit:
-    why = (f"activations shrink, up to ~{temp / 2 / 2**30:.2f} GiB" if best is not None
-           else "the compiler refused every program at this micro-batch")
-    lever = best["lever"] if best is not None else rows[-1]["lever"]
-    steps.append(f"half the micro-batch, twice the accumulation (the same tokens per step; {why}): "
-                 f"{command_line(meta, levers=[lever], batch=half, ga=2 * meta['ga'])}")
-  return steps
 
 
 def _limit_words(meta: Mapping[str, Any]) -> str:
@@ -400,7 +341,7 @@ def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> lis
           *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in body)]
 
 
-def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], steps: Sequence[str],
+def markdown(meta: dict[str, Any], rows: Sequence[Mapping[str, Any]], steps: Sequence[str],
              recommendation: Mapping[str, Any] | None = None,
              way_out: Mapping[str, Any] | None = None) -> str:
   """plan.md: the settings, the table and what to try next.

@@ -12,7 +12,7 @@ from typing import Any
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS, target_config
-from nnx_zero1_plan.inputs import PlanError, parse_topology
+from nnx_zero1_plan.inputs import PlanError, Topology, parse_topology
 
 __all__ = ["Target", "GPU_SCHEDULER_FRACTION", "JAX_GPU_POOL_FRACTION", "CUDA_CONTEXT_BYTES",
            "DEFAULT_RESERVE_BYTES", "gpu_pool_bytes", "usable_bytes", "make_target", "require_compiler"]
@@ -42,14 +42,10 @@ class Target:
 
   name: str
   platform: str  # "tpu" or "cuda"
+  chip: str  # as the planner names it ("v5p", "h100")
   devices: tuple[Any, ...]
   hbm_bytes: int
   hbm_source: str
-
-  @property
-  def chip(self) -> str:
-    """The topology's chip as the planner names it (``"v5p"``, ``"h100"``)."""
-    return parse_topology(self.name, GPU_CHIPS)[1]
 
   @property
   def device_kind(self) -> str:
@@ -85,14 +81,13 @@ def usable_bytes(hbm_bytes: int, platform: str, margin: float | None = None) -> 
   return hbm_bytes - DEFAULT_RESERVE_BYTES.get(platform, 0)
 
 
-def require_compiler(topology: str) -> str:
-  """The compiler's name and version for ``topology``; raises naming what to install when it is missing.
+def require_compiler(platform: str) -> str:
+  """The compiler's name and version for ``platform`` (``"tpu"`` or ``"cuda"``); raises naming what to
+  install when it is missing.
 
   Raises:
-    PlanError: the topology is not one the planner knows.
     compilers.AotUnavailable: its compiler is not installed (the message names the install command).
   """
-  platform, _, _ = parse_topology(topology, GPU_CHIPS)
   if platform == "tpu":
     return f"libtpu {compilers.require_libtpu()}"
   return f"jax-cuda13-plugin {compilers.require_cuda_plugin()}"
@@ -151,7 +146,8 @@ def _tpu_usable_bytes(topology: str) -> int:
   raise PlanError(f"the TPU compiler accepted a 1 TiB program for {topology}; cannot read its usable HBM")
 
 
-def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION, slices: int = 1) -> Target:
+def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION, slices: int = 1, *,
+                parsed: Topology | None = None) -> Target:
   """The target ``topology`` names, its devices and usable memory per device (the compiler loaded).
 
   Args:
@@ -159,6 +155,7 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
     gpu_memory_fraction: on GPUs, the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` the run will use: the pool's share
       of the device memory, which the compiler plans for (the planning process's own setting is not read).
     slices: TPU slices of ``topology`` joined over the data-center network (libtpu's ``num_slices``).
+    parsed: ``topology`` parsed already (a :class:`~nnx_zero1_plan.request.PlanRequest`'s ``topology_ref``).
 
   Raises:
     PlanError: the topology is unknown (to the planner, or to libtpu).
@@ -168,15 +165,15 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
     target = make_target("h100:2x8")   # 16 H100s on two nodes, deviceless
     target = make_target("v5e:2x4", slices=2)   # two 8-chip slices joined over the data-center network
   """
-  platform, chip, shape = parse_topology(topology, GPU_CHIPS)
+  platform, chip, shape = parsed or parse_topology(topology, GPU_CHIPS)
   if platform == "tpu":
     devices = _tpu_devices(topology, slices)
     hbm = _tpu_usable_bytes(topology)
     source = "the TPU compiler's available HBM (its out-of-memory message)"
-    return Target(topology, platform, devices, hbm, source)
+    return Target(topology, platform, chip, devices, hbm, source)
   pool = gpu_pool_bytes(chip, gpu_memory_fraction)
   source = (f"jax's GPU memory pool at XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_memory_fraction}: that share of "
             f"the {GPU_CHIPS[chip].memory_bytes:,} B device memory less the CUDA context; the compiler "
             f"schedules for it")
   nodes, per_node = shape
-  return Target(topology, platform, _gpu_devices(chip, nodes, per_node, pool), pool, source)
+  return Target(topology, platform, chip, _gpu_devices(chip, nodes, per_node, pool), pool, source)

@@ -1,4 +1,8 @@
-"""When nothing fits: what makes room, tried by a compile each, in the order a user would try it.
+"""When nothing fits: what to try next, and what makes room, tried by a compile each, in the order a user
+would try it.
+
+:func:`next_steps` lists what to try, each with its command, from the rows' figures (a lever not tried, more
+``fsdp``, remat, half the micro-batch).
 
 A refused compile has no peak, so the arithmetic of "what to try next" has
 nothing to work from; only the compiler can say whether a change is enough.
@@ -15,7 +19,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Change", "changes_to_try", "find_way_out"]
+from nnx_zero1_plan.request import command_line
+
+__all__ = ["Change", "changes_to_try", "find_way_out", "next_steps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,3 +110,61 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
     if tried[-1]["fits"]:
       return {"tried": tried, "found": tried[-1]}
   return {"tried": tried, "found": None}
+
+
+def next_steps(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], levers: Sequence[str], *,
+               blocked: Mapping[str, str], remat: str | None, batch_unit: int) -> list[str]:
+  """What to try next, in order, when no row fits (empty when one does): each item ends with its command.
+
+  Args:
+    rows: the plan's rows.
+    meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``ga``, ...).
+    levers: every lever the planner knows, lightest first.
+    blocked: the levers that cannot apply to this model, and why (they are not suggested).
+    remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
+    batch_unit: the batch axes' size: a micro-batch is a multiple of it.
+
+  Example::
+
+    >>> row = {"lever": "baseline", "fits": False, "peak_bytes_per_device": 3 * 2**30, "hbm_bytes": 2**30,
+    ...        "temp_bytes_per_device": 2**30, "opt_state_bytes_per_device": 2**30, "mesh": {"data": 4}}
+    >>> meta = {"model": "m:f", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8, "seq_len": 1024,
+    ...         "ga": 1, "levers": ["baseline"], "steps": ["one"]}
+    >>> next_steps([row], meta, ["baseline", "zero1"], blocked={}, remat=None, batch_unit=4)[0][:75]
+    'the lever zero1: saves 0.75 GiB of optimizer state per device (the layout r'
+  """
+  if not rows or any(r["fits"] or r.get("fits_estimate") for r in rows):
+    return []
+  steps = []
+  tried = {r["lever"] for r in rows}
+  base = next((r for r in rows if r["lever"] == "baseline" and r["opt_state_bytes_per_device"]), None)
+  for name in levers:
+    if name in tried or name in blocked:
+      continue
+    saving = ""
+    if name == "zero1" and base is not None:
+      data = base["mesh"].get("data", 1)
+      saving = (f": saves {base['opt_state_bytes_per_device'] * (1 - 1 / data) / 2**30:.2f} GiB of optimizer "
+                "state per device (the layout rule)")
+    steps.append(f"the lever {name}{saving}: {command_line(meta, levers=[name])}")
+  best = min((r for r in rows if r["peak_bytes_per_device"]), key=lambda r: r["peak_bytes_per_device"],
+             default=None)
+  temp = (best or {}).get("temp_bytes_per_device") or 0
+  if best is not None:
+    short = (best["peak_bytes_per_device"] - best["hbm_bytes"]) / 2**30
+    mesh = dict(meta["mesh"])
+    if "fsdp" in mesh and mesh.get("data", 1) > 1:
+      mesh["data"], mesh["fsdp"] = mesh["data"] // 2, 2 * mesh["fsdp"]
+      steps.append(f"{best['lever']} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
+                   f"gradients too: {command_line(meta, levers=[best['lever']], mesh=mesh)}")
+    if remat is not None and not meta.get("remat"):
+      steps.append(f"remat (recomputes activations; the temp is {temp / 2**30:.2f} GiB): "
+                   f"{command_line(meta, levers=[best['lever']], remat=remat)}")
+  half = meta["batch"] // 2 // batch_unit * batch_unit
+  if half >= batch_unit:
+    why = (f"activations shrink, up to ~{temp / 2 / 2**30:.2f} GiB" if best is not None
+           else "the compiler refused every program at this micro-batch")
+    lever = best["lever"] if best is not None else rows[-1]["lever"]
+    steps.append(f"half the micro-batch, twice the accumulation (the same tokens per step; {why}): "
+                 f"{command_line(meta, levers=[lever], batch=half, ga=2 * meta['ga'])}")
+  return steps

@@ -4,18 +4,36 @@ bit-identically with the optimizer state offloaded to host memory), and their ch
 restores in a single process at another data-parallel size."""
 
 import re
+import subprocess
+import sys
 
 import numpy as np
 
-from tests.support.subprocesses import children, free_port, load
+from tests.support.subprocesses import children, load, reserved_port
 
 STEPS = 3
 
 
+def test_a_reserved_port_is_no_other_test_process_s_until_its_block_ends():
+  """Two pytest-xdist workers each starting a coordinator never get one port: a port another process
+  holds is skipped, and its claim ends with the process."""
+  hold = ("from tests.support.subprocesses import reserved_port; import time\n"
+          "with reserved_port() as port:\n  print(port, flush=True); time.sleep(60)")
+  holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout is not None
+    held = int(holder.stdout.readline())
+    with reserved_port() as mine, reserved_port() as another:
+      assert held not in (mine, another) and mine != another
+  finally:
+    holder.kill()
+    holder.wait(timeout=30)
+
+
 def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
   mp_dir, sp_dir = tmp_path / "two-processes", tmp_path / "one-process"
-  two_processes = ("--num-processes", "2", "--coordinator", f"127.0.0.1:{free_port()}")
-  with children() as start:
+  with reserved_port() as port, reserved_port() as offload_port, children() as start:
+    two_processes = ("--num-processes", "2", "--coordinator", f"127.0.0.1:{port}")
     run = lambda directory, devices, out, *more: start(
         "--dir", str(directory), "--steps", str(STEPS), "--devices", str(devices),
         "--out", str(tmp_path / out), *more,
@@ -26,7 +44,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path):
     single.finish()
     assert all("on 4 devices in 2 processes" in out for out in outputs)
     # The optimizer state in host memory, across two processes: bit-identical to it on device.
-    offload = ("--coordinator", f"127.0.0.1:{free_port()}", "--offload-state-to-host")
+    offload = ("--coordinator", f"127.0.0.1:{offload_port}", "--offload-state-to-host")
     workers = [run(tmp_path / "offloaded", 2, "off.npz", *two_processes[:2], *offload, "--process-id", str(i))
                for i in range(2)]
     for w in workers:
@@ -54,12 +72,11 @@ def test_zero1_over_replica_and_data_with_replica_across_processes_trains_like_o
   and, in one process, to nnx.Optimizer there; two processes differ from one only where nnx.Optimizer's
   two do, in gloo's summation order."""
   out = {}
-  with children() as start:
-    for optimizer in ("zero1", "nnx"):
+  with reserved_port() as zero1_port, reserved_port() as nnx_port, children() as start:
+    for optimizer, port in (("zero1", zero1_port), ("nnx", nnx_port)):
       run = lambda name, *more, optimizer=optimizer: start(
           "--dir", str(tmp_path / name), "--steps", str(STEPS), "--replica", "2", "--optimizer", optimizer,
           "--out", str(tmp_path / f"{name}.npz"), *more)
-      port = free_port()
       workers = [run(f"{optimizer}-two", "--devices", "2", "--num-processes", "2",
                      "--coordinator", f"127.0.0.1:{port}", "--process-id", str(i)) for i in range(2)]
       single = run(f"{optimizer}-one", "--devices", "4")

@@ -2,9 +2,12 @@
 (every lane; the plans the real compilers make are tests/planner/test_compiled_plans.py)."""
 
 
+import dataclasses
 import importlib.util
+import json
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +16,6 @@ from nnx_zero1_plan import compilers
 from nnx_zero1_plan.depth import extrapolate, extrapolate_row
 from nnx_zero1_plan.inputs import (
   PlanError,
-  command_line,
   mesh_axes,
   parse_levers,
   parse_mesh,
@@ -23,7 +25,11 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.maxtext import config_overrides, engine_attributes
-from nnx_zero1_plan.table import next_steps, table
+from nnx_zero1_plan.request import command_line
+from nnx_zero1_plan.result import Plan
+from nnx_zero1_plan.row import Made, Row
+from nnx_zero1_plan.table import table
+from nnx_zero1_plan.way_out import next_steps
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 HAS_GPU_COMPILER = importlib.util.find_spec("jax_cuda13_plugin") is not None
@@ -315,3 +321,43 @@ def test_the_reproduce_command_carries_every_setting_that_changes_the_plan():
   assert "--gpus-per-node 4" in line and "--tunix-sharding" in line
   request = request_of(parse_args(shlex.split(line)[3:]))  # what it reproduces is what was planned
   assert (request.gpus_per_node, request.tunix_sharding) == (4, meta["tunix_sharding"])
+
+
+def test_a_pods_table_has_each_networks_bytes_and_time_before_the_note():
+  """A pod's rows (``network_per_step``) add two columns before the note, in plan.md's table and the
+  terminal's: each network's name, MiB per step and its estimated time; other plans have neither."""
+  nets = lambda fast, slow: {"fast": {"network": "ICI", "bytes": fast * 2**20, "estimate_ms": 0.5},
+                             "slow": {"network": "DCN", "bytes": slow * 2**20, "estimate_ms": None}}
+  rows = [_row("baseline", 8 * 2**30, network_per_step=nets(3, 2)),
+          _row("zero1-pod", 6 * 2**30, network_per_step=nets(4, 1.5))]
+  wide = table(rows).splitlines()
+  assert "inside slice/node per step, MiB (est.)  over the slow network per step, MiB (est.)" in wide[0]
+  assert wide[0].split("  ")[-1].strip() == "note"
+  assert re.search(r"ICI 3\.0 \(~0\.5 ms\)\s+DCN 2\.0$", wide[2]), wide[2]
+  assert re.search(r"ICI 4\.0 \(~0\.5 ms\)\s+DCN 1\.5$", wide[3]), wide[3]
+  compact = table(rows, wide=False).splitlines()
+  assert "inside, MiB (est.)  across, MiB (est.)" in compact[1]
+  assert re.search(r"ICI 4\.0 \(~0\.5 ms\)\s+DCN 1\.5\s+3$", compact[4]), compact[4]
+  plain = [{k: v for k, v in r.items() if k != "network_per_step"} for r in rows]
+  assert "MiB (est.)" not in table(plain) and "MiB (est.)" not in table(plain, wide=False)
+  assert "DCN" not in table(plain)
+
+
+def test_every_kept_plans_rows_read_into_typed_records_and_write_back_the_same_fields():
+  kept = sorted((Path(__file__).resolve().parents[2] / "docs" / "data").glob("**/plan.json"))
+  assert len(kept) >= 10
+  notes = {f.name for f in dataclasses.fields(Made) if f.metadata.get("only_when_set")}
+  for path in kept:
+    record = json.loads(path.read_text())
+    for row, written in zip(Plan.from_record(record).rows, record["rows"], strict=True):
+      assert row.made.depth and row.figures.peak_bytes_per_device == written["peak_bytes_per_device"]
+      again = row.to_json()
+      # Every field of the kept row comes back with its value (a note that says nothing is left out), and the
+      # depth always: a row compiled whole says so (depth_extrapolated_from None).
+      assert {k: v for k, v in written.items() if not (k in notes and v is None)} == {
+          k: again[k] for k in written if k in again}, path
+      assert again["depth"] == written["depth"] and again["depth_extrapolated_from"] is None
+      assert Row.from_json(json.loads(json.dumps(again))) == row
+  written = json.loads(kept[0].read_text())["rows"][0]
+  with pytest.raises(KeyError, match="peak_gib"):  # a field no record has: another planner's plan.json
+    Row.from_json({**written, "peak_gib": 1.0})

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from nnx_zero1_plan.levers import LEVERS, with_offload
-from nnx_zero1_plan.recommend import lever_code
+from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.search import next_fraction, offload_search
 from nnx_zero1_plan.table import table
 

@@ -10,6 +10,7 @@ import jax
 import pytest
 from flax import nnx
 
+from nnx_zero1_plan.networks import LINKS
 from tests.support.compiled_plans import HAS_GPU_COMPILER, HAS_LIBTPU, HAS_MAXTEXT, planner_env, run_plan
 from tests.support.planner_toys import tiny_lm
 
@@ -40,8 +41,10 @@ def test_a_two_node_gpu_plan_names_the_bytes_that_cross_infiniband(tmp_path):
   assert split["zero1"]["share"]["data"] == split["zero1-pod"]["share"]["replica,data"] == 1 - 8 / (
       state["baseline"])
   slow = rows["zero1-pod"]["network_per_step"]["slow"]
+  # The bytes by hand, their time at the chip's InfiniBand rate (checked against the public figure in
+  # tests/planner/test_slow_network.py).
   assert slow == {"network": "InfiniBand", "bytes": grads // 8,
-                  "estimate_ms": round(1000 * grads / 8 / 50e9, 1)}  # 400 Gb/s per GPU
+                  "estimate_ms": round(1000 * grads / 8 / LINKS["h100"].slow_bytes_per_s, 1)}
 
 
 @pytest.mark.skipif(not (HAS_LIBTPU and HAS_MAXTEXT),
@@ -94,12 +97,12 @@ def test_a_two_slice_plan_names_the_bytes_that_cross_the_data_center_network(tmp
   state = {n: r["opt_state_bytes_per_device"] for n, r in rows.items()}
   assert state["zero1-pod"] * 2 == pytest.approx(state["zero1"], rel=0.01)
   assert result["recommendation"]["lever"] == "zero1"  # it fits as far, and sends less across slices
-  # Each network's bytes per step and their time at v5e's public figures (25 Gbps DCN per chip: 2 x 100
-  # Gbps per 8-chip host; 1,600 Gbps ICI), an estimate; the table and plan.md name them.
+  # Each network's bytes per step and their time at v5e's rates (checked against the public figures in
+  # tests/planner/test_slow_network.py), an estimate; the table and plan.md name them.
   for name, row in rows.items():
     fast, slow = row["network_per_step"]["fast"], row["network_per_step"]["slow"]
     assert slow == {"network": "DCN", "bytes": sum(c["bytes"] for c in across[name].values()),
-                    "estimate_ms": round(1000 * slow["bytes"] / (25e9 / 8), 1)}
+                    "estimate_ms": round(1000 * slow["bytes"] / LINKS["v5e"].slow_bytes_per_s, 1)}
     assert fast["network"] == "ICI" and fast["bytes"] == sum(
         c["bytes"] for c in row["collectives"]["sent_per_step"].values()) > 0
   assert "over the slow network per step" in (tmp_path / "plan.md").read_text()

@@ -1,7 +1,8 @@
 """The recommendation's order (pure: rows in, one configuration out), value by value."""
 
-from nnx_zero1_plan.inputs import command_line
-from nnx_zero1_plan.recommend import ORDER, baseline_beats, lever_code, recommend
+from nnx_zero1_plan.printed_code import lever_code
+from nnx_zero1_plan.recommend import ORDER, baseline_beats, recommend
+from nnx_zero1_plan.request import command_line
 
 G = 2**30
 META = {"model": "mymodels.models:build", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8,
@@ -237,6 +238,24 @@ def test_a_pick_that_narrows_the_hop_across_says_it_is_not_bit_identical():
       "zero1-accum-bf16across is not bit-identical: its gradients cross between slices or nodes in bfloat16 "
       "(across_dtype; docs/pods.md measures the loss against the exact reduction)"]
   assert not [n for n in recommend(rows[:1], meta)["notes"] if "not bit-identical" in n]
+def test_on_a_pod_fewer_bytes_over_the_slow_network_decide_before_all_bytes_and_are_said():
+  """Zero-1 over both axes sends more in all (a reduce-scatter per axis) and less between nodes: on a pod
+  the slow network's bytes come first, and the sentence names them, not the total."""
+  pod = {**META, "topology": "h100:2x8", "mesh": {"replica": 2, "data": 8}}
+  across = lambda n: {"all-reduce": {"count": 1, "bytes": n}}
+  rows = [_row("zero1", collective=3 * G, headroom_bytes_per_device=2 * G),
+          _row("zero1-pod", collective=4 * G, headroom_bytes_per_device=G)]
+  rows[0]["collectives"]["across_per_step"] = across(G)
+  rows[1]["collectives"]["across_per_step"] = across(G // 2)
+  best = recommend(rows, pod)
+  assert best["lever"] == "zero1-pod"
+  assert best["why"] == ["at micro-batch 8 zero1-pod leaves 1.00 GiB free and zero1 2.00 GiB; zero1-pod "
+                         "sends 0.50 GiB per step over the slow network and zero1 1.00: zero1-pod for its "
+                         "fewer bytes between slices or nodes"]
+  # Within 1% over the slow network: all the bytes decide again.
+  rows[1]["collectives"]["across_per_step"] = across(G - G // 200)
+  best = recommend(rows, pod)
+  assert best["lever"] == "zero1" and best["why"][0].endswith("zero1 for its fewer collective bytes")
 
 
 def test_a_deferred_levers_code_for_a_tunix_model_gives_its_gradient_call():

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nnx_zero1_plan.search import Probe, find_edge, line_limit, round_down
+from nnx_zero1_plan.search import MAX_COMPILES, Probe, find_edge, line_limit, round_down
 
 GIB = 2**30
 
@@ -147,13 +147,13 @@ def saturating(limit, per_sequence, noise, seed=0):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_saturating_non_monotonic_peak_gives_one_edge_from_any_start(seed):
+def test_a_saturating_non_monotonic_peak_gives_one_edge_from_any_start_at_the_default_budget(seed):
   usable = 105 * GIB
   peak = saturating(usable, 12 * GIB // 8, 0.015, seed)
   edges = set()
   for start in (8, 48):
     measure, calls = by_peak(peak, usable)
-    edge = find_edge(measure, step=8, usable=usable, start=start, max_compiles=16)
+    edge = find_edge(measure, step=8, usable=usable, start=start)  # the planner's budget, MAX_COMPILES
     assert edge.unfinished is None and edge.above == edge.max_micro_batch + 8
     # Every micro-batch compiled at or below the edge fits; the one above does not.
     assert all(peak(b) <= usable for b in calls if b <= edge.max_micro_batch) and peak(edge.above) > usable
@@ -179,14 +179,22 @@ def test_a_spent_budget_is_said():
   assert edge.max_micro_batch is not None and peak(edge.max_micro_batch) <= 15 * GIB
 
 
+def sharp_bend(b):
+  """Flat while a fixed part dominates, then steep: the line from the flat part overshoots far."""
+  return 40 * GIB + b * GIB // 20 + max(0, b - 200) * 2 * GIB
+
+
 @pytest.mark.parametrize("start", [8, 48, 176])
-def test_a_sharp_bend_at_the_default_budget_is_found_or_said(start):
-  # Flat while a fixed part dominates, then steep: the line from the flat part overshoots far.
-  peak = lambda b: 40 * GIB + b * GIB // 20 + max(0, b - 200) * 2 * GIB
-  measure, calls = by_peak(peak, 60 * GIB)
-  edge = find_edge(measure, step=8, usable=60 * GIB, start=start)
-  assert peak(edge.max_micro_batch) <= 60 * GIB
-  if edge.unfinished is None:
-    assert (edge.max_micro_batch, edge.above) == (200, 208), calls
-  else:
-    assert "compiles ran out" in edge.unfinished or "wider than one step" in edge.unfinished
+def test_a_sharp_bend_is_found_at_the_default_budget(start):
+  measure, calls = by_peak(sharp_bend, 60 * GIB)
+  edge = find_edge(measure, step=8, usable=60 * GIB, start=start)  # the planner's budget, MAX_COMPILES
+  assert edge.unfinished is None, (edge.unfinished, calls)
+  assert (edge.max_micro_batch, edge.above) == (200, 208), calls
+  assert len(calls) <= MAX_COMPILES
+
+
+def test_a_sharp_bend_a_smaller_budget_cannot_finish_is_said_and_not_wrong():
+  measure, calls = by_peak(sharp_bend, 60 * GIB)
+  edge = find_edge(measure, step=8, usable=60 * GIB, start=8, max_compiles=12)
+  assert len(calls) == 12 and "compiles ran out" in edge.unfinished
+  assert sharp_bend(edge.max_micro_batch) <= 60 * GIB and edge.max_micro_batch <= 200

@@ -40,6 +40,17 @@ def tiny_lm_that_raises(num_layers: int = 6) -> TinyLM:
   raise ValueError(f"vocab must be even, got 511 (num_layers={num_layers})")
 
 
+def tiny_lm_naming_its_environment(num_layers: int = 6) -> TinyLM:
+  """A builder that raises with the compilers' settings of the process building it, as JSON: what a
+  planning process was started with."""
+  import json
+  import os
+
+  from nnx_zero1_plan.compilers import ENV
+
+  raise ValueError("environment " + json.dumps({key: os.environ.get(key) for key in sorted(ENV)}))
+
+
 def tiny_lm_with_loss(num_layers: int = 6):
   """The same model with its own loss: ``(model, loss_fn)``."""
   loss = lambda model, tokens: jnp.mean(model(tokens[:, :-1]).astype(jnp.float32) ** 2)

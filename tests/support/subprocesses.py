@@ -4,14 +4,17 @@ and children that are always killed, whatever the test does."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import queue
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +23,47 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_with_checkpoi
 TIMEOUT = 180  # seconds for one child; the machine may be shared and slow
 
 
-def free_port() -> int:
+# The coordinators' ports: below Linux's ephemeral range (32768-60999 by default), so no port the OS hands
+# out for another socket is one of these; a test claims one with an flock on a file of its own, which the
+# kernel releases when the test's process ends, however it ends (a lock that cannot go stale).
+PORTS = range(23456, 23456 + 256)
+
+
+def _bindable(port: int) -> bool:
   with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind(("127.0.0.1", port))
+    except OSError:
+      return False
+  return True
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+  """A localhost port for a coordinator, held for this test until the block ends.
+
+  A port picked by binding port 0 and closing the socket is free only until another process binds it:
+  two pytest-xdist workers could each start a coordinator on it. Here no other test process can claim the
+  port while the block runs, and none of the OS's ephemeral ports is one of :data:`PORTS`.
+
+  Raises:
+    RuntimeError: every port of :data:`PORTS` is claimed or bound.
+  """
+  for port in PORTS:
+    lock = open(Path(tempfile.gettempdir()) / f"nnx_zero1_tests_port_{port}.lock", "w")
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      lock.close()
+      continue
+    try:
+      if _bindable(port):
+        yield port
+        return
+    finally:
+      lock.close()
+  raise RuntimeError(f"no free port among {PORTS.start}..{PORTS.stop - 1}")
 
 
 class Child:

@@ -1,0 +1,82 @@
+"""Every chip the planner knows, in one table: what the compiler needs, the memory, the two networks.
+
+Each figure is public and says where it comes from. A TPU needs nothing here to compile: libtpu knows its
+own chips and reports the HBM a program may use (``targets.py`` reads it off the compiler). An NVIDIA GPU
+is described to XLA's GPU compiler from its specification sheet (:class:`GpuChip`, written out as a
+``GpuTargetConfig`` by ``gpu_chips.target_config``). Every chip has a fast network inside its slice or
+node and a slow one between them (:class:`Links`, read by ``networks.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Links", "GpuChip", "Chip", "CHIPS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+  """One chip's networks: names and bytes per second each way, and where the figures come from."""
+
+  fast: str
+  fast_bytes_per_s: float
+  slow: str
+  slow_bytes_per_s: float
+  source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuChip:
+  """One NVIDIA part's public figures, what XLA's GPU cost model and compiler read.
+
+  From NVIDIA's data sheets and CUDA's per-compute-capability limits; the device memory is the total that
+  ``cudaMemGetInfo`` / ``nvidia-smi`` reports for the part, in bytes.
+  """
+
+  description: str  # the device_kind jax reports for it
+  compute_capability: tuple[int, int]
+  core_count: int  # streaming multiprocessors
+  fpus_per_core: int
+  clock_rate_ghz: float
+  memory_bytes: int
+  memory_bandwidth: int  # bytes per second
+  l2_cache_bytes: int
+  shared_memory_per_core: int
+  shared_memory_per_block_optin: int
+  node_gpus: int = 8  # GPUs in the part's standard node (NVIDIA's DGX / HGX boards)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One chip's facts: its networks, and for a GPU what its compiler is told (None for a TPU)."""
+
+  links: Links
+  gpu: GpuChip | None = None
+
+
+_GBIT = 1e9 / 8
+
+CHIPS: dict[str, Chip] = {
+    # Cloud TPU's system pages as read in December 2026: v5e 1,600 Gbps ICI per chip, 2 x 100 Gbps NICs per
+    # 8-chip host; v6e 3,200 Gbps ICI per chip (800 GBps bidirectional), 4 x 200 Gbps per 8-chip host; v5p
+    # 1,200 GBps bidirectional ICI, 50 Gbps DCN per chip. The DCN figures per chip agree with the scaling
+    # book's tpus.md (jax-ml.github.io/scaling-book: 3.125e9, 12.5e9 and 6.25e9 B/s).
+    "v5e": Chip(Links("ICI", 1600 * _GBIT, "DCN", 200 / 8 * _GBIT, "cloud.google.com/tpu/docs/v5e")),
+    "v6e": Chip(Links("ICI", 3200 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e")),
+    "v5p": Chip(Links("ICI", 600e9, "DCN", 50 * _GBIT, "cloud.google.com/tpu/docs/v5p")),
+    # NVIDIA's DGX systems: NVLink per GPU (A100 600 GB/s, H100 and H200 900 GB/s, B200 1.8 TB/s, both
+    # directions) and one InfiniBand port per GPU (DGX A100 200 Gb/s, DGX H100/H200/B200 400 Gb/s). The
+    # GPUs' own figures: NVIDIA's A100, H100, H200 and B200 data sheets.
+    "a100-80g": Chip(Links("NVLink", 300e9, "InfiniBand", 200 * _GBIT, "NVIDIA DGX A100 datasheet"),
+                     GpuChip("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 81920 * 2**20, 2_039_000_000_000,
+                             40 * 2**20, 167936, 166912)),
+    "h100": Chip(Links("NVLink", 450e9, "InfiniBand", 400 * _GBIT, "NVIDIA DGX H100 datasheet"),
+                 GpuChip("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 84_929_347_584, 3_352_320_000_000,
+                         50 * 2**20, 233472, 232448)),
+    "h200": Chip(Links("NVLink", 450e9, "InfiniBand", 400 * _GBIT, "NVIDIA DGX H200 datasheet"),
+                 GpuChip("NVIDIA H200", (9, 0), 132, 128, 1.98, 143771 * 2**20, 4_800_000_000_000,
+                         50 * 2**20, 233472, 232448)),
+    "b200": Chip(Links("NVLink", 900e9, "InfiniBand", 400 * _GBIT, "NVIDIA DGX B200 datasheet"),
+                 GpuChip("NVIDIA B200", (10, 0), 148, 128, 1.965, 183359 * 2**20, 8_000_000_000_000,
+                         126 * 2**20, 233472, 232448)),
+}

@@ -1,0 +1,195 @@
+"""One row of a plan: a lever's step compiled at one micro-batch, what the compiler says, and whether it fits.
+
+A row is compiled whole; for an estimate (``--estimate``), at two reduced depths and extrapolated per layer,
+and whole anyway where the line comes near the limit or the two depths disagree. The compiler's refusal is a
+row too (its figures None). Compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from nnx_zero1_plan.abstract import abstract_bytes_per_device, state_split
+from nnx_zero1_plan.compiled import (
+  collectives_of,
+  cost,
+  hbm_oom,
+  memory,
+  row_figures,
+  split_collectives_of,
+  split_memory,
+  step_flops,
+)
+from nnx_zero1_plan.depth import NEAR, estimate_mark, extrapolate_row, near_the_limit, not_alike
+from nnx_zero1_plan.inputs import shortened
+from nnx_zero1_plan.levers import LEVERS, state_axes, with_offload
+from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
+from nnx_zero1_plan.networks import network_per_step
+from nnx_zero1_plan.planned_model import PlannedModel
+from nnx_zero1_plan.row import PER_LAYER
+from nnx_zero1_plan.search import fits_in
+from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
+from nnx_zero1_plan.targets import Target, domain_of
+from nnx_zero1_plan.tunix_sharding import sharding_of
+
+__all__ = ["StepShape", "measured", "RowCompiler"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+  """What one compile of a step is for, besides the lever and the model.
+
+  Attributes:
+    batch: the global micro-batch, in sequences.
+    seq_len: tokens per sequence.
+    ga: micro-batches per optimizer step.
+    optimizer: the ``--optimizer`` name.
+    offload_fraction: the ``offload-fraction`` lever's share of the state in host memory.
+  """
+
+  batch: int
+  seq_len: int
+  ga: int
+  optimizer: str
+  offload_fraction: float = 0.0
+
+
+def _domains_in_order(mesh: Any) -> list[int] | None:
+  """Each device's slice or node, in the mesh's order (None without a device mesh: MaxText builds its own)."""
+  return None if mesh is None else [domain_of(d) for d in mesh.devices.flat]
+
+
+def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape, depth: int | None = None,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+  """One compile of the lever's step at ``depth`` layers (None: the model's own).
+
+  Args:
+    lever_name: a name of the lever table.
+    step: ``"one"`` (one program) or ``"split"`` (gradients, then update).
+    source: the model (a ``ModelSource``, or a ``MaxTextModel``: MaxText's engine compiles it).
+    mesh: the device mesh (None for MaxText).
+    shape: the micro-batch and the step's other settings.
+    depth: the layers to build the model with.
+    progress: called with one line as the compile starts and ends.
+
+  Returns:
+    The row's figures (:func:`nnx_zero1_plan.compiled.row_figures`, the optimizer state's bytes, the compile's
+    seconds), or the compiler's refusal (``error``, ``hbm_oom``; the figures None).
+  """
+  lever = LEVERS[lever_name]
+  say = progress or (lambda line: None)
+  at = f"{lever_name} ({step}) at micro-batch {shape.batch}" + (f", {depth} layers" if depth else "")
+  if lever.picks_offload:
+    lever = with_offload(lever, shape.offload_fraction)
+    at += f", {shape.offload_fraction:.0%} of the state offloaded"
+  say(f"compiling {at} ...")
+  row: dict[str, Any] = {"opt_state_bytes_per_device": None, "opt_state_bytes_by_memory_kind": None,
+                         "param_bytes_per_device": None}
+  started = time.perf_counter()
+  try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
+    if isinstance(source, MaxTextModel):
+      maxtext_row = measure_maxtext(lever_name, lever, source.overrides)
+      say(f"compiled {at} in {maxtext_row['compile_s']:.0f} s: peak "
+          f"{maxtext_row['peak_bytes_per_device'] / 2**30:.2f} GiB")
+      return maxtext_row
+    sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
+    state = lever_state(lever, lambda: source.build(depth), shape.optimizer, mesh)
+    by_kind = state.opt_state_bytes_by_memory_kind
+    row = {"opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
+           "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
+           "state_split": {"axes": list(state_axes(lever)), "share": state_split(state.state[1],
+                                                                                   state_axes(lever))}}
+    if step == "one":
+      compiled, seconds = compile_step(lever, state, *sizes)
+    else:
+      grads, update, seconds = compile_split(lever, state, *sizes)
+  except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError) as e:
+    error = shortened(f"{type(e).__name__}: {' '.join(str(e).split())}", 400)
+    refused = {"error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": time.perf_counter() - started}
+    say(f"compiled {at}: refused in {refused['compile_s']:.0f} s ({shortened(error, 160)})")
+    return {**dict.fromkeys(PER_LAYER), **row, **refused}
+  if step == "one":
+    figures = row_figures(memory(compiled), collectives_of(compiled, _domains_in_order(mesh)))
+  else:
+    mem = split_memory(memory(grads), memory(update), row["opt_state_bytes_per_device"])
+    figures = row_figures(mem, split_collectives_of(grads, update, _domains_in_order(mesh)), cost(update))
+  flops, flops_source = step_flops(compiled if step == "one" else grads)
+  figures = {**figures, "flops_per_device": flops, "flops_source": flops_source}
+  say(f"compiled {at} in {seconds:.0f} s: peak {figures['peak_bytes_per_device'] / 2**30:.2f} GiB")
+  return {**row, "error": None, "hbm_oom": None, "compile_s": seconds, **figures}
+
+
+def _at_depths(lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any, shape: StepShape,
+               progress: Callable[[str], None] | None) -> dict[str, Any]:
+  """The lever's row compiled whole (no ``depths``), or at the two ``depths`` and extrapolated to the full
+  depth (a refusal at either is the row)."""
+  if not depths:
+    row = measured(lever, step, source, mesh, shape, None, progress)
+    return {**row, "depth": source.full_depth, "depth_extrapolated_from": None}
+  d1, d2 = depths
+  r1 = measured(lever, step, source, mesh, shape, d1, progress)
+  r2 = measured(lever, step, source, mesh, shape, d2, progress) if not r1["error"] else r1
+  compile_s = r1["compile_s"] + (r2["compile_s"] if r2 is not r1 else 0.0)
+  if r1["error"] or r2["error"]:
+    return {**(r1 if r1["error"] else r2), "compile_s": compile_s, "depth": d1 if r1["error"] else d2,
+            "depth_extrapolated_from": None}
+  row = extrapolate_row(r1, r2, d1, d2, source.full_depth, PER_LAYER)
+  doubt = (not_alike(r1["temp_bytes_per_device"], r2["temp_bytes_per_device"], d1, d2)
+           or not_alike(r1["peak_bytes_per_device"], r2["peak_bytes_per_device"], d1, d2, "peak"))
+  return {**row, "compile_s": compile_s, "depth": source.full_depth, "depth_extrapolated_from": [d1, d2],
+          "not_alike": doubt}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCompiler:
+  """What every row of a plan is compiled against: the target and the memory a step may use on it.
+
+  Attributes:
+    target: the topology's devices and memory.
+    usable: bytes per device a step may use (the reserve or margin taken off already).
+    progress: called with one line as each compile starts and ends.
+  """
+
+  target: Target
+  usable: int
+  progress: Callable[[str], None] | None = None
+
+  def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape) -> dict[str, Any]:
+    """One lever's row at ``shape``'s micro-batch: compiled whole, or for an estimate (``model.reduced``) at
+    reduced depths and extrapolated, and compiled whole anyway where the line comes near the limit or the
+    two depths disagree.
+
+    Returns:
+      plan.json's row: the figures and ``fits``, the one verdict (:func:`nnx_zero1_plan.search.fits_in`: the
+      compiler accepted the whole program and its peak is within ``usable``); an estimate's is None and
+      ``fits_estimate`` says what the line says.
+    """
+    target = self.target
+    source = model.source_at(shape.batch)
+    row = _at_depths(lever, step, source, model.reduced, model.device_mesh, shape, self.progress)
+    near = row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes)
+    if near or row.get("not_alike"):
+      extrapolated = row
+      row = _at_depths(lever, step, source, None, model.device_mesh, shape, self.progress)
+      row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
+             "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"],
+             "compiled_whole_because": extrapolated.get("not_alike") or NEAR}
+    peak = row.get("peak_bytes_per_device")
+    verdict = fits_in(row, self.usable)
+    row = {**row, "headroom_bytes_per_device": None if peak is None else self.usable - peak}
+    if row["depth_extrapolated_from"]:
+      row = {**row, "estimate": estimate_mark(row, (*PER_LAYER, "headroom_bytes_per_device")),
+             "fits_estimate": verdict}
+      verdict = None
+    if target.domains > 1 and row.get("collectives"):
+      row = {**row, "network_per_step": network_per_step(row["collectives"], target.chip, target.platform)}
+    return {"lever": lever, "step": step, "compiled_for": target.name, "device_kind": target.device_kind,
+            "mesh": model.axes, "model": source.name, "batch": shape.batch, **row,
+            "activation_sharding": sharding_of(source, model.axes),
+            "compile_s": round(row["compile_s"], 1), "hbm_bytes": target.hbm_bytes,
+            "usable_bytes": self.usable, "fits": verdict}

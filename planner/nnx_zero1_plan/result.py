@@ -1,0 +1,81 @@
+"""A plan's result: what each lever needs, printed as a table and kept as plan.json and plan.md.
+
+Pure: the caller's process (a notebook's, which must not import jax) reads it back from the
+planning process, and the command line prints and writes it. :meth:`Plan.to_record` is what
+plan.json holds and :meth:`Plan.from_record` reads it back, so the planning process, the caller
+and a kept plan all meet in one format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from nnx_zero1_plan.row import Row
+from nnx_zero1_plan.table import markdown, recommendation_lines, table, way_out_lines
+
+__all__ = ["Plan"]
+
+
+@dataclasses.dataclass
+class Plan:
+  """What each lever needs per device on the target; ``str()`` is the printed table.
+
+  Attributes:
+    rows: one :class:`~nnx_zero1_plan.row.Row` per lever, step and remat policy (plan.json's rows; each
+      reads as a mapping of their field names: ``row["fits"]``).
+    meta: the settings and the compilers.
+    next_steps: what to try next, in order, when no row fits (empty otherwise).
+    recommendation: the configuration to run (see :func:`nnx_zero1_plan.recommend.recommend`), or None
+      when no row fits with the margin.
+    way_out: when no row fits, the changes compiled to make room and the first that fits
+      (:func:`nnx_zero1_plan.way_out.find_way_out`); None otherwise.
+  """
+
+  rows: list[Row]
+  meta: dict[str, Any]
+  next_steps: list[str]
+  recommendation: dict[str, Any] | None = None
+  way_out: dict[str, Any] | None = None
+
+  def __str__(self) -> str:
+    stated = [f"\n{self.meta['batch_default']}"] if self.meta.get("batch_default") else []
+    lines = [table(self.rows, wide=False), *stated, *recommendation_lines(self.recommendation, self.meta),
+             *way_out_lines(self.way_out)]
+    if self.next_steps:
+      steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))
+      lines += ["", "Nothing fits. Try next, in order:", *steps]
+    return "\n".join(lines)
+
+  def to_record(self) -> dict[str, Any]:
+    """The plan as plan.json holds it (:meth:`from_record` reads it back).
+
+    Example::
+
+      >>> plan = Plan([], {"model": "m:f"}, ["the lever zero1: ..."])
+      >>> Plan.from_record(json.loads(json.dumps(plan.to_record()))) == plan
+      True
+    """
+    rows = [row.to_json() for row in self.rows]
+    return {"meta": self.meta, "rows": rows, "recommendation": self.recommendation, "way_out": self.way_out,
+            "next_steps": self.next_steps}
+
+  @classmethod
+  def from_record(cls, record: Mapping[str, Any]) -> Plan:
+    """The plan :meth:`to_record` wrote (plan.json's object, or the planning process's answer)."""
+    rows = [Row.from_json(row) for row in record["rows"]]
+    return cls(rows, dict(record["meta"]), list(record["next_steps"]), record.get("recommendation"),
+               record.get("way_out"))
+
+  def write(self, out_dir: str) -> list[str]:
+    """Writes plan.json and plan.md into ``out_dir``; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "plan.md")]
+    with open(paths[0], "w") as f:
+      json.dump(self.to_record(), f, indent=1, default=str)
+    with open(paths[1], "w") as f:
+      f.write(markdown(self.meta, self.rows, self.next_steps, self.recommendation, self.way_out))
+    return paths

@@ -1,0 +1,262 @@
+"""One lever's row of a plan: typed frozen records, and plan.json's row written and read by one function each.
+
+A :class:`Row` holds what identifies the compile (lever, step, target, mesh, model, micro-batch), what the
+compiler said (:class:`Figures`), how those figures were made (:class:`Made`: compiled whole, or an
+estimate extrapolated per layer), the verdict against the usable memory (``fits``, the one
+:func:`nnx_zero1_plan.search.fits_in`), and what a search found (:class:`Searched`: the largest micro-batch;
+:class:`Offloaded`: the share of the state to offload). Every record's fields are plan.json's names:
+:meth:`Row.to_json` writes them side by side and :meth:`Row.from_json` puts each back in its record, so a
+new figure is one field here. A row also reads as that mapping (``row["fits"]``), so the tables, the
+recommendation and a kept plan.json read a row alike. Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+__all__ = ["Figures", "Made", "Searched", "Offloaded", "Row", "PER_LAYER", "AT_EDGE"]
+
+
+def _figure(*, per_layer: bool = False, at_edge: bool = False) -> Any:
+  """A :class:`Figures` field (None by default): whether an estimate extrapolates it per layer, and whether
+  a search keeps it for each micro-batch it compiled."""
+  return dataclasses.field(default=None, metadata={"per_layer": per_layer, "at_edge": at_edge})
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+  """What the compiler said of one lever's step, per device; None where it refused the program.
+
+  Attributes:
+    opt_state_bytes_per_device: the optimizer state in device memory.
+    opt_state_bytes_by_memory_kind: the optimizer state by memory kind (``device``, ``pinned_host``).
+    param_bytes_per_device: the parameters.
+    state_split: the axes the lever splits the state over and the share of its bytes split over each.
+    argument_bytes_per_device: the step's arguments (for two programs, the gradient program's and the
+      state beside it: :func:`nnx_zero1_plan.compiled.split_memory`).
+    output_bytes_per_device: its outputs.
+    alias_bytes_per_device: the outputs written over donated arguments.
+    temp_bytes_per_device: its temporaries (the activations).
+    peak_bytes_per_device: everything it holds at once, the compiler's own total
+      (:data:`nnx_zero1_plan.compiled.PEAK_SOURCE`).
+    formula_peak_bytes_per_device: arguments + outputs - aliased + temporaries.
+    host_argument_bytes_per_device: arguments in host memory (an offloaded state).
+    flops_per_device: the step's compute, and ``flops_source`` where it comes from
+      (:data:`nnx_zero1_plan.compiled.COMPUTE_SOURCES`).
+    collectives: :func:`nnx_zero1_plan.compiled.collectives_of`.
+    update_peak_bytes_per_device: a split step's update program: its peak, temporaries, compute and bytes
+      accessed (and those of the next three fields).
+    headroom_bytes_per_device: the usable memory less the peak.
+    error: the compiler's (or the optimizer's) refusal, in one line.
+    hbm_oom: the TPU compiler's "does not fit" refusal as numbers (:func:`nnx_zero1_plan.compiled.hbm_oom`).
+    compile_s: seconds the compiles took.
+    maxtext_config: what MaxText's defaults chose (a MaxText model's row).
+  """
+
+  opt_state_bytes_per_device: int | None = _figure(per_layer=True)
+  opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _figure(per_layer=True)
+  param_bytes_per_device: int | None = _figure(per_layer=True)
+  state_split: Mapping[str, Any] | None = _figure()
+  argument_bytes_per_device: int | None = _figure(per_layer=True, at_edge=True)
+  output_bytes_per_device: int | None = _figure(per_layer=True)
+  alias_bytes_per_device: int | None = _figure(per_layer=True)
+  temp_bytes_per_device: int | None = _figure(per_layer=True, at_edge=True)
+  peak_bytes_per_device: int | None = _figure(per_layer=True, at_edge=True)
+  formula_peak_bytes_per_device: int | None = _figure(per_layer=True, at_edge=True)
+  host_argument_bytes_per_device: int | None = _figure(per_layer=True)
+  flops_per_device: int | None = _figure(per_layer=True, at_edge=True)
+  flops_source: str | None = _figure()
+  collectives: Mapping[str, Any] | None = _figure(per_layer=True)
+  update_peak_bytes_per_device: int | None = _figure(per_layer=True)
+  update_temp_bytes_per_device: int | None = _figure(per_layer=True)
+  update_flops_per_device: int | None = _figure(per_layer=True)
+  update_bytes_accessed_per_device: int | None = _figure(per_layer=True)
+  headroom_bytes_per_device: int | None = _figure(at_edge=True)
+  error: str | None = _figure(at_edge=True)
+  hbm_oom: Mapping[str, Any] | None = _figure()
+  compile_s: float | None = _figure(at_edge=True)
+  maxtext_config: Mapping[str, str] | None = _figure()
+
+
+def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
+  return tuple(f.name for f in dataclasses.fields(record) if flag is None or f.metadata.get(flag))
+
+
+# The figures an estimate extrapolates per layer, and those a search keeps for each micro-batch it compiled.
+PER_LAYER = _names(Figures, "per_layer")
+AT_EDGE = _names(Figures, "at_edge")
+
+
+def _note() -> Any:
+  """A :class:`Made` field that plan.json carries only where it says something (not None)."""
+  return dataclasses.field(default=None, metadata={"only_when_set": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class Made:
+  """How a row's figures were made: the depth always, each other note where it says something (not None).
+
+  Attributes:
+    depth: the layers the figures are for (the model's own).
+    depth_extrapolated_from: the two reduced depths an estimate was compiled at (None: compiled whole).
+    not_alike: why the two depths' figures could not be extrapolated (compiled whole instead).
+    estimate: what marks an estimate (:func:`nnx_zero1_plan.depth.estimate_mark`).
+    fits_estimate: what the estimate's line says of fitting (``fits`` is None for an estimate).
+    extrapolated_peak_bytes_per_device: the estimate's peak where the row was compiled whole anyway.
+    compiled_whole_because: why it was (the line came near the limit, or ``not_alike``).
+    network_per_step: on a pod, the bytes per step on each network and their time at the links' rates
+      (:func:`nnx_zero1_plan.networks.network_per_step`).
+  """
+
+  depth: int | None = None
+  depth_extrapolated_from: Sequence[int] | None = None
+  not_alike: str | None = _note()
+  estimate: Mapping[str, Any] | None = _note()
+  fits_estimate: bool | None = _note()
+  extrapolated_peak_bytes_per_device: int | None = _note()
+  compiled_whole_because: str | None = _note()
+  network_per_step: Mapping[str, Any] | None = _note()
+
+
+@dataclasses.dataclass(frozen=True)
+class Searched:
+  """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.search_row`).
+
+  Attributes:
+    max_micro_batch: the largest micro-batch that fits (None: not even the smallest).
+    above: the micro-batch one step above it, compiled and refused (None: none was).
+    refused_because: why ``above`` does not fit.
+    search_unfinished: why the edge is not confirmed (the compile budget ended first), else None.
+    fits_above: micro-batches above the edge that fit.
+    at_max: the figures at ``max_micro_batch`` (:data:`AT_EDGE`, with ``batch`` and ``fits``).
+    at_above: the figures at ``above``.
+    search: every compile's figures, in the order they ran.
+    search_compile_s: seconds the search's compiles took.
+  """
+
+  max_micro_batch: int | None
+  above: int | None
+  refused_because: str | None
+  search_unfinished: str | None
+  fits_above: Sequence[int]
+  at_max: Mapping[str, Any] | None
+  at_above: Mapping[str, Any] | None
+  search: Sequence[Mapping[str, Any]]
+  search_compile_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Offloaded:
+  """What the search for the share of the optimizer state to offload found
+  (:func:`nnx_zero1_plan.search.offload_search`).
+
+  Attributes:
+    offload_fraction: the smallest share that fits (the last tried where none does).
+    offload_search: every compile: the share, its peak, seconds and whether it fits.
+    offload_refused_because: why no share fits, else None.
+  """
+
+  offload_fraction: float
+  offload_search: Sequence[Mapping[str, Any]]
+  offload_refused_because: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Row(Mapping[str, Any]):
+  """One lever's step compiled for the target, as plan.json's row.
+
+  Attributes:
+    lever: the lever's name (``baseline``, ``zero1``, ...).
+    step: ``"one"`` or ``"split"``.
+    compiled_for: the topology.
+    device_kind: jax's name for the chip.
+    mesh: every mesh axis and its size.
+    model: the model's name.
+    batch: the global micro-batch the figures are for.
+    figures: what the compiler said.
+    made: how the figures were made.
+    hbm_bytes: the memory a program may use per device, as the compiler reports it.
+    usable_bytes: ``hbm_bytes`` less the reserve or margin.
+    fits: the compiler accepted the whole program and its peak is within ``usable_bytes``; None for an
+      estimate, or where a refusal for another reason left no figures.
+    activation_sharding: the activation constraints applied (``tunix:`` models), else None.
+    remat: the remat policy compiled under (None: the model's own).
+    searched: what the search for the largest micro-batch found (None: no search).
+    offloaded: what the search for the share to offload found (None: not the ``offload-fraction`` lever).
+  """
+
+  lever: str
+  step: str
+  compiled_for: str
+  device_kind: str
+  mesh: Mapping[str, int]
+  model: str
+  batch: int
+  figures: Figures
+  made: Made
+  hbm_bytes: int
+  usable_bytes: int
+  fits: bool | None
+  activation_sharding: Any = None
+  remat: str | None = None
+  searched: Searched | None = None
+  offloaded: Offloaded | None = None
+
+  def to_json(self) -> dict[str, Any]:
+    """plan.json's row: every record's fields side by side (:class:`Made`'s notes where they are set, a
+    search's where there was one).
+
+    Example::
+
+      >>> row = Row.from_json({"lever": "zero1", "step": "one", "compiled_for": "h100:8", "device_kind": "H",
+      ...                      "mesh": {"data": 8}, "model": "m:f", "batch": 8, "peak_bytes_per_device": 5,
+      ...                      "depth": 2, "activation_sharding": None, "hbm_bytes": 9, "usable_bytes": 8,
+      ...                      "fits": True, "remat": None})
+      >>> row.figures.peak_bytes_per_device, row.made.depth, row["fits"], Row.from_json(row.to_json()) == row
+      (5, 2, True, True)
+    """
+    return dict(self._fields)
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> Row:
+    """The row :meth:`to_json` wrote (or a row's fields as the plan compiles them), each in its record.
+
+    Raises:
+      KeyError: a field no record has (a plan.json written by another version of the planner).
+      TypeError: a field the row or a search's record needs is missing.
+    """
+    unknown = set(fields) - _KNOWN
+    if unknown:
+      raise KeyError(f"plan.json's row has fields no record here has: {sorted(unknown)}")
+    pick = lambda record: {k: fields[k] for k in _names(record) if k in fields}
+    searched = Searched(**pick(Searched)) if "max_micro_batch" in fields else None
+    offloaded = Offloaded(**pick(Offloaded)) if "offload_fraction" in fields else None
+    own = {k: fields[k] for k in _OWN if k in fields}
+    return cls(**own, figures=Figures(**pick(Figures)), made=Made(**pick(Made)), searched=searched,
+               offloaded=offloaded)
+
+  @functools.cached_property
+  def _fields(self) -> dict[str, Any]:
+    own = {k: getattr(self, k) for k in _OWN}
+    made = {k: v for k, v in dataclasses.asdict(self.made).items() if v is not None or k not in _WHEN_SET}
+    found = {k: v for record in (self.searched, self.offloaded) if record is not None
+             for k, v in dataclasses.asdict(record).items()}
+    return {**own, **dataclasses.asdict(self.figures), **made, **found}
+
+  def __getitem__(self, key: str) -> Any:
+    return self._fields[key]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._fields)
+
+  def __len__(self) -> int:
+    return len(self._fields)
+
+
+_RECORDS = ("figures", "made", "searched", "offloaded")
+_OWN = tuple(f.name for f in dataclasses.fields(Row) if f.name not in _RECORDS)
+_WHEN_SET = frozenset(_names(Made, "only_when_set"))
+_KNOWN = frozenset((*_OWN, *_names(Figures), *_names(Made), *_names(Searched), *_names(Offloaded)))

@@ -1,0 +1,112 @@
+"""What of a compiled program's collective bytes crosses a pod's slow network.
+
+On a pod the devices sit in domains (TPU slices joined over the data-center network, GPU nodes over
+InfiniBand). A multi-node GPU program is one program over every device: a collective whose group lies
+within one domain sends over the fast links only; a group of n devices spanning k domains, reduced
+hierarchically (within each domain, then across domains among peers, then within again), sends
+(k-1)/(n-1) of its ring bytes across (:func:`across_bytes`). A multi-slice TPU program is one slice's
+program: what crosses is its sends to the megascale runtime (:func:`dcn_bytes`). What each device sends
+in all is the optimizer's count (``nnx_zero1.testing.sent_bytes``), on the same ring basis.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from nnx_zero1._src.hlo import COLLECTIVES, Counts, per_call, shape_bytes
+from nnx_zero1._src.traffic import replica_groups, ring_sent, sent_counter, with_fused_groups
+
+__all__ = ["across_bytes", "dcn_bytes"]
+
+# A multi-slice TPU program is one slice's program; what crosses slices is a send to the megascale runtime
+# (the data-center network), named by its transfer type, its operand the bytes one device hands over.
+_MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z0-9]+\[[0-9,]*\])\S*, '
+                             r'.*\bsend\(.*_xla_megascale_transfer_type="(?P<kind>\w+)"')
+
+
+def _domains_spanned(groups: list[tuple[int, ...]], domain_of: Sequence[int]) -> int:
+  """The most domains any one group spans."""
+  return max(len({domain_of[d] for d in group}) for group in groups)
+
+
+def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
+  """The bytes one device sends per collective (``nnx_zero1.testing.sent_bytes``), and of those the bytes
+  that cross between domains (TPU slices, GPU nodes).
+
+  A group within one domain sends nothing across; a group of n devices spanning k domains, reduced
+  hierarchically, sends (k-1)/(n-1) of its bytes across: an estimate of the algorithm, from the groups the
+  compiler chose.
+
+  Args:
+    hlo: the text of a compiled kernel.
+    domain_of: for each device of the program, in its partition order (the mesh's devices, flat), the
+      domain it sits in (a TPU device's ``slice_index``, a GPU's node).
+
+  Returns:
+    ``{op: {"count", "bytes", "across_bytes"}}`` per op, per call, every loop trip counted.
+
+  Example::
+
+    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   %in = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add
+    ...   ROOT %out = f32[8]{0} all-reduce(%in), replica_groups={{0,2},{1,3}}, to_apply=%add
+    ... }'''
+    >>> across_bytes(hlo, [0, 0, 1, 1])["all-reduce"]  # the second pair spans the two domains
+    {'count': 2, 'bytes': 64, 'across_bytes': 32}
+  """
+  devices = len(domain_of)
+
+  def across(line: str, n: int, sent: int) -> dict[str, int]:
+    k = _domains_spanned(replica_groups(line, devices), domain_of)
+    return {"across_bytes": sent * (k - 1) // (n - 1)}
+
+  counted = per_call(with_fused_groups(hlo), sent_counter(devices, across), COLLECTIVES)
+  return {op: {"count": c["count"], "bytes": c["bytes"], "across_bytes": c.get("across_bytes", 0)}
+          for op, c in counted.items()}
+
+
+def _dcn_sent(op: str, operand: int, slices: int) -> int:
+  """Bytes one device sends among ``slices`` for a megascale transfer of ``operand`` bytes: a ring's
+  (``ring_sent``), whose result is the operand for an all-reduce, k operands for an all-gather (its shard),
+  1/k of it for a reduce-scatter; another transfer sends its operand once."""
+  if op not in COLLECTIVES:
+    return operand
+  result = {"all-gather": operand * slices, "reduce-scatter": operand // slices}.get(op, operand)
+  return ring_sent(op, result, slices)
+
+
+def dcn_bytes(hlo: str, slices: int) -> Counts:
+  """The bytes one device sends between TPU slices per call of a multi-slice program, per transfer type.
+
+  The TPU compiler compiles a multi-slice program as one slice's program; each collective over the
+  slices becomes a send to the megascale runtime (after the within-slice part: a gradient all-reduce is
+  reduce-scattered inside the slice, all-reduced across slices, gathered inside again), its operand what
+  one device hands over. Each is counted once (its ``recv`` is the same transfer), every loop trip too.
+
+  Args:
+    hlo: the text of a compiled multi-slice TPU program.
+    slices: the slices the program spans.
+
+  Returns:
+    ``{op: {"count": int, "bytes": int}}`` by transfer type (``all-reduce``, ``all-gather``, ...), bytes
+    those one device sends over the data-center network by a ring among the slices.
+
+  Example::
+
+    >>> hlo = \'\'\'ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   %s = (f32[1024], token[]) send(%p), frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+    ... }\'\'\'
+    >>> dcn_bytes(hlo, 2)
+    {'all-reduce': {'count': 1, 'bytes': 4096}}
+  """
+  def count(lines: list[str], times: int, out: Counts) -> None:
+    for line in lines if times else ():
+      m = _MEGASCALE_SEND.match(line)
+      if m:
+        op = m["kind"].lower().replace("_", "-")  # ALL_REDUCE: all-reduce
+        entry = out.setdefault(op, {"count": 0, "bytes": 0})
+        entry["count"] += times
+        entry["bytes"] += times * _dcn_sent(op, shape_bytes(m["array"]), slices)
+
+  return {op: c for op, c in per_call(hlo, count, ()).items() if c["count"]}

@@ -1,0 +1,58 @@
+"""The planning process is prepared one way, whether the command line runs it in its own process or
+``plan()`` starts it (``compilers.prepare_planning_process``): the planner's settings over the caller's,
+and libtpu's lockfile removed only when no live process holds it. No compile: nothing loads libtpu."""
+
+import json
+import os
+import re
+
+import pytest
+
+from nnx_zero1_plan import PlanError, compilers, plan
+
+
+def test_the_planners_settings_win_over_the_callers_but_for_the_callers_own():
+  caller = {"HOME": "/home/me", "JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": "0,1",
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "0", "TPU_ACCELERATOR_TYPE": "v5litepod-16",
+            "TPU_MIN_LOG_LEVEL": "0"}
+  env = compilers.prepare_planning_process(caller, "/nonexistent/libtpu_lockfile")
+  assert {key: env[key] for key in compilers.ENV.keys() - compilers.CALLERS_OWN} == {
+      key: value for key, value in compilers.ENV.items() if key not in compilers.CALLERS_OWN}
+  assert env["TPU_MIN_LOG_LEVEL"] == "0" and env["HOME"] == "/home/me"
+  assert compilers.prepare_planning_process({}, "/nonexistent/libtpu_lockfile") == compilers.ENV
+  assert caller["JAX_PLATFORMS"] == "cuda"  # the caller's mapping is left as it was
+
+
+def test_a_lockfile_is_removed_only_when_stale(tmp_path):
+  lockfile = tmp_path / "libtpu_lockfile"
+  lockfile.write_text("")
+  with open(lockfile):  # a live holder: another planner's libtpu, or the caller's own on a TPU machine
+    compilers.prepare_planning_process({}, str(lockfile))
+    assert lockfile.exists()
+  compilers.prepare_planning_process({}, str(lockfile))  # no holder left: a killed process's leftover
+  assert not lockfile.exists()
+  compilers.prepare_planning_process({}, str(lockfile))  # none at all: nothing to do
+
+
+@pytest.fixture
+def callers_values(monkeypatch):
+  """A caller whose environment sets every setting of the planner's its own way (monkeypatch puts this
+  process's environment back afterwards)."""
+  for key in compilers.ENV:
+    monkeypatch.setenv(key, "caller's")
+  return {key: "caller's" for key in compilers.ENV}
+
+
+def test_the_command_line_prepares_its_own_process_the_same_way(callers_values):
+  expected = compilers.planning_environment(dict(os.environ))
+  compilers.prepare_environment()
+  assert dict(os.environ) == expected
+  assert os.environ["CUDA_VISIBLE_DEVICES"] == "-1" and os.environ["TPU_MIN_LOG_LEVEL"] == "caller's"
+
+
+def test_plan_starts_its_planning_process_prepared_so(callers_values):
+  # The planning process reports its environment from the model's builder, before any compile.
+  with pytest.raises(PlanError, match="environment") as raised:
+    plan("tests.support.planner_toys:tiny_lm_naming_its_environment", "v6e:2x2")
+  (reported,) = re.findall(r"environment (\{.*?\})", str(raised.value))
+  assert json.loads(reported) == compilers.planning_environment(callers_values)
