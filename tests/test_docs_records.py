@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.docs_tables import cells as row_cells
+from tests.support.docs_tables import table_under
+
 ROOT = Path(__file__).resolve().parents[1]
 _MARK = re.compile(r"<!-- figures: (?P<source>[^>]+?) -->\n(?P<table>(?:\|.*\|\n)+)")
 _GIB = {"optimizer state": "opt_state_bytes_per_device", "arguments": "argument_bytes_per_device",
@@ -33,10 +36,6 @@ def _marked_tables() -> list[tuple[str, str, str]]:
     for m in _MARK.finditer(doc.read_text()):
       found.append((doc.name, m["source"], m["table"]))
   return found
-
-
-def _cells(line: str) -> list[str]:
-  return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
 def _numbers(text: str, unit: str) -> list[float]:
@@ -99,11 +98,11 @@ def test_every_figure_of_a_marked_table_is_its_kept_plans(doc, source, table):
   plans = [json.loads((ROOT / s).read_text()) for s in source.split()]
   rows = [(p["meta"]["model"].split(":")[-1], r) for p in plans for r in p["rows"]]
   header, _, *body = table.strip().splitlines()
-  columns = _cells(header)
+  columns = row_cells(header)
   by_model = columns[0] == "model"
   step_at = columns.index("step") - by_model if "step" in columns else None
   for line in body:
-    cells = _cells(line)
+    cells = row_cells(line)
     model = cells.pop(0).split()[0] if by_model else None
     lever = cells[0].split()[0].strip("`")
     step = cells[step_at] if step_at is not None else None
@@ -127,24 +126,12 @@ def test_a_drifted_figure_fails():
     _check_cell("over DCN per step (B)", "all-reduce 1,000,000", row)
 
 
-def _table_under(doc: str, header: str) -> list[list[str]]:
-  """The body rows of the table in ``doc`` whose header line starts with ``header``."""
-  lines = (ROOT / doc).read_text().splitlines()
-  start = next(i for i, line in enumerate(lines) if line.startswith(header))
-  body = []
-  for line in lines[start + 2:]:
-    if not line.startswith("|"):
-      break
-    body.append(_cells(line))
-  return body
-
-
 def test_the_loss_table_is_the_kept_across_runs():
   """docs/pods.md's loss with the gradients crossing in bfloat16: each seed's final losses and gap are
   benchmarks.across's kept output (docs/data/across_bf16/across.json)."""
   runs = json.loads((ROOT / "docs/data/across_bf16/across.json").read_text())["runs"]
   final = {(r["seed"], r["arm"]): r for r in runs}
-  body = _table_under("docs/pods.md", "| seed | exact |")
+  body = table_under("docs/pods.md", "| seed | exact |")
   assert [int(row[0]) for row in body] == sorted({r["seed"] for r in runs})
   for seed, exact, narrow, gap in body:
     assert exact == f"{final[int(seed), 'exact']['final_loss']:.6f}"
@@ -163,7 +150,7 @@ def test_the_slow_network_arithmetic_is_the_formula_and_the_kept_toy_plan_within
               "`zero1-pod-accum`": (2 * (k - 1) / k * b * p / d, ["zero1-pod-accum"]),
               "`zero1-accum-bf16across`": (2 * (k - 1) / k * 2 * p / d, ["zero1-accum-bf16across"]),
               "`zero1-pod-accum-bf16across`": ((k - 1) / k * (2 + b) * p / d, ["zero1-pod-accum-bf16across"])}
-  body = _table_under("docs/pods.md", "| lever | over DCN / InfiniBand (bytes per chip per step)")
+  body = table_under("docs/pods.md", "| lever | over DCN / InfiniBand (bytes per chip per step)")
   assert len(body) == len(formulas) + 1
   for lever, _, figure in body[:-1]:
     bytes_, levers = formulas[lever]

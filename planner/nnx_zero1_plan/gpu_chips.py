@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from nnx_zero1_plan.chips import CHIPS, GpuChip
 
-__all__ = ["GpuChip", "GPU_CHIPS", "target_config"]
+__all__ = ["GPU_CHIPS", "target_config"]
 
 # The GPUs among the chips, by the planner's name for each (``h100``): the topologies it compiles for.
 GPU_CHIPS: dict[str, GpuChip] = {name: chip.gpu for name, chip in CHIPS.items() if chip.gpu is not None}

@@ -15,7 +15,7 @@ from typing import Any
 
 from nnx_zero1_plan.chips import CHIPS, Links
 
-__all__ = ["Links", "LINKS", "network_per_step"]
+__all__ = ["LINKS", "network_per_step"]
 
 # Each chip's networks, by the planner's name for it (``v5p``, ``h100``).
 LINKS: dict[str, Links] = {name: chip.links for name, chip in CHIPS.items()}

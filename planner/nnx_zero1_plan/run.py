@@ -60,15 +60,15 @@ def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel,
   """One lever's row under one remat policy: compiled at ``batch``, and for ``offload-fraction`` the smallest
   share offloaded that fits (searched at ``batch``), or with ``search`` the largest micro-batch that fits."""
   shape = StepShape(batch, request.seq_len, request.ga, request.optimizer)
-  row_at = lambda b: {**compiler.row(name, step, model, dataclasses.replace(shape, batch=b)), "remat": policy}
+  compiled = lambda **changed: {**compiler.row(name, step, model, dataclasses.replace(shape, **changed)),
+                                "remat": policy}
   if LEVERS[name].picks_offload:  # the fraction is searched at --batch, the micro-batch is not
-    row_with = lambda f: {**compiler.row(name, step, model, dataclasses.replace(shape, offload_fraction=f)),
-                          "remat": policy}
-    return Row.from_json(offload_search(row_with, compiler.usable))
-  row = row_at(batch)
-  if request.search:
-    row = {**row, **search_row(row, row_at, model.batch_unit, compiler.usable)}
-  return Row.from_json(row)
+    return Row.from_json(offload_search(lambda f: compiled(offload_fraction=f), compiler.usable))
+  row = compiled()
+  if not request.search:
+    return Row.from_json(row)
+  searched = search_row(row, lambda b: compiled(batch=b), model.batch_unit, compiler.usable)
+  return dataclasses.replace(Row.from_json(row), searched=searched)
 
 
 def _done(name: str, step: str, policy: str | None, topology: str, row: Row) -> str:
@@ -156,7 +156,7 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   policies = request.policies
   if not maxtext:  # described before the compiler is looked for: a misspelt axis needs none
     plans = {p: describe_tunix_or_own(request, p) for p in policies}
-    refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
+    blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
   compiler_name = require_compiler(request.platform)
   target = make_target(request.topology, request.gpu_memory_fraction, request.slices,
                        parsed=request.topology_ref)
@@ -165,10 +165,10 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   batch, batch_default = _micro_batch(request, None if maxtext else plans[policies[0]], target)
   if batch_default and progress:
     progress(batch_default)
-  if maxtext:
+  if maxtext:  # described by its config, which needs the target and the micro-batch
     plans = {p: describe_maxtext(request, target, p, batch) for p in policies}
+    blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are alike under every policy
-  blocked = refuse_blocked(request.levers, planned.param_dtypes, request.model, request.domains)
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
   compiler = RowCompiler(target, usable, progress)
   rows = []

@@ -279,11 +279,11 @@ def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.
   return None if share > 1 else share
 
 
-def search_row(first: dict, row_at: Callable[[int], dict], unit: int, usable: int) -> dict[str, Any]:
+def search_row(first: dict, row_at: Callable[[int], dict], unit: int, usable: int) -> Searched:
   """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch).
 
   ``row_at(batch)`` compiles the whole program at ``batch``: an edge is the compiler's word, never an
-  estimate's. Returns the :class:`~nnx_zero1_plan.row.Searched` record's fields, by plan.json's names."""
+  estimate's."""
   rows = {first["batch"]: first}
 
   def measure(batch: int) -> Probe:
@@ -296,12 +296,11 @@ def search_row(first: dict, row_at: Callable[[int], dict], unit: int, usable: in
   probes = [{"batch": p.batch, "fits": p.fits, **{k: rows[p.batch].get(k) for k in AT_EDGE}}
             for p in edge.probes]
   at = lambda batch: next((p for p in probes if p["batch"] == batch), None)
-  searched = Searched(max_micro_batch=edge.max_micro_batch, above=edge.above,
-                      refused_because=edge.refused_because, search_unfinished=edge.unfinished,
-                      fits_above=list(edge.fits_above), at_max=at(edge.max_micro_batch),
-                      at_above=at(edge.above), search=probes,
-                      search_compile_s=round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1))
-  return dataclasses.asdict(searched)
+  return Searched(max_micro_batch=edge.max_micro_batch, above=edge.above,
+                  refused_because=edge.refused_because, search_unfinished=edge.unfinished,
+                  fits_above=list(edge.fits_above), at_max=at(edge.max_micro_batch), at_above=at(edge.above),
+                  search=probes,
+                  search_compile_s=round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1))
 
 
 def offload_search(row_with: Callable[[float], dict], usable: int,

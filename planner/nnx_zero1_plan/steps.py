@@ -38,7 +38,6 @@ __all__ = ["OPTIMIZERS", "scan_value_and_grad", "batch_axes", "abstract_batch",
            "lever_state"]
 
 
-
 def _written(code: str) -> optax.GradientTransformation:
   """The transformation ``code`` (an entry of :data:`nnx_zero1_plan.request.OPTIMIZER_CODE`, the
   ``--optimizer`` menu) writes: the step compiles the very code the recommendation prints."""

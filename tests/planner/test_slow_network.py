@@ -3,7 +3,6 @@ on eight virtual CPU devices standing for two slices or nodes of four; the TPU c
 transfers are ``test_pod_plans.py``'s (lane 2)."""
 
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_zero1.testing import sent_bytes
 from nnx_zero1_plan.networks import LINKS
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
+from tests.support.docs_tables import table_under
 
 
 def test_bytes_across_domains_follow_the_replica_groups_in_the_meshs_device_order():
@@ -88,12 +88,10 @@ def test_each_chips_link_rates_are_docs_pods_public_figures_in_words():
   """The rates the estimates divide by (``chips.CHIPS``, in bytes per second per direction) against
   docs/pods.md's table of the public figures as the vendors word them (Gbps, GB/s, per 8-chip host, both
   ways), converted here: the two are written apart and cannot drift apart unnoticed."""
-  text = (Path(__file__).resolve().parents[2] / "docs" / "pods.md").read_text()
-  rows = re.findall(r"^\| ([^|]+) \| ((?:ICI|NVLink)[^|]+) \| ((?:DCN|InfiniBand)[^|]+) \| [^|]+ \|$", text,
-                    flags=re.M)
+  rows = table_under("docs/pods.md", "| chip | inside a slice or node |")
   assert {r[0] for r in rows} == set(_PLANNER_NAME)
   checked = set()
-  for chips, fast, slow in rows:
+  for chips, fast, slow, _ in rows:
     for name in _PLANNER_NAME[chips]:
       links = LINKS[name]
       assert (links.fast, links.fast_bytes_per_s) == _rate(fast), name
