@@ -111,17 +111,32 @@ def _result_bytes(shape: str, op: str, start: bool) -> int:
 
 
 def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
-  """Splits HLO text into {computation name: its instruction lines} and the entry's name."""
+  """Splits HLO text into {computation name: its instruction lines} and the entry's name.
+
+  An instruction is one line, except where its attributes hold newlines (a Pallas kernel's custom call
+  carries its metadata over several lines, one of them starting with ``}}``): a line inside a computation
+  that is not indented continues the instruction before it, and only ``}`` alone closes the computation.
+
+  Example::
+
+    >>> hlo = "\\n".join(["ENTRY %main (p: f32[8]) -> f32[8] {",
+    ...                  '  %k = f32[8]{0} custom-call(%p), backend_config={"m":"{', '}}", metadata={}',
+    ...                  "  ROOT %n = f32[8]{0} negate(%k)", "}"])
+    >>> [len(lines) for lines in computations(hlo)[0].values()]
+    [2]
+  """
   bodies: dict[str, list[str]] = {}
   entry, current = None, None
   for line in hlo.splitlines():
     header = _HEADER.match(line)
-    if header and "=" not in line.split("{", 1)[0].split("(", 1)[0]:
+    if current is None and header and "=" not in line.split("{", 1)[0].split("(", 1)[0]:
       current = header.group(2)
       bodies[current] = []
       entry = current if header.group(1) else entry
-    elif line.startswith("}"):
+    elif line.rstrip() == "}":
       current = None
+    elif current is not None and bodies[current] and not line.startswith((" ", "\t")):
+      bodies[current][-1] += line
     elif current is not None:
       bodies[current].append(line)
   return bodies, entry

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Links", "GpuChip", "Chip", "CHIPS"]
+__all__ = ["Links", "Compute", "GpuChip", "Chip", "CHIPS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +23,42 @@ class Links:
   slow: str
   slow_bytes_per_s: float
   source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+  """One chip's public compute figures: what a step's time and its MFU are measured against.
+
+  Attributes:
+    peak_flops_per_s: the dense peak by the dtype a program computes in (``bfloat16``, ``float32``; a
+      TPU runs float32 matmuls as bfloat16 passes at jax's default precision, a GPU on its TF32 tensor cores).
+    mxu_flops_per_cycle: a TPU's matrix units' FLOPs per cycle (units x rows x columns x 2); the clock that
+      turns the TPU compiler's estimated cycles into seconds is the bfloat16 peak over it (None for a GPU).
+    ports: a TPU's ICI ports (its network rate is shared among them); 0 for a GPU, whose NVLink rate is
+      its switch's whatever the group.
+    host_bytes_per_s: the host link per direction (PCIe); None where no public figure is known (copies to
+      and from host memory are then counted, not timed).
+    source: where the figures come from.
+  """
+
+  peak_flops_per_s: dict[str, float]
+  mxu_flops_per_cycle: int | None
+  ports: int
+  host_bytes_per_s: float | None
+  source: str
+
+  @property
+  def clock_hz(self) -> float | None:
+    """The TPU core's clock: the bfloat16 peak over the matrix units' FLOPs per cycle (None for a GPU).
+
+    Example::
+
+      >>> round(CHIPS["v6e"].compute.clock_hz / 1e9, 3)
+      1.751
+    """
+    if self.mxu_flops_per_cycle is None:
+      return None
+    return self.peak_flops_per_s["bfloat16"] / self.mxu_flops_per_cycle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,35 +84,56 @@ class GpuChip:
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-  """One chip's facts: its networks, and for a GPU what its compiler is told (None for a TPU)."""
+  """One chip's facts: its networks, its compute, and for a GPU what its compiler is told (None for a TPU)."""
 
   links: Links
+  compute: Compute
   gpu: GpuChip | None = None
 
 
 _GBIT = 1e9 / 8
+_MXU = lambda units, side: units * side * side * 2  # noqa: E731 - FLOPs per cycle of `units` side x side arrays
+_TPU = "float32 matmuls run as bfloat16 passes (jax's default precision on TPU)"
 
 CHIPS: dict[str, Chip] = {
     # Cloud TPU's system pages as read in December 2026: v5e 1,600 Gbps ICI per chip, 2 x 100 Gbps NICs per
     # 8-chip host; v6e 3,200 Gbps ICI per chip (800 GBps bidirectional), 4 x 200 Gbps per 8-chip host; v5p
     # 1,200 GBps bidirectional ICI, 50 Gbps DCN per chip. The DCN figures per chip agree with the scaling
     # book's tpus.md (jax-ml.github.io/scaling-book: 3.125e9, 12.5e9 and 6.25e9 B/s).
-    "v5e": Chip(Links("ICI", 1600 * _GBIT, "DCN", 200 / 8 * _GBIT, "cloud.google.com/tpu/docs/v5e")),
-    "v6e": Chip(Links("ICI", 3200 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e")),
-    "v5p": Chip(Links("ICI", 600e9, "DCN", 50 * _GBIT, "cloud.google.com/tpu/docs/v5p")),
+    # Compute, the same pages: bf16 peak per chip v5e 197, v6e 918, v5p 459 TFLOP/s; one TensorCore per v5e
+    # and v6e chip, two per v5p chip; four MXUs per TensorCore, 128x128 on v5e and v5p, 256x256 on v6e (one
+    # version of the v6e page says two MXUs: the TPU compiler's own estimate of a large bf16 matmul on v6e,
+    # 462,500 FLOPs per cycle, is more than two 256x256 arrays can do, so four). ICI ports per chip: 4 on
+    # v5e and v6e (2D torus), 6 on v5p (3D torus). No host-link figure is published.
+    "v5e": Chip(Links("ICI", 1600 * _GBIT, "DCN", 200 / 8 * _GBIT, "cloud.google.com/tpu/docs/v5e"),
+                Compute({"bfloat16": 197e12, "float32": 197e12}, _MXU(4, 128), 4, None,
+                        f"cloud.google.com/tpu/docs/v5e; {_TPU}")),
+    "v6e": Chip(Links("ICI", 3200 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e"),
+                Compute({"bfloat16": 918e12, "float32": 918e12}, _MXU(4, 256), 4, None,
+                        f"cloud.google.com/tpu/docs/v6e; {_TPU}")),
+    "v5p": Chip(Links("ICI", 600e9, "DCN", 50 * _GBIT, "cloud.google.com/tpu/docs/v5p"),
+                Compute({"bfloat16": 459e12, "float32": 459e12}, _MXU(8, 128), 6, None,
+                        f"cloud.google.com/tpu/docs/v5p; {_TPU}")),
     # NVIDIA's DGX systems: NVLink per GPU (A100 600 GB/s, H100 and H200 900 GB/s, B200 1.8 TB/s, both
     # directions) and one InfiniBand port per GPU (DGX A100 200 Gb/s, DGX H100/H200/B200 400 Gb/s). The
-    # GPUs' own figures: NVIDIA's A100, H100, H200 and B200 data sheets.
+    # GPUs' own figures: NVIDIA's A100, H100, H200 and B200 data sheets; dense tensor-core peaks (the sheets'
+    # sparse figures halved): A100 BF16 312, TF32 156; H100 and H200 SXM BF16 989.4, TF32 494.7; B200 BF16
+    # 2,250, TF32 1,100 TFLOP/s. PCIe per direction: A100 Gen4 64 GB/s both ways, H100 and H200 Gen5 128 GB/s
+    # both ways; B200's is not on its sheet.
     "a100-80g": Chip(Links("NVLink", 300e9, "InfiniBand", 200 * _GBIT, "NVIDIA DGX A100 datasheet"),
+                     Compute({"bfloat16": 312e12, "float32": 156e12}, None, 0, 32e9, "NVIDIA A100 datasheet"),
                      GpuChip("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 81920 * 2**20, 2_039_000_000_000,
                              40 * 2**20, 167936, 166912)),
     "h100": Chip(Links("NVLink", 450e9, "InfiniBand", 400 * _GBIT, "NVIDIA DGX H100 datasheet"),
+                 Compute({"bfloat16": 989.4e12, "float32": 494.7e12}, None, 0, 64e9, "NVIDIA H100 datasheet"),
                  GpuChip("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 84_929_347_584, 3_352_320_000_000,
                          50 * 2**20, 233472, 232448)),
     "h200": Chip(Links("NVLink", 450e9, "InfiniBand", 400 * _GBIT, "NVIDIA DGX H200 datasheet"),
+                 Compute({"bfloat16": 989.4e12, "float32": 494.7e12}, None, 0, 64e9, "NVIDIA H200 datasheet"),
                  GpuChip("NVIDIA H200", (9, 0), 132, 128, 1.98, 143771 * 2**20, 4_800_000_000_000,
                          50 * 2**20, 233472, 232448)),
     "b200": Chip(Links("NVLink", 900e9, "InfiniBand", 400 * _GBIT, "NVIDIA DGX B200 datasheet"),
+                 Compute({"bfloat16": 2250e12, "float32": 1100e12}, None, 0, None, "NVIDIA B200 datasheet"),
                  GpuChip("NVIDIA B200", (10, 0), 148, 128, 1.965, 183359 * 2**20, 8_000_000_000_000,
                          126 * 2**20, 233472, 232448)),
 }

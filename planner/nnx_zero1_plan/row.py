@@ -17,13 +17,48 @@ import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Figures", "Made", "Searched", "Offloaded", "Row", "PER_LAYER", "AT_EDGE"]
+__all__ = ["StepTime", "Figures", "Made", "Searched", "Offloaded", "Row", "PER_LAYER", "AT_EDGE"]
 
 
 def _figure(*, per_layer: bool = False, at_edge: bool = False) -> Any:
   """A :class:`Figures` field (None by default): whether an estimate extrapolates it per layer, and whether
   a search keeps it for each micro-batch it compiled."""
   return dataclasses.field(default=None, metadata={"per_layer": per_layer, "at_edge": at_edge})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  """A step's predicted time on one device, in its parts (seconds; :func:`nnx_zero1_plan.step_time.step_time`).
+
+  Attributes:
+    source: where the compute comes from (the compiler's cost model, and which).
+    programs: the programs one step runs, in order, with how many times each (``"fwd_bwd_accum x7"``).
+    compute_s: the compiler's estimate of the step's compute, every loop trip counted.
+    fast_network: the network inside a slice or node (``ICI``, ``NVLink``).
+    fast_s: its collectives' time at the network's rate.
+    fast_exposed_s: the part of ``fast_s`` the schedule leaves the core waiting for (the rest overlaps compute).
+    slow_network: the network between slices or nodes (None on one).
+    slow_s: its bytes over its rate, counted exposed (the overlap across it is not modelled).
+    host_s: copies to and from host memory at the host link's rate (None: not timed, no public rate).
+    host_exposed_s: the part of ``host_s`` the core waits for.
+    unestimated_ops: instructions the compiler did not estimate (counted as zero).
+    clock_ghz: the clock that turns the compiler's cycles into seconds.
+    roofline_s: a lower bound beside it: the step's matmul FLOPs over the chip's peak.
+  """
+
+  source: str
+  programs: Sequence[str]
+  compute_s: float
+  fast_network: str
+  fast_s: float
+  fast_exposed_s: float
+  slow_network: str | None
+  slow_s: float
+  host_s: float | None
+  host_exposed_s: float
+  unestimated_ops: int
+  clock_ghz: float | None
+  roofline_s: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +89,12 @@ class Figures:
     hbm_oom: the TPU compiler's "does not fit" refusal as numbers (:func:`nnx_zero1_plan.compiled.hbm_oom`).
     compile_s: seconds the compiles took.
     maxtext_config: what MaxText's defaults chose (a MaxText model's row).
+    predicted_step_s: the step's predicted time on one device (None, with ``time_absent`` saying why, where
+      the compiler gives no estimate of its compute).
+    tokens_per_s_per_device: the tokens one device trains on per second at that time.
+    mfu: the step's matmul FLOPs per second over the chip's peak for the compute dtype.
+    step_time: the predicted time's parts.
+    time_absent: why a compiled step has no predicted time.
   """
 
   opt_state_bytes_per_device: int | None = _figure(per_layer=True)
@@ -79,6 +120,15 @@ class Figures:
   hbm_oom: Mapping[str, Any] | None = _figure()
   compile_s: float | None = _figure(at_edge=True)
   maxtext_config: Mapping[str, str] | None = _figure()
+  predicted_step_s: float | None = _figure(per_layer=True, at_edge=True)
+  tokens_per_s_per_device: float | None = _figure(at_edge=True)
+  mfu: float | None = _figure(at_edge=True)
+  step_time: StepTime | None = _figure()
+  time_absent: str | None = _figure()
+
+  def __post_init__(self) -> None:
+    if isinstance(self.step_time, Mapping):  # as plan.json keeps it
+      object.__setattr__(self, "step_time", StepTime(**self.step_time))
 
 
 def _names(record: type, flag: str | None = None) -> tuple[str, ...]:

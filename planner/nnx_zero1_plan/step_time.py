@@ -1,0 +1,354 @@
+"""How long a compiled program runs on one device, from the compiler's own cost model and its schedule.
+
+The TPU compiler writes its estimate of every fusion, copy and broadcast into the compiled program: each
+such instruction's ``backend_config`` carries ``"estimated_cycles"`` (its classic cost model). A compiled
+program is scheduled: its instructions run in the order the text lists them, one after another on the
+chip's core, while collectives run on the network beside it. So a program's time is read off its text by
+walking each computation in order (:func:`program_time`):
+
+- an instruction with estimated cycles advances the core by ``cycles / clock``;
+- a while loop runs its body's walk ``trip count`` times, a call its callee's, a conditional its slowest
+  branch's;
+- a collective takes its ring bytes (what one device sends, :func:`nnx_zero1.testing.sent_bytes`' basis)
+  over its network's rate. An async one (``all-gather-start`` ... ``-done``) starts where it is scheduled,
+  waits for the network to be free (collectives share it, one after another), and the core stalls at its
+  ``-done`` only for what is left of it: the compute the scheduler put between the two is its overlap. A
+  synchronous collective stalls the core for all of it;
+- a copy between host and device memory (an offloaded state) runs the same way on the host link.
+
+Where the compiler gives no cycles (XLA's GPU and CPU compilers) the compute is absent and the walk says
+so (``compute_estimated`` False); nothing here guesses it from a peak rate. An instruction whose estimate
+is the compiler's ``INT64_MAX`` (not estimated) counts zero and is counted in ``unestimated``. Pure: text
+in, seconds out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+
+from collections.abc import Sequence
+from typing import Any
+
+from nnx_zero1._src.hlo import computations, condition_trip_count, shape_bytes
+from nnx_zero1._src.traffic import group_size, ring_sent, with_fused_groups
+from nnx_zero1_plan.chips import Chip
+from nnx_zero1_plan.hlo_flops import dot_flops
+from nnx_zero1_plan.row import StepTime
+
+__all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTIMATED", "rates_for",
+           "step_time", "TPU_SOURCE", "NO_ESTIMATE"]
+
+# The compiler's estimate for an instruction it did not estimate (INT64_MAX).
+NOT_ESTIMATED = 2**63 - 1
+
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\("
+                   r"(?P<args>[^)]*)\)")
+_CYCLES = re.compile(r'"estimated_cycles":"?(\d+)')
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLS = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+                       r"false_computation=%?([\w.\-]+))")
+_COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?$")
+_FUSED_REDUCE_SCATTER = re.compile(r"\bcalls=%?all-reduce-scatter")
+_ASYNC_COLLECTIVE = re.compile(r"\bcalls=%?(all-reduce|all-gather|reduce-scatter|collective-permute|"
+                               r"all-to-all)")
+_HOST_SPACE = "S(5)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """What turns a program's cycles and bytes into seconds on one device.
+
+  Attributes:
+    clock_hz: the core's clock (cycles per second); None where the compiler gives no cycles.
+    network_bytes_per_s: one device's rate for a collective over a group of ``n`` devices (a function of
+      ``n``: a ring of two uses one link, a longer ring two), per direction.
+    host_bytes_per_s: the host link's rate (copies to and from host memory); None where no public figure
+      is known (the copies are then counted, not timed).
+  """
+
+  clock_hz: float | None
+  network_bytes_per_s: Callable[[int], float]
+  host_bytes_per_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTime:
+  """One program's time on one device, and its parts (seconds).
+
+  Attributes:
+    total_s: the walk's end: compute and every stall, in schedule order.
+    compute_s: the core's estimated work (None where the compiler gives no cycles).
+    collective_s: every collective's time on the network, overlapped or not.
+    exposed_collective_s: the part of it the core waited for.
+    host_s: the copies to and from host memory (None: not timed, no host rate).
+    exposed_host_s: the part of them the core waited for.
+    unestimated: instructions whose estimate was the compiler's "not estimated", counted as zero.
+    collectives: collectives run (every loop trip counted).
+  """
+
+  total_s: float
+  compute_s: float | None
+  collective_s: float
+  exposed_collective_s: float
+  host_s: float | None
+  exposed_host_s: float
+  unestimated: int
+  collectives: int
+
+  @property
+  def overlapped_collective_s(self) -> float:
+    """The collectives' time hidden behind compute."""
+    return self.collective_s - self.exposed_collective_s
+
+
+@dataclasses.dataclass
+class _Walk:
+  """A computation's walk, in progress: the core's time, the network's and the host link's, and the parts."""
+
+  now: float = 0.0
+  compute: float = 0.0
+  network_free: float = 0.0
+  host_free: float = 0.0
+  collective: float = 0.0
+  exposed: float = 0.0
+  host: float = 0.0
+  exposed_host: float = 0.0
+  unestimated: int = 0
+  collectives: int = 0
+  pending: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
+
+  def add(self, other: ProgramTime, times: int) -> None:
+    """A callee's whole walk, ``times`` over, run on the core (its own collectives inside it)."""
+    self.now += times * other.total_s
+    self.compute += times * (other.compute_s or 0.0)
+    self.collective += times * other.collective_s
+    self.exposed += times * other.exposed_collective_s
+    self.host += times * (other.host_s or 0.0)
+    self.exposed_host += times * other.exposed_host_s
+    self.unestimated += times * other.unestimated
+    self.collectives += times * other.collectives
+
+  def start(self, name: str, seconds: float, on: str) -> None:
+    """An async transfer of ``seconds`` on the network or the host link, started now."""
+    if on == "host":
+      begin = max(self.now, self.host_free)
+      self.host_free = begin + seconds
+      self.host += seconds
+      self.pending[name] = (self.host_free, on)
+    else:
+      begin = max(self.now, self.network_free)
+      self.network_free = begin + seconds
+      self.collective += seconds
+      self.collectives += 1
+      self.pending[name] = (self.network_free, on)
+
+  def wait(self, name: str) -> None:
+    """The core waits for a started transfer to end."""
+    end, on = self.pending.pop(name, (self.now, "network"))
+    stall = max(0.0, end - self.now)
+    self.now += stall
+    if on == "host":
+      self.exposed_host += stall
+    else:
+      self.exposed += stall
+
+
+def _collective_seconds(op: str, shape: str, line: str, devices: int, rates: Rates, start: bool) -> float:
+  """One collective's time: the bytes one device sends for it by a ring, over its network's rate."""
+  n = group_size(line, devices)
+  if n <= 1:
+    return 0.0
+  if start and op in ("all-gather", "collective-permute", "all-to-all"):
+    result = shape_bytes(shape, second_half=True)  # an async start's shape is (operands, results)
+  elif start and op == "all-reduce" and shape.startswith("(("):
+    result = shape_bytes(shape) // 2  # XLA's GPU form: ((operands), results)
+  else:
+    result = shape_bytes(shape)
+  basis = op if op in ("all-reduce", "all-gather", "reduce-scatter") else "all-gather"
+  return ring_sent(basis, result, n) / rates.network_bytes_per_s(n)
+
+
+def _host_copy(shape: str) -> bool:
+  """Whether an async copy's (destination, source, context) moves between host and device memory."""
+  parts = shape.split(", ")
+  return len(parts) >= 2 and (_HOST_SPACE in parts[0]) != (_HOST_SPACE in parts[1])
+
+
+def program_time(hlo: str, rates: Rates, devices: int | None = None) -> ProgramTime:
+  """A compiled program's time on one device: its schedule walked with the compiler's cycle estimates.
+
+  Args:
+    hlo: ``compiled.as_text()``.
+    rates: the clock and the networks' and host link's rates.
+    devices: the program's devices (its ``num_partitions`` where None).
+
+  Returns:
+    The :class:`ProgramTime` of one call.
+
+  Example::
+
+    >>> hlo = '''HloModule m, num_partitions=4
+    ... ENTRY %main (p: f32[1024]) -> f32[1024] {
+    ...   %f = f32[1024]{0} fusion(%p), kind=kLoop, calls=%g, backend_config={"estimated_cycles":"1000"}
+    ...   %ar = f32[1024]{0} all-reduce-start(%f), replica_groups={{0,1,2,3}}, to_apply=%add
+    ...   %h = f32[1024]{0} fusion(%p), kind=kLoop, calls=%g, backend_config={"estimated_cycles":"500"}
+    ...   ROOT %d = f32[1024]{0} all-reduce-done(%ar)
+    ... }'''
+    >>> t = program_time(hlo, Rates(clock_hz=1e9, network_bytes_per_s=lambda n: 6144 / 1e-6))
+    >>> round(t.compute_s * 1e6, 3), round(t.collective_s * 1e6, 3), round(t.exposed_collective_s * 1e6, 3)
+    (1.5, 1.0, 0.5)
+  """
+  hlo = with_fused_groups(hlo)
+  bodies, entry = computations(hlo)
+  match = re.search(r"\bnum_partitions=(\d+)", hlo)
+  devices = devices or (int(match[1]) if match else 1)
+
+  @functools.cache
+  def walk(name: str) -> ProgramTime:
+    w = _Walk()
+    for line in bodies.get(name, ()):
+      m = _LINE.match(line)
+      if m is None:
+        continue
+      op, shape, args = m["op"], m["shape"], m["args"]
+      collective = _COLLECTIVE.match(op)
+      if op == "while":
+        body, condition = _BODY.search(line), _CONDITION.search(line)
+        trip = _TRIP.search(line)
+        trips = int(trip[1]) if trip else (condition_trip_count(bodies.get(condition[1], [])) if condition
+                                           else None)
+        if body:
+          w.add(walk(body[1]), trips or 1)
+      elif op in ("call", "conditional"):
+        callees = _branches(line) if op == "conditional" else [c for c in _CALLS.findall(line)]
+        walks = [walk(c) for c in callees if c in bodies]
+        if walks:
+          w.add(max(walks, key=lambda t: t.total_s), 1)
+      elif collective and not op.endswith("-done"):
+        seconds = _collective_seconds(collective[1], shape, line, devices, rates, bool(collective[2]))
+        w.start(m["name"], seconds, "network")
+        if not collective[2]:
+          w.wait(m["name"])
+      elif op == "fusion" and _FUSED_REDUCE_SCATTER.search(line):
+        w.start(m["name"], _collective_seconds("reduce-scatter", shape, line, devices, rates, False),
+                "network")
+        w.wait(m["name"])
+      elif op == "async-start" and _ASYNC_COLLECTIVE.search(line):
+        kind = _ASYNC_COLLECTIVE.search(line)[1]  # type: ignore[index]
+        w.start(m["name"], _collective_seconds(kind, shape, line, devices, rates, True), "network")
+      elif op == "copy-start" and _host_copy(shape):
+        if rates.host_bytes_per_s is not None:
+          w.start(m["name"], shape_bytes(shape.split(", ")[0]) / rates.host_bytes_per_s, "host")
+      elif op.endswith("-done"):
+        w.wait(args.split(",")[0].strip().lstrip("%"))
+      else:
+        cycles = _CYCLES.search(line)
+        if cycles is None or rates.clock_hz is None:
+          continue
+        if int(cycles[1]) >= NOT_ESTIMATED:
+          w.unestimated += 1
+          continue
+        seconds = int(cycles[1]) / rates.clock_hz
+        w.now += seconds
+        w.compute += seconds
+    for pending in list(w.pending):  # a transfer nothing waited for still ends the program
+      w.wait(pending)
+    return ProgramTime(total_s=w.now, compute_s=w.compute if rates.clock_hz else None,
+                       collective_s=w.collective, exposed_collective_s=w.exposed,
+                       host_s=w.host if rates.host_bytes_per_s else None, exposed_host_s=w.exposed_host,
+                       unestimated=w.unestimated, collectives=w.collectives)
+
+  return walk(entry) if entry else ProgramTime(0.0, None, 0.0, 0.0, None, 0.0, 0, 0)
+
+
+def _branches(line: str) -> list[str]:
+  """A conditional's branch computations."""
+  found = _BRANCHES.search(line)
+  if found is None:
+    return []
+  if found[1]:
+    return [b.strip().lstrip("%") for b in found[1].split(",")]
+  return [found[2], found[3]]
+
+
+def cycles_estimated(hlo: str) -> bool:
+  """Whether a compiled program carries the compiler's cycle estimates (the TPU compiler's programs do).
+
+  Example::
+
+    >>> cycles_estimated('%f = f32[8]{0} fusion(%p), backend_config={"estimated_cycles":"12"}')
+    True
+  """
+  return _CYCLES.search(hlo) is not None
+
+
+
+TPU_SOURCE = "the TPU compiler's estimated_cycles (classic cost model), walked in schedule order"
+NO_ESTIMATE = ("the compiler gives no estimate of the program's compute (XLA's GPU and CPU compilers carry no "
+               "cycles in the compiled program); not guessed from a peak rate")
+
+
+def rates_for(chip: Chip) -> Rates:
+  """The rates a chip's programs are timed at: its clock, and a collective's rate on its fast network.
+
+  A TPU's ICI rate is shared among its ports; a bidirectional ring over a group sends on two of them (one
+  where the group is a pair). A GPU sends at its NVLink rate whatever the group (a switch).
+
+  Example::
+
+    >>> from nnx_zero1_plan.chips import CHIPS
+    >>> r = rates_for(CHIPS["v6e"])
+    >>> r.network_bytes_per_s(2) / 1e9, r.network_bytes_per_s(4) / 1e9
+    (100.0, 200.0)
+  """
+  fast, ports = chip.links.fast_bytes_per_s, chip.compute.ports
+  if ports:
+    per_port = fast / ports
+    return Rates(chip.compute.clock_hz, lambda n: per_port * (1 if n <= 2 else 2), chip.compute.host_bytes_per_s)
+  return Rates(chip.compute.clock_hz, lambda n: fast, chip.compute.host_bytes_per_s)
+
+
+def step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: int, tokens_per_device: float,
+              compute_dtype: str, slow_bytes: int = 0) -> dict[str, Any]:
+  """A step's predicted time on one device: its programs' walks (:func:`program_time`), each as many times
+  as one step runs it, and the slow network's bytes over its rate, exposed.
+
+  Args:
+    programs: ``(name, hlo, times)`` for each program one step runs, in order.
+    chip: the target's chip (its clock, rates and peak).
+    devices: the devices the programs run on (a collective over all of them names no groups).
+    tokens_per_device: the tokens one device trains on per step.
+    compute_dtype: the dtype the step computes in (``bfloat16``, ``float32``), for the MFU's peak.
+    slow_bytes: the bytes one device sends per step between slices or nodes.
+
+  Returns:
+    The row's time figures (:class:`~nnx_zero1_plan.row.Figures`' ``predicted_step_s``,
+    ``tokens_per_s_per_device``, ``mfu``, ``step_time``; ``time_absent`` where the compiler gives no cycles).
+  """
+  if not all(cycles_estimated(hlo) for _, hlo, _ in programs):
+    return {"predicted_step_s": None, "tokens_per_s_per_device": None, "mfu": None, "step_time": None,
+            "time_absent": NO_ESTIMATE}
+  rates = rates_for(chip)
+  walks = [(program_time(hlo, rates, devices), times) for _, hlo, times in programs]
+  total = lambda part: sum(times * (getattr(t, part) or 0.0) for t, times in walks)  # noqa: E731
+  slow_s = slow_bytes / chip.links.slow_bytes_per_s
+  predicted = total("total_s") + slow_s
+  flops = sum(times * dot_flops(hlo) for _, hlo, times in programs)
+  peak = chip.compute.peak_flops_per_s.get(compute_dtype, chip.compute.peak_flops_per_s["bfloat16"])
+  host_timed = chip.compute.host_bytes_per_s is not None
+  parts = StepTime(
+      source=TPU_SOURCE, programs=[name if times == 1 else f"{name} x{times}" for name, _, times in programs],
+      compute_s=total("compute_s"), fast_network=chip.links.fast, fast_s=total("collective_s"),
+      fast_exposed_s=total("exposed_collective_s"), slow_network=chip.links.slow if slow_bytes else None,
+      slow_s=slow_s, host_s=total("host_s") if host_timed else None, host_exposed_s=total("exposed_host_s"),
+      unestimated_ops=int(total("unestimated")),
+      clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
+      roofline_s=flops / peak if flops else None)
+  return {"predicted_step_s": predicted, "tokens_per_s_per_device": tokens_per_device / predicted,
+          "mfu": flops / predicted / peak if flops else None, "step_time": parts, "time_absent": None}
