@@ -84,7 +84,7 @@ def plan(model: str | PlanRequest, topology: str | None = None, *,
 
     result = plan("tunix:qwen3_0p6b", "v6e:2x2", param_dtype="bfloat16", compute_dtype="bfloat16")
     print(result)                      # one row per lever
-    result.rows[1]["fits"]             # peak bytes per device <= what the compiler says is usable
+    result.rows[1].verdict             # peak bytes per device <= what the compiler says is usable
   """
   if isinstance(model, PlanRequest):
     if topology is not None or settings:

@@ -8,6 +8,7 @@ from typing import Any
 
 from nnx_zero1.testing import collectives, loop_collectives, sent_bytes
 from nnx_zero1_plan.hlo_flops import dot_flops
+from nnx_zero1_plan.row import Figures
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
 __all__ = ["COMPUTE_SOURCES", "PEAK_SOURCE", "memory", "split_memory", "cost", "step_flops", "hbm_oom",
@@ -208,25 +209,23 @@ def split_collectives_of(grads: Any, update: Any,
 
 
 def row_figures(mem: dict[str, int], collectives: dict[str, Any],
-                update_cost: dict[str, int | None] | None = None) -> dict[str, Any]:
+                update_cost: dict[str, int | None] | None = None) -> Figures:
   """A plan row's figures of a compiled step: its :func:`memory` (or :func:`split_memory`), its collectives
   and, for a split step, the update program's peak, temp and :func:`cost` (``None`` for one program).
 
   Example::
 
     >>> m = {"argument": 10, "output": 4, "alias": 4, "temp": 50, "peak": 60, "host_argument": 0}
-    >>> row_figures(m, {})["peak_bytes_per_device"], row_figures(m, {})["update_flops_per_device"]
+    >>> row_figures(m, {}).peak_bytes_per_device, row_figures(m, {}).update_flops_per_device
     (60, None)
   """
   spent = update_cost or {}
-  return {
-      "argument_bytes_per_device": mem["argument"], "output_bytes_per_device": mem["output"],
-      "alias_bytes_per_device": mem["alias"], "temp_bytes_per_device": mem["temp"],
-      "peak_bytes_per_device": mem["peak"], "formula_peak_bytes_per_device": mem.get("formula_peak"),
-      "host_argument_bytes_per_device": mem["host_argument"],
-      "collectives": collectives,
-      "update_peak_bytes_per_device": mem.get("update_peak"),
-      "update_temp_bytes_per_device": mem.get("update_temp"),
-      "update_flops_per_device": spent.get("flops"),
-      "update_bytes_accessed_per_device": spent.get("bytes_accessed"),
-  }
+  return Figures(
+      argument_bytes_per_device=mem["argument"], output_bytes_per_device=mem["output"],
+      alias_bytes_per_device=mem["alias"], temp_bytes_per_device=mem["temp"],
+      peak_bytes_per_device=mem["peak"], formula_peak_bytes_per_device=mem.get("formula_peak"),
+      host_argument_bytes_per_device=mem["host_argument"], collectives=collectives,
+      update_peak_bytes_per_device=mem.get("update_peak"),
+      update_temp_bytes_per_device=mem.get("update_temp"), update_flops_per_device=spent.get("flops"),
+      update_bytes_accessed_per_device=spent.get("bytes_accessed"),
+  )

@@ -10,8 +10,11 @@ as the compiler schedules each layer alike, which it does not at full depth on T
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+_Record = TypeVar("_Record")
 
 __all__ = ["MEASURED_ERROR", "NEAR", "NEAR_LIMIT", "estimate_mark", "extrapolate", "extrapolate_row",
            "near_the_limit", "not_alike"]
@@ -50,18 +53,20 @@ def extrapolate(at_d1: float, at_d2: float, d1: int, d2: int, depth: int) -> int
   return round(at_d1 + per_layer * (depth - d1))
 
 
-def extrapolate_row(r1: Mapping[str, Any], r2: Mapping[str, Any], d1: int, d2: int, depth: int,
-                    keys: tuple[str, ...]) -> dict[str, Any]:
-  """Row ``r2`` with each of ``keys`` (numbers, or nested dicts of numbers) extrapolated to ``depth``.
+def extrapolate_row(r1: _Record, r2: _Record, d1: int, d2: int, depth: int, keys: Sequence[str]) -> _Record:
+  """Record ``r2`` (a frozen dataclass: a row's figures) with each of ``keys`` (numbers, or nested dicts of
+  numbers) extrapolated to ``depth``.
 
-  A key whose value is None in either row stays None (a compile that was refused).
+  A key whose value is None in either record stays None (a compile that was refused).
 
   Example::
 
-    >>> r1 = {"temp": 10, "collectives": {"all-reduce": {"count": 3, "bytes": 30}}}
-    >>> r2 = {"temp": 12, "collectives": {"all-reduce": {"count": 5, "bytes": 50}}}
-    >>> extrapolate_row(r1, r2, 1, 2, 4, ("temp", "collectives"))
-    {'temp': 16, 'collectives': {'all-reduce': {'count': 9, 'bytes': 90}}}
+    >>> from nnx_zero1_plan.row import Figures
+    >>> r1 = Figures(temp_bytes_per_device=10, collectives={"all-reduce": {"count": 3, "bytes": 30}})
+    >>> r2 = Figures(temp_bytes_per_device=12, collectives={"all-reduce": {"count": 5, "bytes": 50}})
+    >>> r = extrapolate_row(r1, r2, 1, 2, 4, ("temp_bytes_per_device", "collectives"))
+    >>> r.temp_bytes_per_device, r.collectives
+    (16, {'all-reduce': {'count': 9, 'bytes': 90}})
   """
 
   def walk(a: Any, b: Any) -> Any:
@@ -71,7 +76,7 @@ def extrapolate_row(r1: Mapping[str, Any], r2: Mapping[str, Any], d1: int, d2: i
       return {k: walk(a.get(k), v) for k, v in b.items()}
     return extrapolate(a, b, d1, d2, depth)
 
-  return {**r2, **{k: walk(r1.get(k), r2.get(k)) for k in keys}}
+  return dataclasses.replace(r2, **{k: walk(getattr(r1, k), getattr(r2, k)) for k in keys})  # type: ignore[type-var]
 
 
 def near_the_limit(peak: int | None, usable: int) -> bool:
@@ -109,17 +114,16 @@ def not_alike(at_d1: int | None, at_d2: int | None, d1: int, d2: int, what: str 
   return f"the {what} fell from {fell}"
 
 
-def estimate_mark(row: Mapping[str, Any], figures: tuple[str, ...]) -> dict[str, Any]:
-  """What marks an extrapolated row as an estimate in plan.json: how it was made, the figures it touches
-  (those the row has), and the error such estimates were measured to have (:data:`MEASURED_ERROR`).
+def estimate_mark(depth: int, extrapolated_from: Sequence[int], figures: Sequence[str]) -> dict[str, Any]:
+  """What marks an extrapolated row as an estimate in plan.json: how it was made, the figures it touches,
+  and the error such estimates were measured to have (:data:`MEASURED_ERROR`).
 
   Example::
 
-    >>> mark = estimate_mark({"depth": 32, "depth_extrapolated_from": [2, 4], "temp_bytes_per_device": 1},
-    ...                      ("temp_bytes_per_device", "flops_per_device"))
+    >>> mark = estimate_mark(32, [2, 4], ["temp_bytes_per_device"])
     >>> mark["method"], mark["figures"], mark["whole_peak_over_estimate_up_to"]
     ('extrapolated to 32 layers from 2/4', ['temp_bytes_per_device'], 1.36)
   """
-  d1, d2 = row["depth_extrapolated_from"]
-  return {"method": f"extrapolated to {row['depth']} layers from {d1}/{d2}",
-          "figures": [k for k in figures if row.get(k) is not None], **MEASURED_ERROR}
+  d1, d2 = extrapolated_from
+  return {"method": f"extrapolated to {depth} layers from {d1}/{d2}", "figures": list(figures),
+          **MEASURED_ERROR}

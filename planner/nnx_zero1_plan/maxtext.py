@@ -22,6 +22,7 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.levers import Lever
+from nnx_zero1_plan.row import Figures
 
 __all__ = ["MaxTextModel", "mesh_axis_names", "config_overrides", "engine_attributes", "measure_maxtext"]
 
@@ -123,7 +124,7 @@ def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
   return attributes
 
 
-def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str]) -> dict[str, Any]:
+def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str]) -> Figures:
   """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
 
   A step runs ``fwd_bwd`` once and ``fwd_bwd_accum`` ``ga - 1`` times, then ``update``; its memory
@@ -173,13 +174,11 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   counted = {name: collectives_of(kernels[name], domains) for name in (*set(runs), "update")}
   step = summed_collectives([counted[name] for name in (*runs, "update")])
   counts = {**step, "per_micro_batch": counted[runs[-1]]["per_step"]}  # a gradient kernel's, whole
-  return {
-      "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
-      "param_bytes_per_device": abstract_bytes_per_device(nnx.state(model, nnx.Param)),
-      "error": None, "hbm_oom": None, "compile_s": seconds,
-      **row_figures(mem, counts, cost(kernels["update"])),
-      "maxtext_config": {k: str(getattr(config, k)) for k in _REPORTED},
-  }
+  return dataclasses.replace(
+      row_figures(mem, counts, cost(kernels["update"])), opt_state_bytes_per_device=by_kind.get("device", 0),
+      opt_state_bytes_by_memory_kind=by_kind,
+      param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)), compile_s=seconds,
+      maxtext_config={k: str(getattr(config, k)) for k in _REPORTED})
 
 
 # What MaxText's defaults chose, recorded on a row.

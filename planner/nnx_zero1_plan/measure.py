@@ -31,7 +31,7 @@ from nnx_zero1_plan.levers import LEVERS, state_axes, with_offload
 from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.planned_model import PlannedModel
-from nnx_zero1_plan.row import PER_LAYER
+from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row
 from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
 from nnx_zero1_plan.targets import Target, domain_of
@@ -65,7 +65,7 @@ def _domains_in_order(mesh: Any) -> list[int] | None:
 
 
 def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape, depth: int | None = None,
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+             progress: Callable[[str], None] | None = None) -> Figures:
   """One compile of the lever's step at ``depth`` layers (None: the model's own).
 
   Args:
@@ -78,8 +78,9 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     progress: called with one line as the compile starts and ends.
 
   Returns:
-    The row's figures (:func:`nnx_zero1_plan.compiled.row_figures`, the optimizer state's bytes, the compile's
-    seconds), or the compiler's refusal (``error``, ``hbm_oom``; the figures None).
+    The row's :class:`~nnx_zero1_plan.row.Figures` (:func:`nnx_zero1_plan.compiled.row_figures`, the
+    optimizer state's bytes, the compile's seconds), or the compiler's refusal (``error``, ``hbm_oom``; the
+    compiled figures None).
   """
   lever = LEVERS[lever_name]
   say = progress or (lambda line: None)
@@ -88,61 +89,60 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     lever = with_offload(lever, shape.offload_fraction)
     at += f", {shape.offload_fraction:.0%} of the state offloaded"
   say(f"compiling {at} ...")
-  row: dict[str, Any] = {"opt_state_bytes_per_device": None, "opt_state_bytes_by_memory_kind": None,
-                         "param_bytes_per_device": None}
+  state_figures: dict[str, Any] = {}
   started = time.perf_counter()
   try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
     if isinstance(source, MaxTextModel):
-      maxtext_row = measure_maxtext(lever_name, lever, source.overrides)
-      say(f"compiled {at} in {maxtext_row['compile_s']:.0f} s: peak "
-          f"{maxtext_row['peak_bytes_per_device'] / 2**30:.2f} GiB")
-      return maxtext_row
+      figures = measure_maxtext(lever_name, lever, source.overrides)
+      peak = (figures.peak_bytes_per_device or 0) / 2**30
+      say(f"compiled {at} in {figures.compile_s or 0:.0f} s: peak {peak:.2f} GiB")
+      return figures
     sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
     state = lever_state(lever, lambda: source.build(depth), shape.optimizer, mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
-    row = {"opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
-           "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
-           "state_split": {"axes": list(state_axes(lever)), "share": state_split(state.state[1],
-                                                                                   state_axes(lever))}}
+    state_figures = {
+        "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
+        "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
+        "state_split": {"axes": list(state_axes(lever)),
+                        "share": state_split(state.state[1], state_axes(lever))}}
     if step == "one":
       compiled, seconds = compile_step(lever, state, *sizes)
     else:
       grads, update, seconds = compile_split(lever, state, *sizes)
   except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError) as e:
     error = shortened(f"{type(e).__name__}: {' '.join(str(e).split())}", 400)
-    refused = {"error": error, "hbm_oom": hbm_oom(str(e)), "compile_s": time.perf_counter() - started}
-    say(f"compiled {at}: refused in {refused['compile_s']:.0f} s ({shortened(error, 160)})")
-    return {**dict.fromkeys(PER_LAYER), **row, **refused}
+    seconds = time.perf_counter() - started
+    say(f"compiled {at}: refused in {seconds:.0f} s ({shortened(error, 160)})")
+    return Figures(**state_figures, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
   if step == "one":
     figures = row_figures(memory(compiled), collectives_of(compiled, _domains_in_order(mesh)))
   else:
-    mem = split_memory(memory(grads), memory(update), row["opt_state_bytes_per_device"])
+    mem = split_memory(memory(grads), memory(update), state_figures["opt_state_bytes_per_device"])
     figures = row_figures(mem, split_collectives_of(grads, update, _domains_in_order(mesh)), cost(update))
   flops, flops_source = step_flops(compiled if step == "one" else grads)
-  figures = {**figures, "flops_per_device": flops, "flops_source": flops_source}
-  say(f"compiled {at} in {seconds:.0f} s: peak {figures['peak_bytes_per_device'] / 2**30:.2f} GiB")
-  return {**row, "error": None, "hbm_oom": None, "compile_s": seconds, **figures}
+  say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
+  return dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
+                             compile_s=seconds)
 
 
 def _at_depths(lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any, shape: StepShape,
-               progress: Callable[[str], None] | None) -> dict[str, Any]:
-  """The lever's row compiled whole (no ``depths``), or at the two ``depths`` and extrapolated to the full
-  depth (a refusal at either is the row)."""
+               progress: Callable[[str], None] | None) -> tuple[Figures, Made]:
+  """The lever's figures compiled whole (no ``depths``), or at the two ``depths`` and extrapolated to the
+  full depth (a refusal at either is the row's), and how they were made."""
   if not depths:
-    row = measured(lever, step, source, mesh, shape, None, progress)
-    return {**row, "depth": source.full_depth, "depth_extrapolated_from": None}
+    return measured(lever, step, source, mesh, shape, None, progress), Made(depth=source.full_depth)
   d1, d2 = depths
   r1 = measured(lever, step, source, mesh, shape, d1, progress)
-  r2 = measured(lever, step, source, mesh, shape, d2, progress) if not r1["error"] else r1
-  compile_s = r1["compile_s"] + (r2["compile_s"] if r2 is not r1 else 0.0)
-  if r1["error"] or r2["error"]:
-    return {**(r1 if r1["error"] else r2), "compile_s": compile_s, "depth": d1 if r1["error"] else d2,
-            "depth_extrapolated_from": None}
-  row = extrapolate_row(r1, r2, d1, d2, source.full_depth, PER_LAYER)
-  doubt = (not_alike(r1["temp_bytes_per_device"], r2["temp_bytes_per_device"], d1, d2)
-           or not_alike(r1["peak_bytes_per_device"], r2["peak_bytes_per_device"], d1, d2, "peak"))
-  return {**row, "compile_s": compile_s, "depth": source.full_depth, "depth_extrapolated_from": [d1, d2],
-          "not_alike": doubt}
+  r2 = measured(lever, step, source, mesh, shape, d2, progress) if not r1.error else r1
+  compile_s = (r1.compile_s or 0.0) + ((r2.compile_s or 0.0) if r2 is not r1 else 0.0)
+  if r1.error or r2.error:
+    refused = r1 if r1.error else r2
+    return dataclasses.replace(refused, compile_s=compile_s), Made(depth=d1 if r1.error else d2)
+  figures = extrapolate_row(r1, r2, d1, d2, source.full_depth, PER_LAYER)
+  doubt = (not_alike(r1.temp_bytes_per_device, r2.temp_bytes_per_device, d1, d2)
+           or not_alike(r1.peak_bytes_per_device, r2.peak_bytes_per_device, d1, d2, "peak"))
+  return (dataclasses.replace(figures, compile_s=compile_s),
+          Made(depth=source.full_depth, depth_extrapolated_from=[d1, d2], not_alike=doubt))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,37 +159,43 @@ class RowCompiler:
   usable: int
   progress: Callable[[str], None] | None = None
 
-  def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape) -> dict[str, Any]:
+  def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
+          remat: str | None = None) -> Row:
     """One lever's row at ``shape``'s micro-batch: compiled whole, or for an estimate (``model.reduced``) at
     reduced depths and extrapolated, and compiled whole anyway where the line comes near the limit or the
     two depths disagree.
 
     Returns:
-      plan.json's row: the figures and ``fits``, the one verdict (:func:`nnx_zero1_plan.search.fits_in`: the
-      compiler accepted the whole program and its peak is within ``usable``); an estimate's is None and
-      ``fits_estimate`` says what the line says.
+      The :class:`~nnx_zero1_plan.row.Row`, its ``fits`` the one verdict
+      (:func:`nnx_zero1_plan.search.fits_in`: the compiler accepted the whole program and its peak is within
+      ``usable``); an estimate's is None and ``made.fits_estimate`` says what the line says.
     """
     target = self.target
     source = model.source_at(shape.batch)
-    row = _at_depths(lever, step, source, model.reduced, model.device_mesh, shape, self.progress)
-    near = row["depth_extrapolated_from"] and near_the_limit(row["peak_bytes_per_device"], target.hbm_bytes)
-    if near or row.get("not_alike"):
-      extrapolated = row
-      row = _at_depths(lever, step, source, None, model.device_mesh, shape, self.progress)
-      row = {**row, "compile_s": row["compile_s"] + extrapolated["compile_s"],
-             "extrapolated_peak_bytes_per_device": extrapolated["peak_bytes_per_device"],
-             "compiled_whole_because": extrapolated.get("not_alike") or NEAR}
-    peak = row.get("peak_bytes_per_device")
-    verdict = fits_in(row, self.usable)
-    row = {**row, "headroom_bytes_per_device": None if peak is None else self.usable - peak}
-    if row["depth_extrapolated_from"]:
-      row = {**row, "estimate": estimate_mark(row, (*PER_LAYER, "headroom_bytes_per_device")),
-             "fits_estimate": verdict}
+    figures, made = _at_depths(lever, step, source, model.reduced, model.device_mesh, shape, self.progress)
+    if (made.depth_extrapolated_from and near_the_limit(figures.peak_bytes_per_device, target.hbm_bytes)
+        or made.not_alike):
+      extrapolated, why = figures, made.not_alike or NEAR
+      figures, made = _at_depths(lever, step, source, None, model.device_mesh, shape, self.progress)
+      both = (figures.compile_s or 0.0) + (extrapolated.compile_s or 0.0)
+      figures = dataclasses.replace(figures, compile_s=both)
+      made = dataclasses.replace(made, extrapolated_peak_bytes_per_device=extrapolated.peak_bytes_per_device,
+                                 compiled_whole_because=why)
+    peak = figures.peak_bytes_per_device
+    verdict = fits_in(figures, self.usable)
+    figures = dataclasses.replace(figures,
+                                  headroom_bytes_per_device=None if peak is None else self.usable - peak,
+                                  compile_s=round(figures.compile_s or 0.0, 1))
+    if made.depth_extrapolated_from:
+      marked = [k for k in (*PER_LAYER, "headroom_bytes_per_device") if getattr(figures, k) is not None]
+      mark = estimate_mark(source.full_depth, made.depth_extrapolated_from, marked)
+      made = dataclasses.replace(made, estimate=mark,
+                                 fits_estimate=verdict)
       verdict = None
-    if target.domains > 1 and row.get("collectives"):
-      row = {**row, "network_per_step": network_per_step(row["collectives"], target.chip, target.platform)}
-    return {"lever": lever, "step": step, "compiled_for": target.name, "device_kind": target.device_kind,
-            "mesh": model.axes, "model": source.name, "batch": shape.batch, **row,
-            "activation_sharding": sharding_of(source, model.axes),
-            "compile_s": round(row["compile_s"], 1), "hbm_bytes": target.hbm_bytes,
-            "usable_bytes": self.usable, "fits": verdict}
+    if target.domains > 1 and figures.collectives:
+      made = dataclasses.replace(made, network_per_step=network_per_step(figures.collectives, target.chip,
+                                                                         target.platform))
+    return Row(lever=lever, step=step, compiled_for=target.name, device_kind=target.device_kind,
+               mesh=model.axes, model=source.name, batch=shape.batch, figures=figures, made=made,
+               hbm_bytes=target.hbm_bytes, usable_bytes=self.usable, fits=verdict,
+               activation_sharding=sharding_of(source, model.axes), remat=remat)

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_zero1_plan.request import DEFAULT_OPTIMIZER
+
 __all__ = ["mesh_code", "lever_code"]
 
 
@@ -100,8 +102,8 @@ def _tunix_code(lever: Any, options: list[str], mesh_lines: list[str], mesh: Map
 
 
 def lever_code(name: str, model: str, offload_fraction: float | None = None,
-               mesh: Mapping[str, int] | None = None, optimizer: str = "adamw", *, platform: str = "tpu",
-               domains: int = 1, activation_sharding: Any = None) -> str:
+               mesh: Mapping[str, int] | None = None, optimizer: str = DEFAULT_OPTIMIZER, *,
+               platform: str = "tpu", domains: int = 1, activation_sharding: Any = None) -> str:
   """The code that turns lever ``name`` on where ``model``'s users train, as they paste it: their own loop
   (imports, the mesh the plan compiled, then the model built under it, then the optimizer), Tunix's trainers
   (the mesh, the activations' sharding the plan compiled, ``Zero1TrainingConfig``'s ``zero1_*`` options) or

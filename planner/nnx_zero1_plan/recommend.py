@@ -10,20 +10,26 @@ other lever was never compiled at); then the fewest collective
 bytes each device sends per token (the same basis for all-reduce, reduce-scatter
 and all-gather, within 1%); then the fewest bytes copied to and from host memory
 (an offloaded state, within 1%); then the most headroom at that micro-batch; then
-no remat; then the lighter lever. Pure: rows in, one dict out.
+no remat; then the lighter lever. Pure: rows in, one :class:`Recommendation` out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.inputs import PlanError, parse_topology
+from nnx_zero1_plan.gpu_chips import GPU_CHIPS
+from nnx_zero1_plan.inputs import parse_topology
+from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.printed_code import lever_code
-from nnx_zero1_plan.request import command_line
+from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, DEFAULT_STEP, command_line
+from nnx_zero1_plan.row import Point, Row
 
-__all__ = ["ORDER", "micro_batch_of", "fitted_at", "splits_nothing", "sent_bytes_of", "recommend",
-           "recompute_note", "baseline_beats", "why_picked"]
+__all__ = ["ORDER", "Recommendation", "micro_batch_of", "fitted_at", "figures_at", "splits_nothing",
+           "sent_bytes_of", "row_sent_bytes", "across_bytes_of", "host_bytes_of", "recommend",
+           "recompute_note",
+           "baseline_beats", "why_picked"]
 
 ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
          "fewest collective bytes sent per token (within 1%)",
@@ -33,187 +39,174 @@ ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network
 _SAME_BYTES = 0.01  # collective bytes this close are a tie: the headroom decides
 
 
-def micro_batch_of(row: Mapping[str, Any], batch: int) -> int | None:
-  """The micro-batch a row stands for: its search's edge, else ``batch`` where the row fits.
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+  """The configuration a plan recommends (plan.json's ``recommendation``).
 
-  Example::
-
-    >>> micro_batch_of({"fits": True}, 8), micro_batch_of({"fits": False}, 8)
-    (8, None)
-    >>> micro_batch_of({"fits": True, "max_micro_batch": 56}, 8)
-    56
+  Attributes:
+    lever: the lever to run.
+    step: its step shape (``one`` or ``split``).
+    micro_batch: the micro-batch it fits (its search's edge where there was one).
+    remat: the remat policy its row compiled under (None: the model's own).
+    code: the code that builds it (:func:`nnx_zero1_plan.printed_code.lever_code`).
+    cli: the planner's command that reproduces it.
+    order: :data:`ORDER`, the order it was picked by.
+    baseline_beats: where ``nnx.Optimizer`` fits more than a Zero-1 lever, why (:func:`baseline_beats`).
+    why: why it beat each lever that fits as far (:func:`why_picked`).
+    notes: edges not confirmed, levers left out for splitting nothing, recompute, a narrowed hop.
   """
-  if "max_micro_batch" in row:
-    return row["max_micro_batch"]
-  return batch if row.get("fits") else None
+
+  lever: str
+  step: str
+  micro_batch: int
+  remat: str | None
+  code: str
+  cli: str
+  order: tuple[str, ...]
+  baseline_beats: tuple[str, ...]
+  why: tuple[str, ...]
+  notes: tuple[str, ...]
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> Recommendation:
+    """The record plan.json's ``recommendation`` holds (:func:`dataclasses.asdict` writes it)."""
+    f = fields
+    return cls(f["lever"], f["step"], f["micro_batch"], f["remat"], f["code"], f["cli"], tuple(f["order"]),
+               tuple(f["baseline_beats"]), tuple(f["why"]), tuple(f["notes"]))
 
 
-def fitted_at(row: Mapping[str, Any], batch: int) -> set[int]:
-  """The micro-batches at which the row's own whole compiles fitted (its search's, and its own at ``batch``
-  where the row has no ``batch`` of its own).
+def micro_batch_of(row: Row, batch: int) -> int | None:
+  """The micro-batch a row stands for: its search's edge, else ``batch`` where the row fits."""
+  if row.searched is not None:
+    return row.searched.max_micro_batch
+  return batch if row.fits else None
 
-  Example::
 
-    >>> sorted(fitted_at({"fits": True, "batch": 8, "search": [{"batch": 140, "fits": True},
-    ...                   {"batch": 132, "fits": False}]}, 8))
-    [8, 140]
-  """
-  points = {p["batch"] for p in row.get("search", ()) if p.get("fits")}
-  return points | ({row.get("batch", batch)} if row.get("fits") else set())
+def _points(row: Row) -> tuple[Point, ...]:
+  return row.searched.search if row.searched is not None else ()
+
+
+def fitted_at(row: Row) -> set[int]:
+  """The micro-batches at which the row's own whole compiles fitted (its search's, and its own)."""
+  return {p.batch for p in _points(row) if p.fits} | ({row.batch} if row.fits else set())
 
 
 _RECOMPUTE = 0.05  # compute per sequence this much above the cheapest fitting point: the compiler recomputes
 
 
-def recompute_note(row: Mapping[str, Any], micro: int) -> str | None:
+def recompute_note(row: Row, micro: int) -> str | None:
   """Where a row's compute per sequence at ``micro`` is more than 5% above its cheapest fitting compile's (the
   compiler rematerialises to fit), one sentence saying a larger micro-batch trades memory for recompute
-  there; None otherwise, or where its compiles carry no flops.
-
-  Example::
-
-    >>> row = {"lever": "zero1", "search": [{"batch": 8, "fits": True, "flops_per_device": 8e12},
-    ...                                     {"batch": 48, "fits": True, "flops_per_device": 60e12}]}
-    >>> print(recompute_note(row, 48).replace(": ", ":\\n"))
-    zero1 at micro-batch 48 computes 1.25 TFLOP per sequence per device against 1.00 at 8:
-    +25% recompute, a larger micro-batch trades memory for it
-  """
-  points = {p["batch"]: p["flops_per_device"] / p["batch"] for p in row.get("search", ())
-            if p.get("fits") and p.get("flops_per_device")}
+  there; None otherwise, or where its compiles carry no flops."""
+  points = {p.batch: p.flops_per_device / p.batch for p in _points(row) if p.fits and p.flops_per_device}
   if micro not in points or len(points) < 2:
     return None
   cheapest = min(points, key=lambda b: points[b])
   extra = points[micro] / points[cheapest] - 1
   if extra <= _RECOMPUTE:
     return None
-  return (f"{row['lever']} at micro-batch {micro} computes {points[micro] / 1e12:.2f} TFLOP per sequence per "
+  return (f"{row.lever} at micro-batch {micro} computes {points[micro] / 1e12:.2f} TFLOP per sequence per "
           f"device against {points[cheapest] / 1e12:.2f} at {cheapest}: {extra:+.0%} recompute, a larger "
           "micro-batch trades memory for it")
 
 
-def splits_nothing(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> bool:
+def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
   """Whether a Zero-1 row holds the baseline's optimizer state per device (the baseline's row of the same step
   and remat, within 0.1%), with none of it in host memory: its layout split nothing (a data axis of size 1,
-  or no leaf that divides), so it is the baseline under another name.
-
-  Example::
-
-    >>> base = {"lever": "baseline", "opt_state_bytes_per_device": 1000}
-    >>> pod = {"lever": "zero1-pod", "opt_state_bytes_per_device": 1000}
-    >>> splits_nothing(pod, [base, pod]), splits_nothing({**pod, "opt_state_bytes_per_device": 250}, [base])
-    (True, False)
-  """
-  if row["lever"] == "baseline" or (row.get("opt_state_bytes_by_memory_kind") or {}).get("pinned_host"):
+  or no leaf that divides), so it is the baseline under another name."""
+  if row.lever == "baseline" or (row.figures.opt_state_bytes_by_memory_kind or {}).get("pinned_host"):
     return False
-  same = lambda r: (r.get("step", "one"), r.get("remat")) == (row.get("step", "one"), row.get("remat"))
-  base = next((r for r in rows if r["lever"] == "baseline" and same(r)), None)
-  mine, theirs = row.get("opt_state_bytes_per_device"), (base or {}).get("opt_state_bytes_per_device")
+  base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
+  mine = row.figures.opt_state_bytes_per_device
+  theirs = None if base is None else base.figures.opt_state_bytes_per_device
   if mine is None or theirs is None:
     return False
   return abs(mine - theirs) <= 0.001 * theirs
 
 
-def sent_bytes_of(row: Mapping[str, Any]) -> int:
+def sent_bytes_of(collectives: Mapping[str, Any] | None, network: Mapping[str, Any] | None = None) -> int:
   """The collective bytes one device sends per step on every network together, one basis on every backend:
-  on a pod, its bytes inside the slice or node plus those between them (a TPU program's megascale transfers
-  are not among its collectives; a GPU program's node-spanning collectives are, split between the two);
-  elsewhere its collectives' sent bytes (the results' bytes where a row has no send count).
+  on a pod (``network``: a row's ``network_per_step``), its bytes inside the slice or node plus those between
+  them (a TPU program's megascale transfers are not among its collectives; a GPU program's node-spanning
+  collectives are, split between the two); elsewhere its collectives' sent bytes (the results' bytes where a
+  row has no send count).
 
   Example::
 
-    >>> sent_bytes_of({"collectives": {"sent_per_step": {"all-reduce": {"count": 1, "bytes": 6}}}})
+    >>> sent_bytes_of({"sent_per_step": {"all-reduce": {"count": 1, "bytes": 6}}})
     6
-    >>> sent_bytes_of({"network_per_step": {"fast": {"bytes": 6}, "slow": {"bytes": 2}}})
+    >>> sent_bytes_of({}, {"fast": {"bytes": 6}, "slow": {"bytes": 2}})
     8
   """
-  network = row.get("network_per_step")
   if network:
     return network["fast"]["bytes"] + network["slow"]["bytes"]
-  collectives = row.get("collectives") or {}
-  per_step = collectives.get("sent_per_step") or collectives.get("per_step", {})
+  per_step = (collectives or {}).get("sent_per_step") or (collectives or {}).get("per_step", {})
   return sum(v["bytes"] for v in per_step.values())
 
 
-def across_bytes_of(row: Mapping[str, Any]) -> int:
+def row_sent_bytes(row: Row) -> int:
+  """:func:`sent_bytes_of` a row."""
+  return sent_bytes_of(row.figures.collectives, row.made.network_per_step)
+
+
+def across_bytes_of(collectives: Mapping[str, Any] | None) -> int:
   """The bytes one device sends per step between slices or nodes (0 on one slice or node).
 
   Example::
 
-    >>> across_bytes_of({"collectives": {"across_per_step": {"all-gather": {"count": 2, "bytes": 8}}}})
+    >>> across_bytes_of({"across_per_step": {"all-gather": {"count": 2, "bytes": 8}}})
     8
   """
-  return sum(v["bytes"] for v in ((row.get("collectives") or {}).get("across_per_step") or {}).values())
+  return sum(v["bytes"] for v in ((collectives or {}).get("across_per_step") or {}).values())
 
 
-def _headroom_at(row: Mapping[str, Any], batch: int) -> int | None:
-  """The usable bytes a row leaves free at ``batch``: its search's compile there, else its own."""
-  at = _figures_at(row, batch)
-  return at.get("headroom_bytes_per_device")
+def _own(row: Row) -> Point:
+  return Point.of(row.batch, bool(row.fits), row.figures)
 
 
-def _figures_at(row: Mapping[str, Any], batch: int) -> Mapping[str, Any]:
-  """The row's figures at ``batch``: its search's compile there, else the row itself (its own batch)."""
-  return next((p for p in row.get("search", ()) if p["batch"] == batch), row)
+def figures_at(row: Row, batch: int) -> Point:
+  """The row's figures at ``batch``: its search's compile there, else its own (at its own batch)."""
+  return next((p for p in _points(row) if p.batch == batch), None) or _own(row)
 
 
-def baseline_beats(rows: Sequence[Mapping[str, Any]], batch: int) -> list[str]:
+def baseline_beats(rows: Sequence[Row], batch: int) -> list[str]:
   """One sentence for each Zero-1 lever that fits a smaller micro-batch than ``nnx.Optimizer``, saying why:
   its temporaries against the arguments it saves, at the baseline's largest micro-batch where a search
-  compiled both there, else at the plan's.
-
-  Example::
-
-    >>> g = 2**30
-    >>> base = {"lever": "baseline", "step": "one", "max_micro_batch": 48, "search": [
-    ...     {"batch": 48, "temp_bytes_per_device": 12 * g, "argument_bytes_per_device": 3 * g}]}
-    >>> z = {"lever": "zero1", "step": "one", "max_micro_batch": 44, "search": [
-    ...     {"batch": 48, "temp_bytes_per_device": 14 * g, "argument_bytes_per_device": 1.5 * g}]}
-    >>> line = baseline_beats([base, z], 8)[0]
-    >>> print(*line.replace(": ", ", ").split(", "), sep="\\n")
-    baseline fits micro-batch 48 where zero1 fits 44
-    at micro-batch 48 (one step) zero1's temporaries are +2.00 GiB against the baseline's
-    more than the 1.50 GiB its arguments save
-  """
+  compiled both there, else at the plan's."""
   out = []
-  for step in dict.fromkeys(r.get("step", "one") for r in rows):
-    same = [r for r in rows if r.get("step", "one") == step]
-    base = next((r for r in same if r["lever"] == "baseline"), None)
+  for step in dict.fromkeys(r.step for r in rows):
+    same = [r for r in rows if r.step == step]
+    base = next((r for r in same if r.lever == "baseline"), None)
     if base is None:
       continue
     at_base = micro_batch_of(base, batch) or 0
     for r in same:
       at_lever = micro_batch_of(r, batch) or 0
-      if r["lever"] == "baseline" or at_lever >= at_base:
+      if r.lever == "baseline" or at_lever >= at_base:
         continue
-      if at_base in fitted_at(r, batch):  # its own compile fitted there: it does not fit less
+      if at_base in fitted_at(r):  # its own compile fitted there: it does not fit less
         continue
-      b, z, compared = _figures_at(base, at_base), _figures_at(r, at_base), at_base
-      if b is base or z is r:  # no search compiled both there: the plan's own micro-batch
-        b, z, compared = base, r, batch
-      if z.get("temp_bytes_per_device") is None or b.get("temp_bytes_per_device") is None:
-        why = (z.get("error") or "no figures")[:160]
-        out.append(f"baseline fits micro-batch {at_base} where {r['lever']} fits {at_lever or 'none'}: at "
-                   f"micro-batch {compared} ({step} step) the compiler refused {r['lever']}: {why}")
+      b, z, compared = figures_at(base, at_base), figures_at(r, at_base), at_base
+      if b.batch != at_base or z.batch != at_base:  # no search compiled both there: the plan's own
+        b, z, compared = _own(base), _own(r), batch
+      if z.temp_bytes_per_device is None or b.temp_bytes_per_device is None:
+        why = (z.error or "no figures")[:160]
+        out.append(f"baseline fits micro-batch {at_base} where {r.lever} fits {at_lever or 'none'}: at "
+                   f"micro-batch {compared} ({step} step) the compiler refused {r.lever}: {why}")
         continue
-      temp = z["temp_bytes_per_device"] - b["temp_bytes_per_device"]
-      args = (b.get("argument_bytes_per_device") or 0) - (z.get("argument_bytes_per_device") or 0)
+      temp = z.temp_bytes_per_device - b.temp_bytes_per_device
+      args = (b.argument_bytes_per_device or 0) - (z.argument_bytes_per_device or 0)
       saved = (f"more than the {args / 2**30:.2f} GiB its arguments save" if temp > args
                else f"and its arguments save {args / 2**30:.2f} GiB")
-      out.append(f"baseline fits micro-batch {at_base} where {r['lever']} fits {at_lever or 'none'}: at "
-                 f"micro-batch {compared} ({step} step) {r['lever']}'s temporaries are "
+      out.append(f"baseline fits micro-batch {at_base} where {r.lever} fits {at_lever or 'none'}: at "
+                 f"micro-batch {compared} ({step} step) {r.lever}'s temporaries are "
                  f"{temp / 2**30:+.2f} GiB against the baseline's, {saved}")
   return out
 
 
-def host_bytes_of(row: Mapping[str, Any]) -> int:
-  """The bytes a row's step copies between host and device memory: its offloaded state, in and out.
-
-  Example::
-
-    >>> host_bytes_of({"host_argument_bytes_per_device": 100}), host_bytes_of({})
-    (200, 0)
-  """
-  return 2 * (row.get("host_argument_bytes_per_device") or 0)
+def host_bytes_of(row: Row) -> int:
+  """The bytes a row's step copies between host and device memory: its offloaded state, in and out."""
+  return 2 * (row.figures.host_argument_bytes_per_device or 0)
 
 
 def narrowed_note(lever: str) -> str | None:
@@ -224,8 +217,6 @@ def narrowed_note(lever: str) -> str | None:
     >>> narrowed_note("zero1"), narrowed_note("zero1-accum-bf16across")[:44]
     (None, 'zero1-accum-bf16across is not bit-identical:')
   """
-  from nnx_zero1_plan.levers import LEVERS
-
   dtype = LEVERS[lever].accumulate_options.get("across_dtype") if lever in LEVERS else None
   if dtype is None:
     return None
@@ -233,95 +224,67 @@ def narrowed_note(lever: str) -> str | None:
           "(across_dtype; docs/pods.md measures the loss against the exact reduction)")
 
 
-def why_picked(best: Mapping[str, Any], rivals: Sequence[Mapping[str, Any]], micro: int) -> list[str]:
+def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:
   """One sentence for each lever that fits the same micro-batch as the pick: the headroom each leaves there
-  and the bytes each sends, and which of :data:`ORDER` decided.
-
-  Example::
-
-    >>> g = 2**30
-    >>> z = {"lever": "zero1", "headroom_bytes_per_device": 5 * g, "collectives": {}}
-    >>> b = {"lever": "baseline", "headroom_bytes_per_device": 1 * g, "collectives": {}}
-    >>> print(why_picked(z, [b], 8)[0].replace("; ", "\\n"))
-    at micro-batch 8 zero1 leaves 5.00 GiB free and baseline 1.00 GiB
-    both send 0.00 GiB of collectives per step: zero1 for its headroom
-  """
+  and the bytes each sends, and which of :data:`ORDER` decided."""
   out = []
-  mine, my_room, my_across = sent_bytes_of(best), _headroom_at(best, micro), across_bytes_of(best)
+  room_at = lambda row: figures_at(row, micro).headroom_bytes_per_device
+  mine, my_room, my_across = row_sent_bytes(best), room_at(best), across_bytes_of(best.figures.collectives)
   for rival in rivals:
-    theirs, room, their_across = sent_bytes_of(rival), _headroom_at(rival, micro), across_bytes_of(rival)
+    theirs, room, their_across = (row_sent_bytes(rival), room_at(rival),
+                                  across_bytes_of(rival.figures.collectives))
     gib = lambda n: "?" if n is None else f"{n / 2**30:.2f}"
     if abs(my_across - their_across) > _SAME_BYTES * max(my_across, their_across, 1):
-      sent = (f"{best['lever']} sends {gib(my_across)} GiB per step over the slow network and "
-              f"{rival['lever']} {gib(their_across)}")
+      sent = (f"{best.lever} sends {gib(my_across)} GiB per step over the slow network and "
+              f"{rival.lever} {gib(their_across)}")
       reason = "its fewer bytes between slices or nodes"
     elif abs(mine - theirs) <= _SAME_BYTES * max(mine, theirs, 1):
       sent, reason = f"both send {gib(mine)} GiB of collectives per step", "its headroom"
       my_host, their_host = host_bytes_of(best), host_bytes_of(rival)
       if abs(my_host - their_host) > _SAME_BYTES * max(my_host, their_host, 1):
-        sent += (f"; {best['lever']} copies {gib(my_host)} GiB to and from host memory per step and "
-                 f"{rival['lever']} {gib(their_host)}")
+        sent += (f"; {best.lever} copies {gib(my_host)} GiB to and from host memory per step and "
+                 f"{rival.lever} {gib(their_host)}")
         reason = "its fewer bytes over the host link"
     else:
-      sent = (f"{best['lever']} sends {gib(mine)} GiB of collectives per step and {rival['lever']} "
+      sent = (f"{best.lever} sends {gib(mine)} GiB of collectives per step and {rival.lever} "
               f"{gib(theirs)}")
       reason = "its fewer collective bytes"
-    out.append(f"at micro-batch {micro} {best['lever']} leaves {gib(my_room)} GiB free and {rival['lever']} "
-               f"{gib(room)} GiB; {sent}: {best['lever']} for {reason}")
+    out.append(f"at micro-batch {micro} {best.lever} leaves {gib(my_room)} GiB free and {rival.lever} "
+               f"{gib(room)} GiB; {sent}: {best.lever} for {reason}")
   return out
 
 
-def _platform(meta: Mapping[str, Any]) -> str:
-  """``"tpu"`` or ``"cuda"``: the plan's topology's platform (TPU where a plan names none)."""
-  from nnx_zero1_plan.gpu_chips import GPU_CHIPS
-
-  try:
-    return parse_topology(str(meta.get("topology", "")), GPU_CHIPS)[0]
-  except PlanError:
-    return "tpu"
-
-
-def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
-              step: str | None = None) -> dict[str, Any] | None:
+def recommend(rows: Sequence[Row], meta: Mapping[str, Any], *,
+              step: str | None = None) -> Recommendation | None:
   """The configuration to run, by :data:`ORDER`, among the rows of one step shape.
 
   Args:
-    rows: the plan's rows (each may carry ``max_micro_batch`` from a search, and ``remat``); ``fits`` is
-      within the usable memory (the reserve or the margin taken off).
+    rows: the plan's rows (a searched row stands at its edge); ``fits`` is within the usable memory (the
+      reserve or the margin taken off).
     meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``seq_len``, ``ga``, ...).
     step: the step shape to choose among (default: ``split`` for MaxText's engine, else ``one`` where
       there are such rows).
 
   Returns:
-    ``{"lever", "step", "micro_batch", "remat", "code", "cli", "order", "baseline_beats", "why", "notes"}``
-    (``notes``: edges not confirmed, levers left out for splitting nothing), or None when no row fits.
-
-  Example::
-
-    >>> g = 2**30
-    >>> rows = [{"lever": "baseline", "step": "one", "fits": True, "headroom_bytes_per_device": 7 * g},
-    ...         {"lever": "zero1", "step": "one", "fits": True, "headroom_bytes_per_device": 9 * g}]
-    >>> meta = {"model": "m:f", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8, "seq_len": 1024,
-    ...         "ga": 1}
-    >>> recommend(rows, meta)["lever"]
-    'zero1'
+    The :class:`Recommendation`, or None when no row fits.
   """
-  shapes = [r.get("step", "one") for r in rows]
+  shapes = [r.step for r in rows]
   if step is None:
-    step = "split" if str(meta.get("model", "")).startswith("maxtext:") else "one"
+    step = "split" if str(meta.get("model", "")).startswith("maxtext:") else DEFAULT_STEP
     step = step if step in shapes else (shapes[0] if shapes else step)
-  same_step = [r for r in rows if r.get("step", "one") == step]
-  skipped = [f"{r['lever']} holds the baseline's optimizer state per device (its layout splits nothing): "
+  same_step = [r for r in rows if r.step == step]
+  skipped = [f"{r.lever} holds the baseline's optimizer state per device (its layout splits nothing): "
              "not a candidate" for r in same_step if splits_nothing(r, same_step)]
   edges = {i: micro_batch_of(r, meta["batch"]) for i, r in enumerate(rows)
-           if r.get("step", "one") == step and not splits_nothing(r, same_step)}
+           if r.step == step and not splits_nothing(r, same_step)}
   if not any(edges.values()):
     return None
   best_micro = max(m for m in edges.values() if m)
   tokens = best_micro * meta["seq_len"] * meta["ga"]
   # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not.
-  level = [(best_micro, across_bytes_of(rows[i]) / tokens, sent_bytes_of(rows[i]) / tokens, i, rows[i])
-           for i, m in edges.items() if m == best_micro or best_micro in fitted_at(rows[i], meta["batch"])]
+  level = [(best_micro, across_bytes_of(rows[i].figures.collectives) / tokens,
+            row_sent_bytes(rows[i]) / tokens, i, rows[i])
+           for i, m in edges.items() if m == best_micro or best_micro in fitted_at(rows[i])]
   candidates = list(level)
   # The slow network's bytes first, then all collectives', then the host link's.
   for bytes_of in (lambda c: c[1], lambda c: c[2], lambda c: host_bytes_of(c[4])):
@@ -329,24 +292,24 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
     level = [c for c in level if bytes_of(c) <= fewest * (1 + _SAME_BYTES)]
 
   def rest(c: tuple) -> tuple:
-    remat = c[4].get("remat", meta.get("remat"))
-    room = _headroom_at(c[4], best_micro)
-    return (-(room or 0), remat not in (None, "none"), c[3])
+    room = figures_at(c[4], best_micro).headroom_bytes_per_device
+    return (-(room or 0), c[4].remat not in (None, "none"), c[3])
 
-  best = min(level, key=rest)[4]
-  remat = best.get("remat", meta.get("remat"))
+  best: Row = min(level, key=rest)[4]
   rivals = [c[4] for c in candidates if c[4] is not best]
-  unconfirmed = [f"{r['lever']}'s edge is not confirmed ({r['search_unfinished']}): it fits at least "
-                 f"{micro_batch_of(r, meta['batch'])}" for r in same_step if r.get("search_unfinished")
+  unconfirmed = [f"{r.lever}'s edge is not confirmed ({r.searched.search_unfinished}): it fits at least "
+                 f"{micro_batch_of(r, meta['batch'])}" for r in same_step
+                 if r.searched is not None and r.searched.search_unfinished
                  and not splits_nothing(r, same_step)]
-  return {"lever": best["lever"], "step": step, "micro_batch": best_micro, "remat": remat,
-          "code": lever_code(best["lever"], str(meta.get("model", "")), best.get("offload_fraction"),
-                             meta.get("mesh"), meta.get("optimizer", "adamw"), platform=_platform(meta),
-                             domains=meta.get("domains") or 1,
-                             activation_sharding=meta.get("activation_sharding")),
-          "cli": command_line(meta, levers=[best["lever"]], steps=[step], batch=best_micro, remat=remat),
-          "order": list(ORDER),
-          "baseline_beats": baseline_beats(same_step, meta["batch"]),
-          "why": why_picked(best, rivals, best_micro),
-          "notes": [*unconfirmed, *skipped, *filter(None, [recompute_note(best, best_micro),
-                                                          narrowed_note(best["lever"])])]}
+  platform = parse_topology(str(meta["topology"]), GPU_CHIPS)[0]
+  offload = None if best.offloaded is None else best.offloaded.offload_fraction
+  return Recommendation(
+      lever=best.lever, step=step, micro_batch=best_micro, remat=best.remat,
+      code=lever_code(best.lever, str(meta["model"]), offload, meta.get("mesh"),
+                      meta.get("optimizer", DEFAULT_OPTIMIZER), platform=platform,
+                      domains=meta.get("domains") or 1, activation_sharding=meta.get("activation_sharding")),
+      cli=command_line(meta, levers=[best.lever], steps=[step], batch=best_micro, remat=best.remat),
+      order=ORDER, baseline_beats=tuple(baseline_beats(same_step, meta["batch"])),
+      why=tuple(why_picked(best, rivals, best_micro)),
+      notes=(*unconfirmed, *skipped,
+             *filter(None, [recompute_note(best, best_micro), narrowed_note(best.lever)])))

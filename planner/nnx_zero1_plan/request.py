@@ -29,7 +29,8 @@ from nnx_zero1_plan.inputs import (
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.targets import JAX_GPU_POOL_FRACTION
 
-__all__ = ["DEFAULT_DEPTHS", "OPTIMIZER_CODE", "STEPS", "PlanRequest", "SETTING_DEFAULTS", "check_topology",
+__all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "STEPS", "PlanRequest",
+           "SETTING_DEFAULTS", "check_topology",
            "command_line"]
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for an estimate (``estimate=True``) of a deeper model
@@ -39,6 +40,8 @@ STEPS = {
     "one": "one program: gradients, then optimizer.update, the state donated (Tunix, nnx.jit loops)",
     "split": "two programs: gradients; then optimizer.update, the state donated (MaxText's engine)",
 }
+DEFAULT_STEP = "one"  # the step recommended where a plan has its rows (MaxText's engine has ``split`` only)
+DEFAULT_OPTIMIZER = "adamw"
 
 # --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes), as the
 # recommendation's code writes them; the compiled step builds them from this code (steps.OPTIMIZERS).
@@ -195,7 +198,7 @@ class PlanRequest:
   param_dtype: str | None = None
   compute_dtype: str | None = None
   remat: str | None = None
-  optimizer: str = "adamw"
+  optimizer: str = DEFAULT_OPTIMIZER
   levers: str | Sequence[str] = ("baseline", "zero1")
   steps: str | Sequence[str] = ("one", "split")
   full_depth: bool = False
@@ -318,7 +321,7 @@ def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
                     ("--remat", "remat")):
     if s.get(key):
       words.append(f"{flag} {s[key]}")
-  if s.get("optimizer", SETTING_DEFAULTS["optimizer"]) != SETTING_DEFAULTS["optimizer"]:
+  if s.get("optimizer", DEFAULT_OPTIMIZER) != DEFAULT_OPTIMIZER:
     words.append(f"--optimizer {s['optimizer']}")
   if s.get("slices", 1) > 1:
     words.append(f"--slices {s['slices']}")

@@ -14,8 +14,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.row import Row
 from nnx_zero1_plan.table import markdown, recommendation_lines, table, way_out_lines
+from nnx_zero1_plan.way_out import WayOut
 
 __all__ = ["Plan"]
 
@@ -25,11 +27,11 @@ class Plan:
   """What each lever needs per device on the target; ``str()`` is the printed table.
 
   Attributes:
-    rows: one :class:`~nnx_zero1_plan.row.Row` per lever, step and remat policy (plan.json's rows; each
-      reads as a mapping of their field names: ``row["fits"]``).
+    rows: one :class:`~nnx_zero1_plan.row.Row` per lever, step and remat policy (plan.json's rows:
+      ``row.verdict``, ``row.figures.peak_bytes_per_device``).
     meta: the settings and the compilers.
     next_steps: what to try next, in order, when no row fits (empty otherwise).
-    recommendation: the configuration to run (see :func:`nnx_zero1_plan.recommend.recommend`), or None
+    recommendation: the configuration to run (a :class:`~nnx_zero1_plan.recommend.Recommendation`), or None
       when no row fits with the margin.
     way_out: when no row fits, the changes compiled to make room and the first that fits
       (:func:`nnx_zero1_plan.way_out.find_way_out`); None otherwise.
@@ -38,8 +40,8 @@ class Plan:
   rows: list[Row]
   meta: dict[str, Any]
   next_steps: list[str]
-  recommendation: dict[str, Any] | None = None
-  way_out: dict[str, Any] | None = None
+  recommendation: Recommendation | None = None
+  way_out: WayOut | None = None
 
   def __str__(self) -> str:
     stated = [f"\n{self.meta['batch_default']}"] if self.meta.get("batch_default") else []
@@ -60,15 +62,18 @@ class Plan:
       True
     """
     rows = [row.to_json() for row in self.rows]
-    return {"meta": self.meta, "rows": rows, "recommendation": self.recommendation, "way_out": self.way_out,
-            "next_steps": self.next_steps}
+    asdict = lambda record: None if record is None else dataclasses.asdict(record)
+    return {"meta": self.meta, "rows": rows, "recommendation": asdict(self.recommendation),
+            "way_out": asdict(self.way_out), "next_steps": self.next_steps}
 
   @classmethod
   def from_record(cls, record: Mapping[str, Any]) -> Plan:
     """The plan :meth:`to_record` wrote (plan.json's object, or the planning process's answer)."""
     rows = [Row.from_json(row) for row in record["rows"]]
-    return cls(rows, dict(record["meta"]), list(record["next_steps"]), record.get("recommendation"),
-               record.get("way_out"))
+    recommendation, way_out = record.get("recommendation"), record.get("way_out")
+    return cls(rows, dict(record["meta"]), list(record["next_steps"]),
+               None if recommendation is None else Recommendation.from_json(recommendation),
+               None if way_out is None else WayOut.from_json(way_out))
 
   def write(self, out_dir: str) -> list[str]:
     """Writes plan.json and plan.md into ``out_dir``; returns their paths."""

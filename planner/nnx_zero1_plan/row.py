@@ -6,24 +6,22 @@ estimate extrapolated per layer), the verdict against the usable memory (``fits`
 :func:`nnx_zero1_plan.search.fits_in`), and what a search found (:class:`Searched`: the largest micro-batch;
 :class:`Offloaded`: the share of the state to offload). Every record's fields are plan.json's names:
 :meth:`Row.to_json` writes them side by side and :meth:`Row.from_json` puts each back in its record, so a
-new figure is one field here. A row also reads as that mapping (``row["fits"]``), so the tables, the
-recommendation and a kept plan.json read a row alike. Pure.
+new figure is one field here. The tables, the recommendation and the way out read a row's attributes, and
+whether it fits from one property (:attr:`Row.verdict`). Pure.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["StepTime", "Figures", "Made", "Searched", "Offloaded", "Row", "PER_LAYER", "AT_EDGE"]
+__all__ = ["StepTime", "Figures", "Made", "Point", "Searched", "OffloadPoint", "Offloaded", "Row", "PER_LAYER", "AT_EDGE"]
 
 
-def _figure(*, per_layer: bool = False, at_edge: bool = False) -> Any:
-  """A :class:`Figures` field (None by default): whether an estimate extrapolates it per layer, and whether
-  a search keeps it for each micro-batch it compiled."""
-  return dataclasses.field(default=None, metadata={"per_layer": per_layer, "at_edge": at_edge})
+def _figure(*, per_layer: bool = False) -> Any:
+  """A :class:`Figures` field (None by default): whether an estimate extrapolates it per layer."""
+  return dataclasses.field(default=None, metadata={"per_layer": per_layer})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,28 +99,28 @@ class Figures:
   opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _figure(per_layer=True)
   param_bytes_per_device: int | None = _figure(per_layer=True)
   state_split: Mapping[str, Any] | None = _figure()
-  argument_bytes_per_device: int | None = _figure(per_layer=True, at_edge=True)
+  argument_bytes_per_device: int | None = _figure(per_layer=True)
   output_bytes_per_device: int | None = _figure(per_layer=True)
   alias_bytes_per_device: int | None = _figure(per_layer=True)
-  temp_bytes_per_device: int | None = _figure(per_layer=True, at_edge=True)
-  peak_bytes_per_device: int | None = _figure(per_layer=True, at_edge=True)
-  formula_peak_bytes_per_device: int | None = _figure(per_layer=True, at_edge=True)
+  temp_bytes_per_device: int | None = _figure(per_layer=True)
+  peak_bytes_per_device: int | None = _figure(per_layer=True)
+  formula_peak_bytes_per_device: int | None = _figure(per_layer=True)
   host_argument_bytes_per_device: int | None = _figure(per_layer=True)
-  flops_per_device: int | None = _figure(per_layer=True, at_edge=True)
+  flops_per_device: int | None = _figure(per_layer=True)
   flops_source: str | None = _figure()
   collectives: Mapping[str, Any] | None = _figure(per_layer=True)
   update_peak_bytes_per_device: int | None = _figure(per_layer=True)
   update_temp_bytes_per_device: int | None = _figure(per_layer=True)
   update_flops_per_device: int | None = _figure(per_layer=True)
   update_bytes_accessed_per_device: int | None = _figure(per_layer=True)
-  headroom_bytes_per_device: int | None = _figure(at_edge=True)
-  error: str | None = _figure(at_edge=True)
+  headroom_bytes_per_device: int | None = _figure()
+  error: str | None = _figure()
   hbm_oom: Mapping[str, Any] | None = _figure()
-  compile_s: float | None = _figure(at_edge=True)
+  compile_s: float | None = _figure()
   maxtext_config: Mapping[str, str] | None = _figure()
-  predicted_step_s: float | None = _figure(per_layer=True, at_edge=True)
-  tokens_per_s_per_device: float | None = _figure(at_edge=True)
-  mfu: float | None = _figure(at_edge=True)
+  predicted_step_s: float | None = _figure(per_layer=True)
+  tokens_per_s_per_device: float | None = _figure()
+  mfu: float | None = _figure()
   step_time: StepTime | None = _figure()
   time_absent: str | None = _figure()
 
@@ -135,9 +133,8 @@ def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
   return tuple(f.name for f in dataclasses.fields(record) if flag is None or f.metadata.get(flag))
 
 
-# The figures an estimate extrapolates per layer, and those a search keeps for each micro-batch it compiled.
+# The figures an estimate extrapolates per layer.
 PER_LAYER = _names(Figures, "per_layer")
-AT_EDGE = _names(Figures, "at_edge")
 
 
 def _note() -> Any:
@@ -172,6 +169,41 @@ class Made:
 
 
 @dataclasses.dataclass(frozen=True)
+class Point:
+  """One compile of a search: its micro-batch, whether it fits, and the :class:`Figures` a search keeps
+  (:data:`AT_EDGE`, each named as its :class:`Figures` field).
+
+  Example::
+
+    >>> Point.of(48, True, Figures(peak_bytes_per_device=9, compile_s=2.0)).peak_bytes_per_device
+    9
+  """
+
+  batch: int
+  fits: bool
+  argument_bytes_per_device: int | None = None
+  temp_bytes_per_device: int | None = None
+  peak_bytes_per_device: int | None = None
+  formula_peak_bytes_per_device: int | None = None
+  flops_per_device: int | None = None
+  headroom_bytes_per_device: int | None = None
+  error: str | None = None
+  compile_s: float | None = None
+  predicted_step_s: float | None = None
+  tokens_per_s_per_device: float | None = None
+  mfu: float | None = None
+
+  @classmethod
+  def of(cls, batch: int, fits: bool, figures: Figures) -> Point:
+    """The point of a compile at ``batch`` whose figures are ``figures``."""
+    return cls(batch, fits, **{k: getattr(figures, k) for k in AT_EDGE})
+
+
+# The figures a search keeps for each micro-batch it compiled.
+AT_EDGE = tuple(f.name for f in dataclasses.fields(Point))[2:]
+
+
+@dataclasses.dataclass(frozen=True)
 class Searched:
   """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.search_row`).
 
@@ -191,11 +223,30 @@ class Searched:
   above: int | None
   refused_because: str | None
   search_unfinished: str | None
-  fits_above: Sequence[int]
-  at_max: Mapping[str, Any] | None
-  at_above: Mapping[str, Any] | None
-  search: Sequence[Mapping[str, Any]]
+  fits_above: tuple[int, ...]
+  at_max: Point | None
+  at_above: Point | None
+  search: tuple[Point, ...]
   search_compile_s: float
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> Searched:
+    """The record from plan.json's names (its points each a :class:`Point`)."""
+    point = lambda p: None if p is None else Point(**p)
+    return cls(fields["max_micro_batch"], fields["above"], fields["refused_because"],
+               fields["search_unfinished"], tuple(fields["fits_above"]), point(fields["at_max"]),
+               point(fields["at_above"]), tuple(Point(**p) for p in fields["search"]),
+               fields["search_compile_s"])
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPoint:
+  """One compile of the offload search: the share offloaded, its peak, seconds and whether it fits."""
+
+  fraction: float
+  peak_bytes_per_device: int | None
+  compile_s: float
+  fits: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,12 +261,18 @@ class Offloaded:
   """
 
   offload_fraction: float
-  offload_search: Sequence[Mapping[str, Any]]
+  offload_search: tuple[OffloadPoint, ...]
   offload_refused_because: str | None
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> Offloaded:
+    """The record from plan.json's names."""
+    return cls(fields["offload_fraction"], tuple(OffloadPoint(**p) for p in fields["offload_search"]),
+               fields["offload_refused_because"])
 
 
 @dataclasses.dataclass(frozen=True)
-class Row(Mapping[str, Any]):
+class Row:
   """One lever's step compiled for the target, as plan.json's row.
 
   Attributes:
@@ -265,10 +322,14 @@ class Row(Mapping[str, Any]):
       ...                      "mesh": {"data": 8}, "model": "m:f", "batch": 8, "peak_bytes_per_device": 5,
       ...                      "depth": 2, "activation_sharding": None, "hbm_bytes": 9, "usable_bytes": 8,
       ...                      "fits": True, "remat": None})
-      >>> row.figures.peak_bytes_per_device, row.made.depth, row["fits"], Row.from_json(row.to_json()) == row
+      >>> row.figures.peak_bytes_per_device, row.made.depth, row.verdict, Row.from_json(row.to_json()) == row
       (5, 2, True, True)
     """
-    return dict(self._fields)
+    own = {k: getattr(self, k) for k in _OWN}
+    made = {k: v for k, v in dataclasses.asdict(self.made).items() if v is not None or k not in _WHEN_SET}
+    found = {k: _listed(v) for record in (self.searched, self.offloaded) if record is not None
+             for k, v in dataclasses.asdict(record).items()}
+    return {**own, **dataclasses.asdict(self.figures), **made, **found}
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Row:
@@ -282,28 +343,35 @@ class Row(Mapping[str, Any]):
     if unknown:
       raise KeyError(f"plan.json's row has fields no record here has: {sorted(unknown)}")
     pick = lambda record: {k: fields[k] for k in _names(record) if k in fields}
-    searched = Searched(**pick(Searched)) if "max_micro_batch" in fields else None
-    offloaded = Offloaded(**pick(Offloaded)) if "offload_fraction" in fields else None
+    searched = Searched.from_json(fields) if "max_micro_batch" in fields else None
+    offloaded = Offloaded.from_json(fields) if "offload_fraction" in fields else None
     own = {k: fields[k] for k in _OWN if k in fields}
     return cls(**own, figures=Figures(**pick(Figures)), made=Made(**pick(Made)), searched=searched,
                offloaded=offloaded)
 
-  @functools.cached_property
-  def _fields(self) -> dict[str, Any]:
-    own = {k: getattr(self, k) for k in _OWN}
-    made = {k: v for k, v in dataclasses.asdict(self.made).items() if v is not None or k not in _WHEN_SET}
-    found = {k: v for record in (self.searched, self.offloaded) if record is not None
-             for k, v in dataclasses.asdict(record).items()}
-    return {**own, **dataclasses.asdict(self.figures), **made, **found}
+  @property
+  def estimated(self) -> bool:
+    """Whether the figures are an estimate (extrapolated per layer: ``--estimate``)."""
+    return self.made.estimate is not None
 
-  def __getitem__(self, key: str) -> Any:
-    return self._fields[key]
+  @property
+  def verdict(self) -> bool | None:
+    """Whether the row fits, the one reading of it: ``fits`` for a compiled row; for an estimate (whose
+    ``fits`` is None: it decides nothing) what its line says; None where a refusal left no figures."""
+    return self.made.fits_estimate if self.estimated else self.fits
 
-  def __iter__(self) -> Iterator[str]:
-    return iter(self._fields)
 
-  def __len__(self) -> int:
-    return len(self._fields)
+def _listed(value: Any) -> Any:
+  """A record's tuples as JSON's lists, so that plan.json's row and :meth:`Row.to_json` are equal; a search
+  point's time where it has one (a plan made before the planner timed steps has none)."""
+  if isinstance(value, tuple):
+    return [_listed(v) for v in value]
+  if isinstance(value, dict) and "batch" in value and "fits" in value:
+    return {k: v for k, v in value.items() if v is not None or k not in _POINT_TIME}
+  return value
+
+
+_POINT_TIME = ("predicted_step_s", "tokens_per_s_per_device", "mfu")
 
 
 _RECORDS = ("figures", "made", "searched", "offloaded")

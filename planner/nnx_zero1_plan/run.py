@@ -17,7 +17,7 @@ import jax
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.compiled import PEAK_SOURCE
-from nnx_zero1_plan.inputs import PlanError, micro_batch
+from nnx_zero1_plan.inputs import micro_batch
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.measure import RowCompiler, StepShape
 from nnx_zero1_plan.planned_model import (
@@ -35,7 +35,7 @@ from nnx_zero1_plan.row import Row
 from nnx_zero1_plan.search import offload_search, search_row
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
 from nnx_zero1_plan.tunix_sharding import sharding_of
-from nnx_zero1_plan.way_out import Change, changes_to_try, find_way_out, next_steps
+from nnx_zero1_plan.way_out import Change, WayOut, changes_to_try, find_way_out, next_steps
 
 __all__ = ["make_plan"]
 
@@ -60,15 +60,14 @@ def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel,
   """One lever's row under one remat policy: compiled at ``batch``, and for ``offload-fraction`` the smallest
   share offloaded that fits (searched at ``batch``), or with ``search`` the largest micro-batch that fits."""
   shape = StepShape(batch, request.seq_len, request.ga, request.optimizer)
-  compiled = lambda **changed: {**compiler.row(name, step, model, dataclasses.replace(shape, **changed)),
-                                "remat": policy}
+  compiled = lambda **changed: compiler.row(name, step, model, dataclasses.replace(shape, **changed), policy)
   if LEVERS[name].picks_offload:  # the fraction is searched at --batch, the micro-batch is not
-    return Row.from_json(offload_search(lambda f: compiled(offload_fraction=f), compiler.usable))
+    return offload_search(lambda f: compiled(offload_fraction=f), compiler.usable)
   row = compiled()
   if not request.search:
-    return Row.from_json(row)
-  searched = search_row(row, lambda b: compiled(batch=b), model.batch_unit, compiler.usable)
-  return dataclasses.replace(Row.from_json(row), searched=searched)
+    return row
+  return dataclasses.replace(row, searched=search_row(row, lambda b: compiled(batch=b), model.batch_unit,
+                                                      compiler.usable))
 
 
 def _done(name: str, step: str, policy: str | None, topology: str, row: Row) -> str:
@@ -107,31 +106,32 @@ def _meta(request: PlanRequest, planned: PlannedModel, target: Target, rows: Seq
 
 
 def _way_out(compiler: RowCompiler, request: PlanRequest, planned: PlannedModel, meta: Mapping[str, Any],
-             blocked: Mapping[str, str]) -> dict[str, Any]:
+             blocked: Mapping[str, str]) -> WayOut:
   """When nothing fits: the changes that may make room, compiled lightest first, until one fits."""
   step = request.steps[0]
+  asked = dataclasses.replace(request, batch=meta["batch"])
 
-  def compile_changed(change: Change) -> Mapping[str, Any]:
-    s = change.settings
-    changed = dataclasses.replace(request, ga=s.get("ga", request.ga))
-    policy = s.get("remat", request.policies[0])
-    batch = s.get("batch", meta["batch"])
-    try:
-      if request.model_ref.kind == "maxtext":
-        model = describe_maxtext(changed, compiler.target, policy, batch)
-      else:
-        sizes = s.get("mesh", request.mesh_sizes)
-        model = on_devices(describe_tunix_or_own(changed, policy, sizes, estimate=False), compiler.target)
-        micro_batch(batch, model.batch_unit, batch_words(model))
-    except PlanError as e:
-      return {"fits": False, "error": str(e)}
-    shape = StepShape(batch, request.seq_len, changed.ga, request.optimizer)
-    return compiler.row(s["levers"][0], step, model, shape)
+  def compile_changed(change: Change) -> Row:
+    r = change.request
+    policy, batch = r.policies[0], meta["batch"] if r.batch is None else r.batch
+    if r.model_ref.kind == "maxtext":
+      model = describe_maxtext(r, compiler.target, policy, batch)
+    else:
+      model = on_devices(describe_tunix_or_own(r, policy, r.mesh_sizes, estimate=False), compiler.target)
+      micro_batch(batch, model.batch_unit, batch_words(model))
+    return compiler.row(r.levers[0], step, model, StepShape(batch, r.seq_len, r.ga, r.optimizer))
+
+  def command(change: Change) -> str:
+    r = change.request
+    mesh = r.mesh_sizes if r.mesh != asked.mesh else meta["mesh"]
+    return command_line(meta, levers=list(r.levers), steps=[step], batch=r.batch, ga=r.ga, remat=r.remat,
+                        mesh=mesh)
 
   lever = "zero1" if "zero1" not in blocked else "baseline"
-  changes = changes_to_try(meta, lever=lever, batch_unit=planned.batch_unit, remat=planned.remat_hint,
-                           named_axes=planned.named, host_memory=compiler.target.platform == "tpu")
-  return find_way_out(changes, compile_changed, lambda c: command_line(meta, steps=[step], **c.settings))
+  changes = changes_to_try(asked, planned.axes, lever=lever, batch_unit=planned.batch_unit,
+                           remat=planned.remat_hint, named_axes=planned.named,
+                           host_memory=compiler.target.platform == "tpu")
+  return find_way_out(changes, compile_changed, command)
 
 
 def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
@@ -181,6 +181,6 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)
   way_out = None
-  if rows and not request.estimate and not any(row.fits for row in rows):
+  if rows and not request.estimate and not any(row.verdict for row in rows):
     way_out = _way_out(compiler, request, planned, meta, blocked)
   return Plan(rows, meta, hints, recommend(rows, meta), way_out)

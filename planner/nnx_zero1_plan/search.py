@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
-from nnx_zero1_plan.row import AT_EDGE, Offloaded, Searched
+from nnx_zero1_plan.row import Figures, Offloaded, OffloadPoint, Point, Row, Searched
 
 __all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPILES", "fits_in", "Probe",
            "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search"]
@@ -52,20 +51,20 @@ MAX_JUMP = 8
 OFFLOAD_COMPILES = 4
 
 
-def fits_in(row: Mapping[str, Any], usable: int) -> bool | None:
-  """Whether a compiled row fits: the one verdict the plan, the search and the offload search use. False
+def fits_in(figures: Figures, usable: int) -> bool | None:
+  """Whether a compile's figures fit: the one verdict the plan, the search and the offload search use. False
   where the compiler refused the program for memory, else its peak within ``usable``; None where there are
   no figures (a refusal for another reason).
 
   Example::
 
-    >>> fits_in({"peak_bytes_per_device": 10}, 12), fits_in({"hbm_oom": "16.1G > 15.75G"}, 12)
+    >>> fits_in(Figures(peak_bytes_per_device=10), 12), fits_in(Figures(hbm_oom={"required_bytes": 16}), 12)
     (True, False)
-    >>> fits_in({"peak_bytes_per_device": None, "error": "TypeError: ..."}, 12) is None
+    >>> fits_in(Figures(error="TypeError: ..."), 12) is None
     True
   """
-  peak = row.get("peak_bytes_per_device")
-  return False if row.get("hbm_oom") else None if peak is None else peak <= usable
+  peak = figures.peak_bytes_per_device
+  return False if figures.hbm_oom else None if peak is None else peak <= usable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,54 +278,52 @@ def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.
   return None if share > 1 else share
 
 
-def search_row(first: dict, row_at: Callable[[int], dict], unit: int, usable: int) -> Searched:
+def search_row(first: Row, row_at: Callable[[int], Row], unit: int, usable: int) -> Searched:
   """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch).
 
   ``row_at(batch)`` compiles the whole program at ``batch``: an edge is the compiler's word, never an
   estimate's."""
-  rows = {first["batch"]: first}
+  rows = {first.batch: first}
 
   def measure(batch: int) -> Probe:
     if batch not in rows:
       rows[batch] = row_at(batch)
-    row = rows[batch]
-    return Probe(batch, row.get("peak_bytes_per_device"), bool(fits_in(row, usable)), row.get("error"))
+    figures = rows[batch].figures
+    return Probe(batch, figures.peak_bytes_per_device, bool(fits_in(figures, usable)), figures.error)
 
-  edge = find_edge(measure, step=unit, usable=usable, start=first["batch"])
-  probes = [{"batch": p.batch, "fits": p.fits, **{k: rows[p.batch].get(k) for k in AT_EDGE}}
-            for p in edge.probes]
-  at = lambda batch: next((p for p in probes if p["batch"] == batch), None)
+  edge = find_edge(measure, step=unit, usable=usable, start=first.batch)
+  points = tuple(Point.of(p.batch, p.fits, rows[p.batch].figures) for p in edge.probes)
+  at = lambda batch: next((p for p in points if p.batch == batch), None)
   return Searched(max_micro_batch=edge.max_micro_batch, above=edge.above,
                   refused_because=edge.refused_because, search_unfinished=edge.unfinished,
-                  fits_above=list(edge.fits_above), at_max=at(edge.max_micro_batch), at_above=at(edge.above),
-                  search=probes,
-                  search_compile_s=round(sum(rows[p.batch]["compile_s"] for p in edge.probes), 1))
+                  fits_above=edge.fits_above, at_max=at(edge.max_micro_batch), at_above=at(edge.above),
+                  search=points, search_compile_s=round(sum(p.compile_s or 0.0 for p in points), 1))
 
 
-def offload_search(row_with: Callable[[float], dict], usable: int,
-                   tries: int = OFFLOAD_COMPILES) -> dict[str, Any]:
+def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = OFFLOAD_COMPILES) -> Row:
   """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever).
 
   Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the
   state, its largest leaves, go to host memory, and a compile confirms the guess. Where it missed
   (the compiler kept some of the offloaded bytes live), the next guess divides what it missed by the
   bytes each share of the state actually saved, the line through the last two compiles (``tries``
-  compiles at most). The row is the last compile's, with the :class:`~nnx_zero1_plan.row.Offloaded`
-  record's fields (``offload_fraction``, every compile in ``offload_search``)."""
+  compiles at most). The row is the last compile's, with its :class:`~nnx_zero1_plan.row.Offloaded`
+  record (``offload_fraction``, every compile in ``offload_search``) and every compile's seconds."""
   fraction, row = 0.0, row_with(0.0)
-  tried: list[dict[str, Any]] = []
+  tried: list[OffloadPoint] = []
   refused = None
   while True:
-    peak = row.get("peak_bytes_per_device")
-    tried.append({"fraction": fraction, "peak_bytes_per_device": peak, "compile_s": row["compile_s"],
-                  "fits": bool(fits_in(row, usable))})
-    if row.get("error") or peak is None:
-      refused = row.get("error") or "no figures"
+    figures = row.figures
+    peak = figures.peak_bytes_per_device
+    tried.append(OffloadPoint(fraction, peak, figures.compile_s or 0.0, bool(fits_in(figures, usable))))
+    if figures.error or peak is None:
+      refused = figures.error or "no figures"
       break
-    state = sum((row.get("opt_state_bytes_by_memory_kind") or {}).values())
+    state = sum((figures.opt_state_bytes_by_memory_kind or {}).values())
     saved_per_share = state
-    if len(tried) > 1 and tried[-2]["peak_bytes_per_device"] is not None:
-      slope = (tried[-2]["peak_bytes_per_device"] - peak) / (fraction - tried[-2]["fraction"])
+    last = tried[-2] if len(tried) > 1 else None
+    if last is not None and last.peak_bytes_per_device is not None:
+      slope = (last.peak_bytes_per_device - peak) / (fraction - last.fraction)
       saved_per_share = int(slope) if 0 < slope < state else state
     share = next_fraction(peak, usable, saved_per_share, fraction)
     if share is None:
@@ -336,7 +333,8 @@ def offload_search(row_with: Callable[[float], dict], usable: int,
     if share == fraction or len(tried) == tries:
       break
     fraction, row = share, row_with(share)
-  if not tried[-1]["fits"] and refused is None:
+  if not tried[-1].fits and refused is None:
     refused = f"{tries} compiles did not find a fraction that fits"
-  offloaded = Offloaded(offload_fraction=fraction, offload_search=tried, offload_refused_because=refused)
-  return {**row, **dataclasses.asdict(offloaded), "compile_s": round(sum(t["compile_s"] for t in tried), 1)}
+  compile_s = round(sum(t.compile_s for t in tried), 1)
+  return dataclasses.replace(row, figures=dataclasses.replace(row.figures, compile_s=compile_s),
+                             offloaded=Offloaded(fraction, tuple(tried), refused))

@@ -7,7 +7,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import spelled_mesh
-from nnx_zero1_plan.recommend import sent_bytes_of
+from nnx_zero1_plan.recommend import Recommendation, row_sent_bytes
+from nnx_zero1_plan.row import Point, Row
+from nnx_zero1_plan.way_out import WayOut
 
 __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "header",
            "cells", "edge_cells", "split_words", "way_out_lines", "table", "recommendation_lines", "markdown"]
@@ -39,22 +41,19 @@ def _gib(n: float | None) -> str:
   return "-" if n is None else f"{n / 2**30:.2f}"
 
 
-def split_words(r: Mapping[str, Any]) -> str | None:
-  """What a Zero-1 row's layout splits, where it is not the whole state over every axis the lever names
-  (None where it is, and for the baseline): the share of the state's bytes over each set of axes.
+def split_words(lever: str, split: Mapping[str, Any] | None) -> str | None:
+  """What a Zero-1 lever's layout splits (``split``: its row's ``state_split``), where it is not the whole
+  state over every axis the lever names (None where it is, and for the baseline): the share of the state's
+  bytes over each set of axes.
 
   Example::
 
-    >>> r = {"lever": "zero1-pod", "state_split": {"axes": ["replica", "data"],
-    ...      "share": {"data": 0.998, "none": 0.002}}}
-    >>> split_words(r)
+    >>> split_words("zero1-pod", {"axes": ["replica", "data"], "share": {"data": 0.998, "none": 0.002}})
     'splits 0% of the state over replica,data, 99.8% over data only'
-    >>> split_words({"lever": "zero1", "state_split": {"axes": ["data"], "share": {"data": 0.999,
-    ...              "none": 0.001}}}) is None
+    >>> split_words("zero1", {"axes": ["data"], "share": {"data": 0.999, "none": 0.001}}) is None
     True
   """
-  split = r.get("state_split")
-  if not split or r["lever"] == "baseline":
+  if not split or lever == "baseline":
     return None
   share, every = split["share"], ",".join(split["axes"])
   if share.get(every, 0) >= 0.99:
@@ -64,39 +63,40 @@ def split_words(r: Mapping[str, Any]) -> str | None:
   return ", ".join(words)
 
 
-def _note(r: Mapping[str, Any]) -> str:
-  notes = [n for n in (split_words(r), _verdict_note(r)) if n]
+def _note(r: Row) -> str:
+  notes = [n for n in (split_words(r.lever, r.figures.state_split), _verdict_note(r)) if n]
   return "; ".join(notes)
 
 
-def _verdict_note(r: Mapping[str, Any]) -> str:
-  if r.get("error"):
-    return f"refused: {r['error']}"
-  if r.get("search_unfinished"):
-    return f"edge not confirmed: {r['search_unfinished']}"
-  if r.get("offload_refused_because"):
-    return f"no fraction fits: {r['offload_refused_because']}"
-  if r.get("compiled_whole_because"):
-    extrapolated = _gib(r.get("extrapolated_peak_bytes_per_device"))
-    return f"compiled whole (estimate: {extrapolated} GiB; {r['compiled_whole_because']})"
-  if r.get("estimate"):
-    up_to = r["estimate"]["whole_peak_over_estimate_up_to"]
-    return (f"~ ESTIMATE, {r['estimate']['method']}: decides nothing (whole programs have peaked up to "
+def _verdict_note(r: Row) -> str:
+  f, made = r.figures, r.made
+  if f.error:
+    return f"refused: {f.error}"
+  if r.searched is not None and r.searched.search_unfinished:
+    return f"edge not confirmed: {r.searched.search_unfinished}"
+  if r.offloaded is not None and r.offloaded.offload_refused_because:
+    return f"no fraction fits: {r.offloaded.offload_refused_because}"
+  if made.compiled_whole_because:
+    extrapolated = _gib(made.extrapolated_peak_bytes_per_device)
+    return f"compiled whole (estimate: {extrapolated} GiB; {made.compiled_whole_because})"
+  if made.estimate:
+    up_to = made.estimate["whole_peak_over_estimate_up_to"]
+    return (f"~ ESTIMATE, {made.estimate['method']}: decides nothing (whole programs have peaked up to "
             f"{up_to}x the estimate)")
   return ""
 
 
-def _max_micro_batch(r: Mapping[str, Any]) -> str:
-  if "max_micro_batch" not in r:
+def _max_micro_batch(r: Row) -> str:
+  if r.searched is None:
     return "-"
-  return "none" if r["max_micro_batch"] is None else str(r["max_micro_batch"])
+  return "none" if r.searched.max_micro_batch is None else str(r.searched.max_micro_batch)
 
 
-def _lever(r: Mapping[str, Any]) -> str:
+def _lever(r: Row) -> str:
   """The lever, with the share it offloads (``offload-fraction``) and the state's bytes in host memory."""
-  host = (r.get("opt_state_bytes_by_memory_kind") or {}).get("pinned_host")
-  picked = f" {r['offload_fraction']:.2f}" if "offload_fraction" in r else ""
-  return r["lever"] + picked + (f" (+{_gib(host)} GiB host)" if host else "")
+  host = (r.figures.opt_state_bytes_by_memory_kind or {}).get("pinned_host")
+  picked = "" if r.offloaded is None else f" {r.offloaded.offload_fraction:.2f}"
+  return r.lever + picked + (f" (+{_gib(host)} GiB host)" if host else "")
 
 
 def network_cell(network: Mapping[str, Any] | None) -> str:
@@ -113,38 +113,37 @@ def network_cell(network: Mapping[str, Any] | None) -> str:
   return f"{network['network']} {network['bytes'] / 2**20:,.1f}{ms}"
 
 
-def _is_pod(rows: Sequence[Mapping[str, Any]]) -> bool:
-  return any("network_per_step" in r for r in rows)
+def _is_pod(rows: Sequence[Row]) -> bool:
+  return any(r.made.network_per_step is not None for r in rows)
 
 
-def header(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+def header(rows: Sequence[Row]) -> tuple[str, ...]:
   """:data:`HEADER`, with :data:`POD_HEADER` before the note where the rows are a pod's."""
   return HEADER[:-1] + POD_HEADER + HEADER[-1:] if _is_pod(rows) else HEADER
 
 
-def cells(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, ...]]:
+def cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
   """One tuple of strings per row, in :func:`header`'s order."""
   pod = _is_pod(rows)
   out: list[tuple[str, ...]] = []
   for r in rows:
-    verdict = r.get("fits_estimate") if r.get("estimate") else r["fits"]
-    fits = "-" if verdict is None else "yes" if verdict else "NO"
-    collectives = r.get("collectives") or {}
-    flops, accessed = r.get("update_flops_per_device"), r.get("update_bytes_accessed_per_device")
-    mesh = spelled_mesh(r["mesh"])
-    ex = "~" if r.get("estimate") else ""  # an estimate's figures, each marked
+    f = r.figures
+    fits = "-" if r.verdict is None else "yes" if r.verdict else "NO"
+    collectives = f.collectives or {}
+    flops = f.update_flops_per_device
+    network = r.made.network_per_step or {}
+    ex = "~" if r.estimated else ""  # an estimate's figures, each marked
+    compile_s = f.compile_s if r.searched is None else r.searched.search_compile_s
     out.append((
-        _lever(r), r.get("step", "one") + (f", remat {r['remat']}" if r.get("remat") else ""),
-        r["compiled_for"], mesh,
-        _gib(r["opt_state_bytes_per_device"]), ex + _gib(r["argument_bytes_per_device"]),
-        ex + _gib(r["temp_bytes_per_device"]), ex + _gib(r["peak_bytes_per_device"]),
-        ex + _gib(r.get("formula_peak_bytes_per_device")), _gib(r.get("usable_bytes", r["hbm_bytes"])),
-        ex + fits, _max_micro_batch(r), f"{r.get('search_compile_s', r['compile_s']):.0f}",
+        _lever(r), r.step + (f", remat {r.remat}" if r.remat else ""), r.compiled_for, spelled_mesh(r.mesh),
+        _gib(f.opt_state_bytes_per_device), ex + _gib(f.argument_bytes_per_device),
+        ex + _gib(f.temp_bytes_per_device), ex + _gib(f.peak_bytes_per_device),
+        ex + _gib(f.formula_peak_bytes_per_device), _gib(r.usable_bytes),
+        ex + fits, _max_micro_batch(r), f"{compile_s:.0f}",
         ex + collective_cell(collectives.get("per_step", {})),
         ex + collective_cell(collectives.get("per_micro_batch", {})),
-        "-" if flops is None else f"{ex}{flops / 1e9:.2f}", ex + _gib(accessed),
-        *((ex + network_cell(r.get("network_per_step", {}).get("fast")),
-           ex + network_cell(r.get("network_per_step", {}).get("slow"))) if pod else ()),
+        "-" if flops is None else f"{ex}{flops / 1e9:.2f}", ex + _gib(f.update_bytes_accessed_per_device),
+        *((ex + network_cell(network.get("fast")), ex + network_cell(network.get("slow"))) if pod else ()),
         _note(r),
     ))
   return out
@@ -154,32 +153,23 @@ EDGE_HEADER = ("lever", "step", "max micro-batch", "peak GiB", "headroom GiB", "
                "one step up", "its peak GiB / refusal", "compiles", "note")
 
 
-def edge_cells(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, ...]]:
-  """A searched row's figures at its largest micro-batch and one step above it (:data:`EDGE_HEADER`).
-
-  Example::
-
-    >>> row = {"lever": "zero1", "max_micro_batch": 52, "above": 56, "search": [1, 2],
-    ...        "at_max": {"peak_bytes_per_device": 2**34, "headroom_bytes_per_device": 2**29,
-    ...                   "temp_bytes_per_device": 2**33, "flops_per_device": 2.2e13},
-    ...        "at_above": {"peak_bytes_per_device": None, "error": "refused"}}
-    >>> edge_cells([row])[0][:9]
-    ('zero1', 'one', '52', '16.00', '0.50', '8.00', '22.00', '56', 'refused')
-  """
+def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
+  """A searched row's figures at its largest micro-batch and one step above it (:data:`EDGE_HEADER`)."""
   out: list[tuple[str, ...]] = []
   for r in rows:
-    if "max_micro_batch" not in r:
+    found = r.searched
+    if found is None:
       continue
-    at, above = r.get("at_max") or {}, r.get("at_above") or {}
-    flops = at.get("flops_per_device")
-    above_peak = above.get("peak_bytes_per_device")
-    refusal = _gib(above_peak) if above_peak is not None else (above.get("error") or "-")[:60]
-    note = r.get("search_unfinished") or (f"fits again above: {', '.join(map(str, r['fits_above']))} "
-                                          "(not monotonic)" if r.get("fits_above") else "")
-    out.append((r["lever"], r.get("step", "one"), _max_micro_batch(r), _gib(at.get("peak_bytes_per_device")),
-                _gib(at.get("headroom_bytes_per_device")), _gib(at.get("temp_bytes_per_device")),
-                "-" if flops is None else f"{flops / 1e12:.2f}", str(r.get("above") or "-"), refusal,
-                str(len(r.get("search", ()))), note))
+    at, above = found.at_max or Point(0, False), found.at_above or Point(0, False)
+    flops = at.flops_per_device
+    refusal = (_gib(above.peak_bytes_per_device) if above.peak_bytes_per_device is not None
+               else (above.error or "-")[:60])
+    note = found.search_unfinished or (f"fits again above: {', '.join(map(str, found.fits_above))} "
+                                       "(not monotonic)" if found.fits_above else "")
+    out.append((r.lever, r.step, _max_micro_batch(r), _gib(at.peak_bytes_per_device),
+                _gib(at.headroom_bytes_per_device), _gib(at.temp_bytes_per_device),
+                "-" if flops is None else f"{flops / 1e12:.2f}", str(found.above or "-"), refusal,
+                str(len(found.search)), note))
   return out
 
 
@@ -195,46 +185,35 @@ COMPACT = ("lever", "step", "opt GiB", "args GiB", "temp GiB", "peak GiB", "usab
            "max micro-batch", "sent GiB per step", *POD_HEADER, "compile s", "note")
 
 
-def _compact(rows: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+def _compact(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
   """:data:`COMPACT`'s columns of :func:`cells` (a search's column only with a search, the pod's only on a
   pod), with the collective bytes each device sends per step on every network together."""
   full = header(rows)
   keep = [c for c in COMPACT if c in full or c == "sent GiB per step"]
-  if not any("max_micro_batch" in r for r in rows):
+  if not any(r.searched is not None for r in rows):
     keep.remove("max micro-batch")
   body = []
   for r, row_cells in zip(rows, cells(rows), strict=True):
     by_name = dict(zip(full, row_cells, strict=True))
-    sent = sent_bytes_of(r)
-    marked = "~" if r.get("estimate") else ""
+    sent = row_sent_bytes(r)
+    marked = "~" if r.estimated else ""
     by_name["sent GiB per step"] = marked + (f"{sent / 2**30:.2f}" if sent else "-")
     body.append(tuple(by_name[c] for c in keep))
   short = dict(zip(POD_HEADER, ("inside, MiB (est.)", "across, MiB (est.)"), strict=True))
   return tuple(short.get(c, c) for c in keep), body
 
 
-def table(rows: Sequence[Mapping[str, Any]], wide: bool = True) -> str:
+def table(rows: Sequence[Row], wide: bool = True) -> str:
   """The rows as an aligned text table (GiB per device): every column (plan.md's), or ``wide=False`` the
-  terminal's (:data:`COMPACT`, under a line naming the target and the mesh).
-
-  Example::
-
-    >>> row = {"lever": "zero1", "compiled_for": "v6e:2x2", "mesh": {"data": 4}, "hbm_bytes": 2**35,
-    ...        "opt_state_bytes_per_device": 2**30, "argument_bytes_per_device": 2**31, "fits": True,
-    ...        "temp_bytes_per_device": 0, "peak_bytes_per_device": 2**31, "compile_s": 1.0}
-    >>> table([row]).splitlines()[2].split()[:7]
-    ['zero1', 'one', 'v6e:2x2', 'data=4', '1.00', '2.00', '0.00']
-    >>> table([row], wide=False).splitlines()[0]
-    'compiled for v6e:2x2, mesh data=4; GiB per device (every column: plan.md)'
-  """
+  terminal's (:data:`COMPACT`, under a line naming the target and the mesh)."""
   if wide:
     head, body = header(rows), cells(rows)
   else:
     head, body = _compact(rows)
   text = _aligned(head, body, (*(range(4) if wide else range(2)), len(head) - 1))
   if not wide and rows:
-    mesh = spelled_mesh(rows[0]["mesh"])
-    title = f"compiled for {rows[0]['compiled_for']}, mesh {mesh}; GiB per device (every column: plan.md)"
+    mesh = spelled_mesh(rows[0].mesh)
+    title = f"compiled for {rows[0].compiled_for}, mesh {mesh}; GiB per device (every column: plan.md)"
     text = title + "\n" + text
   edges = edge_cells(rows)
   if edges:
@@ -251,15 +230,15 @@ def _limit_words(meta: Mapping[str, Any]) -> str:
   return f"the backend's {reserve / 2**30:.2f} GiB reserve" if reserve else "the compiler's own check"
 
 
-def recommendation_lines(rec: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> list[str]:
+def recommendation_lines(rec: Recommendation | None, meta: Mapping[str, Any]) -> list[str]:
   """The recommendation under the table: the configuration, its code, its command, why it beat the levers
   that fit as far, and where the baseline beats a Zero-1 lever, why.
 
   Example::
 
-    >>> rec = {"lever": "zero1", "step": "one", "micro_batch": 84, "remat": None,
-    ...        "code": "mesh = ...\\noptimizer = Zero1Optimizer(...)", "cli": "python -m nnx_zero1.plan ...",
-    ...        "baseline_beats": [], "why": ["at micro-batch 84 zero1 leaves ..."]}
+    >>> rec = Recommendation("zero1", "one", 84, None, "mesh = ...\\noptimizer = Zero1Optimizer(...)",
+    ...                      "python -m nnx_zero1.plan ...", (), (), ("at micro-batch 84 zero1 leaves ...",),
+    ...                      ())
     >>> print("\\n".join(recommendation_lines(rec, {"margin": 0.05, "search": True})))
     <BLANKLINE>
     Recommended: zero1 at micro-batch 84 (one program), the largest that fits with a 5% margin
@@ -274,14 +253,14 @@ def recommendation_lines(rec: Mapping[str, Any] | None, meta: Mapping[str, Any])
       return ["", "Nothing is recommended from an estimate: the same command without --estimate compiles the "
               "whole programs and decides."]
     return []
-  shape = {"one": "one program", "split": "two programs"}.get(rec["step"], rec["step"])
-  remat = f", remat {rec['remat']}" if rec["remat"] not in (None, "none") else ""
+  shape = {"one": "one program", "split": "two programs"}.get(rec.step, rec.step)
+  remat = f", remat {rec.remat}" if rec.remat not in (None, "none") else ""
   which = "the largest that fits" if meta.get("search") else "fits"
-  code = [f"    {line}".rstrip() for line in rec["code"].splitlines()]
-  lines = ["", f"Recommended: {rec['lever']} at micro-batch {rec['micro_batch']} ({shape}{remat}), {which} "
-           f"with {_limit_words(meta)}", "  code:", *code, f"  reproduce: {rec['cli']}"]
-  lines += [f"  why: {line}" for line in rec.get("why", ())]
-  return lines + [f"  note: {line}" for line in (*rec["baseline_beats"], *rec.get("notes", ()))]
+  code = [f"    {line}".rstrip() for line in rec.code.splitlines()]
+  lines = ["", f"Recommended: {rec.lever} at micro-batch {rec.micro_batch} ({shape}{remat}), {which} "
+           f"with {_limit_words(meta)}", "  code:", *code, f"  reproduce: {rec.cli}"]
+  lines += [f"  why: {line}" for line in rec.why]
+  return lines + [f"  note: {line}" for line in (*rec.baseline_beats, *rec.notes)]
 
 
 _NOTE = (
@@ -308,16 +287,15 @@ _POD_NOTE = (
 )
 
 
-def way_out_lines(way_out: Mapping[str, Any] | None) -> list[str]:
+def way_out_lines(way_out: WayOut | None) -> list[str]:
   """When nothing fits, what was compiled to make room: the first change that fits, with its command, and the
   changes before it that did not.
 
   Example::
 
-    >>> out = {"found": {"what": "remat block", "command": "python -m nnx_zero1.plan ...",
-    ...                  "peak_bytes_per_device": 2**33},
-    ...        "tried": [{"what": "half the micro-batch", "fits": False, "peak_bytes_per_device": None,
-    ...                   "error": "RESOURCE_EXHAUSTED"}, {"what": "remat block", "fits": True}]}
+    >>> from nnx_zero1_plan.way_out import Tried
+    >>> found = Tried("remat block", "python -m nnx_zero1.plan ...", True, 2**33, None)
+    >>> out = WayOut((Tried("half the micro-batch", "...", False, None, "RESOURCE_EXHAUSTED"), found), found)
     >>> print("\\n".join(way_out_lines(out)))
     <BLANKLINE>
     Nothing fits as asked; compiled, the first change that fits: remat block (peak 8.00 GiB)
@@ -326,14 +304,13 @@ def way_out_lines(way_out: Mapping[str, Any] | None) -> list[str]:
   """
   if not way_out:
     return []
-  found = way_out["found"]
-  before = [t for t in way_out["tried"] if not t["fits"]]
-  tried = [f"  tried first: {t['what']}: {t['error'] or _gib(t['peak_bytes_per_device']) + ' GiB'}"[:200]
-           for t in before]
+  found = way_out.found
+  tried = [f"  tried first: {t.what}: {t.error or _gib(t.peak_bytes_per_device) + ' GiB'}"[:200]
+           for t in way_out.tried if not t.fits]
   if found is None:
     return ["", "Nothing fits as asked, and no change compiled fits either:", *tried]
-  return ["", f"Nothing fits as asked; compiled, the first change that fits: {found['what']} (peak "
-          f"{_gib(found['peak_bytes_per_device'])} GiB)", f"  reproduce: {found['command']}", *tried]
+  return ["", f"Nothing fits as asked; compiled, the first change that fits: {found.what} (peak "
+          f"{_gib(found.peak_bytes_per_device)} GiB)", f"  reproduce: {found.command}", *tried]
 
 
 def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
@@ -341,9 +318,8 @@ def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> lis
           *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in body)]
 
 
-def markdown(meta: dict[str, Any], rows: Sequence[Mapping[str, Any]], steps: Sequence[str],
-             recommendation: Mapping[str, Any] | None = None,
-             way_out: Mapping[str, Any] | None = None) -> str:
+def markdown(meta: dict[str, Any], rows: Sequence[Row], steps: Sequence[str],
+             recommendation: Recommendation | None = None, way_out: WayOut | None = None) -> str:
   """plan.md: the settings, the table and what to try next.
 
   Example::

@@ -16,12 +16,15 @@ caller's ``compile_changed``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.request import command_line
+from nnx_zero1_plan.inputs import PlanError, spelled_mesh
+from nnx_zero1_plan.request import PlanRequest, command_line
+from nnx_zero1_plan.row import Row
 
-__all__ = ["Change", "changes_to_try", "find_way_out", "next_steps"]
+__all__ = ["Change", "Tried", "WayOut", "changes_to_try", "find_way_out", "next_steps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,19 +33,47 @@ class Change:
 
   Attributes:
     what: the change in words.
-    settings: what changes, by the command line's names (``batch``, ``ga``, ``remat``, ``mesh``, ``levers``).
+    request: the plan's request with the change made (``dataclasses.replace``: ``levers``, ``batch``,
+      ``ga``, ``remat`` or ``mesh``).
   """
 
   what: str
-  settings: Mapping[str, Any]
+  request: PlanRequest
 
 
-def changes_to_try(meta: Mapping[str, Any], *, lever: str, batch_unit: int, remat: str | None,
-                   named_axes: Sequence[str] = (), host_memory: bool = True) -> list[Change]:
-  """The changes to compile when nothing fits, lightest first, each from the plan's settings.
+@dataclasses.dataclass(frozen=True)
+class Tried:
+  """One change compiled: what it was, its command, whether it fits, its peak, or the refusal."""
+
+  what: str
+  command: str
+  fits: bool
+  peak_bytes_per_device: int | None
+  error: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class WayOut:
+  """When nothing fits, the changes compiled (plan.json's ``way_out``) and the first that fits (or None)."""
+
+  tried: tuple[Tried, ...]
+  found: Tried | None
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> WayOut:
+    """The record plan.json's ``way_out`` holds (:func:`dataclasses.asdict` writes it)."""
+    found = fields["found"]
+    return cls(tuple(Tried(**t) for t in fields["tried"]), None if found is None else Tried(**found))
+
+
+def changes_to_try(request: PlanRequest, mesh: Mapping[str, int], *, lever: str, batch_unit: int,
+                   remat: str | None, named_axes: Sequence[str] = (),
+                   host_memory: bool = True) -> list[Change]:
+  """The changes to compile when nothing fits, lightest first, each the request with one change made.
 
   Args:
-    meta: the plan's settings (``batch``, ``ga``, ``mesh``, ``remat``).
+    request: the plan's request, its micro-batch the one the plan resolved (``batch`` set).
+    mesh: the mesh the plan resolved (every axis and its size).
     lever: the lever to try them on (the lightest Zero-1 lever that applies, else the baseline).
     batch_unit: the batch axes' size: a micro-batch is a multiple of it.
     remat: the remat policy the model takes (None: it takes none).
@@ -55,64 +86,63 @@ def changes_to_try(meta: Mapping[str, Any], *, lever: str, batch_unit: int, rema
 
   Example::
 
-    >>> meta = {"batch": 16, "ga": 1, "mesh": {"data": 4, "fsdp": 2}, "remat": None}
-    >>> [c.what for c in changes_to_try(meta, lever="zero1", batch_unit=4, remat="block",
-    ...                                 named_axes=["fsdp"])]  # doctest: +NORMALIZE_WHITESPACE
+    >>> request = PlanRequest("m.models:build", "h100:8", batch=16)
+    >>> [c.what for c in changes_to_try(request, {"data": 4, "fsdp": 2}, lever="zero1", batch_unit=4,
+    ...                                 remat="block", named_axes=["fsdp"])]  # doctest: +NORMALIZE_WHITESPACE
     ['micro-batch 8, 2x the accumulation (the same tokens per step)',
      'micro-batch 4, 4x the accumulation (the same tokens per step)', 'remat block',
      'fsdp=4 (data=2): parameters and gradients split too', 'the optimizer state in host memory']
   """
+  if request.batch is None:
+    raise ValueError("changes_to_try needs the plan's resolved micro-batch (request.batch)")
+  on = functools.partial(dataclasses.replace, request, levers=(lever,))
   out = []
   for times in (2, 4, 8):  # a smaller micro-batch, halved while it still splits over the batch axes
-    smaller = meta["batch"] // times // batch_unit * batch_unit
-    if smaller >= batch_unit and smaller * times == meta["batch"]:
+    smaller = request.batch // times // batch_unit * batch_unit
+    if smaller >= batch_unit and smaller * times == request.batch:
       out.append(Change(f"micro-batch {smaller}, {times}x the accumulation (the same tokens per step)",
-                        {"levers": [lever], "batch": smaller, "ga": times * meta["ga"]}))
-  if remat is not None and meta.get("remat") in (None, "none"):
-    out.append(Change(f"remat {remat}", {"levers": [lever], "remat": remat}))
-  mesh = dict(meta["mesh"])
-  if "fsdp" in named_axes and mesh.get("data", 1) % 2 == 0:
-    mesh["data"], mesh["fsdp"] = mesh["data"] // 2, 2 * mesh.get("fsdp", 1)
-    out.append(Change(f"fsdp={mesh['fsdp']} (data={mesh['data']}): parameters and gradients split too",
-                      {"levers": [lever], "mesh": mesh}))
+                        on(batch=smaller, ga=times * request.ga)))
+  if remat is not None and request.remat in (None, "none"):
+    out.append(Change(f"remat {remat}", on(remat=remat)))
+  wider = dict(mesh)
+  if "fsdp" in named_axes and wider.get("data", 1) % 2 == 0:
+    wider["data"], wider["fsdp"] = wider["data"] // 2, 2 * wider.get("fsdp", 1)
+    out.append(Change(f"fsdp={wider['fsdp']} (data={wider['data']}): parameters and gradients split too",
+                      on(mesh=spelled_mesh(wider))))
   if host_memory:
-    out.append(Change("the optimizer state in host memory", {"levers": ["offload"]}))
+    offloaded = dataclasses.replace(request, levers=("offload",))
+    out.append(Change("the optimizer state in host memory", offloaded))
   return out
 
 
-def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], Mapping[str, Any]],
-                 command: Callable[[Change], str]) -> dict[str, Any]:
+def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], Row],
+                 command: Callable[[Change], str]) -> WayOut:
   """Compiles each change in order until one fits.
 
   Args:
     changes: from :func:`changes_to_try`.
-    compile_changed: compiles the step with a change made; returns its row (``fits``,
-      ``peak_bytes_per_device``, ``error``).
+    compile_changed: compiles the step with a change made: its row; or raises
+      :class:`~nnx_zero1_plan.inputs.PlanError` where the change cannot be planned (a micro-batch that does
+      not split).
     command: the planner's command for a change.
 
   Returns:
-    ``{"tried": [...], "found": the first that fits or None}``; each tried entry has ``what``, ``command``,
-    ``fits``, ``peak_bytes_per_device`` and ``error``.
-
-  Example::
-
-    >>> changes = [Change("smaller", {"batch": 4}), Change("offload", {"levers": ["offload"]})]
-    >>> out = find_way_out(changes, lambda c: {"fits": "offload" in c.what, "peak_bytes_per_device": 1},
-    ...                    lambda c: f"plan {c.what}")
-    >>> [t["fits"] for t in out["tried"]], out["found"]["command"]
-    ([False, True], 'plan offload')
+    The :class:`WayOut`: every change tried, and the first that fits (None: none did).
   """
   tried = []
   for change in changes:
-    row = compile_changed(change)
-    tried.append({"what": change.what, "command": command(change), "fits": bool(row.get("fits")),
-                  "peak_bytes_per_device": row.get("peak_bytes_per_device"), "error": row.get("error")})
-    if tried[-1]["fits"]:
-      return {"tried": tried, "found": tried[-1]}
-  return {"tried": tried, "found": None}
+    try:
+      row = compile_changed(change)
+      fits, peak, error = bool(row.fits), row.figures.peak_bytes_per_device, row.figures.error
+    except PlanError as e:
+      fits, peak, error = False, None, str(e)
+    tried.append(Tried(change.what, command(change), fits, peak, error))
+    if fits:
+      return WayOut(tuple(tried), tried[-1])
+  return WayOut(tuple(tried), None)
 
 
-def next_steps(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], levers: Sequence[str], *,
+def next_steps(rows: Sequence[Row], meta: Mapping[str, Any], levers: Sequence[str], *,
                blocked: Mapping[str, str], remat: str | None, batch_unit: int) -> list[str]:
   """What to try next, in order, when no row fits (empty when one does): each item ends with its command.
 
@@ -123,48 +153,39 @@ def next_steps(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], lever
     blocked: the levers that cannot apply to this model, and why (they are not suggested).
     remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
     batch_unit: the batch axes' size: a micro-batch is a multiple of it.
-
-  Example::
-
-    >>> row = {"lever": "baseline", "fits": False, "peak_bytes_per_device": 3 * 2**30, "hbm_bytes": 2**30,
-    ...        "temp_bytes_per_device": 2**30, "opt_state_bytes_per_device": 2**30, "mesh": {"data": 4}}
-    >>> meta = {"model": "m:f", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8, "seq_len": 1024,
-    ...         "ga": 1, "levers": ["baseline"], "steps": ["one"]}
-    >>> next_steps([row], meta, ["baseline", "zero1"], blocked={}, remat=None, batch_unit=4)[0][:75]
-    'the lever zero1: saves 0.75 GiB of optimizer state per device (the layout r'
   """
-  if not rows or any(r["fits"] or r.get("fits_estimate") for r in rows):
+  if not rows or any(r.verdict for r in rows):
     return []
   steps = []
-  tried = {r["lever"] for r in rows}
-  base = next((r for r in rows if r["lever"] == "baseline" and r["opt_state_bytes_per_device"]), None)
+  tried = {r.lever for r in rows}
+  base = next((r for r in rows if r.lever == "baseline" and r.figures.opt_state_bytes_per_device), None)
   for name in levers:
     if name in tried or name in blocked:
       continue
     saving = ""
-    if name == "zero1" and base is not None:
-      data = base["mesh"].get("data", 1)
-      saving = (f": saves {base['opt_state_bytes_per_device'] * (1 - 1 / data) / 2**30:.2f} GiB of optimizer "
-                "state per device (the layout rule)")
+    if name == "zero1" and base is not None and base.figures.opt_state_bytes_per_device:
+      data = base.mesh.get("data", 1)
+      saving = (f": saves {base.figures.opt_state_bytes_per_device * (1 - 1 / data) / 2**30:.2f} GiB of "
+                "optimizer state per device (the layout rule)")
     steps.append(f"the lever {name}{saving}: {command_line(meta, levers=[name])}")
-  best = min((r for r in rows if r["peak_bytes_per_device"]), key=lambda r: r["peak_bytes_per_device"],
-             default=None)
-  temp = (best or {}).get("temp_bytes_per_device") or 0
+  peak = lambda r: r.figures.peak_bytes_per_device or 0
+  best = min((r for r in rows if peak(r)), key=peak, default=None)
+  temp = 0 if best is None else best.figures.temp_bytes_per_device or 0
   if best is not None:
-    short = (best["peak_bytes_per_device"] - best["hbm_bytes"]) / 2**30
+    short = (peak(best) - best.hbm_bytes) / 2**30
     mesh = dict(meta["mesh"])
     if "fsdp" in mesh and mesh.get("data", 1) > 1:
       mesh["data"], mesh["fsdp"] = mesh["data"] // 2, 2 * mesh["fsdp"]
-      steps.append(f"{best['lever']} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
-                   f"gradients too: {command_line(meta, levers=[best['lever']], mesh=mesh)}")
+      steps.append(f"{best.lever} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
+                   f"gradients too: {command_line(meta, levers=[best.lever], mesh=mesh)}")
     if remat is not None and not meta.get("remat"):
       steps.append(f"remat (recomputes activations; the temp is {temp / 2**30:.2f} GiB): "
-                   f"{command_line(meta, levers=[best['lever']], remat=remat)}")
+                   f"{command_line(meta, levers=[best.lever], remat=remat)}")
   half = meta["batch"] // 2 // batch_unit * batch_unit
   if half >= batch_unit:
     why = (f"activations shrink, up to ~{temp / 2 / 2**30:.2f} GiB" if best is not None
            else "the compiler refused every program at this micro-batch")
-    lever = best["lever"] if best is not None else rows[-1]["lever"]
+    lever = best.lever if best is not None else rows[-1].lever
     steps.append(f"half the micro-batch, twice the accumulation (the same tokens per step; {why}): "
                  f"{command_line(meta, levers=[lever], batch=half, ga=2 * meta['ga'])}")
   return steps

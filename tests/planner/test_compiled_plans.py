@@ -221,7 +221,7 @@ result = plan("tests.support.planner_toys:tiny_lm", "v6e:2x2", batch=8, seq_len=
               steps="one", progress=lines.append)
 after = listing(tmp), listing(logs)
 print("RESULT " + json.dumps({"environ": dict(os.environ) == environ, "files": after == before,
-      "jax": "jax" in sys.modules, "fits": result.rows[0]["fits"], "lines": lines,
+      "jax": "jax" in sys.modules, "fits": result.rows[0].fits, "lines": lines,
       "table": str(result)}))
 """
 

@@ -27,9 +27,10 @@ from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.maxtext import config_overrides, engine_attributes
 from nnx_zero1_plan.request import command_line
 from nnx_zero1_plan.result import Plan
-from nnx_zero1_plan.row import Made, Row
+from nnx_zero1_plan.row import Figures, Made, Row
 from nnx_zero1_plan.table import table
 from nnx_zero1_plan.way_out import next_steps
+from tests.support.rows import make_row
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 HAS_GPU_COMPILER = importlib.util.find_spec("jax_cuda13_plugin") is not None
@@ -218,9 +219,11 @@ def test_the_command_without_its_compiler_exits_2_with_the_install_line(monkeypa
 def test_extrapolation_is_the_line_through_two_depths():
   assert extrapolate(110, 120, 1, 2, 28) == 380
   assert extrapolate(100, 140, 2, 4, 6) == 180
-  r1, r2 = {"a": 10, "b": None, "c": {"x": 1}}, {"a": 14, "b": 3, "c": {"x": 3}}
-  r = extrapolate_row(r1, r2, 2, 4, 8, ("a", "b", "c"))
-  assert r == {"a": 22, "b": None, "c": {"x": 7}}
+  r1 = Figures(temp_bytes_per_device=10, collectives={"x": 1})
+  r2 = Figures(temp_bytes_per_device=14, peak_bytes_per_device=3, collectives={"x": 3})
+  names = ("temp_bytes_per_device", "peak_bytes_per_device", "collectives")
+  r = extrapolate_row(r1, r2, 2, 4, 8, names)
+  assert r == Figures(temp_bytes_per_device=22, peak_bytes_per_device=None, collectives={"x": 7})
   with pytest.raises(ValueError):
     extrapolate(1, 2, 4, 2, 8)
 
@@ -236,18 +239,19 @@ def test_depths_whose_temp_or_peak_fall_are_not_extrapolated():
 
 
 def _row(lever, peak, **kw):
-  return {"lever": lever, "compiled_for": "v5e:2x4", "mesh": {"data": 8}, "opt_state_bytes_per_device": 2**30,
-          "argument_bytes_per_device": peak // 2, "temp_bytes_per_device": peak // 2,
-          "peak_bytes_per_device": peak,
-          "hbm_bytes": 16 * 2**30, "fits": peak <= 16 * 2**30, "compile_s": 3.0, "collectives": {}, **kw}
+  return make_row(lever, compiled_for="v5e:2x4", mesh={"data": 8}, opt_state_bytes_per_device=2**30,
+                  argument_bytes_per_device=peak // 2, temp_bytes_per_device=peak // 2,
+                  peak_bytes_per_device=peak,
+                  fits=peak <= 16 * 2**30, compile_s=3.0, collectives={}, **kw)
 
 
 def test_the_table_and_what_to_try_next_when_nothing_fits():
   from nnx_zero1_plan.depth import estimate_mark
 
-  estimated = _row("zero1", 17 * 2**30, depth=28, depth_extrapolated_from=[2, 4])
-  estimated.update(estimate=estimate_mark(estimated, ("peak_bytes_per_device",)), fits=None,
-                   fits_estimate=False)
+  mark = estimate_mark(28, [2, 4], ["peak_bytes_per_device"])
+  estimated = _row("zero1", 17 * 2**30, made=Made(depth=28, depth_extrapolated_from=[2, 4], estimate=mark,
+                                                   fits_estimate=False))
+  estimated = dataclasses.replace(estimated, fits=None)
   rows = [_row("baseline", 20 * 2**30), estimated]
   lines = table(rows).splitlines()
   assert lines[0].split()[:3] == ["lever", "step", "compiled"]
@@ -268,7 +272,7 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   steps = next_steps(rows, dict(meta, batch=8), list(LEVERS), blocked=blocked, remat=None, batch_unit=8)
   assert not [s for s in steps if s.startswith(("half", "remat"))]
   # After the compiler refused every program: the smaller micro-batch still.
-  refused = [dict(_row("baseline", 0), peak_bytes_per_device=None, fits=False, error="RESOURCE_EXHAUSTED")]
+  refused = [make_row("baseline", fits=False, error="RESOURCE_EXHAUSTED")]
   steps = next_steps(refused, meta, ["baseline"], blocked={}, remat=None, batch_unit=8)
   assert steps == ["half the micro-batch, twice the accumulation (the same tokens per step; the compiler "
                    f"refused every program at this micro-batch): {at} 16 --seq-len 1024 --ga 2 --levers "
@@ -328,8 +332,8 @@ def test_a_pods_table_has_each_networks_bytes_and_time_before_the_note():
   terminal's: each network's name, MiB per step and its estimated time; other plans have neither."""
   nets = lambda fast, slow: {"fast": {"network": "ICI", "bytes": fast * 2**20, "estimate_ms": 0.5},
                              "slow": {"network": "DCN", "bytes": slow * 2**20, "estimate_ms": None}}
-  rows = [_row("baseline", 8 * 2**30, network_per_step=nets(3, 2)),
-          _row("zero1-pod", 6 * 2**30, network_per_step=nets(4, 1.5))]
+  rows = [_row("baseline", 8 * 2**30, made=Made(depth=2, network_per_step=nets(3, 2))),
+          _row("zero1-pod", 6 * 2**30, made=Made(depth=2, network_per_step=nets(4, 1.5)))]
   wide = table(rows).splitlines()
   assert "inside slice/node per step, MiB (est.)  over the slow network per step, MiB (est.)" in wide[0]
   assert wide[0].split("  ")[-1].strip() == "note"
@@ -338,7 +342,7 @@ def test_a_pods_table_has_each_networks_bytes_and_time_before_the_note():
   compact = table(rows, wide=False).splitlines()
   assert "inside, MiB (est.)  across, MiB (est.)" in compact[1]
   assert re.search(r"ICI 4\.0 \(~0\.5 ms\)\s+DCN 1\.5\s+3$", compact[4]), compact[4]
-  plain = [{k: v for k, v in r.items() if k != "network_per_step"} for r in rows]
+  plain = [dataclasses.replace(r, made=Made(depth=2)) for r in rows]
   assert "MiB (est.)" not in table(plain) and "MiB (est.)" not in table(plain, wide=False)
   assert "DCN" not in table(plain)
 

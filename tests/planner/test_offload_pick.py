@@ -1,14 +1,17 @@
 """The ``offload-fraction`` lever's pick: the smallest share of the optimizer state to put in host memory
 so that the step fits, from the compiled bytes (pure here: the compiles are stand-in functions)."""
 
+import dataclasses
 import math
 
 import pytest
 
 from nnx_zero1_plan.levers import LEVERS, with_offload
 from nnx_zero1_plan.printed_code import lever_code
+from nnx_zero1_plan.row import Figures
 from nnx_zero1_plan.search import next_fraction, offload_search
 from nnx_zero1_plan.table import table
+from tests.support.rows import make_row
 
 MIB = 2**20
 STATE = 400 * MIB
@@ -22,9 +25,9 @@ def compiles(peak_at):
     log.append(fraction)
     peak = peak_at(fraction)
     device = int(STATE * (1 - fraction))
-    return {"lever": "offload-fraction", "peak_bytes_per_device": peak, "error": None, "compile_s": 1.0,
-            "opt_state_bytes_by_memory_kind": {"device": device, "pinned_host": STATE - device},
-            "opt_state_bytes_per_device": device}
+    return make_row("offload-fraction", peak_bytes_per_device=peak, compile_s=1.0,
+                    opt_state_bytes_by_memory_kind={"device": device, "pinned_host": STATE - device},
+                    opt_state_bytes_per_device=device)
 
   return row_with, log
 
@@ -35,11 +38,11 @@ def test_the_pick_is_the_smallest_hundredth_that_fits_when_offload_saves_its_byt
   row_with, log = compiles(lambda f: 600 * MIB + int(STATE * (1 - f)))  # every offloaded byte leaves the peak
   row = offload_search(row_with, usable)
   smallest = max(0.0, math.ceil((1000 - usable_mib) / 400 * 100) / 100)
-  assert row["offload_fraction"] == pytest.approx(smallest)
-  assert row["peak_bytes_per_device"] <= usable and row["offload_refused_because"] is None
+  assert row.offloaded.offload_fraction == pytest.approx(smallest)
+  assert row.figures.peak_bytes_per_device <= usable and row.offloaded.offload_refused_because is None
   assert len(log) == (1 if smallest == 0 else 2)  # Zero-1's compile, then one that confirms
-  assert [t["fraction"] for t in row["offload_search"]] == log
-  assert row["compile_s"] == len(log)
+  assert [t.fraction for t in row.offloaded.offload_search] == log
+  assert row.figures.compile_s == len(log)
 
 
 def test_a_guess_that_misses_moves_up_by_what_it_missed():
@@ -47,25 +50,24 @@ def test_a_guess_that_misses_moves_up_by_what_it_missed():
   row_with, log = compiles(lambda f: 600 * MIB + int(STATE * (1 - f)) + int(STATE * f / 3))
   row = offload_search(row_with, 850 * MIB)
   assert log[0] == 0.0 and log[1] == pytest.approx(0.38) and len(log) == 3  # the line through two finds it
-  assert row["offload_search"][-1]["fits"] and row["peak_bytes_per_device"] <= 850 * MIB
-  assert all(not t["fits"] for t in row["offload_search"][:-1])
+  assert row.offloaded.offload_search[-1].fits and row.figures.peak_bytes_per_device <= 850 * MIB
+  assert all(not t.fits for t in row.offloaded.offload_search[:-1])
 
 
 def test_when_even_the_whole_state_cannot_make_it_fit_the_row_says_why():
   row_with, log = compiles(lambda f: 600 * MIB + int(STATE * (1 - f)))
   row = offload_search(row_with, 500 * MIB)  # 500 MiB over, the state is 400
   assert log == [0.0]
-  assert "more than the 0.39 GiB of state still on device saves" in row["offload_refused_because"]
-  assert "no fraction fits" in table([{**row, "step": "one", "compiled_for": "v5e:2x2", "mesh": {"data": 4},
-                                       "hbm_bytes": 2**34, "fits": False, "argument_bytes_per_device": 0,
-                                       "temp_bytes_per_device": 0}])
+  assert "more than the 0.39 GiB of state still on device saves" in row.offloaded.offload_refused_because
+  assert "no fraction fits" in table([dataclasses.replace(row, fits=False)])
 
 
 def test_a_compiler_refusal_ends_the_pick_with_its_words():
   row_with, log = compiles(lambda f: 0)
-  refused = lambda f: {**row_with(f), "peak_bytes_per_device": None, "error": "CompileTimeHbmOom: 17 GiB"}
+  refused = lambda f: dataclasses.replace(row_with(f), figures=Figures(error="CompileTimeHbmOom: 17 GiB",
+                                                                        compile_s=1.0))
   row = offload_search(refused, 100 * MIB)
-  assert row["offload_refused_because"] == "CompileTimeHbmOom: 17 GiB" and len(log) == 1
+  assert row.offloaded.offload_refused_because == "CompileTimeHbmOom: 17 GiB" and len(log) == 1
 
 
 def test_next_fraction_rounds_up_to_a_hundredth_and_refuses_more_than_the_state():

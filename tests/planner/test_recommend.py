@@ -1,82 +1,89 @@
 """The recommendation's order (pure: rows in, one configuration out), value by value."""
 
+import dataclasses
+
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.recommend import ORDER, baseline_beats, recommend
 from nnx_zero1_plan.request import command_line
+from nnx_zero1_plan.row import Made, Offloaded, Point
+from tests.support.rows import G, make_row, searched
 
-G = 2**30
 META = {"model": "mymodels.models:build", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8,
         "seq_len": 1024, "ga": 1}
 
 
-def _row(lever, *, peak=8 * G, fits=True, step="one", collective=0, **extra):
-  return {"lever": lever, "step": step, "fits": fits, "peak_bytes_per_device": peak, "hbm_bytes": 16 * G,
-          "collectives": {"per_step": {"all-reduce": {"count": 1, "bytes": collective}}}, **extra}
+def _row(lever, *, peak=8 * G, collective=0, max_micro_batch=None, offload_fraction=None, **extra):
+  extra.setdefault("collectives", {"per_step": {"all-reduce": {"count": 1, "bytes": collective}}})
+  if max_micro_batch is not None:
+    extra["searched"] = searched(max_micro_batch)
+  if offload_fraction is not None:
+    extra["offloaded"] = Offloaded(offload_fraction, (), None)
+  return make_row(lever, peak_bytes_per_device=peak, **extra)
 
 
 def test_the_largest_micro_batch_wins_over_fewer_collective_bytes():
   rows = [_row("baseline", max_micro_batch=80, collective=1), _row("zero1", max_micro_batch=84, collective=2)]
   best = recommend(rows, META)
-  assert (best["lever"], best["micro_batch"], best["step"]) == ("zero1", 84, "one")
-  assert best["code"].splitlines() == [
+  assert (best.lever, best.micro_batch, best.step) == ("zero1", 84, "one")
+  assert best.code.splitlines() == [
       "import jax, jax.numpy as jnp, optax", "from nnx_zero1 import Zero1Optimizer",
       "from jax.sharding import AxisType", "", "devices = jax.devices()",
       "mesh = jax.make_mesh((4,), ('data',), (AxisType.Auto,), devices=devices)", "with jax.set_mesh(mesh):",
       "  model = ...  # your model, built here: its parameters' sharding names the mesh's axes",
       "  optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh)"]
-  assert best["cli"] == ("python -m nnx_zero1.plan --model mymodels.models:build --topology h100:4 "
+  assert best.cli == ("python -m nnx_zero1.plan --model mymodels.models:build --topology h100:4 "
                          "--mesh data=4 --batch 84 --seq-len 1024 --ga 1 --levers zero1 --steps one")
-  assert best["order"] == list(ORDER) and best["baseline_beats"] == []
+  assert best.order == ORDER and best.baseline_beats == ()
 
 
 def test_at_one_micro_batch_fewer_collective_bytes_then_no_remat_then_the_lighter_lever_decide():
-  assert recommend([_row("baseline", collective=2), _row("zero1", collective=1)], META)["lever"] == "zero1"
+  assert recommend([_row("baseline", collective=2), _row("zero1", collective=1)], META).lever == "zero1"
   rows = [_row("baseline", remat="block"), _row("zero1", remat="none")]
-  assert recommend(rows, META)["lever"] == "zero1"
-  assert recommend([_row("baseline"), _row("zero1")], META)["lever"] == "baseline"
+  assert recommend(rows, META).lever == "zero1"
+  assert recommend([_row("baseline"), _row("zero1")], META).lever == "baseline"
 
 
 def test_at_one_micro_batch_and_equal_bytes_the_headroom_decides_and_is_said():
   rows = [_row("baseline", collective=100, headroom_bytes_per_device=G),
           _row("zero1", collective=100, headroom_bytes_per_device=5 * G)]
   best = recommend(rows, META)
-  assert best["lever"] == "zero1"
-  assert best["why"] == ["at micro-batch 8 zero1 leaves 5.00 GiB free and baseline 1.00 GiB; both send 0.00 "
-                         "GiB of collectives per step: zero1 for its headroom"]
+  assert best.lever == "zero1"
+  assert best.why == ("at micro-batch 8 zero1 leaves 5.00 GiB free and baseline 1.00 GiB; both send 0.00 "
+                         "GiB of collectives per step: zero1 for its headroom",)
   # More bytes than 1% over the other's: the bytes decide, and the headroom given up is said.
-  rows[1]["collectives"]["per_step"]["all-reduce"]["bytes"] = 150
+  rows[1].figures.collectives["per_step"]["all-reduce"]["bytes"] = 150
   best = recommend(rows, META)
-  assert best["lever"] == "baseline" and best["why"][0].endswith("baseline for its fewer collective bytes")
+  assert best.lever == "baseline" and best.why[0].endswith("baseline for its fewer collective bytes")
 
 
 def test_sent_bytes_are_the_basis_where_a_row_has_them():
   rows = [_row("baseline", collective=1, headroom_bytes_per_device=G),
           _row("zero1", collective=9, headroom_bytes_per_device=2 * G)]
-  rows[1]["collectives"]["sent_per_step"] = {"reduce-scatter": {"count": 1, "bytes": 1}}
-  assert recommend(rows, META)["lever"] == "zero1"
+  rows[1].figures.collectives["sent_per_step"] = {"reduce-scatter": {"count": 1, "bytes": 1}}
+  assert recommend(rows, META).lever == "zero1"
 
 
 def test_only_rows_that_fit_compete():
   rows = [_row("baseline", fits=False), _row("zero1", peak=14 * G)]
-  assert recommend(rows, META)["lever"] == "zero1"
+  assert recommend(rows, META).lever == "zero1"
   assert recommend([_row("baseline", peak=20 * G, fits=False)], META) is None
 
 
 def test_only_rows_of_the_chosen_step_shape_compete():
   rows = [_row("baseline", step="split", max_micro_batch=96), _row("zero1", step="one", max_micro_batch=64)]
-  assert recommend(rows, META)["lever"] == "zero1"
-  assert recommend(rows, META, step="split")["lever"] == "baseline"
+  assert recommend(rows, META).lever == "zero1"
+  assert recommend(rows, META, step="split").lever == "baseline"
   maxtext = dict(META, model="maxtext:qwen3-0.6b")
   best = recommend(rows, maxtext)
-  assert best["step"] == "split" and best["code"] == "MaxText's own MaxTextTrainingEngine"
+  assert best.step == "split" and best.code == "MaxText's own MaxTextTrainingEngine"
 
 
 def test_the_code_is_each_host_s_own_option():
   rows = [_row("offload", max_micro_batch=16)]
-  assert recommend(rows, META)["code"].endswith(
+  assert recommend(rows, META).code.endswith(
       "Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)")
   specs = {"act_btd": [["data", "fsdp"], None, "tp"]}
-  tunix = recommend(rows, dict(META, model="tunix:qwen3_8b", activation_sharding=specs))["code"].splitlines()
+  tunix = recommend(rows, dict(META, model="tunix:qwen3_8b", activation_sharding=specs)).code.splitlines()
   assert tunix[1] == "from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig"
   # The activations' specs the plan compiled, for the model's ShardingConfig; the batch over the data axes.
   assert "activation_sharding = {'act_btd': (('data', 'fsdp'), None, 'tp')}" in tunix
@@ -85,7 +92,7 @@ def test_the_code_is_each_host_s_own_option():
       "  trainer = Zero1PeftTrainer(model, optax.adamw(1e-5), Zero1TrainingConfig(..., "
       "data_sharding_axis=(('data',),), zero1_data_axis='data', zero1_offload_state_to_host=True))")]
   maxtext = recommend([_row("offload", step="split", max_micro_batch=16)], dict(META, model="maxtext:x"))
-  assert maxtext["code"].endswith("subclassed with OFFLOAD_STATE_TO_HOST = True")
+  assert maxtext.code.endswith("subclassed with OFFLOAD_STATE_TO_HOST = True")
 
 
 def test_when_the_baseline_fits_more_it_says_so_with_the_figures():
@@ -95,8 +102,8 @@ def test_when_the_baseline_fits_more_it_says_so_with_the_figures():
   assert line.startswith("baseline fits micro-batch 48 where zero1 fits 40")
   assert "at micro-batch 8 (one step) zero1's temporaries are +2.00 GiB" in line
   assert line.endswith("and its arguments save 2.00 GiB")
-  assert recommend([base, zero1], META)["baseline_beats"] == [line]
-  assert baseline_beats([base, dict(zero1, max_micro_batch=48)], 8) == []
+  assert recommend([base, zero1], META).baseline_beats == (line,)
+  assert baseline_beats([base, dataclasses.replace(zero1, searched=searched(48))], 8) == []
 
 
 def test_the_command_line_reproduces_the_settings_that_matter():
@@ -172,22 +179,24 @@ def test_on_a_non_monotonic_bend_a_lever_stands_where_its_own_compile_fitted():
   # h100:4, the user's 266.9M float32 decoder at --margin 0: the baseline's search ran out of compiles with
   # every one fitting (edge 140, not confirmed); Zero-1 was refused at 132 (edge 128) but fitted at 136, 140
   # and 144. Both fit 140 by their own compiles: the bytes and the headroom there decide, not 140 > 128.
-  search = lambda fitted, refused=(): ([{"batch": b, "fits": True, "headroom_bytes_per_device": G // 4}
-                                        for b in fitted] + [{"batch": b, "fits": False} for b in refused])
-  base = _row("baseline", max_micro_batch=140, search_unfinished="the search's 12 compiles ran out",
-              search=search([8, 80, 120, 136, 140]), collective=100)
-  zero1 = _row("zero1", max_micro_batch=128, fits_above=[136, 140, 144], collective=100,
-               search=search([8, 80, 128, 136, 140, 144], refused=[132]))
-  next(p for p in zero1["search"] if p["batch"] == 140)["headroom_bytes_per_device"] = G  # more room at 140
+  points = lambda fitted, refused=(), room=None: (
+      [Point(b, True, headroom_bytes_per_device=(room or {}).get(b, G // 4)) for b in fitted]
+      + [Point(b, False) for b in refused])
+  collectives = lambda: {"per_step": {"all-reduce": {"count": 1, "bytes": 100}}}
+  base = _row("baseline", collectives=collectives(), searched=searched(
+      140, points([8, 80, 120, 136, 140]), unfinished="the search's 12 compiles ran out"))
+  zero1 = _row("zero1", collectives=collectives(), searched=searched(
+      128, points([8, 80, 128, 136, 140, 144], refused=[132], room={140: G}),  # more room at 140
+      fits_above=(136, 140, 144)))
   best = recommend([base, zero1], META)
-  assert (best["lever"], best["micro_batch"]) == ("zero1", 140)
-  assert best["why"][0].startswith("at micro-batch 140 zero1 leaves 1.00 GiB free and baseline 0.25 GiB")
-  assert best["baseline_beats"] == []  # never "baseline fits 140 where zero1 fits 128"
-  assert best["notes"] == ["baseline's edge is not confirmed (the search's 12 compiles ran out): it fits at "
-                           "least 140"]
+  assert (best.lever, best.micro_batch) == ("zero1", 140)
+  assert best.why[0].startswith("at micro-batch 140 zero1 leaves 1.00 GiB free and baseline 0.25 GiB")
+  assert best.baseline_beats == ()  # never "baseline fits 140 where zero1 fits 128"
+  assert best.notes == ("baseline's edge is not confirmed (the search's 12 compiles ran out): it fits at "
+                           "least 140",)
   # A lever never compiled at the best micro-batch does not stand there: the larger edge wins.
-  zero1["search"] = search([8, 80, 128], refused=[132])
-  assert recommend([base, zero1], META)["lever"] == "baseline"
+  zero1 = dataclasses.replace(zero1, searched=searched(128, points([8, 80, 128], refused=[132])))
+  assert recommend([base, zero1], META).lever == "baseline"
 
 
 def test_a_zero1_lever_holding_the_baseline_s_state_is_never_recommended():
@@ -196,16 +205,18 @@ def test_a_zero1_lever_holding_the_baseline_s_state_is_never_recommended():
   pod = _row("zero1-pod", opt_state_bytes_per_device=27 * G, collective=1, headroom_bytes_per_device=G)
   zero1 = _row("zero1", opt_state_bytes_per_device=7 * G, fits=False)
   best = recommend([base, pod, zero1], META)
-  assert best["lever"] == "baseline"
-  assert best["notes"] == ["zero1-pod holds the baseline's optimizer state per device (its layout splits "
-                           "nothing): not a candidate"]
+  assert best.lever == "baseline"
+  assert best.notes == ("zero1-pod holds the baseline's optimizer state per device (its layout splits "
+                           "nothing): not a candidate",)
   # Offloaded state splits nothing but moves it off the device: it stays a candidate.
-  offloaded = dict(pod, opt_state_bytes_by_memory_kind={"device": 27 * G, "pinned_host": G})
-  assert recommend([base, offloaded], META)["lever"] == "zero1-pod"
+  offloaded = dataclasses.replace(pod, figures=dataclasses.replace(
+      pod.figures, opt_state_bytes_by_memory_kind={"device": 27 * G, "pinned_host": G}))
+  assert recommend([base, offloaded], META).lever == "zero1-pod"
 
 
 def test_an_estimate_is_never_recommended():
-  estimate = _row("zero1", fits=None, fits_estimate=True, estimate={"method": "extrapolated"})
+  made = Made(depth=2, estimate={"method": "extrapolated"}, fits_estimate=True)
+  estimate = _row("zero1", fits=None, made=made)
   assert recommend([estimate], META) is None
   from nnx_zero1_plan.table import recommendation_lines
 
@@ -218,12 +229,12 @@ def test_at_one_micro_batch_and_equal_collectives_fewer_bytes_over_the_host_link
                host_argument_bytes_per_device=G // 3),
           _row("offload", collective=100, headroom_bytes_per_device=G, host_argument_bytes_per_device=G)]
   best = recommend(rows, META)
-  assert best["lever"] == "offload-fraction"
-  assert "offload_state_to_host=0.29" in best["code"]
-  assert best["why"] == [
+  assert best.lever == "offload-fraction"
+  assert "offload_state_to_host=0.29" in best.code
+  assert best.why == (
       "at micro-batch 8 offload-fraction leaves 0.00 GiB free and offload 1.00 GiB; both send 0.00 GiB of "
       "collectives per step; offload-fraction copies 0.67 GiB to and from host memory per step and offload "
-      "2.00: offload-fraction for its fewer bytes over the host link"]
+      "2.00: offload-fraction for its fewer bytes over the host link",)
 
 
 def test_a_pick_that_narrows_the_hop_across_says_it_is_not_bit_identical():
@@ -232,12 +243,12 @@ def test_a_pick_that_narrows_the_hop_across_says_it_is_not_bit_identical():
   rows = [_row("zero1-accum", collectives=across(2 * G)),
           _row("zero1-accum-bf16across", collectives=across(G))]
   best = recommend(rows, meta)
-  assert best["lever"] == "zero1-accum-bf16across"
-  assert "across_dtype=jnp.bfloat16" in best["code"]
-  assert [n for n in best["notes"] if "not bit-identical" in n] == [
+  assert best.lever == "zero1-accum-bf16across"
+  assert "across_dtype=jnp.bfloat16" in best.code
+  assert [n for n in best.notes if "not bit-identical" in n] == [
       "zero1-accum-bf16across is not bit-identical: its gradients cross between slices or nodes in bfloat16 "
       "(across_dtype; docs/pods.md measures the loss against the exact reduction)"]
-  assert not [n for n in recommend(rows[:1], meta)["notes"] if "not bit-identical" in n]
+  assert not [n for n in recommend(rows[:1], meta).notes if "not bit-identical" in n]
 def test_on_a_pod_fewer_bytes_over_the_slow_network_decide_before_all_bytes_and_are_said():
   """Zero-1 over both axes sends more in all (a reduce-scatter per axis) and less between nodes: on a pod
   the slow network's bytes come first, and the sentence names them, not the total."""
@@ -245,17 +256,17 @@ def test_on_a_pod_fewer_bytes_over_the_slow_network_decide_before_all_bytes_and_
   across = lambda n: {"all-reduce": {"count": 1, "bytes": n}}
   rows = [_row("zero1", collective=3 * G, headroom_bytes_per_device=2 * G),
           _row("zero1-pod", collective=4 * G, headroom_bytes_per_device=G)]
-  rows[0]["collectives"]["across_per_step"] = across(G)
-  rows[1]["collectives"]["across_per_step"] = across(G // 2)
+  rows[0].figures.collectives["across_per_step"] = across(G)
+  rows[1].figures.collectives["across_per_step"] = across(G // 2)
   best = recommend(rows, pod)
-  assert best["lever"] == "zero1-pod"
-  assert best["why"] == ["at micro-batch 8 zero1-pod leaves 1.00 GiB free and zero1 2.00 GiB; zero1-pod "
+  assert best.lever == "zero1-pod"
+  assert best.why == ("at micro-batch 8 zero1-pod leaves 1.00 GiB free and zero1 2.00 GiB; zero1-pod "
                          "sends 0.50 GiB per step over the slow network and zero1 1.00: zero1-pod for its "
-                         "fewer bytes between slices or nodes"]
+                         "fewer bytes between slices or nodes",)
   # Within 1% over the slow network: all the bytes decide again.
-  rows[1]["collectives"]["across_per_step"] = across(G - G // 200)
+  rows[1].figures.collectives["across_per_step"] = across(G - G // 200)
   best = recommend(rows, pod)
-  assert best["lever"] == "zero1" and best["why"][0].endswith("zero1 for its fewer collective bytes")
+  assert best.lever == "zero1" and best.why[0].endswith("zero1 for its fewer collective bytes")
 
 
 def test_a_deferred_levers_code_for_a_tunix_model_gives_its_gradient_call():
