@@ -18,12 +18,13 @@ Two jobs, both for ``Zero1MaxTextTrainingEngine``:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.struct
@@ -34,6 +35,7 @@ __all__ = [
     "engine_model_and_mesh",
     "ensure_tunix_types",
     "maxtext_defers_reduction",
+    "maxtext_reduction_not_deferred",
     "maxtext_zero1_requested",
     "plain_grad_shardings",
     "route_accumulator_shardings",
@@ -236,6 +238,27 @@ def maxtext_defers_reduction(config: Any, mesh: Any) -> bool:
 
   reduced, _ = maxtext_engine._deferred_all_reduce_shardings(config, mesh, {})
   return reduced is not None
+
+
+@contextlib.contextmanager
+def maxtext_reduction_not_deferred() -> Iterator[None]:
+  """MaxText's engines built inside reduce their data-parallel gradients in every micro-batch, as MaxText's
+  engine did before it deferred that all-reduce to ``update`` (its ``_deferred_all_reduce_shardings`` made
+  to answer "not deferred" for the block's length).
+
+  Example::
+
+    with maxtext_reduction_not_deferred():
+      kernels = engine_class(config, mesh).compile_kernels(batch)  # fwd_bwd all-reduces its gradients
+  """
+  from maxtext.training_engine import maxtext_engine
+
+  own = maxtext_engine._deferred_all_reduce_shardings
+  maxtext_engine._deferred_all_reduce_shardings = lambda config, mesh, params_shardings: (None, None)
+  try:
+    yield
+  finally:
+    maxtext_engine._deferred_all_reduce_shardings = own
 
 
 def unreduced_grad_shardings(engine: Any) -> Any:

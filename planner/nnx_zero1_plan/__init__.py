@@ -137,6 +137,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--tunix-sharding", help="tunix: models' activation constraints, "
                  "applied as on the chips: default (Tunix's, the mesh's data axes in each batch entry), none "
                  "(XLA's propagation), or JSON of ShardingConfig act_* fields")
+  p.add_argument("--maxtext-deferral", choices=("auto", "off"), help="maxtext: models: auto (default: "
+                 "MaxText's engine defers the data-parallel all-reduce to update where it can) or off (every "
+                 "micro-batch all-reduces its gradients)")
   p.add_argument("--search", action="store_true", help="also find each lever's largest micro-batch that fits "
                  "(from --batch up, a few compiles per lever), and recommend by it")
   p.add_argument("--margin", type=float, help="share of the memory to leave free (default: the "

@@ -2,28 +2,34 @@
 
 XLA's GPU compiler returns no ``cost_analysis()`` for a deviceless compile, so a GPU
 row would carry no compute, and a plan could not show what a larger micro-batch costs
-where the compiler rematerialises to fit. Every ``dot`` of the optimised program is
-counted here, ``2 x (result elements) x (contracted elements)``, times the trip
-count of each loop it runs in (``known_trip_count``; a loop without one counts once)
-and the number of places its computation is called from. Only dots: elementwise work
-is small beside them in a transformer step, and remat shows in the dots it repeats.
+where the compiler rematerialises to fit; and the TPU compiler's cost analysis counts a
+loop's body once. Every matmul of the optimised program is counted here: a ``dot``,
+``2 x (result elements) x (contracted elements)``, and a ``convolution`` (the TPU
+compiler's form of a matmul after layout assignment), ``2 x (result elements) x (window)
+x (kernel input features)``, times the trip count of each loop it runs in (XLA's
+``known_trip_count``, else a ``counter < N`` condition; a loop without either counts once)
+and the number of places its computation is called from. Only matmuls: elementwise work
+is small beside them in a transformer step, and remat shows in the matmuls it repeats.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+
+from nnx_zero1._src.hlo import computations, condition_trip_count
 
 __all__ = ["dot_flops"]
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\S+)\s+(?P<op>[\w\-]+)\((?P<args>.*)")
 _DIMS = re.compile(r"^\(?[a-z]\w*\[(?P<dims>[\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|body)=%?(?P<callee>[\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_CONDITION = re.compile(r"\bcondition=%?(?P<name>[\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
+_WINDOW = re.compile(r"window=\{size=(?P<size>[\dx]+)(?: pad=(?P<pad>[\d_x\-]+))?(?: stride=(?P<stride>[\dx]+))?")
+_LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->")
 
 
 def _dims(shape: str) -> tuple[int, ...] | None:
@@ -33,19 +39,39 @@ def _dims(shape: str) -> tuple[int, ...] | None:
   return tuple(int(d) for d in match["dims"].split(",") if d)
 
 
-def _computations(hlo: str) -> Iterator[tuple[str, bool, list[str]]]:
-  """Each computation's name, whether it is the entry, and its instruction lines."""
-  name: str | None = None
-  entry, lines = False, list[str]()
-  for line in hlo.splitlines():
-    header = _HEADER.match(line)
-    if header and not _INSTRUCTION.match(line):
-      name, entry, lines = header["name"], line.lstrip().startswith("ENTRY"), []
-    elif line.strip() == "}" and name is not None:
-      yield name, entry, lines
-      name = None
-    elif name is not None:
-      lines.append(line)
+def _operands(args: str) -> list[str]:
+  return [a.strip().lstrip("%") for a in args.split(")")[0].split(",")]
+
+
+def _flops(op: str, line: str, args: str, result: tuple[int, ...] | None,
+           shapes: dict[str, tuple[int, ...] | None]) -> int:
+  """One matmul's FLOPs: a ``dot`` (2 x result x contracted), or a ``convolution`` (the TPU compiler's form
+  of a matmul after layout assignment: 2 x result x window x input features per group)."""
+  if result is None:
+    return 0
+  operands = _operands(args)
+  if op == "dot":
+    lhs, contracting = shapes.get(operands[0]), _CONTRACTING.search(line)
+    if lhs is None or contracting is None:
+      return 0
+    return 2 * math.prod(result) * math.prod(lhs[int(d)] for d in contracting["dims"].split(",") if d)
+  lhs = shapes.get(operands[0])
+  rhs = shapes.get(operands[1]) if len(operands) > 1 else None
+  labels, window = _LABELS.search(line), _WINDOW.search(line)
+  if lhs is None or rhs is None or labels is None or "i" not in labels["rhs"]:
+    return 0
+  taps = 1
+  if window:  # per spatial dimension, the (output, kernel) pairs that land on the input, not its padding
+    sizes = [int(d) for d in window["size"].split("x")]
+    pads = [tuple(int(p) for p in pad.split("_")) for pad in (window["pad"] or "").split("x") if pad]
+    strides = [int(d) for d in (window["stride"] or "").split("x") if d] or [1] * len(sizes)
+    for dim, (k, stride) in enumerate(zip(sizes, strides, strict=True)):
+      n = lhs[labels["lhs"].index(str(dim))]
+      low, high = pads[dim] if pads else (0, 0)
+      outputs = (n + low + high - k) // stride + 1
+      taps *= sum(min(k, n + low - p * stride) - max(0, low - p * stride) for p in range(outputs)) // outputs
+  # The kernel's input features are per group already (a grouped convolution's kernel holds 1/groups of them).
+  return 2 * math.prod(result) * taps * rhs[labels["rhs"].index("i")]
 
 
 def dot_flops(hlo: str) -> int:
@@ -58,30 +84,21 @@ def dot_flops(hlo: str) -> int:
     >>> dot_flops(hlo)  # 2 x 8 x 4 x 16
     1024
   """
+  bodies, entry = computations(hlo)
   own: dict[str, int] = {}
   calls: dict[str, list[tuple[str, int]]] = {}
-  entry = None
-  for name, is_entry, lines in _computations(hlo):
-    entry = name if is_entry else entry
+  for name, lines in bodies.items():
     shapes: dict[str, tuple[int, ...] | None] = {}
     flops, callees = 0, []
     for line in lines:
       for callee in _CALLS.finditer(line):  # a while's tuple shape has spaces: read calls off any line
-        trips = _TRIPS.search(line) if callee.group(0).startswith("body") else None
-        callees.append((callee["callee"], int(trips["n"]) if trips else 1))
+        callees.append((callee["callee"], _trips(line, bodies) if callee.group(0).startswith("body") else 1))
       instruction = _INSTRUCTION.match(line)
       if instruction is None:
         continue
       shapes[instruction["name"]] = _dims(instruction["shape"])
-      if instruction["op"] != "dot":
-        continue
-      result = shapes[instruction["name"]]
-      lhs = shapes.get(instruction["args"].split(",")[0].strip().lstrip("%"))
-      contracting = _CONTRACTING.search(line)
-      if result is None or lhs is None or contracting is None:
-        continue
-      kept = [lhs[int(d)] for d in contracting["dims"].split(",") if d]
-      flops += 2 * math.prod(result) * math.prod(kept)
+      if instruction["op"] in ("dot", "convolution"):
+        flops += _flops(instruction["op"], line, instruction["args"], shapes[instruction["name"]], shapes)
     own[name], calls[name] = flops, callees
 
   def total(name: str, seen: frozenset[str]) -> int:
@@ -90,3 +107,13 @@ def dot_flops(hlo: str) -> int:
     return own[name] + sum(trips * total(callee, seen | {name}) for callee, trips in calls[name])
 
   return 0 if entry is None else total(entry, frozenset())
+
+
+def _trips(line: str, bodies: dict[str, list[str]]) -> int:
+  """A while loop's trip count: XLA's annotation, else its ``counter < N`` condition (the TPU compiler's
+  form), else once."""
+  trips = _TRIPS.search(line)
+  if trips:
+    return int(trips["n"])
+  condition = _CONDITION.search(line)
+  return (condition_trip_count(bodies.get(condition["name"], [])) or 1) if condition else 1

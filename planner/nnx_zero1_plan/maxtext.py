@@ -13,6 +13,7 @@ always a split step at full depth. Needs Python >= 3.12, ``maxtext`` and libtpu.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -33,6 +34,7 @@ class MaxTextModel:
   name: str
   overrides: Mapping[str, str]
   full_depth: int | None = None  # compiled whole: MaxText scans its layers
+  defer: bool = True  # MaxText's own choice of deferring the data-parallel all-reduce (False: never)
 
 
 def mesh_axis_names() -> tuple[str, ...]:
@@ -124,11 +126,18 @@ def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
   return attributes
 
 
-def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str]) -> Figures:
+def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
+                    defer: bool = True) -> tuple[Figures, list[tuple[str, str, int]]]:
   """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
 
   A step runs ``fwd_bwd`` once and ``fwd_bwd_accum`` ``ga - 1`` times, then ``update``; its memory
-  is the larger gradient kernel's with the optimizer state beside it, or the update's.
+  is the larger gradient kernel's with the optimizer state beside it, or the update's. MaxText's engine
+  defers the data-parallel all-reduce to ``update`` where it can (``shard_mode=explicit`` on a pure data
+  mesh); ``defer=False`` compiles it reducing in every micro-batch, as it did before.
+
+  Returns:
+    The row's figures (``maxtext_config`` says whether the all-reduce was deferred), and the programs one
+    step runs: ``(kernel, its compiled HLO, times per step)``, in order.
 
   Raises:
     PlanError: a lever MaxText's engine has no form of.
@@ -140,6 +149,8 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   import maxtext
   from flax import nnx
   from maxtext.configs import pyconfig
+
+  from nnx_zero1.adapters._compat import maxtext_reduction_not_deferred, unreduced_grad_shardings
   from maxtext.trainers.pre_train import train_compile
   from maxtext.training_engine import maxtext_engine_compile as mec
 
@@ -161,8 +172,10 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   engine_class = (mec.AbstractMaxTextEngine if attributes is None
                   else type(f"Zero1Engine_{lever_name}", (Zero1AbstractMaxTextEngine,), attributes))
   start = time.perf_counter()
-  engine = engine_class(config, mesh)
-  kernels = engine.compile_kernels(mec.get_shaped_micro_batch(config))
+  with contextlib.nullcontext() if defer else maxtext_reduction_not_deferred():
+    engine = engine_class(config, mesh)
+    kernels = engine.compile_kernels(mec.get_shaped_micro_batch(config))
+  deferred = unreduced_grad_shardings(engine) is not None
   seconds = time.perf_counter() - start
   by_kind = bytes_by_memory_kind(nnx.state(engine.optimizer.opt_state))
   model = engine._model  # where maxtext 0.2.5's engine keeps it (the version the planner supports)
@@ -174,11 +187,13 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str])
   counted = {name: collectives_of(kernels[name], domains) for name in (*set(runs), "update")}
   step = summed_collectives([counted[name] for name in (*runs, "update")])
   counts = {**step, "per_micro_batch": counted[runs[-1]]["per_step"]}  # a gradient kernel's, whole
-  return dataclasses.replace(
+  figures = dataclasses.replace(
       row_figures(mem, counts, cost(kernels["update"])), opt_state_bytes_per_device=by_kind.get("device", 0),
       opt_state_bytes_by_memory_kind=by_kind,
       param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)), compile_s=seconds,
-      maxtext_config={k: str(getattr(config, k)) for k in _REPORTED})
+      maxtext_config={**{k: str(getattr(config, k)) for k in _REPORTED}, "deferred_all_reduce": str(deferred)})
+  programs = [(name, kernels[name].as_text(), runs.count(name)) for name in dict.fromkeys(runs)]
+  return figures, [*programs, ("update", kernels["update"].as_text(), 1)]
 
 
 # What MaxText's defaults chose, recorded on a row.

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from nnx_zero1_plan.abstract import abstract_bytes_per_device, state_split
+from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.compiled import (
   collectives_of,
   cost,
@@ -33,11 +34,12 @@ from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row
 from nnx_zero1_plan.search import fits_in
+from nnx_zero1_plan.step_time import step_time
 from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
 from nnx_zero1_plan.targets import Target, domain_of
 from nnx_zero1_plan.tunix_sharding import sharding_of
 
-__all__ = ["StepShape", "measured", "RowCompiler"]
+__all__ = ["StepShape", "Timing", "measured", "timed", "RowCompiler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +61,37 @@ class StepShape:
   offload_fraction: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """What a step's predicted time is reckoned against: the target's chip and devices, the compute dtype."""
+
+  target: Target
+  compute_dtype: str = "bfloat16"
+
+
+def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: StepShape,
+          timing: Timing | None) -> Figures:
+  """``figures`` with the step's predicted time (:func:`nnx_zero1_plan.step_time.step_time`) for the
+  ``programs`` one step runs, and on a pod its slow network's bytes over that network's rate."""
+  if timing is None:
+    return figures
+  target = timing.target
+  slow = 0
+  if target.domains > 1 and figures.collectives:
+    slow = network_per_step(figures.collectives, target.chip, target.platform)["slow"]["bytes"]
+  tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
+  return dataclasses.replace(figures, **step_time(programs, CHIPS[target.chip], devices=len(target.devices),
+                                                  tokens_per_device=tokens, compute_dtype=timing.compute_dtype,
+                                                  slow_bytes=slow))
+
+
 def _domains_in_order(mesh: Any) -> list[int] | None:
   """Each device's slice or node, in the mesh's order (None without a device mesh: MaxText builds its own)."""
   return None if mesh is None else [domain_of(d) for d in mesh.devices.flat]
 
 
 def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape, depth: int | None = None,
-             progress: Callable[[str], None] | None = None) -> Figures:
+             progress: Callable[[str], None] | None = None, timing: Timing | None = None) -> Figures:
   """One compile of the lever's step at ``depth`` layers (None: the model's own).
 
   Args:
@@ -76,10 +102,11 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     shape: the micro-batch and the step's other settings.
     depth: the layers to build the model with.
     progress: called with one line as the compile starts and ends.
+    timing: what the step's time is reckoned against (None: not timed).
 
   Returns:
     The row's :class:`~nnx_zero1_plan.row.Figures` (:func:`nnx_zero1_plan.compiled.row_figures`, the
-    optimizer state's bytes, the compile's seconds), or the compiler's refusal (``error``, ``hbm_oom``; the
+    optimizer state's bytes, the compile's seconds, the predicted step time: :func:`timed`), or the compiler's refusal (``error``, ``hbm_oom``; the
     compiled figures None).
   """
   lever = LEVERS[lever_name]
@@ -93,10 +120,10 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
   started = time.perf_counter()
   try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
     if isinstance(source, MaxTextModel):
-      figures = measure_maxtext(lever_name, lever, source.overrides)
+      figures, programs = measure_maxtext(lever_name, lever, source.overrides, source.defer)
       peak = (figures.peak_bytes_per_device or 0) / 2**30
       say(f"compiled {at} in {figures.compile_s or 0:.0f} s: peak {peak:.2f} GiB")
-      return figures
+      return timed(figures, programs, shape, timing)
     sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
     state = lever_state(lever, lambda: source.build(depth), shape.optimizer, mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
@@ -121,24 +148,34 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     figures = row_figures(mem, split_collectives_of(grads, update, _domains_in_order(mesh)), cost(update))
   flops, flops_source = step_flops(compiled if step == "one" else grads)
   say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
-  return dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
-                             compile_s=seconds)
+  programs = ([("step", compiled.as_text(), 1)] if step == "one"
+              else [("gradients", grads.as_text(), 1), ("update", update.as_text(), 1)])
+  figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
+                                compile_s=seconds)
+  return timed(figures, programs, shape, timing)
+
+
+_ESTIMATED_TIME = "an estimate: its time extrapolated per layer, its parts and MFU not"
 
 
 def _at_depths(lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any, shape: StepShape,
-               progress: Callable[[str], None] | None) -> tuple[Figures, Made]:
+               progress: Callable[[str], None] | None, timing: Timing | None) -> tuple[Figures, Made]:
   """The lever's figures compiled whole (no ``depths``), or at the two ``depths`` and extrapolated to the
   full depth (a refusal at either is the row's), and how they were made."""
   if not depths:
-    return measured(lever, step, source, mesh, shape, None, progress), Made(depth=source.full_depth)
+    return measured(lever, step, source, mesh, shape, None, progress, timing), Made(depth=source.full_depth)
   d1, d2 = depths
-  r1 = measured(lever, step, source, mesh, shape, d1, progress)
-  r2 = measured(lever, step, source, mesh, shape, d2, progress) if not r1.error else r1
+  r1 = measured(lever, step, source, mesh, shape, d1, progress, timing)
+  r2 = measured(lever, step, source, mesh, shape, d2, progress, timing) if not r1.error else r1
   compile_s = (r1.compile_s or 0.0) + ((r2.compile_s or 0.0) if r2 is not r1 else 0.0)
   if r1.error or r2.error:
     refused = r1 if r1.error else r2
     return dataclasses.replace(refused, compile_s=compile_s), Made(depth=d1 if r1.error else d2)
   figures = extrapolate_row(r1, r2, d1, d2, source.full_depth, PER_LAYER)
+  if figures.predicted_step_s:
+    tokens = (r2.tokens_per_s_per_device or 0.0) * (r2.predicted_step_s or 0.0)
+    figures = dataclasses.replace(figures, tokens_per_s_per_device=tokens / figures.predicted_step_s, mfu=None,
+                                  step_time=None, time_absent=_ESTIMATED_TIME)
   doubt = (not_alike(r1.temp_bytes_per_device, r2.temp_bytes_per_device, d1, d2)
            or not_alike(r1.peak_bytes_per_device, r2.peak_bytes_per_device, d1, d2, "peak"))
   return (dataclasses.replace(figures, compile_s=compile_s),
@@ -153,11 +190,13 @@ class RowCompiler:
     target: the topology's devices and memory.
     usable: bytes per device a step may use (the reserve or margin taken off already).
     progress: called with one line as each compile starts and ends.
+    compute_dtype: the dtype the steps compute in (the peak their MFU is measured against).
   """
 
   target: Target
   usable: int
   progress: Callable[[str], None] | None = None
+  compute_dtype: str = "bfloat16"
 
   def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
           remat: str | None = None) -> Row:
@@ -172,11 +211,13 @@ class RowCompiler:
     """
     target = self.target
     source = model.source_at(shape.batch)
-    figures, made = _at_depths(lever, step, source, model.reduced, model.device_mesh, shape, self.progress)
+    figures, made = _at_depths(lever, step, source, model.reduced, model.device_mesh, shape, self.progress,
+                               Timing(target, self.compute_dtype))
     if (made.depth_extrapolated_from and near_the_limit(figures.peak_bytes_per_device, target.hbm_bytes)
         or made.not_alike):
       extrapolated, why = figures, made.not_alike or NEAR
-      figures, made = _at_depths(lever, step, source, None, model.device_mesh, shape, self.progress)
+      figures, made = _at_depths(lever, step, source, None, model.device_mesh, shape, self.progress,
+                                 Timing(target, self.compute_dtype))
       both = (figures.compile_s or 0.0) + (extrapolated.compile_s or 0.0)
       figures = dataclasses.replace(figures, compile_s=both)
       made = dataclasses.replace(made, extrapolated_peak_bytes_per_device=extrapolated.peak_bytes_per_device,

@@ -127,7 +127,7 @@ def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, b
                               param_dtype=request.param_dtype, compute_dtype=request.compute_dtype,
                               remat=policy, known_axes=known, overrides=request.overrides,
                               slices=target.domains)
-    return MaxTextModel(str(model), config)
+    return MaxTextModel(str(model), config, defer=request.maxtext_deferral == "auto")
 
   source_at(batch)  # the settings checked before any compile
   weights = (request.overrides or {}).get("weight_dtype") or request.param_dtype or "float32"

@@ -1,6 +1,11 @@
 """The configuration a plan recommends, by a stated order, with the code that writes it (:mod:`printed_code`).
 
-The order: a row must fit (the compiler accepted the whole program, and its peak
+Where every candidate has a predicted step time (:mod:`nnx_zero1_plan.step_time`: the TPU compiler's cost
+model), the order is :data:`BY_THROUGHPUT`: among the (lever, micro-batch) points that fit, the most
+predicted tokens per second per device; within 2% of it, the most headroom; then no remat; then the lighter
+lever. Otherwise (a compiler that gives no time) the order is :data:`ORDER`, by memory.
+
+The memory order: a row must fit (the compiler accepted the whole program, and its peak
 is within the usable memory: the device's less the reserve or the margin; an
 estimate decides nothing, and a Zero-1 lever whose optimizer state per device is
 the baseline's is not a candidate); then the largest micro-batch (the most
@@ -26,7 +31,7 @@ from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, DEFAULT_STEP, command_line
 from nnx_zero1_plan.row import Point, Row
 
-__all__ = ["ORDER", "Recommendation", "micro_batch_of", "fitted_at", "figures_at", "splits_nothing",
+__all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_batch_of", "fitted_at", "figures_at", "splits_nothing",
            "sent_bytes_of", "row_sent_bytes", "across_bytes_of", "host_bytes_of", "recommend",
            "recompute_note",
            "baseline_beats", "why_picked"]
@@ -37,6 +42,9 @@ ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network
          "most headroom at that micro-batch",
          "no remat", "the lighter lever")
 _SAME_BYTES = 0.01  # collective bytes this close are a tie: the headroom decides
+BY_THROUGHPUT = ("fits", "most predicted tokens per second per device", "within 2% of it: most headroom",
+                 "no remat", "the lighter lever")
+_SAME_SPEED = 0.02  # predicted throughputs this close are a tie: the headroom decides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +262,56 @@ def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:
   return out
 
 
+def _ms(seconds: float | None) -> str:
+  return "?" if seconds is None else f"{seconds * 1e3:,.1f} ms"
+
+
+def _speed(row: Row, point: Point) -> str:
+  """A point's predicted time in words: ``zero1 at 128: 412.0 ms, 318,000 tok/s per device`` (and on a pod
+  the slow network's share of that row's step)."""
+  words = (f"{row.lever} at {point.batch}: {_ms(point.predicted_step_s)}, "
+           f"{point.tokens_per_s_per_device or 0:,.0f} tok/s per device")
+  t = row.figures.step_time
+  if t is not None and t.slow_network and row.figures.predicted_step_s and point.batch == row.batch:
+    words += f" ({t.slow_network} {_ms(t.slow_s)} of it, {t.slow_s / row.figures.predicted_step_s:.0%})"
+  return words
+
+
+def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
+  """The (lever, micro-batch) with the most predicted tokens per second per device among the points that fit
+  (each row's own compile and its search's), by :data:`BY_THROUGHPUT`, and why, naming each other lever's
+  fastest point; None where a fitting point has no predicted time (the order is then :data:`ORDER`).
+
+  Example::
+
+    >>> from nnx_zero1_plan.row import Figures, Made
+    >>> def row(lever, tok, room):
+    ...   f = Figures(predicted_step_s=8 / tok, tokens_per_s_per_device=tok, headroom_bytes_per_device=room)
+    ...   return Row(lever, "one", "v6e:2x2", "TPU", {"data": 4}, "m", 8, f, Made(depth=2), 9, 8, True)
+    >>> best, at, why = by_throughput([row("baseline", 100.0, 1), row("zero1", 101.0, 5)])
+    >>> best.lever, at.batch
+    ('zero1', 8)
+    >>> print(why[0].replace("; ", ";\\n"))
+    zero1 at 8: 79.2 ms, 101 tok/s per device;
+    baseline at 8: 80.0 ms, 100 tok/s per device: within 2%, zero1 for its headroom
+  """
+  points = [(r, p) for r in rows for p in (*_points(r), _own(r)) if p.fits]
+  if not points or any(p.tokens_per_s_per_device is None for _, p in points):
+    return None
+  fastest = max(p.tokens_per_s_per_device or 0.0 for _, p in points)
+  near = [(i, r, p) for i, (r, p) in enumerate(points)
+          if (p.tokens_per_s_per_device or 0.0) >= fastest * (1 - _SAME_SPEED)]
+  _, best, at = min(near, key=lambda c: (-(c[2].headroom_bytes_per_device or 0),
+                                          c[1].remat not in (None, "none"), c[0]))
+  why = []
+  for rival in dict.fromkeys(r.lever for r, _ in points if r.lever != best.lever):
+    theirs = max((c for c in points if c[0].lever == rival), key=lambda c: c[1].tokens_per_s_per_device or 0)
+    tied = (theirs[1].tokens_per_s_per_device or 0.0) >= fastest * (1 - _SAME_SPEED)
+    reason = f"within 2%, {best.lever} for its headroom" if tied else f"{best.lever} for its throughput"
+    why.append(f"{_speed(best, at)}; {_speed(*theirs)}: {reason}")
+  return best, at, why
+
+
 def recommend(rows: Sequence[Row], meta: Mapping[str, Any], *,
               step: str | None = None) -> Recommendation | None:
   """The configuration to run, by :data:`ORDER`, among the rows of one step shape.
@@ -279,6 +337,10 @@ def recommend(rows: Sequence[Row], meta: Mapping[str, Any], *,
            if r.step == step and not splits_nothing(r, same_step)}
   if not any(edges.values()):
     return None
+  fastest = by_throughput([r for i, r in enumerate(rows) if i in edges])
+  if fastest is not None:
+    best, at, why = fastest
+    return _recommendation(best, at.batch, step, meta, BY_THROUGHPUT, same_step, why, skipped)
   best_micro = max(m for m in edges.values() if m)
   tokens = best_micro * meta["seq_len"] * meta["ga"]
   # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not.
@@ -297,6 +359,13 @@ def recommend(rows: Sequence[Row], meta: Mapping[str, Any], *,
 
   best: Row = min(level, key=rest)[4]
   rivals = [c[4] for c in candidates if c[4] is not best]
+  return _recommendation(best, best_micro, step, meta, ORDER, same_step, why_picked(best, rivals, best_micro),
+                         skipped)
+
+
+def _recommendation(best: Row, micro: int, step: str, meta: Mapping[str, Any], order: tuple[str, ...],
+                    same_step: Sequence[Row], why: Sequence[str], skipped: Sequence[str]) -> Recommendation:
+  """The pick as a :class:`Recommendation`: its code, its command, and the notes beside the order's."""
   unconfirmed = [f"{r.lever}'s edge is not confirmed ({r.searched.search_unfinished}): it fits at least "
                  f"{micro_batch_of(r, meta['batch'])}" for r in same_step
                  if r.searched is not None and r.searched.search_unfinished
@@ -304,12 +373,10 @@ def recommend(rows: Sequence[Row], meta: Mapping[str, Any], *,
   platform = parse_topology(str(meta["topology"]), GPU_CHIPS)[0]
   offload = None if best.offloaded is None else best.offloaded.offload_fraction
   return Recommendation(
-      lever=best.lever, step=step, micro_batch=best_micro, remat=best.remat,
+      lever=best.lever, step=step, micro_batch=micro, remat=best.remat,
       code=lever_code(best.lever, str(meta["model"]), offload, meta.get("mesh"),
                       meta.get("optimizer", DEFAULT_OPTIMIZER), platform=platform,
                       domains=meta.get("domains") or 1, activation_sharding=meta.get("activation_sharding")),
-      cli=command_line(meta, levers=[best.lever], steps=[step], batch=best_micro, remat=best.remat),
-      order=ORDER, baseline_beats=tuple(baseline_beats(same_step, meta["batch"])),
-      why=tuple(why_picked(best, rivals, best_micro)),
-      notes=(*unconfirmed, *skipped,
-             *filter(None, [recompute_note(best, best_micro), narrowed_note(best.lever)])))
+      cli=command_line(meta, levers=[best.lever], steps=[step], batch=micro, remat=best.remat),
+      order=order, baseline_beats=tuple(baseline_beats(same_step, meta["batch"])), why=tuple(why),
+      notes=(*unconfirmed, *skipped, *filter(None, [recompute_note(best, micro), narrowed_note(best.lever)])))

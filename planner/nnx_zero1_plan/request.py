@@ -170,6 +170,9 @@ class PlanRequest:
       the chips: ``default`` (Tunix's ``ShardingConfig``, the mesh's data axes added to each batch entry),
       ``none`` (XLA's own propagation), or a JSON object of ``act_*`` fields
       (:mod:`nnx_zero1_plan.tunix_sharding`).
+    maxtext_deferral: a ``maxtext:`` model's data-parallel all-reduce: ``auto`` (MaxText's engine's own
+      choice: deferred to ``update``, once per step, under ``shard_mode=explicit`` on a pure data mesh) or
+      ``off`` (in every micro-batch, as its engine did before it deferred).
     model_ref: ``model`` parsed (not an argument: worked out when the record is built).
     topology_ref: ``topology`` parsed.
     mesh_sizes: ``mesh`` parsed (``{"data": 4, "fsdp": 2}``; empty for the default mesh).
@@ -211,6 +214,7 @@ class PlanRequest:
   estimate: bool = False
   tunix_sharding: str = "default"
   gpus_per_node: int | None = None
+  maxtext_deferral: str = "auto"
   model_ref: ModelRef = dataclasses.field(init=False, repr=False, compare=False)
   topology_ref: Topology = dataclasses.field(init=False, repr=False, compare=False)
   mesh_sizes: Mapping[str, int] = dataclasses.field(init=False, repr=False, compare=False)
@@ -241,6 +245,10 @@ class PlanRequest:
       raise PlanError("--estimate compiles reduced depths and --full-depth whole ones: leave out one of them")
     if self.tunix_sharding != "default" and kind != "tunix":
       raise PlanError(f"--tunix-sharding applies to tunix: models; {self.model} shards its own activations")
+    if self.maxtext_deferral not in ("auto", "off"):
+      raise PlanError(f"--maxtext-deferral is auto or off, got {self.maxtext_deferral!r}")
+    if self.maxtext_deferral != "auto" and kind != "maxtext":
+      raise PlanError(f"--maxtext-deferral applies to maxtext: models; {self.model} is not MaxText's engine")
     if self.overrides and kind != "maxtext":
       raise PlanError(f"config overrides (key=value) apply to maxtext: models; {self.model} takes its "
                       "settings from the flags")
@@ -335,5 +343,7 @@ def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
     words.append(f"--gpus-per-node {s['gpus_per_node']}")
   if s.get("tunix_sharding") not in (None, SETTING_DEFAULTS["tunix_sharding"]):
     words.append(f"--tunix-sharding {shlex.quote(s['tunix_sharding'])}")
+  if s.get("maxtext_deferral") not in (None, SETTING_DEFAULTS["maxtext_deferral"]):
+    words.append(f"--maxtext-deferral {s['maxtext_deferral']}")
   words += [f"{k}={v}" for k, v in (s.get("overrides") or {}).items()]
   return " ".join(words)

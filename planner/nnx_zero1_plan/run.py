@@ -81,6 +81,16 @@ def _done(name: str, step: str, policy: str | None, topology: str, row: Row) -> 
   return f"done: {name} ({step}{under}) for {topology}{found}"
 
 
+def _compute_dtype(request: PlanRequest, planned: PlannedModel) -> str:
+  """The dtype the step computes in, for the peak its MFU is measured against: ``--compute-dtype``, else a
+  MaxText config's ``dtype`` (bfloat16 by its base.yml), else the parameters' one dtype."""
+  if request.compute_dtype:
+    return request.compute_dtype
+  if request.model_ref.kind == "maxtext":
+    return (request.overrides or {}).get("dtype", "bfloat16")
+  return next(iter(planned.param_dtypes)) if len(planned.param_dtypes) == 1 else "float32"
+
+
 def _meta(request: PlanRequest, planned: PlannedModel, target: Target, rows: Sequence[Row],
           batch: int, batch_default: str | None, compiler: str, usable: int) -> dict[str, Any]:
   """plan.json's meta: the settings as planned (the mesh and micro-batch resolved), the compilers, the
@@ -102,7 +112,8 @@ def _meta(request: PlanRequest, planned: PlannedModel, target: Target, rows: Seq
           "estimate": r.estimate, "overrides": r.overrides, "search": r.search, "margin": r.margin,
           "batch_unit": planned.batch_unit, "slices": r.slices, "domains": target.domains,
           "activation_sharding": sharding_of(source, planned.axes),
-          "tunix_sharding": r.tunix_sharding, "gpus_per_node": r.gpus_per_node}
+          "tunix_sharding": r.tunix_sharding, "gpus_per_node": r.gpus_per_node,
+          "maxtext_deferral": r.maxtext_deferral}
 
 
 def _way_out(compiler: RowCompiler, request: PlanRequest, planned: PlannedModel, meta: Mapping[str, Any],
@@ -170,7 +181,7 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
     blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are alike under every policy
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
-  compiler = RowCompiler(target, usable, progress)
+  compiler = RowCompiler(target, usable, progress, _compute_dtype(request, planned))
   rows = []
   for policy, name, step in ((p, n, s) for p in policies for n in request.levers for s in request.steps):
     row = _lever_row(compiler, request, plans[policy], name, step, policy, batch)

@@ -9,13 +9,16 @@ from typing import Any
 from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.recommend import Recommendation, row_sent_bytes
 from nnx_zero1_plan.row import Point, Row
+from nnx_zero1_plan.time_report import search_lines, time_lines
 from nnx_zero1_plan.way_out import WayOut
 
-__all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "header",
+__all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "time_cells",
+           "header",
            "cells", "edge_cells", "split_words", "way_out_lines", "table", "recommendation_lines", "markdown"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB",
-          "args+temp GiB", "usable GiB", "fits", "max micro-batch", "compile s",
+          "args+temp GiB", "usable GiB", "fits", "max micro-batch", "step ms (pred.)", "tok/s/device",
+          "MFU", "compile s",
           "collectives per step (count x MiB)", "per micro-batch", "update GFLOP", "update GiB accessed",
           "note")
 _LEFT = (0, 1, 2, 3)  # the columns of words, aligned left, and the note (the last)
@@ -39,6 +42,20 @@ def collective_cell(c: dict[str, dict[str, int]]) -> str:
 
 def _gib(n: float | None) -> str:
   return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def time_cells(step_s: float | None, tokens_per_s: float | None, mfu: float | None,
+               mark: str = "") -> tuple[str, str, str]:
+  """A predicted step's cells: its milliseconds, the tokens one device trains on per second, its MFU.
+
+  Example::
+
+    >>> time_cells(0.4375, 74898.3, 0.21)
+    ('437.5', '74,898', '21%')
+  """
+  return ("-" if step_s is None else f"{mark}{step_s * 1e3:,.1f}",
+          "-" if tokens_per_s is None else f"{mark}{tokens_per_s:,.0f}",
+          "-" if mfu is None else f"{mfu:.0%}")
 
 
 def split_words(lever: str, split: Mapping[str, Any] | None) -> str | None:
@@ -139,7 +156,8 @@ def cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
         _gib(f.opt_state_bytes_per_device), ex + _gib(f.argument_bytes_per_device),
         ex + _gib(f.temp_bytes_per_device), ex + _gib(f.peak_bytes_per_device),
         ex + _gib(f.formula_peak_bytes_per_device), _gib(r.usable_bytes),
-        ex + fits, _max_micro_batch(r), f"{compile_s:.0f}",
+        ex + fits, _max_micro_batch(r), *time_cells(f.predicted_step_s, f.tokens_per_s_per_device, f.mfu, ex),
+        f"{compile_s:.0f}",
         ex + collective_cell(collectives.get("per_step", {})),
         ex + collective_cell(collectives.get("per_micro_batch", {})),
         "-" if flops is None else f"{ex}{flops / 1e9:.2f}", ex + _gib(f.update_bytes_accessed_per_device),
@@ -150,7 +168,7 @@ def cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
 
 
 EDGE_HEADER = ("lever", "step", "max micro-batch", "peak GiB", "headroom GiB", "temp GiB", "TFLOP",
-               "one step up", "its peak GiB / refusal", "compiles", "note")
+               "step ms (pred.)", "tok/s/device", "one step up", "its peak GiB / refusal", "compiles", "note")
 
 
 def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
@@ -168,7 +186,9 @@ def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
                                        "(not monotonic)" if found.fits_above else "")
     out.append((r.lever, r.step, _max_micro_batch(r), _gib(at.peak_bytes_per_device),
                 _gib(at.headroom_bytes_per_device), _gib(at.temp_bytes_per_device),
-                "-" if flops is None else f"{flops / 1e12:.2f}", str(found.above or "-"), refusal,
+                "-" if flops is None else f"{flops / 1e12:.2f}",
+                *time_cells(at.predicted_step_s, at.tokens_per_s_per_device, None)[:2], str(found.above or "-"),
+                refusal,
                 str(len(found.search)), note))
   return out
 
@@ -182,7 +202,8 @@ def _aligned(header: Sequence[str], body: Sequence[Sequence[str]], left: Sequenc
 
 # The terminal's table: what a user decides by, in a width that fits a terminal; plan.md has every column.
 COMPACT = ("lever", "step", "opt GiB", "args GiB", "temp GiB", "peak GiB", "usable GiB", "fits",
-           "max micro-batch", "sent GiB per step", *POD_HEADER, "compile s", "note")
+           "max micro-batch", "step ms (pred.)", "tok/s/device", "sent GiB per step", *POD_HEADER, "compile s",
+           "note")
 
 
 def _compact(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
@@ -218,7 +239,7 @@ def table(rows: Sequence[Row], wide: bool = True) -> str:
   edges = edge_cells(rows)
   if edges:
     text += "\n\nAt each lever's largest micro-batch (the compiler's figures):\n" + _aligned(
-        EDGE_HEADER, edges, (0, 1, 10))
+        EDGE_HEADER, edges, (0, 1, len(EDGE_HEADER) - 1))
   return text
 
 
@@ -334,6 +355,7 @@ def markdown(meta: dict[str, Any], rows: Sequence[Row], steps: Sequence[str],
     edges = edge_cells(rows)
     if edges:
       lines += ["", "## At each lever's largest micro-batch", ""] + _markdown_table(EDGE_HEADER, edges)
+    lines += time_lines(rows) + search_lines(rows)
   lines += recommendation_lines(recommendation, meta) + way_out_lines(way_out)
   if steps:
     numbered = (f"{i}. {s}" for i, s in enumerate(steps, 1))
