@@ -28,7 +28,8 @@ _CALLS = re.compile(r"(?:calls|body)=%?(?P<callee>[\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
 _CONDITION = re.compile(r"\bcondition=%?(?P<name>[\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
-_WINDOW = re.compile(r"window=\{size=(?P<size>[\dx]+)(?: pad=(?P<pad>[\d_x\-]+))?(?: stride=(?P<stride>[\dx]+))?")
+_WINDOW = re.compile(r"window=\{size=(?P<size>[\dx]+)(?: pad=(?P<pad>[\d_x\-]+))?"
+                     r"(?: stride=(?P<stride>[\dx]+))?")
 _LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->")
 
 

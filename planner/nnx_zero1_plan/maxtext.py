@@ -149,19 +149,18 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
   import maxtext
   from flax import nnx
   from maxtext.configs import pyconfig
-
-  from nnx_zero1.adapters._compat import maxtext_reduction_not_deferred, unreduced_grad_shardings
   from maxtext.trainers.pre_train import train_compile
   from maxtext.training_engine import maxtext_engine_compile as mec
 
+  from nnx_zero1.adapters._compat import maxtext_reduction_not_deferred, unreduced_grad_shardings
   from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_memory_kind
   from nnx_zero1_plan.compiled import (
-      collectives_of,
-      cost,
-      memory,
-      row_figures,
-      split_memory,
-      summed_collectives,
+    collectives_of,
+    cost,
+    memory,
+    row_figures,
+    split_memory,
+    summed_collectives,
   )
   from nnx_zero1_plan.targets import domain_of
 
@@ -191,7 +190,8 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
       row_figures(mem, counts, cost(kernels["update"])), opt_state_bytes_per_device=by_kind.get("device", 0),
       opt_state_bytes_by_memory_kind=by_kind,
       param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)), compile_s=seconds,
-      maxtext_config={**{k: str(getattr(config, k)) for k in _REPORTED}, "deferred_all_reduce": str(deferred)})
+      maxtext_config={**{k: str(getattr(config, k)) for k in _REPORTED},
+                      "deferred_all_reduce": str(deferred)})
   programs = [(name, kernels[name].as_text(), runs.count(name)) for name in dict.fromkeys(runs)]
   return figures, [*programs, ("update", kernels["update"].as_text(), 1)]
 

@@ -7,9 +7,12 @@ row too (its figures None). Compiles.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +30,7 @@ from nnx_zero1_plan.compiled import (
   step_flops,
 )
 from nnx_zero1_plan.depth import NEAR, estimate_mark, extrapolate_row, near_the_limit, not_alike
+from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
 from nnx_zero1_plan.inputs import shortened
 from nnx_zero1_plan.levers import LEVERS, state_axes, with_offload
 from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
@@ -70,9 +74,10 @@ class Timing:
 
 
 def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: StepShape,
-          timing: Timing | None) -> Figures:
+          timing: Timing | None, scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
   """``figures`` with the step's predicted time (:func:`nnx_zero1_plan.step_time.step_time`) for the
-  ``programs`` one step runs, and on a pod its slow network's bytes over that network's rate."""
+  ``programs`` one step runs (``scheduled``: XLA's GPU scheduler's estimates of their instructions), and on
+  a pod its slow network's bytes over that network's rate."""
   if timing is None:
     return figures
   target = timing.target
@@ -80,9 +85,23 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
   if target.domains > 1 and figures.collectives:
     slow = network_per_step(figures.collectives, target.chip, target.platform)["slow"]["bytes"]
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
-  return dataclasses.replace(figures, **step_time(programs, CHIPS[target.chip], devices=len(target.devices),
-                                                  tokens_per_device=tokens, compute_dtype=timing.compute_dtype,
-                                                  slow_bytes=slow))
+  time = step_time(programs, CHIPS[target.chip], devices=len(target.devices), tokens_per_device=tokens,
+                   compute_dtype=timing.compute_dtype, slow_bytes=slow, scheduled=scheduled)
+  return dataclasses.replace(figures, **time)
+
+
+@contextlib.contextmanager
+def _gpu_schedule(timing: Timing | None) -> Iterator[tuple[dict[str, Any] | None, Callable[[], Any]]]:
+  """For a GPU target, the compiler options that dump its scheduler's estimates into a fresh folder, and a
+  reader of them; the folder is removed after (nothing is left behind). Elsewhere no options, nothing read."""
+  if timing is None or timing.target.platform != "cuda":
+    yield None, lambda: None
+    return
+  folder = tempfile.mkdtemp(prefix="nnx_zero1_plan_schedule_")
+  try:
+    yield dump_options(folder), lambda: scheduled_seconds(folder)
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _domains_in_order(mesh: Any) -> list[int] | None:
@@ -106,7 +125,8 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
 
   Returns:
     The row's :class:`~nnx_zero1_plan.row.Figures` (:func:`nnx_zero1_plan.compiled.row_figures`, the
-    optimizer state's bytes, the compile's seconds, the predicted step time: :func:`timed`), or the compiler's refusal (``error``, ``hbm_oom``; the
+    optimizer state's bytes, the compile's seconds, the predicted step time: :func:`timed`), or the
+    compiler's refusal (``error``, ``hbm_oom``; the
     compiled figures None).
   """
   lever = LEVERS[lever_name]
@@ -132,10 +152,12 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
         "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
         "state_split": {"axes": list(state_axes(lever)),
                         "share": state_split(state.state[1], state_axes(lever))}}
-    if step == "one":
-      compiled, seconds = compile_step(lever, state, *sizes)
-    else:
-      grads, update, seconds = compile_split(lever, state, *sizes)
+    with _gpu_schedule(timing) as (options, read):
+      if step == "one":
+        compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
+      else:
+        grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
+      scheduled = read()
   except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError) as e:
     error = shortened(f"{type(e).__name__}: {' '.join(str(e).split())}", 400)
     seconds = time.perf_counter() - started
@@ -152,7 +174,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
               else [("gradients", grads.as_text(), 1), ("update", update.as_text(), 1)])
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
                                 compile_s=seconds)
-  return timed(figures, programs, shape, timing)
+  return timed(figures, programs, shape, timing, scheduled)
 
 
 _ESTIMATED_TIME = "an estimate: its time extrapolated per layer, its parts and MFU not"
@@ -174,8 +196,8 @@ def _at_depths(lever: str, step: str, source: Any, depths: Sequence[int] | None,
   figures = extrapolate_row(r1, r2, d1, d2, source.full_depth, PER_LAYER)
   if figures.predicted_step_s:
     tokens = (r2.tokens_per_s_per_device or 0.0) * (r2.predicted_step_s or 0.0)
-    figures = dataclasses.replace(figures, tokens_per_s_per_device=tokens / figures.predicted_step_s, mfu=None,
-                                  step_time=None, time_absent=_ESTIMATED_TIME)
+    figures = dataclasses.replace(figures, tokens_per_s_per_device=tokens / figures.predicted_step_s,
+                                  mfu=None, step_time=None, time_absent=_ESTIMATED_TIME)
   doubt = (not_alike(r1.temp_bytes_per_device, r2.temp_bytes_per_device, d1, d2)
            or not_alike(r1.peak_bytes_per_device, r2.peak_bytes_per_device, d1, d2, "peak"))
   return (dataclasses.replace(figures, compile_s=compile_s),

@@ -31,7 +31,8 @@ from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, DEFAULT_STEP, command_line
 from nnx_zero1_plan.row import Point, Row
 
-__all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_batch_of", "fitted_at", "figures_at", "splits_nothing",
+__all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_batch_of", "fitted_at",
+           "figures_at", "splits_nothing",
            "sent_bytes_of", "row_sent_bytes", "across_bytes_of", "host_bytes_of", "recommend",
            "recompute_note",
            "baseline_beats", "why_picked"]
@@ -339,8 +340,8 @@ def recommend(rows: Sequence[Row], meta: Mapping[str, Any], *,
     return None
   fastest = by_throughput([r for i, r in enumerate(rows) if i in edges])
   if fastest is not None:
-    best, at, why = fastest
-    return _recommendation(best, at.batch, step, meta, BY_THROUGHPUT, same_step, why, skipped)
+    quickest, at, why = fastest
+    return _recommendation(quickest, at.batch, step, meta, BY_THROUGHPUT, same_step, why, skipped)
   best_micro = max(m for m in edges.values() if m)
   tokens = best_micro * meta["seq_len"] * meta["ga"]
   # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not.

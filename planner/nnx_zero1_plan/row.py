@@ -16,7 +16,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["StepTime", "Figures", "Made", "Point", "Searched", "OffloadPoint", "Offloaded", "Row", "PER_LAYER", "AT_EDGE"]
+__all__ = ["StepTime", "Figures", "Made", "Point", "Searched", "OffloadPoint", "Offloaded", "Row",
+           "PER_LAYER", "AT_EDGE"]
 
 
 def _figure(*, per_layer: bool = False) -> Any:
@@ -26,7 +27,7 @@ def _figure(*, per_layer: bool = False) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-  """A step's predicted time on one device, in its parts (seconds; :func:`nnx_zero1_plan.step_time.step_time`).
+  """A step's predicted time on one device, in parts, in seconds (:func:`nnx_zero1_plan.step_time.step_time`).
 
   Attributes:
     source: where the compute comes from (the compiler's cost model, and which).
@@ -34,7 +35,8 @@ class StepTime:
     compute_s: the compiler's estimate of the step's compute, every loop trip counted.
     fast_network: the network inside a slice or node (``ICI``, ``NVLink``).
     fast_s: its collectives' time at the network's rate.
-    fast_exposed_s: the part of ``fast_s`` the schedule leaves the core waiting for (the rest overlaps compute).
+    fast_exposed_s: the part of ``fast_s`` the schedule leaves the core waiting for (the rest overlaps
+      compute).
     slow_network: the network between slices or nodes (None on one).
     slow_s: its bytes over its rate, counted exposed (the overlap across it is not modelled).
     host_s: copies to and from host memory at the host link's rate (None: not timed, no public rate).

@@ -10,6 +10,7 @@ the planning process :func:`nnx_zero1_plan.plan` starts).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ from nnx_zero1_plan.recommend import recommend
 from nnx_zero1_plan.request import STEPS, PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
-from nnx_zero1_plan.search import offload_search, search_row
+from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
 from nnx_zero1_plan.tunix_sharding import sharding_of
 from nnx_zero1_plan.way_out import Change, WayOut, changes_to_try, find_way_out, next_steps
@@ -89,6 +90,25 @@ def _compute_dtype(request: PlanRequest, planned: PlannedModel) -> str:
   if request.model_ref.kind == "maxtext":
     return (request.overrides or {}).get("dtype", "bfloat16")
   return next(iter(planned.param_dtypes)) if len(planned.param_dtypes) == 1 else "float32"
+
+
+def _compiles_planned(request: PlanRequest, planned: PlannedModel, rows: int) -> str:
+  """The progress line before the first compile: how many compiles the plan will make."""
+  each = 2 if planned.reduced else 1  # an estimate compiles two reduced depths (and whole near the limit)
+  line = f"planning {rows} rows: {rows * each} compiles"
+  if request.search:
+    line += f", and up to {MAX_COMPILES} more per row for the search of its largest micro-batch"
+  if any(LEVERS[n].picks_offload for n in request.levers):
+    line += ", and a few for each offload fraction tried"
+  return line
+
+
+def _left(done: int, rows: int, started: float) -> str:
+  """How many rows remain and the time left at the pace of those done."""
+  if done == rows:
+    return ""
+  per_row = (time.perf_counter() - started) / done
+  return f" ({rows - done} of {rows} rows left, ~{per_row * (rows - done):.0f} s at the pace so far)"
 
 
 def _meta(request: PlanRequest, planned: PlannedModel, target: Target, rows: Sequence[Row],
@@ -183,11 +203,15 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
   compiler = RowCompiler(target, usable, progress, _compute_dtype(request, planned))
   rows = []
-  for policy, name, step in ((p, n, s) for p in policies for n in request.levers for s in request.steps):
+  todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]
+  if progress:
+    progress(_compiles_planned(request, planned, len(todo)))
+  started = time.perf_counter()
+  for done, (policy, name, step) in enumerate(todo, 1):
     row = _lever_row(compiler, request, plans[policy], name, step, policy, batch)
     rows.append(row)
     if progress:
-      progress(_done(name, step, policy, request.topology, row))
+      progress(_done(name, step, policy, request.topology, row) + _left(done, len(todo), started))
   meta = _meta(request, planned, target, rows, batch, batch_default, compiler_name, usable)
   hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)

@@ -27,9 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Callable
-
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1._src.hlo import computations, condition_trip_count, shape_bytes
@@ -39,7 +37,7 @@ from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import StepTime
 
 __all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTIMATED", "rates_for",
-           "step_time", "TPU_SOURCE", "NO_ESTIMATE"]
+           "step_time", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE", "NO_SCHEDULE"]
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
@@ -58,6 +56,9 @@ _FUSED_REDUCE_SCATTER = re.compile(r"\bcalls=%?all-reduce-scatter")
 _ASYNC_COLLECTIVE = re.compile(r"\bcalls=%?(all-reduce|all-gather|reduce-scatter|collective-permute|"
                                r"all-to-all)")
 _HOST_SPACE = "S(5)}"
+# What costs nothing and is not scheduled on its own: XLA's GPU scheduler gives these no estimate.
+_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
+                   "replica-id", "opt-barrier", "after-all", "add-dependency"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,13 +181,17 @@ def _host_copy(shape: str) -> bool:
   return len(parts) >= 2 and (_HOST_SPACE in parts[0]) != (_HOST_SPACE in parts[1])
 
 
-def program_time(hlo: str, rates: Rates, devices: int | None = None) -> ProgramTime:
-  """A compiled program's time on one device: its schedule walked with the compiler's cycle estimates.
+def program_time(hlo: str, rates: Rates, devices: int | None = None,
+                 estimates: Mapping[str, float] | None = None) -> ProgramTime:
+  """A compiled program's time on one device: its schedule walked with the compiler's estimates.
 
   Args:
     hlo: ``compiled.as_text()``.
     rates: the clock and the networks' and host link's rates.
     devices: the program's devices (its ``num_partitions`` where None).
+    estimates: each instruction's estimated seconds by name, where the compiler gives them apart from the
+      program (XLA's GPU scheduler: :func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None: the
+      cycles in the program (the TPU compiler's) at ``rates.clock_hz``.
 
   Returns:
     The :class:`ProgramTime` of one call.
@@ -247,6 +252,14 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None) -> ProgramT
           w.start(m["name"], shape_bytes(shape.split(", ")[0]) / rates.host_bytes_per_s, "host")
       elif op.endswith("-done"):
         w.wait(args.split(",")[0].strip().lstrip("%"))
+      elif estimates is not None:
+        if op in _FREE:
+          continue
+        if m["name"] not in estimates:
+          w.unestimated += 1
+          continue
+        w.now += estimates[m["name"]]
+        w.compute += estimates[m["name"]]
       else:
         cycles = _CYCLES.search(line)
         if cycles is None or rates.clock_hz is None:
@@ -259,7 +272,8 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None) -> ProgramT
         w.compute += seconds
     for pending in list(w.pending):  # a transfer nothing waited for still ends the program
       w.wait(pending)
-    return ProgramTime(total_s=w.now, compute_s=w.compute if rates.clock_hz else None,
+    timed = rates.clock_hz is not None or estimates is not None
+    return ProgramTime(total_s=w.now, compute_s=w.compute if timed else None,
                        collective_s=w.collective, exposed_collective_s=w.exposed,
                        host_s=w.host if rates.host_bytes_per_s else None, exposed_host_s=w.exposed_host,
                        unestimated=w.unestimated, collectives=w.collectives)
@@ -290,8 +304,12 @@ def cycles_estimated(hlo: str) -> bool:
 
 
 TPU_SOURCE = "the TPU compiler's estimated_cycles (classic cost model), walked in schedule order"
-NO_ESTIMATE = ("the compiler gives no estimate of the program's compute (XLA's GPU and CPU compilers carry no "
-               "cycles in the compiled program); not guessed from a peak rate")
+GPU_SOURCE = ("XLA's GPU latency-hiding scheduler's estimate of each instruction (its own cost model, "
+              "dumped with xla_dump_latency_hiding_schedule), walked in schedule order")
+NO_SCHEDULE = ("XLA's GPU scheduler dumped no estimates for the program's entry computation (it does not "
+               "for a program with loops, on jax 0.12.0.1): no time rather than a part of one")
+NO_ESTIMATE = ("the compiler gives no estimate of the program's compute (XLA's GPU and CPU compilers carry "
+               "no cycles in the compiled program); not guessed from a peak rate")
 
 
 def rates_for(chip: Chip) -> Rates:
@@ -310,12 +328,14 @@ def rates_for(chip: Chip) -> Rates:
   fast, ports = chip.links.fast_bytes_per_s, chip.compute.ports
   if ports:
     per_port = fast / ports
-    return Rates(chip.compute.clock_hz, lambda n: per_port * (1 if n <= 2 else 2), chip.compute.host_bytes_per_s)
+    return Rates(chip.compute.clock_hz, lambda n: per_port * (1 if n <= 2 else 2),
+                 chip.compute.host_bytes_per_s)
   return Rates(chip.compute.clock_hz, lambda n: fast, chip.compute.host_bytes_per_s)
 
 
 def step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: int, tokens_per_device: float,
-              compute_dtype: str, slow_bytes: int = 0) -> dict[str, Any]:
+              compute_dtype: str, slow_bytes: int = 0,
+              scheduled: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, Any]:
   """A step's predicted time on one device: its programs' walks (:func:`program_time`), each as many times
   as one step runs it, and the slow network's bytes over its rate, exposed.
 
@@ -326,16 +346,20 @@ def step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: 
     tokens_per_device: the tokens one device trains on per step.
     compute_dtype: the dtype the step computes in (``bfloat16``, ``float32``), for the MFU's peak.
     slow_bytes: the bytes one device sends per step between slices or nodes.
+    scheduled: XLA's GPU scheduler's estimates, ``{module: {instruction: seconds}}``
+      (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None for a TPU program, which carries its own.
 
   Returns:
     The row's time figures (:class:`~nnx_zero1_plan.row.Figures`' ``predicted_step_s``,
     ``tokens_per_s_per_device``, ``mfu``, ``step_time``; ``time_absent`` where the compiler gives no cycles).
   """
-  if not all(cycles_estimated(hlo) for _, hlo, _ in programs):
+  estimates = [_module_estimates(hlo, scheduled) for _, hlo, _ in programs]
+  if not all(cycles_estimated(hlo) or own for (_, hlo, _), own in zip(programs, estimates, strict=True)):
     return {"predicted_step_s": None, "tokens_per_s_per_device": None, "mfu": None, "step_time": None,
-            "time_absent": NO_ESTIMATE}
+            "time_absent": NO_ESTIMATE if scheduled is None else NO_SCHEDULE}
   rates = rates_for(chip)
-  walks = [(program_time(hlo, rates, devices), times) for _, hlo, times in programs]
+  walks = [(program_time(hlo, rates, devices, own), times)
+           for (_, hlo, times), own in zip(programs, estimates, strict=True)]
   total = lambda part: sum(times * (getattr(t, part) or 0.0) for t, times in walks)  # noqa: E731
   slow_s = slow_bytes / chip.links.slow_bytes_per_s
   predicted = total("total_s") + slow_s
@@ -343,7 +367,8 @@ def step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: 
   peak = chip.compute.peak_flops_per_s.get(compute_dtype, chip.compute.peak_flops_per_s["bfloat16"])
   host_timed = chip.compute.host_bytes_per_s is not None
   parts = StepTime(
-      source=TPU_SOURCE, programs=[name if times == 1 else f"{name} x{times}" for name, _, times in programs],
+      source=TPU_SOURCE if scheduled is None else GPU_SOURCE,
+      programs=[name if times == 1 else f"{name} x{times}" for name, _, times in programs],
       compute_s=total("compute_s"), fast_network=chip.links.fast, fast_s=total("collective_s"),
       fast_exposed_s=total("exposed_collective_s"), slow_network=chip.links.slow if slow_bytes else None,
       slow_s=slow_s, host_s=total("host_s") if host_timed else None, host_exposed_s=total("exposed_host_s"),
@@ -352,3 +377,21 @@ def step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: 
       roofline_s=flops / peak if flops else None)
   return {"predicted_step_s": predicted, "tokens_per_s_per_device": tokens_per_device / predicted,
           "mfu": flops / predicted / peak if flops else None, "step_time": parts, "time_absent": None}
+
+
+_ENTRY = re.compile(r"^ENTRY %?(?P<name>[\w.\-]+)", re.M)
+_MODULE = re.compile(r"^HloModule (?P<name>[\w.\-]+)", re.M)
+
+
+def _module_estimates(hlo: str, scheduled: Mapping[str, Mapping[str, float]] | None
+                      ) -> Mapping[str, float] | None:
+  """A program's instructions' estimates from the GPU scheduler's dump, where its entry computation was
+  scheduled (None otherwise: part of the program unestimated is no time)."""
+  module = _MODULE.search(hlo)
+  own = (scheduled or {}).get(module["name"]) if module else None
+  if not own:
+    return None
+  entry = _ENTRY.search(hlo)
+  first = next((m["name"] for m in map(_LINE.match, computations(hlo)[0].get(entry["name"], [])) if m
+                and m["op"] not in _FREE and not _COLLECTIVE.match(m["op"])), None) if entry else None
+  return own if first is None or first in own else None

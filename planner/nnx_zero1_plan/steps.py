@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -186,8 +186,9 @@ def split_jits(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lev
 
 
 def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int, seq_len: int,
-                 ga: int) -> tuple[Any, float]:
+                 ga: int, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, float]:
   """Compiles the lever's one-program step for the mesh's devices; returns (compiled, seconds).
+  ``compiler_options`` go to the compiler (e.g. what makes XLA's GPU compiler write its schedule).
 
   Raises:
     jax.errors.JaxRuntimeError: the compiler refused the program (e.g. it does not fit).
@@ -196,13 +197,15 @@ def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Me
   step = step_jit(state.graphdef, state.shardings, tokens.sharding, lever, loss_fn, ga)
   start = time.perf_counter()
   with jax.set_mesh(mesh):
-    compiled = step.lower(state.state, tokens).compile()
+    compiled = step.lower(state.state, tokens).compile(compiler_options)
   return compiled, time.perf_counter() - start
 
 
 def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int,
-                  seq_len: int, ga: int) -> tuple[Any, Any, float]:
-  """Compiles the lever's step as two programs; returns (gradient program, update program, seconds).
+                  seq_len: int, ga: int,
+                  compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, Any, float]:
+  """Compiles the lever's step as two programs; returns (gradient program, update program, seconds);
+  ``compiler_options`` go to the compiler for both.
 
   The update program is compiled for the gradients as the first program leaves them (its output
   shardings), as a loop that calls one after the other passes them.
@@ -214,9 +217,9 @@ def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: M
   grads_jit, update_jit = split_jits(state.graphdef, state.shardings, tokens.sharding, lever, loss_fn, ga)
   start = time.perf_counter()
   with jax.set_mesh(mesh):
-    grads_compiled = grads_jit.lower(state.state, tokens).compile()
+    grads_compiled = grads_jit.lower(state.state, tokens).compile(compiler_options)
     shapes, _ = jax.eval_shape(grads_jit, state.state, tokens)
     grads = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                          grads_compiled.output_shardings[0])
-    update_compiled = update_jit.lower(state.state, grads).compile()
+    update_compiled = update_jit.lower(state.state, grads).compile(compiler_options)
   return grads_compiled, update_compiled, time.perf_counter() - start

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import spelled_mesh
-from nnx_zero1_plan.recommend import Recommendation, row_sent_bytes
+from nnx_zero1_plan.recommend import BY_THROUGHPUT, Recommendation, row_sent_bytes
 from nnx_zero1_plan.row import Point, Row
 from nnx_zero1_plan.time_report import search_lines, time_lines
 from nnx_zero1_plan.way_out import WayOut
@@ -187,8 +187,8 @@ def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
     out.append((r.lever, r.step, _max_micro_batch(r), _gib(at.peak_bytes_per_device),
                 _gib(at.headroom_bytes_per_device), _gib(at.temp_bytes_per_device),
                 "-" if flops is None else f"{flops / 1e12:.2f}",
-                *time_cells(at.predicted_step_s, at.tokens_per_s_per_device, None)[:2], str(found.above or "-"),
-                refusal,
+                *time_cells(at.predicted_step_s, at.tokens_per_s_per_device, None)[:2],
+                str(found.above or "-"), refusal,
                 str(len(found.search)), note))
   return out
 
@@ -202,8 +202,8 @@ def _aligned(header: Sequence[str], body: Sequence[Sequence[str]], left: Sequenc
 
 # The terminal's table: what a user decides by, in a width that fits a terminal; plan.md has every column.
 COMPACT = ("lever", "step", "opt GiB", "args GiB", "temp GiB", "peak GiB", "usable GiB", "fits",
-           "max micro-batch", "step ms (pred.)", "tok/s/device", "sent GiB per step", *POD_HEADER, "compile s",
-           "note")
+           "max micro-batch", "step ms (pred.)", "tok/s/device", "sent GiB per step", *POD_HEADER,
+           "compile s", "note")
 
 
 def _compact(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
@@ -277,6 +277,8 @@ def recommendation_lines(rec: Recommendation | None, meta: Mapping[str, Any]) ->
   shape = {"one": "one program", "split": "two programs"}.get(rec.step, rec.step)
   remat = f", remat {rec.remat}" if rec.remat not in (None, "none") else ""
   which = "the largest that fits" if meta.get("search") else "fits"
+  if rec.order == BY_THROUGHPUT:
+    which = "the most predicted tokens per second of what fits"
   code = [f"    {line}".rstrip() for line in rec.code.splitlines()]
   lines = ["", f"Recommended: {rec.lever} at micro-batch {rec.micro_batch} ({shape}{remat}), {which} "
            f"with {_limit_words(meta)}", "  code:", *code, f"  reproduce: {rec.cli}"]

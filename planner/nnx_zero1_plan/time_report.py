@@ -107,11 +107,14 @@ def draw_search(rows: Sequence[Row], path: str) -> str | None:
     assert r.searched is not None
     points = sorted(r.searched.search, key=lambda p: p.batch)
     label = f"{r.lever} ({r.step})"
-    memory.plot([p.batch for p in points if p.peak_bytes_per_device],
-                [p.peak_bytes_per_device / 2**30 for p in points if p.peak_bytes_per_device], "o-", label=label)
+    held = [p for p in points if p.peak_bytes_per_device]
+    memory.plot([p.batch for p in held], [(p.peak_bytes_per_device or 0) / 2**30 for p in held], "o-",
+                label=label)
     timed = [p for p in points if p.tokens_per_s_per_device and p.fits]
     speed.plot([p.batch for p in timed], [p.tokens_per_s_per_device for p in timed], "o-", label=label)
   memory.axhline(searched[0].usable_bytes / 2**30, color="grey", linestyle="--", label="usable")
+  for axes in (memory, speed):
+    axes.set_xscale("log", base=2)
   memory.set(xlabel="micro-batch", ylabel="peak GiB per device", title="memory (compiled)")
   speed.set(xlabel="micro-batch", ylabel="tokens/s per device", title="predicted throughput (fits only)")
   memory.legend(fontsize=8)

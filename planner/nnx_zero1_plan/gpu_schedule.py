@@ -1,0 +1,94 @@
+"""XLA's GPU compiler's estimate of each instruction, from the schedule its latency-hiding scheduler chose.
+
+XLA's GPU compiler carries no cycle estimates in a compiled program and no ``cost_analysis()`` without a
+device, but its latency-hiding scheduler estimates every instruction it schedules (its cost model: on
+Hopper and Blackwell the speed-of-light estimator) and can write the schedule it chose
+(``--xla_dump_latency_hiding_schedule``, per compile through ``compiler_options``): for each scheduled
+computation, each instruction's start and end in cycles, and ``cycles_per_microsecond``. This module asks
+for that dump (:func:`dump_options`) and reads each instruction's estimated seconds back by name
+(:func:`scheduled_seconds`), for :func:`nnx_zero1_plan.step_time.program_time` to walk. A computation the
+scheduler did not dump (the entry of a program with loops, on jax 0.12.0.1) has no estimates. Pure, but for
+reading the dump's files.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+__all__ = ["dump_options", "parse_schedule", "scheduled_seconds"]
+
+_MODULE = re.compile(r'^hlo_module \{\n  name: "(?P<name>[^"]+)"', re.M)
+_INSTRUCTION = re.compile(r'^      name: "(?P<name>[^"]+)"$|^      id: (?P<id>\d+)$', re.M)
+# A scheduled instruction; the text format leaves out a field that is zero (the first one's start).
+_TIMED = re.compile(r"instructions \{\s*id: (?P<id>\d+)(?P<fields>[^}]*)\}")
+_START = re.compile(r"start_timestamp_cycles: (?P<t>[\d.e+\-]+)")
+_END = re.compile(r"end_timestamp_cycles: (?P<t>[\d.e+\-]+)")
+_PER_MICROSECOND = re.compile(r"cycles_per_microsecond: (?P<n>[\d.]+)")
+
+
+def dump_options(directory: str) -> dict[str, str | bool]:
+  """The compiler options that write a compile's schedule into ``directory``.
+
+  Example::
+
+    >>> dump_options("/tmp/x")["xla_dump_latency_hiding_schedule"]
+    True
+  """
+  return {"xla_dump_to": directory, "xla_dump_latency_hiding_schedule": True}
+
+
+def parse_schedule(text: str) -> tuple[str | None, dict[str, float]]:
+  """One ``*.schedule.txt``: its module's name, and each scheduled instruction's estimated seconds by name.
+
+  Example::
+
+    >>> text = '''hlo_module {
+    ...   name: "jit_f"
+    ...   computations {
+    ...     instructions {
+    ...       name: "gemm"
+    ...       id: 7
+    ...     }
+    ...   }
+    ... }
+    ... computation_schedules {
+    ...   instructions {
+    ...     id: 7
+    ...     end_timestamp_cycles: 45.5
+    ...   }
+    ...   cycles_per_microsecond: 1
+    ... }'''
+    >>> parse_schedule(text)
+    ('jit_f', {'gemm': 4.55e-05})
+  """
+  module = _MODULE.search(text)
+  names: dict[str, str] = {}
+  current = None
+  split = text.find("\ncomputation_schedules")
+  for m in _INSTRUCTION.finditer(text, 0, split if split >= 0 else len(text)):
+    if m["name"] is not None:
+      current = m["name"]
+    elif current is not None:
+      names[m["id"]], current = current, None
+  rate = _PER_MICROSECOND.search(text)
+  per_second = float(rate["n"]) * 1e6 if rate else 1e6
+  seconds = {}
+  for m in _TIMED.finditer(text, max(split, 0)):
+    if m["id"] in names:
+      start, end = _START.search(m["fields"]), _END.search(m["fields"])
+      cycles = (float(end["t"]) if end else 0.0) - (float(start["t"]) if start else 0.0)
+      seconds[names[m["id"]]] = round(cycles / per_second, 12)
+  return (module["name"] if module else None), seconds
+
+
+def scheduled_seconds(directory: str) -> dict[str, dict[str, float]]:
+  """Every schedule dumped into ``directory``: ``{module name: {instruction name: estimated seconds}}``."""
+  out: dict[str, dict[str, float]] = {}
+  for path in sorted(glob.glob(os.path.join(directory, "*.schedule.txt"))):
+    with open(path) as f:
+      name, seconds = parse_schedule(f.read())
+    if name is not None:
+      out.setdefault(name, {}).update(seconds)
+  return out
