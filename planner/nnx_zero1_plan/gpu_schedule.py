@@ -6,8 +6,9 @@ Hopper and Blackwell the speed-of-light estimator) and can write the schedule it
 (``--xla_dump_latency_hiding_schedule``, per compile through ``compiler_options``): for each scheduled
 computation, each instruction's start and end in cycles, and ``cycles_per_microsecond``. This module asks
 for that dump (:func:`dump_options`) and reads each instruction's estimated seconds back by name
-(:func:`scheduled_seconds`), for :func:`nnx_zero1_plan.step_time.program_time` to walk. A computation the
-scheduler did not dump (the entry of a program with loops, on jax 0.12.0.1) has no estimates. Pure, but for
+(:func:`scheduled_seconds`), for :func:`nnx_zero1_plan.step_time.program_time` to walk. What the scheduler
+did not dump has no estimates: on jax 0.12.0.1, a program without collectives to schedule, and the entry
+computation of a program with loops. Pure, but for
 reading the dump's files.
 """
 

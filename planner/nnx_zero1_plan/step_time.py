@@ -306,8 +306,9 @@ def cycles_estimated(hlo: str) -> bool:
 TPU_SOURCE = "the TPU compiler's estimated_cycles (classic cost model), walked in schedule order"
 GPU_SOURCE = ("XLA's GPU latency-hiding scheduler's estimate of each instruction (its own cost model, "
               "dumped with xla_dump_latency_hiding_schedule), walked in schedule order")
-NO_SCHEDULE = ("XLA's GPU scheduler dumped no estimates for the program's entry computation (it does not "
-               "for a program with loops, on jax 0.12.0.1): no time rather than a part of one")
+NO_SCHEDULE = ("XLA's GPU scheduler dumped no estimates for one of the step's programs (on jax 0.12.0.1 it "
+               "writes none for a program without collectives to schedule, and only the loop bodies of a "
+               "program with loops): no time rather than a part of one")
 NO_ESTIMATE = ("the compiler gives no estimate of the program's compute (XLA's GPU and CPU compilers carry "
                "no cycles in the compiled program); not guessed from a peak rate")
 
@@ -386,12 +387,13 @@ _MODULE = re.compile(r"^HloModule (?P<name>[\w.\-]+)", re.M)
 def _module_estimates(hlo: str, scheduled: Mapping[str, Mapping[str, float]] | None
                       ) -> Mapping[str, float] | None:
   """A program's instructions' estimates from the GPU scheduler's dump, where its entry computation was
-  scheduled (None otherwise: part of the program unestimated is no time)."""
+  scheduled: most of the entry's instructions that cost something have an estimate (None otherwise: part of
+  the program unestimated is no time)."""
   module = _MODULE.search(hlo)
   own = (scheduled or {}).get(module["name"]) if module else None
-  if not own:
-    return None
   entry = _ENTRY.search(hlo)
-  first = next((m["name"] for m in map(_LINE.match, computations(hlo)[0].get(entry["name"], [])) if m
-                and m["op"] not in _FREE and not _COLLECTIVE.match(m["op"])), None) if entry else None
-  return own if first is None or first in own else None
+  if not own or entry is None:
+    return None
+  names = [m["name"] for m in map(_LINE.match, computations(hlo)[0].get(entry["name"], []))
+           if m and m["op"] not in _FREE and not _COLLECTIVE.match(m["op"]) and not m["op"].endswith("-done")]
+  return own if not names or sum(n in own for n in names) >= len(names) / 2 else None
