@@ -1,0 +1,184 @@
+"""The step-time model's arithmetic (``nnx_zero1_plan.step_time``, ``gpu_schedule``, the recommendation by
+throughput) on hand-written compiled programs: each figure computed here by hand from the HLO's bytes, the
+cycles and the chip table's rates, never restated. Pure: no compiler (lane 2 times real compiles)."""
+
+import pytest
+
+from nnx_zero1_plan.chips import CHIPS
+from nnx_zero1_plan.gpu_schedule import parse_schedule
+from nnx_zero1_plan.recommend import BY_THROUGHPUT, ORDER, by_throughput, recommend
+from nnx_zero1_plan.row import Figures, Made, Point, Row
+from nnx_zero1_plan.step_time import NO_ESTIMATE, NO_SCHEDULE, Rates, program_time, rates_for, step_time
+from tests.support.rows import searched
+
+CLOCK = 1e9  # a round clock: 1,000 cycles are a microsecond
+RING = 1e9  # one device's ring rate, bytes per second, whatever the group
+
+_FUSION = ('  %{name} = f32[256]{{0}} fusion(%p), kind=kLoop, calls=%c, '
+           'backend_config={{"estimated_cycles":"{cycles}"}}')
+
+
+def _fusion(name: str, cycles: int) -> str:
+  return _FUSION.format(name=name, cycles=cycles)
+
+
+def _module(entry: list[str], *others: str, partitions: int = 4) -> str:
+  return "\n".join([f"HloModule jit_f, num_partitions={partitions}", *others,
+                    "ENTRY %main (p: f32[256]) -> f32[256] {", *entry, "}"])
+
+
+def _rates(host: float | None = None) -> Rates:
+  return Rates(CLOCK, lambda n: RING, host)
+
+
+def test_compute_is_the_cycles_over_the_clock():
+  t = program_time(_module([_fusion("a", 3000), _fusion("b", 2000), "  ROOT %r = f32[256]{0} negate(%b)"]),
+                   _rates())
+  assert t.compute_s == pytest.approx(5000 / CLOCK) and t.total_s == pytest.approx(5000 / CLOCK)
+  assert t.collective_s == 0 and t.unestimated == 0
+
+
+def test_a_loops_trip_count_multiplies_its_body_both_spellings():
+  body = "\n".join(["%body (q: (s32[], f32[256])) -> (s32[], f32[256]) {", _fusion("inner", 700), "}"])
+  condition = "\n".join(["%cond (q: (s32[], f32[256])) -> pred[] {",
+                         "  %n = s32[]{:T(128)} constant(6)",
+                         "  %i = s32[]{:T(128)} get-tuple-element(%q), index=0",
+                         "  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT", "}"])
+  tpu = program_time(_module(["  %w = (s32[], f32[256]) while(%t), condition=%cond, body=%body",
+                              _fusion("after", 100)], body, condition), _rates())
+  assert tpu.compute_s == pytest.approx((6 * 700 + 100) / CLOCK)  # the TPU compiler's counter < 6
+  gpu = program_time(_module(['  %w = (s32[], f32[256]) while(%t), condition=%cond, body=%body, '
+                              'backend_config={"known_trip_count":{"n":"9"}}'], body, condition), _rates())
+  assert gpu.compute_s == pytest.approx(9 * 700 / CLOCK)  # XLA's annotation wins over the condition
+
+
+def test_a_synchronous_collective_is_its_ring_bytes_over_the_rate_all_exposed():
+  # f32[256] = 1,024 bytes, all-reduced over 4 devices: a ring sends 2 x 3/4 of it.
+  t = program_time(_module([_fusion("a", 1000),
+                            "  %ar = f32[256]{0} all-reduce(%a), replica_groups={{0,1,2,3}}, to_apply=%add"]),
+                   _rates())
+  sent = 2 * 1024 * 3 // 4
+  assert t.collective_s == pytest.approx(sent / RING) and t.exposed_collective_s == pytest.approx(sent / RING)
+  assert t.total_s == pytest.approx(1000 / CLOCK + sent / RING) and t.collectives == 1
+
+
+@pytest.mark.parametrize("between", [200, 1000, 5000])
+def test_an_async_collective_overlaps_the_compute_scheduled_inside_it(between):
+  # all-gather of f32[256] results over 4: sends 3/4 of the result; 768 B at 1 GB/s = 768 ns.
+  t = program_time(_module([
+      "  %ag = (f32[64]{0}, f32[256]{0}) all-gather-start(%p), replica_groups={{0,1,2,3}}, dimensions={0}",
+      _fusion("x", between), "  %d = f32[256]{0} all-gather-done(%ag)"]), _rates())
+  collective = 768 / RING
+  assert t.collective_s == pytest.approx(collective)
+  assert t.exposed_collective_s == pytest.approx(max(0.0, collective - between / CLOCK))
+  assert t.total_s == pytest.approx(max(collective, between / CLOCK))
+
+
+def test_collectives_share_the_network_one_after_another():
+  t = program_time(_module([
+      "  %a = f32[256]{0} all-reduce-start(%p), replica_groups={{0,1}}, to_apply=%add",
+      "  %b = f32[256]{0} all-reduce-start(%p), replica_groups={{0,1}}, to_apply=%add",
+      "  %da = f32[256]{0} all-reduce-done(%a)", "  %db = f32[256]{0} all-reduce-done(%b)"]), _rates())
+  each = 2 * 1024 * 1 // 2 / RING
+  assert t.total_s == pytest.approx(2 * each) and t.exposed_collective_s == pytest.approx(2 * each)
+
+
+def test_host_copies_are_timed_at_the_host_link_and_counted_without_one():
+  copy = ["  %c = (f32[256]{0:S(5)}, f32[256]{0}, u32[]) copy-start(%p)",
+          "  %d = f32[256]{0:S(5)} copy-done(%c)"]
+  device_copy = ["  %e = (f32[256]{0:S(1)}, f32[256]{0}, u32[]) copy-start(%p)",
+                 "  %f = f32[256]{0:S(1)} copy-done(%e)"]
+  timed = program_time(_module(copy + device_copy), _rates(host=2e9))
+  assert timed.host_s == pytest.approx(1024 / 2e9) and timed.exposed_host_s == pytest.approx(1024 / 2e9)
+  assert program_time(_module(copy), _rates()).host_s is None  # no public host rate: not timed
+
+
+def test_the_compilers_not_estimated_counts_zero_and_is_counted():
+  t = program_time(_module([_fusion("a", 2**63 - 1), _fusion("b", 10)]), _rates())
+  assert t.compute_s == pytest.approx(10 / CLOCK) and t.unestimated == 1
+
+
+def test_a_program_without_cycles_has_no_time_not_a_guess():
+  plain = _module(["  ROOT %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
+  assert program_time(plain, Rates(None, lambda n: RING)).compute_s is None
+  figures = step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
+                      compute_dtype="bfloat16")
+  assert figures["predicted_step_s"] is None and figures["time_absent"] == NO_ESTIMATE
+  unscheduled = step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
+                          compute_dtype="bfloat16", scheduled={"jit_other": {"r": 1e-3}})
+  assert unscheduled["time_absent"] == NO_SCHEDULE
+
+
+def test_the_chip_rates_a_tpu_ring_uses_two_ports_a_pair_one_a_gpu_its_switch():
+  v6e, h100 = CHIPS["v6e"], CHIPS["h100"]
+  per_port = v6e.links.fast_bytes_per_s / v6e.compute.ports
+  assert rates_for(v6e).network_bytes_per_s(2) == per_port
+  assert rates_for(v6e).network_bytes_per_s(4) == rates_for(v6e).network_bytes_per_s(256) == 2 * per_port
+  assert rates_for(h100).network_bytes_per_s(8) == h100.links.fast_bytes_per_s
+  assert rates_for(v6e).clock_hz == v6e.compute.peak_flops_per_s["bfloat16"] / v6e.compute.mxu_flops_per_cycle
+
+
+def test_a_step_sums_its_programs_runs_and_the_slow_network_and_says_tokens_and_mfu():
+  chip = CHIPS["v5e"]
+  clock = chip.compute.clock_hz
+  dot = ("  %d = f32[128,128]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}, "
+         'backend_config={"estimated_cycles":"3000"}')
+  grads = _module(["  %x = f32[128,64]{1,0} parameter(0)", "  %y = f32[64,128]{1,0} parameter(1)", dot])
+  update = _module([_fusion("u", 500)])
+  t = step_time([("fwd_bwd", grads, 1), ("fwd_bwd_accum", grads, 7), ("update", update, 1)], chip, devices=4,
+                tokens_per_device=4096, compute_dtype="bfloat16", slow_bytes=10**6)
+  predicted = (8 * 3000 + 500) / clock + 10**6 / chip.links.slow_bytes_per_s
+  assert t["predicted_step_s"] == pytest.approx(predicted)
+  assert t["tokens_per_s_per_device"] == pytest.approx(4096 / predicted)
+  flops = 8 * 2 * 128 * 128 * 64
+  assert t["mfu"] == pytest.approx(flops / predicted / chip.compute.peak_flops_per_s["bfloat16"])
+  parts = t["step_time"]
+  assert parts.programs == ["fwd_bwd", "fwd_bwd_accum x7", "update"]
+  assert parts.slow_network == "DCN" and parts.slow_s == pytest.approx(10**6 / chip.links.slow_bytes_per_s)
+  assert parts.roofline_s == pytest.approx(flops / chip.compute.peak_flops_per_s["bfloat16"])
+
+
+def test_the_gpu_schedule_reads_each_instructions_estimate_a_zero_start_left_out():
+  text = "\n".join(['hlo_module {', '  name: "jit_g"', '  computations {', '    instructions {',
+                    '      name: "first"', '      id: 1', '    }', '    instructions {',
+                    '      name: "second"', '      id: 2', '    }', '  }', '}', 'computation_schedules {',
+                    '  instructions {', '    id: 1',
+                    '    end_timestamp_cycles: 40', '  }', '  instructions {', '    id: 2',
+                    '    start_timestamp_cycles: 40', '    end_timestamp_cycles: 100', '  }',
+                    '  cycles_per_microsecond: 2', '}'])
+  name, seconds = parse_schedule(text)
+  assert name == "jit_g" and seconds == {"first": 20e-6, "second": 30e-6}
+  walked = program_time(_module(["  %first = f32[256]{0} fusion(%p), kind=kLoop, calls=%c",
+                                 "  %second = f32[256]{0} fusion(%first), kind=kLoop, calls=%c"]),
+                        Rates(None, lambda n: RING), estimates=seconds)
+  assert walked.compute_s == pytest.approx(50e-6)
+
+
+def _row(lever, batch, tokens_per_s, room, *, searched=None, fits=True):
+  figures = Figures(predicted_step_s=None if tokens_per_s is None else batch * 64 / tokens_per_s,
+                    tokens_per_s_per_device=tokens_per_s, headroom_bytes_per_device=room,
+                    opt_state_bytes_per_device=100 if lever == "baseline" else 25, collectives={})
+  return Row(lever, "one", "v6e:2x2", "TPU v6 lite", {"data": 4}, "m:f", batch, figures, Made(depth=2),
+             2**34, 2**34, fits, searched=searched)
+
+
+_META = {"model": "m:f", "topology": "v6e:2x2", "mesh": {"data": 4}, "batch": 8, "seq_len": 64, "ga": 1,
+         "levers": ["baseline", "zero1"], "steps": {"one": "..."}}
+
+
+def test_the_recommendation_is_the_most_tokens_per_second_not_the_largest_micro_batch():
+  # zero1's search fits up to 512, where the compiler recomputes to fit: 64 trains fastest.
+  points = [Point(b, True, peak_bytes_per_device=b, headroom_bytes_per_device=10,
+                  predicted_step_s=b * 64 / tok, tokens_per_s_per_device=tok) for b, tok in ((8, 1000.0), (64, 5000.0), (512, 3000.0))]
+  rows = [_row("baseline", 8, 990.0, 5), _row("zero1", 8, 1000.0, 10, searched=searched(512, points))]
+  rec = recommend(rows, _META)
+  assert rec.order == BY_THROUGHPUT and (rec.lever, rec.micro_batch) == ("zero1", 64)
+  assert "zero1 at 64:" in rec.why[0] and "baseline at 8:" in rec.why[0]
+  assert "for its throughput" in rec.why[0]
+
+
+def test_within_two_percent_the_headroom_decides_and_an_untimed_plan_keeps_the_memory_order():
+  best, at, why = by_throughput([_row("baseline", 8, 1000.0, 5), _row("zero1", 8, 985.0, 9)])
+  assert best.lever == "zero1" and "within 2%" in why[0]
+  untimed = [_row("baseline", 8, None, 5), _row("zero1", 8, None, 9)]
+  assert by_throughput(untimed) is None and recommend(untimed, _META).order == ORDER
