@@ -169,7 +169,8 @@ _META = {"model": "m:f", "topology": "v6e:2x2", "mesh": {"data": 4}, "batch": 8,
 def test_the_recommendation_is_the_most_tokens_per_second_not_the_largest_micro_batch():
   # zero1's search fits up to 512, where the compiler recomputes to fit: 64 trains fastest.
   points = [Point(b, True, peak_bytes_per_device=b, headroom_bytes_per_device=10,
-                  predicted_step_s=b * 64 / tok, tokens_per_s_per_device=tok) for b, tok in ((8, 1000.0), (64, 5000.0), (512, 3000.0))]
+                  predicted_step_s=b * 64 / tok, tokens_per_s_per_device=tok)
+            for b, tok in ((8, 1000.0), (64, 5000.0), (512, 3000.0))]
   rows = [_row("baseline", 8, 990.0, 5), _row("zero1", 8, 1000.0, 10, searched=searched(512, points))]
   rec = recommend(rows, _META)
   assert rec.order == BY_THROUGHPUT and (rec.lever, rec.micro_batch) == ("zero1", 64)
