@@ -129,6 +129,11 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
                                    "zero1-master keeps float32 copies of narrower parameters"),
     (["--model", "tests.support.planner_toys:tiny_lm_bf16", "--levers", "zero1,zero1-bf16state"],
      "zero1-bf16state stores the state in bfloat16; for bfloat16 parameters it is bfloat16 already"),
+    # A lever that would send the bytes of another: refused before anything compiles, as bf16state is.
+    *[(["--model", f"{TOYS}:tiny_lm_bf16", "--slices", "2", "--levers", f"zero1-{lever}"],
+       f"--levers zero1-{lever} does not apply to {TOYS}:tiny_lm_bf16: zero1-{lever} sends float32 gradients "
+       "across slices or nodes in bfloat16; bfloat16 parameters' gradients cross in bfloat16 already")
+      for lever in ("accum-bf16across", "pod-accum-bf16across")],
     (["--remat", "block"], "--remat apply to tunix: models"),
     (["--margin", "1.5"], "--margin is the share of the memory to leave free"),
     # Pods: each wrong --slices its own answer, GPU nodes said one way, replica across the slices or nodes.
