@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Lever", "LEVERS", "lever_blocker", "make_optimizer", "state_axes", "summed_over", "with_offload"]
+__all__ = ["Lever", "LEVERS", "adds_memory", "lever_blocker", "make_optimizer", "state_axes", "summed_over", "with_offload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +128,23 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
     # The gradients have the parameters' dtype: the narrowed hop would send the exact lever's bytes.
     return (f"{name} sends float32 gradients across slices or nodes in bfloat16; {dtypes} parameters' "
             f"gradients cross in bfloat16 already (the lever without -bf16across sends the same bytes)")
+  return None
+
+
+def adds_memory(name: str) -> str | None:
+  """What lever ``name`` adds to a device's memory over ``zero1`` (None: nothing), so that a plan in which
+  nothing fits never suggests it as a way to make room.
+
+  Example::
+
+    >>> adds_memory("zero1-master")
+    'float32 master copies of the parameters (split over the data axes)'
+    >>> adds_memory("offload") is None
+    True
+  """
+  if "master_dtype" in LEVERS[name].optimizer_options:
+    dtype = LEVERS[name].optimizer_options["master_dtype"]
+    return f"{dtype} master copies of the parameters (split over the data axes)"
   return None
 
 

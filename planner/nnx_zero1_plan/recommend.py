@@ -23,7 +23,7 @@ from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import command_line
 
 __all__ = ["ORDER", "micro_batch_of", "fitted_at", "splits_nothing", "sent_bytes_of", "recommend",
-           "recompute_note", "baseline_beats", "why_picked"]
+           "recompute_note", "baseline_beats", "why_picked", "plan_code"]
 
 ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
          "fewest collective bytes sent per token (within 1%)",
@@ -271,6 +271,21 @@ def why_picked(best: Mapping[str, Any], rivals: Sequence[Mapping[str, Any]], mic
   return out
 
 
+def plan_code(meta: Mapping[str, Any], lever: str, offload_fraction: float | None = None,
+              mesh: Mapping[str, int] | None = None) -> str:
+  """The code that trains as the plan ``meta`` compiled with ``lever`` (:func:`lever_code`): its model,
+  mesh (or ``mesh``, a change's), optimizer and target; a recommendation's and a way out's.
+
+  Example::
+
+    >>> print(plan_code({"model": "maxtext:qwen3-0.6b", "mesh": {"data": 4}}, "zero1-bf16state"))
+    Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16
+  """
+  return lever_code(lever, str(meta.get("model", "")), offload_fraction, mesh or meta.get("mesh"),
+                    meta.get("optimizer", "adamw"), platform=_platform(meta), domains=meta.get("domains") or 1,
+                    activation_sharding=meta.get("activation_sharding"))
+
+
 def _platform(meta: Mapping[str, Any]) -> str:
   """``"tpu"`` or ``"cuda"``: the plan's topology's platform (TPU where a plan names none)."""
   from nnx_zero1_plan.gpu_chips import GPU_CHIPS
@@ -340,10 +355,7 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
                  f"{micro_batch_of(r, meta['batch'])}" for r in same_step if r.get("search_unfinished")
                  and not splits_nothing(r, same_step)]
   return {"lever": best["lever"], "step": step, "micro_batch": best_micro, "remat": remat,
-          "code": lever_code(best["lever"], str(meta.get("model", "")), best.get("offload_fraction"),
-                             meta.get("mesh"), meta.get("optimizer", "adamw"), platform=_platform(meta),
-                             domains=meta.get("domains") or 1,
-                             activation_sharding=meta.get("activation_sharding")),
+          "code": plan_code(meta, best["lever"], best.get("offload_fraction")),
           "cli": command_line(meta, levers=[best["lever"]], steps=[step], batch=best_micro, remat=remat),
           "order": list(ORDER),
           "baseline_beats": baseline_beats(same_step, meta["batch"]),

@@ -28,7 +28,7 @@ from nnx_zero1_plan.planned_model import (
   on_devices,
   refuse_blocked,
 )
-from nnx_zero1_plan.recommend import recommend
+from nnx_zero1_plan.recommend import plan_code, recommend
 from nnx_zero1_plan.request import STEPS, PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
@@ -131,7 +131,8 @@ def _way_out(compiler: RowCompiler, request: PlanRequest, planned: PlannedModel,
   lever = "zero1" if "zero1" not in blocked else "baseline"
   changes = changes_to_try(meta, lever=lever, batch_unit=planned.batch_unit, remat=planned.remat_hint,
                            named_axes=planned.named, host_memory=compiler.target.platform == "tpu")
-  return find_way_out(changes, compile_changed, lambda c: command_line(meta, steps=[step], **c.settings))
+  return find_way_out(changes, compile_changed, lambda c: command_line(meta, steps=[step], **c.settings),
+                      lambda c: plan_code(meta, c.settings["levers"][0], mesh=c.settings.get("mesh")))
 
 
 def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:

@@ -309,18 +309,20 @@ _POD_NOTE = (
 
 
 def way_out_lines(way_out: Mapping[str, Any] | None) -> list[str]:
-  """When nothing fits, what was compiled to make room: the first change that fits, with its command, and the
-  changes before it that did not.
+  """When nothing fits, what was compiled to make room: the first change that fits, with its code and its
+  command, and the changes before it that did not.
 
   Example::
 
     >>> out = {"found": {"what": "remat block", "command": "python -m nnx_zero1.plan ...",
-    ...                  "peak_bytes_per_device": 2**33},
+    ...                  "peak_bytes_per_device": 2**33, "code": "optimizer = Zero1Optimizer(...)"},
     ...        "tried": [{"what": "half the micro-batch", "fits": False, "peak_bytes_per_device": None,
     ...                   "error": "RESOURCE_EXHAUSTED"}, {"what": "remat block", "fits": True}]}
     >>> print("\\n".join(way_out_lines(out)))
     <BLANKLINE>
     Nothing fits as asked; compiled, the first change that fits: remat block (peak 8.00 GiB)
+      code:
+        optimizer = Zero1Optimizer(...)
       reproduce: python -m nnx_zero1.plan ...
       tried first: half the micro-batch: RESOURCE_EXHAUSTED
   """
@@ -332,8 +334,9 @@ def way_out_lines(way_out: Mapping[str, Any] | None) -> list[str]:
            for t in before]
   if found is None:
     return ["", "Nothing fits as asked, and no change compiled fits either:", *tried]
+  code = ["  code:", *(f"    {line}".rstrip() for line in found["code"].splitlines())] if found.get("code") else []
   return ["", f"Nothing fits as asked; compiled, the first change that fits: {found['what']} (peak "
-          f"{_gib(found['peak_bytes_per_device'])} GiB)", f"  reproduce: {found['command']}", *tried]
+          f"{_gib(found['peak_bytes_per_device'])} GiB)", *code, f"  reproduce: {found['command']}", *tried]
 
 
 def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:

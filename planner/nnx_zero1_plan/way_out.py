@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from nnx_zero1_plan.levers import adds_memory
 from nnx_zero1_plan.request import command_line
 
 __all__ = ["Change", "changes_to_try", "find_way_out", "next_steps"]
@@ -81,7 +82,7 @@ def changes_to_try(meta: Mapping[str, Any], *, lever: str, batch_unit: int, rema
 
 
 def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], Mapping[str, Any]],
-                 command: Callable[[Change], str]) -> dict[str, Any]:
+                 command: Callable[[Change], str], code: Callable[[Change], str] | None = None) -> dict[str, Any]:
   """Compiles each change in order until one fits.
 
   Args:
@@ -89,18 +90,19 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
     compile_changed: compiles the step with a change made; returns its row (``fits``,
       ``peak_bytes_per_device``, ``error``).
     command: the planner's command for a change.
+    code: the code that trains with a change made (its lever's, as a recommendation prints it).
 
   Returns:
     ``{"tried": [...], "found": the first that fits or None}``; each tried entry has ``what``, ``command``,
-    ``fits``, ``peak_bytes_per_device`` and ``error``.
+    ``fits``, ``peak_bytes_per_device`` and ``error``; the one found has its ``code`` too.
 
   Example::
 
     >>> changes = [Change("smaller", {"batch": 4}), Change("offload", {"levers": ["offload"]})]
     >>> out = find_way_out(changes, lambda c: {"fits": "offload" in c.what, "peak_bytes_per_device": 1},
-    ...                    lambda c: f"plan {c.what}")
-    >>> [t["fits"] for t in out["tried"]], out["found"]["command"]
-    ([False, True], 'plan offload')
+    ...                    lambda c: f"plan {c.what}", lambda c: f"code of {c.settings['levers'][0]}")
+    >>> [t["fits"] for t in out["tried"]], out["found"]["command"], out["found"]["code"]
+    ([False, True], 'plan offload', 'code of offload')
   """
   tried = []
   for change in changes:
@@ -108,7 +110,8 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
     tried.append({"what": change.what, "command": command(change), "fits": bool(row.get("fits")),
                   "peak_bytes_per_device": row.get("peak_bytes_per_device"), "error": row.get("error")})
     if tried[-1]["fits"]:
-      return {"tried": tried, "found": tried[-1]}
+      found = dict(tried[-1], code=code(change)) if code is not None else tried[-1]
+      return {"tried": tried, "found": found}
   return {"tried": tried, "found": None}
 
 
@@ -120,7 +123,8 @@ def next_steps(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], lever
     rows: the plan's rows.
     meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``ga``, ...).
     levers: every lever the planner knows, lightest first.
-    blocked: the levers that cannot apply to this model, and why (they are not suggested).
+    blocked: the levers that cannot apply to this model, and why (they are not suggested, nor is a lever
+      that adds memory: :func:`nnx_zero1_plan.levers.adds_memory`).
     remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
     batch_unit: the batch axes' size: a micro-batch is a multiple of it.
 
@@ -139,7 +143,7 @@ def next_steps(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], lever
   tried = {r["lever"] for r in rows}
   base = next((r for r in rows if r["lever"] == "baseline" and r["opt_state_bytes_per_device"]), None)
   for name in levers:
-    if name in tried or name in blocked:
+    if name in tried or name in blocked or adds_memory(name):  # only what may make room
       continue
     saving = ""
     if name == "zero1" and base is not None:

@@ -266,6 +266,10 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   at = "python -m nnx_zero1.plan --model tunix:qwen3_8b --topology v5e:2x4 --mesh data=8,fsdp=1 --batch"
   assert steps[0] == f"the lever zero1-accum: {at} 32 --seq-len 1024 --ga 1 --levers zero1-accum --steps one"
   assert not [s for s in steps if "zero1-master" in s]  # a lever that cannot apply is not offered
+  # Nor one that adds memory (float32 masters), where it would apply: nothing fits, so only what makes room.
+  bf16 = next_steps(rows, meta, list(LEVERS), blocked={}, remat=None, batch_unit=8)
+  offered = {s.split(":")[0].removeprefix("the lever ") for s in bf16 if s.startswith("the lever ")}
+  assert offered and not offered & {"zero1-master", "zero1-pod-master-accum"}, offered
   assert steps[-3].startswith("zero1 comes closest, 1.00 GiB over") and "--mesh data=4,fsdp=2" in steps[-3]
   assert steps[-2].startswith("remat (recomputes") and steps[-2].endswith("--remat decoder")
   assert steps[-1].startswith("half the micro-batch") and f"{at} 16 --seq-len 1024 --ga 2" in steps[-1]
