@@ -23,7 +23,7 @@ from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import command_line
 
 __all__ = ["ORDER", "micro_batch_of", "fitted_at", "splits_nothing", "sent_bytes_of", "recommend",
-           "recompute_note", "baseline_beats", "why_picked", "plan_code"]
+           "recompute_note", "thin_note", "baseline_beats", "why_picked", "plan_code"]
 
 ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
          "fewest collective bytes sent per token (within 1%)",
@@ -89,6 +89,29 @@ def recompute_note(row: Mapping[str, Any], micro: int) -> str | None:
   return (f"{row['lever']} at micro-batch {micro} computes {points[micro] / 1e12:.2f} TFLOP per sequence per "
           f"device against {points[cheapest] / 1e12:.2f} at {cheapest}: {extra:+.0%} recompute, a larger "
           "micro-batch trades memory for it")
+
+
+_THIN = 0.01  # a pick leaving less than this share of the usable memory free is marked thin
+
+
+def thin_note(row: Mapping[str, Any], micro: int) -> str | None:
+  """Where a row at ``micro`` leaves less than 1% of the usable memory free, one sentence saying so: near its
+  limit the compiler's schedule lands within about 1.5% either side (DESIGN's sixth round), so a change of
+  model code or compiler version can tip it over; None otherwise, or where the figures are missing.
+
+  Example::
+
+    >>> row = {"lever": "zero1-pod", "hbm_bytes": 80 * 2**30, "headroom_bytes_per_device": 2**30 // 20}
+    >>> print(thin_note(row, 128).replace("; ", ";\\n"))
+    thin: zero1-pod at micro-batch 128 leaves 0.05 GiB of 80.00 GiB usable free (0.06%, under 1%);
+    near its limit the compiler lands within about 1.5% either side: a smaller micro-batch or --margin leaves room
+  """
+  room, usable = _headroom_at(row, micro), row.get("hbm_bytes")
+  if room is None or not usable or room >= _THIN * usable:
+    return None
+  return (f"thin: {row['lever']} at micro-batch {micro} leaves {room / 2**30:.2f} GiB of {usable / 2**30:.2f} "
+          f"GiB usable free ({room / usable:.2%}, under 1%); near its limit the compiler lands within about "
+          "1.5% either side: a smaller micro-batch or --margin leaves room")
 
 
 def splits_nothing(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> bool:
@@ -360,5 +383,6 @@ def recommend(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
           "order": list(ORDER),
           "baseline_beats": baseline_beats(same_step, meta["batch"]),
           "why": why_picked(best, rivals, best_micro),
-          "notes": [*unconfirmed, *skipped, *filter(None, [recompute_note(best, best_micro),
+          "notes": [*unconfirmed, *skipped, *filter(None, [thin_note(best, best_micro),
+                                                          recompute_note(best, best_micro),
                                                           narrowed_note(best["lever"])])]}

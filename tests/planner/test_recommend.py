@@ -284,3 +284,11 @@ def test_the_way_out_that_fits_comes_with_its_code_as_a_recommendation_does():
   code = lines[lines.index("  code:") + 1:lines.index("  reproduce: python -m nnx_zero1.plan ...")]
   assert code[-1].strip() == "optimizer = Zero1Optimizer(model, optax.lion(1e-6), mesh, offload_state_to_host=True)"
   assert code[0] == "    import jax, jax.numpy as jnp, optax" and "tried first: micro-batch 8" in lines[-1]
+
+
+def test_a_pick_within_one_percent_of_the_usable_memory_is_marked_thin():
+  thin = _row("zero1", peak=16 * G - G // 20, headroom_bytes_per_device=G // 20)
+  (note,) = [n for n in recommend([thin], META)["notes"] if n.startswith("thin:")]
+  assert note.startswith("thin: zero1 at micro-batch 8 leaves 0.05 GiB of 16.00 GiB usable free (0.31%")
+  roomy = _row("zero1", peak=15 * G, headroom_bytes_per_device=G)
+  assert not [n for n in recommend([roomy], META)["notes"] if n.startswith("thin:")]
