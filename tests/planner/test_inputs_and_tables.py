@@ -164,6 +164,24 @@ def test_bad_inputs_exit_2_with_one_line(capsys, argv, words):
   assert words in err and "\n" not in err
 
 
+def test_a_model_module_not_on_the_path_says_which_folder_to_put_on_pythonpath(tmp_path, monkeypatch):
+  from nnx_zero1_plan.models import model_source
+
+  (tmp_path / "work" / "moe_pkg").mkdir(parents=True)
+  (tmp_path / "work" / "moe_pkg" / "__init__.py").write_text("")
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(PlanError, match=re.escape(
+      "unknown model moe_pkg.model:build: No module named 'moe_pkg'; the planner imports moe_pkg by name: put "
+      f"the folder that holds moe_pkg/ (or moe_pkg.py) on PYTHONPATH (PYTHONPATH={tmp_path / 'work'})")):
+    model_source("moe_pkg.model:build")
+  # A missing import of the model's own module is the module's problem, not the path's: said as Python says it.
+  (tmp_path / "needs.py").write_text("import not_installed_anywhere\ndef build(): pass\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with pytest.raises(PlanError) as e:
+    model_source("needs:build")
+  assert "No module named 'not_installed_anywhere'" in str(e.value) and "PYTHONPATH" not in str(e.value)
+
+
 def test_traceback_shows_where_a_builder_raised_above_its_one_line(capsys):
   assert main(["--model", f"{TOYS}:tiny_lm_that_raises", "--topology", "v6e:2x2", "--traceback"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
