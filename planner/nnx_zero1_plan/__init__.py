@@ -55,9 +55,10 @@ __all__ = ["Plan", "Row", "PlanError", "PlanRequest", "AotUnavailable", "plan", 
 
 
 def compile_only_devices(topology: str, slices: int = 1) -> tuple[Any, ...]:
-  """The devices the planner compiles for: ``topology``'s chips, which compile but never run, to check a plan's
-  printed code on (its ``devices = jax.devices()`` line becomes ``devices = compile_only_devices(...)``, and
-  ``jax.jit(step).lower(...).compile()`` gives the figures the plan gave).
+  """The devices the planner compiles for: ``topology``'s chips, which compile but never run, to check a
+  plan's printed code on (its ``devices = jax.devices()`` line becomes
+  ``devices = compile_only_devices(...)``, and ``jax.jit(step).lower(...).compile()`` gives the figures the
+  plan gave).
 
   Makes this process a planning process: jax kept on its CPU backend (nothing runs here on an accelerator)
   and the compilers' environment set, so call it before jax has started any other backend.

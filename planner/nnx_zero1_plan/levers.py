@@ -13,7 +13,8 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Lever", "LEVERS", "adds_memory", "lever_blocker", "make_optimizer", "state_axes", "summed_over", "with_offload"]
+__all__ = ["Lever", "LEVERS", "adds_memory", "lever_blocker", "make_optimizer", "state_axes", "summed_over",
+           "with_offload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,8 @@ LEVERS: dict[str, Lever] = {
         "zero1-pod-accum with master_dtype=float32 (float32 masters split over every chip)", zero1=True,
         deferred=True, optimizer_options={"data_axis": ("replica", "data"), "master_dtype": "float32"}),
     # across_dtype: the float32 gradients' hop between slices or nodes in bfloat16, half its bytes; not
-    # bit-identical. Refused on bfloat16 parameters (lever_blocker): their gradients cross in bfloat16 already.
+    # bit-identical. Refused on bfloat16 parameters (lever_blocker): their gradients cross in bfloat16
+    # already.
     "zero1-accum-bf16across": Lever(
         "zero1-accum, its gradients all-reduced across slices or nodes in bfloat16", zero1=True,
         deferred=True,

@@ -102,16 +102,17 @@ def thin_note(row: Mapping[str, Any], micro: int) -> str | None:
   Example::
 
     >>> row = {"lever": "zero1-pod", "hbm_bytes": 80 * 2**30, "headroom_bytes_per_device": 2**30 // 20}
-    >>> print(thin_note(row, 128).replace("; ", ";\\n"))
+    >>> print(thin_note(row, 128).replace("; ", ";\\n").replace(": a", ":\\na"))
     thin: zero1-pod at micro-batch 128 leaves 0.05 GiB of 80.00 GiB usable free (0.06%, under 1%);
-    near its limit the compiler lands within about 1.5% either side: a smaller micro-batch or --margin leaves room
+    near its limit the compiler lands within about 1.5% either side:
+    a smaller micro-batch or --margin leaves room
   """
   room, usable = _headroom_at(row, micro), row.get("hbm_bytes")
   if room is None or not usable or room >= _THIN * usable:
     return None
-  return (f"thin: {row['lever']} at micro-batch {micro} leaves {room / 2**30:.2f} GiB of {usable / 2**30:.2f} "
-          f"GiB usable free ({room / usable:.2%}, under 1%); near its limit the compiler lands within about "
-          "1.5% either side: a smaller micro-batch or --margin leaves room")
+  return (f"thin: {row['lever']} at micro-batch {micro} leaves {room / 2**30:.2f} GiB of "
+          f"{usable / 2**30:.2f} GiB usable free ({room / usable:.2%}, under 1%); near its limit the "
+          "compiler lands within about 1.5% either side: a smaller micro-batch or --margin leaves room")
 
 
 def splits_nothing(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> bool:
@@ -305,8 +306,8 @@ def plan_code(meta: Mapping[str, Any], lever: str, offload_fraction: float | Non
     Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16
   """
   return lever_code(lever, str(meta.get("model", "")), offload_fraction, mesh or meta.get("mesh"),
-                    meta.get("optimizer", "adamw"), platform=_platform(meta), domains=meta.get("domains") or 1,
-                    activation_sharding=meta.get("activation_sharding"))
+                    meta.get("optimizer", "adamw"), platform=_platform(meta),
+                    domains=meta.get("domains") or 1, activation_sharding=meta.get("activation_sharding"))
 
 
 def _platform(meta: Mapping[str, Any]) -> str:

@@ -334,7 +334,8 @@ def way_out_lines(way_out: Mapping[str, Any] | None) -> list[str]:
            for t in before]
   if found is None:
     return ["", "Nothing fits as asked, and no change compiled fits either:", *tried]
-  code = ["  code:", *(f"    {line}".rstrip() for line in found["code"].splitlines())] if found.get("code") else []
+  code = ["  code:", *(f"    {line}".rstrip() for line in found.get("code", "").splitlines())]
+  code = code if len(code) > 1 else []
   return ["", f"Nothing fits as asked; compiled, the first change that fits: {found['what']} (peak "
           f"{_gib(found['peak_bytes_per_device'])} GiB)", *code, f"  reproduce: {found['command']}", *tried]
 

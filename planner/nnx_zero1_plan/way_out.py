@@ -82,7 +82,8 @@ def changes_to_try(meta: Mapping[str, Any], *, lever: str, batch_unit: int, rema
 
 
 def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], Mapping[str, Any]],
-                 command: Callable[[Change], str], code: Callable[[Change], str] | None = None) -> dict[str, Any]:
+                 command: Callable[[Change], str],
+                 code: Callable[[Change], str] | None = None) -> dict[str, Any]:
   """Compiles each change in order until one fits.
 
   Args:

@@ -53,8 +53,8 @@ def test_tpu_compiler_temporaries_one_micro_batch_as_one_program_two_add_one_acc
   from nnx_zero1_plan import compilers
 
   env = compilers.planning_environment(planner_env())
-  done = subprocess.run([sys.executable, "-m", "tests.support.accumulate_memory"], env=env, capture_output=True,
-                        text=True, timeout=600, check=True)
+  done = subprocess.run([sys.executable, "-m", "tests.support.accumulate_memory"], env=env,
+                        capture_output=True, text=True, timeout=600, check=True)
   got = json.loads(done.stdout.strip().splitlines()[-1])
   # Measured (libtpu 0.0.50.1): one program 194.1 MiB, one micro-batch 178.2, two 248.8, parameters 192.0.
   # A barrier over all gradients gave 250.8 and 411.5 (two copies of the gradients).

@@ -14,8 +14,8 @@ CALL = ("from nnx_zero1_plan import compile_only_devices\n"
 
 
 def run(topology: str, slices: int = 1) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-c", CALL.format(topology=topology, slices=slices)], env=planner_env(),
-                        capture_output=True, text=True, timeout=300)
+  return subprocess.run([sys.executable, "-c", CALL.format(topology=topology, slices=slices)],
+                        env=planner_env(), capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: ./planner[aot], Python >= 3.12 (CI lane 2)")
@@ -28,9 +28,11 @@ def test_two_v5e_slices_are_sixteen_chips_that_compile():
 @pytest.mark.skipif(HAS_LIBTPU, reason="the refusal of a process without libtpu (CI lane 1)")
 def test_without_the_compiler_it_says_what_to_install():
   done = run("v5e:2x4")
-  assert done.returncode != 0 and "AotUnavailable" in done.stderr and "pip install" in done.stderr, done.stderr
+  assert done.returncode != 0, done.stdout
+  assert "AotUnavailable" in done.stderr and "pip install" in done.stderr, done.stderr
 
 
 def test_an_unknown_topology_is_a_plan_error():
   done = run("h300:8")
-  assert done.returncode != 0 and "PlanError" in done.stderr and "unknown topology 'h300:8'" in done.stderr, done.stderr[-2000:]
+  assert done.returncode != 0, done.stdout
+  assert "PlanError" in done.stderr and "unknown topology 'h300:8'" in done.stderr, done.stderr[-2000:]

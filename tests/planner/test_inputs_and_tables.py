@@ -171,10 +171,10 @@ def test_a_model_module_not_on_the_path_says_which_folder_to_put_on_pythonpath(t
   (tmp_path / "work" / "moe_pkg" / "__init__.py").write_text("")
   monkeypatch.chdir(tmp_path)
   with pytest.raises(PlanError, match=re.escape(
-      "unknown model moe_pkg.model:build: No module named 'moe_pkg'; the planner imports moe_pkg by name: put "
-      f"the folder that holds moe_pkg/ (or moe_pkg.py) on PYTHONPATH (PYTHONPATH={tmp_path / 'work'})")):
+      "unknown model moe_pkg.model:build: No module named 'moe_pkg'; the planner imports moe_pkg by name: "
+      f"put the folder that holds moe_pkg/ (or moe_pkg.py) on PYTHONPATH (PYTHONPATH={tmp_path / 'work'})")):
     model_source("moe_pkg.model:build")
-  # A missing import of the model's own module is the module's problem, not the path's: said as Python says it.
+  # A missing import of the model's own module is the module's, not the path's: said as Python says it.
   (tmp_path / "needs.py").write_text("import not_installed_anywhere\ndef build(): pass\n")
   monkeypatch.syspath_prepend(str(tmp_path))
   with pytest.raises(PlanError) as e:

@@ -277,12 +277,14 @@ def test_the_way_out_that_fits_comes_with_its_code_as_a_recommendation_does():
   meta = {"model": "my_pkg.models:build", "topology": "v5e:2x4", "mesh": {"data": 8}, "optimizer": "lion"}
   changes = [Change("micro-batch 8", {"levers": ["zero1"], "batch": 8}),
              Change("the optimizer state in host memory", {"levers": ["offload"]})]
-  out = find_way_out(changes, lambda c: {"fits": c.settings["levers"] == ["offload"], "peak_bytes_per_device": 1},
+  fits = lambda c: {"fits": c.settings["levers"] == ["offload"], "peak_bytes_per_device": 1}
+  out = find_way_out(changes, fits,
                      lambda c: "python -m nnx_zero1.plan ...",
                      lambda c: plan_code(meta, c.settings["levers"][0], mesh=c.settings.get("mesh")))
   lines = way_out_lines(out)
   code = lines[lines.index("  code:") + 1:lines.index("  reproduce: python -m nnx_zero1.plan ...")]
-  assert code[-1].strip() == "optimizer = Zero1Optimizer(model, optax.lion(1e-6), mesh, offload_state_to_host=True)"
+  assert code[-1].strip() == ("optimizer = Zero1Optimizer(model, optax.lion(1e-6), mesh, "
+                              "offload_state_to_host=True)")
   assert code[0] == "    import jax, jax.numpy as jnp, optax" and "tried first: micro-batch 8" in lines[-1]
 
 

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import Zero1Optimizer, value_and_grad_accumulated
 
-D, F, LAYERS, SEQ, ROWS = 1024, 4096, 8, 256, 1  # 192 MiB of bf16 parameters; ROWS per replica and micro-batch
+D, F, LAYERS, SEQ, ROWS = 1024, 4096, 8, 256, 1  # 192 MiB of bf16 parameters; ROWS per replica, micro-batch
 
 
 class Block(nnx.Module):
@@ -54,7 +54,8 @@ def measure() -> dict:
   devices = topologies.get_topology_desc(topology_name="v5e:2x4", platform="tpu").devices
   mesh = Mesh(np.array(devices).reshape(8), ("data",), axis_types=(AxisType.Auto,))
   with jax.set_mesh(mesh):
-    model, opt = nnx.eval_shape(lambda: (m := Blocks(nnx.Rngs(0)), Zero1Optimizer(m, optax.adamw(1e-3), mesh)))
+    model = nnx.eval_shape(lambda: Blocks(nnx.Rngs(0)))
+    opt = nnx.eval_shape(lambda: Zero1Optimizer(model, optax.adamw(1e-3), mesh))
   graphdef, state = nnx.split((model, opt))
   shardings = jax.tree.map(lambda x: x.sharding or NamedSharding(mesh, P()), state)
   out = {"param_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))}
