@@ -95,7 +95,7 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
 
   Returns:
     ``{"tried": [...], "found": the first that fits or None}``; each tried entry has ``what``, ``command``,
-    ``fits``, ``peak_bytes_per_device`` and ``error``; the one found has its ``code`` too.
+    ``fits``, ``peak_bytes_per_device`` and ``error``; the one that fits (``found``) has its ``code`` too.
 
   Example::
 
@@ -111,8 +111,9 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
     tried.append({"what": change.what, "command": command(change), "fits": bool(row.get("fits")),
                   "peak_bytes_per_device": row.get("peak_bytes_per_device"), "error": row.get("error")})
     if tried[-1]["fits"]:
-      found = dict(tried[-1], code=code(change)) if code is not None else tried[-1]
-      return {"tried": tried, "found": found}
+      if code is not None:
+        tried[-1]["code"] = code(change)
+      return {"tried": tried, "found": tried[-1]}
   return {"tried": tried, "found": None}
 
 
