@@ -15,7 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from nnx_zero1 import Zero1Optimizer, bytes_per_device, report  # noqa: E402
@@ -42,7 +42,7 @@ def train_step(model, optimizer, x, y):
 
 
 def main(steps: int) -> None:
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))  # Auto: an nnx.Embed model trains too
   rng = np.random.default_rng(0)
   data = [(rng.standard_normal((64, 64), np.float32), rng.integers(0, 10, 64)) for _ in range(steps)]
   batch = NamedSharding(mesh, P("data"))

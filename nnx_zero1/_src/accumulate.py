@@ -135,11 +135,13 @@ def value_and_grad_accumulated(
     across_dtype: a narrower floating dtype (``jnp.bfloat16``) for the stages of
       the reduction over the slow axes: every data axis but the last one listed
       (``("replica", "data")``: ``replica``, across TPU slices or GPU nodes).
-      What crosses between slices or nodes is then half the bytes, rounded to
-      that dtype; inside them the sums keep the gradient's dtype. Not
-      bit-identical to the exact reduction (``docs/pods.md`` measures the loss).
-      Needs a data axis over several mesh axes and the deferred reduction; where
-      the slow axes have size 1 nothing crosses and nothing is rounded.
+      What crosses between slices or nodes is then half the bytes of float32
+      gradients, rounded to that dtype; inside them the sums keep the gradient's
+      dtype. Not bit-identical to the exact reduction (``docs/pods.md`` measures
+      the loss). Needs a data axis over several mesh axes, the deferred
+      reduction and a gradient wider than ``across_dtype`` (bfloat16 parameters'
+      gradients cross in bfloat16 already); where the slow axes have size 1
+      nothing crosses and nothing is rounded.
 
   Returns:
     ``(loss, grads)``: the mean loss over the batch (a replicated scalar) and
@@ -152,7 +154,8 @@ def value_and_grad_accumulated(
       (``strict``) a reduction that cannot be deferred, or ``shard_accumulator``
       with a plain ``nnx.Optimizer``, ``defer_reduction=False`` or gradients no
       replica can compute whole; ``across_dtype`` that is not a floating dtype,
-      with one data axis, or where the reduction cannot be deferred.
+      with one data axis, where the reduction cannot be deferred, or where no
+      gradient is wider than it (nothing to narrow).
   """
   zero1 = optimizer if isinstance(optimizer, Zero1Optimizer) else None
   if shard_accumulator:
@@ -171,7 +174,7 @@ def value_and_grad_accumulated(
     raise Zero1Error(f"data_axis={axes} does not include the axes the Zero1Optimizer splits its state over, "
                      f"{zero1.data_axis}; {describe_mesh(mesh)}")
   _check_micro_batches(batch, micro_batches, n, mesh)
-  across = _across(across_dtype, axes, mesh)
+  across = _across(across_dtype, axes, mesh, [x.dtype for x in jax.tree.leaves(pure_params)])
   one_device = zero1 is not None and zero1.zero1_plan.single_device
   if one_device:
     # Data-parallel size 1 (one device, no mesh): the one replica's program on the plan's
@@ -219,9 +222,9 @@ def _check_shard_accumulator(zero1: Zero1Optimizer | None, defer_reduction: bool
     )
 
 
-def _across(dtype: Any, axes: tuple[str, ...], mesh) -> Across:
+def _across(dtype: Any, axes: tuple[str, ...], mesh, grad_dtypes: list) -> Across:
   """The slow axes (every data axis but the last listed) and ``dtype`` for their stages, or
-  ``Zero1Error`` where a narrower dtype cannot apply."""
+  ``Zero1Error`` where a narrower dtype cannot apply (or would narrow nothing)."""
   if dtype is None:
     return EXACT
   try:
@@ -235,6 +238,12 @@ def _across(dtype: Any, axes: tuple[str, ...], mesh) -> Across:
         f"across_dtype={dtype.name} narrows the reduction over the slow axes of a data axis over several "
         f"mesh axes, the slow one first (data_axis=(\"replica\", \"data\")); the gradients are summed "
         f"over {axes} only; {describe_mesh(mesh)}")
+  if not any(jnp.dtype(g).itemsize > dtype.itemsize for g in grad_dtypes):
+    # A lever that sends the bytes it would send without it: refused, as state_dtype is on bf16 state.
+    raise Zero1Error(
+        f"across_dtype={dtype.name} narrows wider gradients across slices or nodes; these are "
+        f"{', '.join(sorted({jnp.dtype(g).name for g in grad_dtypes}))} already (the gradients have the "
+        f"parameters' dtype): leave across_dtype out; {describe_mesh(mesh)}")
   slow = frozenset(a for a in axes[:-1] if mesh.shape[a] > 1)
   return Across(slow, dtype) if slow else EXACT  # one slice or node: nothing crosses, nothing is rounded
 

@@ -143,6 +143,13 @@ def replica_value_and_grad(
   enter invariant over the data axes; cast to varying, the transpose does not
   psum their gradients, the very reduction this defers.
 
+  Each gradient is held whole (an optimization barrier per leaf) before it
+  joins an accumulator, and joins it as soon as the backward pass has it: a
+  barrier over all of them would keep every gradient alive until the last is
+  computed, a second copy of the accumulator's bytes (measured on the TPU
+  compiler: one micro-batch of a 4.4B bfloat16 model refused at 18.61G, then
+  compiled with 5.55 GiB of temporaries).
+
   Example::
 
     >>> import jax, jax.numpy as jnp
@@ -160,7 +167,8 @@ def replica_value_and_grad(
   # Whole gradients before they join an accumulator: XLA may otherwise fold the accumulator
   # into the backward pass's last scatter-add (a tied embedding's) in one program and not in
   # another, and the engine's kernel and a scan body would then add in different orders.
-  return loss, jax.lax.optimization_barrier(grads)
+  # One barrier per leaf, so no leaf waits for the others (see above).
+  return loss, jax.tree.map(jax.lax.optimization_barrier, grads)
 
 
 def defer(

@@ -51,7 +51,45 @@ from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
 
 __all__ = ["Plan", "Row", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "request_of",
-           "main"]
+           "main", "compile_only_devices"]
+
+
+def compile_only_devices(topology: str, slices: int = 1) -> tuple[Any, ...]:
+  """The devices the planner compiles for: ``topology``'s chips, which compile but never run, to check a
+  plan's printed code on (its ``devices = jax.devices()`` line becomes
+  ``devices = compile_only_devices(...)``, and ``jax.jit(step).lower(...).compile()`` gives the figures the
+  plan gave).
+
+  Makes this process a planning process: jax kept on its CPU backend (nothing runs here on an accelerator)
+  and the compilers' environment set, so call it before jax has started any other backend.
+
+  Args:
+    topology: a TPU slice (``v5e:2x4``) or NVIDIA GPUs (``h100:8``, ``h100:2x8``), as ``--topology``.
+    slices: TPU slices of ``topology`` joined over the data-center network, as ``--slices``.
+
+  Returns:
+    The devices, in the order the printed code's mesh lays them out.
+
+  Raises:
+    PlanError: an unknown topology.
+    AotUnavailable: its compiler is not installed (the message says what to install).
+    RuntimeError: a backend other than jax's CPU one has started in this process already.
+
+  Example::
+
+    from nnx_zero1_plan import compile_only_devices
+    devices = compile_only_devices("v5e:2x4", slices=2)   # 16 TPU v5e chips, compile only
+    mesh = jax.make_mesh((2, 8), ("replica", "data"), (AxisType.Auto,) * 2, devices=devices)
+  """
+  from nnx_zero1_plan.compilers import start_cpu_jax
+  from nnx_zero1_plan.gpu_chips import GPU_CHIPS
+  from nnx_zero1_plan.inputs import parse_topology
+  from nnx_zero1_plan.targets import make_target, require_compiler
+
+  parsed = parse_topology(topology, GPU_CHIPS)
+  require_compiler(parsed[0])
+  start_cpu_jax()
+  return make_target(topology, slices=slices, parsed=parsed).devices
 
 
 def plan(model: str | PlanRequest, topology: str | None = None, *,

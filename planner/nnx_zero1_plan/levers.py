@@ -13,7 +13,8 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Lever", "LEVERS", "lever_blocker", "make_optimizer", "state_axes", "summed_over", "with_offload"]
+__all__ = ["Lever", "LEVERS", "adds_memory", "lever_blocker", "make_optimizer", "state_axes", "summed_over",
+           "with_offload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,9 @@ LEVERS: dict[str, Lever] = {
     "zero1-pod-master-accum": Lever(
         "zero1-pod-accum with master_dtype=float32 (float32 masters split over every chip)", zero1=True,
         deferred=True, optimizer_options={"data_axis": ("replica", "data"), "master_dtype": "float32"}),
-    # across_dtype: the gradients' hop between slices or nodes in bfloat16, half its bytes; not bit-identical.
+    # across_dtype: the float32 gradients' hop between slices or nodes in bfloat16, half its bytes; not
+    # bit-identical. Refused on bfloat16 parameters (lever_blocker): their gradients cross in bfloat16
+    # already.
     "zero1-accum-bf16across": Lever(
         "zero1-accum, its gradients all-reduced across slices or nodes in bfloat16", zero1=True,
         deferred=True,
@@ -108,6 +111,10 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
     'zero1-master keeps float32 copies of narrower parameters; these are float32 already'
     >>> lever_blocker("zero1-bf16state", {"bfloat16"}) is None, lever_blocker("zero1", {"float32"}) is None
     (False, True)
+    >>> lever_blocker("zero1-accum-bf16across", {"bfloat16"}, domains=2).split(";")[0]
+    'zero1-accum-bf16across sends float32 gradients across slices or nodes in bfloat16'
+    >>> lever_blocker("zero1-accum-bf16across", {"float32"}, domains=2) is None
+    True
   """
   lever, dtypes = LEVERS[name], ", ".join(sorted(param_dtypes))
   one = "this target is one (--slices, h100:8x8)"
@@ -119,6 +126,27 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
     return f"{name} keeps float32 copies of narrower parameters; these are {dtypes} already"
   if lever.optimizer_options.get("state_dtype") == "bfloat16" and set(param_dtypes) <= {"bfloat16"}:
     return f"{name} stores the state in bfloat16; for {dtypes} parameters it is bfloat16 already"
+  if lever.accumulate_options.get("across_dtype") == "bfloat16" and set(param_dtypes) <= {"bfloat16"}:
+    # The gradients have the parameters' dtype: the narrowed hop would send the exact lever's bytes.
+    return (f"{name} sends float32 gradients across slices or nodes in bfloat16; {dtypes} parameters' "
+            f"gradients cross in bfloat16 already (the lever without -bf16across sends the same bytes)")
+  return None
+
+
+def adds_memory(name: str) -> str | None:
+  """What lever ``name`` adds to a device's memory over ``zero1`` (None: nothing), so that a plan in which
+  nothing fits never suggests it as a way to make room.
+
+  Example::
+
+    >>> adds_memory("zero1-master")
+    'float32 master copies of the parameters (split over the data axes)'
+    >>> adds_memory("offload") is None
+    True
+  """
+  if "master_dtype" in LEVERS[name].optimizer_options:
+    dtype = LEVERS[name].optimizer_options["master_dtype"]
+    return f"{dtype} master copies of the parameters (split over the data axes)"
   return None
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
+import pathlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,7 +36,8 @@ import optax
 from nnx_zero1_plan.inputs import ModelRef, PlanError, parse_model, shortened
 from nnx_zero1_plan.tunix_sharding import activation_fields, specs_for, tunix_constraints
 
-__all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "model_source", "next_token_loss", "tunix_loss"]
+__all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "model_source", "next_token_loss", "tunix_loss",
+           "where_to_find"]
 
 # Tunix's model families: (module, class); a configuration's name starts with its family's.
 TUNIX_FAMILIES = {
@@ -179,10 +182,36 @@ def _raised(what: str, e: Exception) -> PlanError:
                    " (--traceback shows where)")
 
 
+def where_to_find(module_name: str, error: ImportError, here: str | None = None) -> str:
+  """What to do about a model module Python cannot find: the folder to put on ``PYTHONPATH`` (one that
+  holds it, under ``here``, two levels deep at most, where there is one). Empty when the missing module is
+  not the model's own package (one of its imports: the error says which).
+
+  Example::
+
+    >>> missing = ModuleNotFoundError("No module named 'my_pkg'", name="my_pkg")
+    >>> print(where_to_find("my_pkg.models", missing, "/nowhere"))
+    ; the planner imports my_pkg by name: put the folder that holds my_pkg/ (or my_pkg.py) on PYTHONPATH
+  """
+  top = module_name.split(".")[0]
+  if not isinstance(error, ModuleNotFoundError) or error.name != top:
+    return ""
+  root = pathlib.Path(here or os.getcwd())
+  found = sorted({str(c.parent) for pattern in (f"{top}.py", f"{top}/__init__.py", f"*/{top}.py",
+                                                f"*/{top}/__init__.py", f"*/*/{top}.py")
+                  for c in root.glob(pattern)})
+  folder = found[0].removesuffix(f"/{top}") if found else None
+  where = f" (PYTHONPATH={folder})" if folder else ""
+  return (f"; the planner imports {top} by name: put the folder that holds {top}/ (or {top}.py) on "
+          f"PYTHONPATH{where}")
+
+
 def _function_source(module_name: str, function_name: str) -> ModelSource:
   try:
     function = getattr(importlib.import_module(module_name), function_name)
-  except (ImportError, AttributeError) as e:
+  except ImportError as e:
+    raise PlanError(f"unknown model {module_name}:{function_name}: {e}{where_to_find(module_name, e)}") from e
+  except AttributeError as e:
     raise PlanError(f"unknown model {module_name}:{function_name}: {e}") from e
   except Exception as e:  # the module's own code, run on import
     raise _raised(f"importing {module_name}", e) from e

@@ -25,17 +25,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS
-from nnx_zero1_plan.inputs import parse_topology
+from nnx_zero1_plan.inputs import PlanError, parse_topology
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, DEFAULT_STEP, command_line
 from nnx_zero1_plan.row import Point, Row
 
 __all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_batch_of", "fitted_at",
-           "figures_at", "splits_nothing",
-           "sent_bytes_of", "row_sent_bytes", "across_bytes_of", "host_bytes_of", "recommend",
-           "recompute_note",
-           "baseline_beats", "why_picked"]
+           "figures_at", "splits_nothing", "sent_bytes_of", "row_sent_bytes", "across_bytes_of",
+           "host_bytes_of", "recommend", "recompute_note", "thin_note", "baseline_beats", "why_picked", "plan_code"]
 
 ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
          "fewest collective bytes sent per token (within 1%)",
@@ -117,6 +115,32 @@ def recompute_note(row: Row, micro: int) -> str | None:
   return (f"{row.lever} at micro-batch {micro} computes {points[micro] / 1e12:.2f} TFLOP per sequence per "
           f"device against {points[cheapest] / 1e12:.2f} at {cheapest}: {extra:+.0%} recompute, a larger "
           "micro-batch trades memory for it")
+
+
+_THIN = 0.01  # a pick leaving less than this share of the usable memory free is marked thin
+
+
+def thin_note(row: Row, micro: int) -> str | None:
+  """Where a row at ``micro`` leaves less than 1% of the usable memory free, one sentence saying so: near its
+  limit the compiler's schedule lands within about 1.5% either side (DESIGN's sixth round), so a change of
+  model code or compiler version can tip it over; None otherwise, or where the figures are missing.
+
+  Example::
+
+    >>> from nnx_zero1_plan.row import Figures, Made
+    >>> row = Row("zero1-pod", "one", "h100:2x8", "H100", {"data": 16}, "m:f", 128,
+    ...           Figures(headroom_bytes_per_device=2**30 // 20), Made(depth=2), 81 * 2**30, 80 * 2**30, True)
+    >>> print(thin_note(row, 128).replace("; ", ";\\n").replace(": a", ":\\na"))
+    thin: zero1-pod at micro-batch 128 leaves 0.05 GiB of 80.00 GiB usable free (0.06%, under 1%);
+    near its limit the compiler lands within about 1.5% either side:
+    a smaller micro-batch or --margin leaves room
+  """
+  room, usable = figures_at(row, micro).headroom_bytes_per_device, row.usable_bytes
+  if room is None or not usable or room >= _THIN * usable:
+    return None
+  return (f"thin: {row.lever} at micro-batch {micro} leaves {room / 2**30:.2f} GiB of "
+          f"{usable / 2**30:.2f} GiB usable free ({room / usable:.2%}, under 1%); near its limit the "
+          "compiler lands within about 1.5% either side: a smaller micro-batch or --margin leaves room")
 
 
 def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
@@ -263,6 +287,29 @@ def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:
   return out
 
 
+def plan_code(meta: Mapping[str, Any], lever: str, offload_fraction: float | None = None,
+              mesh: Mapping[str, int] | None = None) -> str:
+  """The code that trains as the plan ``meta`` compiled with ``lever`` (:func:`lever_code`): its model,
+  mesh (or ``mesh``, a change's), optimizer and target; a recommendation's and a way out's.
+
+  Example::
+
+    >>> print(plan_code({"model": "maxtext:qwen3-0.6b", "mesh": {"data": 4}}, "zero1-bf16state"))
+    Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16
+  """
+  return lever_code(lever, str(meta.get("model", "")), offload_fraction, mesh or meta.get("mesh"),
+                    meta.get("optimizer", DEFAULT_OPTIMIZER), platform=_platform(meta),
+                    domains=meta.get("domains") or 1, activation_sharding=meta.get("activation_sharding"))
+
+
+def _platform(meta: Mapping[str, Any]) -> str:
+  """``"tpu"`` or ``"cuda"``: the plan's topology's platform (TPU where a plan names none)."""
+  try:
+    return parse_topology(str(meta.get("topology", "")), GPU_CHIPS)[0]
+  except PlanError:
+    return "tpu"
+
+
 def _ms(seconds: float | None) -> str:
   return "?" if seconds is None else f"{seconds * 1e3:,.1f} ms"
 
@@ -371,13 +418,11 @@ def _recommendation(best: Row, micro: int, step: str, meta: Mapping[str, Any], o
                  f"{micro_batch_of(r, meta['batch'])}" for r in same_step
                  if r.searched is not None and r.searched.search_unfinished
                  and not splits_nothing(r, same_step)]
-  platform = parse_topology(str(meta["topology"]), GPU_CHIPS)[0]
   offload = None if best.offloaded is None else best.offloaded.offload_fraction
   return Recommendation(
       lever=best.lever, step=step, micro_batch=micro, remat=best.remat,
-      code=lever_code(best.lever, str(meta["model"]), offload, meta.get("mesh"),
-                      meta.get("optimizer", DEFAULT_OPTIMIZER), platform=platform,
-                      domains=meta.get("domains") or 1, activation_sharding=meta.get("activation_sharding")),
+      code=plan_code(meta, best.lever, offload),
       cli=command_line(meta, levers=[best.lever], steps=[step], batch=micro, remat=best.remat),
       order=order, baseline_beats=tuple(baseline_beats(same_step, meta["batch"])), why=tuple(why),
-      notes=(*unconfirmed, *skipped, *filter(None, [recompute_note(best, micro), narrowed_note(best.lever)])))
+      notes=(*unconfirmed, *skipped, *filter(None, [thin_note(best, micro), recompute_note(best, micro),
+                                                    narrowed_note(best.lever)])))

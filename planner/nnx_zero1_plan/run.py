@@ -29,7 +29,7 @@ from nnx_zero1_plan.planned_model import (
   on_devices,
   refuse_blocked,
 )
-from nnx_zero1_plan.recommend import recommend
+from nnx_zero1_plan.recommend import plan_code, recommend
 from nnx_zero1_plan.request import STEPS, PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
@@ -162,7 +162,12 @@ def _way_out(compiler: RowCompiler, request: PlanRequest, planned: PlannedModel,
   changes = changes_to_try(asked, planned.axes, lever=lever, batch_unit=planned.batch_unit,
                            remat=planned.remat_hint, named_axes=planned.named,
                            host_memory=compiler.target.platform == "tpu")
-  return find_way_out(changes, compile_changed, command)
+
+  def code(change: Change) -> str:
+    r = change.request
+    return plan_code(meta, r.levers[0], mesh=r.mesh_sizes if r.mesh != asked.mesh else None)
+
+  return find_way_out(changes, compile_changed, command, code)
 
 
 def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:

@@ -311,17 +311,20 @@ _POD_NOTE = (
 
 
 def way_out_lines(way_out: WayOut | None) -> list[str]:
-  """When nothing fits, what was compiled to make room: the first change that fits, with its command, and the
-  changes before it that did not.
+  """When nothing fits, what was compiled to make room: the first change that fits, with its code and its
+  command, and the changes before it that did not.
 
   Example::
 
     >>> from nnx_zero1_plan.way_out import Tried
-    >>> found = Tried("remat block", "python -m nnx_zero1.plan ...", True, 2**33, None)
+    >>> found = Tried("remat block", "python -m nnx_zero1.plan ...", True, 2**33, None,
+    ...               "optimizer = Zero1Optimizer(...)")
     >>> out = WayOut((Tried("half the micro-batch", "...", False, None, "RESOURCE_EXHAUSTED"), found), found)
     >>> print("\\n".join(way_out_lines(out)))
     <BLANKLINE>
     Nothing fits as asked; compiled, the first change that fits: remat block (peak 8.00 GiB)
+      code:
+        optimizer = Zero1Optimizer(...)
       reproduce: python -m nnx_zero1.plan ...
       tried first: half the micro-batch: RESOURCE_EXHAUSTED
   """
@@ -332,8 +335,10 @@ def way_out_lines(way_out: WayOut | None) -> list[str]:
            for t in way_out.tried if not t.fits]
   if found is None:
     return ["", "Nothing fits as asked, and no change compiled fits either:", *tried]
+  code = ["  code:", *(f"    {line}".rstrip() for line in (found.code or "").splitlines())]
+  code = code if len(code) > 1 else []
   return ["", f"Nothing fits as asked; compiled, the first change that fits: {found.what} (peak "
-          f"{_gib(found.peak_bytes_per_device)} GiB)", f"  reproduce: {found.command}", *tried]
+          f"{_gib(found.peak_bytes_per_device)} GiB)", *code, f"  reproduce: {found.command}", *tried]
 
 
 def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
+from nnx_zero1_plan.levers import adds_memory
 from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.row import Row
 
@@ -43,13 +44,15 @@ class Change:
 
 @dataclasses.dataclass(frozen=True)
 class Tried:
-  """One change compiled: what it was, its command, whether it fits, its peak, or the refusal."""
+  """One change compiled: what it was, its command, whether it fits, its peak, or the refusal; the one that
+  fits, the code that trains with it (as a recommendation prints it)."""
 
   what: str
   command: str
   fits: bool
   peak_bytes_per_device: int | None
   error: str | None
+  code: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +119,7 @@ def changes_to_try(request: PlanRequest, mesh: Mapping[str, int], *, lever: str,
 
 
 def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], Row],
-                 command: Callable[[Change], str]) -> WayOut:
+                 command: Callable[[Change], str], code: Callable[[Change], str] | None = None) -> WayOut:
   """Compiles each change in order until one fits.
 
   Args:
@@ -125,9 +128,10 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
       :class:`~nnx_zero1_plan.inputs.PlanError` where the change cannot be planned (a micro-batch that does
       not split).
     command: the planner's command for a change.
+    code: the code that trains with a change made (its lever's, as a recommendation prints it).
 
   Returns:
-    The :class:`WayOut`: every change tried, and the first that fits (None: none did).
+    The :class:`WayOut`: every change tried, and the first that fits (None: none did), with its code.
   """
   tried = []
   for change in changes:
@@ -136,7 +140,8 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
       fits, peak, error = bool(row.fits), row.figures.peak_bytes_per_device, row.figures.error
     except PlanError as e:
       fits, peak, error = False, None, str(e)
-    tried.append(Tried(change.what, command(change), fits, peak, error))
+    written = code(change) if fits and code is not None else None
+    tried.append(Tried(change.what, command(change), fits, peak, error, written))
     if fits:
       return WayOut(tuple(tried), tried[-1])
   return WayOut(tuple(tried), None)
@@ -150,7 +155,8 @@ def next_steps(rows: Sequence[Row], meta: Mapping[str, Any], levers: Sequence[st
     rows: the plan's rows.
     meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``ga``, ...).
     levers: every lever the planner knows, lightest first.
-    blocked: the levers that cannot apply to this model, and why (they are not suggested).
+    blocked: the levers that cannot apply to this model, and why (they are not suggested, nor is a lever
+      that adds memory: :func:`nnx_zero1_plan.levers.adds_memory`).
     remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
     batch_unit: the batch axes' size: a micro-batch is a multiple of it.
   """
@@ -160,7 +166,7 @@ def next_steps(rows: Sequence[Row], meta: Mapping[str, Any], levers: Sequence[st
   tried = {r.lever for r in rows}
   base = next((r for r in rows if r.lever == "baseline" and r.figures.opt_state_bytes_per_device), None)
   for name in levers:
-    if name in tried or name in blocked:
+    if name in tried or name in blocked or adds_memory(name):  # only what may make room
       continue
     saving = ""
     if name == "zero1" and base is not None and base.figures.opt_state_bytes_per_device:

@@ -122,3 +122,23 @@ def test_where_it_cannot_apply_it_is_refused_and_nothing_changes(call, match):
     value_and_grad_accumulated(loss_fn, model, batch, micro_batches=2, optimizer=opt, **kwargs)
   for b, a in zip(before, leaves((nnx.state(model), nnx.state(opt))), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("param_dtype, across", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)],
+                         ids=["bfloat16-params", "float32-across"])
+def test_a_dtype_that_narrows_nothing_is_refused_and_nothing_changes(param_dtype, across):
+  """bfloat16 parameters' gradients cross in bfloat16 already: the lever would send the same bytes."""
+  mesh = pod()
+  with jax.set_mesh(mesh):
+    model = nnx.Linear(16, 16, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+    opt = Zero1Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param, data_axis=AXES)
+  batch = a_batch(mesh)
+  before = leaves((nnx.state(model), nnx.state(opt)))
+  name = jnp.dtype(param_dtype).name
+  refused = pytest.raises(Zero1Error, match=f"narrows wider gradients .* these are {name} already")
+  with jax.set_mesh(mesh), refused:
+    value_and_grad_accumulated(loss_fn, model, batch, micro_batches=2, optimizer=opt, data_axis=AXES,
+                               across_dtype=across)
+  for b, a in zip(before, leaves((nnx.state(model), nnx.state(opt))), strict=True):
+    np.testing.assert_array_equal(a, b)

@@ -378,6 +378,7 @@ def test_when_nothing_fits_the_first_change_that_fits_is_found_by_a_compile(tmp_
   assert found["peak_bytes_per_device"] <= result["meta"]["usable_bytes"]
   assert found == way_out["tried"][-1] and not any(t["fits"] for t in way_out["tried"][:-1])
   assert found["what"].startswith("micro-batch ") and "--levers zero1 " in found["command"]
+  assert "optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh)" in found["code"]  # its code
   # Its command reproduces it: the same change, planned alone, fits.
   words = found["command"].split()[3:]
   again = run_plan(tmp_path / "again", *words)

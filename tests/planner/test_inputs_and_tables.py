@@ -130,6 +130,11 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
                                    "zero1-master keeps float32 copies of narrower parameters"),
     (["--model", "tests.support.planner_toys:tiny_lm_bf16", "--levers", "zero1,zero1-bf16state"],
      "zero1-bf16state stores the state in bfloat16; for bfloat16 parameters it is bfloat16 already"),
+    # A lever that would send the bytes of another: refused before anything compiles, as bf16state is.
+    *[(["--model", f"{TOYS}:tiny_lm_bf16", "--slices", "2", "--levers", f"zero1-{lever}"],
+       f"--levers zero1-{lever} does not apply to {TOYS}:tiny_lm_bf16: zero1-{lever} sends float32 gradients "
+       "across slices or nodes in bfloat16; bfloat16 parameters' gradients cross in bfloat16 already")
+      for lever in ("accum-bf16across", "pod-accum-bf16across")],
     (["--remat", "block"], "--remat apply to tunix: models"),
     (["--margin", "1.5"], "--margin is the share of the memory to leave free"),
     # Pods: each wrong --slices its own answer, GPU nodes said one way, replica across the slices or nodes.
@@ -158,6 +163,24 @@ def test_bad_inputs_exit_2_with_one_line(capsys, argv, words):
   assert main(args) == 2
   err = capsys.readouterr().err.strip()
   assert words in err and "\n" not in err
+
+
+def test_a_model_module_not_on_the_path_says_which_folder_to_put_on_pythonpath(tmp_path, monkeypatch):
+  from nnx_zero1_plan.models import model_source
+
+  (tmp_path / "work" / "moe_pkg").mkdir(parents=True)
+  (tmp_path / "work" / "moe_pkg" / "__init__.py").write_text("")
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(PlanError, match=re.escape(
+      "unknown model moe_pkg.model:build: No module named 'moe_pkg'; the planner imports moe_pkg by name: "
+      f"put the folder that holds moe_pkg/ (or moe_pkg.py) on PYTHONPATH (PYTHONPATH={tmp_path / 'work'})")):
+    model_source("moe_pkg.model:build")
+  # A missing import of the model's own module is the module's, not the path's: said as Python says it.
+  (tmp_path / "needs.py").write_text("import not_installed_anywhere\ndef build(): pass\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with pytest.raises(PlanError) as e:
+    model_source("needs:build")
+  assert "No module named 'not_installed_anywhere'" in str(e.value) and "PYTHONPATH" not in str(e.value)
 
 
 def test_traceback_shows_where_a_builder_raised_above_its_one_line(capsys):
@@ -265,6 +288,10 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   at = "python -m nnx_zero1.plan --model tunix:qwen3_8b --topology v5e:2x4 --mesh data=8,fsdp=1 --batch"
   assert steps[0] == f"the lever zero1-accum: {at} 32 --seq-len 1024 --ga 1 --levers zero1-accum --steps one"
   assert not [s for s in steps if "zero1-master" in s]  # a lever that cannot apply is not offered
+  # Nor one that adds memory (float32 masters), where it would apply: nothing fits, so only what makes room.
+  bf16 = next_steps(rows, meta, list(LEVERS), blocked={}, remat=None, batch_unit=8)
+  offered = {s.split(":")[0].removeprefix("the lever ") for s in bf16 if s.startswith("the lever ")}
+  assert offered and not offered & {"zero1-master", "zero1-pod-master-accum"}, offered
   assert steps[-3].startswith("zero1 comes closest, 1.00 GiB over") and "--mesh data=4,fsdp=2" in steps[-3]
   assert steps[-2].startswith("remat (recomputes") and steps[-2].endswith("--remat decoder")
   assert steps[-1].startswith("half the micro-batch") and f"{at} 16 --seq-len 1024 --ga 2" in steps[-1]

@@ -278,3 +278,32 @@ def test_a_deferred_levers_code_for_a_tunix_model_gives_its_gradient_call():
       "  # each step: loss, grads = value_and_grad_accumulated(loss_fn, model, batch, micro_batches=GA, "
       "optimizer=trainer.optimizer, across_dtype=jnp.bfloat16, data_axis=('replica', 'data'))")
   assert "value_and_grad_accumulated" not in lever_code("zero1", "tunix:qwen3_0p6b", mesh={"data": 4})
+
+
+def test_the_way_out_that_fits_comes_with_its_code_as_a_recommendation_does():
+  from nnx_zero1_plan.recommend import plan_code
+  from nnx_zero1_plan.request import PlanRequest
+  from nnx_zero1_plan.table import way_out_lines
+  from nnx_zero1_plan.way_out import Change, find_way_out
+
+  meta = {"model": "my_pkg.models:build", "topology": "v5e:2x4", "mesh": {"data": 8}, "optimizer": "lion"}
+  asked = PlanRequest("my_pkg.models:build", "v5e:2x4", optimizer="lion", batch=16)
+  changes = [Change("micro-batch 8", dataclasses.replace(asked, levers="zero1", batch=8)),
+             Change("the optimizer state in host memory", dataclasses.replace(asked, levers="offload"))]
+  fits = lambda c: make_row(c.request.levers[0], fits=c.request.levers == ("offload",), peak_bytes_per_device=1)
+  out = find_way_out(changes, fits, lambda c: "python -m nnx_zero1.plan ...",
+                     lambda c: plan_code(meta, c.request.levers[0]))
+  lines = way_out_lines(out)
+  code = lines[lines.index("  code:") + 1:lines.index("  reproduce: python -m nnx_zero1.plan ...")]
+  assert code[-1].strip() == ("optimizer = Zero1Optimizer(model, optax.lion(1e-6), mesh, "
+                              "offload_state_to_host=True)")
+  assert code[0] == "    import jax, jax.numpy as jnp, optax" and "tried first: micro-batch 8" in lines[-1]
+  assert out.found is not None and out.found.code and not out.tried[0].code
+
+
+def test_a_pick_within_one_percent_of_the_usable_memory_is_marked_thin():
+  thin = _row("zero1", peak=16 * G - G // 20, headroom_bytes_per_device=G // 20)
+  (note,) = [n for n in recommend([thin], META).notes if n.startswith("thin:")]
+  assert note.startswith("thin: zero1 at micro-batch 8 leaves 0.05 GiB of 16.00 GiB usable free (0.31%")
+  roomy = _row("zero1", peak=15 * G, headroom_bytes_per_device=G)
+  assert not [n for n in recommend([roomy], META).notes if n.startswith("thin:")]
