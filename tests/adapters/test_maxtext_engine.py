@@ -501,3 +501,18 @@ def test_state_dtype_stores_the_moments_in_bfloat16_and_trains():
   after = jax.tree.leaves(params(engine))
   assert all(np.isfinite(a).all() for a in after)
   assert any(not np.array_equal(a, b) for a, b in zip(after, jax.tree.leaves(before), strict=True))
+
+
+@needs_maxtext
+def test_maxtext_without_deferral_reduces_in_every_micro_batch_and_only_inside():
+  """The planner's ``--maxtext-deferral off``: MaxText's own decision answers "not deferred" inside the
+  block (the engine as it was before it deferred the all-reduce), and its own answer again after."""
+  from nnx_zero1.adapters._compat import maxtext_defers_reduction, maxtext_reduction_not_deferred
+  from tests.support.maxtext_toys import tiny_config, tiny_mesh
+
+  config = tiny_config()
+  mesh = tiny_mesh(config)
+  assert maxtext_defers_reduction(config, mesh)  # the toys' pure data mesh, explicit: MaxText defers
+  with maxtext_reduction_not_deferred():
+    assert not maxtext_defers_reduction(config, mesh)
+  assert maxtext_defers_reduction(config, mesh)

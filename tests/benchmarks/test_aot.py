@@ -487,7 +487,7 @@ mesh = Mesh(devices, ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
 source = model_source("tunix:qwen3_8b", "bfloat16", "bfloat16")
 shape = StepShape(batch=8, seq_len=1024, ga=1, optimizer="adamw")
 rows = {lever: measured(lever, "one", source, mesh, shape, depth=1) for lever in ("baseline", "zero1")}
-print("RESULT " + json.dumps({k: [r["argument_bytes_per_device"], r["temp_bytes_per_device"], r["error"]]
+print("RESULT " + json.dumps({k: [r.argument_bytes_per_device, r.temp_bytes_per_device, r.error]
                               for k, r in rows.items()}), flush=True)
 """
 

@@ -72,6 +72,12 @@ def test_tpu_plan_saves_what_the_layout_rule_predicts_and_marks_an_estimate(tmp_
   # The split step's update program: Zero-1 updates a quarter of each moment and parameter per chip.
   flops = [rows[lever, "split"]["update_flops_per_device"] for lever in ("baseline", "zero1")]
   assert 0 < flops[1] < flops[0] / 2
+  # Every compiled row says how fast: the TPU compiler's cycles, walked; tokens per second follow from it.
+  for r in full["rows"]:
+    t = r["step_time"]
+    assert r["predicted_step_s"] > t["compute_s"] > 0 and t["source"].startswith("the TPU compiler's")
+    assert r["tokens_per_s_per_device"] == pytest.approx(8 * 64 / 4 / r["predicted_step_s"])
+    assert 0 < r["mfu"] < 1 and t["fast_s"] > 0 and t["unestimated_ops"] == 0
   reduced = run_plan(tmp_path / "reduced", "--topology", "v6e:2x2", "--steps", "one", "--estimate")
   assert reduced["recommendation"] is None  # nothing is recommended from an estimate
   one_program = [r for r in full["rows"] if r["step"] == "one"]
@@ -100,6 +106,14 @@ def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):
     assert rows[lever, "one"]["flops_per_device"] == rows[lever, "split"]["flops_per_device"] == (
         3 * 2 * 64 * 512 * 512 * 7)
   assert result["rows"][0]["device_kind"] == "NVIDIA H100 80GB HBM3"
+  # A GPU row's compute: XLA's GPU scheduler's own estimates, present and positive where it scheduled the
+  # program (one with collectives); the baseline's split update has none to schedule, and says so.
+  for r in result["rows"]:
+    if (r["lever"], r["step"]) == ("baseline", "split"):
+      assert r["predicted_step_s"] is None and "dumped no estimates" in r["time_absent"]
+    else:
+      assert r["predicted_step_s"] > r["step_time"]["compute_s"] > 0, (r["lever"], r["step"])
+      assert r["step_time"]["source"].startswith("XLA's GPU latency-hiding scheduler")
   # jax's GPU pool at its default 0.75 of what the CUDA context leaves, less the GPU's 256 MiB reserve
   assert result["meta"]["hbm_bytes"] == int(0.75 * (84_929_347_584 - 643_476_139))
   assert result["meta"]["usable_bytes"] == result["meta"]["hbm_bytes"] - 256 * 2**20
@@ -167,21 +181,21 @@ import nnx_zero1_plan.steps as steps
 
 lowered = {}
 compile_step = steps.compile_step
-def lower_too(lever, state, loss_fn, mesh, batch, seq_len, ga):  # the program each row compiles, as lowered
+def lower_too(lever, state, loss_fn, mesh, batch, seq_len, ga, compiler_options=None):  # each row's, lowered
   tokens = abstract_batch(lever, mesh, batch, seq_len, ga)
   with jax.set_mesh(mesh):
     text = step_jit(state.graphdef, state.shardings, tokens.sharding, lever, loss_fn, ga).lower(
         state.state, tokens).as_text()
   lowered.setdefault(option, []).append(sum('{"data", "fsdp"}' in line for line in text.splitlines()
                                             if "sharding_constraint" in line))
-  return compile_step(lever, state, loss_fn, mesh, batch, seq_len, ga)
+  return compile_step(lever, state, loss_fn, mesh, batch, seq_len, ga, compiler_options)
 measure.compile_step = lower_too  # where a row's compile looks it up
 plans = {}
 for option in ("default", "none"):
   plan = make_plan(PlanRequest("tunix:llama3_tiny", "v5e:2x2", mesh="data=2,fsdp=2", batch=8, seq_len=64,
                                levers="baseline,zero1", steps="one", tunix_sharding=option))
   plans[option] = {"meta": plan.meta["activation_sharding"],
-                   "rows": [[r["activation_sharding"], r["error"], r["peak_bytes_per_device"]]
+                   "rows": [[r.activation_sharding, r.figures.error, r.figures.peak_bytes_per_device]
                             for r in plan.rows]}
 print("RESULT " + json.dumps({"plans": plans, "lowered": lowered}))
 """
@@ -299,8 +313,15 @@ def test_a_search_on_8_h100_finds_the_edge_and_recommends_by_it(tmp_path):
     assert all(p["fits"] for b, p in probes.items() if b <= edge)  # the edge lies below the first failure
     # Near the edge the compiler's peaks wobble by MiB; across the search they rise with the batch.
     assert probes[8]["peak_bytes_per_device"] < probes[edge]["peak_bytes_per_device"]
+  # Every point the search compiled says how fast; the recommendation is the fastest point that fits.
+  fits = [p for p in rows["zero1"]["search"] if p["fits"]]
+  assert all(p["predicted_step_s"] > 0 and p["tokens_per_s_per_device"] > 0 for p in fits)
+  fastest = max(fits, key=lambda p: p["tokens_per_s_per_device"])
   best = result["recommendation"]
-  assert best["lever"] == "zero1" and best["micro_batch"] == rows["zero1"]["max_micro_batch"]
+  assert best["order"][1] == "most predicted tokens per second per device"
+  picked = next(p for p in fits if p["batch"] == best["micro_batch"])
+  assert best["lever"] == "zero1" and picked["tokens_per_s_per_device"] >= 0.98 * (
+      fastest["tokens_per_s_per_device"])
   assert best["cli"].startswith(f"python -m nnx_zero1.plan --model {TOYS}:tiny_lm --topology h100")
   assert f"--batch {best['micro_batch']} " in best["cli"] and best["lever"] in rows
 
