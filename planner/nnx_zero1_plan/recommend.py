@@ -33,7 +33,8 @@ from nnx_zero1_plan.row import Point, Row
 
 __all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_batch_of", "fitted_at",
            "figures_at", "splits_nothing", "sent_bytes_of", "row_sent_bytes", "across_bytes_of",
-           "host_bytes_of", "recommend", "recompute_note", "thin_note", "baseline_beats", "why_picked", "plan_code"]
+           "host_bytes_of", "recommend", "recompute_note", "thin_note", "baseline_beats", "why_picked",
+           "plan_code"]
 
 ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
          "fewest collective bytes sent per token (within 1%)",

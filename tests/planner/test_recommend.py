@@ -290,7 +290,8 @@ def test_the_way_out_that_fits_comes_with_its_code_as_a_recommendation_does():
   asked = PlanRequest("my_pkg.models:build", "v5e:2x4", optimizer="lion", batch=16)
   changes = [Change("micro-batch 8", dataclasses.replace(asked, levers="zero1", batch=8)),
              Change("the optimizer state in host memory", dataclasses.replace(asked, levers="offload"))]
-  fits = lambda c: make_row(c.request.levers[0], fits=c.request.levers == ("offload",), peak_bytes_per_device=1)
+  fits = lambda c: make_row(c.request.levers[0], fits=c.request.levers == ("offload",),
+                            peak_bytes_per_device=1)
   out = find_way_out(changes, fits, lambda c: "python -m nnx_zero1.plan ...",
                      lambda c: plan_code(meta, c.request.levers[0]))
   lines = way_out_lines(out)
