@@ -183,3 +183,34 @@ def test_within_two_percent_the_headroom_decides_and_an_untimed_plan_keeps_the_m
   assert best.lever == "zero1" and "within 2%" in why[0]
   untimed = [_row("baseline", 8, None, 5), _row("zero1", 8, None, 9)]
   assert by_throughput(untimed) is None and recommend(untimed, _META).order == ORDER
+
+
+_CHIP_NAMES = {"v5e": ["v5e"], "v6e": ["v6e"], "v5p": ["v5p"], "A100": ["a100-80g"],
+               "H100, H200": ["h100", "h200"], "B200": ["b200"]}
+
+
+def _tflops(words: str) -> float:
+  return float(words.split()[0].replace(",", "")) * 1e12
+
+
+def test_each_chips_compute_figures_are_docs_planners_public_figures_in_words():
+  """The peaks, matrix units, ports and host links the time model divides by, against docs/planner.md's
+  table of the public figures as the makers word them, converted here."""
+  from tests.support.docs_tables import table_under
+
+  rows = table_under("docs/planner.md", "| chip | bf16 peak, dense |")
+  assert {r[0] for r in rows} == set(_CHIP_NAMES)
+  checked = set()
+  for chip, bf16, f32, units, ports, host in rows:
+    for name in _CHIP_NAMES[chip]:
+      c = CHIPS[name].compute
+      assert c.peak_flops_per_s["bfloat16"] == _tflops(bf16), name
+      f32_peak = _tflops(bf16) if f32 == "as bf16 passes" else _tflops(f32)
+      assert c.peak_flops_per_s["float32"] == f32_peak, name
+      count, side = (None, None) if units == "-" else (int(units.split(" x ")[0]), int(units.split("x")[-1]))
+      assert c.mxu_flops_per_cycle == (None if count is None else count * side * side * 2), name
+      assert c.ports == (0 if ports == "-" else int(ports)), name
+      both = None if host == "-" else float(host.split()[1]) * 1e9
+      assert c.host_bytes_per_s == (None if both is None else both / 2), name
+      checked.add(name)
+  assert checked == set(CHIPS)
