@@ -7,7 +7,10 @@ and reads the allocator's peak (``Device.memory_stats()``). Each micro-batch
 runs in a fresh child process, so each peak is that step's alone. It is the
 evidence for the planner's margin: what the run time holds beyond the
 compiler's figure, and whether a step the compiler's figure puts under the
-memory pool runs.
+memory pool runs. The same compile asks XLA's GPU scheduler for its schedule,
+so each row also carries the planner's predicted step time for that very
+program (:func:`nnx_zero1_plan.step_time.step_time`) beside the median of its
+steady-state steps.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 python -m benchmarks.limit \\
         --model examples.planner_decoder:build --batch 8,16,24 --out bench_out/limit
@@ -20,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,23 +38,28 @@ def _device_stats(device: Any) -> dict[str, int]:
   return {k: int(stats[k]) for k in _STATS if k in stats}
 
 
-def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: str, steps: int = 3
+def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: str, steps: int = 12
             ) -> dict[str, Any]:
   """One lever's step at ``batch`` on this process's devices: compiled, run ``steps`` times, measured.
 
   Returns:
     The compiler's figures (:func:`nnx_zero1_plan.compiled.memory`, bytes per device), the allocator's
-    (``memory_stats()`` before the compile and after the run), the step's median time, and the
-    run's error in one line (None when every step ran).
+    (``memory_stats()`` before the compile and after the run), the step's median time over the steps after
+    the first, the planner's prediction for the same compiled program (``predicted_ms``, None where the
+    compiler gave no estimate, with ``time_absent``), and the run's error in one line (None when every step
+    ran).
   """
   import jax
   import numpy as np
   from flax import nnx
   from jax.sharding import AxisType, Mesh
 
+  from nnx_zero1_plan.chips import CHIPS
   from nnx_zero1_plan.compiled import memory
+  from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
   from nnx_zero1_plan.levers import LEVERS, make_optimizer
   from nnx_zero1_plan.models import model_source
+  from nnx_zero1_plan.step_time import step_time
   from nnx_zero1_plan.steps import OPTIMIZERS, abstract_batch, lever_state, step_jit
 
   devices = jax.devices()
@@ -72,10 +81,19 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
                          "before_compile": _device_stats(device)}
   step = step_jit(abstract.graphdef, abstract.shardings, spec.sharding, lever, source.loss_fn, 1)
   start = time.perf_counter()
-  with jax.set_mesh(mesh):
-    compiled = step.lower(state, tokens).compile()
+  with tempfile.TemporaryDirectory() as schedule, jax.set_mesh(mesh):
+    compiled = step.lower(state, tokens).compile(dump_options(schedule))
+    scheduled = scheduled_seconds(schedule)
   row["compile_s"] = round(time.perf_counter() - start, 1)
   row["compiler"] = memory(compiled)
+  chip = next((c for c in CHIPS.values() if c.gpu and c.gpu.description == device.device_kind), None)
+  if chip is not None:
+    predicted = step_time([("step", compiled.as_text(), 1)], chip, devices=len(devices),
+                          tokens_per_device=batch * seq_len / len(devices), compute_dtype="bfloat16",
+                          scheduled=scheduled)
+    row["predicted_ms"] = None if predicted["predicted_step_s"] is None else round(
+        1000 * predicted["predicted_step_s"], 2)
+    row["time_absent"] = predicted["time_absent"]
   times, row["run_error"] = [], None
   try:
     for _ in range(steps):
@@ -95,7 +113,8 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
 def _table(rows: Sequence[dict[str, Any]]) -> str:
   gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"
   head = ("mem fraction", "micro-batch", "args", "temp", "args+out-alias+temp", "compiler's peak", "xla_peak",
-          "pool (bytes_limit)", "run peak", "run peak - args+out-alias+temp", "ran", "step ms")
+          "pool (bytes_limit)", "run peak", "run peak - args+out-alias+temp", "ran", "step ms",
+          "predicted ms")
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     if "compiler" not in r:
@@ -107,7 +126,8 @@ def _table(rows: Sequence[dict[str, Any]]) -> str:
         str(r["mem_fraction"]), str(r["batch"]), gib(c["argument"]), gib(c["temp"]), gib(c["formula_peak"]),
         gib(c["peak"]), gib(c["xla_peak"]), gib(after.get("bytes_limit")),
         gib(peak), gib(None if peak is None else peak - c["formula_peak"]),
-        "yes" if r["run_error"] is None else "NO: " + r["run_error"][:80], str(r["step_ms"])]) + " |")
+        "yes" if r["run_error"] is None else "NO: " + r["run_error"][:80], str(r["step_ms"]),
+        str(r.get("predicted_ms"))]) + " |")
   return "\n".join(lines)
 
 

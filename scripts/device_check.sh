@@ -4,8 +4,9 @@
 #   OUT=/tmp/device scripts/device_check.sh      # then commit $OUT/* under docs/data/
 #
 # Each measurement writes its folder: the command, its stdout and stderr, the versions. About 6 minutes on
-# one H200: the compiler's figure against the allocator (two memory pools) and the wrapper at dp=1 with XLA's
-# deterministic ops (bench_accelerator.sh sets the flag on GPU hosts).
+# one H200: the compiler's figure against the allocator (two memory pools), each step's median time against
+# the planner's predicted time for the same compiled program (benchmarks.limit's "step ms" and "predicted ms"),
+# and the wrapper at dp=1 with XLA's deterministic ops (bench_accelerator.sh sets the flag on GPU hosts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out/device}
