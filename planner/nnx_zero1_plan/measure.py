@@ -177,6 +177,12 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
   return timed(figures, programs, shape, timing, scheduled)
 
 
+def _config_layers(figures: Figures) -> int | None:
+  """A MaxText row's layers, as its config chose them (MaxText compiles whole; None for another model)."""
+  layers = (figures.maxtext_config or {}).get("num_decoder_layers")
+  return None if layers is None else int(layers)
+
+
 _ESTIMATED_TIME = "an estimate: its time extrapolated per layer, its parts and MFU not"
 
 
@@ -185,7 +191,8 @@ def _at_depths(lever: str, step: str, source: Any, depths: Sequence[int] | None,
   """The lever's figures compiled whole (no ``depths``), or at the two ``depths`` and extrapolated to the
   full depth (a refusal at either is the row's), and how they were made."""
   if not depths:
-    return measured(lever, step, source, mesh, shape, None, progress, timing), Made(depth=source.full_depth)
+    figures = measured(lever, step, source, mesh, shape, None, progress, timing)
+    return figures, Made(depth=source.full_depth or _config_layers(figures))
   d1, d2 = depths
   r1 = measured(lever, step, source, mesh, shape, d1, progress, timing)
   r2 = measured(lever, step, source, mesh, shape, d2, progress, timing) if not r1.error else r1
