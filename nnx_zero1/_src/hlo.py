@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 __all__ = [
     "COLLECTIVES", "TRANSFERS", "Counts", "shape_bytes", "collectives", "loop_collectives", "collective_ops",
-    "per_call", "partitions", "host_transfers", "loop_host_transfers", "condition_trip_count",
+    "per_call", "partitions", "host_transfers", "loop_host_transfers", "condition_trip_count", "result_bytes",
 ]
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
@@ -86,7 +86,7 @@ def shape_bytes(shape: str, *, second_half: bool = False) -> int:
   return sum(_array_bytes(dtype, dims) for dtype, dims in arrays)
 
 
-def _result_bytes(shape: str, op: str, start: bool) -> int:
+def result_bytes(shape: str, op: str, start: bool) -> int:
   """Bytes a collective produces on one device, from its HLO shape.
 
   A synchronous collective's shape is its result. An async ``all-gather-start``'s
@@ -96,9 +96,9 @@ def _result_bytes(shape: str, op: str, start: bool) -> int:
 
   Example::
 
-    >>> _result_bytes("((bf16[8]{0}), bf16[8]{0})", "all-reduce", start=True)  # GPU
+    >>> result_bytes("((bf16[8]{0}), bf16[8]{0})", "all-reduce", start=True)  # GPU
     16
-    >>> _result_bytes("f32[8]{0}", "all-reduce", start=True)  # CPU
+    >>> result_bytes("f32[8]{0}", "all-reduce", start=True)  # CPU
     32
   """
   if start and op == "all-reduce" and shape.startswith("(("):
@@ -214,7 +214,7 @@ def collective_ops(lines: list[str]) -> Iterator[tuple[str, int, str]]:
       continue
     m = _OP.match(line)
     if m:
-      yield m["op"], _result_bytes(m["shape"], m["op"], bool(m["start"])), line
+      yield m["op"], result_bytes(m["shape"], m["op"], bool(m["start"])), line
 
 
 def _count(lines: list[str], times: int, out: Counts) -> None:

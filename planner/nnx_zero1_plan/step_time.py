@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nnx_zero1._src.hlo import computations, condition_trip_count, shape_bytes
+from nnx_zero1._src.hlo import computations, condition_trip_count, result_bytes, shape_bytes
 from nnx_zero1._src.traffic import group_size, ring_sent, with_fused_groups
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
@@ -161,18 +161,15 @@ class _Walk:
 
 
 def _collective_seconds(op: str, shape: str, line: str, devices: int, rates: Rates, start: bool) -> float:
-  """One collective's time: the bytes one device sends for it by a ring, over its network's rate."""
+  """One collective's time: the bytes one device sends for it by a ring (a permute sends its buffer to one
+  peer), over its network's rate."""
   n = group_size(line, devices)
   if n <= 1:
     return 0.0
-  if start and op in ("all-gather", "collective-permute", "all-to-all"):
-    result = shape_bytes(shape, second_half=True)  # an async start's shape is (operands, results)
-  elif start and op == "all-reduce" and shape.startswith("(("):
-    result = shape_bytes(shape) // 2  # XLA's GPU form: ((operands), results)
-  else:
-    result = shape_bytes(shape)
-  basis = op if op in ("all-reduce", "all-gather", "reduce-scatter") else "all-gather"
-  return ring_sent(basis, result, n) / rates.network_bytes_per_s(n)
+  result = result_bytes(shape, op, start)  # an async start's shape holds its operands too
+  sent = result if op == "collective-permute" else ring_sent(
+      op if op in ("all-reduce", "reduce-scatter") else "all-gather", result, n)
+  return sent / rates.network_bytes_per_s(n)
 
 
 def _host_copy(shape: str) -> bool:

@@ -74,6 +74,15 @@ def test_an_async_collective_overlaps_the_compute_scheduled_inside_it(between):
   assert t.total_s == pytest.approx(max(collective, between / CLOCK))
 
 
+def test_an_async_starts_operands_are_not_counted_as_its_result():
+  # XLA's GPU form: reduce-scatter-start's shape is ((operands), (results)); each device sends (n-1) results.
+  t = program_time(_module([
+      "  %rs = ((f32[256]{0}, f32[512]{0}), (f32[64]{0}, f32[128]{0})) reduce-scatter-start(%p, %q), "
+      "replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add",
+      "  %d = (f32[64]{0}, f32[128]{0}) reduce-scatter-done(%rs)"]), _rates())
+  assert t.collective_s == pytest.approx((64 + 128) * 4 * 3 / RING)
+
+
 def test_collectives_share_the_network_one_after_another():
   t = program_time(_module([
       "  %a = f32[256]{0} all-reduce-start(%p), replica_groups={{0,1}}, to_apply=%add",
