@@ -160,16 +160,17 @@ def test_the_slow_network_arithmetic_is_the_formula_and_the_kept_toy_plan_within
   assert int(body[-1][2].replace(",", "")) == (k - 1) / k * 4 * p / d
 
 
-# The seed's measured steps (issue 60; shared/DESIGN.md, eighth round), the figures the plan is checked against.
+# The seed's measured steps (issue 60; shared/DESIGN.md, eighth round): what the plan is checked against.
 _SEED_MEASURED_MS = {"baseline": 593.1, "deferred gradient all-reduce": 437.6, "Zero-1": 597.3,
                      "deferred + Zero-1": 437.5}
 
 
 def test_the_seeds_four_arms_are_the_kept_plans_and_the_docs_say_how_far_each_is():
-  """docs/planner.md's table of the seed's arms: each predicted step is its kept plan's row, each measured step
-  the seed's, each ratio their quotient; and what the issue asks of the model, as far as it holds: the deferred
-  arms within 10% of their measured steps, each deferred arm at least 20% faster than its non-deferred one
-  (measured: 26%), Zero-1 within 2% of its baseline in both pairs (measured: +0.7%, -0.02%)."""
+  """docs/planner.md's table of the seed's arms: each predicted step is its kept plan's row, each measured
+  step the seed's, each ratio their quotient; and what the issue asks of the model, as far as it holds: the
+  deferred arms within 10% of their measured steps, each deferred arm at least 20% faster than its
+  non-deferred one (measured: 26%), Zero-1 within 2% of its baseline in both pairs (measured: +0.7%,
+  -0.02%)."""
   from tests.support.docs_tables import table_under
 
   kept = "docs/data/maxtext_qwen3_0p6b_v6e_seed"
