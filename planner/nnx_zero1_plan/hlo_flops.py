@@ -28,8 +28,7 @@ _CALLS = re.compile(r"(?:calls|body)=%?(?P<callee>[\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
 _CONDITION = re.compile(r"\bcondition=%?(?P<name>[\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
-_WINDOW = re.compile(r"window=\{size=(?P<size>[\dx]+)(?: pad=(?P<pad>[\d_x\-]+))?"
-                     r"(?: stride=(?P<stride>[\dx]+))?")
+_WINDOW = re.compile(r"window=\{(?P<spec>[^}]*)\}")
 _LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->")
 
 
@@ -42,6 +41,26 @@ def _dims(shape: str) -> tuple[int, ...] | None:
 
 def _operands(args: str) -> list[str]:
   return [a.strip().lstrip("%") for a in args.split(")")[0].split(",")]
+
+
+def _window(spec: str) -> list[tuple[int, int, int, tuple[int, int], bool]]:
+  """A convolution's window, per spatial dimension: (dimension, size, stride, (low, high) padding, dilated).
+
+  Example::
+
+    >>> _window("size=1x16 pad=0_0x15_15 rhs_reversal=0x1")
+    [(0, 1, 1, (0, 0), False), (1, 16, 1, (15, 15), False)]
+  """
+  fields = dict(f.split("=", 1) for f in spec.split() if "=" in f)
+  if "size" not in fields:
+    return []
+  sizes = [int(d) for d in fields["size"].split("x")]
+  strides = [int(d) for d in fields["stride"].split("x")] if "stride" in fields else [1] * len(sizes)
+  pads = ([tuple(int(p) for p in pad.split("_")) for pad in fields["pad"].split("x")] if "pad" in fields
+          else [(0, 0)] * len(sizes))
+  dilated = any(k in fields for k in ("lhs_dilate", "rhs_dilate"))
+  return [(d, k, s, (pad[0], pad[1]), dilated)
+          for d, (k, s, pad) in enumerate(zip(sizes, strides, pads, strict=True))]
 
 
 def _flops(op: str, line: str, args: str, result: tuple[int, ...] | None,
@@ -61,18 +80,17 @@ def _flops(op: str, line: str, args: str, result: tuple[int, ...] | None,
   labels, window = _LABELS.search(line), _WINDOW.search(line)
   if lhs is None or rhs is None or labels is None or "i" not in labels["rhs"]:
     return 0
-  taps = 1
-  if window:  # per spatial dimension, the (output, kernel) pairs that land on the input, not its padding
-    sizes = [int(d) for d in window["size"].split("x")]
-    pads = [tuple(int(p) for p in pad.split("_")) for pad in (window["pad"] or "").split("x") if pad]
-    strides = [int(d) for d in (window["stride"] or "").split("x") if d] or [1] * len(sizes)
-    for dim, (k, stride) in enumerate(zip(sizes, strides, strict=True)):
-      n = lhs[labels["lhs"].index(str(dim))]
-      low, high = pads[dim] if pads else (0, 0)
-      outputs = (n + low + high - k) // stride + 1
-      taps *= sum(min(k, n + low - p * stride) - max(0, low - p * stride) for p in range(outputs)) // outputs
+  taps = 1.0
+  for dim, k, stride, (low, high), dilated in _window(window["spec"] if window else ""):
+    n = lhs[labels["lhs"].index(str(dim))]
+    outputs = (n + low + high - k) // stride + 1
+    if dilated or outputs < 1:  # a dilated window's taps are not read off its padding: count them all
+      taps *= k
+      continue
+    # The (output, kernel) pairs that land on the input, not its padding, per output.
+    taps *= sum(min(k, n + low - p * stride) - max(0, low - p * stride) for p in range(outputs)) / outputs
   # The kernel's input features are per group already (a grouped convolution's kernel holds 1/groups of them).
-  return 2 * math.prod(result) * taps * rhs[labels["rhs"].index("i")]
+  return round(2 * math.prod(result) * taps * rhs[labels["rhs"].index("i")])
 
 
 def dot_flops(hlo: str) -> int:
