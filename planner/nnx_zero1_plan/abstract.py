@@ -46,6 +46,25 @@ def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
   return {kind: abstract_bytes_per_device(leaves) for kind, leaves in sorted(by_kind.items())}
 
 
+def bytes_by_dtype(tree: Any) -> dict[str, int]:
+  """Per-device bytes of a tree of sharded ``ShapeDtypeStruct``s by dtype, its arrays only (a step count is
+  not a moment): what the table says the optimizer state is stored in.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> leaf = lambda dtype: jax.ShapeDtypeStruct((4, 4), dtype, sharding=NamedSharding(mesh, P()))
+    >>> bytes_by_dtype({"mu": leaf(jnp.bfloat16), "nu": leaf(jnp.float32), "count": jnp.zeros((), jnp.int32)})
+    {'bfloat16': 32, 'float32': 64}
+  """
+  by_dtype: dict[str, list[Any]] = {}
+  for x in jax.tree.leaves(tree):
+    if getattr(x, "ndim", 0):
+      by_dtype.setdefault(str(x.dtype), []).append(x)
+  return {dtype: abstract_bytes_per_device(leaves) for dtype, leaves in sorted(by_dtype.items())}
+
+
 def state_split(tree: Any, data_axes: tuple[str, ...]) -> dict[str, float]:
   """The share of a state's bytes split over each combination of ``data_axes`` (``"none"``: not split over
   any of them), from the ``ShapeDtypeStruct``s' shardings: what a plan's row says its layout splits.

@@ -153,7 +153,7 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
   from maxtext.training_engine import maxtext_engine_compile as mec
 
   from nnx_zero1.adapters._compat import maxtext_reduction_not_deferred, unreduced_grad_shardings
-  from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_memory_kind
+  from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, bytes_by_memory_kind
   from nnx_zero1_plan.compiled import (
     collectives_of,
     cost,
@@ -189,6 +189,7 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
   figures = dataclasses.replace(
       row_figures(mem, counts, cost(kernels["update"])), opt_state_bytes_per_device=by_kind.get("device", 0),
       opt_state_bytes_by_memory_kind=by_kind,
+      opt_state_bytes_by_dtype=bytes_by_dtype(nnx.state(engine.optimizer.opt_state)),
       param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)), compile_s=seconds,
       maxtext_config={**{k: str(getattr(config, k)) for k in _REPORTED},
                       "deferred_all_reduce": str(deferred)})

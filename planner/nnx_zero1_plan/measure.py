@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from nnx_zero1_plan.abstract import abstract_bytes_per_device, state_split
+from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, state_split
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.compiled import (
   collectives_of,
@@ -149,6 +149,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     by_kind = state.opt_state_bytes_by_memory_kind
     state_figures = {
         "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
+        "opt_state_bytes_by_dtype": bytes_by_dtype(state.state[1]),
         "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
         "state_split": {"axes": list(state_axes(lever)),
                         "share": state_split(state.state[1], state_axes(lever))}}

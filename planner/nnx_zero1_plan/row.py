@@ -68,6 +68,8 @@ class Figures:
   Attributes:
     opt_state_bytes_per_device: the optimizer state in device memory.
     opt_state_bytes_by_memory_kind: the optimizer state by memory kind (``device``, ``pinned_host``).
+    opt_state_bytes_by_dtype: the optimizer state's arrays by the dtype they are stored in (optax keeps a
+      bfloat16 parameter's moments in bfloat16: 4 bytes per parameter for adamw, not 8).
     param_bytes_per_device: the parameters.
     state_split: the axes the lever splits the state over and the share of its bytes split over each.
     argument_bytes_per_device: the step's arguments (for two programs, the gradient program's and the
@@ -99,6 +101,7 @@ class Figures:
 
   opt_state_bytes_per_device: int | None = _figure(per_layer=True)
   opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _figure(per_layer=True)
+  opt_state_bytes_by_dtype: Mapping[str, int] | None = _figure(per_layer=True)
   param_bytes_per_device: int | None = _figure(per_layer=True)
   state_split: Mapping[str, Any] | None = _figure()
   argument_bytes_per_device: int | None = _figure(per_layer=True)

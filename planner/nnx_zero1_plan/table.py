@@ -12,13 +12,14 @@ from nnx_zero1_plan.row import Point, Row
 from nnx_zero1_plan.time_report import search_lines, time_lines
 from nnx_zero1_plan.way_out import WayOut
 
-__all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "time_cells",
+__all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "dtype_cell",
+           "time_cells",
            "header",
            "cells", "edge_cells", "split_words", "way_out_lines", "table", "recommendation_lines", "markdown"]
 
-HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "args GiB", "temp GiB", "peak GiB",
-          "args+temp GiB", "usable GiB", "fits", "max micro-batch", "step ms (pred.)", "tok/s/device",
-          "MFU", "compile s",
+HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "args GiB", "temp GiB",
+          "peak GiB", "args+temp GiB", "usable GiB", "fits", "max micro-batch", "step ms (pred.)",
+          "tok/s/device", "MFU", "compile s",
           "collectives per step (count x MiB)", "per micro-batch", "update GFLOP", "update GiB accessed",
           "note")
 _LEFT = (0, 1, 2, 3)  # the columns of words, aligned left, and the note (the last)
@@ -42,6 +43,23 @@ def collective_cell(c: dict[str, dict[str, int]]) -> str:
 
 def _gib(n: float | None) -> str:
   return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+_SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+
+
+def dtype_cell(by_dtype: Mapping[str, int] | None) -> str:
+  """The dtypes the optimizer state is stored in, the largest first (``-``: not known, a refused row).
+
+  Example::
+
+    >>> dtype_cell({"bfloat16": 8, "float32": 64}), dtype_cell(None)
+    ('f32+bf16', '-')
+  """
+  if not by_dtype:
+    return "-"
+  order = sorted(by_dtype, key=lambda d: -by_dtype[d])
+  return "+".join(_SHORT_DTYPE.get(d, d) for d in order)
 
 
 def time_cells(step_s: float | None, tokens_per_s: float | None, mfu: float | None,
@@ -153,7 +171,8 @@ def cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
     compile_s = f.compile_s if r.searched is None else r.searched.search_compile_s
     out.append((
         _lever(r), r.step + (f", remat {r.remat}" if r.remat else ""), r.compiled_for, spelled_mesh(r.mesh),
-        _gib(f.opt_state_bytes_per_device), ex + _gib(f.argument_bytes_per_device),
+        _gib(f.opt_state_bytes_per_device), dtype_cell(f.opt_state_bytes_by_dtype),
+        ex + _gib(f.argument_bytes_per_device),
         ex + _gib(f.temp_bytes_per_device), ex + _gib(f.peak_bytes_per_device),
         ex + _gib(f.formula_peak_bytes_per_device), _gib(r.usable_bytes),
         ex + fits, _max_micro_batch(r), *time_cells(f.predicted_step_s, f.tokens_per_s_per_device, f.mfu, ex),
@@ -201,8 +220,8 @@ def _aligned(header: Sequence[str], body: Sequence[Sequence[str]], left: Sequenc
 
 
 # The terminal's table: what a user decides by, in a width that fits a terminal; plan.md has every column.
-COMPACT = ("lever", "step", "opt GiB", "args GiB", "temp GiB", "peak GiB", "usable GiB", "fits",
-           "max micro-batch", "step ms (pred.)", "tok/s/device", "sent GiB per step", *POD_HEADER,
+COMPACT = ("lever", "step", "opt GiB", "state dtype", "args GiB", "temp GiB", "peak GiB", "usable GiB",
+           "fits", "max micro-batch", "step ms (pred.)", "tok/s/device", "sent GiB per step", *POD_HEADER,
            "compile s", "note")
 
 

@@ -280,7 +280,7 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   assert lines[0].split()[:3] == ["lever", "step", "compiled"]
   # Every figure of an estimate is marked, and its note says it decides nothing and how far off it has been.
   assert "~ ESTIMATE, extrapolated to 28 layers from 2/4: decides nothing" in lines[3] and "1.36x" in lines[3]
-  assert lines[3].split()[5:9] == ["~8.50", "~8.50", "~17.00", "~-"] and "~NO" in lines[3].split()
+  assert lines[3].split()[6:10] == ["~8.50", "~8.50", "~17.00", "~-"] and "~NO" in lines[3].split()
   meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8, "fsdp": 1}, "batch": 32,
           "seq_len": 1024, "ga": 1, "levers": ["baseline", "zero1"], "steps": ["one"]}
   blocked = {"zero1-master": "float32 already", "zero1-pod": "one slice"}
