@@ -34,7 +34,9 @@ and no verdict drawn from it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -218,36 +220,66 @@ def main(argv: Sequence[str] | None = None) -> int:
     main(["--model", "tunix:qwen3_0p6b", "--topology", "h100:8", "--out", "plan_out"])
   """
   args = parse_args(argv)
-  # A search runs a few compiles per lever: a bar counts them, the lines go above it.
-  bar = (tqdm.tqdm(desc="nnx_zero1.plan: search", unit=" compiles", file=sys.stderr, disable=None)
-         if args.search else None)  # disable=None: no bar where stderr is not a terminal
+  stream: list[Any] = [sys.stderr]  # where the planner's own lines go: the terminal's stderr
+  bar: Any = None
 
   def say(line: str) -> None:
     if bar is None:
-      print(f"nnx_zero1.plan: {line}", file=sys.stderr)
+      print(f"nnx_zero1.plan: {line}", file=stream[0])
       return
-    bar.write(f"nnx_zero1.plan: {line}", file=sys.stderr)
+    bar.write(f"nnx_zero1.plan: {line}", file=stream[0])
     if line.startswith("compiled "):
       bar.update()
 
+  log = _compiler_log(args.out)
   try:
     request = request_of(args)
     compilers.start_cpu_jax()  # the command line's process is the planner's own
     from nnx_zero1_plan.run import make_plan  # jax's, imported once this process is prepared for it
 
-    result = make_plan(request, progress=say)
+    with compilers.compiler_messages_to(log) as terminal:
+      stream[0] = terminal
+      # A search runs a few compiles per lever: a bar counts them, the lines go above it.
+      bar = (tqdm.tqdm(desc="nnx_zero1.plan: search", unit=" compiles", file=terminal, disable=None)
+             if args.search else None)  # disable=None: no bar where stderr is not a terminal
+      result = make_plan(request, progress=say)
   except (PlanError, AotUnavailable) as e:
+    stream[0] = sys.stderr
     if args.traceback:
       traceback.print_exception(e, file=sys.stderr)
     say(str(e))
     return 2
   finally:
+    stream[0] = sys.stderr
     if bar is not None:
       bar.close()
+    _said_compiler_log(log, args.out, say)
   print(result)
   if args.out:
     print("wrote " + ", ".join(result.write(args.out)))
   return 0
+
+
+def _compiler_log(out: str | None) -> str:
+  """Where the compilers' own messages go: ``compiler.log`` beside plan.json, else a file of its own."""
+  if out:
+    os.makedirs(out, exist_ok=True)
+    return os.path.join(out, "compiler.log")
+  handle, path = tempfile.mkstemp(prefix="nnx_zero1_plan_compiler_", suffix=".log")
+  os.close(handle)
+  return path
+
+
+def _said_compiler_log(log: str, out: str | None, say: Callable[[str], None]) -> None:
+  """One line where the compilers said something (kept in ``--out``'s ``compiler.log``); a log of no
+  ``--out`` removed, so a plan leaves no file behind."""
+  with open(log) as f:
+    lines = sum(1 for line in f if line.strip())
+  if out is None:
+    os.remove(log)
+  if lines:
+    where = f"in {log}" if out else "(--out keeps them in compiler.log)"
+    say(f"the compilers printed {lines} lines of their own messages, kept off this output {where}")
 
 
 if __name__ == "__main__":

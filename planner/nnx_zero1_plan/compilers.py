@@ -10,15 +10,18 @@ open is stale and is removed before libtpu loads.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
+from typing import TextIO
 
 __all__ = ["LOCKFILE", "HOST_ACCELERATOR_TYPE", "ENV", "CALLERS_OWN", "AotUnavailable", "install_hint",
            "gpu_install_hint", "require_libtpu", "require_cuda_plugin", "lockfile_holders",
            "clear_stale_lockfile", "planning_environment", "prepare_planning_process", "prepare_environment",
-           "start_cpu_jax", "keep_jax_on_cpu"]
+           "start_cpu_jax", "keep_jax_on_cpu", "compiler_messages_to"]
 
 LOCKFILE = "/tmp/libtpu_lockfile"
 
@@ -249,3 +252,29 @@ def keep_jax_on_cpu() -> None:
   except RuntimeError:  # a backend has started already: it must be the CPU one
     if jax.default_backend() != "cpu":
       raise
+
+
+@contextlib.contextmanager
+def compiler_messages_to(path: str) -> Iterator[TextIO]:
+  """The compilers' own messages into the file at ``path`` for the block, not onto the terminal.
+
+  XLA's compilers log through C++ onto file descriptor 2 (a GPU compile's "Can't reduce memory use below
+  ... by rematerialization" warning, libtpu's notices), which no Python setting reaches: for the block that
+  descriptor is the file, and the stream yielded writes to the terminal's stderr, for the planner's own lines.
+
+  Example::
+
+    with compiler_messages_to("plan_out/compiler.log") as terminal:
+      print("nnx_zero1.plan: compiling ...", file=terminal)
+  """
+  sys.stderr.flush()
+  terminal = os.dup(2)
+  try:
+    with open(path, "a") as log:
+      os.dup2(log.fileno(), 2)
+      with os.fdopen(os.dup(terminal), "w", buffering=1) as stream:
+        yield stream
+  finally:
+    sys.stderr.flush()
+    os.dup2(terminal, 2)
+    os.close(terminal)

@@ -5,6 +5,8 @@ and libtpu's lockfile removed only when no live process holds it. No compile: no
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +58,21 @@ def test_plan_starts_its_planning_process_prepared_so(callers_values):
     plan("tests.support.planner_toys:tiny_lm_naming_its_environment", "v6e:2x2")
   (reported,) = re.findall(r"environment (\{.*?\})", str(raised.value))
   assert json.loads(reported) == compilers.planning_environment(callers_values)
+
+
+def test_the_compilers_own_messages_go_to_their_log_and_the_planners_lines_to_the_terminal(tmp_path):
+  """XLA's C++ warnings are written to file descriptor 2, out of Python's reach: inside
+  ``compiler_messages_to`` they land in the log, the planner's own lines on the terminal's stderr, and after
+  the block descriptor 2 is the terminal's again."""
+  log = tmp_path / "compiler.log"
+  script = (
+      "import os, sys\n"
+      "from nnx_zero1_plan.compilers import compiler_messages_to\n"
+      f"with compiler_messages_to({str(log)!r}) as terminal:\n"
+      "  os.write(2, b'W external/xla: Can not reduce memory use below 56.42GiB\\n')\n"
+      "  print('nnx_zero1.plan: compiling', file=terminal)\n"
+      "os.write(2, b'after\\n')\n")
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stderr == "nnx_zero1.plan: compiling\nafter\n"
+  assert log.read_text() == "W external/xla: Can not reduce memory use below 56.42GiB\n"
