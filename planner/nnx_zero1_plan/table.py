@@ -7,12 +7,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import spelled_mesh
+from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, Recommendation, row_sent_bytes
 from nnx_zero1_plan.row import Point, Row
 from nnx_zero1_plan.time_report import search_lines, time_lines
 from nnx_zero1_plan.way_out import WayOut
 
 __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "dtype_cell",
+           "accumulation_note",
            "time_cells",
            "header",
            "cells", "edge_cells", "split_words", "way_out_lines", "table", "recommendation_lines", "markdown"]
@@ -98,9 +100,43 @@ def split_words(lever: str, split: Mapping[str, Any] | None) -> str | None:
   return ", ".join(words)
 
 
-def _note(r: Row) -> str:
-  notes = [n for n in (split_words(r.lever, r.figures.state_split), _verdict_note(r)) if n]
-  return "; ".join(notes)
+def _note(r: Row, rows: Sequence[Row] = ()) -> str:
+  notes = (split_words(r.lever, r.figures.state_split), _verdict_note(r), accumulation_note(r, rows))
+  return "; ".join(n for n in notes if n)
+
+
+def accumulation_note(r: Row, rows: Sequence[Row]) -> str | None:
+  """Where a lever of this library's accumulation (``-accum``) holds more than its one-program twin (the
+  same layout, gradients from ``nnx.value_and_grad``) at the same micro-batch, how much and why, in the
+  compiler's figures; None where it holds no more (1%), or the twin was not compiled.
+
+  Example::
+
+    >>> from nnx_zero1_plan.row import Figures, Made
+    >>> def row(lever, peak, temp):
+    ...   f = Figures(peak_bytes_per_device=peak * 2**30, temp_bytes_per_device=temp * 2**30)
+    ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 1, 1, True)
+    >>> rows = [row("zero1", 14.75, 4.5), row("zero1-accum", 19.0, 8.75)]
+    >>> print(accumulation_note(rows[1], rows).replace(": ", ":\\n"))
+    needs 4.25 GiB more than zero1 at this micro-batch:
+    its temporaries +4.25 GiB (the gradients it reduces once per step, held across the micro-batch loop:
+    with one micro-batch, plan zero1)
+  """
+  lever = LEVERS.get(r.lever)
+  if lever is None or not lever.deferred:
+    return None
+  twin_name = next((name for name, other in LEVERS.items() if other.zero1 and not other.deferred
+                    and not other.accumulate_options and other.optimizer_options == lever.optimizer_options),
+                   None)
+  same = lambda t: t.lever == twin_name and (t.step, t.remat, t.batch) == (r.step, r.remat, r.batch)
+  twin = next((t for t in rows if same(t)), None)
+  mine, theirs = r.figures.peak_bytes_per_device, None if twin is None else twin.figures.peak_bytes_per_device
+  if twin is None or mine is None or theirs is None or mine <= 1.01 * theirs:
+    return None
+  temp = (r.figures.temp_bytes_per_device or 0) - (twin.figures.temp_bytes_per_device or 0)
+  return (f"needs {(mine - theirs) / 2**30:.2f} GiB more than {twin.lever} at this micro-batch: its "
+          f"temporaries {temp / 2**30:+.2f} GiB (the gradients it reduces once per step, held across the "
+          f"micro-batch loop: with one micro-batch, plan {twin.lever})")
 
 
 def _verdict_note(r: Row) -> str:
@@ -181,7 +217,7 @@ def cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
         ex + collective_cell(collectives.get("per_micro_batch", {})),
         "-" if flops is None else f"{ex}{flops / 1e9:.2f}", ex + _gib(f.update_bytes_accessed_per_device),
         *((ex + network_cell(network.get("fast")), ex + network_cell(network.get("slow"))) if pod else ()),
-        _note(r),
+        _note(r, rows),
     ))
   return out
 
