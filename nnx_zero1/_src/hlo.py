@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 
 __all__ = [
     "COLLECTIVES", "TRANSFERS", "Counts", "shape_bytes", "collectives", "loop_collectives", "collective_ops",
-    "per_call", "partitions", "host_transfers", "loop_host_transfers", "condition_trip_count", "result_bytes",
+    "per_call", "partitions", "host_transfers", "loop_host_transfers", "condition_trip_count", "trip_count",
+    "result_bytes",
 ]
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
@@ -176,7 +177,7 @@ def condition_trip_count(condition: list[str]) -> int | None:
   return None
 
 
-def _trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
+def trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
   """A while instruction's trip count: XLA's own annotation, else read off its condition."""
   trip = _TRIP.search(line)
   if trip:
@@ -192,7 +193,7 @@ def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, in
   def visit(name: str, times: int) -> None:
     runs[name] = runs.get(name, 0) + times
     for line in bodies.get(name, ()):
-      trip = _trip_count(line, bodies) if "body=" in line else None
+      trip = trip_count(line, bodies) if "body=" in line else None
       for kind, callee in _callees(line):
         if callee in bodies:
           visit(callee, times * (trip if kind == "body" and trip else 1))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 
-from nnx_zero1._src.hlo import computations, condition_trip_count
+from nnx_zero1._src.hlo import computations, trip_count
 
 __all__ = ["dot_flops"]
 
@@ -25,8 +25,6 @@ _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\S+)\s+(?P<op>[\w\-]+)\((?P<args>.*)")
 _DIMS = re.compile(r"^\(?[a-z]\w*\[(?P<dims>[\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|body)=%?(?P<callee>[\w.\-]+)")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
-_CONDITION = re.compile(r"\bcondition=%?(?P<name>[\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 _WINDOW = re.compile(r"window=\{(?P<spec>[^}]*)\}")
 _LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->")
@@ -111,7 +109,8 @@ def dot_flops(hlo: str) -> int:
     flops, callees = 0, []
     for line in lines:
       for callee in _CALLS.finditer(line):  # a while's tuple shape has spaces: read calls off any line
-        callees.append((callee["callee"], _trips(line, bodies) if callee.group(0).startswith("body") else 1))
+        trips = trip_count(line, bodies) if callee.group(0).startswith("body") else 1
+        callees.append((callee["callee"], trips or 1))
       instruction = _INSTRUCTION.match(line)
       if instruction is None:
         continue
@@ -126,13 +125,3 @@ def dot_flops(hlo: str) -> int:
     return own[name] + sum(trips * total(callee, seen | {name}) for callee, trips in calls[name])
 
   return 0 if entry is None else total(entry, frozenset())
-
-
-def _trips(line: str, bodies: dict[str, list[str]]) -> int:
-  """A while loop's trip count: XLA's annotation, else its ``counter < N`` condition (the TPU compiler's
-  form), else once."""
-  trips = _TRIPS.search(line)
-  if trips:
-    return int(trips["n"])
-  condition = _CONDITION.search(line)
-  return (condition_trip_count(bodies.get(condition["name"], [])) or 1) if condition else 1

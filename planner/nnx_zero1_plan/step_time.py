@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nnx_zero1._src.hlo import computations, condition_trip_count, result_bytes, shape_bytes
+from nnx_zero1._src.hlo import computations, result_bytes, shape_bytes, trip_count
 from nnx_zero1._src.traffic import group_size, ring_sent, with_fused_groups
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
@@ -46,8 +46,6 @@ _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s
                    r"(?P<args>[^)]*)\)")
 _CYCLES = re.compile(r'"estimated_cycles":"?(\d+)')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
-_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLS = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
                        r"false_computation=%?([\w.\-]+))")
@@ -221,12 +219,9 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
       op, shape, args = m["op"], m["shape"], m["args"]
       collective = _COLLECTIVE.match(op)
       if op == "while":
-        body, condition = _BODY.search(line), _CONDITION.search(line)
-        trip = _TRIP.search(line)
-        trips = int(trip[1]) if trip else (condition_trip_count(bodies.get(condition[1], [])) if condition
-                                           else None)
+        body = _BODY.search(line)
         if body:
-          w.add(walk(body[1]), trips or 1)
+          w.add(walk(body[1]), trip_count(line, bodies) or 1)
       elif op in ("call", "conditional"):
         callees = _branches(line) if op == "conditional" else [c for c in _CALLS.findall(line)]
         walks = [walk(c) for c in callees if c in bodies]
