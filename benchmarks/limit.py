@@ -90,7 +90,7 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   if chip is not None:
     predicted = step_time([("step", compiled.as_text(), 1)], chip, devices=len(devices),
                           tokens_per_device=batch * seq_len / len(devices), compute_dtype="bfloat16",
-                          scheduled=scheduled)
+                          scheduled=scheduled, deviceless=False)
     row["predicted_ms"] = None if predicted["predicted_step_s"] is None else round(
         1000 * predicted["predicted_step_s"], 2)
     row["time_absent"] = predicted["time_absent"]

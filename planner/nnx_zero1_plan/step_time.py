@@ -16,10 +16,12 @@ walking each computation in order (:func:`program_time`):
   synchronous collective stalls the core for all of it;
 - a copy between host and device memory (an offloaded state) runs the same way on the host link.
 
-Where the compiler gives no cycles (XLA's GPU and CPU compilers) the compute is absent and the walk says
-so (``compute_estimated`` False); nothing here guesses it from a peak rate. An instruction whose estimate
-is the compiler's ``INT64_MAX`` (not estimated) counts zero and is counted in ``unestimated``. Pure: text
-in, seconds out.
+XLA's GPU compiler carries no cycles, but its scheduler's estimates are walked the same way
+(:mod:`nnx_zero1_plan.gpu_schedule`); compiled without a GPU its matmuls are not autotuned, so there the
+walk is kept as the step's parts, an upper bound, and no time is predicted. Where a compiler gives no
+estimate (XLA's CPU compiler) the compute is absent and said; nothing here guesses it from a peak rate. An
+instruction whose estimate is the compiler's ``INT64_MAX`` (not estimated) counts zero and is counted in
+``unestimated``. Pure: text in, seconds out.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import StepTime
 
 __all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTIMATED", "rates_for",
-           "step_time", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE", "NO_SCHEDULE"]
+           "step_time", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED"]
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
@@ -298,6 +300,10 @@ def cycles_estimated(hlo: str) -> bool:
 TPU_SOURCE = "the TPU compiler's estimated_cycles (classic cost model), walked in schedule order"
 GPU_SOURCE = ("XLA's GPU latency-hiding scheduler's estimate of each instruction (its own cost model, "
               "dumped with xla_dump_latency_hiding_schedule), walked in schedule order")
+UNTUNED = ("XLA's GPU compiler without a GPU does not autotune its matmuls: they keep default tiles (16x8 "
+           "with 2 warps), which its scheduler estimates far below the chip's peak (Tunix's qwen3_0p6b on 8 "
+           "H100s: 591 matmul fusions at 33 TFLOP/s together, 3% of the bfloat16 peak); that estimate is kept "
+           "in step_time as an upper bound, not taken for the step's time")
 NO_SCHEDULE = ("XLA's GPU scheduler dumped no estimates for one of the step's programs (on jax 0.12.0.1 it "
                "writes none for a program without collectives to schedule, and only the loop bodies of a "
                "program with loops): no time rather than a part of one")
@@ -328,7 +334,8 @@ def rates_for(chip: Chip) -> Rates:
 
 def step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: int, tokens_per_device: float,
               compute_dtype: str, slow_bytes: int = 0,
-              scheduled: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, Any]:
+              scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True
+              ) -> dict[str, Any]:
   """A step's predicted time on one device: its programs' walks (:func:`program_time`), each as many times
   as one step runs it, and the slow network's bytes over its rate, exposed.
 
@@ -341,6 +348,8 @@ def step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: 
     slow_bytes: the bytes one device sends per step between slices or nodes.
     scheduled: XLA's GPU scheduler's estimates, ``{module: {instruction: seconds}}``
       (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None for a TPU program, which carries its own.
+    deviceless: whether a GPU program was compiled without its GPU (its matmuls not autotuned: its time is
+      not the tuned program's, and only its parts are kept); False on the GPU itself.
 
   Returns:
     The row's time figures (:class:`~nnx_zero1_plan.row.Figures`' ``predicted_step_s``,
@@ -368,6 +377,9 @@ def step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: 
       unestimated_ops=int(total("unestimated")),
       clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
       roofline_s=flops / peak if flops else None)
+  if scheduled is not None and deviceless:  # not the program that runs on the GPU: its parts, no time
+    return {"predicted_step_s": None, "tokens_per_s_per_device": None, "mfu": None, "step_time": parts,
+            "time_absent": UNTUNED}
   return {"predicted_step_s": predicted, "tokens_per_s_per_device": tokens_per_device / predicted,
           "mfu": flops / predicted / peak if flops else None, "step_time": parts, "time_absent": None}
 

@@ -8,7 +8,15 @@ from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.gpu_schedule import parse_schedule
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, ORDER, by_throughput, recommend
 from nnx_zero1_plan.row import Figures, Made, Point, Row
-from nnx_zero1_plan.step_time import NO_ESTIMATE, NO_SCHEDULE, Rates, program_time, rates_for, step_time
+from nnx_zero1_plan.step_time import (
+  NO_ESTIMATE,
+  NO_SCHEDULE,
+  UNTUNED,
+  Rates,
+  program_time,
+  rates_for,
+  step_time,
+)
 from tests.support.rows import searched
 
 CLOCK = 1e9  # a round clock: 1,000 cycles are a microsecond
@@ -116,6 +124,16 @@ def test_a_program_without_cycles_has_no_time_not_a_guess():
   unscheduled = step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
                           compute_dtype="bfloat16", scheduled={"jit_other": {"r": 1e-3}})
   assert unscheduled["time_absent"] == NO_SCHEDULE
+
+
+def test_a_gpu_program_compiled_without_its_gpu_keeps_its_parts_but_predicts_no_time():
+  program = _module(["  %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
+  args = dict(devices=4, tokens_per_device=8, compute_dtype="bfloat16", scheduled={"jit_f": {"r": 1e-3}})
+  untuned = step_time([("step", program, 1)], CHIPS["h100"], **args)
+  assert untuned["predicted_step_s"] is None and untuned["time_absent"] == UNTUNED
+  assert untuned["step_time"].compute_s == pytest.approx(1e-3)
+  on_the_gpu = step_time([("step", program, 1)], CHIPS["h100"], **args, deviceless=False)
+  assert on_the_gpu["predicted_step_s"] == pytest.approx(1e-3) and on_the_gpu["time_absent"] is None
 
 
 def test_the_chip_rates_a_tpu_ring_uses_two_ports_a_pair_one_a_gpu_its_switch():
