@@ -302,8 +302,8 @@ GPU_SOURCE = ("XLA's GPU latency-hiding scheduler's estimate of each instruction
               "dumped with xla_dump_latency_hiding_schedule), walked in schedule order")
 UNTUNED = ("XLA's GPU compiler without a GPU does not autotune its matmuls: they keep default tiles (16x8 "
            "with 2 warps), which its scheduler estimates far below the chip's peak (Tunix's qwen3_0p6b on 8 "
-           "H100s: 591 matmul fusions at 33 TFLOP/s together, 3% of the bfloat16 peak); that estimate is kept "
-           "in step_time as an upper bound, not taken for the step's time")
+           "H100s: 591 matmul fusions at 33 TFLOP/s together, 3% of the bfloat16 peak); that estimate is "
+           "kept in step_time as an upper bound, not taken for the step's time")
 NO_SCHEDULE = ("XLA's GPU scheduler dumped no estimates for one of the step's programs (on jax 0.12.0.1 it "
                "writes none for a program without collectives to schedule, and only the loop bodies of a "
                "program with loops): no time rather than a part of one")
