@@ -44,7 +44,8 @@ import tqdm
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.child import plan_in_child
 from nnx_zero1_plan.compilers import AotUnavailable
-from nnx_zero1_plan.inputs import PlanError, parse_overrides
+from nnx_zero1_plan.depth import WHOLE_OVER_ESTIMATE_UP_TO
+from nnx_zero1_plan.inputs import ONE_SLICE, SMALLEST_MICRO_BATCH, PlanError, parse_overrides
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.request import DEFAULT_DEPTHS, SETTING_DEFAULTS, PlanRequest
 from nnx_zero1_plan.result import Plan
@@ -54,7 +55,7 @@ __all__ = ["Plan", "Row", "PlanError", "PlanRequest", "AotUnavailable", "plan", 
            "main", "compile_only_devices"]
 
 
-def compile_only_devices(topology: str, slices: int = 1) -> tuple[Any, ...]:
+def compile_only_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, ...]:
   """The devices the planner compiles for: ``topology``'s chips, which compile but never run, to check a
   plan's printed code on (its ``devices = jax.devices()`` line becomes
   ``devices = compile_only_devices(...)``, and ``jax.jit(step).lower(...).compile()`` gives the figures the
@@ -147,13 +148,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v4:2x2x1, v5p:..., h100:8, h200:8, "
                  "a100-80g:8, b200:8, h100:2x8 (nodes x GPUs)")
   p.add_argument("--slices", type=int, help="TPU slices of --topology joined over the data-center "
-                 "network (default 1); the default mesh gains replica across them (GPU nodes: h100:8x8)")
+                 f"network (default {ONE_SLICE}); the default mesh gains replica across them (GPU nodes: "
+                 "h100:8x8)")
   p.add_argument("--gpus-per-node", type=int, help="GPU nodes of other than the chip's "
                  "standard 8 GPUs, said again: --topology h100:8x2 --gpus-per-node 2 (8 nodes of 2)")
   p.add_argument("--mesh", help="axis sizes, e.g. data=4,fsdp=2 (default: every device on "
                  "data; on a pod replica=SLICES_OR_NODES first, then data)")
   p.add_argument("--batch", type=int, help="global micro-batch in sequences (default: the "
-                 "smallest multiple of the batch axes' size of at least 8)")
+                 f"smallest multiple of the batch axes' size of at least {SMALLEST_MICRO_BATCH})")
   p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024)")
   p.add_argument("--ga", type=int, help="micro-batches per optimizer step (default 1)")
   p.add_argument("--param-dtype", help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: "
@@ -168,10 +170,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "and nnx.jit loops compile it), split (two programs, as MaxText's engine); default both")
   p.add_argument("--estimate", action="store_true",
                  help=f"TPUs: compile deep models at {DEFAULT_DEPTHS} layers and extrapolate (quicker; "
-                 "every such figure marked an estimate, measured up to 1.36x low; decides no fit); default: "
-                 "whole programs")
-  p.add_argument("--full-depth", action="store_true",
-                 help="whole programs: the default (kept for old command lines)")
+                 f"every such figure marked an estimate, measured up to {WHOLE_OVER_ESTIMATE_UP_TO}x low; "
+                 "decides no fit); default: whole programs")
+  # Whole programs are the default: an old command line's flag is refused (request_of) with a line that says
+  # so, rather than accepted and ignored.
+  p.add_argument("--full-depth", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--tunix-sharding", help="tunix: models' activation constraints, "
                  "applied as on the chips: default (Tunix's, the mesh's data axes in each batch entry), none "
                  "(XLA's propagation), or JSON of ShardingConfig act_* fields")
@@ -198,13 +201,16 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
   """The :class:`PlanRequest` the command line's flags (:func:`parse_args`) ask for, checked.
 
   Raises:
-    PlanError: what :class:`PlanRequest` refuses, or a malformed MaxText override.
+    PlanError: what :class:`PlanRequest` refuses, a malformed MaxText override, or ``--full-depth``.
 
   Example::
 
     >>> request_of(parse_args(["--model", "m:f", "--topology", "h100:2x8"])).domains
     2
   """
+  if getattr(args, "full_depth", False):
+    raise PlanError("--full-depth: whole programs are the default; leave the flag out (--estimate asks for "
+                    "reduced depths instead)")
   flags = {name: getattr(args, name) for name in SETTING_DEFAULTS if name in args}
   return PlanRequest(args.model, args.topology, **{**flags, "overrides": parse_overrides(args.overrides)})
 

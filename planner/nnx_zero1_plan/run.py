@@ -18,7 +18,7 @@ import jax
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.compiled import PEAK_SOURCE
-from nnx_zero1_plan.inputs import micro_batch
+from nnx_zero1_plan.inputs import SMALLEST_MICRO_BATCH, micro_batch
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.measure import RowCompiler, StepShape
 from nnx_zero1_plan.planned_model import (
@@ -51,8 +51,8 @@ def _micro_batch(request: PlanRequest, planned: PlannedModel | None,
   batch = (request.batch if planned is None and request.batch is not None
            else micro_batch(request.batch, unit, over))
   stated = None if request.batch is not None else (
-      f"--batch not given: micro-batch {batch}, the smallest of at least 8 sequences that splits over the "
-      f"batch axes ({over} = {unit} devices)")
+      f"--batch not given: micro-batch {batch}, the smallest of at least {SMALLEST_MICRO_BATCH} sequences "
+      f"that splits over the batch axes ({over} = {unit} devices)")
   return batch, stated
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS, target_config
-from nnx_zero1_plan.inputs import PlanError, Topology, parse_topology
+from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, Topology, parse_topology
 
 __all__ = ["Target", "GPU_SCHEDULER_FRACTION", "JAX_GPU_POOL_FRACTION", "CUDA_CONTEXT_BYTES",
            "DEFAULT_RESERVE_BYTES", "gpu_pool_bytes", "usable_bytes", "make_target", "require_compiler"]
@@ -93,7 +93,7 @@ def require_compiler(platform: str) -> str:
   return f"jax-cuda13-plugin {compilers.require_cuda_plugin()}"
 
 
-def _tpu_devices(topology: str, slices: int = 1) -> tuple[Any, ...]:
+def _tpu_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, ...]:
   from jax.experimental import topologies
 
   try:
@@ -146,7 +146,7 @@ def _tpu_usable_bytes(topology: str) -> int:
   raise PlanError(f"the TPU compiler accepted a 1 TiB program for {topology}; cannot read its usable HBM")
 
 
-def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION, slices: int = 1, *,
+def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION, slices: int = ONE_SLICE, *,
                 parsed: Topology | None = None) -> Target:
   """The target ``topology`` names, its devices and usable memory per device (the compiler loaded).
 

@@ -137,6 +137,7 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
       for lever in ("accum-bf16across", "pod-accum-bf16across")],
     (["--remat", "block"], "--remat apply to tunix: models"),
     (["--margin", "1.5"], "--margin is the share of the memory to leave free"),
+    (["--full-depth"], "--full-depth: whole programs are the default; leave the flag out"),
     # Pods: each wrong --slices its own answer, GPU nodes said one way, replica across the slices or nodes.
     (["--slices", "0"], "--slices 0: the number of TPU slices joined over the data-center network, 1 or "
                         "more"),
