@@ -393,3 +393,16 @@ def test_every_kept_plans_rows_read_into_typed_records_and_write_back_the_same_f
   written = json.loads(kept[0].read_text())["rows"][0]
   with pytest.raises(KeyError, match="peak_gib"):  # a field no record has: another planner's plan.json
     Row.from_json({**written, "peak_gib": 1.0})
+
+
+def test_plan_json_is_written_from_typed_values_and_an_unexpected_value_raises(tmp_path):
+  # No default=str: a kept plan writes back as it was read, and a value JSON has no type for (here the
+  # parameters' dtypes as the model holds them, a set) is a TypeError, never a string in plan.json.
+  kept = sorted((Path(__file__).resolve().parents[2] / "docs" / "data").glob("**/plan.json"))[0]
+  record = json.loads(kept.read_text())
+  plan = Plan.from_record(record)
+  plan.write(str(tmp_path / "again"))
+  assert Plan.from_record(json.loads((tmp_path / "again" / "plan.json").read_text())) == plan
+  with pytest.raises(TypeError, match="frozenset"):
+    dataclasses.replace(plan, meta={**plan.meta, "param_dtypes": frozenset({"bfloat16"})}).write(
+        str(tmp_path / "untyped"))
