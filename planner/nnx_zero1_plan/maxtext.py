@@ -16,16 +16,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from nnx_zero1_plan.inputs import PlanError
+from nnx_zero1_plan.inputs import ONE_SLICE, PlanError
 from nnx_zero1_plan.levers import Lever
 from nnx_zero1_plan.row import Figures
 
-__all__ = ["MaxTextModel", "mesh_axis_names", "config_overrides", "engine_attributes", "measure_maxtext"]
+__all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "engine_attributes",
+           "measure_maxtext"]
+
+# MaxText's base_output_directory for one plan: a fresh folder in the temp folder, never named like a
+# package (a folder named nnx_zero1_plan there would shadow the planner, as an empty namespace package, in
+# any Python started in the temp folder).
+OUTPUT_PREFIX = "maxtext_out_"
 
 @dataclasses.dataclass(frozen=True)
 class MaxTextModel:
@@ -35,6 +42,26 @@ class MaxTextModel:
   overrides: Mapping[str, str]
   full_depth: int | None = None  # compiled whole: MaxText scans its layers
   defer: bool = True  # MaxText's own choice of deferring the data-parallel all-reduce (False: never)
+
+
+@contextlib.contextmanager
+def output_directory() -> Iterator[str]:
+  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it when the
+  block ends (a plan leaves nothing behind).
+
+  Example::
+
+    >>> with output_directory() as out:
+    ...   os.path.basename(out).startswith(OUTPUT_PREFIX), os.path.isdir(out)
+    (True, True)
+    >>> os.path.exists(out)
+    False
+  """
+  folder = tempfile.mkdtemp(prefix=OUTPUT_PREFIX)
+  try:
+    yield folder
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def mesh_axis_names() -> tuple[str, ...]:
@@ -51,13 +78,15 @@ _OPT_TYPES = ("adamw", "sgd")
 def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping[str, int], *,
                      batch: int, seq_len: int, ga: int, optimizer: str, param_dtype: str | None,
                      compute_dtype: str | None, remat: str | None, known_axes: Iterable[str],
-                     overrides: Mapping[str, str] | None = None, slices: int = 1) -> dict[str, str]:
+                     output_dir: str, overrides: Mapping[str, str] | None = None,
+                     slices: int = ONE_SLICE) -> dict[str, str]:
   """MaxText's config for a plan: its ``key=value`` overrides of ``base.yml``, the user's last.
 
   A mesh axis ``A=n`` is MaxText's ``ici_A_parallelism=n`` (one slice's devices); every other axis is 1
   (MaxText's ``ici_fsdp_parallelism`` default, -1, would take the devices left). On several slices
   ``dcn_data_parallelism`` is their number: MaxText's data axis spans them. The topology is compiled
-  under MaxText's ``internal_compile``: libtpu's own name, as the plan's other models use it.
+  under MaxText's ``internal_compile``: libtpu's own name, as the plan's other models use it. MaxText writes
+  under ``output_dir`` (the plan's :func:`output_directory`).
 
   Raises:
     PlanError: an axis MaxText's mesh has not, an optimizer it does not name alike, or a batch that
@@ -67,7 +96,7 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
 
     >>> o = config_overrides("qwen3-0.6b", "v6e:2x2", 4, {"data": 4}, batch=8, seq_len=1024, ga=8,
     ...                      optimizer="adamw", param_dtype=None, compute_dtype=None, remat=None,
-    ...                      known_axes=("data", "fsdp", "tensor"))
+    ...                      known_axes=("data", "fsdp", "tensor"), output_dir="/tmp/maxtext_out_1")
     >>> o["per_device_batch_size"], o["ici_data_parallelism"], o["ici_fsdp_parallelism"]
     ('2', '4', '1')
   """
@@ -83,7 +112,7 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
                     "per_device_batch_size)")
   config = {
       "model_name": model_name, "run_name": "nnx_zero1_plan", "enable_checkpointing": "false",
-      "base_output_directory": os.path.join(tempfile.gettempdir(), "nnx_zero1_plan"),
+      "base_output_directory": output_dir,
       "skip_jax_distributed_system": "true", "enable_goodput_recording": "false",
       "jax_cache_dir": "", "internal_compile": "true", "compile_topology": topology,
       "internal_compile_num_devices": str(devices), "compile_topology_num_slices": str(slices),
