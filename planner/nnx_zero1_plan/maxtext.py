@@ -20,14 +20,12 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
 
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError
-from nnx_zero1_plan.levers import Lever
+from nnx_zero1_plan.levers import Lever, engine_attributes
 from nnx_zero1_plan.row import Figures
 
-__all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "engine_attributes",
-           "measure_maxtext"]
+__all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "measure_maxtext"]
 
 # MaxText's base_output_directory for one plan: a fresh folder in the temp folder, never named like a
 # package (a folder named nnx_zero1_plan there would shadow the planner, as an empty namespace package, in
@@ -126,33 +124,6 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
     if value is not None:
       config[key] = value
   return {**config, **(overrides or {})}
-
-
-def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
-  """The class attributes of ``Zero1AbstractMaxTextEngine`` that make it ``lever`` (None: MaxText's own).
-
-  Raises:
-    PlanError: a lever of this library's own gradient accumulation (MaxText's engine accumulates its own).
-
-  Example::
-
-    >>> from nnx_zero1_plan.levers import LEVERS
-    >>> engine_attributes("zero2-offload", LEVERS["zero2-offload"])
-    {'OFFLOAD_STATE_TO_HOST': True, 'SHARD_ACCUMULATOR': True}
-  """
-  if not lever.zero1:
-    return None
-  if "data_axis" in lever.optimizer_options:
-    raise PlanError(f"{lever_name} names mesh axes MaxText's mesh has not; MaxText's data axis is "
-                    "dcn_data x ici_data, so on several slices its zero1 splits the state across them")
-  if lever.deferred and not lever.accumulate_options.get("shard_accumulator"):
-    raise PlanError(f"{lever_name} is this library's gradient accumulation; MaxText's engine accumulates "
-                    "its own (and defers the data-parallel reduction itself under shard_mode=explicit): "
-                    "plan zero1 or zero2")
-  attributes = {k.upper(): v for k, v in lever.optimizer_options.items()}
-  if lever.accumulate_options.get("shard_accumulator"):
-    attributes["SHARD_ACCUMULATOR"] = True
-  return attributes
 
 
 def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],

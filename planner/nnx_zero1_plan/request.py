@@ -14,7 +14,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.gpu_chips import GPU_CHIPS
+from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION
 from nnx_zero1_plan.inputs import (
   ONE_SLICE,
   SMALLEST_MICRO_BATCH,
@@ -29,7 +29,6 @@ from nnx_zero1_plan.inputs import (
   spelled_mesh,
 )
 from nnx_zero1_plan.levers import LEVERS
-from nnx_zero1_plan.targets import JAX_GPU_POOL_FRACTION
 
 __all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "STEPS", "PlanRequest",
            "SETTING_DEFAULTS", "check_topology",
@@ -46,7 +45,8 @@ DEFAULT_STEP = "one"  # the step recommended where a plan has its rows (MaxText'
 DEFAULT_OPTIMIZER = "adamw"
 
 # --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes), as the
-# recommendation's code writes them; the compiled step builds them from this code (steps.OPTIMIZERS).
+# recommendation's code writes them; the compiled step's steps.OPTIMIZERS writes each out (checked against
+# this code by tests/planner/test_kinds.py).
 OPTIMIZER_CODE = {
     "adamw": "optax.adamw(1e-5)",
     "adam": "optax.adam(1e-5)",

@@ -30,8 +30,14 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nnx_zero1._src.hlo import computations, condition_trip_count, shape_bytes
-from nnx_zero1._src.traffic import group_size, ring_sent, with_fused_groups
+from nnx_zero1._src.for_planner import (
+  computations,
+  condition_trip_count,
+  group_size,
+  ring_sent,
+  shape_bytes,
+  with_fused_groups,
+)
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import StepTime

@@ -23,8 +23,8 @@ from nnx_zero1_plan.inputs import (
   parse_overrides,
   parse_topology,
 )
-from nnx_zero1_plan.levers import LEVERS
-from nnx_zero1_plan.maxtext import config_overrides, engine_attributes
+from nnx_zero1_plan.levers import LEVERS, engine_attributes
+from nnx_zero1_plan.maxtext import config_overrides
 from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Figures, Made, Row
