@@ -2,11 +2,11 @@
 
 The planner is its own distribution, ``nnx-zero1-plan`` (``pip install ./planner`` from a
 clone of nnx-zero1), released with the optimizer it plans for. ``plan``, :class:`Plan`,
-:class:`Row`, ``main`` and the command line are its interface; its modules (``steps``, ``levers``,
-``compiled``, ``abstract``, ``compilers``, ``table``) are the building blocks the
-benchmark harness shares. Which modules are pure (this one, and everything the caller's process
-imports: no jax), which trace or compile, and which orchestrates (``run``) is ARCHITECTURE.md's
-planner section.
+:class:`Row`, ``main`` and the command line are its interface, and for a loop of your own the steps it
+compiles and what it reads from them (``make_optimizer``, ``lever_state``, ``compile_step``, ``memory``, ...:
+``__all__``), which the benchmark harness uses too. Which modules are pure (this one, and everything the
+caller's process imports: no jax), which trace or compile, and which orchestrates (``run``) is
+ARCHITECTURE.md's planner section.
 
 Each lever's training step (gradients over ``--ga`` micro-batches, then
 ``optimizer.update``, the state donated) is built abstractly, as one program
@@ -34,6 +34,7 @@ and no verdict drawn from it.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -43,16 +44,38 @@ import tqdm
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.child import plan_in_child
-from nnx_zero1_plan.compilers import AotUnavailable
+from nnx_zero1_plan.compilers import AotUnavailable, start_cpu_jax
 from nnx_zero1_plan.depth import WHOLE_OVER_ESTIMATE_UP_TO
 from nnx_zero1_plan.inputs import ONE_SLICE, SMALLEST_MICRO_BATCH, PlanError, parse_overrides
-from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.levers import LEVERS, Lever
 from nnx_zero1_plan.request import DEFAULT_DEPTHS, SETTING_DEFAULTS, PlanRequest
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
 
+# The steps the planner compiles and what it reads from them, for a loop of your own (and the benchmarks):
+# each imported from its module when first asked for, as those modules import jax and plan()'s caller never
+# does. Documented in docs/planner.md ("Your own loop").
+_ON_FIRST_USE = {"OPTIMIZERS": "steps", "make_optimizer": "steps", "lever_state": "steps",
+                 "step_jit": "steps", "compile_step": "steps", "compile_split": "steps",
+                 "memory": "compiled", "model_source": "models"}
+
 __all__ = ["Plan", "Row", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "request_of",
-           "main", "compile_only_devices"]
+           "main", "compile_only_devices", "LEVERS", "Lever", "start_cpu_jax", *_ON_FIRST_USE]
+
+
+def __getattr__(name: str) -> Any:
+  """A name of the compiled steps' API, imported from its module when first asked for.
+
+  Example::
+
+    >>> from nnx_zero1_plan import make_optimizer   # imports jax here, not with the package
+    >>> make_optimizer.__module__
+    'nnx_zero1_plan.steps'
+  """
+  module = _ON_FIRST_USE.get(name)
+  if module is None:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def compile_only_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, ...]:
