@@ -155,3 +155,16 @@ def test_each_optimizer_of_the_menu_is_the_code_the_recommendation_prints(monkey
     printed = (call.func.attr, tuple(ast.literal_eval(a) for a in call.args),
                {k.arg: ast.literal_eval(k.value) for k in call.keywords})
     assert steps.OPTIMIZERS[name]() == printed, name
+
+
+def test_every_public_name_resolves_and_the_package_alone_imports_no_jax():
+  import subprocess
+  import sys
+
+  import nnx_zero1_plan
+
+  assert all(getattr(nnx_zero1_plan, name) is not None for name in nnx_zero1_plan.__all__)
+  # The compiled steps' names are imported on first use, so plan()'s caller stays without jax.
+  code = "import sys, nnx_zero1_plan; print('jax' in sys.modules)"
+  assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        check=True).stdout.strip() == "False"
