@@ -11,7 +11,7 @@ gradients in, the state donated).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -48,7 +48,7 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
 
 
 def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation, mesh: Mesh | None,
-                   data_axis: str = "data") -> nnx.Optimizer:
+                   data_axis: str | Sequence[str] = Zero1Options.data_axis) -> nnx.Optimizer:
   """The lever's optimizer for ``model``: ``nnx.Optimizer``, or ``Zero1Optimizer`` built from a
   :class:`~nnx_zero1.Zero1Options` record of ``data_axis`` and the lever's options.
 
