@@ -174,14 +174,15 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
   """
 
   SHARD_ACCUMULATOR = False
-  OFFLOAD_STATE_TO_HOST = False
-  STATE_DTYPE: Any = None
-  STATE_ROUNDING = "stochastic"
-  MASTER_DTYPE: Any = None
+  # The memory levers, each at the record's default.
+  OFFLOAD_STATE_TO_HOST: bool | float = Zero1Options.offload_state_to_host
+  STATE_DTYPE: Any = Zero1Options.state_dtype
+  STATE_ROUNDING: str = Zero1Options.state_rounding
+  MASTER_DTYPE: Any = Zero1Options.master_dtype
 
   def _zero1_options(self) -> Zero1Options:
     """The options this class asks for: the data axis ``data`` and its memory levers."""
-    return Zero1Options(data_axis="data", **levers_of(self, str.upper))
+    return Zero1Options(data_axis=Zero1Options.data_axis, **levers_of(self, str.upper))
 
   @functools.wraps(_maxtext_engine.MaxTextTrainingEngine.__init__)  # type: ignore[misc]  # shows MaxText's signature
   def __init__(self, training_config, *args, **kwargs):

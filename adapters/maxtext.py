@@ -106,10 +106,11 @@ class Zero1EngineMixin:
     ('Zero1Optimizer', 2)
   """
 
-  OFFLOAD_STATE_TO_HOST = False
-  STATE_DTYPE: Any = None
-  STATE_ROUNDING = "stochastic"
-  MASTER_DTYPE: Any = None
+  # The memory levers, each at the record's default.
+  OFFLOAD_STATE_TO_HOST: bool | float = Zero1Options.offload_state_to_host
+  STATE_DTYPE: Any = Zero1Options.state_dtype
+  STATE_ROUNDING: str = Zero1Options.state_rounding
+  MASTER_DTYPE: Any = Zero1Options.master_dtype
 
   def _make_optimizer(
       self: _EngineHost, model: nnx.Module, tx: optax.GradientTransformation

@@ -54,13 +54,11 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   from flax import nnx
   from jax.sharding import AxisType, Mesh
 
+  from nnx_zero1_plan import LEVERS, OPTIMIZERS, lever_state, make_optimizer, memory, model_source, step_jit
   from nnx_zero1_plan.chips import CHIPS
-  from nnx_zero1_plan.compiled import memory
   from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
-  from nnx_zero1_plan.levers import LEVERS, make_optimizer
-  from nnx_zero1_plan.models import model_source
   from nnx_zero1_plan.step_time import step_time
-  from nnx_zero1_plan.steps import OPTIMIZERS, abstract_batch, lever_state, step_jit
+  from nnx_zero1_plan.steps import abstract_batch
 
   devices = jax.devices()
   device = devices[0]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nnx_zero1_plan.compiled import memory
+from nnx_zero1_plan import memory
 
 __all__ = [
     "load_meter",

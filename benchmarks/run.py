@@ -36,7 +36,7 @@ from benchmarks.settings import (
 from nnx_zero1 import bytes_per_device
 from nnx_zero1._src.report import memory_kind_of
 from nnx_zero1.testing import collectives
-from nnx_zero1_plan.steps import step_jit
+from nnx_zero1_plan import step_jit
 
 __all__ = [
     "StepArm", "accumulated_layout", "run_cell", "batch_sharding", "state_shardings",

@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.model import CONFIGS, Config, Transformer, count_params
 from nnx_zero1.testing import CASES
-from nnx_zero1_plan import levers
-from nnx_zero1_plan.levers import Lever
+from nnx_zero1_plan import Lever
+from nnx_zero1_plan import make_optimizer as lever_optimizer
 
 __all__ = [
     "ACCUMULATE_OPTIONS", "LEVER_REFERENCE", "OPTIMIZERS", "OPTIMIZER_CASES", "OPTIMIZER_OPTIONS",
@@ -123,7 +123,7 @@ def lever(arm: str) -> Lever:
 
 def make_optimizer(arm: str, model, tx, mesh):
   """The arm's optimizer: ``nnx.Optimizer`` or ``Zero1Optimizer`` over the mesh's ``"data"`` axis."""
-  return levers.make_optimizer(lever(arm), model, tx, mesh)
+  return lever_optimizer(lever(arm), model, tx, mesh)
 
 
 def new_model(settings: Settings, mesh) -> Transformer:

@@ -83,13 +83,14 @@ class ShardedOptimizerMixin:
     zero1_master_dtype: ``Zero1Optimizer(master_dtype=...)``, for bfloat16 models.
   """
 
-  zero1_data_axis: DataAxis | None = "data"  # None: left to zero1_options (the Tunix adapters' config)
-  zero1_strict: bool = False
-  zero1_pin_gradients: bool = True
-  zero1_offload_state_to_host: bool | float = False
-  zero1_state_dtype: Any = None
-  zero1_state_rounding: str = "stochastic"
-  zero1_master_dtype: Any = None
+  # Each default is the record's (a new option is one field of Zero1Options and one line here).
+  zero1_data_axis: DataAxis | None = Zero1Options.data_axis  # None: left to zero1_options (Tunix's config)
+  zero1_strict: bool = Zero1Options.strict
+  zero1_pin_gradients: bool = Zero1Options.pin_gradients
+  zero1_offload_state_to_host: bool | float = Zero1Options.offload_state_to_host
+  zero1_state_dtype: Any = Zero1Options.state_dtype
+  zero1_state_rounding: str = Zero1Options.state_rounding
+  zero1_master_dtype: Any = Zero1Options.master_dtype
 
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)

@@ -90,9 +90,11 @@ def _install() -> None:
 
 @contextlib.contextmanager
 def zero1_optimizers(
-    mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = "data", strict: bool = False,
-    *, pin_gradients: bool = True, offload_state_to_host: bool | float = False, state_dtype: Any = None,
-    state_rounding: str = "stochastic", master_dtype: Any = None,
+    mesh: jax.sharding.Mesh | None = None, data_axis: DataAxis | None = Zero1Options.data_axis,
+    strict: bool = Zero1Options.strict, *, pin_gradients: bool = Zero1Options.pin_gradients,
+    offload_state_to_host: bool | float = Zero1Options.offload_state_to_host,
+    state_dtype: Any = Zero1Options.state_dtype, state_rounding: str = Zero1Options.state_rounding,
+    master_dtype: Any = Zero1Options.master_dtype,
 ) -> Iterator[list[Zero1Optimizer]]:
   """Inside the block, ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` builds
   ``Zero1Optimizer(model, tx, mesh, wrt=..., graph=..., data_axis=..., strict=...)``
@@ -137,7 +139,7 @@ def zero1_optimizers(
     >>> type(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)).__name__
     'Optimizer'
   """
-  options = Zero1Options(data_axis="data" if data_axis is None else data_axis, strict=strict,
+  options = Zero1Options(data_axis=Zero1Options.data_axis if data_axis is None else data_axis, strict=strict,
                          pin_gradients=pin_gradients, offload_state_to_host=offload_state_to_host,
                          state_dtype=state_dtype, state_rounding=state_rounding, master_dtype=master_dtype)
   with options_scope(mesh, options) as built:

@@ -2,11 +2,11 @@
 
 The planner is its own distribution, ``nnx-zero1-plan`` (``pip install ./planner`` from a
 clone of nnx-zero1), released with the optimizer it plans for. ``plan``, :class:`Plan`,
-:class:`Row`, ``main`` and the command line are its interface; its modules (``steps``, ``levers``,
-``compiled``, ``abstract``, ``compilers``, ``table``) are the building blocks the
-benchmark harness shares. Which modules are pure (this one, and everything the caller's process
-imports: no jax), which trace or compile, and which orchestrates (``run``) is ARCHITECTURE.md's
-planner section.
+:class:`Row`, ``main`` and the command line are its interface, and for a loop of your own the steps it
+compiles and what it reads from them (``make_optimizer``, ``lever_state``, ``compile_step``, ``memory``, ...:
+``__all__``), which the benchmark harness uses too. Which modules are pure (this one, and everything the
+caller's process imports: no jax), which trace or compile, and which orchestrates (``run``) is
+ARCHITECTURE.md's planner section.
 
 Each lever's training step (gradients over ``--ga`` micro-batches, then
 ``optimizer.update``, the state donated) is built abstractly, as one program
@@ -34,6 +34,7 @@ and no verdict drawn from it.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -45,18 +46,41 @@ import tqdm
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.child import plan_in_child
-from nnx_zero1_plan.compilers import AotUnavailable
-from nnx_zero1_plan.inputs import PlanError, parse_overrides
-from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.compilers import AotUnavailable, start_cpu_jax
+from nnx_zero1_plan.depth import WHOLE_OVER_ESTIMATE_UP_TO
+from nnx_zero1_plan.inputs import ONE_SLICE, SMALLEST_MICRO_BATCH, PlanError, parse_overrides
+from nnx_zero1_plan.levers import LEVERS, Lever
 from nnx_zero1_plan.request import DEFAULT_DEPTHS, SETTING_DEFAULTS, PlanRequest
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
 
+# The steps the planner compiles and what it reads from them, for a loop of your own (and the benchmarks):
+# each imported from its module when first asked for, as those modules import jax and plan()'s caller never
+# does. Documented in docs/planner.md ("Your own loop").
+_ON_FIRST_USE = {"OPTIMIZERS": "steps", "make_optimizer": "steps", "lever_state": "steps",
+                 "step_jit": "steps", "compile_step": "steps", "compile_split": "steps",
+                 "memory": "compiled", "model_source": "models"}
+
 __all__ = ["Plan", "Row", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "request_of",
-           "main", "compile_only_devices"]
+           "main", "compile_only_devices", "LEVERS", "Lever", "start_cpu_jax", *_ON_FIRST_USE]
 
 
-def compile_only_devices(topology: str, slices: int = 1) -> tuple[Any, ...]:
+def __getattr__(name: str) -> Any:
+  """A name of the compiled steps' API, imported from its module when first asked for.
+
+  Example::
+
+    >>> from nnx_zero1_plan import make_optimizer   # imports jax here, not with the package
+    >>> make_optimizer.__module__
+    'nnx_zero1_plan.steps'
+  """
+  module = _ON_FIRST_USE.get(name)
+  if module is None:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def compile_only_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, ...]:
   """The devices the planner compiles for: ``topology``'s chips, which compile but never run, to check a
   plan's printed code on (its ``devices = jax.devices()`` line becomes
   ``devices = compile_only_devices(...)``, and ``jax.jit(step).lower(...).compile()`` gives the figures the
@@ -149,13 +173,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v4:2x2x1, v5p:..., h100:8, h200:8, "
                  "a100-80g:8, b200:8, h100:2x8 (nodes x GPUs)")
   p.add_argument("--slices", type=int, help="TPU slices of --topology joined over the data-center "
-                 "network (default 1); the default mesh gains replica across them (GPU nodes: h100:8x8)")
+                 f"network (default {ONE_SLICE}); the default mesh gains replica across them (GPU nodes: "
+                 "h100:8x8)")
   p.add_argument("--gpus-per-node", type=int, help="GPU nodes of other than the chip's "
                  "standard 8 GPUs, said again: --topology h100:8x2 --gpus-per-node 2 (8 nodes of 2)")
   p.add_argument("--mesh", help="axis sizes, e.g. data=4,fsdp=2 (default: every device on "
                  "data; on a pod replica=SLICES_OR_NODES first, then data)")
   p.add_argument("--batch", type=int, help="global micro-batch in sequences (default: the "
-                 "smallest multiple of the batch axes' size of at least 8)")
+                 f"smallest multiple of the batch axes' size of at least {SMALLEST_MICRO_BATCH})")
   p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024)")
   p.add_argument("--ga", type=int, help="micro-batches per optimizer step (default 1)")
   p.add_argument("--param-dtype", help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: "
@@ -170,10 +195,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "and nnx.jit loops compile it), split (two programs, as MaxText's engine); default both")
   p.add_argument("--estimate", action="store_true",
                  help=f"TPUs: compile deep models at {DEFAULT_DEPTHS} layers and extrapolate (quicker; "
-                 "every such figure marked an estimate, measured up to 1.36x low; decides no fit); default: "
-                 "whole programs")
-  p.add_argument("--full-depth", action="store_true",
-                 help="whole programs: the default (kept for old command lines)")
+                 f"every such figure marked an estimate, measured up to {WHOLE_OVER_ESTIMATE_UP_TO}x low; "
+                 "decides no fit); default: whole programs")
+  # Whole programs are the default: an old command line's flag is refused (request_of) with a line that says
+  # so, rather than accepted and ignored.
+  p.add_argument("--full-depth", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--tunix-sharding", help="tunix: models' activation constraints, "
                  "applied as on the chips: default (Tunix's, the mesh's data axes in each batch entry), none "
                  "(XLA's propagation), or JSON of ShardingConfig act_* fields")
@@ -200,13 +226,16 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
   """The :class:`PlanRequest` the command line's flags (:func:`parse_args`) ask for, checked.
 
   Raises:
-    PlanError: what :class:`PlanRequest` refuses, or a malformed MaxText override.
+    PlanError: what :class:`PlanRequest` refuses, a malformed MaxText override, or ``--full-depth``.
 
   Example::
 
     >>> request_of(parse_args(["--model", "m:f", "--topology", "h100:2x8"])).domains
     2
   """
+  if getattr(args, "full_depth", False):
+    raise PlanError("--full-depth: whole programs are the default; leave the flag out (--estimate asks for "
+                    "reduced depths instead)")
   flags = {name: getattr(args, name) for name in SETTING_DEFAULTS if name in args}
   return PlanRequest(args.model, args.topology, **{**flags, "overrides": parse_overrides(args.overrides)})
 
@@ -231,12 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if line.startswith("compiled "):
       bar.update()
 
-  log = _compiler_log(args.out)
+  log = None
   try:
     request = request_of(args)
     compilers.start_cpu_jax()  # the command line's process is the planner's own
     from nnx_zero1_plan.run import make_plan  # jax's, imported once this process is prepared for it
 
+    log = _compiler_log(args.out)
     with compilers.compiler_messages_to(log) as terminal:
       stream[0] = terminal
       # A search runs a few compiles per lever: a bar counts them, the lines go above it.
@@ -253,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stream[0] = sys.stderr
     if bar is not None:
       bar.close()
-    _said_compiler_log(log, args.out, say)
+    if log is not None:
+      _said_compiler_log(log, args.out, say)
   print(result)
   if args.out:
     print("wrote " + ", ".join(result.write(args.out)))
@@ -271,11 +302,11 @@ def _compiler_log(out: str | None) -> str:
 
 
 def _said_compiler_log(log: str, out: str | None, say: Callable[[str], None]) -> None:
-  """One line where the compilers said something (kept in ``--out``'s ``compiler.log``); a log of no
-  ``--out`` removed, so a plan leaves no file behind."""
+  """One line where the compilers said something (kept in ``--out``'s ``compiler.log``); an empty log, or
+  one of no ``--out``, removed, so a plan leaves no file behind."""
   with open(log) as f:
     lines = sum(1 for line in f if line.strip())
-  if out is None:
+  if out is None or not lines:
     os.remove(log)
   if lines:
     where = f"in {log}" if out else "(--out keeps them in compiler.log)"

@@ -71,7 +71,7 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
 
 
 def _say(message: dict) -> None:
-  print(MARK + json.dumps(message, default=str), flush=True)
+  print(MARK + json.dumps(message), flush=True)
 
 
 def main() -> int:

@@ -79,11 +79,10 @@ def require_cuda_plugin() -> str:
   Raises:
     AotUnavailable: XLA's GPU compiler (``jax-cuda13-plugin``) is not installed in this environment.
   """
-  import jax
-
+  # jax's version from its metadata: this module runs in the caller's process too, which never imports jax.
   if importlib.util.find_spec("jax_cuda13_plugin") is None:
     raise AotUnavailable(f"compiling for NVIDIA GPUs needs XLA's GPU compiler, which is not installed: "
-                         f"{gpu_install_hint(jax.__version__)}")
+                         f"{gpu_install_hint(importlib.metadata.version('jax'))}")
   return importlib.metadata.version("jax-cuda13-plugin")
 
 
@@ -97,11 +96,9 @@ def require_libtpu() -> str:
   Raises:
     AotUnavailable: libtpu is not installed in this environment.
   """
-  import jax
-
   if importlib.util.find_spec("libtpu") is None:
     raise AotUnavailable(f"compiling for TPUs needs the TPU compiler (libtpu), which is not installed: "
-                         f"{install_hint(jax.__version__)}")
+                         f"{install_hint(importlib.metadata.version('jax'))}")
   return importlib.metadata.version("libtpu")
 
 

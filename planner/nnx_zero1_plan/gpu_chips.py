@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from nnx_zero1_plan.chips import CHIPS, GpuChip
 
-__all__ = ["GPU_CHIPS", "target_config"]
+__all__ = ["GPU_CHIPS", "JAX_GPU_POOL_FRACTION", "target_config"]
+
+# jax's GPU client takes XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the memory free when it starts: the
+# pool a GPU target is described to its compiler with, and --gpu-memory-fraction's default.
+JAX_GPU_POOL_FRACTION = 0.75
 
 # The GPUs among the chips, by the planner's name for each (``h100``): the topologies it compiles for.
 GPU_CHIPS: dict[str, GpuChip] = {name: chip.gpu for name, chip in CHIPS.items() if chip.gpu is not None}

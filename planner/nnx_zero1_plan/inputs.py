@@ -9,7 +9,10 @@ from typing import NamedTuple
 
 __all__ = ["shortened", "PlanError", "ModelRef", "Topology", "parse_mesh", "parse_levers", "parse_topology",
            "mesh_axes", "check_replica", "micro_batch", "check_axis_names", "parse_model", "parse_overrides",
-           "spelled_mesh"]
+           "spelled_mesh", "ONE_SLICE", "SMALLEST_MICRO_BATCH"]
+
+ONE_SLICE = 1  # a TPU target is one slice unless --slices joins several (a pod)
+SMALLEST_MICRO_BATCH = 8  # --batch's default: the fewest sequences a default micro-batch holds
 
 # The axes a batch or the parameters split over without the model naming them (Zero-1's data axis,
 # fsdp for the batch and the layout rule, tp for a model that names it); any other axis must be the model's.
@@ -49,7 +52,7 @@ class Topology(NamedTuple):
   chip: str
   shape: tuple[int, ...]
 
-  def domains(self, slices: int = 1) -> int:
+  def domains(self, slices: int = ONE_SLICE) -> int:
     """The slices (TPU: ``slices`` of this one) or nodes (GPU: the shape's first number) the target spans.
 
     Example::
@@ -165,7 +168,7 @@ def check_replica(axes: Mapping[str, int], domains: int, default_axis: str = "da
 
 def micro_batch(batch: int | None, unit: int, over: str) -> int:
   """The plan's global micro-batch: ``--batch``, checked to split over the batch axes (``unit`` devices), or
-  by default (None) the smallest multiple of ``unit`` of at least 8 sequences.
+  by default (None) the smallest multiple of ``unit`` of at least :data:`SMALLEST_MICRO_BATCH` (8) sequences.
 
   Raises:
     PlanError: ``batch`` is not a multiple of ``unit``.
@@ -178,7 +181,7 @@ def micro_batch(batch: int | None, unit: int, over: str) -> int:
     16
   """
   if batch is None:
-    return -(-8 // unit) * unit
+    return -(-SMALLEST_MICRO_BATCH // unit) * unit
   if batch % unit:
     raise PlanError(f"--batch {batch} does not split over the batch axes ({over} = {unit} devices): give a "
                     f"multiple of {unit}, or leave --batch out for {micro_batch(None, unit, over)}")

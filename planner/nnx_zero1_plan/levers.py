@@ -13,8 +13,10 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Lever", "LEVERS", "adds_memory", "lever_blocker", "make_optimizer", "state_axes", "summed_over",
-           "with_offload"]
+from nnx_zero1_plan.inputs import PlanError
+
+__all__ = ["Lever", "LEVERS", "adds_memory", "engine_attributes", "lever_blocker", "state_axes",
+           "summed_over", "with_offload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,17 +164,27 @@ def with_offload(lever: Lever, fraction: float) -> Lever:
                                                        "offload_state_to_host": fraction or False})
 
 
-def make_optimizer(lever: Lever, model: Any, tx: Any, mesh: Any, data_axis: str = "data") -> Any:
-  """The lever's optimizer for ``model``: ``nnx.Optimizer`` or ``Zero1Optimizer`` over ``data_axis``.
+def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
+  """The class attributes of ``Zero1AbstractMaxTextEngine`` that make it ``lever`` (None: MaxText's own).
+
+  Raises:
+    PlanError: a lever of this library's own gradient accumulation (MaxText's engine accumulates its own).
 
   Example::
 
-    optimizer = make_optimizer(LEVERS["zero1"], model, optax.adamw(1e-4), mesh)
+    >>> engine_attributes("zero2-offload", LEVERS["zero2-offload"])
+    {'OFFLOAD_STATE_TO_HOST': True, 'SHARD_ACCUMULATOR': True}
   """
-  from flax import nnx
-
-  from nnx_zero1 import Zero1Optimizer
-
   if not lever.zero1:
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
-  return Zero1Optimizer(model, tx, mesh, **{"data_axis": data_axis, **lever.optimizer_options})
+    return None
+  if "data_axis" in lever.optimizer_options:
+    raise PlanError(f"{lever_name} names mesh axes MaxText's mesh has not; MaxText's data axis is "
+                    "dcn_data x ici_data, so on several slices its zero1 splits the state across them")
+  if lever.deferred and not lever.accumulate_options.get("shard_accumulator"):
+    raise PlanError(f"{lever_name} is this library's gradient accumulation; MaxText's engine accumulates "
+                    "its own (and defers the data-parallel reduction itself under shard_mode=explicit): "
+                    "plan zero1 or zero2")
+  attributes = {k.upper(): v for k, v in lever.optimizer_options.items()}
+  if lever.accumulate_options.get("shard_accumulator"):
+    attributes["SHARD_ACCUMULATOR"] = True
+  return attributes

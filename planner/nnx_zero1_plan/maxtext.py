@@ -16,16 +16,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
 
-from nnx_zero1_plan.inputs import PlanError
-from nnx_zero1_plan.levers import Lever
+from nnx_zero1_plan.inputs import ONE_SLICE, PlanError
+from nnx_zero1_plan.levers import Lever, engine_attributes
 from nnx_zero1_plan.row import Figures
 
-__all__ = ["MaxTextModel", "mesh_axis_names", "config_overrides", "engine_attributes", "measure_maxtext"]
+__all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "measure_maxtext"]
+
+# MaxText's base_output_directory for one plan: a fresh folder in the temp folder, never named like a
+# package (a folder named nnx_zero1_plan there would shadow the planner, as an empty namespace package, in
+# any Python started in the temp folder).
+OUTPUT_PREFIX = "maxtext_out_"
 
 @dataclasses.dataclass(frozen=True)
 class MaxTextModel:
@@ -35,6 +40,26 @@ class MaxTextModel:
   overrides: Mapping[str, str]
   full_depth: int | None = None  # compiled whole: MaxText scans its layers
   defer: bool = True  # MaxText's own choice of deferring the data-parallel all-reduce (False: never)
+
+
+@contextlib.contextmanager
+def output_directory() -> Iterator[str]:
+  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it when the
+  block ends (a plan leaves nothing behind).
+
+  Example::
+
+    >>> with output_directory() as out:
+    ...   os.path.basename(out).startswith(OUTPUT_PREFIX), os.path.isdir(out)
+    (True, True)
+    >>> os.path.exists(out)
+    False
+  """
+  folder = tempfile.mkdtemp(prefix=OUTPUT_PREFIX)
+  try:
+    yield folder
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def mesh_axis_names() -> tuple[str, ...]:
@@ -51,13 +76,15 @@ _OPT_TYPES = ("adamw", "sgd")
 def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping[str, int], *,
                      batch: int, seq_len: int, ga: int, optimizer: str, param_dtype: str | None,
                      compute_dtype: str | None, remat: str | None, known_axes: Iterable[str],
-                     overrides: Mapping[str, str] | None = None, slices: int = 1) -> dict[str, str]:
+                     output_dir: str, overrides: Mapping[str, str] | None = None,
+                     slices: int = ONE_SLICE) -> dict[str, str]:
   """MaxText's config for a plan: its ``key=value`` overrides of ``base.yml``, the user's last.
 
   A mesh axis ``A=n`` is MaxText's ``ici_A_parallelism=n`` (one slice's devices); every other axis is 1
   (MaxText's ``ici_fsdp_parallelism`` default, -1, would take the devices left). On several slices
   ``dcn_data_parallelism`` is their number: MaxText's data axis spans them. The topology is compiled
-  under MaxText's ``internal_compile``: libtpu's own name, as the plan's other models use it.
+  under MaxText's ``internal_compile``: libtpu's own name, as the plan's other models use it. MaxText writes
+  under ``output_dir`` (the plan's :func:`output_directory`).
 
   Raises:
     PlanError: an axis MaxText's mesh has not, an optimizer it does not name alike, or a batch that
@@ -67,7 +94,7 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
 
     >>> o = config_overrides("qwen3-0.6b", "v6e:2x2", 4, {"data": 4}, batch=8, seq_len=1024, ga=8,
     ...                      optimizer="adamw", param_dtype=None, compute_dtype=None, remat=None,
-    ...                      known_axes=("data", "fsdp", "tensor"))
+    ...                      known_axes=("data", "fsdp", "tensor"), output_dir="/tmp/maxtext_out_1")
     >>> o["per_device_batch_size"], o["ici_data_parallelism"], o["ici_fsdp_parallelism"]
     ('2', '4', '1')
   """
@@ -83,7 +110,7 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
                     "per_device_batch_size)")
   config = {
       "model_name": model_name, "run_name": "nnx_zero1_plan", "enable_checkpointing": "false",
-      "base_output_directory": os.path.join(tempfile.gettempdir(), "nnx_zero1_plan"),
+      "base_output_directory": output_dir,
       "skip_jax_distributed_system": "true", "enable_goodput_recording": "false",
       "jax_cache_dir": "", "internal_compile": "true", "compile_topology": topology,
       "internal_compile_num_devices": str(devices), "compile_topology_num_slices": str(slices),
@@ -97,33 +124,6 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
     if value is not None:
       config[key] = value
   return {**config, **(overrides or {})}
-
-
-def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
-  """The class attributes of ``Zero1AbstractMaxTextEngine`` that make it ``lever`` (None: MaxText's own).
-
-  Raises:
-    PlanError: a lever of this library's own gradient accumulation (MaxText's engine accumulates its own).
-
-  Example::
-
-    >>> from nnx_zero1_plan.levers import LEVERS
-    >>> engine_attributes("zero2-offload", LEVERS["zero2-offload"])
-    {'OFFLOAD_STATE_TO_HOST': True, 'SHARD_ACCUMULATOR': True}
-  """
-  if not lever.zero1:
-    return None
-  if "data_axis" in lever.optimizer_options:
-    raise PlanError(f"{lever_name} names mesh axes MaxText's mesh has not; MaxText's data axis is "
-                    "dcn_data x ici_data, so on several slices its zero1 splits the state across them")
-  if lever.deferred and not lever.accumulate_options.get("shard_accumulator"):
-    raise PlanError(f"{lever_name} is this library's gradient accumulation; MaxText's engine accumulates "
-                    "its own (and defers the data-parallel reduction itself under shard_mode=explicit): "
-                    "plan zero1 or zero2")
-  attributes = {k.upper(): v for k, v in lever.optimizer_options.items()}
-  if lever.accumulate_options.get("shard_accumulator"):
-    attributes["SHARD_ACCUMULATOR"] = True
-  return attributes
 
 
 def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],

@@ -102,9 +102,11 @@ def on_devices(planned: PlannedModel, target: Target) -> PlannedModel:
   return dataclasses.replace(planned, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
 
 
-def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, batch: int) -> PlannedModel:
+def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, batch: int,
+                     output_dir: str) -> PlannedModel:
   """A ``maxtext:`` model under the remat ``policy``: its config's overrides at each micro-batch, checked at
-  ``batch`` before any compile (MaxText builds its own mesh: the axes are one slice's ``ici_*``).
+  ``batch`` before any compile (MaxText builds its own mesh: the axes are one slice's ``ici_*``), MaxText
+  writing under ``output_dir`` (the plan's :func:`nnx_zero1_plan.maxtext.output_directory`).
 
   Raises:
     PlanError: a GPU target, MaxText missing, or what :func:`nnx_zero1_plan.maxtext.config_overrides`
@@ -125,8 +127,8 @@ def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, b
     config = config_overrides(model.name, request.topology, len(target.devices), axes, batch=micro_batch,
                               seq_len=request.seq_len, ga=request.ga, optimizer=request.optimizer,
                               param_dtype=request.param_dtype, compute_dtype=request.compute_dtype,
-                              remat=policy, known_axes=known, overrides=request.overrides,
-                              slices=target.domains)
+                              remat=policy, known_axes=known, output_dir=output_dir,
+                              overrides=request.overrides, slices=target.domains)
     return MaxTextModel(str(model), config, defer=request.maxtext_deferral == "auto")
 
   source_at(batch)  # the settings checked before any compile

@@ -107,7 +107,7 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
   """The code that turns lever ``name`` on where ``model``'s users train, as they paste it: their own loop
   (imports, the mesh the plan compiled, then the model built under it, then the optimizer), Tunix's trainers
   (the mesh, the activations' sharding the plan compiled, ``Zero1TrainingConfig``'s ``zero1_*`` options) or
-  MaxText's engine (the class attributes :func:`nnx_zero1_plan.maxtext.engine_attributes` gives). Written
+  MaxText's engine (the class attributes :func:`nnx_zero1_plan.levers.engine_attributes` gives). Written
   from the lever table, so a new lever needs no entry here; ``offload-fraction`` writes the
   ``offload_fraction`` its plan picked.
 
@@ -139,8 +139,7 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
     'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
   """
-  from nnx_zero1_plan.levers import LEVERS, with_offload
-  from nnx_zero1_plan.maxtext import engine_attributes
+  from nnx_zero1_plan.levers import LEVERS, engine_attributes, with_offload
   from nnx_zero1_plan.request import OPTIMIZER_CODE
 
   tx = OPTIMIZER_CODE[optimizer]

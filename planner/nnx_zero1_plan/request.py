@@ -14,8 +14,10 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.gpu_chips import GPU_CHIPS
+from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION
 from nnx_zero1_plan.inputs import (
+  ONE_SLICE,
+  SMALLEST_MICRO_BATCH,
   ModelRef,
   PlanError,
   Topology,
@@ -27,7 +29,6 @@ from nnx_zero1_plan.inputs import (
   spelled_mesh,
 )
 from nnx_zero1_plan.levers import LEVERS
-from nnx_zero1_plan.targets import JAX_GPU_POOL_FRACTION
 
 __all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "STEPS", "PlanRequest",
            "SETTING_DEFAULTS", "check_topology",
@@ -44,7 +45,8 @@ DEFAULT_STEP = "one"  # the step recommended where a plan has its rows (MaxText'
 DEFAULT_OPTIMIZER = "adamw"
 
 # --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes), as the
-# recommendation's code writes them; the compiled step builds them from this code (steps.OPTIMIZERS).
+# recommendation's code writes them; the compiled step's steps.OPTIMIZERS writes each out (checked against
+# this code by tests/planner/test_kinds.py).
 OPTIMIZER_CODE = {
     "adamw": "optax.adamw(1e-5)",
     "adam": "optax.adam(1e-5)",
@@ -54,7 +56,7 @@ OPTIMIZER_CODE = {
 }
 
 
-def check_topology(topology: str, slices: int = 1, gpus_per_node: int | None = None) -> Topology:
+def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | None = None) -> Topology:
   """``topology`` parsed, or refused with ``--slices`` or ``--gpus-per-node`` when wrong, or right only by an
   unusual reading, each in its own line.
 
@@ -140,7 +142,6 @@ class PlanRequest:
     steps: ``one`` (one program: gradients then ``optimizer.update``, as Tunix's trainers and
       ``nnx.jit`` loops compile a step), ``split`` (two programs, gradients then update, as MaxText's
       engine does: the rows add the update program's peak, flops and bytes accessed), or both.
-    full_depth: accepted for command lines written before whole compiles were the default; changes nothing.
     overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
     search: for each lever and step, also find the largest micro-batch that fits (a multiple of the
       batch axes' size, from ``batch`` on): a line through two compiles, bisection where the line is
@@ -161,11 +162,11 @@ class PlanRequest:
       the GPUs each node has, said again, so ``h100:8x2`` is never a silent misspelling of ``h100:2x8``.
     depths: the reduced depths a deep model is compiled at for an estimate (``estimate``).
     estimate: for TPUs, compile a deep model at ``depths`` and extrapolate per layer instead of compiling it
-      whole: minutes instead of tens of minutes, and figures measured up to 1.36x low
-      (:data:`nnx_zero1_plan.depth.MEASURED_ERROR`). Every figure of such a row is marked an estimate; an
-      estimate decides neither ``fits`` nor an edge (``fits`` is None, ``fits_estimate`` what the line
-      says), so nothing is recommended from it. A row whose estimate comes near the limit, or whose two
-      depths disagree, is compiled whole anyway.
+      whole: minutes instead of tens of minutes, and figures measured low, by up to
+      :data:`nnx_zero1_plan.depth.WHOLE_OVER_ESTIMATE_UP_TO`. Every figure of such a row is marked an
+      estimate; an estimate decides neither ``fits`` nor an edge (``fits`` is None, ``fits_estimate`` what
+      the line says), so nothing is recommended from it. A row whose estimate comes near the limit, or whose
+      two depths disagree, is compiled whole anyway.
     tunix_sharding: a ``tunix:`` model's activation sharding constraints, applied as Tunix applies them on
       the chips: ``default`` (Tunix's ``ShardingConfig``, the mesh's data axes added to each batch entry),
       ``none`` (XLA's own propagation), or a JSON object of ``act_*`` fields
@@ -204,12 +205,11 @@ class PlanRequest:
   optimizer: str = DEFAULT_OPTIMIZER
   levers: str | Sequence[str] = ("baseline", "zero1")
   steps: str | Sequence[str] = ("one", "split")
-  full_depth: bool = False
   overrides: Mapping[str, str] | None = None
   search: bool = False
   margin: float | None = None
   gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION
-  slices: int = 1
+  slices: int = ONE_SLICE
   depths: Sequence[int] = DEFAULT_DEPTHS
   estimate: bool = False
   tunix_sharding: str = "default"
@@ -230,7 +230,7 @@ class PlanRequest:
     steps = parse_levers(self.steps, STEPS, what="step")
     if self.optimizer not in OPTIMIZER_CODE:
       raise PlanError(f"unknown optimizer {self.optimizer!r}; optimizers: {', '.join(OPTIMIZER_CODE)}")
-    if min(8 if self.batch is None else self.batch, self.seq_len, self.ga) < 1:
+    if min(SMALLEST_MICRO_BATCH if self.batch is None else self.batch, self.seq_len, self.ga) < 1:
       raise PlanError(f"--batch, --seq-len and --ga must be >= 1, got {self.batch}, {self.seq_len}, "
                       f"{self.ga}")
     if self.margin is not None and not 0 <= self.margin < 1:
@@ -241,8 +241,6 @@ class PlanRequest:
     if self.estimate and self.search:
       raise PlanError("--search finds an edge from whole compiles, and --estimate decides no edge: leave out "
                       "one of them")
-    if self.estimate and self.full_depth:
-      raise PlanError("--estimate compiles reduced depths and --full-depth whole ones: leave out one of them")
     if self.tunix_sharding != "default" and kind != "tunix":
       raise PlanError(f"--tunix-sharding applies to tunix: models; {self.model} shards its own activations")
     if self.maxtext_deferral not in ("auto", "off"):
@@ -331,7 +329,7 @@ def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
       words.append(f"{flag} {s[key]}")
   if s.get("optimizer", DEFAULT_OPTIMIZER) != DEFAULT_OPTIMIZER:
     words.append(f"--optimizer {s['optimizer']}")
-  if s.get("slices", 1) > 1:
+  if s.get("slices", ONE_SLICE) != ONE_SLICE:
     words.append(f"--slices {s['slices']}")
   if s.get("estimate"):
     words.append("--estimate")

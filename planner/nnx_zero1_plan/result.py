@@ -83,7 +83,7 @@ class Plan:
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "plan.md")]
     with open(paths[0], "w") as f:
-      json.dump(self.to_record(), f, indent=1, default=str)
+      json.dump(self.to_record(), f, indent=1)
     with open(paths[1], "w") as f:
       f.write(markdown(self.meta, self.rows, self.next_steps, self.recommendation, self.way_out))
     drawn = draw_search(self.rows, os.path.join(out_dir, "search.png"))

@@ -9,6 +9,7 @@ the planning process :func:`nnx_zero1_plan.plan` starts).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,8 +19,9 @@ import jax
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.compiled import PEAK_SOURCE
-from nnx_zero1_plan.inputs import micro_batch
+from nnx_zero1_plan.inputs import SMALLEST_MICRO_BATCH, micro_batch
 from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.maxtext import output_directory
 from nnx_zero1_plan.measure import RowCompiler, StepShape
 from nnx_zero1_plan.planned_model import (
   PlannedModel,
@@ -51,8 +53,8 @@ def _micro_batch(request: PlanRequest, planned: PlannedModel | None,
   batch = (request.batch if planned is None and request.batch is not None
            else micro_batch(request.batch, unit, over))
   stated = None if request.batch is not None else (
-      f"--batch not given: micro-batch {batch}, the smallest of at least 8 sequences that splits over the "
-      f"batch axes ({over} = {unit} devices)")
+      f"--batch not given: micro-batch {batch}, the smallest of at least {SMALLEST_MICRO_BATCH} sequences "
+      f"that splits over the batch axes ({over} = {unit} devices)")
   return batch, stated
 
 
@@ -137,7 +139,7 @@ def _meta(request: PlanRequest, planned: PlannedModel, target: Target, rows: Seq
 
 
 def _way_out(compiler: RowCompiler, request: PlanRequest, planned: PlannedModel, meta: Mapping[str, Any],
-             blocked: Mapping[str, str]) -> WayOut:
+             blocked: Mapping[str, str], maxtext_out: str | None) -> WayOut:
   """When nothing fits: the changes that may make room, compiled lightest first, until one fits."""
   step = request.steps[0]
   asked = dataclasses.replace(request, batch=meta["batch"])
@@ -145,8 +147,8 @@ def _way_out(compiler: RowCompiler, request: PlanRequest, planned: PlannedModel,
   def compile_changed(change: Change) -> Row:
     r = change.request
     policy, batch = r.policies[0], meta["batch"] if r.batch is None else r.batch
-    if r.model_ref.kind == "maxtext":
-      model = describe_maxtext(r, compiler.target, policy, batch)
+    if maxtext_out is not None:  # a maxtext: model (the change keeps the model)
+      model = describe_maxtext(r, compiler.target, policy, batch, maxtext_out)
     else:
       model = on_devices(describe_tunix_or_own(r, policy, r.mesh_sizes, estimate=False), compiler.target)
       micro_batch(batch, model.batch_unit, batch_words(model))
@@ -189,6 +191,15 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   """
   compilers.keep_jax_on_cpu()
   maxtext = request.model_ref.kind == "maxtext"
+  # MaxText writes under its base_output_directory: a folder made for this plan and removed after it.
+  with output_directory() if maxtext else contextlib.nullcontext() as maxtext_out:
+    return _planned(request, progress, maxtext_out)
+
+
+def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxtext_out: str | None) -> Plan:
+  """:func:`make_plan`'s plan, MaxText writing under ``maxtext_out`` (None for a model that is not
+  ``maxtext:``)."""
+  maxtext = maxtext_out is not None
   policies = request.policies
   if not maxtext:  # described before the compiler is looked for: a misspelt axis needs none
     plans = {p: describe_tunix_or_own(request, p) for p in policies}
@@ -201,8 +212,8 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   batch, batch_default = _micro_batch(request, None if maxtext else plans[policies[0]], target)
   if batch_default and progress:
     progress(batch_default)
-  if maxtext:  # described by its config, which needs the target and the micro-batch
-    plans = {p: describe_maxtext(request, target, p, batch) for p in policies}
+  if maxtext_out is not None:  # maxtext: described by its config, which needs the target and the micro-batch
+    plans = {p: describe_maxtext(request, target, p, batch, maxtext_out) for p in policies}
     blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are alike under every policy
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
@@ -222,5 +233,5 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
                      batch_unit=planned.batch_unit)
   way_out = None
   if rows and not request.estimate and not any(row.verdict for row in rows):
-    way_out = _way_out(compiler, request, planned, meta, blocked)
+    way_out = _way_out(compiler, request, planned, meta, blocked, maxtext_out)
   return Plan(rows, meta, hints, recommend(rows, meta), way_out)

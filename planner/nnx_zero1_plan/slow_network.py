@@ -14,8 +14,16 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from nnx_zero1._src.hlo import COLLECTIVES, Counts, per_call, shape_bytes
-from nnx_zero1._src.traffic import replica_groups, ring_sent, sent_counter, with_fused_groups
+from nnx_zero1._src.for_planner import (
+  COLLECTIVES,
+  Counts,
+  per_call,
+  replica_groups,
+  ring_sent,
+  sent_counter,
+  shape_bytes,
+  with_fused_groups,
+)
 
 __all__ = ["across_bytes", "dcn_bytes"]
 

@@ -32,8 +32,15 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nnx_zero1._src.hlo import computations, result_bytes, shape_bytes, trip_count
-from nnx_zero1._src.traffic import group_size, ring_sent, with_fused_groups
+from nnx_zero1._src.for_planner import (
+  computations,
+  group_size,
+  result_bytes,
+  ring_sent,
+  shape_bytes,
+  trip_count,
+  with_fused_groups,
+)
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import StepTime

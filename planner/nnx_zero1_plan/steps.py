@@ -10,9 +10,8 @@ gradients in, the state donated).
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,32 +21,45 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zero1 import value_and_grad_accumulated
+from nnx_zero1 import Zero1Optimizer, Zero1Options, value_and_grad_accumulated
 
-# Not public: a program boundary drops the metadata that says gradients are already on Zero-1's
-# layout, and the split step's update program puts it back. The planner is released with this
-# version of the optimizer (its pyproject.toml pins it).
-from nnx_zero1._src.optimizer import mark_zero1_grads
+# Not public (listed for the planner in nnx_zero1/_src/for_planner.py): a program boundary drops the
+# metadata that says gradients are already on Zero-1's layout, and the split step's update program puts it
+# back.
+from nnx_zero1._src.for_planner import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
-from nnx_zero1_plan.levers import Lever, make_optimizer, state_axes, summed_over
-from nnx_zero1_plan.request import OPTIMIZER_CODE
+from nnx_zero1_plan.levers import Lever, state_axes, summed_over
 
-__all__ = ["OPTIMIZERS", "scan_value_and_grad", "batch_axes", "abstract_batch",
+__all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "batch_axes", "abstract_batch",
            "train_step",
            "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",
            "lever_state"]
 
 
-def _written(code: str) -> optax.GradientTransformation:
-  """The transformation ``code`` (an entry of :data:`nnx_zero1_plan.request.OPTIMIZER_CODE`, the
-  ``--optimizer`` menu) writes: the step compiles the very code the recommendation prints."""
-  return eval(code, {"optax": optax})  # the planner's own constant menu, never user input
-
-
-# The --optimizer menu as transformations, built from its code (one menu: request.OPTIMIZER_CODE).
+# The --optimizer menu as transformations: each is its request.OPTIMIZER_CODE entry, the code the
+# recommendation prints, written out (tests/planner/test_kinds.py checks each against its code).
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    name: functools.partial(_written, code) for name, code in OPTIMIZER_CODE.items()
+    "adamw": lambda: optax.adamw(1e-5),
+    "adam": lambda: optax.adam(1e-5),
+    "lion": lambda: optax.lion(1e-6),
+    "sgd": lambda: optax.sgd(1e-3, momentum=0.9),
+    "adafactor": lambda: optax.adafactor(1e-3),
 }
+
+
+def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation, mesh: Mesh | None,
+                   data_axis: str | Sequence[str] = Zero1Options.data_axis) -> nnx.Optimizer:
+  """The lever's optimizer for ``model``: ``nnx.Optimizer``, or ``Zero1Optimizer`` built from a
+  :class:`~nnx_zero1.Zero1Options` record of ``data_axis`` and the lever's options.
+
+  Example::
+
+    optimizer = make_optimizer(LEVERS["zero1"], model, optax.adamw(1e-4), mesh)
+  """
+  if not lever.zero1:
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+  options = Zero1Options(**{"data_axis": data_axis, **lever.optimizer_options})
+  return Zero1Optimizer(model, tx, mesh, options=options)
 
 
 def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any) -> tuple[jax.Array, Any]:

@@ -11,8 +11,8 @@ import functools
 from typing import Any
 
 from nnx_zero1_plan import compilers
-from nnx_zero1_plan.gpu_chips import GPU_CHIPS, target_config
-from nnx_zero1_plan.inputs import PlanError, Topology, parse_topology
+from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION, target_config
+from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, Topology, parse_topology
 
 __all__ = ["Target", "GPU_SCHEDULER_FRACTION", "JAX_GPU_POOL_FRACTION", "CUDA_CONTEXT_BYTES",
            "DEFAULT_RESERVE_BYTES", "gpu_pool_bytes", "usable_bytes", "make_target", "require_compiler"]
@@ -23,10 +23,9 @@ __all__ = ["Target", "GPU_SCHEDULER_FRACTION", "JAX_GPU_POOL_FRACTION", "CUDA_CO
 # GiB with a 104.85 GiB pool, the same program. So a GPU target is described to the compiler with
 # device_memory_size = pool / 0.8: the deviceless schedule is planned for the pool the program will get.
 GPU_SCHEDULER_FRACTION = 0.8
-# jax's GPU client takes XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the memory free when it starts;
-# the CUDA context holds the rest (an H200 with jax 0.11.2: 150,754,820,096 B total, pool 112,583,507,968 B
-# at 0.75, so 643,476,139 B held before the pool).
-JAX_GPU_POOL_FRACTION = 0.75
+# The CUDA context holds what jax's GPU client leaves of the memory free when it starts (an H200 with jax
+# 0.11.2: 150,754,820,096 B total, pool 112,583,507,968 B at JAX_GPU_POOL_FRACTION 0.75, so 643,476,139 B held
+# before the pool).
 CUDA_CONTEXT_BYTES = 643_476_139
 # What the run needs beyond the compiler's figure, per device, by default. TPU: nothing; the TPU compiler
 # refuses a program whose whole footprint (total_allocation_bytes) exceeds the HBM it names, so what it
@@ -93,7 +92,7 @@ def require_compiler(platform: str) -> str:
   return f"jax-cuda13-plugin {compilers.require_cuda_plugin()}"
 
 
-def _tpu_devices(topology: str, slices: int = 1) -> tuple[Any, ...]:
+def _tpu_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, ...]:
   from jax.experimental import topologies
 
   try:
@@ -146,7 +145,7 @@ def _tpu_usable_bytes(topology: str) -> int:
   raise PlanError(f"the TPU compiler accepted a 1 TiB program for {topology}; cannot read its usable HBM")
 
 
-def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION, slices: int = 1, *,
+def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION, slices: int = ONE_SLICE, *,
                 parsed: Topology | None = None) -> Target:
   """The target ``topology`` names, its devices and usable memory per device (the compiler loaded).
 

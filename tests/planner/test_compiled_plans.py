@@ -96,7 +96,7 @@ def test_tpu_plan_saves_what_the_layout_rule_predicts_and_marks_an_estimate(tmp_
 @pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler: pip install --no-deps "
                     "jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 (Python >= 3.12), CI lane 2")
 def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):
-  result = run_plan(tmp_path, "--topology", "h100:8", "--full-depth", "--steps", "one,split")
+  result = run_plan(tmp_path, "--topology", "h100:8", "--steps", "one,split")
   rows = _check_rule_and_fits(result, data=8)
   assert rows["zero1", "split"]["update_flops_per_device"] is None  # XLA's GPU compiler has no cost analysis
   # ... so a step's compute is its matmuls counted from the HLO: per GPU, one sequence of 64 tokens through 7

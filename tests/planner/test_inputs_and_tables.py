@@ -23,9 +23,9 @@ from nnx_zero1_plan.inputs import (
   parse_overrides,
   parse_topology,
 )
-from nnx_zero1_plan.levers import LEVERS
-from nnx_zero1_plan.maxtext import config_overrides, engine_attributes
-from nnx_zero1_plan.request import command_line
+from nnx_zero1_plan.levers import LEVERS, engine_attributes
+from nnx_zero1_plan.maxtext import config_overrides
+from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Figures, Made, Row
 from nnx_zero1_plan.table import table
@@ -70,10 +70,42 @@ def test_topologies_levers_and_models_parse_or_are_refused_in_one_line():
   assert parse_model("maxtext:qwen3-0.6b") == ("maxtext", "qwen3-0.6b")
 
 
+def test_a_maxtext_plan_writes_in_a_folder_of_its_own_named_unlike_a_package_and_leaves_nothing(
+    tmp_path, monkeypatch):
+  # MaxText's base_output_directory was <temp>/nnx_zero1_plan, left there: any Python started in the temp
+  # folder then imported that empty folder as the planner (a namespace package) and `plan` was missing.
+  import importlib.machinery
+  import tempfile
+
+  from nnx_zero1_plan import run
+  from nnx_zero1_plan.maxtext import output_directory
+
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  with output_directory() as out:
+    settings = dict(batch=8, seq_len=16, ga=1, optimizer="adamw", param_dtype=None, compute_dtype=None,
+                    remat=None, known_axes=("data",), output_dir=out)
+    folder = Path(config_overrides("default", "v6e:2x2", 4, {"data": 4}, **settings)["base_output_directory"])
+    assert folder.parent == tmp_path and folder.is_dir()
+    assert importlib.machinery.PathFinder.find_spec("nnx_zero1_plan", [str(tmp_path)]) is None
+  assert not list(tmp_path.iterdir())
+  # make_plan makes the folder for a maxtext: plan and removes it, whatever ends the plan (here the
+  # compiler's search, stopped before anything compiles).
+  seen = []
+
+  def stop(platform):
+    seen.extend(p.name for p in tmp_path.iterdir())
+    raise PlanError("stopped")
+
+  monkeypatch.setattr(run, "require_compiler", stop)
+  with pytest.raises(PlanError, match="stopped"):
+    run.make_plan(PlanRequest("maxtext:default", "v6e:2x2", steps="split"))
+  assert len(seen) == 1 and seen[0].startswith("maxtext_out_") and not list(tmp_path.iterdir())
+
+
 def test_maxtext_settings_become_maxtexts_overrides_or_are_refused_in_one_line():
   axes = ("data", "fsdp", "tensor")
   settings = dict(batch=8, seq_len=1024, ga=8, optimizer="adamw", param_dtype="bfloat16", compute_dtype=None,
-                  remat="minimal", known_axes=axes)
+                  remat="minimal", known_axes=axes, output_dir="/tmp/maxtext_out_1")
   o = config_overrides("qwen3-0.6b", "v6e:2x4", 8, {"data": 2, "fsdp": 4}, **settings,
                        overrides={"remat_policy": "full"})
   assert [o[f"ici_{a}_parallelism"] for a in axes] == ["2", "4", "1"]
@@ -89,6 +121,7 @@ def test_maxtext_settings_become_maxtexts_overrides_or_are_refused_in_one_line()
       config_overrides("qwen3-0.6b", "v6e:2x4", 8, mesh, **{**settings, **changes})
     assert "\n" not in str(e.value)
   assert engine_attributes("baseline", LEVERS["baseline"]) is None
+  assert o["base_output_directory"] == "/tmp/maxtext_out_1"
   assert engine_attributes("zero1", LEVERS["zero1"]) == {}
   assert engine_attributes("offload", LEVERS["offload"]) == {"OFFLOAD_STATE_TO_HOST": True}
   assert engine_attributes("zero2", LEVERS["zero2"]) == {"SHARD_ACCUMULATOR": True}
@@ -137,6 +170,7 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
       for lever in ("accum-bf16across", "pod-accum-bf16across")],
     (["--remat", "block"], "--remat apply to tunix: models"),
     (["--margin", "1.5"], "--margin is the share of the memory to leave free"),
+    (["--full-depth"], "--full-depth: whole programs are the default; leave the flag out"),
     # Pods: each wrong --slices its own answer, GPU nodes said one way, replica across the slices or nodes.
     (["--slices", "0"], "--slices 0: the number of TPU slices joined over the data-center network, 1 or "
                         "more"),
@@ -394,3 +428,16 @@ def test_every_kept_plans_rows_read_into_typed_records_and_write_back_the_same_f
   written = json.loads(kept[0].read_text())["rows"][0]
   with pytest.raises(KeyError, match="peak_gib"):  # a field no record has: another planner's plan.json
     Row.from_json({**written, "peak_gib": 1.0})
+
+
+def test_plan_json_is_written_from_typed_values_and_an_unexpected_value_raises(tmp_path):
+  # No default=str: a kept plan writes back as it was read, and a value JSON has no type for (here the
+  # parameters' dtypes as the model holds them, a set) is a TypeError, never a string in plan.json.
+  kept = sorted((Path(__file__).resolve().parents[2] / "docs" / "data").glob("**/plan.json"))[0]
+  record = json.loads(kept.read_text())
+  plan = Plan.from_record(record)
+  plan.write(str(tmp_path / "again"))
+  assert Plan.from_record(json.loads((tmp_path / "again" / "plan.json").read_text())) == plan
+  with pytest.raises(TypeError, match="frozenset"):
+    dataclasses.replace(plan, meta={**plan.meta, "param_dtypes": frozenset({"bfloat16"})}).write(
+        str(tmp_path / "untyped"))
