@@ -80,11 +80,12 @@ LAYOUTS = pytest.mark.parametrize("cls, kwargs, shard", [
 
 
 def collective_lines(hlo):
-  """The collectives over replica's groups (across the slices) and over data's (inside them)."""
+  """The collectives over replica's groups (across the slices) and over data's (inside them), the groups
+  listed (jax 0.10) or named by mesh axes (jax 0.12: ``replica_groups=mesh[...] {'replica'}``)."""
   across, inside = [], []
   for line in hlo.splitlines():
     if re.search(r" (reduce-scatter|all-reduce|all-gather|all-to-all)\(", line):
-      (across if ACROSS_GROUPS in line else inside).append(line)
+      (across if ACROSS_GROUPS in line or "] {'replica'}" in line else inside).append(line)
   return across, inside
 
 
