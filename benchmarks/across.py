@@ -58,8 +58,9 @@ def final_loss(losses: list[float]) -> float:
   return float(np.mean(losses[-min(100, max(1, len(losses) // 5)):]))
 
 
-def run(steps: int, seeds: list[int], out: pathlib.Path, *, corpus: str = "progressions", model: str = "small",
-        slices: tuple[int, ...] = (2,), batch: int = 32, arms: tuple[str, ...] = tuple(ARMS)) -> dict[str, Any]:
+def run(steps: int, seeds: list[int], out: pathlib.Path, *, corpus: str = "progressions",
+        model: str = "small", slices: tuple[int, ...] = (2,), batch: int = 32,
+        arms: tuple[str, ...] = tuple(ARMS)) -> dict[str, Any]:
   import jax
   import optax
   from flax import nnx
@@ -92,7 +93,8 @@ def run(steps: int, seeds: list[int], out: pathlib.Path, *, corpus: str = "progr
       for seed in seeds:
         settings = Settings(model=model, seed=seed)
         cfg = settings.config
-        result["params"] = sum(x.size for x in jax.tree.leaves(nnx.state(new_model(settings, mesh), nnx.Param)))
+        fresh = new_model(settings, mesh)
+        result["params"] = sum(x.size for x in jax.tree.leaves(nnx.state(fresh, nnx.Param)))
         for arm in arms:
           across = ARMS[arm]
           net = new_model(settings, mesh)
@@ -103,8 +105,10 @@ def run(steps: int, seeds: list[int], out: pathlib.Path, *, corpus: str = "progr
             tokens = (windows(text, batch, cfg.seq_len, key) if text is not None
                       else progressions(cfg.vocab, batch, cfg.seq_len, key))
             losses.append(float(step(net, optimizer, jax.device_put(tokens, rows), across)))
-          result["runs"].append({"arm": arm, "slices": k, "seed": seed, "across_dtype": across, "losses": losses})
-          print(f"slices {k} seed {seed} {arm}: final loss {final_loss(losses):.5f}", file=sys.stderr, flush=True)
+          result["runs"].append({"arm": arm, "slices": k, "seed": seed, "across_dtype": across,
+                                 "losses": losses})
+          print(f"slices {k} seed {seed} {arm}: final loss {final_loss(losses):.5f}", file=sys.stderr,
+                flush=True)
           out.mkdir(parents=True, exist_ok=True)
           (out / "across.json").write_text(json.dumps(result, indent=1))  # what has run so far
   final = {(r["slices"], r["seed"], r["arm"]): final_loss(r["losses"]) for r in result["runs"]}

@@ -152,7 +152,8 @@ def test_the_slow_network_arithmetic_is_the_formula_and_the_kept_toy_plan_within
               "`zero1-accum-bf16across`": (2 * (k - 1) / k * 2 * p / d, ["zero1-accum-bf16across"]),
               "`zero1-pod-accum-bf16across`": ((k - 1) / k * (2 + b) * p / d, ["zero1-pod-accum-bf16across"]),
               # int8 blocks of 256 values, a float32 scale each (issue 62)
-              "`zero1-accum-int8across`": (2 * (k - 1) / k * (1 + 4 / 256) * p / d, ["zero1-accum-int8across"]),
+              "`zero1-accum-int8across`": (2 * (k - 1) / k * (1 + 4 / 256) * p / d,
+                                           ["zero1-accum-int8across"]),
               "`zero1-pod-accum-int8across`": ((k - 1) / k * (1 + 4 / 256 + b) * p / d,
                                                ["zero1-pod-accum-int8across"])}
   body = table_under("docs/pods.md", "| lever | over DCN / InfiniBand (bytes per chip per step)")

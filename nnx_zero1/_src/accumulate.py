@@ -158,7 +158,8 @@ def value_and_grad_accumulated(
       (``strict``) a reduction that cannot be deferred, or ``shard_accumulator``
       with a plain ``nnx.Optimizer``, ``defer_reduction=False`` or gradients no
       replica can compute whole; ``across_dtype`` that is neither a floating
-      dtype nor ``jnp.int8``, with an integer parameter, with one data axis, where the reduction cannot be deferred, or where no
+      dtype nor ``jnp.int8``, with an integer parameter, with one data axis,
+      where the reduction cannot be deferred, or where no
       gradient is wider than it (nothing to narrow).
   """
   zero1 = optimizer if isinstance(optimizer, Zero1Optimizer) else None
@@ -236,8 +237,8 @@ def _across(dtype: Any, axes: tuple[str, ...], mesh, grad_dtypes: list) -> Acros
   except TypeError:
     dtype = None
   if dtype is None or not (jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.int8):
-    raise Zero1Error(f"across_dtype must be a floating dtype such as jnp.bfloat16, or jnp.int8 (block-scaled); "
-                     f"{describe_mesh(mesh)}")
+    raise Zero1Error("across_dtype must be a floating dtype such as jnp.bfloat16, or jnp.int8 "
+                     f"(block-scaled); {describe_mesh(mesh)}")
   integer = sorted({jnp.dtype(g).name for g in grad_dtypes if not jnp.issubdtype(g, jnp.inexact)})
   if integer:
     raise Zero1Error(

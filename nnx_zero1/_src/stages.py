@@ -76,13 +76,13 @@ class Across:
     return self.run(lambda v: jax.lax.psum(v, over), x, over)
 
   def psum_scatter(self, x: jax.Array, over: tuple[str, ...], dim: int) -> jax.Array:
-    """``jax.lax.psum_scatter(x, over, scatter_dimension=dim, tiled=True)``, narrowed where ``over`` is slow."""
+    """``jax.lax.psum_scatter(x, over, scatter_dimension=dim, tiled=True)``, narrowed where slow."""
     if self._blocks and self.narrows(over):
       return int8_psum_scatter(x, over, dim)
     return self.run(lambda v: jax.lax.psum_scatter(v, over, scatter_dimension=dim, tiled=True), x, over)
 
   def all_gather(self, x: jax.Array, over: tuple[str, ...], dim: int) -> jax.Array:
-    """``jax.lax.all_gather(x, over, axis=dim, tiled=True)`` (invariant over ``over``), narrowed where slow."""
+    """``jax.lax.all_gather(x, over, axis=dim, tiled=True)``, invariant over ``over``, narrowed where slow."""
     if self._blocks and self.narrows(over):
       return int8_all_gather(x, over, dim)
     return self.run(lambda v: jax.lax.all_gather(v, over, axis=dim, tiled=True, to="invarying"), x, over)

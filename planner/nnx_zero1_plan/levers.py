@@ -62,7 +62,8 @@ LEVERS: dict[str, Lever] = {
         "zero1-accum, its gradients all-reduced across slices or nodes in int8 blocks (float32 scales)",
         zero1=True, deferred=True, accumulate_options={"across_dtype": "int8"}),
     "zero1-pod-accum-int8across": Lever(
-        "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in int8 blocks (float32 scales)",
+        "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in int8 blocks "
+        "(float32 scales)",
         zero1=True, deferred=True, optimizer_options={"data_axis": ("replica", "data")},
         accumulate_options={"across_dtype": "int8"}),
     "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",

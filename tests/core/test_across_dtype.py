@@ -245,7 +245,8 @@ def test_an_integer_parameter_is_refused_and_nothing_changes(across):
   batch = a_batch(mesh)
   before = leaves((nnx.state(model), nnx.state(opt)))
   name = jnp.dtype(across).name
-  refused = pytest.raises(Zero1Error, match=f"across_dtype={name} rounds .* parameters of int32 have no gradient")
+  refused = pytest.raises(Zero1Error,
+                          match=f"across_dtype={name} rounds .* parameters of int32 have no gradient")
   with jax.set_mesh(mesh), refused:
     value_and_grad_accumulated(loss_fn, model, batch, micro_batches=2, optimizer=opt, data_axis=AXES,
                                across_dtype=across)
