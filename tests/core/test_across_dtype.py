@@ -252,3 +252,26 @@ def test_an_integer_parameter_is_refused_and_nothing_changes(across):
                                across_dtype=across)
   for b, a in zip(before, leaves((nnx.state(model), nnx.state(opt))), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cls, kwargs", [
+    (Zero1Optimizer, {"data_axis": "data"}),
+    (Zero1Optimizer, {"data_axis": ("pod", "replica", "data")}),
+    (nnx.Optimizer, {}),
+], ids=["zero1-inside", "zero1-over-all", "nnx-optimizer"])
+def test_int8_over_two_slow_axes_is_the_sum_within_its_rounding(cls, kwargs):
+  """Pods of pods (``("pod", "replica", "data")``: both slow): the stages over the slow axes together, an
+  all-to-all and an all-gather over a tuple of axes, within the blocks' rounding of the exact sum."""
+  axes = ("pod", "replica", "data")
+  mesh = explicit_mesh((2, 2, 2), axes)
+  model, opt = build(cls, mesh, **kwargs)
+  rng = np.random.default_rng(0)
+  batch = {k: jax.device_put(rng.normal(size=(ROWS, 16)).astype(np.float32), NamedSharding(mesh, P(axes)))
+           for k in ("x", "y")}
+  grads = nnx.jit(lambda m, o, b, a: value_and_grad_accumulated(
+      loss_fn, m, b, micro_batches=2, optimizer=o, data_axis=axes, across_dtype=a)[1], static_argnums=3)
+  with jax.set_mesh(mesh):
+    exact, narrow = leaves(grads(model, opt, batch, None)), leaves(grads(model, opt, batch, jnp.int8))
+  for e, n in zip(exact, narrow, strict=True):
+    assert np.max(np.abs(n - e)) <= 2.0**-6 * np.max(np.abs(e)) + 1e-30
+  assert any(np.any(n != e) for e, n in zip(exact, narrow, strict=True))
