@@ -57,6 +57,8 @@ CONFIGS: dict[str, Config] = {
     # CPU sizes: every dimension divides by 16, so Zero-1 splits every moment.
     "tiny": Config(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, seq_len=32),
     "small": Config(vocab=1024, dim=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=384, seq_len=64),
+    # A byte-level language model of 1.0M parameters (benchmarks.across --corpus stdlib).
+    "byte-1m": Config(vocab=256, dim=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=512, seq_len=64),
     "base": Config(vocab=4096, dim=256, layers=4, heads=8, kv_heads=4, head_dim=32, ffn=512, seq_len=64),
     # The CI's ahead-of-time compile for 4 TPU chips: each Zero-1 slice at dp=4 fills whole TPU
     # tiles (8 x 128 float32), so the compiler's bytes are the layout rule's, with no padding.

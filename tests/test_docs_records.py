@@ -143,13 +143,19 @@ def test_the_slow_network_arithmetic_is_the_formula_and_the_kept_toy_plan_within
   """docs/pods.md's bytes per chip per step over DCN by formula, for the toy (P parameters, k=2 slices of
   d=4, float32): each figure is its formula's, and the kept plan's compiled bytes for those levers are
   within 1% of it (the TPU's padding). The last row (a bfloat16 model's masters) is lane 2's test."""
-  plan = json.loads((ROOT / "docs/data/tiny_lm_v5e_2slices/plan.json").read_text())
-  slow = {r["lever"]: r["network_per_step"]["slow"]["bytes"] for r in plan["rows"]}
+  slow = {r["lever"]: r["network_per_step"]["slow"]["bytes"]
+          for kept in ("tiny_lm_v5e_2slices", "tiny_lm_v5e_2slices_int8")
+          for r in json.loads((ROOT / f"docs/data/{kept}/plan.json").read_text())["rows"]}
   p, k, d, b = 2_100_736, 2, 4, 4
   formulas = {"baseline, `zero1-accum`": (2 * (k - 1) / k * b * p / d, ["baseline", "zero1-accum"]),
               "`zero1-pod-accum`": (2 * (k - 1) / k * b * p / d, ["zero1-pod-accum"]),
               "`zero1-accum-bf16across`": (2 * (k - 1) / k * 2 * p / d, ["zero1-accum-bf16across"]),
-              "`zero1-pod-accum-bf16across`": ((k - 1) / k * (2 + b) * p / d, ["zero1-pod-accum-bf16across"])}
+              "`zero1-pod-accum-bf16across`": ((k - 1) / k * (2 + b) * p / d, ["zero1-pod-accum-bf16across"]),
+              # int8 blocks of 256 values, a float32 scale each (issue 62)
+              "`zero1-accum-int8across`": (2 * (k - 1) / k * (1 + 4 / 256) * p / d,
+                                           ["zero1-accum-int8across"]),
+              "`zero1-pod-accum-int8across`": ((k - 1) / k * (1 + 4 / 256 + b) * p / d,
+                                               ["zero1-pod-accum-int8across"])}
   body = table_under("docs/pods.md", "| lever | over DCN / InfiniBand (bytes per chip per step)")
   assert len(body) == len(formulas) + 1
   for lever, _, figure in body[:-1]:

@@ -15,7 +15,8 @@ __all__ = [
     "result_bytes",
 ]
 
-COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+# all-to-all: the int8 reduce-scatter across slices or nodes (across_dtype=jnp.int8) is one.
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
 TRANSFERS = ("to-device", "to-host")
 
 _DTYPE_BYTES = {

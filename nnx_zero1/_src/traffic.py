@@ -135,9 +135,12 @@ def ring_sent(op: str, result: int, n: int) -> int:
 
     >>> ring_sent("all-reduce", 8, 4), ring_sent("reduce-scatter", 2, 4), ring_sent("all-gather", 8, 4)
     (12, 6, 6)
+    >>> ring_sent("all-to-all", 8, 4)
+    6
   """
   if op == "reduce-scatter":
     return result * (n - 1)
+  # An all-gather's or an all-to-all's result is the data: each device sends all but its own n-th of it.
   return result * (n - 1) * (2 if op == "all-reduce" else 1) // n
 
 

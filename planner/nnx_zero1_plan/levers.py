@@ -58,6 +58,16 @@ LEVERS: dict[str, Lever] = {
         "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in bfloat16", zero1=True,
         deferred=True, optimizer_options={"data_axis": ("replica", "data")},
         accumulate_options={"across_dtype": "bfloat16"}),
+    # across_dtype=int8: the gradients' hop between slices or nodes in int8 blocks with one float32 scale per
+    # 256 values, a quarter of float32's bytes and 1.6% more; not bit-identical. bfloat16 parameters too.
+    "zero1-accum-int8across": Lever(
+        "zero1-accum, its gradients all-reduced across slices or nodes in int8 blocks (float32 scales)",
+        zero1=True, deferred=True, accumulate_options={"across_dtype": "int8"}),
+    "zero1-pod-accum-int8across": Lever(
+        "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in int8 blocks "
+        "(float32 scales)",
+        zero1=True, deferred=True, optimizer_options={"data_axis": ("replica", "data")},
+        accumulate_options={"across_dtype": "int8"}),
     "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
                    zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
     "offload-fraction": Lever("Zero1Optimizer(offload_state_to_host=f) (the smallest share of the state in "
@@ -117,6 +127,10 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
     'zero1-accum-bf16across sends float32 gradients across slices or nodes in bfloat16'
     >>> lever_blocker("zero1-accum-bf16across", {"float32"}, domains=2) is None
     True
+    >>> lever_blocker("zero1-accum-int8across", {"bfloat16"}, domains=2) is None
+    True
+    >>> lever_blocker("zero1-pod-accum-int8across", {"float32"}).split(";")[0]
+    'zero1-pod-accum-int8across narrows what crosses between slices or nodes'
   """
   lever, dtypes = LEVERS[name], ", ".join(sorted(param_dtypes))
   one = "this target is one (--slices, h100:8x8)"

@@ -254,7 +254,8 @@ def narrowed_note(lever: str) -> str | None:
   dtype = LEVERS[lever].accumulate_options.get("across_dtype") if lever in LEVERS else None
   if dtype is None:
     return None
-  return (f"{lever} is not bit-identical: its gradients cross between slices or nodes in {dtype} "
+  spelled = "int8 blocks with float32 scales" if dtype == "int8" else dtype
+  return (f"{lever} is not bit-identical: its gradients cross between slices or nodes in {spelled} "
           "(across_dtype; docs/pods.md measures the loss against the exact reduction)")
 
 

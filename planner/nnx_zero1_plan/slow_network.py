@@ -67,6 +67,8 @@ def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
 
   def across(line: str, n: int, sent: int) -> dict[str, int]:
     k = _domains_spanned(replica_groups(line, devices), domain_of)
+    if " all-to-all" in line:  # each device sends its n-th to every other: those in other domains cross
+      return {"across_bytes": sent * n * (k - 1) // (k * (n - 1))}
     return {"across_bytes": sent * (k - 1) // (n - 1)}
 
   counted = per_call(with_fused_groups(hlo), sent_counter(devices, across), COLLECTIVES)

@@ -28,7 +28,8 @@ _LEFT = (0, 1, 2, 3)  # the columns of words, aligned left, and the note (the la
 # A pod's plan has two more columns, before the note: what one device sends per step over each network.
 POD_HEADER = ("inside slice/node per step, MiB (est.)", "over the slow network per step, MiB (est.)")
 
-_SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "to-device": "in", "to-host": "out"}
+_SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A",
+          "to-device": "in", "to-host": "out"}
 
 
 def collective_cell(c: dict[str, dict[str, int]]) -> str:

@@ -168,6 +168,10 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
        f"--levers zero1-{lever} does not apply to {TOYS}:tiny_lm_bf16: zero1-{lever} sends float32 gradients "
        "across slices or nodes in bfloat16; bfloat16 parameters' gradients cross in bfloat16 already")
       for lever in ("accum-bf16across", "pod-accum-bf16across")],
+    # The int8 levers narrow only what crosses: one slice has nothing across to narrow.
+    *[(["--levers", f"zero1-{lever}"], f"--levers zero1-{lever} does not apply to {TOYS}:tiny_lm: "
+       f"zero1-{lever} narrows what crosses between slices or nodes; this target is one")
+      for lever in ("accum-int8across", "pod-accum-int8across")],
     (["--remat", "block"], "--remat apply to tunix: models"),
     (["--margin", "1.5"], "--margin is the share of the memory to leave free"),
     (["--full-depth"], "--full-depth: whole programs are the default; leave the flag out"),

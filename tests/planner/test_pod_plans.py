@@ -224,3 +224,40 @@ def test_float32_masters_on_a_pod_send_the_bfloat16_parameters_across(tmp_path):
   state = {n: r["opt_state_bytes_per_device"] for n, r in rows.items()}
   masters = state["zero1-pod-master-accum"] - state["zero1-pod-accum"]
   assert masters == pytest.approx(8 * params / 8, rel=0.001)
+
+
+@pytest.mark.skipif(not (HAS_LIBTPU and HAS_GPU_COMPILER),
+                    reason="needs libtpu and XLA's GPU compiler: ./planner[aot], Python >= 3.12 (CI lane 2)")
+@pytest.mark.parametrize("topology", [
+    ("v5e:2x2", "--slices", "2", "--batch", "8"), ("h100:2x8", "--batch", "16")],
+    ids=["two-v5e-slices", "two-h100-nodes"])
+def test_int8_across_sends_a_quarter_of_the_float32_bytes_over_the_slow_network_scales_included(
+    tmp_path, topology):
+  """Issue 62: ``across_dtype=int8`` sends the gradients' hop between slices or nodes as int8 blocks and one
+  float32 scale per 256 values, (1 + 4/256)/4 of the float32 lever's bytes over DCN or InfiniBand (the loss's
+  all-reduce aside), and the same bytes inside; zero1-pod-accum's parameters still cross in float32."""
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
+  result = run_plan(tmp_path, "--topology", *topology, "--steps", "one",
+                    "--levers", "zero1-accum,zero1-accum-int8across,zero1-pod-accum-int8across")
+  rows = {r["lever"]: r for r in result["rows"]}
+  assert not [r["error"] for r in rows.values() if r["error"]]
+  net = {n: {k: r["network_per_step"][k]["bytes"] for k in ("fast", "slow")} for n, r in rows.items()}
+  across = {n: {op: c["bytes"] for op, c in r["collectives"]["across_per_step"].items()}
+            for n, r in rows.items()}
+  quarter = (1 + 4 / 256) / 4
+  exact = across["zero1-accum"]["all-reduce"]
+  narrow = across["zero1-accum-int8across"]
+  # An all-reduce's bytes as an all-to-all of int8 blocks and an all-gather of the int8 sums (a leaf's chunk
+  # of m values in ceil(m / 256) blocks: a scale more for some).
+  assert narrow["all-to-all"] + narrow["all-gather"] <= 1.001 * quarter * exact
+  assert narrow["all-to-all"] + narrow["all-gather"] > exact / 4  # the scales are counted
+  assert narrow.get("all-reduce", 0) <= 4096  # the loss
+  assert net["zero1-accum-int8across"]["slow"] <= 0.255 * net["zero1-accum"]["slow"], net
+  # zero1-pod-accum: the reduce-scatter across as an all-to-all of int8 blocks; the float32 parameters'
+  # all-gather as before (a share of the parameters each way).
+  share = 4 * params / (result["meta"]["mesh"]["replica"] * result["meta"]["mesh"]["data"])
+  pod = across["zero1-pod-accum-int8across"]
+  assert pod["all-to-all"] == pytest.approx(quarter * share, rel=0.01)
+  assert pod["all-gather"] == pytest.approx(share, rel=0.01)
+  for name in ("zero1-accum-int8across", "zero1-pod-accum-int8across"):
+    assert net[name]["fast"] <= 1.005 * net["zero1-accum"]["fast"], (name, net)

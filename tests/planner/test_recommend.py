@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import pytest
+
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.recommend import ORDER, baseline_beats, recommend
 from nnx_zero1_plan.request import command_line
@@ -237,18 +239,25 @@ def test_at_one_micro_batch_and_equal_collectives_fewer_bytes_over_the_host_link
       "2.00: offload-fraction for its fewer bytes over the host link",)
 
 
-def test_a_pick_that_narrows_the_hop_across_says_it_is_not_bit_identical():
+@pytest.mark.parametrize("dtype, spelled", [("bfloat16", "bfloat16"),
+                                           ("int8", "int8 blocks with float32 scales")])
+def test_a_pick_that_narrows_the_hop_across_says_it_is_not_bit_identical(dtype, spelled):
+  """Half the float32 lever's bytes across (bfloat16), or a quarter and the scales (int8), win on a pod; the
+  pick gives the option and says it is not bit-identical."""
   meta = {**META, "topology": "h100:2x8", "mesh": {"replica": 2, "data": 8}, "domains": 2}
   across = lambda n: {"across_per_step": {"all-reduce": {"count": 1, "bytes": n}}}
-  rows = [_row("zero1-accum", collectives=across(2 * G)),
-          _row("zero1-accum-bf16across", collectives=across(G))]
+  lever = "zero1-accum-bf16across" if dtype == "bfloat16" else "zero1-accum-int8across"
+  rows = [_row("zero1-accum", collectives=across(4 * G)),
+          _row(lever, collectives=across(2 * G if dtype == "bfloat16" else G + G // 64))]
   best = recommend(rows, meta)
-  assert best.lever == "zero1-accum-bf16across"
-  assert "across_dtype=jnp.bfloat16" in best.code
+  assert best.lever == lever
+  assert f"across_dtype=jnp.{dtype}" in best.code
   assert [n for n in best.notes if "not bit-identical" in n] == [
-      "zero1-accum-bf16across is not bit-identical: its gradients cross between slices or nodes in bfloat16 "
+      f"{lever} is not bit-identical: its gradients cross between slices or nodes in {spelled} "
       "(across_dtype; docs/pods.md measures the loss against the exact reduction)"]
   assert not [n for n in recommend(rows[:1], meta).notes if "not bit-identical" in n]
+
+
 def test_on_a_pod_fewer_bytes_over_the_slow_network_decide_before_all_bytes_and_are_said():
   """Zero-1 over both axes sends more in all (a reduce-scatter per axis) and less between nodes: on a pod
   the slow network's bytes come first, and the sentence names them, not the total."""
