@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # Not public, as mark_zero1_grads in steps.py: the planner is released with this version of the optimizer.
-from nnx_zero1._src.for_planner import memory_kind_of, spec_axes
+from nnx_zero1._src.companion import memory_kind_of, spec_axes
 
 __all__ = ["AbstractState", "abstract_bytes_per_device", "bytes_by_memory_kind", "state_split",
            "with_state_homes", "abstract_state", "describe_model"]

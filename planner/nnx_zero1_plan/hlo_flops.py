@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 
-from nnx_zero1._src.for_planner import computations, trip_count
+from nnx_zero1._src.companion import computations, trip_count
 
 __all__ = ["dot_flops"]
 

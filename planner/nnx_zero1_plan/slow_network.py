@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from nnx_zero1._src.for_planner import (
+from nnx_zero1._src.companion import (
   COLLECTIVES,
   Counts,
   per_call,

@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nnx_zero1._src.for_planner import (
+from nnx_zero1._src.companion import (
   computations,
   group_size,
   result_bytes,

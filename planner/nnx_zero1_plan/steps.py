@@ -23,10 +23,10 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import Zero1Optimizer, Zero1Options, value_and_grad_accumulated
 
-# Not public (listed for the planner in nnx_zero1/_src/for_planner.py): a program boundary drops the
+# Not public (listed for the planner in nnx_zero1/_src/companion.py): a program boundary drops the
 # metadata that says gradients are already on Zero-1's layout, and the split step's update program puts it
 # back.
-from nnx_zero1._src.for_planner import mark_zero1_grads
+from nnx_zero1._src.companion import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
 from nnx_zero1_plan.levers import Lever, state_axes, summed_over
 

@@ -34,7 +34,7 @@ ENTRY_POINTS = {
 
 # The optimizer's private names reach the planner through one module made for it; MaxText's engine is read
 # through the adapters' own internals (MaxText's, not the optimizer's).
-FOR_PLANNER = "nnx_zero1._src.for_planner"
+FOR_PLANNER = "nnx_zero1._src.companion"
 OTHER_PRIVATE = {("maxtext", "nnx_zero1.adapters._compat")}
 
 

@@ -1,4 +1,6 @@
-"""The optimizer's private names the planner (``nnx_zero1_plan``) uses, in one place.
+"""The optimizer's private names its companion distribution, the planner (``nnx_zero1_plan``), uses, in
+one place (named apart from the planner: the optimizer's wheel carries no module named for it,
+``tests/test_packaging.py``).
 
 The planner is released with this version of the optimizer and pinned to it (its pyproject.toml), so it may
 read what the optimizer does not promise users: how a program's HLO is read and what each device sends
@@ -10,7 +12,7 @@ planner module it reaches.
 
 Example::
 
-  >>> from nnx_zero1._src.for_planner import mark_zero1_grads, ring_sent
+  >>> from nnx_zero1._src.companion import mark_zero1_grads, ring_sent
 """
 
 from nnx_zero1._src.hlo import (
