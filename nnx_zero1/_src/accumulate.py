@@ -31,7 +31,7 @@ from nnx_zero1._src.mesh import resolve_mesh, variable_shardings
 from nnx_zero1._src.optimizer import Zero1Optimizer, mark_zero1_grads
 from nnx_zero1._src.placement import current_sharding, place
 from nnx_zero1._src.specs import DataAxis, axes_entry, data_axes, data_axis_size
-from nnx_zero1._src.stages import EXACT, Across
+from nnx_zero1._src.stages import across_for
 
 __all__ = ["value_and_grad_accumulated"]
 
@@ -179,7 +179,7 @@ def value_and_grad_accumulated(
     raise Zero1Error(f"data_axis={axes} does not include the axes the Zero1Optimizer splits its state over, "
                      f"{zero1.data_axis}; {describe_mesh(mesh)}")
   _check_micro_batches(batch, micro_batches, n, mesh)
-  across = _across(across_dtype, axes, mesh, [x.dtype for x in jax.tree.leaves(pure_params)])
+  across = across_for(across_dtype, axes, mesh, [x.dtype for x in jax.tree.leaves(pure_params)])
   one_device = zero1 is not None and zero1.zero1_plan.single_device
   if one_device:
     # Data-parallel size 1 (one device, no mesh): the one replica's program on the plan's
@@ -225,39 +225,6 @@ def _check_shard_accumulator(zero1: Zero1Optimizer | None, defer_reduction: bool
         "shard_accumulator=True reduce-scatters every micro-batch's per-replica gradients; "
         "defer_reduction=False asks for the global program instead: pass one or the other"
     )
-
-
-def _across(dtype: Any, axes: tuple[str, ...], mesh, grad_dtypes: list) -> Across:
-  """The slow axes (every data axis but the last listed) and ``dtype`` for their stages, or
-  ``Zero1Error`` where a narrower dtype cannot apply (or would narrow nothing)."""
-  if dtype is None:
-    return EXACT
-  try:
-    dtype = jnp.dtype(dtype)
-  except TypeError:
-    dtype = None
-  if dtype is None or not (jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.int8):
-    raise Zero1Error("across_dtype must be a floating dtype such as jnp.bfloat16, or jnp.int8 "
-                     f"(block-scaled); {describe_mesh(mesh)}")
-  integer = sorted({jnp.dtype(g).name for g in grad_dtypes if not jnp.issubdtype(g, jnp.inexact)})
-  if integer:
-    raise Zero1Error(
-        f"across_dtype={dtype.name} rounds the gradients that cross between slices or nodes; parameters of "
-        f"{', '.join(integer)} have no gradient to round: leave them out of the optimizer's wrt or leave "
-        f"across_dtype out; {describe_mesh(mesh)}")
-  if len(axes) < 2:
-    raise Zero1Error(
-        f"across_dtype={dtype.name} narrows the reduction over the slow axes of a data axis over several "
-        f"mesh axes, the slow one first (data_axis=(\"replica\", \"data\")); the gradients are summed "
-        f"over {axes} only; {describe_mesh(mesh)}")
-  if not any(jnp.dtype(g).itemsize > dtype.itemsize for g in grad_dtypes):
-    # A lever that sends the bytes it would send without it: refused, as state_dtype is on bf16 state.
-    raise Zero1Error(
-        f"across_dtype={dtype.name} narrows wider gradients across slices or nodes; these are "
-        f"{', '.join(sorted({jnp.dtype(g).name for g in grad_dtypes}))} already (the gradients have the "
-        f"parameters' dtype): leave across_dtype out; {describe_mesh(mesh)}")
-  slow = frozenset(a for a in axes[:-1] if mesh.shape[a] > 1)
-  return Across(slow, dtype) if slow else EXACT  # one slice or node: nothing crosses, nothing is rounded
 
 
 def _plain_mesh(params: Any, batch: Any) -> Any:

@@ -23,8 +23,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from nnx_zero1._src.errors import Zero1Error, describe_mesh
+
 __all__ = [
-    "EXACT", "INT8_BLOCK", "Across", "all_reduce_by_stages", "dequantize", "int8_all_gather", "int8_psum",
+    "EXACT", "INT8_BLOCK", "Across", "across_for", "all_reduce_by_stages", "dequantize", "int8_all_gather",
+    "int8_psum",
     "int8_psum_scatter", "psum_by_network", "quantize", "scatter_by_stages",
 ]
 
@@ -259,3 +262,48 @@ def scatter_by_stages(x: jax.Array, over: tuple[str, ...], dim: int, across: Acr
   for axis in reversed(over):
     x = across.psum_scatter(x, (axis,), dim)
   return x
+
+
+def across_for(dtype: Any, axes: tuple[str, ...], mesh: Any, grad_dtypes: list) -> Across:
+  """What ``value_and_grad_accumulated(across_dtype=dtype)`` runs: the slow axes (every data axis but the last
+  listed) and ``dtype`` for their stages; :data:`EXACT` where nothing is asked, or nothing crosses.
+
+  Raises:
+    Zero1Error: ``dtype`` neither floating nor int8, an integer gradient, one data axis, or no gradient wider
+      than ``dtype`` (nothing to narrow).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1, 1), ("replica", "data"))
+    >>> across_for(jnp.bfloat16, ("replica", "data"), mesh, [jnp.float32]) is EXACT  # one slice
+    True
+  """
+  if dtype is None:
+    return EXACT
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not (jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.int8):
+    raise Zero1Error("across_dtype must be a floating dtype such as jnp.bfloat16, or jnp.int8 "
+                     f"(block-scaled); {describe_mesh(mesh)}")
+  integer = sorted({jnp.dtype(g).name for g in grad_dtypes if not jnp.issubdtype(g, jnp.inexact)})
+  if integer:
+    raise Zero1Error(
+        f"across_dtype={dtype.name} rounds the gradients that cross between slices or nodes; parameters of "
+        f"{', '.join(integer)} have no gradient to round: leave them out of the optimizer's wrt or leave "
+        f"across_dtype out; {describe_mesh(mesh)}")
+  if len(axes) < 2:
+    raise Zero1Error(
+        f"across_dtype={dtype.name} narrows the reduction over the slow axes of a data axis over several "
+        f"mesh axes, the slow one first (data_axis=(\"replica\", \"data\")); the gradients are summed "
+        f"over {axes} only; {describe_mesh(mesh)}")
+  if not any(jnp.dtype(g).itemsize > dtype.itemsize for g in grad_dtypes):
+    # A lever that sends the bytes it would send without it: refused, as state_dtype is on bf16 state.
+    raise Zero1Error(
+        f"across_dtype={dtype.name} narrows wider gradients across slices or nodes; these are "
+        f"{', '.join(sorted({jnp.dtype(g).name for g in grad_dtypes}))} already (the gradients have the "
+        f"parameters' dtype): leave across_dtype out; {describe_mesh(mesh)}")
+  slow = frozenset(a for a in axes[:-1] if mesh.shape[a] > 1)
+  return Across(slow, dtype) if slow else EXACT  # one slice or node: nothing crosses, nothing is rounded

@@ -36,6 +36,7 @@ from nnx_zero1_plan.levers import LEVERS, state_axes, with_offload
 from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.planned_model import PlannedModel
+from nnx_zero1_plan.recommend import across_bytes_of
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row
 from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.step_time import step_time
@@ -81,9 +82,7 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
   if timing is None:
     return figures
   target = timing.target
-  slow = 0
-  if target.domains > 1 and figures.collectives:
-    slow = network_per_step(figures.collectives, target.chip, target.platform)["slow"]["bytes"]
+  slow = across_bytes_of(figures.collectives)  # what a pod sends between slices or nodes; 0 on one
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
   time = step_time(programs, CHIPS[target.chip], devices=len(target.devices), tokens_per_device=tokens,
                    compute_dtype=timing.compute_dtype, slow_bytes=slow, scheduled=scheduled)

@@ -194,9 +194,9 @@ class Point:
   headroom_bytes_per_device: int | None = None
   error: str | None = None
   compile_s: float | None = None
-  predicted_step_s: float | None = None
-  tokens_per_s_per_device: float | None = None
-  mfu: float | None = None
+  predicted_step_s: float | None = _note()
+  tokens_per_s_per_device: float | None = _note()
+  mfu: float | None = _note()
 
   @classmethod
   def of(cls, batch: int, fits: bool, figures: Figures) -> Point:
@@ -376,7 +376,8 @@ def _listed(value: Any) -> Any:
   return value
 
 
-_POINT_TIME = ("predicted_step_s", "tokens_per_s_per_device", "mfu")
+# A point's figures plan.json carries only where set (a plan made before the planner timed steps has none).
+_POINT_TIME = frozenset(_names(Point, "only_when_set"))
 
 
 _RECORDS = ("figures", "made", "searched", "offloaded")

@@ -174,8 +174,7 @@ def _collective_seconds(op: str, shape: str, line: str, devices: int, rates: Rat
   if n <= 1:
     return 0.0
   result = result_bytes(shape, op, start)  # an async start's shape holds its operands too
-  sent = result if op == "collective-permute" else ring_sent(
-      op if op in ("all-reduce", "reduce-scatter") else "all-gather", result, n)
+  sent = result if op == "collective-permute" else ring_sent(op, result, n)
   return sent / rates.network_bytes_per_s(n)
 
 
