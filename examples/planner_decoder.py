@@ -13,16 +13,33 @@ against the next tokens::
       --seq-len 2048 --search
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 
+class SwiGLU(nnx.Module):
+  """A SwiGLU MLP: ``down(silu(gate) * up)``, with ``gate`` and ``up`` from one projection."""
+
+  def __init__(self, width: int, hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                            rngs=rngs)
+    self.gate_up = linear(width, 2 * hidden)
+    self.down = linear(hidden, width)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+    return self.down(jax.nn.silu(gate) * up)
+
+
 class Block(nnx.Module):
-  """One pre-norm decoder layer: causal self-attention, then a SwiGLU MLP, each added to its input."""
+  """One pre-norm decoder layer: causal self-attention, then ``mlp`` (a SwiGLU of width ``hidden`` unless
+  given), each added to its input."""
 
   def __init__(self, width: int, heads: int, kv_heads: int, hidden: int, *, dtype: jnp.dtype,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, mlp: nnx.Module | None = None):
     self.heads, self.kv_heads = heads, kv_heads
     kv_width = width // heads * kv_heads
     linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype,
@@ -31,8 +48,7 @@ class Block(nnx.Module):
     self.attn_norm, self.mlp_norm = norm(), norm()
     self.qkv = linear(width, width + 2 * kv_width)
     self.out = linear(width, width)
-    self.gate_up = linear(width, 2 * hidden)
-    self.down = linear(hidden, width)
+    self.mlp = SwiGLU(width, hidden, dtype=dtype, rngs=rngs) if mlp is None else mlp
 
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, length, width = x.shape
@@ -42,17 +58,19 @@ class Block(nnx.Module):
     attended = jax.nn.dot_product_attention(heads(q, self.heads), heads(k, self.kv_heads),
                                             heads(v, self.kv_heads), is_causal=True)
     x = x + self.out(attended.reshape(batch, length, width))
-    gate, up = jnp.split(self.gate_up(self.mlp_norm(x)), 2, axis=-1)
-    return x + self.down(jax.nn.silu(gate) * up)
+    return x + self.mlp(self.mlp_norm(x))
 
 
 class Decoder(nnx.Module):
-  """Token embedding, ``num_layers`` blocks, a final norm and an untied head to the vocabulary."""
+  """Token embedding, ``num_layers`` blocks, a final norm and an untied head to the vocabulary; each block's
+  MLP from ``mlp()`` where given (a Mixture-of-Experts: ``examples/planner_moe.py``)."""
 
   def __init__(self, num_layers: int, *, vocab: int = 32_000, width: int = 1024, heads: int = 16,
-               kv_heads: int = 16, hidden: int = 4096, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+               kv_heads: int = 16, hidden: int = 4096, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs,
+               mlp: Callable[[], nnx.Module] | None = None):
     self.embed = nnx.Embed(vocab, width, dtype=dtype, param_dtype=dtype, rngs=rngs)
-    self.blocks = nnx.List([Block(width, heads, kv_heads, hidden, dtype=dtype, rngs=rngs)
+    self.blocks = nnx.List([Block(width, heads, kv_heads, hidden, dtype=dtype, rngs=rngs,
+                                  mlp=None if mlp is None else mlp())
                             for _ in range(num_layers)])
     self.norm = nnx.RMSNorm(width, dtype=dtype, param_dtype=dtype, rngs=rngs)
     self.head = nnx.Linear(width, vocab, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
