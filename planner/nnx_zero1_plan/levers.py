@@ -159,7 +159,11 @@ def adds_memory(name: str) -> str | None:
     'float32 master copies of the parameters (split over the data axes)'
     >>> adds_memory("offload") is None
     True
+    >>> adds_memory("baseline")
+    'the whole optimizer state on every device (nothing split)'
   """
+  if not LEVERS[name].zero1:
+    return "the whole optimizer state on every device (nothing split)"
   if "master_dtype" in LEVERS[name].optimizer_options:
     dtype = LEVERS[name].optimizer_options["master_dtype"]
     return f"{dtype} master copies of the parameters (split over the data axes)"
