@@ -15,8 +15,8 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
 
-__all__ = ["Lever", "LEVERS", "adds_memory", "engine_attributes", "lever_blocker", "state_axes",
-           "summed_over", "with_offload"]
+__all__ = ["Lever", "LEVERS", "adds_memory", "engine_attributes", "lever_blocker", "memory_twin",
+           "state_axes", "summed_over", "with_offload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +168,25 @@ def adds_memory(name: str) -> str | None:
     dtype = LEVERS[name].optimizer_options["master_dtype"]
     return f"{dtype} master copies of the parameters (split over the data axes)"
   return None
+
+
+def memory_twin(name: str) -> str:
+  """The lever that holds what lever ``name`` holds in device memory: ``name`` itself, or for a lever that
+  only narrows what crosses the slow network (``across_dtype``), the lever without it. A plan in which the
+  twin was refused does not suggest ``name`` to make room.
+
+  Example::
+
+    >>> memory_twin("zero1-pod-accum-int8across"), memory_twin("zero2")
+    ('zero1-pod-accum', 'zero2')
+  """
+  lever = LEVERS[name]
+  if "across_dtype" not in lever.accumulate_options:
+    return name
+  plain = {k: v for k, v in lever.accumulate_options.items() if k != "across_dtype"}
+  return next(other for other, twin in LEVERS.items()
+              if dataclasses.replace(twin, summary=lever.summary) == dataclasses.replace(
+                  lever, accumulate_options=plain))
 
 
 def with_offload(lever: Lever, fraction: float) -> Lever:

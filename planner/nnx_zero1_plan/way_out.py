@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
-from nnx_zero1_plan.levers import adds_memory
+from nnx_zero1_plan.levers import adds_memory, memory_twin
 from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.row import Row
 
@@ -156,7 +156,8 @@ def next_steps(rows: Sequence[Row], meta: Mapping[str, Any], levers: Sequence[st
     meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``ga``, ...).
     levers: every lever the planner knows, lightest first.
     blocked: the levers that cannot apply to this model, and why (they are not suggested, nor is a lever
-      that adds memory: :func:`nnx_zero1_plan.levers.adds_memory`).
+      that adds memory, :func:`nnx_zero1_plan.levers.adds_memory`, or holds what a tried one held,
+      :func:`nnx_zero1_plan.levers.memory_twin`).
     remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
     batch_unit: the batch axes' size: a micro-batch is a multiple of it.
   """
@@ -166,7 +167,8 @@ def next_steps(rows: Sequence[Row], meta: Mapping[str, Any], levers: Sequence[st
   tried = {r.lever for r in rows}
   base = next((r for r in rows if r.lever == "baseline" and r.figures.opt_state_bytes_per_device), None)
   for name in levers:
-    if name in tried or name in blocked or adds_memory(name):  # only what may make room
+    # Only what may make room: not a lever that adds memory, nor one that holds what a refused one held.
+    if memory_twin(name) in tried or name in blocked or adds_memory(name):
       continue
     saving = ""
     if name == "zero1" and base is not None and base.figures.opt_state_bytes_per_device:

@@ -331,8 +331,14 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   offered = {s.split(":")[0].removeprefix("the lever ") for s in bf16 if s.startswith("the lever ")}
   assert offered and not offered & {"zero1-master", "zero1-pod-master-accum"}, offered
   # Nor the baseline where a Zero-1 lever was refused: it holds the whole state on every device.
-  after_zero1 = next_steps([_row("zero1", 17 * 2**30)], meta, list(LEVERS), blocked={}, remat=None, batch_unit=8)
+  after_zero1 = next_steps([_row("zero1", 17 * 2**30)], meta, list(LEVERS), blocked={}, remat=None,
+                           batch_unit=8)
   assert after_zero1 and not [s for s in after_zero1 if s.startswith("the lever baseline")], after_zero1
+  # Nor a lever that only narrows what crosses the slow network, where its plain twin was refused.
+  after_accum = next_steps([_row("zero1-accum", 17 * 2**30)], meta, list(LEVERS), blocked={}, remat=None,
+                           batch_unit=8)
+  assert not [s for s in after_accum if s.startswith("the lever zero1-accum-")], after_accum
+  assert [s for s in after_accum if s.startswith("the lever zero2:")], after_accum
   assert steps[-3].startswith("zero1 comes closest, 1.00 GiB over") and "--mesh data=4,fsdp=2" in steps[-3]
   assert steps[-2].startswith("remat (recomputes") and steps[-2].endswith("--remat decoder")
   assert steps[-1].startswith("half the micro-batch") and f"{at} 16 --seq-len 1024 --ga 2" in steps[-1]
