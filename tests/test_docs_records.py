@@ -139,6 +139,31 @@ def test_the_loss_table_is_the_kept_across_runs():
     assert gap == f"{final[int(seed), 'bf16across']['final_gap_to_exact']:+.3%}"
 
 
+def test_the_real_text_loss_table_is_the_kept_across_runs():
+  """docs/pods.md's loss on real text, int8 and bfloat16 across: each slice count's and seed's final losses,
+  gaps and largest gap at any step (50-step running means) are benchmarks.across's kept output
+  (docs/data/across_stdlib/across.json)."""
+  import numpy as np
+
+  runs = {(r["slices"], r["seed"], r["arm"]): r
+          for r in json.loads((ROOT / "docs/data/across_stdlib/across.json").read_text())["runs"]}
+  smooth = lambda r: np.convolve(r["losses"], np.ones(50) / 50, mode="valid")
+
+  def largest(k: int, seed: int, arm: str) -> str:
+    exact = smooth(runs[k, seed, "exact"])
+    return f"{np.max(np.abs(smooth(runs[k, seed, arm]) - exact) / exact):.2%}"
+
+  body = table_under("docs/pods.md", "| slices x chips | seed |")
+  assert len(body) == len(runs) // 3
+  for shape, seed, exact, bf16, bf16_gap, int8, int8_gap, peaks in body:
+    k, s = int(shape.split(" x ")[0]), int(seed)
+    assert exact == f"{runs[k, s, 'exact']['final_loss']:.5f}"
+    for arm, loss, gap in (("bf16across", bf16, bf16_gap), ("int8across", int8, int8_gap)):
+      assert loss == f"{runs[k, s, arm]['final_loss']:.5f}"
+      assert gap == f"{runs[k, s, arm]['final_gap_to_exact']:+.3%}"
+    assert peaks == f"{largest(k, s, 'bf16across')} / {largest(k, s, 'int8across')}"
+
+
 def test_the_slow_network_arithmetic_is_the_formula_and_the_kept_toy_plan_within_its_padding():
   """docs/pods.md's bytes per chip per step over DCN by formula, for the toy (P parameters, k=2 slices of
   d=4, float32): each figure is its formula's, and the kept plan's compiled bytes for those levers are
