@@ -275,6 +275,28 @@ class PlanRequest:
     """The remat policies to plan under: each of ``remat``'s comma-separated names, or ``(None,)``."""
     return tuple(dict.fromkeys(filter(None, (self.remat or "").replace(" ", "").split(",")))) or (None,)
 
+  def resolved(self, mesh: Mapping[str, int], batch: int) -> PlanRequest:
+    """The request as a plan resolved it: every mesh axis sized and the micro-batch set, what the plan's
+    commands reproduce and its settings say (:class:`~nnx_zero1_plan.settings.PlanSettings`).
+
+    Example::
+
+      >>> PlanRequest("tunix:qwen3_0p6b", "h100:8").resolved({"data": 8, "fsdp": 1}, 8).mesh
+      'data=8,fsdp=1'
+    """
+    return dataclasses.replace(self, mesh=spelled_mesh(mesh), batch=batch)
+
+  @property
+  def resolved_batch(self) -> int:
+    """The micro-batch a resolved request (:meth:`resolved`) compiles at.
+
+    Raises:
+      ValueError: ``batch`` is not set (the request is not resolved).
+    """
+    if self.batch is None:
+      raise ValueError("the plan's resolved micro-batch is needed (PlanRequest.resolved sets batch)")
+    return self.batch
+
   def to_json(self) -> str:
     """The record as JSON, for the planning process (:meth:`from_json` reads it back).
 

@@ -28,6 +28,7 @@ from nnx_zero1_plan.maxtext import config_overrides
 from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Figures, Made, Row
+from nnx_zero1_plan.settings import ADDED_LATER, PlanSettings
 from nnx_zero1_plan.table import table
 from nnx_zero1_plan.way_out import next_steps
 from tests.support.rows import make_row
@@ -443,6 +444,26 @@ def test_every_kept_plans_rows_read_into_typed_records_and_write_back_the_same_f
     Row.from_json({**written, "peak_gib": 1.0})
 
 
+def test_every_kept_plans_meta_reads_into_its_record_and_writes_back_byte_for_byte():
+  kept = sorted((Path(__file__).resolve().parents[2] / "docs" / "data").glob("**/plan.json"))
+  absent = set()
+  for path in kept:
+    written = json.loads(path.read_text())["meta"]
+    settings = PlanSettings.from_json(written)
+    assert settings.batch == written["batch"] and settings.mesh == written["mesh"], path
+    # The same keys in the same order, each value as it was: plan.json's meta written again is the same text.
+    assert json.dumps(settings.to_json(), indent=1) == json.dumps(written, indent=1), path
+    assert PlanSettings.from_json(json.loads(json.dumps(settings.to_json()))) == settings
+    # A key an older planner did not write is said absent, not made up.
+    assert settings.absent == set(ADDED_LATER) - set(written), path
+    absent |= settings.absent
+  assert absent == set(ADDED_LATER)  # each is absent from some kept plan: none is listed for nothing
+  with pytest.raises(KeyError, match="peak_gib"):
+    PlanSettings.from_json({**written, "peak_gib": 1.0})
+  with pytest.raises(KeyError, match="usable_bytes"):  # only the keys added later may be missing
+    PlanSettings.from_json({k: v for k, v in written.items() if k != "usable_bytes"})
+
+
 def test_plan_json_is_written_from_typed_values_and_an_unexpected_value_raises(tmp_path):
   # No default=str: a kept plan writes back as it was read, and a value JSON has no type for (here the
   # parameters' dtypes as the model holds them, a set) is a TypeError, never a string in plan.json.
@@ -452,5 +473,5 @@ def test_plan_json_is_written_from_typed_values_and_an_unexpected_value_raises(t
   plan.write(str(tmp_path / "again"))
   assert Plan.from_record(json.loads((tmp_path / "again" / "plan.json").read_text())) == plan
   with pytest.raises(TypeError, match="frozenset"):
-    dataclasses.replace(plan, meta={**plan.meta, "param_dtypes": frozenset({"bfloat16"})}).write(
-        str(tmp_path / "untyped"))
+    untyped = dataclasses.replace(plan.meta, param_dtypes=frozenset({"bfloat16"}))
+    dataclasses.replace(plan, meta=untyped).write(str(tmp_path / "untyped"))

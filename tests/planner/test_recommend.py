@@ -222,7 +222,7 @@ def test_an_estimate_is_never_recommended():
   assert recommend([estimate], META) is None
   from nnx_zero1_plan.table import recommendation_lines
 
-  assert "without --estimate" in recommendation_lines(None, {"estimate": True})[1]
+  assert "without --estimate" in recommendation_lines(None, "a 5% margin", estimate=True)[1]
 
 
 def test_at_one_micro_batch_and_equal_collectives_fewer_bytes_over_the_host_link_win_over_headroom():
