@@ -129,15 +129,16 @@ def _settings(request: PlanRequest, planned: PlannedModel, target: Target, rows:
       domains=target.domains, activation_sharding=sharding_of(source, planned.axes))
 
 
-def _way_out(compiler: RowCompiler, request: PlanRequest, planned: PlannedModel, meta: PlanSettings,
-             blocked: Mapping[str, str], maxtext_out: str | None) -> WayOut:
-  """When nothing fits: the changes that may make room, compiled lightest first, until one fits."""
+def _way_out(compiler: RowCompiler, request: PlanRequest, resolved: PlanRequest, planned: PlannedModel,
+             meta: PlanSettings, blocked: Mapping[str, str], maxtext_out: str | None) -> WayOut:
+  """When nothing fits: the changes that may make room, compiled lightest first, until one fits (each a
+  change to ``request`` at the micro-batch it resolved to; ``resolved`` is the request as planned)."""
   step = request.steps[0]
-  asked = dataclasses.replace(request, batch=meta.batch)
+  asked = dataclasses.replace(request, batch=resolved.batch)
 
   def compile_changed(change: Change) -> Row:
     r = change.request
-    policy, batch = r.policies[0], meta.batch if r.batch is None else r.batch
+    policy, batch = r.policies[0], r.resolved_batch
     if maxtext_out is not None:  # a maxtext: model (the change keeps the model)
       model = describe_maxtext(r, compiler.target, policy, batch, maxtext_out)
     else:
@@ -145,22 +146,18 @@ def _way_out(compiler: RowCompiler, request: PlanRequest, planned: PlannedModel,
       micro_batch(batch, model.batch_unit, batch_words(model))
     return compiler.row(r.levers[0], step, model, StepShape(batch, r.seq_len, r.ga, r.optimizer))
 
-  def command(change: Change) -> str:
+  def shown(change: Change) -> PlanRequest:
+    """The change as its command and code say it: on the plan's resolved mesh where it keeps the mesh."""
     r = change.request
-    mesh = r.mesh_sizes if r.mesh != asked.mesh else meta.mesh
-    return command_line(meta.to_json(), levers=list(r.levers), steps=[step], batch=r.batch, ga=r.ga,
-                        remat=r.remat, mesh=mesh)
+    return r if r.mesh != asked.mesh else dataclasses.replace(r, mesh=resolved.mesh)
 
   lever = "zero1" if "zero1" not in blocked else "baseline"
   changes = changes_to_try(asked, planned.axes, lever=lever, batch_unit=planned.batch_unit,
                            remat=planned.remat_hint, named_axes=planned.named,
                            host_memory=compiler.target.platform == "tpu")
-
-  def code(change: Change) -> str:
-    r = change.request
-    return plan_code(meta.to_json(), r.levers[0], mesh=r.mesh_sizes if r.mesh != asked.mesh else None)
-
-  return find_way_out(changes, compile_changed, command, code)
+  return find_way_out(changes, compile_changed, lambda c: command_line(shown(c), steps=[step]),
+                      lambda c: plan_code(shown(c), c.request.levers[0],
+                                          activation_sharding=meta.activation_sharding))
 
 
 def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
@@ -219,11 +216,12 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
     rows.append(row)
     if progress:
       progress(_done(name, step, policy, request.topology, row) + _left(done, len(todo), started))
-  meta = _settings(request.resolved(planned.axes, batch), planned, target, rows, batch_default, compiler_name,
-                   usable)
-  hints = next_steps(rows, meta.to_json(), list(LEVERS), blocked=blocked, remat=planned.remat_hint,
+  resolved = request.resolved(planned.axes, batch)  # what the plan's meta says and its commands reproduce
+  meta = _settings(resolved, planned, target, rows, batch_default, compiler_name, usable)
+  hints = next_steps(rows, resolved, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)
   way_out = None
   if rows and not request.estimate and not any(row.verdict for row in rows):
-    way_out = _way_out(compiler, request, planned, meta, blocked, maxtext_out)
-  return Plan(rows, meta, hints, recommend(rows, meta.to_json()), way_out)
+    way_out = _way_out(compiler, request, resolved, planned, meta, blocked, maxtext_out)
+  return Plan(rows, meta, hints, recommend(rows, resolved, activation_sharding=meta.activation_sharding),
+              way_out)

@@ -7,6 +7,7 @@ import pytest
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.gpu_schedule import parse_schedule
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, ORDER, by_throughput, recommend
+from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Made, Point, Row
 from nnx_zero1_plan.step_time import (
   NO_ESTIMATE,
@@ -189,8 +190,7 @@ def _row(lever, batch, tokens_per_s, room, *, searched=None, fits=True):
              2**34, 2**34, fits, searched=searched)
 
 
-_META = {"model": "m:f", "topology": "v6e:2x2", "mesh": {"data": 4}, "batch": 8, "seq_len": 64, "ga": 1,
-         "levers": ["baseline", "zero1"], "steps": {"one": "..."}}
+_REQUEST = PlanRequest("m:f", "v6e:2x2", mesh="data=4", batch=8, seq_len=64, steps="one")  # as resolved
 
 
 def test_the_recommendation_is_the_most_tokens_per_second_not_the_largest_micro_batch():
@@ -199,7 +199,7 @@ def test_the_recommendation_is_the_most_tokens_per_second_not_the_largest_micro_
                   predicted_step_s=b * 64 / tok, tokens_per_s_per_device=tok)
             for b, tok in ((8, 1000.0), (64, 5000.0), (512, 3000.0))]
   rows = [_row("baseline", 8, 990.0, 5), _row("zero1", 8, 1000.0, 10, searched=searched(512, points))]
-  rec = recommend(rows, _META)
+  rec = recommend(rows, _REQUEST)
   assert rec.order == BY_THROUGHPUT and (rec.lever, rec.micro_batch) == ("zero1", 64)
   assert "zero1 at 64:" in rec.why[0] and "baseline at 8:" in rec.why[0]
   assert "for its throughput" in rec.why[0]
@@ -209,7 +209,7 @@ def test_within_two_percent_the_headroom_decides_and_an_untimed_plan_keeps_the_m
   best, at, why = by_throughput([_row("baseline", 8, 1000.0, 5), _row("zero1", 8, 985.0, 9)])
   assert best.lever == "zero1" and "within 2%" in why[0]
   untimed = [_row("baseline", 8, None, 5), _row("zero1", 8, None, 9)]
-  assert by_throughput(untimed) is None and recommend(untimed, _META).order == ORDER
+  assert by_throughput(untimed) is None and recommend(untimed, _REQUEST).order == ORDER
 
 
 _CHIP_NAMES = {"v5e": ["v5e"], "v6e": ["v6e"], "v5p": ["v5p"], "A100": ["a100-80g"],
