@@ -36,14 +36,16 @@ __all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "batch_axes", 
            "lever_state"]
 
 
-# The --optimizer menu as transformations: each is its request.OPTIMIZER_CODE entry, the code the
-# recommendation prints, written out (tests/planner/test_kinds.py checks each against its code).
-OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "adamw": lambda: optax.adamw(1e-5),
-    "adam": lambda: optax.adam(1e-5),
-    "lion": lambda: optax.lion(1e-6),
-    "sgd": lambda: optax.sgd(1e-3, momentum=0.9),
-    "adafactor": lambda: optax.adafactor(1e-3),
+# The --optimizer menu as transformations, the planner's and the benchmarks' one: each takes the learning
+# rate, by default the planner's (a typical fine-tuning rate: the rate changes no bytes), at which it is its
+# request.OPTIMIZER_CODE entry, the code the recommendation prints, written out (tests/planner/test_kinds.py
+# checks each against its code).
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "adamw": lambda learning_rate=1e-5: optax.adamw(learning_rate),
+    "adam": lambda learning_rate=1e-5: optax.adam(learning_rate),
+    "lion": lambda learning_rate=1e-6: optax.lion(learning_rate),
+    "sgd": lambda learning_rate=1e-3: optax.sgd(learning_rate, momentum=0.9),
+    "adafactor": lambda learning_rate=1e-3: optax.adafactor(learning_rate),
 }
 
 

@@ -3,8 +3,8 @@
 ARCHITECTURE.md's planner table is the map; these tests read it and every planner module's imports (``ast``,
 those inside functions too) and fail where the code and the map part: a pure module that reaches jax or a
 module of another kind, a module the map leaves out, ``run`` imported by anything but the entry points, a
-private name of the optimizer imported from anywhere but the module made for the planner. No compiler
-needed (lane 1).
+private name of the optimizer imported from anywhere but the module made for the planner, a benchmark that
+imports a planner name ``__all__`` does not declare. No compiler needed (lane 1).
 """
 
 from __future__ import annotations
@@ -164,7 +164,26 @@ def test_every_public_name_resolves_and_the_package_alone_imports_no_jax():
   import nnx_zero1_plan
 
   assert all(getattr(nnx_zero1_plan, name) is not None for name in nnx_zero1_plan.__all__)
+  # A public name a module also bears would become that module once anything imports it.
+  assert not set(nnx_zero1_plan.__all__) & set(_module_names())
   # The compiled steps' names are imported on first use, so plan()'s caller stays without jax.
   code = "import sys, nnx_zero1_plan; print('jax' in sys.modules)"
   assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         check=True).stdout.strip() == "False"
+
+
+def test_the_benchmarks_use_the_planners_public_names_only_each_documented():
+  """benchmarks/ is outside the planner: it imports the names ``nnx_zero1_plan.__all__`` declares, each in
+  docs/planner.md's "Your own loop" table, and no planner module by its path."""
+  import nnx_zero1_plan
+
+  section = (ROOT / "docs" / "planner.md").read_text().split("## Your own loop", 1)[1].split("\n## ", 1)[0]
+  for path in sorted((ROOT / "benchmarks").glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        assert not [a.name for a in node.names if a.name.startswith(f"{PACKAGE}.")], path.name
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PACKAGE:
+        assert node.module == PACKAGE, f"benchmarks/{path.name} imports {node.module}: use the public names"
+        for alias in node.names:
+          assert alias.name in nnx_zero1_plan.__all__, f"benchmarks/{path.name} imports {alias.name}"
+          assert f"`{alias.name}" in section, f"{alias.name} is not in docs/planner.md's Your own loop"

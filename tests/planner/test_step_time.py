@@ -14,9 +14,9 @@ from nnx_zero1_plan.step_time import (
   NO_SCHEDULE,
   UNTUNED,
   Rates,
+  predict_step_time,
   program_time,
   rates_for,
-  step_time,
 )
 from tests.support.rows import searched
 
@@ -119,21 +119,21 @@ def test_the_compilers_not_estimated_counts_zero_and_is_counted():
 def test_a_program_without_cycles_has_no_time_not_a_guess():
   plain = _module(["  ROOT %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
   assert program_time(plain, Rates(None, lambda n: RING)).compute_s is None
-  figures = step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
-                      compute_dtype="bfloat16")
+  figures = predict_step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
+                              compute_dtype="bfloat16")
   assert figures["predicted_step_s"] is None and figures["time_absent"] == NO_ESTIMATE
-  unscheduled = step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
-                          compute_dtype="bfloat16", scheduled={"jit_other": {"r": 1e-3}})
+  unscheduled = predict_step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
+                                  compute_dtype="bfloat16", scheduled={"jit_other": {"r": 1e-3}})
   assert unscheduled["time_absent"] == NO_SCHEDULE
 
 
 def test_a_gpu_program_compiled_without_its_gpu_keeps_its_parts_but_predicts_no_time():
   program = _module(["  %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
   args = dict(devices=4, tokens_per_device=8, compute_dtype="bfloat16", scheduled={"jit_f": {"r": 1e-3}})
-  untuned = step_time([("step", program, 1)], CHIPS["h100"], **args)
+  untuned = predict_step_time([("step", program, 1)], CHIPS["h100"], **args)
   assert untuned["predicted_step_s"] is None and untuned["time_absent"] == UNTUNED
   assert untuned["step_time"].compute_s == pytest.approx(1e-3)
-  on_the_gpu = step_time([("step", program, 1)], CHIPS["h100"], **args, deviceless=False)
+  on_the_gpu = predict_step_time([("step", program, 1)], CHIPS["h100"], **args, deviceless=False)
   assert on_the_gpu["predicted_step_s"] == pytest.approx(1e-3) and on_the_gpu["time_absent"] is None
 
 
@@ -153,8 +153,8 @@ def test_a_step_sums_its_programs_runs_and_the_slow_network_and_says_tokens_and_
          'backend_config={"estimated_cycles":"3000"}')
   grads = _module(["  %x = f32[128,64]{1,0} parameter(0)", "  %y = f32[64,128]{1,0} parameter(1)", dot])
   update = _module([_fusion("u", 500)])
-  t = step_time([("fwd_bwd", grads, 1), ("fwd_bwd_accum", grads, 7), ("update", update, 1)], chip, devices=4,
-                tokens_per_device=4096, compute_dtype="bfloat16", slow_bytes=10**6)
+  t = predict_step_time([("fwd_bwd", grads, 1), ("fwd_bwd_accum", grads, 7), ("update", update, 1)], chip,
+                        devices=4, tokens_per_device=4096, compute_dtype="bfloat16", slow_bytes=10**6)
   predicted = (8 * 3000 + 500) / clock + 10**6 / chip.links.slow_bytes_per_s
   assert t["predicted_step_s"] == pytest.approx(predicted)
   assert t["tokens_per_s_per_device"] == pytest.approx(4096 / predicted)
