@@ -43,13 +43,17 @@ def _module_names() -> list[str]:
 
 
 def _imports(module: str) -> list[tuple[str | None, str]]:
-  """``(outermost enclosing function or None, imported module)`` for every import in ``module``; a name
-  imported from the package is its submodule where there is one."""
+  """``(outermost enclosing function or None, imported module)`` for every import in ``module`` that runs; a
+  name imported from the package is its submodule where there is one. An import under ``if TYPE_CHECKING:``
+  names a type for the type checker and never runs: it is no dependency."""
   found: list[tuple[str | None, str]] = []
   modules = set(_module_names())
 
   def visit(node: ast.AST, function: str | None) -> None:
     for child in ast.iter_child_nodes(node):
+      if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+        visit(ast.Module(body=child.orelse, type_ignores=[]), function)
+        continue
       inside = function
       if function is None and isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
         inside = child.name
@@ -119,6 +123,15 @@ def test_a_pure_module_reaches_neither_jax_nor_a_module_of_another_kind(module):
     if name.split(".")[0] in REACHES_JAX or (planner is not None and KINDS.get(planner) != "pure"):
       wrong.append(f"{name} (in {function or 'the module'})")
   assert not wrong, f"{module}.py is pure in ARCHITECTURE.md and imports {', '.join(wrong)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m, k in KINDS.items() if k == "traced"))
+def test_a_traced_module_reaches_no_compiling_module(module):
+  # A traced module builds shapes and compiles nothing: what compiles (and loads a compiler) is a module of
+  # the compiled kind, which a traced one never imports, inside its functions neither.
+  wrong = [f"{name} (in {function or 'the module'})" for function, name in _imports(module)
+           if KINDS.get(_planner_module(name) or "") in ("compiled", "orchestrates")]
+  assert not wrong, f"{module}.py is traced in ARCHITECTURE.md and imports {', '.join(wrong)}"
 
 
 @pytest.mark.parametrize("module", _module_names())
