@@ -26,15 +26,17 @@ from benchmarks.model import loss_fn
 from benchmarks.run import batch_sharding, state_shardings
 from benchmarks.settings import OPTIMIZERS, STEP_ARMS, Settings, lever, make_optimizer, new_model, row_fields
 from nnx_zero1.testing import collectives, host_transfers, loop_collectives, loop_host_transfers
-from nnx_zero1_plan import compile_split as planner_compile_split
-from nnx_zero1_plan import compile_step
-from nnx_zero1_plan.abstract import (
+from nnx_zero1_plan import (
   AbstractState,
   abstract_bytes_per_device,
   bytes_by_memory_kind,
+  compile_step,
+  hbm_oom,
+  split_memory,
+  summed,
   with_state_homes,
 )
-from nnx_zero1_plan.compiled import hbm_oom, split_memory, summed
+from nnx_zero1_plan import compile_split as planner_compile_split
 
 __all__ = ["HBM_BYTES", "topology_mesh", "abstract_bytes_per_device", "AbstractArm", "compile_arm",
            "compile_split", "aot_row", "hbm_oom", "oom_row", "run_aot"]

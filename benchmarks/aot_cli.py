@@ -8,7 +8,7 @@ import platform
 import sys
 import time
 
-from nnx_zero1_plan import compilers as libtpu
+from nnx_zero1_plan import AotUnavailable, require_libtpu, start_cpu_jax
 
 __all__ = ["AOT_ARMS", "main"]
 
@@ -26,11 +26,11 @@ def main(args: argparse.Namespace) -> int:
     main(parse_args(["--aot", "v6e:2x2", "--model", "tiny", "--dp", "4", "--ga", "2"]))
   """
   try:
-    version = libtpu.require_libtpu()
-  except libtpu.AotUnavailable as e:
+    version = require_libtpu()
+  except AotUnavailable as e:
     print(f"benchmarks.bench: {e}", file=sys.stderr)
     return 2
-  libtpu.start_cpu_jax()
+  start_cpu_jax()
   import jax
 
   from benchmarks import aot, aot_output

@@ -1,7 +1,7 @@
 """The compiler's memory figures against what a real accelerator's allocator holds when the step runs.
 
 ``python -m benchmarks.limit`` compiles one lever's training step (the
-planner's own step, :mod:`nnx_zero1_plan.steps`) on the devices this process
+planner's own step, :func:`nnx_zero1_plan.step_jit`) on the devices this process
 has, at each micro-batch asked for, reads ``memory_analysis()``, runs the step
 and reads the allocator's peak (``Device.memory_stats()``). Each micro-batch
 runs in a fresh child process, so each peak is that step's alone. It is the
@@ -9,7 +9,7 @@ evidence for the planner's margin: what the run time holds beyond the
 compiler's figure, and whether a step the compiler's figure puts under the
 memory pool runs. The same compile asks XLA's GPU scheduler for its schedule,
 so each row also carries the planner's predicted step time for that very
-program (:func:`nnx_zero1_plan.step_time.step_time`) beside the median of its
+program (:func:`nnx_zero1_plan.predict_step_time`) beside the median of its
 steady-state steps.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 python -m benchmarks.limit \\
@@ -43,7 +43,7 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   """One lever's step at ``batch`` on this process's devices: compiled, run ``steps`` times, measured.
 
   Returns:
-    The compiler's figures (:func:`nnx_zero1_plan.compiled.memory`, bytes per device), the allocator's
+    The compiler's figures (:func:`nnx_zero1_plan.memory`, bytes per device), the allocator's
     (``memory_stats()`` before the compile and after the run), the step's median time over the steps after
     the first, the planner's prediction for the same compiled program (``predicted_ms``, None where the
     compiler gave no estimate, with ``time_absent``), and the run's error in one line (None when every step
@@ -54,11 +54,20 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   from flax import nnx
   from jax.sharding import AxisType, Mesh
 
-  from nnx_zero1_plan import LEVERS, OPTIMIZERS, lever_state, make_optimizer, memory, model_source, step_jit
-  from nnx_zero1_plan.chips import CHIPS
-  from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
-  from nnx_zero1_plan.step_time import step_time
-  from nnx_zero1_plan.steps import abstract_batch
+  from nnx_zero1_plan import (
+    CHIPS,
+    LEVERS,
+    OPTIMIZERS,
+    abstract_batch,
+    dump_options,
+    lever_state,
+    make_optimizer,
+    memory,
+    model_source,
+    predict_step_time,
+    scheduled_seconds,
+    step_jit,
+  )
 
   devices = jax.devices()
   device = devices[0]
@@ -86,7 +95,7 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   row["compiler"] = memory(compiled)
   chip = next((c for c in CHIPS.values() if c.gpu and c.gpu.description == device.device_kind), None)
   if chip is not None:
-    predicted = step_time([("step", compiled.as_text(), 1)], chip, devices=len(devices),
+    predicted = predict_step_time([("step", compiled.as_text(), 1)], chip, devices=len(devices),
                           tokens_per_device=batch * seq_len / len(devices), compute_dtype="bfloat16",
                           scheduled=scheduled, deviceless=False)
     row["predicted_ms"] = None if predicted["predicted_step_s"] is None else round(

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.verdict import estimate_ratio, judge, judge_all
-from nnx_zero1_plan.table import collective_cell
+from nnx_zero1_plan import collective_cell
 
 __all__ = [
     "collective_cell", "table", "shapes_table", "targets", "markdown", "write_all", "plot_series",

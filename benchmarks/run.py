@@ -94,7 +94,7 @@ def train_step_jit(graphdef, shardings: Any, mesh, arm: str, ga: int):
   """The arm's one jitted train step, which the CPU bench runs: the planner's one-program step.
 
   ``(state, batch) -> (state, loss)``, the state donated and kept on ``shardings``
-  (:func:`nnx_zero1_plan.steps.step_jit` with the arm's lever and the
+  (:func:`nnx_zero1_plan.step_jit` with the arm's lever and the
   bench's loss).
 
   Example::

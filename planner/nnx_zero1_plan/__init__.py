@@ -1,12 +1,12 @@
 """Will it fit? ``python -m nnx_zero1.plan``: a training step compiled for TPUs or NVIDIA GPUs, never run.
 
 The planner is its own distribution, ``nnx-zero1-plan`` (``pip install ./planner`` from a
-clone of nnx-zero1), released with the optimizer it plans for. ``plan``, :class:`Plan`,
-:class:`Row`, ``main`` and the command line are its interface, and for a loop of your own the steps it
-compiles and what it reads from them (``make_optimizer``, ``lever_state``, ``compile_step``, ``memory``, ...:
-``__all__``), which the benchmark harness uses too. Which modules are pure (this one, and everything the
-caller's process imports: no jax), which trace or compile, and which orchestrates (``run``) is
-ARCHITECTURE.md's planner section.
+clone of nnx-zero1), released with the optimizer it plans for. ``plan``, :class:`Plan` (its
+:class:`Row` s and :class:`PlanSettings`), ``main`` and the command line are its interface, and for a
+loop of your own the steps it compiles and what it reads from them (``make_optimizer``, ``lever_state``,
+``compile_step``, ``memory``, ...: ``__all__``), which the benchmark harness uses too. Which modules are
+pure (this one, and everything the caller's process imports: no jax), which trace or compile, and which
+orchestrates (``run``) is ARCHITECTURE.md's planner section.
 
 Each lever's training step (gradients over ``--ga`` micro-batches, then
 ``optimizer.update``, the state donated) is built abstractly, as one program
@@ -46,23 +46,32 @@ import tqdm
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.child import plan_in_child
-from nnx_zero1_plan.compilers import AotUnavailable, start_cpu_jax
+from nnx_zero1_plan.chips import CHIPS
+from nnx_zero1_plan.compilers import AotUnavailable, require_libtpu, start_cpu_jax
 from nnx_zero1_plan.depth import WHOLE_OVER_ESTIMATE_UP_TO
 from nnx_zero1_plan.inputs import ONE_SLICE, SMALLEST_MICRO_BATCH, PlanError, parse_overrides
 from nnx_zero1_plan.levers import LEVERS, Lever
 from nnx_zero1_plan.request import DEFAULT_DEPTHS, SETTING_DEFAULTS, PlanRequest
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
+from nnx_zero1_plan.settings import PlanSettings
+from nnx_zero1_plan.table import collective_cell
 
 # The steps the planner compiles and what it reads from them, for a loop of your own (and the benchmarks):
 # each imported from its module when first asked for, as those modules import jax and plan()'s caller never
 # does. Documented in docs/planner.md ("Your own loop").
 _ON_FIRST_USE = {"OPTIMIZERS": "steps", "make_optimizer": "steps", "lever_state": "steps",
-                 "step_jit": "steps", "compile_step": "steps", "compile_split": "steps",
-                 "memory": "compiled", "model_source": "models"}
+                 "abstract_batch": "steps", "step_jit": "steps", "compile_step": "steps",
+                 "compile_split": "steps", "AbstractState": "abstract", "with_state_homes": "abstract",
+                 "abstract_bytes_per_device": "abstract", "bytes_by_memory_kind": "abstract",
+                 "memory": "compiled", "split_memory": "compiled", "summed": "compiled",
+                 "hbm_oom": "compiled", "predict_step_time": "step_time", "dump_options": "gpu_schedule",
+                 "scheduled_seconds": "gpu_schedule", "model_source": "models"}
 
-__all__ = ["Plan", "Row", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args", "request_of",
-           "main", "compile_only_devices", "LEVERS", "Lever", "start_cpu_jax", *_ON_FIRST_USE]
+# The same API's pure names (the chip table, a collectives' table cell, libtpu's version) are imported above.
+__all__ = ["Plan", "Row", "PlanSettings", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args",
+           "request_of", "main", "compile_only_devices", "LEVERS", "Lever", "start_cpu_jax", "CHIPS",
+           "collective_cell", "require_libtpu", *_ON_FIRST_USE]
 
 
 def __getattr__(name: str) -> Any:
@@ -134,9 +143,9 @@ def plan(model: str | PlanRequest, topology: str | None = None, *,
     **settings: the other fields of :class:`PlanRequest` by name (``batch``, ``search``, ``margin``, ...).
 
   Returns:
-    A :class:`Plan`: ``rows`` (one :class:`Row` per lever and step, read as a mapping), ``meta``,
-    ``recommendation`` (the lever, micro-batch, code and command to run, by a stated order),
-    ``next_steps``; ``str()`` is the table.
+    A :class:`Plan`: ``rows`` (one :class:`Row` per lever and step), ``meta`` (the settings as planned, a
+    :class:`PlanSettings`: ``result.meta.batch``), ``recommendation`` (the lever, micro-batch, code and
+    command to run, by a stated order), ``next_steps``; ``str()`` is the table.
 
   Raises:
     PlanError: an unknown model, topology, lever, optimizer or mesh axis, a mesh that does not match,

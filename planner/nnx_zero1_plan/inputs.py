@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 __all__ = ["shortened", "PlanError", "ModelRef", "Topology", "parse_mesh", "parse_levers", "parse_topology",
            "mesh_axes", "check_replica", "micro_batch", "check_axis_names", "parse_model", "parse_overrides",
-           "spelled_mesh", "ONE_SLICE", "SMALLEST_MICRO_BATCH"]
+           "spelled_mesh", "batch_axes", "ONE_SLICE", "SMALLEST_MICRO_BATCH"]
 
 ONE_SLICE = 1  # a TPU target is one slice unless --slices joins several (a pod)
 SMALLEST_MICRO_BATCH = 8  # --batch's default: the fewest sequences a default micro-batch holds
@@ -164,6 +164,19 @@ def check_replica(axes: Mapping[str, int], domains: int, default_axis: str = "da
   raise PlanError(f"--mesh {spelled_mesh(axes)}: on {domains} {where}, replica must be the outermost axis, "
                   f"its size the number of {where}; the devices are laid out in the mesh's order, so only "
                   f"then does it cross them{suggestion}")
+
+
+def batch_axes(axis_names: Iterable[str]) -> tuple[str, ...]:
+  """The mesh axes a batch's rows are split over: ``data`` and, where the mesh has them, ``replica`` (across
+  slices or nodes) and ``fsdp``; their sizes' product is a micro-batch's unit.
+
+  Example::
+
+    >>> batch_axes(("data", "fsdp", "tp"))
+    ('data', 'fsdp')
+  """
+  names = tuple(axis_names)
+  return tuple(a for a in ("replica", "data", "fsdp") if a in names)
 
 
 def micro_batch(batch: int | None, unit: int, over: str) -> int:

@@ -8,7 +8,8 @@ user's overrides; a lever is the engine class: ``baseline`` is MaxText's
 the lever's options as its class attributes (``OFFLOAD_STATE_TO_HOST``,
 ``SHARD_ACCUMULATOR``, ...). MaxText accumulates its own gradients and scans its
 layers (a model compiles whole, in about the time of a few layers), so a row is
-always a split step at full depth. Needs Python >= 3.12, ``maxtext`` and libtpu.
+always a split step at full depth: :func:`describe_maxtext` describes the model from its config before any
+compile, :func:`measure_maxtext` compiles a lever's engine. Needs Python >= 3.12, ``maxtext`` and libtpu.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 
-from nnx_zero1_plan.inputs import ONE_SLICE, PlanError
+from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, mesh_axes
 from nnx_zero1_plan.levers import Lever, engine_attributes
+from nnx_zero1_plan.planned_model import PlannedModel
+from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures
+from nnx_zero1_plan.targets import Target
 
-__all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "measure_maxtext"]
+__all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "describe_maxtext",
+           "measure_maxtext"]
 
 # MaxText's base_output_directory for one plan: a fresh folder in the temp folder, never named like a
 # package (a folder named nnx_zero1_plan there would shadow the planner, as an empty namespace package, in
@@ -124,6 +129,40 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
     if value is not None:
       config[key] = value
   return {**config, **(overrides or {})}
+
+
+def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, batch: int,
+                     output_dir: str) -> PlannedModel:
+  """A ``maxtext:`` model under the remat ``policy``: its config's overrides at each micro-batch, checked at
+  ``batch`` before any compile (MaxText builds its own mesh: the axes are one slice's ``ici_*``), MaxText
+  writing under ``output_dir`` (the plan's :func:`output_directory`).
+
+  Raises:
+    PlanError: a GPU target, MaxText missing, or what :func:`config_overrides`
+      refuses.
+  """
+  model = request.model_ref
+  if target.platform != "tpu":
+    raise PlanError(f"{model} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
+                    f"{request.topology} is a GPU target")
+  try:
+    known = mesh_axis_names()
+  except ImportError as e:
+    raise PlanError(f"{model} needs MaxText (Python >= 3.12), from a clone: pip install -r "
+                    f".ci/requirements-newest.txt && pip install --no-deps maxtext==0.2.5 ({e})") from e
+  axes = mesh_axes(request.mesh_sizes, (), len(target.devices) // target.domains)
+
+  def source_at(micro_batch: int) -> MaxTextModel:
+    config = config_overrides(model.name, request.topology, len(target.devices), axes, batch=micro_batch,
+                              seq_len=request.seq_len, ga=request.ga, optimizer=request.optimizer,
+                              param_dtype=request.param_dtype, compute_dtype=request.compute_dtype,
+                              remat=policy, known_axes=known, output_dir=output_dir,
+                              overrides=request.overrides, slices=target.domains)
+    return MaxTextModel(str(model), config, defer=request.maxtext_deferral == "auto")
+
+  source_at(batch)  # the settings checked before any compile
+  weights = (request.overrides or {}).get("weight_dtype") or request.param_dtype or "float32"
+  return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), "full")
 
 
 def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],

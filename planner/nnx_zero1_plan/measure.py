@@ -39,7 +39,7 @@ from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.recommend import across_bytes_of
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row
 from nnx_zero1_plan.search import fits_in
-from nnx_zero1_plan.step_time import step_time
+from nnx_zero1_plan.step_time import predict_step_time
 from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
 from nnx_zero1_plan.targets import Target, domain_of
 from nnx_zero1_plan.tunix_sharding import sharding_of
@@ -76,7 +76,7 @@ class Timing:
 
 def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: StepShape,
           timing: Timing | None, scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
-  """``figures`` with the step's predicted time (:func:`nnx_zero1_plan.step_time.step_time`) for the
+  """``figures`` with the step's predicted time (:func:`nnx_zero1_plan.predict_step_time`) for the
   ``programs`` one step runs (``scheduled``: XLA's GPU scheduler's estimates of their instructions), and on
   a pod its slow network's bytes over that network's rate."""
   if timing is None:
@@ -84,8 +84,9 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
   target = timing.target
   slow = across_bytes_of(figures.collectives)  # what a pod sends between slices or nodes; 0 on one
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
-  time = step_time(programs, CHIPS[target.chip], devices=len(target.devices), tokens_per_device=tokens,
-                   compute_dtype=timing.compute_dtype, slow_bytes=slow, scheduled=scheduled)
+  time = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
+                           tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
+                           scheduled=scheduled)
   return dataclasses.replace(figures, **time)
 
 

@@ -2,8 +2,8 @@
 
 A ``tunix:`` or ``package.module:function`` model is built abstractly once (no compiler needed), so a
 ``--mesh`` axis it does not name is refused before the compiler is looked for; then it is placed on the
-target's devices. A ``maxtext:`` model is described by its config (:func:`describe_maxtext`; MaxText builds
-its own mesh). Traces; compiles nothing.
+target's devices (a ``maxtext:`` model is described by its config, with MaxText's engine:
+:func:`nnx_zero1_plan.maxtext.describe_maxtext`). Traces; compiles nothing.
 """
 
 from __future__ import annotations
@@ -11,22 +11,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from nnx_zero1_plan.abstract import describe_model
-from nnx_zero1_plan.inputs import PlanError, check_axis_names, mesh_axes
+from nnx_zero1_plan.inputs import PlanError, batch_axes, check_axis_names, mesh_axes
 from nnx_zero1_plan.levers import LEVERS, lever_blocker
-from nnx_zero1_plan.maxtext import MaxTextModel, config_overrides, mesh_axis_names
 from nnx_zero1_plan.models import model_source
 from nnx_zero1_plan.request import PlanRequest
-from nnx_zero1_plan.steps import batch_axes
-from nnx_zero1_plan.targets import Target
 
-__all__ = ["PlannedModel", "describe_tunix_or_own", "on_devices", "describe_maxtext", "batch_words",
-           "refuse_blocked"]
+if TYPE_CHECKING:  # a type only: the target is made, its compiler loaded, by targets.make_target
+  from nnx_zero1_plan.targets import Target
+
+__all__ = ["PlannedModel", "describe_tunix_or_own", "on_devices", "batch_words", "refuse_blocked"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,47 +97,14 @@ def on_devices(planned: PlannedModel, target: Target) -> PlannedModel:
   axes = mesh_axes(planned.axes, planned.named, len(target.devices), domains=target.domains, where=where)
   device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
                      axis_types=(AxisType.Auto,) * len(axes))
-  rows_over = math.prod(axes[a] for a in batch_axes(device_mesh))
+  rows_over = math.prod(axes[a] for a in batch_axes(axes))
   return dataclasses.replace(planned, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
-
-
-def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, batch: int,
-                     output_dir: str) -> PlannedModel:
-  """A ``maxtext:`` model under the remat ``policy``: its config's overrides at each micro-batch, checked at
-  ``batch`` before any compile (MaxText builds its own mesh: the axes are one slice's ``ici_*``), MaxText
-  writing under ``output_dir`` (the plan's :func:`nnx_zero1_plan.maxtext.output_directory`).
-
-  Raises:
-    PlanError: a GPU target, MaxText missing, or what :func:`nnx_zero1_plan.maxtext.config_overrides`
-      refuses.
-  """
-  model = request.model_ref
-  if target.platform != "tpu":
-    raise PlanError(f"{model} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
-                    f"{request.topology} is a GPU target")
-  try:
-    known = mesh_axis_names()
-  except ImportError as e:
-    raise PlanError(f"{model} needs MaxText (Python >= 3.12), from a clone: pip install -r "
-                    f".ci/requirements-newest.txt && pip install --no-deps maxtext==0.2.5 ({e})") from e
-  axes = mesh_axes(request.mesh_sizes, (), len(target.devices) // target.domains)
-
-  def source_at(micro_batch: int) -> MaxTextModel:
-    config = config_overrides(model.name, request.topology, len(target.devices), axes, batch=micro_batch,
-                              seq_len=request.seq_len, ga=request.ga, optimizer=request.optimizer,
-                              param_dtype=request.param_dtype, compute_dtype=request.compute_dtype,
-                              remat=policy, known_axes=known, output_dir=output_dir,
-                              overrides=request.overrides, slices=target.domains)
-    return MaxTextModel(str(model), config, defer=request.maxtext_deferral == "auto")
-
-  source_at(batch)  # the settings checked before any compile
-  weights = (request.overrides or {}).get("weight_dtype") or request.param_dtype or "float32"
-  return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), "full")
 
 
 def batch_words(planned: PlannedModel) -> str:
   """The batch axes, as the refusal and the default's sentence name them (``replica x data``)."""
-  return " x ".join(batch_axes(planned.device_mesh)) if planned.device_mesh is not None else "the devices"
+  mesh = planned.device_mesh
+  return " x ".join(batch_axes(mesh.axis_names)) if mesh is not None else "the devices"
 
 
 def refuse_blocked(names: Sequence[str], param_dtypes: Collection[str], model: str,

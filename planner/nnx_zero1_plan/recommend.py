@@ -21,14 +21,13 @@ no remat; then the lighter lever. Pure: rows in, one :class:`Recommendation` out
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.gpu_chips import GPU_CHIPS
-from nnx_zero1_plan.inputs import PlanError, parse_topology
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.printed_code import lever_code
-from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, DEFAULT_STEP, command_line
+from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, command_line
 from nnx_zero1_plan.row import Point, Row
 
 __all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_batch_of", "fitted_at",
@@ -289,27 +288,21 @@ def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:
   return out
 
 
-def plan_code(meta: Mapping[str, Any], lever: str, offload_fraction: float | None = None,
-              mesh: Mapping[str, int] | None = None) -> str:
-  """The code that trains as the plan ``meta`` compiled with ``lever`` (:func:`lever_code`): its model,
-  mesh (or ``mesh``, a change's), optimizer and target; a recommendation's and a way out's.
+def plan_code(request: PlanRequest, lever: str, offload_fraction: float | None = None,
+              activation_sharding: Mapping[str, Any] | str | None = None) -> str:
+  """The code that trains as a plan for ``request`` (resolved: its mesh sized,
+  :meth:`~nnx_zero1_plan.request.PlanRequest.resolved`) compiled with ``lever`` (:func:`lever_code`): its
+  model, mesh, optimizer and target; a recommendation's and a way out's.
 
   Example::
 
-    >>> print(plan_code({"model": "maxtext:qwen3-0.6b", "mesh": {"data": 4}}, "zero1-bf16state"))
+    >>> request = PlanRequest("maxtext:qwen3-0.6b", "v6e:2x2", mesh="data=4")
+    >>> print(plan_code(request, "zero1-bf16state"))
     Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16
   """
-  return lever_code(lever, str(meta.get("model", "")), offload_fraction, mesh or meta.get("mesh"),
-                    meta.get("optimizer", DEFAULT_OPTIMIZER), platform=_platform(meta),
-                    domains=meta.get("domains") or 1, activation_sharding=meta.get("activation_sharding"))
-
-
-def _platform(meta: Mapping[str, Any]) -> str:
-  """``"tpu"`` or ``"cuda"``: the plan's topology's platform (TPU where a plan names none)."""
-  try:
-    return parse_topology(str(meta.get("topology", "")), GPU_CHIPS)[0]
-  except PlanError:
-    return "tpu"
+  return lever_code(lever, str(request.model_ref), offload_fraction, request.mesh_sizes, request.optimizer,
+                    platform=request.platform, domains=request.domains,
+                    activation_sharding=activation_sharding)
 
 
 def _ms(seconds: float | None) -> str:
@@ -362,14 +355,17 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
   return best, at, why
 
 
-def recommend(rows: Sequence[Row], meta: Mapping[str, Any], *,
+def recommend(rows: Sequence[Row], request: PlanRequest, *,
+              activation_sharding: Mapping[str, Any] | str | None = None,
               step: str | None = None) -> Recommendation | None:
   """The configuration to run, by :data:`ORDER`, among the rows of one step shape.
 
   Args:
     rows: the plan's rows (a searched row stands at its edge); ``fits`` is within the usable memory (the
       reserve or the margin taken off).
-    meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``seq_len``, ``ga``, ...).
+    request: the plan's request as resolved (its mesh and micro-batch set:
+      :meth:`~nnx_zero1_plan.request.PlanRequest.resolved`).
+    activation_sharding: a ``tunix:`` model's activation specs, for its printed code.
     step: the step shape to choose among (default: ``split`` for MaxText's engine, else ``one`` where
       there are such rows).
 
@@ -378,21 +374,24 @@ def recommend(rows: Sequence[Row], meta: Mapping[str, Any], *,
   """
   shapes = [r.step for r in rows]
   if step is None:
-    step = "split" if str(meta.get("model", "")).startswith("maxtext:") else DEFAULT_STEP
+    step = "split" if request.model_ref.kind == "maxtext" else DEFAULT_STEP
     step = step if step in shapes else (shapes[0] if shapes else step)
+  batch = request.resolved_batch
   same_step = [r for r in rows if r.step == step]
   skipped = [f"{r.lever} holds the baseline's optimizer state per device (its layout splits nothing): "
              "not a candidate" for r in same_step if splits_nothing(r, same_step)]
-  edges = {i: micro_batch_of(r, meta["batch"]) for i, r in enumerate(rows)
+  edges = {i: micro_batch_of(r, batch) for i, r in enumerate(rows)
            if r.step == step and not splits_nothing(r, same_step)}
   if not any(edges.values()):
     return None
+  pick = functools.partial(_recommendation, step=step, request=request,
+                           activation_sharding=activation_sharding, same_step=same_step, skipped=skipped)
   fastest = by_throughput([r for i, r in enumerate(rows) if i in edges])
   if fastest is not None:
     quickest, at, why = fastest
-    return _recommendation(quickest, at.batch, step, meta, BY_THROUGHPUT, same_step, why, skipped)
+    return pick(quickest, at.batch, order=BY_THROUGHPUT, why=why)
   best_micro = max(m for m in edges.values() if m)
-  tokens = best_micro * meta["seq_len"] * meta["ga"]
+  tokens = best_micro * request.seq_len * request.ga
   # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not.
   level = [(best_micro, across_bytes_of(rows[i].figures.collectives) / tokens,
             row_sent_bytes(rows[i]) / tokens, i, rows[i])
@@ -409,22 +408,23 @@ def recommend(rows: Sequence[Row], meta: Mapping[str, Any], *,
 
   best: Row = min(level, key=rest)[4]
   rivals = [c[4] for c in candidates if c[4] is not best]
-  return _recommendation(best, best_micro, step, meta, ORDER, same_step, why_picked(best, rivals, best_micro),
-                         skipped)
+  return pick(best, best_micro, order=ORDER, why=why_picked(best, rivals, best_micro))
 
 
-def _recommendation(best: Row, micro: int, step: str, meta: Mapping[str, Any], order: tuple[str, ...],
+def _recommendation(best: Row, micro: int, *, step: str, request: PlanRequest,
+                    activation_sharding: Mapping[str, Any] | str | None, order: tuple[str, ...],
                     same_step: Sequence[Row], why: Sequence[str], skipped: Sequence[str]) -> Recommendation:
   """The pick as a :class:`Recommendation`: its code, its command, and the notes beside the order's."""
+  batch = request.resolved_batch
   unconfirmed = [f"{r.lever}'s edge is not confirmed ({r.searched.search_unfinished}): it fits at least "
-                 f"{micro_batch_of(r, meta['batch'])}" for r in same_step
+                 f"{micro_batch_of(r, batch)}" for r in same_step
                  if r.searched is not None and r.searched.search_unfinished
                  and not splits_nothing(r, same_step)]
   offload = None if best.offloaded is None else best.offloaded.offload_fraction
   return Recommendation(
       lever=best.lever, step=step, micro_batch=micro, remat=best.remat,
-      code=plan_code(meta, best.lever, offload),
-      cli=command_line(meta, levers=[best.lever], steps=[step], batch=micro, remat=best.remat),
-      order=order, baseline_beats=tuple(baseline_beats(same_step, meta["batch"])), why=tuple(why),
+      code=plan_code(request, best.lever, offload, activation_sharding),
+      cli=command_line(request, levers=[best.lever], steps=[step], batch=micro, remat=best.remat),
+      order=order, baseline_beats=tuple(baseline_beats(same_step, batch)), why=tuple(why),
       notes=(*unconfirmed, *skipped, *filter(None, [thin_note(best, micro), recompute_note(best, micro),
                                                     narrowed_note(best.lever)])))

@@ -275,6 +275,28 @@ class PlanRequest:
     """The remat policies to plan under: each of ``remat``'s comma-separated names, or ``(None,)``."""
     return tuple(dict.fromkeys(filter(None, (self.remat or "").replace(" ", "").split(",")))) or (None,)
 
+  def resolved(self, mesh: Mapping[str, int], batch: int) -> PlanRequest:
+    """The request as a plan resolved it: every mesh axis sized and the micro-batch set, what the plan's
+    commands reproduce and its settings say (:class:`~nnx_zero1_plan.settings.PlanSettings`).
+
+    Example::
+
+      >>> PlanRequest("tunix:qwen3_0p6b", "h100:8").resolved({"data": 8, "fsdp": 1}, 8).mesh
+      'data=8,fsdp=1'
+    """
+    return dataclasses.replace(self, mesh=spelled_mesh(mesh), batch=batch)
+
+  @property
+  def resolved_batch(self) -> int:
+    """The micro-batch a resolved request (:meth:`resolved`) compiles at.
+
+    Raises:
+      ValueError: ``batch`` is not set (the request is not resolved).
+    """
+    if self.batch is None:
+      raise ValueError("the plan's resolved micro-batch is needed (PlanRequest.resolved sets batch)")
+    return self.batch
+
   def to_json(self) -> str:
     """The record as JSON, for the planning process (:meth:`from_json` reads it back).
 
@@ -298,15 +320,24 @@ SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanRequest)
                     if f.init and f.default is not dataclasses.MISSING}
 
 
-def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
-  """The planner's command for a plan's settings (``meta``), with ``changes`` made: the inverse of parsing,
-  a setting at :class:`PlanRequest`'s default left out.
+# The flags a command prints after ``--steps``, in order, each where its field is not the request's default.
+_OPTIONAL_FLAGS = ("param_dtype", "compute_dtype", "remat", "optimizer", "slices", "estimate", "margin",
+                   "gpu_memory_fraction", "gpus_per_node", "tunix_sharding", "maxtext_deferral")
+
+
+def command_line(request: PlanRequest, **changes: Any) -> str:
+  """The planner's command for ``request`` with ``changes`` made (``dataclasses.replace``: each checked as the
+  request was): the inverse of parsing, a setting at its default left out. A plan's commands are its resolved
+  request's (:meth:`PlanRequest.resolved`), so they spell out the mesh and the micro-batch it compiled.
+
+  Raises:
+    ValueError: ``request`` is not resolved (no micro-batch).
+    PlanError: a change the request refuses.
 
   Example::
 
-    >>> meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8}, "batch": 8,
-    ...         "seq_len": 1024, "ga": 1, "levers": ["baseline", "zero1"], "steps": {"one": "..."}}
-    >>> print(*command_line(meta, levers=["zero1"], batch=16).split(" --"), sep="\\n  --")
+    >>> request = PlanRequest("tunix:qwen3_8b", "v5e:2x4", steps="one").resolved({"data": 8}, 8)
+    >>> print(*command_line(request, levers="zero1", batch=16).split(" --"), sep="\\n  --")
     python -m nnx_zero1.plan
       --model tunix:qwen3_8b
       --topology v5e:2x4
@@ -317,31 +348,16 @@ def command_line(meta: Mapping[str, Any], **changes: Any) -> str:
       --levers zero1
       --steps one
   """
-  s = {**meta, **changes}
-  joined = lambda names: names if isinstance(names, str) else ",".join(names)
-  mesh = spelled_mesh(s["mesh"])
-  words = ["python -m nnx_zero1.plan", f"--model {s['model']}", f"--topology {s['topology']}",
-           f"--mesh {mesh}", f"--batch {s['batch']}", f"--seq-len {s['seq_len']}", f"--ga {s['ga']}",
-           f"--levers {joined(s['levers'])}", f"--steps {joined(s['steps'])}"]
-  for flag, key in (("--param-dtype", "param_dtype"), ("--compute-dtype", "compute_dtype"),
-                    ("--remat", "remat")):
-    if s.get(key):
-      words.append(f"{flag} {s[key]}")
-  if s.get("optimizer", DEFAULT_OPTIMIZER) != DEFAULT_OPTIMIZER:
-    words.append(f"--optimizer {s['optimizer']}")
-  if s.get("slices", ONE_SLICE) != ONE_SLICE:
-    words.append(f"--slices {s['slices']}")
-  if s.get("estimate"):
-    words.append("--estimate")
-  if s.get("margin") is not None:
-    words.append(f"--margin {s['margin']}")
-  if s.get("gpu_memory_fraction") not in (None, SETTING_DEFAULTS["gpu_memory_fraction"]):
-    words.append(f"--gpu-memory-fraction {s['gpu_memory_fraction']}")
-  if s.get("gpus_per_node") is not None:
-    words.append(f"--gpus-per-node {s['gpus_per_node']}")
-  if s.get("tunix_sharding") not in (None, SETTING_DEFAULTS["tunix_sharding"]):
-    words.append(f"--tunix-sharding {shlex.quote(s['tunix_sharding'])}")
-  if s.get("maxtext_deferral") not in (None, SETTING_DEFAULTS["maxtext_deferral"]):
-    words.append(f"--maxtext-deferral {s['maxtext_deferral']}")
-  words += [f"{k}={v}" for k, v in (s.get("overrides") or {}).items()]
+  r = dataclasses.replace(request, **changes)
+  words = ["python -m nnx_zero1.plan", f"--model {r.model_ref}", f"--topology {r.topology}",
+           f"--mesh {spelled_mesh(r.mesh_sizes)}", f"--batch {r.resolved_batch}", f"--seq-len {r.seq_len}",
+           f"--ga {r.ga}", f"--levers {','.join(r.levers)}", f"--steps {','.join(r.steps)}"]
+  for name in _OPTIONAL_FLAGS:
+    value = getattr(r, name)
+    # The GPU pool's share says nothing of a TPU plan.
+    if value in (SETTING_DEFAULTS[name], "") or (name == "gpu_memory_fraction" and r.platform != "cuda"):
+      continue
+    flag = f"--{name.replace('_', '-')}"
+    words.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
+  words += [f"{k}={v}" for k, v in (r.overrides or {}).items()]
   return " ".join(words)

@@ -16,7 +16,8 @@ from typing import Any
 
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.row import Row
-from nnx_zero1_plan.table import markdown, recommendation_lines, table, way_out_lines
+from nnx_zero1_plan.settings import PlanSettings
+from nnx_zero1_plan.table import limit_words, markdown, recommendation_lines, table, way_out_lines
 from nnx_zero1_plan.time_report import draw_search
 from nnx_zero1_plan.way_out import WayOut
 
@@ -30,7 +31,7 @@ class Plan:
   Attributes:
     rows: one :class:`~nnx_zero1_plan.row.Row` per lever, step and remat policy (plan.json's rows:
       ``row.verdict``, ``row.figures.peak_bytes_per_device``).
-    meta: the settings and the compilers.
+    meta: the settings as planned, the target's memory and the compilers (plan.json's ``meta``).
     next_steps: what to try next, in order, when no row fits (empty otherwise).
     recommendation: the configuration to run (a :class:`~nnx_zero1_plan.recommend.Recommendation`), or None
       when no row fits with the margin.
@@ -39,32 +40,32 @@ class Plan:
   """
 
   rows: list[Row]
-  meta: dict[str, Any]
+  meta: PlanSettings
   next_steps: list[str]
   recommendation: Recommendation | None = None
   way_out: WayOut | None = None
 
   def __str__(self) -> str:
-    stated = [f"\n{self.meta['batch_default']}"] if self.meta.get("batch_default") else []
-    lines = [table(self.rows, wide=False), *stated, *recommendation_lines(self.recommendation, self.meta),
-             *way_out_lines(self.way_out)]
+    stated = [f"\n{self.meta.batch_default}"] if self.meta.batch_default else []
+    lines = [table(self.rows, wide=False), *stated, *self._closing_lines()]
     if self.next_steps:
       steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))
       lines += ["", "Nothing fits. Try next, in order:", *steps]
     return "\n".join(lines)
 
+  def _closing_lines(self) -> list[str]:
+    """The lines under the tables, printed and in plan.md: the recommendation's, then the way out's."""
+    m = self.meta
+    limit = limit_words(m.margin, m.hbm_bytes, m.usable_bytes)
+    return [*recommendation_lines(self.recommendation, limit, search=m.search, estimate=m.estimate),
+            *way_out_lines(self.way_out)]
+
   def to_record(self) -> dict[str, Any]:
-    """The plan as plan.json holds it (:meth:`from_record` reads it back).
-
-    Example::
-
-      >>> plan = Plan([], {"model": "m:f"}, ["the lever zero1: ..."])
-      >>> Plan.from_record(json.loads(json.dumps(plan.to_record()))) == plan
-      True
-    """
+    """The plan as plan.json holds it (:meth:`from_record` reads it back; the kept plans in docs/data read
+    back field for field: tests/planner/test_inputs_and_tables.py)."""
     rows = [row.to_json() for row in self.rows]
     asdict = lambda record: None if record is None else dataclasses.asdict(record)
-    return {"meta": self.meta, "rows": rows, "recommendation": asdict(self.recommendation),
+    return {"meta": self.meta.to_json(), "rows": rows, "recommendation": asdict(self.recommendation),
             "way_out": asdict(self.way_out), "next_steps": self.next_steps}
 
   @classmethod
@@ -72,7 +73,7 @@ class Plan:
     """The plan :meth:`to_record` wrote (plan.json's object, or the planning process's answer)."""
     rows = [Row.from_json(row) for row in record["rows"]]
     recommendation, way_out = record.get("recommendation"), record.get("way_out")
-    return cls(rows, dict(record["meta"]), list(record["next_steps"]),
+    return cls(rows, PlanSettings.from_json(record["meta"]), list(record["next_steps"]),
                None if recommendation is None else Recommendation.from_json(recommendation),
                None if way_out is None else WayOut.from_json(way_out))
 
@@ -85,6 +86,6 @@ class Plan:
     with open(paths[0], "w") as f:
       json.dump(self.to_record(), f, indent=1)
     with open(paths[1], "w") as f:
-      f.write(markdown(self.meta, self.rows, self.next_steps, self.recommendation, self.way_out))
+      f.write(markdown(self.meta.to_json(), self.rows, self.next_steps, self._closing_lines()))
     drawn = draw_search(self.rows, os.path.join(out_dir, "search.png"))
     return paths + ([drawn] if drawn else [])

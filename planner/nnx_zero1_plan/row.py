@@ -27,7 +27,7 @@ def _figure(*, per_layer: bool = False) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-  """A step's predicted time on one device, in parts, in seconds (:func:`nnx_zero1_plan.step_time.step_time`).
+  """A step's predicted time on one device, in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`).
 
   Attributes:
     source: where the compute comes from (the compiler's cost model, and which).

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import jax
 
@@ -21,21 +20,21 @@ from nnx_zero1_plan import compilers
 from nnx_zero1_plan.compiled import PEAK_SOURCE
 from nnx_zero1_plan.inputs import SMALLEST_MICRO_BATCH, micro_batch
 from nnx_zero1_plan.levers import LEVERS
-from nnx_zero1_plan.maxtext import output_directory
+from nnx_zero1_plan.maxtext import describe_maxtext, output_directory
 from nnx_zero1_plan.measure import RowCompiler, StepShape
 from nnx_zero1_plan.planned_model import (
   PlannedModel,
   batch_words,
-  describe_maxtext,
   describe_tunix_or_own,
   on_devices,
   refuse_blocked,
 )
 from nnx_zero1_plan.recommend import plan_code, recommend
-from nnx_zero1_plan.request import STEPS, PlanRequest, command_line
+from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
 from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row
+from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
 from nnx_zero1_plan.tunix_sharding import sharding_of
 from nnx_zero1_plan.way_out import Change, WayOut, changes_to_try, find_way_out, next_steps
@@ -113,40 +112,32 @@ def _left(done: int, rows: int, started: float) -> str:
   return f" ({rows - done} of {rows} rows left, ~{per_row * (rows - done):.0f} s at the pace so far)"
 
 
-def _meta(request: PlanRequest, planned: PlannedModel, target: Target, rows: Sequence[Row],
-          batch: int, batch_default: str | None, compiler: str, usable: int) -> dict[str, Any]:
-  """plan.json's meta: the settings as planned (the mesh and micro-batch resolved), the compilers, the
-  memory."""
-  r = request
-  source = planned.source_at(batch)
+def _settings(request: PlanRequest, planned: PlannedModel, target: Target, rows: Sequence[Row],
+              batch_default: str | None, compiler: str, usable: int) -> PlanSettings:
+  """plan.json's meta, from the request as resolved (``request``: its mesh and micro-batch set), the model's
+  depth and dtypes, the target's memory and the compilers."""
+  source = planned.source_at(request.resolved_batch)
   layers = source.full_depth or next((int(row.figures.maxtext_config["num_decoder_layers"]) for row in rows
                                       if row.figures.maxtext_config), None)
   extrapolated = [row.made.depth_extrapolated_from for row in rows if row.made.depth_extrapolated_from]
-  return {"model": source.name, "layers": layers, "topology": r.topology,
-          "device_kind": target.device_kind, "mesh": planned.axes, "batch": batch, "seq_len": r.seq_len,
-          "batch_default": batch_default, "ga": r.ga, "optimizer": r.optimizer, "param_dtype": r.param_dtype,
-          "param_dtypes": sorted(planned.param_dtypes), "compute_dtype": r.compute_dtype, "remat": r.remat,
-          "levers": list(r.levers), "steps": {s: STEPS[s] for s in r.steps}, "compiler": compiler,
-          "jax": jax.__version__, "hbm_bytes": target.hbm_bytes, "hbm_source": target.hbm_source,
-          "usable_bytes": usable, "peak_source": PEAK_SOURCE,
-          "gpu_memory_fraction": r.gpu_memory_fraction if target.platform == "cuda" else None,
-          "depth_extrapolated_from": extrapolated[0] if extrapolated else None,
-          "estimate": r.estimate, "overrides": r.overrides, "search": r.search, "margin": r.margin,
-          "batch_unit": planned.batch_unit, "slices": r.slices, "domains": target.domains,
-          "activation_sharding": sharding_of(source, planned.axes),
-          "tunix_sharding": r.tunix_sharding, "gpus_per_node": r.gpus_per_node,
-          "maxtext_deferral": r.maxtext_deferral}
+  return PlanSettings.of(
+      request, layers=layers, device_kind=target.device_kind, batch_default=batch_default,
+      param_dtypes=sorted(planned.param_dtypes), compiler=compiler, jax=jax.__version__,
+      hbm_bytes=target.hbm_bytes, hbm_source=target.hbm_source, usable_bytes=usable, peak_source=PEAK_SOURCE,
+      depth_extrapolated_from=extrapolated[0] if extrapolated else None, batch_unit=planned.batch_unit,
+      domains=target.domains, activation_sharding=sharding_of(source, planned.axes))
 
 
-def _way_out(compiler: RowCompiler, request: PlanRequest, planned: PlannedModel, meta: Mapping[str, Any],
-             blocked: Mapping[str, str], maxtext_out: str | None) -> WayOut:
-  """When nothing fits: the changes that may make room, compiled lightest first, until one fits."""
+def _way_out(compiler: RowCompiler, request: PlanRequest, resolved: PlanRequest, planned: PlannedModel,
+             meta: PlanSettings, blocked: Mapping[str, str], maxtext_out: str | None) -> WayOut:
+  """When nothing fits: the changes that may make room, compiled lightest first, until one fits (each a
+  change to ``request`` at the micro-batch it resolved to; ``resolved`` is the request as planned)."""
   step = request.steps[0]
-  asked = dataclasses.replace(request, batch=meta["batch"])
+  asked = dataclasses.replace(request, batch=resolved.batch)
 
   def compile_changed(change: Change) -> Row:
     r = change.request
-    policy, batch = r.policies[0], meta["batch"] if r.batch is None else r.batch
+    policy, batch = r.policies[0], r.resolved_batch
     if maxtext_out is not None:  # a maxtext: model (the change keeps the model)
       model = describe_maxtext(r, compiler.target, policy, batch, maxtext_out)
     else:
@@ -154,22 +145,18 @@ def _way_out(compiler: RowCompiler, request: PlanRequest, planned: PlannedModel,
       micro_batch(batch, model.batch_unit, batch_words(model))
     return compiler.row(r.levers[0], step, model, StepShape(batch, r.seq_len, r.ga, r.optimizer))
 
-  def command(change: Change) -> str:
+  def shown(change: Change) -> PlanRequest:
+    """The change as its command and code say it: on the plan's resolved mesh where it keeps the mesh."""
     r = change.request
-    mesh = r.mesh_sizes if r.mesh != asked.mesh else meta["mesh"]
-    return command_line(meta, levers=list(r.levers), steps=[step], batch=r.batch, ga=r.ga, remat=r.remat,
-                        mesh=mesh)
+    return r if r.mesh != asked.mesh else dataclasses.replace(r, mesh=resolved.mesh)
 
   lever = "zero1" if "zero1" not in blocked else "baseline"
   changes = changes_to_try(asked, planned.axes, lever=lever, batch_unit=planned.batch_unit,
                            remat=planned.remat_hint, named_axes=planned.named,
                            host_memory=compiler.target.platform == "tpu")
-
-  def code(change: Change) -> str:
-    r = change.request
-    return plan_code(meta, r.levers[0], mesh=r.mesh_sizes if r.mesh != asked.mesh else None)
-
-  return find_way_out(changes, compile_changed, command, code)
+  return find_way_out(changes, compile_changed, lambda c: command_line(shown(c), steps=[step]),
+                      lambda c: plan_code(shown(c), c.request.levers[0],
+                                          activation_sharding=meta.activation_sharding))
 
 
 def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
@@ -228,10 +215,12 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
     rows.append(row)
     if progress:
       progress(_done(name, step, policy, request.topology, row) + _left(done, len(todo), started))
-  meta = _meta(request, planned, target, rows, batch, batch_default, compiler_name, usable)
-  hints = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
+  resolved = request.resolved(planned.axes, batch)  # what the plan's meta says and its commands reproduce
+  meta = _settings(resolved, planned, target, rows, batch_default, compiler_name, usable)
+  hints = next_steps(rows, resolved, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
                      batch_unit=planned.batch_unit)
   way_out = None
   if rows and not request.estimate and not any(row.verdict for row in rows):
-    way_out = _way_out(compiler, request, planned, meta, blocked, maxtext_out)
-  return Plan(rows, meta, hints, recommend(rows, meta), way_out)
+    way_out = _way_out(compiler, request, resolved, planned, meta, blocked, maxtext_out)
+  return Plan(rows, meta, hints, recommend(rows, resolved, activation_sharding=meta.activation_sharding),
+              way_out)

@@ -46,7 +46,7 @@ from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import StepTime
 
 __all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTIMATED", "rates_for",
-           "step_time", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED"]
+           "predict_step_time", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED"]
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
@@ -338,10 +338,10 @@ def rates_for(chip: Chip) -> Rates:
   return Rates(chip.compute.clock_hz, lambda n: fast, chip.compute.host_bytes_per_s)
 
 
-def step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: int, tokens_per_device: float,
-              compute_dtype: str, slow_bytes: int = 0,
-              scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True
-              ) -> dict[str, Any]:
+def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: int,
+                      tokens_per_device: float, compute_dtype: str, slow_bytes: int = 0,
+                      scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True
+                      ) -> dict[str, Any]:
   """A step's predicted time on one device: its programs' walks (:func:`program_time`), each as many times
   as one step runs it, and the slow network's bytes over its rate, exposed.
 

@@ -28,22 +28,25 @@ from nnx_zero1 import Zero1Optimizer, Zero1Options, value_and_grad_accumulated
 # back.
 from nnx_zero1._src.companion import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
+from nnx_zero1_plan.inputs import batch_axes
 from nnx_zero1_plan.levers import Lever, state_axes, summed_over
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "batch_axes", "abstract_batch",
+__all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batch",
            "train_step",
            "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",
            "lever_state"]
 
 
-# The --optimizer menu as transformations: each is its request.OPTIMIZER_CODE entry, the code the
-# recommendation prints, written out (tests/planner/test_kinds.py checks each against its code).
-OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "adamw": lambda: optax.adamw(1e-5),
-    "adam": lambda: optax.adam(1e-5),
-    "lion": lambda: optax.lion(1e-6),
-    "sgd": lambda: optax.sgd(1e-3, momentum=0.9),
-    "adafactor": lambda: optax.adafactor(1e-3),
+# The --optimizer menu as transformations, the planner's and the benchmarks' one: each takes the learning
+# rate, by default the planner's (a typical fine-tuning rate: the rate changes no bytes), at which it is its
+# request.OPTIMIZER_CODE entry, the code the recommendation prints, written out (tests/planner/test_kinds.py
+# checks each against its code).
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "adamw": lambda learning_rate=1e-5: optax.adamw(learning_rate),
+    "adam": lambda learning_rate=1e-5: optax.adam(learning_rate),
+    "lion": lambda learning_rate=1e-6: optax.lion(learning_rate),
+    "sgd": lambda learning_rate=1e-3: optax.sgd(learning_rate, momentum=0.9),
+    "adafactor": lambda learning_rate=1e-3: optax.adafactor(learning_rate),
 }
 
 
@@ -88,22 +91,10 @@ def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any) -> t
   return loss / n, jax.tree.map(lambda g: g / n, grads)
 
 
-def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-  """The mesh axes a batch's rows are split over: ``data`` and, where the mesh has them, ``replica`` (across
-  slices or nodes) and ``fsdp``.
-
-  Example::
-
-    >>> batch_axes(jax.make_mesh((1, 1, 1), ("data", "fsdp", "tp")))
-    ('data', 'fsdp')
-  """
-  return tuple(a for a in ("replica", "data", "fsdp") if a in mesh.axis_names)
-
-
 def abstract_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) -> jax.ShapeDtypeStruct:
   """One step's token ids: ``(ga * batch, seq_len + 1)`` rows over the batch axes for a deferred
   reduction (``value_and_grad_accumulated`` splits them), else ``(ga, batch, seq_len + 1)``."""
-  axes = batch_axes(mesh)
+  axes = batch_axes(mesh.axis_names)
   if lever.deferred:
     return jax.ShapeDtypeStruct((ga * batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P(axes)))
   sharding = NamedSharding(mesh, P(None, axes))

@@ -17,7 +17,8 @@ __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", 
            "accumulation_note",
            "time_cells",
            "header",
-           "cells", "edge_cells", "split_words", "way_out_lines", "table", "recommendation_lines", "markdown"]
+           "cells", "edge_cells", "split_words", "way_out_lines", "table", "limit_words",
+           "recommendation_lines", "markdown"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "args GiB", "temp GiB",
           "peak GiB", "args+temp GiB", "usable GiB", "fits", "max micro-batch", "step ms (pred.)",
@@ -299,24 +300,40 @@ def table(rows: Sequence[Row], wide: bool = True) -> str:
   return text
 
 
-def _limit_words(meta: Mapping[str, Any]) -> str:
-  """How the usable memory was set: the user's margin, or the backend's reserve."""
-  if meta.get("margin") is not None:
-    return f"a {meta['margin']:.0%} margin"
-  reserve = (meta.get("hbm_bytes") or 0) - (meta.get("usable_bytes") or meta.get("hbm_bytes") or 0)
+def limit_words(margin: float | None, hbm_bytes: int, usable_bytes: int) -> str:
+  """How the usable memory was set, in words: the user's margin, or the backend's reserve.
+
+  Example::
+
+    >>> limit_words(None, 2**34, 2**34 - 2**28), limit_words(0.05, 2**34, 2**34)
+    ("the backend's 0.25 GiB reserve", 'a 5% margin')
+  """
+  if margin is not None:
+    return f"a {margin:.0%} margin"
+  reserve = hbm_bytes - usable_bytes
   return f"the backend's {reserve / 2**30:.2f} GiB reserve" if reserve else "the compiler's own check"
 
 
-def recommendation_lines(rec: Recommendation | None, meta: Mapping[str, Any]) -> list[str]:
+def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool = False,
+                         estimate: bool = False) -> list[str]:
   """The recommendation under the table: the configuration, its code, its command, why it beat the levers
   that fit as far, and where the baseline beats a Zero-1 lever, why.
+
+  Args:
+    rec: the plan's recommendation (None: nothing fits, or the plan is an estimate).
+    limit: how the usable memory was set (:func:`limit_words`).
+    search: whether the plan searched for each lever's largest micro-batch.
+    estimate: whether the plan is an estimate (which recommends nothing).
+
+  Returns:
+    The lines, the first one blank (none where nothing fits and the plan is no estimate).
 
   Example::
 
     >>> rec = Recommendation("zero1", "one", 84, None, "mesh = ...\\noptimizer = Zero1Optimizer(...)",
     ...                      "python -m nnx_zero1.plan ...", (), (), ("at micro-batch 84 zero1 leaves ...",),
     ...                      ())
-    >>> print("\\n".join(recommendation_lines(rec, {"margin": 0.05, "search": True})))
+    >>> print("\\n".join(recommendation_lines(rec, "a 5% margin", search=True)))
     <BLANKLINE>
     Recommended: zero1 at micro-batch 84 (one program), the largest that fits with a 5% margin
       code:
@@ -326,18 +343,18 @@ def recommendation_lines(rec: Recommendation | None, meta: Mapping[str, Any]) ->
       why: at micro-batch 84 zero1 leaves ...
   """
   if rec is None:
-    if meta.get("estimate"):
+    if estimate:
       return ["", "Nothing is recommended from an estimate: the same command without --estimate compiles the "
               "whole programs and decides."]
     return []
   shape = {"one": "one program", "split": "two programs"}.get(rec.step, rec.step)
   remat = f", remat {rec.remat}" if rec.remat not in (None, "none") else ""
-  which = "the largest that fits" if meta.get("search") else "fits"
+  which = "the largest that fits" if search else "fits"
   if rec.order == BY_THROUGHPUT:
     which = "the most predicted tokens per second of what fits"
   code = [f"    {line}".rstrip() for line in rec.code.splitlines()]
   lines = ["", f"Recommended: {rec.lever} at micro-batch {rec.micro_batch} ({shape}{remat}), {which} "
-           f"with {_limit_words(meta)}", "  code:", *code, f"  reproduce: {rec.cli}"]
+           f"with {limit}", "  code:", *code, f"  reproduce: {rec.cli}"]
   lines += [f"  why: {line}" for line in rec.why]
   return lines + [f"  note: {line}" for line in (*rec.baseline_beats, *rec.notes)]
 
@@ -402,24 +419,30 @@ def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> lis
           *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in body)]
 
 
-def markdown(meta: dict[str, Any], rows: Sequence[Row], steps: Sequence[str],
-             recommendation: Recommendation | None = None, way_out: WayOut | None = None) -> str:
-  """plan.md: the settings, the table and what to try next.
+def markdown(settings: Mapping[str, Any], rows: Sequence[Row], steps: Sequence[str],
+             closing: Sequence[str] = ()) -> str:
+  """plan.md: the settings, the table, the lines under it and what to try next.
+
+  Args:
+    settings: plan.json's ``meta``, listed key by key.
+    rows: the plan's rows.
+    steps: what to try next when nothing fits (empty otherwise).
+    closing: the lines under the tables (:func:`recommendation_lines`, :func:`way_out_lines`).
 
   Example::
 
-    >>> markdown({"model": "m"}, [], []).splitlines()[0]
-    '# Will it fit? nnx-zero1 plan, compiled ahead of time'
+    >>> markdown({"model": "m"}, [], []).splitlines()[:3]
+    ['# Will it fit? nnx-zero1 plan, compiled ahead of time', '', '- model: m']
   """
   lines = ["# Will it fit? nnx-zero1 plan, compiled ahead of time", ""]
-  lines += [f"- {k}: {json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in meta.items()]
+  lines += [f"- {k}: {json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in settings.items()]
   if rows:
     lines += _markdown_table(header(rows), cells(rows)) + ["", _NOTE + (_POD_NOTE if _is_pod(rows) else "")]
     edges = edge_cells(rows)
     if edges:
       lines += ["", "## At each lever's largest micro-batch", ""] + _markdown_table(EDGE_HEADER, edges)
     lines += time_lines(rows) + search_lines(rows)
-  lines += recommendation_lines(recommendation, meta) + way_out_lines(way_out)
+  lines += closing
   if steps:
     numbered = (f"{i}. {s}" for i, s in enumerate(steps, 1))
     lines += ["", "## Nothing fits: what to try next, in order", "", *numbered]

@@ -1,6 +1,6 @@
 """A plan's predicted step times in plan.md: every part of each row's time, and each search's points.
 
-The parts are the row's :class:`~nnx_zero1_plan.row.StepTime` (:func:`nnx_zero1_plan.step_time.step_time`);
+The parts are the row's :class:`~nnx_zero1_plan.row.StepTime` (:func:`nnx_zero1_plan.predict_step_time`);
 a search's points show where a larger micro-batch stops paying (the compiler rematerialises to fit: more
 compute per token), as a table and, where matplotlib is installed, a PNG beside plan.md. Pure, but for the
 PNG.

@@ -75,7 +75,8 @@ def changes_to_try(request: PlanRequest, mesh: Mapping[str, int], *, lever: str,
   """The changes to compile when nothing fits, lightest first, each the request with one change made.
 
   Args:
-    request: the plan's request, its micro-batch the one the plan resolved (``batch`` set).
+    request: the plan's request, its micro-batch the one the plan resolved (``batch`` set; a request not
+      resolved is a ValueError).
     mesh: the mesh the plan resolved (every axis and its size).
     lever: the lever to try them on (the lightest Zero-1 lever that applies, else the baseline).
     batch_unit: the batch axes' size: a micro-batch is a multiple of it.
@@ -96,13 +97,12 @@ def changes_to_try(request: PlanRequest, mesh: Mapping[str, int], *, lever: str,
      'micro-batch 4, 4x the accumulation (the same tokens per step)', 'remat block',
      'fsdp=4 (data=2): parameters and gradients split too', 'the optimizer state in host memory']
   """
-  if request.batch is None:
-    raise ValueError("changes_to_try needs the plan's resolved micro-batch (request.batch)")
+  batch = request.resolved_batch
   on = functools.partial(dataclasses.replace, request, levers=(lever,))
   out = []
   for times in (2, 4, 8):  # a smaller micro-batch, halved while it still splits over the batch axes
-    smaller = request.batch // times // batch_unit * batch_unit
-    if smaller >= batch_unit and smaller * times == request.batch:
+    smaller = batch // times // batch_unit * batch_unit
+    if smaller >= batch_unit and smaller * times == batch:
       out.append(Change(f"micro-batch {smaller}, {times}x the accumulation (the same tokens per step)",
                         on(batch=smaller, ga=times * request.ga)))
   if remat is not None and request.remat in (None, "none"):
@@ -147,13 +147,14 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
   return WayOut(tuple(tried), None)
 
 
-def next_steps(rows: Sequence[Row], meta: Mapping[str, Any], levers: Sequence[str], *,
+def next_steps(rows: Sequence[Row], request: PlanRequest, levers: Sequence[str], *,
                blocked: Mapping[str, str], remat: str | None, batch_unit: int) -> list[str]:
   """What to try next, in order, when no row fits (empty when one does): each item ends with its command.
 
   Args:
     rows: the plan's rows.
-    meta: the plan's settings (``model``, ``topology``, ``mesh``, ``batch``, ``ga``, ...).
+    request: the plan's request as resolved (its mesh and micro-batch set:
+      :meth:`~nnx_zero1_plan.request.PlanRequest.resolved`); each command is it with one change made.
     levers: every lever the planner knows, lightest first.
     blocked: the levers that cannot apply to this model, and why (they are not suggested, nor is a lever
       that adds memory, :func:`nnx_zero1_plan.levers.adds_memory`, or holds what a tried one held,
@@ -175,25 +176,25 @@ def next_steps(rows: Sequence[Row], meta: Mapping[str, Any], levers: Sequence[st
       data = base.mesh.get("data", 1)
       saving = (f": saves {base.figures.opt_state_bytes_per_device * (1 - 1 / data) / 2**30:.2f} GiB of "
                 "optimizer state per device (the layout rule)")
-    steps.append(f"the lever {name}{saving}: {command_line(meta, levers=[name])}")
+    steps.append(f"the lever {name}{saving}: {command_line(request, levers=[name])}")
   peak = lambda r: r.figures.peak_bytes_per_device or 0
   best = min((r for r in rows if peak(r)), key=peak, default=None)
   temp = 0 if best is None else best.figures.temp_bytes_per_device or 0
   if best is not None:
     short = (peak(best) - best.hbm_bytes) / 2**30
-    mesh = dict(meta["mesh"])
+    mesh = dict(request.mesh_sizes)
     if "fsdp" in mesh and mesh.get("data", 1) > 1:
       mesh["data"], mesh["fsdp"] = mesh["data"] // 2, 2 * mesh["fsdp"]
       steps.append(f"{best.lever} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
-                   f"gradients too: {command_line(meta, levers=[best.lever], mesh=mesh)}")
-    if remat is not None and not meta.get("remat"):
+                   f"gradients too: {command_line(request, levers=[best.lever], mesh=spelled_mesh(mesh))}")
+    if remat is not None and not request.remat:
       steps.append(f"remat (recomputes activations; the temp is {temp / 2**30:.2f} GiB): "
-                   f"{command_line(meta, levers=[best.lever], remat=remat)}")
-  half = meta["batch"] // 2 // batch_unit * batch_unit
+                   f"{command_line(request, levers=[best.lever], remat=remat)}")
+  half = request.resolved_batch // 2 // batch_unit * batch_unit
   if half >= batch_unit:
     why = (f"activations shrink, up to ~{temp / 2 / 2**30:.2f} GiB" if best is not None
            else "the compiler refused every program at this micro-batch")
     lever = best.lever if best is not None else rows[-1].lever
     steps.append(f"half the micro-batch, twice the accumulation (the same tokens per step; {why}): "
-                 f"{command_line(meta, levers=[lever], batch=half, ga=2 * meta['ga'])}")
+                 f"{command_line(request, levers=[lever], batch=half, ga=2 * request.ga)}")
   return steps

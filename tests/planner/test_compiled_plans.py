@@ -196,7 +196,7 @@ plans = {}
 for option in ("default", "none"):
   plan = make_plan(PlanRequest("tunix:llama3_tiny", "v5e:2x2", mesh="data=2,fsdp=2", batch=8, seq_len=64,
                                levers="baseline,zero1", steps="one", tunix_sharding=option))
-  plans[option] = {"meta": plan.meta["activation_sharding"],
+  plans[option] = {"meta": plan.meta.activation_sharding,
                    "rows": [[r.activation_sharding, r.figures.error, r.figures.peak_bytes_per_device]
                             for r in plan.rows]}
 print("RESULT " + json.dumps({"plans": plans, "lowered": lowered}))

@@ -28,6 +28,7 @@ from nnx_zero1_plan.maxtext import config_overrides
 from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Figures, Made, Row
+from nnx_zero1_plan.settings import ADDED_LATER, PlanSettings
 from nnx_zero1_plan.table import table
 from nnx_zero1_plan.way_out import next_steps
 from tests.support.rows import make_row
@@ -319,23 +320,22 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   # Every figure of an estimate is marked, and its note says it decides nothing and how far off it has been.
   assert "~ ESTIMATE, extrapolated to 28 layers from 2/4: decides nothing" in lines[3] and "1.36x" in lines[3]
   assert lines[3].split()[6:10] == ["~8.50", "~8.50", "~17.00", "~-"] and "~NO" in lines[3].split()
-  meta = {"model": "tunix:qwen3_8b", "topology": "v5e:2x4", "mesh": {"data": 8, "fsdp": 1}, "batch": 32,
-          "seq_len": 1024, "ga": 1, "levers": ["baseline", "zero1"], "steps": ["one"]}
+  request = PlanRequest("tunix:qwen3_8b", "v5e:2x4", steps="one").resolved({"data": 8, "fsdp": 1}, 32)
   blocked = {"zero1-master": "float32 already", "zero1-pod": "one slice"}
-  steps = next_steps(rows, meta, list(LEVERS), blocked=blocked, remat="decoder", batch_unit=8)
+  steps = next_steps(rows, request, list(LEVERS), blocked=blocked, remat="decoder", batch_unit=8)
   at = "python -m nnx_zero1.plan --model tunix:qwen3_8b --topology v5e:2x4 --mesh data=8,fsdp=1 --batch"
   assert steps[0] == f"the lever zero1-accum: {at} 32 --seq-len 1024 --ga 1 --levers zero1-accum --steps one"
   assert not [s for s in steps if "zero1-master" in s]  # a lever that cannot apply is not offered
   # Nor one that adds memory (float32 masters), where it would apply: nothing fits, so only what makes room.
-  bf16 = next_steps(rows, meta, list(LEVERS), blocked={}, remat=None, batch_unit=8)
+  bf16 = next_steps(rows, request, list(LEVERS), blocked={}, remat=None, batch_unit=8)
   offered = {s.split(":")[0].removeprefix("the lever ") for s in bf16 if s.startswith("the lever ")}
   assert offered and not offered & {"zero1-master", "zero1-pod-master-accum"}, offered
   # Nor the baseline where a Zero-1 lever was refused: it holds the whole state on every device.
-  after_zero1 = next_steps([_row("zero1", 17 * 2**30)], meta, list(LEVERS), blocked={}, remat=None,
+  after_zero1 = next_steps([_row("zero1", 17 * 2**30)], request, list(LEVERS), blocked={}, remat=None,
                            batch_unit=8)
   assert after_zero1 and not [s for s in after_zero1 if s.startswith("the lever baseline")], after_zero1
   # Nor a lever that only narrows what crosses the slow network, where its plain twin was refused.
-  after_accum = next_steps([_row("zero1-accum", 17 * 2**30)], meta, list(LEVERS), blocked={}, remat=None,
+  after_accum = next_steps([_row("zero1-accum", 17 * 2**30)], request, list(LEVERS), blocked={}, remat=None,
                            batch_unit=8)
   assert not [s for s in after_accum if s.startswith("the lever zero1-accum-")], after_accum
   assert [s for s in after_accum if s.startswith("the lever zero2:")], after_accum
@@ -343,15 +343,16 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   assert steps[-2].startswith("remat (recomputes") and steps[-2].endswith("--remat decoder")
   assert steps[-1].startswith("half the micro-batch") and f"{at} 16 --seq-len 1024 --ga 2" in steps[-1]
   # Half of 8 sequences does not split over 8 devices; a model with no --remat is not offered one.
-  steps = next_steps(rows, dict(meta, batch=8), list(LEVERS), blocked=blocked, remat=None, batch_unit=8)
+  steps = next_steps(rows, dataclasses.replace(request, batch=8), list(LEVERS), blocked=blocked, remat=None,
+                     batch_unit=8)
   assert not [s for s in steps if s.startswith(("half", "remat"))]
   # After the compiler refused every program: the smaller micro-batch still.
   refused = [make_row("baseline", fits=False, error="RESOURCE_EXHAUSTED")]
-  steps = next_steps(refused, meta, ["baseline"], blocked={}, remat=None, batch_unit=8)
+  steps = next_steps(refused, request, ["baseline"], blocked={}, remat=None, batch_unit=8)
   assert steps == ["half the micro-batch, twice the accumulation (the same tokens per step; the compiler "
                    f"refused every program at this micro-batch): {at} 16 --seq-len 1024 --ga 2 --levers "
                    "baseline --steps one"]
-  assert next_steps([_row("zero1", 2**30)], meta, list(LEVERS), blocked={}, remat=None, batch_unit=8) == []
+  assert next_steps([_row("zero1", 2**30)], request, list(LEVERS), blocked={}, remat=None, batch_unit=8) == []
 
 
 def test_the_request_is_checked_once_normalised_and_crosses_as_json():
@@ -392,13 +393,12 @@ def test_plan_from_python_refuses_in_this_process_and_raises_the_planning_proces
 def test_the_reproduce_command_carries_every_setting_that_changes_the_plan():
   from nnx_zero1_plan import parse_args, request_of
 
-  meta = {"model": "tunix:llama3p2_1b", "topology": "h100:4x4", "mesh": {"replica": 4, "data": 4},
-          "batch": 16, "seq_len": 1024, "ga": 1, "levers": ["zero1"], "steps": ["one"], "gpus_per_node": 4,
-          "tunix_sharding": '{"act_btd": [["data"], null, "tp"]}'}
-  line = command_line(meta)
+  planned = PlanRequest("tunix:llama3p2_1b", "h100:4x4", mesh="replica=4,data=4", batch=16, levers="zero1",
+                        steps="one", gpus_per_node=4, tunix_sharding='{"act_btd": [["data"], null, "tp"]}')
+  line = command_line(planned)
   assert "--gpus-per-node 4" in line and "--tunix-sharding" in line
   request = request_of(parse_args(shlex.split(line)[3:]))  # what it reproduces is what was planned
-  assert (request.gpus_per_node, request.tunix_sharding) == (4, meta["tunix_sharding"])
+  assert request == planned
 
 
 def test_a_pods_table_has_each_networks_bytes_and_time_before_the_note():
@@ -443,6 +443,26 @@ def test_every_kept_plans_rows_read_into_typed_records_and_write_back_the_same_f
     Row.from_json({**written, "peak_gib": 1.0})
 
 
+def test_every_kept_plans_meta_reads_into_its_record_and_writes_back_byte_for_byte():
+  kept = sorted((Path(__file__).resolve().parents[2] / "docs" / "data").glob("**/plan.json"))
+  absent = set()
+  for path in kept:
+    written = json.loads(path.read_text())["meta"]
+    settings = PlanSettings.from_json(written)
+    assert settings.batch == written["batch"] and settings.mesh == written["mesh"], path
+    # The same keys in the same order, each value as it was: plan.json's meta written again is the same text.
+    assert json.dumps(settings.to_json(), indent=1) == json.dumps(written, indent=1), path
+    assert PlanSettings.from_json(json.loads(json.dumps(settings.to_json()))) == settings
+    # A key an older planner did not write is said absent, not made up.
+    assert settings.absent == set(ADDED_LATER) - set(written), path
+    absent |= settings.absent
+  assert absent == set(ADDED_LATER)  # each is absent from some kept plan: none is listed for nothing
+  with pytest.raises(KeyError, match="peak_gib"):
+    PlanSettings.from_json({**written, "peak_gib": 1.0})
+  with pytest.raises(KeyError, match="usable_bytes"):  # only the keys added later may be missing
+    PlanSettings.from_json({k: v for k, v in written.items() if k != "usable_bytes"})
+
+
 def test_plan_json_is_written_from_typed_values_and_an_unexpected_value_raises(tmp_path):
   # No default=str: a kept plan writes back as it was read, and a value JSON has no type for (here the
   # parameters' dtypes as the model holds them, a set) is a TypeError, never a string in plan.json.
@@ -452,5 +472,5 @@ def test_plan_json_is_written_from_typed_values_and_an_unexpected_value_raises(t
   plan.write(str(tmp_path / "again"))
   assert Plan.from_record(json.loads((tmp_path / "again" / "plan.json").read_text())) == plan
   with pytest.raises(TypeError, match="frozenset"):
-    dataclasses.replace(plan, meta={**plan.meta, "param_dtypes": frozenset({"bfloat16"})}).write(
-        str(tmp_path / "untyped"))
+    untyped = dataclasses.replace(plan.meta, param_dtypes=frozenset({"bfloat16"}))
+    dataclasses.replace(plan, meta=untyped).write(str(tmp_path / "untyped"))

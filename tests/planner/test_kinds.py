@@ -3,8 +3,8 @@
 ARCHITECTURE.md's planner table is the map; these tests read it and every planner module's imports (``ast``,
 those inside functions too) and fail where the code and the map part: a pure module that reaches jax or a
 module of another kind, a module the map leaves out, ``run`` imported by anything but the entry points, a
-private name of the optimizer imported from anywhere but the module made for the planner. No compiler
-needed (lane 1).
+private name of the optimizer imported from anywhere but the module made for the planner, a benchmark that
+imports a planner name ``__all__`` does not declare. No compiler needed (lane 1).
 """
 
 from __future__ import annotations
@@ -43,13 +43,17 @@ def _module_names() -> list[str]:
 
 
 def _imports(module: str) -> list[tuple[str | None, str]]:
-  """``(outermost enclosing function or None, imported module)`` for every import in ``module``; a name
-  imported from the package is its submodule where there is one."""
+  """``(outermost enclosing function or None, imported module)`` for every import in ``module`` that runs; a
+  name imported from the package is its submodule where there is one. An import under ``if TYPE_CHECKING:``
+  names a type for the type checker and never runs: it is no dependency."""
   found: list[tuple[str | None, str]] = []
   modules = set(_module_names())
 
   def visit(node: ast.AST, function: str | None) -> None:
     for child in ast.iter_child_nodes(node):
+      if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+        visit(ast.Module(body=child.orelse, type_ignores=[]), function)
+        continue
       inside = function
       if function is None and isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
         inside = child.name
@@ -121,6 +125,15 @@ def test_a_pure_module_reaches_neither_jax_nor_a_module_of_another_kind(module):
   assert not wrong, f"{module}.py is pure in ARCHITECTURE.md and imports {', '.join(wrong)}"
 
 
+@pytest.mark.parametrize("module", sorted(m for m, k in KINDS.items() if k == "traced"))
+def test_a_traced_module_reaches_no_compiling_module(module):
+  # A traced module builds shapes and compiles nothing: what compiles (and loads a compiler) is a module of
+  # the compiled kind, which a traced one never imports, inside its functions neither.
+  wrong = [f"{name} (in {function or 'the module'})" for function, name in _imports(module)
+           if KINDS.get(_planner_module(name) or "") in ("compiled", "orchestrates")]
+  assert not wrong, f"{module}.py is traced in ARCHITECTURE.md and imports {', '.join(wrong)}"
+
+
 @pytest.mark.parametrize("module", _module_names())
 def test_only_the_entry_points_import_the_orchestrator(module):
   for function, name in _imports(module):
@@ -164,7 +177,26 @@ def test_every_public_name_resolves_and_the_package_alone_imports_no_jax():
   import nnx_zero1_plan
 
   assert all(getattr(nnx_zero1_plan, name) is not None for name in nnx_zero1_plan.__all__)
+  # A public name a module also bears would become that module once anything imports it.
+  assert not set(nnx_zero1_plan.__all__) & set(_module_names())
   # The compiled steps' names are imported on first use, so plan()'s caller stays without jax.
   code = "import sys, nnx_zero1_plan; print('jax' in sys.modules)"
   assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         check=True).stdout.strip() == "False"
+
+
+def test_the_benchmarks_use_the_planners_public_names_only_each_documented():
+  """benchmarks/ is outside the planner: it imports the names ``nnx_zero1_plan.__all__`` declares, each in
+  docs/planner.md's "Your own loop" table, and no planner module by its path."""
+  import nnx_zero1_plan
+
+  section = (ROOT / "docs" / "planner.md").read_text().split("## Your own loop", 1)[1].split("\n## ", 1)[0]
+  for path in sorted((ROOT / "benchmarks").glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        assert not [a.name for a in node.names if a.name.startswith(f"{PACKAGE}.")], path.name
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PACKAGE:
+        assert node.module == PACKAGE, f"benchmarks/{path.name} imports {node.module}: use the public names"
+        for alias in node.names:
+          assert alias.name in nnx_zero1_plan.__all__, f"benchmarks/{path.name} imports {alias.name}"
+          assert f"`{alias.name}" in section, f"{alias.name} is not in docs/planner.md's Your own loop"

@@ -4,14 +4,15 @@ import dataclasses
 
 import pytest
 
+from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.recommend import ORDER, baseline_beats, recommend
-from nnx_zero1_plan.request import command_line
+from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.row import Made, Offloaded, Point
 from tests.support.rows import G, make_row, searched
 
-META = {"model": "mymodels.models:build", "topology": "h100:4", "mesh": {"data": 4}, "batch": 8,
-        "seq_len": 1024, "ga": 1}
+# The plan's request as resolved: its mesh and micro-batch set, as the recommendation reads it.
+REQUEST = PlanRequest("mymodels.models:build", "h100:4", mesh="data=4", batch=8)
 
 
 def _row(lever, *, peak=8 * G, collective=0, max_micro_batch=None, offload_fraction=None, **extra):
@@ -25,7 +26,7 @@ def _row(lever, *, peak=8 * G, collective=0, max_micro_batch=None, offload_fract
 
 def test_the_largest_micro_batch_wins_over_fewer_collective_bytes():
   rows = [_row("baseline", max_micro_batch=80, collective=1), _row("zero1", max_micro_batch=84, collective=2)]
-  best = recommend(rows, META)
+  best = recommend(rows, REQUEST)
   assert (best.lever, best.micro_batch, best.step) == ("zero1", 84, "one")
   assert best.code.splitlines() == [
       "import jax, jax.numpy as jnp, optax", "from nnx_zero1 import Zero1Optimizer",
@@ -39,22 +40,22 @@ def test_the_largest_micro_batch_wins_over_fewer_collective_bytes():
 
 
 def test_at_one_micro_batch_fewer_collective_bytes_then_no_remat_then_the_lighter_lever_decide():
-  assert recommend([_row("baseline", collective=2), _row("zero1", collective=1)], META).lever == "zero1"
+  assert recommend([_row("baseline", collective=2), _row("zero1", collective=1)], REQUEST).lever == "zero1"
   rows = [_row("baseline", remat="block"), _row("zero1", remat="none")]
-  assert recommend(rows, META).lever == "zero1"
-  assert recommend([_row("baseline"), _row("zero1")], META).lever == "baseline"
+  assert recommend(rows, REQUEST).lever == "zero1"
+  assert recommend([_row("baseline"), _row("zero1")], REQUEST).lever == "baseline"
 
 
 def test_at_one_micro_batch_and_equal_bytes_the_headroom_decides_and_is_said():
   rows = [_row("baseline", collective=100, headroom_bytes_per_device=G),
           _row("zero1", collective=100, headroom_bytes_per_device=5 * G)]
-  best = recommend(rows, META)
+  best = recommend(rows, REQUEST)
   assert best.lever == "zero1"
   assert best.why == ("at micro-batch 8 zero1 leaves 5.00 GiB free and baseline 1.00 GiB; both send 0.00 "
                          "GiB of collectives per step: zero1 for its headroom",)
   # More bytes than 1% over the other's: the bytes decide, and the headroom given up is said.
   rows[1].figures.collectives["per_step"]["all-reduce"]["bytes"] = 150
-  best = recommend(rows, META)
+  best = recommend(rows, REQUEST)
   assert best.lever == "baseline" and best.why[0].endswith("baseline for its fewer collective bytes")
 
 
@@ -62,30 +63,31 @@ def test_sent_bytes_are_the_basis_where_a_row_has_them():
   rows = [_row("baseline", collective=1, headroom_bytes_per_device=G),
           _row("zero1", collective=9, headroom_bytes_per_device=2 * G)]
   rows[1].figures.collectives["sent_per_step"] = {"reduce-scatter": {"count": 1, "bytes": 1}}
-  assert recommend(rows, META).lever == "zero1"
+  assert recommend(rows, REQUEST).lever == "zero1"
 
 
 def test_only_rows_that_fit_compete():
   rows = [_row("baseline", fits=False), _row("zero1", peak=14 * G)]
-  assert recommend(rows, META).lever == "zero1"
-  assert recommend([_row("baseline", peak=20 * G, fits=False)], META) is None
+  assert recommend(rows, REQUEST).lever == "zero1"
+  assert recommend([_row("baseline", peak=20 * G, fits=False)], REQUEST) is None
 
 
 def test_only_rows_of_the_chosen_step_shape_compete():
   rows = [_row("baseline", step="split", max_micro_batch=96), _row("zero1", step="one", max_micro_batch=64)]
-  assert recommend(rows, META).lever == "zero1"
-  assert recommend(rows, META, step="split").lever == "baseline"
-  maxtext = dict(META, model="maxtext:qwen3-0.6b")
+  assert recommend(rows, REQUEST).lever == "zero1"
+  assert recommend(rows, REQUEST, step="split").lever == "baseline"
+  maxtext = dataclasses.replace(REQUEST, model="maxtext:qwen3-0.6b")
   best = recommend(rows, maxtext)
   assert best.step == "split" and best.code == "MaxText's own MaxTextTrainingEngine"
 
 
 def test_the_code_is_each_host_s_own_option():
   rows = [_row("offload", max_micro_batch=16)]
-  assert recommend(rows, META).code.endswith(
+  assert recommend(rows, REQUEST).code.endswith(
       "Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)")
   specs = {"act_btd": [["data", "fsdp"], None, "tp"]}
-  tunix = recommend(rows, dict(META, model="tunix:qwen3_8b", activation_sharding=specs)).code.splitlines()
+  tunix = recommend(rows, dataclasses.replace(REQUEST, model="tunix:qwen3_8b"),
+                    activation_sharding=specs).code.splitlines()
   assert tunix[1] == "from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig"
   # The activations' specs the plan compiled, for the model's ShardingConfig; the batch over the data axes.
   assert "activation_sharding = {'act_btd': (('data', 'fsdp'), None, 'tp')}" in tunix
@@ -93,7 +95,8 @@ def test_the_code_is_each_host_s_own_option():
                         "  model = ...  # your model, built here", (
       "  trainer = Zero1PeftTrainer(model, optax.adamw(1e-5), Zero1TrainingConfig(..., "
       "data_sharding_axis=(('data',),), zero1_data_axis='data', zero1_offload_state_to_host=True))")]
-  maxtext = recommend([_row("offload", step="split", max_micro_batch=16)], dict(META, model="maxtext:x"))
+  maxtext = recommend([_row("offload", step="split", max_micro_batch=16)],
+                      dataclasses.replace(REQUEST, model="maxtext:x"))
   assert maxtext.code.endswith("subclassed with OFFLOAD_STATE_TO_HOST = True")
 
 
@@ -104,20 +107,26 @@ def test_when_the_baseline_fits_more_it_says_so_with_the_figures():
   assert line.startswith("baseline fits micro-batch 48 where zero1 fits 40")
   assert "at micro-batch 8 (one step) zero1's temporaries are +2.00 GiB" in line
   assert line.endswith("and its arguments save 2.00 GiB")
-  assert recommend([base, zero1], META).baseline_beats == (line,)
+  assert recommend([base, zero1], REQUEST).baseline_beats == (line,)
   assert baseline_beats([base, dataclasses.replace(zero1, searched=searched(48))], 8) == []
 
 
 def test_the_command_line_reproduces_the_settings_that_matter():
-  meta = dict(META, param_dtype="bfloat16", optimizer="lion", overrides={"scan_layers": "false"})
-  cli = command_line(meta, levers=["zero1"], steps=["split"], batch=32, remat="block")
-  assert cli.startswith("python -m nnx_zero1.plan --model mymodels.models:build --topology h100:4 "
-                        "--mesh data=4")
+  request = PlanRequest("maxtext:qwen3-0.6b", "v6e:2x2", mesh="data=4", batch=8, param_dtype="bfloat16",
+                        optimizer="lion", overrides={"scan_layers": "false"})
+  cli = command_line(request, levers=["zero1"], steps=["split"], batch=32, remat="block")
+  assert cli.startswith("python -m nnx_zero1.plan --model maxtext:qwen3-0.6b --topology v6e:2x2 "
+                        "--mesh data=4 --batch 32")
   assert cli.endswith("--levers zero1 --steps split --param-dtype bfloat16 --remat block --optimizer lion "
                       "scan_layers=false")
-  # The margin and the GPU pool are part of what a row was compiled and judged against.
-  cli = command_line(dict(meta, margin=0.0, gpu_memory_fraction=0.9), levers=["zero1"], steps=["one"])
+  # The margin and the GPU pool are part of what a row was compiled and judged against (the pool on GPUs).
+  cli = command_line(dataclasses.replace(REQUEST, margin=0.0, gpu_memory_fraction=0.9), levers=["zero1"],
+                     steps=["one"])
   assert "--margin 0.0 --gpu-memory-fraction 0.9" in cli
+  assert "--gpu-memory-fraction" not in command_line(dataclasses.replace(request, gpu_memory_fraction=0.9))
+  # A change is made on the request, so it is checked as the request was: no command the planner refuses.
+  with pytest.raises(PlanError, match="--steps split"):
+    command_line(request, steps=["one"])
 
 
 def test_a_zero1_row_the_compiler_refused_is_said_so_not_given_figures():
@@ -190,7 +199,7 @@ def test_on_a_non_monotonic_bend_a_lever_stands_where_its_own_compile_fitted():
   zero1 = _row("zero1", collectives=collectives(), searched=searched(
       128, points([8, 80, 128, 136, 140, 144], refused=[132], room={140: G}),  # more room at 140
       fits_above=(136, 140, 144)))
-  best = recommend([base, zero1], META)
+  best = recommend([base, zero1], REQUEST)
   assert (best.lever, best.micro_batch) == ("zero1", 140)
   assert best.why[0].startswith("at micro-batch 140 zero1 leaves 1.00 GiB free and baseline 0.25 GiB")
   assert best.baseline_beats == ()  # never "baseline fits 140 where zero1 fits 128"
@@ -198,7 +207,7 @@ def test_on_a_non_monotonic_bend_a_lever_stands_where_its_own_compile_fitted():
                            "least 140",)
   # A lever never compiled at the best micro-batch does not stand there: the larger edge wins.
   zero1 = dataclasses.replace(zero1, searched=searched(128, points([8, 80, 128], refused=[132])))
-  assert recommend([base, zero1], META).lever == "baseline"
+  assert recommend([base, zero1], REQUEST).lever == "baseline"
 
 
 def test_a_zero1_lever_holding_the_baseline_s_state_is_never_recommended():
@@ -206,23 +215,23 @@ def test_a_zero1_lever_holding_the_baseline_s_state_is_never_recommended():
   base = _row("baseline", opt_state_bytes_per_device=27 * G, collective=10, headroom_bytes_per_device=G)
   pod = _row("zero1-pod", opt_state_bytes_per_device=27 * G, collective=1, headroom_bytes_per_device=G)
   zero1 = _row("zero1", opt_state_bytes_per_device=7 * G, fits=False)
-  best = recommend([base, pod, zero1], META)
+  best = recommend([base, pod, zero1], REQUEST)
   assert best.lever == "baseline"
   assert best.notes == ("zero1-pod holds the baseline's optimizer state per device (its layout splits "
                            "nothing): not a candidate",)
   # Offloaded state splits nothing but moves it off the device: it stays a candidate.
   offloaded = dataclasses.replace(pod, figures=dataclasses.replace(
       pod.figures, opt_state_bytes_by_memory_kind={"device": 27 * G, "pinned_host": G}))
-  assert recommend([base, offloaded], META).lever == "zero1-pod"
+  assert recommend([base, offloaded], REQUEST).lever == "zero1-pod"
 
 
 def test_an_estimate_is_never_recommended():
   made = Made(depth=2, estimate={"method": "extrapolated"}, fits_estimate=True)
   estimate = _row("zero1", fits=None, made=made)
-  assert recommend([estimate], META) is None
+  assert recommend([estimate], REQUEST) is None
   from nnx_zero1_plan.table import recommendation_lines
 
-  assert "without --estimate" in recommendation_lines(None, {"estimate": True})[1]
+  assert "without --estimate" in recommendation_lines(None, "a 5% margin", estimate=True)[1]
 
 
 def test_at_one_micro_batch_and_equal_collectives_fewer_bytes_over_the_host_link_win_over_headroom():
@@ -230,7 +239,7 @@ def test_at_one_micro_batch_and_equal_collectives_fewer_bytes_over_the_host_link
   rows = [_row("offload-fraction", collective=100, headroom_bytes_per_device=0, offload_fraction=0.29,
                host_argument_bytes_per_device=G // 3),
           _row("offload", collective=100, headroom_bytes_per_device=G, host_argument_bytes_per_device=G)]
-  best = recommend(rows, META)
+  best = recommend(rows, REQUEST)
   assert best.lever == "offload-fraction"
   assert "offload_state_to_host=0.29" in best.code
   assert best.why == (
@@ -244,24 +253,24 @@ def test_at_one_micro_batch_and_equal_collectives_fewer_bytes_over_the_host_link
 def test_a_pick_that_narrows_the_hop_across_says_it_is_not_bit_identical(dtype, spelled):
   """Half the float32 lever's bytes across (bfloat16), or a quarter and the scales (int8), win on a pod; the
   pick gives the option and says it is not bit-identical."""
-  meta = {**META, "topology": "h100:2x8", "mesh": {"replica": 2, "data": 8}, "domains": 2}
+  pod = dataclasses.replace(REQUEST, topology="h100:2x8", mesh="replica=2,data=8")
   across = lambda n: {"across_per_step": {"all-reduce": {"count": 1, "bytes": n}}}
   lever = "zero1-accum-bf16across" if dtype == "bfloat16" else "zero1-accum-int8across"
   rows = [_row("zero1-accum", collectives=across(4 * G)),
           _row(lever, collectives=across(2 * G if dtype == "bfloat16" else G + G // 64))]
-  best = recommend(rows, meta)
+  best = recommend(rows, pod)
   assert best.lever == lever
   assert f"across_dtype=jnp.{dtype}" in best.code
   assert [n for n in best.notes if "not bit-identical" in n] == [
       f"{lever} is not bit-identical: its gradients cross between slices or nodes in {spelled} "
       "(across_dtype; docs/pods.md measures the loss against the exact reduction)"]
-  assert not [n for n in recommend(rows[:1], meta).notes if "not bit-identical" in n]
+  assert not [n for n in recommend(rows[:1], pod).notes if "not bit-identical" in n]
 
 
 def test_on_a_pod_fewer_bytes_over_the_slow_network_decide_before_all_bytes_and_are_said():
   """Zero-1 over both axes sends more in all (a reduce-scatter per axis) and less between nodes: on a pod
   the slow network's bytes come first, and the sentence names them, not the total."""
-  pod = {**META, "topology": "h100:2x8", "mesh": {"replica": 2, "data": 8}}
+  pod = dataclasses.replace(REQUEST, topology="h100:2x8", mesh="replica=2,data=8")
   across = lambda n: {"all-reduce": {"count": 1, "bytes": n}}
   rows = [_row("zero1", collective=3 * G, headroom_bytes_per_device=2 * G),
           _row("zero1-pod", collective=4 * G, headroom_bytes_per_device=G)]
@@ -291,18 +300,16 @@ def test_a_deferred_levers_code_for_a_tunix_model_gives_its_gradient_call():
 
 def test_the_way_out_that_fits_comes_with_its_code_as_a_recommendation_does():
   from nnx_zero1_plan.recommend import plan_code
-  from nnx_zero1_plan.request import PlanRequest
   from nnx_zero1_plan.table import way_out_lines
   from nnx_zero1_plan.way_out import Change, find_way_out
 
-  meta = {"model": "my_pkg.models:build", "topology": "v5e:2x4", "mesh": {"data": 8}, "optimizer": "lion"}
-  asked = PlanRequest("my_pkg.models:build", "v5e:2x4", optimizer="lion", batch=16)
+  asked = PlanRequest("my_pkg.models:build", "v5e:2x4", mesh="data=8", optimizer="lion", batch=16)
   changes = [Change("micro-batch 8", dataclasses.replace(asked, levers="zero1", batch=8)),
              Change("the optimizer state in host memory", dataclasses.replace(asked, levers="offload"))]
   fits = lambda c: make_row(c.request.levers[0], fits=c.request.levers == ("offload",),
                             peak_bytes_per_device=1)
   out = find_way_out(changes, fits, lambda c: "python -m nnx_zero1.plan ...",
-                     lambda c: plan_code(meta, c.request.levers[0]))
+                     lambda c: plan_code(c.request, c.request.levers[0]))
   lines = way_out_lines(out)
   code = lines[lines.index("  code:") + 1:lines.index("  reproduce: python -m nnx_zero1.plan ...")]
   assert code[-1].strip() == ("optimizer = Zero1Optimizer(model, optax.lion(1e-6), mesh, "
@@ -313,7 +320,7 @@ def test_the_way_out_that_fits_comes_with_its_code_as_a_recommendation_does():
 
 def test_a_pick_within_one_percent_of_the_usable_memory_is_marked_thin():
   thin = _row("zero1", peak=16 * G - G // 20, headroom_bytes_per_device=G // 20)
-  (note,) = [n for n in recommend([thin], META).notes if n.startswith("thin:")]
+  (note,) = [n for n in recommend([thin], REQUEST).notes if n.startswith("thin:")]
   assert note.startswith("thin: zero1 at micro-batch 8 leaves 0.05 GiB of 16.00 GiB usable free (0.31%")
   roomy = _row("zero1", peak=15 * G, headroom_bytes_per_device=G)
-  assert not [n for n in recommend([roomy], META).notes if n.startswith("thin:")]
+  assert not [n for n in recommend([roomy], REQUEST).notes if n.startswith("thin:")]

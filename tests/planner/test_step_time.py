@@ -7,15 +7,16 @@ import pytest
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.gpu_schedule import parse_schedule
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, ORDER, by_throughput, recommend
+from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Made, Point, Row
 from nnx_zero1_plan.step_time import (
   NO_ESTIMATE,
   NO_SCHEDULE,
   UNTUNED,
   Rates,
+  predict_step_time,
   program_time,
   rates_for,
-  step_time,
 )
 from tests.support.rows import searched
 
@@ -118,21 +119,21 @@ def test_the_compilers_not_estimated_counts_zero_and_is_counted():
 def test_a_program_without_cycles_has_no_time_not_a_guess():
   plain = _module(["  ROOT %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
   assert program_time(plain, Rates(None, lambda n: RING)).compute_s is None
-  figures = step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
-                      compute_dtype="bfloat16")
+  figures = predict_step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
+                              compute_dtype="bfloat16")
   assert figures["predicted_step_s"] is None and figures["time_absent"] == NO_ESTIMATE
-  unscheduled = step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
-                          compute_dtype="bfloat16", scheduled={"jit_other": {"r": 1e-3}})
+  unscheduled = predict_step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
+                                  compute_dtype="bfloat16", scheduled={"jit_other": {"r": 1e-3}})
   assert unscheduled["time_absent"] == NO_SCHEDULE
 
 
 def test_a_gpu_program_compiled_without_its_gpu_keeps_its_parts_but_predicts_no_time():
   program = _module(["  %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
   args = dict(devices=4, tokens_per_device=8, compute_dtype="bfloat16", scheduled={"jit_f": {"r": 1e-3}})
-  untuned = step_time([("step", program, 1)], CHIPS["h100"], **args)
+  untuned = predict_step_time([("step", program, 1)], CHIPS["h100"], **args)
   assert untuned["predicted_step_s"] is None and untuned["time_absent"] == UNTUNED
   assert untuned["step_time"].compute_s == pytest.approx(1e-3)
-  on_the_gpu = step_time([("step", program, 1)], CHIPS["h100"], **args, deviceless=False)
+  on_the_gpu = predict_step_time([("step", program, 1)], CHIPS["h100"], **args, deviceless=False)
   assert on_the_gpu["predicted_step_s"] == pytest.approx(1e-3) and on_the_gpu["time_absent"] is None
 
 
@@ -152,8 +153,8 @@ def test_a_step_sums_its_programs_runs_and_the_slow_network_and_says_tokens_and_
          'backend_config={"estimated_cycles":"3000"}')
   grads = _module(["  %x = f32[128,64]{1,0} parameter(0)", "  %y = f32[64,128]{1,0} parameter(1)", dot])
   update = _module([_fusion("u", 500)])
-  t = step_time([("fwd_bwd", grads, 1), ("fwd_bwd_accum", grads, 7), ("update", update, 1)], chip, devices=4,
-                tokens_per_device=4096, compute_dtype="bfloat16", slow_bytes=10**6)
+  t = predict_step_time([("fwd_bwd", grads, 1), ("fwd_bwd_accum", grads, 7), ("update", update, 1)], chip,
+                        devices=4, tokens_per_device=4096, compute_dtype="bfloat16", slow_bytes=10**6)
   predicted = (8 * 3000 + 500) / clock + 10**6 / chip.links.slow_bytes_per_s
   assert t["predicted_step_s"] == pytest.approx(predicted)
   assert t["tokens_per_s_per_device"] == pytest.approx(4096 / predicted)
@@ -189,8 +190,7 @@ def _row(lever, batch, tokens_per_s, room, *, searched=None, fits=True):
              2**34, 2**34, fits, searched=searched)
 
 
-_META = {"model": "m:f", "topology": "v6e:2x2", "mesh": {"data": 4}, "batch": 8, "seq_len": 64, "ga": 1,
-         "levers": ["baseline", "zero1"], "steps": {"one": "..."}}
+_REQUEST = PlanRequest("m:f", "v6e:2x2", mesh="data=4", batch=8, seq_len=64, steps="one")  # as resolved
 
 
 def test_the_recommendation_is_the_most_tokens_per_second_not_the_largest_micro_batch():
@@ -199,7 +199,7 @@ def test_the_recommendation_is_the_most_tokens_per_second_not_the_largest_micro_
                   predicted_step_s=b * 64 / tok, tokens_per_s_per_device=tok)
             for b, tok in ((8, 1000.0), (64, 5000.0), (512, 3000.0))]
   rows = [_row("baseline", 8, 990.0, 5), _row("zero1", 8, 1000.0, 10, searched=searched(512, points))]
-  rec = recommend(rows, _META)
+  rec = recommend(rows, _REQUEST)
   assert rec.order == BY_THROUGHPUT and (rec.lever, rec.micro_batch) == ("zero1", 64)
   assert "zero1 at 64:" in rec.why[0] and "baseline at 8:" in rec.why[0]
   assert "for its throughput" in rec.why[0]
@@ -209,7 +209,7 @@ def test_within_two_percent_the_headroom_decides_and_an_untimed_plan_keeps_the_m
   best, at, why = by_throughput([_row("baseline", 8, 1000.0, 5), _row("zero1", 8, 985.0, 9)])
   assert best.lever == "zero1" and "within 2%" in why[0]
   untimed = [_row("baseline", 8, None, 5), _row("zero1", 8, None, 9)]
-  assert by_throughput(untimed) is None and recommend(untimed, _META).order == ORDER
+  assert by_throughput(untimed) is None and recommend(untimed, _REQUEST).order == ORDER
 
 
 _CHIP_NAMES = {"v5e": ["v5e"], "v6e": ["v6e"], "v5p": ["v5p"], "A100": ["a100-80g"],
