@@ -154,7 +154,9 @@ def test_what_crosses_is_int8_blocks_and_their_scales_and_inside_is_unchanged():
   assert exact_across == sum(4 * m for m in local)
   assert across <= 0.26 * exact_across
   assert inside == exact_inside
-  crossing = [line for line in hlo.splitlines() if " all-gather(" in line and "{{0,4}" in line]
+  # Over replica's groups, listed (jax 0.10) or named by mesh axes (jax 0.12: ``mesh[...] {'replica'}``).
+  crossing = [line for line in hlo.splitlines()
+              if " all-gather(" in line and ("{{0,4}" in line or "] {'replica'}" in line)]
   assert sorted(line.split(" = ")[1][:3] for line in crossing) == ["f32"] * len(local) + ["s8["] * len(local)
 
 
