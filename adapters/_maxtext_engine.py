@@ -179,6 +179,8 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
   STATE_DTYPE: Any = Zero1Options.state_dtype
   STATE_ROUNDING: str = Zero1Options.state_rounding
   MASTER_DTYPE: Any = Zero1Options.master_dtype
+  # Refused here: this engine's data axis is ``data`` alone, nothing it gathers crosses a slow axis.
+  PARAMS_ACROSS_DTYPE: Any = Zero1Options.params_across_dtype
 
   def _zero1_options(self) -> Zero1Options:
     """The options this class asks for: the data axis ``data`` and its memory levers."""

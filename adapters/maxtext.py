@@ -55,6 +55,7 @@ class _EngineHost(Protocol):
   STATE_DTYPE: Any
   STATE_ROUNDING: str
   MASTER_DTYPE: Any
+  PARAMS_ACROSS_DTYPE: Any
 
 
 class Zero1EngineMixin:
@@ -82,7 +83,10 @@ class Zero1EngineMixin:
   their bytes there); ``STATE_DTYPE = jnp.bfloat16`` stores the
   state in bfloat16 between steps (``Zero1Optimizer(state_dtype=...)``, rounded as
   ``STATE_ROUNDING`` says); ``MASTER_DTYPE = jnp.float32`` keeps float32 master copies of a
-  bfloat16 model's parameters split over data (``Zero1Optimizer(master_dtype=...)``).
+  bfloat16 model's parameters split over data (``Zero1Optimizer(master_dtype=...)``);
+  ``PARAMS_ACROSS_DTYPE = jnp.int8`` with it and a ``data_axis`` of ``("replica", "data")`` sends
+  the new parameters between slices or nodes in int8 blocks
+  (``Zero1Optimizer(params_across_dtype=...)``).
 
   Raises:
     Zero1Error: (from the engine's constructor) the optimizer cannot be made
@@ -111,6 +115,7 @@ class Zero1EngineMixin:
   STATE_DTYPE: Any = Zero1Options.state_dtype
   STATE_ROUNDING: str = Zero1Options.state_rounding
   MASTER_DTYPE: Any = Zero1Options.master_dtype
+  PARAMS_ACROSS_DTYPE: Any = Zero1Options.params_across_dtype
 
   def _make_optimizer(
       self: _EngineHost, model: nnx.Module, tx: optax.GradientTransformation

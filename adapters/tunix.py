@@ -74,7 +74,8 @@ class Zero1TrainingConfig(TrainingConfig):
   ``Zero1RLCluster``, as ``cluster_config.training_config``).
 
   ``zero1_strict``, ``zero1_pin_gradients``, ``zero1_offload_state_to_host`` (``True`` or a
-  fraction), ``zero1_state_dtype``, ``zero1_state_rounding`` and ``zero1_master_dtype`` are
+  fraction), ``zero1_state_dtype``, ``zero1_state_rounding``, ``zero1_master_dtype`` and
+  ``zero1_params_across_dtype`` are
   ``Zero1Optimizer``'s keyword options of those names; ``None`` keeps the trainer class's
   attribute of the same name (``ShardedOptimizerMixin``'s defaults are ``Zero1Optimizer``'s).
 
@@ -97,6 +98,7 @@ class Zero1TrainingConfig(TrainingConfig):
   zero1_state_dtype: Any = None
   zero1_state_rounding: str | None = None
   zero1_master_dtype: Any = None
+  zero1_params_across_dtype: Any = None
 
 
 def batch_axes(data_sharding_axis: Any) -> tuple[str, ...]:

@@ -167,7 +167,8 @@ def test_the_real_text_loss_table_is_the_kept_across_runs():
 def test_the_slow_network_arithmetic_is_the_formula_and_the_kept_toy_plan_within_its_padding():
   """docs/pods.md's bytes per chip per step over DCN by formula, for the toy (P parameters, k=2 slices of
   d=4, float32): each figure is its formula's, and the kept plan's compiled bytes for those levers are
-  within 1% of it (the TPU's padding). The last row (a bfloat16 model's masters) is lane 2's test."""
+  within 1% of it (the TPU's padding, the loss's all-reduce). The last row (a bfloat16 model's masters) is
+  lane 2's test."""
   slow = {r["lever"]: r["network_per_step"]["slow"]["bytes"]
           for kept in ("tiny_lm_v5e_2slices", "tiny_lm_v5e_2slices_int8")
           for r in json.loads((ROOT / f"docs/data/{kept}/plan.json").read_text())["rows"]}
@@ -180,7 +181,10 @@ def test_the_slow_network_arithmetic_is_the_formula_and_the_kept_toy_plan_within
               "`zero1-accum-int8across`": (2 * (k - 1) / k * (1 + 4 / 256) * p / d,
                                            ["zero1-accum-int8across"]),
               "`zero1-pod-accum-int8across`": ((k - 1) / k * (1 + 4 / 256 + b) * p / d,
-                                               ["zero1-pod-accum-int8across"])}
+                                               ["zero1-pod-accum-int8across"]),
+              # and the new parameters' all-gather across in int8 too (params_across_dtype)
+              "`zero1-pod-master-accum-int8across`": (2 * (k - 1) / k * (1 + 4 / 256) * p / d,
+                                                      ["zero1-pod-master-accum-int8across"])}
   body = table_under("docs/pods.md", "| lever | over DCN / InfiniBand (bytes per chip per step)")
   assert len(body) == len(formulas) + 1
   for lever, _, figure in body[:-1]:

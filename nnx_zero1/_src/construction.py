@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from nnx_zero1._src.checks import check_params, check_strict
 from nnx_zero1._src.compat import Filter, to_opt_state
 from nnx_zero1._src.errors import Zero1Error, Zero1Warning
+from nnx_zero1._src.gather import gathered_plan
 from nnx_zero1._src.layout_plan import (
     Zero1Plan,
     declared_specs,
@@ -82,7 +83,7 @@ def build_plan(
     plan = single_device_plan(plan, device)
   if options.strict:
     check_strict(plan)
-  plan = storage_plan(plan, options, params)
+  plan = gathered_plan(storage_plan(plan, options, params), options.params_across_dtype, params)
   if device is not None:
     _warn_one_device(device)
   return plan

@@ -70,6 +70,9 @@ class Zero1Plan:
   offload_masters: bool = False  # master copies kept, and in host memory (``offload_state_to_host=True``)
   state_rounding: str | None = None  # how narrowed leaves are cast down; None: no state_dtype
   master_dtype: str | None = None  # float32 master copies of the parameters (``_src/storage.py``)
+  # The new parameters' hop between slices or nodes narrowed (``params_across_dtype``, ``_src/gather.py``);
+  # None: asked for nothing, or nothing crosses (one slice).
+  params_across_dtype: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,6 +81,7 @@ class ShardedOptimizerMixin:
     zero1_state_dtype: ``Zero1Optimizer(state_dtype=...)``, e.g. ``jnp.bfloat16``.
     zero1_state_rounding: ``Zero1Optimizer(state_rounding=...)``.
     zero1_master_dtype: ``Zero1Optimizer(master_dtype=...)``, for bfloat16 models.
+    zero1_params_across_dtype: ``Zero1Optimizer(params_across_dtype=...)``, on a pod with masters.
   """
 
   # Each default is the record's (a new option is one field of Zero1Options and one line here).
@@ -91,6 +92,7 @@ class ShardedOptimizerMixin:
   zero1_state_dtype: Any = Zero1Options.state_dtype
   zero1_state_rounding: str = Zero1Options.state_rounding
   zero1_master_dtype: Any = Zero1Options.master_dtype
+  zero1_params_across_dtype: Any = Zero1Options.params_across_dtype
 
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
@@ -127,8 +129,8 @@ class ShardedOptimizerMixin:
     Returns:
       ``Zero1Optimizer``'s keyword options by name (``{"data_axis": ..., "strict": ...,
       "pin_gradients": ..., "offload_state_to_host": ..., "state_dtype": ..., "state_rounding": ...,
-      "master_dtype": ...}``); any left out takes ``Zero1Optimizer``'s default. ``data_axis``
-      ``None`` means ``"data"``.
+      "master_dtype": ..., "params_across_dtype": ...}``); any left out takes ``Zero1Optimizer``'s
+      default. ``data_axis`` ``None`` means ``"data"``.
 
     Example::
 

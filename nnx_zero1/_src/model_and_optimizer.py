@@ -43,6 +43,7 @@ class Zero1ModelAndOptimizer(nnx.ModelAndOptimizer, Zero1Optimizer):  # type: ig
     state_dtype: as for ``Zero1Optimizer``.
     state_rounding: as for ``Zero1Optimizer``.
     master_dtype: as for ``Zero1Optimizer``.
+    params_across_dtype: as for ``Zero1Optimizer``.
     options: as for ``Zero1Optimizer``: every option as one :class:`Zero1Options` record.
 
   Raises:

@@ -15,6 +15,7 @@ from nnx_zero1._src.checks import check_grads, check_model, check_state
 from nnx_zero1._src.compat import Filter
 from nnx_zero1._src.construction import build_plan, init_masters, init_sharded_state, opt_state_init
 from nnx_zero1._src.extra_args import partition_arrays, value_fn_at_home
+from nnx_zero1._src.gather import gather_home
 from nnx_zero1._src.layout_plan import Zero1Plan
 from nnx_zero1._src.mesh import traced
 from nnx_zero1._src.options import Zero1Options
@@ -138,6 +139,12 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       ``tx`` runs on the master slices and the gradient slices cast to it, and the
       model gets the new masters cast to its dtype through an all-gather in that
       dtype (half the bytes of a float32 one).
+    params_across_dtype: on a pod (``data_axis=("replica", "data")``), with ``master_dtype``:
+      the new parameters' all-gather over the slow data axes (all but the last listed) in
+      ``jnp.int8`` (blocks of at most 256 values, a float32 scale each: a quarter of float32's
+      bytes and the scales) or a narrower float; inside each slice at the model's precision.
+      Every replica gets the same rounded parameters, the masters the exact ones (float32
+      masters of a float32 model are allowed with it). Not bit-identical; one slice rounds nothing.
     options: every option above as one :class:`Zero1Options` record, passed on whole (as
       ``zero1_optimizers`` and the engines pass theirs); the keyword options are then left at
       their defaults.
@@ -148,8 +155,9 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       cannot be tied to any parameter, ``strict`` finds a leaf that cannot be split,
       or ``offload_state_to_host`` finds no mesh or a device without host memory;
       a ``state_dtype`` that is not floating; a ``master_dtype`` that is not
-      floating, or for a model already in it, or with a parameter that is not
-      floating; either asked for with no mesh.
+      floating, for a model already in it (unless ``params_across_dtype``) or with a parameter
+      that is not floating; either with no mesh; a ``params_across_dtype`` neither floating nor
+      int8, without ``master_dtype``, with one data axis, or (floating) no narrower than the model.
     TypeError: ``options`` together with a keyword option away from its default.
   """
 
@@ -168,11 +176,13 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       state_dtype: Any = Zero1Options.state_dtype,
       state_rounding: str = Zero1Options.state_rounding,
       master_dtype: Any = Zero1Options.master_dtype,
+      params_across_dtype: Any = Zero1Options.params_across_dtype,
       options: Zero1Options | None = None,
   ):
     given = Zero1Options(data_axis=data_axis, strict=strict, pin_gradients=pin_gradients,
                          offload_state_to_host=offload_state_to_host, state_dtype=state_dtype,
-                         state_rounding=state_rounding, master_dtype=master_dtype)
+                         state_rounding=state_rounding, master_dtype=master_dtype,
+                         params_across_dtype=params_across_dtype)
     self._zero1_build(model, tx, mesh, wrt, graph, given if options is None else _only_record(options, given))
 
   def _zero1_build(self, model: Any, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh | None,
@@ -268,7 +278,7 @@ class Zero1Optimizer(nnx.Optimizer[M]):
       new_params, updates = optax.tree.cast_like(new_params, params), optax.tree.cast_like(updates, params)
       if traced(new_params):  # the cast stays before the all-gather: the TPU compiler moves it after
         new_params = jax.lax.optimization_barrier(new_params)
-    nnx.update(model, _over_old_parameters(place_tree(new_params, homes), params, plan.mesh))
+    nnx.update(model, _over_old_parameters(gather_home(new_params, homes, plan), params, plan.mesh))
     nnx.update(self.opt_state, nnx.state(new_state, graph=self.graph))
     self.step[...] += 1
     return place_tree(updates, homes)

@@ -40,7 +40,8 @@ class Zero1Options:
       flag that is not a bool; an ``offload_state_to_host`` that is neither a bool nor a
       fraction in (0, 1]; a ``state_rounding`` that is not one of
       ``ROUNDINGS``; a ``state_dtype`` or ``master_dtype`` that is not a floating
-      dtype; stochastic rounding to anything but bfloat16.
+      dtype; stochastic rounding to anything but bfloat16; a ``params_across_dtype``
+      neither floating nor int8, without ``master_dtype``, or with one data axis.
 
   Example::
 
@@ -58,6 +59,7 @@ class Zero1Options:
   state_dtype: Any = dataclasses.field(default=None, metadata=_LEVER)
   state_rounding: str = dataclasses.field(default="stochastic", metadata=_LEVER)
   master_dtype: Any = dataclasses.field(default=None, metadata=_LEVER)
+  params_across_dtype: Any = dataclasses.field(default=None, metadata=_LEVER)
 
   def __post_init__(self) -> None:
     normal: dict[str, Any] = {
@@ -66,6 +68,8 @@ class Zero1Options:
         "master_dtype": _master_dtype(self.master_dtype),
         "offload_state_to_host": _offload(self.offload_state_to_host),
     }
+    normal["params_across_dtype"] = _params_across_dtype(self.params_across_dtype, normal["master_dtype"],
+                                                         normal["data_axis"])
     for name in ("strict", "pin_gradients"):
       value = getattr(self, name)
       if not isinstance(value, bool | np.bool_):
@@ -105,6 +109,7 @@ def levers_of(obj: Any, attribute: Callable[[str], str]) -> dict[str, Any]:
 
     >>> class Engine:
     ...   OFFLOAD_STATE_TO_HOST, STATE_DTYPE, STATE_ROUNDING, MASTER_DTYPE = True, None, "nearest", None
+    ...   PARAMS_ACROSS_DTYPE = None
     >>> levers_of(Engine(), str.upper)["state_rounding"]
     'nearest'
   """
@@ -164,4 +169,25 @@ def _master_dtype(master_dtype: Any) -> np.dtype | None:
   dtype = as_dtype("master_dtype", master_dtype, "jnp.float32")
   if not jnp.issubdtype(dtype, jnp.floating):
     raise Zero1Error(f"master_dtype={dtype} is not a floating dtype (use jnp.float32)")
+  return dtype
+
+
+def _params_across_dtype(dtype: Any, master_dtype: np.dtype | None, axes: tuple[str, ...]) -> np.dtype | None:
+  """The dtype the new parameters cross between slices or nodes in: None, a floating dtype or int8
+  (block-scaled), with master copies (which keep the exact values) and a slow data axis to cross."""
+  if dtype is None:
+    return None
+  dtype = as_dtype("params_across_dtype", dtype, "jnp.int8")
+  if not (jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.int8):
+    raise Zero1Error(f"params_across_dtype={dtype} is neither a floating dtype nor int8: use jnp.int8 "
+                     "(blocks with a float32 scale each) or a narrower float such as jnp.bfloat16")
+  if master_dtype is None:
+    # The model's copy is rounded on the way across; without masters the rounding would compound.
+    raise Zero1Error(f"params_across_dtype={dtype} rounds the parameters every replica gets back, so the "
+                     "exact values must live elsewhere: set master_dtype (e.g. jnp.float32; float32 "
+                     "masters split over the data axes, allowed for a float32 model with this option)")
+  if len(axes) < 2:
+    raise Zero1Error(f"params_across_dtype={dtype} narrows the parameters' all-gather over the slow data "
+                     f"axes (every one but the last listed, data_axis=(\"replica\", \"data\")); the state is "
+                     f"split over {axes} only, so nothing crosses between slices or nodes")
   return dtype

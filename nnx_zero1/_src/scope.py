@@ -95,6 +95,7 @@ def zero1_optimizers(
     offload_state_to_host: bool | float = Zero1Options.offload_state_to_host,
     state_dtype: Any = Zero1Options.state_dtype, state_rounding: str = Zero1Options.state_rounding,
     master_dtype: Any = Zero1Options.master_dtype,
+    params_across_dtype: Any = Zero1Options.params_across_dtype,
 ) -> Iterator[list[Zero1Optimizer]]:
   """Inside the block, ``nnx.Optimizer(model, tx, wrt=..., graph=...)`` builds
   ``Zero1Optimizer(model, tx, mesh, wrt=..., graph=..., data_axis=..., strict=...)``
@@ -117,6 +118,7 @@ def zero1_optimizers(
     state_dtype: as for ``Zero1Optimizer`` (e.g. ``jnp.bfloat16``).
     state_rounding: as for ``Zero1Optimizer``.
     master_dtype: as for ``Zero1Optimizer`` (for bfloat16 parameters).
+    params_across_dtype: as for ``Zero1Optimizer`` (on a pod, with ``master_dtype``).
 
   Returns:
     A context manager yielding the list of the ``Zero1Optimizer`` s built in the block so far.
@@ -141,7 +143,8 @@ def zero1_optimizers(
   """
   options = Zero1Options(data_axis=Zero1Options.data_axis if data_axis is None else data_axis, strict=strict,
                          pin_gradients=pin_gradients, offload_state_to_host=offload_state_to_host,
-                         state_dtype=state_dtype, state_rounding=state_rounding, master_dtype=master_dtype)
+                         state_dtype=state_dtype, state_rounding=state_rounding, master_dtype=master_dtype,
+                         params_across_dtype=params_across_dtype)
   with options_scope(mesh, options) as built:
     yield built
 

@@ -10,7 +10,9 @@ optimizer's gradients and Zero-1's stay equal to the bit. Both functions run ins
 :mod:`nnx_zero1._src.reduction` decides which leaf takes which.
 
 :class:`Across` narrows the stages over the slow axes: what crosses between slices or nodes goes
-in a narrower dtype (``bfloat16``: half the bytes), the stages inside at the gradient's own.
+in a narrower dtype (``bfloat16``: half the bytes; ``int8`` blocks with scales: a quarter and the
+scales), the stages inside at the gradient's own. :func:`gather_by_stages` is the way back: the new
+parameters' all-gather, the hop across narrowed first, then the one inside at full precision.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import jax.numpy as jnp
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
 
 __all__ = [
-    "EXACT", "INT8_BLOCK", "Across", "across_for", "all_reduce_by_stages", "dequantize", "int8_all_gather",
-    "int8_psum",
-    "int8_psum_scatter", "psum_by_network", "quantize", "scatter_by_stages",
+    "EXACT", "INT8_BLOCK", "Across", "across_for", "all_reduce_by_stages", "dequantize", "gather_by_stages",
+    "int8_all_gather", "int8_psum", "int8_psum_scatter", "psum_by_network", "quantize", "scatter_by_stages",
+    "slow_axes",
 ]
 
 
@@ -264,6 +266,67 @@ def scatter_by_stages(x: jax.Array, over: tuple[str, ...], dim: int, across: Acr
   return x
 
 
+def gather_by_stages(x: jax.Array, over: tuple[str, ...], dim: int, across: Across = EXACT) -> jax.Array:
+  """Inside ``shard_map``: ``all_gather`` of ``x`` over the axes ``over`` on ``dim`` (tiled, invariant over
+  them), the slow ones first, narrowed as ``across`` says, then the others at ``x``'s precision.
+
+  The mirror of :func:`scatter_by_stages`: a reduce-scatter shrinks a gradient inside the slice before its
+  hop across, an all-gather grows the parameters across before its hop inside, so the slow network carries
+  the smallest piece: among k slices each device sends (k - 1) times ``x`` across, where gathering inside
+  the slice first (d chips) would send d times that. Every replica, this one included, gets the same
+  (narrowed) values of every block. The blocks arrive in the order (inside axes, slow axes) and are
+  reordered locally (a transpose, no bytes sent) into the layout's, ``over`` as listed.
+
+  Args:
+    x: this replica's block of the layout ``P((*over,))`` on ``dim``.
+    over: the mesh axes, as the layout lists them on ``dim``.
+    dim: the dimension gathered.
+    across: the slow axes and the dtype their stage runs in (default: exact, one ``all_gather``).
+
+  Returns:
+    ``x`` gathered: ``x.shape[dim] * prod(sizes)`` along ``dim``, in ``x``'s dtype.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1, 1), ("replica", "data"))
+    >>> split = P(("replica", "data"))
+    >>> f = lambda w: gather_by_stages(w, ("replica", "data"), 0, Across(frozenset({"replica"}), jnp.int8))
+    >>> w = jax.device_put(jnp.array([0.0, -1.0, 0.5]), NamedSharding(mesh, split))
+    >>> jax.shard_map(f, mesh=mesh, in_specs=split, out_specs=P())(w).tolist()  # 0.5 is 63.5 / 127
+    [0.0, -1.0, 0.5039370059967041]
+  """
+  slow = tuple(a for a in over if a in across.axes)
+  inside = tuple(a for a in over if a not in across.axes)
+  if not across.narrows(slow):
+    return jax.lax.all_gather(x, over, axis=dim, tiled=True, to="invarying")
+  x = across.all_gather(x, slow, dim)
+  if not inside:
+    return x
+  x = jax.lax.all_gather(x, inside, axis=dim, tiled=True, to="invarying")
+  # The blocks of ``dim`` now run (inside axes, slow axes, block); the layout lists them as ``over`` does.
+  arrived = (*inside, *slow)
+  sizes = [jax.lax.axis_size(a) for a in arrived]
+  split = x.reshape(*x.shape[:dim], *sizes, x.shape[dim] // math.prod(sizes), *x.shape[dim + 1:])
+  k = len(over)
+  order = (*range(dim), *(dim + arrived.index(a) for a in over), *range(dim + k, split.ndim))
+  return split.transpose(order).reshape(x.shape)
+
+
+def slow_axes(axes: tuple[str, ...], mesh: Any) -> frozenset[str]:
+  """The data axes between slices or nodes that anything crosses: every one but the last listed (the axis
+  inside each slice or node), of size above 1 (one slice: none).
+
+  Example::
+
+    >>> import jax
+    >>> slow_axes(("replica", "data"), jax.make_mesh((1, 1), ("replica", "data")))
+    frozenset()
+  """
+  return frozenset(a for a in axes[:-1] if mesh.shape[a] > 1)
+
+
 def across_for(dtype: Any, axes: tuple[str, ...], mesh: Any, grad_dtypes: list) -> Across:
   """What ``value_and_grad_accumulated(across_dtype=dtype)`` runs: the slow axes (every data axis but the last
   listed) and ``dtype`` for their stages; :data:`EXACT` where nothing is asked, or nothing crosses.
@@ -305,5 +368,5 @@ def across_for(dtype: Any, axes: tuple[str, ...], mesh: Any, grad_dtypes: list) 
         f"across_dtype={dtype.name} narrows wider gradients across slices or nodes; these are "
         f"{', '.join(sorted({jnp.dtype(g).name for g in grad_dtypes}))} already (the gradients have the "
         f"parameters' dtype): leave across_dtype out; {describe_mesh(mesh)}")
-  slow = frozenset(a for a in axes[:-1] if mesh.shape[a] > 1)
+  slow = slow_axes(axes, mesh)
   return Across(slow, dtype) if slow else EXACT  # one slice or node: nothing crosses, nothing is rounded

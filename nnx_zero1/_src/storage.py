@@ -61,7 +61,8 @@ def storage_plan(plan: Zero1Plan, options: Zero1Options, params: Any) -> Zero1Pl
   Raises:
     Zero1Error: any storage option with no mesh; a ``state_dtype`` that would change
       no leaf; a ``master_dtype`` narrower than a parameter, for a parameter that is not
-      floating, or for a model already in it; host offload on a device without host memory.
+      floating, or for a model already in it (unless ``params_across_dtype`` rounds the model's
+      copy); host offload on a device without host memory.
 
   Example::
 
@@ -84,7 +85,8 @@ def storage_plan(plan: Zero1Plan, options: Zero1Options, params: Any) -> Zero1Pl
         )
     return plan
   plan = _narrowed_plan(plan, options.state_dtype, options.state_rounding)
-  master_dtype = _checked_master_dtype(options.master_dtype, params, plan.mesh)
+  master_dtype = _checked_master_dtype(options.master_dtype, params, plan.mesh,
+                                      rounded_gather=options.params_across_dtype is not None)
   if master_dtype is not None:
     plan = dataclasses.replace(plan, master_dtype=str(master_dtype))
   return _offloaded_plan(plan, options.offload_fraction) if options.offload_state_to_host else plan
@@ -115,8 +117,11 @@ def _narrowed_plan(plan: Zero1Plan, state_dtype: np.dtype | None, rounding: str)
   return dataclasses.replace(plan, state_leaves=leaves, state_rounding=rounding)
 
 
-def _checked_master_dtype(master_dtype: np.dtype | None, params: Any, mesh: Any) -> np.dtype | None:
-  """``master_dtype``, refused unless every parameter is floating, no wider, and some narrower."""
+def _checked_master_dtype(master_dtype: np.dtype | None, params: Any, mesh: Any,
+                          rounded_gather: bool = False) -> np.dtype | None:
+  """``master_dtype``, refused unless every parameter is floating, no wider, and some narrower; or, where
+  the parameters are gathered rounded (``rounded_gather``: ``params_across_dtype``), all in it: the
+  masters then keep the exact values the model's copy has lost."""
   if master_dtype is None:
     return None
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -132,7 +137,7 @@ def _checked_master_dtype(master_dtype: np.dtype | None, params: Any, mesh: Any)
           f"master_dtype={master_dtype} is narrower than parameter {name} ({x.dtype}): the masters would "
           f"lose precision; {describe_mesh(mesh)}"
       )
-  if all(np.dtype(x.dtype) == master_dtype for _, x in flat):
+  if not rounded_gather and all(np.dtype(x.dtype) == master_dtype for _, x in flat):
     raise Zero1Error(
         f"master_dtype={master_dtype}, but every parameter is {master_dtype} already: master copies would "
         f"change nothing (they are for bfloat16 or float16 models); drop master_dtype; {describe_mesh(mesh)}"

@@ -16,7 +16,10 @@ from typing import Any
 from nnx_zero1_plan.inputs import PlanError
 
 __all__ = ["Lever", "LEVERS", "adds_memory", "engine_attributes", "lever_blocker", "memory_twin",
-           "state_axes", "summed_over", "with_offload"]
+           "narrowed_dtypes", "state_axes", "summed_over", "with_offload"]
+
+# The options that only narrow what crosses between slices or nodes: which record holds each.
+_NARROWING = {"across_dtype": "accumulate_options", "params_across_dtype": "optimizer_options"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,15 @@ LEVERS: dict[str, Lever] = {
         "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in int8 blocks "
         "(float32 scales)",
         zero1=True, deferred=True, optimizer_options={"data_axis": ("replica", "data")},
+        accumulate_options={"across_dtype": "int8"}),
+    # Both hops across in int8: the gradients' reduce-scatter and the new parameters' all-gather
+    # (params_across_dtype, which needs the float32 masters: they keep the exact values, split over every
+    # chip); a quarter of a float32 model's bytes across and the scales. Float32 models too.
+    "zero1-pod-master-accum-int8across": Lever(
+        "zero1-pod-master-accum, its gradients reduce-scattered and its new parameters all-gathered across "
+        "slices or nodes in int8 blocks (float32 scales)", zero1=True, deferred=True,
+        optimizer_options={"data_axis": ("replica", "data"), "master_dtype": "float32",
+                           "params_across_dtype": "int8"},
         accumulate_options={"across_dtype": "int8"}),
     "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
                    zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
@@ -131,14 +143,19 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
     True
     >>> lever_blocker("zero1-pod-accum-int8across", {"float32"}).split(";")[0]
     'zero1-pod-accum-int8across narrows what crosses between slices or nodes'
+    >>> lever_blocker("zero1-pod-master-accum-int8across", {"float32"}, domains=2) is None
+    True
   """
   lever, dtypes = LEVERS[name], ", ".join(sorted(param_dtypes))
   one = "this target is one (--slices, h100:8x8)"
-  if lever.accumulate_options.get("across_dtype") and domains < 2:
+  if narrowed_dtypes(lever) and domains < 2:
     return f"{name} narrows what crosses between slices or nodes; {one}"
   if "replica" in state_axes(lever) and domains < 2:
     return f"{name} splits the state across slices or nodes too; {one}"
-  if "master_dtype" in lever.optimizer_options and set(param_dtypes) <= {"float32", "float64"}:
+  # Masters of a float32 model keep what params_across_dtype rounds away; without it they change nothing.
+  options = lever.optimizer_options
+  masters_only = "master_dtype" in options and "params_across_dtype" not in options
+  if masters_only and set(param_dtypes) <= {"float32", "float64"}:
     return f"{name} keeps float32 copies of narrower parameters; these are {dtypes} already"
   if lever.optimizer_options.get("state_dtype") == "bfloat16" and set(param_dtypes) <= {"bfloat16"}:
     return f"{name} stores the state in bfloat16; for {dtypes} parameters it is bfloat16 already"
@@ -170,23 +187,35 @@ def adds_memory(name: str) -> str | None:
   return None
 
 
-def memory_twin(name: str) -> str:
-  """The lever that holds what lever ``name`` holds in device memory: ``name`` itself, or for a lever that
-  only narrows what crosses the slow network (``across_dtype``), the lever without it. A plan in which the
-  twin was refused does not suggest ``name`` to make room.
+def narrowed_dtypes(lever: Lever) -> dict[str, str]:
+  """The options of ``lever`` that narrow what crosses between slices or nodes, and their dtypes.
 
   Example::
 
-    >>> memory_twin("zero1-pod-accum-int8across"), memory_twin("zero2")
-    ('zero1-pod-accum', 'zero2')
+    >>> narrowed_dtypes(LEVERS["zero1-pod-master-accum-int8across"])
+    {'across_dtype': 'int8', 'params_across_dtype': 'int8'}
+  """
+  options = {"accumulate_options": lever.accumulate_options, "optimizer_options": lever.optimizer_options}
+  return {name: options[record][name] for name, record in _NARROWING.items() if name in options[record]}
+
+
+def memory_twin(name: str) -> str:
+  """The lever that holds what lever ``name`` holds in device memory: ``name`` itself, or for a lever that
+  only narrows what crosses the slow network (``across_dtype``, ``params_across_dtype``), the lever without
+  it. A plan in which the twin was refused does not suggest ``name`` to make room.
+
+  Example::
+
+    >>> memory_twin("zero1-pod-accum-int8across"), memory_twin("zero1-pod-master-accum-int8across")
+    ('zero1-pod-accum', 'zero1-pod-master-accum')
   """
   lever = LEVERS[name]
-  if "across_dtype" not in lever.accumulate_options:
+  if not narrowed_dtypes(lever):
     return name
-  plain = {k: v for k, v in lever.accumulate_options.items() if k != "across_dtype"}
-  return next(other for other, twin in LEVERS.items()
-              if dataclasses.replace(twin, summary=lever.summary) == dataclasses.replace(
-                  lever, accumulate_options=plain))
+  strip = lambda options: {k: v for k, v in options.items() if k not in _NARROWING}
+  plain = dataclasses.replace(lever, summary="", optimizer_options=strip(lever.optimizer_options),
+                              accumulate_options=strip(lever.accumulate_options))
+  return next(other for other, twin in LEVERS.items() if dataclasses.replace(twin, summary="") == plain)
 
 
 def with_offload(lever: Lever, fraction: float) -> Lever:

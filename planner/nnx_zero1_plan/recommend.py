@@ -25,7 +25,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, command_line
 from nnx_zero1_plan.row import Point, Row
@@ -243,19 +243,26 @@ def host_bytes_of(row: Row) -> int:
 
 
 def narrowed_note(lever: str) -> str | None:
-  """What a lever that narrows the gradients' hop between slices or nodes gives up (None: nothing).
+  """What a lever that narrows a hop between slices or nodes (the gradients', the new parameters') gives up
+  (None: nothing).
 
   Example::
 
     >>> narrowed_note("zero1"), narrowed_note("zero1-accum-bf16across")[:44]
     (None, 'zero1-accum-bf16across is not bit-identical:')
   """
-  dtype = LEVERS[lever].accumulate_options.get("across_dtype") if lever in LEVERS else None
-  if dtype is None:
+  narrowed = narrowed_dtypes(LEVERS[lever]) if lever in LEVERS else {}
+  if not narrowed:
     return None
-  spelled = "int8 blocks with float32 scales" if dtype == "int8" else dtype
-  return (f"{lever} is not bit-identical: its gradients cross between slices or nodes in {spelled} "
-          "(across_dtype; docs/pods.md measures the loss against the exact reduction)")
+  spell = lambda dtype: "int8 blocks with float32 scales" if dtype == "int8" else dtype
+  what = {"across_dtype": "its gradients", "params_across_dtype": "its new parameters (the masters exact)"}
+  dtypes = set(narrowed.values())
+  if len(dtypes) == 1:  # one dtype for every hop: said once
+    hops, dtype = " and ".join(what[o] for o in narrowed), f" in {spell(*dtypes)}"
+  else:
+    hops, dtype = " and ".join(f"{what[o]} in {spell(d)}" for o, d in narrowed.items()), ""
+  return (f"{lever} is not bit-identical: {hops} cross between slices or nodes{dtype} "
+          f"({', '.join(narrowed)}; docs/pods.md measures the loss against the exact reduction)")
 
 
 def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:

@@ -37,6 +37,10 @@ MESH = jax.make_mesh((8,), ("data",))
     ({"state_dtype": "no-such-dtype"}, "state_dtype='no-such-dtype' is not a dtype"),
     ({"state_dtype": jnp.float16}, "narrows float32 to bfloat16 only"),
     ({"master_dtype": jnp.int32}, "master_dtype=int32 is not a floating dtype"),
+    ({"params_across_dtype": jnp.int16}, "params_across_dtype=int16 is neither a floating dtype nor int8"),
+    ({"params_across_dtype": jnp.int8}, "params_across_dtype=int8 rounds .* set master_dtype"),
+    ({"params_across_dtype": jnp.int8, "master_dtype": jnp.float32},
+     r"params_across_dtype=int8 narrows .* split over \('data',\) only"),
 ])
 def test_a_bad_option_is_refused_by_name_when_the_record_is_built(options, words):
   with pytest.raises(Zero1Error, match=words):
@@ -76,14 +80,16 @@ def test_the_record_is_normalised_frozen_and_round_trips_through_its_keywords():
 def test_the_levers_are_the_records_memory_options_read_off_any_naming():
   class Engine:
     OFFLOAD_STATE_TO_HOST, STATE_DTYPE, STATE_ROUNDING, MASTER_DTYPE = True, jnp.bfloat16, "nearest", None
+    PARAMS_ACROSS_DTYPE = jnp.int8
 
   class Trainer:
     zero1_offload_state_to_host, zero1_state_dtype, zero1_state_rounding, zero1_master_dtype = (
         False, None, "stochastic", jnp.float32)
+    zero1_params_across_dtype = None
 
   assert levers_of(Engine(), str.upper) == {
       "offload_state_to_host": True, "state_dtype": jnp.bfloat16, "state_rounding": "nearest",
-      "master_dtype": None,
+      "master_dtype": None, "params_across_dtype": jnp.int8,
   }
   assert set(levers_of(Trainer(), lambda name: f"zero1_{name}")) == {
       f.name for f in dataclasses.fields(Zero1Options)} - {"data_axis", "strict", "pin_gradients"}
@@ -169,7 +175,8 @@ REFUSED = {"data_axis": ((), "data_axis must be a mesh axis name"),
            "offload_state_to_host": (1.5, "offload_state_to_host=1.5 is neither"),
            "state_dtype": (jnp.int8, "state_dtype=int8 is not a floating dtype"),
            "state_rounding": ("up", "state_rounding='up' is not one of"),
-           "master_dtype": (jnp.int32, "master_dtype=int32 is not a floating dtype")}
+           "master_dtype": (jnp.int32, "master_dtype=int32 is not a floating dtype"),
+           "params_across_dtype": (jnp.int32, "params_across_dtype=int32 is neither")}
 
 
 def _enter(entry, **option):

@@ -172,7 +172,7 @@ def test_unknown_tunix_models_and_flags_are_refused_in_one_line():
     # The int8 levers narrow only what crosses: one slice has nothing across to narrow.
     *[(["--levers", f"zero1-{lever}"], f"--levers zero1-{lever} does not apply to {TOYS}:tiny_lm: "
        f"zero1-{lever} narrows what crosses between slices or nodes; this target is one")
-      for lever in ("accum-int8across", "pod-accum-int8across")],
+      for lever in ("accum-int8across", "pod-accum-int8across", "pod-master-accum-int8across")],
     (["--remat", "block"], "--remat apply to tunix: models"),
     (["--margin", "1.5"], "--margin is the share of the memory to leave free"),
     (["--full-depth"], "--full-depth: whole programs are the default; leave the flag out"),
@@ -329,7 +329,8 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   # Nor one that adds memory (float32 masters), where it would apply: nothing fits, so only what makes room.
   bf16 = next_steps(rows, request, list(LEVERS), blocked={}, remat=None, batch_unit=8)
   offered = {s.split(":")[0].removeprefix("the lever ") for s in bf16 if s.startswith("the lever ")}
-  assert offered and not offered & {"zero1-master", "zero1-pod-master-accum"}, offered
+  masters = {"zero1-master", "zero1-pod-master-accum", "zero1-pod-master-accum-int8across"}
+  assert offered and not offered & masters, offered
   # Nor the baseline where a Zero-1 lever was refused: it holds the whole state on every device.
   after_zero1 = next_steps([_row("zero1", 17 * 2**30)], request, list(LEVERS), blocked={}, remat=None,
                            batch_unit=8)

@@ -261,3 +261,34 @@ def test_int8_across_sends_a_quarter_of_the_float32_bytes_over_the_slow_network_
   assert pod["all-gather"] == pytest.approx(share, rel=0.01)
   for name in ("zero1-accum-int8across", "zero1-pod-accum-int8across"):
     assert net[name]["fast"] <= 1.005 * net["zero1-accum"]["fast"], (name, net)
+
+
+@pytest.mark.skipif(not (HAS_LIBTPU and HAS_GPU_COMPILER),
+                    reason="needs libtpu and XLA's GPU compiler: ./planner[aot], Python >= 3.12 (CI lane 2)")
+@pytest.mark.parametrize("topology", [
+    ("v5e:2x2", "--slices", "2", "--batch", "8"), ("h100:2x8", "--batch", "16")],
+    ids=["two-v5e-slices", "two-h100-nodes"])
+def test_int8_parameters_and_gradients_across_send_a_quarter_of_the_float32_bytes_scales_included(
+    tmp_path, topology):
+  """Issue 62: zero1-pod-master-accum-int8across sends both hops between slices or nodes in int8 blocks with
+  one float32 scale per 256 values: the gradients' reduce-scatter (an all-to-all) and the new parameters'
+  all-gather (``params_across_dtype``), each (1 + 4/256)/4 of the float32 parameters' share, read from the
+  compiled program; a float32 gather across fails here. Inside, what zero1-pod-accum sends; the float32
+  masters 4P per chip more of state."""
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(tiny_lm), nnx.Param)))
+  lever = "zero1-pod-master-accum-int8across"
+  result = run_plan(tmp_path, "--topology", *topology, "--steps", "one",
+                    "--levers", f"zero1-accum,zero1-pod-accum,{lever}")
+  rows = {r["lever"]: r for r in result["rows"]}
+  assert not [r["error"] for r in rows.values() if r["error"]]
+  net = {n: {k: r["network_per_step"][k]["bytes"] for k in ("fast", "slow")} for n, r in rows.items()}
+  crossing = {op: c["bytes"] for op, c in rows[lever]["collectives"]["across_per_step"].items()}
+  share = 4 * params / (result["meta"]["mesh"]["replica"] * result["meta"]["mesh"]["data"])
+  quarter = (1 + 4 / 256) / 4
+  assert crossing["all-gather"] == pytest.approx(quarter * share, rel=0.01)  # float32: 4x this
+  assert crossing["all-to-all"] == pytest.approx(quarter * share, rel=0.01)
+  assert crossing.get("all-reduce", 0) <= 4096  # the loss
+  assert net[lever]["slow"] <= 0.255 * net["zero1-accum"]["slow"], net
+  assert net[lever]["fast"] <= 1.005 * net["zero1-pod-accum"]["fast"], net
+  state = {n: r["opt_state_bytes_per_device"] for n, r in rows.items()}
+  assert state[lever] - state["zero1-pod-accum"] == pytest.approx(share, rel=0.001)  # the masters

@@ -267,6 +267,23 @@ def test_a_pick_that_narrows_the_hop_across_says_it_is_not_bit_identical(dtype, 
   assert not [n for n in recommend(rows[:1], pod).notes if "not bit-identical" in n]
 
 
+def test_a_pick_that_narrows_both_hops_across_gives_both_options_and_says_it_is_not_bit_identical():
+  """zero1-pod-master-accum-int8across: the gradients and the new parameters across in int8 blocks, the
+  float32 masters kept; its code passes all three options, its note names both hops."""
+  pod = dataclasses.replace(REQUEST, topology="h100:2x8", mesh="replica=2,data=8")
+  across = lambda n: {"across_per_step": {"all-gather": {"count": 1, "bytes": n}}}
+  lever = "zero1-pod-master-accum-int8across"
+  rows = [_row("zero1-pod-accum", collectives=across(4 * G)), _row(lever, collectives=across(G + G // 64))]
+  best = recommend(rows, pod)
+  assert best.lever == lever
+  assert ("data_axis=('replica', 'data'), master_dtype=jnp.float32, params_across_dtype=jnp.int8)"
+          in best.code and "across_dtype=jnp.int8" in best.code.split("value_and_grad_accumulated(")[-1])
+  assert [n for n in best.notes if "not bit-identical" in n] == [
+      f"{lever} is not bit-identical: its gradients and its new parameters (the masters exact) cross between "
+      "slices or nodes in int8 blocks with float32 scales (across_dtype, params_across_dtype; docs/pods.md "
+      "measures the loss against the exact reduction)"]
+
+
 def test_on_a_pod_fewer_bytes_over_the_slow_network_decide_before_all_bytes_and_are_said():
   """Zero-1 over both axes sends more in all (a reduce-scatter per axis) and less between nodes: on a pod
   the slow network's bytes come first, and the sentence names them, not the total."""
