@@ -42,7 +42,7 @@ __all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batc
 # request.OPTIMIZER_CODE entry, the code the recommendation prints, written out (tests/planner/test_kinds.py
 # checks each against its code).
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
-    "adamw": lambda learning_rate=1e-5: optax.adamw(learning_rate),
+    "adamw": lambda learning_rate=1e-5, **options: optax.adamw(learning_rate, **options),
     "adam": lambda learning_rate=1e-5: optax.adam(learning_rate),
     "lion": lambda learning_rate=1e-6: optax.lion(learning_rate),
     "sgd": lambda learning_rate=1e-3: optax.sgd(learning_rate, momentum=0.9),
