@@ -98,7 +98,8 @@ def _tunix_code(lever: Any, options: list[str], mesh_lines: list[str], mesh: Map
               f"activation_sharding = {specs!r}"]
   return lines + ["with mesh:  # Tunix reads its mesh from this context",
                   "  model = ...  # your model, built here",
-                  f"  trainer = {trainer[0]}(model, {tx}, {trainer[1]}(..., {', '.join(config)}))"]
+                  f"  trainer = {trainer[0]}(model, {tx}, {trainer[1]}(..., {', '.join(config)}))"
+                  + rate_note(tx)]
 
 
 def lever_code(name: str, model: str, offload_fraction: float | None = None,
@@ -126,7 +127,8 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
 
   Example::
 
-    >>> print(lever_code("offload", "my_pkg.models:build", mesh={"data": 4}))
+    >>> code = lever_code("offload", "my_pkg.models:build", mesh={"data": 4})
+    >>> print(code)  # doctest: +NORMALIZE_WHITESPACE
     import jax, jax.numpy as jnp, optax
     from nnx_zero1 import Zero1Optimizer
     from jax.sharding import AxisType
@@ -136,6 +138,7 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     with jax.set_mesh(mesh):
       model = ...  # your model, built here: its parameters' sharding names the mesh's axes
       optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)
+        # 1e-5: your learning rate (or an optax schedule)
     >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
     'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
   """
@@ -170,11 +173,23 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     imports = ["import jax, jax.numpy as jnp, optax", "from nnx_zero1 import Zero1Optimizer"]
   lines = [*imports, *mesh_lines, "with jax.set_mesh(mesh):",
            "  model = ...  # your model, built here: its parameters' sharding names the mesh's axes",
-           f"  {built}"]
+           f"  {built}{rate_note(tx)}"]
   if lever.deferred:
     lines[1] += ", value_and_grad_accumulated"
     lines.append(_accumulate_line(lever, mesh, "optimizer"))
   return "\n".join(lines)
+
+
+def rate_note(tx: str) -> str:
+  """The comment that says where the learning rate goes in ``tx``, an optax call whose first argument it is.
+
+  Example::
+
+    >>> rate_note("optax.sgd(1e-3, momentum=0.9)")
+    '  # 1e-3: your learning rate (or an optax schedule)'
+  """
+  rate = tx[tx.index("(") + 1:].split(",")[0].removesuffix(")")
+  return f"  # {rate}: your learning rate (or an optax schedule)"
 
 
 def _accumulate_line(lever: Any, mesh: Mapping[str, int] | None, optimizer: str) -> str:

@@ -12,6 +12,7 @@ from nnx_zero1_plan.row import Made, Offloaded, Point
 from tests.support.rows import G, make_row, searched
 
 # The plan's request as resolved: its mesh and micro-batch set, as the recommendation reads it.
+RATE_NOTE = "  # 1e-5: your learning rate (or an optax schedule)"  # the printed code says where the rate goes
 REQUEST = PlanRequest("mymodels.models:build", "h100:4", mesh="data=4", batch=8)
 
 
@@ -33,7 +34,7 @@ def test_the_largest_micro_batch_wins_over_fewer_collective_bytes():
       "from jax.sharding import AxisType", "", "devices = jax.devices()",
       "mesh = jax.make_mesh((4,), ('data',), (AxisType.Auto,), devices=devices)", "with jax.set_mesh(mesh):",
       "  model = ...  # your model, built here: its parameters' sharding names the mesh's axes",
-      "  optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh)"]
+      "  optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh)" + RATE_NOTE]
   assert best.cli == ("python -m nnx_zero1.plan --model mymodels.models:build --topology h100:4 "
                          "--mesh data=4 --batch 84 --seq-len 1024 --ga 1 --levers zero1 --steps one")
   assert best.order == ORDER and best.baseline_beats == ()
@@ -84,7 +85,7 @@ def test_only_rows_of_the_chosen_step_shape_compete():
 def test_the_code_is_each_host_s_own_option():
   rows = [_row("offload", max_micro_batch=16)]
   assert recommend(rows, REQUEST).code.endswith(
-      "Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)")
+      "Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)" + RATE_NOTE)
   specs = {"act_btd": [["data", "fsdp"], None, "tp"]}
   tunix = recommend(rows, dataclasses.replace(REQUEST, model="tunix:qwen3_8b"),
                     activation_sharding=specs).code.splitlines()
@@ -94,7 +95,8 @@ def test_the_code_is_each_host_s_own_option():
   assert tunix[-3:] == ["with mesh:  # Tunix reads its mesh from this context",
                         "  model = ...  # your model, built here", (
       "  trainer = Zero1PeftTrainer(model, optax.adamw(1e-5), Zero1TrainingConfig(..., "
-      "data_sharding_axis=(('data',),), zero1_data_axis='data', zero1_offload_state_to_host=True))")]
+      "data_sharding_axis=(('data',),), zero1_data_axis='data', zero1_offload_state_to_host=True))"
+      + RATE_NOTE)]
   maxtext = recommend([_row("offload", step="split", max_micro_batch=16)],
                       dataclasses.replace(REQUEST, model="maxtext:x"))
   assert maxtext.code.endswith("subclassed with OFFLOAD_STATE_TO_HOST = True")
@@ -140,13 +142,13 @@ def test_a_zero1_row_the_compiler_refused_is_said_so_not_given_figures():
 
 def test_the_code_is_written_from_the_lever_table():
   assert lever_code("baseline", "my_pkg.models:build").endswith(
-      "  optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)")
+      "  optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)" + RATE_NOTE)
   assert lever_code("zero1-master", "m:f").endswith(
-      "Zero1Optimizer(model, optax.adamw(1e-5), mesh, master_dtype=jnp.float32)")
+      "Zero1Optimizer(model, optax.adamw(1e-5), mesh, master_dtype=jnp.float32)" + RATE_NOTE)
   code = lever_code("zero2-offload", "m:f").splitlines()
   assert code[1] == "from nnx_zero1 import Zero1Optimizer, value_and_grad_accumulated"
   assert code[-2:] == ["  optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh, "
-                       "offload_state_to_host=True)",
+                       "offload_state_to_host=True)" + RATE_NOTE,
                        "  # each step: loss, grads = value_and_grad_accumulated(loss_fn, model, batch, "
                        "micro_batches=GA, optimizer=optimizer, shard_accumulator=True)"]
 
@@ -166,7 +168,7 @@ def test_the_code_pastes_and_runs():
   assert lever_code("zero2", "maxtext:qwen3-0.6b").endswith("subclassed with SHARD_ACCUMULATOR = True")
   tunix = lever_code("baseline", "tunix:qwen3_8b", mesh={"data": 8})
   assert tunix.splitlines()[-1] == ("  trainer = PeftTrainer(model, optax.adamw(1e-5), TrainingConfig(..., "
-                                    "data_sharding_axis=(('data',),)))")
+                                    "data_sharding_axis=(('data',),)))" + RATE_NOTE)
   for code in (tunix, lever_code("zero1-pod", "tunix:qwen3_8b", mesh={"replica": 2, "data": 4}, domains=2)):
     compile(code, "tunix", "exec")  # Python as written; Tunix's trainer is not built here
 
@@ -330,7 +332,7 @@ def test_the_way_out_that_fits_comes_with_its_code_as_a_recommendation_does():
   lines = way_out_lines(out)
   code = lines[lines.index("  code:") + 1:lines.index("  reproduce: python -m nnx_zero1.plan ...")]
   assert code[-1].strip() == ("optimizer = Zero1Optimizer(model, optax.lion(1e-6), mesh, "
-                              "offload_state_to_host=True)")
+                              "offload_state_to_host=True)" + RATE_NOTE.replace("1e-5", "1e-6"))
   assert code[0] == "    import jax, jax.numpy as jnp, optax" and "tried first: micro-batch 8" in lines[-1]
   assert out.found is not None and out.found.code and not out.tried[0].code
 
