@@ -24,6 +24,7 @@ from nnx_zero1 import (
 from nnx_zero1._src.storage import offloaded_leaves
 from tests.support.helpers import (
   MLP,
+  PlainTrainer,
   assert_fraction_kept_on_device,
   assert_trees_equal,
   assert_unchanged,
@@ -110,12 +111,7 @@ def test_the_checkpoint_tree_is_unchanged_and_crosses(trained, tmp_path):
       assert_fraction_kept_on_device(target, target_offload, total)
 
 
-class _Trainer:
-  def __init__(self, model, tx):
-    self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-
-class _HalfOffloadTrainer(ShardedOptimizerMixin, _Trainer):
+class _HalfOffloadTrainer(ShardedOptimizerMixin, PlainTrainer):
   zero1_offload_state_to_host = 0.5
 
 

@@ -22,6 +22,7 @@ from nnx_zero1 import (
 )
 from nnx_zero1._src.options import levers_of
 from nnx_zero1.adapters.maxtext import Zero1EngineMixin
+from tests.support.helpers import PlainTrainer
 
 MESH = jax.make_mesh((8,), ("data",))
 
@@ -99,12 +100,7 @@ def _bf16_model():
   return nnx.Linear(16, 16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
 
 
-class _Trainer:
-  def __init__(self, model, tx):
-    self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-
-class _Zero1Trainer(ShardedOptimizerMixin, _Trainer):
+class _Zero1Trainer(ShardedOptimizerMixin, PlainTrainer):
   zero1_strict = True
   zero1_pin_gradients = False
   zero1_offload_state_to_host = True

@@ -27,7 +27,7 @@ from nnx_zero1 import (
 from nnx_zero1._src.stages import INT8_BLOCK
 from nnx_zero1_plan.slow_network import across_bytes
 from tests.support.accumulate import explicit_mesh
-from tests.support.helpers import assert_trees_equal, assert_unchanged, snapshot
+from tests.support.helpers import PlainTrainer, assert_trees_equal, assert_unchanged, snapshot
 
 AXES = ("replica", "data")
 F32 = jnp.float32
@@ -208,12 +208,7 @@ def test_where_it_cannot_apply_it_is_refused_and_nothing_changes(model_dtype, kw
   assert_unchanged(before, model)
 
 
-class _Trainer:
-  def __init__(self, model, tx):
-    self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-
-class _Zero1Trainer(ShardedOptimizerMixin, _Trainer):
+class _Zero1Trainer(ShardedOptimizerMixin, PlainTrainer):
   zero1_data_axis = AXES
   zero1_master_dtype = F32
   zero1_params_across_dtype = jnp.int8

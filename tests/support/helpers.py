@@ -35,6 +35,13 @@ class MLP(nnx.Module):
     return self.l3(jax.nn.gelu(self.l2(jax.nn.gelu(self.l1(x)))))
 
 
+class PlainTrainer:
+  """A trainer of one's own with a plain ``nnx.Optimizer``: what ``ShardedOptimizerMixin`` is mixed into."""
+
+  def __init__(self, model, tx):
+    self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
 def batches(n_steps: int, batch: int = 16, seed: int = 0):
   """Deterministic (x, y) batches."""
   rng = np.random.default_rng(seed)
