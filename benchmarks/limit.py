@@ -9,8 +9,10 @@ evidence for the planner's margin: what the run time holds beyond the
 compiler's figure, and whether a step the compiler's figure puts under the
 memory pool runs. The same compile asks XLA's GPU scheduler for its schedule,
 so each row also carries the planner's predicted step time for that very
-program (:func:`nnx_zero1_plan.predict_step_time`) beside the median of its
-steady-state steps.
+program (:func:`nnx_zero1_plan.predict_step_time`; a TPU's program carries its own
+estimates) beside the median of its steady-state steps. ``--keep DIR`` keeps each
+compiled program's text and a profile of three of its steps: each instruction's
+time on the device, by name, which is what a prediction is checked against.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 python -m benchmarks.limit \\
         --model examples.planner_decoder:build --batch 8,16,24 --out bench_out/limit
@@ -19,6 +21,7 @@ steady-state steps.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -38,9 +41,42 @@ def _device_stats(device: Any) -> dict[str, int]:
   return {k: int(stats[k]) for k in _STATS if k in stats}
 
 
-def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: str, steps: int = 12
-            ) -> dict[str, Any]:
-  """One lever's step at ``batch`` on this process's devices: compiled, run ``steps`` times, measured.
+def device_ops(xplane: str, runs: int) -> dict[str, Any]:
+  """Each instruction's time on the first device per run, from a profile (``jax.profiler.trace``'s
+  ``*.xplane.pb``): ``{"ops": {name: [ns, count]}, "modules": {name: [ns, count]}}``, each summed over the
+  profile and divided by ``runs``."""
+  from jax.profiler import ProfileData
+
+  found: dict[str, dict[str, list[float]]] = {"ops": {}, "modules": {}}
+  data = ProfileData.from_file(xplane)
+  plane = next((p for p in data.planes if p.name.startswith("/device:") and p.name.endswith(":0")), None)
+  for line in plane.lines if plane is not None else ():
+    into = {"XLA Ops": found["ops"], "XLA Modules": found["modules"]}.get(line.name)
+    for event in line.events if into is not None else ():
+      ns, count = into.setdefault(event.name, [0.0, 0])
+      into[event.name] = [ns + event.duration_ns / runs, count + 1 / runs]
+  return found
+
+
+def _profile(compiled: Any, state: Any, tokens: Any, runs: int) -> tuple[Any, dict[str, Any]]:
+  import glob
+
+  import jax
+
+  with tempfile.TemporaryDirectory() as trace:
+    with jax.profiler.trace(trace):
+      for _ in range(runs):
+        state, loss = compiled(state, tokens)
+      loss.block_until_ready()
+    found = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
+    return state, device_ops(found[0], runs) if found else {}
+
+
+def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: str, steps: int = 12,
+            ga: int = 1, keep: str | None = None) -> dict[str, Any]:
+  """One lever's step at ``batch`` (x ``ga`` micro-batches) on this process's devices: compiled, run
+  ``steps`` times, measured; with ``keep``, its program's text and a profile of three more steps written
+  there.
 
   Returns:
     The compiler's figures (:func:`nnx_zero1_plan.memory`, bytes per device), the allocator's
@@ -59,6 +95,7 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
     LEVERS,
     OPTIMIZERS,
     abstract_batch,
+    chip_of,
     dump_options,
     lever_state,
     make_optimizer,
@@ -79,25 +116,33 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
     built = source.build(None)
     state = nnx.state((built, make_optimizer(lever, built, OPTIMIZERS[optimizer](), mesh)))
   state = jax.device_put(state, abstract.shardings)
-  spec = abstract_batch(lever, mesh, batch, seq_len, 1)
+  spec = abstract_batch(lever, mesh, batch, seq_len, ga)
   ids = np.random.default_rng(0).integers(0, 1000, spec.shape, dtype=np.int32)
   tokens = jax.device_put(ids, spec.sharding)
-  row: dict[str, Any] = {"model": model, "lever": lever_name, "batch": batch, "seq_len": seq_len,
+  row: dict[str, Any] = {"model": model, "lever": lever_name, "batch": batch, "ga": ga, "seq_len": seq_len,
                          "devices": len(devices), "device_kind": device.device_kind,
                          "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                          "before_compile": _device_stats(device)}
-  step = step_jit(abstract.graphdef, abstract.shardings, spec.sharding, lever, source.loss_fn, 1)
+  step = step_jit(abstract.graphdef, abstract.shardings, spec.sharding, lever, source.loss_fn, ga)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as schedule, jax.set_mesh(mesh):
-    compiled = step.lower(state, tokens).compile(dump_options(schedule))
-    scheduled = scheduled_seconds(schedule)
+    # XLA's GPU scheduler writes its estimates only when asked; a TPU program carries its own.
+    gpu = device.platform == "gpu"
+    compiled = step.lower(state, tokens).compile(dump_options(schedule) if gpu else None)
+    scheduled = scheduled_seconds(schedule) if gpu else None
   row["compile_s"] = round(time.perf_counter() - start, 1)
   row["compiler"] = memory(compiled)
-  chip = next((c for c in CHIPS.values() if c.gpu and c.gpu.description == device.device_kind), None)
+  name = f"{lever_name}_{batch}x{ga}_s{seq_len}"
+  hlo = compiled.as_text()
+  if keep:
+    with gzip.open(os.path.join(keep, f"{name}.hlo.txt.gz"), "wt") as f:
+      f.write(hlo)
+  chip = chip_of(device.device_kind)
   if chip is not None:
-    predicted = predict_step_time([("step", compiled.as_text(), 1)], chip, devices=len(devices),
-                          tokens_per_device=batch * seq_len / len(devices), compute_dtype="bfloat16",
-                          scheduled=scheduled, deviceless=False)
+    tpu = CHIPS[chip].gpu is None
+    predicted = predict_step_time([("step", hlo, 1)], CHIPS[chip], devices=len(devices),
+                          tokens_per_device=ga * batch * seq_len / len(devices), compute_dtype="bfloat16",
+                          scheduled=None if tpu else scheduled, deviceless=False)
     row["predicted_ms"] = None if predicted["predicted_step_s"] is None else round(
         1000 * predicted["predicted_step_s"], 2)
     row["time_absent"] = predicted["time_absent"]
@@ -113,6 +158,12 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
     row["run_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
   timed = sorted(times[1:] or times)  # the first step may include the allocator's growth
   row["step_ms"] = round(1000 * timed[len(timed) // 2], 2) if timed else None
+  row["steps_ms"] = [round(1000 * t, 3) for t in times]
+  if keep and row["run_error"] is None:
+    state, ops = _profile(compiled, state, tokens, 3)
+    with open(os.path.join(keep, f"{name}.ops.json"), "w") as f:
+      json.dump(ops, f)
+    row["device_ms"] = {k: round(v[0] / 1e6, 3) for k, v in ops.get("modules", {}).items()}
   row["after_run"] = _device_stats(device)
   return row
 
@@ -145,21 +196,26 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--lever", default="baseline")
   p.add_argument("--batch", default="8,16", help="global micro-batches, one child process each")
   p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--ga", type=int, default=1, help="micro-batches per step")
+  p.add_argument("--keep", default=None, help="a folder for each program's text and its profile")
   p.add_argument("--optimizer", default="adamw")
   p.add_argument("--timeout", type=int, default=240, help="seconds per micro-batch")
   p.add_argument("--out", default="bench_out/limit")
   p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child is not None:
-    row = measure(args.model, args.lever, args.child, args.seq_len, args.optimizer)
+    row = measure(args.model, args.lever, args.child, args.seq_len, args.optimizer, ga=args.ga, keep=args.keep)
     print("LIMIT_ROW " + json.dumps(row))
     return 0
   os.makedirs(args.out, exist_ok=True)
+  if args.keep:
+    os.makedirs(args.keep, exist_ok=True)
   path = os.path.join(args.out, "limit.jsonl")
   rows = []
   for batch in (int(b) for b in args.batch.split(",")):
     cmd = [sys.executable, "-m", "benchmarks.limit", "--model", args.model, "--lever", args.lever,
-           "--seq-len", str(args.seq_len), "--optimizer", args.optimizer, "--child", str(batch)]
+           "--seq-len", str(args.seq_len), "--optimizer", args.optimizer, "--ga", str(args.ga),
+           "--child", str(batch)] + (["--keep", args.keep] if args.keep else [])
     try:
       done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
       found = [line[10:] for line in done.stdout.splitlines() if line.startswith("LIMIT_ROW ")]

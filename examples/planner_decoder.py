@@ -97,3 +97,35 @@ def build_7b(num_layers: int = 32) -> Decoder:
   """The 7.24B bfloat16 Llama-style decoder at ``num_layers`` (default: the full depth)."""
   return Decoder(num_layers, width=4096, heads=32, kv_heads=8, hidden=14336, dtype=jnp.bfloat16,
                  rngs=nnx.Rngs(0))
+
+
+class ScannedDecoder(nnx.Module):
+  """``Decoder``'s layers stored stacked (one leading axis of ``num_layers``) and run by ``nnx.scan``, each
+  layer under ``nnx.remat``: the program holds one layer's body in a loop, and its backward pass recomputes
+  each layer's activations from the layer's input rather than keeping them."""
+
+  def __init__(self, num_layers: int, *, vocab: int = 32_000, width: int = 1024, heads: int = 16,
+               kv_heads: int = 16, hidden: int = 4096, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(vocab, width, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked(rngs: nnx.Rngs) -> Block:
+      return Block(width, heads, kv_heads, hidden, dtype=dtype, rngs=rngs)
+
+    self.blocks = stacked(rngs)
+    self.norm = nnx.RMSNorm(width, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    self.head = nnx.Linear(width, vocab, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def layer(x: jax.Array, block: Block) -> jax.Array:
+      return block(x)
+
+    return self.head(self.norm(layer(self.embed(tokens), self.blocks)))
+
+
+def build_scanned(num_layers: int = 12) -> ScannedDecoder:
+  """``build``'s 266.9M float32 decoder with its layers scanned and rematerialised (default: the full depth)."""
+  return ScannedDecoder(num_layers, rngs=nnx.Rngs(0))

@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# The GPU measurements of docs/benchmarks.md, rerun with their raw output kept, on a machine with one GPU.
+# The accelerator measurements of docs/benchmarks.md and docs/planner.md, rerun with their raw output kept.
 #
-#   OUT=/tmp/device scripts/device_check.sh      # then commit $OUT/* under docs/data/
+#   OUT=/tmp/device scripts/device_check.sh gpu      # one GPU (an H200): about 6 minutes
+#   OUT=/tmp/device scripts/device_check.sh tpu 1    # one TPU v5e chip, in two runs of under 10 minutes
+#   OUT=/tmp/device scripts/device_check.sh tpu 2    # then commit $OUT/* under docs/data/device_v5e/
 #
-# Each measurement writes its folder: the command, its stdout and stderr, the versions. About 6 minutes on
-# one H200: the compiler's figure against the allocator (two memory pools), each step's median time against
-# the planner's predicted time for the same compiled program (benchmarks.limit's "step ms" and "predicted ms"),
-# and the wrapper at dp=1 with XLA's deterministic ops (bench_accelerator.sh sets the flag on GPU hosts).
+# Each measurement writes its folder: the command, its stdout and stderr, its exit status and wall time;
+# versions.json says what ran. GPU: the compiler's figure against the allocator (two memory pools), each
+# step's median time against the planner's predicted time for the same compiled program, and the wrapper at
+# dp=1 with XLA's deterministic ops. TPU: the chip's own constants alone first (benchmarks.chip_rates: the
+# clock behind the compiler's cycles, the host link), then the planner's one-program step for every kept
+# case (benchmarks.limit --keep: each compiled program's text, its median step time and a profile of each
+# instruction's time on the chip), and the planner itself with --measure. docs/planner.md's "How accurate
+# the step time is" reads its table off these folders (tests/planner/test_device_records.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out/device}
+PLATFORM=${1:-gpu}
+PART=${2:-1}
 mkdir -p "$OUT"
 python -c "import jax, jaxlib, flax, optax, json, platform; print(json.dumps({'python': platform.python_version(), \
 'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'flax': flax.__version__, 'optax': optax.__version__, \
 'devices': [d.device_kind for d in jax.devices()]}))" > "$OUT/versions.json" 2>&1
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 
 keep() {  # keep NAME COMMAND...: the command, its output and its exit status under $OUT/NAME
   local name=$1; shift
@@ -25,9 +32,34 @@ keep() {  # keep NAME COMMAND...: the command, its output and its exit status un
   echo "rc $? wall $((SECONDS - start)) s" > "$OUT/$name/exit"
 }
 
-keep h200_limit_0p2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 python -m benchmarks.limit --batch 8,16 \
-  --out "$OUT/h200_limit_0p2/out"
-keep h200_limit_0p75 XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 python -m benchmarks.limit --batch 8,24,32 \
-  --out "$OUT/h200_limit_0p75/out"
-keep h200_dp1_deterministic BATCH=4 GA=1,8 STEPS=8 WARMUP=1 ARMS=baseline,zero1 \
-  bash scripts/bench_accelerator.sh qwen3-0.6b "$OUT/h200_dp1_deterministic/out"
+limit() {  # limit NAME MODEL LEVER BATCHES [ARGS...]: benchmarks.limit, each program and profile kept
+  local name=$1 model=$2 lever=$3 batches=$4; shift 4
+  keep "$name" python -m benchmarks.limit --model "$model" --lever "$lever" --batch "$batches" "$@" \
+    --keep "$OUT/$name/programs" --out "$OUT/$name/out"
+}
+
+if [ "$PLATFORM" = gpu ]; then
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+  keep h200_limit_0p2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 python -m benchmarks.limit --batch 8,16 \
+    --out "$OUT/h200_limit_0p2/out"
+  keep h200_limit_0p75 XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 python -m benchmarks.limit --batch 8,24,32 \
+    --out "$OUT/h200_limit_0p75/out"
+  keep h200_dp1_deterministic BATCH=4 GA=1,8 STEPS=8 WARMUP=1 ARMS=baseline,zero1 \
+    bash scripts/bench_accelerator.sh qwen3-0.6b "$OUT/h200_dp1_deterministic/out"
+elif [ "$PART" = 1 ]; then
+  D=examples.planner_decoder
+  keep chip_rates python -m benchmarks.chip_rates --out "$OUT/chip_rates/out"
+  limit build_baseline "$D:build" baseline 8,4,13
+  limit build_1b_baseline "$D:build_1b" baseline 2,4
+  limit build_offload "$D:build" offload 4
+  limit build_zero1 "$D:build" zero1 8
+  limit build_baseline_ga4 "$D:build" baseline 4 --ga 4
+  limit build_baseline_more "$D:build" baseline 10,12
+else
+  D=examples.planner_decoder
+  limit build_scanned_remat "$D:build_scanned" baseline 8,16
+  limit build_zero1_bf16state "$D:build" zero1-bf16state 8
+  limit build_1b_zero1_master "$D:build_1b" zero1-master 2
+  limit build_seq512 "$D:build" baseline 16 --seq-len 512
+  limit build_seq2048 "$D:build" baseline 4 --seq-len 2048
+fi

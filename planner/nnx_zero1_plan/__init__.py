@@ -46,7 +46,7 @@ import tqdm
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.child import plan_in_child
-from nnx_zero1_plan.chips import CHIPS
+from nnx_zero1_plan.chips import CHIPS, chip_of
 from nnx_zero1_plan.compilers import AotUnavailable, require_libtpu, start_cpu_jax
 from nnx_zero1_plan.depth import WHOLE_OVER_ESTIMATE_UP_TO
 from nnx_zero1_plan.inputs import ONE_SLICE, SMALLEST_MICRO_BATCH, PlanError, parse_overrides
@@ -65,12 +65,12 @@ _ON_FIRST_USE = {"OPTIMIZERS": "steps", "make_optimizer": "steps", "lever_state"
                  "compile_split": "steps", "AbstractState": "abstract", "with_state_homes": "abstract",
                  "abstract_bytes_per_device": "abstract", "bytes_by_memory_kind": "abstract",
                  "memory": "compiled", "split_memory": "compiled", "summed": "compiled",
-                 "hbm_oom": "compiled", "predict_step_time": "step_time", "dump_options": "gpu_schedule",
+                 "hbm_oom": "compiled", "predict_step_time": "step_time", "program_time": "step_time", "Rates": "step_time", "dump_options": "gpu_schedule",
                  "scheduled_seconds": "gpu_schedule", "model_source": "models"}
 
 # The same API's pure names (the chip table, a collectives' table cell, libtpu's version) are imported above.
 __all__ = ["Plan", "Row", "PlanSettings", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args",
-           "request_of", "main", "compile_only_devices", "LEVERS", "Lever", "start_cpu_jax", "CHIPS",
+           "request_of", "main", "compile_only_devices", "LEVERS", "Lever", "start_cpu_jax", "CHIPS", "chip_of",
            "collective_cell", "require_libtpu", *_ON_FIRST_USE]
 
 

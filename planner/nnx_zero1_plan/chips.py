@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Links", "Compute", "GpuChip", "Chip", "CHIPS"]
+__all__ = ["Links", "Compute", "GpuChip", "Chip", "CHIPS", "TPU_KINDS", "chip_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,3 +137,19 @@ CHIPS: dict[str, Chip] = {
                  GpuChip("NVIDIA B200", (10, 0), 148, 128, 1.965, 183359 * 2**20, 8_000_000_000_000,
                          126 * 2**20, 233472, 232448)),
 }
+
+# jax's device_kind for each TPU the table knows (a GPU's is its GpuChip.description).
+TPU_KINDS = {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e", "TPU v5": "v5p", "TPU v5p": "v5p"}
+
+
+def chip_of(device_kind: str) -> str | None:
+  """The planner's name for the chip jax calls ``device_kind`` (None where the table does not know it).
+
+  Example::
+
+    >>> chip_of("TPU v5 lite"), chip_of("NVIDIA H100 80GB HBM3"), chip_of("cpu")
+    ('v5e', 'h100', None)
+  """
+  if device_kind in TPU_KINDS:
+    return TPU_KINDS[device_kind]
+  return next((name for name, c in CHIPS.items() if c.gpu and c.gpu.description == device_kind), None)

@@ -1,0 +1,130 @@
+"""The constants a step's predicted time needs, each measured alone on the chip this process has.
+
+``python -m benchmarks.chip_rates --out DIR`` runs two microbenchmarks and writes ``rates.json``:
+
+- **the clock**: lone matmuls (bfloat16 and float32, three sizes), each compiled, its cycles read off the
+  compiled program as the planner reads them (:func:`nnx_zero1_plan.predict_step_time`'s walk at one cycle
+  per second) and its time on the device read off a profile: cycles over seconds is the clock the
+  compiler's cycles run at;
+- **the host link**: a jitted copy of 256 MiB and 1 GiB between device memory and pinned host memory, each
+  way and both at once, timed on the device (a profile) and by the wall clock over back-to-back calls.
+
+Nothing here is a training step: the figures are checked against steps they were not measured on
+(``benchmarks.limit``, ``scripts/device_check.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["matmul_clock", "host_link", "main"]
+
+_MATMULS = ((4096, 4096, 4096, "bfloat16"), (8192, 8192, 8192, "bfloat16"), (16384, 8192, 8192, "bfloat16"),
+            (8192, 8192, 8192, "float32"))
+_COPY_BYTES = (256 * 2**20, 2**30)
+
+
+def _device_seconds(fn: Callable[..., Any], args: Sequence[Any], runs: int) -> tuple[float, float]:
+  """(the device's time per call from a profile's modules, the wall clock's per call over ``runs``
+  back-to-back calls), after one call to warm up."""
+  import jax
+
+  from benchmarks.limit import device_ops
+
+  jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  for _ in range(runs):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  wall = (time.perf_counter() - start) / runs
+  with tempfile.TemporaryDirectory() as trace:
+    with jax.profiler.trace(trace):
+      for _ in range(runs):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    found = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
+    modules = device_ops(found[0], runs)["modules"] if found else {}
+  device = sum(ns for ns, _ in modules.values()) / 1e9 if modules else float("nan")
+  return device, wall
+
+
+def _cycles(hlo: str) -> float:
+  """The compiler's cycles for a program, walked as the planner walks it."""
+  from nnx_zero1_plan import Rates, program_time
+
+  return program_time(hlo, Rates(clock_hz=1.0, network_bytes_per_s=lambda n: 1.0)).compute_s or 0.0
+
+
+def matmul_clock(runs: int = 10) -> list[dict[str, Any]]:
+  """Each lone matmul's cycles (the compiler's), device seconds and the clock they imply."""
+  import jax
+  import jax.numpy as jnp
+
+  rows = []
+  for m, k, n, dtype in _MATMULS:
+    a = jnp.ones((m, k), dtype)
+    b = jnp.ones((k, n), dtype)
+    fn = jax.jit(lambda x, y: x @ y)
+    cycles = _cycles(fn.lower(a, b).compile().as_text())
+    device, wall = _device_seconds(fn, (a, b), runs)
+    rows.append({"m": m, "k": k, "n": n, "dtype": dtype, "cycles": cycles, "device_s": device, "wall_s": wall,
+                 "clock_hz": cycles / device, "tflops": 2 * m * k * n / device / 1e12})
+  return rows
+
+
+def host_link(runs: int = 5) -> list[dict[str, Any]]:
+  """Bytes per second of a jitted copy between device memory and pinned host memory: each way alone and
+  both at once, on the device (a profile) and by the wall clock."""
+  import jax
+  import jax.numpy as jnp
+
+  device = jax.devices()[0]
+  on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+  on_host = on_device.with_memory_kind("pinned_host")
+  rows = []
+  for nbytes in _COPY_BYTES:
+    x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), on_device)
+    h = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), on_host)
+    cases = {
+        "to_host": (jax.jit(lambda a: jax.device_put(a, on_host)), (x,), nbytes),
+        "to_device": (jax.jit(lambda a: jax.device_put(a, on_device)), (h,), nbytes),
+        "both": (jax.jit(lambda a, b: (jax.device_put(a, on_host), jax.device_put(b, on_device))), (x, h),
+                 2 * nbytes),
+    }
+    for way, (fn, args, moved) in cases.items():
+      hlo = fn.lower(*args).compile().as_text()
+      seconds, wall = _device_seconds(fn, args, runs)
+      rows.append({"way": way, "bytes": moved, "device_s": seconds, "wall_s": wall,
+                   "device_bytes_per_s": moved / seconds, "wall_bytes_per_s": moved / wall,
+                   "copy_starts": hlo.count("copy-start(")})
+  return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.chip_rates", description=__doc__.splitlines()[0])
+  p.add_argument("--out", default="bench_out/chip_rates")
+  args = p.parse_args(argv)
+  import jax
+
+  os.makedirs(args.out, exist_ok=True)
+  found: dict[str, Any] = {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__}
+  for name, bench in (("matmul_clock", matmul_clock), ("host_link", host_link)):
+    try:
+      found[name] = bench()
+    except Exception as e:  # keep the other microbenchmark's figures and this one's error
+      found[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
+    print(name, json.dumps(found[name], indent=1), flush=True)
+  with open(os.path.join(args.out, "rates.json"), "w") as f:
+    json.dump(found, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
