@@ -26,8 +26,11 @@ from typing import Any
 
 __all__ = ["matmul_clock", "host_link", "main"]
 
-_MATMULS = ((4096, 4096, 4096, "bfloat16"), (8192, 8192, 8192, "bfloat16"), (16384, 8192, 8192, "bfloat16"),
-            (8192, 8192, 8192, "float32"))
+# Each class of instruction the walk times apart (nnx_zero1_plan's CYCLE_CLASSES), and the lone programs
+# that measure it: a training step's matmul shapes (tokens x width x hidden, both ways) and a square one, and
+# the vector unit's elementwise, reduction and exponent work; random data, as a step's is.
+_MATMULS = ((8192, 1024, 4096), (8192, 4096, 1024), (8192, 8192, 8192))
+_VECTOR = ("multiply_add", "row_sum", "softmax", "multiply_add_bf16")
 _COPY_BYTES = (256 * 2**20, 2**30)
 
 
@@ -62,20 +65,44 @@ def _cycles(hlo: str) -> float:
   return program_time(hlo, Rates(clock_hz=1.0, network_bytes_per_s=lambda n: 1.0)).compute_s or 0.0
 
 
-def matmul_clock(runs: int = 10) -> list[dict[str, Any]]:
-  """Each lone matmul's cycles (the compiler's), device seconds and the clock they imply."""
+def _vector_program(kind: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
   import jax
   import jax.numpy as jnp
 
+  keys = jax.random.split(jax.random.key(0), 3)
+  if kind.startswith("multiply_add"):
+    dtype = jnp.bfloat16 if kind.endswith("bf16") else jnp.float32
+    args = tuple(jax.random.normal(k, (2**26,), dtype) for k in keys)
+    return jax.jit(lambda a, b, c: a * b + c), args
+  x = jax.random.normal(keys[0], (8192, 4096), jnp.float32)
+  if kind == "row_sum":
+    return jax.jit(lambda a: a.sum(axis=-1)), (x,)
+  return jax.jit(lambda a: jax.nn.softmax(a, axis=-1)), (x,)
+
+
+def matmul_clock(runs: int = 10) -> list[dict[str, Any]]:
+  """Each lone program's cycles (the compiler's, walked as the planner walks them), its time on the device
+  and the clock they imply, by the class the walk puts its instructions in: matmuls in bfloat16 and in
+  float32, and the vector unit's work."""
+  import jax
+  import jax.numpy as jnp
+
+  from nnx_zero1_plan import cycle_class
+
+  cases: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = []
+  for dtype in (jnp.bfloat16, jnp.float32):
+    for m, k, n in _MATMULS:
+      a, b = jax.random.split(jax.random.key(1))
+      args = (jax.random.normal(a, (m, k), dtype), jax.random.normal(b, (k, n), dtype))
+      cases.append((f"matmul {m}x{k}x{n} {jnp.dtype(dtype).name}", jax.jit(lambda x, y: x @ y), args))
+  cases += [(kind, *_vector_program(kind)) for kind in _VECTOR]
   rows = []
-  for m, k, n, dtype in _MATMULS:
-    a = jnp.ones((m, k), dtype)
-    b = jnp.ones((k, n), dtype)
-    fn = jax.jit(lambda x, y: x @ y)
-    cycles = _cycles(fn.lower(a, b).compile().as_text())
-    device, wall = _device_seconds(fn, (a, b), runs)
-    rows.append({"m": m, "k": k, "n": n, "dtype": dtype, "cycles": cycles, "device_s": device, "wall_s": wall,
-                 "clock_hz": cycles / device, "tflops": 2 * m * k * n / device / 1e12})
+  for name, fn, args in cases:
+    hlo = fn.lower(*args).compile().as_text()
+    cycles = _cycles(hlo)
+    device, wall = _device_seconds(fn, args, runs)
+    rows.append({"program": name, "classes": sorted(cycle_class(hlo)), "cycles": cycles, "device_s": device,
+                 "wall_s": wall, "clock_hz": cycles / device})
   return rows
 
 

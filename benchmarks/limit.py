@@ -24,6 +24,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from typing import Any
 
 __all__ = ["measure", "main"]
 
+_NAME = re.compile(r"^%?([^\s=]+)")
 _STATS = ("bytes_limit", "bytes_in_use", "peak_bytes_in_use", "largest_alloc_size", "bytes_reserved")
 
 
@@ -53,8 +55,9 @@ def device_ops(xplane: str, runs: int) -> dict[str, Any]:
   for line in plane.lines if plane is not None else ():
     into = {"XLA Ops": found["ops"], "XLA Modules": found["modules"]}.get(line.name)
     for event in line.events if into is not None else ():
-      ns, count = into.setdefault(event.name, [0.0, 0])
-      into[event.name] = [ns + event.duration_ns / runs, count + 1 / runs]
+      name = _NAME.match(event.name)[1]  # type: ignore[index]  # an op's event is named by its whole line
+      ns, count = into.setdefault(name, [0.0, 0])
+      into[name] = [ns + event.duration_ns / runs, count + 1 / runs]
   return found
 
 

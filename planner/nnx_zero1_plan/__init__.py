@@ -65,7 +65,7 @@ _ON_FIRST_USE = {"OPTIMIZERS": "steps", "make_optimizer": "steps", "lever_state"
                  "compile_split": "steps", "AbstractState": "abstract", "with_state_homes": "abstract",
                  "abstract_bytes_per_device": "abstract", "bytes_by_memory_kind": "abstract",
                  "memory": "compiled", "split_memory": "compiled", "summed": "compiled",
-                 "hbm_oom": "compiled", "predict_step_time": "step_time", "program_time": "step_time", "Rates": "step_time", "dump_options": "gpu_schedule",
+                 "hbm_oom": "compiled", "predict_step_time": "step_time", "program_time": "step_time", "Rates": "step_time", "cycle_class": "step_time", "dump_options": "gpu_schedule",
                  "scheduled_seconds": "gpu_schedule", "model_source": "models"}
 
 # The same API's pure names (the chip table, a collectives' table cell, libtpu's version) are imported above.

@@ -46,7 +46,7 @@ from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import StepTime
 
 __all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTIMATED", "rates_for",
-           "predict_step_time", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED"]
+           "predict_step_time", "cycle_class", "CYCLE_CLASSES", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED"]
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
@@ -289,6 +289,41 @@ def _branches(line: str) -> list[str]:
   if found[1]:
     return [b.strip().lstrip("%") for b in found[1].split(",")]
   return [found[2], found[3]]
+
+
+# The classes of work the walk times apart, each at the clock its own microbenchmark measured on the chip
+# (Compute.cycle_clocks): the TPU compiler's cycles are one cost model for the matrix units in either
+# precision and the vector unit, and on a v5e the three run at different rates against it.
+CYCLE_CLASSES = ("matmul-bf16", "matmul-f32", "vector")
+_MATMUL = re.compile(r"=\s*(?P<dtype>[a-z]+\d*)\[[^=]*\s(?:convolution|dot)\(")
+
+
+def _line_class(line: str, bodies: Mapping[str, Sequence[str]], depth: int = 0) -> str:
+  """The class of one instruction's work: a matmul (float32 where its result is float32: the TPU multiplies
+  in bfloat16 either way, and writes and accumulates in the result's type) where it is, or its fused
+  computation holds, a convolution or dot; else the vector unit's."""
+  matmul = _MATMUL.search(line)
+  if matmul:
+    return "matmul-f32" if matmul["dtype"] == "f32" else "matmul-bf16"
+  callee = _CALLS.search(line) if depth < 4 else None
+  for inner in bodies.get(callee[1], ()) if callee else ():
+    found = _line_class(inner, bodies, depth + 1)
+    if found != "vector":
+      return found
+  return "vector"
+
+
+def cycle_class(hlo: str) -> set[str]:
+  """The classes of work (:data:`CYCLE_CLASSES`) of a compiled program's estimated instructions.
+
+  Example::
+
+    >>> cycle_class('%f = f32[8]{0} fusion(%p), calls=%g, backend_config={"estimated_cycles":"12"}')
+    {'vector'}
+  """
+  bodies, _ = computations(hlo)
+  return {_line_class(line, bodies) for lines in bodies.values() for line in lines if _CYCLES.search(line)} or (
+      {_line_class(line, bodies) for line in hlo.splitlines() if _CYCLES.search(line)})
 
 
 def cycles_estimated(hlo: str) -> bool:
