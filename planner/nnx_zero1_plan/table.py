@@ -250,8 +250,8 @@ def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
   return out
 
 
-MEASURED_HEADER = ("lever", "step", "micro-batch", "step ms (pred.)", "step ms (measured)", "pred. vs measured",
-                   "peak GiB (compiler)", "peak GiB (allocator)", "note")
+MEASURED_HEADER = ("lever", "step", "micro-batch", "step ms (pred.)", "step ms (measured)",
+                   "pred. vs measured", "peak GiB (compiler)", "peak GiB (allocator)", "note")
 _MEASURED_TITLE = ("Run on this machine's devices (--measure): the median of the steady steps, and the "
                    "allocator's peak_bytes_in_use after them (the state and what the runtime kept)")
 

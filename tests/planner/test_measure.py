@@ -47,8 +47,8 @@ def test_measure_is_refused_in_one_line_where_the_devices_are_not_the_targets(ca
   # This machine has CPUs only: no TPU device file, so jax is not even asked.
   assert main(["--model", "tests.support.planner_toys:tiny_lm", "--topology", "v5e:1x1", "--measure"]) == 2
   said = capsys.readouterr().err.strip().splitlines()
-  assert said == ["nnx_zero1.plan: --measure runs each row's step on this machine's devices, which must be the "
-                  "target's: jax sees no TPU devices on this machine, not v5e:1x1's 1 v5e"]
+  assert said == ["nnx_zero1.plan: --measure runs each row's step on this machine's devices, which must be "
+                  "the target's: jax sees no TPU devices on this machine, not v5e:1x1's 1 v5e"]
   with pytest.raises(PlanError, match="maxtext: model's runs in MaxText's engine"):
     devices_for(PlanRequest("maxtext:qwen3-0.6b", "v5e:1x1"), measure=True)
   # Without --measure, a plan here goes on as it did: compiled for a compile-only topology.
@@ -67,7 +67,8 @@ def test_a_local_plan_compiles_where_the_devices_are_the_targets(monkeypatch):
 def test_a_rows_runs_go_through_plan_json_and_a_row_without_them_writes_as_before():
   plain = _row()
   assert "measured" not in plain.to_json() and Row.from_json(plain.to_json()) == plain
-  ran = dataclasses.replace(plain, measured=(Measured(8, 0.191, 3_470_000_000), Measured(13, None, None, "OOM")))
+  runs = (Measured(8, 0.191, 3_470_000_000), Measured(13, None, None, "OOM"))
+  ran = dataclasses.replace(plain, measured=runs)
   written = json.loads(json.dumps(ran.to_json()))
   assert written["measured"] == [{"batch": 8, "step_s": 0.191, "peak_bytes": 3_470_000_000, "error": None},
                                  {"batch": 13, "step_s": None, "peak_bytes": None, "error": "OOM"}]
@@ -104,9 +105,9 @@ def test_measure_runs_each_fitting_one_program_row_and_a_searchs_largest_each_in
   request = PlanRequest("m:f", "v5e:1x1", batch=8)
   done = measured_plan(plan, request, said.append)
   assert jobs == [("measure", "zero1", 8), ("measure", "zero1", 13)]
-  assert done.rows[0].measured == (Measured(8, 0.191, 7), Measured(13, None, error="the run's process failed: "
-                                                                                    "Killed"))
-  assert done.rows[1:] == rows[1:] and said[1] == "ran zero1 (one) at micro-batch 8: 191.0 ms, the median of 8"
+  failed = Measured(13, None, error="the run's process failed: Killed")
+  assert done.rows[0].measured == (Measured(8, 0.191, 7), failed) and done.rows[1:] == rows[1:]
+  assert said[1] == "ran zero1 (one) at micro-batch 8: 191.0 ms, the median of 8"
 
 
 def _settings():
