@@ -119,8 +119,8 @@ def not_the_target(local: LocalDevices | None, topology: str, slices: int = ONE_
 
 
 def devices_for(request: PlanRequest, measure: bool = False) -> LocalDevices | None:
-  """This machine's devices where they are the request's target's chips (jax asked only where their
-  device files are: :func:`chips_may_be_here`); None where they are not.
+  """This machine's devices where they are the request's target's chips (jax asked with ``measure``, or
+  where their device files are: :func:`chips_may_be_here`); None where they are not.
 
   Raises:
     PlanError: ``measure`` (``--measure``) and the devices are not the target's, or a ``maxtext:`` model
@@ -129,7 +129,8 @@ def devices_for(request: PlanRequest, measure: bool = False) -> LocalDevices | N
   if measure and request.model_ref.kind == "maxtext":
     raise PlanError("--measure runs the planner's own step; a maxtext: model's runs in MaxText's engine "
                     "(time it with MaxText's train)")
-  local = local_devices() if chips_may_be_here(request.platform) else None
+  # --measure always asks (a refusal names what jax sees); a plan only where the chips' device files are.
+  local = local_devices() if measure or chips_may_be_here(request.platform) else None
   why = not_the_target(local, request.topology, request.slices)
   if why and measure:
     raise PlanError(f"--measure runs each row's step on this machine's devices, which must be the target's: "
