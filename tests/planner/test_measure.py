@@ -49,8 +49,8 @@ def test_measure_is_refused_in_one_line_where_the_devices_are_not_the_targets(ca
   assert main(["--model", "tests.support.planner_toys:tiny_lm", "--topology", "v5e:1x1", "--measure"]) == 2
   said = capsys.readouterr().err.strip().splitlines()
   assert len(said) == 1 and re.fullmatch(
-      r"nnx_zero1.plan: --measure runs each row's step on this machine's devices, which must be the target's: "
-      r"this machine's devices are \d+ x 'cpu' \(cpu\), not v5e:1x1's 1 v5e", said[0]), said
+      r"nnx_zero1.plan: --measure runs each row's step on this machine's devices, which must be the "
+      r"target's: this machine's devices are \d+ x 'cpu' \(cpu\), not v5e:1x1's 1 v5e", said[0]), said
   with pytest.raises(PlanError, match="maxtext: model's runs in MaxText's engine"):
     devices_for(PlanRequest("maxtext:qwen3-0.6b", "v5e:1x1"), measure=True)
   # Without --measure, a plan here goes on as it did: compiled for a compile-only topology.
