@@ -90,21 +90,19 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   """
   import jax
   import numpy as np
-  from flax import nnx
   from jax.sharding import AxisType, Mesh
 
   from nnx_zero1_plan import (
     CHIPS,
     LEVERS,
-    OPTIMIZERS,
     abstract_batch,
     chip_of,
     dump_options,
-    lever_state,
-    make_optimizer,
     memory,
     model_source,
+    placed_state,
     predict_step_time,
+    run_steps,
     scheduled_seconds,
     step_jit,
   )
@@ -114,11 +112,7 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   mesh = Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
   lever = LEVERS[lever_name]
   source = model_source(model)
-  abstract = lever_state(lever, lambda: source.build(None), optimizer, mesh)
-  with jax.set_mesh(mesh):
-    built = source.build(None)
-    state = nnx.state((built, make_optimizer(lever, built, OPTIMIZERS[optimizer](), mesh)))
-  state = jax.device_put(state, abstract.shardings)
+  abstract, state = placed_state(lever, lambda: source.build(None), optimizer, mesh)
   spec = abstract_batch(lever, mesh, batch, seq_len, ga)
   ids = np.random.default_rng(0).integers(0, 1000, spec.shape, dtype=np.int32)
   tokens = jax.device_put(ids, spec.sharding)
@@ -149,19 +143,13 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
     row["predicted_ms"] = None if predicted["predicted_step_s"] is None else round(
         1000 * predicted["predicted_step_s"], 2)
     row["time_absent"] = predicted["time_absent"]
-  times, row["run_error"] = [], None
-  try:
-    for _ in range(steps):
-      start = time.perf_counter()
-      state, loss = compiled(state, tokens)
-      loss.block_until_ready()
-      times.append(time.perf_counter() - start)
-    row["loss"] = float(loss)
-  except Exception as e:  # the allocator's out-of-memory is a JaxRuntimeError; keep any error's first line
-    row["run_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-  timed = sorted(times[1:] or times)  # the first step may include the allocator's growth
-  row["step_ms"] = round(1000 * timed[len(timed) // 2], 2) if timed else None
-  row["steps_ms"] = [round(1000 * t, 3) for t in times]
+  # The first step may include the allocator's growth: the median of those after it.
+  state, runs = run_steps(compiled, state, tokens, warmup=1, timed=steps - 1)
+  row["run_error"] = runs.error
+  if runs.loss is not None and runs.error is None:
+    row["loss"] = runs.loss
+  row["step_ms"] = None if runs.step_s is None else round(1000 * runs.step_s, 2)
+  row["steps_ms"] = [round(1000 * t, 3) for t in runs.times_s]
   if keep and row["run_error"] is None:
     state, ops = _profile(compiled, state, tokens, 3)
     with open(os.path.join(keep, f"{name}.ops.json"), "w") as f:

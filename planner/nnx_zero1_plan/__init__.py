@@ -51,6 +51,7 @@ from nnx_zero1_plan.compilers import AotUnavailable, require_libtpu, start_cpu_j
 from nnx_zero1_plan.depth import WHOLE_OVER_ESTIMATE_UP_TO
 from nnx_zero1_plan.inputs import ONE_SLICE, SMALLEST_MICRO_BATCH, PlanError, parse_overrides
 from nnx_zero1_plan.levers import LEVERS, Lever
+from nnx_zero1_plan.local import devices_for, plan_here
 from nnx_zero1_plan.request import DEFAULT_DEPTHS, SETTING_DEFAULTS, PlanRequest
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
@@ -61,6 +62,7 @@ from nnx_zero1_plan.table import collective_cell
 # each imported from its module when first asked for, as those modules import jax and plan()'s caller never
 # does. Documented in docs/planner.md ("Your own loop").
 _ON_FIRST_USE = {"OPTIMIZERS": "steps", "make_optimizer": "steps", "lever_state": "steps",
+                 "placed_state": "steps", "run_steps": "steps", "StepRuns": "steps",
                  "abstract_batch": "steps", "step_jit": "steps", "compile_step": "steps",
                  "compile_split": "steps", "AbstractState": "abstract", "with_state_homes": "abstract",
                  "abstract_bytes_per_device": "abstract", "bytes_by_memory_kind": "abstract",
@@ -217,6 +219,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "micro-batch all-reduces its gradients)")
   p.add_argument("--search", action="store_true", help="also find each lever's largest micro-batch that fits "
                  "(from --batch up, a few compiles per lever), and recommend by it")
+  p.add_argument("--measure", action="store_true", help="where this machine's devices are the target's "
+                 "chips: also run each fitting row's one-program step (and a search's largest) for "
+                 "2 + 8 steps, and print the median step time and the allocator's peak beside the predicted")
   p.add_argument("--margin", type=float, help="share of the memory to leave free (default: the "
                  "backend's reserve, what a run needs beyond the compiler's figure: TPU none, GPU 256 MiB)")
   p.add_argument("--gpu-memory-fraction", type=float, help="GPU targets: the XLA_PYTHON_CLIENT_MEM_FRACTION "
@@ -272,8 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   log = None
   try:
     request = request_of(args)
-    compilers.start_cpu_jax()  # the command line's process is the planner's own
-    from nnx_zero1_plan.run import make_plan  # jax's, imported once this process is prepared for it
+    # Where the target's chips are this machine's, they are compiled for (and run on) in child processes,
+    # one at a time; elsewhere this process is the planner's own, kept on jax's CPU backend.
+    here = devices_for(request, measure=args.measure)
+    if here is None:
+      compilers.start_cpu_jax()
+      from nnx_zero1_plan.run import make_plan  # jax's, imported once this process is prepared for it
 
     log = _compiler_log(args.out)
     with compilers.compiler_messages_to(log) as terminal:
@@ -281,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       # A search runs a few compiles per lever: a bar counts them, the lines go above it.
       bar = (tqdm.tqdm(desc="nnx_zero1.plan: search", unit=" compiles", file=terminal, disable=None)
              if args.search else None)  # disable=None: no bar where stderr is not a terminal
-      result = make_plan(request, progress=say)
+      result = (make_plan(request, progress=say) if here is None
+                else plan_here(request, progress=say, measure=args.measure))
   except (PlanError, AotUnavailable) as e:
     stream[0] = sys.stderr
     if args.traceback:

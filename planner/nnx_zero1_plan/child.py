@@ -29,12 +29,15 @@ MARK = "nnx_zero1_plan.child:"  # starts every line of the protocol on the plann
 _ERRORS = {"PlanError": PlanError, "AotUnavailable": compilers.AotUnavailable}
 
 
-def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
+def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None = None,
+                  local: bool = False) -> Plan:
   """Runs ``request`` in a planning process; this process's environment, files and jax are left alone.
 
   Args:
     request: the plan's settings.
     progress: called with each progress line as the planning process reports it.
+    local: compile for this machine's own devices, the target's chips (the planning process keeps the
+      caller's environment, its chips visible: :func:`nnx_zero1_plan.targets.local_target`).
 
   Returns:
     The :class:`Plan`, as the command line would print and write it.
@@ -45,8 +48,9 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
   """
   # This process's import path, so a ``package.module:function`` model the caller can import, it can too.
   path = [os.getcwd() if entry == "" else entry for entry in sys.path]
-  env = {**compilers.prepare_planning_process(os.environ), "PYTHONPATH": os.pathsep.join(path)}
-  command = [sys.executable, "-m", "nnx_zero1_plan.child"]
+  own = compilers.prepare_planning_process(os.environ)  # a stale libtpu lockfile removed too
+  env = {**(os.environ if local else own), "PYTHONPATH": os.pathsep.join(path)}
+  command = [sys.executable, "-m", "nnx_zero1_plan.child", *(["--local"] if local else [])]
   other: list[str] = []
   result = None
   with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -80,7 +84,7 @@ def main() -> int:
 
   try:
     request = PlanRequest.from_json(sys.stdin.read())
-    result = make_plan(request, progress=lambda line: _say({"progress": line}))
+    result = make_plan(request, progress=lambda line: _say({"progress": line}), local="--local" in sys.argv)
   except Exception as e:  # every failure goes back to the caller, who raises it
     _say({"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}})
     return 1

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["StepTime", "Figures", "Made", "Point", "Searched", "OffloadPoint", "Offloaded", "Row",
+__all__ = ["StepTime", "Figures", "Made", "Point", "Searched", "OffloadPoint", "Offloaded", "Measured", "Row",
            "PER_LAYER", "AT_EDGE"]
 
 
@@ -277,6 +277,24 @@ class Offloaded:
 
 
 @dataclasses.dataclass(frozen=True)
+class Measured:
+  """One step run on the local devices (``--measure``): a few steady steps of the compiled program.
+
+  Attributes:
+    batch: the global micro-batch it ran at (the row's, or a searched one).
+    step_s: the median of the timed steps, in seconds (None: it did not run).
+    peak_bytes: the allocator's ``peak_bytes_in_use`` on the first device after the steps (None: not
+      reported); it holds the state and what the runtime kept, not always the program's temporaries.
+    error: why it did not run, in one line (None: it ran).
+  """
+
+  batch: int
+  step_s: float | None
+  peak_bytes: int | None = None
+  error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Row:
   """One lever's step compiled for the target, as plan.json's row.
 
@@ -298,6 +316,8 @@ class Row:
     remat: the remat policy compiled under (None: the model's own).
     searched: what the search for the largest micro-batch found (None: no search).
     offloaded: what the search for the share to offload found (None: not the ``offload-fraction`` lever).
+    measured: the runs on the local devices (``--measure``): the row's micro-batch, then a searched one's
+      (None: not run; plan.json has no ``measured`` then).
   """
 
   lever: str
@@ -316,6 +336,7 @@ class Row:
   remat: str | None = None
   searched: Searched | None = None
   offloaded: Offloaded | None = None
+  measured: tuple[Measured, ...] | None = None
 
   def to_json(self) -> dict[str, Any]:
     """plan.json's row: every record's fields side by side (:class:`Made`'s notes where they are set, a
@@ -334,7 +355,8 @@ class Row:
     made = {k: v for k, v in dataclasses.asdict(self.made).items() if v is not None or k not in _WHEN_SET}
     found = {k: _listed(v) for record in (self.searched, self.offloaded) if record is not None
              for k, v in dataclasses.asdict(record).items()}
-    return {**own, **dataclasses.asdict(self.figures), **made, **found}
+    ran = {} if self.measured is None else {"measured": [dataclasses.asdict(m) for m in self.measured]}
+    return {**own, **dataclasses.asdict(self.figures), **made, **found, **ran}
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Row:
@@ -351,8 +373,9 @@ class Row:
     searched = Searched.from_json(fields) if "max_micro_batch" in fields else None
     offloaded = Offloaded.from_json(fields) if "offload_fraction" in fields else None
     own = {k: fields[k] for k in _OWN if k in fields}
+    measured = None if "measured" not in fields else tuple(Measured(**m) for m in fields["measured"])
     return cls(**own, figures=Figures(**pick(Figures)), made=Made(**pick(Made)), searched=searched,
-               offloaded=offloaded)
+               offloaded=offloaded, measured=measured)
 
   @property
   def estimated(self) -> bool:
@@ -380,7 +403,8 @@ def _listed(value: Any) -> Any:
 _POINT_TIME = frozenset(_names(Point, "only_when_set"))
 
 
-_RECORDS = ("figures", "made", "searched", "offloaded")
+_RECORDS = ("figures", "made", "searched", "offloaded", "measured")
 _OWN = tuple(f.name for f in dataclasses.fields(Row) if f.name not in _RECORDS)
 _WHEN_SET = frozenset(_names(Made, "only_when_set"))
-_KNOWN = frozenset((*_OWN, *_names(Figures), *_names(Made), *_names(Searched), *_names(Offloaded)))
+_KNOWN = frozenset((*_OWN, *_names(Figures), *_names(Made), *_names(Searched), *_names(Offloaded),
+                    "measured"))

@@ -159,7 +159,8 @@ def _way_out(compiler: RowCompiler, request: PlanRequest, resolved: PlanRequest,
                                           activation_sharding=meta.activation_sharding))
 
 
-def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
+def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = None,
+              local: bool = False) -> Plan:
   """Compiles every lever's training step for the request's topology in this process, which it keeps on
   jax's CPU backend and expects prepared for the compilers (the command line's, after
   :func:`nnx_zero1_plan.compilers.start_cpu_jax`, or the planning process :func:`nnx_zero1_plan.plan` starts).
@@ -167,6 +168,8 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   Args:
     request: the plan's settings, checked.
     progress: called with one line as each compile starts and ends, and after each lever.
+    local: compile for this process's own devices, the target's chips
+      (:func:`nnx_zero1_plan.targets.local_target`), jax left on them.
 
   Returns:
     The :class:`~nnx_zero1_plan.result.Plan`.
@@ -176,14 +179,16 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
       that cannot apply, a topology libtpu does not know).
     AotUnavailable: the target's compiler is not installed.
   """
-  compilers.keep_jax_on_cpu()
+  if not local:
+    compilers.keep_jax_on_cpu()
   maxtext = request.model_ref.kind == "maxtext"
   # MaxText writes under its base_output_directory: a folder made for this plan and removed after it.
   with output_directory() if maxtext else contextlib.nullcontext() as maxtext_out:
-    return _planned(request, progress, maxtext_out)
+    return _planned(request, progress, maxtext_out, local)
 
 
-def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxtext_out: str | None) -> Plan:
+def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxtext_out: str | None,
+             local: bool = False) -> Plan:
   """:func:`make_plan`'s plan, MaxText writing under ``maxtext_out`` (None for a model that is not
   ``maxtext:``)."""
   maxtext = maxtext_out is not None
@@ -193,7 +198,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
     blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
   compiler_name = require_compiler(request.platform)
   target = make_target(request.topology, request.gpu_memory_fraction, request.slices,
-                       parsed=request.topology_ref)
+                       parsed=request.topology_ref, local=local)
   if not maxtext:
     plans = {p: on_devices(m, target) for p, m in plans.items()}
   batch, batch_default = _micro_batch(request, None if maxtext else plans[policies[0]], target)

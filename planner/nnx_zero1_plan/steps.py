@@ -10,6 +10,8 @@ gradients in, the state donated).
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,7 +36,7 @@ from nnx_zero1_plan.levers import Lever, state_axes, summed_over
 __all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batch",
            "train_step",
            "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",
-           "lever_state"]
+           "lever_state", "placed_state", "StepRuns", "run_steps"]
 
 
 # The --optimizer menu as transformations, the planner's and the benchmarks' one: each takes the learning
@@ -226,3 +228,83 @@ def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: M
                          grads_compiled.output_shardings[0])
     update_compiled = update_jit.lower(state.state, grads).compile(compiler_options)
   return grads_compiled, update_compiled, time.perf_counter() - start
+
+
+def placed_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, mesh: Mesh) -> tuple[Any, Any]:
+  """The lever's model and optimizer built for real and placed on the mesh's devices, as a run starts.
+
+  Returns:
+    ``(abstract, state)``: the :class:`~nnx_zero1_plan.abstract.AbstractState` (the graph and shardings
+    :func:`step_jit` takes) and the state's arrays on those shardings.
+
+  Example::
+
+    abstract, state = placed_state(LEVERS["zero1"], lambda: source.build(None), "adamw", mesh)
+  """
+  abstract = lever_state(lever, build_model, optimizer, mesh)
+  with jax.set_mesh(mesh):
+    model = build_model()
+    state = nnx.state((model, make_optimizer(lever, model, OPTIMIZERS[optimizer](), mesh)))
+  return abstract, jax.device_put(state, abstract.shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRuns:
+  """What :func:`run_steps` measured.
+
+  Attributes:
+    step_s: the median of the timed steps, in seconds (None: none ran).
+    times_s: every step's seconds, the warm-up steps first.
+    peak_bytes: the allocator's ``peak_bytes_in_use`` on the first device after the steps (None where the
+      backend does not report it: a CPU).
+    loss: the last step's loss (None: none ran).
+    error: why the steps stopped, in one line (None: every step ran).
+  """
+
+  step_s: float | None
+  times_s: tuple[float, ...]
+  peak_bytes: int | None
+  loss: float | None
+  error: str | None
+
+
+def run_steps(compiled: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch: Any, *, warmup: int = 2,
+              timed: int = 8) -> tuple[Any, StepRuns]:
+  """Runs a compiled step ``warmup + timed`` times on its devices and times each to its loss being ready.
+
+  The first steps carry the allocator's growth and the program's first load, so only the ``timed`` ones
+  after them count, by their median. An error (the allocator's out-of-memory) stops the steps and is kept
+  in one line, not raised: a measurement says what ran.
+
+  Args:
+    compiled: ``(state, batch) -> (state, loss)``, the state donated (:func:`step_jit`, compiled).
+    state: its first state, on the devices.
+    batch: one step's batch, on the devices.
+    warmup: steps run first, not counted.
+    timed: steps counted.
+
+  Returns:
+    ``(state, runs)``: the state after the last step that ran, and :class:`StepRuns`.
+
+  Example::
+
+    compiled = step_jit(abstract.graphdef, abstract.shardings, tokens.sharding, lever, loss_fn, 1).lower(
+        state, tokens).compile()
+    state, runs = run_steps(compiled, state, tokens)   # runs.step_s: the median of 8 steady steps
+  """
+  times: list[float] = []
+  loss, error = None, None
+  try:
+    for _ in range(warmup + timed):
+      start = time.perf_counter()
+      state, loss = compiled(state, batch)
+      loss.block_until_ready()
+      times.append(time.perf_counter() - start)
+  except Exception as e:  # the allocator's out-of-memory is a JaxRuntimeError; any error is the run's answer
+    error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+  counted = times[warmup:] or times
+  first = min(jax.tree.leaves(batch)[0].devices(), key=lambda d: d.id)
+  stats = first.memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return state, StepRuns(statistics.median(counted) if counted else None, tuple(times),
+                         None if peak is None else int(peak), None if loss is None else float(loss), error)

@@ -18,7 +18,7 @@ __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", 
            "time_cells",
            "header",
            "cells", "edge_cells", "split_words", "way_out_lines", "table", "limit_words",
-           "recommendation_lines", "markdown"]
+           "recommendation_lines", "markdown", "MEASURED_HEADER", "measured_cells"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "args GiB", "temp GiB",
           "peak GiB", "args+temp GiB", "usable GiB", "fits", "max micro-batch", "step ms (pred.)",
@@ -250,6 +250,37 @@ def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
   return out
 
 
+MEASURED_HEADER = ("lever", "step", "micro-batch", "step ms (pred.)", "step ms (measured)",
+                   "pred. vs measured", "peak GiB (compiler)", "peak GiB (allocator)", "note")
+_MEASURED_TITLE = ("Run on this machine's devices (--measure): the median of the steady steps, and the "
+                   "allocator's peak_bytes_in_use after them (the state and what the runtime kept)")
+
+
+def measured_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
+  """Each run of ``--measure`` beside the plan's prediction at its micro-batch (:data:`MEASURED_HEADER`).
+
+  Example::
+
+    >>> from nnx_zero1_plan.row import Figures, Made, Measured
+    >>> f = Figures(peak_bytes_per_device=15 * 2**30, predicted_step_s=0.2348)
+    >>> row = Row("zero1", "one", "v5e:1x1", "TPU", {"data": 1}, "m", 8, f, Made(depth=2), 1, 1, True,
+    ...           measured=(Measured(8, 0.191, 3 * 2**30),))
+    >>> measured_cells([row])
+    [('zero1', 'one', '8', '234.8', '191.0', '+23%', '15.00', '3.00', '')]
+  """
+  out: list[tuple[str, ...]] = []
+  for r in rows:
+    for run in r.measured or ():
+      at = (r.searched.at_max if r.searched is not None and r.searched.at_max is not None
+            and run.batch != r.batch else r.figures)
+      predicted, measured = at.predicted_step_s, run.step_s
+      error = "-" if not (predicted and measured) else f"{predicted / measured - 1:+.0%}"
+      out.append((r.lever, r.step, str(run.batch), *time_cells(predicted, None, None)[:1],
+                  *time_cells(measured, None, None)[:1], error, _gib(at.peak_bytes_per_device),
+                  _gib(run.peak_bytes), (run.error or "")[:100]))
+  return out
+
+
 def _aligned(header: Sequence[str], body: Sequence[Sequence[str]], left: Sequence[int]) -> str:
   widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
   line = lambda row: "  ".join(c.ljust(w) if i in left else c.rjust(w)
@@ -297,6 +328,9 @@ def table(rows: Sequence[Row], wide: bool = True) -> str:
   if edges:
     text += "\n\nAt each lever's largest micro-batch (the compiler's figures):\n" + _aligned(
         EDGE_HEADER, edges, (0, 1, len(EDGE_HEADER) - 1))
+  runs = measured_cells(rows)
+  if runs:
+    text += f"\n\n{_MEASURED_TITLE}:\n" + _aligned(MEASURED_HEADER, runs, (0, 1, len(MEASURED_HEADER) - 1))
   return text
 
 
@@ -441,6 +475,9 @@ def markdown(settings: Mapping[str, Any], rows: Sequence[Row], steps: Sequence[s
     edges = edge_cells(rows)
     if edges:
       lines += ["", "## At each lever's largest micro-batch", ""] + _markdown_table(EDGE_HEADER, edges)
+    runs = measured_cells(rows)
+    if runs:
+      lines += ["", "## Measured", "", _MEASURED_TITLE + "."] + _markdown_table(MEASURED_HEADER, runs)
     lines += time_lines(rows) + search_lines(rows)
   lines += closing
   if steps:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 from nnx_zero1_plan import compilers
@@ -15,7 +16,8 @@ from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION, target_co
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, Topology, parse_topology
 
 __all__ = ["Target", "GPU_SCHEDULER_FRACTION", "JAX_GPU_POOL_FRACTION", "CUDA_CONTEXT_BYTES",
-           "DEFAULT_RESERVE_BYTES", "gpu_pool_bytes", "usable_bytes", "make_target", "require_compiler"]
+           "DEFAULT_RESERVE_BYTES", "gpu_pool_bytes", "usable_bytes", "available_hbm", "local_target",
+           "make_target", "require_compiler"]
 
 # XLA's GPU compiler schedules a program for the device memory it is told: on a GPU, jax's memory pool (the
 # allocator's bytes_limit); deviceless, 80% of the target's device_memory_size (its "base limit"). Measured
@@ -122,9 +124,38 @@ def gpu_pool_bytes(chip: str, fraction: float = JAX_GPU_POOL_FRACTION) -> int:
   return int(fraction * (GPU_CHIPS[chip].memory_bytes - CUDA_CONTEXT_BYTES))
 
 
+# The HBM the TPU compiler says is available, as it words a refusal: "... exceeds available HBM (15.75G)"
+# (libtpu with the CompileTimeHbmOom code, or without it), "Used 2.00T of 15.75G hbm" (older).
+_AVAILABLE = re.compile(r"available HBM \((?P<n>[\d.]+)(?P<u>[KMGT])\)"
+                        r"|Used \S+ of (?P<n2>[\d.]+)(?P<u2>[KMGT]) hbm")
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def available_hbm(message: str) -> int | None:
+  """The available HBM a TPU compiler's out-of-memory refusal names, in bytes (None: it names none).
+
+  Example::
+
+    >>> available_hbm("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    ...               "temporaries (2.00T) exceeds available HBM (15.75G)")
+    16911433728
+    >>> available_hbm("Used 2.00T of 15.48G hbm. Exceeded hbm capacity by 1.98T."), available_hbm("other")
+    (16621523435, None)
+  """
+  m = _AVAILABLE.search(message)
+  if m is None:
+    return None
+  number, unit = (m["n"], m["u"]) if m["n"] else (m["n2"], m["u2"])
+  return int(float(number) * _UNIT[unit])
+
+
 @functools.cache
 def _tpu_usable_bytes(topology: str) -> int:
-  """The HBM a program may use on one chip, from the TPU compiler's refusal of one that cannot fit."""
+  """The HBM a program may use on one chip, from the TPU compiler's refusal of one that cannot fit.
+
+  Raises:
+    PlanError: the compiler's refusal names no available HBM (its first line in the message).
+  """
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -137,16 +168,46 @@ def _tpu_usable_bytes(topology: str) -> int:
                                                                          PartitionSpec()))
   try:
     jax.jit(lambda x: x + 1).lower(huge).compile()
-  except jax.errors.JaxRuntimeError as e:
+  except Exception as e:  # any refusal is read, or said in one line: never a traceback
     oom = hbm_oom(str(e))
-    if oom and oom["available_bytes"]:
-      return oom["available_bytes"]
-    raise
+    available = (oom or {}).get("available_bytes") or available_hbm(str(e))
+    if available:
+      return available
+    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    raise PlanError(f"cannot read the usable HBM of {topology} from the TPU compiler's refusal of a 1 TiB "
+                    f"program: {first[:300]}") from e
   raise PlanError(f"the TPU compiler accepted a 1 TiB program for {topology}; cannot read its usable HBM")
 
 
+def local_target(topology: str, slices: int = ONE_SLICE) -> Target:
+  """``topology``'s chips where they are this process's own devices (``jax.devices()``): compiled for, and
+  run on, as they are; the memory a program may use is the allocator's ``bytes_limit`` on the first.
+
+  Raises:
+    PlanError: this process's devices are not the topology's chips (platform, kind or count).
+
+  Example::
+
+    target = local_target("v5e:1x1")   # on a one-chip TPU v5e VM: 16,909,336,064 B usable
+  """
+  import jax
+
+  from nnx_zero1_plan.local import LocalDevices, not_the_target
+
+  platform, chip, _ = parse_topology(topology, GPU_CHIPS)
+  devices = tuple(jax.devices())
+  why = not_the_target(LocalDevices.of(devices), topology, slices)
+  if why:
+    raise PlanError(f"cannot compile for this machine's devices: {why}")
+  limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+  if limit is None:
+    raise PlanError(f"this machine's {devices[0].device_kind} reports no bytes_limit in memory_stats()")
+  return Target(topology, platform, chip, devices, int(limit),
+                "the local device's allocator (memory_stats()'s bytes_limit)")
+
+
 def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION, slices: int = ONE_SLICE, *,
-                parsed: Topology | None = None) -> Target:
+                parsed: Topology | None = None, local: bool = False) -> Target:
   """The target ``topology`` names, its devices and usable memory per device (the compiler loaded).
 
   Args:
@@ -155,6 +216,7 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
       of the device memory, which the compiler plans for (the planning process's own setting is not read).
     slices: TPU slices of ``topology`` joined over the data-center network (libtpu's ``num_slices``).
     parsed: ``topology`` parsed already (a :class:`~nnx_zero1_plan.request.PlanRequest`'s ``topology_ref``).
+    local: the chips are this process's own devices (:func:`local_target`), not a compile-only topology.
 
   Raises:
     PlanError: the topology is unknown (to the planner, or to libtpu).
@@ -164,6 +226,8 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
     target = make_target("h100:2x8")   # 16 H100s on two nodes, deviceless
     target = make_target("v5e:2x4", slices=2)   # two 8-chip slices joined over the data-center network
   """
+  if local:
+    return local_target(topology, slices)
   platform, chip, shape = parsed or parse_topology(topology, GPU_CHIPS)
   if platform == "tpu":
     devices = _tpu_devices(topology, slices)

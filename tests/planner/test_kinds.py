@@ -30,6 +30,9 @@ ENTRY_POINTS = {
     ("__init__", "compile_only_devices"): {f"{PACKAGE}.targets"},  # a user asks for the compiler's devices
     ("child", "main"): {f"{PACKAGE}.run"},  # the planning process plan() starts
     ("compilers", "keep_jax_on_cpu"): {"jax"},  # starts jax, in the planning process only
+    ("local", "main"): {"jax"},  # a child that asks jax which devices it sees
+    # a child that runs one row's step on this machine's chips (--measure)
+    ("local", "measure_one"): {"jax", f"{PACKAGE}.planned_model", f"{PACKAGE}.steps", f"{PACKAGE}.targets"},
 }
 
 # The optimizer's private names reach the planner through one module made for it; MaxText's engine is read

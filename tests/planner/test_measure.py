@@ -1,0 +1,137 @@
+"""``--measure`` and the plan where the target's chips are this machine's (issue 67): everything but a run on
+the chip. The refusal where the local devices are not the target's (this machine has CPUs only), the flag,
+a row's runs through plan.json and the table, the runs' orchestration, and the step runner itself, which is
+device-agnostic, on CPU devices."""
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from nnx_zero1_plan import LEVERS, PlanError, PlanRequest, main, parse_args
+from nnx_zero1_plan import local as local_module
+from nnx_zero1_plan.local import LocalDevices, devices_for, measured_batches, measured_plan, not_the_target
+from nnx_zero1_plan.result import Plan
+from nnx_zero1_plan.row import Figures, Made, Measured, Point, Row, Searched
+from nnx_zero1_plan.settings import PlanSettings
+from nnx_zero1_plan.table import markdown, table
+
+V5E = LocalDevices("tpu", "TPU v5 lite", 1)
+
+
+def _row(lever="zero1", fits=True, step="one", **changed):
+  figures = Figures(peak_bytes_per_device=14 * 2**30, predicted_step_s=0.2348, compile_s=1.0)
+  return Row(lever, step, "v5e:1x1", "TPU v5 lite", {"data": 1}, "m:f", 8, figures, Made(depth=2),
+             16_909_336_064, 16_909_336_064, fits, **changed)
+
+
+def test_the_flag_is_off_unless_asked():
+  argv = ["--model", "m:f", "--topology", "v5e:1x1"]
+  assert parse_args(argv).measure is False and parse_args([*argv, "--measure"]).measure is True
+
+
+def test_local_devices_are_the_targets_only_by_platform_kind_and_count():
+  assert not_the_target(V5E, "v5e:1x1") is None
+  assert not_the_target(LocalDevices("tpu", "TPU v5 lite", 4), "v5e:2x2") is None
+  assert "1 x 'TPU v5 lite' (tpu), not v5e:2x2's 4 v5e" in not_the_target(V5E, "v5e:2x2")
+  assert "not v6e:1x1's 1 v6e" in not_the_target(V5E, "v6e:1x1")
+  assert "not v5e:1x1's 2 v5e" in not_the_target(LocalDevices("tpu", "TPU v5 lite", 1), "v5e:1x1", slices=2)
+  assert "2 x 'cpu' (cpu)" in not_the_target(LocalDevices("cpu", "cpu", 2), "v5e:1x1")
+  assert "jax sees no CUDA devices" in not_the_target(None, "h100:8")
+
+
+def test_measure_is_refused_in_one_line_where_the_devices_are_not_the_targets(capsys):
+  # This machine has CPUs only: a child asks jax which devices it sees.
+  assert main(["--model", "tests.support.planner_toys:tiny_lm", "--topology", "v5e:1x1", "--measure"]) == 2
+  said = capsys.readouterr().err.strip().splitlines()
+  assert len(said) == 1 and re.fullmatch(
+      r"nnx_zero1.plan: --measure runs each row's step on this machine's devices, which must be the "
+      r"target's: this machine's devices are \d+ x 'cpu' \(cpu\), not v5e:1x1's 1 v5e", said[0]), said
+  with pytest.raises(PlanError, match="maxtext: model's runs in MaxText's engine"):
+    devices_for(PlanRequest("maxtext:qwen3-0.6b", "v5e:1x1"), measure=True)
+  # Without --measure, a plan here goes on as it did: compiled for a compile-only topology.
+  assert devices_for(PlanRequest("m:f", "v5e:1x1")) is None
+
+
+def test_a_local_plan_compiles_where_the_devices_are_the_targets(monkeypatch):
+  monkeypatch.setattr(local_module, "chips_may_be_here", lambda platform: True)
+  monkeypatch.setattr(local_module, "local_devices", lambda: V5E)
+  assert devices_for(PlanRequest("m:f", "v5e:1x1"), measure=True) == V5E
+  with pytest.raises(PlanError, match="not v5e:2x2's 4 v5e"):
+    devices_for(PlanRequest("m:f", "v5e:2x2"), measure=True)
+  assert devices_for(PlanRequest("m:f", "v5e:2x2")) is None  # planned for the compile-only topology
+
+
+def test_a_rows_runs_go_through_plan_json_and_a_row_without_them_writes_as_before():
+  plain = _row()
+  assert "measured" not in plain.to_json() and Row.from_json(plain.to_json()) == plain
+  runs = (Measured(8, 0.191, 3_470_000_000), Measured(13, None, None, "OOM"))
+  ran = dataclasses.replace(plain, measured=runs)
+  written = json.loads(json.dumps(ran.to_json()))
+  assert written["measured"] == [{"batch": 8, "step_s": 0.191, "peak_bytes": 3_470_000_000, "error": None},
+                                 {"batch": 13, "step_s": None, "peak_bytes": None, "error": "OOM"}]
+  assert Row.from_json(written) == ran
+  assert {k: v for k, v in written.items() if k != "measured"} == plain.to_json()
+
+
+def test_the_table_prints_each_run_beside_the_prediction():
+  at_max = Point(13, True, peak_bytes_per_device=15 * 2**30, predicted_step_s=0.4443)
+  searched = Searched(13, 14, "OOM", None, (), at_max, None, (at_max,), 9.0)
+  ran = _row(searched=searched, measured=(Measured(8, 0.191, 3 * 2**30), Measured(13, 0.3476, 3 * 2**30)))
+  assert "measured" not in table([_row()]) and "Measured" not in markdown({}, [_row()], [])
+  text = table([ran], wide=False)
+  lines = text.splitlines()
+  head = next(i for i, line in enumerate(lines) if "step ms (measured)" in line)
+  assert lines[head + 2].split() == ["zero1", "one", "8", "234.8", "191.0", "+23%", "14.00", "3.00"]
+  assert lines[head + 3].split() == ["zero1", "one", "13", "444.3", "347.6", "+28%", "15.00", "3.00"]
+  assert "| zero1 | one | 8 | 234.8 | 191.0 | +23% | 14.00 | 3.00 |  |" in markdown({}, [ran], [])
+
+
+def test_measure_runs_each_fitting_one_program_row_and_a_searchs_largest_each_in_a_child(monkeypatch):
+  searched = Searched(13, 14, "OOM", None, (), Point(13, True), None, (), 9.0)
+  rows = [_row(searched=searched), _row("baseline", fits=False), _row(step="split")]
+  assert [measured_batches(r) for r in rows] == [(8, 13), (), ()]
+  jobs = []
+
+  def child(command, job, timeout):
+    jobs.append((command, job["lever"], job["batch"]))
+    return (None, "Killed") if job["batch"] == 13 else ({"batch": 8, "step_s": 0.191, "peak_bytes": 7}, "")
+
+  monkeypatch.setattr(local_module, "_child", child)
+  plan = Plan(rows, PlanSettings.from_json(_settings()), [])
+  said = []
+  request = PlanRequest("m:f", "v5e:1x1", batch=8)
+  done = measured_plan(plan, request, said.append)
+  assert jobs == [("measure", "zero1", 8), ("measure", "zero1", 13)]
+  failed = Measured(13, None, error="the run's process failed: Killed")
+  assert done.rows[0].measured == (Measured(8, 0.191, 7), failed) and done.rows[1:] == rows[1:]
+  assert said[1] == "ran zero1 (one) at micro-batch 8: 191.0 ms, the median of 8"
+
+
+def _settings():
+  kept = Path(__file__).resolve().parents[2] / "docs" / "data" / "tiny_lm_v5e_2slices" / "plan.json"
+  return json.loads(kept.read_text())["meta"]
+
+
+def test_the_step_runner_runs_a_compiled_step_on_cpu_devices():
+  from nnx_zero1_plan import abstract_batch, model_source, placed_state, run_steps, step_jit
+
+  mesh = jax.make_mesh((2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+  source = model_source("tests.support.planner_toys:tiny_lm")
+  lever = LEVERS["zero1"]
+  abstract, state = placed_state(lever, lambda: source.build(2), "adamw", mesh)
+  spec = abstract_batch(lever, mesh, 4, 16, 1)
+  tokens = jax.device_put(np.ones(spec.shape, np.int32), spec.sharding)
+  step = step_jit(abstract.graphdef, abstract.shardings, spec.sharding, lever, source.loss_fn, 1)
+  with jax.set_mesh(mesh):
+    compiled = step.lower(state, tokens).compile()
+  state, runs = run_steps(compiled, state, tokens, warmup=1, timed=3)
+  assert runs.error is None and len(runs.times_s) == 4 and runs.step_s == sorted(runs.times_s[1:])[1]
+  assert np.isfinite(runs.loss) and runs.loss > 0
+  # A step that cannot run (here: a batch of another shape) is the runs' answer, not an exception.
+  _, failed = run_steps(compiled, state, tokens[:, :2], warmup=0, timed=2)
+  assert failed.step_s is None and failed.error
