@@ -2,8 +2,9 @@
 # The accelerator measurements of docs/benchmarks.md and docs/planner.md, rerun with their raw output kept.
 #
 #   OUT=/tmp/device scripts/device_check.sh gpu      # one GPU (an H200): about 6 minutes
-#   OUT=/tmp/device scripts/device_check.sh tpu 1    # one TPU v5e chip, in two runs of under 10 minutes
-#   OUT=/tmp/device scripts/device_check.sh tpu 2    # then commit $OUT/* under docs/data/device_v5e/
+#   OUT=/tmp/device scripts/device_check.sh tpu 1    # one TPU v5e chip, in three runs of under 10 minutes
+#   OUT=/tmp/device scripts/device_check.sh tpu 2    # (each program's start and compile on the chip takes
+#   OUT=/tmp/device scripts/device_check.sh tpu 3    # about a minute); commit $OUT/* under docs/data/device_v5e/
 #
 # Each measurement writes its folder: the command, its stdout and stderr, its exit status and wall time;
 # versions.json says what ran. GPU: the compiler's figure against the allocator (two memory pools), each
@@ -18,7 +19,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out/device}
 PLATFORM=${1:-gpu}
 PART=${2:-1}
+D=examples.planner_decoder
 mkdir -p "$OUT"
+git rev-parse HEAD > "$OUT/commit" 2> /dev/null || true
 python -c "import jax, jaxlib, flax, optax, json, platform; print(json.dumps({'python': platform.python_version(), \
 'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'flax': flax.__version__, 'optax': optax.__version__, \
 'devices': [d.device_kind for d in jax.devices()]}))" > "$OUT/versions.json" 2>&1
@@ -47,19 +50,24 @@ if [ "$PLATFORM" = gpu ]; then
   keep h200_dp1_deterministic BATCH=4 GA=1,8 STEPS=8 WARMUP=1 ARMS=baseline,zero1 \
     bash scripts/bench_accelerator.sh qwen3-0.6b "$OUT/h200_dp1_deterministic/out"
 elif [ "$PART" = 1 ]; then
-  D=examples.planner_decoder
   keep chip_rates python -m benchmarks.chip_rates --out "$OUT/chip_rates/out"
   limit build_baseline "$D:build" baseline 8,4,13
   limit build_1b_baseline "$D:build_1b" baseline 2,4
   limit build_offload "$D:build" offload 4
   limit build_zero1 "$D:build" zero1 8
-  limit build_baseline_ga4 "$D:build" baseline 4 --ga 4
-  limit build_baseline_more "$D:build" baseline 10,12
-else
-  D=examples.planner_decoder
-  limit build_scanned_remat "$D:build_scanned" baseline 8,16
+elif [ "$PART" = 2 ]; then
+  keep chip_rates python -m benchmarks.chip_rates --out "$OUT/chip_rates/out"
+  limit build_scanned_remat "$D:build_scanned" baseline 8
   limit build_zero1_bf16state "$D:build" zero1-bf16state 8
   limit build_1b_zero1_master "$D:build_1b" zero1-master 2
   limit build_seq512 "$D:build" baseline 16 --seq-len 512
   limit build_seq2048 "$D:build" baseline 4 --seq-len 2048
+  limit build_baseline_ga4 "$D:build" baseline 4 --ga 4
+else
+  # The planner where the chips are: it compiles for this machine's chip and runs each fitting row's step.
+  keep plan_measure python -m nnx_zero1_plan --model "$D:build" --topology v5e:1x1 --batch 8 --seq-len 1024 \
+    --levers baseline,zero1 --steps one --measure --out "$OUT/plan_measure/out"
+  keep plan_v5e_2x2 timeout 120 python -m nnx_zero1_plan --model "$D:build" --topology v5e:2x2 --batch 8 \
+    --levers baseline --steps one --out "$OUT/plan_v5e_2x2/out"
+  limit build_baseline_more "$D:build" baseline 10,12
 fi
