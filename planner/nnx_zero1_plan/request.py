@@ -30,7 +30,7 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS
 
-__all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "STEPS", "PlanRequest",
+__all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "OPTIMIZER_MENU", "STEPS", "PlanRequest",
            "SETTING_DEFAULTS", "check_topology",
            "command_line"]
 
@@ -44,16 +44,18 @@ STEPS = {
 DEFAULT_STEP = "one"  # the step recommended where a plan has its rows (MaxText's engine has ``split`` only)
 DEFAULT_OPTIMIZER = "adamw"
 
-# --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes), as the
-# recommendation's code writes them; the compiled step's steps.OPTIMIZERS writes each out (checked against
-# this code by tests/planner/test_kinds.py).
-OPTIMIZER_CODE = {
-    "adamw": "optax.adamw(1e-5)",
-    "adam": "optax.adam(1e-5)",
-    "lion": "optax.lion(1e-6)",
-    "sgd": "optax.sgd(1e-3, momentum=0.9)",
-    "adafactor": "optax.adafactor(1e-3)",
+# --optimizer: optax's transformation of each name, at a typical fine-tuning rate (the rate changes no bytes),
+# with its fixed options: the one table behind the code the recommendation prints (OPTIMIZER_CODE) and the
+# transformation the step compiles (steps.OPTIMIZERS builds each from it).
+OPTIMIZER_MENU: dict[str, tuple[str, dict[str, float]]] = {
+    "adamw": ("1e-5", {}),
+    "adam": ("1e-5", {}),
+    "lion": ("1e-6", {}),
+    "sgd": ("1e-3", {"momentum": 0.9}),
+    "adafactor": ("1e-3", {}),
 }
+OPTIMIZER_CODE = {name: f"optax.{name}({', '.join([rate, *(f'{k}={v}' for k, v in fixed.items())])})"
+                  for name, (rate, fixed) in OPTIMIZER_MENU.items()}
 
 
 def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | None = None) -> Topology:

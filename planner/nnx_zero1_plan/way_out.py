@@ -25,7 +25,7 @@ from nnx_zero1_plan.levers import adds_memory, memory_twin
 from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.row import Row
 
-__all__ = ["Change", "Tried", "WayOut", "changes_to_try", "find_way_out", "next_steps"]
+__all__ = ["Change", "Tried", "WayOut", "changes_to_try", "find_way_out", "more_fsdp", "next_steps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,24 @@ class WayOut:
     return cls(tuple(Tried(**t) for t in fields["tried"]), None if found is None else Tried(**found))
 
 
+def more_fsdp(mesh: Mapping[str, int]) -> dict[str, int] | None:
+  """``mesh`` on the same chips with ``data`` halved and ``fsdp`` doubled, so parameters and gradients split
+  over twice the devices: the way out's and the hints' one rule.
+
+  Returns:
+    The wider mesh; None where the mesh has no ``fsdp`` axis or ``data`` does not halve.
+
+  Example::
+
+    >>> more_fsdp({"data": 4, "fsdp": 2}), more_fsdp({"data": 3, "fsdp": 1})
+    ({'data': 2, 'fsdp': 4}, None)
+  """
+  data = mesh.get("data", 1)
+  if "fsdp" not in mesh or data % 2:
+    return None
+  return {**mesh, "data": data // 2, "fsdp": 2 * mesh["fsdp"]}
+
+
 def changes_to_try(request: PlanRequest, mesh: Mapping[str, int], *, lever: str, batch_unit: int,
                    remat: str | None, named_axes: Sequence[str] = (),
                    host_memory: bool = True) -> list[Change]:
@@ -107,9 +125,8 @@ def changes_to_try(request: PlanRequest, mesh: Mapping[str, int], *, lever: str,
                         on(batch=smaller, ga=times * request.ga)))
   if remat is not None and request.remat in (None, "none"):
     out.append(Change(f"remat {remat}", on(remat=remat)))
-  wider = dict(mesh)
-  if "fsdp" in named_axes and wider.get("data", 1) % 2 == 0:
-    wider["data"], wider["fsdp"] = wider["data"] // 2, 2 * wider.get("fsdp", 1)
+  wider = more_fsdp(mesh)
+  if "fsdp" in named_axes and wider is not None:
     out.append(Change(f"fsdp={wider['fsdp']} (data={wider['data']}): parameters and gradients split too",
                       on(mesh=spelled_mesh(wider))))
   if host_memory:
@@ -182,9 +199,8 @@ def next_steps(rows: Sequence[Row], request: PlanRequest, levers: Sequence[str],
   temp = 0 if best is None else best.figures.temp_bytes_per_device or 0
   if best is not None:
     short = (peak(best) - best.hbm_bytes) / 2**30
-    mesh = dict(request.mesh_sizes)
-    if "fsdp" in mesh and mesh.get("data", 1) > 1:
-      mesh["data"], mesh["fsdp"] = mesh["data"] // 2, 2 * mesh["fsdp"]
+    mesh = more_fsdp(request.mesh_sizes)
+    if mesh is not None:
       steps.append(f"{best.lever} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
                    f"gradients too: {command_line(request, levers=[best.lever], mesh=spelled_mesh(mesh))}")
     if remat is not None and not request.remat:
