@@ -30,9 +30,8 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS
 
-__all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "OPTIMIZER_MENU", "STEPS", "PlanRequest",
-           "SETTING_DEFAULTS", "check_topology",
-           "command_line"]
+__all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "OPTIMIZER_MENU", "STEPS",
+           "PlanRequest", "SETTING_DEFAULTS", "check_topology", "command_line"]
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for an estimate (``estimate=True``) of a deeper model
 
