@@ -117,7 +117,7 @@ def _settings(request: PlanRequest, planned: PlannedModel, target: Target, rows:
   """plan.json's meta, from the request as resolved (``request``: its mesh and micro-batch set), the model's
   depth and dtypes, the target's memory and the compilers."""
   source = planned.source_at(request.resolved_batch)
-  layers = source.full_depth or next((int(row.figures.maxtext_config["num_decoder_layers"]) for row in rows
+  layers = source.full_depth or next((row.figures.maxtext_config.num_decoder_layers for row in rows
                                       if row.figures.maxtext_config), None)
   extrapolated = [row.made.depth_extrapolated_from for row in rows if row.made.depth_extrapolated_from]
   return PlanSettings.of(

@@ -139,8 +139,8 @@ def _tpu_usable_bytes(topology: str) -> int:
     jax.jit(lambda x: x + 1).lower(huge).compile()
   except jax.errors.JaxRuntimeError as e:
     oom = hbm_oom(str(e))
-    if oom and oom["available_bytes"]:
-      return oom["available_bytes"]
+    if oom and oom.available_bytes:
+      return oom.available_bytes
     raise
   raise PlanError(f"the TPU compiler accepted a 1 TiB program for {topology}; cannot read its usable HBM")
 
