@@ -27,7 +27,7 @@ from typing import Any
 
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
-from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, command_line
+from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.row import Point, Row
 
 __all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_batch_of", "fitted_at",
@@ -342,7 +342,7 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
   return best, at, why
 
 
-def recommend(rows: Sequence[Row], request: PlanRequest, *,
+def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
               activation_sharding: Mapping[str, Any] | str | None = None,
               step: str | None = None) -> Recommendation | None:
   """The configuration to run, by :data:`ORDER`, among the rows of one step shape.
@@ -350,8 +350,7 @@ def recommend(rows: Sequence[Row], request: PlanRequest, *,
   Args:
     rows: the plan's rows (a searched row stands at its edge); ``fits`` is within the usable memory (the
       reserve or the margin taken off).
-    request: the plan's request as resolved (its mesh and micro-batch set:
-      :meth:`~nnx_zero1_plan.request.PlanRequest.resolved`).
+    request: the plan's request as resolved (its mesh and micro-batch set).
     activation_sharding: a ``tunix:`` model's activation specs, for its printed code.
     step: the step shape to choose among (default: ``split`` for MaxText's engine, else ``one`` where
       there are such rows).
@@ -363,7 +362,7 @@ def recommend(rows: Sequence[Row], request: PlanRequest, *,
   if step is None:
     step = "split" if request.model_ref.kind == "maxtext" else DEFAULT_STEP
     step = step if step in shapes else (shapes[0] if shapes else step)
-  batch = request.resolved_batch
+  batch = request.batch
   same_step = [r for r in rows if r.step == step]
   skipped = [f"{r.lever} holds the baseline's optimizer state per device (its layout splits nothing): "
              "not a candidate" for r in same_step if splits_nothing(r, same_step)]
@@ -398,11 +397,11 @@ def recommend(rows: Sequence[Row], request: PlanRequest, *,
   return pick(best, best_micro, order=ORDER, why=why_picked(best, rivals, best_micro))
 
 
-def _recommendation(best: Row, micro: int, *, step: str, request: PlanRequest,
+def _recommendation(best: Row, micro: int, *, step: str, request: ResolvedRequest,
                     activation_sharding: Mapping[str, Any] | str | None, order: tuple[str, ...],
                     same_step: Sequence[Row], why: Sequence[str], skipped: Sequence[str]) -> Recommendation:
   """The pick as a :class:`Recommendation`: its code, its command, and the notes beside the order's."""
-  batch = request.resolved_batch
+  batch = request.batch
   unconfirmed = [f"{r.lever}'s edge is not confirmed ({r.searched.search_unfinished}): it fits at least "
                  f"{micro_batch_of(r, batch)}" for r in same_step
                  if r.searched is not None and r.searched.search_unfinished

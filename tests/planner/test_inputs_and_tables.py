@@ -459,7 +459,7 @@ def test_every_kept_plans_meta_reads_into_its_record_and_writes_back_byte_for_by
   for path in kept:
     written = json.loads(path.read_text())["meta"]
     settings = PlanSettings.from_json(written)
-    assert settings.batch == written["batch"] and settings.mesh == written["mesh"], path
+    assert settings.request.batch == written["batch"] and settings.request.mesh_sizes == written["mesh"], path
     # The same keys in the same order, each value as it was: plan.json's meta written again is the same text.
     assert json.dumps(settings.to_json(), indent=1) == json.dumps(written, indent=1), path
     assert PlanSettings.from_json(json.loads(json.dumps(settings.to_json()))) == settings
