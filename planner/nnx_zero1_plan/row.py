@@ -21,9 +21,20 @@ __all__ = ["StepTime", "OpCount", "Collectives", "StateSplit", "HbmOom", "MaxTex
            "Offloaded", "Row", "PER_LAYER", "AT_EDGE"]
 
 
-def _figure(*, per_layer: bool = False) -> Any:
-  """A :class:`Figures` field (None by default): whether an estimate extrapolates it per layer."""
-  return dataclasses.field(default=None, metadata={"per_layer": per_layer})
+def _figure(*, per_layer: bool = False, record: type | None = None) -> Any:
+  """A :class:`Figures` field (None by default): whether an estimate extrapolates it per layer, and the record
+  it is (plan.json's object read into it)."""
+  return dataclasses.field(default=None, metadata={"per_layer": per_layer, "record": record})
+
+
+def _read_records(record: Any) -> None:
+  """Each of ``record``'s fields that is a record of its own, where it holds plan.json's object, read into
+  that record (by its ``from_json``, or field by field)."""
+  for f in dataclasses.fields(record):
+    kind, value = f.metadata.get("record"), getattr(record, f.name)
+    if kind is not None and isinstance(value, Mapping):
+      read = kind.from_json(value) if hasattr(kind, "from_json") else kind(**value)
+      object.__setattr__(record, f.name, read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +73,6 @@ class StepTime:
   roofline_s: float | None
 
 
-def _record(kind: type, value: Any) -> Any:
-  """``value`` as a ``kind`` record: plan.json's object read into it (the records here read their own JSON);
-  a record, or None, as it is."""
-  if not isinstance(value, Mapping):
-    return value
-  return kind.from_json(value) if hasattr(kind, "from_json") else kind(**value)
-
-
 @dataclasses.dataclass(frozen=True)
 class OpCount:
   """One collective op kind's (or host transfer's) count and bytes on one device."""
@@ -80,7 +83,9 @@ class OpCount:
 
 def op_counts(by_op: Mapping[str, Any] | None) -> dict[str, OpCount] | None:
   """plan.json's ``{op: {"count", "bytes"}}`` as :class:`OpCount` s, in its order."""
-  return None if by_op is None else {op: _record(OpCount, c) for op, c in by_op.items()}
+  if by_op is None:
+    return None
+  return {op: OpCount(**c) if isinstance(c, Mapping) else c for op, c in by_op.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +232,7 @@ class Figures:
   opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _figure(per_layer=True)
   opt_state_bytes_by_dtype: Mapping[str, int] | None = _figure(per_layer=True)
   param_bytes_per_device: int | None = _figure(per_layer=True)
-  state_split: StateSplit | None = _figure()
+  state_split: StateSplit | None = _figure(record=StateSplit)
   argument_bytes_per_device: int | None = _figure(per_layer=True)
   output_bytes_per_device: int | None = _figure(per_layer=True)
   alias_bytes_per_device: int | None = _figure(per_layer=True)
@@ -237,25 +242,24 @@ class Figures:
   host_argument_bytes_per_device: int | None = _figure(per_layer=True)
   flops_per_device: int | None = _figure(per_layer=True)
   flops_source: str | None = _figure()
-  collectives: Collectives | None = _figure(per_layer=True)
+  collectives: Collectives | None = _figure(per_layer=True, record=Collectives)
   update_peak_bytes_per_device: int | None = _figure(per_layer=True)
   update_temp_bytes_per_device: int | None = _figure(per_layer=True)
   update_flops_per_device: int | None = _figure(per_layer=True)
   update_bytes_accessed_per_device: int | None = _figure(per_layer=True)
   headroom_bytes_per_device: int | None = _figure()
   error: str | None = _figure()
-  hbm_oom: HbmOom | None = _figure()
+  hbm_oom: HbmOom | None = _figure(record=HbmOom)
   compile_s: float | None = _figure()
-  maxtext_config: MaxTextConfig | None = _figure()
+  maxtext_config: MaxTextConfig | None = _figure(record=MaxTextConfig)
   predicted_step_s: float | None = _figure(per_layer=True)
   tokens_per_s_per_device: float | None = _figure()
   mfu: float | None = _figure()
-  step_time: StepTime | None = _figure()
+  step_time: StepTime | None = _figure(record=StepTime)
   time_absent: str | None = _figure()
 
   def __post_init__(self) -> None:
-    for name, kind in _FIGURE_RECORDS.items():  # each record as plan.json keeps it, read into its type
-      object.__setattr__(self, name, _record(kind, getattr(self, name)))
+    _read_records(self)
 
   @property
   def host_state_bytes(self) -> int:
@@ -275,10 +279,6 @@ def _json(value: Any) -> Any:
   return dataclasses.asdict(value) if record else value
 
 
-_FIGURE_RECORDS: dict[str, type] = {"state_split": StateSplit, "collectives": Collectives, "hbm_oom": HbmOom,
-                                    "maxtext_config": MaxTextConfig, "step_time": StepTime}
-
-
 def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
   return tuple(f.name for f in dataclasses.fields(record) if flag is None or f.metadata.get(flag))
 
@@ -287,20 +287,16 @@ def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
 PER_LAYER = _names(Figures, "per_layer")
 
 
-def _note() -> Any:
-  """A :class:`Made` field that plan.json carries only where it says something (not None)."""
-  return dataclasses.field(default=None, metadata={"only_when_set": True})
+def _note(record: type | None = None) -> Any:
+  """A :class:`Made` field that plan.json carries only where it says something (not None), and the record it
+  is."""
+  return dataclasses.field(default=None, metadata={"only_when_set": True, "record": record})
 
 
 @dataclasses.dataclass(frozen=True)
 class Network:
-  """One network's bytes one device sends per step, and their time at its public rate (an estimate).
-
-  Attributes:
-    network: its name (``ICI``, ``DCN``, ``NVLink``, ``InfiniBand``).
-    bytes: the bytes per step.
-    estimate_ms: their time, in milliseconds (None: no public rate here for the chip).
-  """
+  """One network (``ICI``, ``DCN``, ``NVLink``, ``InfiniBand``), the bytes one device sends over it per
+  step, and their time in ms at its public rate (an estimate; None: no public rate here for the chip)."""
 
   network: str
   bytes: int
@@ -329,15 +325,9 @@ class PodNetworks:
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.depth.estimate_mark`).
-
-  Attributes:
-    method: how it was made (``extrapolated to 32 layers from 2/4``).
-    figures: the figures it touches.
-    whole_peak_over_estimate_up_to: how far low such estimates were measured (the whole program's peak over
-      the estimate's).
-    measured: where they were measured.
-  """
+  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.depth.estimate_mark`): how it was
+  made, the figures it touches, and how far low such estimates were measured (the whole program's peak over
+  the estimate's), where."""
 
   method: str
   figures: Sequence[str]
@@ -364,15 +354,14 @@ class Made:
   depth: int | None = None
   depth_extrapolated_from: Sequence[int] | None = None
   not_alike: str | None = _note()
-  estimate: Estimate | None = _note()
+  estimate: Estimate | None = _note(Estimate)
   fits_estimate: bool | None = _note()
   extrapolated_peak_bytes_per_device: int | None = _note()
   compiled_whole_because: str | None = _note()
-  network_per_step: PodNetworks | None = _note()
+  network_per_step: PodNetworks | None = _note(PodNetworks)
 
   def __post_init__(self) -> None:
-    for name, kind in (("estimate", Estimate), ("network_per_step", PodNetworks)):  # as plan.json keeps it
-      object.__setattr__(self, name, _record(kind, getattr(self, name)))
+    _read_records(self)
 
 
 @dataclasses.dataclass(frozen=True)

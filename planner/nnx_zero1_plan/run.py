@@ -117,8 +117,8 @@ def _settings(request: ResolvedRequest, planned: PlannedModel, target: Target, r
   """plan.json's meta: the request as resolved, the model's depth and dtypes, the target's memory and the
   compilers."""
   source = planned.source_at(request.batch)
-  layers = source.full_depth or next((row.figures.maxtext_config.num_decoder_layers for row in rows
-                                      if row.figures.maxtext_config), None)
+  # A MaxText model's depth is its config's, which its rows' figures say they are for.
+  layers = source.full_depth or next((row.made.depth for row in rows if row.made.depth), None)
   extrapolated = [row.made.depth_extrapolated_from for row in rows if row.made.depth_extrapolated_from]
   return PlanSettings(
       request, layers=layers, device_kind=target.device_kind, batch_default=batch_default,
