@@ -25,7 +25,6 @@ HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "ar
           "tok/s/device", "MFU", "compile s",
           "collectives per step (count x MiB)", "per micro-batch", "update GFLOP", "update GiB accessed",
           "note")
-_LEFT = (0, 1, 2, 3)  # the columns of words, aligned left, and the note (the last)
 # A pod's plan has two more columns, before the note: what one device sends per step over each network.
 POD_HEADER = ("inside slice/node per step, MiB (est.)", "over the slow network per step, MiB (est.)")
 
