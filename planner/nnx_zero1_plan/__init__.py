@@ -146,7 +146,7 @@ def plan(model: str | PlanRequest, topology: str | None = None, *,
 
   Returns:
     A :class:`Plan`: ``rows`` (one :class:`Row` per lever and step), ``meta`` (the settings as planned, a
-    :class:`PlanSettings`: ``result.meta.batch``), ``recommendation`` (the lever, micro-batch, code and
+    :class:`PlanSettings`: ``result.meta.request.batch``), ``recommendation`` (the lever, micro-batch, code and
     command to run, by a stated order), ``next_steps``; ``str()`` is the table.
 
   Raises:

@@ -8,7 +8,7 @@ from typing import Any
 
 from nnx_zero1.testing import collectives, loop_collectives, sent_bytes
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.row import Figures
+from nnx_zero1_plan.row import Collectives, Figures, HbmOom
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
 __all__ = ["COMPUTE_SOURCES", "PEAK_SOURCE", "memory", "split_memory", "cost", "step_flops", "hbm_oom",
@@ -130,29 +130,24 @@ _OOM = re.compile(r"required for (?P<what>.*?) \((?P<need>[\d.]+)(?P<u1>[KMGT])\
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def hbm_oom(message: str) -> dict[str, Any] | None:
+def hbm_oom(message: str) -> HbmOom | None:
   """The TPU compiler's "does not fit" refusal (``CompileTimeHbmOom``) as numbers; None for other errors.
 
   Example::
 
     >>> hbm_oom("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
     ...         "required for HLO temporaries (52.59G) exceeds available HBM (31.24G). HLO module: jit")
-    {'required_bytes': 56468082524, 'available_bytes': 33543694581, 'required_for': 'HLO temporaries'}
+    HbmOom(required_bytes=56468082524, available_bytes=33543694581, required_for='HLO temporaries')
   """
   if "CompileTimeHbmOom" not in message:
     return None
   m = _OOM.search(message)
   if m is None:
-    return {"required_bytes": None, "available_bytes": None, "required_for": message[:300]}
-  return {
-      "required_bytes": int(float(m["need"]) * _UNITS[m["u1"]]),
-      "available_bytes": int(float(m["have"]) * _UNITS[m["u2"]]),
-      "required_for": m["what"],
-  }
+    return HbmOom(None, None, message[:300])
+  return HbmOom(int(float(m["need"]) * _UNITS[m["u1"]]), int(float(m["have"]) * _UNITS[m["u2"]]), m["what"])
 
 
-def collectives_of(compiled: Any,
-                   domain_of: Sequence[int] | None = None) -> dict[str, dict[str, dict[str, int]]]:
+def collectives_of(compiled: Any, domain_of: Sequence[int] | None = None) -> Collectives:
   """A compiled step's collectives: ``per_step`` (every loop trip counted) and ``per_micro_batch``
   (one trip of the micro-batch loop), each ``{op: {"count", "bytes"}}`` on one device (bytes: the results'),
   and ``sent_per_step``, the bytes one device sends for them (:func:`nnx_zero1.testing.sent_bytes`). On a
@@ -160,11 +155,9 @@ def collectives_of(compiled: Any,
   ``across_per_step``: ``{op: {"count", "bytes"}}``, the bytes one device sends over the slow network
   (:func:`across_per_step`)."""
   hlo = compiled.as_text() or ""
-  found = {"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo),
-           "sent_per_step": sent_bytes(hlo)}
-  if domain_of is not None and len(set(domain_of)) > 1:
-    found["across_per_step"] = across_per_step(hlo, domain_of)
-  return found
+  across = across_per_step(hlo, domain_of) if domain_of is not None and len(set(domain_of)) > 1 else None
+  return Collectives.from_json({"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo),
+                                "sent_per_step": sent_bytes(hlo), "across_per_step": across})
 
 
 def across_per_step(hlo: str, domain_of: Sequence[int]) -> dict[str, dict[str, int]]:
@@ -195,20 +188,19 @@ def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]
   return {op: {k: sum(c.get(op, {}).get(k, 0) for c in counts) for k in keys[op]} for op in ops}
 
 
-def summed_collectives(programs: Sequence[dict[str, dict[str, dict[str, int]]]]
-                       ) -> dict[str, dict[str, dict[str, int]]]:
-  """Several programs' :func:`collectives_of`, one step's: each figure (``per_step``, ``sent_per_step``,
+def summed_collectives(programs: Sequence[Collectives]) -> Collectives:
+  """Several programs' :func:`collectives_of`, one step's: each count (``per_step``, ``sent_per_step``,
   ...) added up over the programs, in the order one step runs them (a program run twice, twice)."""
-  return {when: summed([p[when] for p in programs]) for when in programs[0]}
+  counts = [p.to_json() for p in programs]
+  return Collectives.from_json({when: summed([c[when] for c in counts]) for when in counts[0]})
 
 
-def split_collectives_of(grads: Any, update: Any,
-                         domain_of: Sequence[int] | None = None) -> dict[str, dict[str, dict[str, int]]]:
+def split_collectives_of(grads: Any, update: Any, domain_of: Sequence[int] | None = None) -> Collectives:
   """:func:`collectives_of` a step compiled as two programs: both programs' collectives, summed."""
   return summed_collectives([collectives_of(grads, domain_of), collectives_of(update, domain_of)])
 
 
-def row_figures(mem: dict[str, int], collectives: dict[str, Any],
+def row_figures(mem: dict[str, int], collectives: Collectives | None,
                 update_cost: dict[str, int | None] | None = None) -> Figures:
   """A plan row's figures of a compiled step: its :func:`memory` (or :func:`split_memory`), its collectives
   and, for a split step, the update program's peak, temp and :func:`cost` (``None`` for one program).
@@ -216,7 +208,7 @@ def row_figures(mem: dict[str, int], collectives: dict[str, Any],
   Example::
 
     >>> m = {"argument": 10, "output": 4, "alias": 4, "temp": 50, "peak": 60, "host_argument": 0}
-    >>> row_figures(m, {}).peak_bytes_per_device, row_figures(m, {}).update_flops_per_device
+    >>> row_figures(m, None).peak_bytes_per_device, row_figures(m, None).update_flops_per_device
     (60, None)
   """
   spent = update_cost or {}

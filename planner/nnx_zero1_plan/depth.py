@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from nnx_zero1_plan.row import Estimate
+
 _Record = TypeVar("_Record")
 
 __all__ = ["MEASURED_ERROR", "NEAR", "NEAR_LIMIT", "WHOLE_OVER_ESTIMATE_UP_TO", "estimate_mark",
@@ -23,7 +25,7 @@ __all__ = ["MEASURED_ERROR", "NEAR", "NEAR_LIMIT", "WHOLE_OVER_ESTIMATE_UP_TO", 
 # whole program's peak over the estimate's. Every estimated row carries this, so a reader sees how far off
 # its figures have been; the flags' help and the tables quote the same number.
 WHOLE_OVER_ESTIMATE_UP_TO = 1.36
-MEASURED_ERROR = {
+MEASURED_ERROR: dict[str, Any] = {
     "whole_peak_over_estimate_up_to": WHOLE_OVER_ESTIMATE_UP_TO,
     "measured": [
         "tunix:llama3p1_8b, v5e:2x4: peak 26.93 GiB whole, 19.79 estimated (x1.36)",
@@ -55,24 +57,28 @@ def extrapolate(at_d1: float, at_d2: float, d1: int, d2: int, depth: int) -> int
 
 
 def extrapolate_row(r1: _Record, r2: _Record, d1: int, d2: int, depth: int, keys: Sequence[str]) -> _Record:
-  """Record ``r2`` (a frozen dataclass: a row's figures) with each of ``keys`` (numbers, or nested dicts of
-  numbers) extrapolated to ``depth``.
+  """Record ``r2`` (a frozen dataclass: a row's figures) with each of ``keys`` (numbers, or records or dicts
+  of numbers, nested) extrapolated to ``depth``.
 
   A key whose value is None in either record stays None (a compile that was refused).
 
   Example::
 
     >>> from nnx_zero1_plan.row import Figures
-    >>> r1 = Figures(temp_bytes_per_device=10, collectives={"all-reduce": {"count": 3, "bytes": 30}})
-    >>> r2 = Figures(temp_bytes_per_device=12, collectives={"all-reduce": {"count": 5, "bytes": 50}})
+    >>> ar = lambda n: {"per_step": {"all-reduce": {"count": n, "bytes": 10 * n}}}
+    >>> r1 = Figures(temp_bytes_per_device=10, collectives=ar(3))
+    >>> r2 = Figures(temp_bytes_per_device=12, collectives=ar(5))
     >>> r = extrapolate_row(r1, r2, 1, 2, 4, ("temp_bytes_per_device", "collectives"))
-    >>> r.temp_bytes_per_device, r.collectives
-    (16, {'all-reduce': {'count': 9, 'bytes': 90}})
+    >>> r.temp_bytes_per_device, r.collectives.per_step
+    (16, {'all-reduce': OpCount(count=9, bytes=90)})
   """
 
   def walk(a: Any, b: Any) -> Any:
     if a is None or b is None:
       return None
+    if dataclasses.is_dataclass(b) and not isinstance(b, type):  # a record of figures: field by field
+      return dataclasses.replace(b, **{f.name: walk(getattr(a, f.name), getattr(b, f.name))
+                                       for f in dataclasses.fields(b)})
     if isinstance(b, Mapping):
       return {k: walk(a.get(k), v) for k, v in b.items()}
     return extrapolate(a, b, d1, d2, depth)
@@ -115,16 +121,15 @@ def not_alike(at_d1: int | None, at_d2: int | None, d1: int, d2: int, what: str 
   return f"the {what} fell from {fell}"
 
 
-def estimate_mark(depth: int, extrapolated_from: Sequence[int], figures: Sequence[str]) -> dict[str, Any]:
+def estimate_mark(depth: int, extrapolated_from: Sequence[int], figures: Sequence[str]) -> Estimate:
   """What marks an extrapolated row as an estimate in plan.json: how it was made, the figures it touches,
   and the error such estimates were measured to have (:data:`MEASURED_ERROR`).
 
   Example::
 
     >>> mark = estimate_mark(32, [2, 4], ["temp_bytes_per_device"])
-    >>> mark["method"], mark["figures"], mark["whole_peak_over_estimate_up_to"]
+    >>> mark.method, mark.figures, mark.whole_peak_over_estimate_up_to
     ('extrapolated to 32 layers from 2/4', ['temp_bytes_per_device'], 1.36)
   """
   d1, d2 = extrapolated_from
-  return {"method": f"extrapolated to {depth} layers from {d1}/{d2}", "figures": list(figures),
-          **MEASURED_ERROR}
+  return Estimate(f"extrapolated to {depth} layers from {d1}/{d2}", list(figures), **MEASURED_ERROR)

@@ -26,7 +26,7 @@ from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, mesh_axes
 from nnx_zero1_plan.levers import Lever, engine_attributes
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.request import PlanRequest
-from nnx_zero1_plan.row import Figures
+from nnx_zero1_plan.row import Figures, MaxTextConfig
 from nnx_zero1_plan.targets import Target
 
 __all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "describe_maxtext",
@@ -224,14 +224,14 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
   domains = [domain_of(d) for d in mesh.devices.flat]
   counted = {name: collectives_of(kernels[name], domains) for name in (*set(runs), "update")}
   step = summed_collectives([counted[name] for name in (*runs, "update")])
-  counts = {**step, "per_micro_batch": counted[runs[-1]]["per_step"]}  # a gradient kernel's, whole
+  counts = dataclasses.replace(step, per_micro_batch=counted[runs[-1]].per_step)  # a gradient kernel's, whole
   figures = dataclasses.replace(
       row_figures(mem, counts, cost(kernels["update"])), opt_state_bytes_per_device=by_kind.get("device", 0),
       opt_state_bytes_by_memory_kind=by_kind,
       opt_state_bytes_by_dtype=bytes_by_dtype(nnx.state(engine.optimizer.opt_state)),
       param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)), compile_s=seconds,
-      maxtext_config={**{k: str(getattr(config, k)) for k in _REPORTED},
-                      "deferred_all_reduce": str(deferred)})
+      maxtext_config=MaxTextConfig.from_json({**{k: str(getattr(config, k)) for k in _REPORTED},
+                                              "deferred_all_reduce": str(deferred)}))
   programs = [(name, kernels[name].as_text(), runs.count(name)) for name in dict.fromkeys(runs)]
   return figures, [*programs, ("update", kernels["update"].as_text(), 1)]
 

@@ -36,8 +36,7 @@ from nnx_zero1_plan.levers import LEVERS, state_axes, with_offload
 from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.planned_model import PlannedModel
-from nnx_zero1_plan.recommend import across_bytes_of
-from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row
+from nnx_zero1_plan.row import PER_LAYER, Figures, Made, PodNetworks, Row, StateSplit
 from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.step_time import predict_step_time
 from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
@@ -82,7 +81,7 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
   if timing is None:
     return figures
   target = timing.target
-  slow = across_bytes_of(figures.collectives)  # what a pod sends between slices or nodes; 0 on one
+  slow = figures.collectives.across_bytes if figures.collectives else 0  # between slices or nodes; 0 on one
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
   time = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
                            tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
@@ -151,8 +150,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
         "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
         "opt_state_bytes_by_dtype": bytes_by_dtype(state.state[1]),
         "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
-        "state_split": {"axes": list(state_axes(lever)),
-                        "share": state_split(state.state[1], state_axes(lever))}}
+        "state_split": StateSplit(list(state_axes(lever)), state_split(state.state[1], state_axes(lever)))}
     with _gpu_schedule(timing) as (options, read):
       if step == "one":
         compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
@@ -180,8 +178,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
 
 def _config_layers(figures: Figures) -> int | None:
   """A MaxText row's layers, as its config chose them (MaxText compiles whole; None for another model)."""
-  layers = (figures.maxtext_config or {}).get("num_decoder_layers")
-  return None if layers is None else int(layers)
+  return None if figures.maxtext_config is None else figures.maxtext_config.num_decoder_layers
 
 
 _ESTIMATED_TIME = "an estimate: its time extrapolated per layer, its parts and MFU not"
@@ -264,8 +261,8 @@ class RowCompiler:
                                  fits_estimate=verdict)
       verdict = None
     if target.domains > 1 and figures.collectives:
-      made = dataclasses.replace(made, network_per_step=network_per_step(figures.collectives, target.chip,
-                                                                         target.platform))
+      networks = network_per_step(figures.collectives, target.chip, target.platform)
+      made = dataclasses.replace(made, network_per_step=PodNetworks.from_json(networks))
     return Row(lever=lever, step=step, compiled_for=target.name, device_kind=target.device_kind,
                mesh=model.axes, model=source.name, batch=shape.batch, figures=figures, made=made,
                hbm_bytes=target.hbm_bytes, usable_bytes=self.usable, fits=verdict,

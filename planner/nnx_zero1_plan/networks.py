@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nnx_zero1_plan.chips import CHIPS, Links
+from nnx_zero1_plan.row import Collectives, OpCount
 
 __all__ = ["LINKS", "network_per_step"]
 
@@ -21,11 +22,11 @@ __all__ = ["LINKS", "network_per_step"]
 LINKS: dict[str, Links] = {name: chip.links for name, chip in CHIPS.items()}
 
 
-def _total(counts: Mapping[str, Mapping[str, int]] | None) -> int:
-  return sum(c["bytes"] for c in (counts or {}).values())
+def _total(counts: Mapping[str, OpCount] | None) -> int:
+  return sum(c.bytes for c in (counts or {}).values())
 
 
-def network_per_step(collectives: Mapping[str, Any], chip: str, platform: str) -> dict[str, Any]:
+def network_per_step(collectives: Collectives, chip: str, platform: str) -> dict[str, Any]:
   """The bytes one device sends per step over each network of a pod, and the time each takes (estimated).
 
   Args:
@@ -41,13 +42,14 @@ def network_per_step(collectives: Mapping[str, Any], chip: str, platform: str) -
 
   Example::
 
-    >>> c = {"sent_per_step": {"all-reduce": {"count": 1, "bytes": 9 * 10**9}},
-    ...      "across_per_step": {"all-reduce": {"count": 1, "bytes": 10**9}}}
+    >>> ar = lambda n: {"all-reduce": {"count": 1, "bytes": n}}
+    >>> c = Collectives.from_json({"per_step": {}, "sent_per_step": ar(9 * 10**9),
+    ...                            "across_per_step": ar(10**9)})
     >>> network_per_step(c, "h100", "cuda")["slow"]
     {'network': 'InfiniBand', 'bytes': 1000000000, 'estimate_ms': 20.0}
   """
-  across = _total(collectives.get("across_per_step"))
-  sent = _total(collectives.get("sent_per_step"))
+  across = _total(collectives.across_per_step)
+  sent = _total(collectives.sent_per_step)
   inside = sent if platform == "tpu" else sent - across
   links = LINKS.get(chip)
   names = (links.fast, links.slow) if links else (("ICI", "DCN") if platform == "tpu" else ("NVLink", "IB"))

@@ -27,11 +27,11 @@ from typing import Any
 
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
-from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, command_line
+from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.row import Point, Row
 
 __all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_batch_of", "fitted_at",
-           "figures_at", "splits_nothing", "sent_bytes_of", "row_sent_bytes", "across_bytes_of",
+           "figures_at", "splits_nothing", "row_sent_bytes", "row_across_bytes",
            "host_bytes_of", "recommend", "recompute_note", "thin_note", "baseline_beats", "why_picked",
            "plan_code"]
 
@@ -147,7 +147,7 @@ def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
   """Whether a Zero-1 row holds the baseline's optimizer state per device (the baseline's row of the same step
   and remat, within 0.1%), with none of it in host memory: its layout split nothing (a data axis of size 1,
   or no leaf that divides), so it is the baseline under another name."""
-  if row.lever == "baseline" or (row.figures.opt_state_bytes_by_memory_kind or {}).get("pinned_host"):
+  if row.lever == "baseline" or row.figures.host_state_bytes:
     return False
   base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
   mine = row.figures.opt_state_bytes_per_device
@@ -157,40 +157,20 @@ def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
   return abs(mine - theirs) <= 0.001 * theirs
 
 
-def sent_bytes_of(collectives: Mapping[str, Any] | None, network: Mapping[str, Any] | None = None) -> int:
-  """The collective bytes one device sends per step on every network together, one basis on every backend:
-  on a pod (``network``: a row's ``network_per_step``), its bytes inside the slice or node plus those between
-  them (a TPU program's megascale transfers are not among its collectives; a GPU program's node-spanning
-  collectives are, split between the two); elsewhere its collectives' sent bytes (the results' bytes where a
-  row has no send count).
-
-  Example::
-
-    >>> sent_bytes_of({"sent_per_step": {"all-reduce": {"count": 1, "bytes": 6}}})
-    6
-    >>> sent_bytes_of({}, {"fast": {"bytes": 6}, "slow": {"bytes": 2}})
-    8
-  """
-  if network:
-    return network["fast"]["bytes"] + network["slow"]["bytes"]
-  per_step = (collectives or {}).get("sent_per_step") or (collectives or {}).get("per_step", {})
-  return sum(v["bytes"] for v in per_step.values())
-
-
 def row_sent_bytes(row: Row) -> int:
-  """:func:`sent_bytes_of` a row."""
-  return sent_bytes_of(row.figures.collectives, row.made.network_per_step)
+  """The collective bytes one device sends per step on every network together, one basis on every backend:
+  on a pod (its ``network_per_step``), its bytes inside the slice or node plus those between them (a TPU
+  program's megascale transfers are not among its collectives; a GPU program's node-spanning collectives
+  are, split between the two); elsewhere its collectives' sent bytes
+  (:attr:`~nnx_zero1_plan.row.Collectives.sent_bytes`)."""
+  if row.made.network_per_step is not None:
+    return row.made.network_per_step.bytes
+  return 0 if row.figures.collectives is None else row.figures.collectives.sent_bytes
 
 
-def across_bytes_of(collectives: Mapping[str, Any] | None) -> int:
-  """The bytes one device sends per step between slices or nodes (0 on one slice or node).
-
-  Example::
-
-    >>> across_bytes_of({"across_per_step": {"all-gather": {"count": 2, "bytes": 8}}})
-    8
-  """
-  return sum(v["bytes"] for v in ((collectives or {}).get("across_per_step") or {}).values())
+def row_across_bytes(row: Row) -> int:
+  """The bytes one device sends per step between slices or nodes (0 on one slice or node)."""
+  return 0 if row.figures.collectives is None else row.figures.collectives.across_bytes
 
 
 def _own(row: Row) -> Point:
@@ -270,10 +250,10 @@ def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:
   and the bytes each sends, and which of :data:`ORDER` decided."""
   out = []
   room_at = lambda row: figures_at(row, micro).headroom_bytes_per_device
-  mine, my_room, my_across = row_sent_bytes(best), room_at(best), across_bytes_of(best.figures.collectives)
+  mine, my_room, my_across = row_sent_bytes(best), room_at(best), row_across_bytes(best)
   for rival in rivals:
     theirs, room, their_across = (row_sent_bytes(rival), room_at(rival),
-                                  across_bytes_of(rival.figures.collectives))
+                                  row_across_bytes(rival))
     gib = lambda n: "?" if n is None else f"{n / 2**30:.2f}"
     if abs(my_across - their_across) > _SAME_BYTES * max(my_across, their_across, 1):
       sent = (f"{best.lever} sends {gib(my_across)} GiB per step over the slow network and "
@@ -362,7 +342,7 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
   return best, at, why
 
 
-def recommend(rows: Sequence[Row], request: PlanRequest, *,
+def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
               activation_sharding: Mapping[str, Any] | str | None = None,
               step: str | None = None) -> Recommendation | None:
   """The configuration to run, by :data:`ORDER`, among the rows of one step shape.
@@ -370,8 +350,7 @@ def recommend(rows: Sequence[Row], request: PlanRequest, *,
   Args:
     rows: the plan's rows (a searched row stands at its edge); ``fits`` is within the usable memory (the
       reserve or the margin taken off).
-    request: the plan's request as resolved (its mesh and micro-batch set:
-      :meth:`~nnx_zero1_plan.request.PlanRequest.resolved`).
+    request: the plan's request as resolved (its mesh and micro-batch set).
     activation_sharding: a ``tunix:`` model's activation specs, for its printed code.
     step: the step shape to choose among (default: ``split`` for MaxText's engine, else ``one`` where
       there are such rows).
@@ -383,7 +362,7 @@ def recommend(rows: Sequence[Row], request: PlanRequest, *,
   if step is None:
     step = "split" if request.model_ref.kind == "maxtext" else DEFAULT_STEP
     step = step if step in shapes else (shapes[0] if shapes else step)
-  batch = request.resolved_batch
+  batch = request.batch
   same_step = [r for r in rows if r.step == step]
   skipped = [f"{r.lever} holds the baseline's optimizer state per device (its layout splits nothing): "
              "not a candidate" for r in same_step if splits_nothing(r, same_step)]
@@ -400,7 +379,7 @@ def recommend(rows: Sequence[Row], request: PlanRequest, *,
   best_micro = max(m for m in edges.values() if m)
   tokens = best_micro * request.seq_len * request.ga
   # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not.
-  level = [(best_micro, across_bytes_of(rows[i].figures.collectives) / tokens,
+  level = [(best_micro, row_across_bytes(rows[i]) / tokens,
             row_sent_bytes(rows[i]) / tokens, i, rows[i])
            for i, m in edges.items() if m == best_micro or best_micro in fitted_at(rows[i])]
   candidates = list(level)
@@ -418,11 +397,11 @@ def recommend(rows: Sequence[Row], request: PlanRequest, *,
   return pick(best, best_micro, order=ORDER, why=why_picked(best, rivals, best_micro))
 
 
-def _recommendation(best: Row, micro: int, *, step: str, request: PlanRequest,
+def _recommendation(best: Row, micro: int, *, step: str, request: ResolvedRequest,
                     activation_sharding: Mapping[str, Any] | str | None, order: tuple[str, ...],
                     same_step: Sequence[Row], why: Sequence[str], skipped: Sequence[str]) -> Recommendation:
   """The pick as a :class:`Recommendation`: its code, its command, and the notes beside the order's."""
-  batch = request.resolved_batch
+  batch = request.batch
   unconfirmed = [f"{r.lever}'s edge is not confirmed ({r.searched.search_unfinished}): it fits at least "
                  f"{micro_batch_of(r, batch)}" for r in same_step
                  if r.searched is not None and r.searched.search_unfinished

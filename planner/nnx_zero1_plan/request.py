@@ -30,9 +30,8 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS
 
-__all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "STEPS", "PlanRequest",
-           "SETTING_DEFAULTS", "check_topology",
-           "command_line"]
+__all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "OPTIMIZER_MENU", "STEPS",
+           "PlanRequest", "ResolvedRequest", "SETTING_DEFAULTS", "check_topology", "command_line"]
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for an estimate (``estimate=True``) of a deeper model
 
@@ -44,16 +43,18 @@ STEPS = {
 DEFAULT_STEP = "one"  # the step recommended where a plan has its rows (MaxText's engine has ``split`` only)
 DEFAULT_OPTIMIZER = "adamw"
 
-# --optimizer: optax's transformations at a typical fine-tuning rate (the rate changes no bytes), as the
-# recommendation's code writes them; the compiled step's steps.OPTIMIZERS writes each out (checked against
-# this code by tests/planner/test_kinds.py).
-OPTIMIZER_CODE = {
-    "adamw": "optax.adamw(1e-5)",
-    "adam": "optax.adam(1e-5)",
-    "lion": "optax.lion(1e-6)",
-    "sgd": "optax.sgd(1e-3, momentum=0.9)",
-    "adafactor": "optax.adafactor(1e-3)",
+# --optimizer: optax's transformation of each name, at a typical fine-tuning rate (the rate changes no bytes),
+# with its fixed options: the one table behind the code the recommendation prints (OPTIMIZER_CODE) and the
+# transformation the step compiles (steps.OPTIMIZERS builds each from it).
+OPTIMIZER_MENU: dict[str, tuple[str, dict[str, float]]] = {
+    "adamw": ("1e-5", {}),
+    "adam": ("1e-5", {}),
+    "lion": ("1e-6", {}),
+    "sgd": ("1e-3", {"momentum": 0.9}),
+    "adafactor": ("1e-3", {}),
 }
+OPTIMIZER_CODE = {name: f"optax.{name}({', '.join([rate, *(f'{k}={v}' for k, v in fixed.items())])})"
+                  for name, (rate, fixed) in OPTIMIZER_MENU.items()}
 
 
 def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | None = None) -> Topology:
@@ -275,27 +276,18 @@ class PlanRequest:
     """The remat policies to plan under: each of ``remat``'s comma-separated names, or ``(None,)``."""
     return tuple(dict.fromkeys(filter(None, (self.remat or "").replace(" ", "").split(",")))) or (None,)
 
-  def resolved(self, mesh: Mapping[str, int], batch: int) -> PlanRequest:
-    """The request as a plan resolved it: every mesh axis sized and the micro-batch set, what the plan's
-    commands reproduce and its settings say (:class:`~nnx_zero1_plan.settings.PlanSettings`).
+  def resolved(self, mesh: Mapping[str, int], batch: int) -> ResolvedRequest:
+    """The request as a plan resolved it: every mesh axis sized, the micro-batch set and the model as
+    ``--model`` spells it.
 
     Example::
 
       >>> PlanRequest("tunix:qwen3_0p6b", "h100:8").resolved({"data": 8, "fsdp": 1}, 8).mesh
       'data=8,fsdp=1'
     """
-    return dataclasses.replace(self, mesh=spelled_mesh(mesh), batch=batch)
-
-  @property
-  def resolved_batch(self) -> int:
-    """The micro-batch a resolved request (:meth:`resolved`) compiles at.
-
-    Raises:
-      ValueError: ``batch`` is not set (the request is not resolved).
-    """
-    if self.batch is None:
-      raise ValueError("the plan's resolved micro-batch is needed (PlanRequest.resolved sets batch)")
-    return self.batch
+    asked = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+    model = str(self.model_ref)
+    return ResolvedRequest(**{**asked, "model": model, "mesh": spelled_mesh(mesh), "batch": batch})
 
   def to_json(self) -> str:
     """The record as JSON, for the planning process (:meth:`from_json` reads it back).
@@ -315,6 +307,29 @@ class PlanRequest:
     return cls(**fields)
 
 
+@dataclasses.dataclass(frozen=True)
+class ResolvedRequest(PlanRequest):
+  """A request as a plan resolved it (:meth:`PlanRequest.resolved`): what the plan's commands reproduce, its
+  settings hold (:class:`~nnx_zero1_plan.settings.PlanSettings`) and its way out changes. Each change
+  (``dataclasses.replace``) is resolved too.
+
+  Attributes:
+    mesh: every mesh axis and its size, as ``--mesh`` spells them.
+    batch: the global micro-batch the plan compiled.
+
+  Raises:
+    PlanError: a mesh that sizes no axis, or what :class:`PlanRequest` refuses.
+  """
+
+  mesh: str = ""
+  batch: int = 0
+
+  def __post_init__(self) -> None:
+    super().__post_init__()
+    if not self.mesh_sizes:
+      raise PlanError("a resolved request sizes every mesh axis (PlanRequest.resolved)")
+
+
 # Each setting's default, as :class:`PlanRequest` declares it (the command line's flags take theirs here).
 SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanRequest)
                     if f.init and f.default is not dataclasses.MISSING}
@@ -325,13 +340,12 @@ _OPTIONAL_FLAGS = ("param_dtype", "compute_dtype", "remat", "optimizer", "slices
                    "gpu_memory_fraction", "gpus_per_node", "tunix_sharding", "maxtext_deferral")
 
 
-def command_line(request: PlanRequest, **changes: Any) -> str:
+def command_line(request: ResolvedRequest, **changes: Any) -> str:
   """The planner's command for ``request`` with ``changes`` made (``dataclasses.replace``: each checked as the
   request was): the inverse of parsing, a setting at its default left out. A plan's commands are its resolved
   request's (:meth:`PlanRequest.resolved`), so they spell out the mesh and the micro-batch it compiled.
 
   Raises:
-    ValueError: ``request`` is not resolved (no micro-batch).
     PlanError: a change the request refuses.
 
   Example::
@@ -350,7 +364,7 @@ def command_line(request: PlanRequest, **changes: Any) -> str:
   """
   r = dataclasses.replace(request, **changes)
   words = ["python -m nnx_zero1.plan", f"--model {r.model_ref}", f"--topology {r.topology}",
-           f"--mesh {spelled_mesh(r.mesh_sizes)}", f"--batch {r.resolved_batch}", f"--seq-len {r.seq_len}",
+           f"--mesh {spelled_mesh(r.mesh_sizes)}", f"--batch {r.batch}", f"--seq-len {r.seq_len}",
            f"--ga {r.ga}", f"--levers {','.join(r.levers)}", f"--steps {','.join(r.steps)}"]
   for name in _OPTIONAL_FLAGS:
     value = getattr(r, name)

@@ -56,8 +56,9 @@ class Plan:
   def _closing_lines(self) -> list[str]:
     """The lines under the tables, printed and in plan.md: the recommendation's, then the way out's."""
     m = self.meta
-    limit = limit_words(m.margin, m.hbm_bytes, m.usable_bytes)
-    return [*recommendation_lines(self.recommendation, limit, search=m.search, estimate=m.estimate),
+    limit = limit_words(m.request.margin, m.hbm_bytes, m.usable_bytes)
+    return [*recommendation_lines(self.recommendation, limit, search=m.request.search,
+                                  estimate=m.request.estimate),
             *way_out_lines(self.way_out)]
 
   def to_record(self) -> dict[str, Any]:

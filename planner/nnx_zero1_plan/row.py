@@ -13,16 +13,28 @@ whether it fits from one property (:attr:`Row.verdict`). Pure.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["StepTime", "Figures", "Made", "Point", "Searched", "OffloadPoint", "Offloaded", "Measured", "Row",
-           "PER_LAYER", "AT_EDGE"]
+__all__ = ["StepTime", "OpCount", "Collectives", "StateSplit", "HbmOom", "MaxTextConfig", "op_counts",
+           "Figures", "Network", "PodNetworks", "Estimate", "Made", "Point", "Searched", "OffloadPoint",
+           "Offloaded", "Measured", "Row", "PER_LAYER", "AT_EDGE"]
 
 
-def _figure(*, per_layer: bool = False) -> Any:
-  """A :class:`Figures` field (None by default): whether an estimate extrapolates it per layer."""
-  return dataclasses.field(default=None, metadata={"per_layer": per_layer})
+def _figure(*, per_layer: bool = False, record: type | None = None) -> Any:
+  """A :class:`Figures` field (None by default): whether an estimate extrapolates it per layer, and the record
+  it is (plan.json's object read into it)."""
+  return dataclasses.field(default=None, metadata={"per_layer": per_layer, "record": record})
+
+
+def _read_records(record: Any) -> None:
+  """Each of ``record``'s fields that is a record of its own, where it holds plan.json's object, read into
+  that record (by its ``from_json``, or field by field)."""
+  for f in dataclasses.fields(record):
+    kind, value = f.metadata.get("record"), getattr(record, f.name)
+    if kind is not None and isinstance(value, Mapping):
+      read = kind.from_json(value) if hasattr(kind, "from_json") else kind(**value)
+      object.__setattr__(record, f.name, read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +71,123 @@ class StepTime:
   unestimated_ops: int
   clock_ghz: float | None
   roofline_s: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCount:
+  """One collective op kind's (or host transfer's) count and bytes on one device."""
+
+  count: int
+  bytes: int
+
+
+def op_counts(by_op: Mapping[str, Any] | None) -> dict[str, OpCount] | None:
+  """plan.json's ``{op: {"count", "bytes"}}`` as :class:`OpCount` s, in its order."""
+  if by_op is None:
+    return None
+  return {op: OpCount(**c) if isinstance(c, Mapping) else c for op, c in by_op.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collectives:
+  """A step's collectives on one device, each ``{op kind: OpCount}``
+  (:func:`nnx_zero1_plan.compiled.collectives_of`).
+
+  Attributes:
+    per_step: every loop trip counted (bytes: the results').
+    per_micro_batch: one trip of the micro-batch loop.
+    sent_per_step: the bytes one device sends for them (None: a row that predates the send count).
+    across_per_step: on a pod, the bytes one device sends over the slow network (None elsewhere).
+
+  Example::
+
+    >>> c = Collectives.from_json({"per_step": {"all-reduce": {"count": 2, "bytes": 6}}})
+    >>> c.per_step["all-reduce"].count, c.sent_bytes, c.across_bytes, c.to_json()["per_step"]
+    (2, 6, 0, {'all-reduce': {'count': 2, 'bytes': 6}})
+  """
+
+  per_step: Mapping[str, OpCount]
+  per_micro_batch: Mapping[str, OpCount] | None = None
+  sent_per_step: Mapping[str, OpCount] | None = None
+  across_per_step: Mapping[str, OpCount] | None = None
+
+  @property
+  def sent_bytes(self) -> int:
+    """The bytes one device sends per step (the results' bytes where the row has no send count)."""
+    return sum(c.bytes for c in (self.sent_per_step or self.per_step).values())
+
+  @property
+  def across_bytes(self) -> int:
+    """The bytes one device sends per step between slices or nodes (0 on one slice or node)."""
+    return sum(c.bytes for c in (self.across_per_step or {}).values())
+
+  def to_json(self) -> dict[str, Any]:
+    """plan.json's ``collectives``: each count set, by its name (a count not made is left out)."""
+    return {name: {op: _json(c) for op, c in counts.items()}
+            for name, counts in vars(self).items() if counts is not None}
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> Collectives:
+    """The record :meth:`to_json` wrote (``per_step`` empty where it has none)."""
+    return cls(**{name: op_counts(fields.get(name, {} if name == "per_step" else None))  # type: ignore[arg-type]
+                  for name in _names(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSplit:
+  """The axes a lever splits the optimizer state over, and the share of its bytes split over each set of
+  axes (``"none"``: not split)."""
+
+  axes: Sequence[str]
+  share: Mapping[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class HbmOom:
+  """The TPU compiler's "does not fit" refusal as numbers (None where its message gave none)."""
+
+  required_bytes: int | None
+  available_bytes: int | None
+  required_for: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextConfig:
+  """What MaxText's defaults chose for a row (its config's values of these names).
+
+  plan.json keeps each value as the config's ``str()``; the record holds the numbers and flags as such.
+
+  Example::
+
+    >>> config = MaxTextConfig("qwen3-0.6b", "ShardMode.EXPLICIT", "None", False, "bfloat16", "float32",
+    ...                        "OptimizerType.ADAMW", 28, 8, 64, True)
+    >>> config.to_json()["num_decoder_layers"], MaxTextConfig.from_json(config.to_json()) == config
+    ('28', True)
+  """
+
+  model_name: str
+  shard_mode: str
+  remat_policy: str
+  scan_layers: bool
+  dtype: str
+  weight_dtype: str
+  opt_type: str
+  num_decoder_layers: int
+  gradient_accumulation_steps: int
+  global_batch_size_to_train_on: int
+  deferred_all_reduce: bool
+
+  def to_json(self) -> dict[str, str]:
+    """plan.json's ``maxtext_config``: each value as the config's ``str()``."""
+    return {name: str(value) for name, value in vars(self).items()}
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, str]) -> MaxTextConfig:
+    """The record :meth:`to_json` wrote (or the config's values, each as its ``str()``): each field's type
+    read back from its string."""
+    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+    typed: dict[str, Callable[[str], Any]] = {"int": int, "bool": lambda v: v in (True, "True"), "str": str}
+    return cls(**{k: typed[str(kinds[k])](v) for k, v in fields.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +232,7 @@ class Figures:
   opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _figure(per_layer=True)
   opt_state_bytes_by_dtype: Mapping[str, int] | None = _figure(per_layer=True)
   param_bytes_per_device: int | None = _figure(per_layer=True)
-  state_split: Mapping[str, Any] | None = _figure()
+  state_split: StateSplit | None = _figure(record=StateSplit)
   argument_bytes_per_device: int | None = _figure(per_layer=True)
   output_bytes_per_device: int | None = _figure(per_layer=True)
   alias_bytes_per_device: int | None = _figure(per_layer=True)
@@ -113,25 +242,41 @@ class Figures:
   host_argument_bytes_per_device: int | None = _figure(per_layer=True)
   flops_per_device: int | None = _figure(per_layer=True)
   flops_source: str | None = _figure()
-  collectives: Mapping[str, Any] | None = _figure(per_layer=True)
+  collectives: Collectives | None = _figure(per_layer=True, record=Collectives)
   update_peak_bytes_per_device: int | None = _figure(per_layer=True)
   update_temp_bytes_per_device: int | None = _figure(per_layer=True)
   update_flops_per_device: int | None = _figure(per_layer=True)
   update_bytes_accessed_per_device: int | None = _figure(per_layer=True)
   headroom_bytes_per_device: int | None = _figure()
   error: str | None = _figure()
-  hbm_oom: Mapping[str, Any] | None = _figure()
+  hbm_oom: HbmOom | None = _figure(record=HbmOom)
   compile_s: float | None = _figure()
-  maxtext_config: Mapping[str, str] | None = _figure()
+  maxtext_config: MaxTextConfig | None = _figure(record=MaxTextConfig)
   predicted_step_s: float | None = _figure(per_layer=True)
   tokens_per_s_per_device: float | None = _figure()
   mfu: float | None = _figure()
-  step_time: StepTime | None = _figure()
+  step_time: StepTime | None = _figure(record=StepTime)
   time_absent: str | None = _figure()
 
   def __post_init__(self) -> None:
-    if isinstance(self.step_time, Mapping):  # as plan.json keeps it
-      object.__setattr__(self, "step_time", StepTime(**self.step_time))
+    _read_records(self)
+
+  @property
+  def host_state_bytes(self) -> int:
+    """The optimizer state's bytes in host memory (an offloaded state; 0 where none is)."""
+    return (self.opt_state_bytes_by_memory_kind or {}).get("pinned_host", 0)
+
+  def to_json(self) -> dict[str, Any]:
+    """plan.json's figures: every field by its name, each record as its JSON."""
+    return {name: _json(getattr(self, name)) for name in _names(Figures)}
+
+
+def _json(value: Any) -> Any:
+  """A figure as plan.json writes it: a record by its own ``to_json``, or field by field."""
+  if hasattr(value, "to_json"):
+    return value.to_json()
+  record = dataclasses.is_dataclass(value) and not isinstance(value, type)
+  return dataclasses.asdict(value) if record else value
 
 
 def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
@@ -142,9 +287,52 @@ def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
 PER_LAYER = _names(Figures, "per_layer")
 
 
-def _note() -> Any:
-  """A :class:`Made` field that plan.json carries only where it says something (not None)."""
-  return dataclasses.field(default=None, metadata={"only_when_set": True})
+def _note(record: type | None = None) -> Any:
+  """A :class:`Made` field that plan.json carries only where it says something (not None), and the record it
+  is."""
+  return dataclasses.field(default=None, metadata={"only_when_set": True, "record": record})
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+  """One network (``ICI``, ``DCN``, ``NVLink``, ``InfiniBand``), the bytes one device sends over it per
+  step, and their time in ms at its public rate (an estimate; None: no public rate here for the chip)."""
+
+  network: str
+  bytes: int
+  estimate_ms: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PodNetworks:
+  """A pod's two networks per step (:func:`nnx_zero1_plan.networks.network_per_step`): the fast one inside a
+  slice or node, the slow one between them, and where their rates come from."""
+
+  fast: Network
+  slow: Network
+  source: str | None
+
+  @property
+  def bytes(self) -> int:
+    """The bytes one device sends per step on both networks together."""
+    return self.fast.bytes + self.slow.bytes
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> PodNetworks:
+    """The record plan.json's ``network_per_step`` holds."""
+    return cls(Network(**fields["fast"]), Network(**fields["slow"]), fields["source"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.depth.estimate_mark`): how it was
+  made, the figures it touches, and how far low such estimates were measured (the whole program's peak over
+  the estimate's), where."""
+
+  method: str
+  figures: Sequence[str]
+  whole_peak_over_estimate_up_to: float
+  measured: Sequence[str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,11 +354,14 @@ class Made:
   depth: int | None = None
   depth_extrapolated_from: Sequence[int] | None = None
   not_alike: str | None = _note()
-  estimate: Mapping[str, Any] | None = _note()
+  estimate: Estimate | None = _note(Estimate)
   fits_estimate: bool | None = _note()
   extrapolated_peak_bytes_per_device: int | None = _note()
   compiled_whole_because: str | None = _note()
-  network_per_step: Mapping[str, Any] | None = _note()
+  network_per_step: PodNetworks | None = _note(PodNetworks)
+
+  def __post_init__(self) -> None:
+    _read_records(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,11 +543,11 @@ class Row:
       (5, 2, True, True)
     """
     own = {k: getattr(self, k) for k in _OWN}
-    made = {k: v for k, v in dataclasses.asdict(self.made).items() if v is not None or k not in _WHEN_SET}
+    made = {k: _json(v) for k, v in vars(self.made).items() if v is not None or k not in _WHEN_SET}
     found = {k: _listed(v) for record in (self.searched, self.offloaded) if record is not None
              for k, v in dataclasses.asdict(record).items()}
     ran = {} if self.measured is None else {"measured": [dataclasses.asdict(m) for m in self.measured]}
-    return {**own, **dataclasses.asdict(self.figures), **made, **found, **ran}
+    return {**own, **self.figures.to_json(), **made, **found, **ran}
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Row:

@@ -30,7 +30,7 @@ from nnx_zero1_plan.planned_model import (
   refuse_blocked,
 )
 from nnx_zero1_plan.recommend import plan_code, recommend
-from nnx_zero1_plan.request import PlanRequest, command_line
+from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
 from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row
@@ -112,15 +112,15 @@ def _left(done: int, rows: int, started: float) -> str:
   return f" ({rows - done} of {rows} rows left, ~{per_row * (rows - done):.0f} s at the pace so far)"
 
 
-def _settings(request: PlanRequest, planned: PlannedModel, target: Target, rows: Sequence[Row],
+def _settings(request: ResolvedRequest, planned: PlannedModel, target: Target, rows: Sequence[Row],
               batch_default: str | None, compiler: str, usable: int) -> PlanSettings:
-  """plan.json's meta, from the request as resolved (``request``: its mesh and micro-batch set), the model's
-  depth and dtypes, the target's memory and the compilers."""
-  source = planned.source_at(request.resolved_batch)
-  layers = source.full_depth or next((int(row.figures.maxtext_config["num_decoder_layers"]) for row in rows
-                                      if row.figures.maxtext_config), None)
+  """plan.json's meta: the request as resolved, the model's depth and dtypes, the target's memory and the
+  compilers."""
+  source = planned.source_at(request.batch)
+  # A MaxText model's depth is its config's, which its rows' figures say they are for.
+  layers = source.full_depth or next((row.made.depth for row in rows if row.made.depth), None)
   extrapolated = [row.made.depth_extrapolated_from for row in rows if row.made.depth_extrapolated_from]
-  return PlanSettings.of(
+  return PlanSettings(
       request, layers=layers, device_kind=target.device_kind, batch_default=batch_default,
       param_dtypes=sorted(planned.param_dtypes), compiler=compiler, jax=jax.__version__,
       hbm_bytes=target.hbm_bytes, hbm_source=target.hbm_source, usable_bytes=usable, peak_source=PEAK_SOURCE,
@@ -128,34 +128,27 @@ def _settings(request: PlanRequest, planned: PlannedModel, target: Target, rows:
       domains=target.domains, activation_sharding=sharding_of(source, planned.axes))
 
 
-def _way_out(compiler: RowCompiler, request: PlanRequest, resolved: PlanRequest, planned: PlannedModel,
-             meta: PlanSettings, blocked: Mapping[str, str], maxtext_out: str | None) -> WayOut:
-  """When nothing fits: the changes that may make room, compiled lightest first, until one fits (each a
-  change to ``request`` at the micro-batch it resolved to; ``resolved`` is the request as planned)."""
-  step = request.steps[0]
-  asked = dataclasses.replace(request, batch=resolved.batch)
+def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedModel, meta: PlanSettings,
+             blocked: Mapping[str, str], maxtext_out: str | None) -> WayOut:
+  """When nothing fits: the changes to the request as planned that may make room, compiled lightest first,
+  until one fits."""
+  step = resolved.steps[0]
 
   def compile_changed(change: Change) -> Row:
     r = change.request
-    policy, batch = r.policies[0], r.resolved_batch
+    policy = r.policies[0]
     if maxtext_out is not None:  # a maxtext: model (the change keeps the model)
-      model = describe_maxtext(r, compiler.target, policy, batch, maxtext_out)
+      model = describe_maxtext(r, compiler.target, policy, r.batch, maxtext_out)
     else:
       model = on_devices(describe_tunix_or_own(r, policy, r.mesh_sizes, estimate=False), compiler.target)
-      micro_batch(batch, model.batch_unit, batch_words(model))
-    return compiler.row(r.levers[0], step, model, StepShape(batch, r.seq_len, r.ga, r.optimizer))
-
-  def shown(change: Change) -> PlanRequest:
-    """The change as its command and code say it: on the plan's resolved mesh where it keeps the mesh."""
-    r = change.request
-    return r if r.mesh != asked.mesh else dataclasses.replace(r, mesh=resolved.mesh)
+      micro_batch(r.batch, model.batch_unit, batch_words(model))
+    return compiler.row(r.levers[0], step, model, StepShape(r.batch, r.seq_len, r.ga, r.optimizer))
 
   lever = "zero1" if "zero1" not in blocked else "baseline"
-  changes = changes_to_try(asked, planned.axes, lever=lever, batch_unit=planned.batch_unit,
-                           remat=planned.remat_hint, named_axes=planned.named,
-                           host_memory=compiler.target.platform == "tpu")
-  return find_way_out(changes, compile_changed, lambda c: command_line(shown(c), steps=[step]),
-                      lambda c: plan_code(shown(c), c.request.levers[0],
+  changes = changes_to_try(resolved, lever=lever, batch_unit=planned.batch_unit, remat=planned.remat_hint,
+                           named_axes=planned.named, host_memory=compiler.target.platform == "tpu")
+  return find_way_out(changes, compile_changed, lambda c: command_line(c.request, steps=[step]),
+                      lambda c: plan_code(c.request, c.request.levers[0],
                                           activation_sharding=meta.activation_sharding))
 
 
@@ -226,6 +219,6 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
                      batch_unit=planned.batch_unit)
   way_out = None
   if rows and not request.estimate and not any(row.verdict for row in rows):
-    way_out = _way_out(compiler, request, resolved, planned, meta, blocked, maxtext_out)
+    way_out = _way_out(compiler, resolved, planned, meta, blocked, maxtext_out)
   return Plan(rows, meta, hints, recommend(rows, resolved, activation_sharding=meta.activation_sharding),
               way_out)

@@ -58,7 +58,8 @@ def fits_in(figures: Figures, usable: int) -> bool | None:
 
   Example::
 
-    >>> fits_in(Figures(peak_bytes_per_device=10), 12), fits_in(Figures(hbm_oom={"required_bytes": 16}), 12)
+    >>> from nnx_zero1_plan.row import HbmOom
+    >>> fits_in(Figures(peak_bytes_per_device=10), 12), fits_in(Figures(hbm_oom=HbmOom(16, 12, "temp")), 12)
     (True, False)
     >>> fits_in(Figures(error="TypeError: ..."), 12) is None
     True

@@ -32,6 +32,7 @@ from nnx_zero1._src.companion import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
 from nnx_zero1_plan.inputs import batch_axes
 from nnx_zero1_plan.levers import Lever, state_axes, summed_over
+from nnx_zero1_plan.request import OPTIMIZER_MENU
 
 __all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batch",
            "train_step",
@@ -39,17 +40,15 @@ __all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batc
            "lever_state", "placed_state", "StepRuns", "run_steps"]
 
 
+def _menu_transformation(name: str) -> Callable[..., optax.GradientTransformation]:
+  rate, fixed = OPTIMIZER_MENU[name]
+  return lambda learning_rate=float(rate), **options: getattr(optax, name)(learning_rate, **fixed, **options)
+
+
 # The --optimizer menu as transformations, the planner's and the benchmarks' one: each takes the learning
-# rate, by default the planner's (a typical fine-tuning rate: the rate changes no bytes), at which it is its
-# request.OPTIMIZER_CODE entry, the code the recommendation prints, written out (tests/planner/test_kinds.py
-# checks each against its code).
-OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
-    "adamw": lambda learning_rate=1e-5, **options: optax.adamw(learning_rate, **options),
-    "adam": lambda learning_rate=1e-5: optax.adam(learning_rate),
-    "lion": lambda learning_rate=1e-6: optax.lion(learning_rate),
-    "sgd": lambda learning_rate=1e-3: optax.sgd(learning_rate, momentum=0.9),
-    "adafactor": lambda learning_rate=1e-3: optax.adafactor(learning_rate),
-}
+# rate (and optax's options), by default request.OPTIMIZER_MENU's, at which it is the code the recommendation
+# prints (request.OPTIMIZER_CODE, written from the same table).
+OPTIMIZERS = {name: _menu_transformation(name) for name in OPTIMIZER_MENU}
 
 
 def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation, mesh: Mesh | None,

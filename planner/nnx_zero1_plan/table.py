@@ -9,7 +9,7 @@ from typing import Any
 from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, Recommendation, row_sent_bytes
-from nnx_zero1_plan.row import Point, Row
+from nnx_zero1_plan.row import Network, OpCount, Point, Row, StateSplit, op_counts
 from nnx_zero1_plan.time_report import search_lines, time_lines
 from nnx_zero1_plan.way_out import WayOut
 
@@ -25,7 +25,6 @@ HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "ar
           "tok/s/device", "MFU", "compile s",
           "collectives per step (count x MiB)", "per micro-batch", "update GFLOP", "update GiB accessed",
           "note")
-_LEFT = (0, 1, 2, 3)  # the columns of words, aligned left, and the note (the last)
 # A pod's plan has two more columns, before the note: what one device sends per step over each network.
 POD_HEADER = ("inside slice/node per step, MiB (est.)", "over the slow network per step, MiB (est.)")
 
@@ -33,15 +32,17 @@ _SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-t
           "to-device": "in", "to-host": "out"}
 
 
-def collective_cell(c: dict[str, dict[str, int]]) -> str:
-  """Collectives (or host transfers) as one table cell, count x MiB per op.
+def collective_cell(c: Mapping[str, OpCount] | Mapping[str, Mapping[str, int]] | None) -> str:
+  """Collectives (or host transfers: ``{op: {"count", "bytes"}}``, as the benchmarks keep them) as one table
+  cell, count x MiB per op.
 
   Example::
 
     >>> collective_cell({"all-reduce": {"count": 2, "bytes": 2**20}, "all-gather": {"count": 0, "bytes": 0}})
     'AR 2x 1.000'
   """
-  parts = [f"{_SHORT[k]} {v['count']}x {v['bytes'] / 2**20:.3f}" for k, v in c.items() if v["count"]]
+  counts = op_counts(c) or {}
+  parts = [f"{_SHORT[k]} {v.count}x {v.bytes / 2**20:.3f}" for k, v in counts.items() if v.count]
   return ", ".join(parts) or "-"
 
 
@@ -80,21 +81,21 @@ def time_cells(step_s: float | None, tokens_per_s: float | None, mfu: float | No
           "-" if mfu is None else f"{mfu:.0%}")
 
 
-def split_words(lever: str, split: Mapping[str, Any] | None) -> str | None:
+def split_words(lever: str, split: StateSplit | None) -> str | None:
   """What a Zero-1 lever's layout splits (``split``: its row's ``state_split``), where it is not the whole
   state over every axis the lever names (None where it is, and for the baseline): the share of the state's
   bytes over each set of axes.
 
   Example::
 
-    >>> split_words("zero1-pod", {"axes": ["replica", "data"], "share": {"data": 0.998, "none": 0.002}})
+    >>> split_words("zero1-pod", StateSplit(["replica", "data"], {"data": 0.998, "none": 0.002}))
     'splits 0% of the state over replica,data, 99.8% over data only'
-    >>> split_words("zero1", {"axes": ["data"], "share": {"data": 0.999, "none": 0.001}}) is None
+    >>> split_words("zero1", StateSplit(["data"], {"data": 0.999, "none": 0.001})) is None
     True
   """
-  if not split or lever == "baseline":
+  if split is None or lever == "baseline":
     return None
-  share, every = split["share"], ",".join(split["axes"])
+  share, every = split.share, ",".join(split.axes)
   if share.get(every, 0) >= 0.99:
     return None
   words = [f"splits {share.get(every, 0):.0%} of the state over {every}"]
@@ -153,8 +154,8 @@ def _verdict_note(r: Row) -> str:
     extrapolated = _gib(made.extrapolated_peak_bytes_per_device)
     return f"compiled whole (estimate: {extrapolated} GiB; {made.compiled_whole_because})"
   if made.estimate:
-    up_to = made.estimate["whole_peak_over_estimate_up_to"]
-    return (f"~ ESTIMATE, {made.estimate['method']}: decides nothing (whole programs have peaked up to "
+    up_to = made.estimate.whole_peak_over_estimate_up_to
+    return (f"~ ESTIMATE, {made.estimate.method}: decides nothing (whole programs have peaked up to "
             f"{up_to}x the estimate)")
   return ""
 
@@ -167,23 +168,23 @@ def _max_micro_batch(r: Row) -> str:
 
 def _lever(r: Row) -> str:
   """The lever, with the share it offloads (``offload-fraction``) and the state's bytes in host memory."""
-  host = (r.figures.opt_state_bytes_by_memory_kind or {}).get("pinned_host")
+  host = r.figures.host_state_bytes
   picked = "" if r.offloaded is None else f" {r.offloaded.offload_fraction:.2f}"
   return r.lever + picked + (f" (+{_gib(host)} GiB host)" if host else "")
 
 
-def network_cell(network: Mapping[str, Any] | None) -> str:
+def network_cell(network: Network | None) -> str:
   """One network's bytes per step (MiB) and the time they take at its public bandwidth, an estimate.
 
   Example::
 
-    >>> network_cell({"network": "DCN", "bytes": 1102404096, "estimate_ms": 176.4})
+    >>> network_cell(Network("DCN", 1102404096, 176.4))
     'DCN 1,051.3 (~176.4 ms)'
   """
-  if not network:
+  if network is None:
     return "-"
-  ms = "" if network["estimate_ms"] is None else f" (~{network['estimate_ms']:,.1f} ms)"
-  return f"{network['network']} {network['bytes'] / 2**20:,.1f}{ms}"
+  ms = "" if network.estimate_ms is None else f" (~{network.estimate_ms:,.1f} ms)"
+  return f"{network.network} {network.bytes / 2**20:,.1f}{ms}"
 
 
 def _is_pod(rows: Sequence[Row]) -> bool:
@@ -202,9 +203,9 @@ def cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
   for r in rows:
     f = r.figures
     fits = "-" if r.verdict is None else "yes" if r.verdict else "NO"
-    collectives = f.collectives or {}
     flops = f.update_flops_per_device
-    network = r.made.network_per_step or {}
+    network = r.made.network_per_step
+    nets = (network.fast, network.slow) if network else (None, None)
     ex = "~" if r.estimated else ""  # an estimate's figures, each marked
     compile_s = f.compile_s if r.searched is None else r.searched.search_compile_s
     out.append((
@@ -215,10 +216,10 @@ def cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
         ex + _gib(f.formula_peak_bytes_per_device), _gib(r.usable_bytes),
         ex + fits, _max_micro_batch(r), *time_cells(f.predicted_step_s, f.tokens_per_s_per_device, f.mfu, ex),
         f"{compile_s:.0f}",
-        ex + collective_cell(collectives.get("per_step", {})),
-        ex + collective_cell(collectives.get("per_micro_batch", {})),
+        ex + collective_cell(f.collectives.per_step if f.collectives else None),
+        ex + collective_cell(f.collectives.per_micro_batch if f.collectives else None),
         "-" if flops is None else f"{ex}{flops / 1e9:.2f}", ex + _gib(f.update_bytes_accessed_per_device),
-        *((ex + network_cell(network.get("fast")), ex + network_cell(network.get("slow"))) if pod else ()),
+        *((ex + network_cell(n) for n in nets) if pod else ()),
         _note(r, rows),
     ))
   return out

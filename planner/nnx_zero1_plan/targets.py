@@ -170,7 +170,7 @@ def _tpu_usable_bytes(topology: str) -> int:
     jax.jit(lambda x: x + 1).lower(huge).compile()
   except Exception as e:  # any refusal is read, or said in one line: never a traceback
     oom = hbm_oom(str(e))
-    available = (oom or {}).get("available_bytes") or available_hbm(str(e))
+    available = (oom.available_bytes if oom else None) or available_hbm(str(e))
     if available:
       return available
     first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)

@@ -22,10 +22,10 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
 from nnx_zero1_plan.levers import adds_memory, memory_twin
-from nnx_zero1_plan.request import PlanRequest, command_line
+from nnx_zero1_plan.request import ResolvedRequest, command_line
 from nnx_zero1_plan.row import Row
 
-__all__ = ["Change", "Tried", "WayOut", "changes_to_try", "find_way_out", "next_steps"]
+__all__ = ["Change", "Tried", "WayOut", "changes_to_try", "find_way_out", "more_fsdp", "next_steps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +34,12 @@ class Change:
 
   Attributes:
     what: the change in words.
-    request: the plan's request with the change made (``dataclasses.replace``: ``levers``, ``batch``,
-      ``ga``, ``remat`` or ``mesh``).
+    request: the plan's resolved request with the change made (``dataclasses.replace``: ``levers``,
+      ``batch``, ``ga``, ``remat`` or ``mesh``).
   """
 
   what: str
-  request: PlanRequest
+  request: ResolvedRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +69,30 @@ class WayOut:
     return cls(tuple(Tried(**t) for t in fields["tried"]), None if found is None else Tried(**found))
 
 
-def changes_to_try(request: PlanRequest, mesh: Mapping[str, int], *, lever: str, batch_unit: int,
-                   remat: str | None, named_axes: Sequence[str] = (),
-                   host_memory: bool = True) -> list[Change]:
+def more_fsdp(mesh: Mapping[str, int]) -> dict[str, int] | None:
+  """``mesh`` on the same chips with ``data`` halved and ``fsdp`` doubled, so parameters and gradients split
+  over twice the devices: the way out's and the hints' one rule.
+
+  Returns:
+    The wider mesh; None where the mesh has no ``fsdp`` axis or ``data`` does not halve.
+
+  Example::
+
+    >>> more_fsdp({"data": 4, "fsdp": 2}), more_fsdp({"data": 3, "fsdp": 1})
+    ({'data': 2, 'fsdp': 4}, None)
+  """
+  data = mesh.get("data", 1)
+  if "fsdp" not in mesh or data % 2:
+    return None
+  return {**mesh, "data": data // 2, "fsdp": 2 * mesh["fsdp"]}
+
+
+def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, remat: str | None,
+                   named_axes: Sequence[str] = (), host_memory: bool = True) -> list[Change]:
   """The changes to compile when nothing fits, lightest first, each the request with one change made.
 
   Args:
-    request: the plan's request, its micro-batch the one the plan resolved (``batch`` set; a request not
-      resolved is a ValueError).
-    mesh: the mesh the plan resolved (every axis and its size).
+    request: the plan's request as resolved (its mesh and micro-batch set).
     lever: the lever to try them on (the lightest Zero-1 lever that applies, else the baseline).
     batch_unit: the batch axes' size: a micro-batch is a multiple of it.
     remat: the remat policy the model takes (None: it takes none).
@@ -90,14 +105,15 @@ def changes_to_try(request: PlanRequest, mesh: Mapping[str, int], *, lever: str,
 
   Example::
 
-    >>> request = PlanRequest("m.models:build", "h100:8", batch=16)
-    >>> [c.what for c in changes_to_try(request, {"data": 4, "fsdp": 2}, lever="zero1", batch_unit=4,
-    ...                                 remat="block", named_axes=["fsdp"])]  # doctest: +NORMALIZE_WHITESPACE
+    >>> from nnx_zero1_plan.request import PlanRequest
+    >>> request = PlanRequest("m.models:build", "h100:8").resolved({"data": 4, "fsdp": 2}, 16)
+    >>> [c.what for c in changes_to_try(request, lever="zero1", batch_unit=4, remat="block",
+    ...                                 named_axes=["fsdp"])]  # doctest: +NORMALIZE_WHITESPACE
     ['micro-batch 8, 2x the accumulation (the same tokens per step)',
      'micro-batch 4, 4x the accumulation (the same tokens per step)', 'remat block',
      'fsdp=4 (data=2): parameters and gradients split too', 'the optimizer state in host memory']
   """
-  batch = request.resolved_batch
+  batch = request.batch
   on = functools.partial(dataclasses.replace, request, levers=(lever,))
   out = []
   for times in (2, 4, 8):  # a smaller micro-batch, halved while it still splits over the batch axes
@@ -107,9 +123,8 @@ def changes_to_try(request: PlanRequest, mesh: Mapping[str, int], *, lever: str,
                         on(batch=smaller, ga=times * request.ga)))
   if remat is not None and request.remat in (None, "none"):
     out.append(Change(f"remat {remat}", on(remat=remat)))
-  wider = dict(mesh)
-  if "fsdp" in named_axes and wider.get("data", 1) % 2 == 0:
-    wider["data"], wider["fsdp"] = wider["data"] // 2, 2 * wider.get("fsdp", 1)
+  wider = more_fsdp(request.mesh_sizes)
+  if "fsdp" in named_axes and wider is not None:
     out.append(Change(f"fsdp={wider['fsdp']} (data={wider['data']}): parameters and gradients split too",
                       on(mesh=spelled_mesh(wider))))
   if host_memory:
@@ -147,14 +162,14 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
   return WayOut(tuple(tried), None)
 
 
-def next_steps(rows: Sequence[Row], request: PlanRequest, levers: Sequence[str], *,
+def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[str], *,
                blocked: Mapping[str, str], remat: str | None, batch_unit: int) -> list[str]:
   """What to try next, in order, when no row fits (empty when one does): each item ends with its command.
 
   Args:
     rows: the plan's rows.
-    request: the plan's request as resolved (its mesh and micro-batch set:
-      :meth:`~nnx_zero1_plan.request.PlanRequest.resolved`); each command is it with one change made.
+    request: the plan's request as resolved (its mesh and micro-batch set); each command is it with one
+      change made.
     levers: every lever the planner knows, lightest first.
     blocked: the levers that cannot apply to this model, and why (they are not suggested, nor is a lever
       that adds memory, :func:`nnx_zero1_plan.levers.adds_memory`, or holds what a tried one held,
@@ -182,15 +197,14 @@ def next_steps(rows: Sequence[Row], request: PlanRequest, levers: Sequence[str],
   temp = 0 if best is None else best.figures.temp_bytes_per_device or 0
   if best is not None:
     short = (peak(best) - best.hbm_bytes) / 2**30
-    mesh = dict(request.mesh_sizes)
-    if "fsdp" in mesh and mesh.get("data", 1) > 1:
-      mesh["data"], mesh["fsdp"] = mesh["data"] // 2, 2 * mesh["fsdp"]
+    mesh = more_fsdp(request.mesh_sizes)
+    if mesh is not None:
       steps.append(f"{best.lever} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
                    f"gradients too: {command_line(request, levers=[best.lever], mesh=spelled_mesh(mesh))}")
     if remat is not None and not request.remat:
       steps.append(f"remat (recomputes activations; the temp is {temp / 2**30:.2f} GiB): "
                    f"{command_line(request, levers=[best.lever], remat=remat)}")
-  half = request.resolved_batch // 2 // batch_unit * batch_unit
+  half = request.batch // 2 // batch_unit * batch_unit
   if half >= batch_unit:
     why = (f"activations shrink, up to ~{temp / 2 / 2**30:.2f} GiB" if best is not None
            else "the compiler refused every program at this micro-batch")

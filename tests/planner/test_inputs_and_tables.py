@@ -406,7 +406,8 @@ def test_a_pods_table_has_each_networks_bytes_and_time_before_the_note():
   """A pod's rows (``network_per_step``) add two columns before the note, in plan.md's table and the
   terminal's: each network's name, MiB per step and its estimated time; other plans have neither."""
   nets = lambda fast, slow: {"fast": {"network": "ICI", "bytes": fast * 2**20, "estimate_ms": 0.5},
-                             "slow": {"network": "DCN", "bytes": slow * 2**20, "estimate_ms": None}}
+                             "slow": {"network": "DCN", "bytes": slow * 2**20, "estimate_ms": None},
+                             "source": None}
   rows = [_row("baseline", 8 * 2**30, made=Made(depth=2, network_per_step=nets(3, 2))),
           _row("zero1-pod", 6 * 2**30, made=Made(depth=2, network_per_step=nets(4, 1.5)))]
   wide = table(rows).splitlines()
@@ -430,7 +431,7 @@ def test_every_kept_plans_rows_read_into_typed_records_and_write_back_the_same_f
     record = json.loads(path.read_text())
     for row, written in zip(Plan.from_record(record).rows, record["rows"], strict=True):
       # A MaxText row planned before its depth was recorded says it in its config.
-      assert row.made.depth or row.figures.maxtext_config["num_decoder_layers"]
+      assert row.made.depth or row.figures.maxtext_config.num_decoder_layers
       assert row.figures.peak_bytes_per_device == written["peak_bytes_per_device"]
       again = row.to_json()
       # Every field of the kept row comes back with its value (a note that says nothing is left out), and the
@@ -438,6 +439,14 @@ def test_every_kept_plans_rows_read_into_typed_records_and_write_back_the_same_f
       assert {k: v for k, v in written.items() if not (k in notes and v is None)} == {
           k: again[k] for k in written if k in again}, path
       assert again["depth"] == written["depth"] and again["depth_extrapolated_from"] is None
+      # Byte for byte: the kept keys in their order, each typed record (collectives, state_split, hbm_oom,
+      # maxtext_config, network_per_step, estimate) writing the object the kept plan holds.
+      kept_keys = [k for k in written if k in again]
+      assert json.dumps([again[k] for k in kept_keys]) == json.dumps([written[k] for k in kept_keys]), path
+      f = row.figures
+      typed = (f.collectives, f.state_split, f.hbm_oom, f.maxtext_config, row.made.network_per_step,
+               row.made.estimate)
+      assert not any(isinstance(record, dict) for record in typed), path
       assert Row.from_json(json.loads(json.dumps(again))) == row
   written = json.loads(kept[0].read_text())["rows"][0]
   with pytest.raises(KeyError, match="peak_gib"):  # a field no record has: another planner's plan.json
@@ -450,7 +459,7 @@ def test_every_kept_plans_meta_reads_into_its_record_and_writes_back_byte_for_by
   for path in kept:
     written = json.loads(path.read_text())["meta"]
     settings = PlanSettings.from_json(written)
-    assert settings.batch == written["batch"] and settings.mesh == written["mesh"], path
+    assert settings.request.batch == written["batch"] and settings.request.mesh_sizes == written["mesh"], path
     # The same keys in the same order, each value as it was: plan.json's meta written again is the same text.
     assert json.dumps(settings.to_json(), indent=1) == json.dumps(written, indent=1), path
     assert PlanSettings.from_json(json.loads(json.dumps(settings.to_json()))) == settings

@@ -153,8 +153,8 @@ def test_the_optimizers_private_names_come_from_the_module_made_for_the_planner(
 
 
 def test_each_optimizer_of_the_menu_is_the_code_the_recommendation_prints(monkeypatch):
-  # steps.OPTIMIZERS writes out request.OPTIMIZER_CODE: each factory, called on a stand-in for optax that
-  # records the call, is the printed code's call (read by ast, never run).
+  # steps.OPTIMIZERS and request.OPTIMIZER_CODE are built from one table: each factory, called on a stand-in
+  # for optax that records the call, is the printed code's call (read by ast, never run).
   from nnx_zero1_plan import steps
   from nnx_zero1_plan.request import OPTIMIZER_CODE
 
