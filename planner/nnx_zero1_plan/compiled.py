@@ -110,19 +110,20 @@ COMPUTE_SOURCES = {
 
 def step_flops(compiled: Any) -> tuple[int | None, str]:
   """A step program's flops on one device and where they come from (a key of :data:`COMPUTE_SOURCES`): the
-  compiler's cost analysis, or, where it has none (XLA's GPU compiler), the matmuls counted from the compiled
-  HLO (:func:`nnx_zero1_plan.hlo_flops.dot_flops`), so every compiled point carries its compute.
+  matmuls counted from the compiled HLO (:func:`nnx_zero1_plan.hlo_flops.dot_flops`), each loop's body times
+  its trip count, as the step's time walks it (the compiler's cost analysis counts a loop's body once); the
+  cost analysis only where the program holds no matmul.
 
   Example::
 
     >>> import jax, jax.numpy as jnp
     >>> step_flops(jax.jit(lambda a, b: a @ b).lower(jnp.ones((2, 3)), jnp.ones((3, 4))).compile())
-    (48, 'cost_analysis')
+    (48, 'hlo_dots')
   """
-  flops = cost(compiled)["flops"]
-  if flops is not None:
-    return flops, "cost_analysis"
-  return dot_flops(compiled.as_text()), "hlo_dots"
+  counted = dot_flops(compiled.as_text())
+  if counted:
+    return counted, "hlo_dots"
+  return cost(compiled)["flops"], "cost_analysis"
 
 
 _OOM = re.compile(r"required for (?P<what>.*?) \((?P<need>[\d.]+)(?P<u1>[KMGT])\) exceeds available HBM "

@@ -41,24 +41,48 @@ def _operands(args: str) -> list[str]:
   return [a.strip().lstrip("%") for a in args.split(")")[0].split(",")]
 
 
-def _window(spec: str) -> list[tuple[int, int, int, tuple[int, int], bool]]:
-  """A convolution's window, per spatial dimension: (dimension, size, stride, (low, high) padding, dilated).
+def _window(spec: str) -> list[tuple[int, int, int, tuple[int, int], int, int]]:
+  """A convolution's window, per spatial dimension: (dimension, size, stride, (low, high) padding, input
+  dilation, window dilation).
 
   Example::
 
     >>> _window("size=1x16 pad=0_0x15_15 rhs_reversal=0x1")
-    [(0, 1, 1, (0, 0), False), (1, 16, 1, (15, 15), False)]
+    [(0, 1, 1, (0, 0), 1, 1), (1, 16, 1, (15, 15), 1, 1)]
+    >>> _window("size=8x16 stride=7x15 lhs_dilate=8x16")[1]
+    (1, 16, 15, (0, 0), 16, 1)
   """
   fields = dict(f.split("=", 1) for f in spec.split() if "=" in f)
   if "size" not in fields:
     return []
   sizes = [int(d) for d in fields["size"].split("x")]
-  strides = [int(d) for d in fields["stride"].split("x")] if "stride" in fields else [1] * len(sizes)
+  each = lambda key: [int(d) for d in fields[key].split("x")] if key in fields else [1] * len(sizes)  # noqa: E731
   pads = ([tuple(int(p) for p in pad.split("_")) for pad in fields["pad"].split("x")] if "pad" in fields
           else [(0, 0)] * len(sizes))
-  dilated = any(k in fields for k in ("lhs_dilate", "rhs_dilate"))
-  return [(d, k, s, (pad[0], pad[1]), dilated)
-          for d, (k, s, pad) in enumerate(zip(sizes, strides, pads, strict=True))]
+  return [(d, k, s, (pad[0], pad[1]), base, window)
+          for d, (k, s, pad, base, window) in enumerate(zip(sizes, each("stride"), pads, each("lhs_dilate"),
+                                                           each("rhs_dilate"), strict=True))]
+
+
+def _taps(n: int, k: int, stride: int, pad: tuple[int, int], base: int, window: int) -> float:
+  """The window's taps per output that land on the input, not on its padding or the holes a base (input)
+  dilation puts between its elements: the TPU compiler writes a batched matmul as a base-dilated
+  convolution whose window reads one real element per output (``size=8 stride=7 lhs_dilate=8``).
+
+  Example::
+
+    >>> _taps(8, 8, 7, (0, 0), 8, 1), _taps(4, 3, 1, (1, 1), 1, 1)
+    (1.0, 2.5)
+  """
+  extent = (n - 1) * base + 1
+  outputs = (extent + pad[0] + pad[1] - (k - 1) * window - 1) // stride + 1
+  if outputs < 1:
+    return float(k)
+  if base == 1 and window == 1:  # the (output, kernel) pairs that land on the input, per output
+    return sum(min(k, n + pad[0] - p * stride) - max(0, pad[0] - p * stride) for p in range(outputs)) / outputs
+  real = sum(1 for p in range(outputs) for j in range(k)
+             if 0 <= (x := p * stride + j * window - pad[0]) < extent and x % base == 0)
+  return real / outputs
 
 
 def _flops(op: str, line: str, args: str, result: tuple[int, ...] | None,
@@ -79,14 +103,8 @@ def _flops(op: str, line: str, args: str, result: tuple[int, ...] | None,
   if lhs is None or rhs is None or labels is None or "i" not in labels["rhs"]:
     return 0
   taps = 1.0
-  for dim, k, stride, (low, high), dilated in _window(window["spec"] if window else ""):
-    n = lhs[labels["lhs"].index(str(dim))]
-    outputs = (n + low + high - k) // stride + 1
-    if dilated or outputs < 1:  # a dilated window's taps are not read off its padding: count them all
-      taps *= k
-      continue
-    # The (output, kernel) pairs that land on the input, not its padding, per output.
-    taps *= sum(min(k, n + low - p * stride) - max(0, low - p * stride) for p in range(outputs)) / outputs
+  for dim, k, stride, pad, base, dilation in _window(window["spec"] if window else ""):
+    taps *= _taps(lhs[labels["lhs"].index(str(dim))], k, stride, pad, base, dilation)
   # The kernel's input features are per group already (a grouped convolution's kernel holds 1/groups of them).
   return round(2 * math.prod(result) * taps * rhs[labels["rhs"].index("i")])
 

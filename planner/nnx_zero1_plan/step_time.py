@@ -46,7 +46,8 @@ from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import StepTime
 
 __all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTIMATED", "rates_for",
-           "predict_step_time", "cycle_class", "CYCLE_CLASSES", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED"]
+           "predict_step_time", "cycle_class", "CYCLE_CLASSES", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED",
+           "HOST_UNTIMED"]
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
@@ -76,13 +77,16 @@ class Rates:
     clock_hz: the core's clock (cycles per second); None where the compiler gives no cycles.
     network_bytes_per_s: one device's rate for a collective over a group of ``n`` devices (a function of
       ``n``: a ring of two uses one link, a longer ring two), per direction.
-    host_bytes_per_s: the host link's rate (copies to and from host memory); None where no public figure
-      is known (the copies are then counted, not timed).
+    host_bytes_per_s: the host link's rate each way (copies to and from host memory, each direction on its
+      own lane); None where it was not measured (the copies are then counted, not timed).
+    class_clocks_hz: the clock each class of work (:data:`CYCLE_CLASSES`) runs the compiler's cycles at,
+      where a microbenchmark measured it on the chip; None: every cycle at ``clock_hz``.
   """
 
   clock_hz: float | None
   network_bytes_per_s: Callable[[int], float]
   host_bytes_per_s: float | None = None
+  class_clocks_hz: Mapping[str, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +126,7 @@ class _Walk:
   now: float = 0.0
   compute: float = 0.0
   network_free: float = 0.0
-  host_free: float = 0.0
+  host_free: dict[str, float] = dataclasses.field(default_factory=dict)
   collective: float = 0.0
   exposed: float = 0.0
   host: float = 0.0
@@ -143,12 +147,13 @@ class _Walk:
     self.collectives += times * other.collectives
 
   def start(self, name: str, seconds: float, on: str) -> None:
-    """An async transfer of ``seconds`` on the network or the host link, started now."""
-    if on == "host":
-      begin = max(self.now, self.host_free)
-      self.host_free = begin + seconds
+    """An async transfer of ``seconds`` on the network or on one direction of the host link (``to-host``,
+    ``to-device``: each has its own lane), started now."""
+    if on != "network":
+      end = max(self.now, self.host_free.get(on, 0.0)) + seconds
+      self.host_free[on] = end
       self.host += seconds
-      self.pending[name] = (self.host_free, on)
+      self.pending[name] = (end, on)
     else:
       begin = max(self.now, self.network_free)
       self.network_free = begin + seconds
@@ -161,7 +166,7 @@ class _Walk:
     end, on = self.pending.pop(name, (self.now, "network"))
     stall = max(0.0, end - self.now)
     self.now += stall
-    if on == "host":
+    if on != "network":
       self.exposed_host += stall
     else:
       self.exposed += stall
@@ -178,10 +183,13 @@ def _collective_seconds(op: str, shape: str, line: str, devices: int, rates: Rat
   return sent / rates.network_bytes_per_s(n)
 
 
-def _host_copy(shape: str) -> bool:
-  """Whether an async copy's (destination, source, context) moves between host and device memory."""
+def _host_copy(shape: str) -> str | None:
+  """Which way an async copy's (destination, source, context) moves between host and device memory
+  (``to-host``, ``to-device``; None: within one memory)."""
   parts = shape.split(", ")
-  return len(parts) >= 2 and (_HOST_SPACE in parts[0]) != (_HOST_SPACE in parts[1])
+  if len(parts) < 2 or (_HOST_SPACE in parts[0]) == (_HOST_SPACE in parts[1]):
+    return None
+  return "to-host" if _HOST_SPACE in parts[0] else "to-device"
 
 
 def program_time(hlo: str, rates: Rates, devices: int | None = None,
@@ -249,7 +257,7 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
         w.start(m["name"], _collective_seconds(kind, shape, line, devices, rates, True), "network")
       elif op == "copy-start" and _host_copy(shape):
         if rates.host_bytes_per_s is not None:
-          w.start(m["name"], shape_bytes(shape.split(", ")[0]) / rates.host_bytes_per_s, "host")
+          w.start(m["name"], shape_bytes(shape.split(", ")[0]) / rates.host_bytes_per_s, _host_copy(shape))
       elif op.endswith("-done"):
         w.wait(args.split(",")[0].strip().lstrip("%"))
       elif estimates is not None:
@@ -267,7 +275,10 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
         if int(cycles[1]) >= NOT_ESTIMATED:
           w.unestimated += 1
           continue
-        seconds = int(cycles[1]) / rates.clock_hz
+        clock = rates.clock_hz
+        if rates.class_clocks_hz:
+          clock = rates.class_clocks_hz.get(_line_class(line, bodies), clock)
+        seconds = int(cycles[1]) / clock
         w.now += seconds
         w.compute += seconds
     for pending in list(w.pending):  # a transfer nothing waited for still ends the program
@@ -326,6 +337,12 @@ def cycle_class(hlo: str) -> set[str]:
       {_line_class(line, bodies) for line in hlo.splitlines() if _CYCLES.search(line)})
 
 
+def _crosses_host(hlo: str) -> bool:
+  """Whether a program copies between host and device memory (an offloaded state)."""
+  return any(m is not None and m["op"] == "copy-start" and _host_copy(m["shape"]) is not None
+             for m in map(_LINE.match, hlo.splitlines()))
+
+
 def cycles_estimated(hlo: str) -> bool:
   """Whether a compiled program carries the compiler's cycle estimates (the TPU compiler's programs do).
 
@@ -348,6 +365,8 @@ UNTUNED = ("XLA's GPU compiler without a GPU does not autotune its matmuls: they
 NO_SCHEDULE = ("XLA's GPU scheduler dumped no estimates for one of the step's programs (on jax 0.12.0.1 it "
                "writes none for a program without collectives to schedule, and only the loop bodies of a "
                "program with loops): no time rather than a part of one")
+HOST_UNTIMED = ("the step copies state between host and device memory, and this chip's host link was never "
+                "measured: no time rather than one without its copies (the v5e's is, benchmarks.chip_rates)")
 NO_ESTIMATE = ("the compiler gives no estimate of the program's compute (XLA's GPU and CPU compilers carry "
                "no cycles in the compiled program); not guessed from a peak rate")
 
@@ -369,7 +388,7 @@ def rates_for(chip: Chip) -> Rates:
   if ports:
     per_port = fast / ports
     return Rates(chip.compute.clock_hz, lambda n: per_port * (1 if n <= 2 else 2),
-                 chip.compute.host_bytes_per_s)
+                 chip.compute.host_bytes_per_s, chip.compute.class_clocks_hz)
   return Rates(chip.compute.clock_hz, lambda n: fast, chip.compute.host_bytes_per_s)
 
 
@@ -401,6 +420,9 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
     return {"predicted_step_s": None, "tokens_per_s_per_device": None, "mfu": None, "step_time": None,
             "time_absent": NO_ESTIMATE if scheduled is None else NO_SCHEDULE}
   rates = rates_for(chip)
+  if rates.host_bytes_per_s is None and any(_crosses_host(hlo) for _, hlo, _ in programs):
+    return {"predicted_step_s": None, "tokens_per_s_per_device": None, "mfu": None, "step_time": None,
+            "time_absent": HOST_UNTIMED}
   walks = [(program_time(hlo, rates, devices, own), times)
            for (_, hlo, times), own in zip(programs, estimates, strict=True)]
   total = lambda part: sum(times * (getattr(t, part) or 0.0) for t, times in walks)  # noqa: E731
