@@ -1,0 +1,87 @@
+"""docs/planner.md's "How accurate the step time is", held to the runs kept from a TPU v5e chip.
+
+Each kept case (``docs/data/device_v5e/run*/CASE``: ``scripts/device_check.sh tpu``) holds the command, its
+output (``out/limit.jsonl``: the median step the chip ran) and each compiled program's text
+(``programs/*.hlo.txt.gz``). The prediction is recomputed here from that very program with today's walk and
+chip table, so the docs' table says what the planner predicts now, beside what the chip measured then.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import pathlib
+
+import pytest
+
+from nnx_zero1_plan.chips import CHIPS
+from nnx_zero1_plan.hlo_flops import dot_flops
+from nnx_zero1_plan.step_time import program_time, rates_for
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+KEPT = ROOT / "docs" / "data" / "device_v5e"
+DOCS = ROOT / "docs" / "planner.md"
+# The docs' promise for every kept case: the predicted step within this share of the measured one.
+WITHIN = 0.20
+
+
+def kept_cases() -> list[dict]:
+  """Every kept case that ran: its row from the chip and its program's text."""
+  cases = []
+  for jsonl in sorted(KEPT.glob("run*/*/out/limit.jsonl")):
+    for line in jsonl.read_text().splitlines():
+      row = json.loads(line)
+      if row.get("step_ms") is None or "compiler" not in row:
+        continue
+      name = f"{row['lever']}_{row['batch']}x{row['ga']}_s{row['seq_len']}.hlo.txt.gz"
+      program = jsonl.parent.parent / "programs" / name
+      cases.append({**row, "case": jsonl.parent.parent.name, "run": jsonl.parent.parent.parent.name,
+                    "hlo": gzip.decompress(program.read_bytes()).decode()})
+  return cases
+
+
+def table_line(case: dict) -> str:
+  """The docs' row for one case: what the chip ran and what the planner predicts for its program today."""
+  predicted = 1000 * program_time(case["hlo"], rates_for(CHIPS["v5e"])).total_s
+  model = case["model"].split(":")[1]
+  return (f"| `{model}` | `{case['lever']}` | {case['batch']} x {case['ga']} | {case['seq_len']} | "
+          f"{case['step_ms']:.1f} | {predicted:.1f} | {100 * (predicted / case['step_ms'] - 1):+.1f}% | "
+          f"{case['predicted_ms']:.1f} | {case['run']}/{case['case']} |")
+
+
+CASES = kept_cases()
+
+
+def test_the_kept_runs_are_there():
+  assert len(CASES) >= 12, [c["case"] for c in CASES]
+  assert {c["device_kind"] for c in CASES} == {"TPU v5 lite"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['case']}-{c['batch']}x{c['ga']}")
+def test_the_docs_table_is_todays_walk_of_each_kept_program(case):
+  assert table_line(case) in DOCS.read_text()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['case']}-{c['batch']}x{c['ga']}")
+def test_each_prediction_is_within_the_docs_bound_and_its_flops_below_the_peak(case):
+  walk = program_time(case["hlo"], rates_for(CHIPS["v5e"]))
+  measured = case["step_ms"] / 1000
+  assert abs(walk.total_s / measured - 1) <= WITHIN
+  flops = dot_flops(case["hlo"])
+  mfu = flops / measured / CHIPS["v5e"].compute.peak_flops_per_s["bfloat16"]
+  assert 0 < mfu <= 1, mfu  # the roofline (flops over the peak) at or below the measured step
+  if case["lever"].startswith("offload"):  # the host copies timed at the measured link, not left out
+    assert walk.host_s and walk.host_s > walk.compute_s
+
+
+def test_base_dilated_attention_counts_one_tap_per_output():
+  # build at micro-batch 8 x 1024 (266.9M, float32): 6 x matmul parameters x tokens, and the attention's two
+  # batched matmuls (full, not causal-halved) forward and twice backward, against the compiled HLO's count,
+  # whose attention the TPU compiler writes as base-dilated convolutions.
+  case = next(c for c in CASES if c["case"] == "build_baseline" and c["batch"] == 8)
+  assert "lhs_dilate=8x16" in case["hlo"]
+  layers, width, vocab, hidden, tokens, length, batch = 12, 1024, 32_000, 4096, 8 * 1024, 1024, 8
+  matmul_params = layers * (4 * width * width + 3 * width * hidden) + width * vocab
+  attention = layers * 3 * 2 * (2 * batch * length * length * width)
+  assert math.isclose(dot_flops(case["hlo"]), 6 * matmul_params * tokens + attention, rel_tol=0.02)
