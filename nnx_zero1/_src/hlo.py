@@ -10,13 +10,15 @@ import re
 from collections.abc import Callable, Iterator
 
 __all__ = [
-    "COLLECTIVES", "TRANSFERS", "Counts", "shape_bytes", "collectives", "loop_collectives", "collective_ops",
-    "per_call", "partitions", "host_transfers", "loop_host_transfers", "condition_trip_count", "trip_count",
-    "result_bytes",
+    "COLLECTIVES", "COLLECTIVE_OPS", "TRANSFERS", "Counts", "shape_bytes", "collectives", "loop_collectives",
+    "collective_ops", "collective_of", "callees", "chosen_branch", "executions", "per_call", "partitions",
+    "host_transfers", "loop_host_transfers", "condition_trip_count", "trip_count", "result_bytes",
 ]
 
-# all-to-all: the int8 reduce-scatter across slices or nodes (across_dtype=jnp.int8) is one.
+# all-to-all: the int8 reduce-scatter across slices or nodes (across_dtype=jnp.int8) is one. Every count has
+# these four; a collective-permute (a pipeline's send to its neighbour) is counted where a program has one.
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
+COLLECTIVE_OPS = (*COLLECTIVES, "collective-permute")
 TRANSFERS = ("to-device", "to-host")
 
 _DTYPE_BYTES = {
@@ -27,8 +29,11 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OP = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s"
-    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\("
+    r"(?P<op>" + "|".join(COLLECTIVE_OPS) + r")(?P<start>-start)?\("
 )
+# A collective wrapped in a generic async pair (``async-start(...), calls=%all-gather.3``).
+_ASYNC = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\sasync-start\(.*\bcalls=%?"
+                    r"(?P<op>" + "|".join(COLLECTIVE_OPS) + r")")
 # The TPU compiler emits a reduce-scatter as a fusion calling a computation named all-reduce-scatter*
 # (an all-reduce and a slice fused into one collective, "SingleInputAllReduceScatterFusion"); its
 # result is the scattered slice.
@@ -42,8 +47,11 @@ _COPY_START = re.compile(
 )
 _HOST_SPACE = "S(5)}"
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
-_CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALLEE = re.compile(r"\b(body|calls)=%?([\w.\-]+)")
+_CALL = re.compile(r"\scall\(.*\bto_apply=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+                       r"false_computation=%?([\w.\-]+))")
+_CYCLES = re.compile(r'"estimated_cycles":"?(\d+)')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[su](?:32|64)\[\]\S*\s+constant\((\d+)\)")
@@ -144,14 +152,36 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
   return bodies, entry
 
 
-def _callees(line: str) -> list[tuple[str, str]]:
-  """(kind, computation) for every computation an instruction calls."""
-  if _FUSED_REDUCE_SCATTER.match(line):
-    return []  # counted as one reduce-scatter; the all-reduce inside is not a second collective
-  callees = [(kind, callee) for kind, callee in _CALLEE.findall(line)]
-  for branches in _BRANCHES.findall(line):
-    callees += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
-  return callees
+def chosen_branch(line: str, bodies: dict[str, list[str]]) -> str | None:
+  """The branch of a conditional every reader counts: one branch runs per call, and the planner assumes the
+  costliest, by the compiler's estimated cycles of its instructions (where it gives none, by how many it
+  has; the first of equals).
+
+  Example::
+
+    >>> bodies = {"a": ["  %x = f32[] negate(%p)"], "b": ["  %x = f32[] negate(%p)", "  %y = f32[] abs(%x)"]}
+    >>> chosen_branch("%c = f32[] conditional(%i, %p, %p), branch_computations={%a, %b}", bodies)
+    'b'
+  """
+  found = _BRANCHES.search(line)
+  if found is None:
+    return None
+  names = [b.strip().lstrip("%") for b in found[1].split(",")] if found[1] else [found[2], found[3]]
+  weight = lambda name: (sum(int(c[1]) for c in map(_CYCLES.search, bodies.get(name, ())) if c),  # noqa: E731
+                         len(bodies.get(name, ())))
+  return max(names, key=weight)
+
+
+def callees(line: str, bodies: dict[str, list[str]]) -> list[tuple[str, str]]:
+  """(kind, computation) for every computation an instruction runs: a while loop's ``body``, a fusion's or
+  an async op's ``calls``, a ``call``'s ``to_apply`` and a conditional's chosen branch
+  (:func:`chosen_branch`); a reduction's ``to_apply`` is its scalar adder, not a computation run here."""
+  if _FUSED_REDUCE_SCATTER.match(line) or _ASYNC.match(line):
+    return []  # counted as one collective where it starts; the one inside is not a second
+  found = [(kind, callee) for kind, callee in _CALLEE.findall(line)]
+  call = _CALL.search(line)
+  branch = chosen_branch(line, bodies)
+  return found + ([("call", call[1])] if call else []) + ([("branch", branch)] if branch else [])
 
 
 def condition_trip_count(condition: list[str]) -> int | None:
@@ -187,15 +217,28 @@ def trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
   return condition_trip_count(bodies.get(condition.group(1), [])) if condition else None
 
 
-def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
-  """How many times each computation runs per call of the entry (while bodies x trip count)."""
+def executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
+  """How many times each computation runs per call of the entry: a while body its trip count times, a
+  conditional's chosen branch (:func:`chosen_branch`) once, every other callee once per call of its caller.
+
+  Example::
+
+    >>> bodies, entry = computations('''%body (p: f32[8]) -> f32[8] {
+    ...   ROOT %n = f32[8]{0} negate(%p)
+    ... }
+    ... ENTRY %main (a: f32[8]) -> f32[8] {
+    ...   ROOT %w = f32[8]{0} while(%a), body=%body, backend_config={"known_trip_count":{"n":"3"}}
+    ... }''')
+    >>> executions(bodies, entry)
+    {'main': 1, 'body': 3}
+  """
   runs: dict[str, int] = {}
 
   def visit(name: str, times: int) -> None:
     runs[name] = runs.get(name, 0) + times
     for line in bodies.get(name, ()):
       trip = trip_count(line, bodies) if "body=" in line else None
-      for kind, callee in _callees(line):
+      for kind, callee in callees(line, bodies):
         if callee in bodies:
           visit(callee, times * (trip if kind == "body" and trip else 1))
 
@@ -207,22 +250,41 @@ def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, in
 Counts = dict[str, dict[str, int]]
 
 
+def collective_of(line: str) -> tuple[str, int, bool] | None:
+  """(op, bytes of its result on one device, whether it is an async start) where ``line`` is a collective
+  (each of :data:`COLLECTIVE_OPS`, synchronous, ``-start``, in a generic async pair, or the TPU compiler's
+  fused reduce-scatter); None otherwise. A ``-done`` is its start's end, not a second collective.
+
+  Example::
+
+    >>> collective_of("%ag = (f32[2]{0}, f32[8]{0}) all-gather-start(%p), dimensions={0}")
+    ('all-gather', 32, True)
+    >>> collective_of("%cp = f32[4]{0} collective-permute(%p), source_target_pairs={{0,1},{1,0}}")
+    ('collective-permute', 16, False)
+  """
+  fused = _FUSED_REDUCE_SCATTER.match(line)
+  if fused:
+    return "reduce-scatter", shape_bytes(fused["shape"]), False
+  m = _OP.match(line) or _ASYNC.match(line)
+  if m is None:
+    return None
+  start = bool(m.groupdict().get("start")) or "async-start(" in line
+  return m["op"], result_bytes(m["shape"], m["op"], start), start
+
+
 def collective_ops(lines: list[str]) -> Iterator[tuple[str, int, str]]:
   """(op, bytes of its result on one device, the line) for each collective among ``lines``."""
   for line in lines:
-    fused = _FUSED_REDUCE_SCATTER.match(line)
-    if fused:
-      yield "reduce-scatter", shape_bytes(fused["shape"]), line
-      continue
-    m = _OP.match(line)
-    if m:
-      yield m["op"], result_bytes(m["shape"], m["op"], bool(m["start"])), line
+    found = collective_of(line)
+    if found:
+      yield found[0], found[1], line
 
 
 def _count(lines: list[str], times: int, out: Counts) -> None:
   for op, nbytes, _ in collective_ops(lines) if times else ():
-    out[op]["count"] += times
-    out[op]["bytes"] += times * nbytes
+    entry = out.setdefault(op, {"count": 0, "bytes": 0})
+    entry["count"] += times
+    entry["bytes"] += times * nbytes
 
 
 def _count_transfers(lines: list[str], times: int, out: Counts) -> None:
@@ -252,7 +314,7 @@ def partitions(hlo: str) -> int:
 def per_call(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
   """``count`` over every computation, each weighted by how often it runs per call of the entry."""
   bodies, entry = computations(hlo)
-  runs = _executions(bodies, entry)
+  runs = executions(bodies, entry)
   out = {op: {"count": 0, "bytes": 0} for op in ops}
   for name, lines in bodies.items():
     count(lines, runs.get(name, 0), out)
@@ -270,7 +332,7 @@ def _per_trip(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tu
         return
       inside.add(name)
     for line in bodies.get(name, ()):
-      for kind, callee in _callees(line):
+      for kind, callee in callees(line, bodies):
         if callee in bodies:
           visit(callee, in_loop or kind == "body")
 

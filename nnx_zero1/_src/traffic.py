@@ -140,6 +140,8 @@ def ring_sent(op: str, result: int, n: int) -> int:
   """
   if op == "reduce-scatter":
     return result * (n - 1)
+  if op == "collective-permute":  # its buffer, to one peer
+    return result
   # An all-gather's or an all-to-all's result is the data: each device sends all but its own n-th of it.
   return result * (n - 1) * (2 if op == "all-reduce" else 1) // n
 
@@ -187,8 +189,9 @@ def sent_counter(devices: int, extra: Extra | None = None) -> Callable[[list[str
     for op, result, line in collective_ops(lines) if times else ():
       n = group_size(line, devices)
       sent = ring_sent(op, result, n)
-      out[op]["count"] += times
-      out[op]["bytes"] += times * sent
+      entry = out.setdefault(op, {"count": 0, "bytes": 0})
+      entry["count"] += times
+      entry["bytes"] += times * sent
       for name, value in (extra(line, n, sent) if extra is not None and n > 1 else {}).items():
         out[op][name] = out[op].get(name, 0) + times * value
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 import math
 import re
 
-from nnx_zero1._src.companion import computations, trip_count
+from nnx_zero1._src.companion import computations, executions
 
 __all__ = ["dot_flops"]
 
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\S+)\s+(?P<op>[\w\-]+)\((?P<args>.*)")
 _DIMS = re.compile(r"^\(?[a-z]\w*\[(?P<dims>[\d,]*)\]")
-_CALLS = re.compile(r"(?:calls|body)=%?(?P<callee>[\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 _WINDOW = re.compile(r"window=\{(?P<spec>[^}]*)\}")
 _LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->")
@@ -120,26 +119,14 @@ def dot_flops(hlo: str) -> int:
     1024
   """
   bodies, entry = computations(hlo)
-  own: dict[str, int] = {}
-  calls: dict[str, list[tuple[str, int]]] = {}
-  for name, lines in bodies.items():
+  total = 0
+  for name, times in executions(bodies, entry).items():  # each computation as often as it runs
     shapes: dict[str, tuple[int, ...] | None] = {}
-    flops, callees = 0, []
-    for line in lines:
-      for callee in _CALLS.finditer(line):  # a while's tuple shape has spaces: read calls off any line
-        trips = trip_count(line, bodies) if callee.group(0).startswith("body") else 1
-        callees.append((callee["callee"], trips or 1))
+    for line in bodies[name]:
       instruction = _INSTRUCTION.match(line)
       if instruction is None:
         continue
       shapes[instruction["name"]] = _dims(instruction["shape"])
       if instruction["op"] in ("dot", "convolution"):
-        flops += _flops(instruction["op"], line, instruction["args"], shapes[instruction["name"]], shapes)
-    own[name], calls[name] = flops, callees
-
-  def total(name: str, seen: frozenset[str]) -> int:
-    if name in seen or name not in own:
-      return 0
-    return own[name] + sum(trips * total(callee, seen | {name}) for callee, trips in calls[name])
-
-  return 0 if entry is None else total(entry, frozenset())
+        total += times * _flops(instruction["op"], line, instruction["args"], shapes[instruction["name"]], shapes)
+  return total

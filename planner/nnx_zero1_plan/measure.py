@@ -261,7 +261,7 @@ class RowCompiler:
                                  fits_estimate=verdict)
       verdict = None
     if target.domains > 1 and figures.collectives:
-      networks = network_per_step(figures.collectives, target.chip, target.platform)
+      networks = network_per_step(figures.collectives, target.chip, target.platform, figures.step_time)
       made = dataclasses.replace(made, network_per_step=PodNetworks.from_json(networks))
     return Row(lever=lever, step=step, compiled_for=target.name, device_kind=target.device_kind,
                mesh=model.axes, model=source.name, batch=shape.batch, figures=figures, made=made,

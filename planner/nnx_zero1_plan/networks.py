@@ -3,9 +3,9 @@ between them (DCN, InfiniBand), and what a step's collective bytes cost on each,
 
 The bandwidths are :data:`nnx_zero1_plan.chips.CHIPS`' (the public figures of each chip's specification
 sheet or reference system), per chip and per direction (a device sends at that rate while it receives at the
-same rate). A step's time on a network is its bytes over that rate: a lower bound that assumes the link's
-full rate, no latency and no overlap with computation, which is why every figure from here is marked an
-estimate.
+same rate). A step's time on each network is its predicted step's: the fast network's collectives as the
+step's walk times them, the slow network's bytes at its rate (:func:`slow_seconds`, which the step time
+adds too), with no latency: every figure from here is marked an estimate.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from nnx_zero1_plan.chips import CHIPS, Links
-from nnx_zero1_plan.row import Collectives, OpCount
+from nnx_zero1_plan.row import Collectives, OpCount, StepTime
 
-__all__ = ["LINKS", "network_per_step"]
+__all__ = ["LINKS", "network_per_step", "slow_seconds"]
 
 # Each chip's networks, by the planner's name for it (``v5p``, ``h100``).
 LINKS: dict[str, Links] = {name: chip.links for name, chip in CHIPS.items()}
@@ -26,8 +26,11 @@ def _total(counts: Mapping[str, OpCount] | None) -> int:
   return sum(c.bytes for c in (counts or {}).values())
 
 
-def network_per_step(collectives: Collectives, chip: str, platform: str) -> dict[str, Any]:
-  """The bytes one device sends per step over each network of a pod, and the time each takes (estimated).
+def network_per_step(collectives: Collectives, chip: str, platform: str, step_time: StepTime | None = None
+                     ) -> dict[str, Any]:
+  """The bytes one device sends per step over each network of a pod, and the time each takes: the step
+  time's own (:func:`nnx_zero1_plan.predict_step_time`: the fast network's collectives walked at its ports'
+  rate, the slow network's bytes at its rate), so a row's table and its step time say one time.
 
   Args:
     collectives: a row's ``collectives`` (:func:`nnx_zero1_plan.compiled.collectives_of` on a pod).
@@ -35,10 +38,11 @@ def network_per_step(collectives: Collectives, chip: str, platform: str) -> dict
     platform: ``"tpu"`` or ``"cuda"``. A multi-slice TPU program's collectives stay inside its slice
       (what crosses is its megascale transfers); a GPU program's node-spanning collectives send part of
       their bytes over InfiniBand and the rest over NVLink.
+    step_time: the row's predicted step's parts (None where the compiler gave no estimate: no fast time).
 
   Returns:
     ``{"fast": {...}, "slow": {...}, "source": str | None}``; each network ``{"network", "bytes",
-    "estimate_ms"}`` (``estimate_ms`` None for a chip without public figures here).
+    "estimate_ms"}`` (``estimate_ms`` None where there is no step time or no public rate).
 
   Example::
 
@@ -53,8 +57,20 @@ def network_per_step(collectives: Collectives, chip: str, platform: str) -> dict
   inside = sent if platform == "tpu" else sent - across
   links = LINKS.get(chip)
   names = (links.fast, links.slow) if links else (("ICI", "DCN") if platform == "tpu" else ("NVLink", "IB"))
-  rates = (links.fast_bytes_per_s, links.slow_bytes_per_s) if links else (None, None)
-  ms = lambda n, rate: None if rate is None else round(1000 * n / rate, 1)
-  return {"fast": {"network": names[0], "bytes": inside, "estimate_ms": ms(inside, rates[0])},
-          "slow": {"network": names[1], "bytes": across, "estimate_ms": ms(across, rates[1])},
+  fast_ms = None if step_time is None else round(1000 * step_time.fast_s, 1)
+  slow_ms = None if links is None else round(1000 * slow_seconds(across, links), 1)
+  return {"fast": {"network": names[0], "bytes": inside, "estimate_ms": fast_ms},
+          "slow": {"network": names[1], "bytes": across, "estimate_ms": slow_ms},
           "source": links.source if links else None}
+
+
+def slow_seconds(nbytes: int, links: Links) -> float:
+  """The slow network's time for ``nbytes`` one device sends between slices or nodes: at its rate, exposed
+  (the one rate the table and the step time use).
+
+  Example::
+
+    >>> slow_seconds(10**9, LINKS["h100"])
+    0.02
+  """
+  return nbytes / links.slow_bytes_per_s

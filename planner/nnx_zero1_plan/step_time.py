@@ -33,9 +33,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1._src.companion import (
+  callees,
+  collective_of,
   computations,
   group_size,
-  result_bytes,
   ring_sent,
   shape_bytes,
   trip_count,
@@ -43,6 +44,7 @@ from nnx_zero1._src.companion import (
 )
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
+from nnx_zero1_plan.networks import slow_seconds
 from nnx_zero1_plan.row import StepTime
 
 __all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTIMATED", "rates_for",
@@ -55,14 +57,8 @@ NOT_ESTIMATED = 2**63 - 1
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\("
                    r"(?P<args>[^)]*)\)")
 _CYCLES = re.compile(r'"estimated_cycles":"?(\d+)')
-_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
-_CALLS = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
-                       r"false_computation=%?([\w.\-]+))")
-_COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?$")
-_FUSED_REDUCE_SCATTER = re.compile(r"\bcalls=%?all-reduce-scatter")
-_ASYNC_COLLECTIVE = re.compile(r"\bcalls=%?(all-reduce|all-gather|reduce-scatter|collective-permute|"
-                               r"all-to-all)")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+_DONE = re.compile(r"-done$")
 _HOST_SPACE = "S(5)}"
 # What costs nothing and is not scheduled on its own: XLA's GPU scheduler gives these no estimate.
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
@@ -172,15 +168,11 @@ class _Walk:
       self.exposed += stall
 
 
-def _collective_seconds(op: str, shape: str, line: str, devices: int, rates: Rates, start: bool) -> float:
+def _collective_seconds(op: str, result: int, line: str, devices: int, rates: Rates) -> float:
   """One collective's time: the bytes one device sends for it by a ring (a permute sends its buffer to one
-  peer), over its network's rate."""
+  peer: :func:`nnx_zero1._src.traffic.ring_sent`), over its network's rate."""
   n = group_size(line, devices)
-  if n <= 1:
-    return 0.0
-  result = result_bytes(shape, op, start)  # an async start's shape holds its operands too
-  sent = result if op == "collective-permute" else ring_sent(op, result, n)
-  return sent / rates.network_bytes_per_s(n)
+  return 0.0 if n <= 1 else ring_sent(op, result, n) / rates.network_bytes_per_s(n)
 
 
 def _host_copy(shape: str) -> str | None:
@@ -233,33 +225,21 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
       if m is None:
         continue
       op, shape, args = m["op"], m["shape"], m["args"]
-      collective = _COLLECTIVE.match(op)
-      if op == "while":
-        body = _BODY.search(line)
-        if body:
-          w.add(walk(body[1]), trip_count(line, bodies) or 1)
-      elif op in ("call", "conditional"):
-        callees = _branches(line) if op == "conditional" else [c for c in _CALLS.findall(line)]
-        walks = [walk(c) for c in callees if c in bodies]
-        if walks:
-          w.add(max(walks, key=lambda t: t.total_s), 1)
-      elif collective and not op.endswith("-done"):
-        seconds = _collective_seconds(collective[1], shape, line, devices, rates, bool(collective[2]))
-        w.start(m["name"], seconds, "network")
-        if not collective[2]:
+      collective = collective_of(line)
+      if collective:
+        kind, result, start = collective
+        w.start(m["name"], _collective_seconds(kind, result, line, devices, rates), "network")
+        if not start:
           w.wait(m["name"])
-      elif op == "fusion" and _FUSED_REDUCE_SCATTER.search(line):
-        w.start(m["name"], _collective_seconds("reduce-scatter", shape, line, devices, rates, False),
-                "network")
-        w.wait(m["name"])
-      elif op == "async-start" and _ASYNC_COLLECTIVE.search(line):
-        kind = _ASYNC_COLLECTIVE.search(line)[1]  # type: ignore[index]
-        w.start(m["name"], _collective_seconds(kind, shape, line, devices, rates, True), "network")
       elif op == "copy-start" and _host_copy(shape):
         if rates.host_bytes_per_s is not None:
           w.start(m["name"], shape_bytes(shape.split(", ")[0]) / rates.host_bytes_per_s, _host_copy(shape))
-      elif op.endswith("-done"):
+      elif _DONE.search(op):
         w.wait(args.split(",")[0].strip().lstrip("%"))
+      elif op in ("while", "call", "conditional"):  # the callee's walk, as many times as it runs
+        for kind, callee in callees(line, bodies):
+          if callee in bodies:
+            w.add(walk(callee), (trip_count(line, bodies) or 1) if kind == "body" else 1)
       elif estimates is not None:
         if op in _FREE:
           continue
@@ -290,16 +270,6 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
                        unestimated=w.unestimated, collectives=w.collectives)
 
   return walk(entry) if entry else ProgramTime(0.0, None, 0.0, 0.0, None, 0.0, 0, 0)
-
-
-def _branches(line: str) -> list[str]:
-  """A conditional's branch computations."""
-  found = _BRANCHES.search(line)
-  if found is None:
-    return []
-  if found[1]:
-    return [b.strip().lstrip("%") for b in found[1].split(",")]
-  return [found[2], found[3]]
 
 
 # The classes of work the walk times apart, each at the clock its own microbenchmark measured on the chip
@@ -426,16 +396,21 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
   walks = [(program_time(hlo, rates, devices, own), times)
            for (_, hlo, times), own in zip(programs, estimates, strict=True)]
   total = lambda part: sum(times * (getattr(t, part) or 0.0) for t, times in walks)  # noqa: E731
-  slow_s = slow_bytes / chip.links.slow_bytes_per_s
-  predicted = total("total_s") + slow_s
+  slow_s = slow_seconds(slow_bytes, chip.links)
+  # A GPU pod's program spans its nodes: the walk timed the bytes that cross them at NVLink's rate, and the
+  # slow network's time counts them again at InfiniBand's; count them once, there.
+  crossed = slow_bytes / rates.network_bytes_per_s(2) if not chip.compute.ports else 0.0
+  fast_s, fast_exposed_s = total("collective_s") - crossed, total("exposed_collective_s")
+  crossed_exposed = min(crossed, fast_exposed_s)
+  predicted = total("total_s") - crossed_exposed + slow_s
   flops = sum(times * dot_flops(hlo) for _, hlo, times in programs)
   peak = chip.compute.peak_flops_per_s.get(compute_dtype, chip.compute.peak_flops_per_s["bfloat16"])
   host_timed = chip.compute.host_bytes_per_s is not None
   parts = StepTime(
       source=TPU_SOURCE if scheduled is None else GPU_SOURCE,
       programs=[name if times == 1 else f"{name} x{times}" for name, _, times in programs],
-      compute_s=total("compute_s"), fast_network=chip.links.fast, fast_s=total("collective_s"),
-      fast_exposed_s=total("exposed_collective_s"), slow_network=chip.links.slow if slow_bytes else None,
+      compute_s=total("compute_s"), fast_network=chip.links.fast, fast_s=max(0.0, fast_s),
+      fast_exposed_s=fast_exposed_s - crossed_exposed, slow_network=chip.links.slow if slow_bytes else None,
       slow_s=slow_s, host_s=total("host_s") if host_timed else None, host_exposed_s=total("exposed_host_s"),
       unestimated_ops=int(total("unestimated")),
       clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
@@ -461,6 +436,7 @@ def _module_estimates(hlo: str, scheduled: Mapping[str, Mapping[str, float]] | N
   entry = _ENTRY.search(hlo)
   if not own or entry is None:
     return None
-  names = [m["name"] for m in map(_LINE.match, computations(hlo)[0].get(entry["name"], []))
-           if m and m["op"] not in _FREE and not _COLLECTIVE.match(m["op"]) and not m["op"].endswith("-done")]
+  lines = computations(hlo)[0].get(entry["name"], [])
+  names = [m["name"] for line, m in zip(lines, map(_LINE.match, lines), strict=True)
+           if m and m["op"] not in _FREE and not collective_of(line) and not _DONE.search(m["op"])]
   return own if not names or sum(n in own for n in names) >= len(names) / 2 else None
