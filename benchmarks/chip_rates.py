@@ -89,7 +89,7 @@ def matmul_clock(runs: int = 10) -> list[dict[str, Any]]:
 
   from nnx_zero1_plan import cycle_class
 
-  cases: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = []
+  cases: list[tuple[str, Any, tuple[Any, ...]]] = []
   for dtype in (jnp.bfloat16, jnp.float32):
     for m, k, n in _MATMULS:
       a, b = jax.random.split(jax.random.key(1))
@@ -126,7 +126,7 @@ def host_link(runs: int = 5) -> list[dict[str, Any]]:
                  2 * nbytes),
     }
     for way, (fn, args, moved) in cases.items():
-      hlo = fn.lower(*args).compile().as_text()
+      hlo = fn.lower(*args).compile().as_text() or ""
       seconds, wall = _device_seconds(fn, args, runs)
       rows.append({"way": way, "bytes": moved, "device_s": seconds, "wall_s": wall,
                    "device_bytes_per_s": moved / seconds, "wall_bytes_per_s": moved / wall,

@@ -53,8 +53,9 @@ def device_ops(xplane: str, runs: int) -> dict[str, Any]:
   data = ProfileData.from_file(xplane)
   plane = next((p for p in data.planes if p.name.startswith("/device:") and p.name.endswith(":0")), None)
   for line in plane.lines if plane is not None else ():
-    into = {"XLA Ops": found["ops"], "XLA Modules": found["modules"]}.get(line.name)
-    for event in line.events if into is not None else ():
+    key = {"XLA Ops": "ops", "XLA Modules": "modules"}.get(line.name)
+    into = found[key] if key else {}
+    for event in line.events if key else ():
       name = _NAME.match(event.name)[1]  # type: ignore[index]  # an op's event is named by its whole line
       ns, count = into.setdefault(name, [0.0, 0])
       into[name] = [ns + event.duration_ns / runs, count + 1 / runs]
@@ -195,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child is not None:
-    row = measure(args.model, args.lever, args.child, args.seq_len, args.optimizer, ga=args.ga, keep=args.keep)
+    row = measure(args.model, args.lever, args.child, args.seq_len, args.optimizer, ga=args.ga,
+                  keep=args.keep)
     print("LIMIT_ROW " + json.dumps(row))
     return 0
   os.makedirs(args.out, exist_ok=True)

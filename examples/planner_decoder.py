@@ -127,5 +127,5 @@ class ScannedDecoder(nnx.Module):
 
 
 def build_scanned(num_layers: int = 12) -> ScannedDecoder:
-  """``build``'s 266.9M float32 decoder with its layers scanned and rematerialised (default: the full depth)."""
+  """``build``'s 266.9M float32 decoder, its layers scanned and rematerialised (default: the full depth)."""
   return ScannedDecoder(num_layers, rngs=nnx.Rngs(0))

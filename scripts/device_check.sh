@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 git rev-parse HEAD > "$OUT/commit" 2> /dev/null || true
 python -c "import jax, jaxlib, flax, optax, json, platform; print(json.dumps({'python': platform.python_version(), \
 'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'flax': flax.__version__, 'optax': optax.__version__, \
-'devices': [d.device_kind for d in jax.devices()]}))" > "$OUT/versions.json" 2>&1
+'devices': [d.device_kind for d in jax.devices()]}))" > "$OUT/versions.json" 2> "$OUT/versions.stderr"
 
 keep() {  # keep NAME COMMAND...: the command, its output and its exit status under $OUT/NAME
   local name=$1; shift

@@ -67,12 +67,14 @@ _ON_FIRST_USE = {"OPTIMIZERS": "steps", "make_optimizer": "steps", "lever_state"
                  "compile_split": "steps", "AbstractState": "abstract", "with_state_homes": "abstract",
                  "abstract_bytes_per_device": "abstract", "bytes_by_memory_kind": "abstract",
                  "memory": "compiled", "split_memory": "compiled", "summed": "compiled",
-                 "hbm_oom": "compiled", "predict_step_time": "step_time", "program_time": "step_time", "Rates": "step_time", "cycle_class": "step_time", "dump_options": "gpu_schedule",
+                 "hbm_oom": "compiled", "predict_step_time": "step_time", "program_time": "step_time",
+                 "Rates": "step_time", "cycle_class": "step_time", "dump_options": "gpu_schedule",
                  "scheduled_seconds": "gpu_schedule", "model_source": "models"}
 
 # The same API's pure names (the chip table, a collectives' table cell, libtpu's version) are imported above.
 __all__ = ["Plan", "Row", "PlanSettings", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args",
-           "request_of", "main", "compile_only_devices", "LEVERS", "Lever", "start_cpu_jax", "CHIPS", "chip_of",
+           "request_of", "main", "compile_only_devices", "LEVERS", "Lever", "start_cpu_jax", "CHIPS",
+           "chip_of",
            "collective_cell", "require_libtpu", *_ON_FIRST_USE]
 
 
@@ -146,8 +148,8 @@ def plan(model: str | PlanRequest, topology: str | None = None, *,
 
   Returns:
     A :class:`Plan`: ``rows`` (one :class:`Row` per lever and step), ``meta`` (the settings as planned, a
-    :class:`PlanSettings`: ``result.meta.request.batch``), ``recommendation`` (the lever, micro-batch, code and
-    command to run, by a stated order), ``next_steps``; ``str()`` is the table.
+    :class:`PlanSettings`: ``result.meta.request.batch``), ``recommendation`` (the lever, micro-batch, code
+    and command to run, by a stated order), ``next_steps``; ``str()`` is the table.
 
   Raises:
     PlanError: an unknown model, topology, lever, optimizer or mesh axis, a mesh that does not match,

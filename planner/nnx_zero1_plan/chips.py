@@ -40,8 +40,9 @@ class Compute:
       (copies to and from host memory are then counted, not timed).
     source: where the figures come from.
     class_clocks_hz: the clock the TPU compiler's cycles run at on the chip, by class of work (bfloat16 and
-      float32 matmuls, the vector unit's), each measured by lone programs on the chip (``benchmarks.chip_rates``,
-      kept in ``docs/data/device_v5e``); None where not measured (every cycle at :attr:`clock_hz`).
+      float32 matmuls, the vector unit's), each measured by lone programs on the chip
+      (``benchmarks.chip_rates``, kept in ``docs/data/device_v5e``); None where not measured (every cycle
+      at :attr:`clock_hz`).
   """
 
   peak_flops_per_s: dict[str, float]
@@ -112,9 +113,9 @@ CHIPS: dict[str, Chip] = {
     # v5e, measured on one chip (jax 0.10.2; docs/data/device_v5e/run2/chip_rates, benchmarks.chip_rates): the
     # median clock of each class's lone programs, cycles as the walk reads them over the profiled device time:
     # bfloat16 matmuls 1.572 GHz (8192x1024x4096, 8192x4096x1024, 8192^3: 1.572, 1.515, 1.625), float32
-    # 1.522 (1.522, 1.499, 2.199), the vector unit's 2.628 (a*b+c in f32 1.589 and bf16 2.339, a softmax 2.918,
-    # a row sum 5.668). The host link: a jitted copy of 256 MiB and 1 GiB to pinned host memory 14.74 GB/s, back
-    # 14.17 GB/s, both at once 26.65 GB/s together: 14.17e9 each way, each way its own lane.
+    # 1.522 (1.522, 1.499, 2.199), the vector unit's 2.628 (a*b+c in f32 1.589 and bf16 2.339, a softmax
+    # 2.918, a row sum 5.668). The host link: a jitted copy of 256 MiB and 1 GiB to pinned host memory at
+    # 14.74 GB/s, back at 14.17 GB/s, both at once 26.65 GB/s together: 14.17e9 each way, each its own lane.
     "v5e": Chip(Links("ICI", 1600 * _GBIT, "DCN", 200 / 8 * _GBIT, "cloud.google.com/tpu/docs/v5e"),
                 Compute({"bfloat16": 197e12, "float32": 197e12}, _MXU(4, 128), 4, 14.17e9,
                         f"cloud.google.com/tpu/docs/v5e; {_TPU}; clocks and host link measured on the chip "

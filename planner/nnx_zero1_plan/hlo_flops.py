@@ -78,7 +78,8 @@ def _taps(n: int, k: int, stride: int, pad: tuple[int, int], base: int, window: 
   if outputs < 1:
     return float(k)
   if base == 1 and window == 1:  # the (output, kernel) pairs that land on the input, per output
-    return sum(min(k, n + pad[0] - p * stride) - max(0, pad[0] - p * stride) for p in range(outputs)) / outputs
+    low = pad[0]
+    return sum(min(k, n + low - p * stride) - max(0, low - p * stride) for p in range(outputs)) / outputs
   real = sum(1 for p in range(outputs) for j in range(k)
              if 0 <= (x := p * stride + j * window - pad[0]) < extent and x % base == 0)
   return real / outputs
@@ -128,5 +129,6 @@ def dot_flops(hlo: str) -> int:
         continue
       shapes[instruction["name"]] = _dims(instruction["shape"])
       if instruction["op"] in ("dot", "convolution"):
-        total += times * _flops(instruction["op"], line, instruction["args"], shapes[instruction["name"]], shapes)
+        result = shapes[instruction["name"]]
+        total += times * _flops(instruction["op"], line, instruction["args"], result, shapes)
   return total

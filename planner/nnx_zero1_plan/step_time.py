@@ -48,8 +48,8 @@ from nnx_zero1_plan.networks import slow_seconds
 from nnx_zero1_plan.row import StepTime
 
 __all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTIMATED", "rates_for",
-           "predict_step_time", "cycle_class", "CYCLE_CLASSES", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED",
-           "HOST_UNTIMED"]
+           "predict_step_time", "cycle_class", "CYCLE_CLASSES", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE",
+           "NO_SCHEDULE", "UNTUNED", "HOST_UNTIMED"]
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
@@ -231,9 +231,9 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
         w.start(m["name"], _collective_seconds(kind, result, line, devices, rates), "network")
         if not start:
           w.wait(m["name"])
-      elif op == "copy-start" and _host_copy(shape):
+      elif op == "copy-start" and (way := _host_copy(shape)):
         if rates.host_bytes_per_s is not None:
-          w.start(m["name"], shape_bytes(shape.split(", ")[0]) / rates.host_bytes_per_s, _host_copy(shape))
+          w.start(m["name"], shape_bytes(shape.split(", ")[0]) / rates.host_bytes_per_s, way)
       elif _DONE.search(op):
         w.wait(args.split(",")[0].strip().lstrip("%"))
       elif op in ("while", "call", "conditional"):  # the callee's walk, as many times as it runs
@@ -303,8 +303,8 @@ def cycle_class(hlo: str) -> set[str]:
     {'vector'}
   """
   bodies, _ = computations(hlo)
-  return {_line_class(line, bodies) for lines in bodies.values() for line in lines if _CYCLES.search(line)} or (
-      {_line_class(line, bodies) for line in hlo.splitlines() if _CYCLES.search(line)})
+  lines = [line for body in bodies.values() for line in body] or hlo.splitlines()
+  return {_line_class(line, bodies) for line in lines if _CYCLES.search(line)}
 
 
 def _crosses_host(hlo: str) -> bool:

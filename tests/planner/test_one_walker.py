@@ -28,7 +28,8 @@ HLO = "\n".join([
     "ENTRY %main (p: f32[8,8], i: s32[]) -> f32[32,8] {",
     "  %c = f32[8,8]{1,0} call(%p), to_apply=%callee",
     "  %k = f32[8,8]{1,0} conditional(%i, %c, %c), branch_computations={%light, %heavy}",
-    "  %ag = (f32[8,8]{1,0}, f32[32,8]{1,0}) all-gather-start(%k), replica_groups={{0,1,2,3}}, dimensions={0}",
+    "  %ag = (f32[8,8]{1,0}, f32[32,8]{1,0}) all-gather-start(%k), replica_groups={{0,1,2,3}}, "
+    "dimensions={0}",
     "  ROOT %agd = f32[32,8]{1,0} all-gather-done(%ag)",
     "}",
 ])

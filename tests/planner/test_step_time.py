@@ -147,7 +147,7 @@ def test_the_chip_rates_a_tpu_ring_uses_two_ports_a_pair_one_a_gpu_its_switch():
 
 
 def test_a_step_sums_its_programs_runs_and_the_slow_network_and_says_tokens_and_mfu():
-  chip = CHIPS["v5e"]
+  chip = CHIPS["v6e"]  # every cycle at one clock: no class of work measured apart
   clock = chip.compute.clock_hz
   dot = ("  %d = f32[128,128]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}, "
          'backend_config={"estimated_cycles":"3000"}')
@@ -237,7 +237,23 @@ def test_each_chips_compute_figures_are_docs_planners_public_figures_in_words():
       count, side = (None, None) if units == "-" else (int(units.split(" x ")[0]), int(units.split("x")[-1]))
       assert c.mxu_flops_per_cycle == (None if count is None else count * side * side * 2), name
       assert c.ports == (0 if ports == "-" else int(ports)), name
-      both = None if host == "-" else float(host.split()[1]) * 1e9
-      assert c.host_bytes_per_s == (None if both is None else both / 2), name
+      rate = None if host == "-" else float(host.split()[1]) * 1e9  # "PCIe 64 GB/s both ways"
+      each_way = None if rate is None else rate if "each way" in host else rate / 2
+      assert c.host_bytes_per_s == each_way, name
       checked.add(name)
   assert checked == set(CHIPS)
+
+
+def test_each_class_of_work_runs_at_its_measured_clock_and_each_host_direction_on_its_own_lane():
+  clocks = CHIPS["v5e"].compute.class_clocks_hz
+  matmul = ("%m (a: bf16[64,64]) -> bf16[64,64] {\n  %a = bf16[64,64]{1,0} parameter(0)\n"
+            "  ROOT %d = bf16[64,64]{1,0} convolution(%a, %a), window={size=1}, dim_labels=bf_io->bf\n}")
+  program = _module(["  %mm = bf16[64,64]{1,0} fusion(%p), kind=kOutput, calls=%m, "
+                     'backend_config={"estimated_cycles":"1000"}', _fusion("v", 1000)], matmul)
+  walk = program_time(program, rates_for(CHIPS["v5e"]))
+  assert walk.compute_s == pytest.approx(1000 / clocks["matmul-bf16"] + 1000 / clocks["vector"])
+  copies = _module(["  %out = (f32[256]{0:S(5)}, f32[256]{0}, u32[]) copy-start(%p)",
+                    "  %in = (f32[256]{0}, f32[256]{0:S(5)}, u32[]) copy-start(%p)",
+                    "  %o = f32[256]{0:S(5)} copy-done(%out)", "  ROOT %i = f32[256]{0} copy-done(%in)"])
+  both = program_time(copies, _rates(host=1024.0))
+  assert both.host_s == pytest.approx(2.0) and both.total_s == pytest.approx(1.0)  # the two ways overlap
