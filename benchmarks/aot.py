@@ -183,7 +183,7 @@ def aot_row(arm: AbstractArm, compiled: Any, compile_s: float, dp: int, ga: int,
   }
 
 
-def oom_row(arm: AbstractArm, oom: dict[str, Any], dp: int, ga: int, settings: Settings, topology: str,
+def oom_row(arm: AbstractArm, oom: Any, dp: int, ga: int, settings: Settings, topology: str,
             kind: str) -> dict[str, Any]:
   """The row of an arm the TPU compiler refused because it does not fit the chip's HBM."""
   return {
@@ -192,7 +192,7 @@ def oom_row(arm: AbstractArm, oom: dict[str, Any], dp: int, ga: int, settings: S
       "compiled_for": topology, "device_kind": kind, "hbm_bytes": HBM_BYTES.get(kind),
       "opt_state_bytes_per_device": arm.opt_state_bytes, "argument_bytes_per_device": None,
       "output_bytes_per_device": None, "alias_bytes_per_device": None, "temp_bytes_per_device": None,
-      "peak_bytes_per_device": None, "fits": False, "hbm_oom": oom, "compile_s": 0.0,
+      "peak_bytes_per_device": None, "fits": False, "hbm_oom": dataclasses.asdict(oom), "compile_s": 0.0,
       "collectives": None, "loop_collectives": None, "param_bytes": arm.param_bytes,
       "opt_state_bytes_by_memory_kind": arm.opt_state_bytes_by_memory_kind,
   }

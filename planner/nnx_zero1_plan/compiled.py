@@ -126,26 +126,31 @@ def step_flops(compiled: Any) -> tuple[int | None, str]:
   return cost(compiled)["flops"], "cost_analysis"
 
 
+# The TPU compiler's words for a program that does not fit, with or without its CompileTimeHbmOom code (jax
+# 0.10.2's libtpu on a chip leaves it out), and an older libtpu's "Used ... of ... hbm".
 _OOM = re.compile(r"required for (?P<what>.*?) \((?P<need>[\d.]+)(?P<u1>[KMGT])\) exceeds available HBM "
-                  r"\((?P<have>[\d.]+)(?P<u2>[KMGT])\)")
+                  r"\((?P<have>[\d.]+)(?P<u2>[KMGT])\)"
+                  r"|Used (?P<need_>[\d.]+)(?P<u1_>[KMGT]) of (?P<have_>[\d.]+)(?P<u2_>[KMGT]) hbm")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def hbm_oom(message: str) -> HbmOom | None:
-  """The TPU compiler's "does not fit" refusal (``CompileTimeHbmOom``) as numbers; None for other errors.
+  """The TPU compiler's "does not fit" refusal as numbers (in any of its wordings); None for other errors.
 
   Example::
 
     >>> hbm_oom("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
     ...         "required for HLO temporaries (52.59G) exceeds available HBM (31.24G). HLO module: jit")
     HbmOom(required_bytes=56468082524, available_bytes=33543694581, required_for='HLO temporaries')
+    >>> hbm_oom("Used 2.00T of 15.48G hbm. Exceeded hbm capacity by 1.98T.").available_bytes
+    16621523435
   """
-  if "CompileTimeHbmOom" not in message:
-    return None
   m = _OOM.search(message)
   if m is None:
-    return HbmOom(None, None, message[:300])
-  return HbmOom(int(float(m["need"]) * _UNITS[m["u1"]]), int(float(m["have"]) * _UNITS[m["u2"]]), m["what"])
+    return HbmOom(None, None, message[:300]) if "CompileTimeHbmOom" in message else None
+  need, u1, have, u2 = (m["need"], m["u1"], m["have"], m["u2"]) if m["need"] else (
+      m["need_"], m["u1_"], m["have_"], m["u2_"])
+  return HbmOom(int(float(need) * _UNITS[u1]), int(float(have) * _UNITS[u2]), m["what"] or "the program")
 
 
 def collectives_of(compiled: Any, domain_of: Sequence[int] | None = None) -> Collectives:

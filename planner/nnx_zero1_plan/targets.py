@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any
 
 from nnx_zero1_plan import compilers
@@ -16,7 +15,7 @@ from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION, target_co
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, Topology, parse_topology
 
 __all__ = ["Target", "GPU_SCHEDULER_FRACTION", "JAX_GPU_POOL_FRACTION", "CUDA_CONTEXT_BYTES",
-           "DEFAULT_RESERVE_BYTES", "gpu_pool_bytes", "usable_bytes", "available_hbm", "local_target",
+           "DEFAULT_RESERVE_BYTES", "gpu_pool_bytes", "usable_bytes", "local_target",
            "make_target", "require_compiler"]
 
 # XLA's GPU compiler schedules a program for the device memory it is told: on a GPU, jax's memory pool (the
@@ -124,31 +123,6 @@ def gpu_pool_bytes(chip: str, fraction: float = JAX_GPU_POOL_FRACTION) -> int:
   return int(fraction * (GPU_CHIPS[chip].memory_bytes - CUDA_CONTEXT_BYTES))
 
 
-# The HBM the TPU compiler says is available, as it words a refusal: "... exceeds available HBM (15.75G)"
-# (libtpu with the CompileTimeHbmOom code, or without it), "Used 2.00T of 15.75G hbm" (older).
-_AVAILABLE = re.compile(r"available HBM \((?P<n>[\d.]+)(?P<u>[KMGT])\)"
-                        r"|Used \S+ of (?P<n2>[\d.]+)(?P<u2>[KMGT]) hbm")
-_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def available_hbm(message: str) -> int | None:
-  """The available HBM a TPU compiler's out-of-memory refusal names, in bytes (None: it names none).
-
-  Example::
-
-    >>> available_hbm("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
-    ...               "temporaries (2.00T) exceeds available HBM (15.75G)")
-    16911433728
-    >>> available_hbm("Used 2.00T of 15.48G hbm. Exceeded hbm capacity by 1.98T."), available_hbm("other")
-    (16621523435, None)
-  """
-  m = _AVAILABLE.search(message)
-  if m is None:
-    return None
-  number, unit = (m["n"], m["u"]) if m["n"] else (m["n2"], m["u2"])
-  return int(float(number) * _UNIT[unit])
-
-
 @functools.cache
 def _tpu_usable_bytes(topology: str) -> int:
   """The HBM a program may use on one chip, from the TPU compiler's refusal of one that cannot fit.
@@ -170,7 +144,7 @@ def _tpu_usable_bytes(topology: str) -> int:
     jax.jit(lambda x: x + 1).lower(huge).compile()
   except Exception as e:  # any refusal is read, or said in one line: never a traceback
     oom = hbm_oom(str(e))
-    available = (oom.available_bytes if oom else None) or available_hbm(str(e))
+    available = oom.available_bytes if oom else None
     if available:
       return available
     first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
