@@ -17,12 +17,15 @@ Example::
 
 from nnx_zero1._src.hlo import (
   COLLECTIVES,
+  INSTRUCTION,
   Counts,
   callees,
   collective_of,
   computations,
   condition_trip_count,
+  estimated_cycles,
   executions,
+  host_copy,
   per_call,
   result_bytes,
   shape_bytes,
@@ -33,7 +36,7 @@ from nnx_zero1._src.report import memory_kind_of
 from nnx_zero1._src.specs import spec_axes
 from nnx_zero1._src.traffic import group_size, replica_groups, ring_sent, sent_counter, with_fused_groups
 
-__all__ = ["COLLECTIVES", "Counts", "callees", "collective_of", "computations", "executions",
-           "condition_trip_count", "group_size", "mark_zero1_grads",
+__all__ = ["COLLECTIVES", "INSTRUCTION", "Counts", "callees", "collective_of", "computations", "executions",
+           "estimated_cycles", "host_copy", "condition_trip_count", "group_size", "mark_zero1_grads",
            "memory_kind_of", "per_call", "replica_groups", "result_bytes", "ring_sent", "sent_counter",
            "shape_bytes", "spec_axes", "trip_count", "with_fused_groups"]

@@ -13,6 +13,7 @@ __all__ = [
     "COLLECTIVES", "COLLECTIVE_OPS", "TRANSFERS", "Counts", "shape_bytes", "collectives", "loop_collectives",
     "collective_ops", "collective_of", "callees", "chosen_branch", "executions", "per_call", "partitions",
     "host_transfers", "loop_host_transfers", "condition_trip_count", "trip_count", "result_bytes",
+    "INSTRUCTION", "estimated_cycles", "host_copy",
 ]
 
 # all-to-all: the int8 reduce-scatter across slices or nodes (across_dtype=jnp.int8) is one. Every count has
@@ -27,6 +28,9 @@ _DTYPE_BYTES = {
 }
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+# One instruction's line, every reader's: its name, result shape (a tuple's spaces too), op and operands.
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\("
+                         r"(?P<args>[^)]*)\)")
 _OP = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s"
     r"(?P<op>" + "|".join(COLLECTIVE_OPS) + r")(?P<start>-start)?\("
@@ -40,11 +44,7 @@ _ASYNC = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\sasync-sta
 _FUSED_REDUCE_SCATTER = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\sfusion\(.*\bcalls=%?all-reduce-scatter[\w.\-]*"
 )
-# An async copy's shape is (destination, source, context); the TPU compiler marks host memory
-# as memory space 5 in a layout ("{1,0:T(8,128)S(5)}").
-_COPY_START = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<dst>\S+), (?P<src>\S+), \S+\)\s+copy-start\("
-)
+# The TPU compiler marks host memory as memory space 5 in a layout ("{1,0:T(8,128)S(5)}").
 _HOST_SPACE = "S(5)}"
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 _CALLEE = re.compile(r"\b(body|calls)=%?([\w.\-]+)")
@@ -287,16 +287,39 @@ def _count(lines: list[str], times: int, out: Counts) -> None:
     entry["bytes"] += times * nbytes
 
 
+def estimated_cycles(line: str) -> int | None:
+  """The TPU compiler's estimate of an instruction (its ``backend_config``'s ``estimated_cycles``), if any.
+
+  Example::
+
+    >>> estimated_cycles('%f = f32[8]{0} fusion(%p), backend_config={"estimated_cycles":"12"}')
+    12
+  """
+  found = _CYCLES.search(line)
+  return int(found[1]) if found else None
+
+
+def host_copy(shape: str) -> str | None:
+  """Which way an async copy moves between host and device memory (``to-host``, ``to-device``), from its
+  shape, (destination, source, context); None for a copy within one memory.
+
+  Example::
+
+    >>> host_copy("(f32[8]{0:S(5)}, f32[8]{0}, u32[]{:S(2)})"), host_copy("(f32[8]{0}, f32[8]{0}, u32[])")
+    ('to-host', None)
+  """
+  parts = shape.split(", ")
+  if len(parts) < 2 or (_HOST_SPACE in parts[0]) == (_HOST_SPACE in parts[1]):
+    return None
+  return "to-host" if _HOST_SPACE in parts[0] else "to-device"
+
+
 def _count_transfers(lines: list[str], times: int, out: Counts) -> None:
-  for line in lines:
-    m = _COPY_START.match(line)
-    if not (m and times):
-      continue
-    to_host, from_host = _HOST_SPACE in m["dst"], _HOST_SPACE in m["src"]
-    if to_host != from_host:
-      op = "to-host" if to_host else "to-device"
-      out[op]["count"] += times
-      out[op]["bytes"] += times * shape_bytes(m["dst"])
+  for m in map(INSTRUCTION.match, lines if times else ()):
+    way = host_copy(m["shape"]) if m and m["op"] == "copy-start" else None
+    if m and way:
+      out[way]["count"] += times
+      out[way]["bytes"] += times * shape_bytes(m["shape"].split(", ")[0])
 
 
 def partitions(hlo: str) -> int:

@@ -17,12 +17,10 @@ from __future__ import annotations
 import math
 import re
 
-from nnx_zero1._src.companion import computations, executions
+from nnx_zero1._src.companion import INSTRUCTION, computations, executions
 
 __all__ = ["dot_flops"]
 
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\S+)\s+(?P<op>[\w\-]+)\((?P<args>.*)")
 _DIMS = re.compile(r"^\(?[a-z]\w*\[(?P<dims>[\d,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 _WINDOW = re.compile(r"window=\{(?P<spec>[^}]*)\}")
@@ -124,7 +122,7 @@ def dot_flops(hlo: str) -> int:
   for name, times in executions(bodies, entry).items():  # each computation as often as it runs
     shapes: dict[str, tuple[int, ...] | None] = {}
     for line in bodies[name]:
-      instruction = _INSTRUCTION.match(line)
+      instruction = INSTRUCTION.match(line)
       if instruction is None:
         continue
       shapes[instruction["name"]] = _dims(instruction["shape"])

@@ -33,10 +33,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1._src.companion import (
+  INSTRUCTION,
   callees,
   collective_of,
   computations,
+  estimated_cycles,
   group_size,
+  host_copy,
   ring_sent,
   shape_bytes,
   trip_count,
@@ -54,12 +57,8 @@ __all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTI
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
 
-_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\("
-                   r"(?P<args>[^)]*)\)")
-_CYCLES = re.compile(r'"estimated_cycles":"?(\d+)')
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _DONE = re.compile(r"-done$")
-_HOST_SPACE = "S(5)}"
 # What costs nothing and is not scheduled on its own: XLA's GPU scheduler gives these no estimate.
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
                    "replica-id", "opt-barrier", "after-all", "add-dependency"})
@@ -175,15 +174,6 @@ def _collective_seconds(op: str, result: int, line: str, devices: int, rates: Ra
   return 0.0 if n <= 1 else ring_sent(op, result, n) / rates.network_bytes_per_s(n)
 
 
-def _host_copy(shape: str) -> str | None:
-  """Which way an async copy's (destination, source, context) moves between host and device memory
-  (``to-host``, ``to-device``; None: within one memory)."""
-  parts = shape.split(", ")
-  if len(parts) < 2 or (_HOST_SPACE in parts[0]) == (_HOST_SPACE in parts[1]):
-    return None
-  return "to-host" if _HOST_SPACE in parts[0] else "to-device"
-
-
 def program_time(hlo: str, rates: Rates, devices: int | None = None,
                  estimates: Mapping[str, float] | None = None) -> ProgramTime:
   """A compiled program's time on one device: its schedule walked with the compiler's estimates.
@@ -221,7 +211,7 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
   def walk(name: str) -> ProgramTime:
     w = _Walk()
     for line in bodies.get(name, ()):
-      m = _LINE.match(line)
+      m = INSTRUCTION.match(line)
       if m is None:
         continue
       op, shape, args = m["op"], m["shape"], m["args"]
@@ -231,7 +221,7 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
         w.start(m["name"], _collective_seconds(kind, result, line, devices, rates), "network")
         if not start:
           w.wait(m["name"])
-      elif op == "copy-start" and (way := _host_copy(shape)):
+      elif op == "copy-start" and (way := host_copy(shape)):
         if rates.host_bytes_per_s is not None:
           w.start(m["name"], shape_bytes(shape.split(", ")[0]) / rates.host_bytes_per_s, way)
       elif _DONE.search(op):
@@ -249,16 +239,16 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
         w.now += estimates[m["name"]]
         w.compute += estimates[m["name"]]
       else:
-        cycles = _CYCLES.search(line)
+        cycles = estimated_cycles(line)
         if cycles is None or rates.clock_hz is None:
           continue
-        if int(cycles[1]) >= NOT_ESTIMATED:
+        if cycles >= NOT_ESTIMATED:
           w.unestimated += 1
           continue
         clock = rates.clock_hz
         if rates.class_clocks_hz:
           clock = rates.class_clocks_hz.get(_line_class(line, bodies), clock)
-        seconds = int(cycles[1]) / clock
+        seconds = cycles / clock
         w.now += seconds
         w.compute += seconds
     for pending in list(w.pending):  # a transfer nothing waited for still ends the program
@@ -304,13 +294,13 @@ def cycle_class(hlo: str) -> set[str]:
   """
   bodies, _ = computations(hlo)
   lines = [line for body in bodies.values() for line in body] or hlo.splitlines()
-  return {_line_class(line, bodies) for line in lines if _CYCLES.search(line)}
+  return {_line_class(line, bodies) for line in lines if estimated_cycles(line) is not None}
 
 
 def _crosses_host(hlo: str) -> bool:
   """Whether a program copies between host and device memory (an offloaded state)."""
-  return any(m is not None and m["op"] == "copy-start" and _host_copy(m["shape"]) is not None
-             for m in map(_LINE.match, hlo.splitlines()))
+  return any(m is not None and m["op"] == "copy-start" and host_copy(m["shape"]) is not None
+             for m in map(INSTRUCTION.match, hlo.splitlines()))
 
 
 def cycles_estimated(hlo: str) -> bool:
@@ -321,7 +311,7 @@ def cycles_estimated(hlo: str) -> bool:
     >>> cycles_estimated('%f = f32[8]{0} fusion(%p), backend_config={"estimated_cycles":"12"}')
     True
   """
-  return _CYCLES.search(hlo) is not None
+  return "estimated_cycles" in hlo
 
 
 
@@ -437,6 +427,6 @@ def _module_estimates(hlo: str, scheduled: Mapping[str, Mapping[str, float]] | N
   if not own or entry is None:
     return None
   lines = computations(hlo)[0].get(entry["name"], [])
-  names = [m["name"] for line, m in zip(lines, map(_LINE.match, lines), strict=True)
+  names = [m["name"] for line, m in zip(lines, map(INSTRUCTION.match, lines), strict=True)
            if m and m["op"] not in _FREE and not collective_of(line) and not _DONE.search(m["op"])]
   return own if not names or sum(n in own for n in names) >= len(names) / 2 else None
