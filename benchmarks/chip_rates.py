@@ -16,10 +16,8 @@ Nothing here is a training step: the figures are checked against steps they were
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,7 +37,7 @@ def _device_seconds(fn: Callable[..., Any], args: Sequence[Any], runs: int) -> t
   back-to-back calls), after one call to warm up."""
   import jax
 
-  from benchmarks.limit import device_ops
+  from benchmarks.limit import profiled
 
   jax.block_until_ready(fn(*args))
   start = time.perf_counter()
@@ -47,13 +45,7 @@ def _device_seconds(fn: Callable[..., Any], args: Sequence[Any], runs: int) -> t
     out = fn(*args)
   jax.block_until_ready(out)
   wall = (time.perf_counter() - start) / runs
-  with tempfile.TemporaryDirectory() as trace:
-    with jax.profiler.trace(trace):
-      for _ in range(runs):
-        out = fn(*args)
-      jax.block_until_ready(out)
-    found = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
-    modules = device_ops(found[0], runs)["modules"] if found else {}
+  modules = profiled(lambda: fn(*args), runs)["modules"]
   device = sum(ns for ns, _ in modules.values()) / 1e9 if modules else float("nan")
   return device, wall
 

@@ -29,10 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["measure", "main"]
+__all__ = ["device_ops", "profiled", "measure", "main"]
 
 _NAME = re.compile(r"^%?([^\s=]+)")
 _STATS = ("bytes_limit", "bytes_in_use", "peak_bytes_in_use", "largest_alloc_size", "bytes_reserved")
@@ -62,7 +62,8 @@ def device_ops(xplane: str, runs: int) -> dict[str, Any]:
   return found
 
 
-def _profile(compiled: Any, state: Any, tokens: Any, runs: int) -> tuple[Any, dict[str, Any]]:
+def profiled(call: Callable[[], Any], runs: int) -> dict[str, Any]:
+  """:func:`device_ops` of ``runs`` calls of ``call`` (each returns what to wait for), traced together."""
   import glob
 
   import jax
@@ -70,10 +71,10 @@ def _profile(compiled: Any, state: Any, tokens: Any, runs: int) -> tuple[Any, di
   with tempfile.TemporaryDirectory() as trace:
     with jax.profiler.trace(trace):
       for _ in range(runs):
-        state, loss = compiled(state, tokens)
-      loss.block_until_ready()
+        out = call()
+      jax.block_until_ready(out)
     found = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
-    return state, device_ops(found[0], runs) if found else {}
+    return device_ops(found[0], runs) if found else {"ops": {}, "modules": {}}
 
 
 def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: str, steps: int = 12,
@@ -152,7 +153,12 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   row["step_ms"] = None if runs.step_s is None else round(1000 * runs.step_s, 2)
   row["steps_ms"] = [round(1000 * t, 3) for t in runs.times_s]
   if keep and row["run_error"] is None:
-    state, ops = _profile(compiled, state, tokens, 3)
+    def step() -> Any:  # the state is donated: each call takes the last one's
+      nonlocal state
+      state, loss = compiled(state, tokens)
+      return loss
+
+    ops = profiled(step, 3)
     with open(os.path.join(keep, f"{name}.ops.json"), "w") as f:
       json.dump(ops, f)
     row["device_ms"] = {k: round(v[0] / 1e6, 3) for k, v in ops.get("modules", {}).items()}

@@ -26,6 +26,7 @@ from nnx_zero1._src.hlo import (
   estimated_cycles,
   executions,
   host_copy,
+  host_transfers,
   per_call,
   result_bytes,
   shape_bytes,
@@ -37,6 +38,7 @@ from nnx_zero1._src.specs import spec_axes
 from nnx_zero1._src.traffic import group_size, replica_groups, ring_sent, sent_counter, with_fused_groups
 
 __all__ = ["COLLECTIVES", "INSTRUCTION", "Counts", "callees", "collective_of", "computations", "executions",
-           "estimated_cycles", "host_copy", "condition_trip_count", "group_size", "mark_zero1_grads",
+           "estimated_cycles", "host_copy", "host_transfers", "condition_trip_count", "group_size",
+           "mark_zero1_grads",
            "memory_kind_of", "per_call", "replica_groups", "result_bytes", "ring_sent", "sent_counter",
            "shape_bytes", "spec_axes", "trip_count", "with_fused_groups"]

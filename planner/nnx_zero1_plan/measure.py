@@ -36,7 +36,7 @@ from nnx_zero1_plan.levers import LEVERS, state_axes, with_offload
 from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.planned_model import PlannedModel
-from nnx_zero1_plan.row import PER_LAYER, Figures, Made, PodNetworks, Row, StateSplit
+from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row, StateSplit
 from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.step_time import predict_step_time
 from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
@@ -262,7 +262,7 @@ class RowCompiler:
       verdict = None
     if target.domains > 1 and figures.collectives:
       networks = network_per_step(figures.collectives, target.chip, target.platform, figures.step_time)
-      made = dataclasses.replace(made, network_per_step=PodNetworks.from_json(networks))
+      made = dataclasses.replace(made, network_per_step=networks)
     return Row(lever=lever, step=step, compiled_for=target.name, device_kind=target.device_kind,
                mesh=model.axes, model=source.name, batch=shape.batch, figures=figures, made=made,
                hbm_bytes=target.hbm_bytes, usable_bytes=self.usable, fits=verdict,

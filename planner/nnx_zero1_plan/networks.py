@@ -10,11 +10,8 @@ adds too), with no latency: every figure from here is marked an estimate.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from nnx_zero1_plan.chips import CHIPS, Links
-from nnx_zero1_plan.row import Collectives, OpCount, StepTime
+from nnx_zero1_plan.row import Collectives, Network, PodNetworks, StepTime
 
 __all__ = ["LINKS", "network_per_step", "slow_seconds"]
 
@@ -22,12 +19,8 @@ __all__ = ["LINKS", "network_per_step", "slow_seconds"]
 LINKS: dict[str, Links] = {name: chip.links for name, chip in CHIPS.items()}
 
 
-def _total(counts: Mapping[str, OpCount] | None) -> int:
-  return sum(c.bytes for c in (counts or {}).values())
-
-
 def network_per_step(collectives: Collectives, chip: str, platform: str, step_time: StepTime | None = None
-                     ) -> dict[str, Any]:
+                     ) -> PodNetworks:
   """The bytes one device sends per step over each network of a pod, and the time each takes: the step
   time's own (:func:`nnx_zero1_plan.predict_step_time`: the fast network's collectives walked at its ports'
   rate, the slow network's bytes at its rate), so a row's table and its step time say one time.
@@ -41,27 +34,25 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
     step_time: the row's predicted step's parts (None where the compiler gave no estimate: no fast time).
 
   Returns:
-    ``{"fast": {...}, "slow": {...}, "source": str | None}``; each network ``{"network", "bytes",
-    "estimate_ms"}`` (``estimate_ms`` None where there is no step time or no public rate).
+    The :class:`~nnx_zero1_plan.row.PodNetworks`: each network's name, bytes and ``estimate_ms`` (None
+    where there is no step time or no public rate).
 
   Example::
 
     >>> ar = lambda n: {"all-reduce": {"count": 1, "bytes": n}}
     >>> c = Collectives.from_json({"per_step": {}, "sent_per_step": ar(9 * 10**9),
     ...                            "across_per_step": ar(10**9)})
-    >>> network_per_step(c, "h100", "cuda")["slow"]
-    {'network': 'InfiniBand', 'bytes': 1000000000, 'estimate_ms': 20.0}
+    >>> network_per_step(c, "h100", "cuda").slow
+    Network(network='InfiniBand', bytes=1000000000, estimate_ms=20.0)
   """
-  across = _total(collectives.across_per_step)
-  sent = _total(collectives.sent_per_step)
-  inside = sent if platform == "tpu" else sent - across
+  across = collectives.across_bytes
+  inside = collectives.sent_bytes - (0 if platform == "tpu" else across)
   links = LINKS.get(chip)
   names = (links.fast, links.slow) if links else (("ICI", "DCN") if platform == "tpu" else ("NVLink", "IB"))
   fast_ms = None if step_time is None else round(1000 * step_time.fast_s, 1)
   slow_ms = None if links is None else round(1000 * slow_seconds(across, links), 1)
-  return {"fast": {"network": names[0], "bytes": inside, "estimate_ms": fast_ms},
-          "slow": {"network": names[1], "bytes": across, "estimate_ms": slow_ms},
-          "source": links.source if links else None}
+  return PodNetworks(Network(names[0], inside, fast_ms), Network(names[1], across, slow_ms),
+                     links.source if links else None)
 
 
 def slow_seconds(nbytes: int, links: Links) -> float:

@@ -40,6 +40,7 @@ from nnx_zero1._src.companion import (
   estimated_cycles,
   group_size,
   host_copy,
+  host_transfers,
   ring_sent,
   shape_bytes,
   trip_count,
@@ -57,8 +58,6 @@ __all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTI
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
 
-_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
-_DONE = re.compile(r"-done$")
 # What costs nothing and is not scheduled on its own: XLA's GPU scheduler gives these no estimate.
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
                    "replica-id", "opt-barrier", "after-all", "add-dependency"})
@@ -224,7 +223,7 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
       elif op == "copy-start" and (way := host_copy(shape)):
         if rates.host_bytes_per_s is not None:
           w.start(m["name"], shape_bytes(shape.split(", ")[0]) / rates.host_bytes_per_s, way)
-      elif _DONE.search(op):
+      elif op.endswith("-done"):
         w.wait(args.split(",")[0].strip().lstrip("%"))
       elif op in ("while", "call", "conditional"):  # the callee's walk, as many times as it runs
         for kind, callee in callees(line, bodies):
@@ -269,15 +268,15 @@ CYCLE_CLASSES = ("matmul-bf16", "matmul-f32", "vector")
 _MATMUL = re.compile(r"=\s*(?P<dtype>[a-z]+\d*)\[[^=]*\s(?:convolution|dot)\(")
 
 
-def _line_class(line: str, bodies: Mapping[str, Sequence[str]], depth: int = 0) -> str:
+def _line_class(line: str, bodies: dict[str, list[str]], depth: int = 0) -> str:
   """The class of one instruction's work: a matmul (float32 where its result is float32: the TPU multiplies
   in bfloat16 either way, and writes and accumulates in the result's type) where it is, or its fused
   computation holds, a convolution or dot; else the vector unit's."""
   matmul = _MATMUL.search(line)
   if matmul:
     return "matmul-f32" if matmul["dtype"] == "f32" else "matmul-bf16"
-  callee = _CALLS.search(line) if depth < 4 else None
-  for inner in bodies.get(callee[1], ()) if callee else ():
+  fused = [callee for kind, callee in callees(line, bodies) if kind == "calls"] if depth < 4 else []
+  for inner in (line for callee in fused for line in bodies.get(callee, ())):
     found = _line_class(inner, bodies, depth + 1)
     if found != "vector":
       return found
@@ -289,18 +288,19 @@ def cycle_class(hlo: str) -> set[str]:
 
   Example::
 
-    >>> cycle_class('%f = f32[8]{0} fusion(%p), calls=%g, backend_config={"estimated_cycles":"12"}')
+    >>> cycle_class("\\n".join(["ENTRY %main (p: f32[8]) -> f32[8] {",
+    ...   '  ROOT %f = f32[8]{0} fusion(%p), calls=%g, backend_config={"estimated_cycles":"12"}', "}"]))
     {'vector'}
   """
   bodies, _ = computations(hlo)
-  lines = [line for body in bodies.values() for line in body] or hlo.splitlines()
-  return {_line_class(line, bodies) for line in lines if estimated_cycles(line) is not None}
+  return {_line_class(line, bodies) for body in bodies.values() for line in body
+          if estimated_cycles(line) is not None}
 
 
 def _crosses_host(hlo: str) -> bool:
-  """Whether a program copies between host and device memory (an offloaded state)."""
-  return any(m is not None and m["op"] == "copy-start" and host_copy(m["shape"]) is not None
-             for m in map(INSTRUCTION.match, hlo.splitlines()))
+  """Whether a program copies between host and device memory (an offloaded state), as the transfers are
+  counted."""
+  return any(c["count"] for c in host_transfers(hlo).values())
 
 
 def cycles_estimated(hlo: str) -> bool:
@@ -395,13 +395,13 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
   predicted = total("total_s") - crossed_exposed + slow_s
   flops = sum(times * dot_flops(hlo) for _, hlo, times in programs)
   peak = chip.compute.peak_flops_per_s.get(compute_dtype, chip.compute.peak_flops_per_s["bfloat16"])
-  host_timed = chip.compute.host_bytes_per_s is not None
   parts = StepTime(
       source=TPU_SOURCE if scheduled is None else GPU_SOURCE,
       programs=[name if times == 1 else f"{name} x{times}" for name, _, times in programs],
       compute_s=total("compute_s"), fast_network=chip.links.fast, fast_s=max(0.0, fast_s),
       fast_exposed_s=fast_exposed_s - crossed_exposed, slow_network=chip.links.slow if slow_bytes else None,
-      slow_s=slow_s, host_s=total("host_s") if host_timed else None, host_exposed_s=total("exposed_host_s"),
+      slow_s=slow_s, host_s=total("host_s") if rates.host_bytes_per_s else None,
+      host_exposed_s=total("exposed_host_s"),
       unestimated_ops=int(total("unestimated")),
       clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
       roofline_s=flops / peak if flops else None)
@@ -428,5 +428,5 @@ def _module_estimates(hlo: str, scheduled: Mapping[str, Mapping[str, float]] | N
     return None
   lines = computations(hlo)[0].get(entry["name"], [])
   names = [m["name"] for line, m in zip(lines, map(INSTRUCTION.match, lines), strict=True)
-           if m and m["op"] not in _FREE and not collective_of(line) and not _DONE.search(m["op"])]
+           if m and m["op"] not in _FREE and not collective_of(line) and not m["op"].endswith("-done")]
   return own if not names or sum(n in own for n in names) >= len(names) / 2 else None
