@@ -19,14 +19,13 @@ Example::
   {'count': 0, 'bytes': 0}
 """
 
-from nnx_zero1._src.hlo import (
-    COLLECTIVES,
+from nnx_zero1._src.hlo import COLLECTIVES, shape_bytes
+from nnx_zero1._src.hlo_counts import (
     TRANSFERS,
     collectives,
     host_transfers,
     loop_collectives,
     loop_host_transfers,
-    shape_bytes,
 )
 from nnx_zero1._src.optimizer_cases import CASES, ELEMENTWISE_CONTRACT, FROZEN, OptimizerCase
 from nnx_zero1._src.traffic import sent_bytes

@@ -18,7 +18,6 @@ Example::
 from nnx_zero1._src.hlo import (
   COLLECTIVES,
   INSTRUCTION,
-  Counts,
   callees,
   collective_of,
   computations,
@@ -26,12 +25,11 @@ from nnx_zero1._src.hlo import (
   estimated_cycles,
   executions,
   host_copy,
-  host_transfers,
-  per_call,
   result_bytes,
   shape_bytes,
   trip_count,
 )
+from nnx_zero1._src.hlo_counts import Counts, host_transfers, per_call
 from nnx_zero1._src.optimizer import mark_zero1_grads
 from nnx_zero1._src.report import memory_kind_of
 from nnx_zero1._src.specs import spec_axes

@@ -1,26 +1,26 @@
-"""Collectives and host transfers in compiled HLO text: what the bench reports and the tests assert.
+"""One reading of a compiled program's HLO text: its computations, how often each runs, and what each
+instruction is (a collective, a copy between host and device memory, its estimated cycles).
 
-Private: ``compiled.as_text()`` parsed with small pure functions, so the benchmark
-(``benchmarks/``), the tests and ``nnx_zero1.testing`` count the same way.
+Private: ``compiled.as_text()`` parsed with small pure functions, so what is counted
+(:mod:`nnx_zero1._src.hlo_counts`, :mod:`nnx_zero1._src.traffic`) and the planner's FLOP count and
+step-time walk read one program the same way.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 __all__ = [
-    "COLLECTIVES", "COLLECTIVE_OPS", "TRANSFERS", "Counts", "shape_bytes", "collectives", "loop_collectives",
-    "collective_ops", "collective_of", "callees", "chosen_branch", "executions", "per_call", "partitions",
-    "host_transfers", "loop_host_transfers", "condition_trip_count", "trip_count", "result_bytes",
-    "INSTRUCTION", "estimated_cycles", "host_copy",
+    "COLLECTIVES", "COLLECTIVE_OPS", "INSTRUCTION", "shape_bytes", "result_bytes", "computations", "callees",
+    "chosen_branch", "condition_trip_count", "trip_count", "executions", "collective_of", "collective_ops",
+    "estimated_cycles", "host_copy", "partitions",
 ]
 
 # all-to-all: the int8 reduce-scatter across slices or nodes (across_dtype=jnp.int8) is one. Every count has
 # these four; a collective-permute (a pipeline's send to its neighbour) is counted where a program has one.
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
 COLLECTIVE_OPS = (*COLLECTIVES, "collective-permute")
-TRANSFERS = ("to-device", "to-host")
 
 _DTYPE_BYTES = {
     "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -247,9 +247,6 @@ def executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int
   return runs
 
 
-Counts = dict[str, dict[str, int]]
-
-
 def collective_of(line: str) -> tuple[str, int, bool] | None:
   """(op, bytes of its result on one device, whether it is an async start) where ``line`` is a collective
   (each of :data:`COLLECTIVE_OPS`, synchronous, ``-start``, in a generic async pair, or the TPU compiler's
@@ -280,13 +277,6 @@ def collective_ops(lines: list[str]) -> Iterator[tuple[str, int, str]]:
       yield found[0], found[1], line
 
 
-def _count(lines: list[str], times: int, out: Counts) -> None:
-  for op, nbytes, _ in collective_ops(lines) if times else ():
-    entry = out.setdefault(op, {"count": 0, "bytes": 0})
-    entry["count"] += times
-    entry["bytes"] += times * nbytes
-
-
 def estimated_cycles(line: str) -> int | None:
   """The TPU compiler's estimate of an instruction (its ``backend_config``'s ``estimated_cycles``), if any.
 
@@ -314,14 +304,6 @@ def host_copy(shape: str) -> str | None:
   return "to-host" if _HOST_SPACE in parts[0] else "to-device"
 
 
-def _count_transfers(lines: list[str], times: int, out: Counts) -> None:
-  for m in map(INSTRUCTION.match, lines if times else ()):
-    way = host_copy(m["shape"]) if m and m["op"] == "copy-start" else None
-    if m and way:
-      out[way]["count"] += times
-      out[way]["bytes"] += times * shape_bytes(m["shape"].split(", ")[0])
-
-
 def partitions(hlo: str) -> int:
   """The devices a compiled SPMD program runs on: its module's ``num_partitions`` (1 when it names none).
 
@@ -332,134 +314,3 @@ def partitions(hlo: str) -> int:
   """
   found = _PARTITIONS.search(hlo)
   return int(found[1]) if found else 1
-
-
-def per_call(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
-  """``count`` over every computation, each weighted by how often it runs per call of the entry."""
-  bodies, entry = computations(hlo)
-  runs = executions(bodies, entry)
-  out = {op: {"count": 0, "bytes": 0} for op in ops}
-  for name, lines in bodies.items():
-    count(lines, runs.get(name, 0), out)
-  return out
-
-
-def _per_trip(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
-  """``count`` over the computations inside while-loop bodies (and what they call), each once."""
-  bodies, entry = computations(hlo)
-  inside: set[str] = set()
-
-  def visit(name: str, in_loop: bool) -> None:
-    if in_loop:
-      if name in inside:
-        return
-      inside.add(name)
-    for line in bodies.get(name, ()):
-      for kind, callee in callees(line, bodies):
-        if callee in bodies:
-          visit(callee, in_loop or kind == "body")
-
-  if entry is not None:
-    visit(entry, False)
-  out = {op: {"count": 0, "bytes": 0} for op in ops}
-  for name in inside:
-    count(bodies[name], 1, out)
-  return out
-
-
-def collectives(hlo: str) -> Counts:
-  """Count and bytes of all-reduce, reduce-scatter and all-gather per call of a compiled kernel.
-
-  Parses ``compiled.as_text()``. Async forms (``all-gather-start``) count once
-  (their ``-done`` halves are skipped), and so does the TPU compiler's fused
-  reduce-scatter (a fusion calling ``all-reduce-scatter``: an all-reduce and a
-  slice in one collective); combined collectives have tuple shapes,
-  whose arrays are summed; bytes are the results' bytes on one device. An op
-  inside a while loop with a known trip count (XLA's annotation, or a
-  ``counter < N`` condition, as in the TPU compiler's HLO) counts once per trip.
-
-  Args:
-    hlo: the text of a compiled kernel, ``jitted.lower(...).compile().as_text()``.
-
-  Returns:
-    ``{op: {"count": int, "bytes": int}}`` for each op of :data:`COLLECTIVES`, per call of
-    the kernel; bytes are one device's.
-
-  Example::
-
-    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
-    ...   ROOT %all-reduce = f32[8]{0} all-reduce(%p), to_apply=%add
-    ... }'''
-    >>> collectives(hlo)["all-reduce"]
-    {'count': 1, 'bytes': 32}
-  """
-  return per_call(hlo, _count, COLLECTIVES)
-
-
-def loop_collectives(hlo: str) -> Counts:
-  """Collectives inside while-loop bodies (and what they call), each counted once: one trip's.
-
-  A micro-batch loop (``lax.scan``) that defers its gradient reduction has
-  none of gradient size here.
-
-  Args:
-    hlo: the text of a compiled kernel, ``jitted.lower(...).compile().as_text()``.
-
-  Returns:
-    ``{op: {"count": int, "bytes": int}}`` for each op of :data:`COLLECTIVES`, one trip
-    of each loop; bytes are one device's.
-
-  Example::
-
-    >>> hlo = '''%body (p: f32[8]) -> f32[8] {
-    ...   ROOT %ar = f32[8]{0} all-reduce(%p), to_apply=%add
-    ... }
-    ...
-    ... ENTRY %main (a: f32[8]) -> f32[8] {
-    ...   %w = f32[8]{0} while(%a), condition=%cond, body=%body
-    ...   ROOT %ag = f32[16]{0} all-gather(%w), dimensions={0}
-    ... }'''
-    >>> loop_collectives(hlo)["all-reduce"], loop_collectives(hlo)["all-gather"]
-    ({'count': 1, 'bytes': 32}, {'count': 0, 'bytes': 0})
-  """
-  return _per_trip(hlo, _count, COLLECTIVES)
-
-
-def host_transfers(hlo: str) -> Counts:
-  """Copies between host and device memory per call of a kernel compiled by the TPU compiler.
-
-  Counts the async copies (``copy-start``) whose destination or source, not
-  both, is in host memory (memory space 5 in the TPU compiler's layouts), each
-  once per run, as :func:`collectives` counts collectives. XLA's CPU backend
-  keeps host memory kinds in ordinary memory and shows no such copies.
-
-  Args:
-    hlo: the text of a compiled kernel, ``jitted.lower(...).compile().as_text()``.
-
-  Returns:
-    ``{"to-device": {"count", "bytes"}, "to-host": {"count", "bytes"}}``; bytes are one device's.
-
-  Example::
-
-    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
-    ...   %c = (f32[8]{0}, f32[8]{0:S(5)}, u32[]{:S(2)}) copy-start(%p)
-    ...   ROOT %d = f32[8]{0} copy-done(%c)
-    ... }'''
-    >>> host_transfers(hlo)["to-device"]
-    {'count': 1, 'bytes': 32}
-  """
-  return per_call(hlo, _count_transfers, TRANSFERS)
-
-
-def loop_host_transfers(hlo: str) -> Counts:
-  """Host transfers inside while-loop bodies, each counted once: one trip's (see :func:`host_transfers`).
-
-  Example::
-
-    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
-    ...   ROOT %n = f32[8]{0} negate(%p)
-    ... }'''
-    >>> loop_host_transfers(hlo)
-    {'to-device': {'count': 0, 'bytes': 0}, 'to-host': {'count': 0, 'bytes': 0}}
-  """
-  return _per_trip(hlo, _count_transfers, TRANSFERS)

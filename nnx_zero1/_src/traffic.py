@@ -16,14 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from nnx_zero1._src.hlo import (
-  COLLECTIVES,
-  Counts,
-  collective_ops,
-  computations,
-  partitions,
-  per_call,
-)
+from nnx_zero1._src.hlo import COLLECTIVES, collective_ops, computations, partitions
+from nnx_zero1._src.hlo_counts import Counts, per_call
 
 __all__ = ["replica_groups", "group_size", "ring_sent", "with_fused_groups", "sent_counter", "sent_bytes"]
 
