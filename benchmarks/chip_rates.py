@@ -29,12 +29,22 @@ __all__ = ["matmul_clock", "host_link", "main"]
 # the vector unit's elementwise, reduction and exponent work; random data, as a step's is.
 _MATMULS = ((8192, 1024, 4096), (8192, 4096, 1024), (8192, 8192, 8192))
 _VECTOR = ("multiply_add", "row_sum", "softmax", "multiply_add_bf16")
+# A matmul and the work the compiler fuses with it in a training step, alone: the batched matmul of
+# attention's scores (heads of 64, at a batch that is and one that is not a multiple of 8), the same with
+# its softmax's row sums fused in; a layer norm's backward (a bfloat16 x float32 matmul whose result is
+# scaled and summed over the tokens and over the width in the same fusion) at two widths, alone, with its
+# input joined from two halves in the same fusion, and with its weight stored transposed; and a projection
+# with its activation.
+_ATTENTION = ((8, 16, 1024, 64), (13, 16, 1024, 64))
+_NORM_BACKWARD = ((8192, 8192, 1024), (8192, 4096, 1024))
 _COPY_BYTES = (256 * 2**20, 2**30)
 
 
-def _device_seconds(fn: Callable[..., Any], args: Sequence[Any], runs: int) -> tuple[float, float]:
+def _device_seconds(fn: Callable[..., Any], args: Sequence[Any], runs: int,
+                    ops: dict[str, float] | None = None) -> tuple[float, float]:
   """(the device's time per call from a profile's modules, the wall clock's per call over ``runs``
-  back-to-back calls), after one call to warm up."""
+  back-to-back calls), after one call to warm up; ``ops``, where given, gets each instruction's device
+  nanoseconds per call."""
   import jax
 
   from benchmarks.limit import profiled
@@ -45,7 +55,10 @@ def _device_seconds(fn: Callable[..., Any], args: Sequence[Any], runs: int) -> t
     out = fn(*args)
   jax.block_until_ready(out)
   wall = (time.perf_counter() - start) / runs
-  modules = profiled(lambda: fn(*args), runs)["modules"]
+  profile = profiled(lambda: fn(*args), runs)
+  modules = profile["modules"]
+  if ops is not None:
+    ops.update({name.split("=")[0].strip().lstrip("%"): ns for name, (ns, _) in profile["ops"].items()})
   device = sum(ns for ns, _ in modules.values()) / 1e9 if modules else float("nan")
   return device, wall
 
@@ -55,6 +68,16 @@ def _cycles(hlo: str) -> float:
   from nnx_zero1_plan import Rates, program_time
 
   return program_time(hlo, Rates(clock_hz=1.0, network_bytes_per_s=lambda n: 1.0)).compute_s or 0.0
+
+
+def _fusions(hlo: str, ops: dict[str, float]) -> list[str]:
+  """Each estimated instruction of a program: its name, the compiler's cycles and its device nanoseconds
+  per call (which fusions the compiler made, and what each cost)."""
+  from nnx_zero1._src.hlo import INSTRUCTION, estimated_cycles
+
+  return [f"{m['name']} {estimated_cycles(line)} {ops.get(m['name'].lstrip('%'), 0.0):.0f}"
+          for line in hlo.splitlines()
+          if estimated_cycles(line) is not None and (m := INSTRUCTION.search(line))]
 
 
 def _vector_program(kind: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -72,6 +95,48 @@ def _vector_program(kind: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
   return jax.jit(lambda a: jax.nn.softmax(a, axis=-1)), (x,)
 
 
+def _scores(q: Any, k: Any) -> Any:
+  import jax.numpy as jnp
+
+  return jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+
+
+def _fused_programs() -> list[tuple[str, Any, tuple[Any, ...]]]:
+  """The lone programs of a matmul with the work a step fuses with it (:data:`_ATTENTION`,
+  :data:`_NORM_BACKWARD`): (name, jitted function, arguments)."""
+  import jax
+  import jax.numpy as jnp
+
+  keys = jax.random.split(jax.random.key(2), 4)
+  cases: list[tuple[str, Any, tuple[Any, ...]]] = []
+  for b, h, t, d in _ATTENTION:
+    q, k = (jax.random.normal(key, (b, h, t, d), jnp.bfloat16) for key in keys[:2])
+    cases.append((f"attention scores {b}x{h}x{t}x{d}", jax.jit(_scores), (q, k)))
+    cases.append((f"attention scores {b}x{h}x{t}x{d} + row sums",
+                   jax.jit(lambda q, k: (s := _scores(q, k), jnp.exp(s).sum(-1))), (q, k)))
+  for tokens, hidden, width in _NORM_BACKWARD:
+    x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (hidden, width), jnp.float32)
+    g = jax.random.normal(keys[2], (tokens, width), jnp.float32)
+    s = jax.random.normal(keys[3], (width,), jnp.float32)
+
+    def norm_backward(x, w, g, s):
+      y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+      return y, (y * g).sum(0), (y * g * s).sum(-1)
+
+    cases.append((f"norm backward {tokens}x{hidden}x{width}", jax.jit(norm_backward), (x, w, g, s)))
+    halves = jnp.split(x, 2, axis=-1)  # the same, its input two halves joined (a gate and its up projection)
+    cases.append((f"norm backward {tokens}x{hidden}x{width} of joined halves",
+                  jax.jit(lambda a, b, w, g, s: norm_backward(jnp.concatenate([a, b], -1), w, g, s)),
+                  (*halves, w, g, s)))
+    cases.append((f"norm backward {tokens}x{hidden}x{width} by the weight stored transposed",
+                  jax.jit(lambda x, wt, g, s: norm_backward(x, wt.T, g, s)), (x, w.T.copy(), g, s)))
+  x, w = (jax.random.normal(key, shape, jnp.bfloat16)
+          for key, shape in zip(keys, ((8192, 1024), (1024, 4096)), strict=False))
+  cases.append(("matmul 8192x1024x4096 + gelu", jax.jit(lambda x, w: jax.nn.gelu(x @ w)), (x, w)))
+  return cases
+
+
 def matmul_clock(runs: int = 10) -> list[dict[str, Any]]:
   """Each lone program's cycles (the compiler's, walked as the planner walks them), its time on the device
   and the clock they imply, by the class the walk puts its instructions in: matmuls in bfloat16 and in
@@ -87,14 +152,15 @@ def matmul_clock(runs: int = 10) -> list[dict[str, Any]]:
       a, b = jax.random.split(jax.random.key(1))
       args = (jax.random.normal(a, (m, k), dtype), jax.random.normal(b, (k, n), dtype))
       cases.append((f"matmul {m}x{k}x{n} {jnp.dtype(dtype).name}", jax.jit(lambda x, y: x @ y), args))
-  cases += [(kind, *_vector_program(kind)) for kind in _VECTOR]
+  cases += [(kind, *_vector_program(kind)) for kind in _VECTOR] + _fused_programs()
   rows = []
   for name, fn, args in cases:
     hlo = fn.lower(*args).compile().as_text()
     cycles = _cycles(hlo)
-    device, wall = _device_seconds(fn, args, runs)
+    ops: dict[str, float] = {}
+    device, wall = _device_seconds(fn, args, runs, ops)
     rows.append({"program": name, "classes": sorted(cycle_class(hlo)), "cycles": cycles, "device_s": device,
-                 "wall_s": wall, "clock_hz": cycles / device})
+                 "wall_s": wall, "clock_hz": cycles / device, "fusions": _fusions(hlo, ops)})
   return rows
 
 

@@ -5,6 +5,7 @@
 #   OUT=/tmp/device scripts/device_check.sh tpu 1    # one TPU v5e chip, in three runs of under 10 minutes
 #   OUT=/tmp/device scripts/device_check.sh tpu 2    # (each program's start and compile on the chip takes
 #   OUT=/tmp/device scripts/device_check.sh tpu 3    # about a minute); commit $OUT/* under docs/data/device_v5e/
+#   OUT=/tmp/device scripts/device_check.sh tpu 4    # (a later session: the fused kinds, and two more cases)
 #
 # Each measurement writes its folder: the command, its stdout and stderr, its exit status and wall time;
 # versions.json says what ran. GPU: the compiler's figure against the allocator (two memory pools), each
@@ -63,6 +64,12 @@ elif [ "$PART" = 2 ]; then
   limit build_seq512 "$D:build" baseline 16 --seq-len 512
   limit build_seq2048 "$D:build" baseline 4 --seq-len 2048
   limit build_baseline_ga4 "$D:build" baseline 4 --ga 4
+elif [ "$PART" = 4 ]; then
+  # The fused kinds alone (a matmul with the reductions a step fuses into it), then cases no constant was
+  # measured on: the micro-batch part 3 did not reach, and the float32 masters on the smaller model.
+  keep chip_rates python -m benchmarks.chip_rates --out "$OUT/chip_rates/out"
+  limit build_baseline_12 "$D:build" baseline 12
+  limit build_zero1_master "$D:build" zero1-master 4
 else
   # The planner where the chips are: it compiles for this machine's chip and runs each fitting row's step.
   keep plan_measure python -m nnx_zero1_plan --model "$D:build" --topology v5e:1x1 --batch 8 --seq-len 1024 \
