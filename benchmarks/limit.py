@@ -142,9 +142,9 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
     predicted = predict_step_time([("step", hlo, 1)], CHIPS[chip], devices=len(devices),
                           tokens_per_device=ga * batch * seq_len / len(devices), compute_dtype="bfloat16",
                           scheduled=None if tpu else scheduled, deviceless=False)
-    row["predicted_ms"] = None if predicted["predicted_step_s"] is None else round(
-        1000 * predicted["predicted_step_s"], 2)
-    row["time_absent"] = predicted["time_absent"]
+    row["predicted_ms"] = None if predicted.predicted_step_s is None else round(
+        1000 * predicted.predicted_step_s, 2)
+    row["time_absent"] = predicted.time_absent
   # The first step may include the allocator's growth: the median of those after it.
   state, runs = run_steps(compiled, state, tokens, warmup=1, timed=steps - 1)
   row["run_error"] = runs.error

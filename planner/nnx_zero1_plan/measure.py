@@ -86,7 +86,7 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
   time = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
                            tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                            scheduled=scheduled)
-  return dataclasses.replace(figures, **time)
+  return dataclasses.replace(figures, **vars(time))
 
 
 @contextlib.contextmanager

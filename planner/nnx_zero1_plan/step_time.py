@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from nnx_zero1._src.companion import (
   INSTRUCTION,
@@ -52,8 +51,8 @@ from nnx_zero1_plan.networks import slow_seconds
 from nnx_zero1_plan.row import StepTime
 
 __all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTIMATED", "rates_for",
-           "predict_step_time", "cycle_class", "CYCLE_CLASSES", "TPU_SOURCE", "GPU_SOURCE", "NO_ESTIMATE",
-           "NO_SCHEDULE", "UNTUNED", "HOST_UNTIMED"]
+           "predict_step_time", "PredictedTime", "cycle_class", "CYCLE_CLASSES", "TPU_SOURCE", "GPU_SOURCE",
+           "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED", "HOST_UNTIMED"]
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
@@ -352,10 +351,22 @@ def rates_for(chip: Chip) -> Rates:
   return Rates(chip.compute.clock_hz, lambda n: fast, chip.compute.host_bytes_per_s)
 
 
+@dataclasses.dataclass(frozen=True)
+class PredictedTime:
+  """A step's predicted time as a row carries it: each field the :class:`~nnx_zero1_plan.row.Figures` field
+  of its name (``time_absent``: why a row has no time, None where it has one)."""
+
+  predicted_step_s: float | None = None
+  tokens_per_s_per_device: float | None = None
+  mfu: float | None = None
+  step_time: StepTime | None = None
+  time_absent: str | None = None
+
+
 def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: int,
                       tokens_per_device: float, compute_dtype: str, slow_bytes: int = 0,
                       scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True
-                      ) -> dict[str, Any]:
+                      ) -> PredictedTime:
   """A step's predicted time on one device: its programs' walks (:func:`program_time`), each as many times
   as one step runs it, and the slow network's bytes over its rate, exposed.
 
@@ -372,17 +383,14 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
       not the tuned program's, and only its parts are kept); False on the GPU itself.
 
   Returns:
-    The row's time figures (:class:`~nnx_zero1_plan.row.Figures`' ``predicted_step_s``,
-    ``tokens_per_s_per_device``, ``mfu``, ``step_time``; ``time_absent`` where the compiler gives no cycles).
+    The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).
   """
   estimates = [_module_estimates(hlo, scheduled) for _, hlo, _ in programs]
   if not all(cycles_estimated(hlo) or own for (_, hlo, _), own in zip(programs, estimates, strict=True)):
-    return {"predicted_step_s": None, "tokens_per_s_per_device": None, "mfu": None, "step_time": None,
-            "time_absent": NO_ESTIMATE if scheduled is None else NO_SCHEDULE}
+    return PredictedTime(time_absent=NO_ESTIMATE if scheduled is None else NO_SCHEDULE)
   rates = rates_for(chip)
   if rates.host_bytes_per_s is None and any(_crosses_host(hlo) for _, hlo, _ in programs):
-    return {"predicted_step_s": None, "tokens_per_s_per_device": None, "mfu": None, "step_time": None,
-            "time_absent": HOST_UNTIMED}
+    return PredictedTime(time_absent=HOST_UNTIMED)
   walks = [(program_time(hlo, rates, devices, own), times)
            for (_, hlo, times), own in zip(programs, estimates, strict=True)]
   total = lambda part: sum(times * (getattr(t, part) or 0.0) for t, times in walks)  # noqa: E731
@@ -406,10 +414,9 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
       clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
       roofline_s=flops / peak if flops else None)
   if scheduled is not None and deviceless:  # not the program that runs on the GPU: its parts, no time
-    return {"predicted_step_s": None, "tokens_per_s_per_device": None, "mfu": None, "step_time": parts,
-            "time_absent": UNTUNED}
-  return {"predicted_step_s": predicted, "tokens_per_s_per_device": tokens_per_device / predicted,
-          "mfu": flops / predicted / peak if flops else None, "step_time": parts, "time_absent": None}
+    return PredictedTime(step_time=parts, time_absent=UNTUNED)
+  return PredictedTime(predicted, tokens_per_device / predicted, flops / predicted / peak if flops else None,
+                       parts)
 
 
 _ENTRY = re.compile(r"^ENTRY %?(?P<name>[\w.\-]+)", re.M)

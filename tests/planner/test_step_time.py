@@ -121,20 +121,20 @@ def test_a_program_without_cycles_has_no_time_not_a_guess():
   assert program_time(plain, Rates(None, lambda n: RING)).compute_s is None
   figures = predict_step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
                               compute_dtype="bfloat16")
-  assert figures["predicted_step_s"] is None and figures["time_absent"] == NO_ESTIMATE
+  assert figures.predicted_step_s is None and figures.time_absent == NO_ESTIMATE
   unscheduled = predict_step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
                                   compute_dtype="bfloat16", scheduled={"jit_other": {"r": 1e-3}})
-  assert unscheduled["time_absent"] == NO_SCHEDULE
+  assert unscheduled.time_absent == NO_SCHEDULE
 
 
 def test_a_gpu_program_compiled_without_its_gpu_keeps_its_parts_but_predicts_no_time():
   program = _module(["  %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
   args = dict(devices=4, tokens_per_device=8, compute_dtype="bfloat16", scheduled={"jit_f": {"r": 1e-3}})
   untuned = predict_step_time([("step", program, 1)], CHIPS["h100"], **args)
-  assert untuned["predicted_step_s"] is None and untuned["time_absent"] == UNTUNED
-  assert untuned["step_time"].compute_s == pytest.approx(1e-3)
+  assert untuned.predicted_step_s is None and untuned.time_absent == UNTUNED
+  assert untuned.step_time.compute_s == pytest.approx(1e-3)
   on_the_gpu = predict_step_time([("step", program, 1)], CHIPS["h100"], **args, deviceless=False)
-  assert on_the_gpu["predicted_step_s"] == pytest.approx(1e-3) and on_the_gpu["time_absent"] is None
+  assert on_the_gpu.predicted_step_s == pytest.approx(1e-3) and on_the_gpu.time_absent is None
 
 
 def test_the_chip_rates_a_tpu_ring_uses_two_ports_a_pair_one_a_gpu_its_switch():
@@ -156,11 +156,11 @@ def test_a_step_sums_its_programs_runs_and_the_slow_network_and_says_tokens_and_
   t = predict_step_time([("fwd_bwd", grads, 1), ("fwd_bwd_accum", grads, 7), ("update", update, 1)], chip,
                         devices=4, tokens_per_device=4096, compute_dtype="bfloat16", slow_bytes=10**6)
   predicted = (8 * 3000 + 500) / clock + 10**6 / chip.links.slow_bytes_per_s
-  assert t["predicted_step_s"] == pytest.approx(predicted)
-  assert t["tokens_per_s_per_device"] == pytest.approx(4096 / predicted)
+  assert t.predicted_step_s == pytest.approx(predicted)
+  assert t.tokens_per_s_per_device == pytest.approx(4096 / predicted)
   flops = 8 * 2 * 128 * 128 * 64
-  assert t["mfu"] == pytest.approx(flops / predicted / chip.compute.peak_flops_per_s["bfloat16"])
-  parts = t["step_time"]
+  assert t.mfu == pytest.approx(flops / predicted / chip.compute.peak_flops_per_s["bfloat16"])
+  parts = t.step_time
   assert parts.programs == ["fwd_bwd", "fwd_bwd_accum x7", "update"]
   assert parts.slow_network == "DCN" and parts.slow_s == pytest.approx(10**6 / chip.links.slow_bytes_per_s)
   assert parts.roofline_s == pytest.approx(flops / chip.compute.peak_flops_per_s["bfloat16"])
