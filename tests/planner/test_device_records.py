@@ -116,3 +116,21 @@ def test_no_kept_plan_reads_an_mfu_above_one():
       continue
     rows = json.loads(plan.read_text())["rows"]
     assert all((r.get("mfu") or 0) <= 1 for r in rows), plan
+
+
+def test_the_readme_says_how_far_the_kept_cases_are():
+  # The README's one sentence on the chip: how many kept cases, the range of those within 10% and of the
+  # rest, and the offload step's error, each today's walk of the kept programs (the table above).
+  errors = {c["case"] + str(c["batch"]): program_time(c["hlo"], rates_for(CHIPS["v5e"])).total_s * 1000
+            / c["step_ms"] - 1 for c in CASES}
+  near = sorted(e for e in errors.values() if abs(e) <= 0.10)
+  far = sorted(e for e in errors.values() if abs(e) > 0.10)
+  count = ["no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+           "twelve", "thirteen", "fourteen"]
+  offload = next(e for c, e in errors.items() if c.startswith("build_offload"))
+  readme = " ".join((ROOT / "README.md").read_text().split())
+  said = (f"{count[len(errors)]} kept cases come within {near[0]:+.1%} to {near[-1]:+.1%} "
+          f"({count[len(near)]} of them, the offload step's {offload:+.1%} among them)")
+  if far:
+    said += f" and {far[0]:+.1%} to {far[-1]:+.1%} ({count[len(far)]}"
+  assert said in readme, said
