@@ -1,9 +1,7 @@
 """A plan's result: what each lever needs, printed as a table and kept as plan.json and plan.md.
 
-Pure: the caller's process (a notebook's, which must not import jax) reads it back from the
-planning process, and the command line prints and writes it. :meth:`Plan.to_record` is what
-plan.json holds and :meth:`Plan.from_record` reads it back, so the planning process, the caller
-and a kept plan all meet in one format.
+Pure: the caller's process (a notebook's, which must not import jax) reads it back from the planning process
+in plan.json's one format (:meth:`Plan.to_record`, :meth:`Plan.from_record`), as a kept plan is read.
 """
 
 from __future__ import annotations
