@@ -237,9 +237,8 @@ def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
     out.append((r.lever, r.step, _max_micro_batch(r), gib(at.peak_bytes_per_device),
                 gib(at.headroom_bytes_per_device), gib(at.temp_bytes_per_device),
                 "-" if flops is None else f"{flops / 1e12:.2f}",
-                *time_cells(at.predicted_step_s, at.tokens_per_s_per_device, None)[:2],
-                str(found.above or "-"), refusal,
-                str(len(found.search)), note))
+                ms(at.predicted_step_s), tokens(at.tokens_per_s_per_device), str(found.above or "-"),
+                refusal, str(len(found.search)), note))
   return out
 
 
@@ -296,9 +295,7 @@ def _compact(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]
   body = []
   for r, row_cells in zip(rows, cells(rows), strict=True):
     by_name = dict(zip(full, row_cells, strict=True))
-    sent = row_sent_bytes(r)
-    marked = "~" if r.estimated else ""
-    by_name["sent GiB per step"] = marked + (f"{sent / 2**30:.2f}" if sent else "-")
+    by_name["sent GiB per step"] = ("~" if r.estimated else "") + gib(row_sent_bytes(r) or None)
     body.append(tuple(by_name[c] for c in keep))
   short = dict(zip(POD_HEADER, ("inside, MiB (est.)", "across, MiB (est.)"), strict=True))
   return tuple(short.get(c, c) for c in keep), body
@@ -307,10 +304,7 @@ def _compact(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]
 def table(rows: Sequence[Row], wide: bool = True) -> str:
   """The rows as an aligned text table (GiB per device): every column (plan.md's), or ``wide=False`` the
   terminal's (:data:`COMPACT`, under a line naming the target and the mesh)."""
-  if wide:
-    head, body = header(rows), cells(rows)
-  else:
-    head, body = _compact(rows)
+  head, body = (header(rows), cells(rows)) if wide else _compact(rows)
   text = _aligned(head, body, (*(range(4) if wide else range(2)), len(head) - 1))
   if not wide and rows:
     mesh = spelled_mesh(rows[0].mesh)

@@ -123,12 +123,11 @@ def draw_search(rows: Sequence[Row], path: str) -> str | None:
     timed = [p for p in points if p.tokens_per_s_per_device and p.fits]
     speed.plot([p.batch for p in timed], [p.tokens_per_s_per_device for p in timed], "o-", label=label)
   memory.axhline(searched[0].usable_bytes / 2**30, color="grey", linestyle="--", label="usable")
-  for axes in (memory, speed):
-    axes.set_xscale("log", base=2)
   memory.set(xlabel="micro-batch", ylabel="peak GiB per device", title="memory (compiled)")
   speed.set(xlabel="micro-batch", ylabel="tokens/s per device", title="predicted throughput (fits only)")
-  memory.legend(fontsize=8)
-  speed.legend(fontsize=8)
+  for axes in (memory, speed):
+    axes.set_xscale("log", base=2)
+    axes.legend(fontsize=8)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   fig.savefig(path, dpi=100)
