@@ -77,9 +77,8 @@ class Plan:
                None if way_out is None else WayOut.from_json(way_out))
 
   def write(self, out_dir: str) -> list[str]:
-    """Writes plan.json and plan.md into ``out_dir``, and with a search ``search.png`` (each lever's peak
-    and predicted tokens per second against the micro-batch, where matplotlib is installed); returns their
-    paths."""
+    """Writes plan.json and plan.md into ``out_dir``, and with a search ``search.png``
+    (:func:`~nnx_zero1_plan.time_report.draw_search`); returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "plan.md")]
     with open(paths[0], "w") as f:
