@@ -1,11 +1,7 @@
 """The two networks of a pod, per chip: the fast one inside a slice or node (ICI, NVLink) and the slow one
-between them (DCN, InfiniBand), and what a step's collective bytes cost on each, as an estimate.
-
-The bandwidths are :data:`nnx_zero1_plan.chips.CHIPS`' (the public figures of each chip's specification
-sheet or reference system), per chip and per direction (a device sends at that rate while it receives at the
-same rate). A step's time on each network is its predicted step's: the fast network's collectives as the
-step's walk times them, the slow network's bytes at its rate (:func:`slow_seconds`, which the step time
-adds too), with no latency: every figure from here is marked an estimate.
+between them (DCN, InfiniBand), and what a step's collective bytes cost on each, as an estimate: the public
+per-direction rates of :data:`nnx_zero1_plan.chips.CHIPS` (a device sends at that rate while it receives at
+the same rate), no latency.
 """
 
 from __future__ import annotations
@@ -34,8 +30,8 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
     step_time: the row's predicted step's parts (None where the compiler gave no estimate: no fast time).
 
   Returns:
-    The :class:`~nnx_zero1_plan.row.PodNetworks`: each network's name, bytes and ``estimate_ms`` (None
-    where there is no step time or no public rate).
+    The :class:`~nnx_zero1_plan.row.PodNetworks`: each network's name, bytes and ``estimate_ms`` (the fast
+    one's None where there is no step time).
 
   Example::
 
@@ -47,12 +43,10 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
   """
   across = collectives.across_bytes
   inside = collectives.sent_bytes - (0 if platform == "tpu" else across)
-  links = LINKS.get(chip)
-  names = (links.fast, links.slow) if links else (("ICI", "DCN") if platform == "tpu" else ("NVLink", "IB"))
+  links = LINKS[chip]
   fast_ms = None if step_time is None else round(1000 * step_time.fast_s, 1)
-  slow_ms = None if links is None else round(1000 * slow_seconds(across, links), 1)
-  return PodNetworks(Network(names[0], inside, fast_ms), Network(names[1], across, slow_ms),
-                     links.source if links else None)
+  slow = Network(links.slow, across, round(1000 * slow_seconds(across, links), 1))
+  return PodNetworks(Network(links.fast, inside, fast_ms), slow, links.source)
 
 
 def slow_seconds(nbytes: int, links: Links) -> float:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nnx_zero1_plan.request import DEFAULT_OPTIMIZER
+from nnx_zero1_plan.levers import LEVERS, Lever, engine_attributes, state_axes, summed_over, with_offload
+from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, OPTIMIZER_CODE
 
 __all__ = ["mesh_code", "lever_code"]
 
@@ -77,7 +78,7 @@ def _tuples(value: Any) -> Any:
   return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
-def _tunix_code(lever: Any, options: list[str], mesh_lines: list[str], mesh: Mapping[str, int] | None,
+def _tunix_code(lever: Lever, options: list[str], mesh_lines: list[str], mesh: Mapping[str, int] | None,
                 tx: str, activation_sharding: Any) -> list[str]:
   """Tunix's trainer on the plan's mesh: the batch over its data axes, Zero-1's options as the config's."""
   batch = tuple(a for a in ("replica", "data", "fsdp") if a in (mesh or {"data": 1}))
@@ -105,11 +106,8 @@ def _tunix_code(lever: Any, options: list[str], mesh_lines: list[str], mesh: Map
 def lever_code(name: str, model: str, offload_fraction: float | None = None,
                mesh: Mapping[str, int] | None = None, optimizer: str = DEFAULT_OPTIMIZER, *,
                platform: str = "tpu", domains: int = 1, activation_sharding: Any = None) -> str:
-  """The code that turns lever ``name`` on where ``model``'s users train, as they paste it: their own loop
-  (imports, the mesh the plan compiled, then the model built under it, then the optimizer), Tunix's trainers
-  (the mesh, the activations' sharding the plan compiled, ``Zero1TrainingConfig``'s ``zero1_*`` options) or
-  MaxText's engine (the class attributes :func:`nnx_zero1_plan.levers.engine_attributes` gives). Written
-  from the lever table, so a new lever needs no entry here; ``offload-fraction`` writes the
+  """The code that turns lever ``name`` on where ``model``'s users train, as they paste it (the module's three
+  homes), written from the lever table, so a new lever needs no entry here; ``offload-fraction`` writes the
   ``offload_fraction`` its plan picked.
 
   Args:
@@ -142,9 +140,6 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
     'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
   """
-  from nnx_zero1_plan.levers import LEVERS, engine_attributes, with_offload
-  from nnx_zero1_plan.request import OPTIMIZER_CODE
-
   tx = OPTIMIZER_CODE[optimizer]
   lever = LEVERS[name]
   if lever.picks_offload:
@@ -192,10 +187,8 @@ def rate_note(tx: str) -> str:
   return f"  # {rate}: your learning rate (or an optax schedule)"
 
 
-def _accumulate_line(lever: Any, mesh: Mapping[str, int] | None, optimizer: str) -> str:
+def _accumulate_line(lever: Lever, mesh: Mapping[str, int] | None, optimizer: str) -> str:
   """The comment that gives a deferred lever's gradient call, its options and the axes it sums over."""
-  from nnx_zero1_plan.levers import state_axes, summed_over
-
   accumulate = "".join(f", {k}={_spelled(v)}" for k, v in lever.accumulate_options.items())
   own = state_axes(lever)
   summed = summed_over(tuple(mesh or {}), own)

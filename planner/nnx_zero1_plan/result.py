@@ -1,9 +1,7 @@
 """A plan's result: what each lever needs, printed as a table and kept as plan.json and plan.md.
 
-Pure: the caller's process (a notebook's, which must not import jax) reads it back from the
-planning process, and the command line prints and writes it. :meth:`Plan.to_record` is what
-plan.json holds and :meth:`Plan.from_record` reads it back, so the planning process, the caller
-and a kept plan all meet in one format.
+Pure: the caller's process (a notebook's, which must not import jax) reads it back from the planning process
+in plan.json's one format (:meth:`Plan.to_record`, :meth:`Plan.from_record`), as a kept plan is read.
 """
 
 from __future__ import annotations
@@ -79,9 +77,8 @@ class Plan:
                None if way_out is None else WayOut.from_json(way_out))
 
   def write(self, out_dir: str) -> list[str]:
-    """Writes plan.json and plan.md into ``out_dir``, and with a search ``search.png`` (each lever's peak
-    and predicted tokens per second against the micro-batch, where matplotlib is installed); returns their
-    paths."""
+    """Writes plan.json and plan.md into ``out_dir``, and with a search ``search.png``
+    (:func:`~nnx_zero1_plan.time_report.draw_search`); returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "plan.md")]
     with open(paths[0], "w") as f:

@@ -1,12 +1,7 @@
-"""What of a compiled program's collective bytes crosses a pod's slow network.
-
-On a pod the devices sit in domains (TPU slices joined over the data-center network, GPU nodes over
-InfiniBand). A multi-node GPU program is one program over every device: a collective whose group lies
-within one domain sends over the fast links only; a group of n devices spanning k domains, reduced
-hierarchically (within each domain, then across domains among peers, then within again), sends
-(k-1)/(n-1) of its ring bytes across (:func:`across_bytes`). A multi-slice TPU program is one slice's
-program: what crosses is its sends to the megascale runtime (:func:`dcn_bytes`). What each device sends
-in all is the optimizer's count (``nnx_zero1.testing.sent_bytes``), on the same ring basis.
+"""What of a compiled program's collective bytes crosses a pod's slow network, between its domains (TPU slices
+joined over the data-center network, GPU nodes over InfiniBand): a GPU program's collectives whose groups
+span domains (:func:`across_bytes`), a TPU slice's sends to the megascale runtime (:func:`dcn_bytes`), each
+on the ring basis of the optimizer's own count (``nnx_zero1.testing.sent_bytes``).
 """
 
 from __future__ import annotations
@@ -27,15 +22,9 @@ from nnx_zero1._src.companion import (
 
 __all__ = ["across_bytes", "dcn_bytes"]
 
-# A multi-slice TPU program is one slice's program; what crosses slices is a send to the megascale runtime
-# (the data-center network), named by its transfer type, its operand the bytes one device hands over.
+# A send to the megascale runtime (:func:`dcn_bytes`): its operand, and its transfer type.
 _MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z0-9]+\[[0-9,]*\])\S*, '
                              r'.*\bsend\(.*_xla_megascale_transfer_type="(?P<kind>\w+)"')
-
-
-def _domains_spanned(groups: list[tuple[int, ...]], domain_of: Sequence[int]) -> int:
-  """The most domains any one group spans."""
-  return max(len({domain_of[d] for d in group}) for group in groups)
 
 
 def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
@@ -43,8 +32,8 @@ def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
   that cross between domains (TPU slices, GPU nodes).
 
   A group within one domain sends nothing across; a group of n devices spanning k domains, reduced
-  hierarchically, sends (k-1)/(n-1) of its bytes across: an estimate of the algorithm, from the groups the
-  compiler chose.
+  hierarchically (within each domain, then across domains among peers, then within again), sends
+  (k-1)/(n-1) of its bytes across: an estimate of the algorithm, from the groups the compiler chose.
 
   Args:
     hlo: the text of a compiled kernel.
@@ -66,7 +55,7 @@ def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
   devices = len(domain_of)
 
   def across(line: str, n: int, sent: int) -> dict[str, int]:
-    k = _domains_spanned(replica_groups(line, devices), domain_of)
+    k = max(len({domain_of[d] for d in group}) for group in replica_groups(line, devices))  # most spanned
     if " all-to-all" in line:  # each device sends its n-th to every other: those in other domains cross
       return {"across_bytes": sent * n * (k - 1) // (k * (n - 1))}
     return {"across_bytes": sent * (k - 1) // (n - 1)}

@@ -10,15 +10,12 @@ from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, Recommendation, row_sent_bytes
 from nnx_zero1_plan.row import Network, OpCount, Point, Row, StateSplit, op_counts
-from nnx_zero1_plan.time_report import search_lines, time_lines
+from nnx_zero1_plan.time_report import gib, markdown_table, ms, search_lines, time_lines, tokens
 from nnx_zero1_plan.way_out import WayOut
 
 __all__ = ["HEADER", "POD_HEADER", "EDGE_HEADER", "COMPACT", "collective_cell", "network_cell", "dtype_cell",
-           "accumulation_note",
-           "time_cells",
-           "header",
-           "cells", "edge_cells", "split_words", "way_out_lines", "table", "limit_words",
-           "recommendation_lines", "markdown", "MEASURED_HEADER", "measured_cells"]
+           "accumulation_note", "time_cells", "header", "cells", "edge_cells", "split_words", "way_out_lines",
+           "table", "limit_words", "recommendation_lines", "markdown", "MEASURED_HEADER", "measured_cells"]
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "args GiB", "temp GiB",
           "peak GiB", "args+temp GiB", "usable GiB", "fits", "max micro-batch", "step ms (pred.)",
@@ -44,10 +41,6 @@ def collective_cell(c: Mapping[str, OpCount] | Mapping[str, Mapping[str, int]] |
   counts = op_counts(c) or {}
   parts = [f"{_SHORT[k]} {v.count}x {v.bytes / 2**20:.3f}" for k, v in counts.items() if v.count]
   return ", ".join(parts) or "-"
-
-
-def _gib(n: float | None) -> str:
-  return "-" if n is None else f"{n / 2**30:.2f}"
 
 
 _SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
@@ -76,9 +69,8 @@ def time_cells(step_s: float | None, tokens_per_s: float | None, mfu: float | No
     >>> time_cells(0.4375, 74898.3, 0.21)
     ('437.5', '74,898', '21%')
   """
-  return ("-" if step_s is None else f"{mark}{step_s * 1e3:,.1f}",
-          "-" if tokens_per_s is None else f"{mark}{tokens_per_s:,.0f}",
-          "-" if mfu is None else f"{mfu:.0%}")
+  return ("-" if step_s is None else mark + ms(step_s),
+          "-" if tokens_per_s is None else mark + tokens(tokens_per_s), "-" if mfu is None else f"{mfu:.0%}")
 
 
 def split_words(lever: str, split: StateSplit | None) -> str | None:
@@ -151,7 +143,7 @@ def _verdict_note(r: Row) -> str:
   if r.offloaded is not None and r.offloaded.offload_refused_because:
     return f"no fraction fits: {r.offloaded.offload_refused_because}"
   if made.compiled_whole_because:
-    extrapolated = _gib(made.extrapolated_peak_bytes_per_device)
+    extrapolated = gib(made.extrapolated_peak_bytes_per_device)
     return f"compiled whole (estimate: {extrapolated} GiB; {made.compiled_whole_because})"
   if made.estimate:
     up_to = made.estimate.whole_peak_over_estimate_up_to
@@ -170,7 +162,7 @@ def _lever(r: Row) -> str:
   """The lever, with the share it offloads (``offload-fraction``) and the state's bytes in host memory."""
   host = r.figures.host_state_bytes
   picked = "" if r.offloaded is None else f" {r.offloaded.offload_fraction:.2f}"
-  return r.lever + picked + (f" (+{_gib(host)} GiB host)" if host else "")
+  return r.lever + picked + (f" (+{gib(host)} GiB host)" if host else "")
 
 
 def network_cell(network: Network | None) -> str:
@@ -210,15 +202,15 @@ def cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
     compile_s = f.compile_s if r.searched is None else r.searched.search_compile_s
     out.append((
         _lever(r), r.step + (f", remat {r.remat}" if r.remat else ""), r.compiled_for, spelled_mesh(r.mesh),
-        _gib(f.opt_state_bytes_per_device), dtype_cell(f.opt_state_bytes_by_dtype),
-        ex + _gib(f.argument_bytes_per_device),
-        ex + _gib(f.temp_bytes_per_device), ex + _gib(f.peak_bytes_per_device),
-        ex + _gib(f.formula_peak_bytes_per_device), _gib(r.usable_bytes),
+        gib(f.opt_state_bytes_per_device), dtype_cell(f.opt_state_bytes_by_dtype),
+        ex + gib(f.argument_bytes_per_device),
+        ex + gib(f.temp_bytes_per_device), ex + gib(f.peak_bytes_per_device),
+        ex + gib(f.formula_peak_bytes_per_device), gib(r.usable_bytes),
         ex + fits, _max_micro_batch(r), *time_cells(f.predicted_step_s, f.tokens_per_s_per_device, f.mfu, ex),
         f"{compile_s:.0f}",
         ex + collective_cell(f.collectives.per_step if f.collectives else None),
         ex + collective_cell(f.collectives.per_micro_batch if f.collectives else None),
-        "-" if flops is None else f"{ex}{flops / 1e9:.2f}", ex + _gib(f.update_bytes_accessed_per_device),
+        "-" if flops is None else f"{ex}{flops / 1e9:.2f}", ex + gib(f.update_bytes_accessed_per_device),
         *((ex + network_cell(n) for n in nets) if pod else ()),
         _note(r, rows),
     ))
@@ -238,16 +230,15 @@ def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
       continue
     at, above = found.at_max or Point(0, False), found.at_above or Point(0, False)
     flops = at.flops_per_device
-    refusal = (_gib(above.peak_bytes_per_device) if above.peak_bytes_per_device is not None
+    refusal = (gib(above.peak_bytes_per_device) if above.peak_bytes_per_device is not None
                else (above.error or "-")[:60])
     note = found.search_unfinished or (f"fits again above: {', '.join(map(str, found.fits_above))} "
                                        "(not monotonic)" if found.fits_above else "")
-    out.append((r.lever, r.step, _max_micro_batch(r), _gib(at.peak_bytes_per_device),
-                _gib(at.headroom_bytes_per_device), _gib(at.temp_bytes_per_device),
+    out.append((r.lever, r.step, _max_micro_batch(r), gib(at.peak_bytes_per_device),
+                gib(at.headroom_bytes_per_device), gib(at.temp_bytes_per_device),
                 "-" if flops is None else f"{flops / 1e12:.2f}",
-                *time_cells(at.predicted_step_s, at.tokens_per_s_per_device, None)[:2],
-                str(found.above or "-"), refusal,
-                str(len(found.search)), note))
+                ms(at.predicted_step_s), tokens(at.tokens_per_s_per_device), str(found.above or "-"),
+                refusal, str(len(found.search)), note))
   return out
 
 
@@ -276,9 +267,8 @@ def measured_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
             and run.batch != r.batch else r.figures)
       predicted, measured = at.predicted_step_s, run.step_s
       error = "-" if not (predicted and measured) else f"{predicted / measured - 1:+.0%}"
-      out.append((r.lever, r.step, str(run.batch), *time_cells(predicted, None, None)[:1],
-                  *time_cells(measured, None, None)[:1], error, _gib(at.peak_bytes_per_device),
-                  _gib(run.peak_bytes), (run.error or "")[:100]))
+      out.append((r.lever, r.step, str(run.batch), ms(predicted), ms(measured), error,
+                  gib(at.peak_bytes_per_device), gib(run.peak_bytes), (run.error or "")[:100]))
   return out
 
 
@@ -305,9 +295,7 @@ def _compact(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]
   body = []
   for r, row_cells in zip(rows, cells(rows), strict=True):
     by_name = dict(zip(full, row_cells, strict=True))
-    sent = row_sent_bytes(r)
-    marked = "~" if r.estimated else ""
-    by_name["sent GiB per step"] = marked + (f"{sent / 2**30:.2f}" if sent else "-")
+    by_name["sent GiB per step"] = ("~" if r.estimated else "") + gib(row_sent_bytes(r) or None)
     body.append(tuple(by_name[c] for c in keep))
   short = dict(zip(POD_HEADER, ("inside, MiB (est.)", "across, MiB (est.)"), strict=True))
   return tuple(short.get(c, c) for c in keep), body
@@ -316,10 +304,7 @@ def _compact(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]
 def table(rows: Sequence[Row], wide: bool = True) -> str:
   """The rows as an aligned text table (GiB per device): every column (plan.md's), or ``wide=False`` the
   terminal's (:data:`COMPACT`, under a line naming the target and the mesh)."""
-  if wide:
-    head, body = header(rows), cells(rows)
-  else:
-    head, body = _compact(rows)
+  head, body = (header(rows), cells(rows)) if wide else _compact(rows)
   text = _aligned(head, body, (*(range(4) if wide else range(2)), len(head) - 1))
   if not wide and rows:
     mesh = spelled_mesh(rows[0].mesh)
@@ -439,19 +424,14 @@ def way_out_lines(way_out: WayOut | None) -> list[str]:
   if not way_out:
     return []
   found = way_out.found
-  tried = [f"  tried first: {t.what}: {t.error or _gib(t.peak_bytes_per_device) + ' GiB'}"[:200]
+  tried = [f"  tried first: {t.what}: {t.error or gib(t.peak_bytes_per_device) + ' GiB'}"[:200]
            for t in way_out.tried if not t.fits]
   if found is None:
     return ["", "Nothing fits as asked, and no change compiled fits either:", *tried]
   code = ["  code:", *(f"    {line}".rstrip() for line in (found.code or "").splitlines())]
   code = code if len(code) > 1 else []
   return ["", f"Nothing fits as asked; compiled, the first change that fits: {found.what} (peak "
-          f"{_gib(found.peak_bytes_per_device)} GiB)", *code, f"  reproduce: {found.command}", *tried]
-
-
-def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
-  return ["", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
-          *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in body)]
+          f"{gib(found.peak_bytes_per_device)} GiB)", *code, f"  reproduce: {found.command}", *tried]
 
 
 def markdown(settings: Mapping[str, Any], rows: Sequence[Row], steps: Sequence[str],
@@ -472,13 +452,13 @@ def markdown(settings: Mapping[str, Any], rows: Sequence[Row], steps: Sequence[s
   lines = ["# Will it fit? nnx-zero1 plan, compiled ahead of time", ""]
   lines += [f"- {k}: {json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in settings.items()]
   if rows:
-    lines += _markdown_table(header(rows), cells(rows)) + ["", _NOTE + (_POD_NOTE if _is_pod(rows) else "")]
+    lines += markdown_table(header(rows), cells(rows)) + ["", _NOTE + (_POD_NOTE if _is_pod(rows) else "")]
     edges = edge_cells(rows)
     if edges:
-      lines += ["", "## At each lever's largest micro-batch", ""] + _markdown_table(EDGE_HEADER, edges)
+      lines += ["", "## At each lever's largest micro-batch", ""] + markdown_table(EDGE_HEADER, edges)
     runs = measured_cells(rows)
     if runs:
-      lines += ["", "## Measured", "", _MEASURED_TITLE + "."] + _markdown_table(MEASURED_HEADER, runs)
+      lines += ["", "## Measured", "", _MEASURED_TITLE + "."] + markdown_table(MEASURED_HEADER, runs)
     lines += time_lines(rows) + search_lines(rows)
   lines += closing
   if steps:
