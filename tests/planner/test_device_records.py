@@ -16,9 +16,10 @@ import statistics
 
 import pytest
 
+from nnx_zero1._src.companion import INSTRUCTION, callees, computations, estimated_cycles
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.step_time import program_time, rates_for
+from nnx_zero1_plan.step_time import NOT_ESTIMATED, _line_class, program_time, rates_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KEPT = ROOT / "docs" / "data" / "device_v5e"
@@ -134,3 +135,45 @@ def test_the_readme_says_how_far_the_kept_cases_are():
   if far:
     said += f" and {far[0]:+.1%} to {far[-1]:+.1%} ({count[len(far)]}"
   assert said in readme, said
+
+
+def _fused_kind(line: str, bodies: dict[str, list[str]]) -> str:
+  """What the compiler fused into one instruction, as docs/planner.md groups the profile: the vector unit's
+  work, or a matmul, batched (attention's base-dilated convolution) or not, with a reduction fused in or not."""
+  if _line_class(line, bodies) == "vector":
+    return "vector"
+  inner = [i for kind, callee in callees(line, bodies) if kind == "calls" for i in bodies.get(callee, ())]
+  reduced = any(" reduce(" in i for i in inner)
+  batched = any("lhs_dilate" in i for i in inner)
+  return "matmul" + (" batched" if batched else "") + (" + reduce" if reduced else "")
+
+
+def test_the_docs_say_where_the_walk_misses_from_the_chips_profile():
+  # Each estimated instruction's walked seconds beside its profiled seconds on the chip (the kept
+  # *.ops.json.gz), summed by what was fused into it, for build at 8 and 13.
+  said = " ".join(DOCS.read_text().split())
+  ratios = {}
+  for batch in (8, 13):
+    case = next(c for c in CASES if c["case"] == "build_baseline" and c["batch"] == batch)
+    profile = KEPT / case["run"] / case["case"] / "programs" / f"baseline_{batch}x1_s1024.ops.json.gz"
+    measured = {name.split("=")[0].strip().lstrip("%"): ns / 1e9
+                for name, (ns, _) in json.loads(gzip.decompress(profile.read_bytes()))["ops"].items()}
+    bodies, _ = computations(case["hlo"])
+    clocks = CHIPS["v5e"].compute.class_clocks_hz
+    kinds: dict[str, list[float]] = {}
+    for line in (line for body in bodies.values() for line in body):
+      cycles, m = estimated_cycles(line), INSTRUCTION.match(line)
+      if cycles is None or cycles >= NOT_ESTIMATED or m is None or m["name"] not in measured:
+        continue
+      kind = kinds.setdefault(_fused_kind(line, bodies), [0, 0.0, 0.0])
+      kind[0] += 1
+      kind[1] += cycles / clocks[_line_class(line, bodies)]
+      kind[2] += measured[m["name"]]
+    ratios[batch] = {k: walked / run for k, (_, walked, run) in kinds.items()}
+    n, walked, run = kinds["matmul + reduce"]
+    assert (f"the {n} of them run {1e3 * run:.1f} ms where the walk reads {1e3 * walked:.1f} "
+            f"({walked / run:.2f}x)" if batch == 8 else
+            f"at 13 {1e3 * run:.1f} ms where it reads {1e3 * walked:.1f} ({walked / run:.2f}x)") in said
+  for kind, words in (("matmul", "the plain matmuls"), ("matmul batched", "attention's batched ones"),
+                      ("vector", "the vector unit's work")):
+    assert f"{words} ({ratios[8][kind]:.2f}x, {ratios[13][kind]:.2f}x)" in said, kind
