@@ -24,14 +24,14 @@ __all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_b
            "host_bytes_of", "recommend", "recompute_note", "thin_note", "baseline_beats", "why_picked",
            "plan_code"]
 
-ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
-         "fewest collective bytes sent per token (within 1%)",
-         "fewest bytes copied to and from host memory per step (offloaded state; within 1%)",
-         "most headroom at that micro-batch",
-         "no remat", "the lighter lever")
+ORDER: tuple[str, ...] = (
+    "fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
+    "fewest collective bytes sent per token (within 1%)",
+    "fewest bytes copied to and from host memory per step (offloaded state; within 1%)",
+    "most headroom at that micro-batch", "no remat", "the lighter lever")
 _SAME_BYTES = 0.01  # collective bytes this close are a tie: the headroom decides
-BY_THROUGHPUT = ("fits", "most predicted tokens per second per device", "within 2% of it: most headroom",
-                 "no remat", "the lighter lever")
+BY_THROUGHPUT: tuple[str, ...] = ("fits", "most predicted tokens per second per device",
+                                  "within 2% of it: most headroom", "no remat", "the lighter lever")
 _SAME_SPEED = 0.02  # predicted throughputs this close are a tie: the headroom decides
 
 
@@ -66,8 +66,9 @@ class Recommendation:
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Recommendation:
     """The record plan.json's ``recommendation`` holds (:func:`dataclasses.asdict` writes it)."""
-    tupled = lambda value: tuple(value) if isinstance(value, list) else value
-    return cls(**{f.name: tupled(fields[f.name]) for f in dataclasses.fields(cls)})
+    f = fields
+    return cls(f["lever"], f["step"], f["micro_batch"], f["remat"], f["code"], f["cli"], tuple(f["order"]),
+               tuple(f["baseline_beats"]), tuple(f["why"]), tuple(f["notes"]))
 
 
 def micro_batch_of(row: Row, batch: int) -> int | None:
