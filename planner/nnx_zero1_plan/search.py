@@ -26,28 +26,21 @@ __all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPI
            "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search"]
 
 # Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
-# with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8): a fitting
-# micro-batch there vouches for none below it, so the ones below are compiled too.
+# with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8).
 BAND = 0.03
 # The largest global micro-batch the search compiles, in sequences: it ends a search in which every compile
-# fits (a tiny model on a large pod) before doubling reaches shapes too large to trace. A bound, not a
-# measurement: two orders of magnitude above the largest edge the documented plans found (152 on h200:8).
+# fits (a tiny model on a large pod) before doubling reaches shapes too large to trace; two orders of
+# magnitude above the largest edge the documented plans found (152 on h200:8).
 MAX_MICRO_BATCH = 1 << 14
-# The compiles one lever's search may take before it reports its bracket as unconfirmed. The searches
-# measured on h200:8 (docs/planner.md: a 1.21B decoder, from either start) took 7 to 9; a sharp bend (a
-# flat start, then steep) from the default micro-batch 8 takes 14 (tests/planner/test_search.py, which
-# finishes a linear peak, the GPU's saturating peak and that bend from 8, 48 and 176 at this budget). A
-# compile took about a minute on two cores, so this bounds one lever's search to about a quarter hour;
-# a search that needs fewer stops sooner.
+# The compiles one lever's search may take before it reports its bracket as unconfirmed: the searches measured
+# on h200:8 (docs/planner.md) took 7 to 9, a sharp bend from micro-batch 8 takes 14
+# (tests/planner/test_search.py); at about a minute a compile on two cores, a quarter hour per lever at most.
 MAX_COMPILES = 16
 # At most this many times the largest fitting micro-batch in one jump on the line's guess: from a nearly flat
-# start (a fixed part dominating small micro-batches) the line's guess runs to thousands of sequences, a
-# compile there is large and slow and most likely refused. Three doublings in one compile: a flat start at 8
-# reaches 64, then 512, within the budget's first compiles (tests/planner/test_search.py's flat starts).
+# start the guess runs to thousands of sequences, where a compile is large, slow and most likely refused.
 MAX_JUMP = 8
-# The compiles the offload-fraction search may take: the first says how far over the step is, the second
-# confirms the share that saves it, and two more follow the line through the last two compiles where the
-# compiler kept some offloaded bytes live. A bound: what does not fit by then is refused, saying so.
+# The compiles the offload-fraction search may take (:func:`offload_search`); what does not fit by then is
+# refused, saying so.
 OFFLOAD_COMPILES = 4
 
 
@@ -181,12 +174,8 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     >>> edge.max_micro_batch, edge.above, len(edge.probes)
     (48, 52, 5)
   """
-  probes: dict[int, Probe] = {}
-
-  def at(batch: int) -> Probe:
-    if batch not in probes:
-      probes[batch] = measure(batch)
-    return probes[batch]
+  first = round_down(start, step)
+  probes = {first: measure(first)}  # every micro-batch below is compiled once: none is asked for twice
 
   def bracket() -> tuple[int | None, int | None]:
     """The smallest compile that does not fit, and the largest that fits below it."""
@@ -217,7 +206,6 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     return None
 
   budget = f"the search's {max_compiles} compiles ran out before the edge was confirmed"
-  at(round_down(start, step))
   stride = 0  # once the line stops gaining, the edge is galloped to: one step, two, four, ...
   moved: list[bool] = []  # once bracketed, which end each compile moved (True: the fitting one)
   top = round_down(cap, step)
@@ -254,9 +242,9 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
       return edge()  # the cap fits
     if len(probes) >= max_compiles:
       return edge(budget)
-    fits = at(batch).fits
+    probes[batch] = measure(batch)
     if hi is not None:
-      moved.append(fits)
+      moved.append(probes[batch].fits)
 
 
 def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.0) -> float | None:
@@ -267,10 +255,8 @@ def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.
 
   Example::
 
-    >>> next_fraction(peak=110, usable=100, state_bytes=40), next_fraction(95, 100, 40, 0.25)
-    (0.25, 0.25)
-    >>> next_fraction(150, 100, 40) is None
-    True
+    >>> next_fraction(peak=110, usable=100, state_bytes=40), next_fraction(150, 100, 40)
+    (0.25, None)
   """
   if peak <= usable:
     return fraction
@@ -321,12 +307,10 @@ def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = O
       refused = figures.error or "no figures"
       break
     state = sum((figures.opt_state_bytes_by_memory_kind or {}).values())
-    saved_per_share = state
-    last = tried[-2] if len(tried) > 1 else None
-    if last is not None and last.peak_bytes_per_device is not None:
-      slope = (last.peak_bytes_per_device - peak) / (fraction - last.fraction)
-      saved_per_share = int(slope) if 0 < slope < state else state
-    share = next_fraction(peak, usable, saved_per_share, fraction)
+    last = tried[-2] if len(tried) > 1 else None  # the line through the last two compiles
+    slope = 0.0 if last is None or last.peak_bytes_per_device is None else (
+        (last.peak_bytes_per_device - peak) / (fraction - last.fraction))
+    share = next_fraction(peak, usable, int(slope) if 0 < slope < state else state, fraction)
     if share is None:
       refused = (f"{(peak - usable) / 2**30:.2f} GiB over the usable memory with {fraction:.0%} offloaded, "
                  f"more than the {state * (1 - fraction) / 2**30:.2f} GiB of state still on device saves")
