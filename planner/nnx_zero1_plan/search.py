@@ -1,17 +1,14 @@
 """The largest micro-batch that fits, found with as few compiles as the arithmetic allows.
 
-A step's peak grows close to linearly with its micro-batch (the activations)
-until it nears the memory limit; there both compilers fill the memory they are
-given (the TPU compiler rematerialises, XLA's GPU scheduler reorders), so the
-peaks flatten and land a little above or below the limit in no order. Two
-compiles give a line and the line a first guess; where the line falls short, the
-edge is galloped to (one step, two, four); once bracketed, the line between the
-largest micro-batch known to fit and the smallest known not to takes turns with
-bisection. A micro-batch that fits within :data:`BAND` of the limit vouches for
-no smaller one: every micro-batch below it is compiled too, down to one clear of
-the limit, and above it the search climbs one step at a time. So the edge lies
-below the first failure, whichever micro-batch the search started from. Pure: the compiles are the caller's
-``measure``.
+A step's peak grows close to linearly with its micro-batch (the activations) until it nears the memory limit;
+there both compilers fill the memory they are given (the TPU compiler rematerialises, XLA's GPU scheduler
+reorders), so the peaks flatten and land a little above or below the limit in no order. Two compiles give a
+line and the line a first guess; where the line falls short, the edge is galloped to (one step, two, four);
+once bracketed, the line between the largest micro-batch known to fit and the smallest known not to takes
+turns with bisection. A micro-batch that fits within :data:`BAND` of the limit vouches for no smaller one:
+every micro-batch below it is compiled too, down to one clear of the limit, and above it the search climbs
+one step at a time. So the edge lies below the first failure, whichever micro-batch the search started from.
+Pure: the compiles are the caller's ``measure``.
 """
 
 from __future__ import annotations
@@ -63,14 +60,8 @@ def fits_in(figures: Figures, usable: int) -> bool | None:
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
-  """One compile at one micro-batch: its peak bytes per device and whether it fits.
-
-  Attributes:
-    batch: the global micro-batch, in sequences.
-    peak: peak bytes per device (None when the compiler refused the program).
-    fits: the peak is within the usable memory (and the compiler accepted it).
-    error: the compiler's refusal, in one line (None when it compiled).
-  """
+  """One compile at a global micro-batch (``batch``, in sequences): its peak bytes per device (None: the
+  compiler refused the program), whether it fits the usable memory, and the refusal in one line."""
 
   batch: int
   peak: int | None
@@ -80,20 +71,9 @@ class Probe:
 
 @dataclasses.dataclass(frozen=True)
 class Edge:
-  """Where a lever stops fitting.
-
-  Attributes:
-    max_micro_batch: the largest micro-batch that fits, with every micro-batch the search compiled below it
-      fitting too (None: not even the smallest).
-    above: the micro-batch one step above it, compiled and refused (None: the search's cap fits, or the
-      budget ended first).
-    refused_because: why ``above`` does not fit: the compiler's refusal, or its peak against the
-      usable memory.
-    probes: every compile, in the order they ran.
-    unfinished: why the edge is not confirmed (the compile budget ended first), else None.
-    fits_above: micro-batches above the edge that the search compiled and that fit (the compiler's figures
-      are not monotonic there).
-  """
+  """Where a lever stops fitting: :class:`~nnx_zero1_plan.row.Searched`'s fields as the search finds them
+  (``unfinished`` is its ``search_unfinished``; each micro-batch compiled below ``max_micro_batch`` fits
+  too), and ``probes``, every compile in the order they ran."""
 
   max_micro_batch: int | None
   above: int | None
@@ -191,8 +171,6 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     lo, hi = bracket()
     because = None if hi is None else _why(probes[hi], usable)
     above = tuple(sorted(b for b, p in probes.items() if p.fits and hi is not None and b > hi))
-    if hi is not None and lo is not None and hi - lo > step and unfinished is None:
-      unfinished = f"the bracket {lo}..{hi} is wider than one step"
     return Edge(lo, hi, because, tuple(probes.values()), unfinished, above)
 
   def unconfirmed(lo: int) -> int | None:
