@@ -147,11 +147,9 @@ def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
 
 
 def row_sent_bytes(row: Row) -> int:
-  """The collective bytes one device sends per step on every network together, one basis on every backend:
-  on a pod (its ``network_per_step``), its bytes inside the slice or node plus those between them (a TPU
-  program's megascale transfers are not among its collectives; a GPU program's node-spanning collectives
-  are, split between the two); elsewhere its collectives' sent bytes
-  (:attr:`~nnx_zero1_plan.row.Collectives.sent_bytes`)."""
+  """The collective bytes one device sends per step on every network together, one basis on every backend: on
+  a pod :attr:`~nnx_zero1_plan.row.PodNetworks.bytes` (a TPU program's megascale transfers are not among its
+  collectives), elsewhere :attr:`~nnx_zero1_plan.row.Collectives.sent_bytes`."""
   if row.made.network_per_step is not None:
     return row.made.network_per_step.bytes
   return 0 if row.figures.collectives is None else row.figures.collectives.sent_bytes
@@ -216,14 +214,11 @@ def narrowed_note(lever: str) -> str | None:
   narrowed = narrowed_dtypes(LEVERS[lever]) if lever in LEVERS else {}
   if not narrowed:
     return None
-  spell = lambda dtype: "int8 blocks with float32 scales" if dtype == "int8" else dtype
   what = {"across_dtype": "its gradients", "params_across_dtype": "its new parameters (the masters exact)"}
-  dtypes = set(narrowed.values())
-  if len(dtypes) == 1:  # one dtype for every hop: said once
-    hops, dtype = " and ".join(what[o] for o in narrowed), f" in {spell(*dtypes)}"
-  else:
-    hops, dtype = " and ".join(f"{what[o]} in {spell(d)}" for o, d in narrowed.items()), ""
-  return (f"{lever} is not bit-identical: {hops} cross between slices or nodes{dtype} "
+  spelled = {"int8": "int8 blocks with float32 scales"}
+  hops = " and ".join(what[o] for o in narrowed)
+  dtypes = " and ".join(spelled.get(d, d) for d in dict.fromkeys(narrowed.values()))  # each dtype said once
+  return (f"{lever} is not bit-identical: {hops} cross between slices or nodes in {dtypes} "
           f"({', '.join(narrowed)}; docs/pods.md measures the loss against the exact reduction)")
 
 
