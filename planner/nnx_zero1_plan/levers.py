@@ -1,10 +1,8 @@
 """The planner's levers: how each builds its optimizer and accumulates its gradients, one table.
 
-A lever is a way to train the same model: which optimizer (``nnx.Optimizer`` or
-``Zero1Optimizer`` with options) and which gradient accumulation (a ``lax.scan``
-of ``nnx.value_and_grad``, reduced wherever XLA puts it, or
-``value_and_grad_accumulated``, reduced once per step). A new lever is one entry
-of :data:`LEVERS`.
+A lever is a way to train the same model: which optimizer (``nnx.Optimizer`` or ``Zero1Optimizer`` with
+options) and which gradient accumulation (a ``lax.scan`` of ``nnx.value_and_grad``, reduced wherever XLA puts
+it, or ``value_and_grad_accumulated``, reduced once per step). A new lever is one entry of :data:`LEVERS`.
 """
 
 from __future__ import annotations
