@@ -268,12 +268,11 @@ def search_row(first: Row, row_at: Callable[[int], Row], unit: int, usable: int)
 def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = OFFLOAD_COMPILES) -> Row:
   """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever).
 
-  Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the
-  state, its largest leaves, go to host memory, and a compile confirms the guess. Where it missed
-  (the compiler kept some of the offloaded bytes live), the next guess divides what it missed by the
-  bytes each share of the state actually saved, the line through the last two compiles (``tries``
-  compiles at most). The row is the last compile's, with its :class:`~nnx_zero1_plan.row.Offloaded`
-  record (``offload_fraction``, every compile in ``offload_search``) and every compile's seconds."""
+  Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the state, its
+  largest leaves, go to host memory, and a compile confirms the guess. Where it missed (the compiler kept
+  some of the offloaded bytes live), the next guess divides what it missed by the bytes each share of the
+  state actually saved, the line through the last two compiles (``tries`` compiles at most). The row is the
+  last compile's, with its :class:`~nnx_zero1_plan.row.Offloaded` record and every compile's seconds."""
   fraction, row = 0.0, row_with(0.0)
   tried: list[OffloadPoint] = []
   refused = None

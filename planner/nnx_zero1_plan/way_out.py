@@ -114,8 +114,7 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
                         on(batch=smaller, ga=times * request.ga)))
   if remat is not None and request.remat in (None, "none"):
     out.append(Change(f"remat {remat}", on(remat=remat)))
-  wider = more_fsdp(request.mesh_sizes)
-  if "fsdp" in named_axes and wider is not None:
+  if "fsdp" in named_axes and (wider := more_fsdp(request.mesh_sizes)) is not None:
     out.append(Change(f"fsdp={wider['fsdp']} (data={wider['data']}): parameters and gradients split too",
                       on(mesh=spelled_mesh(wider))))
   if host_memory:
