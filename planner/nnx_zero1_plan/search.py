@@ -155,7 +155,7 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     (48, 52, 5)
   """
   first = round_down(start, step)
-  probes = {first: measure(first)}  # every micro-batch below is compiled once: none is asked for twice
+  probes = {first: measure(first)}  # each micro-batch compiled once: every branch below picks a new one
 
   def bracket() -> tuple[int | None, int | None]:
     """The smallest compile that does not fit, and the largest that fits below it."""
