@@ -1,10 +1,8 @@
 """The planner's levers: how each builds its optimizer and accumulates its gradients, one table.
 
-A lever is a way to train the same model: which optimizer (``nnx.Optimizer`` or
-``Zero1Optimizer`` with options) and which gradient accumulation (a ``lax.scan``
-of ``nnx.value_and_grad``, reduced wherever XLA puts it, or
-``value_and_grad_accumulated``, reduced once per step). A new lever is one entry
-of :data:`LEVERS`.
+A lever is a way to train the same model: which optimizer (``nnx.Optimizer`` or ``Zero1Optimizer`` with
+options) and which gradient accumulation (a ``lax.scan`` of ``nnx.value_and_grad``, reduced wherever XLA puts
+it, or ``value_and_grad_accumulated``, reduced once per step). A new lever is one entry of :data:`LEVERS`.
 """
 
 from __future__ import annotations
@@ -34,51 +32,39 @@ class Lever:
   picks_offload: bool = False  # the plan picks offload_state_to_host's fraction (see run.py)
 
 
-# In the order the planner suggests them: each saves more device memory than the one before.
+# In the order the planner suggests them: each saves more device memory than the one before. What each one
+# is for, and what each -across lever gives up, is docs/planner.md's --levers.
+_POD = {"data_axis": ("replica", "data")}
 LEVERS: dict[str, Lever] = {
     "baseline": Lever("nnx.Optimizer", zero1=False, deferred=False),
     "zero1": Lever("Zero1Optimizer", zero1=True, deferred=False),
     "zero1-pod": Lever("Zero1Optimizer over replica and data (the state split across slices or nodes too)",
-                       zero1=True, deferred=False, optimizer_options={"data_axis": ("replica", "data")}),
+                       zero1=True, deferred=False, optimizer_options=_POD),
     "zero1-accum": Lever("Zero1Optimizer + value_and_grad_accumulated (one reduce-scatter per step)",
                          zero1=True, deferred=True),
     "zero1-pod-accum": Lever("zero1-pod + value_and_grad_accumulated (reduce-scattered inside each slice or "
                              "node, then across them: the baseline's bytes on each network)",
-                             zero1=True, deferred=True, optimizer_options={"data_axis": ("replica", "data")}),
-    # For a bfloat16 model on a pod: float32 masters split over every chip, the parameters gathered across in
-    # bfloat16, the gradients reduced by the library.
+                             zero1=True, deferred=True, optimizer_options=_POD),
     "zero1-pod-master-accum": Lever(
         "zero1-pod-accum with master_dtype=float32 (float32 masters split over every chip)", zero1=True,
-        deferred=True, optimizer_options={"data_axis": ("replica", "data"), "master_dtype": "float32"}),
-    # across_dtype: the float32 gradients' hop between slices or nodes in bfloat16, half its bytes; not
-    # bit-identical. Refused on bfloat16 parameters (lever_blocker): their gradients cross in bfloat16
-    # already.
+        deferred=True, optimizer_options={**_POD, "master_dtype": "float32"}),
     "zero1-accum-bf16across": Lever(
         "zero1-accum, its gradients all-reduced across slices or nodes in bfloat16", zero1=True,
-        deferred=True,
-        accumulate_options={"across_dtype": "bfloat16"}),
+        deferred=True, accumulate_options={"across_dtype": "bfloat16"}),
     "zero1-pod-accum-bf16across": Lever(
         "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in bfloat16", zero1=True,
-        deferred=True, optimizer_options={"data_axis": ("replica", "data")},
-        accumulate_options={"across_dtype": "bfloat16"}),
-    # across_dtype=int8: the gradients' hop between slices or nodes in int8 blocks with one float32 scale per
-    # 256 values, a quarter of float32's bytes and 1.6% more; not bit-identical. bfloat16 parameters too.
+        deferred=True, optimizer_options=_POD, accumulate_options={"across_dtype": "bfloat16"}),
     "zero1-accum-int8across": Lever(
         "zero1-accum, its gradients all-reduced across slices or nodes in int8 blocks (float32 scales)",
         zero1=True, deferred=True, accumulate_options={"across_dtype": "int8"}),
     "zero1-pod-accum-int8across": Lever(
         "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in int8 blocks "
-        "(float32 scales)",
-        zero1=True, deferred=True, optimizer_options={"data_axis": ("replica", "data")},
+        "(float32 scales)", zero1=True, deferred=True, optimizer_options=_POD,
         accumulate_options={"across_dtype": "int8"}),
-    # Both hops across in int8: the gradients' reduce-scatter and the new parameters' all-gather
-    # (params_across_dtype, which needs the float32 masters: they keep the exact values, split over every
-    # chip); a quarter of a float32 model's bytes across and the scales. Float32 models too.
     "zero1-pod-master-accum-int8across": Lever(
         "zero1-pod-master-accum, its gradients reduce-scattered and its new parameters all-gathered across "
         "slices or nodes in int8 blocks (float32 scales)", zero1=True, deferred=True,
-        optimizer_options={"data_axis": ("replica", "data"), "master_dtype": "float32",
-                           "params_across_dtype": "int8"},
+        optimizer_options={**_POD, "master_dtype": "float32", "params_across_dtype": "int8"},
         accumulate_options={"across_dtype": "int8"}),
     "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
                    zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
@@ -92,7 +78,6 @@ LEVERS: dict[str, Lever] = {
                            accumulate_options={"shard_accumulator": True}),
     "zero1-bf16state": Lever("Zero1Optimizer(state_dtype=bfloat16) (moments in bfloat16 between steps)",
                              zero1=True, deferred=False, optimizer_options={"state_dtype": "bfloat16"}),
-    # For a bfloat16 model (--param-dtype bfloat16): the float32 run's arithmetic at 2P + 12P/dp bytes.
     "zero1-master": Lever("Zero1Optimizer(master_dtype=float32) (float32 master weights split over data)",
                           zero1=True, deferred=False, optimizer_options={"master_dtype": "float32"}),
 }
@@ -153,13 +138,13 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
   if "replica" in state_axes(lever) and domains < 2:
     return f"{name} splits the state across slices or nodes too; {one}"
   # Masters of a float32 model keep what params_across_dtype rounds away; without it they change nothing.
-  options = lever.optimizer_options
+  options, bfloat16 = lever.optimizer_options, set(param_dtypes) <= {"bfloat16"}
   masters_only = "master_dtype" in options and "params_across_dtype" not in options
   if masters_only and set(param_dtypes) <= {"float32", "float64"}:
     return f"{name} keeps float32 copies of narrower parameters; these are {dtypes} already"
-  if lever.optimizer_options.get("state_dtype") == "bfloat16" and set(param_dtypes) <= {"bfloat16"}:
+  if options.get("state_dtype") == "bfloat16" and bfloat16:
     return f"{name} stores the state in bfloat16; for {dtypes} parameters it is bfloat16 already"
-  if lever.accumulate_options.get("across_dtype") == "bfloat16" and set(param_dtypes) <= {"bfloat16"}:
+  if lever.accumulate_options.get("across_dtype") == "bfloat16" and bfloat16:
     # The gradients have the parameters' dtype: the narrowed hop would send the exact lever's bytes.
     return (f"{name} sends float32 gradients across slices or nodes in bfloat16; {dtypes} parameters' "
             f"gradients cross in bfloat16 already (the lever without -bf16across sends the same bytes)")
@@ -181,10 +166,8 @@ def adds_memory(name: str) -> str | None:
   """
   if not LEVERS[name].zero1:
     return "the whole optimizer state on every device (nothing split)"
-  if "master_dtype" in LEVERS[name].optimizer_options:
-    dtype = LEVERS[name].optimizer_options["master_dtype"]
-    return f"{dtype} master copies of the parameters (split over the data axes)"
-  return None
+  dtype = LEVERS[name].optimizer_options.get("master_dtype")
+  return None if dtype is None else f"{dtype} master copies of the parameters (split over the data axes)"
 
 
 def narrowed_dtypes(lever: Lever) -> dict[str, str]:

@@ -1,27 +1,16 @@
 """The configuration a plan recommends, by a stated order, with the code that writes it (:mod:`printed_code`).
 
 Where every candidate has a predicted step time (:mod:`nnx_zero1_plan.step_time`: the TPU compiler's cost
-model), the order is :data:`BY_THROUGHPUT`: among the (lever, micro-batch) points that fit, the most
-predicted tokens per second per device; within 2% of it, the most headroom; then no remat; then the lighter
-lever. Otherwise (a compiler that gives no time) the order is :data:`ORDER`, by memory.
-
-The memory order: a row must fit (the compiler accepted the whole program, and its peak
-is within the usable memory: the device's less the reserve or the margin; an
-estimate decides nothing, and a Zero-1 lever whose optimizer state per device is
-the baseline's is not a candidate); then the largest micro-batch (the most
-tokens per step per chip; a lever stands at a micro-batch where its own compile
-fitted, even above its edge, so no edge is weighed against a micro-batch the
-other lever was never compiled at); then the fewest collective
-bytes each device sends per token (the same basis for all-reduce, reduce-scatter
-and all-gather, within 1%); then the fewest bytes copied to and from host memory
-(an offloaded state, within 1%); then the most headroom at that micro-batch; then
-no remat; then the lighter lever. Pure: rows in, one :class:`Recommendation` out.
+model), the order is :data:`BY_THROUGHPUT`, over the (lever, micro-batch) points that fit; otherwise it is
+:data:`ORDER`, by memory. Either way a row must fit (an estimate decides nothing), and a Zero-1 lever whose
+optimizer state per device is the baseline's is not a candidate. By :data:`ORDER` a lever stands at a
+micro-batch where its own compile fitted, even above its edge, so no edge is weighed against a micro-batch
+the other lever was never compiled at. Pure: rows in, one :class:`Recommendation` out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,14 +24,14 @@ __all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_b
            "host_bytes_of", "recommend", "recompute_note", "thin_note", "baseline_beats", "why_picked",
            "plan_code"]
 
-ORDER = ("fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
-         "fewest collective bytes sent per token (within 1%)",
-         "fewest bytes copied to and from host memory per step (offloaded state; within 1%)",
-         "most headroom at that micro-batch",
-         "no remat", "the lighter lever")
+ORDER: tuple[str, ...] = (
+    "fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
+    "fewest collective bytes sent per token (within 1%)",
+    "fewest bytes copied to and from host memory per step (offloaded state; within 1%)",
+    "most headroom at that micro-batch", "no remat", "the lighter lever")
 _SAME_BYTES = 0.01  # collective bytes this close are a tie: the headroom decides
-BY_THROUGHPUT = ("fits", "most predicted tokens per second per device", "within 2% of it: most headroom",
-                 "no remat", "the lighter lever")
+BY_THROUGHPUT: tuple[str, ...] = ("fits", "most predicted tokens per second per device",
+                                  "within 2% of it: most headroom", "no remat", "the lighter lever")
 _SAME_SPEED = 0.02  # predicted throughputs this close are a tie: the headroom decides
 
 
@@ -158,11 +147,9 @@ def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
 
 
 def row_sent_bytes(row: Row) -> int:
-  """The collective bytes one device sends per step on every network together, one basis on every backend:
-  on a pod (its ``network_per_step``), its bytes inside the slice or node plus those between them (a TPU
-  program's megascale transfers are not among its collectives; a GPU program's node-spanning collectives
-  are, split between the two); elsewhere its collectives' sent bytes
-  (:attr:`~nnx_zero1_plan.row.Collectives.sent_bytes`)."""
+  """The collective bytes one device sends per step on every network together, one basis on every backend: on
+  a pod :attr:`~nnx_zero1_plan.row.PodNetworks.bytes` (a TPU program's megascale transfers are not among its
+  collectives), elsewhere :attr:`~nnx_zero1_plan.row.Collectives.sent_bytes`."""
   if row.made.network_per_step is not None:
     return row.made.network_per_step.bytes
   return 0 if row.figures.collectives is None else row.figures.collectives.sent_bytes
@@ -183,37 +170,30 @@ def figures_at(row: Row, batch: int) -> Point:
 
 
 def baseline_beats(rows: Sequence[Row], batch: int) -> list[str]:
-  """One sentence for each Zero-1 lever that fits a smaller micro-batch than ``nnx.Optimizer``, saying why:
-  its temporaries against the arguments it saves, at the baseline's largest micro-batch where a search
-  compiled both there, else at the plan's."""
-  out = []
-  for step in dict.fromkeys(r.step for r in rows):
-    same = [r for r in rows if r.step == step]
-    base = next((r for r in same if r.lever == "baseline"), None)
-    if base is None:
+  """One sentence for each Zero-1 lever among ``rows`` (of one step shape) that fits a smaller micro-batch
+  than ``nnx.Optimizer``, saying why: its temporaries against the arguments it saves, at the baseline's
+  largest micro-batch where a search compiled both there, else at the plan's."""
+  base = next((r for r in rows if r.lever == "baseline"), None)
+  if base is None:
+    return []
+  out, at_base = [], micro_batch_of(base, batch) or 0
+  for r in rows:
+    at_lever = micro_batch_of(r, batch) or 0
+    if r.lever == "baseline" or at_lever >= at_base or at_base in fitted_at(r):
+      continue  # (its own compile fitted at the baseline's: it does not fit less)
+    b, z, compared = figures_at(base, at_base), figures_at(r, at_base), at_base
+    if b.batch != at_base or z.batch != at_base:  # no search compiled both there: the plan's own
+      b, z, compared = _own(base), _own(r), batch
+    beats = (f"baseline fits micro-batch {at_base} where {r.lever} fits {at_lever or 'none'}: at micro-batch "
+             f"{compared} ({r.step} step)")
+    if z.temp_bytes_per_device is None or b.temp_bytes_per_device is None:
+      out.append(f"{beats} the compiler refused {r.lever}: {(z.error or 'no figures')[:160]}")
       continue
-    at_base = micro_batch_of(base, batch) or 0
-    for r in same:
-      at_lever = micro_batch_of(r, batch) or 0
-      if r.lever == "baseline" or at_lever >= at_base:
-        continue
-      if at_base in fitted_at(r):  # its own compile fitted there: it does not fit less
-        continue
-      b, z, compared = figures_at(base, at_base), figures_at(r, at_base), at_base
-      if b.batch != at_base or z.batch != at_base:  # no search compiled both there: the plan's own
-        b, z, compared = _own(base), _own(r), batch
-      if z.temp_bytes_per_device is None or b.temp_bytes_per_device is None:
-        why = (z.error or "no figures")[:160]
-        out.append(f"baseline fits micro-batch {at_base} where {r.lever} fits {at_lever or 'none'}: at "
-                   f"micro-batch {compared} ({step} step) the compiler refused {r.lever}: {why}")
-        continue
-      temp = z.temp_bytes_per_device - b.temp_bytes_per_device
-      args = (b.argument_bytes_per_device or 0) - (z.argument_bytes_per_device or 0)
-      saved = (f"more than the {args / 2**30:.2f} GiB its arguments save" if temp > args
-               else f"and its arguments save {args / 2**30:.2f} GiB")
-      out.append(f"baseline fits micro-batch {at_base} where {r.lever} fits {at_lever or 'none'}: at "
-                 f"micro-batch {compared} ({step} step) {r.lever}'s temporaries are "
-                 f"{temp / 2**30:+.2f} GiB against the baseline's, {saved}")
+    temp = z.temp_bytes_per_device - b.temp_bytes_per_device
+    args = (b.argument_bytes_per_device or 0) - (z.argument_bytes_per_device or 0)
+    saved = (f"more than the {args / 2**30:.2f} GiB its arguments save" if temp > args
+             else f"and its arguments save {args / 2**30:.2f} GiB")
+    out.append(f"{beats} {r.lever}'s temporaries are {temp / 2**30:+.2f} GiB against the baseline's, {saved}")
   return out
 
 
@@ -234,44 +214,43 @@ def narrowed_note(lever: str) -> str | None:
   narrowed = narrowed_dtypes(LEVERS[lever]) if lever in LEVERS else {}
   if not narrowed:
     return None
-  spell = lambda dtype: "int8 blocks with float32 scales" if dtype == "int8" else dtype
   what = {"across_dtype": "its gradients", "params_across_dtype": "its new parameters (the masters exact)"}
-  dtypes = set(narrowed.values())
-  if len(dtypes) == 1:  # one dtype for every hop: said once
-    hops, dtype = " and ".join(what[o] for o in narrowed), f" in {spell(*dtypes)}"
-  else:
-    hops, dtype = " and ".join(f"{what[o]} in {spell(d)}" for o, d in narrowed.items()), ""
-  return (f"{lever} is not bit-identical: {hops} cross between slices or nodes{dtype} "
+  spelled = {"int8": "int8 blocks with float32 scales"}
+  hops = " and ".join(what[o] for o in narrowed)
+  dtypes = " and ".join(spelled.get(d, d) for d in dict.fromkeys(narrowed.values()))  # each dtype said once
+  return (f"{lever} is not bit-identical: {hops} cross between slices or nodes in {dtypes} "
           f"({', '.join(narrowed)}; docs/pods.md measures the loss against the exact reduction)")
+
+
+def _differ(mine: int, theirs: int) -> bool:
+  """Whether two byte counts are more than 1% apart (of the larger): closer, they are a tie."""
+  return abs(mine - theirs) > _SAME_BYTES * max(mine, theirs, 1)
 
 
 def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:
   """One sentence for each lever that fits the same micro-batch as the pick: the headroom each leaves there
   and the bytes each sends, and which of :data:`ORDER` decided."""
+  gib = lambda n: "?" if n is None else f"{n / 2**30:.2f}"
+  room = lambda row: gib(figures_at(row, micro).headroom_bytes_per_device)
   out = []
-  room_at = lambda row: figures_at(row, micro).headroom_bytes_per_device
-  mine, my_room, my_across = row_sent_bytes(best), room_at(best), row_across_bytes(best)
   for rival in rivals:
-    theirs, room, their_across = (row_sent_bytes(rival), room_at(rival),
-                                  row_across_bytes(rival))
-    gib = lambda n: "?" if n is None else f"{n / 2**30:.2f}"
-    if abs(my_across - their_across) > _SAME_BYTES * max(my_across, their_across, 1):
+    (my_across, their_across), (mine, theirs), (my_host, their_host) = (
+        (bytes_of(best), bytes_of(rival)) for bytes_of in (row_across_bytes, row_sent_bytes, host_bytes_of))
+    if _differ(my_across, their_across):
       sent = (f"{best.lever} sends {gib(my_across)} GiB per step over the slow network and "
               f"{rival.lever} {gib(their_across)}")
       reason = "its fewer bytes between slices or nodes"
-    elif abs(mine - theirs) <= _SAME_BYTES * max(mine, theirs, 1):
+    elif _differ(mine, theirs):
+      sent = f"{best.lever} sends {gib(mine)} GiB of collectives per step and {rival.lever} {gib(theirs)}"
+      reason = "its fewer collective bytes"
+    else:
       sent, reason = f"both send {gib(mine)} GiB of collectives per step", "its headroom"
-      my_host, their_host = host_bytes_of(best), host_bytes_of(rival)
-      if abs(my_host - their_host) > _SAME_BYTES * max(my_host, their_host, 1):
+      if _differ(my_host, their_host):
         sent += (f"; {best.lever} copies {gib(my_host)} GiB to and from host memory per step and "
                  f"{rival.lever} {gib(their_host)}")
         reason = "its fewer bytes over the host link"
-    else:
-      sent = (f"{best.lever} sends {gib(mine)} GiB of collectives per step and {rival.lever} "
-              f"{gib(theirs)}")
-      reason = "its fewer collective bytes"
-    out.append(f"at micro-batch {micro} {best.lever} leaves {gib(my_room)} GiB free and {rival.lever} "
-               f"{gib(room)} GiB; {sent}: {best.lever} for {reason}")
+    out.append(f"at micro-batch {micro} {best.lever} leaves {room(best)} GiB free and {rival.lever} "
+               f"{room(rival)} GiB; {sent}: {best.lever} for {reason}")
   return out
 
 
@@ -328,18 +307,23 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
   points = [(r, p) for r in rows for p in (*_points(r), _own(r)) if p.fits]
   if not points or any(p.tokens_per_s_per_device is None for _, p in points):
     return None
-  fastest = max(p.tokens_per_s_per_device or 0.0 for _, p in points)
-  near = [(i, r, p) for i, (r, p) in enumerate(points)
-          if (p.tokens_per_s_per_device or 0.0) >= fastest * (1 - _SAME_SPEED)]
-  _, best, at = min(near, key=lambda c: (-(c[2].headroom_bytes_per_device or 0),
-                                          c[1].remat not in (None, "none"), c[0]))
+  speed = lambda c: c[1].tokens_per_s_per_device or 0.0
+  fastest = max(map(speed, points))
+  near = lambda c: speed(c) >= fastest * (1 - _SAME_SPEED)
+  best, at = min(filter(near, points), key=lambda c: _roomier(*c))
   why = []
   for rival in dict.fromkeys(r.lever for r, _ in points if r.lever != best.lever):
-    theirs = max((c for c in points if c[0].lever == rival), key=lambda c: c[1].tokens_per_s_per_device or 0)
-    tied = (theirs[1].tokens_per_s_per_device or 0.0) >= fastest * (1 - _SAME_SPEED)
-    reason = f"within 2%, {best.lever} for its headroom" if tied else f"{best.lever} for its throughput"
+    theirs = max((c for c in points if c[0].lever == rival), key=speed)
+    reason = (f"within 2%, {best.lever} for its headroom" if near(theirs)
+              else f"{best.lever} for its throughput")
     why.append(f"{_speed(best, at)}; {_speed(*theirs)}: {reason}")
   return best, at, why
+
+
+def _roomier(row: Row, point: Point) -> tuple[int, bool]:
+  """Both orders' last words as a key to sort by: the most headroom at ``point``, then no remat (then the
+  lighter lever: the rows' own order, which ``min`` keeps among equals)."""
+  return -(point.headroom_bytes_per_device or 0), row.remat not in (None, "none")
 
 
 def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
@@ -358,59 +342,40 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
   Returns:
     The :class:`Recommendation`, or None when no row fits.
   """
-  shapes = [r.step for r in rows]
   if step is None:
+    shapes = [r.step for r in rows]
     step = "split" if request.model_ref.kind == "maxtext" else DEFAULT_STEP
     step = step if step in shapes else (shapes[0] if shapes else step)
-  batch = request.batch
   same_step = [r for r in rows if r.step == step]
-  skipped = [f"{r.lever} holds the baseline's optimizer state per device (its layout splits nothing): "
-             "not a candidate" for r in same_step if splits_nothing(r, same_step)]
-  edges = {i: micro_batch_of(r, batch) for i, r in enumerate(rows)
-           if r.step == step and not splits_nothing(r, same_step)}
-  if not any(edges.values()):
+  candidates = [r for r in same_step if not splits_nothing(r, same_step)]
+  edges = [micro_batch_of(r, request.batch) for r in candidates]
+  if not any(edges):
     return None
-  pick = functools.partial(_recommendation, step=step, request=request,
-                           activation_sharding=activation_sharding, same_step=same_step, skipped=skipped)
-  fastest = by_throughput([r for i, r in enumerate(rows) if i in edges])
+  fastest = by_throughput(candidates)
   if fastest is not None:
-    quickest, at, why = fastest
-    return pick(quickest, at.batch, order=BY_THROUGHPUT, why=why)
-  best_micro = max(m for m in edges.values() if m)
-  tokens = best_micro * request.seq_len * request.ga
-  # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not.
-  level = [(best_micro, row_across_bytes(rows[i]) / tokens,
-            row_sent_bytes(rows[i]) / tokens, i, rows[i])
-           for i, m in edges.items() if m == best_micro or best_micro in fitted_at(rows[i])]
-  candidates = list(level)
-  # The slow network's bytes first, then all collectives', then the host link's.
-  for bytes_of in (lambda c: c[1], lambda c: c[2], lambda c: host_bytes_of(c[4])):
-    fewest = min(bytes_of(c) for c in level)
-    level = [c for c in level if bytes_of(c) <= fewest * (1 + _SAME_BYTES)]
-
-  def rest(c: tuple) -> tuple:
-    room = figures_at(c[4], best_micro).headroom_bytes_per_device
-    return (-(room or 0), c[4].remat not in (None, "none"), c[3])
-
-  best: Row = min(level, key=rest)[4]
-  rivals = [c[4] for c in candidates if c[4] is not best]
-  return pick(best, best_micro, order=ORDER, why=why_picked(best, rivals, best_micro))
-
-
-def _recommendation(best: Row, micro: int, *, step: str, request: ResolvedRequest,
-                    activation_sharding: Mapping[str, Any] | str | None, order: tuple[str, ...],
-                    same_step: Sequence[Row], why: Sequence[str], skipped: Sequence[str]) -> Recommendation:
-  """The pick as a :class:`Recommendation`: its code, its command, and the notes beside the order's."""
-  batch = request.batch
+    best, at, why = fastest
+    micro, order = at.batch, BY_THROUGHPUT
+  else:
+    micro, order = max(m for m in edges if m), ORDER
+    # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not; the
+    # tokens per step are the same for each, so bytes per step rank as bytes per token.
+    level = standing = [r for r, m in zip(candidates, edges) if m == micro or micro in fitted_at(r)]
+    # The slow network's bytes first, then all collectives', then the host link's.
+    for bytes_of in (row_across_bytes, row_sent_bytes, host_bytes_of):
+      fewest = min(map(bytes_of, level))
+      level = [r for r in level if bytes_of(r) <= fewest * (1 + _SAME_BYTES)]
+    best = min(level, key=lambda r: _roomier(r, figures_at(r, micro)))
+    why = why_picked(best, [r for r in standing if r is not best], micro)
   unconfirmed = [f"{r.lever}'s edge is not confirmed ({r.searched.search_unfinished}): it fits at least "
-                 f"{micro_batch_of(r, batch)}" for r in same_step
-                 if r.searched is not None and r.searched.search_unfinished
-                 and not splits_nothing(r, same_step)]
+                 f"{micro_batch_of(r, request.batch)}" for r in candidates
+                 if r.searched is not None and r.searched.search_unfinished]
+  skipped = [f"{r.lever} holds the baseline's optimizer state per device (its layout splits nothing): "
+             "not a candidate" for r in same_step if r not in candidates]
   offload = None if best.offloaded is None else best.offloaded.offload_fraction
   return Recommendation(
       lever=best.lever, step=step, micro_batch=micro, remat=best.remat,
       code=plan_code(request, best.lever, offload, activation_sharding),
       cli=command_line(request, levers=[best.lever], steps=[step], batch=micro, remat=best.remat),
-      order=order, baseline_beats=tuple(baseline_beats(same_step, batch)), why=tuple(why),
+      order=order, baseline_beats=tuple(baseline_beats(same_step, request.batch)), why=tuple(why),
       notes=(*unconfirmed, *skipped, *filter(None, [thin_note(best, micro), recompute_note(best, micro),
                                                     narrowed_note(best.lever)])))

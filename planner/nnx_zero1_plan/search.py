@@ -1,17 +1,14 @@
 """The largest micro-batch that fits, found with as few compiles as the arithmetic allows.
 
-A step's peak grows close to linearly with its micro-batch (the activations)
-until it nears the memory limit; there both compilers fill the memory they are
-given (the TPU compiler rematerialises, XLA's GPU scheduler reorders), so the
-peaks flatten and land a little above or below the limit in no order. Two
-compiles give a line and the line a first guess; where the line falls short, the
-edge is galloped to (one step, two, four); once bracketed, the line between the
-largest micro-batch known to fit and the smallest known not to takes turns with
-bisection. A micro-batch that fits within :data:`BAND` of the limit vouches for
-no smaller one: every micro-batch below it is compiled too, down to one clear of
-the limit, and above it the search climbs one step at a time. So the edge lies
-below the first failure, whichever micro-batch the search started from. Pure: the compiles are the caller's
-``measure``.
+A step's peak grows close to linearly with its micro-batch (the activations) until it nears the memory limit;
+there both compilers fill the memory they are given (the TPU compiler rematerialises, XLA's GPU scheduler
+reorders), so the peaks flatten and land a little above or below the limit in no order. Two compiles give a
+line and the line a first guess; where the line falls short, the edge is galloped to (one step, two, four);
+once bracketed, the line between the largest micro-batch known to fit and the smallest known not to takes
+turns with bisection. A micro-batch that fits within :data:`BAND` of the limit vouches for no smaller one:
+every micro-batch below it is compiled too, down to one clear of the limit, and above it the search climbs
+one step at a time. So the edge lies below the first failure, whichever micro-batch the search started from.
+Pure: the compiles are the caller's ``measure``.
 """
 
 from __future__ import annotations
@@ -26,28 +23,21 @@ __all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPI
            "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search"]
 
 # Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
-# with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8): a fitting
-# micro-batch there vouches for none below it, so the ones below are compiled too.
+# with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8).
 BAND = 0.03
 # The largest global micro-batch the search compiles, in sequences: it ends a search in which every compile
-# fits (a tiny model on a large pod) before doubling reaches shapes too large to trace. A bound, not a
-# measurement: two orders of magnitude above the largest edge the documented plans found (152 on h200:8).
+# fits (a tiny model on a large pod) before doubling reaches shapes too large to trace; two orders of
+# magnitude above the largest edge the documented plans found (152 on h200:8).
 MAX_MICRO_BATCH = 1 << 14
-# The compiles one lever's search may take before it reports its bracket as unconfirmed. The searches
-# measured on h200:8 (docs/planner.md: a 1.21B decoder, from either start) took 7 to 9; a sharp bend (a
-# flat start, then steep) from the default micro-batch 8 takes 14 (tests/planner/test_search.py, which
-# finishes a linear peak, the GPU's saturating peak and that bend from 8, 48 and 176 at this budget). A
-# compile took about a minute on two cores, so this bounds one lever's search to about a quarter hour;
-# a search that needs fewer stops sooner.
+# The compiles one lever's search may take before it reports its bracket as unconfirmed: the searches measured
+# on h200:8 (docs/planner.md) took 7 to 9, a sharp bend from micro-batch 8 takes 14
+# (tests/planner/test_search.py); at about a minute a compile on two cores, a quarter hour per lever at most.
 MAX_COMPILES = 16
 # At most this many times the largest fitting micro-batch in one jump on the line's guess: from a nearly flat
-# start (a fixed part dominating small micro-batches) the line's guess runs to thousands of sequences, a
-# compile there is large and slow and most likely refused. Three doublings in one compile: a flat start at 8
-# reaches 64, then 512, within the budget's first compiles (tests/planner/test_search.py's flat starts).
+# start the guess runs to thousands of sequences, where a compile is large, slow and most likely refused.
 MAX_JUMP = 8
-# The compiles the offload-fraction search may take: the first says how far over the step is, the second
-# confirms the share that saves it, and two more follow the line through the last two compiles where the
-# compiler kept some offloaded bytes live. A bound: what does not fit by then is refused, saying so.
+# The compiles the offload-fraction search may take (:func:`offload_search`); what does not fit by then is
+# refused, saying so.
 OFFLOAD_COMPILES = 4
 
 
@@ -70,14 +60,8 @@ def fits_in(figures: Figures, usable: int) -> bool | None:
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
-  """One compile at one micro-batch: its peak bytes per device and whether it fits.
-
-  Attributes:
-    batch: the global micro-batch, in sequences.
-    peak: peak bytes per device (None when the compiler refused the program).
-    fits: the peak is within the usable memory (and the compiler accepted it).
-    error: the compiler's refusal, in one line (None when it compiled).
-  """
+  """One compile at a global micro-batch (``batch``, in sequences): its peak bytes per device (None: the
+  compiler refused the program), whether it fits the usable memory, and the refusal in one line."""
 
   batch: int
   peak: int | None
@@ -87,20 +71,9 @@ class Probe:
 
 @dataclasses.dataclass(frozen=True)
 class Edge:
-  """Where a lever stops fitting.
-
-  Attributes:
-    max_micro_batch: the largest micro-batch that fits, with every micro-batch the search compiled below it
-      fitting too (None: not even the smallest).
-    above: the micro-batch one step above it, compiled and refused (None: the search's cap fits, or the
-      budget ended first).
-    refused_because: why ``above`` does not fit: the compiler's refusal, or its peak against the
-      usable memory.
-    probes: every compile, in the order they ran.
-    unfinished: why the edge is not confirmed (the compile budget ended first), else None.
-    fits_above: micro-batches above the edge that the search compiled and that fit (the compiler's figures
-      are not monotonic there).
-  """
+  """Where a lever stops fitting: :class:`~nnx_zero1_plan.row.Searched`'s fields as the search finds them
+  (``unfinished`` is its ``search_unfinished``; each micro-batch compiled below ``max_micro_batch`` fits
+  too), and ``probes``, every compile in the order they ran."""
 
   max_micro_batch: int | None
   above: int | None
@@ -181,12 +154,8 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     >>> edge.max_micro_batch, edge.above, len(edge.probes)
     (48, 52, 5)
   """
-  probes: dict[int, Probe] = {}
-
-  def at(batch: int) -> Probe:
-    if batch not in probes:
-      probes[batch] = measure(batch)
-    return probes[batch]
+  first = round_down(start, step)
+  probes = {first: measure(first)}  # each micro-batch compiled once: every branch below picks a new one
 
   def bracket() -> tuple[int | None, int | None]:
     """The smallest compile that does not fit, and the largest that fits below it."""
@@ -202,8 +171,6 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     lo, hi = bracket()
     because = None if hi is None else _why(probes[hi], usable)
     above = tuple(sorted(b for b, p in probes.items() if p.fits and hi is not None and b > hi))
-    if hi is not None and lo is not None and hi - lo > step and unfinished is None:
-      unfinished = f"the bracket {lo}..{hi} is wider than one step"
     return Edge(lo, hi, because, tuple(probes.values()), unfinished, above)
 
   def unconfirmed(lo: int) -> int | None:
@@ -217,7 +184,6 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     return None
 
   budget = f"the search's {max_compiles} compiles ran out before the edge was confirmed"
-  at(round_down(start, step))
   stride = 0  # once the line stops gaining, the edge is galloped to: one step, two, four, ...
   moved: list[bool] = []  # once bracketed, which end each compile moved (True: the fitting one)
   top = round_down(cap, step)
@@ -254,9 +220,9 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
       return edge()  # the cap fits
     if len(probes) >= max_compiles:
       return edge(budget)
-    fits = at(batch).fits
+    probes[batch] = measure(batch)
     if hi is not None:
-      moved.append(fits)
+      moved.append(probes[batch].fits)
 
 
 def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.0) -> float | None:
@@ -267,10 +233,8 @@ def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.
 
   Example::
 
-    >>> next_fraction(peak=110, usable=100, state_bytes=40), next_fraction(95, 100, 40, 0.25)
-    (0.25, 0.25)
-    >>> next_fraction(150, 100, 40) is None
-    True
+    >>> next_fraction(peak=110, usable=100, state_bytes=40), next_fraction(150, 100, 40)
+    (0.25, None)
   """
   if peak <= usable:
     return fraction
@@ -304,12 +268,11 @@ def search_row(first: Row, row_at: Callable[[int], Row], unit: int, usable: int)
 def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = OFFLOAD_COMPILES) -> Row:
   """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever).
 
-  Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the
-  state, its largest leaves, go to host memory, and a compile confirms the guess. Where it missed
-  (the compiler kept some of the offloaded bytes live), the next guess divides what it missed by the
-  bytes each share of the state actually saved, the line through the last two compiles (``tries``
-  compiles at most). The row is the last compile's, with its :class:`~nnx_zero1_plan.row.Offloaded`
-  record (``offload_fraction``, every compile in ``offload_search``) and every compile's seconds."""
+  Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the state, its
+  largest leaves, go to host memory, and a compile confirms the guess. Where it missed (the compiler kept
+  some of the offloaded bytes live), the next guess divides what it missed by the bytes each share of the
+  state actually saved, the line through the last two compiles (``tries`` compiles at most). The row is the
+  last compile's, with its :class:`~nnx_zero1_plan.row.Offloaded` record and every compile's seconds."""
   fraction, row = 0.0, row_with(0.0)
   tried: list[OffloadPoint] = []
   refused = None
@@ -321,12 +284,10 @@ def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = O
       refused = figures.error or "no figures"
       break
     state = sum((figures.opt_state_bytes_by_memory_kind or {}).values())
-    saved_per_share = state
-    last = tried[-2] if len(tried) > 1 else None
-    if last is not None and last.peak_bytes_per_device is not None:
-      slope = (last.peak_bytes_per_device - peak) / (fraction - last.fraction)
-      saved_per_share = int(slope) if 0 < slope < state else state
-    share = next_fraction(peak, usable, saved_per_share, fraction)
+    last = tried[-2] if len(tried) > 1 else None  # the line through the last two compiles
+    slope = 0.0 if last is None or last.peak_bytes_per_device is None else (
+        (last.peak_bytes_per_device - peak) / (fraction - last.fraction))
+    share = next_fraction(peak, usable, int(slope) if 0 < slope < state else state, fraction)
     if share is None:
       refused = (f"{(peak - usable) / 2**30:.2f} GiB over the usable memory with {fraction:.0%} offloaded, "
                  f"more than the {state * (1 - fraction) / 2**30:.2f} GiB of state still on device saves")

@@ -1,16 +1,7 @@
-"""When nothing fits: what to try next, and what makes room, tried by a compile each, in the order a user
-would try it.
-
-:func:`next_steps` lists what to try, each with its command, from the rows' figures (a lever not tried, more
-``fsdp``, remat, half the micro-batch).
-
-A refused compile has no peak, so the arithmetic of "what to try next" has
-nothing to work from; only the compiler can say whether a change is enough.
-:func:`changes_to_try` lists the changes, lightest first: a smaller micro-batch
-(more accumulation, the same tokens per step), remat, a larger ``fsdp`` on the
-same chips, the optimizer state in host memory. :func:`find_way_out` compiles
-them in that order and stops at the first that fits. Pure: the compiles are the
-caller's ``compile_changed``.
+"""When nothing fits: what to try next (:func:`next_steps`, from the rows' figures), and what makes room,
+tried by a compile each in the order a user would try it (:func:`changes_to_try`, compiled by
+:func:`find_way_out` until one fits): a refused compile has no peak to reason from, so only the compiler can
+say whether a change is enough. Pure: the compiles are the caller's ``compile_changed``.
 """
 
 from __future__ import annotations
@@ -123,13 +114,11 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
                         on(batch=smaller, ga=times * request.ga)))
   if remat is not None and request.remat in (None, "none"):
     out.append(Change(f"remat {remat}", on(remat=remat)))
-  wider = more_fsdp(request.mesh_sizes)
-  if "fsdp" in named_axes and wider is not None:
+  if "fsdp" in named_axes and (wider := more_fsdp(request.mesh_sizes)) is not None:
     out.append(Change(f"fsdp={wider['fsdp']} (data={wider['data']}): parameters and gradients split too",
                       on(mesh=spelled_mesh(wider))))
   if host_memory:
-    offloaded = dataclasses.replace(request, levers=("offload",))
-    out.append(Change("the optimizer state in host memory", offloaded))
+    out.append(Change("the optimizer state in host memory", on(levers=("offload",))))
   return out
 
 
@@ -158,8 +147,8 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
     written = code(change) if fits and code is not None else None
     tried.append(Tried(change.what, command(change), fits, peak, error, written))
     if fits:
-      return WayOut(tuple(tried), tried[-1])
-  return WayOut(tuple(tried), None)
+      break
+  return WayOut(tuple(tried), tried[-1] if tried and tried[-1].fits else None)
 
 
 def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[str], *,
@@ -187,20 +176,18 @@ def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[s
     if memory_twin(name) in tried or name in blocked or adds_memory(name):
       continue
     saving = ""
-    if name == "zero1" and base is not None and base.figures.opt_state_bytes_per_device:
-      data = base.mesh.get("data", 1)
-      saving = (f": saves {base.figures.opt_state_bytes_per_device * (1 - 1 / data) / 2**30:.2f} GiB of "
-                "optimizer state per device (the layout rule)")
+    if name == "zero1" and base is not None:
+      saved = (base.figures.opt_state_bytes_per_device or 0) * (1 - 1 / base.mesh.get("data", 1))
+      saving = f": saves {saved / 2**30:.2f} GiB of optimizer state per device (the layout rule)"
     steps.append(f"the lever {name}{saving}: {command_line(request, levers=[name])}")
   peak = lambda r: r.figures.peak_bytes_per_device or 0
   best = min((r for r in rows if peak(r)), key=peak, default=None)
   temp = 0 if best is None else best.figures.temp_bytes_per_device or 0
   if best is not None:
-    short = (peak(best) - best.hbm_bytes) / 2**30
-    mesh = more_fsdp(request.mesh_sizes)
-    if mesh is not None:
-      steps.append(f"{best.lever} comes closest, {short:.2f} GiB over; more fsdp splits parameters and "
-                   f"gradients too: {command_line(request, levers=[best.lever], mesh=spelled_mesh(mesh))}")
+    if (mesh := more_fsdp(request.mesh_sizes)) is not None:
+      steps.append(f"{best.lever} comes closest, {(peak(best) - best.hbm_bytes) / 2**30:.2f} GiB over; more "
+                   "fsdp splits parameters and gradients too: "
+                   f"{command_line(request, levers=[best.lever], mesh=spelled_mesh(mesh))}")
     if remat is not None and not request.remat:
       steps.append(f"remat (recomputes activations; the temp is {temp / 2**30:.2f} GiB): "
                    f"{command_line(request, levers=[best.lever], remat=remat)}")
