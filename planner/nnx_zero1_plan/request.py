@@ -139,9 +139,8 @@ class PlanRequest:
     optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
     levers: names from the lever table (:data:`nnx_zero1_plan.levers.LEVERS`), a list or one comma-separated
       string.
-    steps: ``one`` (one program: gradients then ``optimizer.update``, as Tunix's trainers and
-      ``nnx.jit`` loops compile a step), ``split`` (two programs, gradients then update, as MaxText's
-      engine does: the rows add the update program's peak, flops and bytes accessed), or both.
+    steps: ``one``, ``split`` (what each is: :data:`STEPS`; a split step's rows add the update program's
+      peak, flops and bytes accessed), or both.
     overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
     search: for each lever and step, also find the largest micro-batch that fits, a multiple of the batch
       axes' size from ``batch`` on (:func:`nnx_zero1_plan.search.find_edge`); each row gains what it found
@@ -172,9 +171,8 @@ class PlanRequest:
     PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one whose
       ``replica`` does not run across the slices or nodes (:func:`nnx_zero1_plan.inputs.check_replica`); a
       wrong ``slices`` or ``gpus_per_node``, or GPU nodes of an unusual size unsaid (:func:`check_topology`);
-      a batch,
-      sequence length or ``ga`` below 1; a margin outside [0, 1) or a GPU memory fraction outside (0, 1];
-      overrides for a model that is not ``maxtext:``; a ``maxtext:`` model without the ``split`` step.
+      a batch, sequence length or ``ga`` below 1; a margin outside [0, 1) or a GPU memory fraction outside
+      (0, 1]; overrides for a model that is not ``maxtext:``; a ``maxtext:`` model without the ``split`` step.
 
   Example::
 
@@ -292,8 +290,7 @@ class PlanRequest:
   @classmethod
   def from_json(cls, text: str) -> PlanRequest:
     """The record :meth:`to_json` wrote."""
-    fields: dict[str, Any] = json.loads(text)
-    return cls(**fields)
+    return cls(**json.loads(text))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,16 +304,11 @@ class ResolvedRequest(PlanRequest):
     batch: the global micro-batch the plan compiled.
 
   Raises:
-    PlanError: a mesh that sizes no axis, or what :class:`PlanRequest` refuses.
+    PlanError: what :class:`PlanRequest` refuses.
   """
 
   mesh: str = ""
   batch: int = 0
-
-  def __post_init__(self) -> None:
-    super().__post_init__()
-    if not self.mesh_sizes:
-      raise PlanError("a resolved request sizes every mesh axis (PlanRequest.resolved)")
 
 
 # Each setting's default, as :class:`PlanRequest` declares it (the command line's flags take theirs here).
