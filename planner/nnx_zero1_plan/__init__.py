@@ -250,11 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   bar: Any = None
 
   def say(line: str) -> None:
-    if bar is None:
-      print(f"nnx_zero1.plan: {line}", file=stream[0])
-      return
-    bar.write(f"nnx_zero1.plan: {line}", file=stream[0])
-    if line.startswith("compiled "):
+    (print if bar is None else bar.write)(f"nnx_zero1.plan: {line}", file=stream[0])
+    if bar is not None and line.startswith("compiled "):
       bar.update()
 
   log = None
