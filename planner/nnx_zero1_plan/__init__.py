@@ -8,27 +8,11 @@ loop of your own the steps it compiles and what it reads from them (``make_optim
 pure (this one, and everything the caller's process imports: no jax), which trace or compile, and which
 orchestrates (``run``) is ARCHITECTURE.md's planner section.
 
-Each lever's training step (gradients over ``--ga`` micro-batches, then
-``optimizer.update``, the state donated) is built abstractly, as one program
-(how Tunix's trainers and a user's own ``nnx.jit`` loop compile it) and as two
-(gradients, then update: MaxText's engine), and compiled by the real
-compiler for the target (libtpu for TPUs, XLA's GPU compiler deviceless for
-NVIDIA GPUs), on a machine with neither. The plan reads each program's
-per-device memory and collectives and says whether it fits the memory the
-compiler says a program may use. Needs Python >= 3.12 and the compilers:
-``pip install "./planner[aot]"`` from a clone (libtpu), and for GPUs
-``pip install --no-deps jax-cuda13-plugin==JAX_VERSION jax-cuda13-pjrt==JAX_VERSION``.
-
-Models: ``tunix:CONFIG`` (a Tunix ``ModelConfig`` classmethod, e.g.
-``tunix:qwen3_8b``, ``tunix:llama3p1_8b``, ``tunix:gemma3_4b_pt``),
-``maxtext:MODEL_NAME`` (MaxText's own engine and config, e.g.
-``maxtext:qwen3-0.6b``, with MaxText's ``key=value`` overrides; TPU slices, a
-split step, maxtext 0.2.5 installed as ``docs/planner.md`` says) or
-``package.module:function`` (your own; see ``docs/planner.md`` for what it
-returns). Every program is compiled whole, as it will run. ``--estimate`` asks
-for a quicker estimate on TPUs instead: deep Tunix and own models compiled at 2
-and 4 layers and extrapolated per layer, every such figure marked an estimate,
-and no verdict drawn from it.
+Each lever's training step is built abstractly, as one program or two (``--steps``), compiled by the real
+compiler for the target (libtpu for TPUs, XLA's GPU compiler deviceless for NVIDIA GPUs) on a machine with
+neither, and read for its per-device memory and collectives against the memory the compiler says a program
+may use. The models it takes are :mod:`nnx_zero1_plan.models`'s, its settings :class:`PlanRequest`'s, and the
+compilers' install lines README.md's.
 """
 
 from __future__ import annotations
@@ -49,7 +33,8 @@ from nnx_zero1_plan.child import plan_in_child
 from nnx_zero1_plan.chips import CHIPS, chip_of
 from nnx_zero1_plan.compilers import AotUnavailable, require_libtpu, start_cpu_jax
 from nnx_zero1_plan.depth import WHOLE_OVER_ESTIMATE_UP_TO
-from nnx_zero1_plan.inputs import ONE_SLICE, SMALLEST_MICRO_BATCH, PlanError, parse_overrides
+from nnx_zero1_plan.gpu_chips import GPU_CHIPS
+from nnx_zero1_plan.inputs import ONE_SLICE, SMALLEST_MICRO_BATCH, PlanError, parse_overrides, parse_topology
 from nnx_zero1_plan.levers import LEVERS, Lever
 from nnx_zero1_plan.local import devices_for, plan_here
 from nnx_zero1_plan.request import DEFAULT_DEPTHS, SETTING_DEFAULTS, PlanRequest
@@ -61,21 +46,20 @@ from nnx_zero1_plan.table import collective_cell
 # The steps the planner compiles and what it reads from them, for a loop of your own (and the benchmarks):
 # each imported from its module when first asked for, as those modules import jax and plan()'s caller never
 # does. Documented in docs/planner.md ("Your own loop").
-_ON_FIRST_USE = {"OPTIMIZERS": "steps", "make_optimizer": "steps", "lever_state": "steps",
-                 "placed_state": "steps", "run_steps": "steps", "StepRuns": "steps",
-                 "abstract_batch": "steps", "step_jit": "steps", "compile_step": "steps",
-                 "compile_split": "steps", "AbstractState": "abstract", "with_state_homes": "abstract",
-                 "abstract_bytes_per_device": "abstract", "bytes_by_memory_kind": "abstract",
-                 "memory": "compiled", "split_memory": "compiled", "summed": "compiled",
-                 "hbm_oom": "compiled", "predict_step_time": "step_time", "program_time": "step_time",
-                 "Rates": "step_time", "cycle_class": "step_time", "dump_options": "gpu_schedule",
-                 "scheduled_seconds": "gpu_schedule", "model_source": "models"}
+_ON_FIRST_USE = {name: module for module, names in {
+    "steps": ("OPTIMIZERS", "make_optimizer", "lever_state", "placed_state", "run_steps", "StepRuns",
+              "abstract_batch", "step_jit", "compile_step", "compile_split"),
+    "abstract": ("AbstractState", "with_state_homes", "abstract_bytes_per_device", "bytes_by_memory_kind"),
+    "compiled": ("memory", "split_memory", "summed", "hbm_oom"),
+    "step_time": ("predict_step_time", "program_time", "Rates", "cycle_class"),
+    "gpu_schedule": ("dump_options", "scheduled_seconds"),
+    "models": ("model_source",),
+}.items() for name in names}
 
 # The same API's pure names (the chip table, a collectives' table cell, libtpu's version) are imported above.
 __all__ = ["Plan", "Row", "PlanSettings", "PlanError", "PlanRequest", "AotUnavailable", "plan", "parse_args",
            "request_of", "main", "compile_only_devices", "LEVERS", "Lever", "start_cpu_jax", "CHIPS",
-           "chip_of",
-           "collective_cell", "require_libtpu", *_ON_FIRST_USE]
+           "chip_of", "collective_cell", "require_libtpu", *_ON_FIRST_USE]
 
 
 def __getattr__(name: str) -> Any:
@@ -120,9 +104,6 @@ def compile_only_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, .
     devices = compile_only_devices("v5e:2x4", slices=2)   # 16 TPU v5e chips, compile only
     mesh = jax.make_mesh((2, 8), ("replica", "data"), (AxisType.Auto,) * 2, devices=devices)
   """
-  from nnx_zero1_plan.compilers import start_cpu_jax
-  from nnx_zero1_plan.gpu_chips import GPU_CHIPS
-  from nnx_zero1_plan.inputs import parse_topology
   from nnx_zero1_plan.targets import make_target, require_compiler
 
   parsed = parse_topology(topology, GPU_CHIPS)
@@ -269,11 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   bar: Any = None
 
   def say(line: str) -> None:
-    if bar is None:
-      print(f"nnx_zero1.plan: {line}", file=stream[0])
-      return
-    bar.write(f"nnx_zero1.plan: {line}", file=stream[0])
-    if line.startswith("compiled "):
+    (print if bar is None else bar.write)(f"nnx_zero1.plan: {line}", file=stream[0])
+    if bar is not None and line.startswith("compiled "):
       bar.update()
 
   log = None

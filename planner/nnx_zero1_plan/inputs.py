@@ -85,12 +85,12 @@ def parse_mesh(text: str | None) -> dict[str, int]:
   return sizes
 
 
-def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
-              default_axis: str = "data", domains: int = 1, where: str = "slices or nodes") -> dict[str, int]:
+def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int, domains: int = 1,
+              where: str = "slices or nodes") -> dict[str, int]:
   """Every mesh axis and its size: ``sizes``, then the model's axes it omits at size 1.
 
-  With no sizes given, the default axis takes every device (pure data parallelism); on a pod of
-  ``domains`` slices or nodes, ``replica`` crosses them and the default axis takes each one's devices.
+  With no sizes given, ``data`` takes every device (pure data parallelism); on a pod of ``domains`` slices or
+  nodes, ``replica`` crosses them and ``data`` takes each one's devices.
 
   Raises:
     PlanError: the sizes' product is not the topology's device count, or ``replica`` does not cross the
@@ -105,15 +105,15 @@ def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
     >>> mesh_axes({}, [], devices=16, domains=2)
     {'replica': 2, 'data': 8}
   """
-  whole = {"replica": domains, default_axis: devices // domains} if domains > 1 else {default_axis: devices}
+  whole = {"replica": domains, "data": devices // domains} if domains > 1 else {"data": devices}
   axes = dict(sizes) if sizes else whole
-  axes.setdefault(default_axis, 1)
+  axes.setdefault("data", 1)
   for name in model_axes:
     axes.setdefault(name, 1)
   if math.prod(axes.values()) != devices:
     shape = spelled_mesh(axes)
     raise PlanError(f"--mesh {shape} has {math.prod(axes.values())} devices; the topology has {devices}")
-  check_replica(axes, domains, default_axis, where)
+  check_replica(axes, domains, where)
   return axes
 
 
@@ -122,8 +122,7 @@ def spelled_mesh(axes: Mapping[str, int]) -> str:
   return ",".join(f"{k}={v}" for k, v in axes.items())
 
 
-def check_replica(axes: Mapping[str, int], domains: int, default_axis: str = "data",
-                  where: str = "slices or nodes") -> None:
+def check_replica(axes: Mapping[str, int], domains: int, where: str = "slices or nodes") -> None:
   """Refuses a mesh whose ``replica`` axis does not run across the ``domains`` slices or nodes, one each.
 
   The devices are laid out in the mesh's order, slice (or node) by slice, so only an outermost ``replica``
@@ -148,18 +147,18 @@ def check_replica(axes: Mapping[str, int], domains: int, default_axis: str = "da
   if domains < 2:
     if replica > 1:
       raise PlanError(f"--mesh {spelled_mesh(axes)}: replica runs across TPU slices or GPU nodes, and "
-                      f"this target is one; name the axis {default_axis}, or plan a pod (--slices N on a TPU "
+                      f"this target is one; name the axis data, or plan a pod (--slices N on a TPU "
                       "slice, CHIP:NODESxGPUS for GPU nodes)")
     return
   if next(iter(axes)) == "replica" and replica == domains:
     return
   rest = {k: v for k, v in axes.items() if k != "replica"}
-  rest[default_axis] = rest.get(default_axis, 1) * replica
+  rest["data"] = rest.get("data", 1) * replica
   inside = math.prod(rest.values())
-  others = inside // rest[default_axis]
+  others = inside // rest["data"]
   suggestion = ""
   if inside % domains == 0 and (inside // domains) % others == 0:
-    rest[default_axis] = inside // domains // others
+    rest["data"] = inside // domains // others
     suggestion = f": --mesh {spelled_mesh({'replica': domains, **rest})}"
   raise PlanError(f"--mesh {spelled_mesh(axes)}: on {domains} {where}, replica must be the outermost axis, "
                   f"its size the number of {where}; the devices are laid out in the mesh's order, so only "
@@ -201,8 +200,7 @@ def micro_batch(batch: int | None, unit: int, over: str) -> int:
   return batch
 
 
-def check_axis_names(sizes: Mapping[str, int], model_axes: Iterable[str],
-                     accepted: Iterable[str] = PLANNER_AXES) -> None:
+def check_axis_names(sizes: Mapping[str, int], model_axes: Iterable[str]) -> None:
   """Refuses a ``--mesh`` axis the model does not name and the planner does not know (a misspelling).
 
   Raises:
@@ -217,7 +215,7 @@ def check_axis_names(sizes: Mapping[str, int], model_axes: Iterable[str],
     ...   print(e)
     unknown --mesh axis dta; axes the model names or the planner splits over: replica, data, fsdp, tp
   """
-  known = tuple(dict.fromkeys([*accepted, *model_axes]))
+  known = tuple(dict.fromkeys([*PLANNER_AXES, *model_axes]))
   unknown = [a for a in sizes if a not in known]
   if unknown:
     raise PlanError(f"unknown --mesh axis {', '.join(unknown)}; axes the model names or the planner "

@@ -102,8 +102,8 @@ def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | 
       fewer = "fewer" if per_node < standard else "more"
       article = "an" if chip[0] in "aefhilmnorsx" else "a"  # the letters whose names start with a vowel
       guess = f"did you mean {chip}:{total // standard}x{standard}? " if total % standard == 0 else ""
-      what = f"{nodes} nodes of {per_node} GPUs" if spelt_as_nodes else f"one node of {per_node} GPUs"
       nodes_of = f"nodes of {per_node} GPUs" if spelt_as_nodes else f"one node of {per_node} GPUs"
+      what = f"{nodes} {nodes_of}" if spelt_as_nodes else nodes_of
       say = f"{'For' if guess else 'for'} {nodes_of}, say --gpus-per-node {per_node}"
       raise PlanError(f"{topology} reads as {what}, {fewer} than {article} {chip.upper()} node's {standard}: "
                       f"{guess}{say}")
@@ -137,24 +137,17 @@ class PlanRequest:
       ``remat_policy``); several, comma-separated, compile each lever under each (a row apiece, and
       with ``search`` a largest micro-batch apiece).
     optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
-    levers: names from the lever table (``baseline``, ``zero1``, ``zero1-accum``, ``zero2``,
-      ``offload``, ``zero2-offload``, ``zero1-bf16state``, ``zero1-master``), a list or one
-      comma-separated string.
-    steps: ``one`` (one program: gradients then ``optimizer.update``, as Tunix's trainers and
-      ``nnx.jit`` loops compile a step), ``split`` (two programs, gradients then update, as MaxText's
-      engine does: the rows add the update program's peak, flops and bytes accessed), or both.
+    levers: names from the lever table (:data:`nnx_zero1_plan.levers.LEVERS`), a list or one comma-separated
+      string.
+    steps: ``one``, ``split`` (what each is: :data:`STEPS`; a split step's rows add the update program's
+      peak, flops and bytes accessed), or both.
     overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
-    search: for each lever and step, also find the largest micro-batch that fits (a multiple of the
-      batch axes' size, from ``batch`` on): a line through two compiles, bisection where the line is
-      wrong, the edge below the first micro-batch that does not fit (near the limit, where the compilers'
-      peaks stop rising, every micro-batch below the edge is compiled too). Each row gains
-      ``max_micro_batch``, ``above`` (one step up, refused), ``refused_because``, ``at_max`` and
-      ``at_above`` (the figures there), ``fits_above`` (micro-batches above the edge that fit),
-      ``search_unfinished`` and ``search`` (every compile).
-    margin: the share of the memory to leave free; by default (None) the backend's reserve, what the run
-      needs beyond the compiler's figure (TPU: none, the compiler's check is the whole footprint; GPU:
-      256 MiB, :data:`nnx_zero1_plan.targets.DEFAULT_RESERVE_BYTES`). ``fits``, the search's limit and the
-      recommendation use what is left.
+    search: for each lever and step, also find the largest micro-batch that fits, a multiple of the batch
+      axes' size from ``batch`` on (:func:`nnx_zero1_plan.search.find_edge`); each row gains what it found
+      (:class:`nnx_zero1_plan.row.Searched`).
+    margin: the share of the memory to leave free; by default (None) the backend's reserve
+      (:data:`nnx_zero1_plan.targets.DEFAULT_RESERVE_BYTES`). ``fits``, the search and the recommendation
+      use what is left.
     gpu_memory_fraction: GPU targets: the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` the run will use (jax's
       default 0.75); the compiler is told to plan for that pool, and it is the usable memory.
     slices: TPU slices of ``topology`` joined over the data-center network (a pod); GPU nodes are in the
@@ -163,15 +156,10 @@ class PlanRequest:
       the GPUs each node has, said again, so ``h100:8x2`` is never a silent misspelling of ``h100:2x8``.
     depths: the reduced depths a deep model is compiled at for an estimate (``estimate``).
     estimate: for TPUs, compile a deep model at ``depths`` and extrapolate per layer instead of compiling it
-      whole: minutes instead of tens of minutes, and figures measured low, by up to
-      :data:`nnx_zero1_plan.depth.WHOLE_OVER_ESTIMATE_UP_TO`. Every figure of such a row is marked an
-      estimate; an estimate decides neither ``fits`` nor an edge (``fits`` is None, ``fits_estimate`` what
-      the line says), so nothing is recommended from it. A row whose estimate comes near the limit, or whose
-      two depths disagree, is compiled whole anyway.
-    tunix_sharding: a ``tunix:`` model's activation sharding constraints, applied as Tunix applies them on
-      the chips: ``default`` (Tunix's ``ShardingConfig``, the mesh's data axes added to each batch entry),
-      ``none`` (XLA's own propagation), or a JSON object of ``act_*`` fields
-      (:mod:`nnx_zero1_plan.tunix_sharding`).
+      whole (:mod:`nnx_zero1_plan.depth`): minutes instead of tens of minutes, figures measured low by up to
+      :data:`~nnx_zero1_plan.depth.WHOLE_OVER_ESTIMATE_UP_TO`, each marked an estimate, and no verdict.
+    tunix_sharding: a ``tunix:`` model's activation sharding constraints, as Tunix applies them on the chips:
+      ``default``, ``none`` or a JSON object of ``act_*`` fields (:mod:`nnx_zero1_plan.tunix_sharding`).
     maxtext_deferral: a ``maxtext:`` model's data-parallel all-reduce: ``auto`` (MaxText's engine's own
       choice: deferred to ``update``, once per step, under ``shard_mode=explicit`` on a pure data mesh) or
       ``off`` (in every micro-batch, as its engine did before it deferred).
@@ -183,9 +171,8 @@ class PlanRequest:
     PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one whose
       ``replica`` does not run across the slices or nodes (:func:`nnx_zero1_plan.inputs.check_replica`); a
       wrong ``slices`` or ``gpus_per_node``, or GPU nodes of an unusual size unsaid (:func:`check_topology`);
-      a batch,
-      sequence length or ``ga`` below 1; a margin outside [0, 1) or a GPU memory fraction outside (0, 1];
-      overrides for a model that is not ``maxtext:``; a ``maxtext:`` model without the ``split`` step.
+      a batch, sequence length or ``ga`` below 1; a margin outside [0, 1) or a GPU memory fraction outside
+      (0, 1]; overrides for a model that is not ``maxtext:``; a ``maxtext:`` model without the ``split`` step.
 
   Example::
 
@@ -303,8 +290,7 @@ class PlanRequest:
   @classmethod
   def from_json(cls, text: str) -> PlanRequest:
     """The record :meth:`to_json` wrote."""
-    fields: dict[str, Any] = json.loads(text)
-    return cls(**fields)
+    return cls(**json.loads(text))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,16 +304,11 @@ class ResolvedRequest(PlanRequest):
     batch: the global micro-batch the plan compiled.
 
   Raises:
-    PlanError: a mesh that sizes no axis, or what :class:`PlanRequest` refuses.
+    PlanError: what :class:`PlanRequest` refuses.
   """
 
   mesh: str = ""
   batch: int = 0
-
-  def __post_init__(self) -> None:
-    super().__post_init__()
-    if not self.mesh_sizes:
-      raise PlanError("a resolved request sizes every mesh axis (PlanRequest.resolved)")
 
 
 # Each setting's default, as :class:`PlanRequest` declares it (the command line's flags take theirs here).

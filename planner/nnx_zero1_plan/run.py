@@ -2,9 +2,7 @@
 
 It describes the model (:mod:`nnx_zero1_plan.planned_model`), finds the target and its compiler
 (:mod:`nnx_zero1_plan.targets`), compiles each lever's row (:mod:`nnx_zero1_plan.measure`), searches where
-asked (:mod:`nnx_zero1_plan.search`), and returns the :class:`~nnx_zero1_plan.result.Plan` with its meta,
-hints, recommendation and way out. It runs in a process kept on jax's CPU backend (the command line's, or
-the planning process :func:`nnx_zero1_plan.plan` starts).
+asked (:mod:`nnx_zero1_plan.search`), and returns the :class:`~nnx_zero1_plan.result.Plan`.
 """
 
 from __future__ import annotations
@@ -140,7 +138,7 @@ def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedM
     if maxtext_out is not None:  # a maxtext: model (the change keeps the model)
       model = describe_maxtext(r, compiler.target, policy, r.batch, maxtext_out)
     else:
-      model = on_devices(describe_tunix_or_own(r, policy, r.mesh_sizes, estimate=False), compiler.target)
+      model = on_devices(describe_tunix_or_own(r, policy, estimate=False), compiler.target)
       micro_batch(r.batch, model.batch_unit, batch_words(model))
     return compiler.row(r.levers[0], step, model, StepShape(r.batch, r.seq_len, r.ga, r.optimizer))
 
@@ -182,9 +180,9 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
 
 def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxtext_out: str | None,
              local: bool = False) -> Plan:
-  """:func:`make_plan`'s plan, MaxText writing under ``maxtext_out`` (None for a model that is not
-  ``maxtext:``)."""
+  """:func:`make_plan`'s plan, MaxText writing under ``maxtext_out`` (None: not a ``maxtext:`` model)."""
   maxtext = maxtext_out is not None
+  say = progress or (lambda line: None)
   policies = request.policies
   if not maxtext:  # described before the compiler is looked for: a misspelt axis needs none
     plans = {p: describe_tunix_or_own(request, p) for p in policies}
@@ -195,8 +193,8 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   if not maxtext:
     plans = {p: on_devices(m, target) for p, m in plans.items()}
   batch, batch_default = _micro_batch(request, None if maxtext else plans[policies[0]], target)
-  if batch_default and progress:
-    progress(batch_default)
+  if batch_default:
+    say(batch_default)
   if maxtext_out is not None:  # maxtext: described by its config, which needs the target and the micro-batch
     plans = {p: describe_maxtext(request, target, p, batch, maxtext_out) for p in policies}
     blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
@@ -205,14 +203,12 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   compiler = RowCompiler(target, usable, progress, _compute_dtype(request, planned))
   rows = []
   todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]
-  if progress:
-    progress(_compiles_planned(request, planned, len(todo)))
+  say(_compiles_planned(request, planned, len(todo)))
   started = time.perf_counter()
   for done, (policy, name, step) in enumerate(todo, 1):
     row = _lever_row(compiler, request, plans[policy], name, step, policy, batch)
     rows.append(row)
-    if progress:
-      progress(_done(name, step, policy, request.topology, row) + _left(done, len(todo), started))
+    say(_done(name, step, policy, request.topology, row) + _left(done, len(todo), started))
   resolved = request.resolved(planned.axes, batch)  # what the plan's meta says and its commands reproduce
   meta = _settings(resolved, planned, target, rows, batch_default, compiler_name, usable)
   hints = next_steps(rows, resolved, list(LEVERS), blocked=blocked, remat=planned.remat_hint,

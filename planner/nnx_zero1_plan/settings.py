@@ -1,10 +1,7 @@
 """A plan's settings as planned: plan.json's ``meta``, a frozen record written and read by one function each.
 
-The planning process writes it once: the request as the plan resolved it (a
-:class:`~nnx_zero1_plan.request.ResolvedRequest`: its mesh and micro-batch set) and what the model, the target
-and its compilers said; the caller reads it back from plan.json (:meth:`PlanSettings.from_json`).
-:meth:`PlanSettings.to_json` writes the request's settings and the rest in plan.json's order, so a kept plan's
-object comes back byte for byte. Pure.
+The planning process writes it once, from the request as the plan resolved it and what the model, the target
+and its compilers said; the caller reads it back from plan.json, a kept plan's object byte for byte. Pure.
 """
 
 from __future__ import annotations
@@ -94,10 +91,9 @@ class PlanSettings:
     lists; the keys in ``absent`` left out). A value JSON has no type for is left as it is, for ``json.dump``
     to refuse."""
     r = self.request
-    asked = {name: getattr(r, name) for name in _ASKED}
-    fields = {**asked, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
-              "model": str(r.model_ref), "mesh": dict(r.mesh_sizes), "levers": r.levers,
-              "steps": {s: STEPS[s] for s in r.steps},
+    fields = {**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)},
+              **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+              "model": str(r.model_ref), "mesh": dict(r.mesh_sizes), "steps": {s: STEPS[s] for s in r.steps},
               "gpu_memory_fraction": r.gpu_memory_fraction if r.platform == "cuda" else None}
     listed = lambda value: list(value) if isinstance(value, tuple) else value
     return {name: listed(fields[name]) for name in _KEYS if name not in self.absent}
@@ -115,10 +111,9 @@ class PlanSettings:
       raise KeyError(f"plan.json's meta has keys no field has: {sorted(unknown)}, or lacks: "
                      f"{sorted(missing)}")
     absent = frozenset(ADDED_LATER) - set(fields)
-    request = ResolvedRequest(
-        **{name: fields[name] for name in _ASKED if name in fields}, model=fields["model"],
-        mesh=spelled_mesh(fields["mesh"]), levers=fields["levers"], steps=tuple(fields["steps"]),
-        gpu_memory_fraction=fields["gpu_memory_fraction"] or JAX_GPU_POOL_FRACTION)
+    written = {"mesh": spelled_mesh(fields["mesh"]), "steps": tuple(fields["steps"]),
+               "gpu_memory_fraction": fields["gpu_memory_fraction"] or JAX_GPU_POOL_FRACTION}
+    request = ResolvedRequest(**{**{name: fields[name] for name in _REQUEST if name in fields}, **written})
     own: dict[str, Any] = {f.name: fields.get(f.name) for f in dataclasses.fields(cls)
                            if f.name not in ("request", "absent")}
     return cls(request, **own, absent=absent)
@@ -130,7 +125,5 @@ _KEYS = ("model", "layers", "topology", "device_kind", "mesh", "batch", "seq_len
          "jax", "hbm_bytes", "hbm_source", "usable_bytes", "peak_source", "gpu_memory_fraction",
          "depth_extrapolated_from", "estimate", "overrides", "search", "margin", "batch_unit", "slices",
          "domains", "activation_sharding", "tunix_sharding", "gpus_per_node", "maxtext_deferral")
-# The request's settings plan.json writes as the request holds them.
-_ASKED = ("topology", "batch", "seq_len", "ga", "optimizer", "param_dtype", "compute_dtype", "remat",
-          "estimate", "overrides", "search", "margin", "slices", "tunix_sharding", "gpus_per_node",
-          "maxtext_deferral")
+# The meta's keys that are the request's settings (the mesh, the steps and the GPU pool's share as written).
+_REQUEST = tuple(f.name for f in dataclasses.fields(ResolvedRequest) if f.init and f.name in _KEYS)

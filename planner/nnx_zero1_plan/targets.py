@@ -1,8 +1,4 @@
-"""What the plan compiles for: a TPU slice (libtpu) or NVIDIA GPUs (XLA's GPU compiler), deviceless.
-
-A :class:`Target` holds the topology's devices, which compile but never run,
-and the memory a program may use on one of them, as the compiler reports it.
-"""
+"""What the plan compiles for: a TPU slice (libtpu) or NVIDIA GPUs (XLA's GPU compiler), deviceless."""
 
 from __future__ import annotations
 
@@ -38,7 +34,8 @@ DEFAULT_RESERVE_BYTES = {"tpu": 0, "cuda": 256 * 2**20}
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """A topology to compile for: its devices and the memory a program may use on one."""
+  """A topology to compile for: its devices (compile-only, or this process's own: :func:`local_target`) and
+  the memory a program may use on one, as the compiler or the allocator reports it."""
 
   name: str
   platform: str  # "tpu" or "cuda"
