@@ -44,7 +44,7 @@ class _Record:
     return cls(**fields)
 
 
-# Each record's fields' types, read once (the annotations are strings: ``from __future__ import annotations``).
+# Each record's fields' types, read once (the annotations are strings until read).
 _field_types: Callable[[type], dict[str, Any]] = functools.cache(typing.get_type_hints)
 
 
