@@ -181,9 +181,8 @@ class RowCompiler:
 
   def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
           remat: str | None = None) -> Row:
-    """One lever's row at ``shape``'s micro-batch: compiled whole, or for an estimate (``model.reduced``) at
-    reduced depths and extrapolated, and compiled whole anyway where the line comes near the limit or the
-    two depths disagree.
+    """One lever's row at ``shape``'s micro-batch (an estimate's depths: ``model.reduced``), as the module
+    says it is made.
 
     Returns:
       The :class:`~nnx_zero1_plan.row.Row`, its ``fits`` the one verdict

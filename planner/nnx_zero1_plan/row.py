@@ -230,9 +230,8 @@ class MaxTextConfig(_Record):
   def from_json(cls, fields: Mapping[str, str]) -> MaxTextConfig:
     """The record :meth:`to_json` wrote (or the config's values, each as its ``str()``): each field's type
     read back from its string."""
-    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
-    typed: dict[str, Callable[[str], Any]] = {"int": int, "bool": lambda v: v in (True, "True"), "str": str}
-    return cls(**{k: typed[str(kinds[k])](v) for k, v in fields.items()})
+    typed: dict[type, Callable[[str], Any]] = {int: int, bool: lambda v: v in (True, "True"), str: str}
+    return cls(**{k: typed[_field_types(cls)[k]](v) for k, v in fields.items()})
 
 
 @dataclasses.dataclass(frozen=True)

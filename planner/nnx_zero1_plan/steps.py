@@ -122,8 +122,7 @@ def lever_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, me
 
 def step_jit(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever: Lever, loss_fn: Callable,
              ga: int) -> Any:
-  """The one-program step, jitted: ``(state, batch) -> (state, loss)``, the lever's gradients then
-  ``optimizer.update``, the state donated and kept on ``shardings``, the loss replicated.
+  """The one-program step, jitted: the state donated and kept on ``shardings``, the loss replicated.
 
   Example::
 
@@ -164,10 +163,9 @@ def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: M
   """Compiles the lever's step as two programs; returns (gradient program, update program, seconds);
   ``compiler_options`` go to the compiler for both.
 
-  ``grads(state, batch) -> (grads, loss)`` reads no optimizer state (its unused arguments are dropped);
-  ``update(state, grads) -> state``, ``optimizer.update`` alone, donates the state and keeps it on its
-  shardings. The update program is compiled for the gradients as the first program leaves them (its output
-  shardings), as a loop that calls one after the other passes them.
+  The gradient program's unused arguments (the optimizer state) are dropped from it. The update program is
+  compiled for the gradients as the first program leaves them (its output shardings), as a loop that calls
+  one after the other passes them.
 
   Raises:
     jax.errors.JaxRuntimeError: the compiler refused a program (e.g. it does not fit).
