@@ -16,14 +16,14 @@ import os
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.result import Plan
 
-__all__ = ["MARK", "plan_in_child", "main"]
+__all__ = ["MARK", "plan_in_child", "child_env", "main"]
 
 MARK = "nnx_zero1_plan.child:"  # starts every line of the protocol on the planning process's stdout
 _ERRORS = {"PlanError": PlanError, "AotUnavailable": compilers.AotUnavailable}
@@ -46,10 +46,8 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
     PlanError, AotUnavailable: as the planning process raised them.
     RuntimeError: the planning process failed otherwise (its last lines of output in the message).
   """
-  # This process's import path, so a ``package.module:function`` model the caller can import, it can too.
-  path = [os.getcwd() if entry == "" else entry for entry in sys.path]
   own = compilers.prepare_planning_process(os.environ)  # a stale libtpu lockfile removed too
-  env = {**(os.environ if local else own), "PYTHONPATH": os.pathsep.join(path)}
+  env = child_env(os.environ if local else own)
   command = [sys.executable, "-m", "nnx_zero1_plan.child", *(["--local"] if local else [])]
   other: list[str] = []
   result = None
@@ -72,6 +70,13 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
     raise _ERRORS[result["error"]["type"]](result["error"]["message"])
   why = result["error"]["traceback"] if result is not None else "\n".join(other[-20:])
   raise RuntimeError(f"the planning process failed (exit status {child.returncode}):\n{why}")
+
+
+def child_env(environ: Mapping[str, str]) -> dict[str, str]:
+  """``environ`` with this process's import path, so a ``package.module:function`` model the caller can
+  import, a child process of the planner's can too."""
+  path = [os.getcwd() if entry == "" else entry for entry in sys.path]
+  return {**environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def _say(message: dict) -> None:

@@ -35,9 +35,8 @@ MEASURED_ERROR: dict[str, Any] = {
     ],
 }
 
-# Above this share of the usable memory an extrapolated (TPU) peak is checked by a whole compile: the TPU
-# compiler's whole 8B programs kept more temp than the line said (qwen3_8b 28.24 GiB against 23.69
-# extrapolated, llama3p1_8b 26.93 against 19.79: x1.36), so a peak is trusted only well below the limit.
+# Above this share of the usable memory an extrapolated (TPU) peak is checked by a whole compile: whole
+# programs kept more temp than the line said (MEASURED_ERROR), so a peak is trusted only well below it.
 NEAR_LIMIT = 0.5
 NEAR = "near the limit"  # why an estimated row was compiled whole after its reduced depths
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan import compilers
+from nnx_zero1_plan.child import child_env, plan_in_child
 from nnx_zero1_plan.chips import chip_of
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, parse_topology
@@ -66,19 +67,13 @@ def chips_may_be_here(platform: str) -> bool:
   return any(glob.glob(p) for p in patterns)
 
 
-def _env() -> dict[str, str]:
-  """A child's environment: the caller's (its chips visible), with this process's import path."""
-  path = [os.getcwd() if entry == "" else entry for entry in sys.path]
-  return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-
-
 def _child(command: str, job: Mapping[str, Any] | None, timeout: float) -> tuple[dict[str, Any] | None, str]:
   """Runs ``python -m nnx_zero1_plan.local COMMAND`` with ``job`` on stdin; its answer (None: none) and
   its last line of other output, for the reason it gave none."""
   compilers.clear_stale_lockfile()  # a killed run's lockfile would stop the next process that opens the TPU
   try:
     done = subprocess.run([sys.executable, "-m", "nnx_zero1_plan.local", command], input=json.dumps(job),
-                          capture_output=True, text=True, timeout=timeout, env=_env())
+                          capture_output=True, text=True, timeout=timeout, env=child_env(os.environ))
   except subprocess.TimeoutExpired:
     return None, f"no answer in {timeout:.0f} s"
   found = [line[len(MARK):] for line in done.stdout.splitlines() if line.startswith(MARK)]
@@ -143,8 +138,6 @@ def plan_here(request: PlanRequest, progress: Callable[[str], None] | None = Non
   """The plan made where the target's chips are this machine's (:func:`devices_for`): a TPU's compiled for
   them (a GPU's deviceless, as anywhere), then with ``measure`` each fitting row run on them
   (:func:`measured_plan`)."""
-  from nnx_zero1_plan.child import plan_in_child
-
   result = plan_in_child(request, progress, local=request.platform == "tpu")
   return measured_plan(result, request, progress) if measure else result
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -43,7 +42,7 @@ from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
 from nnx_zero1_plan.targets import Target, domain_of
 from nnx_zero1_plan.tunix_sharding import sharding_of
 
-__all__ = ["StepShape", "Timing", "measured", "timed", "RowCompiler"]
+__all__ = ["StepShape", "measured", "timed", "RowCompiler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,19 +64,11 @@ class StepShape:
   offload_fraction: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True)
-class Timing:
-  """What a step's predicted time is reckoned against: the target's chip and devices, the compute dtype."""
-
-  target: Target
-  compute_dtype: str = "bfloat16"
-
-
 def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: StepShape,
-          timing: Timing | None, scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
-  """``figures`` with the step's predicted time (:func:`nnx_zero1_plan.predict_step_time`) for the
-  ``programs`` one step runs (``scheduled``: XLA's GPU scheduler's estimates of their instructions), and on
-  a pod its slow network's bytes over that network's rate."""
+          timing: RowCompiler | None, scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
+  """``figures`` with the step's predicted time (:func:`nnx_zero1_plan.predict_step_time`) on ``timing``'s
+  target at its compute dtype, for the ``programs`` one step runs (``scheduled``: XLA's GPU scheduler's
+  estimates of their instructions), and on a pod its slow network's bytes over that network's rate."""
   if timing is None:
     return figures
   target = timing.target
@@ -90,26 +81,18 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
 
 
 @contextlib.contextmanager
-def _gpu_schedule(timing: Timing | None) -> Iterator[tuple[dict[str, Any] | None, Callable[[], Any]]]:
+def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] | None, Callable[[], Any]]]:
   """For a GPU target, the compiler options that dump its scheduler's estimates into a fresh folder, and a
   reader of them; the folder is removed after (nothing is left behind). Elsewhere no options, nothing read."""
   if timing is None or timing.target.platform != "cuda":
     yield None, lambda: None
     return
-  folder = tempfile.mkdtemp(prefix="nnx_zero1_plan_schedule_")
-  try:
+  with tempfile.TemporaryDirectory(prefix="nnx_zero1_plan_schedule_", ignore_cleanup_errors=True) as folder:
     yield dump_options(folder), lambda: scheduled_seconds(folder)
-  finally:
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _domains_in_order(mesh: Any) -> list[int] | None:
-  """Each device's slice or node, in the mesh's order (None without a device mesh: MaxText builds its own)."""
-  return None if mesh is None else [domain_of(d) for d in mesh.devices.flat]
 
 
 def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape, depth: int | None = None,
-             progress: Callable[[str], None] | None = None, timing: Timing | None = None) -> Figures:
+             progress: Callable[[str], None] | None = None, timing: RowCompiler | None = None) -> Figures:
   """One compile of the lever's step at ``depth`` layers (None: the model's own).
 
   Args:
@@ -120,7 +103,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     shape: the micro-batch and the step's other settings.
     depth: the layers to build the model with.
     progress: called with one line as the compile starts and ends.
-    timing: what the step's time is reckoned against (None: not timed).
+    timing: the target and compute dtype the step's time is reckoned against (None: not timed).
 
   Returns:
     The row's :class:`~nnx_zero1_plan.row.Figures` (:func:`nnx_zero1_plan.compiled.row_figures`, the
@@ -162,11 +145,12 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     seconds = time.perf_counter() - started
     say(f"compiled {at}: refused in {seconds:.0f} s ({shortened(error, 160)})")
     return Figures(**state_figures, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
+  domains = None if mesh is None else [domain_of(d) for d in mesh.devices.flat]  # in the mesh's order
   if step == "one":
-    figures = row_figures(memory(compiled), collectives_of(compiled, _domains_in_order(mesh)))
+    figures = row_figures(memory(compiled), collectives_of(compiled, domains))
   else:
     mem = split_memory(memory(grads), memory(update), state_figures["opt_state_bytes_per_device"])
-    figures = row_figures(mem, split_collectives_of(grads, update, _domains_in_order(mesh)), cost(update))
+    figures = row_figures(mem, split_collectives_of(grads, update, domains), cost(update))
   flops, flops_source = step_flops(compiled if step == "one" else grads)
   say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
   programs = ([("step", compiled.as_text(), 1)] if step == "one"
@@ -176,37 +160,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
   return timed(figures, programs, shape, timing, scheduled)
 
 
-def _config_layers(figures: Figures) -> int | None:
-  """A MaxText row's layers, as its config chose them (MaxText compiles whole; None for another model)."""
-  return None if figures.maxtext_config is None else figures.maxtext_config.num_decoder_layers
-
-
 _ESTIMATED_TIME = "an estimate: its time extrapolated per layer, its parts and MFU not"
-
-
-def _at_depths(lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any, shape: StepShape,
-               progress: Callable[[str], None] | None, timing: Timing | None) -> tuple[Figures, Made]:
-  """The lever's figures compiled whole (no ``depths``), or at the two ``depths`` and extrapolated to the
-  full depth (a refusal at either is the row's), and how they were made."""
-  if not depths:
-    figures = measured(lever, step, source, mesh, shape, None, progress, timing)
-    return figures, Made(depth=source.full_depth or _config_layers(figures))
-  d1, d2 = depths
-  r1 = measured(lever, step, source, mesh, shape, d1, progress, timing)
-  r2 = measured(lever, step, source, mesh, shape, d2, progress, timing) if not r1.error else r1
-  compile_s = (r1.compile_s or 0.0) + ((r2.compile_s or 0.0) if r2 is not r1 else 0.0)
-  if r1.error or r2.error:
-    refused = r1 if r1.error else r2
-    return dataclasses.replace(refused, compile_s=compile_s), Made(depth=d1 if r1.error else d2)
-  figures = extrapolate_row(r1, r2, d1, d2, source.full_depth, PER_LAYER)
-  if figures.predicted_step_s:
-    tokens = (r2.tokens_per_s_per_device or 0.0) * (r2.predicted_step_s or 0.0)
-    figures = dataclasses.replace(figures, tokens_per_s_per_device=tokens / figures.predicted_step_s,
-                                  mfu=None, step_time=None, time_absent=_ESTIMATED_TIME)
-  doubt = (not_alike(r1.temp_bytes_per_device, r2.temp_bytes_per_device, d1, d2)
-           or not_alike(r1.peak_bytes_per_device, r2.peak_bytes_per_device, d1, d2, "peak"))
-  return (dataclasses.replace(figures, compile_s=compile_s),
-          Made(depth=source.full_depth, depth_extrapolated_from=[d1, d2], not_alike=doubt))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,9 +181,8 @@ class RowCompiler:
 
   def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
           remat: str | None = None) -> Row:
-    """One lever's row at ``shape``'s micro-batch: compiled whole, or for an estimate (``model.reduced``) at
-    reduced depths and extrapolated, and compiled whole anyway where the line comes near the limit or the
-    two depths disagree.
+    """One lever's row at ``shape``'s micro-batch (an estimate's depths: ``model.reduced``), as the module
+    says it is made.
 
     Returns:
       The :class:`~nnx_zero1_plan.row.Row`, its ``fits`` the one verdict
@@ -238,13 +191,11 @@ class RowCompiler:
     """
     target = self.target
     source = model.source_at(shape.batch)
-    figures, made = _at_depths(lever, step, source, model.reduced, model.device_mesh, shape, self.progress,
-                               Timing(target, self.compute_dtype))
+    figures, made = self._at_depths(lever, step, source, model.reduced, model.device_mesh, shape)
     if (made.depth_extrapolated_from and near_the_limit(figures.peak_bytes_per_device, target.hbm_bytes)
         or made.not_alike):
       extrapolated, why = figures, made.not_alike or NEAR
-      figures, made = _at_depths(lever, step, source, None, model.device_mesh, shape, self.progress,
-                                 Timing(target, self.compute_dtype))
+      figures, made = self._at_depths(lever, step, source, None, model.device_mesh, shape)
       both = (figures.compile_s or 0.0) + (extrapolated.compile_s or 0.0)
       figures = dataclasses.replace(figures, compile_s=both)
       made = dataclasses.replace(made, extrapolated_peak_bytes_per_device=extrapolated.peak_bytes_per_device,
@@ -257,8 +208,7 @@ class RowCompiler:
     if made.depth_extrapolated_from:
       marked = [k for k in (*PER_LAYER, "headroom_bytes_per_device") if getattr(figures, k) is not None]
       mark = estimate_mark(source.full_depth, made.depth_extrapolated_from, marked)
-      made = dataclasses.replace(made, estimate=mark,
-                                 fits_estimate=verdict)
+      made = dataclasses.replace(made, estimate=mark, fits_estimate=verdict)
       verdict = None
     if target.domains > 1 and figures.collectives:
       networks = network_per_step(figures.collectives, target.chip, target.platform, figures.step_time)
@@ -267,3 +217,28 @@ class RowCompiler:
                mesh=model.axes, model=source.name, batch=shape.batch, figures=figures, made=made,
                hbm_bytes=target.hbm_bytes, usable_bytes=self.usable, fits=verdict,
                activation_sharding=sharding_of(source, model.axes), remat=remat)
+
+  def _at_depths(self, lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any,
+                 shape: StepShape) -> tuple[Figures, Made]:
+    """The lever's figures compiled whole (no ``depths``), or at the two ``depths`` and extrapolated to the
+    full depth (a refusal at either is the row's), and how they were made."""
+    if not depths:
+      figures = measured(lever, step, source, mesh, shape, None, self.progress, self)
+      config = figures.maxtext_config  # a MaxText row's layers, as its config chose them (it compiles whole)
+      return figures, Made(depth=source.full_depth or (config.num_decoder_layers if config else None))
+    d1, d2 = depths
+    r1 = measured(lever, step, source, mesh, shape, d1, self.progress, self)
+    r2 = measured(lever, step, source, mesh, shape, d2, self.progress, self) if not r1.error else r1
+    compile_s = (r1.compile_s or 0.0) + ((r2.compile_s or 0.0) if r2 is not r1 else 0.0)
+    if r1.error or r2.error:
+      refused = r1 if r1.error else r2
+      return dataclasses.replace(refused, compile_s=compile_s), Made(depth=d1 if r1.error else d2)
+    figures = extrapolate_row(r1, r2, d1, d2, source.full_depth, PER_LAYER)
+    if figures.predicted_step_s:
+      tokens = (r2.tokens_per_s_per_device or 0.0) * (r2.predicted_step_s or 0.0)
+      figures = dataclasses.replace(figures, tokens_per_s_per_device=tokens / figures.predicted_step_s,
+                                    mfu=None, step_time=None, time_absent=_ESTIMATED_TIME)
+    doubt = (not_alike(r1.temp_bytes_per_device, r2.temp_bytes_per_device, d1, d2)
+             or not_alike(r1.peak_bytes_per_device, r2.peak_bytes_per_device, d1, d2, "peak"))
+    return (dataclasses.replace(figures, compile_s=compile_s),
+            Made(depth=source.full_depth, depth_extrapolated_from=[d1, d2], not_alike=doubt))

@@ -13,6 +13,9 @@ whether it fits from one property (:attr:`Row.verdict`). Pure.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,24 +24,74 @@ __all__ = ["StepTime", "OpCount", "Collectives", "StateSplit", "HbmOom", "MaxTex
            "Offloaded", "Measured", "Row", "PER_LAYER", "AT_EDGE"]
 
 
-def _figure(*, per_layer: bool = False, record: type | None = None) -> Any:
-  """A :class:`Figures` field (None by default): whether an estimate extrapolates it per layer, and the record
-  it is (plan.json's object read into it)."""
-  return dataclasses.field(default=None, metadata={"per_layer": per_layer, "record": record})
+class _Record:
+  """A frozen record of plan.json's: written field by field (a field marked ``only_when_set`` left out where
+  it is None), and read back from that object, each field that is a record, or a tuple or mapping of them,
+  read into its type as the record is made (so a record may be given plan.json's objects)."""
+
+  def __post_init__(self) -> None:
+    for name, kind in _field_types(type(self)).items():
+      object.__setattr__(self, name, _read(kind, getattr(self, name)))
+
+  def to_json(self) -> dict[str, Any]:
+    """plan.json's object: every field by its name (one marked ``only_when_set`` only where it is set)."""
+    return {f.name: _json(value) for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if (value := getattr(self, f.name)) is not None or not f.metadata.get("only_when_set")}
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> Any:
+    """The record :meth:`to_json` wrote."""
+    return cls(**fields)
 
 
-def _read_records(record: Any) -> None:
-  """Each of ``record``'s fields that is a record of its own, where it holds plan.json's object, read into
-  that record (by its ``from_json``, or field by field)."""
-  for f in dataclasses.fields(record):
-    kind, value = f.metadata.get("record"), getattr(record, f.name)
-    if kind is not None and isinstance(value, Mapping):
-      read = kind.from_json(value) if hasattr(kind, "from_json") else kind(**value)
-      object.__setattr__(record, f.name, read)
+# Each record's fields' types, read once (the annotations are strings until read).
+_field_types: Callable[[type], dict[str, Any]] = functools.cache(typing.get_type_hints)
+
+
+def _read(kind: Any, value: Any) -> Any:
+  """``value`` as plan.json holds it, read into the type ``kind``: a record from its object (by its
+  ``from_json``), a tuple's items and a mapping's values each; ``X | None`` as ``X``."""
+  origin, args = typing.get_origin(kind), typing.get_args(kind)
+  if value is None or kind is Any:
+    return value
+  if origin in (typing.Union, types.UnionType):
+    return _read(args[0], value)
+  if isinstance(kind, type) and issubclass(kind, _Record):
+    return kind.from_json(value) if isinstance(value, Mapping) else value
+  if origin is tuple:
+    return tuple(_read(args[0], v) for v in value)
+  if origin is Mapping:
+    return {k: _read(args[1], v) for k, v in value.items()}
+  return value
+
+
+def _json(value: Any) -> Any:
+  """A value as plan.json writes it: a record by its ``to_json``, a sequence as a list."""
+  if isinstance(value, _Record):
+    return value.to_json()
+  if isinstance(value, (tuple, list)):
+    return [_json(v) for v in value]
+  if isinstance(value, Mapping):
+    return {k: _json(v) for k, v in value.items()}
+  return value
+
+
+def _figure(*, per_layer: bool = False) -> Any:
+  """A :class:`Figures` field (None by default), and whether an estimate extrapolates it per layer."""
+  return dataclasses.field(default=None, metadata={"per_layer": per_layer})
+
+
+def _when_set() -> Any:
+  """A field (None by default) that plan.json carries only where it says something (not None)."""
+  return dataclasses.field(default=None, metadata={"only_when_set": True})
+
+
+def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
+  return tuple(f.name for f in dataclasses.fields(record) if flag is None or f.metadata.get(flag))
 
 
 @dataclasses.dataclass(frozen=True)
-class StepTime:
+class StepTime(_Record):
   """A step's predicted time on one device, in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`).
 
   Attributes:
@@ -74,7 +127,7 @@ class StepTime:
 
 
 @dataclasses.dataclass(frozen=True)
-class OpCount:
+class OpCount(_Record):
   """One collective op kind's (or host transfer's) count and bytes on one device."""
 
   count: int
@@ -83,13 +136,11 @@ class OpCount:
 
 def op_counts(by_op: Mapping[str, Any] | None) -> dict[str, OpCount] | None:
   """plan.json's ``{op: {"count", "bytes"}}`` as :class:`OpCount` s, in its order."""
-  if by_op is None:
-    return None
-  return {op: OpCount(**c) if isinstance(c, Mapping) else c for op, c in by_op.items()}
+  return _read(Mapping[str, OpCount], by_op)
 
 
 @dataclasses.dataclass(frozen=True)
-class Collectives:
+class Collectives(_Record):
   """A step's collectives on one device, each ``{op kind: OpCount}``
   (:func:`nnx_zero1_plan.compiled.collectives_of`).
 
@@ -106,10 +157,10 @@ class Collectives:
     (2, 6, 0, {'all-reduce': {'count': 2, 'bytes': 6}})
   """
 
-  per_step: Mapping[str, OpCount]
-  per_micro_batch: Mapping[str, OpCount] | None = None
-  sent_per_step: Mapping[str, OpCount] | None = None
-  across_per_step: Mapping[str, OpCount] | None = None
+  per_step: Mapping[str, OpCount] = dataclasses.field(default_factory=dict)
+  per_micro_batch: Mapping[str, OpCount] | None = _when_set()
+  sent_per_step: Mapping[str, OpCount] | None = _when_set()
+  across_per_step: Mapping[str, OpCount] | None = _when_set()
 
   @property
   def sent_bytes(self) -> int:
@@ -121,20 +172,14 @@ class Collectives:
     """The bytes one device sends per step between slices or nodes (0 on one slice or node)."""
     return sum(c.bytes for c in (self.across_per_step or {}).values())
 
-  def to_json(self) -> dict[str, Any]:
-    """plan.json's ``collectives``: each count set, by its name (a count not made is left out)."""
-    return {name: {op: _json(c) for op, c in counts.items()}
-            for name, counts in vars(self).items() if counts is not None}
-
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Collectives:
-    """The record :meth:`to_json` wrote (``per_step`` empty where it has none)."""
-    return cls(**{name: op_counts(fields.get(name, {} if name == "per_step" else None))  # type: ignore[arg-type]
-                  for name in _names(cls)})
+    """The record :meth:`to_json` wrote (``per_step`` empty where it has none; other names not read)."""
+    return cls(**{name: fields[name] for name in _names(cls) if name in fields})
 
 
 @dataclasses.dataclass(frozen=True)
-class StateSplit:
+class StateSplit(_Record):
   """The axes a lever splits the optimizer state over, and the share of its bytes split over each set of
   axes (``"none"``: not split)."""
 
@@ -143,7 +188,7 @@ class StateSplit:
 
 
 @dataclasses.dataclass(frozen=True)
-class HbmOom:
+class HbmOom(_Record):
   """The TPU compiler's "does not fit" refusal as numbers (None where its message gave none)."""
 
   required_bytes: int | None
@@ -152,7 +197,7 @@ class HbmOom:
 
 
 @dataclasses.dataclass(frozen=True)
-class MaxTextConfig:
+class MaxTextConfig(_Record):
   """What MaxText's defaults chose for a row (its config's values of these names).
 
   plan.json keeps each value as the config's ``str()``; the record holds the numbers and flags as such.
@@ -185,13 +230,12 @@ class MaxTextConfig:
   def from_json(cls, fields: Mapping[str, str]) -> MaxTextConfig:
     """The record :meth:`to_json` wrote (or the config's values, each as its ``str()``): each field's type
     read back from its string."""
-    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
-    typed: dict[str, Callable[[str], Any]] = {"int": int, "bool": lambda v: v in (True, "True"), "str": str}
-    return cls(**{k: typed[str(kinds[k])](v) for k, v in fields.items()})
+    typed: dict[type, Callable[[str], Any]] = {int: int, bool: lambda v: v in (True, "True"), str: str}
+    return cls(**{k: typed[_field_types(cls)[k]](v) for k, v in fields.items()})
 
 
 @dataclasses.dataclass(frozen=True)
-class Figures:
+class Figures(_Record):
   """What the compiler said of one lever's step, per device; None where it refused the program.
 
   Attributes:
@@ -232,7 +276,7 @@ class Figures:
   opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _figure(per_layer=True)
   opt_state_bytes_by_dtype: Mapping[str, int] | None = _figure(per_layer=True)
   param_bytes_per_device: int | None = _figure(per_layer=True)
-  state_split: StateSplit | None = _figure(record=StateSplit)
+  state_split: StateSplit | None = _figure()
   argument_bytes_per_device: int | None = _figure(per_layer=True)
   output_bytes_per_device: int | None = _figure(per_layer=True)
   alias_bytes_per_device: int | None = _figure(per_layer=True)
@@ -242,59 +286,34 @@ class Figures:
   host_argument_bytes_per_device: int | None = _figure(per_layer=True)
   flops_per_device: int | None = _figure(per_layer=True)
   flops_source: str | None = _figure()
-  collectives: Collectives | None = _figure(per_layer=True, record=Collectives)
+  collectives: Collectives | None = _figure(per_layer=True)
   update_peak_bytes_per_device: int | None = _figure(per_layer=True)
   update_temp_bytes_per_device: int | None = _figure(per_layer=True)
   update_flops_per_device: int | None = _figure(per_layer=True)
   update_bytes_accessed_per_device: int | None = _figure(per_layer=True)
   headroom_bytes_per_device: int | None = _figure()
   error: str | None = _figure()
-  hbm_oom: HbmOom | None = _figure(record=HbmOom)
+  hbm_oom: HbmOom | None = _figure()
   compile_s: float | None = _figure()
-  maxtext_config: MaxTextConfig | None = _figure(record=MaxTextConfig)
+  maxtext_config: MaxTextConfig | None = _figure()
   predicted_step_s: float | None = _figure(per_layer=True)
   tokens_per_s_per_device: float | None = _figure()
   mfu: float | None = _figure()
-  step_time: StepTime | None = _figure(record=StepTime)
+  step_time: StepTime | None = _figure()
   time_absent: str | None = _figure()
-
-  def __post_init__(self) -> None:
-    _read_records(self)
 
   @property
   def host_state_bytes(self) -> int:
     """The optimizer state's bytes in host memory (an offloaded state; 0 where none is)."""
     return (self.opt_state_bytes_by_memory_kind or {}).get("pinned_host", 0)
 
-  def to_json(self) -> dict[str, Any]:
-    """plan.json's figures: every field by its name, each record as its JSON."""
-    return {name: _json(getattr(self, name)) for name in _names(Figures)}
-
-
-def _json(value: Any) -> Any:
-  """A figure as plan.json writes it: a record by its own ``to_json``, or field by field."""
-  if hasattr(value, "to_json"):
-    return value.to_json()
-  record = dataclasses.is_dataclass(value) and not isinstance(value, type)
-  return dataclasses.asdict(value) if record else value
-
-
-def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
-  return tuple(f.name for f in dataclasses.fields(record) if flag is None or f.metadata.get(flag))
-
 
 # The figures an estimate extrapolates per layer.
 PER_LAYER = _names(Figures, "per_layer")
 
 
-def _note(record: type | None = None) -> Any:
-  """A :class:`Made` field that plan.json carries only where it says something (not None), and the record it
-  is."""
-  return dataclasses.field(default=None, metadata={"only_when_set": True, "record": record})
-
-
 @dataclasses.dataclass(frozen=True)
-class Network:
+class Network(_Record):
   """One network (``ICI``, ``DCN``, ``NVLink``, ``InfiniBand``), the bytes one device sends over it per
   step, and their time in ms at its public rate (an estimate; None: no public rate here for the chip)."""
 
@@ -304,7 +323,7 @@ class Network:
 
 
 @dataclasses.dataclass(frozen=True)
-class PodNetworks:
+class PodNetworks(_Record):
   """A pod's two networks per step (:func:`nnx_zero1_plan.networks.network_per_step`): the fast one inside a
   slice or node, the slow one between them, and where their rates come from."""
 
@@ -317,14 +336,9 @@ class PodNetworks:
     """The bytes one device sends per step on both networks together."""
     return self.fast.bytes + self.slow.bytes
 
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> PodNetworks:
-    """The record plan.json's ``network_per_step`` holds."""
-    return cls(Network(**fields["fast"]), Network(**fields["slow"]), fields["source"])
-
 
 @dataclasses.dataclass(frozen=True)
-class Estimate:
+class Estimate(_Record):
   """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.depth.estimate_mark`): how it was
   made, the figures it touches, and how far low such estimates were measured (the whole program's peak over
   the estimate's), where."""
@@ -336,7 +350,7 @@ class Estimate:
 
 
 @dataclasses.dataclass(frozen=True)
-class Made:
+class Made(_Record):
   """How a row's figures were made: the depth always, each other note where it says something (not None).
 
   Attributes:
@@ -353,19 +367,16 @@ class Made:
 
   depth: int | None = None
   depth_extrapolated_from: Sequence[int] | None = None
-  not_alike: str | None = _note()
-  estimate: Estimate | None = _note(Estimate)
-  fits_estimate: bool | None = _note()
-  extrapolated_peak_bytes_per_device: int | None = _note()
-  compiled_whole_because: str | None = _note()
-  network_per_step: PodNetworks | None = _note(PodNetworks)
-
-  def __post_init__(self) -> None:
-    _read_records(self)
+  not_alike: str | None = _when_set()
+  estimate: Estimate | None = _when_set()
+  fits_estimate: bool | None = _when_set()
+  extrapolated_peak_bytes_per_device: int | None = _when_set()
+  compiled_whole_because: str | None = _when_set()
+  network_per_step: PodNetworks | None = _when_set()
 
 
 @dataclasses.dataclass(frozen=True)
-class Point:
+class Point(_Record):
   """One compile of a search: its micro-batch, whether it fits, and the :class:`Figures` a search keeps
   (:data:`AT_EDGE`, each named as its :class:`Figures` field).
 
@@ -385,9 +396,9 @@ class Point:
   headroom_bytes_per_device: int | None = None
   error: str | None = None
   compile_s: float | None = None
-  predicted_step_s: float | None = _note()
-  tokens_per_s_per_device: float | None = _note()
-  mfu: float | None = _note()
+  predicted_step_s: float | None = _when_set()
+  tokens_per_s_per_device: float | None = _when_set()
+  mfu: float | None = _when_set()
 
   @classmethod
   def of(cls, batch: int, fits: bool, figures: Figures) -> Point:
@@ -400,7 +411,7 @@ AT_EDGE = tuple(f.name for f in dataclasses.fields(Point))[2:]
 
 
 @dataclasses.dataclass(frozen=True)
-class Searched:
+class Searched(_Record):
   """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.search_row`).
 
   Attributes:
@@ -425,18 +436,9 @@ class Searched:
   search: tuple[Point, ...]
   search_compile_s: float
 
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> Searched:
-    """The record from plan.json's names (its points each a :class:`Point`)."""
-    point = lambda p: None if p is None else Point(**p)
-    return cls(fields["max_micro_batch"], fields["above"], fields["refused_because"],
-               fields["search_unfinished"], tuple(fields["fits_above"]), point(fields["at_max"]),
-               point(fields["at_above"]), tuple(Point(**p) for p in fields["search"]),
-               fields["search_compile_s"])
-
 
 @dataclasses.dataclass(frozen=True)
-class OffloadPoint:
+class OffloadPoint(_Record):
   """One compile of the offload search: the share offloaded, its peak, seconds and whether it fits."""
 
   fraction: float
@@ -446,7 +448,7 @@ class OffloadPoint:
 
 
 @dataclasses.dataclass(frozen=True)
-class Offloaded:
+class Offloaded(_Record):
   """What the search for the share of the optimizer state to offload found
   (:func:`nnx_zero1_plan.search.offload_search`).
 
@@ -460,15 +462,9 @@ class Offloaded:
   offload_search: tuple[OffloadPoint, ...]
   offload_refused_because: str | None
 
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> Offloaded:
-    """The record from plan.json's names."""
-    return cls(fields["offload_fraction"], tuple(OffloadPoint(**p) for p in fields["offload_search"]),
-               fields["offload_refused_because"])
-
 
 @dataclasses.dataclass(frozen=True)
-class Measured:
+class Measured(_Record):
   """One step run on the local devices (``--measure``): a few steady steps of the compiled program.
 
   Attributes:
@@ -486,7 +482,7 @@ class Measured:
 
 
 @dataclasses.dataclass(frozen=True)
-class Row:
+class Row(_Record):
   """One lever's step compiled for the target, as plan.json's row.
 
   Attributes:
@@ -542,12 +538,10 @@ class Row:
       >>> row.figures.peak_bytes_per_device, row.made.depth, row.verdict, Row.from_json(row.to_json()) == row
       (5, 2, True, True)
     """
-    own = {k: getattr(self, k) for k in _OWN}
-    made = {k: _json(v) for k, v in vars(self.made).items() if v is not None or k not in _WHEN_SET}
-    found = {k: _listed(v) for record in (self.searched, self.offloaded) if record is not None
-             for k, v in dataclasses.asdict(record).items()}
-    ran = {} if self.measured is None else {"measured": [dataclasses.asdict(m) for m in self.measured]}
-    return {**own, **self.figures.to_json(), **made, **found, **ran}
+    row = {k: getattr(self, k) for k in _OWN}
+    for record in (self.figures, self.made, self.searched, self.offloaded):
+      row.update({} if record is None else record.to_json())
+    return row if self.measured is None else {**row, "measured": _json(self.measured)}
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Row:
@@ -561,12 +555,10 @@ class Row:
     if unknown:
       raise KeyError(f"plan.json's row has fields no record here has: {sorted(unknown)}")
     pick = lambda record: {k: fields[k] for k in _names(record) if k in fields}
-    searched = Searched.from_json(fields) if "max_micro_batch" in fields else None
-    offloaded = Offloaded.from_json(fields) if "offload_fraction" in fields else None
-    own = {k: fields[k] for k in _OWN if k in fields}
-    measured = None if "measured" not in fields else tuple(Measured(**m) for m in fields["measured"])
-    return cls(**own, figures=Figures(**pick(Figures)), made=Made(**pick(Made)), searched=searched,
-               offloaded=offloaded, measured=measured)
+    records: dict[str, Any] = {"figures": pick(Figures), "made": pick(Made),
+                               "searched": pick(Searched) if "max_micro_batch" in fields else None,
+                               "offloaded": pick(Offloaded) if "offload_fraction" in fields else None}
+    return cls(**pick(cls), **records)
 
   @property
   def estimated(self) -> bool:
@@ -580,22 +572,7 @@ class Row:
     return self.made.fits_estimate if self.estimated else self.fits
 
 
-def _listed(value: Any) -> Any:
-  """A record's tuples as JSON's lists, so that plan.json's row and :meth:`Row.to_json` are equal; a search
-  point's time where it has one (a plan made before the planner timed steps has none)."""
-  if isinstance(value, tuple):
-    return [_listed(v) for v in value]
-  if isinstance(value, dict) and "batch" in value and "fits" in value:
-    return {k: v for k, v in value.items() if v is not None or k not in _POINT_TIME}
-  return value
-
-
-# A point's figures plan.json carries only where set (a plan made before the planner timed steps has none).
-_POINT_TIME = frozenset(_names(Point, "only_when_set"))
-
-
 _RECORDS = ("figures", "made", "searched", "offloaded", "measured")
 _OWN = tuple(f.name for f in dataclasses.fields(Row) if f.name not in _RECORDS)
-_WHEN_SET = frozenset(_names(Made, "only_when_set"))
 _KNOWN = frozenset((*_OWN, *_names(Figures), *_names(Made), *_names(Searched), *_names(Offloaded),
                     "measured"))

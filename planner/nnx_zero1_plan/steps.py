@@ -34,10 +34,8 @@ from nnx_zero1_plan.inputs import batch_axes
 from nnx_zero1_plan.levers import Lever, state_axes, summed_over
 from nnx_zero1_plan.request import OPTIMIZER_MENU
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batch",
-           "train_step",
-           "grads_program", "update_program", "step_jit", "split_jits", "compile_step", "compile_split",
-           "lever_state", "placed_state", "StepRuns", "run_steps"]
+__all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batch", "step_jit",
+           "compile_step", "compile_split", "lever_state", "placed_state", "StepRuns", "run_steps"]
 
 
 def _menu_transformation(name: str) -> Callable[..., optax.GradientTransformation]:
@@ -112,50 +110,14 @@ def _gradients(model: Any, optimizer: Any, lever: Lever, loss_fn: Callable, batc
   return scan_value_and_grad(loss_fn, model, batch)
 
 
-def train_step(graphdef: Any, lever: Lever, loss_fn: Callable, ga: int) -> Callable:
-  """``(state, batch) -> (state, loss)``: the lever's gradients, then ``optimizer.update``."""
-
-  def step(state, batch):
-    model, optimizer = nnx.merge(graphdef, state)
-    loss, grads = _gradients(model, optimizer, lever, loss_fn, batch, ga)
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
-
-  return step
-
-
-def grads_program(graphdef: Any, lever: Lever, loss_fn: Callable, ga: int) -> Callable:
-  """``(state, batch) -> (grads, loss)``: the split step's first program (it reads no optimizer state)."""
-
-  def grads(state, batch):
-    model, optimizer = nnx.merge(graphdef, state)
-    loss, g = _gradients(model, optimizer, lever, loss_fn, batch, ga)
-    return g, loss
-
-  return grads
-
-
-def update_program(graphdef: Any, lever: Lever) -> Callable:
-  """``(state, grads) -> state``: the split step's second program, ``optimizer.update`` alone."""
-
-  def update(state, grads):
-    model, optimizer = nnx.merge(graphdef, state)
-    if lever.zero1 and lever.deferred:  # reduce-scattered; the mark is metadata no program boundary keeps
-      grads = mark_zero1_grads(grads)
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer))
-
-  return update
+def _built(lever: Lever, build_model: Callable[[], Any], optimizer: str, mesh: Mesh) -> tuple[Any, Any]:
+  model = build_model()
+  return model, make_optimizer(lever, model, OPTIMIZERS[optimizer](), mesh)
 
 
 def lever_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, mesh: Mesh) -> AbstractState:
   """The lever's model and optimizer, abstract, on ``mesh``."""
-
-  def build():
-    model = build_model()
-    return model, make_optimizer(lever, model, OPTIMIZERS[optimizer](), mesh)
-
-  return abstract_state(build, mesh)
+  return abstract_state(lambda: _built(lever, build_model, optimizer, mesh), mesh)
 
 
 def step_jit(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever: Lever, loss_fn: Callable,
@@ -167,26 +129,16 @@ def step_jit(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever
     step = step_jit(graphdef, shardings, NamedSharding(mesh, P(None, "data")), LEVERS["zero1"], loss_fn, 8)
     state, loss = step(state, batch)
   """
+
+  def step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = _gradients(model, optimizer, lever, loss_fn, batch, ga)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
   replicated = NamedSharding(batch_sharding.mesh, P())
-  return jax.jit(train_step(graphdef, lever, loss_fn, ga), in_shardings=(shardings, batch_sharding),
-                 out_shardings=(shardings, replicated), donate_argnums=0)
-
-
-def split_jits(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever: Lever, loss_fn: Callable,
-               ga: int) -> tuple[Any, Any]:
-  """The split step, jitted: ``grads(state, batch) -> (grads, loss)``, ``update(state, grads) -> state``.
-
-  The gradient program's unused arguments (the optimizer state) are dropped from
-  it; the update program donates the state and keeps it on ``shardings``.
-
-  Example::
-
-    grads_jit, update_jit = split_jits(graphdef, shardings, batch_sharding, LEVERS["zero1-accum"], loss_fn, 8)
-    state = update_jit(state, grads_jit(state, batch)[0])
-  """
-  grads = jax.jit(grads_program(graphdef, lever, loss_fn, ga), in_shardings=(shardings, batch_sharding))
-  update = jax.jit(update_program(graphdef, lever), out_shardings=shardings, donate_argnums=0)
-  return grads, update
+  return jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated),
+                 donate_argnums=0)
 
 
 def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int, seq_len: int,
@@ -211,21 +163,37 @@ def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: M
   """Compiles the lever's step as two programs; returns (gradient program, update program, seconds);
   ``compiler_options`` go to the compiler for both.
 
-  The update program is compiled for the gradients as the first program leaves them (its output
-  shardings), as a loop that calls one after the other passes them.
+  The gradient program's unused arguments (the optimizer state) are dropped from it. The update program is
+  compiled for the gradients as the first program leaves them (its output shardings), as a loop that calls
+  one after the other passes them.
 
   Raises:
     jax.errors.JaxRuntimeError: the compiler refused a program (e.g. it does not fit).
   """
-  tokens = abstract_batch(lever, mesh, batch, seq_len, ga)
-  grads_jit, update_jit = split_jits(state.graphdef, state.shardings, tokens.sharding, lever, loss_fn, ga)
+  graphdef, tokens = state.graphdef, abstract_batch(lever, mesh, batch, seq_len, ga)
+
+  def grads(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, g = _gradients(model, optimizer, lever, loss_fn, batch, ga)
+    return g, loss
+
+  def update(state, grads):
+    model, optimizer = nnx.merge(graphdef, state)
+    if lever.zero1 and lever.deferred:  # reduce-scattered; the mark is metadata no program boundary keeps
+      grads = mark_zero1_grads(grads)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  # Any, as step_jit's: jax types compile()'s options narrower than the options a caller passes.
+  grads_jit: Any = jax.jit(grads, in_shardings=(state.shardings, tokens.sharding))
+  update_jit: Any = jax.jit(update, out_shardings=state.shardings, donate_argnums=0)
   start = time.perf_counter()
   with jax.set_mesh(mesh):
     grads_compiled = grads_jit.lower(state.state, tokens).compile(compiler_options)
     shapes, _ = jax.eval_shape(grads_jit, state.state, tokens)
-    grads = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
-                         grads_compiled.output_shardings[0])
-    update_compiled = update_jit.lower(state.state, grads).compile(compiler_options)
+    left = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                        grads_compiled.output_shardings[0])
+    update_compiled = update_jit.lower(state.state, left).compile(compiler_options)
   return grads_compiled, update_compiled, time.perf_counter() - start
 
 
@@ -242,8 +210,7 @@ def placed_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, m
   """
   abstract = lever_state(lever, build_model, optimizer, mesh)
   with jax.set_mesh(mesh):
-    model = build_model()
-    state = nnx.state((model, make_optimizer(lever, model, OPTIMIZERS[optimizer](), mesh)))
+    state = nnx.state(_built(lever, build_model, optimizer, mesh))
   return abstract, jax.device_put(state, abstract.shardings)
 
 
