@@ -42,8 +42,11 @@ def abstract_bytes_per_device(tree: Any) -> int:
     >>> abstract_bytes_per_device({"m": s})
     32
   """
-  on_one = lambda x: x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape  # noqa: E731
-  return sum(_bytes(on_one(x), x.dtype) for x in jax.tree.leaves(tree))
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
+    total += _bytes(shape, x.dtype)
+  return total
 
 
 def bytes_by_memory_kind(tree: Any) -> dict[str, int]:

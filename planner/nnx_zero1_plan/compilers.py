@@ -96,36 +96,26 @@ def require_libtpu() -> str:
   return importlib.metadata.version("libtpu")
 
 
-def _open_fd_targets(pid: str) -> list[str]:
-  """The files a process has open; empty when it is gone or not ours to read."""
+def _has_open(pid: str, path: str) -> bool:
+  """Whether a process has ``path`` open (False when it is gone or not ours to read)."""
   fd_dir = f"/proc/{pid}/fd"
-  try:
-    names = os.listdir(fd_dir)
-  except OSError:
-    return []
-  targets = []
-  for name in names:
-    try:
-      targets.append(os.readlink(os.path.join(fd_dir, name)))
-    except OSError:
-      continue
-  return targets
+  with contextlib.suppress(OSError):
+    for name in os.listdir(fd_dir):
+      with contextlib.suppress(OSError):
+        if os.readlink(os.path.join(fd_dir, name)) == path:
+          return True
+  return False
 
 
 def _locking_pids(inode: int) -> list[int]:
   """Processes holding a POSIX or flock lock on the file with this inode (``/proc/locks``)."""
-  try:
-    with open("/proc/locks") as f:
-      lines = f.read().splitlines()
-  except OSError:
-    return []
   pids = []
-  for line in lines:
-    fields = line.split()
-    # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF": pid, then major:minor:inode.
-    idx = next((i for i, f in enumerate(fields) if f.count(":") == 2), None)
-    if idx is not None and fields[idx].rsplit(":", 1)[1] == str(inode):
-      pids.append(int(fields[idx - 1]))
+  with contextlib.suppress(OSError), open("/proc/locks") as locks:
+    for fields in map(str.split, locks):
+      # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF": pid, then major:minor:inode.
+      idx = next((i for i, f in enumerate(fields) if f.count(":") == 2), None)
+      if idx is not None and fields[idx].rsplit(":", 1)[1] == str(inode):
+        pids.append(int(fields[idx - 1]))
   return pids
 
 
@@ -141,11 +131,9 @@ def lockfile_holders(path: str = LOCKFILE) -> list[int]:
     inode = os.stat(path).st_ino
   except FileNotFoundError:
     return []
-  holders = set(_locking_pids(inode))
   real = os.path.realpath(path)
-  for pid in filter(str.isdigit, os.listdir("/proc")):
-    if real in _open_fd_targets(pid):
-      holders.add(int(pid))
+  opened = (int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _has_open(pid, real))
+  holders = {*_locking_pids(inode), *opened}
   return sorted(p for p in holders if os.path.exists(f"/proc/{p}"))
 
 
