@@ -1,10 +1,12 @@
 """Every chip the planner knows, in one table: what the compiler needs, the memory, the two networks.
 
-Each figure is public and says where it comes from. A TPU needs nothing here to compile: libtpu knows its
-own chips and reports the HBM a program may use (``targets.py`` reads it off the compiler). An NVIDIA GPU
-is described to XLA's GPU compiler from its specification sheet (:class:`GpuChip`, written out as a
-``GpuTargetConfig`` by ``gpu_chips.target_config``). Every chip has a fast network inside its slice or
-node and a slow one between them (:class:`Links`, read by ``networks.py``).
+Each figure is its maker's published one, as docs/planner.md's compute table and docs/pods.md's network
+table word it (held to them by tests; they say why where a page disagrees with itself), or measured on the
+chip (the v5e's clocks and the slower direction of its host link: ``Compute.source``). A TPU needs nothing
+here to compile: libtpu knows its own chips and reports the HBM a program may use (``targets.py`` reads it
+off the compiler). An NVIDIA GPU is described to XLA's GPU compiler from its specification sheet
+(:class:`GpuChip`, written out as a ``GpuTargetConfig`` by ``gpu_chips.target_config``). Every chip has a
+fast network inside its slice or node and a slow one between them (:class:`Links`, read by ``networks.py``).
 """
 
 from __future__ import annotations
@@ -100,10 +102,6 @@ _GBIT = 1e9 / 8
 _MXU = lambda units, side: units * side * side * 2  # noqa: E731 - FLOPs per cycle of `units` side x side arrays
 _TPU = "float32 matmuls run as bfloat16 passes (jax's default precision on TPU)"
 
-# Each figure is its maker's published one, as docs/planner.md's compute table and docs/pods.md's network
-# table word it (they say why where a page disagrees with itself: v6e's MXUs), held to them by
-# tests/planner/test_step_time.py and test_slow_network.py. The v5e's clocks and host link (the slower of its
-# two directions) are benchmarks.chip_rates' medians on the chip (docs/data/device_v5e/run2/chip_rates).
 CHIPS: dict[str, Chip] = {
     "v5e": Chip(Links("ICI", 1600 * _GBIT, "DCN", 200 / 8 * _GBIT, "cloud.google.com/tpu/docs/v5e"),
                 Compute({"bfloat16": 197e12, "float32": 197e12}, _MXU(4, 128), 4, 14.17e9,
