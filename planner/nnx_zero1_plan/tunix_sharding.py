@@ -4,9 +4,10 @@ Tunix's model modules call ``shard(x, shd_config.act_*)`` on their activations, 
 only in a process whose first device is not a CPU, under the legacy ``with mesh:`` (google-tunix 0.1.7,
 e.g. ``tunix/models/llama3/model.py``). The planner's process runs jax's CPU backend (its TPU and GPU
 devices are compile-only), so without this module it compiles XLA's own propagation, not the program Tunix
-compiles on the chips. ``--tunix-sharding`` says which activation specs apply (:data:`TUNIX_SHARDING`, or a
-JSON object of ``act_*`` fields: :func:`specs_for`); an axis the mesh lacks is dropped, so each spec is valid
-on the mesh.
+compiles on the chips. ``--tunix-sharding`` says which activation specs apply (:func:`specs_for`):
+``default``, Tunix's ``ShardingConfig`` with the mesh's data axes in front of each activation's batch entry;
+``none``, XLA's own propagation; or a JSON object of ``act_*`` fields. An axis the mesh lacks is dropped, so
+each spec is valid on the mesh.
 """
 
 from __future__ import annotations
@@ -22,11 +23,7 @@ from nnx_zero1_plan.inputs import PlanError
 __all__ = ["TUNIX_SHARDING", "DATA_AXES", "activation_fields", "activation_specs", "specs_for", "constrain",
            "tunix_constraints", "sharding_of"]
 
-# --tunix-sharding's names; anything else is read as a JSON object of act_* fields.
-TUNIX_SHARDING = {
-  "default": "Tunix's ShardingConfig, the mesh's data axes in front of each activation's batch entry",
-  "none": "no activation constraints: XLA's own propagation",
-}
+TUNIX_SHARDING = ("default", "none")  # --tunix-sharding's names; anything else is JSON of act_* fields
 DATA_AXES = ("replica", "data")  # what a Tunix user adds to the batch entry, in the batch's own order
 
 
