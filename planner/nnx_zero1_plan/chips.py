@@ -34,8 +34,7 @@ class Compute:
   Attributes:
     peak_flops_per_s: the dense peak by the dtype a program computes in (``bfloat16``, ``float32``; a
       TPU runs float32 matmuls as bfloat16 passes at jax's default precision, a GPU on its TF32 tensor cores).
-    mxu_flops_per_cycle: a TPU's matrix units' FLOPs per cycle (units x rows x columns x 2); the clock that
-      turns the TPU compiler's estimated cycles into seconds is the bfloat16 peak over it (None for a GPU).
+    mxu_flops_per_cycle: a TPU's matrix units' FLOPs per cycle (units x rows x columns x 2; None for a GPU).
     ports: a TPU's ICI ports (its network rate is shared among them); 0 for a GPU, whose NVLink rate is
       its switch's whatever the group.
     host_bytes_per_s: the host link per direction (PCIe); None where it is neither published nor measured

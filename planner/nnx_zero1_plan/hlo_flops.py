@@ -23,11 +23,6 @@ _WINDOW = re.compile(r"window=\{(?P<spec>[^}]*)\}")
 _LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->")
 
 
-def _dims(shape: str) -> tuple[int, ...] | None:
-  match = _DIMS.match(shape)
-  return None if match is None else tuple(int(d) for d in match["dims"].split(",") if d)
-
-
 def _window(spec: str) -> list[tuple[int, int, int, tuple[int, int], int, int]]:
   """A convolution's window, per spatial dimension: (dimension, size, stride, (low, high) padding, input
   dilation, window dilation).
@@ -97,7 +92,7 @@ def _flops(instruction: re.Match[str], shapes: dict[str, tuple[int, ...] | None]
 
 
 def dot_flops(hlo: str) -> int:
-  """The FLOPs of every ``dot`` in a compiled HLO module's text, each loop's body times its trip count.
+  """The FLOPs of every matmul in a compiled HLO module's text, each loop's body times its trip count.
 
   Example::
 
@@ -114,7 +109,8 @@ def dot_flops(hlo: str) -> int:
       instruction = INSTRUCTION.match(line)
       if instruction is None:
         continue
-      shapes[instruction["name"]] = _dims(instruction["shape"])
+      dims = _DIMS.match(instruction["shape"])
+      shapes[instruction["name"]] = tuple(int(d) for d in dims["dims"].split(",") if d) if dims else None
       if instruction["op"] in ("dot", "convolution"):
         total += times * _flops(instruction, shapes)
   return total
