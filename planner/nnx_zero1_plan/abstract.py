@@ -12,11 +12,23 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Not public, as mark_zero1_grads in steps.py: the planner is released with this version of the optimizer.
 from nnx_zero1._src.companion import memory_kind_of, spec_axes
 
 __all__ = ["AbstractState", "abstract_bytes_per_device", "bytes_by_memory_kind", "state_split",
            "with_state_homes", "abstract_state", "describe_model"]
+
+
+def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
+  return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _totals(tree: Any, key: Callable[[Any], str | None], size: Callable[[Any], int]) -> dict[str, int]:
+  """The ``size`` of a tree's leaves summed by ``key``, sorted by it (a leaf whose key is None left out)."""
+  totals: dict[str, int] = {}
+  for x in jax.tree.leaves(tree):
+    if (k := key(x)) is not None:
+      totals[k] = totals.get(k, 0) + size(x)
+  return dict(sorted(totals.items()))
 
 
 def abstract_bytes_per_device(tree: Any) -> int:
@@ -33,16 +45,13 @@ def abstract_bytes_per_device(tree: Any) -> int:
   total = 0
   for x in jax.tree.leaves(tree):
     shape = x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
-    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    total += _bytes(shape, x.dtype)
   return total
 
 
 def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
   """Per-device bytes of a tree of sharded ``ShapeDtypeStruct``s, by memory kind (None is ``device``)."""
-  by_kind: dict[str, list[Any]] = {}
-  for x in jax.tree.leaves(tree):
-    by_kind.setdefault(memory_kind_of(x), []).append(x)
-  return {kind: abstract_bytes_per_device(leaves) for kind, leaves in sorted(by_kind.items())}
+  return _totals(tree, memory_kind_of, abstract_bytes_per_device)
 
 
 def bytes_by_dtype(tree: Any) -> dict[str, int]:
@@ -57,11 +66,7 @@ def bytes_by_dtype(tree: Any) -> dict[str, int]:
     >>> bytes_by_dtype({"mu": leaf(jnp.bfloat16), "nu": leaf(jnp.float32), "count": jnp.zeros((), jnp.int32)})
     {'bfloat16': 32, 'float32': 64}
   """
-  by_dtype: dict[str, list[Any]] = {}
-  for x in jax.tree.leaves(tree):
-    if getattr(x, "ndim", 0):
-      by_dtype.setdefault(str(x.dtype), []).append(x)
-  return {dtype: abstract_bytes_per_device(leaves) for dtype, leaves in sorted(by_dtype.items())}
+  return _totals(tree, lambda x: str(x.dtype) if getattr(x, "ndim", 0) else None, abstract_bytes_per_device)
 
 
 def state_split(tree: Any, data_axes: tuple[str, ...]) -> dict[str, float]:
@@ -79,14 +84,13 @@ def state_split(tree: Any, data_axes: tuple[str, ...]) -> dict[str, float]:
     >>> {k: round(v, 3) for k, v in state_split(tree, ("replica", "data")).items()}
     {'data': 0.495, 'none': 0.01, 'replica,data': 0.495}
   """
-  totals: dict[str, int] = {}
-  for x in jax.tree.leaves(tree):
-    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
-    named = set(spec_axes(spec))
-    over = ",".join(a for a in data_axes if a in named) or "none"
-    totals[over] = totals.get(over, 0) + int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+  def over(x: Any) -> str:
+    named = spec_axes(x.sharding.spec) if isinstance(x.sharding, NamedSharding) else ()
+    return ",".join(a for a in data_axes if a in named) or "none"
+
+  totals = _totals(tree, over, lambda x: _bytes(x.shape, x.dtype))
   whole = sum(totals.values()) or 1
-  return {over: n / whole for over, n in sorted(totals.items())}
+  return {split: n / whole for split, n in totals.items()}
 
 
 def with_state_homes(shardings: Any, optimizer: Any) -> Any:
@@ -98,8 +102,7 @@ def with_state_homes(shardings: Any, optimizer: Any) -> Any:
   plan = getattr(optimizer, "zero1_plan", None)
   if plan is None or not plan.offload_state:
     return shardings
-  opt_state = shardings[1]["opt_state"]
-  treedef = jax.tree.structure(opt_state)
+  treedef = jax.tree.structure(shardings[1]["opt_state"])
   shardings[1]["opt_state"] = jax.tree.unflatten(treedef, [row.sharding for row in plan.state_leaves])
   return shardings
 
@@ -115,12 +118,8 @@ def describe_model(build: Callable[[], Any]) -> tuple[tuple[str, ...], frozenset
   """
   with nnx.use_eager_sharding(False):
     model = nnx.eval_shape(build)
-  names: list[str] = []
-  for spec in jax.tree.leaves(nnx.get_partition_spec(nnx.state(model)), is_leaf=lambda x: isinstance(x, P)):
-    for entry in spec if isinstance(spec, P) else ():
-      for axis in entry if isinstance(entry, tuple) else (entry,):
-        if axis is not None and axis not in names:
-          names.append(axis)
+  specs = jax.tree.leaves(nnx.get_partition_spec(nnx.state(model)), is_leaf=lambda x: isinstance(x, P))
+  names = dict.fromkeys(axis for spec in specs if isinstance(spec, P) for axis in spec_axes(spec))
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   dtypes = frozenset(str(x.dtype) for x in params if jax.numpy.issubdtype(x.dtype, jax.numpy.floating))
   return tuple(names), dtypes

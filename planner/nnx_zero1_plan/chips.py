@@ -1,10 +1,12 @@
 """Every chip the planner knows, in one table: what the compiler needs, the memory, the two networks.
 
-Each figure is public and says where it comes from. A TPU needs nothing here to compile: libtpu knows its
-own chips and reports the HBM a program may use (``targets.py`` reads it off the compiler). An NVIDIA GPU
-is described to XLA's GPU compiler from its specification sheet (:class:`GpuChip`, written out as a
-``GpuTargetConfig`` by ``gpu_chips.target_config``). Every chip has a fast network inside its slice or
-node and a slow one between them (:class:`Links`, read by ``networks.py``).
+Each figure is its maker's published one, as docs/planner.md's compute table and docs/pods.md's network
+table word it (held to them by tests; they say why where a page disagrees with itself), or measured on the
+chip (the v5e's clocks and the slower direction of its host link: ``Compute.source``). A TPU needs nothing
+here to compile: libtpu knows its own chips and reports the HBM a program may use (``targets.py`` reads it
+off the compiler). An NVIDIA GPU is described to XLA's GPU compiler from its specification sheet
+(:class:`GpuChip`, written out as a ``GpuTargetConfig`` by ``gpu_chips.target_config``). Every chip has a
+fast network inside its slice or node and a slow one between them (:class:`Links`, read by ``networks.py``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ class Compute:
   Attributes:
     peak_flops_per_s: the dense peak by the dtype a program computes in (``bfloat16``, ``float32``; a
       TPU runs float32 matmuls as bfloat16 passes at jax's default precision, a GPU on its TF32 tensor cores).
-    mxu_flops_per_cycle: a TPU's matrix units' FLOPs per cycle (units x rows x columns x 2); the clock that
-      turns the TPU compiler's estimated cycles into seconds is the bfloat16 peak over it (None for a GPU).
+    mxu_flops_per_cycle: a TPU's matrix units' FLOPs per cycle (units x rows x columns x 2; None for a GPU).
     ports: a TPU's ICI ports (its network rate is shared among them); 0 for a GPU, whose NVLink rate is
       its switch's whatever the group.
     host_bytes_per_s: the host link per direction (PCIe); None where it is neither published nor measured
@@ -101,21 +102,6 @@ _MXU = lambda units, side: units * side * side * 2  # noqa: E731 - FLOPs per cyc
 _TPU = "float32 matmuls run as bfloat16 passes (jax's default precision on TPU)"
 
 CHIPS: dict[str, Chip] = {
-    # Cloud TPU's system pages as read in December 2026: v5e 1,600 Gbps ICI per chip, 2 x 100 Gbps NICs per
-    # 8-chip host; v6e 3,200 Gbps ICI per chip (800 GBps bidirectional), 4 x 200 Gbps per 8-chip host; v5p
-    # 1,200 GBps bidirectional ICI, 50 Gbps DCN per chip. The DCN figures per chip agree with the scaling
-    # book's tpus.md (jax-ml.github.io/scaling-book: 3.125e9, 12.5e9 and 6.25e9 B/s).
-    # Compute, the same pages: bf16 peak per chip v5e 197, v6e 918, v5p 459 TFLOP/s; one TensorCore per v5e
-    # and v6e chip, two per v5p chip; four MXUs per TensorCore, 128x128 on v5e and v5p, 256x256 on v6e (one
-    # version of the v6e page says two MXUs: the TPU compiler's own estimate of a large bf16 matmul on v6e,
-    # 462,500 FLOPs per cycle, is more than two 256x256 arrays can do, so four). ICI ports per chip: 4 on
-    # v5e and v6e (2D torus), 6 on v5p (3D torus). No host-link figure is published.
-    # v5e, measured on one chip (jax 0.10.2; docs/data/device_v5e/run2/chip_rates, benchmarks.chip_rates): the
-    # median clock of each class's lone programs, cycles as the walk reads them over the profiled device time:
-    # bfloat16 matmuls 1.572 GHz (8192x1024x4096, 8192x4096x1024, 8192^3: 1.572, 1.515, 1.625), float32
-    # 1.522 (1.522, 1.499, 2.199), the vector unit's 2.628 (a*b+c in f32 1.589 and bf16 2.339, a softmax
-    # 2.918, a row sum 5.668). The host link: a jitted copy of 256 MiB and 1 GiB to pinned host memory at
-    # 14.74 GB/s, back at 14.17 GB/s, both at once 26.65 GB/s together: 14.17e9 each way, each its own lane.
     "v5e": Chip(Links("ICI", 1600 * _GBIT, "DCN", 200 / 8 * _GBIT, "cloud.google.com/tpu/docs/v5e"),
                 Compute({"bfloat16": 197e12, "float32": 197e12}, _MXU(4, 128), 4, 14.17e9,
                         f"cloud.google.com/tpu/docs/v5e; {_TPU}; clocks and host link measured on the chip "
@@ -127,12 +113,6 @@ CHIPS: dict[str, Chip] = {
     "v5p": Chip(Links("ICI", 600e9, "DCN", 50 * _GBIT, "cloud.google.com/tpu/docs/v5p"),
                 Compute({"bfloat16": 459e12, "float32": 459e12}, _MXU(8, 128), 6, None,
                         f"cloud.google.com/tpu/docs/v5p; {_TPU}")),
-    # NVIDIA's DGX systems: NVLink per GPU (A100 600 GB/s, H100 and H200 900 GB/s, B200 1.8 TB/s, both
-    # directions) and one InfiniBand port per GPU (DGX A100 200 Gb/s, DGX H100/H200/B200 400 Gb/s). The
-    # GPUs' own figures: NVIDIA's A100, H100, H200 and B200 data sheets; dense tensor-core peaks (the sheets'
-    # sparse figures halved): A100 BF16 312, TF32 156; H100 and H200 SXM BF16 989.4, TF32 494.7; B200 BF16
-    # 2,250, TF32 1,100 TFLOP/s. PCIe per direction: A100 Gen4 64 GB/s both ways, H100 and H200 Gen5 128 GB/s
-    # both ways; B200's is not on its sheet.
     "a100-80g": Chip(Links("NVLink", 300e9, "InfiniBand", 200 * _GBIT, "NVIDIA DGX A100 datasheet"),
                      Compute({"bfloat16": 312e12, "float32": 156e12}, None, 0, 32e9, "NVIDIA A100 datasheet"),
                      GpuChip("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 81920 * 2**20, 2_039_000_000_000,

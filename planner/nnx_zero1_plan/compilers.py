@@ -1,11 +1,8 @@
 """The TPU and GPU compilers in a CPU-only process, for ahead-of-time compiles.
 
-What stands between ``pip install "./planner[aot]"`` and a compile: the compiler must be
-installed (the ``aot`` extra brings the libtpu that matches jax; XLA's GPU compiler
-is the CUDA plugin, installed ``--no-deps``), jax must stay on its CPU backend,
-and a process killed while libtpu was loaded leaves its lockfile behind, which
-makes the next process that loads libtpu abort. A lockfile no live process has
-open is stale and is removed before libtpu loads.
+What stands between ``pip install "./planner[aot]"`` and a compile: the compiler installed (the ``aot``
+extra brings the libtpu that matches jax; XLA's GPU compiler is the CUDA plugin, installed ``--no-deps``),
+jax kept on its CPU backend, and a stale libtpu lockfile removed (:func:`clear_stale_lockfile`).
 """
 
 from __future__ import annotations
@@ -25,18 +22,15 @@ __all__ = ["LOCKFILE", "HOST_ACCELERATOR_TYPE", "ENV", "CALLERS_OWN", "AotUnavai
 
 LOCKFILE = "/tmp/libtpu_lockfile"
 
-# The TPU host libtpu is told it runs on, where there is none: libtpu starting on a machine with no TPU
-# prints six lines of warnings and errors about the host metadata it could not read, and this (with one
-# worker, TPU_WORKER_HOSTNAMES=localhost) answers it. v6e-4 is a slice of one host, so the two agree. It is
-# not the compile target, which is the topology's description: plans for v4, v5e and v6e topologies were
-# measured byte-identical whatever this names.
+# The TPU host libtpu is told it runs on, with one worker (TPU_WORKER_HOSTNAMES=localhost), where there is
+# none: without them it prints six lines about the host metadata it could not read. v6e-4 is a slice of one
+# host, so the two agree. It is not the compile target: plans for v4, v5e and v6e topologies were measured
+# byte-identical whatever this names.
 HOST_ACCELERATOR_TYPE = "v6e-4"
 
-# Compile only: jax stays on the CPU backend, libtpu skips the cloud metadata server it would ask
-# for a TPU's identity, and loads although another process (a second compile) has it loaded.
-# The CUDA plugin, when installed, must not look for a GPU either.
-# TPU_WORKER_HOSTNAMES and TPU_ACCELERATOR_TYPE: the host metadata libtpu asks for (see above).
-# TPU_MIN_LOG_LEVEL: libtpu writes no log files (by default it fills /tmp/tpu_logs with one set per process).
+# Compile only: jax stays on the CPU backend, libtpu skips the cloud metadata server it would ask for a
+# TPU's identity and loads although another process (a second compile) has it loaded, the CUDA plugin looks
+# for no GPU, and libtpu writes no log files (by default it fills /tmp/tpu_logs with one set per process).
 ENV = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
        "CUDA_VISIBLE_DEVICES": "-1", "TPU_WORKER_HOSTNAMES": "localhost",
        "TPU_ACCELERATOR_TYPE": HOST_ACCELERATOR_TYPE, "TPU_MIN_LOG_LEVEL": "3"}
@@ -102,36 +96,26 @@ def require_libtpu() -> str:
   return importlib.metadata.version("libtpu")
 
 
-def _open_fd_targets(pid: str) -> list[str]:
-  """The files a process has open; empty when it is gone or not ours to read."""
+def _has_open(pid: str, path: str) -> bool:
+  """Whether a process has ``path`` open (False when it is gone or not ours to read)."""
   fd_dir = f"/proc/{pid}/fd"
-  try:
-    names = os.listdir(fd_dir)
-  except OSError:
-    return []
-  targets = []
-  for name in names:
-    try:
-      targets.append(os.readlink(os.path.join(fd_dir, name)))
-    except OSError:
-      continue
-  return targets
+  with contextlib.suppress(OSError):
+    for name in os.listdir(fd_dir):
+      with contextlib.suppress(OSError):
+        if os.readlink(os.path.join(fd_dir, name)) == path:
+          return True
+  return False
 
 
 def _locking_pids(inode: int) -> list[int]:
   """Processes holding a POSIX or flock lock on the file with this inode (``/proc/locks``)."""
-  try:
-    with open("/proc/locks") as f:
-      lines = f.read().splitlines()
-  except OSError:
-    return []
   pids = []
-  for line in lines:
-    fields = line.split()
-    # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF": pid, then major:minor:inode.
-    idx = next((i for i, f in enumerate(fields) if f.count(":") == 2), None)
-    if idx is not None and fields[idx].rsplit(":", 1)[1] == str(inode):
-      pids.append(int(fields[idx - 1]))
+  with contextlib.suppress(OSError), open("/proc/locks") as locks:
+    for fields in map(str.split, locks):
+      # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF": pid, then major:minor:inode.
+      idx = next((i for i, f in enumerate(fields) if f.count(":") == 2), None)
+      if idx is not None and fields[idx].rsplit(":", 1)[1] == str(inode):
+        pids.append(int(fields[idx - 1]))
   return pids
 
 
@@ -147,11 +131,9 @@ def lockfile_holders(path: str = LOCKFILE) -> list[int]:
     inode = os.stat(path).st_ino
   except FileNotFoundError:
     return []
-  holders = set(_locking_pids(inode))
   real = os.path.realpath(path)
-  for pid in filter(str.isdigit, os.listdir("/proc")):
-    if real in _open_fd_targets(pid):
-      holders.add(int(pid))
+  opened = (int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _has_open(pid, real))
+  holders = {*_locking_pids(inode), *opened}
   return sorted(p for p in holders if os.path.exists(f"/proc/{p}"))
 
 
@@ -191,12 +173,9 @@ def planning_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 def prepare_planning_process(environ: Mapping[str, str], lockfile: str = LOCKFILE) -> dict[str, str]:
   """Prepares a planning process before it can load a compiler: its environment, and libtpu's lockfile
-  removed when stale. Both ways into the planner run it: the command line for its own process
-  (:func:`prepare_environment`), ``plan()`` for the process it starts.
-
-  A lockfile a live process holds stays: another planner's, or a trainer's on this TPU machine (the
-  caller of ``plan()`` itself, perhaps). The planning process loads libtpu beside it
-  (``ALLOW_MULTIPLE_LIBTPU_LOAD``).
+  removed when stale (one a live process holds, a trainer's on this TPU machine perhaps, stays: the
+  planning process loads libtpu beside it). Both ways into the planner run it: the command line for its
+  own process (:func:`prepare_environment`), ``plan()`` for the process it starts.
 
   Args:
     environ: the environment the planning process starts from (the caller's).

@@ -1,9 +1,5 @@
-"""NVIDIA chips as XLA's GPU compiler sees them: a ``GpuTargetConfig`` text proto per chip.
-
-XLA compiles for a GPU it does not have from this description (deviceless
-compilation, ``jax.experimental.topologies.get_topology_desc(platform="cuda",
-target_config=...)``). The figures are :data:`nnx_zero1_plan.chips.CHIPS`' (each
-part's public specification sheet).
+"""NVIDIA chips as XLA's GPU compiler sees them, for a deviceless compile: a ``GpuTargetConfig`` text proto
+per chip, written from :data:`nnx_zero1_plan.chips.CHIPS`' figures.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """XLA's GPU compiler's estimate of each instruction, from the schedule its latency-hiding scheduler chose.
 
-XLA's GPU compiler carries no cycle estimates in a compiled program and no ``cost_analysis()`` without a
-device, but its latency-hiding scheduler estimates every instruction it schedules (its cost model: on
-Hopper and Blackwell the speed-of-light estimator) and can write the schedule it chose
-(``--xla_dump_latency_hiding_schedule``, per compile through ``compiler_options``): for each scheduled
-computation, each instruction's start and end in cycles, and ``cycles_per_microsecond``. This module asks
-for that dump (:func:`dump_options`) and reads each instruction's estimated seconds back by name
-(:func:`scheduled_seconds`), for :func:`nnx_zero1_plan.step_time.program_time` to walk. What the scheduler
-did not dump has no estimates: on jax 0.12.0.1, a program without collectives to schedule, and the entry
-computation of a program with loops. Pure, but for
-reading the dump's files.
+XLA's GPU compiler puts no cycles in a compiled program (why the walk needs them, and what the scheduler
+leaves undumped: docs/planner.md's "Compute, GPU"), but its latency-hiding scheduler can write the
+schedule it chose (``xla_dump_latency_hiding_schedule``, per compile: :func:`dump_options`): each
+scheduled instruction's start and end in cycles, and ``cycles_per_microsecond``.
+:func:`scheduled_seconds` reads each instruction's estimated seconds back by name, for
+:func:`nnx_zero1_plan.step_time.program_time` to walk. Pure, but for reading the dump's files.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ _MODULE = re.compile(r'^hlo_module \{\n  name: "(?P<name>[^"]+)"', re.M)
 _INSTRUCTION = re.compile(r'^      name: "(?P<name>[^"]+)"$|^      id: (?P<id>\d+)$', re.M)
 # A scheduled instruction; the text format leaves out a field that is zero (the first one's start).
 _TIMED = re.compile(r"instructions \{\s*id: (?P<id>\d+)(?P<fields>[^}]*)\}")
-_START = re.compile(r"start_timestamp_cycles: (?P<t>[\d.e+\-]+)")
-_END = re.compile(r"end_timestamp_cycles: (?P<t>[\d.e+\-]+)")
+_TIMESTAMP = re.compile(r"(?P<edge>start|end)_timestamp_cycles: (?P<t>[\d.e+\-]+)")
 _PER_MICROSECOND = re.compile(r"cycles_per_microsecond: (?P<n>[\d.]+)")
 
 
@@ -78,9 +73,8 @@ def parse_schedule(text: str) -> tuple[str | None, dict[str, float]]:
   seconds = {}
   for m in _TIMED.finditer(text, max(split, 0)):
     if m["id"] in names:
-      start, end = _START.search(m["fields"]), _END.search(m["fields"])
-      cycles = (float(end["t"]) if end else 0.0) - (float(start["t"]) if start else 0.0)
-      seconds[names[m["id"]]] = round(cycles / per_second, 12)
+      at = {t["edge"]: float(t["t"]) for t in _TIMESTAMP.finditer(m["fields"])}
+      seconds[names[m["id"]]] = round((at.get("end", 0.0) - at.get("start", 0.0)) / per_second, 12)
   return (module["name"] if module else None), seconds
 
 

@@ -1,15 +1,11 @@
 """A compiled program's matmul FLOPs, counted from its HLO text, where the compiler has no cost analysis.
 
-XLA's GPU compiler returns no ``cost_analysis()`` for a deviceless compile, so a GPU
-row would carry no compute, and a plan could not show what a larger micro-batch costs
-where the compiler rematerialises to fit; and the TPU compiler's cost analysis counts a
-loop's body once. Every matmul of the optimised program is counted here: a ``dot``,
-``2 x (result elements) x (contracted elements)``, and a ``convolution`` (the TPU
-compiler's form of a matmul after layout assignment), ``2 x (result elements) x (window)
-x (kernel input features)``, times the trip count of each loop it runs in (XLA's
-``known_trip_count``, else a ``counter < N`` condition; a loop without either counts once)
-and the number of places its computation is called from. Only matmuls: elementwise work
-is small beside them in a transformer step, and remat shows in the matmuls it repeats.
+XLA's GPU compiler returns no ``cost_analysis()`` for a deviceless compile, so a GPU row would carry no
+compute, and a plan could not show what a larger micro-batch costs where the compiler rematerialises to fit;
+and the TPU compiler's cost analysis counts a loop's body once. Every ``dot`` and ``convolution`` of the
+optimised program is counted, as often as its computation runs (``executions``, the reading the step-time
+walk shares). Only matmuls: elementwise work is small beside them in a transformer step, and remat shows in
+the matmuls it repeats.
 """
 
 from __future__ import annotations
@@ -25,17 +21,6 @@ _DIMS = re.compile(r"^\(?[a-z]\w*\[(?P<dims>[\d,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 _WINDOW = re.compile(r"window=\{(?P<spec>[^}]*)\}")
 _LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->")
-
-
-def _dims(shape: str) -> tuple[int, ...] | None:
-  match = _DIMS.match(shape)
-  if match is None:
-    return None
-  return tuple(int(d) for d in match["dims"].split(",") if d)
-
-
-def _operands(args: str) -> list[str]:
-  return [a.strip().lstrip("%") for a in args.split(")")[0].split(",")]
 
 
 def _window(spec: str) -> list[tuple[int, int, int, tuple[int, int], int, int]]:
@@ -83,22 +68,21 @@ def _taps(n: int, k: int, stride: int, pad: tuple[int, int], base: int, window: 
   return real / outputs
 
 
-def _flops(op: str, line: str, args: str, result: tuple[int, ...] | None,
-           shapes: dict[str, tuple[int, ...] | None]) -> int:
+def _flops(instruction: re.Match[str], shapes: dict[str, tuple[int, ...] | None]) -> int:
   """One matmul's FLOPs: a ``dot`` (2 x result x contracted), or a ``convolution`` (the TPU compiler's form
   of a matmul after layout assignment: 2 x result x window x input features per group)."""
-  if result is None:
+  line, operands = instruction.string, [a.strip().lstrip("%") for a in instruction["args"].split(",")]
+  result, lhs = shapes[instruction["name"]], shapes.get(operands[0])
+  if result is None or lhs is None:
     return 0
-  operands = _operands(args)
-  if op == "dot":
-    lhs, contracting = shapes.get(operands[0]), _CONTRACTING.search(line)
-    if lhs is None or contracting is None:
+  if instruction["op"] == "dot":
+    contracting = _CONTRACTING.search(line)
+    if contracting is None:
       return 0
     return 2 * math.prod(result) * math.prod(lhs[int(d)] for d in contracting["dims"].split(",") if d)
-  lhs = shapes.get(operands[0])
   rhs = shapes.get(operands[1]) if len(operands) > 1 else None
   labels, window = _LABELS.search(line), _WINDOW.search(line)
-  if lhs is None or rhs is None or labels is None or "i" not in labels["rhs"]:
+  if rhs is None or labels is None or "i" not in labels["rhs"]:
     return 0
   taps = 1.0
   for dim, k, stride, pad, base, dilation in _window(window["spec"] if window else ""):
@@ -108,7 +92,7 @@ def _flops(op: str, line: str, args: str, result: tuple[int, ...] | None,
 
 
 def dot_flops(hlo: str) -> int:
-  """The FLOPs of every ``dot`` in a compiled HLO module's text, each loop's body times its trip count.
+  """The FLOPs of every matmul in a compiled HLO module's text, each loop's body times its trip count.
 
   Example::
 
@@ -125,8 +109,8 @@ def dot_flops(hlo: str) -> int:
       instruction = INSTRUCTION.match(line)
       if instruction is None:
         continue
-      shapes[instruction["name"]] = _dims(instruction["shape"])
+      dims = _DIMS.match(instruction["shape"])
+      shapes[instruction["name"]] = tuple(int(d) for d in dims["dims"].split(",") if d) if dims else None
       if instruction["op"] in ("dot", "convolution"):
-        result = shapes[instruction["name"]]
-        total += times * _flops(instruction["op"], line, instruction["args"], result, shapes)
+        total += times * _flops(instruction, shapes)
   return total

@@ -1,21 +1,13 @@
 """Tunix's activation sharding constraints, applied while a ``tunix:`` model is traced, as on the chips.
 
-Tunix's model modules call ``shard(x, shd_config.act_*)`` on their activations, and
-``shard`` constrains only in a process whose first device is not a CPU, under the
-legacy ``with mesh:`` (google-tunix 0.1.7, e.g. ``tunix/models/llama3/model.py``).
-The planner's process runs jax's CPU backend (its TPU and GPU devices are
-compile-only), so without this module it compiles XLA's own propagation, not
-the program Tunix compiles on the chips. ``--tunix-sharding`` says which
-activation specs apply:
-
-- ``default``: Tunix's ``ShardingConfig`` with the mesh's data axes (``replica``,
-  ``data``) in front of each activation's batch entry, what a Tunix user with a
-  data axis passes (``docs/tunix.md``);
-- ``none``: no constraints, XLA's own propagation (the planner before this);
-- a JSON object of ``act_*`` fields, e.g. ``{"act_btd": [["data", "fsdp"], null, "tp"]}``:
-  those specs as given, Tunix's defaults for the fields it leaves out.
-
-In every case an axis the mesh lacks is dropped, so each spec is valid on the mesh.
+Tunix's model modules call ``shard(x, shd_config.act_*)`` on their activations, and ``shard`` constrains
+only in a process whose first device is not a CPU, under the legacy ``with mesh:`` (google-tunix 0.1.7,
+e.g. ``tunix/models/llama3/model.py``). The planner's process runs jax's CPU backend (its TPU and GPU
+devices are compile-only), so without this module it compiles XLA's own propagation, not the program Tunix
+compiles on the chips. ``--tunix-sharding`` says which activation specs apply (:func:`specs_for`):
+``default``, Tunix's ``ShardingConfig`` with the mesh's data axes in front of each activation's batch entry;
+``none``, XLA's own propagation; or a JSON object of ``act_*`` fields. An axis the mesh lacks is dropped, so
+each spec is valid on the mesh.
 """
 
 from __future__ import annotations
@@ -31,11 +23,7 @@ from nnx_zero1_plan.inputs import PlanError
 __all__ = ["TUNIX_SHARDING", "DATA_AXES", "activation_fields", "activation_specs", "specs_for", "constrain",
            "tunix_constraints", "sharding_of"]
 
-# --tunix-sharding's names; anything else is read as a JSON object of act_* fields.
-TUNIX_SHARDING = {
-  "default": "Tunix's ShardingConfig, the mesh's data axes in front of each activation's batch entry",
-  "none": "no activation constraints: XLA's own propagation",
-}
+TUNIX_SHARDING = ("default", "none")  # --tunix-sharding's names; anything else is JSON of act_* fields
 DATA_AXES = ("replica", "data")  # what a Tunix user adds to the batch entry, in the batch's own order
 
 
@@ -151,10 +139,9 @@ def constrain(x: Any, spec: Sequence[Any], eager: bool = False) -> Any:
 def tunix_constraints(modules: Iterable[Any]) -> Iterator[None]:
   """Within: each module's ``shard`` is :func:`constrain`; restored after.
 
-  Tunix's ``shard`` skips its constraint where ``jax.devices()[0]`` is a CPU, and the planner must keep
-  jax on its CPU backend; making that check see a TPU would mean changing jax's backend or jax itself,
-  for the whole process. Swapping Tunix's one-line function for one that does what its last line does
-  touches Tunix only, and only while the model is traced (the planner traces in one thread).
+  Making Tunix's check for a CPU see a TPU would mean changing jax's backend or jax itself, for the whole
+  process; swapping Tunix's one-line function for one that does what its last line does touches Tunix
+  only, and only while the model is traced (the planner traces in one thread).
 
   Example::
 
