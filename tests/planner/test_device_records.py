@@ -139,7 +139,8 @@ def test_the_readme_says_how_far_the_kept_cases_are():
 
 def _fused_kind(line: str, bodies: dict[str, list[str]]) -> str:
   """What the compiler fused into one instruction, as docs/planner.md groups the profile: the vector unit's
-  work, or a matmul, batched (attention's base-dilated convolution) or not, with a reduction fused in or not."""
+  work, or a matmul, batched (attention's base-dilated convolution) or not, with a reduction fused in or
+  not."""
   if _line_class(line, bodies) == "vector":
     return "vector"
   inner = [i for kind, callee in callees(line, bodies) if kind == "calls" for i in bodies.get(callee, ())]
