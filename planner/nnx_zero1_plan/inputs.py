@@ -7,9 +7,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-__all__ = ["shortened", "PlanError", "ModelRef", "Topology", "parse_mesh", "parse_levers", "parse_topology",
-           "mesh_axes", "check_replica", "micro_batch", "check_axis_names", "parse_model", "parse_overrides",
-           "spelled_mesh", "batch_axes", "ONE_SLICE", "SMALLEST_MICRO_BATCH"]
+__all__ = ["shortened", "error_line", "PlanError", "ModelRef", "Topology", "parse_mesh", "parse_levers",
+           "parse_topology", "mesh_axes", "check_replica", "micro_batch", "check_axis_names", "parse_model",
+           "parse_overrides", "spelled_mesh", "batch_axes", "ONE_SLICE", "SMALLEST_MICRO_BATCH"]
 
 ONE_SLICE = 1  # a TPU target is one slice unless --slices joins several (a pod)
 SMALLEST_MICRO_BATCH = 8  # --batch's default: the fewest sequences a default micro-batch holds
@@ -310,6 +310,17 @@ def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
       raise PlanError(f"{entry!r} is not a MaxText config override KEY=VALUE (e.g. remat_policy=minimal)")
     overrides[key] = value
   return overrides
+
+
+def error_line(error: BaseException, limit: int = 300) -> str:
+  """An exception as one line (its type, then its message's words), :func:`shortened` to ``limit``.
+
+  Example::
+
+    >>> error_line(ValueError("no   room"))
+    'ValueError: no room'
+  """
+  return shortened(f"{type(error).__name__}: {' '.join(str(error).split())}", limit)
 
 
 def shortened(text: str, limit: int) -> str:

@@ -201,14 +201,18 @@ def memory_twin(name: str) -> str:
   return next(other for other, twin in LEVERS.items() if dataclasses.replace(twin, summary="") == plain)
 
 
-def with_offload(lever: Lever, fraction: float) -> Lever:
-  """``lever`` with ``fraction`` of its optimizer state in host memory (0: none).
+def with_offload(name: str, fraction: float | None) -> Lever:
+  """The lever ``name``, with ``fraction`` of its optimizer state in host memory where it picks the share
+  (0 or None: none); any other lever as it is.
 
   Example::
 
-    >>> with_offload(LEVERS["offload-fraction"], 0.25).optimizer_options
+    >>> with_offload("offload-fraction", 0.25).optimizer_options
     {'offload_state_to_host': 0.25}
   """
+  lever = LEVERS[name]
+  if not lever.picks_offload:
+    return lever
   return dataclasses.replace(lever, optimizer_options={**lever.optimizer_options,
                                                        "offload_state_to_host": fraction or False})
 

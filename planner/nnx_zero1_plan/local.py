@@ -25,7 +25,7 @@ from nnx_zero1_plan import compilers
 from nnx_zero1_plan.child import child_env, plan_in_child
 from nnx_zero1_plan.chips import chip_of
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS
-from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, parse_topology
+from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, error_line, parse_topology
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Measured, Row
@@ -192,7 +192,7 @@ def measure_one(request: PlanRequest, lever_name: str, remat: str | None, batch:
   import jax
   import numpy as np
 
-  from nnx_zero1_plan.levers import LEVERS, with_offload
+  from nnx_zero1_plan.levers import with_offload
   from nnx_zero1_plan.planned_model import describe_tunix_or_own, on_devices
   from nnx_zero1_plan.steps import abstract_batch, placed_state, run_steps, step_jit
   from nnx_zero1_plan.targets import local_target
@@ -201,8 +201,7 @@ def measure_one(request: PlanRequest, lever_name: str, remat: str | None, batch:
   planned = on_devices(describe_tunix_or_own(request, remat, estimate=False), target)
   source, mesh = planned.source_at(batch), planned.device_mesh
   assert mesh is not None  # on_devices laid it out
-  lever = LEVERS[lever_name]
-  lever = with_offload(lever, offload_fraction) if lever.picks_offload else lever
+  lever = with_offload(lever_name, offload_fraction)
   try:
     abstract, state = placed_state(lever, lambda: source.build(None), request.optimizer, mesh)
     spec = abstract_batch(lever, mesh, batch, request.seq_len, request.ga)
@@ -212,7 +211,7 @@ def measure_one(request: PlanRequest, lever_name: str, remat: str | None, batch:
     with jax.set_mesh(mesh):
       compiled = step.lower(state, tokens).compile()
   except (jax.errors.JaxRuntimeError, ValueError) as e:  # the compiler's or the allocator's refusal
-    return Measured(batch, None, error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    return Measured(batch, None, error=error_line(e))
   _, runs = run_steps(compiled, state, tokens, warmup=WARMUP, timed=TIMED)
   return Measured(batch, runs.step_s, runs.peak_bytes, runs.error)
 

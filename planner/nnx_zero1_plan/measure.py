@@ -30,8 +30,8 @@ from nnx_zero1_plan.compiled import (
 )
 from nnx_zero1_plan.depth import NEAR, estimate_mark, extrapolate_row, near_the_limit, not_alike
 from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
-from nnx_zero1_plan.inputs import shortened
-from nnx_zero1_plan.levers import LEVERS, state_axes, with_offload
+from nnx_zero1_plan.inputs import error_line, shortened
+from nnx_zero1_plan.levers import state_axes, with_offload
 from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.planned_model import PlannedModel
@@ -111,11 +111,10 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     compiler's refusal (``error``, ``hbm_oom``; the
     compiled figures None).
   """
-  lever = LEVERS[lever_name]
+  lever = with_offload(lever_name, shape.offload_fraction)
   say = progress or (lambda line: None)
   at = f"{lever_name} ({step}) at micro-batch {shape.batch}" + (f", {depth} layers" if depth else "")
   if lever.picks_offload:
-    lever = with_offload(lever, shape.offload_fraction)
     at += f", {shape.offload_fraction:.0%} of the state offloaded"
   say(f"compiling {at} ...")
   state_figures: dict[str, Any] = {}
@@ -141,7 +140,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
         grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
       scheduled = read()
   except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError) as e:
-    error = shortened(f"{type(e).__name__}: {' '.join(str(e).split())}", 400)
+    error = error_line(e, 400)
     seconds = time.perf_counter() - started
     say(f"compiled {at}: refused in {seconds:.0f} s ({shortened(error, 160)})")
     return Figures(**state_figures, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nnx_zero1_plan.levers import LEVERS, Lever, engine_attributes, state_axes, summed_over, with_offload
+from nnx_zero1_plan.levers import Lever, engine_attributes, state_axes, summed_over, with_offload
 from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, OPTIMIZER_CODE
 
 __all__ = ["mesh_code", "lever_code"]
@@ -141,9 +141,7 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
   """
   tx = OPTIMIZER_CODE[optimizer]
-  lever = LEVERS[name]
-  if lever.picks_offload:
-    lever = with_offload(lever, offload_fraction or 0.0)
+  lever = with_offload(name, offload_fraction)
   options = [f"{k}={_spelled(v)}" for k, v in lever.optimizer_options.items()]
   if model.startswith("maxtext:"):
     attributes = engine_attributes(name, lever)

@@ -30,7 +30,7 @@ from nnx_zero1 import Zero1Optimizer, Zero1Options, value_and_grad_accumulated
 # back.
 from nnx_zero1._src.companion import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
-from nnx_zero1_plan.inputs import batch_axes
+from nnx_zero1_plan.inputs import batch_axes, error_line
 from nnx_zero1_plan.levers import Lever, state_axes, summed_over
 from nnx_zero1_plan.request import OPTIMIZER_MENU
 
@@ -267,7 +267,7 @@ def run_steps(compiled: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch
       loss.block_until_ready()
       times.append(time.perf_counter() - start)
   except Exception as e:  # the allocator's out-of-memory is a JaxRuntimeError; any error is the run's answer
-    error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    error = error_line(e)
   counted = times[warmup:] or times
   first = min(jax.tree.leaves(batch)[0].devices(), key=lambda d: d.id)
   stats = first.memory_stats() or {}
