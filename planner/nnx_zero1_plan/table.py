@@ -26,7 +26,7 @@ HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "ar
 POD_HEADER = ("inside slice/node per step, MiB (est.)", "over the slow network per step, MiB (est.)")
 
 _SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A",
-          "to-device": "in", "to-host": "out"}
+          "collective-permute": "CP", "to-device": "in", "to-host": "out"}
 
 
 def collective_cell(c: Mapping[str, OpCount] | Mapping[str, Mapping[str, int]] | None) -> str:

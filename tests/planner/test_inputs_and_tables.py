@@ -484,3 +484,14 @@ def test_plan_json_is_written_from_typed_values_and_an_unexpected_value_raises(t
   with pytest.raises(TypeError, match="frozenset"):
     untyped = dataclasses.replace(plan.meta, param_dtypes=frozenset({"bfloat16"}))
     dataclasses.replace(plan, meta=untyped).write(str(tmp_path / "untyped"))
+
+
+def test_every_collective_the_one_reader_counts_has_a_table_cell():
+  # A row's collectives hold whatever kind the one reader of a program counts (a zero2 step's
+  # collective-permute among them), and the table names each; a kind without a name failed the whole plan.
+  from nnx_zero1._src.hlo import COLLECTIVE_OPS
+  from nnx_zero1_plan.table import collective_cell
+
+  kinds = (*COLLECTIVE_OPS, "to-host", "to-device")
+  cell = collective_cell({op: {"count": 1, "bytes": 2**20} for op in kinds})
+  assert cell == "AR 1x 1.000, RS 1x 1.000, AG 1x 1.000, A2A 1x 1.000, CP 1x 1.000, out 1x 1.000, in 1x 1.000"
