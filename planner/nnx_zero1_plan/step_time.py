@@ -17,11 +17,8 @@ walking each computation in order (:func:`program_time`):
 - a copy between host and device memory (an offloaded state) runs the same way on the host link.
 
 XLA's GPU compiler carries no cycles, but its scheduler's estimates are walked the same way
-(:mod:`nnx_zero1_plan.gpu_schedule`); compiled without a GPU its matmuls are not autotuned, so there the
-walk is kept as the step's parts, an upper bound, and no time is predicted. Where a compiler gives no
-estimate (XLA's CPU compiler) the compute is absent and said; nothing here guesses it from a peak rate. An
-instruction whose estimate is the compiler's ``INT64_MAX`` (not estimated) counts zero and is counted in
-``unestimated``. Pure: text in, seconds out.
+(:mod:`nnx_zero1_plan.gpu_schedule`). A step without a time says why (:data:`UNTUNED`, :data:`NO_ESTIMATE`,
+...): nothing here guesses compute from a peak rate. Pure: text in, seconds out.
 """
 
 from __future__ import annotations
@@ -68,8 +65,8 @@ class Rates:
 
   Attributes:
     clock_hz: the core's clock (cycles per second); None where the compiler gives no cycles.
-    network_bytes_per_s: one device's rate for a collective over a group of ``n`` devices (a function of
-      ``n``: a ring of two uses one link, a longer ring two), per direction.
+    network_bytes_per_s: one device's rate for a collective over a group of ``n`` devices, per direction
+      (:func:`rates_for`).
     host_bytes_per_s: the host link's rate each way (copies to and from host memory, each direction on its
       own lane); None where it was not measured (the copies are then counted, not timed).
     class_clocks_hz: the clock each class of work (:data:`CYCLE_CLASSES`) runs the compiler's cycles at,
@@ -152,13 +149,6 @@ class _Walk:
       self.exposed_host_s += stall
 
 
-def _collective_seconds(op: str, result: int, line: str, devices: int, rates: Rates) -> float:
-  """One collective's time: the bytes one device sends for it by a ring (a permute sends its buffer to one
-  peer: :func:`nnx_zero1._src.traffic.ring_sent`), over its network's rate."""
-  n = group_size(line, devices)
-  return 0.0 if n <= 1 else ring_sent(op, result, n) / rates.network_bytes_per_s(n)
-
-
 def program_time(hlo: str, rates: Rates, devices: int | None = None,
                  estimates: Mapping[str, float] | None = None) -> ProgramTime:
   """A compiled program's time on one device: its schedule walked with the compiler's estimates.
@@ -217,7 +207,9 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
       collective = collective_of(line)
       if collective:
         kind, result, start = collective
-        w.start(m["name"], _collective_seconds(kind, result, line, devices, rates), "network")
+        n = group_size(line, devices)
+        network_s = ring_sent(kind, result, n) / rates.network_bytes_per_s(n) if n > 1 else 0.0
+        w.start(m["name"], network_s, "network")
         if not start:
           w.wait(m["name"])
       elif op == "copy-start" and (way := host_copy(shape)):
