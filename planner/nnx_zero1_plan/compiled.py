@@ -154,12 +154,9 @@ def hbm_oom(message: str) -> HbmOom | None:
 
 
 def collectives_of(compiled: Any, domain_of: Sequence[int] | None = None) -> Collectives:
-  """A compiled step's collectives: ``per_step`` (every loop trip counted) and ``per_micro_batch``
-  (one trip of the micro-batch loop), each ``{op: {"count", "bytes"}}`` on one device (bytes: the results'),
-  and ``sent_per_step``, the bytes one device sends for them (:func:`nnx_zero1.testing.sent_bytes`). On a
-  pod (``domain_of``: each device's slice or node, in the mesh's order, over more than one), also
-  ``across_per_step``: ``{op: {"count", "bytes"}}``, the bytes one device sends over the slow network
-  (:func:`across_per_step`)."""
+  """A compiled step's :class:`~nnx_zero1_plan.row.Collectives` on one device (``sent_per_step``:
+  :func:`nnx_zero1.testing.sent_bytes`), and on a pod (``domain_of``: each device's slice or node, in the
+  mesh's order, over more than one) ``across_per_step`` (:func:`across_per_step`)."""
   hlo = compiled.as_text() or ""
   across = across_per_step(hlo, domain_of) if domain_of is not None and len(set(domain_of)) > 1 else None
   return Collectives.from_json({"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo),

@@ -1,15 +1,12 @@
 """``maxtext:MODEL``: MaxText's own engine as the planner's model, compiled for a TPU slice.
 
-MaxText compiles a step as its engine runs it, in kernels: ``fwd_bwd`` (the
-first micro-batch), ``fwd_bwd_accum`` (each further one) and ``update``. The
-config is MaxText's ``base.yml``, the model named, the plan's settings and the
-user's overrides; a lever is the engine class: ``baseline`` is MaxText's
-``AbstractMaxTextEngine``, a Zero-1 lever ``Zero1AbstractMaxTextEngine`` with
-the lever's options as its class attributes (``OFFLOAD_STATE_TO_HOST``,
-``SHARD_ACCUMULATOR``, ...). MaxText accumulates its own gradients and scans its
-layers (a model compiles whole, in about the time of a few layers), so a row is
-always a split step at full depth: :func:`describe_maxtext` describes the model from its config before any
-compile, :func:`measure_maxtext` compiles a lever's engine. Needs Python >= 3.12, ``maxtext`` and libtpu.
+MaxText compiles a step as its engine runs it, in kernels: ``fwd_bwd`` (the first micro-batch),
+``fwd_bwd_accum`` (each further one) and ``update``. The config is MaxText's ``base.yml``, the model named,
+the plan's settings and the user's overrides; a lever is the engine class
+(:func:`nnx_zero1_plan.levers.engine_attributes`). MaxText accumulates its own gradients and scans its
+layers (a model compiles whole, in about the time of a few layers), so a row is always a split step at full
+depth: :func:`describe_maxtext` describes the model from its config before any compile,
+:func:`measure_maxtext` compiles a lever's engine. Needs Python >= 3.12, ``maxtext`` and libtpu.
 """
 
 from __future__ import annotations
@@ -169,10 +166,9 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
                     defer: bool = True) -> tuple[Figures, list[tuple[str, str, int]]]:
   """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
 
-  A step runs ``fwd_bwd`` once and ``fwd_bwd_accum`` ``ga - 1`` times, then ``update``; its memory
-  is the larger gradient kernel's with the optimizer state beside it, or the update's. MaxText's engine
-  defers the data-parallel all-reduce to ``update`` where it can (``shard_mode=explicit`` on a pure data
-  mesh); ``defer=False`` compiles it reducing in every micro-batch, as it did before.
+  Its memory is :func:`~nnx_zero1_plan.compiled.split_memory` of the larger gradient kernel's and the
+  update's. MaxText's engine defers the data-parallel all-reduce to ``update`` where it can
+  (``shard_mode=explicit`` on a pure data mesh); ``defer=False`` compiles it reducing in every micro-batch.
 
   Returns:
     The row's figures (``maxtext_config`` says whether the all-reduce was deferred), and the programs one
@@ -225,17 +221,13 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
   counted = {name: collectives_of(kernels[name], domains) for name in (*set(runs), "update")}
   step = summed_collectives([counted[name] for name in (*runs, "update")])
   counts = dataclasses.replace(step, per_micro_batch=counted[runs[-1]].per_step)  # a gradient kernel's, whole
+  chosen = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(MaxTextConfig)
+            if f.name != "deferred_all_reduce"}  # what MaxText's defaults chose, recorded on a row
   figures = dataclasses.replace(
       row_figures(mem, counts, cost(kernels["update"])), opt_state_bytes_per_device=by_kind.get("device", 0),
       opt_state_bytes_by_memory_kind=by_kind,
       opt_state_bytes_by_dtype=bytes_by_dtype(nnx.state(engine.optimizer.opt_state)),
       param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)), compile_s=seconds,
-      maxtext_config=MaxTextConfig.from_json({**{k: str(getattr(config, k)) for k in _REPORTED},
-                                              "deferred_all_reduce": str(deferred)}))
+      maxtext_config=MaxTextConfig.from_json({**chosen, "deferred_all_reduce": str(deferred)}))
   programs = [(name, kernels[name].as_text(), runs.count(name)) for name in dict.fromkeys(runs)]
   return figures, [*programs, ("update", kernels["update"].as_text(), 1)]
-
-
-# What MaxText's defaults chose, recorded on a row.
-_REPORTED = ("model_name", "shard_mode", "remat_policy", "scan_layers", "dtype", "weight_dtype", "opt_type",
-             "num_decoder_layers", "gradient_accumulation_steps", "global_batch_size_to_train_on")

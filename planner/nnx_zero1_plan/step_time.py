@@ -17,11 +17,8 @@ walking each computation in order (:func:`program_time`):
 - a copy between host and device memory (an offloaded state) runs the same way on the host link.
 
 XLA's GPU compiler carries no cycles, but its scheduler's estimates are walked the same way
-(:mod:`nnx_zero1_plan.gpu_schedule`); compiled without a GPU its matmuls are not autotuned, so there the
-walk is kept as the step's parts, an upper bound, and no time is predicted. Where a compiler gives no
-estimate (XLA's CPU compiler) the compute is absent and said; nothing here guesses it from a peak rate. An
-instruction whose estimate is the compiler's ``INT64_MAX`` (not estimated) counts zero and is counted in
-``unestimated``. Pure: text in, seconds out.
+(:mod:`nnx_zero1_plan.gpu_schedule`). A step without a time says why (:data:`UNTUNED`, :data:`NO_ESTIMATE`,
+...): nothing here guesses compute from a peak rate. Pure: text in, seconds out.
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.networks import slow_seconds
 from nnx_zero1_plan.row import StepTime
 
-__all__ = ["Rates", "ProgramTime", "program_time", "cycles_estimated", "NOT_ESTIMATED", "rates_for",
+__all__ = ["Rates", "ProgramTime", "program_time", "NOT_ESTIMATED", "rates_for",
            "predict_step_time", "PredictedTime", "cycle_class", "CYCLE_CLASSES", "TPU_SOURCE", "GPU_SOURCE",
            "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED", "HOST_UNTIMED"]
 
@@ -68,8 +65,8 @@ class Rates:
 
   Attributes:
     clock_hz: the core's clock (cycles per second); None where the compiler gives no cycles.
-    network_bytes_per_s: one device's rate for a collective over a group of ``n`` devices (a function of
-      ``n``: a ring of two uses one link, a longer ring two), per direction.
+    network_bytes_per_s: one device's rate for a collective over a group of ``n`` devices, per direction
+      (:func:`rates_for`).
     host_bytes_per_s: the host link's rate each way (copies to and from host memory, each direction on its
       own lane); None where it was not measured (the copies are then counted, not timed).
     class_clocks_hz: the clock each class of work (:data:`CYCLE_CLASSES`) runs the compiler's cycles at,
@@ -106,70 +103,50 @@ class ProgramTime:
   unestimated: int
   collectives: int
 
-  @property
-  def overlapped_collective_s(self) -> float:
-    """The collectives' time hidden behind compute."""
-    return self.collective_s - self.exposed_collective_s
-
 
 @dataclasses.dataclass
 class _Walk:
-  """A computation's walk, in progress: the core's time, the network's and the host link's, and the parts."""
+  """A computation's walk, in progress: the parts of its :class:`ProgramTime` so far (``total_s``: the
+  core's time now), when each lane (the network, each direction of the host link) is next free, and the
+  transfers started and not yet waited for."""
 
-  now: float = 0.0
-  compute: float = 0.0
-  network_free: float = 0.0
-  host_free: dict[str, float] = dataclasses.field(default_factory=dict)
-  collective: float = 0.0
-  exposed: float = 0.0
-  host: float = 0.0
-  exposed_host: float = 0.0
+  total_s: float = 0.0
+  compute_s: float = 0.0
+  collective_s: float = 0.0
+  exposed_collective_s: float = 0.0
+  host_s: float = 0.0
+  exposed_host_s: float = 0.0
   unestimated: int = 0
   collectives: int = 0
+  free: dict[str, float] = dataclasses.field(default_factory=dict)
   pending: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
 
   def add(self, other: ProgramTime, times: int) -> None:
     """A callee's whole walk, ``times`` over, run on the core (its own collectives inside it)."""
-    self.now += times * other.total_s
-    self.compute += times * (other.compute_s or 0.0)
-    self.collective += times * other.collective_s
-    self.exposed += times * other.exposed_collective_s
-    self.host += times * (other.host_s or 0.0)
-    self.exposed_host += times * other.exposed_host_s
-    self.unestimated += times * other.unestimated
-    self.collectives += times * other.collectives
+    for part in dataclasses.fields(ProgramTime):
+      setattr(self, part.name, getattr(self, part.name) + times * (getattr(other, part.name) or 0))
 
   def start(self, name: str, seconds: float, on: str) -> None:
     """An async transfer of ``seconds`` on the network or on one direction of the host link (``to-host``,
-    ``to-device``: each has its own lane), started now."""
-    if on != "network":
-      end = max(self.now, self.host_free.get(on, 0.0)) + seconds
-      self.host_free[on] = end
-      self.host += seconds
-      self.pending[name] = (end, on)
-    else:
-      begin = max(self.now, self.network_free)
-      self.network_free = begin + seconds
-      self.collective += seconds
+    ``to-device``: each has its own lane), started now: it waits for its lane to be free."""
+    end = max(self.total_s, self.free.get(on, 0.0)) + seconds
+    self.free[on] = end
+    self.pending[name] = (end, on)
+    if on == "network":
+      self.collective_s += seconds
       self.collectives += 1
-      self.pending[name] = (self.network_free, on)
+    else:
+      self.host_s += seconds
 
   def wait(self, name: str) -> None:
     """The core waits for a started transfer to end."""
-    end, on = self.pending.pop(name, (self.now, "network"))
-    stall = max(0.0, end - self.now)
-    self.now += stall
-    if on != "network":
-      self.exposed_host += stall
+    end, on = self.pending.pop(name, (self.total_s, "network"))
+    stall = max(0.0, end - self.total_s)
+    self.total_s += stall
+    if on == "network":
+      self.exposed_collective_s += stall
     else:
-      self.exposed += stall
-
-
-def _collective_seconds(op: str, result: int, line: str, devices: int, rates: Rates) -> float:
-  """One collective's time: the bytes one device sends for it by a ring (a permute sends its buffer to one
-  peer: :func:`nnx_zero1._src.traffic.ring_sent`), over its network's rate."""
-  n = group_size(line, devices)
-  return 0.0 if n <= 1 else ring_sent(op, result, n) / rates.network_bytes_per_s(n)
+      self.exposed_host_s += stall
 
 
 def program_time(hlo: str, rates: Rates, devices: int | None = None,
@@ -205,6 +182,20 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
   match = re.search(r"\bnum_partitions=(\d+)", hlo)
   devices = devices or (int(match[1]) if match else 1)
 
+  def compute_seconds(m: re.Match[str], line: str) -> float | None:
+    """One instruction's estimated compute (0.0 where there is none to count), or None where the compiler
+    did not estimate it."""
+    if estimates is not None:
+      return 0.0 if m["op"] in _FREE else estimates.get(m["name"])
+    cycles = estimated_cycles(line)
+    if cycles is None or rates.clock_hz is None:
+      return 0.0
+    if cycles >= NOT_ESTIMATED:
+      return None
+    if rates.class_clocks_hz:
+      return cycles / rates.class_clocks_hz.get(_line_class(line, bodies), rates.clock_hz)
+    return cycles / rates.clock_hz
+
   @functools.cache
   def walk(name: str) -> ProgramTime:
     w = _Walk()
@@ -216,7 +207,9 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
       collective = collective_of(line)
       if collective:
         kind, result, start = collective
-        w.start(m["name"], _collective_seconds(kind, result, line, devices, rates), "network")
+        n = group_size(line, devices)
+        network_s = ring_sent(kind, result, n) / rates.network_bytes_per_s(n) if n > 1 else 0.0
+        w.start(m["name"], network_s, "network")
         if not start:
           w.wait(m["name"])
       elif op == "copy-start" and (way := host_copy(shape)):
@@ -228,33 +221,17 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
         for kind, callee in callees(line, bodies):
           if callee in bodies:
             w.add(walk(callee), (trip_count(line, bodies) or 1) if kind == "body" else 1)
-      elif estimates is not None:
-        if op in _FREE:
-          continue
-        if m["name"] not in estimates:
-          w.unestimated += 1
-          continue
-        w.now += estimates[m["name"]]
-        w.compute += estimates[m["name"]]
+      elif (seconds := compute_seconds(m, line)) is None:
+        w.unestimated += 1
       else:
-        cycles = estimated_cycles(line)
-        if cycles is None or rates.clock_hz is None:
-          continue
-        if cycles >= NOT_ESTIMATED:
-          w.unestimated += 1
-          continue
-        clock = rates.clock_hz
-        if rates.class_clocks_hz:
-          clock = rates.class_clocks_hz.get(_line_class(line, bodies), clock)
-        seconds = cycles / clock
-        w.now += seconds
-        w.compute += seconds
+        w.total_s += seconds
+        w.compute_s += seconds
     for pending in list(w.pending):  # a transfer nothing waited for still ends the program
       w.wait(pending)
     timed = rates.clock_hz is not None or estimates is not None
-    return ProgramTime(total_s=w.now, compute_s=w.compute if timed else None,
-                       collective_s=w.collective, exposed_collective_s=w.exposed,
-                       host_s=w.host if rates.host_bytes_per_s else None, exposed_host_s=w.exposed_host,
+    return ProgramTime(total_s=w.total_s, compute_s=w.compute_s if timed else None,
+                       collective_s=w.collective_s, exposed_collective_s=w.exposed_collective_s,
+                       host_s=w.host_s if rates.host_bytes_per_s else None, exposed_host_s=w.exposed_host_s,
                        unestimated=w.unestimated, collectives=w.collectives)
 
   return walk(entry) if entry else ProgramTime(0.0, None, 0.0, 0.0, None, 0.0, 0, 0)
@@ -294,24 +271,6 @@ def cycle_class(hlo: str) -> set[str]:
   bodies, _ = computations(hlo)
   return {_line_class(line, bodies) for body in bodies.values() for line in body
           if estimated_cycles(line) is not None}
-
-
-def _crosses_host(hlo: str) -> bool:
-  """Whether a program copies between host and device memory (an offloaded state), as the transfers are
-  counted."""
-  return any(c["count"] for c in host_transfers(hlo).values())
-
-
-def cycles_estimated(hlo: str) -> bool:
-  """Whether a compiled program carries the compiler's cycle estimates (the TPU compiler's programs do).
-
-  Example::
-
-    >>> cycles_estimated('%f = f32[8]{0} fusion(%p), backend_config={"estimated_cycles":"12"}')
-    True
-  """
-  return "estimated_cycles" in hlo
-
 
 
 TPU_SOURCE = "the TPU compiler's estimated_cycles (classic cost model), walked in schedule order"
@@ -386,10 +345,12 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
     The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).
   """
   estimates = [_module_estimates(hlo, scheduled) for _, hlo, _ in programs]
-  if not all(cycles_estimated(hlo) or own for (_, hlo, _), own in zip(programs, estimates, strict=True)):
+  # A TPU program carries the compiler's cycles in its text; a GPU program's come from its scheduler's dump.
+  if not all("estimated_cycles" in hlo or own for (_, hlo, _), own in zip(programs, estimates, strict=True)):
     return PredictedTime(time_absent=NO_ESTIMATE if scheduled is None else NO_SCHEDULE)
   rates = rates_for(chip)
-  if rates.host_bytes_per_s is None and any(_crosses_host(hlo) for _, hlo, _ in programs):
+  if rates.host_bytes_per_s is None and any(  # the step copies between host and device memory
+      c["count"] for _, hlo, _ in programs for c in host_transfers(hlo).values()):
     return PredictedTime(time_absent=HOST_UNTIMED)
   walks = [(program_time(hlo, rates, devices, own), times)
            for (_, hlo, times), own in zip(programs, estimates, strict=True)]
@@ -419,7 +380,6 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
                        parts)
 
 
-_ENTRY = re.compile(r"^ENTRY %?(?P<name>[\w.\-]+)", re.M)
 _MODULE = re.compile(r"^HloModule (?P<name>[\w.\-]+)", re.M)
 
 
@@ -430,10 +390,10 @@ def _module_estimates(hlo: str, scheduled: Mapping[str, Mapping[str, float]] | N
   the program unestimated is no time)."""
   module = _MODULE.search(hlo)
   own = (scheduled or {}).get(module["name"]) if module else None
-  entry = _ENTRY.search(hlo)
+  bodies, entry = computations(hlo) if own else ({}, None)
   if not own or entry is None:
     return None
-  lines = computations(hlo)[0].get(entry["name"], [])
+  lines = bodies[entry]
   names = [m["name"] for line, m in zip(lines, map(INSTRUCTION.match, lines), strict=True)
            if m and m["op"] not in _FREE and not collective_of(line) and not m["op"].endswith("-done")]
   return own if not names or sum(n in own for n in names) >= len(names) / 2 else None
