@@ -25,6 +25,7 @@ from nnx_zero1._src.hlo import (
   estimated_cycles,
   executions,
   host_copy,
+  partitions,
   result_bytes,
   shape_bytes,
   trip_count,
@@ -37,6 +38,5 @@ from nnx_zero1._src.traffic import group_size, replica_groups, ring_sent, sent_c
 
 __all__ = ["COLLECTIVES", "INSTRUCTION", "Counts", "callees", "collective_of", "computations", "executions",
            "estimated_cycles", "host_copy", "host_transfers", "condition_trip_count", "group_size",
-           "mark_zero1_grads",
-           "memory_kind_of", "per_call", "replica_groups", "result_bytes", "ring_sent", "sent_counter",
-           "shape_bytes", "spec_axes", "trip_count", "with_fused_groups"]
+           "mark_zero1_grads", "memory_kind_of", "partitions", "per_call", "replica_groups", "result_bytes",
+           "ring_sent", "sent_counter", "shape_bytes", "spec_axes", "trip_count", "with_fused_groups"]

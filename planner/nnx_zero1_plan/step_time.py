@@ -37,6 +37,7 @@ from nnx_zero1._src.companion import (
   group_size,
   host_copy,
   host_transfers,
+  partitions,
   ring_sent,
   shape_bytes,
   trip_count,
@@ -179,8 +180,7 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
   """
   hlo = with_fused_groups(hlo)
   bodies, entry = computations(hlo)
-  match = re.search(r"\bnum_partitions=(\d+)", hlo)
-  devices = devices or (int(match[1]) if match else 1)
+  devices = devices or partitions(hlo)
 
   def compute_seconds(m: re.Match[str], line: str) -> float | None:
     """One instruction's estimated compute (0.0 where there is none to count), or None where the compiler
