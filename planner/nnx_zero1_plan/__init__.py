@@ -1,18 +1,10 @@
 """Will it fit? ``python -m nnx_zero1.plan``: a training step compiled for TPUs or NVIDIA GPUs, never run.
 
-The planner is its own distribution, ``nnx-zero1-plan`` (``pip install ./planner`` from a
-clone of nnx-zero1), released with the optimizer it plans for. ``plan``, :class:`Plan` (its
-:class:`Row` s and :class:`PlanSettings`), ``main`` and the command line are its interface, and for a
-loop of your own the steps it compiles and what it reads from them (``make_optimizer``, ``lever_state``,
-``compile_step``, ``memory``, ...: ``__all__``), which the benchmark harness uses too. Which modules are
-pure (this one, and everything the caller's process imports: no jax), which trace or compile, and which
-orchestrates (``run``) is ARCHITECTURE.md's planner section.
-
-Each lever's training step is built abstractly, as one program or two (``--steps``), compiled by the real
-compiler for the target (libtpu for TPUs, XLA's GPU compiler deviceless for NVIDIA GPUs) on a machine with
-neither, and read for its per-device memory and collectives against the memory the compiler says a program
-may use. The models it takes are :mod:`nnx_zero1_plan.models`'s, its settings :class:`PlanRequest`'s, and the
-compilers' install lines README.md's.
+Its own distribution, ``nnx-zero1-plan`` (``pip install ./planner``; the compilers' install lines: README.md).
+Each lever's step, one program or two (``--steps``), is compiled by the target's real compiler (libtpu for
+TPUs, XLA's GPU compiler deviceless for NVIDIA GPUs) on a machine with neither, and read for its per-device
+memory and collectives against the memory the compiler says a program may use. The models it takes are
+:mod:`nnx_zero1_plan.models`'s, its settings :class:`PlanRequest`'s.
 """
 
 from __future__ import annotations

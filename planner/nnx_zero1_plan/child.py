@@ -1,13 +1,6 @@
-"""A plan from Python, compiled in a planning process of its own.
-
-The compilers need a process prepared for them (jax held on its CPU backend, the CUDA plugin
-and libtpu told there is no device, :data:`nnx_zero1_plan.compilers.ENV` over the caller's own
-values). A notebook's or a trainer's process must stay as it was, its GPUs visible and its
-environment untouched, so :func:`plan_in_child` prepares ``python -m nnx_zero1_plan.child`` as the
-command line prepares its own process (:func:`nnx_zero1_plan.compilers.prepare_planning_process`), hands
-it the request on stdin and reads back, line by line on its stdout, the progress and then the
-plan. Whatever else the process prints (libtpu's warnings) is kept for the error message.
-"""
+"""``plan()``'s planning process: the compilers need one prepared for them (the CUDA plugin and libtpu told
+there is no device: :data:`nnx_zero1_plan.compilers.ENV` over the caller's own values), and a notebook's or a
+trainer's process must stay as it was, its GPUs visible, so the plan is made in a child process."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Every chip the planner knows, in one table: what the compiler needs, the memory, the two networks.
-
-Each figure is its maker's published one, as docs/planner.md's compute table and docs/pods.md's network
-table word it (held to them by tests; they say why where a page disagrees with itself), or measured on the
-chip (the v5e's clocks and the slower direction of its host link: ``Compute.source``). A TPU needs nothing
-here to compile: libtpu knows its own chips and reports the HBM a program may use (``targets.py`` reads it
-off the compiler). An NVIDIA GPU is described to XLA's GPU compiler from its specification sheet
-(:class:`GpuChip`, written out as a ``GpuTargetConfig`` by ``gpu_chips.target_config``). Every chip has a
-fast network inside its slice or node and a slow one between them (:class:`Links`, read by ``networks.py``).
-"""
+"""Every chip the planner knows, in one table. Each figure is its maker's published one, as docs/planner.md's
+compute table and docs/pods.md's network table word it (held to them by tests, which say why where a page
+disagrees with itself), or measured on the chip (the v5e's clocks and the slower direction of its host link:
+``Compute.source``). A TPU needs none of them to compile: libtpu knows its own chips."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The TPU and GPU compilers in a CPU-only process, for ahead-of-time compiles.
-
-What stands between ``pip install "./planner[aot]"`` and a compile: the compiler installed (the ``aot``
-extra brings the libtpu that matches jax; XLA's GPU compiler is the CUDA plugin, installed ``--no-deps``),
-jax kept on its CPU backend, and a stale libtpu lockfile removed (:func:`clear_stale_lockfile`).
-"""
+"""The TPU and GPU compilers in a CPU-only process, for ahead-of-time compiles."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""An estimate in minutes, asked for with ``--estimate``: compile at reduced depth, extrapolate per layer.
-
-Every per-device figure of a stack of identical layers is, to the compiler, a
-fixed part (embeddings, head, batch) plus one part per layer: two compiles at
-depths ``d1 < d2`` give both, and the full depth's figure follows. Arguments
-(parameters, optimizer state) are exactly linear; temporaries are linear as long
-as the compiler schedules each layer alike, which it does not at full depth on TPUs
-(:data:`MEASURED_ERROR`): an estimate is marked on every figure it touches and decides nothing.
-"""
+"""An estimate (``--estimate``): to the compiler, a stack of identical layers is a fixed part (embeddings,
+head, batch) plus one per layer, so two reduced depths give the full one: arguments (parameters, optimizer
+state) exactly, temporaries only while the compiler schedules each layer alike, which it does not at full
+depth on TPUs (:data:`MEASURED_ERROR`): an estimate, marked on every figure it touches, decides nothing."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""NVIDIA chips as XLA's GPU compiler sees them, for a deviceless compile: a ``GpuTargetConfig`` text proto
-per chip, written from :data:`nnx_zero1_plan.chips.CHIPS`' figures.
-"""
+"""NVIDIA chips as XLA's GPU compiler sees them, for a deviceless compile (from the chip table's figures)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""XLA's GPU compiler's estimate of each instruction, from the schedule its latency-hiding scheduler chose.
-
-XLA's GPU compiler puts no cycles in a compiled program (why the walk needs them, and what the scheduler
-leaves undumped: docs/planner.md's "Compute, GPU"), but its latency-hiding scheduler can write the
-schedule it chose (``xla_dump_latency_hiding_schedule``, per compile: :func:`dump_options`): each
-scheduled instruction's start and end in cycles, and ``cycles_per_microsecond``.
-:func:`scheduled_seconds` reads each instruction's estimated seconds back by name, for
-:func:`nnx_zero1_plan.step_time.program_time` to walk. Pure, but for reading the dump's files.
-"""
+"""XLA's GPU compiler puts no cycles in a compiled program (why the walk needs them: docs/planner.md's
+"Compute, GPU"), but its latency-hiding scheduler writes the schedule it chose (:func:`dump_options`), each
+instruction's start and end in cycles. Pure, but for reading those files."""
 
 from __future__ import annotations
 

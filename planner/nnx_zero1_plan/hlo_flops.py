@@ -1,12 +1,7 @@
-"""A compiled program's matmul FLOPs, counted from its HLO text, where the compiler has no cost analysis.
-
-XLA's GPU compiler returns no ``cost_analysis()`` for a deviceless compile, so a GPU row would carry no
-compute, and a plan could not show what a larger micro-batch costs where the compiler rematerialises to fit;
-and the TPU compiler's cost analysis counts a loop's body once. Every ``dot`` and ``convolution`` of the
-optimised program is counted, as often as its computation runs (``executions``, the reading the step-time
-walk shares). Only matmuls: elementwise work is small beside them in a transformer step, and remat shows in
-the matmuls it repeats.
-"""
+"""A compiled program's matmul FLOPs, counted from its HLO text: XLA's GPU compiler gives no
+``cost_analysis()`` for a deviceless compile (a GPU row would carry no compute, and no cost of the remat a
+larger micro-batch needs), and the TPU compiler's counts a loop's body once. Only matmuls: elementwise work is
+small beside them in a transformer step, and remat shows in the matmuls it repeats."""
 
 from __future__ import annotations
 

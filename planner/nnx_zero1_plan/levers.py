@@ -1,9 +1,6 @@
-"""The planner's levers: how each builds its optimizer and accumulates its gradients, one table.
-
-A lever is a way to train the same model: which optimizer (``nnx.Optimizer`` or ``Zero1Optimizer`` with
-options) and which gradient accumulation (a ``lax.scan`` of ``nnx.value_and_grad``, reduced wherever XLA puts
-it, or ``value_and_grad_accumulated``, reduced once per step). A new lever is one entry of :data:`LEVERS`.
-"""
+"""The lever table (:data:`LEVERS`; a new lever is one entry): each lever an optimizer (``nnx.Optimizer``, or
+``Zero1Optimizer`` with options) and a gradient accumulation (a ``lax.scan`` of ``nnx.value_and_grad``,
+reduced wherever XLA puts it, or ``value_and_grad_accumulated``, reduced once per step)."""
 
 from __future__ import annotations
 

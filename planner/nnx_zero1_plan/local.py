@@ -1,13 +1,7 @@
-"""Where the target's chips are this machine's own: the plan compiled for them, and ``--measure``'s runs.
-
-On a TPU VM whose chips are the target's (``v5e:1x1`` on a one-chip v5e), the plan compiles for those
-devices, not for a compile-only topology (which an older libtpu refuses for some shapes), and reads the
-memory a program may use from the device's allocator. ``--measure`` then runs each fitting row's
-one-program step there for a few steady steps. One process at a time may hold a TPU, and each run's
-allocator peak must be its own, so each use of the chips is a child process of its own, started with the
-caller's environment (the chips visible), not the planning process's
-(:data:`nnx_zero1_plan.compilers.ENV`). Pure at import: the command line's process never imports jax.
-"""
+"""On a TPU VM whose chips are the target's (``v5e:1x1`` on a one-chip v5e) the plan compiles for them, not a
+compile-only topology (an older libtpu refuses some shapes there), reading the usable memory from their
+allocator; ``--measure`` runs each fitting row's one-program step for a few steady steps. One process at a
+time may hold a TPU, and each run's allocator peak must be its own: a child process per use."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""``maxtext:MODEL``: MaxText's own engine as the planner's model, compiled for a TPU slice.
-
-MaxText compiles a step as its engine runs it, in kernels: ``fwd_bwd`` (the first micro-batch),
-``fwd_bwd_accum`` (each further one) and ``update``. The config is MaxText's ``base.yml``, the model named,
-the plan's settings and the user's overrides; a lever is the engine class
-(:func:`nnx_zero1_plan.levers.engine_attributes`). MaxText accumulates its own gradients and scans its
-layers (a model compiles whole, in about the time of a few layers), so a row is always a split step at full
-depth: :func:`describe_maxtext` describes the model from its config before any compile,
-:func:`measure_maxtext` compiles a lever's engine. Needs Python >= 3.12, ``maxtext`` and libtpu.
-"""
+"""``maxtext:MODEL``: MaxText's own engine as the planner's model, compiled for a TPU slice as the engine runs
+it, in kernels: ``fwd_bwd`` (the first micro-batch), ``fwd_bwd_accum`` (each further one) and ``update``.
+MaxText accumulates its own gradients and scans its layers (a model compiles whole, in about the time of a few
+layers), so a row is always a split step at full depth. Needs Python >= 3.12, ``maxtext`` and libtpu."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""One row of a plan: a lever's step compiled at one micro-batch, what the compiler says, and whether it fits.
-
-A row is compiled whole; for an estimate (``--estimate``), at two reduced depths and extrapolated per layer,
-and whole anyway where the line comes near the limit or the two depths disagree. The compiler's refusal is a
-row too (its figures None). Compiles.
-"""
+"""One row of a plan: a lever's step compiled whole at one micro-batch; for an estimate (``--estimate``), at
+two reduced depths and extrapolated per layer, and whole anyway where the line comes near the limit or the two
+depths disagree. The compiler's refusal is a row too (its figures None)."""
 
 from __future__ import annotations
 

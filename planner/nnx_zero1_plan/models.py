@@ -1,22 +1,16 @@
 """The models the planner builds, abstractly: Tunix's named configurations and the user's own function.
 
-``tunix:CONFIG`` is ``ModelConfig.CONFIG()`` of the Tunix family the name starts
-with (``qwen3_8b`` -> ``tunix.models.qwen3``), built at any depth with the
-dtypes and remat asked for. ``package.module:function`` is the user's own:
+``tunix:CONFIG`` is ``ModelConfig.CONFIG()`` of the Tunix family the name starts with (``qwen3_8b`` ->
+``tunix.models.qwen3``), built at any depth with the dtypes and remat asked for. ``package.module:function``
+is the user's own:
 
-- ``function()`` (or ``function(num_layers=d)``, when it takes ``num_layers``:
-  then the planner may compile reduced depths; its default is the full depth)
-  returns an ``nnx.Module``, or a tuple ``(model, loss_fn)``;
-- ``loss_fn(model, tokens) -> scalar`` gets int32 token ids shaped
-  ``(rows, seq_len + 1)``; without one, the model is called as
-  ``model(tokens[:, :-1])`` and its logits scored against ``tokens[:, 1:]``.
+- ``function()`` (or ``function(num_layers=d)``, when it takes ``num_layers``: then the planner may compile
+  reduced depths; its default is the full depth) returns an ``nnx.Module``, or a tuple ``(model, loss_fn)``;
+- ``loss_fn(model, tokens) -> scalar`` gets int32 token ids shaped ``(rows, seq_len + 1)``; without one, the
+  model is called as ``model(tokens[:, :-1])`` and its logits scored against ``tokens[:, 1:]``.
 
-A ``tunix:`` model is traced with its own activation sharding constraints applied, as
-Tunix applies them on the chips (:mod:`nnx_zero1_plan.tunix_sharding`, ``--tunix-sharding``).
-
-The function is called under ``nnx.eval_shape`` on the plan's mesh
-(``jax.set_mesh``): it must create no arrays outside NNX variables, and its
-variables' ``sharding`` metadata names the mesh axes it is split over.
+The function is called under ``nnx.eval_shape`` on the plan's mesh (``jax.set_mesh``): it must create no
+arrays outside NNX variables, and its variables' ``sharding`` metadata names the mesh axes it is split over.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The two networks of a pod, per chip: the fast one inside a slice or node (ICI, NVLink) and the slow one
-between them (DCN, InfiniBand), and what a step's collective bytes cost on each, as an estimate: the public
-per-direction rates of :data:`nnx_zero1_plan.chips.CHIPS` (a device sends at that rate while it receives at
-the same rate), no latency.
-"""
+"""A pod's two networks (ICI or NVLink inside a slice or node, DCN or InfiniBand between): each one's time per
+step, estimated at the chip table's public rates each way (a device receives as it sends), no latency."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The model a plan compiles, described once before any compile: its mesh, its batch's unit, its dtypes.
-
-A ``tunix:`` or ``package.module:function`` model is built abstractly once (no compiler needed), so a
-``--mesh`` axis it does not name is refused before the compiler is looked for; then it is placed on the
-target's devices (a ``maxtext:`` model is described by its config, with MaxText's engine:
-:func:`nnx_zero1_plan.maxtext.describe_maxtext`). Traces; compiles nothing.
-"""
+"""The model a plan compiles, described once before any compile: a ``--mesh`` axis a ``tunix:`` or own model
+does not name is refused before the compiler is looked for."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The code a plan prints for the lever it recommends, as its users paste it: the mesh the plan compiled, then
-the optimizer (their own loop's ``Zero1Optimizer``, Tunix's trainer and its config, MaxText's engine
-attributes), written from the lever table. Pure.
-"""
+"""The code a plan prints for the lever it recommends, as its users paste it in its three homes: their own
+loop's ``Zero1Optimizer``, Tunix's trainer and its config, MaxText's engine attributes."""
 
 from __future__ import annotations
 

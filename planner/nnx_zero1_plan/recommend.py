@@ -1,12 +1,7 @@
-"""The configuration a plan recommends, by a stated order, with the code that writes it (:mod:`printed_code`).
-
-Where every candidate has a predicted step time (:mod:`nnx_zero1_plan.step_time`: the TPU compiler's cost
-model), the order is :data:`BY_THROUGHPUT`, over the (lever, micro-batch) points that fit; otherwise it is
-:data:`ORDER`, by memory. Either way a row must fit (an estimate decides nothing), and a Zero-1 lever whose
-optimizer state per device is the baseline's is not a candidate. By :data:`ORDER` a lever stands at a
-micro-batch where its own compile fitted, even above its edge, so no edge is weighed against a micro-batch
-the other lever was never compiled at. Pure: rows in, one :class:`Recommendation` out.
-"""
+"""The configuration a plan recommends, by a stated order: :data:`BY_THROUGHPUT` where every point that fits
+has a predicted time, else :data:`ORDER`, by memory; a Zero-1 lever that splits nothing is no candidate. By
+:data:`ORDER` a lever stands at a micro-batch where its own compile fitted, even above its edge, so no edge is
+weighed against a micro-batch the other lever was never compiled at."""
 
 from __future__ import annotations
 

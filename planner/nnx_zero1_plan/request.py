@@ -1,10 +1,5 @@
-"""What a plan is asked for: one frozen record, checked once, that crosses into the planning process.
-
-``plan()``, the command line and the planning process build their compiles from a
-:class:`PlanRequest`. Building it checks everything the values alone can tell (names,
-ranges, combinations) without a compiler, so a misspelt flag costs nothing; it travels to
-the process that compiles as JSON (:meth:`PlanRequest.to_json`).
-"""
+"""What a plan is asked for: one frozen record, checked without a compiler (a misspelt flag costs nothing),
+that crosses into the planning process."""
 
 from __future__ import annotations
 

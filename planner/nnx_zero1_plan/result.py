@@ -1,8 +1,4 @@
-"""A plan's result: what each lever needs, printed as a table and kept as plan.json and plan.md.
-
-Pure: the caller's process (a notebook's, which must not import jax) reads it back from the planning process
-in plan.json's one format (:meth:`Plan.to_record`, :meth:`Plan.from_record`), as a kept plan is read.
-"""
+"""A plan's result: what each lever needs, printed as a table and kept as plan.json and plan.md."""
 
 from __future__ import annotations
 

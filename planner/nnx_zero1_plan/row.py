@@ -1,14 +1,5 @@
-"""One lever's row of a plan: typed frozen records, and plan.json's row written and read by one function each.
-
-A :class:`Row` holds what identifies the compile (lever, step, target, mesh, model, micro-batch), what the
-compiler said (:class:`Figures`), how those figures were made (:class:`Made`: compiled whole, or an
-estimate extrapolated per layer), the verdict against the usable memory (``fits``, the one
-:func:`nnx_zero1_plan.search.fits_in`), and what a search found (:class:`Searched`: the largest micro-batch;
-:class:`Offloaded`: the share of the state to offload). Every record's fields are plan.json's names:
-:meth:`Row.to_json` writes them side by side and :meth:`Row.from_json` puts each back in its record, so a
-new figure is one field here. The tables, the recommendation and the way out read a row's attributes, and
-whether it fits from one property (:attr:`Row.verdict`). Pure.
-"""
+"""One lever's row of a plan: typed frozen records whose fields are plan.json's names, written side by side by
+:meth:`Row.to_json` and put back by :meth:`Row.from_json`, so a new figure is one field here."""
 
 from __future__ import annotations
 

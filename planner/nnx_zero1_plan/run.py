@@ -1,9 +1,4 @@
-"""A plan, end to end: the orchestration of one request, from the model's description to the recommendation.
-
-It describes the model (:mod:`nnx_zero1_plan.planned_model`), finds the target and its compiler
-(:mod:`nnx_zero1_plan.targets`), compiles each lever's row (:mod:`nnx_zero1_plan.measure`), searches where
-asked (:mod:`nnx_zero1_plan.search`), and returns the :class:`~nnx_zero1_plan.result.Plan`.
-"""
+"""A plan, end to end: one request orchestrated, from the model's description to the recommendation."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """The largest micro-batch that fits, found with as few compiles as the arithmetic allows.
 
-A step's peak grows close to linearly with its micro-batch (the activations) until it nears the memory limit;
-there both compilers fill the memory they are given (the TPU compiler rematerialises, XLA's GPU scheduler
-reorders), so the peaks flatten and land a little above or below the limit in no order. Two compiles give a
-line and the line a first guess; where the line falls short, the edge is galloped to (one step, two, four);
-once bracketed, the line between the largest micro-batch known to fit and the smallest known not to takes
-turns with bisection. A micro-batch that fits within :data:`BAND` of the limit vouches for no smaller one:
-every micro-batch below it is compiled too, down to one clear of the limit, and above it the search climbs
-one step at a time. So the edge lies below the first failure, whichever micro-batch the search started from.
-Pure: the compiles are the caller's ``measure``.
+A step's peak grows close to linearly with its micro-batch until near the memory limit, where both compilers
+fill what they are given (the TPU compiler rematerialises, XLA's GPU scheduler reorders): the peaks flatten
+and land a little above or below the limit in no order. Two compiles give a line and a first guess; short of
+the edge the search gallops (one step, two, four); once bracketed, the line and bisection take turns. A fit
+within :data:`BAND` of the limit vouches for no smaller micro-batch, and above it the search climbs one step
+at a time: so the edge lies below the first failure, wherever the search started.
 """
 
 from __future__ import annotations

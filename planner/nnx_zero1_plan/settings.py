@@ -1,8 +1,4 @@
-"""A plan's settings as planned: plan.json's ``meta``, a frozen record written and read by one function each.
-
-The planning process writes it once, from the request as the plan resolved it and what the model, the target
-and its compilers said; the caller reads it back from plan.json, a kept plan's object byte for byte. Pure.
-"""
+"""A plan's settings as planned (plan.json's ``meta``), read back from a kept plan byte for byte."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What of a compiled program's collective bytes crosses a pod's slow network, between its domains (TPU slices
-joined over the data-center network, GPU nodes over InfiniBand): a GPU program's collectives whose groups
-span domains (:func:`across_bytes`), a TPU slice's sends to the megascale runtime (:func:`dcn_bytes`), each
-on the ring basis of the optimizer's own count (``nnx_zero1.testing.sent_bytes``).
-"""
+"""What of a compiled program's collective bytes crosses a pod's slow network: a GPU program's collectives
+whose groups span nodes (:func:`across_bytes`), a TPU slice's megascale sends (:func:`dcn_bytes`)."""
 
 from __future__ import annotations
 

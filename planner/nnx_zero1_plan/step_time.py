@@ -1,24 +1,12 @@
-"""How long a compiled program runs on one device, from the compiler's own cost model and its schedule.
+"""A compiled program's time on one device, from the compiler's own cost model, walked in schedule order.
 
-The TPU compiler writes its estimate of every fusion, copy and broadcast into the compiled program: each
-such instruction's ``backend_config`` carries ``"estimated_cycles"`` (its classic cost model). A compiled
-program is scheduled: its instructions run in the order the text lists them, one after another on the
-chip's core, while collectives run on the network beside it. So a program's time is read off its text by
-walking each computation in order (:func:`program_time`):
-
-- an instruction with estimated cycles advances the core by ``cycles / clock``;
-- a while loop runs its body's walk ``trip count`` times, a call its callee's, a conditional its slowest
-  branch's;
-- a collective takes its ring bytes (what one device sends, :func:`nnx_zero1.testing.sent_bytes`' basis)
-  over its network's rate. An async one (``all-gather-start`` ... ``-done``) starts where it is scheduled,
-  waits for the network to be free (collectives share it, one after another), and the core stalls at its
-  ``-done`` only for what is left of it: the compute the scheduler put between the two is its overlap. A
-  synchronous collective stalls the core for all of it;
-- a copy between host and device memory (an offloaded state) runs the same way on the host link.
-
-XLA's GPU compiler carries no cycles, but its scheduler's estimates are walked the same way
-(:mod:`nnx_zero1_plan.gpu_schedule`). A step without a time says why (:data:`UNTUNED`, :data:`NO_ESTIMATE`,
-...): nothing here guesses compute from a peak rate. Pure: text in, seconds out.
+The TPU compiler writes its estimate into each fusion's, copy's and broadcast's ``backend_config``
+(``"estimated_cycles"``, its classic cost model); a compiled program runs its instructions in its text's
+order, one after another on the core, collectives on the network beside it. So :func:`program_time` advances
+the core by ``cycles / clock``, runs a while loop's body ``trip count`` times, a call's callee, a
+conditional's costliest branch, and starts an async collective or host copy when its lane is free, the core
+stalling at its ``-done`` only for what is left (at a synchronous one, for all). A step without a time says
+why (:data:`UNTUNED`, :data:`NO_ESTIMATE`, ...): nothing here guesses compute from a peak rate.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""One lever's training step for a target, built abstractly and compiled, never run.
-
-A step is compiled in one of two shapes. ``one``: one program, as Tunix's
-trainers and a user's own ``nnx.jit`` loop compile it: gradients over ``ga``
-micro-batches, then ``optimizer.update``, the state donated and kept on its
-shardings. ``split``: two programs, as MaxText's engine compiles it: gradients
-(the parameters in, the gradients out), then the update (the state and the
-gradients in, the state donated).
-"""
+"""One lever's training step: ``one`` program, as Tunix's trainers and a user's own ``nnx.jit`` loop compile
+it, or ``split`` in two, as MaxText's engine does (the gradients, then the update: the state donated)."""
 
 from __future__ import annotations
 

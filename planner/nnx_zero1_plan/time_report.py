@@ -1,11 +1,5 @@
-"""A plan's predicted step times in plan.md (every part of each row's time, and each search's points), and
-the cells' formats every table of the plan shares: a time, bytes, tokens per second, plan.md's table.
-
-The parts are the row's :class:`~nnx_zero1_plan.row.StepTime` (:func:`nnx_zero1_plan.predict_step_time`);
-a search's points show where a larger micro-batch stops paying (the compiler rematerialises to fit: more
-compute per token), as a table and, where matplotlib is installed, a PNG beside plan.md. Pure, but for the
-PNG.
-"""
+"""plan.md's step times, and the cells' formats every table of the plan shares. A search's points show where a
+larger micro-batch stops paying (remat: more compute per token), as a table and, with matplotlib, a PNG."""
 
 from __future__ import annotations
 

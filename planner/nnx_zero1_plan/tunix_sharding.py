@@ -1,14 +1,7 @@
-"""Tunix's activation sharding constraints, applied while a ``tunix:`` model is traced, as on the chips.
-
-Tunix's model modules call ``shard(x, shd_config.act_*)`` on their activations, and ``shard`` constrains
-only in a process whose first device is not a CPU, under the legacy ``with mesh:`` (google-tunix 0.1.7,
-e.g. ``tunix/models/llama3/model.py``). The planner's process runs jax's CPU backend (its TPU and GPU
-devices are compile-only), so without this module it compiles XLA's own propagation, not the program Tunix
-compiles on the chips. ``--tunix-sharding`` says which activation specs apply (:func:`specs_for`):
-``default``, Tunix's ``ShardingConfig`` with the mesh's data axes in front of each activation's batch entry;
-``none``, XLA's own propagation; or a JSON object of ``act_*`` fields. An axis the mesh lacks is dropped, so
-each spec is valid on the mesh.
-"""
+"""Tunix's activation constraints, applied while tracing: Tunix's ``shard(x, shd_config.act_*)`` constrains
+only in a process whose first device is not a CPU, under the legacy ``with mesh:`` (google-tunix 0.1.7, e.g.
+``tunix/models/llama3/model.py``), and the planner's process runs jax's CPU backend: without this module it
+compiles XLA's own propagation, not the program Tunix compiles on the chips."""
 
 from __future__ import annotations
 

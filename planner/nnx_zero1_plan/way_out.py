@@ -1,8 +1,5 @@
-"""When nothing fits: what to try next (:func:`next_steps`, from the rows' figures), and what makes room,
-tried by a compile each in the order a user would try it (:func:`changes_to_try`, compiled by
-:func:`find_way_out` until one fits): a refused compile has no peak to reason from, so only the compiler can
-say whether a change is enough. Pure: the compiles are the caller's ``compile_changed``.
-"""
+"""When nothing fits: what to try next (:func:`next_steps`), and changes compiled in the order a user would
+try them until one fits (:func:`find_way_out`): a refused compile has no peak to reason from."""
 
 from __future__ import annotations
 
