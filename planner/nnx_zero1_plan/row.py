@@ -229,38 +229,7 @@ class MaxTextConfig(_Record):
 class Figures(_Record):
   """What the compiler said of one lever's step, per device; None where it refused the program.
 
-  Attributes:
-    opt_state_bytes_per_device: the optimizer state in device memory.
-    opt_state_bytes_by_memory_kind: the optimizer state by memory kind (``device``, ``pinned_host``).
-    opt_state_bytes_by_dtype: the optimizer state's arrays by the dtype they are stored in (optax keeps a
-      bfloat16 parameter's moments in bfloat16: 4 bytes per parameter for adamw, not 8).
-    param_bytes_per_device: the parameters.
-    state_split: the axes the lever splits the state over and the share of its bytes split over each.
-    argument_bytes_per_device: the step's arguments (for two programs, the gradient program's and the
-      state beside it: :func:`nnx_zero1_plan.compiled.split_memory`).
-    output_bytes_per_device: its outputs.
-    alias_bytes_per_device: the outputs written over donated arguments.
-    temp_bytes_per_device: its temporaries (the activations).
-    peak_bytes_per_device: everything it holds at once, the compiler's own total
-      (:data:`nnx_zero1_plan.compiled.PEAK_SOURCE`).
-    formula_peak_bytes_per_device: arguments + outputs - aliased + temporaries.
-    host_argument_bytes_per_device: arguments in host memory (an offloaded state).
-    flops_per_device: the step's compute, and ``flops_source`` where it comes from
-      (:data:`nnx_zero1_plan.compiled.COMPUTE_SOURCES`).
-    collectives: :func:`nnx_zero1_plan.compiled.collectives_of`.
-    update_peak_bytes_per_device: a split step's update program: its peak, temporaries, compute and bytes
-      accessed (and those of the next three fields).
-    headroom_bytes_per_device: the usable memory less the peak.
-    error: the compiler's (or the optimizer's) refusal, in one line.
-    hbm_oom: the TPU compiler's "does not fit" refusal as numbers (:func:`nnx_zero1_plan.compiled.hbm_oom`).
-    compile_s: seconds the compiles took.
-    maxtext_config: what MaxText's defaults chose (a MaxText model's row).
-    predicted_step_s: the step's predicted time on one device (None, with ``time_absent`` saying why, where
-      the compiler gives no estimate of its compute).
-    tokens_per_s_per_device: the tokens one device trains on per second at that time.
-    mfu: the step's matmul FLOPs per second over the chip's peak for the compute dtype.
-    step_time: the predicted time's parts.
-    time_absent: why a compiled step has no predicted time.
+  Each field is plan.json's of its name; docs/planner.md's "What a row says" says what each holds.
   """
 
   opt_state_bytes_per_device: int | None = _figure(per_layer=True)
@@ -344,16 +313,7 @@ class Estimate(_Record):
 class Made(_Record):
   """How a row's figures were made: the depth always, each other note where it says something (not None).
 
-  Attributes:
-    depth: the layers the figures are for (the model's own).
-    depth_extrapolated_from: the two reduced depths an estimate was compiled at (None: compiled whole).
-    not_alike: why the two depths' figures could not be extrapolated (compiled whole instead).
-    estimate: what marks an estimate (:func:`nnx_zero1_plan.depth.estimate_mark`).
-    fits_estimate: what the estimate's line says of fitting (``fits`` is None for an estimate).
-    extrapolated_peak_bytes_per_device: the estimate's peak where the row was compiled whole anyway.
-    compiled_whole_because: why it was (the line came near the limit, or ``not_alike``).
-    network_per_step: on a pod, the bytes per step on each network and their time at the links' rates
-      (:func:`nnx_zero1_plan.networks.network_per_step`).
+  Each field is plan.json's of its name; docs/planner.md's "What a row says" says what each holds.
   """
 
   depth: int | None = None
@@ -405,16 +365,7 @@ AT_EDGE = tuple(f.name for f in dataclasses.fields(Point))[2:]
 class Searched(_Record):
   """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.search_row`).
 
-  Attributes:
-    max_micro_batch: the largest micro-batch that fits (None: not even the smallest).
-    above: the micro-batch one step above it, compiled and refused (None: none was).
-    refused_because: why ``above`` does not fit.
-    search_unfinished: why the edge is not confirmed (the compile budget ended first), else None.
-    fits_above: micro-batches above the edge that fit.
-    at_max: the figures at ``max_micro_batch`` (:data:`AT_EDGE`, with ``batch`` and ``fits``).
-    at_above: the figures at ``above``.
-    search: every compile's figures, in the order they ran.
-    search_compile_s: seconds the search's compiles took.
+  Each field is plan.json's of its name; docs/planner.md's "What a row says" says what each holds.
   """
 
   max_micro_batch: int | None
@@ -441,12 +392,8 @@ class OffloadPoint(_Record):
 @dataclasses.dataclass(frozen=True)
 class Offloaded(_Record):
   """What the search for the share of the optimizer state to offload found
-  (:func:`nnx_zero1_plan.search.offload_search`).
-
-  Attributes:
-    offload_fraction: the smallest share that fits (the last tried where none does).
-    offload_search: every compile: the share, its peak, seconds and whether it fits.
-    offload_refused_because: why no share fits, else None.
+  (:func:`nnx_zero1_plan.search.offload_search`). Each field is plan.json's of its name; docs/planner.md's
+  "What a row says" says what each holds.
   """
 
   offload_fraction: float
@@ -457,13 +404,7 @@ class Offloaded(_Record):
 @dataclasses.dataclass(frozen=True)
 class Measured(_Record):
   """One step run on the local devices (``--measure``): a few steady steps of the compiled program.
-
-  Attributes:
-    batch: the global micro-batch it ran at (the row's, or a searched one).
-    step_s: the median of the timed steps, in seconds (None: it did not run).
-    peak_bytes: the allocator's ``peak_bytes_in_use`` on the first device after the steps (None: not
-      reported); it holds the state and what the runtime kept, not always the program's temporaries.
-    error: why it did not run, in one line (None: it ran).
+  Each field is plan.json's of its name; docs/planner.md's "What a row says" says what each holds.
   """
 
   batch: int
@@ -474,28 +415,10 @@ class Measured(_Record):
 
 @dataclasses.dataclass(frozen=True)
 class Row(_Record):
-  """One lever's step compiled for the target, as plan.json's row.
-
-  Attributes:
-    lever: the lever's name (``baseline``, ``zero1``, ...).
-    step: ``"one"`` or ``"split"``.
-    compiled_for: the topology.
-    device_kind: jax's name for the chip.
-    mesh: every mesh axis and its size.
-    model: the model's name.
-    batch: the global micro-batch the figures are for.
-    figures: what the compiler said.
-    made: how the figures were made.
-    hbm_bytes: the memory a program may use per device, as the compiler reports it.
-    usable_bytes: ``hbm_bytes`` less the reserve or margin.
-    fits: the compiler accepted the whole program and its peak is within ``usable_bytes``; None for an
-      estimate, or where a refusal for another reason left no figures.
-    activation_sharding: the activation constraints applied (``tunix:`` models), else None.
-    remat: the remat policy compiled under (None: the model's own).
-    searched: what the search for the largest micro-batch found (None: no search).
-    offloaded: what the search for the share to offload found (None: not the ``offload-fraction`` lever).
-    measured: the runs on the local devices (``--measure``): the row's micro-batch, then a searched one's
-      (None: not run; plan.json has no ``measured`` then).
+  """One lever's step compiled for the target, as plan.json's row: what identifies the compile, then its
+  records (:class:`Figures`, :class:`Made`; :class:`Searched`, :class:`Offloaded` and the :class:`Measured`
+  runs where there were any). Each field is plan.json's of its name; docs/planner.md's "What a row says"
+  says what each holds.
   """
 
   lever: str

@@ -495,3 +495,17 @@ def test_every_collective_the_one_reader_counts_has_a_table_cell():
   kinds = (*COLLECTIVE_OPS, "to-host", "to-device")
   cell = collective_cell({op: {"count": 1, "bytes": 2**20} for op in kinds})
   assert cell == "AR 1x 1.000, RS 1x 1.000, AG 1x 1.000, A2A 1x 1.000, CP 1x 1.000, out 1x 1.000, in 1x 1.000"
+
+
+def test_docs_say_what_every_field_of_a_plan_json_row_holds():
+  # docs/planner.md's "What a row says" is where each field of a row is explained (the records point there):
+  # every field a row writes has its line, and every name there is a field.
+  import re
+
+  from nnx_zero1_plan.row import _KNOWN
+  from tests.support.docs_tables import table_under
+
+  named = {name for fields, _ in table_under("docs/planner.md", "| field |")
+           for name in re.findall(r"`(\w+)`", fields)}
+  assert named <= _KNOWN, sorted(named - _KNOWN)
+  assert _KNOWN <= named, sorted(_KNOWN - named)
