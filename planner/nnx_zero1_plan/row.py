@@ -85,21 +85,7 @@ def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
 class StepTime(_Record):
   """A step's predicted time on one device, in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`).
 
-  Attributes:
-    source: where the compute comes from (the compiler's cost model, and which).
-    programs: the programs one step runs, in order, with how many times each (``"fwd_bwd_accum x7"``).
-    compute_s: the compiler's estimate of the step's compute, every loop trip counted.
-    fast_network: the network inside a slice or node (``ICI``, ``NVLink``).
-    fast_s: its collectives' time at the network's rate.
-    fast_exposed_s: the part of ``fast_s`` the schedule leaves the core waiting for (the rest overlaps
-      compute).
-    slow_network: the network between slices or nodes (None on one).
-    slow_s: its bytes over its rate, counted exposed (the overlap across it is not modelled).
-    host_s: copies to and from host memory at the host link's rate (None: not timed, no public rate).
-    host_exposed_s: the part of ``host_s`` the core waits for.
-    unestimated_ops: instructions the compiler did not estimate (counted as zero).
-    clock_ghz: the clock that turns the compiler's cycles into seconds.
-    roofline_s: a lower bound beside it: the step's matmul FLOPs over the chip's peak.
+  Each field is plan.json's ``step_time``'s of its name; docs/planner.md's "How fast" says what each holds.
   """
 
   source: str
@@ -135,11 +121,7 @@ class Collectives(_Record):
   """A step's collectives on one device, each ``{op kind: OpCount}``
   (:func:`nnx_zero1_plan.compiled.collectives_of`).
 
-  Attributes:
-    per_step: every loop trip counted (bytes: the results').
-    per_micro_batch: one trip of the micro-batch loop.
-    sent_per_step: the bytes one device sends for them (None: a row that predates the send count).
-    across_per_step: on a pod, the bytes one device sends over the slow network (None elsewhere).
+  Each field is plan.json's of its name; docs/planner.md's "What a row says" says what each holds.
 
   Example::
 

@@ -500,8 +500,6 @@ def test_every_collective_the_one_reader_counts_has_a_table_cell():
 def test_docs_say_what_every_field_of_a_plan_json_row_holds():
   # docs/planner.md's "What a row says" is where each field of a row is explained (the records point there):
   # every field a row writes has its line, and every name there is a field.
-  import re
-
   from nnx_zero1_plan.row import _KNOWN
   from tests.support.docs_tables import table_under
 
@@ -509,3 +507,12 @@ def test_docs_say_what_every_field_of_a_plan_json_row_holds():
            for name in re.findall(r"`(\w+)`", fields)}
   assert named <= _KNOWN, sorted(named - _KNOWN)
   assert _KNOWN <= named, sorted(_KNOWN - named)
+
+
+def test_docs_say_what_every_part_of_a_step_time_holds():
+  from nnx_zero1_plan.row import StepTime
+  from tests.support.docs_tables import table_under
+
+  named = {name for fields, _ in table_under("docs/planner.md", "| `step_time` field |")
+           for name in re.findall(r"`(\w+)`", fields)}
+  assert named == {f.name for f in dataclasses.fields(StepTime)}
