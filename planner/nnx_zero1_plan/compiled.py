@@ -12,8 +12,7 @@ from nnx_zero1_plan.row import Collectives, Figures, HbmOom
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
 __all__ = ["COMPUTE_SOURCES", "PEAK_SOURCE", "memory", "split_memory", "cost", "step_flops", "hbm_oom",
-           "collectives_of", "across_per_step", "summed", "summed_collectives", "split_collectives_of",
-           "row_figures"]
+           "collectives_of", "across_per_step", "summed", "summed_collectives", "row_figures"]
 
 
 def memory(compiled: Any) -> dict[str, int]:
@@ -196,11 +195,6 @@ def summed_collectives(programs: Sequence[Collectives]) -> Collectives:
   ...) added up over the programs, in the order one step runs them (a program run twice, twice)."""
   counts = [p.to_json() for p in programs]
   return Collectives.from_json({when: summed([c[when] for c in counts]) for when in counts[0]})
-
-
-def split_collectives_of(grads: Any, update: Any, domain_of: Sequence[int] | None = None) -> Collectives:
-  """:func:`collectives_of` a step compiled as two programs: both programs' collectives, summed."""
-  return summed_collectives([collectives_of(grads, domain_of), collectives_of(update, domain_of)])
 
 
 def row_figures(mem: dict[str, int], collectives: Collectives | None,

@@ -21,9 +21,9 @@ from nnx_zero1_plan.compiled import (
   hbm_oom,
   memory,
   row_figures,
-  split_collectives_of,
   split_memory,
   step_flops,
+  summed_collectives,
 )
 from nnx_zero1_plan.depth import NEAR, estimate_mark, extrapolate_row, near_the_limit, not_alike
 from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
@@ -146,7 +146,8 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     figures = row_figures(memory(compiled), collectives_of(compiled, domains))
   else:
     mem = split_memory(memory(grads), memory(update), state_figures["opt_state_bytes_per_device"])
-    figures = row_figures(mem, split_collectives_of(grads, update, domains), cost(update))
+    both = summed_collectives([collectives_of(program, domains) for program in (grads, update)])
+    figures = row_figures(mem, both, cost(update))
   flops, flops_source = step_flops(compiled if step == "one" else grads)
   say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
   programs = ([("step", compiled.as_text(), 1)] if step == "one"
