@@ -10,15 +10,16 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.result import Plan
 
-__all__ = ["MARK", "plan_in_child", "child_env", "main"]
+__all__ = ["MARK", "plan_in_child", "child_env", "say", "main"]
 
-MARK = "nnx_zero1_plan.child:"  # starts every line of the protocol on the planning process's stdout
+MARK = "nnx_zero1_plan.child:"  # starts every line of a child process's answers on its stdout
 _ERRORS = {"PlanError": PlanError, "AotUnavailable": compilers.AotUnavailable}
 
 
@@ -72,7 +73,8 @@ def child_env(environ: Mapping[str, str]) -> dict[str, str]:
   return {**environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
-def _say(message: dict) -> None:
+def say(message: Any) -> None:
+  """A child process's answer, on a line of its own that starts with :data:`MARK`."""
   print(MARK + json.dumps(message), flush=True)
 
 
@@ -82,11 +84,11 @@ def main() -> int:
 
   try:
     request = PlanRequest.from_json(sys.stdin.read())
-    result = make_plan(request, progress=lambda line: _say({"progress": line}), local="--local" in sys.argv)
+    result = make_plan(request, progress=lambda line: say({"progress": line}), local="--local" in sys.argv)
   except Exception as e:  # every failure goes back to the caller, who raises it
-    _say({"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}})
+    say({"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}})
     return 1
-  _say({"plan": result.to_record()})
+  say({"plan": result.to_record()})
   return 0
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan import compilers
-from nnx_zero1_plan.child import child_env, plan_in_child
+from nnx_zero1_plan.child import MARK, child_env, plan_in_child, say
 from nnx_zero1_plan.chips import chip_of
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, error_line, parse_topology
@@ -24,10 +24,9 @@ from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Measured, Row
 
-__all__ = ["MARK", "WARMUP", "TIMED", "LocalDevices", "chips_may_be_here", "local_devices", "not_the_target",
+__all__ = ["WARMUP", "TIMED", "LocalDevices", "chips_may_be_here", "local_devices", "not_the_target",
            "devices_for", "plan_here", "measured_batches", "measured_plan", "measure_one", "main"]
 
-MARK = "nnx_zero1_plan.local:"  # starts the one line of a child's answer on its stdout
 WARMUP, TIMED = 2, 8  # steps run first (the allocator's growth, the program's load), then the steps counted
 _RUN_TIMEOUT_S = 900  # one run's child: the model built, the step compiled, ten steps
 
@@ -221,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = json.loads(sys.stdin.read())
     request = PlanRequest.from_json(job.pop("request"))
     answer = dataclasses.asdict(measure_one(request, job.pop("lever"), **job))
-  print(MARK + json.dumps(answer), flush=True)
+  say(answer)
   return 0
 
 
