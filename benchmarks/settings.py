@@ -102,7 +102,7 @@ def lever(arm: str) -> Lever:
     {'shard_accumulator': True}
   """
   zero1, deferred = STEP_ARMS[arm]
-  return Lever(arm, zero1=zero1, deferred=deferred, optimizer_options=OPTIMIZER_OPTIONS.get(arm, {}),
+  return Lever(zero1=zero1, deferred=deferred, optimizer_options=OPTIMIZER_OPTIONS.get(arm, {}),
                accumulate_options=ACCUMULATE_OPTIONS.get(arm, {}))
 
 

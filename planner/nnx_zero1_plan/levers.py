@@ -21,7 +21,6 @@ _NARROWING = {"across_dtype": "accumulate_options", "params_across_dtype": "opti
 class Lever:
   """One way to train: the optimizer's class and options, and how gradients accumulate."""
 
-  summary: str
   zero1: bool  # Zero1Optimizer over the data axis (else nnx.Optimizer)
   deferred: bool  # value_and_grad_accumulated (else a lax.scan of nnx.value_and_grad)
   optimizer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -33,50 +32,30 @@ class Lever:
 # is for, and what each -across lever gives up, is docs/planner.md's --levers.
 _POD = {"data_axis": ("replica", "data")}
 LEVERS: dict[str, Lever] = {
-    "baseline": Lever("nnx.Optimizer", zero1=False, deferred=False),
-    "zero1": Lever("Zero1Optimizer", zero1=True, deferred=False),
-    "zero1-pod": Lever("Zero1Optimizer over replica and data (the state split across slices or nodes too)",
-                       zero1=True, deferred=False, optimizer_options=_POD),
-    "zero1-accum": Lever("Zero1Optimizer + value_and_grad_accumulated (one reduce-scatter per step)",
-                         zero1=True, deferred=True),
-    "zero1-pod-accum": Lever("zero1-pod + value_and_grad_accumulated (reduce-scattered inside each slice or "
-                             "node, then across them: the baseline's bytes on each network)",
-                             zero1=True, deferred=True, optimizer_options=_POD),
-    "zero1-pod-master-accum": Lever(
-        "zero1-pod-accum with master_dtype=float32 (float32 masters split over every chip)", zero1=True,
-        deferred=True, optimizer_options={**_POD, "master_dtype": "float32"}),
-    "zero1-accum-bf16across": Lever(
-        "zero1-accum, its gradients all-reduced across slices or nodes in bfloat16", zero1=True,
-        deferred=True, accumulate_options={"across_dtype": "bfloat16"}),
-    "zero1-pod-accum-bf16across": Lever(
-        "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in bfloat16", zero1=True,
-        deferred=True, optimizer_options=_POD, accumulate_options={"across_dtype": "bfloat16"}),
-    "zero1-accum-int8across": Lever(
-        "zero1-accum, its gradients all-reduced across slices or nodes in int8 blocks (float32 scales)",
-        zero1=True, deferred=True, accumulate_options={"across_dtype": "int8"}),
-    "zero1-pod-accum-int8across": Lever(
-        "zero1-pod-accum, its gradients reduce-scattered across slices or nodes in int8 blocks "
-        "(float32 scales)", zero1=True, deferred=True, optimizer_options=_POD,
-        accumulate_options={"across_dtype": "int8"}),
+    "baseline": Lever(zero1=False, deferred=False),
+    "zero1": Lever(zero1=True, deferred=False),
+    "zero1-pod": Lever(zero1=True, deferred=False, optimizer_options=_POD),
+    "zero1-accum": Lever(zero1=True, deferred=True),
+    "zero1-pod-accum": Lever(zero1=True, deferred=True, optimizer_options=_POD),
+    "zero1-pod-master-accum": Lever(zero1=True, deferred=True,
+                                    optimizer_options={**_POD, "master_dtype": "float32"}),
+    "zero1-accum-bf16across": Lever(zero1=True, deferred=True,
+                                    accumulate_options={"across_dtype": "bfloat16"}),
+    "zero1-pod-accum-bf16across": Lever(zero1=True, deferred=True, optimizer_options=_POD,
+                                        accumulate_options={"across_dtype": "bfloat16"}),
+    "zero1-accum-int8across": Lever(zero1=True, deferred=True, accumulate_options={"across_dtype": "int8"}),
+    "zero1-pod-accum-int8across": Lever(zero1=True, deferred=True, optimizer_options=_POD,
+                                        accumulate_options={"across_dtype": "int8"}),
     "zero1-pod-master-accum-int8across": Lever(
-        "zero1-pod-master-accum, its gradients reduce-scattered and its new parameters all-gathered across "
-        "slices or nodes in int8 blocks (float32 scales)", zero1=True, deferred=True,
-        optimizer_options={**_POD, "master_dtype": "float32", "params_across_dtype": "int8"},
-        accumulate_options={"across_dtype": "int8"}),
-    "zero2": Lever("zero1-accum with shard_accumulator=True (the accumulator split over data too)",
-                   zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
-    "offload-fraction": Lever("Zero1Optimizer(offload_state_to_host=f) (the smallest share of the state in "
-                              "host memory that fits, picked from the compiled bytes)",
-                              zero1=True, deferred=False, picks_offload=True),
-    "offload": Lever("Zero1Optimizer(offload_state_to_host=True) (moments in host memory between steps)",
-                     zero1=True, deferred=False, optimizer_options={"offload_state_to_host": True}),
-    "zero2-offload": Lever("zero2 with offload_state_to_host=True", zero1=True, deferred=True,
-                           optimizer_options={"offload_state_to_host": True},
+        zero1=True, deferred=True, accumulate_options={"across_dtype": "int8"},
+        optimizer_options={**_POD, "master_dtype": "float32", "params_across_dtype": "int8"}),
+    "zero2": Lever(zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
+    "offload-fraction": Lever(zero1=True, deferred=False, picks_offload=True),
+    "offload": Lever(zero1=True, deferred=False, optimizer_options={"offload_state_to_host": True}),
+    "zero2-offload": Lever(zero1=True, deferred=True, optimizer_options={"offload_state_to_host": True},
                            accumulate_options={"shard_accumulator": True}),
-    "zero1-bf16state": Lever("Zero1Optimizer(state_dtype=bfloat16) (moments in bfloat16 between steps)",
-                             zero1=True, deferred=False, optimizer_options={"state_dtype": "bfloat16"}),
-    "zero1-master": Lever("Zero1Optimizer(master_dtype=float32) (float32 master weights split over data)",
-                          zero1=True, deferred=False, optimizer_options={"master_dtype": "float32"}),
+    "zero1-bf16state": Lever(zero1=True, deferred=False, optimizer_options={"state_dtype": "bfloat16"}),
+    "zero1-master": Lever(zero1=True, deferred=False, optimizer_options={"master_dtype": "float32"}),
 }
 
 
@@ -193,9 +172,9 @@ def memory_twin(name: str) -> str:
   if not narrowed_dtypes(lever):
     return name
   strip = lambda options: {k: v for k, v in options.items() if k not in _NARROWING}
-  plain = dataclasses.replace(lever, summary="", optimizer_options=strip(lever.optimizer_options),
+  plain = dataclasses.replace(lever, optimizer_options=strip(lever.optimizer_options),
                               accumulate_options=strip(lever.accumulate_options))
-  return next(other for other, twin in LEVERS.items() if dataclasses.replace(twin, summary="") == plain)
+  return next(other for other, twin in LEVERS.items() if twin == plain)
 
 
 def with_offload(name: str, fraction: float | None) -> Lever:

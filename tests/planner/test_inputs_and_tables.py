@@ -516,3 +516,12 @@ def test_docs_say_what_every_part_of_a_step_time_holds():
   named = {name for fields, _ in table_under("docs/planner.md", "| `step_time` field |")
            for name in re.findall(r"`(\w+)`", fields)}
   assert named == {f.name for f in dataclasses.fields(StepTime)}
+
+
+def test_docs_say_what_every_lever_is():
+  # LEVERS holds how each lever is built; what each is for is docs/planner.md's --levers row alone.
+  from tests.support.docs_tables import table_under
+
+  (said,) = [words for flag, words in table_under("docs/planner.md", "| flag |") if flag == "`--levers`"]
+  named = set(re.findall(r"`([\w-]+)`", said))
+  assert set(LEVERS) <= named, set(LEVERS) - named
