@@ -33,10 +33,12 @@ _VECTOR = ("multiply_add", "row_sum", "softmax", "multiply_add_bf16")
 # attention's scores (heads of 64, at a batch that is and one that is not a multiple of 8), the same with
 # its softmax's row sums fused in; a layer norm's backward (a bfloat16 x float32 matmul whose result is
 # scaled and summed over the tokens and over the width in the same fusion) at two widths, alone, with its
-# input joined from two halves in the same fusion, and with its weight stored transposed; and a projection
-# with its activation.
+# input joined from two halves in the same fusion, and with its weight stored transposed; the joined one and
+# a float32 matmul again on a step's three-dimensional activations (micro-batch 8 and 13 of 1,024 tokens: the
+# compiler writes such a matmul as a convolution over the micro-batch); and a projection with its activation.
 _ATTENTION = ((8, 16, 1024, 64), (13, 16, 1024, 64))
 _NORM_BACKWARD = ((8192, 8192, 1024), (8192, 4096, 1024))
+_STEP_SHAPED = ((8, 1024), (13, 1024))
 _COPY_BYTES = (256 * 2**20, 2**30)
 
 
@@ -131,6 +133,22 @@ def _fused_programs() -> list[tuple[str, Any, tuple[Any, ...]]]:
                   (*halves, w, g, s)))
     cases.append((f"norm backward {tokens}x{hidden}x{width} by the weight stored transposed",
                   jax.jit(lambda x, wt, g, s: norm_backward(x, wt.T, g, s)), (x, w.T.copy(), g, s)))
+  for batch, seq in _STEP_SHAPED:  # the same, as a step holds its activations: [micro-batch, sequence, width]
+    x = jax.random.normal(keys[0], (batch, seq, 4096), jnp.bfloat16)
+    y = jax.random.normal(keys[0], (batch, seq, 4096), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (8192, 1024), jnp.float32)
+    g = jax.random.normal(keys[2], (batch, seq, 1024), jnp.float32)
+    s = jax.random.normal(keys[3], (1024,), jnp.float32)
+
+    def joined_norm_backward(x, y, w, g, s):
+      out = jnp.dot(jnp.concatenate([x, y], -1), w, preferred_element_type=jnp.float32)
+      return out, (out * g).sum((0, 1)), (out * g * s).sum(-1)
+
+    cases.append((f"norm backward {batch}x{seq}x8192x1024 of joined halves", jax.jit(joined_norm_backward),
+                  (x, y, w, g, s)))
+    a = jax.random.normal(keys[0], (batch, seq, 1024), jnp.float32)
+    cases.append((f"matmul {batch}x{seq}x1024x4096 float32", jax.jit(lambda a, b: a @ b),
+                  (a, jax.random.normal(keys[1], (1024, 4096), jnp.float32))))
   x, w = (jax.random.normal(key, shape, jnp.bfloat16)
           for key, shape in zip(keys, ((8192, 1024), (1024, 4096)), strict=False))
   cases.append(("matmul 8192x1024x4096 + gelu", jax.jit(lambda x, w: jax.nn.gelu(x @ w)), (x, w)))

@@ -6,6 +6,7 @@
 #   OUT=/tmp/device scripts/device_check.sh tpu 2    # (each program's start and compile on the chip takes
 #   OUT=/tmp/device scripts/device_check.sh tpu 3    # about a minute); commit $OUT/* under docs/data/device_v5e/
 #   OUT=/tmp/device scripts/device_check.sh tpu 4    # (a later session: the fused kinds, and two more cases)
+#   OUT=/tmp/device scripts/device_check.sh tpu 5    # (the fused kinds again, on a step's activations too)
 #
 # Each measurement writes its folder: the command, its stdout and stderr, its exit status and wall time;
 # versions.json says what ran. GPU: the compiler's figure against the allocator (two memory pools), each
@@ -70,6 +71,9 @@ elif [ "$PART" = 4 ]; then
   keep chip_rates python -m benchmarks.chip_rates --out "$OUT/chip_rates/out"
   limit build_baseline_12 "$D:build" baseline 12
   limit build_zero1_master "$D:build" zero1-master 4
+elif [ "$PART" = 5 ]; then
+  # The fused kinds alone again, with a step's three-dimensional activations among them.
+  keep chip_rates python -m benchmarks.chip_rates --out "$OUT/chip_rates/out"
 else
   # The planner where the chips are: it compiles for this machine's chip and runs each fitting row's step.
   keep plan_measure python -m nnx_zero1_plan --model "$D:build" --topology v5e:1x1 --batch 8 --seq-len 1024 \
