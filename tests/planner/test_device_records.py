@@ -183,3 +183,30 @@ def test_the_docs_say_where_the_walk_misses_from_the_chips_profile():
   for kind, words in (("matmul", "the plain matmuls"), ("matmul batched", "attention's batched ones"),
                       ("vector", "the vector unit's work")):
     assert f"{words} ({ratios[8][kind]:.2f}x, {ratios[13][kind]:.2f}x)" in said, kind
+
+
+def test_the_fused_kinds_alone_run_at_the_class_clocks_and_the_docs_say_so():
+  # benchmarks.chip_rates' lone fused programs (run 5; run 4 the same within 1%), beside the step's own
+  # fusion of that kind, estimated in the step's program and profiled in its run (run 1, build at 8).
+  said = " ".join(DOCS.read_text().split())
+  runs = [{r["program"]: r for r in json.loads((KEPT / run / "chip_rates" / "out" / "rates.json").read_text())
+           ["matmul_clock"]} for run in ("run4", "run5")]
+  for program, r in runs[1].items():
+    if program in runs[0]:
+      assert math.isclose(r["clock_hz"], runs[0][program]["clock_hz"], rel_tol=0.01), program
+  norms = [r["clock_hz"] / 1e9 for p, r in runs[1].items() if p.startswith("norm backward")]
+  assert len(norms) == 8
+  assert f"run at the clocks the walk already uses: {min(norms):.2f} to {max(norms):.2f} GHz" in said
+  scores = runs[1]["attention scores 8x16x1024x64"]["clock_hz"] / 1e9
+  summed = runs[1]["attention scores 8x16x1024x64 + row sums"]["clock_hz"] / 1e9
+  assert f"attention's scores {scores:.2f} GHz alone, {summed:.2f} with their row sums" in said
+  lone = runs[1]["norm backward 8x1024x8192x1024 of joined halves"]["fusions"]
+  (name, cycles, ns), = [f.split() for f in lone]
+  case = next(c for c in CASES if c["case"] == "build_baseline" and c["batch"] == 8)
+  line = next(line for line in case["hlo"].splitlines() if "%multiply_reduce_fusion.14 = " in line)
+  profile = KEPT / "run1" / "build_baseline" / "programs" / "baseline_8x1_s1024.ops.json.gz"
+  step_ns = next(ns for op, (ns, _) in json.loads(gzip.decompress(profile.read_bytes()))["ops"].items()
+                 if op.split("=")[0].strip().lstrip("%") == "multiply_reduce_fusion.14")
+  assert (f"estimated at {estimated_cycles(line):,} cycles (its tiling, `iteration_bounds` [1, 8, 1, 1, 32]) "
+          f"and ran in {step_ns / 1e3:.0f} us; alone, on the same shapes, it is estimated at {int(cycles):,} "
+          f"and runs in {float(ns) / 1e3:.0f} us") in said
