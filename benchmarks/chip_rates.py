@@ -60,7 +60,7 @@ def _device_seconds(fn: Callable[..., Any], args: Sequence[Any], runs: int,
   profile = profiled(lambda: fn(*args), runs)
   modules = profile["modules"]
   if ops is not None:
-    ops.update({name.split("=")[0].strip().lstrip("%"): ns for name, (ns, _) in profile["ops"].items()})
+    ops.update({name: ns for name, (ns, _) in profile["ops"].items()})  # device_ops names each by its name
   device = sum(ns for ns, _ in modules.values()) / 1e9 if modules else float("nan")
   return device, wall
 
@@ -77,7 +77,7 @@ def _fusions(hlo: str, ops: dict[str, float]) -> list[str]:
   per call (which fusions the compiler made, and what each cost)."""
   from nnx_zero1._src.hlo import INSTRUCTION, estimated_cycles
 
-  return [f"{m['name']} {estimated_cycles(line)} {ops.get(m['name'].lstrip('%'), 0.0):.0f}"
+  return [f"{m['name']} {estimated_cycles(line)} {ops.get(m['name'], 0.0):.0f}"
           for line in hlo.splitlines()
           if estimated_cycles(line) is not None and (m := INSTRUCTION.search(line))]
 
