@@ -49,7 +49,7 @@ def _device_seconds(fn: Callable[..., Any], args: Sequence[Any], runs: int,
   nanoseconds per call."""
   import jax
 
-  from benchmarks.limit import profiled
+  from nnx_zero1_plan import profiled
 
   jax.block_until_ready(fn(*args))
   start = time.perf_counter()

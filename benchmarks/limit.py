@@ -24,57 +24,20 @@ import argparse
 import gzip
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["device_ops", "profiled", "measure", "main"]
+__all__ = ["measure", "main"]
 
-_NAME = re.compile(r"^%?([^\s=]+)")
 _STATS = ("bytes_limit", "bytes_in_use", "peak_bytes_in_use", "largest_alloc_size", "bytes_reserved")
 
 
 def _device_stats(device: Any) -> dict[str, int]:
   stats = device.memory_stats() or {}
   return {k: int(stats[k]) for k in _STATS if k in stats}
-
-
-def device_ops(xplane: str, runs: int) -> dict[str, Any]:
-  """Each instruction's time on the first device per run, from a profile (``jax.profiler.trace``'s
-  ``*.xplane.pb``): ``{"ops": {name: [ns, count]}, "modules": {name: [ns, count]}}``, each summed over the
-  profile and divided by ``runs``."""
-  from jax.profiler import ProfileData
-
-  found: dict[str, dict[str, list[float]]] = {"ops": {}, "modules": {}}
-  data = ProfileData.from_file(xplane)
-  plane = next((p for p in data.planes if p.name.startswith("/device:") and p.name.endswith(":0")), None)
-  for line in plane.lines if plane is not None else ():
-    key = {"XLA Ops": "ops", "XLA Modules": "modules"}.get(line.name)
-    into = found[key] if key else {}
-    for event in line.events if key else ():
-      name = _NAME.match(event.name)[1]  # type: ignore[index]  # an op's event is named by its whole line
-      ns, count = into.setdefault(name, [0.0, 0])
-      into[name] = [ns + event.duration_ns / runs, count + 1 / runs]
-  return found
-
-
-def profiled(call: Callable[[], Any], runs: int) -> dict[str, Any]:
-  """:func:`device_ops` of ``runs`` calls of ``call`` (each returns what to wait for), traced together."""
-  import glob
-
-  import jax
-
-  with tempfile.TemporaryDirectory() as trace:
-    with jax.profiler.trace(trace):
-      for _ in range(runs):
-        out = call()
-      jax.block_until_ready(out)
-    found = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
-    return device_ops(found[0], runs) if found else {"ops": {}, "modules": {}}
 
 
 def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: str, steps: int = 12,
@@ -97,16 +60,18 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   from nnx_zero1_plan import (
     CHIPS,
     LEVERS,
-    abstract_batch,
     chip_of,
+    compile_step,
     dump_options,
+    lever_state,
     memory,
     model_source,
+    placed_batch,
     placed_state,
     predict_step_time,
+    profiled,
     run_steps,
     scheduled_seconds,
-    step_jit,
   )
 
   devices = jax.devices()
@@ -114,22 +79,21 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   mesh = Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
   lever = LEVERS[lever_name]
   source = model_source(model)
-  abstract, state = placed_state(lever, lambda: source.build(None), optimizer, mesh)
-  spec = abstract_batch(lever, mesh, batch, seq_len, ga)
-  ids = np.random.default_rng(0).integers(0, 1000, spec.shape, dtype=np.int32)
-  tokens = jax.device_put(ids, spec.sharding)
+  # The plan's own path: the abstract state compiled (steps.compile_step), the real one placed on its layout.
+  abstract = lever_state(lever, lambda: source.build(None), optimizer, mesh)
+  _, state = placed_state(lever, lambda: source.build(None), optimizer, mesh, abstract)
+  tokens = placed_batch(lever, mesh, batch, seq_len, ga)
   row: dict[str, Any] = {"model": model, "lever": lever_name, "batch": batch, "ga": ga, "seq_len": seq_len,
                          "devices": len(devices), "device_kind": device.device_kind,
                          "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                          "before_compile": _device_stats(device)}
-  step = step_jit(abstract.graphdef, abstract.shardings, spec.sharding, lever, source.loss_fn, ga)
-  start = time.perf_counter()
-  with tempfile.TemporaryDirectory() as schedule, jax.set_mesh(mesh):
+  with tempfile.TemporaryDirectory() as schedule:
     # XLA's GPU scheduler writes its estimates only when asked; a TPU program carries its own.
     gpu = device.platform == "gpu"
-    compiled = step.lower(state, tokens).compile(dump_options(schedule) if gpu else None)
+    compiled, seconds = compile_step(lever, abstract, source.loss_fn, mesh, batch, seq_len, ga,
+                                     compiler_options=dump_options(schedule) if gpu else None)
     scheduled = scheduled_seconds(schedule) if gpu else None
-  row["compile_s"] = round(time.perf_counter() - start, 1)
+  row["compile_s"] = round(seconds, 1)
   row["compiler"] = memory(compiled)
   name = f"{lever_name}_{batch}x{ga}_s{seq_len}"
   hlo = compiled.as_text()

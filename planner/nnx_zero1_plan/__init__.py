@@ -39,8 +39,9 @@ from nnx_zero1_plan.table import collective_cell
 # each imported from its module when first asked for, as those modules import jax and plan()'s caller never
 # does. Documented in docs/planner.md ("Your own loop").
 _ON_FIRST_USE = {name: module for module, names in {
-    "steps": ("OPTIMIZERS", "make_optimizer", "lever_state", "placed_state", "run_steps", "StepRuns",
-              "abstract_batch", "step_jit", "compile_step", "compile_split"),
+    "steps": ("OPTIMIZERS", "make_optimizer", "lever_state", "placed_state", "placed_batch", "run_steps",
+              "StepRuns", "abstract_batch", "step_jit", "compile_step", "compile_split"),
+    "on_chip": ("profiled", "device_ops"),
     "abstract": ("AbstractState", "with_state_homes", "abstract_bytes_per_device", "bytes_by_memory_kind"),
     "compiled": ("memory", "split_memory", "summed", "hbm_oom"),
     "step_time": ("predict_step_time", "PredictedTime", "program_time", "Rates", "cycle_class"),

@@ -1,15 +1,18 @@
-"""``plan()``'s planning process: the compilers need one prepared for them (the CUDA plugin and libtpu told
-there is no device: :data:`nnx_zero1_plan.compilers.ENV` over the caller's own values), and a notebook's or a
-trainer's process must stay as it was, its GPUs visible, so the plan is made in a child process."""
+"""The parent's side of the planner's child processes. A plan is made in a child process (``python -m
+nnx_zero1_plan.worker``): the compilers need one prepared for them (the CUDA plugin and libtpu told there is
+no device: :data:`nnx_zero1_plan.compilers.ENV` over the caller's own values), a notebook's or a trainer's
+process must stay as it was, its GPUs visible, and one process at a time may hold a TPU. The child answers on
+lines of their own that start with :data:`MARK`; its side is :mod:`nnx_zero1_plan.worker`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
-import traceback
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan import compilers
@@ -17,14 +20,72 @@ from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.result import Plan
 
-__all__ = ["MARK", "plan_in_child", "child_env", "say", "main"]
+__all__ = ["MARK", "Answer", "run_worker", "plan_in_child", "child_env", "say"]
 
 MARK = "nnx_zero1_plan.child:"  # starts every line of a child process's answers on its stdout
 _ERRORS = {"PlanError": PlanError, "AotUnavailable": compilers.AotUnavailable}
 
 
+@dataclasses.dataclass(frozen=True)
+class Answer:
+  """What a child process said: its last answer (None: none came) and the last lines of its other output."""
+
+  message: dict[str, Any] | None
+  other: tuple[str, ...]
+  returncode: int | None
+
+  @property
+  def why_none(self) -> str:
+    """The child's last line of other output (or its exit status): why it gave no answer."""
+    return self.other[-1][:300] if self.other else f"exit {self.returncode}"
+
+
+def run_worker(verb: str, job: str | None, env: Mapping[str, str], *, flags: Sequence[str] = (),
+               progress: Callable[[str], None] | None = None, timeout: float | None = None) -> Answer:
+  """Runs ``python -m nnx_zero1_plan.worker VERB FLAGS`` with ``job`` on its stdin and reads its answers.
+
+  Args:
+    verb: the worker's job (``plan``, ``probe``).
+    job: the text written to its stdin (None: nothing).
+    env: its environment.
+    flags: its further arguments.
+    progress: called with each ``{"progress": line}`` answer as it comes.
+    timeout: seconds after which it is killed (None: none).
+
+  Returns:
+    The :class:`Answer`: the last answer that is not progress.
+  """
+  command = [sys.executable, "-m", "nnx_zero1_plan.worker", verb, *flags]
+  other: list[str] = []
+  message = None
+  with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        env=dict(env), text=True) as child:
+    assert child.stdin is not None and child.stdout is not None  # both are pipes
+    killer = threading.Timer(timeout, child.kill) if timeout else None
+    if killer:
+      killer.start()
+    child.stdin.write(job or "")
+    child.stdin.close()
+    for line in child.stdout:
+      if not line.startswith(MARK):
+        other.append(line.rstrip("\n"))
+        continue
+      said = json.loads(line[len(MARK):])
+      if "progress" in said:
+        if progress:
+          progress(said["progress"])
+      else:
+        message = said
+    child.wait()
+    if killer:
+      killer.cancel()
+  if message is None and killer is not None and child.returncode and child.returncode < 0:
+    other.append(f"no answer in {timeout:.0f} s")
+  return Answer(message, tuple(line for line in other if line.strip())[-20:], child.returncode)
+
+
 def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None = None,
-                  local: bool = False) -> Plan:
+                  local: bool = False, measure: bool = False) -> Plan:
   """Runs ``request`` in a planning process; this process's environment, files and jax are left alone.
 
   Args:
@@ -32,6 +93,7 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
     progress: called with each progress line as the planning process reports it.
     local: compile for this machine's own devices, the target's chips (the planning process keeps the
       caller's environment, its chips visible: :func:`nnx_zero1_plan.targets.local_target`).
+    measure: with ``local``, run the rows' compiled programs there too (``--measure``).
 
   Returns:
     The :class:`Plan`, as the command line would print and write it.
@@ -41,29 +103,16 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
     RuntimeError: the planning process failed otherwise (its last lines of output in the message).
   """
   own = compilers.prepare_planning_process(os.environ)  # a stale libtpu lockfile removed too
-  env = child_env(os.environ if local else own)
-  command = [sys.executable, "-m", "nnx_zero1_plan.child", *(["--local"] if local else [])]
-  other: list[str] = []
-  result = None
-  with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        env=env, text=True) as child:
-    assert child.stdin is not None and child.stdout is not None  # both are pipes
-    child.stdin.write(request.to_json())
-    child.stdin.close()
-    for line in child.stdout:
-      if not line.startswith(MARK):
-        other.append(line.rstrip("\n"))
-        continue
-      message = json.loads(line[len(MARK):])
-      if "progress" in message and progress:
-        progress(message["progress"])
-      result = message if "progress" not in message else result
+  flags = [*(["--local"] if local else []), *(["--measure"] if measure else [])]
+  answer = run_worker("plan", request.to_json(), child_env(os.environ if local else own), flags=flags,
+                      progress=progress)
+  result = answer.message
   if result is not None and "plan" in result:
     return Plan.from_record(result["plan"])
   if result is not None and result["error"]["type"] in _ERRORS:
     raise _ERRORS[result["error"]["type"]](result["error"]["message"])
-  why = result["error"]["traceback"] if result is not None else "\n".join(other[-20:])
-  raise RuntimeError(f"the planning process failed (exit status {child.returncode}):\n{why}")
+  why = result["error"]["traceback"] if result is not None else "\n".join(answer.other)
+  raise RuntimeError(f"the planning process failed (exit status {answer.returncode}):\n{why}")
 
 
 def child_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -74,23 +123,6 @@ def child_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def say(message: Any) -> None:
-  """A child process's answer, on a line of its own that starts with :data:`MARK`."""
+  """A child process's answer, on a line of its own that starts with :data:`MARK` (the worker's side of the
+  line :func:`run_worker` reads)."""
   print(MARK + json.dumps(message), flush=True)
-
-
-def main() -> int:
-  """The planning process: the request from stdin, the progress and the plan (or the error) to stdout."""
-  from nnx_zero1_plan.run import make_plan
-
-  try:
-    request = PlanRequest.from_json(sys.stdin.read())
-    result = make_plan(request, progress=lambda line: say({"progress": line}), local="--local" in sys.argv)
-  except Exception as e:  # every failure goes back to the caller, who raises it
-    say({"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}})
-    return 1
-  say({"plan": result.to_record()})
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -31,6 +31,7 @@ from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
 from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
 from nnx_zero1_plan.networks import network_per_step
+from nnx_zero1_plan.on_chip import Program
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row, StateSplit
 from nnx_zero1_plan.search import fits_in
@@ -113,7 +114,12 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
   at = f"{lever_name} ({step}) at micro-batch {shape.batch}" + (f", {depth} layers" if depth else "")
   if lever.picks_offload:
     at += f", {shape.offload_fraction:.0%} of the state offloaded"
-  say(f"compiling {at} ...")
+  # A one-program step compiled whole is kept for its run (--measure), and a second row of it reads it back.
+  kept = timing.programs if timing is not None and step == "one" and depth is None else None
+  key = (lever_name, id(source), shape)
+  program = None if kept is None else kept.get(key)
+  if program is None:
+    say(f"compiling {at} ...")
   state_figures: dict[str, Any] = {}
   started = time.perf_counter()
   try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
@@ -131,8 +137,13 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
         "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
         "state_split": StateSplit(list(state_axes(lever)), state_split(state.state[1], state_axes(lever)))}
     with _gpu_schedule(timing) as (options, read):
-      if step == "one":
+      if program is not None:  # compiled already, for its run (--measure): not again
+        compiled, seconds = program.compiled, program.compile_s
+      elif step == "one":
         compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
+        if kept is not None:
+          kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), shape.optimizer, mesh,
+                              state, shape.batch, shape.seq_len, shape.ga)
       else:
         grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
       scheduled = read()
@@ -146,10 +157,11 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     figures = row_figures(memory(compiled), collectives_of(compiled, domains))
   else:
     mem = split_memory(memory(grads), memory(update), state_figures["opt_state_bytes_per_device"])
-    both = summed_collectives([collectives_of(program, domains) for program in (grads, update)])
+    both = summed_collectives([collectives_of(p, domains) for p in (grads, update)])
     figures = row_figures(mem, both, cost(update))
   flops, flops_source = step_flops(compiled if step == "one" else grads)
-  say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
+  if program is None:
+    say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
   programs = ([("step", compiled.as_text(), 1)] if step == "one"
               else [("gradients", grads.as_text(), 1), ("update", update.as_text(), 1)])
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
@@ -169,12 +181,19 @@ class RowCompiler:
     usable: bytes per device a step may use (the reserve or margin taken off already).
     progress: called with one line as each compile starts and ends.
     compute_dtype: the dtype the steps compute in (the peak their MFU is measured against).
+    programs: where each one-program step compiled whole is kept for its run, by lever, model and shape
+      (None: not kept; ``--measure`` keeps them).
   """
 
   target: Target
   usable: int
   progress: Callable[[str], None] | None = None
   compute_dtype: str = "bfloat16"
+  programs: dict[tuple[str, int, StepShape], Program] | None = None
+
+  def program(self, lever: str, model: PlannedModel, shape: StepShape) -> Program | None:
+    """The kept program of ``lever``'s one-program step at ``shape`` (None: not compiled, or not kept)."""
+    return (self.programs or {}).get((lever, id(model.source_at(shape.batch)), shape))
 
   def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
           remat: str | None = None) -> Row:

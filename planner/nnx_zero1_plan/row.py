@@ -391,8 +391,15 @@ class Measured(_Record):
 
   batch: int
   step_s: float | None
-  peak_bytes: int | None = None
+  held_bytes: int | None = None
   error: str | None = None
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> Measured:
+    """The run :meth:`to_json` wrote (an older plan's ``peak_bytes``, the allocator's peak after the run,
+    on a TPU the state alone as ``held_bytes`` is, read as ``held_bytes``)."""
+    old = {k: v for k, v in fields.items() if k != "peak_bytes"}
+    return cls(**({"held_bytes": fields["peak_bytes"]} if "peak_bytes" in fields else {}), **old)
 
 
 @dataclasses.dataclass(frozen=True)

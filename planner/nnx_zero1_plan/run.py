@@ -15,6 +15,7 @@ from nnx_zero1_plan.inputs import SMALLEST_MICRO_BATCH, micro_batch
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.maxtext import describe_maxtext, output_directory
 from nnx_zero1_plan.measure import RowCompiler, StepShape
+from nnx_zero1_plan.on_chip import TIMED, WARMUP, measured_batches, run_program
 from nnx_zero1_plan.planned_model import (
   PlannedModel,
   batch_words,
@@ -22,10 +23,10 @@ from nnx_zero1_plan.planned_model import (
   on_devices,
   refuse_blocked,
 )
-from nnx_zero1_plan.recommend import plan_code, recommend
+from nnx_zero1_plan.recommend import Recommendation, plan_code, recommend
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.result import Plan
-from nnx_zero1_plan.row import Row
+from nnx_zero1_plan.row import Measured, Row
 from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row
 from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
@@ -146,7 +147,7 @@ def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedM
 
 
 def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = None,
-              local: bool = False) -> Plan:
+              local: bool = False, measure: bool = False) -> Plan:
   """Compiles every lever's training step for the request's topology in this process, which it keeps on
   jax's CPU backend and expects prepared for the compilers (the command line's, after
   :func:`nnx_zero1_plan.compilers.start_cpu_jax`, or the planning process :func:`nnx_zero1_plan.plan` starts).
@@ -156,6 +157,8 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
     progress: called with one line as each compile starts and ends, and after each lever.
     local: compile for this process's own devices, the target's chips
       (:func:`nnx_zero1_plan.targets.local_target`), jax left on them.
+    measure: with ``local``, run each fitting row's program (and a search's largest, and the recommended
+      point) there as it was compiled (``--measure``: :func:`measured_rows`).
 
   Returns:
     The :class:`~nnx_zero1_plan.result.Plan`.
@@ -170,11 +173,11 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   maxtext = request.model_ref.kind == "maxtext"
   # MaxText writes under its base_output_directory: a folder made for this plan and removed after it.
   with output_directory() if maxtext else contextlib.nullcontext() as maxtext_out:
-    return _planned(request, progress, maxtext_out, local)
+    return _planned(request, progress, maxtext_out, local, measure)
 
 
 def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxtext_out: str | None,
-             local: bool = False) -> Plan:
+             local: bool = False, measure: bool = False) -> Plan:
   """:func:`make_plan`'s plan, MaxText writing under ``maxtext_out`` (None: not a ``maxtext:`` model)."""
   maxtext = maxtext_out is not None
   say = progress or (lambda line: None)
@@ -195,7 +198,8 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
     blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are alike under every policy
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
-  compiler = RowCompiler(target, usable, progress, _compute_dtype(request, planned))
+  compiler = RowCompiler(target, usable, progress, _compute_dtype(request, planned),
+                         programs={} if measure else None)
   rows = []
   todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]
   say(_compiles_planned(request, planned, len(todo)))
@@ -211,5 +215,50 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   way_out = None
   if rows and not request.estimate and not any(row.verdict for row in rows):
     way_out = _way_out(compiler, resolved, planned, meta, blocked, maxtext_out)
-  return Plan(rows, meta, hints, recommend(rows, resolved, activation_sharding=meta.activation_sharding),
-              way_out)
+  recommended = recommend(rows, resolved, activation_sharding=meta.activation_sharding)
+  if measure:
+    rows = measured_rows(compiler, plans, request, rows, recommended)
+    recommended = recommended and _said_measured(recommended, rows)
+  return Plan(rows, meta, hints, recommended, way_out)
+
+
+def measured_rows(compiler: RowCompiler, plans: Mapping[str | None, PlannedModel], request: PlanRequest,
+                  rows: Sequence[Row], recommended: Recommendation | None) -> list[Row]:
+  """``rows`` with their runs on this process's chips (``--measure``): each row's kept program at each of
+  its :func:`~nnx_zero1_plan.on_chip.measured_batches` and, for the recommended row, the recommended
+  micro-batch, run as it was compiled (:func:`~nnx_zero1_plan.on_chip.run_program`)."""
+  say = compiler.progress or (lambda line: None)
+  done = []
+  for row in rows:
+    batches = list(measured_batches(row))
+    if recommended and _is_recommended(row, recommended) and recommended.micro_batch not in batches:
+      batches.append(recommended.micro_batch)
+    runs = []
+    for batch in batches:
+      fraction = row.offloaded.offload_fraction if row.offloaded else 0.0
+      shape = StepShape(batch, request.seq_len, request.ga, request.optimizer, fraction)
+      program = compiler.program(row.lever, plans[row.remat], shape)
+      if program is None:
+        runs.append(Measured(batch, None, error="not compiled whole for this machine's chips"))
+        continue
+      say(f"running {row.lever} ({row.step}) at micro-batch {batch}: {WARMUP} + {TIMED} steps ...")
+      run, _ = run_program(program)
+      said = run.error or f"{(run.step_s or 0.0) * 1e3:,.1f} ms, the median of {TIMED}"
+      say(f"ran {row.lever} ({row.step}) at micro-batch {batch}: {said}")
+      runs.append(run)
+    done.append(dataclasses.replace(row, measured=tuple(runs)) if runs else row)
+  return done
+
+
+def _is_recommended(row: Row, recommended: Recommendation) -> bool:
+  return (row.lever, row.step, row.remat) == (recommended.lever, recommended.step, recommended.remat)
+
+
+def _said_measured(recommended: Recommendation, rows: Sequence[Row]) -> Recommendation:
+  """``recommended`` with a note of its run on this machine's chips, where it ran."""
+  seconds = next((m.step_s for r in rows if _is_recommended(r, recommended)
+                  for m in r.measured or () if m.batch == recommended.micro_batch and m.step_s), None)
+  if seconds is None:
+    return recommended
+  note = f"measured on this machine's chips: {seconds * 1e3:,.1f} ms a step (the median of {TIMED})"
+  return dataclasses.replace(recommended, notes=(*recommended.notes, note))

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -28,7 +29,8 @@ from nnx_zero1_plan.levers import Lever, state_axes, summed_over
 from nnx_zero1_plan.request import OPTIMIZER_MENU
 
 __all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batch", "step_jit",
-           "compile_step", "compile_split", "lever_state", "placed_state", "StepRuns", "run_steps"]
+           "compile_step", "compile_split", "lever_state", "placed_state", "placed_batch", "StepRuns",
+           "run_steps"]
 
 
 def _menu_transformation(name: str) -> Callable[..., optax.GradientTransformation]:
@@ -190,8 +192,13 @@ def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: M
   return grads_compiled, update_compiled, time.perf_counter() - start
 
 
-def placed_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, mesh: Mesh) -> tuple[Any, Any]:
+def placed_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, mesh: Mesh,
+                 abstract: AbstractState | None = None) -> tuple[AbstractState, Any]:
   """The lever's model and optimizer built for real and placed on the mesh's devices, as a run starts.
+
+  Args:
+    lever, build_model, optimizer, mesh: as :func:`lever_state` takes them.
+    abstract: the state a step was compiled for (:func:`lever_state`'s; None: made here).
 
   Returns:
     ``(abstract, state)``: the :class:`~nnx_zero1_plan.abstract.AbstractState` (the graph and shardings
@@ -201,10 +208,17 @@ def placed_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, m
 
     abstract, state = placed_state(LEVERS["zero1"], lambda: source.build(None), "adamw", mesh)
   """
-  abstract = lever_state(lever, build_model, optimizer, mesh)
+  abstract = abstract or lever_state(lever, build_model, optimizer, mesh)
   with jax.set_mesh(mesh):
     state = nnx.state(_built(lever, build_model, optimizer, mesh))
   return abstract, jax.device_put(state, abstract.shardings)
+
+
+def placed_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) -> jax.Array:
+  """One step's token ids for a run (:func:`abstract_batch`'s shape and layout), drawn at random, seed 0."""
+  spec = abstract_batch(lever, mesh, batch, seq_len, ga)
+  ids = np.random.default_rng(0).integers(0, 1000, spec.shape, dtype=np.int32)
+  return jax.device_put(ids, spec.sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,15 +228,16 @@ class StepRuns:
   Attributes:
     step_s: the median of the timed steps, in seconds (None: none ran).
     times_s: every step's seconds, the warm-up steps first.
-    peak_bytes: the allocator's ``peak_bytes_in_use`` on the first device after the steps (None where the
-      backend does not report it: a CPU).
+    held_bytes: the allocator's ``bytes_in_use`` on the first device after the steps: the state and what
+      the runtime kept, not the program's temporaries (a TPU's are outside it: the program's peak is the
+      compiler's figure, which the chip enforces); None where the backend does not report it (a CPU).
     loss: the last step's loss (None: none ran).
     error: why the steps stopped, in one line (None: every step ran).
   """
 
   step_s: float | None
   times_s: tuple[float, ...]
-  peak_bytes: int | None
+  held_bytes: int | None
   loss: float | None
   error: str | None
 
@@ -264,6 +279,6 @@ def run_steps(compiled: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch
   counted = times[warmup:] or times
   first = min(jax.tree.leaves(batch)[0].devices(), key=lambda d: d.id)
   stats = first.memory_stats() or {}
-  peak = stats.get("peak_bytes_in_use")
+  held = stats.get("bytes_in_use")
   return state, StepRuns(statistics.median(counted) if counted else None, tuple(times),
-                         None if peak is None else int(peak), None if loss is None else float(loss), error)
+                         None if held is None else int(held), None if loss is None else float(loss), error)

@@ -243,9 +243,11 @@ def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
 
 
 MEASURED_HEADER = ("lever", "step", "micro-batch", "step ms (pred.)", "step ms (measured)",
-                   "pred. vs measured", "peak GiB (compiler)", "peak GiB (allocator)", "note")
-_MEASURED_TITLE = ("Run on this machine's devices (--measure): the median of the steady steps, and the "
-                   "allocator's peak_bytes_in_use after them (the state and what the runtime kept)")
+                   "pred. vs measured", "peak GiB (compiler)", "held GiB (allocator)", "note")
+_MEASURED_TITLE = ("Run on this machine's devices (--measure), the very program compiled: the median of the "
+                   "steady steps; the program's peak is the compiler's (the chip refuses a program over it), "
+                   "and the allocator's bytes_in_use after the steps is what it held: the state and what the "
+                   "runtime kept, not the program's temporaries")
 
 
 def measured_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
@@ -268,7 +270,7 @@ def measured_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
       predicted, measured = at.predicted_step_s, run.step_s
       error = "-" if not (predicted and measured) else f"{predicted / measured - 1:+.0%}"
       out.append((r.lever, r.step, str(run.batch), ms(predicted), ms(measured), error,
-                  gib(at.peak_bytes_per_device), gib(run.peak_bytes), (run.error or "")[:100]))
+                  gib(at.peak_bytes_per_device), gib(run.held_bytes), (run.error or "")[:100]))
   return out
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION, target_config
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, Topology, parse_topology
+from nnx_zero1_plan.local_chips import LocalDevices, not_the_target
 
 __all__ = ["Target", "GPU_SCHEDULER_FRACTION", "JAX_GPU_POOL_FRACTION", "CUDA_CONTEXT_BYTES",
            "DEFAULT_RESERVE_BYTES", "gpu_pool_bytes", "usable_bytes", "local_target",
@@ -162,8 +163,6 @@ def local_target(topology: str, slices: int = ONE_SLICE) -> Target:
     target = local_target("v5e:1x1")   # on a one-chip TPU v5e VM: 16,909,336,064 B usable
   """
   import jax
-
-  from nnx_zero1_plan.local import LocalDevices, not_the_target
 
   platform, chip, _ = parse_topology(topology, GPU_CHIPS)
   devices = tuple(jax.devices())

@@ -28,12 +28,11 @@ REACHES_JAX = {"jax", "jaxlib", "flax", "optax", "orbax", "tunix", "maxtext", "l
 ENTRY_POINTS = {
     ("__init__", "main"): {f"{PACKAGE}.run"},  # the command line's process is the planning process
     ("__init__", "compile_only_devices"): {f"{PACKAGE}.targets"},  # a user asks for the compiler's devices
-    ("child", "main"): {f"{PACKAGE}.run"},  # the planning process plan() starts
     ("compilers", "keep_jax_on_cpu"): {"jax"},  # starts jax, in the planning process only
-    ("local", "main"): {"jax"},  # a child that asks jax which devices it sees
-    # a child that runs one row's step on this machine's chips (--measure)
-    ("local", "measure_one"): {"jax", f"{PACKAGE}.planned_model", f"{PACKAGE}.steps", f"{PACKAGE}.targets"},
 }
+# The child processes' one entry point (python -m nnx_zero1_plan.worker): it imports the orchestrator at its
+# top, and nothing imports it.
+WORKER = "worker"
 
 # The optimizer's private names reach the planner through one module made for it; MaxText's engine is read
 # through the adapters' own internals (MaxText's, not the optimizer's).
@@ -45,17 +44,18 @@ def _module_names() -> list[str]:
   return sorted(p.stem for p in PLANNER.glob("*.py"))
 
 
-def _imports(module: str) -> list[tuple[str | None, str]]:
+def _imports(module: str, types: bool = False) -> list[tuple[str | None, str]]:
   """``(outermost enclosing function or None, imported module)`` for every import in ``module`` that runs; a
   name imported from the package is its submodule where there is one. An import under ``if TYPE_CHECKING:``
-  names a type for the type checker and never runs: it is no dependency."""
+  names a type for the type checker and never runs: no dependency, unless ``types`` (the import graph's
+  floors count it: a module that names another's type stands on it)."""
   found: list[tuple[str | None, str]] = []
   modules = set(_module_names())
 
   def visit(node: ast.AST, function: str | None) -> None:
     for child in ast.iter_child_nodes(node):
       if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-        visit(ast.Module(body=child.orelse, type_ignores=[]), function)
+        visit(ast.Module(body=child.orelse + (child.body if types else []), type_ignores=[]), function)
         continue
       inside = function
       if function is None and isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -141,7 +141,43 @@ def test_a_traced_module_reaches_no_compiling_module(module):
 def test_only_the_entry_points_import_the_orchestrator(module):
   for function, name in _imports(module):
     if _planner_module(name) in {m for m, k in KINDS.items() if k == "orchestrates"} and module != "run":
-      assert (module, function) in ENTRY_POINTS, f"{module}.{function} imports {name}"
+      assert (module, function) in ENTRY_POINTS or module == WORKER, f"{module}.{function} imports {name}"
+    assert _planner_module(name) != WORKER, f"{module}.py imports the worker, which nothing imports"
+
+
+def _import_graph() -> dict[str, set[str]]:
+  """Each planner module's planner imports, every one counted: at the top, inside functions, for types."""
+  return {m: {p for _, name in _imports(m, types=True) if (p := _planner_module(name)) and p != m}
+          for m in _module_names()}
+
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+  """Each module's floor: 1 for one that imports no other, else one above the highest it imports.
+
+  Raises:
+    AssertionError: modules import each other in a loop (named).
+
+  Example::
+
+    >>> floors({"a": set(), "b": {"a"}, "c": {"a", "b"}})
+    {'a': 1, 'b': 2, 'c': 3}
+  """
+  found: dict[str, int] = {}
+
+  def floor(module: str, path: tuple[str, ...]) -> int:
+    assert module not in path, f"an import loop: {' -> '.join((*path[path.index(module):], module))}"
+    if module not in found:
+      found[module] = 1 + max((floor(m, (*path, module)) for m in graph[module]), default=0)
+    return found[module]
+
+  for module in graph:
+    floor(module, ())
+  return found
+
+
+def test_no_planner_module_imports_another_in_a_loop_and_the_house_has_at_most_11_floors():
+  built = floors(_import_graph())
+  assert max(built.values()) <= 11, sorted(built.items(), key=lambda kv: kv[1])
 
 
 @pytest.mark.parametrize("module", _module_names())

@@ -1,12 +1,11 @@
-"""``--measure`` and the plan where the target's chips are this machine's (issue 67): everything but a run on
-the chip. The refusal where the local devices are not the target's (this machine has CPUs only), the flag,
-a row's runs through plan.json and the table, the runs' orchestration, and the step runner itself, which is
-device-agnostic, on CPU devices."""
+"""``--measure`` and the plan where the target's chips are this machine's: everything but a run on the chip.
+The refusal where the local devices are not the target's (this machine has CPUs only), the flag, a row's
+runs through plan.json and the table, the runs of the very programs the plan compiled (one compile per row),
+and the step runner itself, which is device-agnostic, on CPU devices."""
 
 import dataclasses
 import json
 import re
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -14,11 +13,16 @@ import pytest
 
 from nnx_zero1_plan import LEVERS, PlanError, PlanRequest, main, parse_args
 from nnx_zero1_plan import local as local_module
-from nnx_zero1_plan.local import LocalDevices, devices_for, measured_batches, measured_plan, not_the_target
-from nnx_zero1_plan.result import Plan
+from nnx_zero1_plan.local import devices_for
+from nnx_zero1_plan.local_chips import LocalDevices, not_the_target
+from nnx_zero1_plan.measure import RowCompiler, StepShape
+from nnx_zero1_plan.on_chip import measured_batches
+from nnx_zero1_plan.planned_model import describe_tunix_or_own, on_devices
+from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.row import Figures, Made, Measured, Point, Row, Searched
-from nnx_zero1_plan.settings import PlanSettings
+from nnx_zero1_plan.run import measured_rows
 from nnx_zero1_plan.table import markdown, table
+from nnx_zero1_plan.targets import Target
 
 V5E = LocalDevices("tpu", "TPU v5 lite", 1)
 
@@ -72,10 +76,13 @@ def test_a_rows_runs_go_through_plan_json_and_a_row_without_them_writes_as_befor
   runs = (Measured(8, 0.191, 3_470_000_000), Measured(13, None, None, "OOM"))
   ran = dataclasses.replace(plain, measured=runs)
   written = json.loads(json.dumps(ran.to_json()))
-  assert written["measured"] == [{"batch": 8, "step_s": 0.191, "peak_bytes": 3_470_000_000, "error": None},
-                                 {"batch": 13, "step_s": None, "peak_bytes": None, "error": "OOM"}]
+  assert written["measured"] == [{"batch": 8, "step_s": 0.191, "held_bytes": 3_470_000_000, "error": None},
+                                 {"batch": 13, "step_s": None, "held_bytes": None, "error": "OOM"}]
   assert Row.from_json(written) == ran
   assert {k: v for k, v in written.items() if k != "measured"} == plain.to_json()
+  # A plan written before the figure was named for what it holds still reads.
+  old = {"batch": 8, "step_s": 0.191, "peak_bytes": 7, "error": None}
+  assert Measured.from_json(old) == Measured(8, 0.191, 7)
 
 
 def test_the_table_prints_each_run_beside_the_prediction():
@@ -91,30 +98,32 @@ def test_the_table_prints_each_run_beside_the_prediction():
   assert "| zero1 | one | 8 | 234.8 | 191.0 | +23% | 14.00 | 3.00 |  |" in markdown({}, [ran], [])
 
 
-def test_measure_runs_each_fitting_one_program_row_and_a_searchs_largest_each_in_a_child(monkeypatch):
+def test_measure_runs_a_fitting_row_and_a_searchs_largest_but_no_split_step_or_refusal():
   searched = Searched(13, 14, "OOM", None, (), Point(13, True), None, (), 9.0)
   rows = [_row(searched=searched), _row("baseline", fits=False), _row(step="split")]
   assert [measured_batches(r) for r in rows] == [(8, 13), (), ()]
-  jobs = []
 
-  def child(command, job, timeout):
-    jobs.append((command, job["lever"], job["batch"]))
-    return (None, "Killed") if job["batch"] == 13 else ({"batch": 8, "step_s": 0.191, "peak_bytes": 7}, "")
 
-  monkeypatch.setattr(local_module, "_child", child)
-  plan = Plan(rows, PlanSettings.from_json(_settings()), [])
+def test_measure_runs_the_programs_the_plan_compiled_each_compiled_once():
+  # The plan's own path on two CPU devices: the row compiled once (a second row of it reads the kept
+  # program), then run as it was compiled; the recommended point, never compiled, said so rather than run.
+  request = PlanRequest("tests.support.planner_toys:tiny_lm", "v5e:2x1", batch=4, seq_len=16)
+  target = Target("v5e:2x1", "cpu", "v5e", tuple(jax.devices()[:2]), 2**34, "the test's")
+  planned = on_devices(describe_tunix_or_own(request, None), target)
   said = []
-  request = PlanRequest("m:f", "v5e:1x1", batch=8)
-  done = measured_plan(plan, request, said.append)
-  assert jobs == [("measure", "zero1", 8), ("measure", "zero1", 13)]
-  failed = Measured(13, None, error="the run's process failed: Killed")
-  assert done.rows[0].measured == (Measured(8, 0.191, 7), failed) and done.rows[1:] == rows[1:]
-  assert said[1] == "ran zero1 (one) at micro-batch 8: 191.0 ms, the median of 8"
-
-
-def _settings():
-  kept = Path(__file__).resolve().parents[2] / "docs" / "data" / "tiny_lm_v5e_2slices" / "plan.json"
-  return json.loads(kept.read_text())["meta"]
+  compiler = RowCompiler(target, 2**34, said.append, "float32", programs={})
+  shape = StepShape(4, 16, 1, "adamw")
+  row = compiler.row("zero1", "one", planned, shape)
+  again = compiler.row("zero1", "one", planned, shape)
+  assert [line.split(" ...")[0] for line in said if line.startswith("compiling")] == [
+      "compiling zero1 (one) at micro-batch 4"]
+  assert again.figures == row.figures and row.verdict
+  recommended = Recommendation("zero1", "one", 8, None, "", "", (), (), (), ())
+  done, = measured_rows(compiler, {None: planned}, request, [row], recommended)
+  ran, never = done.measured
+  assert ran.batch == 4 and ran.error is None and ran.step_s > 0
+  assert never == Measured(8, None, error="not compiled whole for this machine's chips")
+  assert "ran zero1 (one) at micro-batch 4: " in said[-1]
 
 
 def test_the_step_runner_runs_a_compiled_step_on_cpu_devices():

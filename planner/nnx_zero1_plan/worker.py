@@ -1,0 +1,46 @@
+"""The planner's child processes, one entry point: ``python -m nnx_zero1_plan.worker VERB``, started by
+:func:`nnx_zero1_plan.child.run_worker` (nothing imports this module).
+
+- ``plan [--local] [--measure]``: the planning process. The request on stdin; the progress, then the plan or
+  the error, on stdout. ``--local``: the target's chips are this machine's, compiled for as they are;
+  ``--measure``: the rows' programs run there too, in this process, as they were compiled.
+- ``probe``: the devices jax sees here (:class:`nnx_zero1_plan.local_chips.LocalDevices`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import traceback
+from collections.abc import Sequence
+
+import jax
+
+from nnx_zero1_plan.child import say
+from nnx_zero1_plan.local_chips import LocalDevices
+from nnx_zero1_plan.request import PlanRequest
+from nnx_zero1_plan.run import make_plan
+
+
+def plan(flags: Sequence[str]) -> int:
+  """The planning process: the request from stdin, the progress and the plan (or the error) to stdout."""
+  try:
+    request = PlanRequest.from_json(sys.stdin.read())
+    result = make_plan(request, progress=lambda line: say({"progress": line}), local="--local" in flags,
+                       measure="--measure" in flags)
+  except Exception as e:  # every failure goes back to the caller, who raises it
+    say({"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}})
+    return 1
+  say({"plan": result.to_record()})
+  return 0
+
+
+def probe() -> int:
+  """The devices jax sees on this machine, on one answer line."""
+  say(dataclasses.asdict(LocalDevices.of(jax.devices())))
+  return 0
+
+
+if __name__ == "__main__":
+  verb, *rest = sys.argv[1:]
+  sys.exit(plan(rest) if verb == "plan" else probe())
