@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from nnx_zero1_plan.cells import collective_cell
 from nnx_zero1_plan.child import plan_in_child
 from nnx_zero1_plan.chips import CHIPS, chip_of
 from nnx_zero1_plan.cli import main, parse_args, request_of
@@ -24,7 +25,6 @@ from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
 from nnx_zero1_plan.settings import PlanSettings
-from nnx_zero1_plan.table import collective_cell
 
 # The steps the planner compiles and what it reads from them, for a loop of your own (and the benchmarks):
 # each imported from its module when first asked for, as those modules import jax and plan()'s caller never

@@ -490,7 +490,7 @@ def test_every_collective_the_one_reader_counts_has_a_table_cell():
   # A row's collectives hold whatever kind the one reader of a program counts (a zero2 step's
   # collective-permute among them), and the table names each; a kind without a name failed the whole plan.
   from nnx_zero1._src.hlo import COLLECTIVE_OPS
-  from nnx_zero1_plan.table import collective_cell
+  from nnx_zero1_plan.cells import collective_cell
 
   kinds = (*COLLECTIVE_OPS, "to-host", "to-device")
   cell = collective_cell({op: {"count": 1, "bytes": 2**20} for op in kinds})

@@ -15,10 +15,11 @@ import pytest
 from nnx_zero1_plan import LEVERS, PlanError, PlanRequest, main, parse_args
 from nnx_zero1_plan import local as local_module
 from nnx_zero1_plan.local import LocalDevices, devices_for, measured_batches, measured_plan, not_the_target
+from nnx_zero1_plan.plan_md import markdown
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Figures, Made, Measured, Point, Row, Searched
 from nnx_zero1_plan.settings import PlanSettings
-from nnx_zero1_plan.table import markdown, table
+from nnx_zero1_plan.table import table
 
 V5E = LocalDevices("tpu", "TPU v5 lite", 1)
 
