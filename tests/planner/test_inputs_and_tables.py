@@ -16,7 +16,6 @@ from nnx_zero1_plan import compilers
 from nnx_zero1_plan.depth import extrapolate, extrapolate_row
 from nnx_zero1_plan.inputs import (
   PlanError,
-  mesh_axes,
   parse_levers,
   parse_mesh,
   parse_model,
@@ -25,6 +24,7 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS, engine_attributes
 from nnx_zero1_plan.maxtext import config_overrides
+from nnx_zero1_plan.mesh_axes import mesh_axes
 from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Figures, Made, Row
@@ -231,7 +231,7 @@ def test_traceback_shows_where_a_builder_raised_above_its_one_line(capsys):
 
 
 def test_the_default_micro_batch_splits_over_the_whole_pod_and_replica_crosses_it():
-  from nnx_zero1_plan.inputs import check_replica, micro_batch
+  from nnx_zero1_plan.mesh_axes import check_replica, micro_batch
 
   assert [micro_batch(None, unit, "data") for unit in (1, 4, 8, 12, 64)] == [8, 8, 8, 12, 64]
   assert micro_batch(16, 8, "data") == 16
