@@ -2,6 +2,6 @@
 
 import sys
 
-from nnx_zero1_plan import main
+from nnx_zero1_plan.cli import main
 
 sys.exit(main())

@@ -13,8 +13,9 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 
-from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, mesh_axes
+from nnx_zero1_plan.inputs import ONE_SLICE, PlanError
 from nnx_zero1_plan.levers import Lever, engine_attributes
+from nnx_zero1_plan.mesh_axes import mesh_axes
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, MaxTextConfig

@@ -12,8 +12,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from nnx_zero1_plan.abstract import describe_model
-from nnx_zero1_plan.inputs import PlanError, batch_axes, check_axis_names, mesh_axes
+from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.levers import LEVERS, lever_blocker
+from nnx_zero1_plan.mesh_axes import batch_axes, check_axis_names, mesh_axes
 from nnx_zero1_plan.models import model_source
 from nnx_zero1_plan.request import PlanRequest
 

@@ -12,11 +12,9 @@ from typing import Any
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION
 from nnx_zero1_plan.inputs import (
   ONE_SLICE,
-  SMALLEST_MICRO_BATCH,
   ModelRef,
   PlanError,
   Topology,
-  check_replica,
   parse_levers,
   parse_mesh,
   parse_model,
@@ -24,6 +22,7 @@ from nnx_zero1_plan.inputs import (
   spelled_mesh,
 )
 from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, check_replica
 
 __all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "OPTIMIZER_MENU", "STEPS",
            "PlanRequest", "ResolvedRequest", "SETTING_DEFAULTS", "check_topology", "command_line"]
@@ -164,7 +163,7 @@ class PlanRequest:
 
   Raises:
     PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one whose
-      ``replica`` does not run across the slices or nodes (:func:`nnx_zero1_plan.inputs.check_replica`); a
+      ``replica`` does not run across the slices or nodes (:func:`nnx_zero1_plan.mesh_axes.check_replica`); a
       wrong ``slices`` or ``gpus_per_node``, or GPU nodes of an unusual size unsaid (:func:`check_topology`);
       a batch, sequence length or ``ga`` below 1; a margin outside [0, 1) or a GPU memory fraction outside
       (0, 1]; overrides for a model that is not ``maxtext:``; a ``maxtext:`` model without the ``split`` step.

@@ -8,11 +8,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_zero1_plan.closing_lines import limit_words, recommendation_lines, way_out_lines
+from nnx_zero1_plan.plan_md import markdown
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.row import Row
+from nnx_zero1_plan.search_plot import draw_search
 from nnx_zero1_plan.settings import PlanSettings
-from nnx_zero1_plan.table import limit_words, markdown, recommendation_lines, table, way_out_lines
-from nnx_zero1_plan.time_report import draw_search
+from nnx_zero1_plan.table import table
 from nnx_zero1_plan.way_out import WayOut
 
 __all__ = ["Plan"]
@@ -74,7 +76,7 @@ class Plan:
 
   def write(self, out_dir: str) -> list[str]:
     """Writes plan.json and plan.md into ``out_dir``, and with a search ``search.png``
-    (:func:`~nnx_zero1_plan.time_report.draw_search`); returns their paths."""
+    (:func:`~nnx_zero1_plan.search_plot.draw_search`); returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "plan.md")]
     with open(paths[0], "w") as f:

@@ -11,10 +11,10 @@ import jax
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.compiled import PEAK_SOURCE
-from nnx_zero1_plan.inputs import SMALLEST_MICRO_BATCH, micro_batch
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.maxtext import describe_maxtext, output_directory
 from nnx_zero1_plan.measure import RowCompiler, StepShape
+from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, micro_batch
 from nnx_zero1_plan.on_chip import TIMED, WARMUP, measured_batches, run_program
 from nnx_zero1_plan.planned_model import (
   PlannedModel,

@@ -24,8 +24,9 @@ from nnx_zero1 import Zero1Optimizer, Zero1Options, value_and_grad_accumulated
 # back.
 from nnx_zero1._src.companion import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
-from nnx_zero1_plan.inputs import batch_axes, error_line
+from nnx_zero1_plan.inputs import error_line
 from nnx_zero1_plan.levers import Lever, state_axes, summed_over
+from nnx_zero1_plan.mesh_axes import batch_axes
 from nnx_zero1_plan.request import OPTIMIZER_MENU
 
 __all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batch", "step_jit",

@@ -15,7 +15,8 @@ import pytest
 
 from nnx_zero1.plan import parse_args
 from nnx_zero1_plan import request_of
-from nnx_zero1_plan.inputs import PlanError, mesh_axes, micro_batch, parse_mesh, parse_model, parse_topology
+from nnx_zero1_plan.inputs import PlanError, parse_mesh, parse_model, parse_topology
+from nnx_zero1_plan.mesh_axes import mesh_axes, micro_batch
 from tests.support.compiled_plans import HAS_GPU_COMPILER, TOYS, planner_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ REACHES_JAX = {"jax", "jaxlib", "flax", "optax", "orbax", "tunix", "maxtext", "l
 # is the caller's own (the command line) or the caller asks for the compiler itself; each is run only when
 # called, never when the module is imported. (module, function) -> what it may import.
 ENTRY_POINTS = {
-    ("__init__", "main"): {f"{PACKAGE}.run"},  # the command line's process is the planning process
+    ("cli", "main"): {f"{PACKAGE}.run"},  # the command line's process is the planning process
     ("__init__", "compile_only_devices"): {f"{PACKAGE}.targets"},  # a user asks for the compiler's devices
     ("compilers", "keep_jax_on_cpu"): {"jax"},  # starts jax, in the planning process only
 }

@@ -16,7 +16,8 @@ from nnx_zero1_plan import compilers
 compilers.start_cpu_jax()
 import jax
 from flax import nnx
-from nnx_zero1_plan.inputs import mesh_axes, parse_mesh
+from nnx_zero1_plan.inputs import parse_mesh
+from nnx_zero1_plan.mesh_axes import mesh_axes
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.targets import domain_of, make_target
 from tests.support.planner_toys import tiny_lm

@@ -219,7 +219,7 @@ def test_an_estimate_is_never_recommended():
   made = Made(depth=2, estimate=estimate_mark(28, [2, 4], ["peak_bytes_per_device"]), fits_estimate=True)
   estimate = _row("zero1", fits=None, made=made)
   assert recommend([estimate], REQUEST) is None
-  from nnx_zero1_plan.table import recommendation_lines
+  from nnx_zero1_plan.closing_lines import recommendation_lines
 
   assert "without --estimate" in recommendation_lines(None, "a 5% margin", estimate=True)[1]
 
@@ -305,8 +305,8 @@ def test_a_deferred_levers_code_for_a_tunix_model_gives_its_gradient_call():
 
 
 def test_the_way_out_that_fits_comes_with_its_code_as_a_recommendation_does():
+  from nnx_zero1_plan.closing_lines import way_out_lines
   from nnx_zero1_plan.recommend import plan_code
-  from nnx_zero1_plan.table import way_out_lines
   from nnx_zero1_plan.way_out import Change, find_way_out
 
   asked = PlanRequest("my_pkg.models:build", "v5e:2x4", mesh="data=8", optimizer="lion", batch=16)

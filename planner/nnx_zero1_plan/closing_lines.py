@@ -1,0 +1,100 @@
+"""The lines under a plan's tables, printed and in plan.md: the recommendation, and when nothing fits, the
+changes compiled to make room."""
+
+from __future__ import annotations
+
+from nnx_zero1_plan.cells import gib
+from nnx_zero1_plan.recommend import BY_THROUGHPUT, Recommendation
+from nnx_zero1_plan.way_out import WayOut
+
+__all__ = ["limit_words", "recommendation_lines", "way_out_lines"]
+
+
+def limit_words(margin: float | None, hbm_bytes: int, usable_bytes: int) -> str:
+  """How the usable memory was set, in words: the user's margin, or the backend's reserve.
+
+  Example::
+
+    >>> limit_words(None, 2**34, 2**34 - 2**28), limit_words(0.05, 2**34, 2**34)
+    ("the backend's 0.25 GiB reserve", 'a 5% margin')
+  """
+  if margin is not None:
+    return f"a {margin:.0%} margin"
+  reserve = hbm_bytes - usable_bytes
+  return f"the backend's {reserve / 2**30:.2f} GiB reserve" if reserve else "the compiler's own check"
+
+
+def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool = False,
+                         estimate: bool = False) -> list[str]:
+  """The recommendation under the table: the configuration, its code, its command, why it beat the levers
+  that fit as far, and where the baseline beats a Zero-1 lever, why.
+
+  Args:
+    rec: the plan's recommendation (None: nothing fits, or the plan is an estimate).
+    limit: how the usable memory was set (:func:`limit_words`).
+    search: whether the plan searched for each lever's largest micro-batch.
+    estimate: whether the plan is an estimate (which recommends nothing).
+
+  Returns:
+    The lines, the first one blank (none where nothing fits and the plan is no estimate).
+
+  Example::
+
+    >>> rec = Recommendation("zero1", "one", 84, None, "mesh = ...\\noptimizer = Zero1Optimizer(...)",
+    ...                      "python -m nnx_zero1.plan ...", (), (), ("at micro-batch 84 zero1 leaves ...",),
+    ...                      ())
+    >>> print("\\n".join(recommendation_lines(rec, "a 5% margin", search=True)))
+    <BLANKLINE>
+    Recommended: zero1 at micro-batch 84 (one program), the largest that fits with a 5% margin
+      code:
+        mesh = ...
+        optimizer = Zero1Optimizer(...)
+      reproduce: python -m nnx_zero1.plan ...
+      why: at micro-batch 84 zero1 leaves ...
+  """
+  if rec is None:
+    if estimate:
+      return ["", "Nothing is recommended from an estimate: the same command without --estimate compiles the "
+              "whole programs and decides."]
+    return []
+  shape = {"one": "one program", "split": "two programs"}.get(rec.step, rec.step)
+  remat = f", remat {rec.remat}" if rec.remat not in (None, "none") else ""
+  which = "the largest that fits" if search else "fits"
+  if rec.order == BY_THROUGHPUT:
+    which = "the most predicted tokens per second of what fits"
+  code = [f"    {line}".rstrip() for line in rec.code.splitlines()]
+  lines = ["", f"Recommended: {rec.lever} at micro-batch {rec.micro_batch} ({shape}{remat}), {which} "
+           f"with {limit}", "  code:", *code, f"  reproduce: {rec.cli}"]
+  lines += [f"  why: {line}" for line in rec.why]
+  return lines + [f"  note: {line}" for line in (*rec.baseline_beats, *rec.notes)]
+
+
+def way_out_lines(way_out: WayOut | None) -> list[str]:
+  """When nothing fits, what was compiled to make room: the first change that fits, with its code and its
+  command, and the changes before it that did not.
+
+  Example::
+
+    >>> from nnx_zero1_plan.way_out import Tried
+    >>> found = Tried("remat block", "python -m nnx_zero1.plan ...", True, 2**33, None,
+    ...               "optimizer = Zero1Optimizer(...)")
+    >>> out = WayOut((Tried("half the micro-batch", "...", False, None, "RESOURCE_EXHAUSTED"), found), found)
+    >>> print("\\n".join(way_out_lines(out)))
+    <BLANKLINE>
+    Nothing fits as asked; compiled, the first change that fits: remat block (peak 8.00 GiB)
+      code:
+        optimizer = Zero1Optimizer(...)
+      reproduce: python -m nnx_zero1.plan ...
+      tried first: half the micro-batch: RESOURCE_EXHAUSTED
+  """
+  if not way_out:
+    return []
+  found = way_out.found
+  tried = [f"  tried first: {t.what}: {t.error or gib(t.peak_bytes_per_device) + ' GiB'}"[:200]
+           for t in way_out.tried if not t.fits]
+  if found is None:
+    return ["", "Nothing fits as asked, and no change compiled fits either:", *tried]
+  code = ["  code:", *(f"    {line}".rstrip() for line in (found.code or "").splitlines())]
+  code = code if len(code) > 1 else []
+  return ["", f"Nothing fits as asked; compiled, the first change that fits: {found.what} (peak "
+          f"{gib(found.peak_bytes_per_device)} GiB)", *code, f"  reproduce: {found.command}", *tried]

@@ -1,0 +1,150 @@
+"""The mesh's arithmetic: every axis and its size, ``replica``'s place on a pod, the axes a batch splits over
+and the micro-batch they take, each refusal in one line."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from nnx_zero1_plan.inputs import PlanError, spelled_mesh
+
+__all__ = ["PLANNER_AXES", "SMALLEST_MICRO_BATCH", "mesh_axes", "check_replica", "batch_axes", "micro_batch",
+           "check_axis_names"]
+
+SMALLEST_MICRO_BATCH = 8  # --batch's default: the fewest sequences a default micro-batch holds
+
+# The axes a batch or the parameters split over without the model naming them (Zero-1's data axis,
+# fsdp for the batch and the layout rule, tp for a model that names it); any other axis must be the model's.
+PLANNER_AXES = ("replica", "data", "fsdp", "tp")
+
+
+def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int, domains: int = 1,
+              where: str = "slices or nodes") -> dict[str, int]:
+  """Every mesh axis and its size: ``sizes``, then the model's axes it omits at size 1.
+
+  With no sizes given, ``data`` takes every device (pure data parallelism); on a pod of ``domains`` slices or
+  nodes, ``replica`` crosses them and ``data`` takes each one's devices.
+
+  Raises:
+    PlanError: the sizes' product is not the topology's device count, or ``replica`` does not cross the
+      slices or nodes (:func:`check_replica`).
+
+  Example::
+
+    >>> mesh_axes({"data": 4, "fsdp": 2}, ["fsdp", "tp"], devices=8)
+    {'data': 4, 'fsdp': 2, 'tp': 1}
+    >>> mesh_axes({}, ["fsdp"], devices=8)
+    {'data': 8, 'fsdp': 1}
+    >>> mesh_axes({}, [], devices=16, domains=2)
+    {'replica': 2, 'data': 8}
+  """
+  whole = {"replica": domains, "data": devices // domains} if domains > 1 else {"data": devices}
+  axes = dict(sizes) if sizes else whole
+  axes.setdefault("data", 1)
+  for name in model_axes:
+    axes.setdefault(name, 1)
+  if math.prod(axes.values()) != devices:
+    shape = spelled_mesh(axes)
+    raise PlanError(f"--mesh {shape} has {math.prod(axes.values())} devices; the topology has {devices}")
+  check_replica(axes, domains, where)
+  return axes
+
+
+def check_replica(axes: Mapping[str, int], domains: int, where: str = "slices or nodes") -> None:
+  """Refuses a mesh whose ``replica`` axis does not run across the ``domains`` slices or nodes, one each.
+
+  The devices are laid out in the mesh's order, slice (or node) by slice, so only an outermost ``replica``
+  of the slices' number crosses them; any other axis in its place would split the batch and the state across
+  the slow network under a name that says it does not.
+
+  Raises:
+    PlanError: on a pod, ``replica`` is not the outermost axis or not the number of slices or nodes; on one
+      slice or node, ``replica`` is larger than 1. The message gives the mesh that would be.
+
+  Example::
+
+    >>> check_replica({"replica": 2, "data": 8}, domains=2)
+    >>> try:
+    ...   check_replica({"data": 8, "replica": 2}, domains=2, where="nodes")
+    ... except PlanError as e:
+    ...   print(str(e).replace("; ", ";\\n"))
+    --mesh data=8,replica=2: on 2 nodes, replica must be the outermost axis, its size the number of nodes;
+    the devices are laid out in the mesh's order, so only then does it cross them: --mesh replica=2,data=8
+  """
+  replica = axes.get("replica", 1)
+  if domains < 2:
+    if replica > 1:
+      raise PlanError(f"--mesh {spelled_mesh(axes)}: replica runs across TPU slices or GPU nodes, and "
+                      f"this target is one; name the axis data, or plan a pod (--slices N on a TPU "
+                      "slice, CHIP:NODESxGPUS for GPU nodes)")
+    return
+  if next(iter(axes)) == "replica" and replica == domains:
+    return
+  rest = {k: v for k, v in axes.items() if k != "replica"}
+  rest["data"] = rest.get("data", 1) * replica
+  inside = math.prod(rest.values())
+  others = inside // rest["data"]
+  suggestion = ""
+  if inside % domains == 0 and (inside // domains) % others == 0:
+    rest["data"] = inside // domains // others
+    suggestion = f": --mesh {spelled_mesh({'replica': domains, **rest})}"
+  raise PlanError(f"--mesh {spelled_mesh(axes)}: on {domains} {where}, replica must be the outermost axis, "
+                  f"its size the number of {where}; the devices are laid out in the mesh's order, so only "
+                  f"then does it cross them{suggestion}")
+
+
+def batch_axes(axis_names: Iterable[str]) -> tuple[str, ...]:
+  """The mesh axes a batch's rows are split over: ``data`` and, where the mesh has them, ``replica`` (across
+  slices or nodes) and ``fsdp``; their sizes' product is a micro-batch's unit.
+
+  Example::
+
+    >>> batch_axes(("data", "fsdp", "tp"))
+    ('data', 'fsdp')
+  """
+  names = tuple(axis_names)
+  return tuple(a for a in ("replica", "data", "fsdp") if a in names)
+
+
+def micro_batch(batch: int | None, unit: int, over: str) -> int:
+  """The plan's global micro-batch: ``--batch``, checked to split over the batch axes (``unit`` devices), or
+  by default (None) the smallest multiple of ``unit`` of at least :data:`SMALLEST_MICRO_BATCH` (8) sequences.
+
+  Raises:
+    PlanError: ``batch`` is not a multiple of ``unit``.
+
+  Example::
+
+    >>> micro_batch(None, 4, "data"), micro_batch(None, 64, "replica x data"), micro_batch(None, 3, "data")
+    (8, 64, 9)
+    >>> micro_batch(16, 8, "data")
+    16
+  """
+  if batch is None:
+    return -(-SMALLEST_MICRO_BATCH // unit) * unit
+  if batch % unit:
+    raise PlanError(f"--batch {batch} does not split over the batch axes ({over} = {unit} devices): give a "
+                    f"multiple of {unit}, or leave --batch out for {micro_batch(None, unit, over)}")
+  return batch
+
+
+def check_axis_names(sizes: Mapping[str, int], model_axes: Iterable[str]) -> None:
+  """Refuses a ``--mesh`` axis the model does not name and the planner does not know (a misspelling).
+
+  Raises:
+    PlanError: naming the axis and the axes that would be understood.
+
+  Example::
+
+    >>> check_axis_names({"data": 4}, ["fsdp"])
+    >>> try:
+    ...   check_axis_names({"dta": 4}, ["fsdp", "tp"])
+    ... except PlanError as e:
+    ...   print(e)
+    unknown --mesh axis dta; axes the model names or the planner splits over: replica, data, fsdp, tp
+  """
+  known = tuple(dict.fromkeys([*PLANNER_AXES, *model_axes]))
+  unknown = [a for a in sizes if a not in known]
+  if unknown:
+    raise PlanError(f"unknown --mesh axis {', '.join(unknown)}; axes the model names or the planner "
+                    f"splits over: {', '.join(known)}")
