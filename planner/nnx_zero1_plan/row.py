@@ -396,10 +396,8 @@ class Measured(_Record):
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Measured:
-    """The run :meth:`to_json` wrote (an older plan's ``peak_bytes``, the allocator's peak after the run,
-    on a TPU the state alone as ``held_bytes`` is, read as ``held_bytes``)."""
-    old = {k: v for k, v in fields.items() if k != "peak_bytes"}
-    return cls(**({"held_bytes": fields["peak_bytes"]} if "peak_bytes" in fields else {}), **old)
+    """The run :meth:`to_json` wrote (an older plan's ``peak_bytes`` as ``held_bytes``: what it held)."""
+    return cls(**{("held_bytes" if k == "peak_bytes" else k): v for k, v in fields.items()})
 
 
 @dataclasses.dataclass(frozen=True)
