@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.levers import LEVERS
-from nnx_zero1_plan.row import Network, OpCount, Point, Row, StateSplit, op_counts
+from nnx_zero1_plan.row import Figures, Network, OpCount, Point, Row, StateSplit, op_counts
 
 __all__ = ["ms", "gib", "tokens", "HEADER", "POD_HEADER", "EDGE_HEADER", "MEASURED_HEADER", "MEASURED_TITLE",
            "collective_cell", "network_cell", "dtype_cell", "accumulation_note", "time_cells", "split_words",
@@ -34,6 +34,8 @@ HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "ar
           "tok/s/device", "MFU", "compile s",
           "collectives per step (count x MiB)", "per micro-batch", "update GFLOP", "update GiB accessed",
           "note")
+# A plan timed by a calibration (--measure, --calibration) has its time beside the cost model's.
+CALIBRATED = "step ms (calib.)"
 # A pod's plan has two more columns, before the note: what one device sends per step over each network.
 POD_HEADER = ("inside slice/node per step, MiB (est.)", "over the slow network per step, MiB (est.)")
 
@@ -195,14 +197,21 @@ def is_pod(rows: Sequence[Row]) -> bool:
   return any(r.made.network_per_step is not None for r in rows)
 
 
+def is_calibrated(rows: Sequence[Row]) -> bool:
+  return any(r.figures.calibrated_step_s is not None for r in rows)
+
+
 def header(rows: Sequence[Row]) -> tuple[str, ...]:
-  """:data:`HEADER`, with :data:`POD_HEADER` before the note where the rows are a pod's."""
-  return HEADER[:-1] + POD_HEADER + HEADER[-1:] if is_pod(rows) else HEADER
+  """:data:`HEADER`, with :data:`CALIBRATED` after the predicted time's cells where a row has a calibrated
+  time, and :data:`POD_HEADER` before the note where the rows are a pod's."""
+  at = HEADER.index("compile s")
+  head = HEADER[:at] + (CALIBRATED,) * is_calibrated(rows) + HEADER[at:]
+  return head[:-1] + POD_HEADER + head[-1:] if is_pod(rows) else head
 
 
 def row_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
   """One tuple of strings per row, in :func:`header`'s order."""
-  pod = is_pod(rows)
+  pod, calibrated = is_pod(rows), is_calibrated(rows)
   out: list[tuple[str, ...]] = []
   for r in rows:
     f = r.figures
@@ -219,7 +228,7 @@ def row_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
         ex + gib(f.temp_bytes_per_device), ex + gib(f.peak_bytes_per_device),
         ex + gib(f.formula_peak_bytes_per_device), gib(r.usable_bytes),
         ex + fits, _max_micro_batch(r), *time_cells(f.predicted_step_s, f.tokens_per_s_per_device, f.mfu, ex),
-        f"{compile_s:.0f}",
+        *((ms(f.calibrated_step_s),) if calibrated else ()), f"{compile_s:.0f}",
         ex + collective_cell(f.collectives.per_step if f.collectives else None),
         ex + collective_cell(f.collectives.per_micro_batch if f.collectives else None),
         "-" if flops is None else f"{ex}{flops / 1e9:.2f}", ex + gib(f.update_bytes_accessed_per_device),
@@ -262,8 +271,10 @@ MEASURED_TITLE = ("Run on this machine's devices (--measure), the very program c
                   "runtime kept, not the program's temporaries")
 
 
-def measured_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
-  """Each run of ``--measure`` beside the plan's prediction at its micro-batch (:data:`MEASURED_HEADER`).
+def measured_cells(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+  """Each run of ``--measure`` beside the plan's prediction at its micro-batch (the row's own compile or its
+  search's there): :data:`MEASURED_HEADER`, with the calibrated time and its error where there is one, and
+  the cells.
 
   Example::
 
@@ -271,16 +282,21 @@ def measured_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
     >>> f = Figures(peak_bytes_per_device=15 * 2**30, predicted_step_s=0.2348)
     >>> row = Row("zero1", "one", "v5e:1x1", "TPU", {"data": 1}, "m", 8, f, Made(depth=2), 1, 1, True,
     ...           measured=(Measured(8, 0.191, 3 * 2**30),))
-    >>> measured_cells([row])
+    >>> measured_cells([row])[1]
     [('zero1', 'one', '8', '234.8', '191.0', '+23%', '15.00', '3.00', '')]
   """
+  calibrated = is_calibrated(rows)
+  error = lambda t, m, places: "-" if not (t and m) else f"{t / m - 1:+.{places}%}"  # noqa: E731
   out: list[tuple[str, ...]] = []
   for r in rows:
     for run in r.measured or ():
-      at = (r.searched.at_max if r.searched is not None and r.searched.at_max is not None
-            and run.batch != r.batch else r.figures)
+      points = r.searched.search if r.searched is not None and run.batch != r.batch else ()
+      at: Point | Figures = next((p for p in points if p.batch == run.batch), r.figures)
       predicted, measured = at.predicted_step_s, run.step_s
-      error = "-" if not (predicted and measured) else f"{predicted / measured - 1:+.0%}"
-      out.append((r.lever, r.step, str(run.batch), ms(predicted), ms(measured), error,
+      calib = (ms(at.calibrated_step_s), error(at.calibrated_step_s, measured, 1)) if calibrated else ()
+      out.append((r.lever, r.step, str(run.batch), ms(predicted), ms(measured), error(predicted, measured, 0),
+                  *calib,
                   gib(at.peak_bytes_per_device), gib(run.held_bytes), (run.error or "")[:100]))
-  return out
+  peak = MEASURED_HEADER.index("peak GiB (compiler)")
+  head = MEASURED_HEADER[:peak] + (CALIBRATED, "calib. vs measured") * calibrated + MEASURED_HEADER[peak:]
+  return head, out

@@ -76,8 +76,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--search", action="store_true", help="also find each lever's largest micro-batch that fits "
                  "(from --batch up, a few compiles per lever), and recommend by it")
   p.add_argument("--measure", action="store_true", help="where this machine's devices are the target's "
-                 "chips: also run each fitting row's one-program step (and a search's largest) for "
-                 "2 + 8 steps, and print the median step time and the allocator's peak beside the predicted")
+                 "chips: profile the first fitting row's step there, time every row also by that "
+                 "calibration, and run each fitting row's one-program step (a search's largest, the "
+                 "recommended point) for 2 + 8 steps: the median beside the predicted")
+  p.add_argument("--calibration", metavar="PATH", help="a plan made with --measure on this model on the "
+                 "target's chip (its plan.json or folder; several comma-separated): each row is also timed "
+                 "by the chip's own ratio to the cost model, kind by kind (another chip is refused)")
   p.add_argument("--margin", type=float, help="share of the memory to leave free (default: the "
                  "backend's reserve, what a run needs beyond the compiler's figure: TPU none, GPU 256 MiB)")
   p.add_argument("--gpu-memory-fraction", type=float, help="GPU targets: the XLA_PYTHON_CLIENT_MEM_FRACTION "

@@ -4,7 +4,7 @@ changes compiled to make room."""
 from __future__ import annotations
 
 from nnx_zero1_plan.cells import gib
-from nnx_zero1_plan.recommend import BY_THROUGHPUT, Recommendation
+from nnx_zero1_plan.recommend import BY_CALIBRATED, BY_THROUGHPUT, Recommendation
 from nnx_zero1_plan.way_out import WayOut
 
 __all__ = ["limit_words", "recommendation_lines", "way_out_lines"]
@@ -60,8 +60,9 @@ def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool
   shape = {"one": "one program", "split": "two programs"}.get(rec.step, rec.step)
   remat = f", remat {rec.remat}" if rec.remat not in (None, "none") else ""
   which = "the largest that fits" if search else "fits"
-  if rec.order == BY_THROUGHPUT:
-    which = "the most predicted tokens per second of what fits"
+  if rec.order in (BY_THROUGHPUT, BY_CALIBRATED):
+    kind = "predicted" if rec.order == BY_THROUGHPUT else "calibrated"
+    which = f"the most {kind} tokens per second of what fits"
   code = [f"    {line}".rstrip() for line in rec.code.splitlines()]
   lines = ["", f"Recommended: {rec.lever} at micro-batch {rec.micro_batch} ({shape}{remat}), {which} "
            f"with {limit}", "  code:", *code, f"  reproduce: {rec.cli}"]

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 
 from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, state_split
+from nnx_zero1_plan.calibrated_time import calibrated_time, read_program
+from nnx_zero1_plan.calibration import Calibration
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.compiled import (
   collectives_of,
@@ -35,7 +37,7 @@ from nnx_zero1_plan.on_chip import Program
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row, StateSplit
 from nnx_zero1_plan.search import fits_in
-from nnx_zero1_plan.step_time import predict_step_time
+from nnx_zero1_plan.step_time import predict_step_time, rates_for
 from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
 from nnx_zero1_plan.targets import Target, domain_of
 from nnx_zero1_plan.tunix_sharding import sharding_of
@@ -66,7 +68,9 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
           timing: RowCompiler | None, scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
   """``figures`` with the step's predicted time (:func:`nnx_zero1_plan.predict_step_time`) on ``timing``'s
   target at its compute dtype, for the ``programs`` one step runs (``scheduled``: XLA's GPU scheduler's
-  estimates of their instructions), and on a pod its slow network's bytes over that network's rate."""
+  estimates of their instructions), and on a pod its slow network's bytes over that network's rate; with
+  ``timing``'s calibration, the step's calibrated time too (:func:`~nnx_zero1_plan.calibrated_time.
+  calibrated_time`: each kind of work at the chip's own ratio, the networks as the cost model prices them)."""
   if timing is None:
     return figures
   target = timing.target
@@ -75,7 +79,12 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
   time = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
                            tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                            scheduled=scheduled)
-  return dataclasses.replace(figures, **vars(time))
+  calibrated = None
+  if timing.calibration is not None and time.predicted_step_s is not None and time.step_time is not None:
+    rates = rates_for(CHIPS[target.chip])
+    read = [(read_program(hlo, rates), times) for _, hlo, times in programs]
+    calibrated = calibrated_time(read, timing.calibration) + time.step_time.slow_s
+  return dataclasses.replace(figures, **vars(time), calibrated_step_s=calibrated)
 
 
 @contextlib.contextmanager
@@ -183,6 +192,7 @@ class RowCompiler:
     compute_dtype: the dtype the steps compute in (the peak their MFU is measured against).
     programs: where each one-program step compiled whole is kept for its run, by lever, model and shape
       (None: not kept; ``--measure`` keeps them).
+    calibration: the chip's calibration each row's time is also priced by (None: the cost model's alone).
   """
 
   target: Target
@@ -190,6 +200,7 @@ class RowCompiler:
   progress: Callable[[str], None] | None = None
   compute_dtype: str = "bfloat16"
   programs: dict[tuple[str, int, StepShape], Program] | None = None
+  calibration: Calibration | None = None
 
   def program(self, lever: str, model: PlannedModel, shape: StepShape) -> Program | None:
     """The kept program of ``lever``'s one-program step at ``shape`` (None: not compiled, or not kept)."""

@@ -127,10 +127,10 @@ def markdown(settings: Mapping[str, Any], rows: Sequence[Row], steps: Sequence[s
     edges = cells.edge_cells(rows)
     if edges:
       lines += ["", "## At each lever's largest micro-batch", ""] + markdown_table(cells.EDGE_HEADER, edges)
-    runs = cells.measured_cells(rows)
+    head, runs = cells.measured_cells(rows)
     if runs:
       lines += ["", "## Measured", "", cells.MEASURED_TITLE + "."]
-      lines += markdown_table(cells.MEASURED_HEADER, runs)
+      lines += markdown_table(head, runs)
     lines += time_lines(rows) + search_lines(rows)
   lines += closing
   if steps:

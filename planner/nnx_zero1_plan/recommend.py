@@ -14,8 +14,8 @@ from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.row import Point, Row
 
-__all__ = ["ORDER", "BY_THROUGHPUT", "Recommendation", "by_throughput", "micro_batch_of", "fitted_at",
-           "figures_at", "splits_nothing", "row_sent_bytes", "row_across_bytes",
+__all__ = ["ORDER", "BY_THROUGHPUT", "BY_CALIBRATED", "Recommendation", "by_throughput", "micro_batch_of",
+           "fitted_at", "figures_at", "splits_nothing", "row_sent_bytes", "row_across_bytes",
            "host_bytes_of", "recommend", "recompute_note", "thin_note", "baseline_beats", "why_picked",
            "plan_code"]
 
@@ -27,6 +27,9 @@ ORDER: tuple[str, ...] = (
 _SAME_BYTES = 0.01  # collective bytes this close are a tie: the headroom decides
 BY_THROUGHPUT: tuple[str, ...] = ("fits", "most predicted tokens per second per device",
                                   "within 2% of it: most headroom", "no remat", "the lighter lever")
+# Where every point that fits has a time calibrated on the chip (--measure, --calibration), that time ranks.
+BY_CALIBRATED: tuple[str, ...] = ("fits", "most tokens per second per device, timed as calibrated",
+                                  *BY_THROUGHPUT[2:])
 _SAME_SPEED = 0.02  # predicted throughputs this close are a tie: the headroom decides
 
 
@@ -270,11 +273,23 @@ def _ms(seconds: float | None) -> str:
   return "?" if seconds is None else f"{seconds * 1e3:,.1f} ms"
 
 
-def _speed(row: Row, point: Point) -> str:
-  """A point's predicted time in words: ``zero1 at 128: 412.0 ms, 318,000 tok/s per device`` (and on a pod
-  the slow network's share of that row's step)."""
-  words = (f"{row.lever} at {point.batch}: {_ms(point.predicted_step_s)}, "
-           f"{point.tokens_per_s_per_device or 0:,.0f} tok/s per device")
+def _calibrated(points: Sequence[tuple[Row, Point]]) -> bool:
+  """Whether every point has a time calibrated on the chip: then it ranks them, not the cost model's."""
+  return all(p.calibrated_step_s for _, p in points)
+
+
+def _throughput(point: Point, calibrated: bool) -> float:
+  """A point's tokens per second per device, by its calibrated time or the cost model's."""
+  tokens = point.tokens_per_s_per_device or 0.0
+  return tokens * (point.predicted_step_s or 0.0) / (point.calibrated_step_s or 1.0) if calibrated else tokens
+
+
+def _speed(row: Row, point: Point, calibrated: bool = False) -> str:
+  """A point's predicted time in words: ``zero1 at 128: 412.0 ms, 318,000 tok/s per device`` (its calibrated
+  time where ``calibrated``; on a pod the slow network's share of that row's step)."""
+  step_s = point.calibrated_step_s if calibrated else point.predicted_step_s
+  words = (f"{row.lever} at {point.batch}: {_ms(step_s)}{' calibrated' * calibrated}, "
+           f"{_throughput(point, calibrated):,.0f} tok/s per device")
   t = row.figures.step_time
   if t is not None and t.slow_network and row.figures.predicted_step_s and point.batch == row.batch:
     words += f" ({t.slow_network} {_ms(t.slow_s)} of it, {t.slow_s / row.figures.predicted_step_s:.0%})"
@@ -302,7 +317,8 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
   points = [(r, p) for r in rows for p in (*_points(r), _own(r)) if p.fits]
   if not points or any(p.tokens_per_s_per_device is None for _, p in points):
     return None
-  speed = lambda c: c[1].tokens_per_s_per_device or 0.0
+  calibrated = _calibrated(points)
+  speed = lambda c: _throughput(c[1], calibrated)
   fastest = max(map(speed, points))
   near = lambda c: speed(c) >= fastest * (1 - _SAME_SPEED)
   best, at = min(filter(near, points), key=lambda c: _roomier(*c))
@@ -311,7 +327,7 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
     theirs = max((c for c in points if c[0].lever == rival), key=speed)
     reason = (f"within 2%, {best.lever} for its headroom" if near(theirs)
               else f"{best.lever} for its throughput")
-    why.append(f"{_speed(best, at)}; {_speed(*theirs)}: {reason}")
+    why.append(f"{_speed(best, at, calibrated)}; {_speed(*theirs, calibrated)}: {reason}")
   return best, at, why
 
 
@@ -349,7 +365,8 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
   fastest = by_throughput(candidates)
   if fastest is not None:
     best, at, why = fastest
-    micro, order = at.batch, BY_THROUGHPUT
+    fit = [(r, p) for r in candidates for p in (*_points(r), _own(r)) if p.fits]
+    micro, order = at.batch, BY_CALIBRATED if _calibrated(fit) else BY_THROUGHPUT
   else:
     micro, order = max(m for m in edges if m), ORDER
     # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not; the

@@ -157,6 +157,9 @@ class PlanRequest:
     maxtext_deferral: a ``maxtext:`` model's data-parallel all-reduce: ``auto`` (MaxText's engine's own
       choice: deferred to ``update``, once per step, under ``shard_mode=explicit`` on a pure data mesh) or
       ``off`` (in every micro-batch, as its engine did before it deferred).
+    calibration: kept calibrations of this model on the target's chip (a plan.json made with ``--measure``,
+      or its folder; several comma-separated, combined): each row is also timed by it
+      (:mod:`nnx_zero1_plan.calibration`).
     model_ref: ``model`` parsed (not an argument: worked out when the record is built).
     topology_ref: ``topology`` parsed.
     mesh_sizes: ``mesh`` parsed (``{"data": 4, "fsdp": 2}``; empty for the default mesh).
@@ -197,6 +200,7 @@ class PlanRequest:
   tunix_sharding: str = "default"
   gpus_per_node: int | None = None
   maxtext_deferral: str = "auto"
+  calibration: str | None = None
   model_ref: ModelRef = dataclasses.field(init=False, repr=False, compare=False)
   topology_ref: Topology = dataclasses.field(init=False, repr=False, compare=False)
   mesh_sizes: Mapping[str, int] = dataclasses.field(init=False, repr=False, compare=False)

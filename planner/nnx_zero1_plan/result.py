@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_zero1_plan.calibration import Calibration
 from nnx_zero1_plan.closing_lines import limit_words, recommendation_lines, way_out_lines
 from nnx_zero1_plan.plan_md import markdown
 from nnx_zero1_plan.recommend import Recommendation
@@ -33,6 +34,8 @@ class Plan:
       when no row fits with the margin.
     way_out: when no row fits, the changes compiled to make room and the first that fits
       (:func:`nnx_zero1_plan.way_out.find_way_out`); None otherwise.
+    calibration: the chip's calibration each row is also timed by (``--measure``'s first run, or
+      ``--calibration``); None: the cost model's time alone.
   """
 
   rows: list[Row]
@@ -40,14 +43,25 @@ class Plan:
   next_steps: list[str]
   recommendation: Recommendation | None = None
   way_out: WayOut | None = None
+  calibration: Calibration | None = None
 
   def __str__(self) -> str:
     stated = [f"\n{self.meta.batch_default}"] if self.meta.batch_default else []
-    lines = [table(self.rows, wide=False), *stated, *self._closing_lines()]
+    lines = [table(self.rows, wide=False), *stated, *self._calibration_lines(), *self._closing_lines()]
     if self.next_steps:
       steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))
       lines += ["", "Nothing fits. Try next, in order:", *steps]
     return "\n".join(lines)
+
+  def _calibration_lines(self) -> list[str]:
+    """Where the calibrated times come from, and what they leave to the cost model."""
+    if self.calibration is None:
+      return []
+    m = self.meta
+    libtpu = m.compiler.split()[-1] if m.compiler.startswith("libtpu") else None
+    return ["", f"step ms (calib.): {self.calibration.said(m.jax, libtpu)}; each kind of work at the chip's "
+            "own ratio to the cost model, the networks (which one chip never ran) priced as the cost model "
+            "prices them"]
 
   def _closing_lines(self) -> list[str]:
     """The lines under the tables, printed and in plan.md: the recommendation's, then the way out's."""
@@ -62,17 +76,20 @@ class Plan:
     back field for field: tests/planner/test_inputs_and_tables.py)."""
     rows = [row.to_json() for row in self.rows]
     asdict = lambda record: None if record is None else dataclasses.asdict(record)
+    calibration = {} if self.calibration is None else {"calibration": self.calibration.to_json()}
     return {"meta": self.meta.to_json(), "rows": rows, "recommendation": asdict(self.recommendation),
-            "way_out": asdict(self.way_out), "next_steps": self.next_steps}
+            "way_out": asdict(self.way_out), "next_steps": self.next_steps, **calibration}
 
   @classmethod
   def from_record(cls, record: Mapping[str, Any]) -> Plan:
     """The plan :meth:`to_record` wrote (plan.json's object, or the planning process's answer)."""
     rows = [Row.from_json(row) for row in record["rows"]]
     recommendation, way_out = record.get("recommendation"), record.get("way_out")
+    calibration = record.get("calibration")
     return cls(rows, PlanSettings.from_json(record["meta"]), list(record["next_steps"]),
                None if recommendation is None else Recommendation.from_json(recommendation),
-               None if way_out is None else WayOut.from_json(way_out))
+               None if way_out is None else WayOut.from_json(way_out),
+               None if calibration is None else Calibration.from_json(calibration))
 
   def write(self, out_dir: str) -> list[str]:
     """Writes plan.json and plan.md into ``out_dir``, and with a search ``search.png``
@@ -82,6 +99,7 @@ class Plan:
     with open(paths[0], "w") as f:
       json.dump(self.to_record(), f, indent=1)
     with open(paths[1], "w") as f:
-      f.write(markdown(self.meta.to_json(), self.rows, self.next_steps, self._closing_lines()))
+      f.write(markdown(self.meta.to_json(), self.rows, self.next_steps,
+                       [*self._calibration_lines(), *self._closing_lines()]))
     drawn = draw_search(self.rows, os.path.join(out_dir, "search.png"))
     return paths + ([drawn] if drawn else [])

@@ -209,10 +209,8 @@ class MaxTextConfig(_Record):
 
 @dataclasses.dataclass(frozen=True)
 class Figures(_Record):
-  """What the compiler said of one lever's step, per device; None where it refused the program.
-
-  Each field is plan.json's of its name; docs/planner.md's "What a row says" says what each holds.
-  """
+  """What the compiler said of one lever's step, per device (None where it refused the program): each field
+  plan.json's of its name, what each holds docs/planner.md's "What a row says"."""
 
   opt_state_bytes_per_device: int | None = _figure(per_layer=True)
   opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _figure(per_layer=True)
@@ -243,6 +241,7 @@ class Figures(_Record):
   mfu: float | None = _figure()
   step_time: StepTime | None = _figure()
   time_absent: str | None = _figure()
+  calibrated_step_s: float | None = _when_set()
 
   @property
   def host_state_bytes(self) -> int:
@@ -332,6 +331,7 @@ class Point(_Record):
   predicted_step_s: float | None = _when_set()
   tokens_per_s_per_device: float | None = _when_set()
   mfu: float | None = _when_set()
+  calibrated_step_s: float | None = _when_set()
 
   @classmethod
   def of(cls, batch: int, fits: bool, figures: Figures) -> Point:

@@ -10,12 +10,13 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 
 from nnx_zero1_plan import compilers
+from nnx_zero1_plan.calibration import read_calibration
 from nnx_zero1_plan.compiled import PEAK_SOURCE
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.maxtext import describe_maxtext, output_directory
 from nnx_zero1_plan.measure import RowCompiler, StepShape
+from nnx_zero1_plan.measured_plan import first_calibration, measured_rows, said_measured
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, micro_batch
-from nnx_zero1_plan.on_chip import TIMED, WARMUP, measured_batches, run_program
 from nnx_zero1_plan.planned_model import (
   PlannedModel,
   batch_words,
@@ -23,10 +24,10 @@ from nnx_zero1_plan.planned_model import (
   on_devices,
   refuse_blocked,
 )
-from nnx_zero1_plan.recommend import Recommendation, plan_code, recommend
+from nnx_zero1_plan.recommend import plan_code, recommend
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.result import Plan
-from nnx_zero1_plan.row import Measured, Row
+from nnx_zero1_plan.row import Row
 from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row
 from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
@@ -158,7 +159,8 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
     local: compile for this process's own devices, the target's chips
       (:func:`nnx_zero1_plan.targets.local_target`), jax left on them.
     measure: with ``local``, run each fitting row's program (and a search's largest, and the recommended
-      point) there as it was compiled (``--measure``: :func:`measured_rows`).
+      point) there as it was compiled, the first profiled for a calibration every row is also priced by
+      (``--measure``: :mod:`nnx_zero1_plan.measured_plan`).
 
   Returns:
     The :class:`~nnx_zero1_plan.result.Plan`.
@@ -182,6 +184,8 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   maxtext = maxtext_out is not None
   say = progress or (lambda line: None)
   policies = request.policies
+  chip = request.topology_ref.chip
+  calibration = read_calibration(request.calibration, chip) if request.calibration else None
   if not maxtext:  # described before the compiler is looked for: a misspelt axis needs none
     plans = {p: describe_tunix_or_own(request, p) for p in policies}
     blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
@@ -199,10 +203,16 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are alike under every policy
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
   compiler = RowCompiler(target, usable, progress, _compute_dtype(request, planned),
-                         programs={} if measure else None)
+                         programs={} if measure else None, calibration=calibration)
   rows = []
   todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]
   say(_compiles_planned(request, planned, len(todo)))
+  # --measure calibrates on its first run where no calibration is given, before the other rows compile, so
+  # that each is priced by it as it is compiled; a given one is the one the runs check.
+  if measure and calibration is None and "one" in request.steps:
+    calibration = first_calibration(compiler, [(p, n) for p in policies for n in request.levers], plans,
+                                    request, batch) or calibration
+    compiler = dataclasses.replace(compiler, calibration=calibration)
   started = time.perf_counter()
   for done, (policy, name, step) in enumerate(todo, 1):
     row = _lever_row(compiler, request, plans[policy], name, step, policy, batch)
@@ -218,47 +228,5 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   recommended = recommend(rows, resolved, activation_sharding=meta.activation_sharding)
   if measure:
     rows = measured_rows(compiler, plans, request, rows, recommended)
-    recommended = recommended and _said_measured(recommended, rows)
-  return Plan(rows, meta, hints, recommended, way_out)
-
-
-def measured_rows(compiler: RowCompiler, plans: Mapping[str | None, PlannedModel], request: PlanRequest,
-                  rows: Sequence[Row], recommended: Recommendation | None) -> list[Row]:
-  """``rows`` with their runs on this process's chips (``--measure``): each row's kept program at each of
-  its :func:`~nnx_zero1_plan.on_chip.measured_batches` and, for the recommended row, the recommended
-  micro-batch, run as it was compiled (:func:`~nnx_zero1_plan.on_chip.run_program`)."""
-  say = compiler.progress or (lambda line: None)
-  done = []
-  for row in rows:
-    batches = list(measured_batches(row))
-    if recommended and _is_recommended(row, recommended) and recommended.micro_batch not in batches:
-      batches.append(recommended.micro_batch)
-    runs = []
-    for batch in batches:
-      fraction = row.offloaded.offload_fraction if row.offloaded else 0.0
-      shape = StepShape(batch, request.seq_len, request.ga, request.optimizer, fraction)
-      program = compiler.program(row.lever, plans[row.remat], shape)
-      if program is None:
-        runs.append(Measured(batch, None, error="not compiled whole for this machine's chips"))
-        continue
-      say(f"running {row.lever} ({row.step}) at micro-batch {batch}: {WARMUP} + {TIMED} steps ...")
-      run, _ = run_program(program)
-      said = run.error or f"{(run.step_s or 0.0) * 1e3:,.1f} ms, the median of {TIMED}"
-      say(f"ran {row.lever} ({row.step}) at micro-batch {batch}: {said}")
-      runs.append(run)
-    done.append(dataclasses.replace(row, measured=tuple(runs)) if runs else row)
-  return done
-
-
-def _is_recommended(row: Row, recommended: Recommendation) -> bool:
-  return (row.lever, row.step, row.remat) == (recommended.lever, recommended.step, recommended.remat)
-
-
-def _said_measured(recommended: Recommendation, rows: Sequence[Row]) -> Recommendation:
-  """``recommended`` with a note of its run on this machine's chips, where it ran."""
-  seconds = next((m.step_s for r in rows if _is_recommended(r, recommended)
-                  for m in r.measured or () if m.batch == recommended.micro_batch and m.step_s), None)
-  if seconds is None:
-    return recommended
-  note = f"measured on this machine's chips: {seconds * 1e3:,.1f} ms a step (the median of {TIMED})"
-  return dataclasses.replace(recommended, notes=(*recommended.notes, note))
+    recommended = recommended and said_measured(recommended, rows)
+  return Plan(rows, meta, hints, recommended, way_out, calibration)

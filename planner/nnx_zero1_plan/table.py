@@ -22,8 +22,8 @@ def _aligned(header: Sequence[str], body: Sequence[Sequence[str]], left: Sequenc
 
 # The terminal's table: what a user decides by, in a width that fits a terminal; plan.md has every column.
 COMPACT = ("lever", "step", "opt GiB", "state dtype", "args GiB", "temp GiB", "peak GiB", "usable GiB",
-           "fits", "max micro-batch", "step ms (pred.)", "tok/s/device", "sent GiB per step",
-           *cells.POD_HEADER, "compile s", "note")
+           "fits", "max micro-batch", "step ms (pred.)", cells.CALIBRATED, "tok/s/device",
+           "sent GiB per step", *cells.POD_HEADER, "compile s", "note")
 
 
 def _compact(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
@@ -55,8 +55,8 @@ def table(rows: Sequence[Row], wide: bool = True) -> str:
   if edges:
     text += "\n\nAt each lever's largest micro-batch (the compiler's figures):\n" + _aligned(
         cells.EDGE_HEADER, edges, (0, 1, len(cells.EDGE_HEADER) - 1))
-  runs = cells.measured_cells(rows)
+  head, runs = cells.measured_cells(rows)
   if runs:
-    measured = _aligned(cells.MEASURED_HEADER, runs, (0, 1, len(cells.MEASURED_HEADER) - 1))
+    measured = _aligned(head, runs, (0, 1, len(head) - 1))
     text += f"\n\n{cells.MEASURED_TITLE}:\n" + measured
   return text

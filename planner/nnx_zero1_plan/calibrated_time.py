@@ -1,0 +1,171 @@
+"""A program's step time calibrated on the chip: each instruction the cost model prices, read once with its
+kind of work (:func:`read_program`); a calibration made from one profiled run of it (:func:`calibrate`:
+each kind's seconds on the chip over the walk's, :func:`~nnx_zero1_plan.step_time.program_time`'s); any
+other program of that model walked with each kind at its ratio (:func:`calibrated_time`).
+
+The TPU compiler prices a fusion by the tiling it chose in its program, so the walk parts from the chip by
+kind of work; a profile (:func:`nnx_zero1_plan.on_chip.device_ops`: each instruction's device nanoseconds
+per step) measures each priced instruction. A calibration carries two more figures of its run: the rest,
+the device's seconds beyond the calibrated walk (the gaps between instructions and those without cycles:
+on-chip async copies and slices), as a share of the calibrated compute, which it grows with; and the
+launch, the step's wall time beyond the device's, the host's fixed cost of a step of the model. Collectives
+and host copies are walked as before at the chip table's rates (one chip has none of the first; the host
+link's rate is the chip's own, ``benchmarks.chip_rates``), beside the calibrated compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nnx_zero1._src.companion import (
+  COLLECTIVES,
+  INSTRUCTION,
+  callees,
+  collective_of,
+  computations,
+  estimated_cycles,
+  host_copy,
+  trip_count,
+)
+from nnx_zero1_plan.calibration import Calibration, Run, kind_times
+from nnx_zero1_plan.step_time import NOT_ESTIMATED, Rates, _line_class, program_time
+
+__all__ = ["instruction_kind", "PricedProgram", "read_program", "calibrate", "calibrated_time"]
+
+# What a line that runs beside the core holds: a collective's op, a host copy's start.
+_BESIDE = (*COLLECTIVES, "collective-permute", "copy-start")
+
+def instruction_kind(line: str, bodies: dict[str, list[str]]) -> str:
+  """What the compiler fused into one instruction: the vector unit's work, or a matmul, batched (attention's
+  base-dilated convolution) or not, with a reduction fused in (a layer norm's backward) or not.
+
+  Example::
+
+    >>> bodies = {"f": ["  %c = f32[8,8]{1,0} convolution(%a, %b), window={size=1 lhs_dilate=8}",
+    ...                 "  ROOT %r = f32[8]{0} reduce(%c, %z), dimensions={1}, to_apply=%add"]}
+    >>> instruction_kind("  %x = f32[8]{0} fusion(%p), calls=%f", bodies)
+    'matmul batched + reduce'
+  """
+  return _kind_and_class(line, bodies)[0]
+
+
+def _kind_and_class(line: str, bodies: dict[str, list[str]]) -> tuple[str, str]:
+  """An instruction's kind and its class of work (the walk's clock for it), read together."""
+  work = _line_class(line, bodies)
+  if work == "vector":
+    return "vector", work
+  inner = [i for kind, callee in callees(line, bodies) if kind == "calls" for i in bodies.get(callee, ())]
+  reduced = any(" reduce(" in i for i in inner)
+  batched = any("lhs_dilate" in i for i in inner)
+  return "matmul" + (" batched" if batched else "") + (" + reduce" if reduced else ""), work
+
+
+@dataclasses.dataclass(frozen=True)
+class PricedProgram:
+  """A compiled program read once: its text, its rates, each instruction the walk prices (name: kind, walked
+  seconds per run, runs per call) and whether a collective or host copy runs beside the core."""
+
+  hlo: str
+  rates: Rates
+  priced: Mapping[str, tuple[str, float, int]]
+  overlapped: bool
+
+
+def read_program(hlo: str, rates: Rates) -> PricedProgram:
+  """``compiled.as_text()`` read as :func:`~nnx_zero1_plan.step_time.program_time` walks it (a loop's body
+  its trips over), each priced instruction's cycles at the clock of its class of work."""
+  bodies, entry = computations(hlo)
+  priced: dict[str, tuple[str, float, int]] = {}
+  overlapped = False
+
+  def visit(name: str, runs: int) -> None:
+    nonlocal overlapped
+    for line in bodies.get(name, ()):
+      cycles, m = estimated_cycles(line), INSTRUCTION.match(line)
+      if m is None or m["op"].endswith("-done"):  # a transfer's end: the walk's wait, never priced
+        continue
+      if m["op"] in ("while", "call", "conditional"):
+        for kind, callee in callees(line, bodies):
+          visit(callee, runs * ((trip_count(line, bodies) or 1) if kind == "body" else 1))
+      elif any(word in line for word in _BESIDE) and (  # the slower reading only where it may be one
+          collective_of(line) or m["op"] == "copy-start" and host_copy(m["shape"])):
+        overlapped = True
+      elif cycles is not None and cycles < NOT_ESTIMATED and rates.clock_hz is not None:
+        kind, work = _kind_and_class(line, bodies)
+        priced[m["name"]] = (kind, cycles / (rates.class_clocks_hz or {}).get(work, rates.clock_hz), runs)
+
+  if entry is not None:
+    visit(entry, 1)
+  return PricedProgram(hlo, rates, priced, overlapped)
+
+
+
+
+
+
+def _walk(program: PricedProgram, calibration: Calibration) -> tuple[float, float]:
+  """(total, compute) seconds of one call of the program walked with each priced instruction at its kind's
+  ratio; with nothing beside the core, the walk is the sum (the same figure, without walking)."""
+  scaled = {name: seconds * calibration.ratio(kind) for name, (kind, seconds, _) in program.priced.items()}
+  if not program.overlapped:
+    compute = sum(scaled[name] * runs for name, (_, _, runs) in program.priced.items())
+    return compute, compute
+  walk = program_time(program.hlo, program.rates, estimates=scaled)
+  return walk.total_s, walk.compute_s or 0.0
+
+
+def calibrate(program: PricedProgram, profile: Mapping[str, Any], *, lever: str, micro_batch: int, ga: int,
+              seq_len: int, step_s: float, chip: str, jax: str, libtpu: str | None) -> Calibration:
+  """A calibration from one run: each kind's chip seconds over the walk's, the rest and the launch.
+
+  Args:
+    program: the profiled program (:func:`read_program`).
+    profile: ``{"ops": {name: [ns, count]}, "modules": {name: [ns, count]}}`` per step, of the step's runs
+      alone (:func:`nnx_zero1_plan.on_chip.device_ops`).
+    lever, micro_batch, ga, seq_len: the plan row it ran.
+    step_s: the step's measured wall seconds (a median of steady steps).
+    chip, jax, libtpu: the chip table's name and the versions it ran with.
+
+  Returns:
+    The :class:`Calibration`. Each instruction is compared per run (the profile's nanoseconds over its
+    count, times the walk's runs: a loop's trips are the walk's on both sides); one the profile never saw
+    is left out of its kind, and its walked seconds out of the rest.
+  """
+  sums: dict[str, tuple[float, float]] = {}
+  for name, (kind, seconds, runs) in program.priced.items():
+    ns, count = profile["ops"].get(name, (0.0, 0))
+    if count:
+      walk, chip_s = sums.get(kind, (0.0, 0.0))
+      sums[kind] = (walk + seconds * runs, chip_s + ns / 1e9 / count * runs)
+  device_s = sum(ns for ns, _ in profile["modules"].values()) / 1e9
+  made = Calibration(chip, jax, libtpu, (), kind_times(sums))
+  total_s, compute_s = _walk(program, made)
+  run = Run(lever, micro_batch, ga, seq_len, step_s, device_s, compute_s, device_s - total_s)
+  return dataclasses.replace(made, runs=(run,))
+
+
+
+def calibrated_time(programs: Sequence[tuple[PricedProgram, int]], calibration: Calibration) -> float:
+  """One step's calibrated seconds on the chip: each program's calibrated walk (and its rest) as many times as
+  the step runs it, and the step's launch once.
+
+  Example::
+
+    >>> from nnx_zero1_plan.step_time import Rates
+    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   ROOT %f = f32[8]{0} fusion(%p), calls=%g, backend_config={"estimated_cycles":"1000"}
+    ... }'''
+    >>> program = read_program(hlo, Rates(clock_hz=1e9, network_bytes_per_s=lambda n: 1e9))
+    >>> profile = {"ops": {"f": [500.0, 1]}, "modules": {"jit_step": [600.0, 1]}}
+    >>> c = calibrate(program, profile, lever="baseline", micro_batch=8, ga=1, seq_len=1024, step_s=2e-6,
+    ...               chip="v5e", jax="0.10.2", libtpu=None)
+    >>> c.ratio("vector"), round(calibrated_time([(program, 1)], c) * 1e6, 6)
+    (0.5, 2.0)
+  """
+  total = 0.0
+  for program, times in programs:
+    walk_s, compute_s = _walk(program, calibration)
+    total += times * (walk_s + calibration.rest_share * compute_s)
+  return total + calibration.launch_s

@@ -1,0 +1,136 @@
+"""A step time calibrated on the user's own chip, as a plan carries it (plan.json's ``calibration``): each
+kind of instruction's seconds on the chip against the cost model's, from profiled runs of one model there,
+and what it was run with. It is made where the chips are (``--measure``:
+:mod:`nnx_zero1_plan.calibrated_time`) and travels to a plan made anywhere for the same chip (``--calibration
+PATH``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+
+from nnx_zero1_plan.inputs import PlanError
+from nnx_zero1_plan.row import _Record
+
+__all__ = ["KindTime", "Run", "Calibration", "combined", "read_calibration"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KindTime(_Record):
+  """One kind's priced instructions in the profiled programs, every run counted: the walk's seconds, the
+  chip's, and the ratio another program's instructions of that kind are priced at (chip over walk)."""
+
+  walk_s: float
+  chip_s: float
+  ratio: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Run(_Record):
+  """A profiled run a calibration came from: its plan row (lever, micro-batch, GA, sequence length), the
+  step's measured wall seconds, the device's (the profile's programs), its calibrated walk's compute and the
+  rest beyond it."""
+
+  lever: str
+  micro_batch: int
+  ga: int
+  seq_len: int
+  step_s: float
+  device_s: float
+  compute_s: float
+  rest_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration(_Record):
+  """A model's step time calibrated on one chip, kind by kind: the chip (the planner's chip table's name),
+  the jax and libtpu versions it ran with, the runs it came from and each kind's seconds.
+
+  Example::
+
+    >>> c = Calibration("v5e", "0.10.2", None, (Run("baseline", 4, 1, 1024, 0.1, 0.095, 0.09, 0.002),),
+    ...                 {"vector": KindTime(0.02, 0.018, 0.9)})
+    >>> c.ratio("vector"), c.ratio("matmul"), round(c.launch_s, 3)
+    (0.9, 1.0, 0.005)
+    >>> print(c.said("0.10.2", None))
+    calibrated on one v5e chip from 1 run (baseline at micro-batch 4 x GA 1, seq 1024)
+  """
+
+  chip: str
+  jax: str
+  libtpu: str | None
+  runs: tuple[Run, ...]
+  kinds: Mapping[str, KindTime]
+
+  def ratio(self, kind: str) -> float:
+    """A kind's ratio; 1.0 (the walk as it is) for a kind the profiled programs did not run."""
+    return self.kinds[kind].ratio if kind in self.kinds else 1.0
+
+  @property
+  def rest_share(self) -> float:
+    """The runs' rest over their calibrated compute."""
+    return sum(r.rest_s for r in self.runs) / sum(r.compute_s for r in self.runs)
+
+  @property
+  def launch_s(self) -> float:
+    """The runs' mean step wall seconds beyond the device's."""
+    return sum(r.step_s - r.device_s for r in self.runs) / len(self.runs)
+
+  def said(self, jax: str, libtpu: str | None) -> str:
+    """Where the calibration came from, in words, and the versions it ran with where this plan's differ."""
+    runs = [f"{r.lever} at micro-batch {r.micro_batch} x GA {r.ga}, seq {r.seq_len}" for r in self.runs]
+    plural = "s" * (len(runs) > 1)
+    words = f"calibrated on one {self.chip} chip from {len(runs)} run{plural} ({'; '.join(runs)})"
+    if (jax, libtpu) != (self.jax, self.libtpu):
+      words += f"; it ran jax {self.jax}, libtpu {self.libtpu}, this plan jax {jax}, libtpu {libtpu}"
+    return words
+
+
+def combined(*calibrations: Calibration) -> Calibration:
+  """Several runs' calibrations as one: each kind's seconds summed, the rest and launch of all the runs.
+
+  Raises:
+    PlanError: the calibrations are of other chips or other jax or libtpu versions.
+  """
+  first = calibrations[0]
+  if any((c.chip, c.jax, c.libtpu) != (first.chip, first.jax, first.libtpu) for c in calibrations):
+    raise PlanError("calibrations of other chips or versions do not combine: "
+                    + ", ".join(sorted({f"{c.chip} (jax {c.jax}, libtpu {c.libtpu})" for c in calibrations})))
+  sums: dict[str, tuple[float, float]] = {}
+  for kind, time in ((k, t) for c in calibrations for k, t in c.kinds.items()):
+    walk, chip = sums.get(kind, (0.0, 0.0))
+    sums[kind] = (walk + time.walk_s, chip + time.chip_s)
+  return Calibration(first.chip, first.jax, first.libtpu, tuple(r for c in calibrations for r in c.runs),
+                     kind_times(sums))
+
+
+def kind_times(sums: Mapping[str, tuple[float, float]]) -> dict[str, KindTime]:
+  """Each kind's :class:`KindTime` from its ``(walk, chip)`` seconds (a kind the walk gave no time: none)."""
+  return {kind: KindTime(walk, chip, chip / walk) for kind, (walk, chip) in sorted(sums.items()) if walk}
+
+
+def read_calibration(paths: str, chip: str) -> Calibration:
+  """The calibration kept in each of ``paths`` (comma-separated: a plan.json, or the folder holding it), of
+  one run or several, as one (:func:`combined`).
+
+  Raises:
+    PlanError: a path without a calibration, or one made on another chip than ``chip``, in one line.
+  """
+  found = []
+  for path in paths.split(","):
+    file = os.path.join(path, "plan.json") if os.path.isdir(path) else path
+    try:
+      with open(file) as f:
+        record = json.load(f).get("calibration")
+    except (OSError, ValueError) as e:
+      raise PlanError(f"--calibration {path}: cannot read it ({type(e).__name__}: {e})") from e
+    if record is None:
+      raise PlanError(f"--calibration {path}: its plan has no calibration (a plan made with --measure has)")
+    calibration = Calibration.from_json(record)
+    if calibration.chip != chip:
+      raise PlanError(f"--calibration {path}: made on a {calibration.chip}, not this plan's {chip}: a "
+                      "calibration holds for the chip it was measured on only")
+    found.append(calibration)
+  return combined(*found)
