@@ -7,6 +7,7 @@
 #   OUT=/tmp/device scripts/device_check.sh tpu 3    # about a minute); commit $OUT/* under docs/data/device_v5e/
 #   OUT=/tmp/device scripts/device_check.sh tpu 4    # (a later session: the fused kinds, and two more cases)
 #   OUT=/tmp/device scripts/device_check.sh tpu 5    # (the fused kinds again, on a step's activations too)
+#   OUT=/tmp/device scripts/device_check.sh tpu 6    # (a calibration from one run, checked on three more)
 #
 # Each measurement writes its folder: the command, its stdout and stderr, its exit status and wall time;
 # versions.json says what ran. GPU: the compiler's figure against the allocator (two memory pools), each
@@ -74,6 +75,17 @@ elif [ "$PART" = 4 ]; then
 elif [ "$PART" = 5 ]; then
   # The fused kinds alone again, with a step's three-dimensional activations among them.
   keep chip_rates python -m benchmarks.chip_rates --out "$OUT/chip_rates/out"
+elif [ "$PART" = 6 ]; then
+  # Measure one, predict the rest: --measure calibrates on its first run (build at 4) and searches up; the
+  # calibration kept there then times other steps, each run on the chip to check it (8 with zero1, 4 x GA 4).
+  keep plan_calibrate python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --batch 4 \
+    --levers baseline --steps one --search --measure --out "$OUT/plan_calibrate/out"
+  keep plan_calibrated python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --batch 8 \
+    --levers baseline,zero1 --steps one --measure --calibration "$OUT/plan_calibrate/out" \
+    --out "$OUT/plan_calibrated/out"
+  keep plan_calibrated_ga4 python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --batch 4 --ga 4 \
+    --levers baseline --steps one --measure --calibration "$OUT/plan_calibrate/out" \
+    --out "$OUT/plan_calibrated_ga4/out"
 else
   # The planner where the chips are: it compiles for this machine's chip and runs each fitting row's step.
   keep plan_measure python -m nnx_zero1_plan --model "$D:build" --topology v5e:1x1 --batch 8 --seq-len 1024 \
