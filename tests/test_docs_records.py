@@ -201,7 +201,7 @@ _SEED_MEASURED_MS = {"baseline": 593.1, "deferred gradient all-reduce": 437.6, "
 
 
 def test_the_seeds_four_arms_are_the_kept_plans_and_the_docs_say_how_far_each_is():
-  """docs/planner.md's table of the seed's arms: each predicted step is its kept plan's row, each measured
+  """docs/accuracy.md's table of the seed's arms: each predicted step is its kept plan's row, each measured
   step the seed's, each ratio their quotient; and what the issue asks of the model, as far as it holds: the
   deferred arms within 10% of their measured steps, each deferred arm at least 20% faster than its
   non-deferred one (measured: 26%), Zero-1 within 2% of its baseline in both pairs (measured: +0.7%,
@@ -210,7 +210,7 @@ def test_the_seeds_four_arms_are_the_kept_plans_and_the_docs_say_how_far_each_is
 
   kept = "docs/data/maxtext_qwen3_0p6b_v6e_seed"
   predicted = {}
-  for arm, plan, lever, step, measured, ratio, *_ in table_under("docs/planner.md", "| the seed's arm |"):
+  for arm, plan, lever, step, measured, ratio, *_ in table_under("docs/accuracy.md", "| the seed's arm |"):
     rows = json.loads((ROOT / kept / plan / "plan.json").read_text())["rows"]
     row = next(r for r in rows if r["lever"] == lever.strip("`"))
     assert step == f"{row['predicted_step_s'] * 1e3:.1f} ms", arm

@@ -1,4 +1,4 @@
-"""docs/planner.md's "How accurate the step time is", held to the runs kept from a TPU v5e chip.
+"""docs/accuracy.md's "One TPU v5e chip", held to the runs kept from a TPU v5e chip.
 
 Each kept case (``docs/data/device_v5e/run*/CASE``: ``scripts/device_check.sh tpu``) holds the command, its
 output (``out/limit.jsonl``: the median step the chip ran) and each compiled program's text
@@ -23,7 +23,7 @@ from nnx_zero1_plan.step_time import NOT_ESTIMATED, ProgramTime, _line_class, pr
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KEPT = ROOT / "docs" / "data" / "device_v5e"
-DOCS = ROOT / "docs" / "planner.md"
+DOCS = ROOT / "docs" / "accuracy.md"
 # The docs' promise for every kept case: the predicted step within this share of the measured one.
 WITHIN = 0.20
 
@@ -156,7 +156,7 @@ def test_the_readme_says_how_far_the_kept_cases_are():
 
 
 def _fused_kind(line: str, bodies: dict[str, list[str]]) -> str:
-  """What the compiler fused into one instruction, as docs/planner.md groups the profile: the vector unit's
+  """What the compiler fused into one instruction, as docs/accuracy.md groups the profile: the vector unit's
   work, or a matmul, batched (attention's base-dilated convolution) or not, with a reduction fused in or
   not."""
   if _line_class(line, bodies) == "vector":
