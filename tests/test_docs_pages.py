@@ -16,8 +16,8 @@ _INSTALL = re.compile(r"^(python3? -m )?pip install |^export PYTHONPATH=")
 _FOR_THE_PLANNER = ("planner", "jax-cuda", "maxtext==", "requirements-newest", "flax==")
 # Words of the project's own making, or of its internals, that a user planning a run need not know
 # (docs/accuracy.md keeps the precise ones and says what each means).
-INTERNAL_WORDS = ("the walk", "class clocks", "arms", "the seed", "deferred arms", "lane 2", "way out", "edge",
-                  "gallops", "deviceless", "step_jit", "benchmarks.chip_rates", "known_trip_count")
+INTERNAL_WORDS = ("the walk", "class clocks", "arms", "the seed", "deferred arms", "lane 2", "way out",
+                  "edge", "gallops", "deviceless", "step_jit", "benchmarks.chip_rates", "known_trip_count")
 
 
 def section(text: str, heading: str) -> str:
