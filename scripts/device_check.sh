@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The accelerator measurements of docs/benchmarks.md and docs/planner.md, rerun with their raw output kept.
+# The accelerator measurements of docs/benchmarks.md and docs/accuracy.md, rerun with their raw output kept.
 #
 #   OUT=/tmp/device scripts/device_check.sh gpu      # one GPU (an H200): about 6 minutes
 #   OUT=/tmp/device scripts/device_check.sh tpu 1    # one TPU v5e chip, in three runs of under 10 minutes
@@ -15,8 +15,8 @@
 # dp=1 with XLA's deterministic ops. TPU: the chip's own constants alone first (benchmarks.chip_rates: the
 # clock behind the compiler's cycles, the host link), then the planner's one-program step for every kept
 # case (benchmarks.limit --keep: each compiled program's text, its median step time and a profile of each
-# instruction's time on the chip), and the planner itself with --measure. docs/planner.md's "How accurate
-# the step time is" reads its table off these folders (tests/planner/test_device_records.py).
+# instruction's time on the chip), and the planner itself with --measure. docs/accuracy.md's "One TPU v5e
+# chip" reads its table off these folders (tests/planner/test_device_records.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out/device}

@@ -3,6 +3,8 @@ checked ``PlanRequest`` and a mesh and micro-batch that split over its topology'
 lane), a placeholder model (``my_pkg.models:build``) standing for the planner's toy; one pod command runs end
 to end on the toy with XLA's GPU compiler (lane 2)."""
 
+import contextlib
+import io
 import json
 import math
 import pathlib
@@ -14,7 +16,7 @@ import sys
 import pytest
 
 from nnx_zero1.plan import parse_args
-from nnx_zero1_plan import request_of
+from nnx_zero1_plan import LEVERS, request_of
 from nnx_zero1_plan.inputs import PlanError, parse_mesh, parse_model, parse_topology
 from nnx_zero1_plan.mesh_axes import mesh_axes, micro_batch
 from tests.support.compiled_plans import HAS_GPU_COMPILER, TOYS, planner_env
@@ -24,6 +26,12 @@ SOURCES = sorted([ROOT / "README.md", ROOT / "planner" / "README.md", *ROOT.glob
                   *ROOT.glob("planner/nnx_zero1_plan/*.py"), *ROOT.glob("examples/*.py")])
 COMMAND = "python -m nnx_zero1.plan"
 TOY = f"{TOYS}:tiny_lm"
+# The pages about the planner, where every lever and flag named is the planner's own.
+PLANNER_PAGES = [ROOT / "README.md", ROOT / "planner" / "README.md",
+                 *(ROOT / "docs" / f"{name}.md" for name in ("planner", "accuracy", "pods"))]
+_LEVER_LIKE = re.compile(r"(baseline|zero[12][a-z0-9-]*|offload[a-z0-9-]*)")
+# A flag the command line still takes, to refuse it in one line that says why (its help leaves it out).
+_REFUSED = {"--full-depth"}
 
 
 def commands(text: str) -> list[str]:
@@ -110,3 +118,50 @@ def test_the_eight_node_pod_command_runs_as_pasted(tmp_path):
   assert all(r["fits"] for r in result["rows"])
   code = result["recommendation"]["code"]
   assert "np.array(by_node).reshape(8, 8), ('replica', 'data')" in code
+
+
+def _spans(text: str) -> list[str]:
+  """A page's inline code spans (its fenced blocks left out)."""
+  return re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+
+
+def _flags() -> set[str]:
+  """The command line's flags, as its help lists them."""
+  help_text = io.StringIO()
+  with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+    parse_args(["--help"])
+  return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", help_text.getvalue())) - {"--help"} | _REFUSED
+
+
+def test_the_flag_table_is_the_command_lines_flags():
+  from tests.support.docs_tables import table_under
+
+  named = {flag for cell, _ in table_under("docs/planner.md", "| flag |")
+           for flag in re.findall(r"`(--[\w-]+)`", cell)}
+  assert named == _flags(), named ^ _flags()
+
+
+@pytest.mark.parametrize("page", PLANNER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_lever_and_flag_the_planners_pages_name_is_the_command_lines(page):
+  """A lever is named as the planner names it (`zero2`, `offload`, never the bench's `zero2-accum`), a flag
+  as `parse_args` takes it."""
+  flags = _flags()
+  for span in _spans(page.read_text()):
+    if _LEVER_LIKE.fullmatch(span):
+      assert span in LEVERS, f"{page.name}: `{span}` is not one of the planner's levers"
+    if span.startswith("--") or COMMAND in span:  # not another program's command line
+      for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", span):
+        assert flag in flags, f"{page.name}: `{span}`"
+
+
+def test_where_a_page_names_the_planners_levers_they_are_its_own():
+  # docs/memory_levers.md and the bench's pages name the bench's arms too (zero2-accum, zero1-offload): in a
+  # sentence about the planner, what follows the word names the planner's levers.
+  for page in sorted((ROOT / "docs").glob("*.md")):
+    for sentence in re.split(r"(?<=[.!?])\s+", " ".join(page.read_text().split())):
+      if "planner" not in sentence:
+        continue
+      assert "of the same name" not in sentence, f"{page.name}: an arm's name is no lever's: {sentence!r}"
+      after = sentence[sentence.index("planner"):]
+      for span in _spans(after):
+        assert not _LEVER_LIKE.fullmatch(span) or span in LEVERS, f"{page.name}: `{span}` in {sentence!r}"
