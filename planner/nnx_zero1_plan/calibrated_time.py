@@ -29,13 +29,14 @@ from nnx_zero1._src.companion import (
   host_copy,
   trip_count,
 )
-from nnx_zero1_plan.calibration import Calibration, Run, kind_times
+from nnx_zero1_plan.calibration import Calibration, Run, summed_kinds
 from nnx_zero1_plan.step_time import NOT_ESTIMATED, Rates, _line_class, program_time
 
 __all__ = ["instruction_kind", "PricedProgram", "read_program", "calibrate", "calibrated_time"]
 
 # What a line that runs beside the core holds: a collective's op, a host copy's start.
 _BESIDE = (*COLLECTIVES, "collective-permute", "copy-start")
+
 
 def instruction_kind(line: str, bodies: dict[str, list[str]]) -> str:
   """What the compiler fused into one instruction: the vector unit's work, or a matmul, batched (attention's
@@ -101,10 +102,6 @@ def read_program(hlo: str, rates: Rates) -> PricedProgram:
   return PricedProgram(hlo, rates, priced, overlapped)
 
 
-
-
-
-
 def _walk(program: PricedProgram, calibration: Calibration) -> tuple[float, float]:
   """(total, compute) seconds of one call of the program walked with each priced instruction at its kind's
   ratio; with nothing beside the core, the walk is the sum (the same figure, without walking)."""
@@ -133,14 +130,11 @@ def calibrate(program: PricedProgram, profile: Mapping[str, Any], *, lever: str,
     count, times the walk's runs: a loop's trips are the walk's on both sides); one the profile never saw
     is left out of its kind, and its walked seconds out of the rest.
   """
-  sums: dict[str, tuple[float, float]] = {}
-  for name, (kind, seconds, runs) in program.priced.items():
-    ns, count = profile["ops"].get(name, (0.0, 0))
-    if count:
-      walk, chip_s = sums.get(kind, (0.0, 0.0))
-      sums[kind] = (walk + seconds * runs, chip_s + ns / 1e9 / count * runs)
+  ops = profile["ops"]
+  kinds = summed_kinds((kind, seconds * runs, ops[name][0] / 1e9 / ops[name][1] * runs)
+                  for name, (kind, seconds, runs) in program.priced.items() if ops.get(name, (0, 0))[1])
   device_s = sum(ns for ns, _ in profile["modules"].values()) / 1e9
-  made = Calibration(chip, jax, libtpu, (), kind_times(sums))
+  made = Calibration(chip, jax, libtpu, (), kinds)
   total_s, compute_s = _walk(program, made)
   run = Run(lever, micro_batch, ga, seq_len, step_s, device_s, compute_s, device_s - total_s)
   return dataclasses.replace(made, runs=(run,))

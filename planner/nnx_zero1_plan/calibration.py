@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import _Record
 
-__all__ = ["KindTime", "Run", "Calibration", "combined", "read_calibration"]
+__all__ = ["KindTime", "Run", "Calibration", "combined", "summed_kinds", "read_calibration"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,16 +98,17 @@ def combined(*calibrations: Calibration) -> Calibration:
   if any((c.chip, c.jax, c.libtpu) != (first.chip, first.jax, first.libtpu) for c in calibrations):
     raise PlanError("calibrations of other chips or versions do not combine: "
                     + ", ".join(sorted({f"{c.chip} (jax {c.jax}, libtpu {c.libtpu})" for c in calibrations})))
-  sums: dict[str, tuple[float, float]] = {}
-  for kind, time in ((k, t) for c in calibrations for k, t in c.kinds.items()):
-    walk, chip = sums.get(kind, (0.0, 0.0))
-    sums[kind] = (walk + time.walk_s, chip + time.chip_s)
   return Calibration(first.chip, first.jax, first.libtpu, tuple(r for c in calibrations for r in c.runs),
-                     kind_times(sums))
+                     summed_kinds((k, t.walk_s, t.chip_s) for c in calibrations for k, t in c.kinds.items()))
 
 
-def kind_times(sums: Mapping[str, tuple[float, float]]) -> dict[str, KindTime]:
-  """Each kind's :class:`KindTime` from its ``(walk, chip)`` seconds (a kind the walk gave no time: none)."""
+def summed_kinds(parts: Iterable[tuple[str, float, float]]) -> dict[str, KindTime]:
+  """``(kind, walk seconds, chip seconds)`` summed kind by kind, each kind's ratio theirs (a kind the walk
+  gave no time left out)."""
+  sums: dict[str, list[float]] = {}
+  for kind, walk, chip in parts:
+    both = sums.setdefault(kind, [0.0, 0.0])
+    both[0], both[1] = both[0] + walk, both[1] + chip
   return {kind: KindTime(walk, chip, chip / walk) for kind, (walk, chip) in sorted(sums.items()) if walk}
 
 

@@ -6,6 +6,7 @@ with the reason)."""
 import importlib.util
 import json
 import math
+import pathlib
 import subprocess
 import sys
 
@@ -163,6 +164,7 @@ def test_a_tpu_row_is_the_compilers_own_accounting():
   assert row["fits"] is True and row["flops_per_device"] > 0
 
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _TUNIX_CONSTRAINTS = """
 import json
 from nnx_zero1_plan import compilers
@@ -193,12 +195,15 @@ def lower_too(lever, state, loss_fn, mesh, batch, seq_len, ga, compiler_options=
   return compile_step(lever, state, loss_fn, mesh, batch, seq_len, ga, compiler_options)
 measure.compile_step = lower_too  # where a row's compile looks it up
 plans = {}
+CALIBRATED_ON_ONE_CHIP = "%s/docs/data/device_v5e/run7/plan_calibrate/out/plan.json"
 for option in ("default", "none"):
+  # The second plan also carries the calibration kept from one v5e chip (run 7): it travels to a slice.
   plan = make_plan(PlanRequest("tunix:llama3_tiny", "v5e:2x2", mesh="data=2,fsdp=2", batch=8, seq_len=64,
-                               levers="baseline,zero1", steps="one", tunix_sharding=option))
-  plans[option] = {"meta": plan.meta.activation_sharding,
-                   "rows": [[r.activation_sharding, r.figures.error, r.figures.peak_bytes_per_device]
-                            for r in plan.rows]}
+                               levers="baseline,zero1", steps="one", tunix_sharding=option,
+                               calibration=None if option == "default" else CALIBRATED_ON_ONE_CHIP))
+  plans[option] = {"meta": plan.meta.activation_sharding, "said": str(plan),
+                   "rows": [[r.activation_sharding, r.figures.error, r.figures.peak_bytes_per_device,
+                             r.figures.predicted_step_s, r.figures.calibrated_step_s] for r in plan.rows]}
 print("RESULT " + json.dumps({"plans": plans, "lowered": lowered}))
 """
 
@@ -210,8 +215,8 @@ def test_a_tunix_plan_compiles_the_models_own_activation_constraints():
   chips (a 2-layer llama3 on v5e:2x2, data=2, fsdp=2): each lever's lowered program carries the
   constraints, batch entries over data and fsdp, and the rows and meta name the specs; ``none`` compiles
   XLA's own propagation and says so."""
-  proc = subprocess.run([sys.executable, "-c", _TUNIX_CONSTRAINTS], env=planner_env(), capture_output=True,
-                        text=True, timeout=400)
+  proc = subprocess.run([sys.executable, "-c", _TUNIX_CONSTRAINTS % ROOT], env=planner_env(),
+                        capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
   out = json.loads(line[len("RESULT "):])
@@ -223,6 +228,11 @@ def test_a_tunix_plan_compiles_the_models_own_activation_constraints():
   assert all(r[1] is None and r[2] > 0 for r in default["rows"] + none["rows"])
   # 5 constraints a layer (q, k, v, the attention's output, the embedding's), forward and backward
   assert min(out["lowered"]["default"]) >= 10 and out["lowered"]["none"] == [0, 0]
+  # A calibration made on one v5e chip times a plan of a v5e slice made here (--calibration): each row has
+  # its calibrated time beside the cost model's, and the plan says which versions each ran with.
+  assert all(r[4] is None for r in default["rows"]) and all(0 < r[4] and r[3] > 0 for r in none["rows"])
+  assert "step ms (calib.)" in none["said"] and "calibrated on one v5e chip from 1 run" in none["said"]
+  assert "it ran jax 0.10.2" in none["said"]
 
 
 _UNTOUCHED = """

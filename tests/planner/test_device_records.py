@@ -16,7 +16,8 @@ import statistics
 
 import pytest
 
-from nnx_zero1._src.companion import INSTRUCTION, callees, computations, estimated_cycles
+from nnx_zero1._src.companion import INSTRUCTION, computations, estimated_cycles
+from nnx_zero1_plan.calibrated_time import instruction_kind
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.step_time import NOT_ESTIMATED, ProgramTime, _line_class, program_time, rates_for
@@ -168,18 +169,6 @@ def test_the_readme_and_the_accuracy_table_say_how_far_the_kept_cases_are():
   assert f"the compiler's peak on the chip is the plan's ({peak / 2**30:.2f} GiB" in memory
 
 
-def _fused_kind(line: str, bodies: dict[str, list[str]]) -> str:
-  """What the compiler fused into one instruction, as docs/accuracy.md groups the profile: the vector unit's
-  work, or a matmul, batched (attention's base-dilated convolution) or not, with a reduction fused in or
-  not."""
-  if _line_class(line, bodies) == "vector":
-    return "vector"
-  inner = [i for kind, callee in callees(line, bodies) if kind == "calls" for i in bodies.get(callee, ())]
-  reduced = any(" reduce(" in i for i in inner)
-  batched = any("lhs_dilate" in i for i in inner)
-  return "matmul" + (" batched" if batched else "") + (" + reduce" if reduced else "")
-
-
 def test_the_docs_say_where_the_walk_misses_from_the_chips_profile():
   # Each estimated instruction's walked seconds beside its profiled seconds on the chip (the kept
   # *.ops.json.gz), summed by what was fused into it, for build at 8 and 13.
@@ -195,7 +184,7 @@ def test_the_docs_say_where_the_walk_misses_from_the_chips_profile():
       cycles, m = estimated_cycles(line), INSTRUCTION.match(line)
       if cycles is None or cycles >= NOT_ESTIMATED or m is None or m["name"] not in measured:
         continue
-      kind = kinds.setdefault(_fused_kind(line, bodies), [0, 0.0, 0.0])
+      kind = kinds.setdefault(instruction_kind(line, bodies), [0, 0.0, 0.0])
       kind[0] += 1
       kind[1] += cycles / clocks[_line_class(line, bodies)]
       kind[2] += measured[m["name"]]
