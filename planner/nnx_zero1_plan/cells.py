@@ -110,7 +110,8 @@ def split_words(lever: str, split: StateSplit | None) -> str | None:
 
 
 def _note(r: Row, rows: Sequence[Row] = ()) -> str:
-  notes = (split_words(r.lever, r.figures.state_split), _verdict_note(r), accumulation_note(r, rows))
+  split = None if r.ga is None else f"micro-batch {r.batch} x GA {r.ga}"  # --global-batch's split
+  notes = (split, split_words(r.lever, r.figures.state_split), _verdict_note(r), accumulation_note(r, rows))
   return "; ".join(n for n in notes if n)
 
 

@@ -48,6 +48,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "data; on a pod replica=SLICES_OR_NODES first, then data)")
   p.add_argument("--batch", type=int, help="global micro-batch in sequences (default: the "
                  f"smallest multiple of the batch axes' size of at least {SMALLEST_MICRO_BATCH})")
+  p.add_argument("--global-batch", type=int, help="sequences per optimizer step, as your recipe fixes it: "
+                 "the plan splits it for each lever into the micro-batch and GA that fit and train fastest "
+                 "(instead of --batch and --ga)")
   p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024)")
   p.add_argument("--ga", type=int, help="micro-batches per optimizer step (default 1)")
   p.add_argument("--param-dtype", help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: "

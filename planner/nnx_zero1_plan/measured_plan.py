@@ -33,31 +33,33 @@ def _libtpu() -> str | None:
 
 
 def first_calibration(compiler: RowCompiler, rows: Sequence[tuple[str | None, str]],
-                      plans: Mapping[str | None, PlannedModel], request: PlanRequest,
-                      batch: int) -> Calibration | None:
+                      row_of: Callable[[str | None, str], Row], plans: Mapping[str | None, PlannedModel],
+                      request: PlanRequest) -> Calibration | None:
   """This chip's calibration from the first of ``rows`` (``(remat policy, lever)``, in the plan's order) whose
-  one-program step fits at ``batch``: compiled (and kept: the plan does not compile it again), run, and
-  profiled (:func:`~nnx_zero1_plan.on_chip.run_program`); None where none fits or runs."""
+  one-program step fits: ``row_of`` makes its row as the plan does (its programs kept: the plan does not
+  compile them again), and its own program is run and profiled (:func:`~nnx_zero1_plan.on_chip.
+  run_program`); None where none fits or runs."""
   say = compiler.progress or (lambda line: None)
   for policy, lever in rows:
     if LEVERS[lever].picks_offload:  # its share of the state is searched, not given
       continue
-    shape = StepShape(batch, request.seq_len, request.ga, request.optimizer)
-    row = compiler.row(lever, "one", plans[policy], shape, policy)
+    row = row_of(policy, lever)
+    ga = row.ga or request.ga
+    shape = StepShape(row.batch, request.seq_len, ga, request.optimizer)
     program = compiler.program(lever, plans[policy], shape)
     if not row.verdict or program is None:
       continue
-    say(f"profiling {lever} (one) at micro-batch {batch}: {WARMUP} + {TIMED} steps, then a profile ...")
+    at = f"{lever} (one) at micro-batch {row.batch} x GA {ga}"
+    say(f"profiling {at}: {WARMUP} + {TIMED} steps, then a profile ...")
     run, ops = run_program(program, profile=True)
     if ops is None or run.step_s is None:
-      say(f"profiled {lever} (one) at micro-batch {batch}: {run.error or 'no profile'}")
+      say(f"profiled {at}: {run.error or 'no profile'}")
       continue
     chip = compiler.target.chip
     priced = read_program(program.compiled.as_text(), rates_for(CHIPS[chip]))
-    calibration = calibrate(priced, ops, lever=lever, micro_batch=batch, ga=request.ga,
-                            seq_len=request.seq_len, step_s=run.step_s, chip=chip, jax=jax.__version__,
-                            libtpu=_libtpu())
-    say(f"calibrated on {lever} at micro-batch {batch}: {run.step_s * 1e3:,.1f} ms measured")
+    calibration = calibrate(priced, ops, lever=lever, micro_batch=row.batch, ga=ga, seq_len=request.seq_len,
+                            step_s=run.step_s, chip=chip, jax=jax.__version__, libtpu=_libtpu())
+    say(f"calibrated on {at}: {run.step_s * 1e3:,.1f} ms measured")
     return calibration
   return None
 
@@ -76,7 +78,7 @@ def measured_rows(compiler: RowCompiler, plans: Mapping[str | None, PlannedModel
     runs = []
     for batch in batches:
       fraction = row.offloaded.offload_fraction if row.offloaded else 0.0
-      shape = StepShape(batch, request.seq_len, request.ga, request.optimizer, fraction)
+      shape = StepShape(batch, request.seq_len, row.ga or request.ga, request.optimizer, fraction)
       program = compiler.program(row.lever, plans[row.remat], shape)
       if program is None:
         runs.append(Measured(batch, None, error="not compiled whole for this machine's chips"))

@@ -359,7 +359,7 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
     step = step if step in shapes else (shapes[0] if shapes else step)
   same_step = [r for r in rows if r.step == step]
   candidates = [r for r in same_step if not splits_nothing(r, same_step)]
-  edges = [micro_batch_of(r, request.batch) for r in candidates]
+  edges = [micro_batch_of(r, r.batch) for r in candidates]
   if not any(edges):
     return None
   fastest = by_throughput(candidates)
@@ -379,15 +379,19 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
     best = min(level, key=lambda r: _roomier(r, figures_at(r, micro)))
     why = why_picked(best, [r for r in standing if r is not best], micro)
   unconfirmed = [f"{r.lever}'s edge is not confirmed ({r.searched.search_unfinished}): it fits at least "
-                 f"{micro_batch_of(r, request.batch)}" for r in candidates
+                 f"{micro_batch_of(r, r.batch)}" for r in candidates
                  if r.searched is not None and r.searched.search_unfinished]
   skipped = [f"{r.lever} holds the baseline's optimizer state per device (its layout splits nothing): "
              "not a candidate" for r in same_step if r not in candidates]
   offload = None if best.offloaded is None else best.offloaded.offload_fraction
+  code = plan_code(request, best.lever, offload, activation_sharding)
+  if best.ga is not None:  # --global-batch chose the split: the code says it, the command reproduces it
+    code += (f"\n# micro-batch {micro} x GA {best.ga} = {request.global_batch} sequences a step: your "
+             f"trainer's gradient accumulation, or optax.MultiSteps(tx, every_k_schedule={best.ga})")
   return Recommendation(
-      lever=best.lever, step=step, micro_batch=micro, remat=best.remat,
-      code=plan_code(request, best.lever, offload, activation_sharding),
-      cli=command_line(request, levers=[best.lever], steps=[step], batch=micro, remat=best.remat),
+      lever=best.lever, step=step, micro_batch=micro, remat=best.remat, code=code,
+      cli=command_line(request, levers=[best.lever], steps=[step], batch=micro, remat=best.remat,
+                       ga=best.ga or request.ga, global_batch=None),
       order=order, baseline_beats=tuple(baseline_beats(same_step, request.batch)), why=tuple(why),
       notes=(*unconfirmed, *skipped, *filter(None, [thin_note(best, micro), recompute_note(best, micro),
                                                     narrowed_note(best.lever)])))

@@ -160,6 +160,8 @@ class PlanRequest:
     calibration: kept calibrations of this model on the target's chip (a plan.json made with ``--measure``,
       or its folder; several comma-separated, combined): each row is also timed by it
       (:mod:`nnx_zero1_plan.calibration`).
+    global_batch: sequences per optimizer step: the plan splits it for each lever into the micro-batch and GA
+      that fit and train fastest (its whole compiles, largest micro-batch first), each row at that split.
     model_ref: ``model`` parsed (not an argument: worked out when the record is built).
     topology_ref: ``topology`` parsed.
     mesh_sizes: ``mesh`` parsed (``{"data": 4, "fsdp": 2}``; empty for the default mesh).
@@ -201,6 +203,7 @@ class PlanRequest:
   gpus_per_node: int | None = None
   maxtext_deferral: str = "auto"
   calibration: str | None = None
+  global_batch: int | None = None
   model_ref: ModelRef = dataclasses.field(init=False, repr=False, compare=False)
   topology_ref: Topology = dataclasses.field(init=False, repr=False, compare=False)
   mesh_sizes: Mapping[str, int] = dataclasses.field(init=False, repr=False, compare=False)
@@ -236,6 +239,8 @@ class PlanRequest:
     if self.overrides and kind != "maxtext":
       raise PlanError(f"config overrides (key=value) apply to maxtext: models; {self.model} takes its "
                       "settings from the flags")
+    if self.global_batch is not None:
+      self._check_global_batch(kind, self.global_batch)
     if kind == "maxtext":
       steps = tuple(s for s in steps if s == "split")
       if not steps:
@@ -245,6 +250,29 @@ class PlanRequest:
               "depths": tuple(self.depths), "model_ref": model_ref, "mesh_sizes": sizes}
     for name, value in normal.items():
       object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
+
+  def _check_global_batch(self, kind: str, global_batch: int) -> None:
+    """``global_batch`` is a plan's to split into a micro-batch and GA: nothing else may choose either.
+
+    Raises:
+      PlanError: it is below 1, or given with ``batch``, ``ga``, ``search`` or ``estimate`` (as asked: a
+        resolved request holds the micro-batch and GA a plan chose), for a ``maxtext:`` model, or with a lever
+        that searches its own share of the state.
+    """
+    if global_batch < 1:
+      raise PlanError(f"--global-batch is sequences per optimizer step, >= 1; got {global_batch}")
+    given = [flag for flag, on in (("--batch", self.batch is not None), ("--ga", self.ga != 1),
+                                   ("--search", self.search), ("--estimate", self.estimate)) if on]
+    if given and type(self) is PlanRequest:
+      raise PlanError(f"--global-batch chooses the micro-batch and GA itself, from whole compiles: leave out "
+                      f"{', '.join(given)}")
+    if kind == "maxtext":
+      raise PlanError("--global-batch plans the planner's own step; a maxtext: model sets its micro-batch "
+                      "and GA in its config (per_device_batch_size, gradient_accumulation_steps)")
+    searching = [n for n in parse_levers(self.levers, LEVERS) if LEVERS[n].picks_offload]
+    if searching:
+      raise PlanError(f"--global-batch with --levers {searching[0]}: that lever searches its share of the "
+                      "state at one micro-batch; plan it with --batch")
 
   @property
   def platform(self) -> str:

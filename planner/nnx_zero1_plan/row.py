@@ -83,10 +83,8 @@ def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class StepTime(_Record):
-  """A step's predicted time on one device, in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`).
-
-  Each field is plan.json's ``step_time``'s of its name; docs/planner.md's "How fast" says what each holds.
-  """
+  """A step's predicted time on one device, in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`):
+  each field plan.json's ``step_time``'s of its name, what each holds docs/planner.md's "How fast"."""
 
   source: str
   programs: Sequence[str]
@@ -118,10 +116,8 @@ def op_counts(by_op: Mapping[str, Any] | None) -> dict[str, OpCount] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Collectives(_Record):
-  """A step's collectives on one device, each ``{op kind: OpCount}``
-  (:func:`nnx_zero1_plan.compiled.collectives_of`).
-
-  Each field is plan.json's of its name; docs/planner.md's "What a row says" says what each holds.
+  """A step's collectives on one device, each ``{op kind: OpCount}`` (:func:`nnx_zero1_plan.compiled.
+  collectives_of`): each field plan.json's of its name, what each holds docs/planner.md's "What a row says".
 
   Example::
 
@@ -425,6 +421,7 @@ class Row(_Record):
   searched: Searched | None = None
   offloaded: Offloaded | None = None
   measured: tuple[Measured, ...] | None = None
+  ga: int | None = _when_set()  # the row's own GA, where --global-batch chose it (else the plan's --ga)
 
   def to_json(self) -> dict[str, Any]:
     """plan.json's row: every record's fields side by side (:class:`Made`'s notes where they are set, a
@@ -439,7 +436,7 @@ class Row(_Record):
       >>> row.figures.peak_bytes_per_device, row.made.depth, row.verdict, Row.from_json(row.to_json()) == row
       (5, 2, True, True)
     """
-    row = {k: getattr(self, k) for k in _OWN}
+    row = {k: getattr(self, k) for k in _OWN if k != "ga" or self.ga is not None}
     for record in (self.figures, self.made, self.searched, self.offloaded):
       row.update({} if record is None else record.to_json())
     return row if self.measured is None else {**row, "measured": _json(self.measured)}

@@ -28,7 +28,7 @@ from nnx_zero1_plan.recommend import plan_code, recommend
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
-from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row
+from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row, split_global_batch
 from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
 from nnx_zero1_plan.tunix_sharding import sharding_of
@@ -55,9 +55,13 @@ def _micro_batch(request: PlanRequest, planned: PlannedModel | None,
 def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel, name: str, step: str,
                policy: str | None, batch: int) -> Row:
   """One lever's row under one remat policy: compiled at ``batch``, and for ``offload-fraction`` the smallest
-  share offloaded that fits (searched at ``batch``), or with ``search`` the largest micro-batch that fits."""
+  share offloaded that fits (searched at ``batch``), or with ``search`` the largest micro-batch that fits;
+  with ``global_batch``, at the micro-batch and GA that split it fastest (:func:`~nnx_zero1_plan.search.
+  split_global_batch`)."""
   shape = StepShape(batch, request.seq_len, request.ga, request.optimizer)
   compiled = lambda **changed: compiler.row(name, step, model, dataclasses.replace(shape, **changed), policy)
+  if request.global_batch is not None:
+    return split_global_batch(lambda b, ga: compiled(batch=b, ga=ga), request.global_batch, model.batch_unit)
   if LEVERS[name].picks_offload:  # the fraction is searched at --batch, the micro-batch is not
     return offload_search(lambda f: compiled(offload_fraction=f), compiler.usable)
   row = compiled()
@@ -74,6 +78,8 @@ def _done(name: str, step: str, policy: str | None, topology: str, row: Row) -> 
     found = f"; the largest micro-batch that fits: {row.searched.max_micro_batch}"
   if row.offloaded is not None:
     found = f"; the smallest share of the state to offload: {row.offloaded.offload_fraction:.0%}"
+  if row.ga is not None:
+    found = f"; the global batch split fastest: micro-batch {row.batch} x GA {row.ga}"
   under = f", remat {policy}" if policy else ""
   return f"done: {name} ({step}{under}) for {topology}{found}"
 
@@ -195,6 +201,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   if not maxtext:
     plans = {p: on_devices(m, target) for p, m in plans.items()}
   batch, batch_default = _micro_batch(request, None if maxtext else plans[policies[0]], target)
+  batch_default = None if request.global_batch else batch_default  # each row's is chosen, and said
   if batch_default:
     say(batch_default)
   if maxtext_out is not None:  # maxtext: described by its config, which needs the target and the micro-batch
@@ -210,8 +217,9 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   # --measure calibrates on its first run where no calibration is given, before the other rows compile, so
   # that each is priced by it as it is compiled; a given one is the one the runs check.
   if measure and calibration is None and "one" in request.steps:
-    calibration = first_calibration(compiler, [(p, n) for p in policies for n in request.levers], plans,
-                                    request, batch) or calibration
+    row_of = lambda p, n: _lever_row(compiler, request, plans[p], n, "one", p, batch)  # noqa: E731
+    first = [(p, n) for p in policies for n in request.levers]
+    calibration = first_calibration(compiler, first, row_of, plans, request) or calibration
     compiler = dataclasses.replace(compiler, calibration=calibration)
   started = time.perf_counter()
   for done, (policy, name, step) in enumerate(todo, 1):

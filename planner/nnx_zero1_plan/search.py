@@ -14,10 +14,12 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import Figures, Offloaded, OffloadPoint, Point, Row, Searched
 
 __all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPILES", "fits_in", "Probe",
-           "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search"]
+           "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search",
+           "split_global_batch"]
 
 # Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
 # with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8).
@@ -297,3 +299,55 @@ def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = O
   compile_s = round(sum(t.compile_s for t in tried), 1)
   return dataclasses.replace(row, figures=dataclasses.replace(row.figures, compile_s=compile_s),
                              offloaded=Offloaded(fraction, tuple(tried), refused))
+
+
+def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, unit: int) -> Row:
+  """The row of ``global_batch`` sequences a step split into the micro-batch and GA that fit and train fastest
+  (``--global-batch``): the micro-batches that divide it, multiples of ``unit`` (the batch axes' size),
+  compiled largest first until one fits, then smaller ones while each trains faster (its calibrated time where
+  it has one, else its predicted: the tokens a step are the same); a step without a time stops at the largest.
+
+  Args:
+    row_at: compiles a row at ``(micro-batch, GA)``.
+    global_batch: sequences per optimizer step.
+    unit: a micro-batch is a multiple of it.
+
+  Returns:
+    The chosen row, its ``ga`` set (the last compiled where none fits).
+
+  Raises:
+    PlanError: no multiple of ``unit`` divides ``global_batch``.
+
+  Example::
+
+    >>> from nnx_zero1_plan.row import Made
+    >>> f = lambda m, ga: Row("zero1", "one", "v5e:1x1", "TPU", {"data": 1}, "m", m,
+    ...                       Figures(predicted_step_s=ga * (0.1 + 0.01 * m)), Made(), 9, 9, m <= 8)
+    >>> row = split_global_batch(f, 32, 1)
+    >>> row.batch, row.ga
+    (8, 4)
+  """
+  candidates = [m for m in range(global_batch - global_batch % unit, 0, -unit) if global_batch % m == 0]
+  if not candidates:
+    raise PlanError(f"--global-batch {global_batch} is not a multiple of the batch axes' size, {unit}: no "
+                    "micro-batch splits it")
+  best = last = None
+  for micro in candidates:
+    last = dataclasses.replace(row_at(micro, global_batch // micro), ga=global_batch // micro)
+    if not last.verdict:
+      if best is None:
+        continue
+      break
+    if best is not None and not _faster(last, best):
+      break
+    best = last
+  assert last is not None  # there was a candidate
+  return best or last
+
+
+def _faster(row: Row, than: Row) -> bool:
+  """Whether ``row``'s step is faster than ``than``'s, both by their calibrated time or by their predicted."""
+  f, g = row.figures, than.figures
+  a, b = ((f.calibrated_step_s, g.calibrated_step_s) if f.calibrated_step_s and g.calibrated_step_s
+          else (f.predicted_step_s, g.predicted_step_s))
+  return a is not None and b is not None and a < b

@@ -14,7 +14,7 @@ __all__ = ["PlanSettings", "ADDED_LATER"]
 
 # The keys a plan kept before the planner wrote them lacks (plan.json written by an older planner); any other
 # missing key is an error.
-ADDED_LATER = ("batch_default", "tunix_sharding", "gpus_per_node", "maxtext_deferral")
+ADDED_LATER = ("batch_default", "tunix_sharding", "gpus_per_node", "maxtext_deferral", "global_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +120,7 @@ _KEYS = ("model", "layers", "topology", "device_kind", "mesh", "batch", "seq_len
          "optimizer", "param_dtype", "param_dtypes", "compute_dtype", "remat", "levers", "steps", "compiler",
          "jax", "hbm_bytes", "hbm_source", "usable_bytes", "peak_source", "gpu_memory_fraction",
          "depth_extrapolated_from", "estimate", "overrides", "search", "margin", "batch_unit", "slices",
-         "domains", "activation_sharding", "tunix_sharding", "gpus_per_node", "maxtext_deferral")
+         "domains", "activation_sharding", "tunix_sharding", "gpus_per_node", "maxtext_deferral",
+         "global_batch")
 # The meta's keys that are the request's settings (the mesh, the steps and the GPU pool's share as written).
 _REQUEST = tuple(f.name for f in dataclasses.fields(ResolvedRequest) if f.init and f.name in _KEYS)

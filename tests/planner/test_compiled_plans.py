@@ -94,6 +94,20 @@ def test_tpu_plan_saves_what_the_layout_rule_predicts_and_marks_an_estimate(tmp_
     assert error < 0.05
 
 
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: ./planner[aot], Python >= 3.12 (CI lane 2)")
+def test_a_global_batch_is_split_into_the_micro_batch_and_ga_that_fit_and_train_fastest(tmp_path):
+  # 32 sequences a step on v5e:2x2 (a unit of 4): 32 fits the toy; a smaller split is compiled only while
+  # faster. The row says its split; the recommendation's command reproduces it and its code says it.
+  result = run_plan(tmp_path, "--topology", "v5e:2x2", "--global-batch", "32", "--seq-len", "64",
+                    "--levers", "zero1", "--steps", "one")
+  (row,) = result["rows"]
+  assert row["batch"] * row["ga"] == 32 and row["batch"] % 4 == 0 and row["fits"]
+  best = result["recommendation"]
+  assert best["micro_batch"] == row["batch"]
+  assert f"--batch {row['batch']} --seq-len 64 --ga {row['ga']}" in best["cli"]
+  assert f"# micro-batch {row['batch']} x GA {row['ga']} = 32 sequences a step" in best["code"]
+  assert result["meta"]["global_batch"] == 32
+
 @pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler: pip install --no-deps "
                     "jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 (Python >= 3.12), CI lane 2")
 def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):

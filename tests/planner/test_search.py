@@ -4,6 +4,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.search import MAX_COMPILES, Probe, find_edge, line_limit, round_down
 
 GIB = 2**30
@@ -198,3 +199,48 @@ def test_a_sharp_bend_a_smaller_budget_cannot_finish_is_said_and_not_wrong():
   edge = find_edge(measure, step=8, usable=60 * GIB, start=8, max_compiles=12)
   assert len(calls) == 12 and "compiles ran out" in edge.unfinished
   assert sharp_bend(edge.max_micro_batch) <= 60 * GIB and edge.max_micro_batch <= 200
+
+
+def _split_row(micro, ga, fits, seconds, calibrated=None):
+  from nnx_zero1_plan.row import Figures, Made, Row
+
+  figures = Figures(predicted_step_s=seconds, calibrated_step_s=calibrated)
+  return Row("zero1", "one", "v5e:2x2", "TPU", {"data": 4}, "m:f", micro, figures, Made(), 9, 9, fits)
+
+
+def test_a_global_batch_is_split_largest_first_then_smaller_while_faster():
+  from nnx_zero1_plan.search import split_global_batch
+
+  compiled = []
+
+  def row_at(micro, ga, times):
+    compiled.append(micro)
+    return _split_row(micro, ga, micro <= 16, times[micro])
+
+  # 64 sequences over a batch unit of 4: 64, 32 and 16 tried; 16 fits first; 8 is faster; 4 is slower.
+  row = split_global_batch(lambda m, ga: row_at(m, ga, {64: 1, 32: 1, 16: 0.5, 8: 0.4, 4: 0.45}), 64, 4)
+  assert (row.batch, row.ga, compiled) == (8, 8, [64, 32, 16, 8, 4])
+  assert row.to_json()["ga"] == 8 and "ga" not in _split_row(8, 1, True, 0.1).to_json()
+  # Calibrated times rank where both have one: here they reverse the predicted order.
+  times = {8: (0.4, 0.5), 4: (0.45, 0.3), 2: (0.5, 0.6)}
+  row = split_global_batch(lambda m, ga: _split_row(m, ga, True, *times[m]), 8, 2)
+  assert (row.batch, row.ga) == (4, 2)
+  # Nothing fits: the last compile, refused, says so; a unit that divides nothing is refused in one line.
+  nothing = split_global_batch(lambda m, ga: _split_row(m, ga, False, None), 8, 4)
+  assert (nothing.batch, nothing.ga, nothing.verdict) == (4, 2, False)
+  with pytest.raises(PlanError, match="--global-batch 6 is not a multiple of the batch axes' size, 4"):
+    split_global_batch(lambda m, ga: _split_row(m, ga, True, 1.0), 6, 4)
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"batch": 8}, "leave out --batch"), ({"ga": 4}, "leave out --ga"),
+    ({"search": True}, "leave out --search"),
+    ({"global_batch": 0}, ">= 1; got 0"), ({"levers": "offload-fraction"}, "searches its share"),
+    ({"model": "maxtext:qwen3-0.6b", "steps": "split"}, "sets its micro-batch and GA in its config"),
+])
+def test_a_global_batch_is_refused_beside_what_would_choose_the_split_for_it(settings, words):
+  from nnx_zero1_plan import PlanRequest
+
+  request = {"model": "m:f", "topology": "v5e:2x2", "global_batch": 32, **settings}
+  with pytest.raises(PlanError, match=words):
+    PlanRequest(**request)
