@@ -296,8 +296,7 @@ def measured_cells(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str
       predicted, measured = at.predicted_step_s, run.step_s
       calib = (ms(at.calibrated_step_s), error(at.calibrated_step_s, measured, 1)) if calibrated else ()
       out.append((r.lever, r.step, str(run.batch), ms(predicted), ms(measured), error(predicted, measured, 0),
-                  *calib,
-                  gib(at.peak_bytes_per_device), gib(run.held_bytes), (run.error or "")[:100]))
+                  *calib, gib(at.peak_bytes_per_device), gib(run.held_bytes), (run.error or "")[:100]))
   peak = MEASURED_HEADER.index("peak GiB (compiler)")
   head = MEASURED_HEADER[:peak] + (CALIBRATED, "calib. vs measured") * calibrated + MEASURED_HEADER[peak:]
   return head, out

@@ -18,14 +18,12 @@ __all__ = ["COMPUTE_SOURCES", "PEAK_SOURCE", "memory", "split_memory", "cost", "
 def memory(compiled: Any) -> dict[str, int]:
   """Per-device argument, output, temp and peak bytes of a compiled kernel (device memory).
 
-  ``peak`` is the compiler's own figure for everything the program holds at
-  once, ``total_allocation_bytes``, where the backend reports it: the TPU
-  compiler's temporaries overlap the arguments near the limit, so its total is
-  below the sum, and on an H200 XLA's GPU compiler's total equals the sum and
-  the allocator's peak was 50 MiB above it. ``formula_peak`` is that sum,
-  argument + output - aliased (donated) + temp, kept for comparison and used
-  where the backend has no total (XLA's CPU compiler in jax 0.10.2).
-  ``xla_peak`` is the backend's ``peak_memory_in_bytes`` (0 where absent).
+  ``peak`` is the compiler's own figure for everything the program holds at once, ``total_allocation_bytes``,
+  where the backend reports it: the TPU compiler's temporaries overlap the arguments near the limit, so its
+  total is below the sum, and on an H200 XLA's GPU compiler's total equals the sum and the allocator's peak
+  was 50 MiB above it. ``formula_peak`` is that sum, argument + output - aliased (donated) + temp, kept for
+  comparison and used where the backend has no total (XLA's CPU compiler in jax 0.10.2). ``xla_peak`` is the
+  backend's ``peak_memory_in_bytes`` (0 where absent).
 
   Example::
 
@@ -34,12 +32,8 @@ def memory(compiled: Any) -> dict[str, int]:
     16
   """
   stats = compiled.memory_analysis()
-  sizes = {
-      "argument": int(stats.argument_size_in_bytes),
-      "output": int(stats.output_size_in_bytes),
-      "alias": int(stats.alias_size_in_bytes),
-      "temp": int(stats.temp_size_in_bytes),
-  }
+  sizes = {name: int(getattr(stats, f"{name}_size_in_bytes"))
+           for name in ("argument", "output", "alias", "temp")}
   sizes["formula_peak"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
   total = int(getattr(stats, "total_allocation_bytes", 0) or 0)
   sizes["peak"] = total or sizes["formula_peak"]
@@ -56,11 +50,10 @@ PEAK_SOURCE = ("the compiler's total_allocation_bytes (arguments + outputs - don
 def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -> dict[str, int]:
   """Per-device bytes of a step compiled as two programs (:func:`memory` of each), as one step's.
 
-  The optimizer state stays in device memory while the gradient program runs
-  without reading it, so its device bytes (``resident``; 0 when offloaded) are
-  added there: ``argument`` is what that program reads plus that state,
-  ``temp`` its temporaries (the activations), ``peak`` the larger of the two
-  programs' resident bytes.
+  The optimizer state stays in device memory while the gradient program runs without reading it, so its
+  device bytes (``resident``; 0 when offloaded) are added there: ``argument`` is what that program reads plus
+  that state, ``temp`` its temporaries (the activations), ``peak`` the larger of the two programs' resident
+  bytes.
 
   Example::
 
@@ -69,17 +62,11 @@ def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -
     >>> split_memory(g, u, 2)["peak"], split_memory(g, u, 2)["argument"]
     (66, 12)
   """
-  return {
-      "argument": grads["argument"] + resident,
-      "output": grads["output"],
-      "alias": 0,
-      "temp": grads["temp"],
-      "peak": max(grads["peak"] + resident, update["peak"]),
-      "formula_peak": max(grads["formula_peak"] + resident, update["formula_peak"]),
-      "update_peak": update["peak"],
-      "update_temp": update["temp"],
-      "host_argument": max(grads.get("host_argument", 0), update.get("host_argument", 0)),
-  }
+  return {"argument": grads["argument"] + resident, "output": grads["output"], "alias": 0,
+          "temp": grads["temp"], "peak": max(grads["peak"] + resident, update["peak"]),
+          "formula_peak": max(grads["formula_peak"] + resident, update["formula_peak"]),
+          "update_peak": update["peak"], "update_temp": update["temp"],
+          "host_argument": max(grads.get("host_argument", 0), update.get("host_argument", 0))}
 
 
 def cost(compiled: Any) -> dict[str, int | None]:
@@ -216,5 +203,4 @@ def row_figures(mem: dict[str, int], collectives: Collectives | None,
       host_argument_bytes_per_device=mem["host_argument"], collectives=collectives,
       update_peak_bytes_per_device=mem.get("update_peak"),
       update_temp_bytes_per_device=mem.get("update_temp"), update_flops_per_device=spent.get("flops"),
-      update_bytes_accessed_per_device=spent.get("bytes_accessed"),
-  )
+      update_bytes_accessed_per_device=spent.get("bytes_accessed"))

@@ -93,14 +93,13 @@ def near_the_limit(peak: int | None, usable: int) -> bool:
 
 
 def not_alike(at_d1: int | None, at_d2: int | None, d1: int, d2: int, what: str = "temp") -> str | None:
-  """Why two reduced depths cannot be extrapolated, or None: more layers needing less temp (or a lower
-  peak, ``what="peak"``) means the compiler did not schedule the layers alike (or they are not alike:
-  Gemma 3 interleaves local and global attention), so the line through them says nothing of the full
-  depth.
+  """Why two reduced depths cannot be extrapolated, or None: more layers needing less temp (or a lower peak,
+  ``what="peak"``) means the compiler did not schedule the layers alike (or they are not alike: Gemma 3
+  interleaves local and global attention), so the line through them says nothing of the full depth.
 
-  Measured: Tunix's gemma3_4b_pt on v6e:2x4 needed less temp at 4 layers than at 2, and its line
-  ran to a negative temp at 34; llama3p1_70b under Zero-1 across two v5p slices peaked at 37.65 GiB at 2
-  layers and 37.26 at 4, a line to 22.24 GiB at 80 where its arguments and temp alone were 86.90.
+  Measured: Tunix's gemma3_4b_pt on v6e:2x4 needed less temp at 4 layers than at 2, and its line ran to a
+  negative temp at 34; llama3p1_70b under Zero-1 across two v5p slices peaked at 37.65 GiB at 2 layers and
+  37.26 at 4, a line to 22.24 GiB at 80 where its arguments and temp alone were 86.90.
 
   Example::
 

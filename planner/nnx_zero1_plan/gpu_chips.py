@@ -29,16 +29,14 @@ def target_config(chip: GpuChip) -> str:
     True
   """
   major, minor = chip.compute_capability
-  info = (
-      f"threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 "
-      f"shared_memory_per_core: {chip.shared_memory_per_core} threads_per_core_limit: 2048 "
-      f"core_count: {chip.core_count} fpus_per_core: {chip.fpus_per_core} block_dim_limit_x: 2147483647 "
-      f"block_dim_limit_y: 65535 block_dim_limit_z: 65535 memory_bandwidth: {chip.memory_bandwidth} "
-      f"l2_cache_size: {chip.l2_cache_bytes} clock_rate_ghz: {chip.clock_rate_ghz} "
-      f"device_memory_size: {chip.memory_bytes} "
-      f"shared_memory_per_block_optin: {chip.shared_memory_per_block_optin} "
-      f"cuda_compute_capability {{ major: {major} minor: {minor} }} registers_per_core_limit: 65536 "
-      f"registers_per_block_limit: 65536"
-  )
+  info = (f"threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 "
+          f"shared_memory_per_core: {chip.shared_memory_per_core} threads_per_core_limit: 2048 "
+          f"core_count: {chip.core_count} fpus_per_core: {chip.fpus_per_core} block_dim_limit_x: 2147483647 "
+          f"block_dim_limit_y: 65535 block_dim_limit_z: 65535 memory_bandwidth: {chip.memory_bandwidth} "
+          f"l2_cache_size: {chip.l2_cache_bytes} clock_rate_ghz: {chip.clock_rate_ghz} "
+          f"device_memory_size: {chip.memory_bytes} "
+          f"shared_memory_per_block_optin: {chip.shared_memory_per_block_optin} "
+          f"cuda_compute_capability {{ major: {major} minor: {minor} }} registers_per_core_limit: 65536 "
+          f"registers_per_block_limit: 65536")
   return (f'gpu_device_info {{ {info} }} platform_name: "CUDA" dnn_version_info {{ major: 9 minor: 7 }} '
           f'runtime_version {{ major: 13 minor: 0 patch: 0 }} device_description_str: "{chip.description}"')

@@ -32,9 +32,8 @@ def local_devices() -> LocalDevices | None:
 
 
 def devices_for(request: PlanRequest, measure: bool = False) -> LocalDevices | None:
-  """This machine's devices where they are the request's target's chips (jax asked with ``measure``, or
-  where their device files are: :func:`~nnx_zero1_plan.local_chips.chips_may_be_here`); None where they are
-  not.
+  """This machine's devices where they are the request's target's chips (jax asked with ``measure``, or where
+  their device files are: :func:`~nnx_zero1_plan.local_chips.chips_may_be_here`); None where they are not.
 
   Raises:
     PlanError: ``measure`` (``--measure``) and the devices are not the target's, or a ``maxtext:`` model

@@ -130,8 +130,7 @@ def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, b
   writing under ``output_dir`` (the plan's :func:`output_directory`).
 
   Raises:
-    PlanError: a GPU target, MaxText missing, or what :func:`config_overrides`
-      refuses.
+    PlanError: a GPU target, MaxText missing, or what :func:`config_overrides` refuses.
   """
   model = request.model_ref
   if target.platform != "tpu":

@@ -2,15 +2,8 @@
 
 ``tunix:CONFIG`` is ``ModelConfig.CONFIG()`` of the Tunix family the name starts with (``qwen3_8b`` ->
 ``tunix.models.qwen3``), built at any depth with the dtypes and remat asked for. ``package.module:function``
-is the user's own:
-
-- ``function()`` (or ``function(num_layers=d)``, when it takes ``num_layers``: then the planner may compile
-  reduced depths; its default is the full depth) returns an ``nnx.Module``, or a tuple ``(model, loss_fn)``;
-- ``loss_fn(model, tokens) -> scalar`` gets int32 token ids shaped ``(rows, seq_len + 1)``; without one, the
-  model is called as ``model(tokens[:, :-1])`` and its logits scored against ``tokens[:, 1:]``.
-
-The function is called under ``nnx.eval_shape`` on the plan's mesh (``jax.set_mesh``): it must create no
-arrays outside NNX variables, and its variables' ``sharding`` metadata names the mesh axes it is split over.
+is the user's own, called with ``num_layers=d`` where it takes that argument; what it returns and may do is
+docs/planner.md's "Your own model".
 """
 
 from __future__ import annotations
@@ -144,8 +137,7 @@ def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
       return tunix_loss(model, tokens)
 
   return ModelSource(f"tunix:{name}", build, config.num_layers,
-                     tunix_loss if tunix_sharding == "none" else constrained_loss,
-                     described)
+                     tunix_loss if tunix_sharding == "none" else constrained_loss, described)
 
 
 def cast_params(model: Any, dtype: Any) -> Any:

@@ -1,11 +1,6 @@
-"""The largest micro-batch that fits, found with as few compiles as the arithmetic allows.
-
-A step's peak grows close to linearly with its micro-batch until near the memory limit, where both compilers
-fill what they are given (the TPU compiler rematerialises, XLA's GPU scheduler reorders): the peaks flatten
-and land a little above or below the limit in no order. Two compiles give a line and a first guess; short of
-the edge the search gallops (one step, two, four); once bracketed, the line and bisection take turns. A fit
-within :data:`BAND` of the limit vouches for no smaller micro-batch, and above it the search climbs one step
-at a time: so the edge lies below the first failure, wherever the search started.
+"""The largest micro-batch that fits, found with as few compiles as the arithmetic allows: a line through two
+compiles, galloping short of the edge, the line and bisection in turn once bracketed, and the edge below the
+first failure wherever the search started (why: docs/planner.md's "How far can I go?").
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import Zero1Optimizer, Zero1Options, value_and_grad_accumulated
 
-# Not public (listed for the planner in nnx_zero1/_src/companion.py): a program boundary drops the
-# metadata that says gradients are already on Zero-1's layout, and the split step's update program puts it
-# back.
+# Not public (listed for the planner in nnx_zero1/_src/companion.py): a program boundary drops the metadata
+# that says gradients are already on Zero-1's layout, and the split step's update program puts it back.
 from nnx_zero1._src.companion import mark_zero1_grads
 from nnx_zero1_plan.abstract import AbstractState, abstract_state
 from nnx_zero1_plan.inputs import error_line
@@ -63,9 +62,8 @@ def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation, m
 def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any) -> tuple[jax.Array, Any]:
   """Mean loss and gradient over ``batches`` (dimension 0: micro-batches), one micro-batch at a time.
 
-  A ``lax.scan`` of ``jax.value_and_grad`` over the ``nnx.Param`` s: activations
-  of one micro-batch at a time; the reduction across replicas happens wherever
-  XLA puts it.
+  A ``lax.scan`` of ``jax.value_and_grad`` over the ``nnx.Param`` s: activations of one micro-batch at a
+  time; the reduction across replicas happens wherever XLA puts it.
 
   Example::
 
@@ -153,9 +151,8 @@ def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Me
   return compiled, time.perf_counter() - start
 
 
-def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int,
-                  seq_len: int, ga: int,
-                  compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, Any, float]:
+def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int, seq_len: int,
+                  ga: int, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, Any, float]:
   """Compiles the lever's step as two programs; returns (gradient program, update program, seconds);
   ``compiler_options`` go to the compiler for both.
 
@@ -279,7 +276,6 @@ def run_steps(compiled: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch
     error = error_line(e)
   counted = times[warmup:] or times
   first = min(jax.tree.leaves(batch)[0].devices(), key=lambda d: d.id)
-  stats = first.memory_stats() or {}
-  held = stats.get("bytes_in_use")
+  held = (first.memory_stats() or {}).get("bytes_in_use")
   return state, StepRuns(statistics.median(counted) if counted else None, tuple(times),
                          None if held is None else int(held), None if loss is None else float(loss), error)
