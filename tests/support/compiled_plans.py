@@ -26,9 +26,10 @@ def planner_env() -> dict:
   return env
 
 
-def run_plan(tmp_path, *args) -> dict:
-  """``python -m nnx_zero1.plan`` on the toy model (``args`` after :data:`TOY` override it); plan.json."""
-  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *TOY, *args, "--out", str(tmp_path)],
+def run_plan(tmp_path, *args, toy=TOY) -> dict:
+  """``python -m nnx_zero1.plan`` on the toy model (``args`` after ``toy``, :data:`TOY` by default, override
+  it); plan.json."""
+  proc = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *toy, *args, "--out", str(tmp_path)],
                         env=planner_env(), capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads((tmp_path / "plan.json").read_text())
