@@ -38,8 +38,10 @@ def first_calibration(compiler: RowCompiler, rows: Sequence[tuple[str | None, st
   """This chip's calibration from the first of ``rows`` (``(remat policy, lever)``, in the plan's order) whose
   one-program step fits: ``row_of`` makes its row as the plan does (its programs kept: the plan does not
   compile them again), and its own program is run and profiled (:func:`~nnx_zero1_plan.on_chip.
-  run_program`); None where none fits or runs."""
+  run_program`); None where none fits or runs, and off a TPU."""
   say = compiler.progress or (lambda line: None)
+  if compiler.target.platform != "tpu":  # a calibration is of the TPU compiler's cycles
+    return None
   for policy, lever in rows:
     if LEVERS[lever].picks_offload:  # its share of the state is searched, not given
       continue
