@@ -20,12 +20,11 @@ import math
 import re
 from collections.abc import Callable, Sequence
 
-from nnx_zero1._src.companion import replica_groups, ring_sent
 from nnx_zero1_plan.chips import CHIPS, Links
 from nnx_zero1_plan.row import Collectives, Network, PodNetworks, StepTime
 
-__all__ = ["HOP_S", "slice_coords", "ring_through", "link_load", "collective_seconds", "tpu_collective_time",
-           "network_per_step", "slow_seconds"]
+__all__ = ["HOP_S", "slice_coords", "ring_through", "link_load", "rings_of", "collective_seconds",
+           "tpu_collective_time", "network_per_step", "slow_seconds", "network_note"]
 
 # One ICI hop's own time, whatever it carries: "typically around 1us" (How to Scale Your Model,
 # jax-ml/scaling-book, sharding.md, "A note on ICI latency").
@@ -136,49 +135,57 @@ def link_load(groups: Sequence[Sequence[Coords]], rings: int, shape: Coords, wra
   return max(load.values(), default=0), longest
 
 
-def collective_seconds(kind: str, result: int, groups: Sequence[Sequence[Coords]], rings: int, links: Links
+def rings_of(line: str) -> int:
+  """The rings the TPU compiler runs a collective as, from its ``backend_config`` (one where it names none).
+
+  Example::
+
+    >>> rings_of('all-reduce(%p), backend_config={"debug":"UniDirection1DRingStrategy{colors:2 phases:1}"}')
+    2
+  """
+  rings = _COLORS.search(line)
+  return int(rings[1]) if rings else 1
+
+
+def collective_seconds(kind: str, sent: int, groups: Sequence[Sequence[Coords]], rings: int, links: Links
                        ) -> float:
-  """One collective's time on a TPU slice: its ring bytes (:func:`ring_sent`) over ``rings`` rings at the
+  """One collective's time on a TPU slice: the bytes one device ``sent`` by a ring over ``rings`` rings at the
   link's one-way rate, each sharing its links as :func:`link_load` counts, and :data:`HOP_S` for each link
-  of each ring step (``n - 1`` steps for a gather or a scatter, twice that for an all-reduce).
+  of each ring step (``n - 1`` steps for a gather or a scatter, twice that for an all-reduce; a
+  collective-permute, its buffer to one peer: one).
 
   Example::
 
     >>> from nnx_zero1_plan.chips import CHIPS
-    >>> square = [(0, 0), (1, 0), (0, 1), (1, 1)]
-    >>> round(collective_seconds("all-gather", 4 * 10**6, [square], 1, CHIPS["v6e"].links) * 1e6, 1)
+    >>> square = [(0, 0), (1, 0), (0, 1), (1, 1)]  # a 4 MB all-gather's ring bytes, 3/4 of it, on one ring
+    >>> round(collective_seconds("all-gather", 3 * 10**6, [square], 1, CHIPS["v6e"].links) * 1e6, 1)
     36.3
   """
   n = len(groups[0])
-  if n < 2:
+  if n < 2 or links.link_bytes_per_s is None:
     return 0.0
-  if kind == "collective-permute":  # its buffer to one peer, one hop
-    return result / links.link_bytes_per_s + HOP_S
+  if kind == "collective-permute":
+    return sent / links.link_bytes_per_s + HOP_S
   shape = tuple(max(m[d] for g in groups for m in g) + 1 for d in range(len(groups[0][0])))
   wraps = [links.wrap_every is not None and s % links.wrap_every == 0 for s in shape]
   load, hops = link_load(groups, rings, shape, wraps)
   steps = (n - 1) * (2 if kind == "all-reduce" else 1)
-  return ring_sent(kind, result, n) * load / (rings * links.link_bytes_per_s) + steps * hops * HOP_S
+  return sent * load / (rings * links.link_bytes_per_s) + steps * hops * HOP_S
 
 
 def tpu_collective_time(links: Links, dims: int, coords: Sequence[Coords] | None = None
-                        ) -> Callable[[str, int, str, int], float]:
-  """A TPU collective's seconds from ``(kind, result bytes, its HLO line, the program's devices)``: its
-  groups placed at ``coords`` (each program device's place in the slice; None: the standard slice of the
-  program's devices, :func:`slice_coords`), its rings as the line names them."""
+                        ) -> Callable[[str, int, Sequence[tuple[int, ...]], int, int], float]:
+  """A TPU collective's seconds from ``(kind, ring bytes one device sends, its device groups, its rings, the
+  program's devices)``: :func:`collective_seconds` with each device at ``coords`` (its place in the slice,
+  in the program's device order; None: the standard slice of the program's devices, :func:`slice_coords`)."""
 
   @functools.cache
-  def timed(kind: str, result: int, groups: tuple[tuple[int, ...], ...], rings: int, devices: int) -> float:
+  def timed(kind: str, sent: int, groups: tuple[tuple[int, ...], ...], rings: int, devices: int) -> float:
     places = list(coords) if coords is not None else slice_coords(devices, dims)
-    return collective_seconds(kind, result, [[places[i % len(places)] for i in g] for g in groups], rings,
-                              links)
+    return collective_seconds(kind, sent, [[places[i % len(places)] for i in g] for g in groups], rings, links)
 
-  def seconds(kind: str, result: int, line: str, devices: int) -> float:
-    rings = _COLORS.search(line)
-    groups = tuple(replica_groups(line, devices))
-    return timed(kind, result, groups, int(rings[1]) if rings else 1, devices)
-
-  return seconds
+  return lambda kind, sent, groups, rings, devices: timed(kind, sent, tuple(map(tuple, groups)), rings,
+                                                          devices)
 
 
 def network_per_step(collectives: Collectives, chip: str, platform: str, step_time: StepTime | None = None
@@ -225,3 +232,22 @@ def slow_seconds(nbytes: int, links: Links) -> float:
     0.02
   """
   return nbytes / links.slow_bytes_per_s
+
+
+def network_note(step_time: StepTime | None) -> str | None:
+  """A row's note where most of its predicted step waits on the networks: what that time rests on.
+
+  Example::
+
+    >>> t = StepTime("", [], compute_s=0.3, fast_network="ICI", fast_s=0.5, fast_exposed_s=0.5,
+    ...              slow_network=None, slow_s=0.0, host_s=None, host_exposed_s=0.0, unestimated_ops=0,
+    ...              clock_ghz=None, roofline_s=None)
+    >>> network_note(t)
+    'mostly network (62%): public link rates and the topology, never measured on a slice'
+  """
+  if step_time is None:
+    return None
+  network = step_time.fast_exposed_s + step_time.slow_s
+  share = network / ((network + step_time.compute_s + step_time.host_exposed_s) or 1.0)
+  return (f"mostly network ({share:.0%}): public link rates and the topology, never measured on a slice"
+          if share > 0.5 else None)

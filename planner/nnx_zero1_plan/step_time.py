@@ -26,6 +26,7 @@ from nnx_zero1._src.companion import (
   host_copy,
   host_transfers,
   partitions,
+  replica_groups,
   ring_sent,
   shape_bytes,
   trip_count,
@@ -33,7 +34,7 @@ from nnx_zero1._src.companion import (
 )
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.networks import slow_seconds, tpu_collective_time
+from nnx_zero1_plan.networks import rings_of, slow_seconds, tpu_collective_time
 from nnx_zero1_plan.row import StepTime
 
 __all__ = ["Rates", "ProgramTime", "program_time", "NOT_ESTIMATED", "rates_for",
@@ -60,15 +61,16 @@ class Rates:
       own lane); None where it was not measured (the copies are then counted, not timed).
     class_clocks_hz: the clock each class of work (:data:`CYCLE_CLASSES`) runs the compiler's cycles at,
       where a microbenchmark measured it on the chip; None: every cycle at ``clock_hz``.
-    collective_s: a collective's seconds on the links its group uses, from its kind, its result's bytes, its
-      HLO line and the program's devices (a TPU slice: :func:`nnx_zero1_plan.networks.tpu_collective_time`).
+    collective_s: a collective's seconds on the links its groups use, from its kind, the ring bytes one
+      device sends, its device groups, the rings the compiler runs it as and the program's devices (a TPU
+      slice: :func:`nnx_zero1_plan.networks.tpu_collective_time`); None: ``network_bytes_per_s``.
   """
 
   clock_hz: float | None
   network_bytes_per_s: Callable[[int], float]
   host_bytes_per_s: float | None = None
   class_clocks_hz: Mapping[str, float] | None = None
-  collective_s: Callable[[str, int, str, int], float] | None = None
+  collective_s: Callable[[str, int, Sequence[tuple[int, ...]], int, int], float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,10 +201,13 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
       if collective:
         kind, result, start = collective
         n = group_size(line, devices)
-        if rates.collective_s is not None:
-          network_s = rates.collective_s(kind, result, line, devices)
+        sent = ring_sent(kind, result, n)
+        if n < 2:
+          network_s = 0.0
+        elif rates.collective_s is not None:
+          network_s = rates.collective_s(kind, sent, replica_groups(line, devices), rings_of(line), devices)
         else:
-          network_s = ring_sent(kind, result, n) / rates.network_bytes_per_s(n) if n > 1 else 0.0
+          network_s = sent / rates.network_bytes_per_s(n)
         w.start(m["name"], network_s, "network")
         if not start:
           w.wait(m["name"])
@@ -294,8 +299,7 @@ def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Ra
   Example::
 
     >>> from nnx_zero1_plan.chips import CHIPS
-    >>> line = "all-gather(%p), replica_groups={{0,1,2,3}}, dimensions={0}"
-    >>> round(rates_for(CHIPS["v6e"]).collective_s("all-gather", 4 * 10**6, line, 4) * 1e6, 1)
+    >>> round(rates_for(CHIPS["v6e"]).collective_s("all-gather", 3 * 10**6, [(0, 1, 2, 3)], 1, 4) * 1e6, 1)
     36.3
   """
   fast, links = chip.links.fast_bytes_per_s, chip.links

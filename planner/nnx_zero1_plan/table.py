@@ -8,6 +8,7 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.networks import network_note
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, Recommendation, row_sent_bytes
 from nnx_zero1_plan.row import Network, OpCount, Point, Row, StateSplit, op_counts
 from nnx_zero1_plan.time_report import gib, markdown_table, ms, search_lines, time_lines, tokens
@@ -96,7 +97,8 @@ def split_words(lever: str, split: StateSplit | None) -> str | None:
 
 
 def _note(r: Row, rows: Sequence[Row] = ()) -> str:
-  notes = (split_words(r.lever, r.figures.state_split), _verdict_note(r), accumulation_note(r, rows))
+  notes = (split_words(r.lever, r.figures.state_split), _verdict_note(r), accumulation_note(r, rows),
+           network_note(r.figures.step_time))
   return "; ".join(n for n in notes if n)
 
 
