@@ -1,5 +1,5 @@
-"""Each network's time, in one place: a collective's inside a TPU slice on the links its group's rings use, and
-a pod's two networks per step (ICI or NVLink inside a slice or node, DCN or InfiniBand between).
+"""Each network's time, in one place: a collective's inside a TPU slice on the links its group's rings use,
+and a pod's two networks per step (ICI or NVLink inside a slice or node, DCN or InfiniBand between).
 
 Inside a slice the TPU compiler runs a collective as rings, as many as its ``backend_config`` names
 (``StrategyRing{colors:1 ...}``, ``UniDirection1DRingStrategy{colors:2 ...}``; one where it names none),
@@ -182,7 +182,8 @@ def tpu_collective_time(links: Links, dims: int, coords: Sequence[Coords] | None
   @functools.cache
   def timed(kind: str, sent: int, groups: tuple[tuple[int, ...], ...], rings: int, devices: int) -> float:
     places = list(coords) if coords is not None else slice_coords(devices, dims)
-    return collective_seconds(kind, sent, [[places[i % len(places)] for i in g] for g in groups], rings, links)
+    placed = [[places[i % len(places)] for i in g] for g in groups]
+    return collective_seconds(kind, sent, placed, rings, links)
 
   return lambda kind, sent, groups, rings, devices: timed(kind, sent, tuple(map(tuple, groups)), rings,
                                                           devices)

@@ -302,10 +302,10 @@ def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Ra
     >>> round(rates_for(CHIPS["v6e"]).collective_s("all-gather", 3 * 10**6, [(0, 1, 2, 3)], 1, 4) * 1e6, 1)
     36.3
   """
-  fast, links = chip.links.fast_bytes_per_s, chip.links
-  if links.link_bytes_per_s is not None:
-    return Rates(chip.compute.clock_hz, lambda n: 2 * links.link_bytes_per_s, chip.compute.host_bytes_per_s,
-                 chip.compute.class_clocks_hz, tpu_collective_time(links, chip.compute.ports // 2, coords))
+  fast, link, compute = chip.links.fast_bytes_per_s, chip.links.link_bytes_per_s, chip.compute
+  if link is not None:  # a TPU: a full ring's rate stands beside its collectives' own time
+    return Rates(compute.clock_hz, lambda n: 2 * link, compute.host_bytes_per_s, compute.class_clocks_hz,
+                 tpu_collective_time(chip.links, compute.ports // 2, coords))
   return Rates(chip.compute.clock_hz, lambda n: fast, chip.compute.host_bytes_per_s)
 
 
@@ -340,7 +340,8 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
     deviceless: whether a GPU program was compiled without its GPU (its matmuls not autotuned: its time is
       not the tuned program's, and only its parts are kept); False on the GPU itself.
     coords: each program device's place in a TPU slice (a compile-only device's ``coords``, in the program's
-      device order); None: the standard slice of ``devices`` chips (:func:`nnx_zero1_plan.networks.slice_coords`).
+      device order); None: the standard slice of ``devices`` chips
+      (:func:`nnx_zero1_plan.networks.slice_coords`).
 
   Returns:
     The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).

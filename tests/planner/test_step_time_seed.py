@@ -40,8 +40,8 @@ def programs(arm: str) -> list[tuple[str, str, int]]:
 def walked(arm: str) -> PredictedTime:
   """Today's prediction of an arm's step from its kept programs, walked once for every test."""
   if arm not in _WALKS:
-    _WALKS[arm] = predict_step_time(programs(arm), CHIPS["v6e"], devices=4, tokens_per_device=8 * 1024 * 8 / 4,
-                                    compute_dtype="bfloat16")
+    _WALKS[arm] = predict_step_time(programs(arm), CHIPS["v6e"], devices=4,
+                                    tokens_per_device=8 * 1024 * 8 / 4, compute_dtype="bfloat16")
   return _WALKS[arm]
 
 
