@@ -341,7 +341,7 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
       not the tuned program's, and only its parts are kept); False on the GPU itself.
     coords: each program device's place in a TPU slice (a compile-only device's ``coords``, in the program's
       device order); None: the standard slice of ``devices`` chips
-      (:func:`nnx_zero1_plan.networks.slice_coords`).
+      (:func:`nnx_zero1_plan.networks.slice_shape`).
 
   Returns:
     The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).
