@@ -12,14 +12,8 @@ __all__ = ["Links", "Compute", "GpuChip", "Chip", "CHIPS", "TPU_KINDS", "chip_of
 
 @dataclasses.dataclass(frozen=True)
 class Links:
-  """One chip's networks: names and bytes per second each way, and where the figures come from.
-
-  Attributes:
-    link_bytes_per_s: a TPU's one ICI link, one way (what a collective's rings run at,
-      :mod:`nnx_zero1_plan.networks`); None for a GPU, whose collectives run at ``fast_bytes_per_s``.
-    wrap_every: a TPU slice's axis has its wraparound link where its length is a multiple of this (v5e, v6e:
-      only a full axis of 16; v5p: a multiple of 4); None for a GPU.
-  """
+  """One chip's networks: names and bytes per second each way, and where the figures come from; a TPU's one
+  ICI link one way, and the axis length whose multiples wrap around (None for a GPU: a switch)."""
 
   fast: str
   fast_bytes_per_s: float
@@ -103,10 +97,10 @@ class Chip:
 _GBIT = 1e9 / 8
 _MXU = lambda units, side: units * side * side * 2  # noqa: E731 - FLOPs per cycle of `units` side x side arrays
 _TPU = "float32 matmuls run as bfloat16 passes (jax's default precision on TPU)"
-# Each TPU's ICI link, one way, and where its axes wrap: How to Scale Your Model (jax-ml/scaling-book),
-# tpus.md's interconnect table after its correction (v5e 4.5e10, v6e 9e10, v5p 9e10 bytes/s one way) and its
-# footnote (a wraparound "on inference chips when we have a full 16 axis, or on training chips (v*p) when we
-# have an axis which is a multiple of 4"): each TPU's Links' last two figures.
+# Each TPU's Links' last two: How to Scale Your Model (jax-ml/scaling-book), tpus.md's ICI table after its
+# correction (one way: v5e 4.5e10, v6e 9e10, v5p 9e10 bytes/s) and its footnote (wraparound "on inference
+# chips when we have a full 16 axis, or on training chips (v*p) when we have an axis which is a multiple
+# of 4").
 
 CHIPS: dict[str, Chip] = {
     "v5e": Chip(Links("ICI", 1600 * _GBIT, "DCN", 200 / 8 * _GBIT, "cloud.google.com/tpu/docs/v5e",

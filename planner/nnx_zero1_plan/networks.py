@@ -106,10 +106,10 @@ def collective_seconds(kind: str, sent: int, groups: Sequence[Sequence[Coords]],
 
 
 def tpu_collective_time(links: Links, dims: int, coords: Sequence[Coords] | None = None
-                        ) -> Callable[[str, int, Sequence[tuple[int, ...]], int, int], float]:
+                        ) -> Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float]:
   """A TPU collective's seconds from ``(kind, ring bytes one device sends, its device groups, its rings, the
-  program's devices)``: :func:`collective_seconds` with each device at ``coords`` (its place in the slice,
-  in the program's device order; None: the standard slice of the program's devices, :func:`slice_shape`)."""
+  program's devices)``, each answer kept: :func:`collective_seconds` with each device at ``coords`` (its
+  place in the slice, in the program's device order; None: the standard slice of the program's devices)."""
 
   @functools.cache
   def timed(kind: str, sent: int, groups: tuple[tuple[int, ...], ...], rings: int, devices: int) -> float:
@@ -119,8 +119,7 @@ def tpu_collective_time(links: Links, dims: int, coords: Sequence[Coords] | None
     shape = tuple(max(p[d] for p in places) + 1 for d in range(len(places[0])))
     return collective_seconds(kind, sent, [[places[i] for i in g] for g in groups], rings, shape, links)
 
-  return lambda kind, sent, groups, rings, devices: timed(kind, sent, tuple(map(tuple, groups)), rings,
-                                                          devices)
+  return timed
 
 
 def network_per_step(collectives: Collectives, chip: str, platform: str, step_time: StepTime | None = None

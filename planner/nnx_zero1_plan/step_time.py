@@ -70,7 +70,7 @@ class Rates:
   network_bytes_per_s: Callable[[int], float]
   host_bytes_per_s: float | None = None
   class_clocks_hz: Mapping[str, float] | None = None
-  collective_s: Callable[[str, int, Sequence[tuple[int, ...]], int, int], float] | None = None
+  collective_s: Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +205,8 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
         if n < 2:
           network_s = 0.0
         elif rates.collective_s is not None:
-          network_s = rates.collective_s(kind, sent, replica_groups(line, devices), rings_of(line), devices)
+          groups = tuple(replica_groups(line, devices))
+          network_s = rates.collective_s(kind, sent, groups, rings_of(line), devices)
         else:
           network_s = sent / rates.network_bytes_per_s(n)
         w.start(m["name"], network_s, "network")
@@ -299,7 +300,7 @@ def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Ra
   Example::
 
     >>> from nnx_zero1_plan.chips import CHIPS
-    >>> round(rates_for(CHIPS["v6e"]).collective_s("all-gather", 3 * 10**6, [(0, 1, 2, 3)], 1, 4) * 1e6, 1)
+    >>> round(rates_for(CHIPS["v6e"]).collective_s("all-gather", 3 * 10**6, ((0, 1, 2, 3),), 1, 4) * 1e6, 1)
     36.3
   """
   fast, link, compute = chip.links.fast_bytes_per_s, chip.links.link_bytes_per_s, chip.compute

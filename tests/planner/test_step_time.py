@@ -137,8 +137,8 @@ def test_a_gpu_program_compiled_without_its_gpu_keeps_its_parts_but_predicts_no_
   assert on_the_gpu.predicted_step_s == pytest.approx(1e-3) and on_the_gpu.time_absent is None
 
 
-def _row_groups(size: int, rows: int) -> list[tuple[int, ...]]:
-  return [tuple(range(r * size, (r + 1) * size)) for r in range(rows)]
+def _row_groups(size: int, rows: int) -> tuple[tuple[int, ...], ...]:
+  return tuple(tuple(range(r * size, (r + 1) * size)) for r in range(rows))
 
 
 def test_a_tpu_collective_runs_on_the_links_its_groups_rings_use():
@@ -149,11 +149,11 @@ def test_a_tpu_collective_runs_on_the_links_its_groups_rings_use():
   hops a step); a row of 16 wraps (two rings at twice the rate)."""
   v6e, v5e = rates_for(CHIPS["v6e"]).collective_s, rates_for(CHIPS["v5e"]).collective_s
   sent = 3 * 10**6  # a 4 MB all-gather's over four
-  assert v6e("all-gather", sent, [(0, 1, 2, 3)], 1, 4) == pytest.approx(sent / 9e10 + 3e-6)
-  assert v6e("all-gather", sent, [(0, 1, 2, 3)], 2, 4) == pytest.approx(sent / 18e10 + 3e-6)
-  assert v6e("all-reduce", 2 * sent, [(0, 1, 2, 3)], 2, 4) == pytest.approx(2 * sent / 18e10 + 6e-6)
-  assert v6e("all-gather", sent, [(0, 1), (2, 3)], 2, 8) == pytest.approx(sent / 9e10 + 1e-6)
-  column = [(0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15)]
+  assert v6e("all-gather", sent, ((0, 1, 2, 3),), 1, 4) == pytest.approx(sent / 9e10 + 3e-6)
+  assert v6e("all-gather", sent, ((0, 1, 2, 3),), 2, 4) == pytest.approx(sent / 18e10 + 3e-6)
+  assert v6e("all-reduce", 2 * sent, ((0, 1, 2, 3),), 2, 4) == pytest.approx(2 * sent / 18e10 + 6e-6)
+  assert v6e("all-gather", sent, ((0, 1), (2, 3)), 2, 8) == pytest.approx(sent / 9e10 + 1e-6)
+  column = ((0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15))
   assert v5e("all-gather", sent, column, 2, 16) == pytest.approx(sent / 4.5e10 + 3 * 3e-6)
   assert v5e("all-gather", sent, _row_groups(16, 16), 2, 256) == pytest.approx(sent / 9e10 + 15e-6)
 
@@ -162,7 +162,7 @@ def test_a_collective_on_an_unwrapped_axis_comes_near_the_books_measured_one():
   """How to Scale Your Model (sharding.md) profiles a 34 MB all-gather over an unwrapped axis of 4 on a v5e
   at 680 us (its bidirectional ring says 377 us, its no-wrap model 560): the model, fitted to nothing here,
   comes within 20%."""
-  column = [(0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15)]
+  column = ((0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15))
   gathered = rates_for(CHIPS["v5e"]).collective_s("all-gather", 34 * 10**6 * 3 // 4, column, 2, 16)
   assert gathered == pytest.approx(680e-6, rel=0.2)
 
