@@ -117,7 +117,8 @@ def tpu_collective_time(links: Links, dims: int, coords: Sequence[Coords] | None
     places = list(coords or (tuple(i // math.prod(slice_of[:d]) % slice_of[d] for d in range(dims))
                              for i in range(devices)))
     shape = tuple(max(p[d] for p in places) + 1 for d in range(len(places[0])))
-    return collective_seconds(kind, sent, [[places[i] for i in g] for g in groups], rings, shape, links)
+    placed = [[places[i % len(places)] for i in g] for g in groups]  # a replica's ids past a slice's too
+    return collective_seconds(kind, sent, placed, rings, shape, links)
 
   return timed
 
