@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.networks import network_note
 from nnx_zero1_plan.row import Figures, Network, OpCount, Point, Row, StateSplit, op_counts
 
 __all__ = ["ms", "gib", "tokens", "HEADER", "POD_HEADER", "EDGE_HEADER", "MEASURED_HEADER", "MEASURED_TITLE",
@@ -111,7 +112,8 @@ def split_words(lever: str, split: StateSplit | None) -> str | None:
 
 def _note(r: Row, rows: Sequence[Row] = ()) -> str:
   split = None if r.ga is None else f"micro-batch {r.batch} x GA {r.ga}"  # --global-batch's split
-  notes = (split, split_words(r.lever, r.figures.state_split), _verdict_note(r), accumulation_note(r, rows))
+  notes = (split, split_words(r.lever, r.figures.state_split), _verdict_note(r), accumulation_note(r, rows),
+           network_note(r.figures.step_time))
   return "; ".join(n for n in notes if n)
 
 

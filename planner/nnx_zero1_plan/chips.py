@@ -12,13 +12,16 @@ __all__ = ["Links", "Compute", "GpuChip", "Chip", "CHIPS", "TPU_KINDS", "chip_of
 
 @dataclasses.dataclass(frozen=True)
 class Links:
-  """One chip's networks: names and bytes per second each way, and where the figures come from."""
+  """One chip's networks: names and bytes per second each way, and where the figures come from; a TPU's one
+  ICI link one way, and the axis length whose multiples wrap around (None for a GPU: a switch)."""
 
   fast: str
   fast_bytes_per_s: float
   slow: str
   slow_bytes_per_s: float
   source: str
+  link_bytes_per_s: float | None = None
+  wrap_every: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +97,23 @@ class Chip:
 _GBIT = 1e9 / 8
 _MXU = lambda units, side: units * side * side * 2  # noqa: E731 - FLOPs per cycle of `units` side x side arrays
 _TPU = "float32 matmuls run as bfloat16 passes (jax's default precision on TPU)"
+# Each TPU's Links' last two: How to Scale Your Model (jax-ml/scaling-book), tpus.md's ICI table after its
+# correction (one way: v5e 4.5e10, v6e 9e10, v5p 9e10 bytes/s) and its footnote (wraparound "on inference
+# chips when we have a full 16 axis, or on training chips (v*p) when we have an axis which is a multiple
+# of 4").
 
 CHIPS: dict[str, Chip] = {
-    "v5e": Chip(Links("ICI", 1600 * _GBIT, "DCN", 200 / 8 * _GBIT, "cloud.google.com/tpu/docs/v5e"),
+    "v5e": Chip(Links("ICI", 1600 * _GBIT, "DCN", 200 / 8 * _GBIT, "cloud.google.com/tpu/docs/v5e",
+                      4.5e10, 16),
                 Compute({"bfloat16": 197e12, "float32": 197e12}, _MXU(4, 128), 4, 14.17e9,
                         f"cloud.google.com/tpu/docs/v5e; {_TPU}; clocks and host link measured on the chip "
                         "(docs/data/device_v5e/run2/chip_rates)",
                         {"matmul-bf16": 1.572e9, "matmul-f32": 1.522e9, "vector": 2.628e9})),
-    "v6e": Chip(Links("ICI", 3200 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e"),
+    "v6e": Chip(Links("ICI", 3200 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e",
+                      9e10, 16),
                 Compute({"bfloat16": 918e12, "float32": 918e12}, _MXU(4, 256), 4, None,
                         f"cloud.google.com/tpu/docs/v6e; {_TPU}")),
-    "v5p": Chip(Links("ICI", 600e9, "DCN", 50 * _GBIT, "cloud.google.com/tpu/docs/v5p"),
+    "v5p": Chip(Links("ICI", 600e9, "DCN", 50 * _GBIT, "cloud.google.com/tpu/docs/v5p", 9e10, 4),
                 Compute({"bfloat16": 459e12, "float32": 459e12}, _MXU(8, 128), 6, None,
                         f"cloud.google.com/tpu/docs/v5p; {_TPU}")),
     "a100-80g": Chip(Links("NVLink", 300e9, "InfiniBand", 200 * _GBIT, "NVIDIA DGX A100 datasheet"),

@@ -1,22 +1,133 @@
-"""A pod's two networks (ICI or NVLink inside a slice or node, DCN or InfiniBand between): each one's time per
-step, estimated at the chip table's public rates each way (a device receives as it sends), no latency."""
+"""Each network's time, in one place: a collective's inside a TPU slice on the links its group's rings use,
+and a pod's two networks per step (ICI or NVLink inside a slice or node, DCN or InfiniBand between).
+
+Inside a slice the TPU compiler runs a collective as rings, as many as its ``backend_config`` names
+(``StrategyRing{colors:1 ...}``, ``UniDirection1DRingStrategy{colors:2 ...}``; one where it names none),
+each a cycle through the group's chips that sends one way. A group of four on a 2x2 (a cycle of four links)
+runs two rings at twice one link's rate; a line of four without its wraparound carries each ring's way back
+over its own links and gets one link's rate whatever the rings. Each link a ring step crosses costs one hop's
+latency besides. The rates, the
+wraparound and the latency are public figures (the chip table's :class:`~nnx_zero1_plan.chips.Links`,
+:data:`HOP_S`), never measured on a slice by this project. A GPU's NVLink and the slow networks keep one rate
+whatever the group (a switch), no latency.
+"""
 
 from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Sequence
 
 from nnx_zero1_plan.chips import CHIPS, Links
 from nnx_zero1_plan.row import Collectives, Network, PodNetworks, StepTime
 
-__all__ = ["LINKS", "network_per_step", "slow_seconds"]
+__all__ = ["HOP_S", "slice_shape", "on_a_cycle", "rings_of", "collective_seconds", "tpu_collective_time",
+           "network_per_step", "slow_seconds", "network_note"]
 
-# Each chip's networks, by the planner's name for it (``v5p``, ``h100``).
-LINKS: dict[str, Links] = {name: chip.links for name, chip in CHIPS.items()}
+# One ICI hop's own time, whatever it carries: "typically around 1us" (How to Scale Your Model,
+# jax-ml/scaling-book, sharding.md, "A note on ICI latency").
+HOP_S = 1e-6
+_COLORS = re.compile(r"colors:(\d+)")
+
+Coords = tuple[int, ...]
+
+
+def slice_shape(devices: int, dims: int) -> Coords:
+  """The chip's standard slice of ``devices`` chips (``dims`` axes: 2 for v5e and v6e, 3 for v5p): the
+  smallest axis doubles first, the last on a tie (4 chips: 2x2; 8: 2x4; 16: 4x4), as the slices are named; a
+  line where no such slice has that many. libtpu numbers its chips with the first axis fastest.
+
+  Example::
+
+    >>> slice_shape(4, 2), slice_shape(8, 2), slice_shape(3, 2)
+    ((2, 2), (2, 4), (3, 1))
+  """
+  shape = [1] * dims
+  while math.prod(shape) < devices:
+    smallest = min(shape)
+    shape[max(i for i, s in enumerate(shape) if s == smallest)] *= 2
+  return tuple(shape) if math.prod(shape) == devices else (devices, *[1] * (dims - 1))
+
+
+def on_a_cycle(members: Sequence[Coords], shape: Coords, wraps: Sequence[bool]) -> bool:
+  """Whether a group's chips close a cycle of single links: it spans two axes or more (a box with an even
+  side: a 2x2, a 2x4), or the whole of one axis that wraps. Otherwise it is a line (a pair: one link), and a
+  ring's way back runs over the line's own links.
+
+  Example::
+
+    >>> on_a_cycle([(0, 0), (1, 0), (0, 1), (1, 1)], (2, 2), (False, False))
+    True
+    >>> on_a_cycle([(0,), (1,), (2,), (3,)], (4,), (False,)), on_a_cycle([(0,), (1,)], (16,), (True,))
+    (False, False)
+  """
+  spanned = [d for d in range(len(shape)) if len({m[d] for m in members}) > 1]
+  whole_axis = len(spanned) == 1 and wraps[spanned[0]] and len(members) == shape[spanned[0]] > 2
+  return len(spanned) > 1 or whole_axis
+
+
+def rings_of(line: str) -> int:
+  """The rings the TPU compiler runs a collective as, from its ``backend_config`` (one where it names none).
+
+  Example::
+
+    >>> rings_of('all-reduce(%p), backend_config={"debug":"UniDirection1DRingStrategy{colors:2 phases:1}"}')
+    2
+  """
+  rings = _COLORS.search(line)
+  return int(rings[1]) if rings else 1
+
+
+def collective_seconds(kind: str, sent: int, groups: Sequence[Sequence[Coords]], rings: int, shape: Coords,
+                       links: Links) -> float:
+  """One collective's time on a TPU slice: the bytes one device ``sent`` by a ring, at ``rings`` times the
+  link's one-way rate where the group is :func:`on_a_cycle` (each ring on links of its own), at the link's
+  rate on a line (each ring's way back shares the line's links), and :data:`HOP_S` for each link a ring step
+  crosses (one on a cycle, the line's length on a line), over ``n - 1`` steps for a gather or a scatter and
+  twice that for an all-reduce (a collective-permute: one step).
+
+  Example::
+
+    >>> from nnx_zero1_plan.chips import CHIPS
+    >>> square = [(0, 0), (1, 0), (0, 1), (1, 1)]  # a 4 MB all-gather's ring bytes, 3/4 of it, on one ring
+    >>> round(collective_seconds("all-gather", 3 * 10**6, [square], 1, (2, 2), CHIPS["v6e"].links) * 1e6, 1)
+    36.3
+  """
+  n, link = len(groups[0]), links.link_bytes_per_s
+  if n < 2 or link is None:
+    return 0.0
+  if kind == "collective-permute":
+    return sent / link + HOP_S
+  wraps = [links.wrap_every is not None and s % links.wrap_every == 0 for s in shape]
+  cycle = all(on_a_cycle(g, shape, wraps) for g in groups)
+  steps = (n - 1) * (2 if kind == "all-reduce" else 1)
+  return sent / (link * (rings if cycle else 1)) + steps * (1 if cycle else n - 1) * HOP_S
+
+
+def tpu_collective_time(links: Links, dims: int, coords: Sequence[Coords] | None = None
+                        ) -> Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float]:
+  """A TPU collective's seconds from ``(kind, ring bytes one device sends, its device groups, its rings, the
+  program's devices)``, each answer kept: :func:`collective_seconds` with each device at ``coords`` (its
+  place in the slice, in the program's device order; None: the standard slice of the program's devices)."""
+
+  @functools.cache
+  def timed(kind: str, sent: int, groups: tuple[tuple[int, ...], ...], rings: int, devices: int) -> float:
+    slice_of = slice_shape(devices, dims)
+    places = list(coords or (tuple(i // math.prod(slice_of[:d]) % slice_of[d] for d in range(dims))
+                             for i in range(devices)))
+    shape = tuple(max(p[d] for p in places) + 1 for d in range(len(places[0])))
+    placed = [[places[i % len(places)] for i in g] for g in groups]  # a replica's ids past a slice's too
+    return collective_seconds(kind, sent, placed, rings, shape, links)
+
+  return timed
 
 
 def network_per_step(collectives: Collectives, chip: str, platform: str, step_time: StepTime | None = None
                      ) -> PodNetworks:
   """The bytes one device sends per step over each network of a pod, and the time each takes: the step
-  time's own (:func:`nnx_zero1_plan.predict_step_time`: the fast network's collectives walked at its ports'
-  rate, the slow network's bytes at its rate), so a row's table and its step time say one time.
+  time's own (:func:`nnx_zero1_plan.predict_step_time`: the fast network's collectives walked on their
+  links, the slow network's bytes at its rate), so a row's table and its step time say one time.
 
   Args:
     collectives: a row's ``collectives`` (:func:`nnx_zero1_plan.compiled.collectives_of` on a pod).
@@ -40,7 +151,7 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
   """
   across = collectives.across_bytes
   inside = collectives.sent_bytes - (0 if platform == "tpu" else across)
-  links = LINKS[chip]
+  links = CHIPS[chip].links
   fast_ms = None if step_time is None else round(1000 * step_time.fast_s, 1)
   slow = Network(links.slow, across, round(1000 * slow_seconds(across, links), 1))
   return PodNetworks(Network(links.fast, inside, fast_ms), slow, links.source)
@@ -52,7 +163,26 @@ def slow_seconds(nbytes: int, links: Links) -> float:
 
   Example::
 
-    >>> slow_seconds(10**9, LINKS["h100"])
+    >>> slow_seconds(10**9, CHIPS["h100"].links)
     0.02
   """
   return nbytes / links.slow_bytes_per_s
+
+
+def network_note(step_time: StepTime | None) -> str | None:
+  """A row's note where most of its predicted step waits on the networks: what that time rests on.
+
+  Example::
+
+    >>> t = StepTime("", [], compute_s=0.3, fast_network="ICI", fast_s=0.5, fast_exposed_s=0.5,
+    ...              slow_network=None, slow_s=0.0, host_s=None, host_exposed_s=0.0, unestimated_ops=0,
+    ...              clock_ghz=None, roofline_s=None)
+    >>> network_note(t)
+    'mostly network (62%): public link rates and the topology, never measured on a slice'
+  """
+  if step_time is None:
+    return None
+  network = step_time.fast_exposed_s + step_time.slow_s
+  share = network / ((network + step_time.compute_s + step_time.host_exposed_s) or 1.0)
+  return (f"mostly network ({share:.0%}): public link rates and the topology, never measured on a slice"
+          if share > 0.5 else None)

@@ -26,6 +26,7 @@ from nnx_zero1._src.companion import (
   host_copy,
   host_transfers,
   partitions,
+  replica_groups,
   ring_sent,
   shape_bytes,
   trip_count,
@@ -33,7 +34,7 @@ from nnx_zero1._src.companion import (
 )
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.networks import slow_seconds
+from nnx_zero1_plan.networks import rings_of, slow_seconds, tpu_collective_time
 from nnx_zero1_plan.row import StepTime
 
 __all__ = ["Rates", "ProgramTime", "program_time", "NOT_ESTIMATED", "rates_for",
@@ -54,18 +55,22 @@ class Rates:
 
   Attributes:
     clock_hz: the core's clock (cycles per second); None where the compiler gives no cycles.
-    network_bytes_per_s: one device's rate for a collective over a group of ``n`` devices, per direction
-      (:func:`rates_for`).
+    network_bytes_per_s: one device's rate for a collective over a group of ``n`` devices, per direction,
+      where ``collective_s`` is None (a GPU: its switch's rate whatever the group).
     host_bytes_per_s: the host link's rate each way (copies to and from host memory, each direction on its
       own lane); None where it was not measured (the copies are then counted, not timed).
     class_clocks_hz: the clock each class of work (:data:`CYCLE_CLASSES`) runs the compiler's cycles at,
       where a microbenchmark measured it on the chip; None: every cycle at ``clock_hz``.
+    collective_s: a collective's seconds on the links its groups use, from its kind, the ring bytes one
+      device sends, its device groups, the rings the compiler runs it as and the program's devices (a TPU
+      slice: :func:`nnx_zero1_plan.networks.tpu_collective_time`); None: ``network_bytes_per_s``.
   """
 
   clock_hz: float | None
   network_bytes_per_s: Callable[[int], float]
   host_bytes_per_s: float | None = None
   class_clocks_hz: Mapping[str, float] | None = None
+  collective_s: Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +201,14 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
       if collective:
         kind, result, start = collective
         n = group_size(line, devices)
-        network_s = ring_sent(kind, result, n) / rates.network_bytes_per_s(n) if n > 1 else 0.0
+        sent = ring_sent(kind, result, n)
+        if n < 2:
+          network_s = 0.0
+        elif rates.collective_s is not None:
+          groups = tuple(replica_groups(line, devices))
+          network_s = rates.collective_s(kind, sent, groups, rings_of(line), devices)
+        else:
+          network_s = sent / rates.network_bytes_per_s(n)
         w.start(m["name"], network_s, "network")
         if not start:
           w.wait(m["name"])
@@ -277,24 +289,24 @@ NO_ESTIMATE = ("the compiler gives no estimate of the program's compute (XLA's G
                "no cycles in the compiled program); not guessed from a peak rate")
 
 
-def rates_for(chip: Chip) -> Rates:
-  """The rates a chip's programs are timed at: its clock, and a collective's rate on its fast network.
+def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Rates:
+  """The rates a chip's programs are timed at: its clock, and its collectives' time on its fast network.
 
-  A TPU's ICI rate is shared among its ports; a bidirectional ring over a group sends on two of them (one
-  where the group is a pair). A GPU sends at its NVLink rate whatever the group (a switch).
+  A TPU's collective runs on the links its group's rings use in the slice
+  (:func:`nnx_zero1_plan.networks.tpu_collective_time`; ``coords``: each program device's place in the
+  slice, None for the standard slice of the program's devices; its axes, half its ports). A GPU sends at its
+  NVLink rate whatever the group (a switch).
 
   Example::
 
     >>> from nnx_zero1_plan.chips import CHIPS
-    >>> r = rates_for(CHIPS["v6e"])
-    >>> r.network_bytes_per_s(2) / 1e9, r.network_bytes_per_s(4) / 1e9
-    (100.0, 200.0)
+    >>> round(rates_for(CHIPS["v6e"]).collective_s("all-gather", 3 * 10**6, ((0, 1, 2, 3),), 1, 4) * 1e6, 1)
+    36.3
   """
-  fast, ports = chip.links.fast_bytes_per_s, chip.compute.ports
-  if ports:
-    per_port = fast / ports
-    return Rates(chip.compute.clock_hz, lambda n: per_port * (1 if n <= 2 else 2),
-                 chip.compute.host_bytes_per_s, chip.compute.class_clocks_hz)
+  fast, link, compute = chip.links.fast_bytes_per_s, chip.links.link_bytes_per_s, chip.compute
+  if link is not None:  # a TPU: a full ring's rate stands beside its collectives' own time
+    return Rates(compute.clock_hz, lambda n: 2 * link, compute.host_bytes_per_s, compute.class_clocks_hz,
+                 tpu_collective_time(chip.links, compute.ports // 2, coords))
   return Rates(chip.compute.clock_hz, lambda n: fast, chip.compute.host_bytes_per_s)
 
 
@@ -312,8 +324,8 @@ class PredictedTime:
 
 def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: int,
                       tokens_per_device: float, compute_dtype: str, slow_bytes: int = 0,
-                      scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True
-                      ) -> PredictedTime:
+                      scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True,
+                      coords: Sequence[tuple[int, ...]] | None = None) -> PredictedTime:
   """A step's predicted time on one device: its programs' walks (:func:`program_time`), each as many times
   as one step runs it, and the slow network's bytes over its rate, exposed.
 
@@ -328,6 +340,9 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
       (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None for a TPU program, which carries its own.
     deviceless: whether a GPU program was compiled without its GPU (its matmuls not autotuned: its time is
       not the tuned program's, and only its parts are kept); False on the GPU itself.
+    coords: each program device's place in a TPU slice (a compile-only device's ``coords``, in the program's
+      device order); None: the standard slice of ``devices`` chips
+      (:func:`nnx_zero1_plan.networks.slice_shape`).
 
   Returns:
     The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).
@@ -336,7 +351,7 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
   # A TPU program carries the compiler's cycles in its text; a GPU program's come from its scheduler's dump.
   if not all("estimated_cycles" in hlo or own for (_, hlo, _), own in zip(programs, estimates, strict=True)):
     return PredictedTime(time_absent=NO_ESTIMATE if scheduled is None else NO_SCHEDULE)
-  rates = rates_for(chip)
+  rates = rates_for(chip, coords)
   if rates.host_bytes_per_s is None and any(  # the step copies between host and device memory
       c["count"] for _, hlo, _ in programs for c in host_transfers(hlo).values()):
     return PredictedTime(time_absent=HOST_UNTIMED)

@@ -10,7 +10,7 @@ import jax
 import pytest
 from flax import nnx
 
-from nnx_zero1_plan.networks import LINKS
+from nnx_zero1_plan.chips import CHIPS
 from tests.support.compiled_plans import HAS_GPU_COMPILER, HAS_LIBTPU, HAS_MAXTEXT, planner_env, run_plan
 from tests.support.planner_toys import tiny_lm
 
@@ -44,7 +44,7 @@ def test_a_two_node_gpu_plan_names_the_bytes_that_cross_infiniband(tmp_path):
   # The bytes by hand, their time at the chip's InfiniBand rate (checked against the public figure in
   # tests/planner/test_slow_network.py).
   assert slow == {"network": "InfiniBand", "bytes": grads // 8,
-                  "estimate_ms": round(1000 * grads / 8 / LINKS["h100"].slow_bytes_per_s, 1)}
+                  "estimate_ms": round(1000 * grads / 8 / CHIPS["h100"].links.slow_bytes_per_s, 1)}
 
 
 @pytest.mark.skipif(not (HAS_LIBTPU and HAS_MAXTEXT),
@@ -102,7 +102,7 @@ def test_a_two_slice_plan_names_the_bytes_that_cross_the_data_center_network(tmp
   for name, row in rows.items():
     fast, slow = row["network_per_step"]["fast"], row["network_per_step"]["slow"]
     assert slow == {"network": "DCN", "bytes": sum(c["bytes"] for c in across[name].values()),
-                    "estimate_ms": round(1000 * slow["bytes"] / LINKS["v5e"].slow_bytes_per_s, 1)}
+                    "estimate_ms": round(1000 * slow["bytes"] / CHIPS["v5e"].links.slow_bytes_per_s, 1)}
     assert fast["network"] == "ICI" and fast["bytes"] == sum(
         c["bytes"] for c in row["collectives"]["sent_per_step"].values()) > 0
   assert "over the slow network per step" in (tmp_path / "plan.md").read_text()

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zero1.testing import sent_bytes
-from nnx_zero1_plan.networks import LINKS
+from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 from tests.support.docs_tables import table_under
 
@@ -93,8 +93,8 @@ def test_each_chips_link_rates_are_docs_pods_public_figures_in_words():
   checked = set()
   for chips, fast, slow, _ in rows:
     for name in _PLANNER_NAME[chips]:
-      links = LINKS[name]
+      links = CHIPS[name].links
       assert (links.fast, links.fast_bytes_per_s) == _rate(fast), name
       assert (links.slow, links.slow_bytes_per_s) == _rate(slow), name
       checked.add(name)
-  assert checked == set(LINKS)  # every chip the planner knows
+  assert checked == set(CHIPS)  # every chip the planner knows
