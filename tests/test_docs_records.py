@@ -258,8 +258,8 @@ def test_the_table_by_target_is_the_kept_measurements():
   tensor = f"{rows[0]['predicted_step_s'] * 1e3 / _SEED_MEASURED_MS['tensor parallel (tp 4)'] - 1:+.1%}"
   assert time == (f"under: {ratio['deferred', 'baseline']} and {ratio['deferred', 'zero1']} (the engine "
                   f"deferring its gradient all-reduce), {ratio['not_deferred', 'baseline']} and "
-                  f"{ratio['not_deferred', 'zero1']} (reducing every micro-batch), {tensor} (tensor parallel, "
-                  "`--mesh tensor=4`); each collective on the slice's links at public rates")
+                  f"{ratio['not_deferred', 'zero1']} (reducing every micro-batch), {tensor} (tensor "
+                  "parallel, `--mesh tensor=4`); each collective on the slice's links at public rates")
   peaks = {row[0]: row[1:] for row in table_under("docs/accuracy.md", "| GiB per chip |")}
   compiled = [float(c.strip("*")) for c in peaks["**step peak, compiled** (the larger)"]]
   measured = [float(c) for c in peaks["step peak, measured on the chips"]]
