@@ -55,10 +55,12 @@ def time_lines(rows: Sequence[Row]) -> list[str]:
   else:
     lines += [*markdown_table(_PARTS, [_parts(r) for r in timed]), "",
               f"Compute: {t.source} (clock {t.clock_ghz} GHz: the chip's public bfloat16 peak over its "
-              "matrix units' FLOPs per cycle). A collective takes its ring bytes over its network's public "
-              "rate; the schedule's async collectives overlap the compute placed between their start and "
-              "done, the rest is exposed (in brackets). The slow network's bytes are counted exposed. "
-              "Roofline: the step's matmul FLOPs over the chip's peak, a lower bound."]
+              "matrix units' FLOPs per cycle). A collective takes its ring bytes over the links its group "
+              "uses (on a TPU slice each link's public one-way rate, the rings the compiler names, 1 us a "
+              "hop; a GPU's NVLink rate), never measured on a slice; the schedule's async collectives "
+              "overlap the compute placed between their start and done, the rest is exposed (in brackets). "
+              "The slow network's bytes are counted exposed. Roofline: the step's matmul FLOPs over the "
+              "chip's peak, a lower bound."]
   return lines + [f"No predicted time: {why}." for why in absent]
 
 
