@@ -274,6 +274,8 @@ def test_the_kept_calibrated_plans_read_back_print_and_rank_by_their_calibrated_
     assert "step ms (calib.)" in said and "calib. vs measured" in said, case
     assert "calibrated on one v5e chip from 1 run (baseline at micro-batch 4 x GA 1, seq 1024)" in said
     assert tuple(record["recommendation"]["order"]) == BY_CALIBRATED, case
+    # A step at a GA its calibration did not run is said to be built otherwise (GA 4: -5.1% on the chip).
+    assert ("at GA 4, which the calibration's runs did not have" in said) == (case == "plan_calibrated_ga4")
 
 
 def test_the_docs_say_what_the_chip_measured_against_the_kept_calibration():
