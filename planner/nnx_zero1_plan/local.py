@@ -56,5 +56,4 @@ def plan_here(request: PlanRequest, progress: Callable[[str], None] | None = Non
   """The plan made where the target's chips are this machine's (:func:`devices_for`): a TPU's compiled for
   them (a GPU's deviceless, as anywhere, unless ``measure``) and, with ``measure``, the rows' programs run on
   them as they were compiled."""
-  compilers.clear_stale_lockfile()
   return plan_in_child(request, progress, local=request.platform == "tpu" or measure, measure=measure)

@@ -38,30 +38,11 @@ from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row, StateSplit
 from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.step_time import predict_step_time, rates_for
-from nnx_zero1_plan.steps import compile_split, compile_step, lever_state
+from nnx_zero1_plan.steps import StepShape, compile_split, compile_step, lever_state
 from nnx_zero1_plan.targets import Target, domain_of
 from nnx_zero1_plan.tunix_sharding import sharding_of
 
 __all__ = ["StepShape", "measured", "timed", "RowCompiler"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-  """What one compile of a step is for, besides the lever and the model.
-
-  Attributes:
-    batch: the global micro-batch, in sequences.
-    seq_len: tokens per sequence.
-    ga: micro-batches per optimizer step.
-    optimizer: the ``--optimizer`` name.
-    offload_fraction: the ``offload-fraction`` lever's share of the state in host memory.
-  """
-
-  batch: int
-  seq_len: int
-  ga: int
-  optimizer: str
-  offload_fraction: float = 0.0
 
 
 def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: StepShape,
@@ -125,7 +106,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     at += f", {shape.offload_fraction:.0%} of the state offloaded"
   # A one-program step compiled whole is kept for its run (--measure), and a second row of it reads it back.
   kept = timing.programs if timing is not None and step == "one" and depth is None else None
-  key = (lever_name, id(source), shape)
+  key = _program_key(lever_name, source, shape)
   program = None if kept is None else kept.get(key)
   if program is None:
     say(f"compiling {at} ...")
@@ -151,8 +132,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
       elif step == "one":
         compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
         if kept is not None:
-          kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), shape.optimizer, mesh,
-                              state, shape.batch, shape.seq_len, shape.ga)
+          kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape)
       else:
         grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
       scheduled = read()
@@ -176,6 +156,11 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
                                 compile_s=seconds)
   return timed(figures, programs, shape, timing, scheduled)
+
+
+def _program_key(lever: str, source: Any, shape: StepShape) -> tuple[str, int, StepShape]:
+  """Where a kept program is found: its lever, its model (under one remat policy: one source) and shape."""
+  return lever, id(source), shape
 
 
 _ESTIMATED_TIME = "an estimate: its time extrapolated per layer, its parts and MFU not"
@@ -204,7 +189,7 @@ class RowCompiler:
 
   def program(self, lever: str, model: PlannedModel, shape: StepShape) -> Program | None:
     """The kept program of ``lever``'s one-program step at ``shape`` (None: not compiled, or not kept)."""
-    return (self.programs or {}).get((lever, id(model.source_at(shape.batch)), shape))
+    return (self.programs or {}).get(_program_key(lever, model.source_at(shape.batch), shape))
 
   def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
           remat: str | None = None) -> Row:

@@ -5,11 +5,11 @@ by, and after the plan each fitting row's programs (and the recommended point) r
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
+from nnx_zero1_plan import compilers
 from nnx_zero1_plan.calibrated_time import calibrate, read_program
 from nnx_zero1_plan.calibration import Calibration
 from nnx_zero1_plan.chips import CHIPS
@@ -23,13 +23,6 @@ from nnx_zero1_plan.row import Measured, Row
 from nnx_zero1_plan.step_time import rates_for
 
 __all__ = ["first_calibration", "measured_rows", "said_measured"]
-
-
-def _libtpu() -> str | None:
-  try:
-    return importlib.metadata.version("libtpu")
-  except importlib.metadata.PackageNotFoundError:  # a TPU VM's jax may carry its own, unnamed
-    return None
 
 
 def first_calibration(compiler: RowCompiler, rows: Sequence[tuple[str | None, str]],
@@ -60,7 +53,8 @@ def first_calibration(compiler: RowCompiler, rows: Sequence[tuple[str | None, st
     chip = compiler.target.chip
     priced = read_program(program.compiled.as_text(), rates_for(CHIPS[chip]))
     calibration = calibrate(priced, ops, lever=lever, micro_batch=row.batch, ga=ga, seq_len=request.seq_len,
-                            step_s=run.step_s, chip=chip, jax=jax.__version__, libtpu=_libtpu())
+                            step_s=run.step_s, chip=chip, jax=jax.__version__,
+                            libtpu=compilers.require_libtpu())
     say(f"calibrated on {at}: {run.step_s * 1e3:,.1f} ms measured")
     return calibration
   return None

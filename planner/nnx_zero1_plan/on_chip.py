@@ -16,9 +16,10 @@ import jax
 from jax.sharding import Mesh
 
 from nnx_zero1_plan.abstract import AbstractState
+from nnx_zero1_plan.inputs import error_line
 from nnx_zero1_plan.levers import Lever
 from nnx_zero1_plan.row import Measured, Row
-from nnx_zero1_plan.steps import placed_batch, placed_state, run_steps
+from nnx_zero1_plan.steps import StepShape, placed_batch, placed_state, run_steps
 
 __all__ = ["WARMUP", "TIMED", "PROFILED", "Program", "measured_batches", "run_program", "device_ops",
            "profiled"]
@@ -38,22 +39,18 @@ class Program:
     compile_s: the compile's seconds.
     lever: the lever whose step it is.
     build: builds the model (the row's depth).
-    optimizer: the ``--optimizer`` name.
     mesh: the devices' mesh.
     state: the abstract state it was compiled for (its shardings are the run's).
-    batch, seq_len, ga: the step's micro-batch, tokens per sequence and micro-batches.
+    shape: the micro-batch, sequence length, GA and optimizer it was compiled for.
   """
 
   compiled: Any
   compile_s: float
   lever: Lever
   build: Callable[[], Any]
-  optimizer: str
   mesh: Mesh
   state: AbstractState
-  batch: int
-  seq_len: int
-  ga: int
+  shape: StepShape
 
 
 def measured_batches(row: Row) -> tuple[int, ...]:
@@ -85,11 +82,12 @@ def run_program(program: Program, profile: bool = False) -> tuple[Measured, dict
     steps did not run).
   """
   mesh = program.mesh
+  shape = program.shape
   try:
-    _, state = placed_state(program.lever, program.build, program.optimizer, mesh, program.state)
-    tokens = placed_batch(program.lever, mesh, program.batch, program.seq_len, program.ga)
+    _, state = placed_state(program.lever, program.build, shape.optimizer, mesh, program.state)
+    tokens = placed_batch(program.lever, mesh, shape.batch, shape.seq_len, shape.ga)
   except (jax.errors.JaxRuntimeError, ValueError) as e:  # the state does not fit beside what is held
-    return Measured(program.batch, None, error=str(e).strip().splitlines()[0][:300]), None
+    return Measured(shape.batch, None, error=error_line(e)), None
   state, runs = run_steps(program.compiled, state, tokens, warmup=WARMUP, timed=TIMED)
   ops = None
   if profile and runs.error is None:
@@ -100,7 +98,7 @@ def run_program(program: Program, profile: bool = False) -> tuple[Measured, dict
 
     ops = profiled(step, PROFILED)
   del state  # its memory back before the next run
-  return Measured(program.batch, runs.step_s, runs.held_bytes, runs.error), ops
+  return Measured(shape.batch, runs.step_s, runs.held_bytes, runs.error), ops
 
 
 def device_ops(xplane: str, runs: int) -> dict[str, Any]:

@@ -28,9 +28,28 @@ from nnx_zero1_plan.levers import Lever, state_axes, summed_over
 from nnx_zero1_plan.mesh_axes import batch_axes
 from nnx_zero1_plan.request import OPTIMIZER_MENU
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batch", "step_jit",
+__all__ = ["StepShape", "OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batch", "step_jit",
            "compile_step", "compile_split", "lever_state", "placed_state", "placed_batch", "StepRuns",
            "run_steps"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+  """What one compile of a step is for, besides the lever and the model.
+
+  Attributes:
+    batch: the global micro-batch, in sequences.
+    seq_len: tokens per sequence.
+    ga: micro-batches per optimizer step.
+    optimizer: the ``--optimizer`` name.
+    offload_fraction: the ``offload-fraction`` lever's share of the state in host memory.
+  """
+
+  batch: int
+  seq_len: int
+  ga: int
+  optimizer: str
+  offload_fraction: float = 0.0
 
 
 def _menu_transformation(name: str) -> Callable[..., optax.GradientTransformation]:

@@ -171,6 +171,10 @@ def test_one_run_within_five_percent_but_across_a_loop_the_scanned_model_or_the_
   assert (f"{len(errors) - len(misses)} of the {len(errors)} pairs are within 5%; every pair of the "
           f"{len(INDEX) - len(apart)} others within {max(alike):.1%}") in said
   assert f"the worst, {errors[worst]:+.1%} ({name(worst[1])} calibrated on {name(worst[0])})" in said
+  readme = " ".join((DOCS.parents[1] / "README.md").read_text().split())
+  assert (f"the other steps of the model built alike came within {max(alike):.1%} of the chip, those built "
+          f"differently (an accumulation loop, a scan, the largest micro-batch) up to "
+          f"{math.ceil(abs(errors[worst]) * 100)}%") in readme
 
 
 def test_two_runs_the_smallest_and_the_largest_micro_batch():
