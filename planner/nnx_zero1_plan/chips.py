@@ -38,9 +38,8 @@ class Compute:
       (copies to and from host memory are then counted, not timed).
     source: where the figures come from.
     class_clocks_hz: the clock the TPU compiler's cycles run at on the chip, by class of work (bfloat16 and
-      float32 matmuls, the vector unit's), each measured by lone programs on the chip
-      (``benchmarks.chip_rates``, kept in ``docs/data/device_v5e``); None where not measured (every cycle
-      at :attr:`clock_hz`).
+      float32 matmuls, the vector unit's), measured on the chip (``benchmarks.chip_rates``); None where not
+      measured (every cycle at :attr:`clock_hz`).
   """
 
   peak_flops_per_s: dict[str, float]
@@ -59,18 +58,14 @@ class Compute:
       >>> round(CHIPS["v6e"].compute.clock_hz / 1e9, 3)
       1.751
     """
-    if self.mxu_flops_per_cycle is None:
-      return None
-    return self.peak_flops_per_s["bfloat16"] / self.mxu_flops_per_cycle
+    cycle = self.mxu_flops_per_cycle
+    return None if cycle is None else self.peak_flops_per_s["bfloat16"] / cycle
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuChip:
-  """One NVIDIA part's public figures, what XLA's GPU cost model and compiler read.
-
-  From NVIDIA's data sheets and CUDA's per-compute-capability limits; the device memory is the total that
-  ``cudaMemGetInfo`` / ``nvidia-smi`` reports for the part, in bytes.
-  """
+  """One NVIDIA part's public figures, what XLA's GPU cost model and compiler read: its data sheet's, CUDA's
+  per-compute-capability limits, and the memory ``nvidia-smi`` reports for it, in bytes."""
 
   description: str  # the device_kind jax reports for it
   compute_capability: tuple[int, int]
@@ -146,6 +141,5 @@ def chip_of(device_kind: str) -> str | None:
     >>> chip_of("TPU v5 lite"), chip_of("NVIDIA H100 80GB HBM3"), chip_of("cpu")
     ('v5e', 'h100', None)
   """
-  if device_kind in TPU_KINDS:
-    return TPU_KINDS[device_kind]
-  return next((name for name, c in CHIPS.items() if c.gpu and c.gpu.description == device_kind), None)
+  gpus = (name for name, c in CHIPS.items() if c.gpu and c.gpu.description == device_kind)
+  return TPU_KINDS.get(device_kind) or next(gpus, None)
