@@ -62,13 +62,11 @@ def __getattr__(name: str) -> Any:
 
 
 def compile_only_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, ...]:
-  """The devices the planner compiles for: ``topology``'s chips, which compile but never run, to check a
-  plan's printed code on (its ``devices = jax.devices()`` line becomes
-  ``devices = compile_only_devices(...)``, and ``jax.jit(step).lower(...).compile()`` gives the figures the
-  plan gave).
+  """``topology``'s chips, which compile but never run: a plan's printed code, its ``jax.devices()`` made
+  ``compile_only_devices(...)``, compiles to the figures the plan gave.
 
-  Makes this process a planning process: jax kept on its CPU backend (nothing runs here on an accelerator)
-  and the compilers' environment set, so call it before jax has started any other backend.
+  Makes this process a planning process (jax on its CPU backend, the compilers' environment set): call it
+  before jax starts any other backend.
 
   Args:
     topology: a TPU slice (``v5e:2x4``) or NVIDIA GPUs (``h100:8``, ``h100:2x8``), as ``--topology``.

@@ -94,11 +94,8 @@ def state_split(tree: Any, data_axes: tuple[str, ...]) -> dict[str, float]:
 
 
 def with_state_homes(shardings: Any, optimizer: Any) -> Any:
-  """``shardings`` of a split (model, optimizer) with the optimizer state where its plan keeps it.
-
-  ``nnx.eval_shape`` keeps a leaf's layout but not its memory kind, so an
-  offloaded optimizer's state would otherwise be compiled as device-resident.
-  """
+  """``shardings`` of a split (model, optimizer) with the optimizer state where its plan keeps it
+  (``nnx.eval_shape`` keeps a leaf's layout, not its memory kind: offloaded state would compile on device)."""
   plan = getattr(optimizer, "zero1_plan", None)
   if plan is None or not plan.offload_state:
     return shardings
@@ -141,9 +138,8 @@ class AbstractState:
 
 
 def abstract_state(build: Callable[[], tuple[Any, Any]], mesh: Mesh) -> AbstractState:
-  """``build() -> (model, optimizer)`` traced on ``mesh``; each leaf's sharding from its metadata.
-
-  Leaves the metadata places nowhere (optax's scalar count) are replicated on the mesh.
+  """``build() -> (model, optimizer)`` traced on ``mesh``; each leaf's sharding from its metadata, replicated
+  where it names none (optax's scalar count).
 
   Example::
 
