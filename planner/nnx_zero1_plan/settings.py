@@ -23,9 +23,8 @@ class PlanSettings:
   compilers.
 
   Attributes:
-    request: the request as the plan resolved it (every mesh axis sized, the micro-batch set); plan.json
-      writes its settings by their flags' names (``model``, ``mesh``, ``batch``, ..., ``levers``, ``steps``
-      with what each is, ``gpu_memory_fraction`` None on a TPU).
+    request: the request as the plan resolved it; plan.json writes its settings by their flags' names
+      (``steps`` with what each is, ``gpu_memory_fraction`` None on a TPU).
     layers: the model's depth (a MaxText model's from the config its rows compiled; None where unknown).
     device_kind: jax's name for the chip.
     batch_default: the sentence that states the default micro-batch, where ``--batch`` was not given.
@@ -83,9 +82,8 @@ class PlanSettings:
         object.__setattr__(self, name, tuple(value))
 
   def to_json(self) -> dict[str, Any]:
-    """plan.json's ``meta``: the request's settings and the other fields, in plan.json's order (tuples as
-    lists; the keys in ``absent`` left out). A value JSON has no type for is left as it is, for ``json.dump``
-    to refuse."""
+    """plan.json's ``meta``, in its order (tuples as lists, the keys in ``absent`` left out); a value JSON has
+    no type for is left as it is, for ``json.dump`` to refuse."""
     r = self.request
     fields = {**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)},
               **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
