@@ -42,7 +42,6 @@ def devices_for(request: PlanRequest, measure: bool = False) -> LocalDevices | N
   if measure and request.model_ref.kind == "maxtext":
     raise PlanError("--measure runs the planner's own step; a maxtext: model's runs in MaxText's engine "
                     "(time it with MaxText's train)")
-  # --measure always asks (a refusal names what jax sees); a plan only where the chips' device files are.
   local = local_devices() if measure or chips_may_be_here(request.platform) else None
   why = not_the_target(local, request.topology, request.slices)
   if why and measure:
