@@ -110,9 +110,8 @@ def plan(model: str | PlanRequest, topology: str | None = None, *,
     **settings: the other fields of :class:`PlanRequest` by name (``batch``, ``search``, ``margin``, ...).
 
   Returns:
-    A :class:`Plan`: ``rows`` (one :class:`Row` per lever and step), ``meta`` (the settings as planned, a
-    :class:`PlanSettings`: ``result.meta.request.batch``), ``recommendation`` (the lever, micro-batch, code
-    and command to run, by a stated order), ``next_steps``; ``str()`` is the table.
+    The :class:`Plan`: its rows, its settings as planned (``result.meta.request.batch``), the
+    recommendation and what to try next; ``str()`` is the table.
 
   Raises:
     PlanError: an unknown model, topology, lever, optimizer or mesh axis, a mesh that does not match,

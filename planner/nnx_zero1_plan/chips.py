@@ -1,7 +1,6 @@
 """Every chip the planner knows, in one table. Each figure is its maker's published one, as docs/planner.md's
-compute table and docs/pods.md's network table word it (held to them by tests, which say why where a page
-disagrees with itself), or measured on the chip (the v5e's clocks and the slower direction of its host link:
-``Compute.source``). A TPU needs none of them to compile: libtpu knows its own chips."""
+compute table and docs/pods.md's network table word it (held to them by tests), or measured on the chip (the
+v5e's clocks, its host link's slower way: ``Compute.source``). A TPU compiles without them (libtpu's own)."""
 
 from __future__ import annotations
 

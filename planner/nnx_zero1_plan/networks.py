@@ -124,8 +124,7 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
     step_time: the row's predicted step's parts (None where the compiler gave no estimate: no fast time).
 
   Returns:
-    The :class:`~nnx_zero1_plan.row.PodNetworks`: each network's name, bytes and ``estimate_ms`` (the fast
-    one's None where there is no step time).
+    The :class:`~nnx_zero1_plan.row.PodNetworks`: each network's name, bytes and ``estimate_ms``.
 
   Example::
 

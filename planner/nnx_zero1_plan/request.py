@@ -117,9 +117,8 @@ class PlanRequest:
       (``h100:8``, ``h200:8``, ``a100-80g:8``, ``b200:8``; ``h100:2x8`` for two nodes).
     mesh: ``"data=4,fsdp=2"``; an axis the model names but this omits has size 1, and the
       default is every device on ``data``. The sizes' product must be the device count.
-    batch: the global micro-batch, in sequences; by default (None) the smallest multiple of the batch
-      axes' size (``replica`` x ``data`` x ``fsdp``) of at least 8, stated in the plan's meta
-      (``batch_default``).
+    batch: the global micro-batch, in sequences; by default (None) the smallest multiple of the batch axes'
+      size (``replica`` x ``data`` x ``fsdp``) of at least 8, stated in the plan's meta (``batch_default``).
     seq_len: tokens per sequence.
     ga: micro-batches per optimizer step.
     param_dtype: the parameters' dtype (``tunix:`` models; MaxText's ``weight_dtype``).
@@ -128,8 +127,7 @@ class PlanRequest:
       ``remat_policy``); several, comma-separated, compile each lever under each (a row apiece, and
       with ``search`` a largest micro-batch apiece).
     optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
-    levers: names from the lever table (:data:`nnx_zero1_plan.levers.LEVERS`), a list or one comma-separated
-      string.
+    levers: names from :data:`nnx_zero1_plan.levers.LEVERS`, a list or one comma-separated string.
     steps: ``one``, ``split`` (what each is: :data:`STEPS`; a split step's rows add the update program's
       peak, flops and bytes accessed), or both.
     overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.

@@ -12,8 +12,7 @@ from nnx_zero1_plan.request import STEPS, ResolvedRequest
 
 __all__ = ["PlanSettings", "ADDED_LATER"]
 
-# The keys a plan kept before the planner wrote them lacks (plan.json written by an older planner); any other
-# missing key is an error.
+# The keys a plan.json written by an older planner may lack; any other missing key is an error.
 ADDED_LATER = ("batch_default", "tunix_sharding", "gpus_per_node", "maxtext_deferral", "global_batch")
 
 
@@ -38,10 +37,9 @@ class PlanSettings:
     depth_extrapolated_from: the reduced depths an estimate's first row was compiled at (None: whole).
     batch_unit: the batch axes' size; a micro-batch is a multiple of it.
     domains: the slices or nodes the target's devices sit in.
-    activation_sharding: a ``tunix:`` model's activation specs (``"none"`` without them; None for other
-      models).
-    absent: the keys of :data:`ADDED_LATER` a plan kept before the planner wrote them lacks: :meth:`to_json`
-      leaves them out, as that plan.json has them (empty for a new plan; the request holds its defaults).
+    activation_sharding: a ``tunix:`` model's activation specs (``"none"`` without them; None otherwise).
+    absent: the keys of :data:`ADDED_LATER` an older plan.json lacks, which :meth:`to_json` leaves out too
+      (empty for a new plan; the request holds their defaults).
 
   Example::
 
