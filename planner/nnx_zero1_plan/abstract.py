@@ -42,11 +42,8 @@ def abstract_bytes_per_device(tree: Any) -> int:
     >>> abstract_bytes_per_device({"m": s})
     32
   """
-  total = 0
-  for x in jax.tree.leaves(tree):
-    shape = x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
-    total += _bytes(shape, x.dtype)
-  return total
+  shard = lambda x: x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
+  return sum(_bytes(shard(x), x.dtype) for x in jax.tree.leaves(tree))
 
 
 def bytes_by_memory_kind(tree: Any) -> dict[str, int]:

@@ -64,11 +64,10 @@ def run_worker(verb: str, job: str | None, env: Mapping[str, str], *, flags: Seq
         other.append(line.rstrip("\n"))
         continue
       said = json.loads(line[len(MARK):])
-      if "progress" in said:
-        if progress:
-          progress(said["progress"])
-      else:
+      if "progress" not in said:
         message = said
+      elif progress:
+        progress(said["progress"])
     child.wait()
     if killer:
       killer.cancel()
