@@ -89,7 +89,7 @@ class Chip:
 
 
 _GBIT = 1e9 / 8
-_MXU = lambda units, side: units * side * side * 2  # noqa: E731 - FLOPs per cycle of `units` side x side arrays
+_MXU = lambda units, side: units * side * side * 2  # FLOPs per cycle of `units` side x side arrays
 _TPU = "float32 matmuls run as bfloat16 passes (jax's default precision on TPU)"
 # Each TPU's Links' last two: How to Scale Your Model (jax-ml/scaling-book), tpus.md's ICI table after its
 # correction (one way: v5e 4.5e10, v6e 9e10, v5p 9e10 bytes/s) and its footnote (wraparound "on inference
@@ -103,8 +103,7 @@ CHIPS: dict[str, Chip] = {
                         f"cloud.google.com/tpu/docs/v5e; {_TPU}; clocks and host link measured on the chip "
                         "(docs/data/device_v5e/run2/chip_rates)",
                         {"matmul-bf16": 1.572e9, "matmul-f32": 1.522e9, "vector": 2.628e9})),
-    "v6e": Chip(Links("ICI", 3200 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e",
-                      9e10, 16),
+    "v6e": Chip(Links("ICI", 3200 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e", 9e10, 16),
                 Compute({"bfloat16": 918e12, "float32": 918e12}, _MXU(4, 256), 4, None,
                         f"cloud.google.com/tpu/docs/v6e; {_TPU}")),
     "v5p": Chip(Links("ICI", 600e9, "DCN", 50 * _GBIT, "cloud.google.com/tpu/docs/v5p", 9e10, 4),

@@ -242,8 +242,8 @@ class PlanRequest:
       object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
 
   def _check_global_batch(self, kind: str, global_batch: int) -> None:
-    # A plan splits global_batch into the micro-batch and GA: nothing else may choose either (a resolved
-    # request holds those the plan chose).
+    """Refuses what may not come with ``global_batch``: a plan splits it into the micro-batch and GA (a
+    resolved request holds those it chose)."""
     if global_batch < 1:
       raise PlanError(f"--global-batch is sequences per optimizer step, >= 1; got {global_batch}")
     given = [flag for flag, on in (("--batch", self.batch is not None), ("--ga", self.ga != 1),

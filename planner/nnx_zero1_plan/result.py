@@ -74,8 +74,7 @@ class Plan:
     m = self.meta
     limit = limit_words(m.request.margin, m.hbm_bytes, m.usable_bytes)
     return [*recommendation_lines(self.recommendation, limit, search=m.request.search,
-                                  estimate=m.request.estimate),
-            *way_out_lines(self.way_out)]
+                                  estimate=m.request.estimate), *way_out_lines(self.way_out)]
 
   def to_record(self) -> dict[str, Any]:
     """The plan as plan.json holds it (:meth:`from_record` reads it back)."""
