@@ -152,7 +152,7 @@ class PlanRequest:
     maxtext_deferral: a ``maxtext:`` model's data-parallel all-reduce: ``auto`` (MaxText's engine's own
       choice: deferred to ``update``, once per step, under ``shard_mode=explicit`` on a pure data mesh) or
       ``off`` (in every micro-batch, as its engine did before it deferred).
-    calibration: kept calibrations of this model on the target's chip (a ``--measure`` plan.json or its folder;
+    calibration: kept calibrations of this model on the target chip (a ``--measure`` plan.json or its folder,
       several comma-separated, combined), each row also timed by them (:mod:`nnx_zero1_plan.calibration`).
     global_batch: sequences per optimizer step: the plan splits it for each lever into the micro-batch and GA
       that fit and train fastest (its whole compiles, largest micro-batch first), each row at that split.
