@@ -62,13 +62,11 @@ def __getattr__(name: str) -> Any:
 
 
 def compile_only_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, ...]:
-  """The devices the planner compiles for: ``topology``'s chips, which compile but never run, to check a
-  plan's printed code on (its ``devices = jax.devices()`` line becomes
-  ``devices = compile_only_devices(...)``, and ``jax.jit(step).lower(...).compile()`` gives the figures the
-  plan gave).
+  """``topology``'s chips, which compile but never run: a plan's printed code, its ``jax.devices()`` made
+  ``compile_only_devices(...)``, compiles to the figures the plan gave.
 
-  Makes this process a planning process: jax kept on its CPU backend (nothing runs here on an accelerator)
-  and the compilers' environment set, so call it before jax has started any other backend.
+  Makes this process a planning process (jax on its CPU backend, the compilers' environment set): call it
+  before jax starts any other backend.
 
   Args:
     topology: a TPU slice (``v5e:2x4``) or NVIDIA GPUs (``h100:8``, ``h100:2x8``), as ``--topology``.
@@ -112,9 +110,8 @@ def plan(model: str | PlanRequest, topology: str | None = None, *,
     **settings: the other fields of :class:`PlanRequest` by name (``batch``, ``search``, ``margin``, ...).
 
   Returns:
-    A :class:`Plan`: ``rows`` (one :class:`Row` per lever and step), ``meta`` (the settings as planned, a
-    :class:`PlanSettings`: ``result.meta.request.batch``), ``recommendation`` (the lever, micro-batch, code
-    and command to run, by a stated order), ``next_steps``; ``str()`` is the table.
+    The :class:`Plan`: its rows, its settings as planned (``result.meta.request.batch``), the
+    recommendation and what to try next; ``str()`` is the table.
 
   Raises:
     PlanError: an unknown model, topology, lever, optimizer or mesh axis, a mesh that does not match,

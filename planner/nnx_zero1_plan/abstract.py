@@ -42,11 +42,8 @@ def abstract_bytes_per_device(tree: Any) -> int:
     >>> abstract_bytes_per_device({"m": s})
     32
   """
-  total = 0
-  for x in jax.tree.leaves(tree):
-    shape = x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
-    total += _bytes(shape, x.dtype)
-  return total
+  shard = lambda x: x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
+  return sum(_bytes(shard(x), x.dtype) for x in jax.tree.leaves(tree))
 
 
 def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
@@ -94,11 +91,8 @@ def state_split(tree: Any, data_axes: tuple[str, ...]) -> dict[str, float]:
 
 
 def with_state_homes(shardings: Any, optimizer: Any) -> Any:
-  """``shardings`` of a split (model, optimizer) with the optimizer state where its plan keeps it.
-
-  ``nnx.eval_shape`` keeps a leaf's layout but not its memory kind, so an
-  offloaded optimizer's state would otherwise be compiled as device-resident.
-  """
+  """``shardings`` of a split (model, optimizer) with the optimizer state where its plan keeps it
+  (``nnx.eval_shape`` keeps a leaf's layout, not its memory kind: offloaded state would compile on device)."""
   plan = getattr(optimizer, "zero1_plan", None)
   if plan is None or not plan.offload_state:
     return shardings
@@ -141,9 +135,8 @@ class AbstractState:
 
 
 def abstract_state(build: Callable[[], tuple[Any, Any]], mesh: Mesh) -> AbstractState:
-  """``build() -> (model, optimizer)`` traced on ``mesh``; each leaf's sharding from its metadata.
-
-  Leaves the metadata places nowhere (optax's scalar count) are replicated on the mesh.
+  """``build() -> (model, optimizer)`` traced on ``mesh``; each leaf's sharding from its metadata, replicated
+  where it names none (optax's scalar count).
 
   Example::
 

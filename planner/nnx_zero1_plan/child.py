@@ -1,8 +1,6 @@
-"""The parent's side of the planner's child processes. A plan is made in a child process (``python -m
-nnx_zero1_plan.worker``): the compilers need one prepared for them (the CUDA plugin and libtpu told there is
-no device: :data:`nnx_zero1_plan.compilers.ENV` over the caller's own values), a notebook's or a trainer's
-process must stay as it was, its GPUs visible, and one process at a time may hold a TPU. The child answers on
-lines of their own that start with :data:`MARK`; its side is :mod:`nnx_zero1_plan.worker`."""
+"""The parent's side of the planner's child processes (:mod:`nnx_zero1_plan.worker` is theirs). A plan is made
+in a child process: the compilers need one prepared for them (:data:`nnx_zero1_plan.compilers.ENV`), the
+caller's process must stay as it was, its GPUs visible, and one process at a time may hold a TPU."""
 
 from __future__ import annotations
 
@@ -33,11 +31,6 @@ class Answer:
   message: dict[str, Any] | None
   other: tuple[str, ...]
   returncode: int | None
-
-  @property
-  def why_none(self) -> str:
-    """The child's last line of other output (or its exit status): why it gave no answer."""
-    return self.other[-1][:300] if self.other else f"exit {self.returncode}"
 
 
 def run_worker(verb: str, job: str | None, env: Mapping[str, str], *, flags: Sequence[str] = (),
@@ -71,11 +64,10 @@ def run_worker(verb: str, job: str | None, env: Mapping[str, str], *, flags: Seq
         other.append(line.rstrip("\n"))
         continue
       said = json.loads(line[len(MARK):])
-      if "progress" in said:
-        if progress:
-          progress(said["progress"])
-      else:
+      if "progress" not in said:
         message = said
+      elif progress:
+        progress(said["progress"])
     child.wait()
     if killer:
       killer.cancel()
@@ -123,6 +115,5 @@ def child_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def say(message: Any) -> None:
-  """A child process's answer, on a line of its own that starts with :data:`MARK` (the worker's side of the
-  line :func:`run_worker` reads)."""
+  """A child process's answer, on a line of its own that starts with :data:`MARK`, for :func:`run_worker`."""
   print(MARK + json.dumps(message), flush=True)

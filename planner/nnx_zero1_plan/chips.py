@@ -1,7 +1,6 @@
 """Every chip the planner knows, in one table. Each figure is its maker's published one, as docs/planner.md's
-compute table and docs/pods.md's network table word it (held to them by tests, which say why where a page
-disagrees with itself), or measured on the chip (the v5e's clocks and the slower direction of its host link:
-``Compute.source``). A TPU needs none of them to compile: libtpu knows its own chips."""
+compute table and docs/pods.md's network table word it (held to them by tests), or measured on the chip (the
+v5e's clocks, its host link's slower way: ``Compute.source``). A TPU compiles without them (libtpu's own)."""
 
 from __future__ import annotations
 
@@ -38,9 +37,8 @@ class Compute:
       (copies to and from host memory are then counted, not timed).
     source: where the figures come from.
     class_clocks_hz: the clock the TPU compiler's cycles run at on the chip, by class of work (bfloat16 and
-      float32 matmuls, the vector unit's), each measured by lone programs on the chip
-      (``benchmarks.chip_rates``, kept in ``docs/data/device_v5e``); None where not measured (every cycle
-      at :attr:`clock_hz`).
+      float32 matmuls, the vector unit's), measured on the chip (``benchmarks.chip_rates``); None where not
+      measured (every cycle at :attr:`clock_hz`).
   """
 
   peak_flops_per_s: dict[str, float]
@@ -59,18 +57,14 @@ class Compute:
       >>> round(CHIPS["v6e"].compute.clock_hz / 1e9, 3)
       1.751
     """
-    if self.mxu_flops_per_cycle is None:
-      return None
-    return self.peak_flops_per_s["bfloat16"] / self.mxu_flops_per_cycle
+    cycle = self.mxu_flops_per_cycle
+    return None if cycle is None else self.peak_flops_per_s["bfloat16"] / cycle
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuChip:
-  """One NVIDIA part's public figures, what XLA's GPU cost model and compiler read.
-
-  From NVIDIA's data sheets and CUDA's per-compute-capability limits; the device memory is the total that
-  ``cudaMemGetInfo`` / ``nvidia-smi`` reports for the part, in bytes.
-  """
+  """One NVIDIA part's public figures, what XLA's GPU cost model and compiler read: its data sheet's, CUDA's
+  per-compute-capability limits, and the memory ``nvidia-smi`` reports for it, in bytes."""
 
   description: str  # the device_kind jax reports for it
   compute_capability: tuple[int, int]
@@ -95,7 +89,7 @@ class Chip:
 
 
 _GBIT = 1e9 / 8
-_MXU = lambda units, side: units * side * side * 2  # noqa: E731 - FLOPs per cycle of `units` side x side arrays
+_MXU = lambda units, side: units * side * side * 2  # FLOPs per cycle of `units` side x side arrays
 _TPU = "float32 matmuls run as bfloat16 passes (jax's default precision on TPU)"
 # Each TPU's Links' last two: How to Scale Your Model (jax-ml/scaling-book), tpus.md's ICI table after its
 # correction (one way: v5e 4.5e10, v6e 9e10, v5p 9e10 bytes/s) and its footnote (wraparound "on inference
@@ -109,8 +103,7 @@ CHIPS: dict[str, Chip] = {
                         f"cloud.google.com/tpu/docs/v5e; {_TPU}; clocks and host link measured on the chip "
                         "(docs/data/device_v5e/run2/chip_rates)",
                         {"matmul-bf16": 1.572e9, "matmul-f32": 1.522e9, "vector": 2.628e9})),
-    "v6e": Chip(Links("ICI", 3200 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e",
-                      9e10, 16),
+    "v6e": Chip(Links("ICI", 3200 * _GBIT, "DCN", 800 / 8 * _GBIT, "cloud.google.com/tpu/docs/v6e", 9e10, 16),
                 Compute({"bfloat16": 918e12, "float32": 918e12}, _MXU(4, 256), 4, None,
                         f"cloud.google.com/tpu/docs/v6e; {_TPU}")),
     "v5p": Chip(Links("ICI", 600e9, "DCN", 50 * _GBIT, "cloud.google.com/tpu/docs/v5p", 9e10, 4),
@@ -146,6 +139,5 @@ def chip_of(device_kind: str) -> str | None:
     >>> chip_of("TPU v5 lite"), chip_of("NVIDIA H100 80GB HBM3"), chip_of("cpu")
     ('v5e', 'h100', None)
   """
-  if device_kind in TPU_KINDS:
-    return TPU_KINDS[device_kind]
-  return next((name for name, c in CHIPS.items() if c.gpu and c.gpu.description == device_kind), None)
+  gpus = (name for name, c in CHIPS.items() if c.gpu and c.gpu.description == device_kind)
+  return TPU_KINDS.get(device_kind) or next(gpus, None)

@@ -17,8 +17,7 @@ __all__ = ["MEASURED_ERROR", "NEAR", "NEAR_LIMIT", "WHOLE_OVER_ESTIMATE_UP_TO", 
            "extrapolate", "extrapolate_row", "near_the_limit", "not_alike"]
 
 # What an estimate missed where the whole program was compiled too (TPU compiler, libtpu 0.0.50.1): the
-# whole program's peak over the estimate's. Every estimated row carries this, so a reader sees how far off
-# its figures have been; the flags' help and the tables quote the same number.
+# whole program's peak over the estimate's, carried by every estimated row and quoted by the flags' help.
 WHOLE_OVER_ESTIMATE_UP_TO = 1.36
 MEASURED_ERROR: dict[str, Any] = {
     "whole_peak_over_estimate_up_to": WHOLE_OVER_ESTIMATE_UP_TO,
@@ -52,9 +51,7 @@ def extrapolate(at_d1: float, at_d2: float, d1: int, d2: int, depth: int) -> int
 
 def extrapolate_row(r1: _Record, r2: _Record, d1: int, d2: int, depth: int, keys: Sequence[str]) -> _Record:
   """Record ``r2`` (a frozen dataclass: a row's figures) with each of ``keys`` (numbers, or records or dicts
-  of numbers, nested) extrapolated to ``depth``.
-
-  A key whose value is None in either record stays None (a compile that was refused).
+  of numbers, nested) extrapolated to ``depth``; None in either record (a refused compile) stays None.
 
   Example::
 

@@ -15,13 +15,8 @@ GPU_CHIPS: dict[str, GpuChip] = {name: chip.gpu for name, chip in CHIPS.items() 
 
 
 def target_config(chip: GpuChip) -> str:
-  """The chip as XLA's ``GpuTargetConfig`` text proto (CUDA 13 runtime, cuDNN 9.7).
-
-  Args:
-    chip: one of :data:`GPU_CHIPS`.
-
-  Returns:
-    The proto's text, for ``get_topology_desc(platform="cuda", target_config=...)``.
+  """``chip`` (one of :data:`GPU_CHIPS`) as XLA's ``GpuTargetConfig`` text proto (CUDA 13 runtime, cuDNN 9.7),
+  for ``get_topology_desc(platform="cuda", target_config=...)``.
 
   Example::
 

@@ -33,7 +33,7 @@ def _window(spec: str) -> list[tuple[int, int, int, tuple[int, int], int, int]]:
   if "size" not in fields:
     return []
   sizes = [int(d) for d in fields["size"].split("x")]
-  each = lambda key: [int(d) for d in fields[key].split("x")] if key in fields else [1] * len(sizes)  # noqa: E731
+  each = lambda key: [int(d) for d in fields[key].split("x")] if key in fields else [1] * len(sizes)
   pads = ([tuple(int(p) for p in pad.split("_")) for pad in fields["pad"].split("x")] if "pad" in fields
           else [(0, 0)] * len(sizes))
   return [(d, k, s, (pad[0], pad[1]), base, window)

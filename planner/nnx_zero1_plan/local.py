@@ -1,7 +1,5 @@
 """The caller's side of a plan where the target's chips are this machine's (``v5e:1x1`` on a one-chip v5e):
-jax asked, in a child process, which devices are here; the plan then made in a planning process that keeps
-the caller's environment, its chips visible, which compiles for them and, with ``--measure``, runs the
-programs it compiled (:mod:`nnx_zero1_plan.on_chip`)."""
+jax asked in a child process which devices are here, and the plan made for them (:func:`plan_here`)."""
 
 from __future__ import annotations
 
@@ -42,7 +40,6 @@ def devices_for(request: PlanRequest, measure: bool = False) -> LocalDevices | N
   if measure and request.model_ref.kind == "maxtext":
     raise PlanError("--measure runs the planner's own step; a maxtext: model's runs in MaxText's engine "
                     "(time it with MaxText's train)")
-  # --measure always asks (a refusal names what jax sees); a plan only where the chips' device files are.
   local = local_devices() if measure or chips_may_be_here(request.platform) else None
   why = not_the_target(local, request.topology, request.slices)
   if why and measure:
@@ -55,5 +52,5 @@ def plan_here(request: PlanRequest, progress: Callable[[str], None] | None = Non
               measure: bool = False) -> Plan:
   """The plan made where the target's chips are this machine's (:func:`devices_for`): a TPU's compiled for
   them (a GPU's deviceless, as anywhere, unless ``measure``) and, with ``measure``, the rows' programs run on
-  them as they were compiled."""
+  them as they were compiled (:mod:`nnx_zero1_plan.on_chip`)."""
   return plan_in_child(request, progress, local=request.platform == "tpu" or measure, measure=measure)

@@ -20,10 +20,9 @@ PLANNER_AXES = ("replica", "data", "fsdp", "tp")
 
 def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int, domains: int = 1,
               where: str = "slices or nodes") -> dict[str, int]:
-  """Every mesh axis and its size: ``sizes``, then the model's axes it omits at size 1.
-
-  With no sizes given, ``data`` takes every device (pure data parallelism); on a pod of ``domains`` slices or
-  nodes, ``replica`` crosses them and ``data`` takes each one's devices.
+  """Every mesh axis and its size: ``sizes``, then the model's axes it omits at size 1. With no sizes,
+  ``data`` takes every device; on a pod of ``domains`` slices or nodes, ``replica`` crosses them and ``data``
+  takes each one's devices.
 
   Raises:
     PlanError: the sizes' product is not the topology's device count, or ``replica`` does not cross the
@@ -53,13 +52,12 @@ def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
 def check_replica(axes: Mapping[str, int], domains: int, where: str = "slices or nodes") -> None:
   """Refuses a mesh whose ``replica`` axis does not run across the ``domains`` slices or nodes, one each.
 
-  The devices are laid out in the mesh's order, slice (or node) by slice, so only an outermost ``replica``
-  of the slices' number crosses them; any other axis in its place would split the batch and the state across
-  the slow network under a name that says it does not.
+  The devices are laid out slice (or node) by slice in the mesh's order, so only an outermost ``replica``
+  crosses them; another axis there would split the batch and the state across the slow network unsaid.
 
   Raises:
-    PlanError: on a pod, ``replica`` is not the outermost axis or not the number of slices or nodes; on one
-      slice or node, ``replica`` is larger than 1. The message gives the mesh that would be.
+    PlanError: ``replica`` is not the outermost axis of the ``domains``' size (on one slice or node: is larger
+      than 1); the message gives the mesh that would be.
 
   Example::
 
@@ -94,8 +92,8 @@ def check_replica(axes: Mapping[str, int], domains: int, where: str = "slices or
 
 
 def batch_axes(axis_names: Iterable[str]) -> tuple[str, ...]:
-  """The mesh axes a batch's rows are split over: ``data`` and, where the mesh has them, ``replica`` (across
-  slices or nodes) and ``fsdp``; their sizes' product is a micro-batch's unit.
+  """The mesh axes a batch's rows are split over (``replica``, ``data``, ``fsdp``, those the mesh has): their
+  sizes' product is a micro-batch's unit.
 
   Example::
 

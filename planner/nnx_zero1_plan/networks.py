@@ -1,15 +1,6 @@
 """Each network's time, in one place: a collective's inside a TPU slice on the links its group's rings use,
-and a pod's two networks per step (ICI or NVLink inside a slice or node, DCN or InfiniBand between).
-
-Inside a slice the TPU compiler runs a collective as rings, as many as its ``backend_config`` names
-(``StrategyRing{colors:1 ...}``, ``UniDirection1DRingStrategy{colors:2 ...}``; one where it names none),
-each a cycle through the group's chips that sends one way. A group of four on a 2x2 (a cycle of four links)
-runs two rings at twice one link's rate; a line of four without its wraparound carries each ring's way back
-over its own links and gets one link's rate whatever the rings. Each link a ring step crosses costs one hop's
-latency besides. The rates, the
-wraparound and the latency are public figures (the chip table's :class:`~nnx_zero1_plan.chips.Links`,
-:data:`HOP_S`), never measured on a slice by this project. A GPU's NVLink and the slow networks keep one rate
-whatever the group (a switch), no latency.
+and a pod's two networks per step (ICI or NVLink inside a slice or node, DCN or InfiniBand between). The
+model, from public figures never measured on a slice: docs/planner.md ("How fast", Collectives).
 """
 
 from __future__ import annotations
@@ -34,9 +25,8 @@ Coords = tuple[int, ...]
 
 
 def slice_shape(devices: int, dims: int) -> Coords:
-  """The chip's standard slice of ``devices`` chips (``dims`` axes: 2 for v5e and v6e, 3 for v5p): the
-  smallest axis doubles first, the last on a tie (4 chips: 2x2; 8: 2x4; 16: 4x4), as the slices are named; a
-  line where no such slice has that many. libtpu numbers its chips with the first axis fastest.
+  """The chip's standard slice of ``devices`` chips on ``dims`` axes, as the slices are named (the smallest
+  axis doubles first, the last on a tie); a line where no such slice has that many.
 
   Example::
 
@@ -51,9 +41,8 @@ def slice_shape(devices: int, dims: int) -> Coords:
 
 
 def on_a_cycle(members: Sequence[Coords], shape: Coords, wraps: Sequence[bool]) -> bool:
-  """Whether a group's chips close a cycle of single links: it spans two axes or more (a box with an even
-  side: a 2x2, a 2x4), or the whole of one axis that wraps. Otherwise it is a line (a pair: one link), and a
-  ring's way back runs over the line's own links.
+  """Whether a group's chips close a cycle of single links: it spans two axes or more (a 2x2, a 2x4), or the
+  whole of one axis that wraps; otherwise it is a line, and a ring's way back runs over its own links.
 
   Example::
 
@@ -81,11 +70,10 @@ def rings_of(line: str) -> int:
 
 def collective_seconds(kind: str, sent: int, groups: Sequence[Sequence[Coords]], rings: int, shape: Coords,
                        links: Links) -> float:
-  """One collective's time on a TPU slice: the bytes one device ``sent`` by a ring, at ``rings`` times the
-  link's one-way rate where the group is :func:`on_a_cycle` (each ring on links of its own), at the link's
-  rate on a line (each ring's way back shares the line's links), and :data:`HOP_S` for each link a ring step
-  crosses (one on a cycle, the line's length on a line), over ``n - 1`` steps for a gather or a scatter and
-  twice that for an all-reduce (a collective-permute: one step).
+  """One collective's time on a TPU slice: the bytes one device ``sent`` at ``rings`` times the link's
+  one-way rate on a cycle (:func:`on_a_cycle`), at one link's rate on a line, plus :data:`HOP_S` for each link
+  a ring step crosses (one on a cycle, the line's length on a line) over ``n - 1`` steps (twice that for an
+  all-reduce, one for a collective-permute).
 
   Example::
 
@@ -107,9 +95,8 @@ def collective_seconds(kind: str, sent: int, groups: Sequence[Sequence[Coords]],
 
 def tpu_collective_time(links: Links, dims: int, coords: Sequence[Coords] | None = None
                         ) -> Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float]:
-  """A TPU collective's seconds from ``(kind, ring bytes one device sends, its device groups, its rings, the
-  program's devices)``, each answer kept: :func:`collective_seconds` with each device at ``coords`` (its
-  place in the slice, in the program's device order; None: the standard slice of the program's devices)."""
+  """:func:`collective_seconds` as a cached function of ``(kind, sent, groups, rings, devices)``, each device
+  at ``coords`` (its place in the slice; None: the standard slice, first axis fastest as libtpu numbers)."""
 
   @functools.cache
   def timed(kind: str, sent: int, groups: tuple[tuple[int, ...], ...], rings: int, devices: int) -> float:
@@ -126,8 +113,7 @@ def tpu_collective_time(links: Links, dims: int, coords: Sequence[Coords] | None
 def network_per_step(collectives: Collectives, chip: str, platform: str, step_time: StepTime | None = None
                      ) -> PodNetworks:
   """The bytes one device sends per step over each network of a pod, and the time each takes: the step
-  time's own (:func:`nnx_zero1_plan.predict_step_time`: the fast network's collectives walked on their
-  links, the slow network's bytes at its rate), so a row's table and its step time say one time.
+  time's own (:func:`nnx_zero1_plan.predict_step_time`), so a row's table and its step time say one time.
 
   Args:
     collectives: a row's ``collectives`` (:func:`nnx_zero1_plan.compiled.collectives_of` on a pod).
@@ -138,8 +124,7 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
     step_time: the row's predicted step's parts (None where the compiler gave no estimate: no fast time).
 
   Returns:
-    The :class:`~nnx_zero1_plan.row.PodNetworks`: each network's name, bytes and ``estimate_ms`` (the fast
-    one's None where there is no step time).
+    The :class:`~nnx_zero1_plan.row.PodNetworks`: each network's name, bytes and ``estimate_ms``.
 
   Example::
 
@@ -158,8 +143,7 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
 
 
 def slow_seconds(nbytes: int, links: Links) -> float:
-  """The slow network's time for ``nbytes`` one device sends between slices or nodes: at its rate, exposed
-  (the one rate the table and the step time use).
+  """The slow network's time for ``nbytes`` one device sends between slices or nodes, at its rate, exposed.
 
   Example::
 

@@ -131,8 +131,7 @@ def markdown(settings: Mapping[str, Any], rows: Sequence[Row], steps: Sequence[s
       lines += ["", "## At each lever's largest micro-batch", ""] + markdown_table(cells.EDGE_HEADER, edges)
     head, runs = cells.measured_cells(rows)
     if runs:
-      lines += ["", "## Measured", "", cells.MEASURED_TITLE + "."]
-      lines += markdown_table(head, runs)
+      lines += ["", "## Measured", "", cells.MEASURED_TITLE + ".", *markdown_table(head, runs)]
     lines += time_lines(rows) + search_lines(rows)
   lines += closing
   if steps:

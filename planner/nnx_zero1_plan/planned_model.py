@@ -51,7 +51,7 @@ class PlannedModel:
   named: tuple[str, ...] = ()
 
 
-def describe_tunix_or_own(request: PlanRequest, policy: str | None, sizes: Mapping[str, int] | None = None,
+def describe_tunix_or_own(request: PlanRequest, policy: str | None,
                           estimate: bool | None = None) -> PlannedModel:
   """A ``tunix:`` or ``package.module:function`` model under the remat ``policy``, described from one
   abstract build (no compiler needed): the axes it names and its dtypes.
@@ -59,14 +59,12 @@ def describe_tunix_or_own(request: PlanRequest, policy: str | None, sizes: Mappi
   Args:
     request: the plan's settings.
     policy: the remat policy (None: the model's own).
-    sizes: the ``--mesh`` sizes (default: the request's).
     estimate: compile reduced depths (default: the request's ``estimate``).
 
   Raises:
     PlanError: a ``--mesh`` axis the model does not name and the planner does not know, or what
       :func:`nnx_zero1_plan.models.model_source` refuses.
   """
-  sizes = request.mesh_sizes if sizes is None else sizes
   estimate = request.estimate if estimate is None else estimate
   source = model_source(request.model_ref, request.param_dtype, request.compute_dtype, policy,
                         request.tunix_sharding)
@@ -77,9 +75,9 @@ def describe_tunix_or_own(request: PlanRequest, policy: str | None, sizes: Mappi
   shallow = not source.full_depth or source.full_depth <= max(depths)
   reduced = tuple(depths) if estimate and request.platform == "tpu" and not shallow else None
   named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
-  check_axis_names(sizes, named)
+  check_axis_names(request.mesh_sizes, named)
   remat_hint = "decoder" if request.model_ref.kind == "tunix" else None
-  return PlannedModel(lambda b: source, dict(sizes), None, reduced, 1, dtypes, remat_hint, named)
+  return PlannedModel(lambda b: source, dict(request.mesh_sizes), None, reduced, 1, dtypes, remat_hint, named)
 
 
 def on_devices(planned: PlannedModel, target: Target) -> PlannedModel:

@@ -52,11 +52,8 @@ OPTIMIZER_CODE = {name: f"optax.{name}({', '.join([rate, *(f'{k}={v}' for k, v i
 
 
 def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | None = None) -> Topology:
-  """``topology`` parsed, or refused with ``--slices`` or ``--gpus-per-node`` when wrong, or right only by an
-  unusual reading, each in its own line.
-
-  Returns:
-    The :class:`~nnx_zero1_plan.inputs.Topology`.
+  """``topology`` parsed (a :class:`~nnx_zero1_plan.inputs.Topology`), checked with ``slices`` and
+  ``gpus_per_node``.
 
   Raises:
     PlanError: an unknown topology; ``slices`` below 1, or above 1 for GPUs (their nodes are in the
@@ -111,8 +108,8 @@ class PlanRequest:
   """One plan's settings: what :func:`nnx_zero1_plan.plan` and the command line's flags take.
 
   Building the record normalises ``levers`` and ``steps`` to tuples of names (a ``maxtext:`` model keeps
-  ``split`` only), ``overrides`` to a dict, parses ``model``, ``topology`` and ``mesh`` once (``model_ref``,
-  ``topology_ref``, ``mesh_sizes``: what the planning process reads), and refuses what cannot be planned.
+  ``split`` only) and parses ``model``, ``topology`` and ``mesh`` once (``model_ref``, ``topology_ref``,
+  ``mesh_sizes``, not arguments: what the planning process reads).
 
   Attributes:
     model: ``tunix:CONFIG``, ``maxtext:MODEL_NAME`` or ``package.module:function``.
@@ -120,9 +117,8 @@ class PlanRequest:
       (``h100:8``, ``h200:8``, ``a100-80g:8``, ``b200:8``; ``h100:2x8`` for two nodes).
     mesh: ``"data=4,fsdp=2"``; an axis the model names but this omits has size 1, and the
       default is every device on ``data``. The sizes' product must be the device count.
-    batch: the global micro-batch, in sequences; by default (None) the smallest multiple of the batch
-      axes' size (``replica`` x ``data`` x ``fsdp``) of at least 8, stated in the plan's meta
-      (``batch_default``).
+    batch: the global micro-batch, in sequences; by default (None) the smallest multiple of the batch axes'
+      size (``replica`` x ``data`` x ``fsdp``) of at least 8, stated in the plan's meta (``batch_default``).
     seq_len: tokens per sequence.
     ga: micro-batches per optimizer step.
     param_dtype: the parameters' dtype (``tunix:`` models; MaxText's ``weight_dtype``).
@@ -131,8 +127,7 @@ class PlanRequest:
       ``remat_policy``); several, comma-separated, compile each lever under each (a row apiece, and
       with ``search`` a largest micro-batch apiece).
     optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
-    levers: names from the lever table (:data:`nnx_zero1_plan.levers.LEVERS`), a list or one comma-separated
-      string.
+    levers: names from :data:`nnx_zero1_plan.levers.LEVERS`, a list or one comma-separated string.
     steps: ``one``, ``split`` (what each is: :data:`STEPS`; a split step's rows add the update program's
       peak, flops and bytes accessed), or both.
     overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
@@ -157,21 +152,15 @@ class PlanRequest:
     maxtext_deferral: a ``maxtext:`` model's data-parallel all-reduce: ``auto`` (MaxText's engine's own
       choice: deferred to ``update``, once per step, under ``shard_mode=explicit`` on a pure data mesh) or
       ``off`` (in every micro-batch, as its engine did before it deferred).
-    calibration: kept calibrations of this model on the target's chip (a plan.json made with ``--measure``,
-      or its folder; several comma-separated, combined): each row is also timed by it
-      (:mod:`nnx_zero1_plan.calibration`).
+    calibration: kept calibrations of this model on the target chip (a ``--measure`` plan.json or its folder,
+      several comma-separated, combined), each row also timed by them (:mod:`nnx_zero1_plan.calibration`).
     global_batch: sequences per optimizer step: the plan splits it for each lever into the micro-batch and GA
       that fit and train fastest (its whole compiles, largest micro-batch first), each row at that split.
-    model_ref: ``model`` parsed (not an argument: worked out when the record is built).
-    topology_ref: ``topology`` parsed.
-    mesh_sizes: ``mesh`` parsed (``{"data": 4, "fsdp": 2}``; empty for the default mesh).
 
   Raises:
-    PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one whose
-      ``replica`` does not run across the slices or nodes (:func:`nnx_zero1_plan.mesh_axes.check_replica`); a
-      wrong ``slices`` or ``gpus_per_node``, or GPU nodes of an unusual size unsaid (:func:`check_topology`);
-      a batch, sequence length or ``ga`` below 1; a margin outside [0, 1) or a GPU memory fraction outside
-      (0, 1]; overrides for a model that is not ``maxtext:``; a ``maxtext:`` model without the ``split`` step.
+    PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one
+      :func:`~nnx_zero1_plan.mesh_axes.check_replica` refuses; what :func:`check_topology` refuses; a setting
+      out of its range; a setting for another kind of model; a ``maxtext:`` model without ``split``.
 
   Example::
 
@@ -252,13 +241,8 @@ class PlanRequest:
       object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
 
   def _check_global_batch(self, kind: str, global_batch: int) -> None:
-    """``global_batch`` is a plan's to split into a micro-batch and GA: nothing else may choose either.
-
-    Raises:
-      PlanError: it is below 1, or given with ``batch``, ``ga``, ``search`` or ``estimate`` (as asked: a
-        resolved request holds the micro-batch and GA a plan chose), for a ``maxtext:`` model, or with a lever
-        that searches its own share of the state.
-    """
+    """Refuses what may not come with ``global_batch``: a plan splits it into the micro-batch and GA (a
+    resolved request holds those it chose)."""
     if global_batch < 1:
       raise PlanError(f"--global-batch is sequences per optimizer step, >= 1; got {global_batch}")
     given = [flag for flag, on in (("--batch", self.batch is not None), ("--ga", self.ga != 1),
@@ -321,16 +305,12 @@ class PlanRequest:
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedRequest(PlanRequest):
-  """A request as a plan resolved it (:meth:`PlanRequest.resolved`): what the plan's commands reproduce, its
-  settings hold (:class:`~nnx_zero1_plan.settings.PlanSettings`) and its way out changes. Each change
-  (``dataclasses.replace``) is resolved too.
+  """A request as a plan resolved it (:meth:`PlanRequest.resolved`), checked as :class:`PlanRequest` is: what
+  the plan's commands reproduce, its settings hold and its way out changes.
 
   Attributes:
     mesh: every mesh axis and its size, as ``--mesh`` spells them.
     batch: the global micro-batch the plan compiled.
-
-  Raises:
-    PlanError: what :class:`PlanRequest` refuses.
   """
 
   mesh: str = ""
@@ -349,8 +329,7 @@ _OPTIONAL_FLAGS = ("param_dtype", "compute_dtype", "remat", "optimizer", "slices
 
 def command_line(request: ResolvedRequest, **changes: Any) -> str:
   """The planner's command for ``request`` with ``changes`` made (``dataclasses.replace``: each checked as the
-  request was): the inverse of parsing, a setting at its default left out. A plan's commands are its resolved
-  request's (:meth:`PlanRequest.resolved`), so they spell out the mesh and the micro-batch it compiled.
+  request was): the inverse of parsing, a setting at its default left out, the mesh and micro-batch spelt out.
 
   Raises:
     PlanError: a change the request refuses.

@@ -74,12 +74,10 @@ class Plan:
     m = self.meta
     limit = limit_words(m.request.margin, m.hbm_bytes, m.usable_bytes)
     return [*recommendation_lines(self.recommendation, limit, search=m.request.search,
-                                  estimate=m.request.estimate),
-            *way_out_lines(self.way_out)]
+                                  estimate=m.request.estimate), *way_out_lines(self.way_out)]
 
   def to_record(self) -> dict[str, Any]:
-    """The plan as plan.json holds it (:meth:`from_record` reads it back; the kept plans in docs/data read
-    back field for field: tests/planner/test_inputs_and_tables.py)."""
+    """The plan as plan.json holds it (:meth:`from_record` reads it back)."""
     rows = [row.to_json() for row in self.rows]
     asdict = lambda record: None if record is None else dataclasses.asdict(record)
     calibration = {} if self.calibration is None else {"calibration": self.calibration.to_json()}
@@ -89,13 +87,10 @@ class Plan:
   @classmethod
   def from_record(cls, record: Mapping[str, Any]) -> Plan:
     """The plan :meth:`to_record` wrote (plan.json's object, or the planning process's answer)."""
-    rows = [Row.from_json(row) for row in record["rows"]]
-    recommendation, way_out = record.get("recommendation"), record.get("way_out")
-    calibration = record.get("calibration")
-    return cls(rows, PlanSettings.from_json(record["meta"]), list(record["next_steps"]),
-               None if recommendation is None else Recommendation.from_json(recommendation),
-               None if way_out is None else WayOut.from_json(way_out),
-               None if calibration is None else Calibration.from_json(calibration))
+    read = lambda key, kind: None if record.get(key) is None else kind.from_json(record[key])
+    return cls([Row.from_json(row) for row in record["rows"]], PlanSettings.from_json(record["meta"]),
+               list(record["next_steps"]), read("recommendation", Recommendation), read("way_out", WayOut),
+               read("calibration", Calibration))
 
   def write(self, out_dir: str) -> list[str]:
     """Writes plan.json and plan.md into ``out_dir``, and with a search ``search.png``

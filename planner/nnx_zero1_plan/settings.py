@@ -12,8 +12,7 @@ from nnx_zero1_plan.request import STEPS, ResolvedRequest
 
 __all__ = ["PlanSettings", "ADDED_LATER"]
 
-# The keys a plan kept before the planner wrote them lacks (plan.json written by an older planner); any other
-# missing key is an error.
+# The keys a plan.json written by an older planner may lack; any other missing key is an error.
 ADDED_LATER = ("batch_default", "tunix_sharding", "gpus_per_node", "maxtext_deferral", "global_batch")
 
 
@@ -23,9 +22,8 @@ class PlanSettings:
   compilers.
 
   Attributes:
-    request: the request as the plan resolved it (every mesh axis sized, the micro-batch set); plan.json
-      writes its settings by their flags' names (``model``, ``mesh``, ``batch``, ..., ``levers``, ``steps``
-      with what each is, ``gpu_memory_fraction`` None on a TPU).
+    request: the request as the plan resolved it; plan.json writes its settings by their flags' names
+      (``steps`` with what each is, ``gpu_memory_fraction`` None on a TPU).
     layers: the model's depth (a MaxText model's from the config its rows compiled; None where unknown).
     device_kind: jax's name for the chip.
     batch_default: the sentence that states the default micro-batch, where ``--batch`` was not given.
@@ -39,10 +37,9 @@ class PlanSettings:
     depth_extrapolated_from: the reduced depths an estimate's first row was compiled at (None: whole).
     batch_unit: the batch axes' size; a micro-batch is a multiple of it.
     domains: the slices or nodes the target's devices sit in.
-    activation_sharding: a ``tunix:`` model's activation specs (``"none"`` without them; None for other
-      models).
-    absent: the keys of :data:`ADDED_LATER` a plan kept before the planner wrote them lacks: :meth:`to_json`
-      leaves them out, as that plan.json has them (empty for a new plan; the request holds its defaults).
+    activation_sharding: a ``tunix:`` model's activation specs (``"none"`` without them; None otherwise).
+    absent: the keys of :data:`ADDED_LATER` an older plan.json lacks, which :meth:`to_json` leaves out too
+      (empty for a new plan; the request holds their defaults).
 
   Example::
 
@@ -83,9 +80,8 @@ class PlanSettings:
         object.__setattr__(self, name, tuple(value))
 
   def to_json(self) -> dict[str, Any]:
-    """plan.json's ``meta``: the request's settings and the other fields, in plan.json's order (tuples as
-    lists; the keys in ``absent`` left out). A value JSON has no type for is left as it is, for ``json.dump``
-    to refuse."""
+    """plan.json's ``meta``, in its order (tuples as lists, the keys in ``absent`` left out); a value JSON has
+    no type for is left as it is, for ``json.dump`` to refuse."""
     r = self.request
     fields = {**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)},
               **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},

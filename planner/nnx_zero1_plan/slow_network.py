@@ -63,9 +63,8 @@ def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
 
 
 def _dcn_sent(op: str, operand: int, slices: int) -> int:
-  """Bytes one device sends among ``slices`` for a megascale transfer of ``operand`` bytes: a ring's
-  (``ring_sent``), whose result is the operand for an all-reduce, k operands for an all-gather (its shard),
-  1/k of it for a reduce-scatter; another transfer sends its operand once."""
+  """Bytes one device sends among ``slices`` for a megascale transfer of ``operand`` bytes: a collective's by
+  a ring (``ring_sent`` of its result: k operands for an all-gather, 1/k for a reduce-scatter), else once."""
   if op not in COLLECTIVES:
     return operand
   result = {"all-gather": operand * slices, "reduce-scatter": operand // slices}.get(op, operand)

@@ -57,6 +57,5 @@ def table(rows: Sequence[Row], wide: bool = True) -> str:
         cells.EDGE_HEADER, edges, (0, 1, len(cells.EDGE_HEADER) - 1))
   head, runs = cells.measured_cells(rows)
   if runs:
-    measured = _aligned(head, runs, (0, 1, len(head) - 1))
-    text += f"\n\n{cells.MEASURED_TITLE}:\n" + measured
+    text += f"\n\n{cells.MEASURED_TITLE}:\n" + _aligned(head, runs, (0, 1, len(head) - 1))
   return text

@@ -109,13 +109,9 @@ def specs_for(defaults: Mapping[str, tuple], option: str, axes: Iterable[str]) -
 
 
 def constrain(x: Any, spec: Sequence[Any], eager: bool = False) -> Any:
-  """Tunix's ``shard`` as it runs on the chips: ``x`` constrained to ``spec`` on the mesh in context.
-
-  The spec is taken on the mesh ``jax.set_mesh`` gives (an abstract mesh), not a concrete one: inside a
-  ``shard_map`` (the ``*-accum`` levers' per-replica loss) its manual axes cannot be named, so they are
-  dropped, and where every axis is manual nothing is left to constrain. ``eager`` (``device_put``) means
-  the same thing in a traced program.
-  """
+  """Tunix's ``shard`` as it runs on the chips: ``x`` constrained to ``spec`` on the abstract mesh in context,
+  less its manual axes (inside the ``*-accum`` levers' ``shard_map`` they cannot be named). ``eager``
+  (``device_put``) means the same thing in a traced program."""
   import jax
   from jax.sharding import PartitionSpec as P
 

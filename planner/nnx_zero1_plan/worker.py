@@ -1,9 +1,8 @@
 """The planner's child processes, one entry point: ``python -m nnx_zero1_plan.worker VERB``, started by
 :func:`nnx_zero1_plan.child.run_worker` (nothing imports this module).
 
-- ``plan [--local] [--measure]``: the planning process. The request on stdin; the progress, then the plan or
-  the error, on stdout. ``--local``: the target's chips are this machine's, compiled for as they are;
-  ``--measure``: the rows' programs run there too, in this process, as they were compiled.
+- ``plan [--local] [--measure]``: the planning process (:func:`plan`). ``--local``: the target's chips are
+  this machine's, compiled for as they are; ``--measure``: the rows' programs run there too, as compiled.
 - ``probe``: the devices jax sees here (:class:`nnx_zero1_plan.local_chips.LocalDevices`).
 """
 
