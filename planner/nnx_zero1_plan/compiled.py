@@ -18,12 +18,10 @@ __all__ = ["COMPUTE_SOURCES", "PEAK_SOURCE", "memory", "split_memory", "cost", "
 def memory(compiled: Any) -> dict[str, int]:
   """Per-device argument, output, temp and peak bytes of a compiled kernel (device memory).
 
-  ``peak`` is the compiler's own figure for everything the program holds at once, ``total_allocation_bytes``,
-  where the backend reports it: the TPU compiler's temporaries overlap the arguments near the limit, so its
-  total is below the sum, and on an H200 XLA's GPU compiler's total equals the sum and the allocator's peak
-  was 50 MiB above it. ``formula_peak`` is that sum, argument + output - aliased (donated) + temp, kept for
-  comparison and used where the backend has no total (XLA's CPU compiler in jax 0.10.2). ``xla_peak`` is the
-  backend's ``peak_memory_in_bytes`` (0 where absent).
+  ``peak`` is the compiler's own figure for everything the program holds at once, ``total_allocation_bytes``
+  (the TPU compiler's temporaries overlap the arguments near the limit, so its total is below the sum).
+  ``formula_peak`` is that sum, argument + output - aliased (donated) + temp, used where the backend has no
+  total (XLA's CPU compiler in jax 0.10.2). ``xla_peak`` is ``peak_memory_in_bytes`` (0 where absent).
 
   Example::
 
@@ -95,10 +93,9 @@ COMPUTE_SOURCES = {
 
 
 def step_flops(compiled: Any) -> tuple[int | None, str]:
-  """A step program's flops on one device and where they come from (a key of :data:`COMPUTE_SOURCES`): the
-  matmuls counted from the compiled HLO (:func:`nnx_zero1_plan.hlo_flops.dot_flops`), each loop's body times
-  its trip count, as the step's time walks it (the compiler's cost analysis counts a loop's body once); the
-  cost analysis only where the program holds no matmul.
+  """A step program's flops on one device and where they come from (a key of :data:`COMPUTE_SOURCES`): its
+  matmuls counted from the compiled HLO (:func:`nnx_zero1_plan.hlo_flops.dot_flops`), or the cost analysis
+  where it holds none.
 
   Example::
 
@@ -150,14 +147,9 @@ def collectives_of(compiled: Any, domain_of: Sequence[int] | None = None) -> Col
 
 
 def across_per_step(hlo: str, domain_of: Sequence[int]) -> dict[str, dict[str, int]]:
-  """The bytes one device sends between slices or nodes per step, by collective.
-
-  A multi-slice TPU program names them itself: its transfers to the megascale runtime
-  (:func:`nnx_zero1_plan.slow_network.dcn_bytes`). A multi-node GPU program is one program over every
-  device: its collectives whose replica groups span nodes, hierarchically reduced
-  (:func:`nnx_zero1_plan.slow_network.across_bytes`; an estimate of NCCL's algorithm, from the
-  compiler's groups).
-  """
+  """The bytes one device sends between slices or nodes per step, by collective: a multi-slice TPU program's
+  transfers to the megascale runtime (:func:`~nnx_zero1_plan.slow_network.dcn_bytes`), a multi-node GPU
+  program's collectives whose groups span nodes (:func:`~nnx_zero1_plan.slow_network.across_bytes`)."""
   if "_xla_megascale_transfer_type" in hlo:
     return dcn_bytes(hlo, len(set(domain_of)))
   return {op: {"count": c["count"], "bytes": c["across_bytes"]}

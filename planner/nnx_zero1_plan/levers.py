@@ -128,8 +128,7 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
 
 
 def adds_memory(name: str) -> str | None:
-  """What lever ``name`` adds to a device's memory over ``zero1`` (None: nothing), so that a plan in which
-  nothing fits never suggests it as a way to make room.
+  """What lever ``name`` adds to a device's memory over ``zero1`` (None: nothing).
 
   Example::
 
@@ -159,9 +158,8 @@ def narrowed_dtypes(lever: Lever) -> dict[str, str]:
 
 
 def memory_twin(name: str) -> str:
-  """The lever that holds what lever ``name`` holds in device memory: ``name`` itself, or for a lever that
-  only narrows what crosses the slow network (``across_dtype``, ``params_across_dtype``), the lever without
-  it. A plan in which the twin was refused does not suggest ``name`` to make room.
+  """The lever that holds in device memory what lever ``name`` holds: ``name`` itself, or for a lever that
+  only narrows what crosses the slow network (:func:`narrowed_dtypes`), the lever without that.
 
   Example::
 

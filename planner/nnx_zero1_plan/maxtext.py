@@ -41,8 +41,8 @@ class MaxTextModel:
 
 @contextlib.contextmanager
 def output_directory() -> Iterator[str]:
-  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it when the
-  block ends (a plan leaves nothing behind).
+  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it after the
+  block.
 
   Example::
 
@@ -77,11 +77,8 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
                      slices: int = ONE_SLICE) -> dict[str, str]:
   """MaxText's config for a plan: its ``key=value`` overrides of ``base.yml``, the user's last.
 
-  A mesh axis ``A=n`` is MaxText's ``ici_A_parallelism=n`` (one slice's devices); every other axis is 1
-  (MaxText's ``ici_fsdp_parallelism`` default, -1, would take the devices left). On several slices
-  ``dcn_data_parallelism`` is their number: MaxText's data axis spans them. The topology is compiled
-  under MaxText's ``internal_compile``: libtpu's own name, as the plan's other models use it. MaxText writes
-  under ``output_dir`` (the plan's :func:`output_directory`).
+  A mesh axis ``A=n`` is ``ici_A_parallelism=n``; every other axis is 1 (MaxText's ``ici_fsdp_parallelism``
+  default, -1, would take the devices left). On several slices ``dcn_data_parallelism`` is their number.
 
   Raises:
     PlanError: an axis MaxText's mesh has not, an optimizer it does not name alike, or a batch that
@@ -126,8 +123,7 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
 def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, batch: int,
                      output_dir: str) -> PlannedModel:
   """A ``maxtext:`` model under the remat ``policy``: its config's overrides at each micro-batch, checked at
-  ``batch`` before any compile (MaxText builds its own mesh: the axes are one slice's ``ici_*``), MaxText
-  writing under ``output_dir`` (the plan's :func:`output_directory`).
+  ``batch`` before any compile, MaxText writing under ``output_dir`` (:func:`output_directory`).
 
   Raises:
     PlanError: a GPU target, MaxText missing, or what :func:`config_overrides` refuses.

@@ -18,14 +18,12 @@ def _spelled(value: Any) -> str:
 
 
 def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: int = 1) -> list[str]:
-  """The lines that build the mesh a plan compiled, from the devices of one call
-  (``devices = jax.devices()``), so that ``replica`` is outermost and runs across the slices or nodes.
+  """The lines that build the mesh a plan compiled from ``devices = jax.devices()``, ``replica`` outermost,
+  across the slices or nodes, every axis Auto.
 
-  One slice or node: ``jax.make_mesh``. TPU slices: MaxText's multi-slice mesh,
-  ``mesh_utils.create_hybrid_device_mesh`` (``jax.make_mesh`` refuses devices of several slices). GPU nodes:
-  the devices ordered node by node, then shaped: XLA numbers a multi-process GPU cluster's hosts as slices
-  (``slice_index``, from each host's boot id), which ``jax.make_mesh`` refuses too, and a compile-only
-  topology's nodes by ``process_index``. Every axis is Auto, as the plan compiled it.
+  One slice or node: ``jax.make_mesh``, which refuses devices of several slices. TPU slices:
+  ``mesh_utils.create_hybrid_device_mesh``. GPU nodes: the devices ordered node by node, then shaped (XLA
+  numbers a GPU cluster's hosts as slices, a compile-only topology's nodes by ``process_index``).
 
   Args:
     mesh: the plan's axes and sizes, ``replica`` first on a pod (None: one ``data`` axis of size 1).
@@ -104,9 +102,8 @@ def _tunix_code(lever: Lever, options: list[str], mesh_lines: list[str], mesh: M
 def lever_code(name: str, model: str, offload_fraction: float | None = None,
                mesh: Mapping[str, int] | None = None, optimizer: str = DEFAULT_OPTIMIZER, *,
                platform: str = "tpu", domains: int = 1, activation_sharding: Any = None) -> str:
-  """The code that turns lever ``name`` on where ``model``'s users train, as they paste it (the module's three
-  homes), written from the lever table, so a new lever needs no entry here; ``offload-fraction`` writes the
-  ``offload_fraction`` its plan picked.
+  """The code that turns lever ``name`` on where ``model``'s users train, as they paste it, written from the
+  lever table (a new lever needs no entry here).
 
   Args:
     name: the lever.

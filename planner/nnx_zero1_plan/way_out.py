@@ -18,13 +18,8 @@ __all__ = ["Change", "Tried", "WayOut", "changes_to_try", "find_way_out", "more_
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-  """One change to the plan's settings that may make room.
-
-  Attributes:
-    what: the change in words.
-    request: the plan's resolved request with the change made (``dataclasses.replace``: ``levers``,
-      ``batch``, ``ga``, ``remat`` or ``mesh``).
-  """
+  """One change to the plan's settings that may make room: ``what`` it is in words, and the plan's resolved
+  ``request`` with it made."""
 
   what: str
   request: ResolvedRequest
@@ -59,10 +54,7 @@ class WayOut:
 
 def more_fsdp(mesh: Mapping[str, int]) -> dict[str, int] | None:
   """``mesh`` on the same chips with ``data`` halved and ``fsdp`` doubled, so parameters and gradients split
-  over twice the devices: the way out's and the hints' one rule.
-
-  Returns:
-    The wider mesh; None where the mesh has no ``fsdp`` axis or ``data`` does not halve.
+  over twice the devices (None where it has no ``fsdp`` axis or ``data`` does not halve).
 
   Example::
 
@@ -87,9 +79,6 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
     named_axes: the mesh axes the model's variables name (``fsdp`` must be one for a larger fsdp).
     host_memory: whether the target's compile-only devices have host memory to offload to (TPUs; XLA's GPU
       compiler offers none without a GPU).
-
-  Returns:
-    The :class:`Change` s, in the order to try them.
 
   Example::
 
