@@ -42,18 +42,17 @@ def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: in
                 ('replica', 'data'), axis_types=(AxisType.Auto,) * 2)
   """
   axes = dict(mesh or {"data": 1})
-  names = "(" + ", ".join(repr(k) for k in axes) + ("," if len(axes) == 1 else "") + ")"
-  shape = lambda sizes: "(" + ", ".join(map(str, sizes)) + ("," if len(sizes) == 1 else "") + ")"
+  names, sizes = repr(tuple(axes)), repr(tuple(axes.values()))
   types = "(AxisType.Auto,)" + (f" * {len(axes)}" if len(axes) > 1 else "")
   pod = domains > 1 and axes.get("replica") == domains
   if pod and platform == "tpu":
-    inside = [1 if k == "replica" else v for k, v in axes.items()]
-    across = [domains if k == "replica" else 1 for k in axes]
+    inside = tuple(1 if k == "replica" else v for k, v in axes.items())
+    across = tuple(domains if k == "replica" else 1 for k in axes)
     return ["from jax.experimental import mesh_utils", "from jax.sharding import AxisType, Mesh", "",
             "devices = jax.devices()",
             f"# replica across the {domains} slices (the data-center network), the other axes inside each "
             "slice",
-            f"mesh = Mesh(mesh_utils.create_hybrid_device_mesh({shape(inside)}, {shape(across)}, devices, "
+            f"mesh = Mesh(mesh_utils.create_hybrid_device_mesh({inside}, {across}, devices, "
             "allow_split_physical_axes=True),",
             f"            {names}, axis_types={types})"]
   if pod:
@@ -63,10 +62,9 @@ def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: in
             "cluster's hosts as",
             "# slices, which jax.make_mesh refuses; a compile-only topology numbers its nodes as processes)",
             "by_node = sorted(devices, key=lambda d: (getattr(d, 'slice_index', 0), d.process_index, d.id))",
-            f"mesh = Mesh(np.array(by_node).reshape{shape(list(axes.values()))}, {names}, "
-            f"axis_types={types})"]
+            f"mesh = Mesh(np.array(by_node).reshape{sizes}, {names}, axis_types={types})"]
   return ["from jax.sharding import AxisType", "", "devices = jax.devices()",
-          f"mesh = jax.make_mesh({shape(list(axes.values()))}, {names}, {types}, devices=devices)"]
+          f"mesh = jax.make_mesh({sizes}, {names}, {types}, devices=devices)"]
 
 
 def _tuples(value: Any) -> Any:
