@@ -160,15 +160,9 @@ def planning_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def prepare_planning_process(environ: Mapping[str, str], lockfile: str = LOCKFILE) -> dict[str, str]:
-  """Prepares a planning process before it loads a compiler: its environment, and libtpu's lockfile removed
-  when stale (one a live process holds, a trainer's perhaps, stays: libtpu loads beside it).
-
-  Args:
-    environ: the environment the planning process starts from (the caller's).
-    lockfile: libtpu's lockfile.
-
-  Returns:
-    The planning process's environment (:func:`planning_environment`).
+  """Prepares a planning process before it loads a compiler: returns its environment, ``environ`` made
+  :func:`planning_environment`, and removes libtpu's ``lockfile`` when stale (one a live process holds, a
+  trainer's perhaps, stays: libtpu loads beside it).
 
   Example::
 
