@@ -14,21 +14,15 @@ from nnx_zero1_plan.local_chips import LocalDevices, not_the_target
 __all__ = ["Target", "GPU_SCHEDULER_FRACTION", "CUDA_CONTEXT_BYTES", "DEFAULT_RESERVE_BYTES",
            "gpu_pool_bytes", "usable_bytes", "local_target", "make_target", "require_compiler"]
 
-# XLA's GPU compiler schedules a program for the device memory it is told: on a GPU, jax's memory pool (the
-# allocator's bytes_limit); deviceless, 80% of the target's device_memory_size (its "base limit"). Measured
-# on an H200 (examples.planner_decoder:build, micro-batch 24): temp 40.92 GiB with a 27.96 GiB pool and 64.57
-# GiB with a 104.85 GiB pool, the same program. So a GPU target is described to the compiler with
-# device_memory_size = pool / 0.8: the deviceless schedule is planned for the pool the program will get.
+# XLA's GPU compiler schedules a program for the device memory it is told, deviceless for 80% of the target's
+# device_memory_size: a GPU is described with device_memory_size = pool / 0.8 (measured: docs/accuracy.md).
 GPU_SCHEDULER_FRACTION = 0.8
-# The CUDA context holds what jax's GPU client leaves of the memory free when it starts (an H200 with jax
-# 0.11.2: 150,754,820,096 B total, pool 112,583,507,968 B at JAX_GPU_POOL_FRACTION 0.75, so 643,476,139 B held
-# before the pool).
+# What the CUDA context holds before jax's pool (an H200 with jax 0.11.2: 150,754,820,096 B total, pool
+# 112,583,507,968 B at JAX_GPU_POOL_FRACTION 0.75).
 CUDA_CONTEXT_BYTES = 643_476_139
-# What the run needs beyond the compiler's figure, per device, by default. TPU: nothing; the TPU compiler
-# refuses a program whose whole footprint (total_allocation_bytes) exceeds the HBM it names, so what it
-# accepts is its word. GPU: a real H200's allocator peaked 50 MiB above the compiler's arguments + temp in
-# every step that ran (three micro-batches, two pool sizes; benchmarks.limit); 256 MiB leaves five times
-# that for what one GPU could not show (NCCL's and cuBLAS's buffers on several).
+# What the run needs beyond the compiler's figure, per device, by default. TPU: nothing (its compiler refuses
+# a program whose whole footprint exceeds the HBM it names). GPU: an H200's allocator peaked 50 MiB above the
+# compiler's figure (docs/accuracy.md); 256 MiB leaves room for NCCL's and cuBLAS's buffers on several.
 DEFAULT_RESERVE_BYTES = {"tpu": 0, "cuda": 256 * 2**20}
 
 
