@@ -49,9 +49,7 @@ def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -
   """Per-device bytes of a step compiled as two programs (:func:`memory` of each), as one step's.
 
   The optimizer state stays in device memory while the gradient program runs without reading it, so its
-  device bytes (``resident``; 0 when offloaded) are added there: ``argument`` is what that program reads plus
-  that state, ``temp`` its temporaries (the activations), ``peak`` the larger of the two programs' resident
-  bytes.
+  device bytes (``resident``; 0 when offloaded) are added there; ``peak`` is the larger of the two programs'.
 
   Example::
 

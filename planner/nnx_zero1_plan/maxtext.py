@@ -156,9 +156,8 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
                     defer: bool = True) -> tuple[Figures, list[tuple[str, str, int]]]:
   """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
 
-  Its memory is :func:`~nnx_zero1_plan.compiled.split_memory` of the larger gradient kernel's and the
-  update's. MaxText's engine defers the data-parallel all-reduce to ``update`` where it can
-  (``shard_mode=explicit`` on a pure data mesh); ``defer=False`` compiles it reducing in every micro-batch.
+  MaxText's engine defers the data-parallel all-reduce to ``update`` where it can (``shard_mode=explicit`` on
+  a pure data mesh); ``defer=False`` compiles it reducing in every micro-batch.
 
   Returns:
     The row's figures (``maxtext_config`` says whether the all-reduce was deferred), and the programs one

@@ -177,9 +177,8 @@ def where_to_find(module_name: str, error: ImportError, here: str | None = None)
   if not isinstance(error, ModuleNotFoundError) or error.name != top:
     return ""
   root = pathlib.Path(here or os.getcwd())
-  found = sorted({str(c.parent) for pattern in (f"{top}.py", f"{top}/__init__.py", f"*/{top}.py",
-                                                f"*/{top}/__init__.py", f"*/*/{top}.py")
-                  for c in root.glob(pattern)})
+  patterns = (f"{top}.py", f"{top}/__init__.py", f"*/{top}.py", f"*/{top}/__init__.py", f"*/*/{top}.py")
+  found = sorted({str(c.parent) for pattern in patterns for c in root.glob(pattern)})
   folder = found[0].removesuffix(f"/{top}") if found else None
   where = f" (PYTHONPATH={folder})" if folder else ""
   return (f"; the planner imports {top} by name: put the folder that holds {top}/ (or {top}.py) on "

@@ -114,9 +114,8 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
 
   Args:
     changes: from :func:`changes_to_try`.
-    compile_changed: compiles the step with a change made: its row; or raises
-      :class:`~nnx_zero1_plan.inputs.PlanError` where the change cannot be planned (a micro-batch that does
-      not split).
+    compile_changed: compiles the step with a change made: its row; or raises ``PlanError`` where the change
+      cannot be planned (a micro-batch that does not split).
     command: the planner's command for a change.
     code: the code that trains with a change made (its lever's, as a recommendation prints it).
 
@@ -143,12 +142,9 @@ def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[s
 
   Args:
     rows: the plan's rows.
-    request: the plan's request as resolved (its mesh and micro-batch set); each command is it with one
-      change made.
+    request: the plan's request as resolved; each command is it with one change made.
     levers: every lever the planner knows, lightest first.
-    blocked: the levers that cannot apply to this model, and why (they are not suggested, nor is a lever
-      that adds memory, :func:`nnx_zero1_plan.levers.adds_memory`, or holds what a tried one held,
-      :func:`nnx_zero1_plan.levers.memory_twin`).
+    blocked: the levers that cannot apply to this model, and why (never suggested).
     remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
     batch_unit: the batch axes' size: a micro-batch is a multiple of it.
   """
