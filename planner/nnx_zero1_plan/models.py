@@ -152,10 +152,6 @@ def cast_params(model: Any, dtype: Any) -> Any:
   return model
 
 
-def _default_loss(model: Any, tokens: jax.Array) -> jax.Array:
-  return next_token_loss(model(tokens[:, :-1]), tokens)
-
-
 def _raised(what: str, e: Exception) -> PlanError:
   """A user's code's exception as one line naming it (``--traceback`` shows where)."""
   first = next(iter(str(e).strip().splitlines()), "")
@@ -209,7 +205,7 @@ def _function_source(module_name: str, function_name: str) -> ModelSource:
     return model
 
   def loss_fn(model: Any, tokens: jax.Array) -> jax.Array:
-    return (loss[0] if loss else _default_loss)(model, tokens)
+    return loss[0](model, tokens) if loss else next_token_loss(model(tokens[:, :-1]), tokens)
 
   return ModelSource(f"{module_name}:{function_name}", build, full_depth, loss_fn)
 

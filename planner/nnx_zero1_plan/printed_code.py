@@ -130,8 +130,6 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
       model = ...  # your model, built here: its parameters' sharding names the mesh's axes
       optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)
         # 1e-5: your learning rate (or an optax schedule)
-    >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
-    'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
   """
   tx = OPTIMIZER_CODE[optimizer]
   lever = with_offload(name, offload_fraction)
