@@ -24,9 +24,8 @@ from nnx_zero1_plan.targets import Target
 __all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "describe_maxtext",
            "measure_maxtext"]
 
-# MaxText's base_output_directory for one plan: a fresh folder in the temp folder, never named like a
-# package (a folder named nnx_zero1_plan there would shadow the planner, as an empty namespace package, in
-# any Python started in the temp folder).
+# Never named like a package: a folder named nnx_zero1_plan in the temp folder would shadow the planner (as an
+# empty namespace package) in any Python started there.
 OUTPUT_PREFIX = "maxtext_out_"
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +40,7 @@ class MaxTextModel:
 
 @contextlib.contextmanager
 def output_directory() -> Iterator[str]:
-  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it after the
-  block.
+  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it after.
 
   Example::
 
