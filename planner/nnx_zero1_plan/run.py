@@ -197,7 +197,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   batch_default = None if request.global_batch else batch_default  # each row's is chosen, and said
   if batch_default:
     say(batch_default)
-  if maxtext:  # maxtext: described by its config, which needs the target and the micro-batch
+  if maxtext_out is not None:  # maxtext: described by its config, which needs the target and the micro-batch
     plans = {p: describe_maxtext(request, target, p, batch, maxtext_out) for p in policies}
     blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are alike under every policy

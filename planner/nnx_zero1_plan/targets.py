@@ -190,4 +190,5 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
   source = (f"jax's GPU memory pool at XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_memory_fraction}: that share of "
             f"the {GPU_CHIPS[chip].memory_bytes:,} B device memory less the CUDA context; the compiler "
             f"schedules for it")
-  return Target(topology, platform, chip, _gpu_devices(chip, *shape, pool), pool, source)
+  nodes, per_node = shape
+  return Target(topology, platform, chip, _gpu_devices(chip, nodes, per_node, pool), pool, source)
