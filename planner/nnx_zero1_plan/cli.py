@@ -60,10 +60,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--levers", help=f"comma-separated, of: {', '.join(LEVERS)} (default baseline,zero1)")
   p.add_argument("--steps", help="one (one program: gradients + update, as Tunix and nnx.jit loops compile "
                  "it), split (two programs, as MaxText's engine); default both")
-  p.add_argument("--estimate", action="store_true",
-                 help=f"TPUs: compile deep models at {DEFAULT_DEPTHS} layers and extrapolate (quicker; "
-                 f"every such figure marked an estimate, measured up to {WHOLE_OVER_ESTIMATE_UP_TO}x low; "
-                 "decides no fit); default: whole programs")
+  p.add_argument("--estimate", action="store_true", help=f"TPUs: compile deep models at {DEFAULT_DEPTHS} "
+                 "layers and extrapolate (quicker; every such figure marked an estimate, measured up to "
+                 f"{WHOLE_OVER_ESTIMATE_UP_TO}x low; decides no fit); default: whole programs")
   # An old command line's flag, refused (request_of) with a line that says why rather than ignored.
   p.add_argument("--full-depth", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--tunix-sharding", help="tunix: models' activation constraints, applied as on the chips: "
