@@ -11,8 +11,8 @@ from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import Collectives, Figures, HbmOom
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
-__all__ = ["COMPUTE_SOURCES", "PEAK_SOURCE", "memory", "split_memory", "cost", "step_flops", "hbm_oom",
-           "collectives_of", "across_per_step", "summed", "summed_collectives", "row_figures"]
+__all__ = ["PEAK_SOURCE", "memory", "split_memory", "cost", "step_flops", "hbm_oom", "collectives_of",
+           "across_per_step", "summed", "summed_collectives", "row_figures"]
 
 
 def memory(compiled: Any) -> dict[str, int]:
@@ -84,16 +84,10 @@ def cost(compiled: Any) -> dict[str, int | None]:
   return {"flops": value("flops"), "bytes_accessed": value("bytes accessed")}
 
 
-COMPUTE_SOURCES = {
-    "cost_analysis": "the compiler's cost analysis (a loop's body counted once)",
-    "hlo_dots": "the compiled HLO's matmuls, counted (each loop's body times its trip count)",
-}
-
-
 def step_flops(compiled: Any) -> tuple[int | None, str]:
-  """A step program's flops on one device and where they come from (a key of :data:`COMPUTE_SOURCES`): its
-  matmuls counted from the compiled HLO (:func:`nnx_zero1_plan.hlo_flops.dot_flops`), or the cost analysis
-  where it holds none.
+  """A step program's flops on one device and where they come from: ``"hlo_dots"``, its matmuls counted from
+  the compiled HLO (:func:`nnx_zero1_plan.hlo_flops.dot_flops`, each loop's body times its trip count), or
+  where it holds none ``"cost_analysis"``, the compiler's (a loop's body counted once).
 
   Example::
 

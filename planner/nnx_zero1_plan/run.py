@@ -162,9 +162,6 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
     measure: with ``local``, run each fitting row's program there as it was compiled, the first profiled for
       a calibration every row is also priced by (``--measure``: :mod:`nnx_zero1_plan.measured_plan`).
 
-  Returns:
-    The :class:`~nnx_zero1_plan.result.Plan`.
-
   Raises:
     PlanError: what only the model or the compiler can tell (an axis the model does not name, a lever
       that cannot apply, a topology libtpu does not know).
