@@ -73,8 +73,7 @@ def state_axes(lever: Lever) -> tuple[str, ...]:
 
 def summed_over(mesh_axes: Sequence[str], state_axes: tuple[str, ...]) -> tuple[str, ...]:
   """The axes a deferred lever sums its gradients over: the state's, and ``replica`` first where the mesh
-  has it (a pod's batch is split over it too; a state split over ``data`` alone is then reduce-scattered
-  over ``data`` and all-reduced over ``replica``).
+  has it (a pod's batch is split over it too, so a state split over ``data`` alone is all-reduced over it).
 
   Example::
 

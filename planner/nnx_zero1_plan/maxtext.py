@@ -1,7 +1,5 @@
-"""``maxtext:MODEL``: MaxText's own engine as the planner's model, compiled for a TPU slice as the engine runs
-it, in kernels: ``fwd_bwd`` (the first micro-batch), ``fwd_bwd_accum`` (each further one) and ``update``.
-MaxText accumulates its own gradients and scans its layers (a model compiles whole, in about the time of a few
-layers), so a row is always a split step at full depth. Needs Python >= 3.12, ``maxtext`` and libtpu."""
+"""``maxtext:MODEL``: MaxText's own engine as the planner's model, compiled for a TPU slice in the kernels it
+runs, a split step at full depth (docs/planner.md's "MaxText models"). Needs Python >= 3.12 and libtpu."""
 
 from __future__ import annotations
 
