@@ -1,7 +1,6 @@
 """Will it fit? ``python -m nnx_zero1.plan``: a training step compiled for TPUs or NVIDIA GPUs, never run.
 
-The command line (the line above is ``--help``'s): its flags, the :class:`PlanRequest` they ask for, and
-:func:`main`, which plans and keeps the compilers' own messages off its output.
+The command line (the line above is ``--help``'s): its flags, their :class:`PlanRequest`, and :func:`main`.
 """
 
 from __future__ import annotations
@@ -39,40 +38,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "(e.g. maxtext:qwen3-0.6b) or package.module:function")
   p.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v4:2x2x1, v5p:..., h100:8, h200:8, "
                  "a100-80g:8, b200:8, h100:2x8 (nodes x GPUs)")
-  p.add_argument("--slices", type=int, help="TPU slices of --topology joined over the data-center "
-                 f"network (default {ONE_SLICE}); the default mesh gains replica across them (GPU nodes: "
-                 "h100:8x8)")
-  p.add_argument("--gpus-per-node", type=int, help="GPU nodes of other than the chip's "
-                 "standard 8 GPUs, said again: --topology h100:8x2 --gpus-per-node 2 (8 nodes of 2)")
-  p.add_argument("--mesh", help="axis sizes, e.g. data=4,fsdp=2 (default: every device on "
-                 "data; on a pod replica=SLICES_OR_NODES first, then data)")
-  p.add_argument("--batch", type=int, help="global micro-batch in sequences (default: the "
-                 f"smallest multiple of the batch axes' size of at least {SMALLEST_MICRO_BATCH})")
+  p.add_argument("--slices", type=int, help="TPU slices of --topology joined over the data-center network "
+                 f"(default {ONE_SLICE}); the default mesh gains replica across them (GPU nodes: h100:8x8)")
+  p.add_argument("--gpus-per-node", type=int, help="GPU nodes of other than the chip's standard 8 GPUs, said "
+                 "again: --topology h100:8x2 --gpus-per-node 2 (8 nodes of 2)")
+  p.add_argument("--mesh", help="axis sizes, e.g. data=4,fsdp=2 (default: every device on data; on a pod "
+                 "replica=SLICES_OR_NODES first, then data)")
+  p.add_argument("--batch", type=int, help="global micro-batch in sequences (default: the smallest multiple "
+                 f"of the batch axes' size of at least {SMALLEST_MICRO_BATCH})")
   p.add_argument("--global-batch", type=int, help="sequences per optimizer step, as your recipe fixes it: "
                  "the plan splits it for each lever into the micro-batch and GA that fit and train fastest "
                  "(instead of --batch and --ga)")
   p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024)")
   p.add_argument("--ga", type=int, help="micro-batches per optimizer step (default 1)")
-  p.add_argument("--param-dtype", help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: "
-                 "models)")
+  p.add_argument("--param-dtype", help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: models)")
   p.add_argument("--compute-dtype", help="activations' dtype, e.g. bfloat16 (tunix: and maxtext: models)")
-  p.add_argument("--remat", help="remat policy: none, block, decoder (tunix: models); "
-                 "MaxText's remat_policy (maxtext: models: full, minimal, ...); several, comma-separated, "
-                 "plan each (default: the model's own)")
+  p.add_argument("--remat", help="remat policy: none, block, decoder (tunix: models); MaxText's remat_policy "
+                 "(maxtext: models: full, minimal, ...); several, comma-separated, plan each (default: the "
+                 "model's own)")
   p.add_argument("--optimizer", help="adamw (default), adam, lion, sgd, adafactor")
   p.add_argument("--levers", help=f"comma-separated, of: {', '.join(LEVERS)} (default baseline,zero1)")
-  p.add_argument("--steps", help="one (one program: gradients + update, as Tunix "
-                 "and nnx.jit loops compile it), split (two programs, as MaxText's engine); default both")
-  p.add_argument("--estimate", action="store_true",
-                 help=f"TPUs: compile deep models at {DEFAULT_DEPTHS} layers and extrapolate (quicker; "
-                 f"every such figure marked an estimate, measured up to {WHOLE_OVER_ESTIMATE_UP_TO}x low; "
-                 "decides no fit); default: whole programs")
-  # Whole programs are the default: an old command line's flag is refused (request_of) with a line that says
-  # so, rather than accepted and ignored.
+  p.add_argument("--steps", help="one (one program: gradients + update, as Tunix and nnx.jit loops compile "
+                 "it), split (two programs, as MaxText's engine); default both")
+  p.add_argument("--estimate", action="store_true", help=f"TPUs: compile deep models at {DEFAULT_DEPTHS} "
+                 "layers and extrapolate (quicker; every such figure marked an estimate, measured up to "
+                 f"{WHOLE_OVER_ESTIMATE_UP_TO}x low; decides no fit); default: whole programs")
+  # An old command line's flag, refused (request_of) with a line that says why rather than ignored.
   p.add_argument("--full-depth", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--tunix-sharding", help="tunix: models' activation constraints, "
-                 "applied as on the chips: default (Tunix's, the mesh's data axes in each batch entry), none "
-                 "(XLA's propagation), or JSON of ShardingConfig act_* fields")
+  p.add_argument("--tunix-sharding", help="tunix: models' activation constraints, applied as on the chips: "
+                 "default (Tunix's, the mesh's data axes in each batch entry), none (XLA's propagation), or "
+                 "JSON of ShardingConfig act_* fields")
   p.add_argument("--maxtext-deferral", choices=("auto", "off"), help="maxtext: models: auto (default: "
                  "MaxText's engine defers the data-parallel all-reduce to update where it can) or off (every "
                  "micro-batch all-reduces its gradients)")
@@ -85,8 +80,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--calibration", metavar="PATH", help="a plan made with --measure on this model on the "
                  "target's chip (its plan.json or folder; several comma-separated): each row is also timed "
                  "by the chip's own ratio to the cost model, kind by kind (another chip is refused)")
-  p.add_argument("--margin", type=float, help="share of the memory to leave free (default: the "
-                 "backend's reserve, what a run needs beyond the compiler's figure: TPU none, GPU 256 MiB)")
+  p.add_argument("--margin", type=float, help="share of the memory to leave free (default: the backend's "
+                 "reserve, what a run needs beyond the compiler's figure: TPU none, GPU 256 MiB)")
   p.add_argument("--gpu-memory-fraction", type=float, help="GPU targets: the XLA_PYTHON_CLIENT_MEM_FRACTION "
                  f"the run will use (default jax's {SETTING_DEFAULTS['gpu_memory_fraction']}); the compiler "
                  "plans for it")

@@ -11,19 +11,17 @@ from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import Collectives, Figures, HbmOom
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
-__all__ = ["COMPUTE_SOURCES", "PEAK_SOURCE", "memory", "split_memory", "cost", "step_flops", "hbm_oom",
-           "collectives_of", "across_per_step", "summed", "summed_collectives", "row_figures"]
+__all__ = ["PEAK_SOURCE", "memory", "split_memory", "cost", "step_flops", "hbm_oom", "collectives_of",
+           "across_per_step", "summed", "summed_collectives", "row_figures"]
 
 
 def memory(compiled: Any) -> dict[str, int]:
   """Per-device argument, output, temp and peak bytes of a compiled kernel (device memory).
 
-  ``peak`` is the compiler's own figure for everything the program holds at once, ``total_allocation_bytes``,
-  where the backend reports it: the TPU compiler's temporaries overlap the arguments near the limit, so its
-  total is below the sum, and on an H200 XLA's GPU compiler's total equals the sum and the allocator's peak
-  was 50 MiB above it. ``formula_peak`` is that sum, argument + output - aliased (donated) + temp, kept for
-  comparison and used where the backend has no total (XLA's CPU compiler in jax 0.10.2). ``xla_peak`` is the
-  backend's ``peak_memory_in_bytes`` (0 where absent).
+  ``peak`` is the compiler's own figure for everything the program holds at once, ``total_allocation_bytes``
+  (the TPU compiler's temporaries overlap the arguments near the limit, so its total is below the sum).
+  ``formula_peak`` is that sum, argument + output - aliased (donated) + temp, used where the backend has no
+  total (XLA's CPU compiler in jax 0.10.2). ``xla_peak`` is ``peak_memory_in_bytes`` (0 where absent).
 
   Example::
 
@@ -51,9 +49,7 @@ def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -
   """Per-device bytes of a step compiled as two programs (:func:`memory` of each), as one step's.
 
   The optimizer state stays in device memory while the gradient program runs without reading it, so its
-  device bytes (``resident``; 0 when offloaded) are added there: ``argument`` is what that program reads plus
-  that state, ``temp`` its temporaries (the activations), ``peak`` the larger of the two programs' resident
-  bytes.
+  device bytes (``resident``; 0 when offloaded) are added there; ``peak`` is the larger of the two programs'.
 
   Example::
 
@@ -88,17 +84,10 @@ def cost(compiled: Any) -> dict[str, int | None]:
   return {"flops": value("flops"), "bytes_accessed": value("bytes accessed")}
 
 
-COMPUTE_SOURCES = {
-    "cost_analysis": "the compiler's cost analysis (a loop's body counted once)",
-    "hlo_dots": "the compiled HLO's matmuls, counted (each loop's body times its trip count)",
-}
-
-
 def step_flops(compiled: Any) -> tuple[int | None, str]:
-  """A step program's flops on one device and where they come from (a key of :data:`COMPUTE_SOURCES`): the
-  matmuls counted from the compiled HLO (:func:`nnx_zero1_plan.hlo_flops.dot_flops`), each loop's body times
-  its trip count, as the step's time walks it (the compiler's cost analysis counts a loop's body once); the
-  cost analysis only where the program holds no matmul.
+  """A step program's flops on one device and where they come from: ``"hlo_dots"``, its matmuls counted from
+  the compiled HLO (:func:`nnx_zero1_plan.hlo_flops.dot_flops`, each loop's body times its trip count), or
+  where it holds none ``"cost_analysis"``, the compiler's (a loop's body counted once).
 
   Example::
 
@@ -150,14 +139,9 @@ def collectives_of(compiled: Any, domain_of: Sequence[int] | None = None) -> Col
 
 
 def across_per_step(hlo: str, domain_of: Sequence[int]) -> dict[str, dict[str, int]]:
-  """The bytes one device sends between slices or nodes per step, by collective.
-
-  A multi-slice TPU program names them itself: its transfers to the megascale runtime
-  (:func:`nnx_zero1_plan.slow_network.dcn_bytes`). A multi-node GPU program is one program over every
-  device: its collectives whose replica groups span nodes, hierarchically reduced
-  (:func:`nnx_zero1_plan.slow_network.across_bytes`; an estimate of NCCL's algorithm, from the
-  compiler's groups).
-  """
+  """The bytes one device sends between slices or nodes per step, by collective: a multi-slice TPU program's
+  transfers to the megascale runtime (:func:`~nnx_zero1_plan.slow_network.dcn_bytes`), a multi-node GPU
+  program's collectives whose groups span nodes (:func:`~nnx_zero1_plan.slow_network.across_bytes`)."""
   if "_xla_megascale_transfer_type" in hlo:
     return dcn_bytes(hlo, len(set(domain_of)))
   return {op: {"count": c["count"], "bytes": c["across_bytes"]}

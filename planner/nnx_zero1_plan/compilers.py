@@ -17,10 +17,9 @@ __all__ = ["LOCKFILE", "HOST_ACCELERATOR_TYPE", "ENV", "CALLERS_OWN", "AotUnavai
 
 LOCKFILE = "/tmp/libtpu_lockfile"
 
-# The TPU host libtpu is told it runs on, with one worker (TPU_WORKER_HOSTNAMES=localhost), where there is
-# none: without them it prints six lines about the host metadata it could not read. v6e-4 is a slice of one
-# host, so the two agree. It is not the compile target: plans for v4, v5e and v6e topologies were measured
-# byte-identical whatever this names.
+# The TPU host libtpu is told it runs on, with one worker (TPU_WORKER_HOSTNAMES=localhost): without them it
+# prints six lines about the host metadata it could not read. Not the compile target: plans for v4, v5e and
+# v6e topologies were measured byte-identical whatever this names.
 HOST_ACCELERATOR_TYPE = "v6e-4"
 
 # Compile only: jax stays on the CPU backend, libtpu skips the cloud metadata server it would ask for a
@@ -29,9 +28,8 @@ HOST_ACCELERATOR_TYPE = "v6e-4"
 ENV = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
        "CUDA_VISIBLE_DEVICES": "-1", "TPU_WORKER_HOSTNAMES": "localhost",
        "TPU_ACCELERATOR_TYPE": HOST_ACCELERATOR_TYPE, "TPU_MIN_LOG_LEVEL": "3"}
-# The settings of ENV a caller's own value replaces: how much libtpu logs is the caller's to choose. The
-# others hold whatever the caller's environment says: a caller on a GPU or TPU machine has its devices
-# visible, and a planning process that saw them would start on them or stop at a lockfile.
+# The settings of ENV a caller's own value replaces (how much libtpu logs). The others win: a planning process
+# that saw the caller's GPUs or TPUs would start on them or stop at a lockfile.
 CALLERS_OWN = frozenset({"TPU_MIN_LOG_LEVEL"})
 
 
@@ -63,7 +61,7 @@ def gpu_install_hint(jax_version: str) -> str:
 
 
 def require_cuda_plugin() -> str:
-  """The CUDA plugin's version; raises ``AotUnavailable`` naming the install command when it is missing.
+  """The CUDA plugin's version; raises naming the install command when it is missing.
 
   Raises:
     AotUnavailable: XLA's GPU compiler (``jax-cuda13-plugin``) is not installed in this environment.
@@ -76,11 +74,7 @@ def require_cuda_plugin() -> str:
 
 
 def require_libtpu() -> str:
-  """libtpu's version; raises ``AotUnavailable`` naming the install command when it is missing.
-
-  Example::
-
-    version = require_libtpu()  # '0.0.50.1' with jax 0.12.0.1
+  """libtpu's version (``'0.0.50.1'`` with jax 0.12.0.1); raises naming the install command when missing.
 
   Raises:
     AotUnavailable: libtpu is not installed in this environment.
@@ -135,9 +129,8 @@ def lockfile_holders(path: str = LOCKFILE) -> list[int]:
 def clear_stale_lockfile(path: str = LOCKFILE) -> bool:
   """Removes libtpu's lockfile when no live process holds it; True when one was removed.
 
-  A process killed while libtpu was loaded leaves the file behind and the next
-  process that loads libtpu aborts ("Internal error when accessing libtpu
-  multi-process lockfile"). A lockfile a live process holds is left alone.
+  A process killed while libtpu was loaded leaves the file behind, and the next process that loads libtpu
+  aborts ("Internal error when accessing libtpu multi-process lockfile").
 
   Example::
 
@@ -167,17 +160,9 @@ def planning_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def prepare_planning_process(environ: Mapping[str, str], lockfile: str = LOCKFILE) -> dict[str, str]:
-  """Prepares a planning process before it can load a compiler: its environment, and libtpu's lockfile
-  removed when stale (one a live process holds, a trainer's on this TPU machine perhaps, stays: the
-  planning process loads libtpu beside it). Both ways into the planner run it: the command line for its
-  own process (:func:`prepare_environment`), ``plan()`` for the process it starts.
-
-  Args:
-    environ: the environment the planning process starts from (the caller's).
-    lockfile: libtpu's lockfile.
-
-  Returns:
-    The planning process's environment (:func:`planning_environment`).
+  """Prepares a planning process before it loads a compiler: returns its environment, ``environ`` made
+  :func:`planning_environment`, and removes libtpu's ``lockfile`` when stale (one a live process holds, a
+  trainer's perhaps, stays: libtpu loads beside it).
 
   Example::
 
@@ -200,8 +185,7 @@ def prepare_environment() -> None:
 
 
 def start_cpu_jax() -> None:
-  """Prepares this process for the compilers (:func:`prepare_environment`) and keeps jax on its CPU
-  backend: what the command line does to its own process.
+  """Prepares this process for the compilers (:func:`prepare_environment`) and keeps jax on its CPU backend.
 
   Raises:
     RuntimeError: a backend other than the CPU one has started in this process already.

@@ -17,12 +17,8 @@ class PlanError(ValueError):
 
 
 class ModelRef(NamedTuple):
-  """``--model`` parsed: where the model comes from and its name there.
-
-  Attributes:
-    kind: ``"tunix"``, ``"maxtext"``, or the user's module (``"my_pkg.models"``).
-    name: Tunix's ``ModelConfig`` classmethod, MaxText's model name, or the user's function.
-  """
+  """``--model`` parsed: its ``kind`` (``"tunix"``, ``"maxtext"``, or the user's module) and its ``name``
+  there (Tunix's ``ModelConfig`` classmethod, MaxText's model name, or the user's function)."""
 
   kind: str
   name: str
@@ -33,13 +29,8 @@ class ModelRef(NamedTuple):
 
 
 class Topology(NamedTuple):
-  """``--topology`` parsed.
-
-  Attributes:
-    platform: ``"tpu"`` or ``"cuda"``.
-    chip: the chip as the planner names it (``"v5e"``, ``"h100"``).
-    shape: a TPU slice's shape as libtpu names it (``(2, 4)``), or GPUs' (nodes, GPUs per node).
-  """
+  """``--topology`` parsed: ``platform`` (``"tpu"`` or ``"cuda"``), ``chip`` as the planner names it
+  (``"v5e"``, ``"h100"``), and ``shape``, a TPU slice's as libtpu names it or GPUs' (nodes, GPUs per node)."""
 
   platform: str
   chip: str
@@ -104,9 +95,8 @@ def parse_levers(text: str | Sequence[str], known: Iterable[str], what: str = "l
 
 
 def parse_topology(text: str, gpu_chips: Iterable[str]) -> Topology:
-  """A topology as a :class:`Topology`: ``v6e:2x2`` is a TPU slice, ``h100:8`` / ``h100:2x8`` GPUs.
-
-  A GPU shape is (nodes, GPUs per node). A TPU name is libtpu's to check.
+  """A topology as a :class:`Topology`: ``v6e:2x2`` is a TPU slice (libtpu checks it), ``h100:8`` /
+  ``h100:2x8`` GPUs.
 
   Raises:
     PlanError: not ``CHIP:SHAPE``, or a GPU chip or shape the planner does not know.

@@ -1,7 +1,5 @@
-"""``maxtext:MODEL``: MaxText's own engine as the planner's model, compiled for a TPU slice as the engine runs
-it, in kernels: ``fwd_bwd`` (the first micro-batch), ``fwd_bwd_accum`` (each further one) and ``update``.
-MaxText accumulates its own gradients and scans its layers (a model compiles whole, in about the time of a few
-layers), so a row is always a split step at full depth. Needs Python >= 3.12, ``maxtext`` and libtpu."""
+"""``maxtext:MODEL``: MaxText's own engine as the planner's model, compiled for a TPU slice in the kernels it
+runs, a split step at full depth (docs/planner.md's "MaxText models"). Needs Python >= 3.12 and libtpu."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ from nnx_zero1_plan.targets import Target
 __all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "describe_maxtext",
            "measure_maxtext"]
 
-# MaxText's base_output_directory for one plan: a fresh folder in the temp folder, never named like a
-# package (a folder named nnx_zero1_plan there would shadow the planner, as an empty namespace package, in
-# any Python started in the temp folder).
+# Never named like a package: a folder named nnx_zero1_plan in the temp folder would shadow the planner (as an
+# empty namespace package) in any Python started there.
 OUTPUT_PREFIX = "maxtext_out_"
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +38,7 @@ class MaxTextModel:
 
 @contextlib.contextmanager
 def output_directory() -> Iterator[str]:
-  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it when the
-  block ends (a plan leaves nothing behind).
+  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it after.
 
   Example::
 
@@ -77,11 +73,8 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
                      slices: int = ONE_SLICE) -> dict[str, str]:
   """MaxText's config for a plan: its ``key=value`` overrides of ``base.yml``, the user's last.
 
-  A mesh axis ``A=n`` is MaxText's ``ici_A_parallelism=n`` (one slice's devices); every other axis is 1
-  (MaxText's ``ici_fsdp_parallelism`` default, -1, would take the devices left). On several slices
-  ``dcn_data_parallelism`` is their number: MaxText's data axis spans them. The topology is compiled
-  under MaxText's ``internal_compile``: libtpu's own name, as the plan's other models use it. MaxText writes
-  under ``output_dir`` (the plan's :func:`output_directory`).
+  A mesh axis ``A=n`` is ``ici_A_parallelism=n``; every other axis is 1 (MaxText's ``ici_fsdp_parallelism``
+  default, -1, would take the devices left). On several slices ``dcn_data_parallelism`` is their number.
 
   Raises:
     PlanError: an axis MaxText's mesh has not, an optimizer it does not name alike, or a batch that
@@ -126,8 +119,7 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
 def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, batch: int,
                      output_dir: str) -> PlannedModel:
   """A ``maxtext:`` model under the remat ``policy``: its config's overrides at each micro-batch, checked at
-  ``batch`` before any compile (MaxText builds its own mesh: the axes are one slice's ``ici_*``), MaxText
-  writing under ``output_dir`` (the plan's :func:`output_directory`).
+  ``batch`` before any compile, MaxText writing under ``output_dir`` (:func:`output_directory`).
 
   Raises:
     PlanError: a GPU target, MaxText missing, or what :func:`config_overrides` refuses.
@@ -160,9 +152,8 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
                     defer: bool = True) -> tuple[Figures, list[tuple[str, str, int]]]:
   """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
 
-  Its memory is :func:`~nnx_zero1_plan.compiled.split_memory` of the larger gradient kernel's and the
-  update's. MaxText's engine defers the data-parallel all-reduce to ``update`` where it can
-  (``shard_mode=explicit`` on a pure data mesh); ``defer=False`` compiles it reducing in every micro-batch.
+  MaxText's engine defers the data-parallel all-reduce to ``update`` where it can (``shard_mode=explicit`` on
+  a pure data mesh); ``defer=False`` compiles it reducing in every micro-batch.
 
   Returns:
     The row's figures (``maxtext_config`` says whether the all-reduce was deferred), and the programs one

@@ -1,10 +1,5 @@
-"""The models the planner builds, abstractly: Tunix's named configurations and the user's own function.
-
-``tunix:CONFIG`` is ``ModelConfig.CONFIG()`` of the Tunix family the name starts with (``qwen3_8b`` ->
-``tunix.models.qwen3``), built at any depth with the dtypes and remat asked for. ``package.module:function``
-is the user's own, called with ``num_layers=d`` where it takes that argument; what it returns and may do is
-docs/planner.md's "Your own model".
-"""
+"""The models the planner builds, abstractly: Tunix's named configurations (``tunix:CONFIG``, of the family
+the name starts with) and the user's own function (docs/planner.md's "Your own model")."""
 
 from __future__ import annotations
 
@@ -157,21 +152,16 @@ def cast_params(model: Any, dtype: Any) -> Any:
   return model
 
 
-def _default_loss(model: Any, tokens: jax.Array) -> jax.Array:
-  return next_token_loss(model(tokens[:, :-1]), tokens)
-
-
 def _raised(what: str, e: Exception) -> PlanError:
-  """A user's code's exception as one line naming it (the command's ``--traceback`` shows where)."""
+  """A user's code's exception as one line naming it (``--traceback`` shows where)."""
   first = next(iter(str(e).strip().splitlines()), "")
   return PlanError(f"{what} raised {type(e).__name__}" + (f": {shortened(first, 300)}" if first else "") +
                    " (--traceback shows where)")
 
 
 def where_to_find(module_name: str, error: ImportError, here: str | None = None) -> str:
-  """What to do about a model module Python cannot find: the folder to put on ``PYTHONPATH`` (one that
-  holds it, under ``here``, two levels deep at most, where there is one). Empty when the missing module is
-  not the model's own package (one of its imports: the error says which).
+  """What to do about a model module Python cannot find: the folder that holds it (under ``here``, two levels
+  deep at most) to put on ``PYTHONPATH``. Empty when what is missing is one of the module's imports.
 
   Example::
 
@@ -183,9 +173,8 @@ def where_to_find(module_name: str, error: ImportError, here: str | None = None)
   if not isinstance(error, ModuleNotFoundError) or error.name != top:
     return ""
   root = pathlib.Path(here or os.getcwd())
-  found = sorted({str(c.parent) for pattern in (f"{top}.py", f"{top}/__init__.py", f"*/{top}.py",
-                                                f"*/{top}/__init__.py", f"*/*/{top}.py")
-                  for c in root.glob(pattern)})
+  patterns = (f"{top}.py", f"{top}/__init__.py", f"*/{top}.py", f"*/{top}/__init__.py", f"*/*/{top}.py")
+  found = sorted({str(c.parent) for pattern in patterns for c in root.glob(pattern)})
   folder = found[0].removesuffix(f"/{top}") if found else None
   where = f" (PYTHONPATH={folder})" if folder else ""
   return (f"; the planner imports {top} by name: put the folder that holds {top}/ (or {top}.py) on "
@@ -216,15 +205,14 @@ def _function_source(module_name: str, function_name: str) -> ModelSource:
     return model
 
   def loss_fn(model: Any, tokens: jax.Array) -> jax.Array:
-    return (loss[0] if loss else _default_loss)(model, tokens)
+    return loss[0](model, tokens) if loss else next_token_loss(model(tokens[:, :-1]), tokens)
 
   return ModelSource(f"{module_name}:{function_name}", build, full_depth, loss_fn)
 
 
 def model_source(model: str | ModelRef, param_dtype: str | None = None, compute_dtype: str | None = None,
                  remat: str | None = None, tunix_sharding: str = "default") -> ModelSource:
-  """The :class:`ModelSource` ``--model`` names (as given, or parsed); ``tunix_sharding`` is
-  ``--tunix-sharding`` (:mod:`nnx_zero1_plan.tunix_sharding`).
+  """The :class:`ModelSource` ``--model`` names (as given, or parsed), with the flags of the same names.
 
   Raises:
     PlanError: an unknown family, configuration or function, or a flag the model cannot take.

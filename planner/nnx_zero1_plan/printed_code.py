@@ -18,14 +18,12 @@ def _spelled(value: Any) -> str:
 
 
 def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: int = 1) -> list[str]:
-  """The lines that build the mesh a plan compiled, from the devices of one call
-  (``devices = jax.devices()``), so that ``replica`` is outermost and runs across the slices or nodes.
+  """The lines that build the mesh a plan compiled from ``devices = jax.devices()``, ``replica`` outermost,
+  across the slices or nodes, every axis Auto.
 
-  One slice or node: ``jax.make_mesh``. TPU slices: MaxText's multi-slice mesh,
-  ``mesh_utils.create_hybrid_device_mesh`` (``jax.make_mesh`` refuses devices of several slices). GPU nodes:
-  the devices ordered node by node, then shaped: XLA numbers a multi-process GPU cluster's hosts as slices
-  (``slice_index``, from each host's boot id), which ``jax.make_mesh`` refuses too, and a compile-only
-  topology's nodes by ``process_index``. Every axis is Auto, as the plan compiled it.
+  One slice or node: ``jax.make_mesh``, which refuses devices of several slices. TPU slices:
+  ``mesh_utils.create_hybrid_device_mesh``. GPU nodes: the devices ordered node by node, then shaped (XLA
+  numbers a GPU cluster's hosts as slices, a compile-only topology's nodes by ``process_index``).
 
   Args:
     mesh: the plan's axes and sizes, ``replica`` first on a pod (None: one ``data`` axis of size 1).
@@ -44,18 +42,17 @@ def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: in
                 ('replica', 'data'), axis_types=(AxisType.Auto,) * 2)
   """
   axes = dict(mesh or {"data": 1})
-  names = "(" + ", ".join(repr(k) for k in axes) + ("," if len(axes) == 1 else "") + ")"
-  shape = lambda sizes: "(" + ", ".join(map(str, sizes)) + ("," if len(sizes) == 1 else "") + ")"
+  names, sizes = repr(tuple(axes)), repr(tuple(axes.values()))
   types = "(AxisType.Auto,)" + (f" * {len(axes)}" if len(axes) > 1 else "")
   pod = domains > 1 and axes.get("replica") == domains
   if pod and platform == "tpu":
-    inside = [1 if k == "replica" else v for k, v in axes.items()]
-    across = [domains if k == "replica" else 1 for k in axes]
+    inside = tuple(1 if k == "replica" else v for k, v in axes.items())
+    across = tuple(domains if k == "replica" else 1 for k in axes)
     return ["from jax.experimental import mesh_utils", "from jax.sharding import AxisType, Mesh", "",
             "devices = jax.devices()",
             f"# replica across the {domains} slices (the data-center network), the other axes inside each "
             "slice",
-            f"mesh = Mesh(mesh_utils.create_hybrid_device_mesh({shape(inside)}, {shape(across)}, devices, "
+            f"mesh = Mesh(mesh_utils.create_hybrid_device_mesh({inside}, {across}, devices, "
             "allow_split_physical_axes=True),",
             f"            {names}, axis_types={types})"]
   if pod:
@@ -65,10 +62,9 @@ def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: in
             "cluster's hosts as",
             "# slices, which jax.make_mesh refuses; a compile-only topology numbers its nodes as processes)",
             "by_node = sorted(devices, key=lambda d: (getattr(d, 'slice_index', 0), d.process_index, d.id))",
-            f"mesh = Mesh(np.array(by_node).reshape{shape(list(axes.values()))}, {names}, "
-            f"axis_types={types})"]
+            f"mesh = Mesh(np.array(by_node).reshape{sizes}, {names}, axis_types={types})"]
   return ["from jax.sharding import AxisType", "", "devices = jax.devices()",
-          f"mesh = jax.make_mesh({shape(list(axes.values()))}, {names}, {types}, devices=devices)"]
+          f"mesh = jax.make_mesh({sizes}, {names}, {types}, devices=devices)"]
 
 
 def _tuples(value: Any) -> Any:
@@ -104,9 +100,8 @@ def _tunix_code(lever: Lever, options: list[str], mesh_lines: list[str], mesh: M
 def lever_code(name: str, model: str, offload_fraction: float | None = None,
                mesh: Mapping[str, int] | None = None, optimizer: str = DEFAULT_OPTIMIZER, *,
                platform: str = "tpu", domains: int = 1, activation_sharding: Any = None) -> str:
-  """The code that turns lever ``name`` on where ``model``'s users train, as they paste it (the module's three
-  homes), written from the lever table, so a new lever needs no entry here; ``offload-fraction`` writes the
-  ``offload_fraction`` its plan picked.
+  """The code that turns lever ``name`` on where ``model``'s users train, as they paste it, written from the
+  lever table (a new lever needs no entry here).
 
   Args:
     name: the lever.
@@ -135,8 +130,6 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
       model = ...  # your model, built here: its parameters' sharding names the mesh's axes
       optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)
         # 1e-5: your learning rate (or an optax schedule)
-    >>> lever_code("zero1-bf16state", "maxtext:qwen3-0.6b")
-    'Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16'
   """
   tx = OPTIMIZER_CODE[optimizer]
   lever = with_offload(name, offload_fraction)

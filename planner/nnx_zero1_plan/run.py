@@ -39,9 +39,8 @@ __all__ = ["make_plan"]
 
 def _micro_batch(request: PlanRequest, planned: PlannedModel | None,
                  target: Target) -> tuple[int, str | None]:
-  """The plan's micro-batch, and the sentence that states it when ``--batch`` was not given (``planned``:
-  the model on the target's devices; None for MaxText, which splits its global batch over every device,
-  its ``per_device_batch_size``, and checks it itself)."""
+  """The plan's micro-batch, and the sentence that states it when ``--batch`` was not given (``planned``
+  None: MaxText, which splits its batch over every device and checks it itself)."""
   unit, over = ((len(target.devices), "every device") if planned is None
                 else (planned.batch_unit, batch_words(planned)))
   batch = (request.batch if planned is None and request.batch is not None
@@ -54,10 +53,8 @@ def _micro_batch(request: PlanRequest, planned: PlannedModel | None,
 
 def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel, name: str, step: str,
                policy: str | None, batch: int) -> Row:
-  """One lever's row under one remat policy: compiled at ``batch``, and for ``offload-fraction`` the smallest
-  share offloaded that fits (searched at ``batch``), or with ``search`` the largest micro-batch that fits;
-  with ``global_batch``, at the micro-batch and GA that split it fastest (:func:`~nnx_zero1_plan.search.
-  split_global_batch`)."""
+  """One lever's row under one remat policy at ``batch``, searched as the request and the lever ask (the
+  global batch's split, the share offloaded, or the largest micro-batch that fits)."""
   shape = StepShape(batch, request.seq_len, request.ga, request.optimizer)
   compiled = lambda **changed: compiler.row(name, step, model, dataclasses.replace(shape, **changed), policy)
   if request.global_batch is not None:
@@ -115,8 +112,7 @@ def _left(done: int, rows: int, started: float) -> str:
 
 def _settings(request: ResolvedRequest, planned: PlannedModel, target: Target, rows: Sequence[Row],
               batch_default: str | None, compiler: str, usable: int) -> PlanSettings:
-  """plan.json's meta: the request as resolved, the model's depth and dtypes, the target's memory and the
-  compilers."""
+  """plan.json's meta: the request as resolved, the model's depth and dtypes, the target and the compilers."""
   source = planned.source_at(request.batch)
   # A MaxText model's depth is its config's, which its rows' figures say they are for.
   layers = source.full_depth or next((row.made.depth for row in rows if row.made.depth), None)
@@ -131,8 +127,7 @@ def _settings(request: ResolvedRequest, planned: PlannedModel, target: Target, r
 
 def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedModel, meta: PlanSettings,
              blocked: Mapping[str, str], maxtext_out: str | None) -> WayOut:
-  """When nothing fits: the changes to the request as planned that may make room, compiled lightest first,
-  until one fits."""
+  """When nothing fits: the changes that may make room, compiled lightest first until one fits."""
   step = resolved.steps[0]
 
   def compile_changed(change: Change) -> Row:
@@ -164,12 +159,8 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
     progress: called with one line as each compile starts and ends, and after each lever.
     local: compile for this process's own devices, the target's chips
       (:func:`nnx_zero1_plan.targets.local_target`), jax left on them.
-    measure: with ``local``, run each fitting row's program (and a search's largest, and the recommended
-      point) there as it was compiled, the first profiled for a calibration every row is also priced by
-      (``--measure``: :mod:`nnx_zero1_plan.measured_plan`).
-
-  Returns:
-    The :class:`~nnx_zero1_plan.result.Plan`.
+    measure: with ``local``, run each fitting row's program there as it was compiled, the first profiled for
+      a calibration every row is also priced by (``--measure``: :mod:`nnx_zero1_plan.measured_plan`).
 
   Raises:
     PlanError: what only the model or the compiler can tell (an axis the model does not name, a lever
@@ -178,9 +169,8 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   """
   if not local:
     compilers.keep_jax_on_cpu()
-  maxtext = request.model_ref.kind == "maxtext"
   # MaxText writes under its base_output_directory: a folder made for this plan and removed after it.
-  with output_directory() if maxtext else contextlib.nullcontext() as maxtext_out:
+  with output_directory() if request.model_ref.kind == "maxtext" else contextlib.nullcontext() as maxtext_out:
     return _planned(request, progress, maxtext_out, local, measure)
 
 

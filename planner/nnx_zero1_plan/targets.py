@@ -11,25 +11,18 @@ from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION, target_co
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, Topology, parse_topology
 from nnx_zero1_plan.local_chips import LocalDevices, not_the_target
 
-__all__ = ["Target", "GPU_SCHEDULER_FRACTION", "JAX_GPU_POOL_FRACTION", "CUDA_CONTEXT_BYTES",
-           "DEFAULT_RESERVE_BYTES", "gpu_pool_bytes", "usable_bytes", "local_target",
-           "make_target", "require_compiler"]
+__all__ = ["Target", "GPU_SCHEDULER_FRACTION", "CUDA_CONTEXT_BYTES", "DEFAULT_RESERVE_BYTES",
+           "gpu_pool_bytes", "usable_bytes", "local_target", "make_target", "require_compiler"]
 
-# XLA's GPU compiler schedules a program for the device memory it is told: on a GPU, jax's memory pool (the
-# allocator's bytes_limit); deviceless, 80% of the target's device_memory_size (its "base limit"). Measured
-# on an H200 (examples.planner_decoder:build, micro-batch 24): temp 40.92 GiB with a 27.96 GiB pool and 64.57
-# GiB with a 104.85 GiB pool, the same program. So a GPU target is described to the compiler with
-# device_memory_size = pool / 0.8: the deviceless schedule is planned for the pool the program will get.
+# XLA's GPU compiler schedules a program for the device memory it is told, deviceless for 80% of the target's
+# device_memory_size: a GPU is described with device_memory_size = pool / 0.8 (measured: docs/accuracy.md).
 GPU_SCHEDULER_FRACTION = 0.8
-# The CUDA context holds what jax's GPU client leaves of the memory free when it starts (an H200 with jax
-# 0.11.2: 150,754,820,096 B total, pool 112,583,507,968 B at JAX_GPU_POOL_FRACTION 0.75, so 643,476,139 B held
-# before the pool).
+# What the CUDA context holds before jax's pool (an H200 with jax 0.11.2: 150,754,820,096 B total, pool
+# 112,583,507,968 B at JAX_GPU_POOL_FRACTION 0.75).
 CUDA_CONTEXT_BYTES = 643_476_139
-# What the run needs beyond the compiler's figure, per device, by default. TPU: nothing; the TPU compiler
-# refuses a program whose whole footprint (total_allocation_bytes) exceeds the HBM it names, so what it
-# accepts is its word. GPU: a real H200's allocator peaked 50 MiB above the compiler's arguments + temp in
-# every step that ran (three micro-batches, two pool sizes; benchmarks.limit); 256 MiB leaves five times
-# that for what one GPU could not show (NCCL's and cuBLAS's buffers on several).
+# What the run needs beyond the compiler's figure, per device, by default. TPU: nothing (its compiler refuses
+# a program whose whole footprint exceeds the HBM it names). GPU: an H200's allocator peaked 50 MiB above the
+# compiler's figure (docs/accuracy.md); 256 MiB leaves room for NCCL's and cuBLAS's buffers on several.
 DEFAULT_RESERVE_BYTES = {"tpu": 0, "cuda": 256 * 2**20}
 
 
@@ -57,11 +50,8 @@ class Target:
 
 
 def domain_of(device: Any) -> int:
-  """The slice (a TPU's ``slice_index``) or node (a GPU's process) ``device`` sits in.
-
-  A GPU device has a ``slice_index`` too, 0 on every node: only a TPU's names its slice (a one-slice
-  topology's TPU devices have none).
-  """
+  """The slice (a TPU's ``slice_index``; a GPU's is 0 on every node) or node (a GPU's process) ``device`` sits
+  in."""
   return getattr(device, "slice_index", 0) if device.platform == "tpu" else device.process_index
 
 
@@ -80,8 +70,7 @@ def usable_bytes(hbm_bytes: int, platform: str, margin: float | None = None) -> 
 
 
 def require_compiler(platform: str) -> str:
-  """The compiler's name and version for ``platform`` (``"tpu"`` or ``"cuda"``); raises naming what to
-  install when it is missing.
+  """The compiler's name and version for ``platform`` (``"tpu"`` or ``"cuda"``).
 
   Raises:
     compilers.AotUnavailable: its compiler is not installed (the message names the install command).
@@ -123,11 +112,7 @@ def gpu_pool_bytes(chip: str, fraction: float = JAX_GPU_POOL_FRACTION) -> int:
 
 @functools.cache
 def _tpu_usable_bytes(topology: str) -> int:
-  """The HBM a program may use on one chip, from the TPU compiler's refusal of one that cannot fit.
-
-  Raises:
-    PlanError: the compiler's refusal names no available HBM (its first line in the message).
-  """
+  """The HBM a program may use on one chip, from the TPU compiler's refusal of one that cannot fit."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -142,9 +127,8 @@ def _tpu_usable_bytes(topology: str) -> int:
     jax.jit(lambda x: x + 1).lower(huge).compile()
   except Exception as e:  # any refusal is read, or said in one line: never a traceback
     oom = hbm_oom(str(e))
-    available = oom.available_bytes if oom else None
-    if available:
-      return available
+    if oom and oom.available_bytes:
+      return oom.available_bytes
     first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
     raise PlanError(f"cannot read the usable HBM of {topology} from the TPU compiler's refusal of a 1 TiB "
                     f"program: {first[:300]}") from e
@@ -200,10 +184,8 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
     return local_target(topology, slices)
   platform, chip, shape = parsed or parse_topology(topology, GPU_CHIPS)
   if platform == "tpu":
-    devices = _tpu_devices(topology, slices)
-    hbm = _tpu_usable_bytes(topology)
-    source = "the TPU compiler's available HBM (its out-of-memory message)"
-    return Target(topology, platform, chip, devices, hbm, source)
+    return Target(topology, platform, chip, _tpu_devices(topology, slices), _tpu_usable_bytes(topology),
+                  "the TPU compiler's available HBM (its out-of-memory message)")
   pool = gpu_pool_bytes(chip, gpu_memory_fraction)
   source = (f"jax's GPU memory pool at XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_memory_fraction}: that share of "
             f"the {GPU_CHIPS[chip].memory_bytes:,} B device memory less the CUDA context; the compiler "

@@ -18,13 +18,8 @@ __all__ = ["Change", "Tried", "WayOut", "changes_to_try", "find_way_out", "more_
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-  """One change to the plan's settings that may make room.
-
-  Attributes:
-    what: the change in words.
-    request: the plan's resolved request with the change made (``dataclasses.replace``: ``levers``,
-      ``batch``, ``ga``, ``remat`` or ``mesh``).
-  """
+  """One change to the plan's settings that may make room: ``what`` it is in words, and the plan's resolved
+  ``request`` with it made."""
 
   what: str
   request: ResolvedRequest
@@ -59,10 +54,7 @@ class WayOut:
 
 def more_fsdp(mesh: Mapping[str, int]) -> dict[str, int] | None:
   """``mesh`` on the same chips with ``data`` halved and ``fsdp`` doubled, so parameters and gradients split
-  over twice the devices: the way out's and the hints' one rule.
-
-  Returns:
-    The wider mesh; None where the mesh has no ``fsdp`` axis or ``data`` does not halve.
+  over twice the devices (None where it has no ``fsdp`` axis or ``data`` does not halve).
 
   Example::
 
@@ -87,9 +79,6 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
     named_axes: the mesh axes the model's variables name (``fsdp`` must be one for a larger fsdp).
     host_memory: whether the target's compile-only devices have host memory to offload to (TPUs; XLA's GPU
       compiler offers none without a GPU).
-
-  Returns:
-    The :class:`Change` s, in the order to try them.
 
   Example::
 
@@ -125,9 +114,8 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
 
   Args:
     changes: from :func:`changes_to_try`.
-    compile_changed: compiles the step with a change made: its row; or raises
-      :class:`~nnx_zero1_plan.inputs.PlanError` where the change cannot be planned (a micro-batch that does
-      not split).
+    compile_changed: compiles the step with a change made: its row; or raises ``PlanError`` where the change
+      cannot be planned (a micro-batch that does not split).
     command: the planner's command for a change.
     code: the code that trains with a change made (its lever's, as a recommendation prints it).
 
@@ -154,12 +142,9 @@ def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[s
 
   Args:
     rows: the plan's rows.
-    request: the plan's request as resolved (its mesh and micro-batch set); each command is it with one
-      change made.
+    request: the plan's request as resolved; each command is it with one change made.
     levers: every lever the planner knows, lightest first.
-    blocked: the levers that cannot apply to this model, and why (they are not suggested, nor is a lever
-      that adds memory, :func:`nnx_zero1_plan.levers.adds_memory`, or holds what a tried one held,
-      :func:`nnx_zero1_plan.levers.memory_twin`).
+    blocked: the levers that cannot apply to this model, and why (never suggested).
     remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
     batch_unit: the batch axes' size: a micro-batch is a multiple of it.
   """
