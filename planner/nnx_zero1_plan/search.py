@@ -130,11 +130,9 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     step: the micro-batch's unit: the batch axes' size (every device gets whole sequences).
     usable: bytes per device the step may use (the reserve taken off already).
     start: the first micro-batch to compile (the user's ``--batch``).
-    cap: the largest micro-batch the search compiles (see :data:`MAX_MICRO_BATCH`).
-    max_compiles: a bound on the compiles (see :data:`MAX_COMPILES`); when it is reached the bracket so
-      far is returned, and :attr:`Edge.unfinished` says so.
-    band: within this share of ``usable`` a fitting compile is at the limit and vouches for no smaller
-      micro-batch (see :data:`BAND`).
+    cap: the largest micro-batch the search compiles (:data:`MAX_MICRO_BATCH`).
+    max_compiles: the compiles at most (:data:`MAX_COMPILES`), then the bracket so far (``unfinished`` set).
+    band: within this share of ``usable`` a fitting compile vouches for no smaller micro-batch (:data:`BAND`).
 
   Returns:
     An :class:`Edge`.
@@ -254,13 +252,10 @@ def search_row(first: Row, row_at: Callable[[int], Row], unit: int, usable: int)
 
 
 def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = OFFLOAD_COMPILES) -> Row:
-  """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever).
-
-  Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the state, its
-  largest leaves, go to host memory, and a compile confirms the guess. Where it missed (the compiler kept
-  some of the offloaded bytes live), the next guess divides what it missed by the bytes each share of the
-  state actually saved, the line through the last two compiles (``tries`` compiles at most). The row is the
-  last compile's, with its :class:`~nnx_zero1_plan.row.Offloaded` record and every compile's seconds."""
+  """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever), in
+  ``tries`` compiles at most, each guess by :func:`next_fraction` (how: docs/planner.md's
+  ``offload-fraction``). The row is the last compile's, with its :class:`~nnx_zero1_plan.row.Offloaded`
+  record and every compile's seconds."""
   fraction, row = 0.0, row_with(0.0)
   tried: list[OffloadPoint] = []
   refused = None
@@ -292,9 +287,8 @@ def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = O
 
 def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, unit: int) -> Row:
   """The row of ``global_batch`` sequences a step split into the micro-batch and GA that fit and train fastest
-  (``--global-batch``): the micro-batches that divide it, multiples of ``unit`` (the batch axes' size),
-  compiled largest first until one fits, then smaller ones while each trains faster (its calibrated time where
-  it has one, else its predicted: the tokens a step are the same); a step without a time stops at the largest.
+  (``--global-batch``): the micro-batches that divide it compiled largest first until one fits, then smaller
+  ones while each trains faster (calibrated, else predicted); a step without a time stops at the largest.
 
   Args:
     row_at: compiles a row at ``(micro-batch, GA)``.

@@ -280,12 +280,9 @@ NO_ESTIMATE = ("the compiler gives no estimate of the program's compute (XLA's G
 
 
 def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Rates:
-  """The rates a chip's programs are timed at: its clock, and its collectives' time on its fast network.
-
-  A TPU's collective runs on the links its group's rings use in the slice
-  (:func:`nnx_zero1_plan.networks.tpu_collective_time`; ``coords``: each program device's place in the
-  slice, None for the standard slice of the program's devices; its axes, half its ports). A GPU sends at its
-  NVLink rate whatever the group (a switch).
+  """The rates a chip's programs are timed at: its clock, and its collectives' time on its fast network (a
+  TPU's on the links its group's rings use, :func:`nnx_zero1_plan.networks.tpu_collective_time`, ``coords``
+  as :func:`predict_step_time` takes them; a GPU's at its NVLink rate whatever the group: a switch).
 
   Example::
 
@@ -329,9 +326,8 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
       (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None for a TPU program, which carries its own.
     deviceless: whether a GPU program was compiled without its GPU (its matmuls not autotuned: its time is
       not the tuned program's, and only its parts are kept); False on the GPU itself.
-    coords: each program device's place in a TPU slice (a compile-only device's ``coords``, in the program's
-      device order); None: the standard slice of ``devices`` chips
-      (:func:`nnx_zero1_plan.networks.slice_shape`).
+    coords: each program device's place in a TPU slice, in the program's device order; None: the standard
+      slice of ``devices`` chips (:func:`nnx_zero1_plan.networks.slice_shape`).
 
   Returns:
     The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).
