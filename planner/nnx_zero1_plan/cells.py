@@ -32,9 +32,8 @@ def tokens(per_s: float | None) -> str:
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "args GiB", "temp GiB",
           "peak GiB", "args+temp GiB", "usable GiB", "fits", "max micro-batch", "step ms (pred.)",
-          "tok/s/device", "MFU", "compile s",
-          "collectives per step (count x MiB)", "per micro-batch", "update GFLOP", "update GiB accessed",
-          "note")
+          "tok/s/device", "MFU", "compile s", "collectives per step (count x MiB)", "per micro-batch",
+          "update GFLOP", "update GiB accessed", "note")
 # A plan timed by a calibration (--measure, --calibration) has its time beside the cost model's.
 CALIBRATED = "step ms (calib.)"
 # A pod's plan has two more columns, before the note: what one device sends per step over each network.

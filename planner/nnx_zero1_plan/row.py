@@ -18,7 +18,7 @@ __all__ = ["StepTime", "OpCount", "Collectives", "StateSplit", "HbmOom", "MaxTex
 
 class _Record:
   """A frozen record of plan.json's, written field by field; each field that is a record (or a tuple or
-  mapping of them) is read into its type as the record is made, so a record may be given plan.json's objects."""
+  mapping of them) is read into its type as the record is made: a record may be given plan.json's objects."""
 
   def __post_init__(self) -> None:
     for name, kind in _field_types(type(self)).items():
@@ -83,7 +83,7 @@ def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class StepTime(_Record):
-  """A step's predicted time on one device, in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`)."""
+  """A step's predicted time on one device in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`)."""
 
   source: str
   programs: Sequence[str]
@@ -328,7 +328,7 @@ AT_EDGE = tuple(f.name for f in dataclasses.fields(Point))[2:]
 
 @dataclasses.dataclass(frozen=True)
 class Searched(_Record):
-  """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.search_row`)."""
+  """What the search for the largest micro-batch that fits found: :func:`nnx_zero1_plan.search.search_row`."""
 
   max_micro_batch: int | None
   above: int | None

@@ -258,16 +258,14 @@ def run_steps(compiled: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch
               timed: int = 8) -> tuple[Any, StepRuns]:
   """Runs a compiled step ``warmup + timed`` times on its devices and times each to its loss being ready.
 
-  The first steps carry the allocator's growth and the program's first load, so only the ``timed`` ones
-  after them count, by their median. An error (the allocator's out-of-memory) stops the steps and is kept
-  in one line, not raised: a measurement says what ran.
+  The warm-up steps carry the allocator's growth and the program's first load, so only the ``timed`` ones
+  count, by their median. An error (the allocator's out-of-memory) stops the steps and is kept in one line,
+  not raised: a measurement says what ran.
 
   Args:
     compiled: ``(state, batch) -> (state, loss)``, the state donated (:func:`step_jit`, compiled).
-    state: its first state, on the devices.
-    batch: one step's batch, on the devices.
-    warmup: steps run first, not counted.
-    timed: steps counted.
+    state, batch: its first state and one step's batch, on the devices.
+    warmup, timed: the steps run first, not counted, and the steps counted.
 
   Returns:
     ``(state, runs)``: the state after the last step that ran, and :class:`StepRuns`.
