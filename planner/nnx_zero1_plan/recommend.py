@@ -64,7 +64,8 @@ class Recommendation:
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Recommendation:
     """The record plan.json's ``recommendation`` holds (:func:`dataclasses.asdict` writes it)."""
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    read: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    return cls(**read)
 
 
 def micro_batch_of(row: Row, batch: int) -> int | None:
