@@ -140,6 +140,11 @@ class Collectives(_Record):
     """The bytes one device sends per step between slices or nodes (0 on one slice or node)."""
     return sum(c.bytes for c in (self.across_per_step or {}).values())
 
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> Collectives:
+    """The record :meth:`to_json` wrote (``per_step`` empty where it has none; other names not read)."""
+    return cls(**{name: fields[name] for name in _names(cls) if name in fields})
+
 
 @dataclasses.dataclass(frozen=True)
 class StateSplit(_Record):
