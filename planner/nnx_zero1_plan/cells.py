@@ -32,9 +32,8 @@ def tokens(per_s: float | None) -> str:
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "args GiB", "temp GiB",
           "peak GiB", "args+temp GiB", "usable GiB", "fits", "max micro-batch", "step ms (pred.)",
-          "tok/s/device", "MFU", "compile s",
-          "collectives per step (count x MiB)", "per micro-batch", "update GFLOP", "update GiB accessed",
-          "note")
+          "tok/s/device", "MFU", "compile s", "collectives per step (count x MiB)", "per micro-batch",
+          "update GFLOP", "update GiB accessed", "note")
 # A plan timed by a calibration (--measure, --calibration) has its time beside the cost model's.
 CALIBRATED = "step ms (calib.)"
 # A pod's plan has two more columns, before the note: what one device sends per step over each network.
@@ -45,8 +44,7 @@ _SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-t
 
 
 def collective_cell(c: Mapping[str, OpCount] | Mapping[str, Mapping[str, int]] | None) -> str:
-  """Collectives (or host transfers: ``{op: {"count", "bytes"}}``, as the benchmarks keep them) as one table
-  cell, count x MiB per op.
+  """Collectives or host transfers (also as the benchmarks keep them) as one cell, count x MiB per op.
 
   Example::
 
@@ -89,9 +87,8 @@ def time_cells(step_s: float | None, tokens_per_s: float | None, mfu: float | No
 
 
 def split_words(lever: str, split: StateSplit | None) -> str | None:
-  """What a Zero-1 lever's layout splits (``split``: its row's ``state_split``), where it is not the whole
-  state over every axis the lever names (None where it is, and for the baseline): the share of the state's
-  bytes over each set of axes.
+  """The share of the state's bytes a Zero-1 lever's layout splits over each set of axes (``split``: its
+  row's ``state_split``); None where it splits the whole state over every axis it names, and for the baseline.
 
   Example::
 
@@ -118,9 +115,8 @@ def _note(r: Row, rows: Sequence[Row] = ()) -> str:
 
 
 def accumulation_note(r: Row, rows: Sequence[Row]) -> str | None:
-  """Where a lever of this library's accumulation (``-accum``) holds more than its one-program twin (the
-  same layout, gradients from ``nnx.value_and_grad``) at the same micro-batch, how much and why, in the
-  compiler's figures; None where it holds no more (1%), or the twin was not compiled.
+  """How much more a ``-accum`` lever holds than its twin (the same layout, gradients from
+  ``nnx.value_and_grad``) at the same micro-batch, and why; None where it holds no more (1%), or no twin.
 
   Example::
 
@@ -227,9 +223,8 @@ def row_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
     out.append((
         _lever(r), r.step + (f", remat {r.remat}" if r.remat else ""), r.compiled_for, spelled_mesh(r.mesh),
         gib(f.opt_state_bytes_per_device), dtype_cell(f.opt_state_bytes_by_dtype),
-        ex + gib(f.argument_bytes_per_device),
-        ex + gib(f.temp_bytes_per_device), ex + gib(f.peak_bytes_per_device),
-        ex + gib(f.formula_peak_bytes_per_device), gib(r.usable_bytes),
+        ex + gib(f.argument_bytes_per_device), ex + gib(f.temp_bytes_per_device),
+        ex + gib(f.peak_bytes_per_device), ex + gib(f.formula_peak_bytes_per_device), gib(r.usable_bytes),
         ex + fits, _max_micro_batch(r), *time_cells(f.predicted_step_s, f.tokens_per_s_per_device, f.mfu, ex),
         *((ms(f.calibrated_step_s),) if calibrated else ()), f"{compile_s:.0f}",
         ex + collective_cell(f.collectives.per_step if f.collectives else None),
@@ -253,14 +248,13 @@ def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
     if found is None:
       continue
     at, above = found.at_max or Point(0, False), found.at_above or Point(0, False)
-    flops = at.flops_per_device
     refusal = (gib(above.peak_bytes_per_device) if above.peak_bytes_per_device is not None
                else (above.error or "-")[:60])
     note = found.search_unfinished or (f"fits again above: {', '.join(map(str, found.fits_above))} "
                                        "(not monotonic)" if found.fits_above else "")
     out.append((r.lever, r.step, _max_micro_batch(r), gib(at.peak_bytes_per_device),
                 gib(at.headroom_bytes_per_device), gib(at.temp_bytes_per_device),
-                "-" if flops is None else f"{flops / 1e12:.2f}",
+                "-" if at.flops_per_device is None else f"{at.flops_per_device / 1e12:.2f}",
                 ms(at.predicted_step_s), tokens(at.tokens_per_s_per_device), str(found.above or "-"),
                 refusal, str(len(found.search)), note))
   return out
@@ -275,9 +269,8 @@ MEASURED_TITLE = ("Run on this machine's devices (--measure), the very program c
 
 
 def measured_cells(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-  """Each run of ``--measure`` beside the plan's prediction at its micro-batch (the row's own compile or its
-  search's there): :data:`MEASURED_HEADER`, with the calibrated time and its error where there is one, and
-  the cells.
+  """Each run of ``--measure`` beside the plan's prediction at its micro-batch (its row's or search's compile
+  there): :data:`MEASURED_HEADER` (with the calibrated time and its error where there is one), and the cells.
 
   Example::
 

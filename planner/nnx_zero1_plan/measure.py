@@ -47,11 +47,9 @@ __all__ = ["StepShape", "measured", "timed", "RowCompiler"]
 
 def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: StepShape,
           timing: RowCompiler | None, scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
-  """``figures`` with the step's predicted time (:func:`nnx_zero1_plan.predict_step_time`) on ``timing``'s
-  target at its compute dtype, for the ``programs`` one step runs (``scheduled``: XLA's GPU scheduler's
-  estimates of their instructions), and on a pod its slow network's bytes over that network's rate; with
-  ``timing``'s calibration, the step's calibrated time too (:func:`~nnx_zero1_plan.calibrated_time.
-  calibrated_time`: each kind of work at the chip's own ratio, the networks as the cost model prices them)."""
+  """``figures`` with the predicted time (:func:`nnx_zero1_plan.predict_step_time`) of the ``programs`` one
+  step runs on ``timing``'s target (``scheduled``: XLA's GPU scheduler's estimates), and with ``timing``'s
+  calibration the calibrated time too (:func:`~nnx_zero1_plan.calibrated_time.calibrated_time`)."""
   if timing is None:
     return figures
   target = timing.target
@@ -70,8 +68,8 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
 
 @contextlib.contextmanager
 def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] | None, Callable[[], Any]]]:
-  """For a GPU target, the compiler options that dump its scheduler's estimates into a fresh folder, and a
-  reader of them; the folder is removed after (nothing is left behind). Elsewhere no options, nothing read."""
+  """For a GPU target, the compiler options that dump its scheduler's estimates into a folder removed after,
+  and a reader of them; elsewhere no options, nothing read."""
   if timing is None or timing.target.platform != "cuda":
     yield None, lambda: None
     return
@@ -96,8 +94,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
   Returns:
     The row's :class:`~nnx_zero1_plan.row.Figures` (:func:`nnx_zero1_plan.compiled.row_figures`, the
     optimizer state's bytes, the compile's seconds, the predicted step time: :func:`timed`), or the
-    compiler's refusal (``error``, ``hbm_oom``; the
-    compiled figures None).
+    compiler's refusal (``error``, ``hbm_oom``; the compiled figures None).
   """
   lever = with_offload(lever_name, shape.offload_fraction)
   say = progress or (lambda line: None)
@@ -193,8 +190,7 @@ class RowCompiler:
 
   def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
           remat: str | None = None) -> Row:
-    """One lever's row at ``shape``'s micro-batch (an estimate's depths: ``model.reduced``), as the module
-    says it is made.
+    """One lever's row at ``shape``'s micro-batch (an estimate's depths: ``model.reduced``).
 
     Returns:
       The :class:`~nnx_zero1_plan.row.Row`, its ``fits`` the one verdict

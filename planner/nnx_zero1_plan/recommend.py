@@ -64,9 +64,8 @@ class Recommendation:
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Recommendation:
     """The record plan.json's ``recommendation`` holds (:func:`dataclasses.asdict` writes it)."""
-    f = fields
-    return cls(f["lever"], f["step"], f["micro_batch"], f["remat"], f["code"], f["cli"], tuple(f["order"]),
-               tuple(f["baseline_beats"]), tuple(f["why"]), tuple(f["notes"]))
+    read: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    return cls(**read)
 
 
 def micro_batch_of(row: Row, batch: int) -> int | None:
@@ -89,9 +88,8 @@ _RECOMPUTE = 0.05  # compute per sequence this much above the cheapest fitting p
 
 
 def recompute_note(row: Row, micro: int) -> str | None:
-  """Where a row's compute per sequence at ``micro`` is more than 5% above its cheapest fitting compile's (the
-  compiler rematerialises to fit), one sentence saying a larger micro-batch trades memory for recompute
-  there; None otherwise, or where its compiles carry no flops."""
+  """Where a row's compute per sequence at ``micro`` is over 5% above its cheapest fitting compile's (the
+  compiler rematerialises to fit), one sentence saying so; None otherwise, or where no compile has flops."""
   points = {p.batch: p.flops_per_device / p.batch for p in _points(row) if p.fits and p.flops_per_device}
   if micro not in points or len(points) < 2:
     return None
@@ -108,9 +106,8 @@ _THIN = 0.01  # a pick leaving less than this share of the usable memory free is
 
 
 def thin_note(row: Row, micro: int) -> str | None:
-  """Where a row at ``micro`` leaves less than 1% of the usable memory free, one sentence saying so: near its
-  limit the compiler's schedule lands within about 1.5% either side (DESIGN's sixth round), so a change of
-  model code or compiler version can tip it over; None otherwise, or where the figures are missing.
+  """Where a row at ``micro`` leaves less than 1% of the usable memory free, one sentence saying so (near its
+  limit the compiler lands within about 1.5% either side: DESIGN's sixth round); None otherwise.
 
   Example::
 
@@ -131,9 +128,8 @@ def thin_note(row: Row, micro: int) -> str | None:
 
 
 def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
-  """Whether a Zero-1 row holds the baseline's optimizer state per device (the baseline's row of the same step
-  and remat, within 0.1%), with none of it in host memory: its layout split nothing (a data axis of size 1,
-  or no leaf that divides), so it is the baseline under another name."""
+  """Whether a Zero-1 row holds the baseline's optimizer state per device (within 0.1%, none in host memory):
+  its layout split nothing (a data axis of size 1, or no leaf that divides), the baseline by another name."""
   if row.lever == "baseline" or row.figures.host_state_bytes:
     return False
   base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
@@ -201,8 +197,7 @@ def host_bytes_of(row: Row) -> int:
 
 
 def narrowed_note(lever: str) -> str | None:
-  """What a lever that narrows a hop between slices or nodes (the gradients', the new parameters') gives up
-  (None: nothing).
+  """What a lever that narrows a hop between slices or nodes gives up (None: nothing).
 
   Example::
 
@@ -221,7 +216,7 @@ def narrowed_note(lever: str) -> str | None:
 
 
 def _differ(mine: int, theirs: int) -> bool:
-  """Whether two byte counts are more than 1% apart (of the larger): closer, they are a tie."""
+  """Whether two byte counts are more than 1% apart (of the larger): closer is a tie."""
   return abs(mine - theirs) > _SAME_BYTES * max(mine, theirs, 1)
 
 
@@ -254,9 +249,8 @@ def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:
 
 def plan_code(request: PlanRequest, lever: str, offload_fraction: float | None = None,
               activation_sharding: Mapping[str, Any] | str | None = None) -> str:
-  """The code that trains as a plan for ``request`` (resolved: its mesh sized,
-  :meth:`~nnx_zero1_plan.request.PlanRequest.resolved`) compiled with ``lever`` (:func:`lever_code`): its
-  model, mesh, optimizer and target; a recommendation's and a way out's.
+  """The code that trains as ``request`` (resolved: its mesh sized) planned ``lever`` (:func:`lever_code`):
+  its model, mesh, optimizer and target; a recommendation's and a way out's.
 
   Example::
 
@@ -285,8 +279,8 @@ def _throughput(point: Point, calibrated: bool) -> float:
 
 
 def _speed(row: Row, point: Point, calibrated: bool = False) -> str:
-  """A point's predicted time in words: ``zero1 at 128: 412.0 ms, 318,000 tok/s per device`` (its calibrated
-  time where ``calibrated``; on a pod the slow network's share of that row's step)."""
+  """A point's time in words (``zero1 at 128: 412.0 ms, 318,000 tok/s per device``; on a pod, the slow
+  network's share)."""
   step_s = point.calibrated_step_s if calibrated else point.predicted_step_s
   words = (f"{row.lever} at {point.batch}: {_ms(step_s)}{' calibrated' * calibrated}, "
            f"{_throughput(point, calibrated):,.0f} tok/s per device")
@@ -332,8 +326,8 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
 
 
 def _roomier(row: Row, point: Point) -> tuple[int, bool]:
-  """Both orders' last words as a key to sort by: the most headroom at ``point``, then no remat (then the
-  lighter lever: the rows' own order, which ``min`` keeps among equals)."""
+  """Both orders' last words as a sort key: most headroom, then no remat (then the lighter lever, the rows'
+  order, which ``min`` keeps)."""
   return -(point.headroom_bytes_per_device or 0), row.remat not in (None, "none")
 
 

@@ -1,5 +1,6 @@
 """One lever's row of a plan: typed frozen records whose fields are plan.json's names, written side by side by
-:meth:`Row.to_json` and put back by :meth:`Row.from_json`, so a new figure is one field here."""
+:meth:`Row.to_json` and put back by :meth:`Row.from_json`, so a new figure is one field here. What each field
+holds: docs/planner.md's "What a row says"."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ __all__ = ["StepTime", "OpCount", "Collectives", "StateSplit", "HbmOom", "MaxTex
 
 
 class _Record:
-  """A frozen record of plan.json's: written field by field (a field marked ``only_when_set`` left out where
-  it is None), and read back from that object, each field that is a record, or a tuple or mapping of them,
-  read into its type as the record is made (so a record may be given plan.json's objects)."""
+  """A frozen record of plan.json's, written field by field; each field that is a record (or a tuple or
+  mapping of them) is read into its type as the record is made: a record may be given plan.json's objects."""
 
   def __post_init__(self) -> None:
     for name, kind in _field_types(type(self)).items():
@@ -83,8 +83,7 @@ def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class StepTime(_Record):
-  """A step's predicted time on one device, in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`):
-  each field plan.json's ``step_time``'s of its name, what each holds docs/planner.md's "How fast"."""
+  """A step's predicted time on one device in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`)."""
 
   source: str
   programs: Sequence[str]
@@ -116,8 +115,8 @@ def op_counts(by_op: Mapping[str, Any] | None) -> dict[str, OpCount] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Collectives(_Record):
-  """A step's collectives on one device, each ``{op kind: OpCount}`` (:func:`nnx_zero1_plan.compiled.
-  collectives_of`): each field plan.json's of its name, what each holds docs/planner.md's "What a row says".
+  """A step's collectives on one device, each ``{op kind: OpCount}``
+  (:func:`nnx_zero1_plan.compiled.collectives_of`).
 
   Example::
 
@@ -169,8 +168,6 @@ class HbmOom(_Record):
 class MaxTextConfig(_Record):
   """What MaxText's defaults chose for a row (its config's values of these names).
 
-  plan.json keeps each value as the config's ``str()``; the record holds the numbers and flags as such.
-
   Example::
 
     >>> config = MaxTextConfig("qwen3-0.6b", "ShardMode.EXPLICIT", "None", False, "bfloat16", "float32",
@@ -197,16 +194,14 @@ class MaxTextConfig(_Record):
 
   @classmethod
   def from_json(cls, fields: Mapping[str, str]) -> MaxTextConfig:
-    """The record :meth:`to_json` wrote (or the config's values, each as its ``str()``): each field's type
-    read back from its string."""
+    """The record :meth:`to_json` wrote (or the config's values): each field's type read from its string."""
     typed: dict[type, Callable[[str], Any]] = {int: int, bool: lambda v: v in (True, "True"), str: str}
     return cls(**{k: typed[_field_types(cls)[k]](v) for k, v in fields.items()})
 
 
 @dataclasses.dataclass(frozen=True)
 class Figures(_Record):
-  """What the compiler said of one lever's step, per device (None where it refused the program): each field
-  plan.json's of its name, what each holds docs/planner.md's "What a row says"."""
+  """What the compiler said of one lever's step, per device (None where it refused the program)."""
 
   opt_state_bytes_per_device: int | None = _figure(per_layer=True)
   opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _figure(per_layer=True)
@@ -288,10 +283,7 @@ class Estimate(_Record):
 
 @dataclasses.dataclass(frozen=True)
 class Made(_Record):
-  """How a row's figures were made: the depth always, each other note where it says something (not None).
-
-  Each field is plan.json's of its name; docs/planner.md's "What a row says" says what each holds.
-  """
+  """How a row's figures were made: the depth always, each other note where it says something (not None)."""
 
   depth: int | None = None
   depth_extrapolated_from: Sequence[int] | None = None
@@ -341,10 +333,7 @@ AT_EDGE = tuple(f.name for f in dataclasses.fields(Point))[2:]
 
 @dataclasses.dataclass(frozen=True)
 class Searched(_Record):
-  """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.search_row`).
-
-  Each field is plan.json's of its name; docs/planner.md's "What a row says" says what each holds.
-  """
+  """What the search for the largest micro-batch that fits found: :func:`nnx_zero1_plan.search.search_row`."""
 
   max_micro_batch: int | None
   above: int | None
@@ -370,9 +359,7 @@ class OffloadPoint(_Record):
 @dataclasses.dataclass(frozen=True)
 class Offloaded(_Record):
   """What the search for the share of the optimizer state to offload found
-  (:func:`nnx_zero1_plan.search.offload_search`). Each field is plan.json's of its name; docs/planner.md's
-  "What a row says" says what each holds.
-  """
+  (:func:`nnx_zero1_plan.search.offload_search`)."""
 
   offload_fraction: float
   offload_search: tuple[OffloadPoint, ...]
@@ -381,9 +368,7 @@ class Offloaded(_Record):
 
 @dataclasses.dataclass(frozen=True)
 class Measured(_Record):
-  """One step run on the local devices (``--measure``): a few steady steps of the compiled program.
-  Each field is plan.json's of its name; docs/planner.md's "What a row says" says what each holds.
-  """
+  """One step run on the local devices (``--measure``): a few steady steps of the compiled program."""
 
   batch: int
   step_s: float | None
@@ -400,9 +385,7 @@ class Measured(_Record):
 class Row(_Record):
   """One lever's step compiled for the target, as plan.json's row: what identifies the compile, then its
   records (:class:`Figures`, :class:`Made`; :class:`Searched`, :class:`Offloaded` and the :class:`Measured`
-  runs where there were any). Each field is plan.json's of its name; docs/planner.md's "What a row says"
-  says what each holds.
-  """
+  runs where there were any)."""
 
   lever: str
   step: str

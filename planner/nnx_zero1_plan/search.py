@@ -36,9 +36,8 @@ OFFLOAD_COMPILES = 4
 
 
 def fits_in(figures: Figures, usable: int) -> bool | None:
-  """Whether a compile's figures fit: the one verdict the plan, the search and the offload search use. False
-  where the compiler refused the program for memory, else its peak within ``usable``; None where there are
-  no figures (a refusal for another reason).
+  """Whether a compile's figures fit, the one verdict: False where the compiler refused the program for
+  memory, else its peak within ``usable``; None where there are no figures (a refusal for another reason).
 
   Example::
 
@@ -66,8 +65,7 @@ class Probe:
 @dataclasses.dataclass(frozen=True)
 class Edge:
   """Where a lever stops fitting: :class:`~nnx_zero1_plan.row.Searched`'s fields as the search finds them
-  (``unfinished`` is its ``search_unfinished``; each micro-batch compiled below ``max_micro_batch`` fits
-  too), and ``probes``, every compile in the order they ran."""
+  (``unfinished``: its ``search_unfinished``), and ``probes``, every compile in the order they ran."""
 
   max_micro_batch: int | None
   above: int | None
@@ -132,11 +130,9 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     step: the micro-batch's unit: the batch axes' size (every device gets whole sequences).
     usable: bytes per device the step may use (the reserve taken off already).
     start: the first micro-batch to compile (the user's ``--batch``).
-    cap: the largest micro-batch the search compiles (see :data:`MAX_MICRO_BATCH`).
-    max_compiles: a bound on the compiles (see :data:`MAX_COMPILES`); when it is reached the bracket so
-      far is returned, and :attr:`Edge.unfinished` says so.
-    band: within this share of ``usable`` a fitting compile is at the limit and vouches for no smaller
-      micro-batch (see :data:`BAND`).
+    cap: the largest micro-batch the search compiles (:data:`MAX_MICRO_BATCH`).
+    max_compiles: the compiles at most (:data:`MAX_COMPILES`), then the bracket so far (``unfinished`` set).
+    band: within this share of ``usable`` a fitting compile vouches for no smaller micro-batch (:data:`BAND`).
 
   Returns:
     An :class:`Edge`.
@@ -177,7 +173,6 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
         return batch
     return None
 
-  budget = f"the search's {max_compiles} compiles ran out before the edge was confirmed"
   stride = 0  # once the line stops gaining, the edge is galloped to: one step, two, four, ...
   moved: list[bool] = []  # once bracketed, which end each compile moved (True: the fitting one)
   top = round_down(cap, step)
@@ -213,17 +208,16 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     if lo is not None and hi is None and batch > lo and (batch := min(batch, top)) <= lo:
       return edge()  # the cap fits
     if len(probes) >= max_compiles:
-      return edge(budget)
+      return edge(f"the search's {max_compiles} compiles ran out before the edge was confirmed")
     probes[batch] = measure(batch)
     if hi is not None:
       moved.append(probes[batch].fits)
 
 
 def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.0) -> float | None:
-  """The share of the optimizer state to offload next, for a step whose peak with ``fraction`` of it
-  offloaded is ``peak``: ``fraction`` when it fits, else ``fraction`` plus the bytes over ``usable`` as a
-  share of ``state_bytes`` (the bytes the whole state saves: its bytes per device, or what a line
-  through two compiles says), rounded up to a hundredth; None when that is more than the whole state.
+  """The share of the optimizer state to offload next, where the step's peak with ``fraction`` offloaded is
+  ``peak``: ``fraction`` when it fits, else plus the bytes over ``usable`` as a share of ``state_bytes`` (what
+  the whole state saves), rounded up to a hundredth; None when that is more than the whole state.
 
   Example::
 
@@ -238,10 +232,8 @@ def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.
 
 
 def search_row(first: Row, row_at: Callable[[int], Row], unit: int, usable: int) -> Searched:
-  """The row's search for its largest micro-batch (``first``: the row at the plan's micro-batch).
-
-  ``row_at(batch)`` compiles the whole program at ``batch``: an edge is the compiler's word, never an
-  estimate's."""
+  """The row's search for its largest micro-batch from ``first``, compiling the whole program at each
+  (``row_at``): an edge is the compiler's word, never an estimate's."""
   rows = {first.batch: first}
 
   def measure(batch: int) -> Probe:
@@ -260,13 +252,10 @@ def search_row(first: Row, row_at: Callable[[int], Row], unit: int, usable: int)
 
 
 def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = OFFLOAD_COMPILES) -> Row:
-  """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever).
-
-  Zero-1's compile with nothing offloaded gives the bytes over ``usable``; that many bytes of the state, its
-  largest leaves, go to host memory, and a compile confirms the guess. Where it missed (the compiler kept
-  some of the offloaded bytes live), the next guess divides what it missed by the bytes each share of the
-  state actually saved, the line through the last two compiles (``tries`` compiles at most). The row is the
-  last compile's, with its :class:`~nnx_zero1_plan.row.Offloaded` record and every compile's seconds."""
+  """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever), in
+  ``tries`` compiles at most, each guess by :func:`next_fraction` (how: docs/planner.md's
+  ``offload-fraction``). The row is the last compile's, with its :class:`~nnx_zero1_plan.row.Offloaded`
+  record and every compile's seconds."""
   fraction, row = 0.0, row_with(0.0)
   tried: list[OffloadPoint] = []
   refused = None
@@ -298,9 +287,8 @@ def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = O
 
 def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, unit: int) -> Row:
   """The row of ``global_batch`` sequences a step split into the micro-batch and GA that fit and train fastest
-  (``--global-batch``): the micro-batches that divide it, multiples of ``unit`` (the batch axes' size),
-  compiled largest first until one fits, then smaller ones while each trains faster (its calibrated time where
-  it has one, else its predicted: the tokens a step are the same); a step without a time stops at the largest.
+  (``--global-batch``): the micro-batches that divide it compiled largest first until one fits, then smaller
+  ones while each trains faster (calibrated, else predicted); a step without a time stops at the largest.
 
   Args:
     row_at: compiles a row at ``(micro-batch, GA)``.
@@ -329,13 +317,10 @@ def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, uni
   best = last = None
   for micro in candidates:
     last = dataclasses.replace(row_at(micro, global_batch // micro), ga=global_batch // micro)
-    if not last.verdict:
-      if best is None:
-        continue
+    if best is not None and not (last.verdict and _faster(last, best)):
       break
-    if best is not None and not _faster(last, best):
-      break
-    best = last
+    if last.verdict:
+      best = last
   assert last is not None  # there was a candidate
   return best or last
 

@@ -1,13 +1,7 @@
-"""A compiled program's time on one device, from the compiler's own cost model, walked in schedule order.
-
-The TPU compiler writes its estimate into each fusion's, copy's and broadcast's ``backend_config``
-(``"estimated_cycles"``, its classic cost model); a compiled program runs its instructions in its text's
-order, one after another on the core, collectives on the network beside it. So :func:`program_time` advances
-the core by ``cycles / clock``, runs a while loop's body ``trip count`` times, a call's callee, a
-conditional's costliest branch, and starts an async collective or host copy when its lane is free, the core
-stalling at its ``-done`` only for what is left (at a synchronous one, for all). A step without a time says
-why (:data:`UNTUNED`, :data:`NO_ESTIMATE`, ...): nothing here guesses compute from a peak rate.
-"""
+"""A compiled program's time on one device, from the compiler's own cost model, walked in schedule order: the
+core advances by each instruction's estimate, collectives and host copies run on their own lanes beside it and
+the core stalls at a ``-done`` only for what is left (docs/planner.md's "How fast"). A step without a time
+says why (:data:`UNTUNED`, :data:`NO_ESTIMATE`, ...): nothing here guesses compute from a peak rate."""
 
 from __future__ import annotations
 
@@ -100,9 +94,8 @@ class ProgramTime:
 
 @dataclasses.dataclass
 class _Walk:
-  """A computation's walk, in progress: the parts of its :class:`ProgramTime` so far (``total_s``: the
-  core's time now), when each lane (the network, each direction of the host link) is next free, and the
-  transfers started and not yet waited for."""
+  """A computation's walk in progress: its :class:`ProgramTime` so far (``total_s``: the core's time now),
+  when each lane is next free, and the transfers started and not yet waited for."""
 
   total_s: float = 0.0
   compute_s: float = 0.0
@@ -121,8 +114,7 @@ class _Walk:
       setattr(self, part.name, getattr(self, part.name) + times * (getattr(other, part.name) or 0))
 
   def start(self, name: str, seconds: float, on: str) -> None:
-    """An async transfer of ``seconds`` on the network or on one direction of the host link (``to-host``,
-    ``to-device``: each has its own lane), started now: it waits for its lane to be free."""
+    """An async transfer of ``seconds`` started now on ``on`` (the network, or one way of the host link)."""
     end = max(self.total_s, self.free.get(on, 0.0)) + seconds
     self.free[on] = end
     self.pending[name] = (end, on)
@@ -176,8 +168,7 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
   devices = devices or partitions(hlo)
 
   def compute_seconds(m: re.Match[str], line: str) -> float | None:
-    """One instruction's estimated compute (0.0 where there is none to count), or None where the compiler
-    did not estimate it."""
+    """One instruction's estimated seconds (0.0: nothing to count; None: the compiler did not estimate it)."""
     if estimates is not None:
       return 0.0 if m["op"] in _FREE else estimates.get(m["name"])
     cycles = estimated_cycles(line)
@@ -245,9 +236,8 @@ _MATMUL = re.compile(r"=\s*(?P<dtype>[a-z]+\d*)\[[^=]*\s(?:convolution|dot)\(")
 
 
 def _line_class(line: str, bodies: dict[str, list[str]], depth: int = 0) -> str:
-  """The class of one instruction's work: a matmul (float32 where its result is float32: the TPU multiplies
-  in bfloat16 either way, and writes and accumulates in the result's type) where it is, or its fused
-  computation holds, a convolution or dot; else the vector unit's."""
+  """One instruction's class of work: a matmul where it, or its fused computation, holds a convolution or dot
+  (float32 where its result is: the TPU writes and accumulates in the result's type); else ``vector``."""
   matmul = _MATMUL.search(line)
   if matmul:
     return "matmul-f32" if matmul["dtype"] == "f32" else "matmul-bf16"
@@ -290,12 +280,9 @@ NO_ESTIMATE = ("the compiler gives no estimate of the program's compute (XLA's G
 
 
 def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Rates:
-  """The rates a chip's programs are timed at: its clock, and its collectives' time on its fast network.
-
-  A TPU's collective runs on the links its group's rings use in the slice
-  (:func:`nnx_zero1_plan.networks.tpu_collective_time`; ``coords``: each program device's place in the
-  slice, None for the standard slice of the program's devices; its axes, half its ports). A GPU sends at its
-  NVLink rate whatever the group (a switch).
+  """The rates a chip's programs are timed at: its clock, and its collectives' time on its fast network (a
+  TPU's on the links its group's rings use, :func:`nnx_zero1_plan.networks.tpu_collective_time`, ``coords``
+  as :func:`predict_step_time` takes them; a GPU's at its NVLink rate whatever the group: a switch).
 
   Example::
 
@@ -307,13 +294,12 @@ def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Ra
   if link is not None:  # a TPU: a full ring's rate stands beside its collectives' own time
     return Rates(compute.clock_hz, lambda n: 2 * link, compute.host_bytes_per_s, compute.class_clocks_hz,
                  tpu_collective_time(chip.links, compute.ports // 2, coords))
-  return Rates(chip.compute.clock_hz, lambda n: fast, chip.compute.host_bytes_per_s)
+  return Rates(compute.clock_hz, lambda n: fast, compute.host_bytes_per_s)
 
 
 @dataclasses.dataclass(frozen=True)
 class PredictedTime:
-  """A step's predicted time as a row carries it: each field the :class:`~nnx_zero1_plan.row.Figures` field
-  of its name (``time_absent``: why a row has no time, None where it has one)."""
+  """A step's predicted time as a row carries it: each field the :class:`~nnx_zero1_plan.row.Figures` one."""
 
   predicted_step_s: float | None = None
   tokens_per_s_per_device: float | None = None
@@ -340,9 +326,8 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
       (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None for a TPU program, which carries its own.
     deviceless: whether a GPU program was compiled without its GPU (its matmuls not autotuned: its time is
       not the tuned program's, and only its parts are kept); False on the GPU itself.
-    coords: each program device's place in a TPU slice (a compile-only device's ``coords``, in the program's
-      device order); None: the standard slice of ``devices`` chips
-      (:func:`nnx_zero1_plan.networks.slice_shape`).
+    coords: each program device's place in a TPU slice, in the program's device order; None: the standard
+      slice of ``devices`` chips (:func:`nnx_zero1_plan.networks.slice_shape`).
 
   Returns:
     The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).
@@ -373,8 +358,7 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
       compute_s=total("compute_s"), fast_network=chip.links.fast, fast_s=max(0.0, fast_s),
       fast_exposed_s=fast_exposed_s - crossed_exposed, slow_network=chip.links.slow if slow_bytes else None,
       slow_s=slow_s, host_s=total("host_s") if rates.host_bytes_per_s else None,
-      host_exposed_s=total("exposed_host_s"),
-      unestimated_ops=int(total("unestimated")),
+      host_exposed_s=total("exposed_host_s"), unestimated_ops=int(total("unestimated")),
       clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
       roofline_s=flops / peak if flops else None)
   if scheduled is not None and deviceless:  # not the program that runs on the GPU: its parts, no time
@@ -388,9 +372,8 @@ _MODULE = re.compile(r"^HloModule (?P<name>[\w.\-]+)", re.M)
 
 def _module_estimates(hlo: str, scheduled: Mapping[str, Mapping[str, float]] | None
                       ) -> Mapping[str, float] | None:
-  """A program's instructions' estimates from the GPU scheduler's dump, where its entry computation was
-  scheduled: most of the entry's instructions that cost something have an estimate (None otherwise: part of
-  the program unestimated is no time)."""
+  """A program's instructions' estimates from the GPU scheduler's dump, where most of its entry's costly
+  instructions have one (None otherwise: a program partly unestimated has no time)."""
   module = _MODULE.search(hlo)
   own = (scheduled or {}).get(module["name"]) if module else None
   bodies, entry = computations(hlo) if own else ({}, None)

@@ -107,10 +107,8 @@ def abstract_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) 
   """One step's token ids: ``(ga * batch, seq_len + 1)`` rows over the batch axes for a deferred
   reduction (``value_and_grad_accumulated`` splits them), else ``(ga, batch, seq_len + 1)``."""
   axes = batch_axes(mesh.axis_names)
-  if lever.deferred:
-    return jax.ShapeDtypeStruct((ga * batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P(axes)))
-  sharding = NamedSharding(mesh, P(None, axes))
-  return jax.ShapeDtypeStruct((ga, batch, seq_len + 1), jnp.int32, sharding=sharding)
+  rows, spec = ((ga * batch,), P(axes)) if lever.deferred else ((ga, batch), P(None, axes))
+  return jax.ShapeDtypeStruct((*rows, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, spec))
 
 
 def _gradients(model: Any, optimizer: Any, lever: Lever, loss_fn: Callable, batch: Any, ga: int) -> Any:
@@ -156,8 +154,8 @@ def step_jit(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever
 
 def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int, seq_len: int,
                  ga: int, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, float]:
-  """Compiles the lever's one-program step for the mesh's devices; returns (compiled, seconds).
-  ``compiler_options`` go to the compiler (e.g. what makes XLA's GPU compiler write its schedule).
+  """Compiles the lever's one-program step for the mesh's devices (``compiler_options``: the compiler's, e.g.
+  what makes XLA's GPU compiler write its schedule); returns (compiled, seconds).
 
   Raises:
     jax.errors.JaxRuntimeError: the compiler refused the program (e.g. it does not fit).
@@ -172,12 +170,9 @@ def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Me
 
 def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int, seq_len: int,
                   ga: int, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, Any, float]:
-  """Compiles the lever's step as two programs; returns (gradient program, update program, seconds);
-  ``compiler_options`` go to the compiler for both.
-
-  The gradient program's unused arguments (the optimizer state) are dropped from it. The update program is
-  compiled for the gradients as the first program leaves them (its output shardings), as a loop that calls
-  one after the other passes them.
+  """Compiles the lever's step as two programs (:func:`compile_step`'s options for both); returns (gradient
+  program, update program, seconds). The update program takes the gradients as the first leaves them (its
+  output shardings), as a loop calling one after the other passes them.
 
   Raises:
     jax.errors.JaxRuntimeError: the compiler refused a program (e.g. it does not fit).
@@ -263,16 +258,14 @@ def run_steps(compiled: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch
               timed: int = 8) -> tuple[Any, StepRuns]:
   """Runs a compiled step ``warmup + timed`` times on its devices and times each to its loss being ready.
 
-  The first steps carry the allocator's growth and the program's first load, so only the ``timed`` ones
-  after them count, by their median. An error (the allocator's out-of-memory) stops the steps and is kept
-  in one line, not raised: a measurement says what ran.
+  The warm-up steps carry the allocator's growth and the program's first load, so only the ``timed`` ones
+  count, by their median. An error (the allocator's out-of-memory) stops the steps and is kept in one line,
+  not raised: a measurement says what ran.
 
   Args:
     compiled: ``(state, batch) -> (state, loss)``, the state donated (:func:`step_jit`, compiled).
-    state: its first state, on the devices.
-    batch: one step's batch, on the devices.
-    warmup: steps run first, not counted.
-    timed: steps counted.
+    state, batch: its first state and one step's batch, on the devices.
+    warmup, timed: the steps run first, not counted, and the steps counted.
 
   Returns:
     ``(state, runs)``: the state after the last step that ran, and :class:`StepRuns`.
