@@ -8,6 +8,7 @@
 #   OUT=/tmp/device scripts/device_check.sh tpu 4    # (a later session: the fused kinds, and two more cases)
 #   OUT=/tmp/device scripts/device_check.sh tpu 5    # (the fused kinds again, on a step's activations too)
 #   OUT=/tmp/device scripts/device_check.sh tpu 6    # (a calibration from one run, checked on three more)
+#   OUT=/tmp/device scripts/device_check.sh tpu 7    # (calibrated on a run built as the checked ones are)
 #
 # Each measurement writes its folder: the command, its stdout and stderr, its exit status and wall time;
 # versions.json says what ran. GPU: the compiler's figure against the allocator (two memory pools), each
@@ -86,6 +87,21 @@ elif [ "$PART" = 6 ]; then
   keep plan_calibrated_ga4 python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --batch 4 --ga 4 \
     --levers baseline --steps one --measure --calibration "$OUT/plan_calibrate/out" \
     --out "$OUT/plan_calibrated_ga4/out"
+elif [ "$PART" = 7 ]; then
+  # A calibration taken on a run built as the checked steps are: GA 4's loop calibrated at 4 x GA 4 and
+  # checked at 8 x GA 4 and 2 x GA 4; the scanned model calibrated at 4 and checked at 8.
+  keep plan_calibrate_ga4 python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --batch 4 --ga 4 \
+    --levers baseline --steps one --measure --out "$OUT/plan_calibrate_ga4/out"
+  for b in 8 2; do
+    keep plan_calibrated_ga4_$b python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --batch $b \
+      --ga 4 --levers baseline --steps one --measure --calibration "$OUT/plan_calibrate_ga4/out" \
+      --out "$OUT/plan_calibrated_ga4_$b/out"
+  done
+  keep plan_calibrate_scanned python -m nnx_zero1.plan --model "$D:build_scanned" --topology v5e:1x1 \
+    --batch 4 --levers baseline --steps one --measure --out "$OUT/plan_calibrate_scanned/out"
+  keep plan_calibrated_scanned_8 python -m nnx_zero1.plan --model "$D:build_scanned" --topology v5e:1x1 \
+    --batch 8 --levers baseline --steps one --measure --calibration "$OUT/plan_calibrate_scanned/out" \
+    --out "$OUT/plan_calibrated_scanned_8/out"
 else
   # The planner where the chips are: it compiles for this machine's chip and runs each fitting row's step.
   keep plan_measure python -m nnx_zero1_plan --model "$D:build" --topology v5e:1x1 --batch 8 --seq-len 1024 \
