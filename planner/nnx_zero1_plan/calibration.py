@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import _Record
 
-__all__ = ["KindTime", "Run", "Calibration", "combined", "summed_kinds", "read_calibration"]
+__all__ = ["KindTime", "Run", "Calibration", "combined", "for_step", "summed_kinds", "read_calibrations"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +112,27 @@ def summed_kinds(parts: Iterable[tuple[str, float, float]]) -> dict[str, KindTim
   return {kind: KindTime(walk, chip, chip / walk) for kind, (walk, chip) in sorted(sums.items()) if walk}
 
 
-def read_calibration(paths: str, chip: str) -> Calibration:
+def for_step(calibrations: Sequence[Calibration], ga: int) -> Calibration | None:
+  """The calibrations whose runs were all built as a step of ``ga`` micro-batches is, with the accumulation
+  loop (GA over 1) or without it, combined; all of them where none was; None where there are none.
+
+  The compiler tiles a fusion otherwise inside the loop (docs/accuracy.md), so a step is timed by runs of its
+  own build where it has them.
+
+  Example::
+
+    >>> run = lambda ga: Run("baseline", 4, ga, 1024, 0.1, 0.095, 0.09, 0.002)
+    >>> one, looped = (Calibration("v5e", "0.10.2", None, (run(ga),), {}) for ga in (1, 4))
+    >>> for_step([one, looped], 8).runs == (run(4),), for_step([one], 8).runs == (run(1),)
+    (True, True)
+  """
+  alike = [c for c in calibrations if all((r.ga > 1) == (ga > 1) for r in c.runs)]
+  return combined(*(alike or calibrations)) if calibrations else None
+
+
+def read_calibrations(paths: str, chip: str) -> tuple[Calibration, ...]:
   """The calibration kept in each of ``paths`` (comma-separated: a plan.json, or the folder holding it), of
-  one run or several, as one (:func:`combined`).
+  one run or several (:func:`combined` makes them one; :func:`for_step` picks those built as a step is).
 
   Raises:
     PlanError: a path without a calibration, or one made on another chip than ``chip``, in one line.
@@ -134,4 +152,4 @@ def read_calibration(paths: str, chip: str) -> Calibration:
       raise PlanError(f"--calibration {path}: made on a {calibration.chip}, not this plan's {chip}: a "
                       "calibration holds for the chip it was measured on only")
     found.append(calibration)
-  return combined(*found)
+  return tuple(found)

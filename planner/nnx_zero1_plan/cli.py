@@ -79,7 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "recommended point) for 2 + 8 steps: the median beside the predicted")
   p.add_argument("--calibration", metavar="PATH", help="a plan made with --measure on this model on the "
                  "target's chip (its plan.json or folder; several comma-separated): each row is also timed "
-                 "by the chip's own ratio to the cost model, kind by kind (another chip is refused)")
+                 "by the chip's own ratio to the cost model, kind by kind, from the runs built as its step "
+                 "is (another chip is refused)")
   p.add_argument("--margin", type=float, help="share of the memory to leave free (default: the backend's "
                  "reserve, what a run needs beyond the compiler's figure: TPU none, GPU 256 MiB)")
   p.add_argument("--gpu-memory-fraction", type=float, help="GPU targets: the XLA_PYTHON_CLIENT_MEM_FRACTION "

@@ -15,7 +15,7 @@ import jax
 
 from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, state_split
 from nnx_zero1_plan.calibrated_time import calibrated_time, read_program
-from nnx_zero1_plan.calibration import Calibration
+from nnx_zero1_plan.calibration import Calibration, for_step
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.compiled import (
   collectives_of,
@@ -49,7 +49,7 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
           timing: RowCompiler | None, scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
   """``figures`` with the predicted time (:func:`nnx_zero1_plan.predict_step_time`) of the ``programs`` one
   step runs on ``timing``'s target (``scheduled``: XLA's GPU scheduler's estimates), and with ``timing``'s
-  calibration the calibrated time too (:func:`~nnx_zero1_plan.calibrated_time.calibrated_time`)."""
+  calibrations built as the step is the calibrated time too (:func:`~nnx_zero1_plan.calibration.for_step`)."""
   if timing is None:
     return figures
   target = timing.target
@@ -59,10 +59,11 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
                            tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                            scheduled=scheduled)
   calibrated = None
-  if timing.calibration is not None and time.predicted_step_s is not None and time.step_time is not None:
+  calibration = for_step(timing.calibrations, shape.ga)
+  if calibration is not None and time.predicted_step_s is not None and time.step_time is not None:
     rates = rates_for(CHIPS[target.chip])
     read = [(read_program(hlo, rates), times) for _, hlo, times in programs]
-    calibrated = calibrated_time(read, timing.calibration) + time.step_time.slow_s
+    calibrated = calibrated_time(read, calibration) + time.step_time.slow_s
   return dataclasses.replace(figures, **vars(time), calibrated_step_s=calibrated)
 
 
@@ -174,7 +175,8 @@ class RowCompiler:
     compute_dtype: the dtype the steps compute in (the peak their MFU is measured against).
     programs: where each one-program step compiled whole is kept for its run, by lever, model and shape
       (None: not kept; ``--measure`` keeps them).
-    calibration: the chip's calibration each row's time is also priced by (None: the cost model's alone).
+    calibrations: the chip's calibrations each row's time is also priced by, those built as its step is
+      (:func:`~nnx_zero1_plan.calibration.for_step`; none: the cost model's alone).
   """
 
   target: Target
@@ -182,7 +184,7 @@ class RowCompiler:
   progress: Callable[[str], None] | None = None
   compute_dtype: str = "bfloat16"
   programs: dict[tuple[str, int, StepShape], Program] | None = None
-  calibration: Calibration | None = None
+  calibrations: tuple[Calibration, ...] = ()
 
   def program(self, lever: str, model: PlannedModel, shape: StepShape) -> Program | None:
     """The kept program of ``lever``'s one-program step at ``shape`` (None: not compiled, or not kept)."""

@@ -153,7 +153,8 @@ class PlanRequest:
       choice: deferred to ``update``, once per step, under ``shard_mode=explicit`` on a pure data mesh) or
       ``off`` (in every micro-batch, as its engine did before it deferred).
     calibration: kept calibrations of this model on the target chip (a ``--measure`` plan.json or its folder,
-      several comma-separated, combined), each row also timed by them (:mod:`nnx_zero1_plan.calibration`).
+      several comma-separated), each row also timed by those built as its step is
+      (:func:`nnx_zero1_plan.calibration.for_step`).
     global_batch: sequences per optimizer step: the plan splits it for each lever into the micro-batch and GA
       that fit and train fastest (its whole compiles, largest micro-batch first), each row at that split.
 

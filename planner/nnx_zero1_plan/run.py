@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 
 from nnx_zero1_plan import compilers
-from nnx_zero1_plan.calibration import read_calibration
+from nnx_zero1_plan.calibration import combined, read_calibrations
 from nnx_zero1_plan.compiled import PEAK_SOURCE
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.maxtext import describe_maxtext, output_directory
@@ -181,7 +181,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   say = progress or (lambda line: None)
   policies = request.policies
   chip = request.topology_ref.chip
-  calibration = read_calibration(request.calibration, chip) if request.calibration else None
+  calibrations = read_calibrations(request.calibration, chip) if request.calibration else ()
   if not maxtext:  # described before the compiler is looked for: a misspelt axis needs none
     plans = {p: describe_tunix_or_own(request, p) for p in policies}
     blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
@@ -200,17 +200,18 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are alike under every policy
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
   compiler = RowCompiler(target, usable, progress, _compute_dtype(request, planned),
-                         programs={} if measure else None, calibration=calibration)
+                         programs={} if measure else None, calibrations=calibrations)
   rows = []
   todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]
   say(_compiles_planned(request, planned, len(todo)))
   # --measure calibrates on its first run where no calibration is given, before the other rows compile, so
   # that each is priced by it as it is compiled; a given one is the one the runs check.
-  if measure and calibration is None and "one" in request.steps:
+  if measure and not calibrations and "one" in request.steps:
     row_of = lambda p, n: _lever_row(compiler, request, plans[p], n, "one", p, batch)  # noqa: E731
     first = [(p, n) for p in policies for n in request.levers]
-    calibration = first_calibration(compiler, first, row_of, plans, request) or calibration
-    compiler = dataclasses.replace(compiler, calibration=calibration)
+    calibration = first_calibration(compiler, first, row_of, plans, request)
+    calibrations = () if calibration is None else (calibration,)
+    compiler = dataclasses.replace(compiler, calibrations=calibrations)
   started = time.perf_counter()
   for done, (policy, name, step) in enumerate(todo, 1):
     row = _lever_row(compiler, request, plans[policy], name, step, policy, batch)
@@ -227,4 +228,4 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   if measure:
     rows = measured_rows(compiler, plans, request, rows, recommended)
     recommended = recommended and said_measured(recommended, rows)
-  return Plan(rows, meta, hints, recommended, way_out, calibration)
+  return Plan(rows, meta, hints, recommended, way_out, combined(*calibrations) if calibrations else None)

@@ -14,6 +14,7 @@ import functools
 import gzip
 import json
 import math
+import pathlib
 import re
 
 import pytest
@@ -241,29 +242,36 @@ def test_the_docs_say_why_those_three_miss():
 # The planner itself on the chip (run 7, scripts/device_check.sh tpu 6): --measure calibrated on its first
 # run, and the calibration kept there given to plans of other steps (--calibration).
 RUN7 = KEPT / "run7"
+RUN8 = KEPT / "run8"  # calibrated on a run built as the checked steps are
 
 
-def _kept_plan(case: str) -> dict:
-  return json.loads((RUN7 / case / "out" / "plan.json").read_text())
+def _kept_plan(case: str, run: pathlib.Path = RUN7) -> dict:
+  return json.loads((run / case / "out" / "plan.json").read_text())
 
 
 def test_a_kept_calibration_reads_back_and_travels_to_its_chip_only(tmp_path):
-  from nnx_zero1_plan.calibration import read_calibration
+  from nnx_zero1_plan.calibration import for_step, read_calibrations
   from nnx_zero1_plan.inputs import PlanError
 
   kept = RUN7 / "plan_calibrate" / "out"
-  (one,) = read_calibration(str(kept), "v5e").runs
+  ((one,),) = [c.runs for c in read_calibrations(str(kept), "v5e")]
   assert (one.lever, one.micro_batch, one.ga, one.seq_len) == ("baseline", 4, 1, 1024)
   # Two kept plans (or the same one twice) combine: each kind's seconds summed, the ratios alike.
-  twice = read_calibration(f"{kept},{kept / 'plan.json'}", "v5e")
-  assert len(twice.runs) == 2 and twice.kinds.keys() == read_calibration(str(kept), "v5e").kinds.keys()
+  twice = combined(*read_calibrations(f"{kept},{kept / 'plan.json'}", "v5e"))
+  assert len(twice.runs) == 2 and twice.kinds.keys() == read_calibrations(str(kept), "v5e")[0].kinds.keys()
+  # Given runs without the accumulation loop and with it (run 8's 4 x GA 4), each step is timed by those
+  # built as it is; where none is, by all of them.
+  looped = RUN8 / "plan_calibrate_ga4" / "out"
+  both = read_calibrations(f"{kept},{looped}", "v5e")
+  assert [r.ga for r in for_step(both, 1).runs] == [1] and [r.ga for r in for_step(both, 8).runs] == [4]
+  assert [r.ga for r in for_step(both[:1], 4).runs] == [1] and for_step((), 4) is None
   with pytest.raises(PlanError, match="made on a v5e, not this plan's v6e"):
-    read_calibration(str(kept), "v6e")
+    read_calibrations(str(kept), "v6e")
   with pytest.raises(PlanError, match="its plan has no calibration"):
-    read_calibration(str(KEPT / "run3" / "plan_measure" / "out"), "v5e")
+    read_calibrations(str(KEPT / "run3" / "plan_measure" / "out"), "v5e")
   (tmp_path / "plan.json").write_text("{")
   with pytest.raises(PlanError, match="cannot read it"):
-    read_calibration(str(tmp_path), "v5e")
+    read_calibrations(str(tmp_path), "v5e")
 
 
 def test_the_kept_calibrated_plans_read_back_print_and_rank_by_their_calibrated_time():
@@ -279,17 +287,19 @@ def test_the_kept_calibrated_plans_read_back_print_and_rank_by_their_calibrated_
     assert "calibrated on one v5e chip from 1 run (baseline at micro-batch 4 x GA 1, seq 1024)" in said
     assert tuple(record["recommendation"]["order"]) == BY_CALIBRATED, case
     # A step at a GA its calibration did not run is said to be built otherwise (GA 4: -5.1% on the chip).
-    assert ("at GA 4, which the calibration's runs did not have" in said) == (case == "plan_calibrated_ga4")
+    assert ("at GA 4, built with the accumulation loop as none" in said) == (case == "plan_calibrated_ga4")
 
 
 def test_the_docs_say_what_the_chip_measured_against_the_kept_calibration():
   said = " ".join(DOCS.read_text().split())
-  for case, lever, batch in (("plan_calibrate", "baseline", 13), ("plan_calibrated", "zero1", 8),
-                             ("plan_calibrated_ga4", "baseline", 4)):
-    row = next(r for r in _kept_plan(case)["rows"] if r["lever"] == lever)
-    run = next(m for m in row["measured"] if m["batch"] == batch)
+  kept = ((RUN7, "plan_calibrate", "baseline", 13), (RUN7, "plan_calibrated", "zero1", 8),
+          (RUN7, "plan_calibrated_ga4", "baseline", 4), (RUN8, "plan_calibrated_ga4_2", "baseline", 2),
+          (RUN8, "plan_calibrated_ga4_6", "baseline", 6), (RUN8, "plan_calibrated_scanned_8", "baseline", 8))
+  for run, case, lever, batch in kept:
+    row = next(r for r in _kept_plan(case, run)["rows"] if r["lever"] == lever)
+    measured = next(m for m in row["measured"] if m["batch"] == batch)
     at = row if batch == row["batch"] else row["at_max"]
-    error = at["calibrated_step_s"] / run["step_s"] - 1
-    words = f"measured {run['step_s'] * 1e3:.1f} ms against {at['predicted_step_s'] * 1e3:.1f}"
+    error = at["calibrated_step_s"] / measured["step_s"] - 1
+    words = f"measured {measured['step_s'] * 1e3:.1f} ms against {at['predicted_step_s'] * 1e3:.1f}"
     calibrated = f"{at['calibrated_step_s'] * 1e3:.1f} calibrated ({error:+.1%}"
     assert words in said and calibrated in said, (case, words, calibrated)
