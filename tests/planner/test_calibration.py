@@ -173,9 +173,9 @@ def test_one_run_within_five_percent_but_across_a_loop_the_scanned_model_or_the_
           f"{len(INDEX) - len(apart)} others within {max(alike):.1%}") in said
   assert f"the worst, {errors[worst]:+.1%} ({name(worst[1])} calibrated on {name(worst[0])})" in said
   readme = " ".join((DOCS.parents[1] / "README.md").read_text().split())
-  assert (f"the other steps of the model built alike came within {max(alike):.1%} of the chip, those built "
-          f"differently (an accumulation loop, a scan, the largest micro-batch) up to "
-          f"{math.ceil(abs(errors[worst]) * 100)}%") in readme
+  assert f"the other steps of the model built alike came within {max(alike):.1%} of the chip" in readme
+  assert (f"those built differently (an accumulation loop the run lacked, a scan, the largest micro-batch) "
+          f"up to {math.ceil(abs(errors[worst]) * 100)}%") in readme
 
 
 def test_two_runs_the_smallest_and_the_largest_micro_batch():
@@ -303,3 +303,10 @@ def test_the_docs_say_what_the_chip_measured_against_the_kept_calibration():
     words = f"measured {measured['step_s'] * 1e3:.1f} ms against {at['predicted_step_s'] * 1e3:.1f}"
     calibrated = f"{at['calibrated_step_s'] * 1e3:.1f} calibrated ({error:+.1%}"
     assert words in said and calibrated in said, (case, words, calibrated)
+  # The README's figure for a loop's steps calibrated from a run with the loop (run 8).
+  looped = []
+  for case in ("plan_calibrated_ga4_2", "plan_calibrated_ga4_6"):
+    row = _kept_plan(case, RUN8)["rows"][0]
+    looped.append(abs(row["calibrated_step_s"] / next(m["step_s"] for m in row["measured"]) - 1))
+  readme = " ".join((DOCS.parents[1] / "README.md").read_text().split())
+  assert f"(a loop's steps, from a run with the loop, within {max(looped):.1%})" in readme
