@@ -26,8 +26,8 @@ from nnx_zero1._src.companion import (
   collective_of,
   computations,
   estimated_cycles,
+  executions,
   host_copy,
-  trip_count,
 )
 from nnx_zero1_plan.calibration import Calibration, Run, summed_kinds
 from nnx_zero1_plan.step_time import NOT_ESTIMATED, Rates, _line_class, program_time
@@ -75,30 +75,22 @@ class PricedProgram:
 
 
 def read_program(hlo: str, rates: Rates) -> PricedProgram:
-  """``compiled.as_text()`` read as :func:`~nnx_zero1_plan.step_time.program_time` walks it (a loop's body
-  its trips over), each priced instruction's cycles at the clock of its class of work."""
+  """``compiled.as_text()`` read as :func:`~nnx_zero1_plan.step_time.program_time` walks it (each computation
+  as often as it runs: ``executions``), each priced instruction's cycles at the clock of its class of work."""
   bodies, entry = computations(hlo)
   priced: dict[str, tuple[str, float, int]] = {}
   overlapped = False
-
-  def visit(name: str, runs: int) -> None:
-    nonlocal overlapped
-    for line in bodies.get(name, ()):
+  for name, runs in executions(bodies, entry).items():
+    for line in bodies[name]:
       cycles, m = estimated_cycles(line), INSTRUCTION.match(line)
-      if m is None or m["op"].endswith("-done"):  # a transfer's end: the walk's wait, never priced
-        continue
-      if m["op"] in ("while", "call", "conditional"):
-        for kind, callee in callees(line, bodies):
-          visit(callee, runs * ((trip_count(line, bodies) or 1) if kind == "body" else 1))
-      elif any(word in line for word in _BESIDE) and (  # the slower reading only where it may be one
+      if m is None or m["op"].endswith("-done") or m["op"] in ("while", "call", "conditional"):
+        continue  # a transfer's end is the walk's wait; a callee's instructions are its own computation's
+      if any(word in line for word in _BESIDE) and (  # the slower reading only where it may be one
           collective_of(line) or m["op"] == "copy-start" and host_copy(m["shape"])):
         overlapped = True
       elif cycles is not None and cycles < NOT_ESTIMATED and rates.clock_hz is not None:
         kind, work = _kind_and_class(line, bodies)
         priced[m["name"]] = (kind, cycles / (rates.class_clocks_hz or {}).get(work, rates.clock_hz), runs)
-
-  if entry is not None:
-    visit(entry, 1)
   return PricedProgram(hlo, rates, priced, overlapped)
 
 

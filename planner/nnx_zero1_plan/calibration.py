@@ -42,6 +42,11 @@ class Run(_Record):
   compute_s: float
   rest_s: float
 
+  def built_as(self, ga: int) -> bool:
+    """Whether a step of ``ga`` micro-batches is built as this run's was: with the accumulation loop (GA over
+    1) or without it (the compiler tiles a fusion otherwise inside the loop: docs/accuracy.md)."""
+    return (self.ga > 1) == (ga > 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class Calibration(_Record):
@@ -113,11 +118,8 @@ def summed_kinds(parts: Iterable[tuple[str, float, float]]) -> dict[str, KindTim
 
 
 def for_step(calibrations: Sequence[Calibration], ga: int) -> Calibration | None:
-  """The calibrations whose runs were all built as a step of ``ga`` micro-batches is, with the accumulation
-  loop (GA over 1) or without it, combined; all of them where none was; None where there are none.
-
-  The compiler tiles a fusion otherwise inside the loop (docs/accuracy.md), so a step is timed by runs of its
-  own build where it has them.
+  """The calibrations whose runs were all built as a step of ``ga`` micro-batches is (:meth:`Run.built_as`),
+  combined; all of them where none was; None where there are none.
 
   Example::
 
@@ -126,7 +128,7 @@ def for_step(calibrations: Sequence[Calibration], ga: int) -> Calibration | None
     >>> for_step([one, looped], 8).runs == (run(4),), for_step([one], 8).runs == (run(1),)
     (True, True)
   """
-  alike = [c for c in calibrations if all((r.ga > 1) == (ga > 1) for r in c.runs)]
+  alike = [c for c in calibrations if all(r.built_as(ga) for r in c.runs)]
   return combined(*(alike or calibrations)) if calibrations else None
 
 

@@ -62,9 +62,9 @@ class Plan:
     lines = ["", f"step ms (calib.): {self.calibration.said(m.jax, libtpu)}; each kind of work at the "
              "chip's own ratio to the cost model, the networks (which one chip never ran) priced as the cost "
              "model prices them"]
-    built = {run.ga > 1 for run in self.calibration.runs}
-    other = sorted({g for g in (r.ga or m.request.ga for r in self.rows) if (g > 1) not in built})
-    if other:  # docs/accuracy.md: the compiler tiles the same fusions otherwise inside a loop
+    gas = {r.ga or m.request.ga for r in self.rows}
+    other = sorted(g for g in gas if not any(run.built_as(g) for run in self.calibration.runs))
+    if other:
       loop = "with" if other[0] > 1 else "without"
       lines.append(f"  at GA {', '.join(map(str, other))}, built {loop} the accumulation loop as none of the "
                    "calibration's runs was, the compiler builds the step otherwise: on the kept v5e runs "
