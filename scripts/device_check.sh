@@ -9,6 +9,7 @@
 #   OUT=/tmp/device scripts/device_check.sh tpu 5    # (the fused kinds again, on a step's activations too)
 #   OUT=/tmp/device scripts/device_check.sh tpu 6    # (a calibration from one run, checked on three more)
 #   OUT=/tmp/device scripts/device_check.sh tpu 7    # (calibrated on a run built as the checked ones are)
+#   OUT=/tmp/device scripts/device_check.sh tpu 8    # (calibrated on two runs built as the checked ones are)
 #
 # Each measurement writes its folder: the command, its stdout and stderr, its exit status and wall time;
 # versions.json says what ran. GPU: the compiler's figure against the allocator (two memory pools), each
@@ -102,6 +103,20 @@ elif [ "$PART" = 7 ]; then
   keep plan_calibrated_scanned_8 python -m nnx_zero1.plan --model "$D:build_scanned" --topology v5e:1x1 \
     --batch 8 --levers baseline --steps one --measure --calibration "$OUT/plan_calibrate_scanned/out" \
     --out "$OUT/plan_calibrated_scanned_8/out"
+elif [ "$PART" = 8 ]; then
+  # Two runs built alike calibrate the others: build at 4 and at 12 (the largest micro-batch but one that
+  # fits; 13 the compiler fuses anew), each measured alone, then given together to steps at 8 and at 16 x 512.
+  for b in 4 12; do
+    keep plan_calibrate_$b python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --batch $b \
+      --levers baseline --steps one --measure --out "$OUT/plan_calibrate_$b/out"
+  done
+  two="$OUT/plan_calibrate_4/out,$OUT/plan_calibrate_12/out"
+  for case in "8 1024" "16 512"; do
+    set -- $case
+    keep plan_calibrated_two_$1_$2 python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --batch $1 \
+      --seq-len $2 --levers baseline --steps one --measure --calibration "$two" \
+      --out "$OUT/plan_calibrated_two_$1_$2/out"
+  done
 else
   # The planner where the chips are: it compiles for this machine's chip and runs each fitting row's step.
   keep plan_measure python -m nnx_zero1_plan --model "$D:build" --topology v5e:1x1 --batch 8 --seq-len 1024 \
