@@ -260,6 +260,7 @@ def test_the_docs_say_why_those_three_miss():
 # run, and the calibration kept there given to plans of other steps (--calibration).
 RUN7 = KEPT / "run7"
 RUN8 = KEPT / "run8"  # calibrated on a run built as the checked steps are
+RUN9 = KEPT / "run9"  # calibrated on two runs built as the checked step is
 
 
 def _kept_plan(case: str, run: pathlib.Path = RUN7) -> dict:
@@ -311,7 +312,8 @@ def test_the_docs_say_what_the_chip_measured_against_the_kept_calibration():
   said = " ".join(DOCS.read_text().split())
   kept = ((RUN7, "plan_calibrate", "baseline", 13), (RUN7, "plan_calibrated", "zero1", 8),
           (RUN7, "plan_calibrated_ga4", "baseline", 4), (RUN8, "plan_calibrated_ga4_2", "baseline", 2),
-          (RUN8, "plan_calibrated_ga4_6", "baseline", 6), (RUN8, "plan_calibrated_scanned_8", "baseline", 8))
+          (RUN8, "plan_calibrated_ga4_6", "baseline", 6), (RUN8, "plan_calibrated_scanned_8", "baseline", 8),
+          (RUN9, "plan_calibrated_two_8_1024", "baseline", 8))
   for run, case, lever, batch in kept:
     row = next(r for r in _kept_plan(case, run)["rows"] if r["lever"] == lever)
     measured = next(m for m in row["measured"] if m["batch"] == batch)
@@ -320,10 +322,15 @@ def test_the_docs_say_what_the_chip_measured_against_the_kept_calibration():
     words = f"measured {measured['step_s'] * 1e3:.1f} ms against {at['predicted_step_s'] * 1e3:.1f}"
     calibrated = f"{at['calibrated_step_s'] * 1e3:.1f} calibrated ({error:+.1%}"
     assert words in said and calibrated in said, (case, words, calibrated)
+  two = _kept_plan("plan_calibrated_two_8_1024", RUN9)["calibration"]["runs"]
+  assert [(r["micro_batch"], r["ga"]) for r in two] == [(4, 1), (12, 1)]
+  for batch in (4, 12):
+    measured = _kept_plan(f"plan_calibrate_{batch}", RUN9)["rows"][0]["measured"][0]["step_s"]
+    assert f"at {'micro-batch ' * (batch == 4)}{batch} ({measured * 1e3:.1f} ms)" in said
   # The README's figure for a loop's steps calibrated from a run with the loop (run 8).
   looped = []
   for case in ("plan_calibrated_ga4_2", "plan_calibrated_ga4_6"):
     row = _kept_plan(case, RUN8)["rows"][0]
     looped.append(abs(row["calibrated_step_s"] / next(m["step_s"] for m in row["measured"]) - 1))
   readme = " ".join((DOCS.parents[1] / "README.md").read_text().split())
-  assert f"(a loop's steps, from a run with the loop, within {max(looped):.1%})" in readme
+  assert f"; a loop's steps, from a run with the loop, within {max(looped):.1%})" in readme
