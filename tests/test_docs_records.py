@@ -10,8 +10,9 @@ cell, a lever of one of them (or, where the first column is ``model``, by the mo
 ``meta.model``, and the lever after it; and by its ``step`` where the table has that column), is checked
 cell by cell, by the column's name:
 GiB to two decimals (optimizer state, arguments, temp, peak), the verdict (fits), the compile seconds, and
-the bytes each chip sends (``N B`` over the slow network, ``N MiB`` of it, ``N GB`` inside the slice). Every
-kept plan folder says how it was made (``measured.json``: the command and the versions).
+the bytes each chip sends (``N B`` over the slow network, ``N MiB`` of it, ``N GB`` inside the slice) and
+the time each network takes (``~N ms est.``). Every kept plan folder says how it was made
+(``measured.json``: the command and the versions).
 """
 
 import json
@@ -60,9 +61,17 @@ def _check_cell(column: str, cell: str, row: dict) -> None:
       assert n in across, (column, cell, across)
     for n in _numbers(plain, "MiB"):
       assert n == round(network["slow"]["bytes"] / 2**20, 1), (column, cell)
+    _check_estimate(column, plain, network.get("slow"))
   elif column.startswith("over ICI") or column.startswith("over NVLink"):
     for n in _numbers(plain, "GB"):
       assert n == round(network["fast"]["bytes"] / 1e9, 1), (column, cell)
+    _check_estimate(column, plain, network.get("fast"))
+
+
+def _check_estimate(column: str, plain: str, network: dict | None) -> None:
+  """A network cell's time (``~N ms est.``) is the kept plan's estimate for that network, to the ms."""
+  for n in re.findall(r"~([\d,]+) ms est\.", plain):
+    assert network is not None and int(n.replace(",", "")) == round(network["estimate_ms"]), (column, plain)
 
 
 def _check_bytes(column: str, plain: str, row: dict, network: dict) -> None:
@@ -124,6 +133,10 @@ def test_a_drifted_figure_fails():
     _check_cell("optimizer state (B)", f"{row['opt_state_bytes_per_device'] + 1:,}", row)
   with pytest.raises(AssertionError):  # a transfer the kept plan does not have
     _check_cell("over DCN per step (B)", "all-reduce 1,000,000", row)
+  with pytest.raises(AssertionError):  # the network's time of another model of it
+    fast = row["network_per_step"]["fast"]
+    drifted = f"{fast['bytes'] / 1e9:.1f} GB (~{fast['estimate_ms'] + 9:,.0f} ms est.)"
+    _check_cell("over ICI per step (per chip)", drifted, row)
 
 
 def test_the_loss_table_is_the_kept_across_runs():
@@ -274,3 +287,24 @@ def test_the_table_by_target_is_the_kept_measurements():
   gpu = " ".join((ROOT / "docs/benchmarks.md").read_text().split())
   assert memory.startswith("under by 50 MiB") and "a constant 50 MiB above them" in gpu
   assert time.startswith("not predicted")
+
+
+def test_the_prose_step_times_are_the_kept_plans():
+  """The step times docs/pods.md and docs/tunix.md quote beside their tables, read off the kept plans."""
+  def row(source: str, lever: str) -> dict:
+    return next(r for r in json.loads((ROOT / f"docs/data/{source}/plan.json").read_text())["rows"]
+                if r["lever"] == lever)
+
+  ms = lambda r: f"{r['predicted_step_s'] * 1e3:,.1f}"
+  zero1, pod = (row("tunix_llama3p1_70b_v5p_2slices", lever) for lever in ("zero1", "zero1-pod"))
+  network = zero1["step_time"]["fast_exposed_s"] + zero1["step_time"]["slow_s"]
+  extra = pod["step_time"]["slow_s"] - zero1["step_time"]["slow_s"]
+  pods = " ".join((ROOT / "docs/pods.md").read_text().split())
+  assert (f"{ms(zero1)} ms a step ({zero1['tokens_per_s_per_device']:.0f} tokens/s per chip) against "
+          f"`zero1-pod`'s {ms(pod)}, whose state across the slices costs {extra * 1e3:.1f} ms more over the "
+          f"slow network. {network / zero1['predicted_step_s']:.0%} of that step is network time, nearly all "
+          "of it ICI") in pods
+  constrained, free = (row(source, "baseline") for source in ("tunix_llama3p2_1b_v5e_2x4",
+                                                              "tunix_llama3p2_1b_v5e_2x4/none"))
+  tunix = " ".join((ROOT / "docs/tunix.md").read_text().split())
+  assert f"the step is predicted at {ms(constrained)} ms against {ms(free)}" in tunix
