@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -11,17 +12,24 @@ from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import Collectives, Figures, HbmOom
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
-__all__ = ["PEAK_SOURCE", "memory", "split_memory", "cost", "step_flops", "hbm_oom", "collectives_of",
+__all__ = ["PEAK_FIELDS", "peak_source", "memory", "split_memory", "cost", "step_flops", "hbm_oom", "collectives_of",
            "across_per_step", "summed", "summed_collectives", "row_figures"]
+
+
+# The compiler's own peak, in the order jax grew them: jax 0.10.2 (the TPU VM's) has only
+# peak_memory_in_bytes, whose figure for a TPU program equals the newer total_allocation_bytes' within a few MiB
+# where the sum counts an argument a temporary reuses twice.
+PEAK_FIELDS = ("total_allocation_bytes", "peak_memory_in_bytes")
 
 
 def memory(compiled: Any) -> dict[str, int]:
   """Per-device argument, output, temp and peak bytes of a compiled kernel (device memory).
 
-  ``peak`` is the compiler's own figure for everything the program holds at once, ``total_allocation_bytes``
-  (the TPU compiler's temporaries overlap the arguments near the limit, so its total is below the sum).
-  ``formula_peak`` is that sum, argument + output - aliased (donated) + temp, used where the backend has no
-  total (XLA's CPU compiler in jax 0.10.2). ``xla_peak`` is ``peak_memory_in_bytes`` (0 where absent).
+  ``peak`` is the compiler's own figure for everything the program holds at once: the first of
+  :data:`PEAK_FIELDS` the installed jax reports (the TPU compiler's temporaries overlap the arguments near the
+  limit, so its figure is below the sum). ``formula_peak`` is that sum, argument + output - aliased (donated)
+  + temp, the peak only where the compiler reports neither. ``xla_peak`` is ``peak_memory_in_bytes`` (0
+  where absent).
 
   Example::
 
@@ -33,16 +41,36 @@ def memory(compiled: Any) -> dict[str, int]:
   sizes = {name: int(getattr(stats, f"{name}_size_in_bytes"))
            for name in ("argument", "output", "alias", "temp")}
   sizes["formula_peak"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
-  total = int(getattr(stats, "total_allocation_bytes", 0) or 0)
-  sizes["peak"] = total or sizes["formula_peak"]
+  sizes["peak"] = next((v for v in (int(getattr(stats, f, 0) or 0) for f in PEAK_FIELDS) if v),
+                       sizes["formula_peak"])
   sizes["xla_peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
   # Arguments in host memory (an offloaded optimizer state), which the device figures leave out.
   sizes["host_argument"] = int(getattr(stats, "host_argument_size_in_bytes", 0) or 0)
   return sizes
 
 
-PEAK_SOURCE = ("the compiler's total_allocation_bytes (arguments + outputs - donated + temp where it reports "
-               "no total)")
+def peak_source() -> str:
+  """Where a row's peak comes from with the installed jax: the first of :data:`PEAK_FIELDS` its memory
+  analysis has, else the sum (plan.json's ``meta.peak_source``).
+
+  Example::
+
+    >>> peak_source().startswith("the compiler's ")
+    True
+  """
+  stats = _memory_stats()
+  field = next((f for f in PEAK_FIELDS if hasattr(stats, f)), None)
+  return (f"the compiler's {field}" if field else
+          "arguments + outputs - donated + temp (the installed jax reports no peak of its own)")
+
+
+@functools.cache
+def _memory_stats() -> Any:
+  """A trivial program's memory analysis: which figures the installed jax reports (the same on every backend)."""
+  import jax
+  import numpy as np
+
+  return jax.jit(lambda x: x + 1).lower(np.zeros(1, np.float32)).compile().memory_analysis()
 
 
 def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -> dict[str, int]:

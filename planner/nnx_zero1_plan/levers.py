@@ -5,13 +5,14 @@ reduced wherever XLA puts it, or ``value_and_grad_accumulated``, reduced once pe
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
 
 __all__ = ["Lever", "LEVERS", "adds_memory", "engine_attributes", "lever_blocker", "memory_twin",
-           "narrowed_dtypes", "state_axes", "summed_over", "with_offload"]
+           "narrowed_dtypes", "saves_nothing", "state_axes", "summed_over", "with_offload"]
 
 # The options that only narrow what crosses between slices or nodes: which record holds each.
 _NARROWING = {"across_dtype": "accumulate_options", "params_across_dtype": "optimizer_options"}
@@ -138,6 +139,27 @@ def adds_memory(name: str) -> str | None:
     return "the whole optimizer state on every device (nothing split)"
   dtype = LEVERS[name].optimizer_options.get("master_dtype")
   return None if dtype is None else f"{dtype} master copies of the parameters (split over the data axes)"
+
+
+def saves_nothing(name: str, mesh: Mapping[str, int]) -> str | None:
+  """Why lever ``name`` makes no room on ``mesh`` (None: it may): its only saving is the split of the state
+  over its axes (no share in host memory, no narrower dtype), and those axes come to one device.
+
+  Example::
+
+    >>> saves_nothing("zero2", {"data": 1, "fsdp": 8})
+    'splits the optimizer state over data, of size 1 on this mesh'
+    >>> saves_nothing("zero1", {"data": 4}), saves_nothing("offload", {"data": 1})
+    (None, None)
+  """
+  lever = LEVERS[name]
+  if not lever.zero1 or lever.picks_offload or {"offload_state_to_host", "state_dtype"} & set(
+      lever.optimizer_options):
+    return None
+  axes = state_axes(lever)
+  if math.prod(mesh.get(axis, 1) for axis in axes) > 1:
+    return None
+  return f"splits the optimizer state over {' x '.join(axes)}, of size 1 on this mesh"
 
 
 def narrowed_dtypes(lever: Lever) -> dict[str, str]:

@@ -86,7 +86,7 @@ _NOTE = (
     "Compiled ahead of time on a machine without the chips; nothing ran. Per device: `opt` is the "
     "optimizer state in device memory, `args` / `temp` the compiled step's argument and temporary bytes "
     "(`memory_analysis()`), `peak` the compiler's own figure for what the program holds at once "
-    "(`total_allocation_bytes`; the TPU compiler's temporaries overlap the arguments near the limit), "
+    "(the settings' `peak_source`; the TPU compiler's temporaries overlap the arguments near the limit), "
     "`args+temp` = args + output - donated + temp, for comparison; `usable` is the memory a program may "
     "use on the chip (TPU: the compiler's available HBM; GPU: jax's memory pool, which the compiler is told "
     "to plan for) less the reserve or margin; `fits`: the compiler accepted the program and peak <= usable. "

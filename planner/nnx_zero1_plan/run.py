@@ -11,8 +11,8 @@ import jax
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.calibration import combined, read_calibrations
-from nnx_zero1_plan.compiled import PEAK_SOURCE
-from nnx_zero1_plan.levers import LEVERS
+from nnx_zero1_plan.compiled import peak_source
+from nnx_zero1_plan.levers import LEVERS, saves_nothing
 from nnx_zero1_plan.maxtext import describe_maxtext, output_directory
 from nnx_zero1_plan.measure import RowCompiler, StepShape
 from nnx_zero1_plan.measured_plan import first_calibration, measured_rows, said_measured
@@ -120,7 +120,7 @@ def _settings(request: ResolvedRequest, planned: PlannedModel, target: Target, r
   return PlanSettings(
       request, layers=layers, device_kind=target.device_kind, batch_default=batch_default,
       param_dtypes=sorted(planned.param_dtypes), compiler=compiler, jax=jax.__version__,
-      hbm_bytes=target.hbm_bytes, hbm_source=target.hbm_source, usable_bytes=usable, peak_source=PEAK_SOURCE,
+      hbm_bytes=target.hbm_bytes, hbm_source=target.hbm_source, usable_bytes=usable, peak_source=peak_source(),
       depth_extrapolated_from=extrapolated[0] if extrapolated else None, batch_unit=planned.batch_unit,
       domains=target.domains, activation_sharding=sharding_of(source, planned.axes))
 
@@ -140,7 +140,8 @@ def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedM
       micro_batch(r.batch, model.batch_unit, batch_words(model))
     return compiler.row(r.levers[0], step, model, StepShape(r.batch, r.seq_len, r.ga, r.optimizer))
 
-  lever = "zero1" if "zero1" not in blocked else "baseline"
+  # The changes are tried on Zero-1 where it splits the state here, else on the baseline.
+  lever = "zero1" if "zero1" not in blocked and not saves_nothing("zero1", resolved.mesh_sizes) else "baseline"
   changes = changes_to_try(resolved, lever=lever, batch_unit=planned.batch_unit, remat=planned.remat_hint,
                            named_axes=planned.named, host_memory=compiler.target.platform == "tpu")
   return find_way_out(changes, compile_changed, lambda c: command_line(c.request, steps=[step]),

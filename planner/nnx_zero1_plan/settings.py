@@ -33,7 +33,7 @@ class PlanSettings:
     hbm_bytes: the memory a program may use per device, as the compiler reports it.
     hbm_source: where ``hbm_bytes`` comes from.
     usable_bytes: ``hbm_bytes`` less the reserve or the margin.
-    peak_source: where a row's peak comes from (:data:`nnx_zero1_plan.compiled.PEAK_SOURCE`).
+    peak_source: where a row's peak comes from (:func:`nnx_zero1_plan.compiled.peak_source`).
     depth_extrapolated_from: the reduced depths an estimate's first row was compiled at (None: whole).
     batch_unit: the batch axes' size; a micro-batch is a multiple of it.
     domains: the slices or nodes the target's devices sit in.

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
-from nnx_zero1_plan.levers import adds_memory, memory_twin
+from nnx_zero1_plan.levers import adds_memory, memory_twin, saves_nothing
 from nnx_zero1_plan.request import ResolvedRequest, command_line
 from nnx_zero1_plan.row import Row
 
@@ -153,15 +153,23 @@ def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[s
   steps = []
   tried = {r.lever for r in rows}
   base = next((r for r in rows if r.lever == "baseline" and r.figures.opt_state_bytes_per_device), None)
+  idle: list[str] = []
   for name in levers:
-    # Only what may make room: not a lever that adds memory, nor one that holds what a refused one held.
+    # Only what may make room: not a lever that adds memory, nor one that holds what a refused one held,
+    # nor one whose split covers one device here.
     if memory_twin(name) in tried or name in blocked or adds_memory(name):
+      continue
+    if saves_nothing(name, request.mesh_sizes):
+      idle += [name] if memory_twin(name) == name else []  # a narrowing twin is its plain lever's, said once
       continue
     saving = ""
     if name == "zero1" and base is not None:
       saved = (base.figures.opt_state_bytes_per_device or 0) * (1 - 1 / base.mesh.get("data", 1))
       saving = f": saves {saved / 2**30:.2f} GiB of optimizer state per device (the layout rule)"
     steps.append(f"the lever {name}{saving}: {command_line(request, levers=[name])}")
+  if idle:
+    steps.append(f"not offered: {', '.join(idle)} (each splits the optimizer state only over axes of size 1 on "
+                 "this mesh: they save nothing here)")
   peak = lambda r: r.figures.peak_bytes_per_device or 0
   best = min((r for r in rows if peak(r)), key=peak, default=None)
   temp = 0 if best is None else best.figures.temp_bytes_per_device or 0

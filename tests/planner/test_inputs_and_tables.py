@@ -356,6 +356,25 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   assert next_steps([_row("zero1", 2**30)], request, list(LEVERS), blocked={}, remat=None, batch_unit=8) == []
 
 
+def test_on_one_data_parallel_device_a_lever_that_only_splits_is_not_offered_and_says_why():
+  """At data-parallel size 1 zero1, zero1-accum and zero2 split nothing: not offered as a way out (they save
+  0.00 GiB), one line says why; offload and bf16 state still make room and are offered."""
+  rows = [make_row("baseline", compiled_for="v5e:1x1", mesh={"data": 1}, opt_state_bytes_per_device=2**30,
+                   peak_bytes_per_device=17 * 2**30, temp_bytes_per_device=8 * 2**30, fits=False)]
+  request = PlanRequest("m.models:build", "v5e:1x1", steps="one").resolved({"data": 1}, 46)
+  steps = next_steps(rows, request, list(LEVERS), blocked={}, remat=None, batch_unit=1)
+  offered = {s.split(":")[0].removeprefix("the lever ") for s in steps if s.startswith("the lever ")}
+  assert {"offload", "zero1-bf16state"} <= offered and not offered & {"zero1", "zero1-accum", "zero2"}, steps
+  assert not [s for s in steps if "saves 0.00 GiB" in s]
+  said = [s for s in steps if s.startswith("not offered: ")]
+  named = said[0].removeprefix("not offered: ").split(" (")[0].split(", ")
+  assert len(said) == 1 and {"zero1", "zero1-accum", "zero2"} <= set(named), said
+  assert said[0].endswith("over axes of size 1 on this mesh: they save nothing here)")
+  wide = PlanRequest("m.models:build", "v5e:2x2", steps="one").resolved({"data": 4}, 46)
+  assert "zero1" in {s.split(":")[0].removeprefix("the lever ")
+                     for s in next_steps(rows, wide, list(LEVERS), blocked={}, remat=None, batch_unit=4)}
+
+
 def test_the_request_is_checked_once_normalised_and_crosses_as_json():
   from nnx_zero1_plan import PlanRequest
 
