@@ -12,13 +12,13 @@ from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.row import Collectives, Figures, HbmOom
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
-__all__ = ["PEAK_FIELDS", "peak_source", "memory", "split_memory", "cost", "step_flops", "hbm_oom", "collectives_of",
-           "across_per_step", "summed", "summed_collectives", "row_figures"]
+__all__ = ["PEAK_FIELDS", "peak_source", "memory", "split_memory", "cost", "step_flops", "hbm_oom",
+           "collectives_of", "across_per_step", "summed", "summed_collectives", "row_figures"]
 
 
 # The compiler's own peak, in the order jax grew them: jax 0.10.2 (the TPU VM's) has only
-# peak_memory_in_bytes, whose figure for a TPU program equals the newer total_allocation_bytes' within a few MiB
-# where the sum counts an argument a temporary reuses twice.
+# peak_memory_in_bytes, whose figure for a TPU program equals the newer total_allocation_bytes' within a few
+# MiB where the sum counts an argument a temporary reuses twice.
 PEAK_FIELDS = ("total_allocation_bytes", "peak_memory_in_bytes")
 
 
@@ -66,7 +66,7 @@ def peak_source() -> str:
 
 @functools.cache
 def _memory_stats() -> Any:
-  """A trivial program's memory analysis: which figures the installed jax reports (the same on every backend)."""
+  """A trivial program's memory analysis: which figures the installed jax reports (alike on every backend)."""
   import jax
   import numpy as np
 

@@ -15,7 +15,7 @@ import jax
 
 from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, state_split
 from nnx_zero1_plan.calibrated_time import calibrated_time, read_program
-from nnx_zero1_plan.calibration import Calibration, for_step
+from nnx_zero1_plan.calibration import Calibration, built_otherwise, for_step
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.compiled import (
   collectives_of,
@@ -46,10 +46,11 @@ __all__ = ["StepShape", "measured", "timed", "RowCompiler"]
 
 
 def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: StepShape,
-          timing: RowCompiler | None, scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
+          timing: RowCompiler | None, lever_name: str,
+          scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
   """``figures`` with the predicted time (:func:`nnx_zero1_plan.predict_step_time`) of the ``programs`` one
-  step runs on ``timing``'s target (``scheduled``: XLA's GPU scheduler's estimates), and with ``timing``'s
-  calibrations built as the step is the calibrated time too (:func:`~nnx_zero1_plan.calibration.for_step`)."""
+  step of ``lever_name`` runs on ``timing``'s target (``scheduled``: XLA's GPU scheduler's estimates), and the
+  calibrated time too (:func:`calibrated`)."""
   if timing is None:
     return figures
   target = timing.target
@@ -58,13 +59,22 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
   time = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
                            tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                            scheduled=scheduled)
-  calibrated = None
-  calibration = for_step(timing.calibrations, shape.ga)
-  if calibration is not None and time.predicted_step_s is not None and time.step_time is not None:
-    rates = rates_for(CHIPS[target.chip])
-    read = [(read_program(hlo, rates), times) for _, hlo, times in programs]
-    calibrated = calibrated_time(read, calibration) + time.step_time.slow_s
-  return dataclasses.replace(figures, **vars(time), calibrated_step_s=calibrated)
+  figures = dataclasses.replace(figures, **vars(time))
+  return calibrated(figures, [(hlo, times) for _, hlo, times in programs], timing, lever_name, shape.ga)
+
+
+def calibrated(figures: Figures, programs: Sequence[tuple[str, int]], timing: RowCompiler, lever: str,
+               ga: int) -> Figures:
+  """``figures`` with the calibrated time of ``programs`` (each program's text and the times a step runs it)
+  by ``timing``'s calibrations built as ``lever``'s step at ``ga`` is
+  (:func:`~nnx_zero1_plan.calibration.for_step`); as they are where there are none, or no predicted time."""
+  calibration = for_step(timing.all_calibrations, lever, ga)
+  if calibration is None or figures.predicted_step_s is None or figures.step_time is None:
+    return dataclasses.replace(figures, calibrated_step_s=None)
+  rates = rates_for(CHIPS[timing.target.chip])
+  read = [(read_program(hlo, rates), times) for hlo, times in programs]
+  return dataclasses.replace(figures, calibrated_step_s=calibrated_time(read, calibration)
+                             + figures.step_time.slow_s)
 
 
 @contextlib.contextmanager
@@ -115,7 +125,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
       figures, programs = measure_maxtext(lever_name, lever, source.overrides, source.defer)
       peak = (figures.peak_bytes_per_device or 0) / 2**30
       say(f"compiled {at} in {figures.compile_s or 0:.0f} s: peak {peak:.2f} GiB")
-      return timed(figures, programs, shape, timing)
+      return timed(figures, programs, shape, timing, lever_name)
     sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
     state = lever_state(lever, lambda: source.build(depth), shape.optimizer, mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
@@ -153,7 +163,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
               else [("gradients", grads.as_text(), 1), ("update", update.as_text(), 1)])
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
                                 compile_s=seconds)
-  return timed(figures, programs, shape, timing, scheduled)
+  return timed(figures, programs, shape, timing, lever_name, scheduled)
 
 
 def _program_key(lever: str, source: Any, shape: StepShape) -> tuple[str, int, StepShape]:
@@ -177,6 +187,10 @@ class RowCompiler:
       (None: not kept; ``--measure`` keeps them).
     calibrations: the chip's calibrations each row's time is also priced by, those built as its step is
       (:func:`~nnx_zero1_plan.calibration.for_step`; none: the cost model's alone).
+    profile: with ``--measure`` and no calibration given, runs and profiles a row's kept program on this
+      process's chips for a calibration (None: nothing is run while planning). A fitting one-program row no
+      calibration was built as (its lever, with the accumulation loop or without) is profiled as it is
+      compiled, and priced by its own run; the calibrations so made are kept in ``profiled``.
   """
 
   target: Target
@@ -185,6 +199,13 @@ class RowCompiler:
   compute_dtype: str = "bfloat16"
   programs: dict[tuple[str, int, StepShape], Program] | None = None
   calibrations: tuple[Calibration, ...] = ()
+  profile: Callable[[str, StepShape, Program], Calibration | None] | None = None
+  profiled: list[Calibration] = dataclasses.field(default_factory=list)
+
+  @property
+  def all_calibrations(self) -> tuple[Calibration, ...]:
+    """The calibrations given and those this plan's runs made."""
+    return (*self.calibrations, *self.profiled)
 
   def program(self, lever: str, model: PlannedModel, shape: StepShape) -> Program | None:
     """The kept program of ``lever``'s one-program step at ``shape`` (None: not compiled, or not kept)."""
@@ -212,6 +233,8 @@ class RowCompiler:
                                  compiled_whole_because=why)
     peak = figures.peak_bytes_per_device
     verdict = fits_in(figures, self.usable)
+    if verdict and not made.depth_extrapolated_from:
+      figures = self._profiled_if_new(lever, step, model, shape, figures)
     figures = dataclasses.replace(figures,
                                   headroom_bytes_per_device=None if peak is None else self.usable - peak,
                                   compile_s=round(figures.compile_s or 0.0, 1))
@@ -227,6 +250,19 @@ class RowCompiler:
                mesh=model.axes, model=source.name, batch=shape.batch, figures=figures, made=made,
                hbm_bytes=target.hbm_bytes, usable_bytes=self.usable, fits=verdict,
                activation_sharding=sharding_of(source, model.axes), remat=remat)
+
+  def _profiled_if_new(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
+                       figures: Figures) -> Figures:
+    """``figures``, and where this row is the first of its build with no calibration built as it is, its own
+    program profiled (:attr:`profile`) and the row priced by that run."""
+    calibration = for_step(self.all_calibrations, lever, shape.ga)
+    alike = calibration is not None and not built_otherwise(calibration, lever, shape.ga)
+    program = self.program(lever, model, shape) if self.profile and step == "one" and not alike else None
+    made = None if program is None or self.profile is None else self.profile(lever, shape, program)
+    if made is None or program is None:
+      return figures
+    self.profiled.append(made)
+    return calibrated(figures, [(program.compiled.as_text(), 1)], self, lever, shape.ga)
 
   def _at_depths(self, lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any,
                  shape: StepShape) -> tuple[Figures, Made]:

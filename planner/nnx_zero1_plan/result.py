@@ -8,7 +8,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from nnx_zero1_plan.calibration import Calibration
+from nnx_zero1_plan.calibration import CROSSING, Calibration, built_otherwise
+from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.closing_lines import limit_words, recommendation_lines, way_out_lines
 from nnx_zero1_plan.plan_md import markdown
 from nnx_zero1_plan.recommend import Recommendation
@@ -34,8 +35,10 @@ class Plan:
       when no row fits with the margin.
     way_out: when no row fits, the changes compiled to make room and the first that fits
       (:func:`nnx_zero1_plan.way_out.find_way_out`); None otherwise.
-    calibration: the chip's calibration each row is also timed by (``--measure``'s first run, or
-      ``--calibration``); None: the cost model's time alone.
+    calibration: the chip's calibration each row is also timed by (``--measure``'s runs, or
+      ``--calibration``), all its runs combined; None: the cost model's time alone.
+    calibrations: its runs' calibrations each apart, by which each row was timed (those built as it is:
+      :func:`~nnx_zero1_plan.calibration.for_step`); empty where a plan kept only the combined one.
   """
 
   rows: list[Row]
@@ -44,10 +47,12 @@ class Plan:
   recommendation: Recommendation | None = None
   way_out: WayOut | None = None
   calibration: Calibration | None = None
+  calibrations: tuple[Calibration, ...] = ()
 
   def __str__(self) -> str:
     stated = [f"\n{self.meta.batch_default}"] if self.meta.batch_default else []
-    lines = [table(self.rows, wide=False), *stated, *self._calibration_lines(), *self._closing_lines()]
+    lines = [table(self.rows, wide=False), *stated, *self._calibration_lines(), *self._split_lines(),
+             *self._closing_lines()]
     if self.next_steps:
       steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))
       lines += ["", "Nothing fits. Try next, in order:", *steps]
@@ -62,14 +67,29 @@ class Plan:
     lines = ["", f"step ms (calib.): {self.calibration.said(m.jax, libtpu)}; each kind of work at the "
              "chip's own ratio to the cost model, the networks (which one chip never ran) priced as the cost "
              "model prices them"]
-    gas = {r.ga or m.request.ga for r in self.rows}
-    other = sorted(g for g in gas if not any(run.built_as(g) for run in self.calibration.runs))
-    if other:
-      loop = "with" if other[0] > 1 else "without"
-      lines.append(f"  at GA {', '.join(map(str, other))}, built {loop} the accumulation loop as none of the "
-                   "calibration's runs was, the compiler builds the step otherwise: on the kept v5e runs "
-                   "such a step's calibrated time missed by 5% to 11%, and by 2.4% at most from a run built "
-                   "alike")
+    kinds = self.calibrations or (self.calibration,)
+    apart = sorted({(r.lever, r.ga or m.request.ga) for r in self.rows if r.figures.calibrated_step_s
+                    and all(built_otherwise(c, r.lever, r.ga or m.request.ga) for c in kinds)})
+    if apart:
+      steps = ", ".join(f"{lever} at GA {ga}" for lever, ga in apart)
+      lines.append("  built otherwise than every run (another lever's update, or the accumulation loop where "
+                   f"the runs had none or the reverse), so priced by all of them: {steps}; {CROSSING}")
+    return lines
+
+  def _split_lines(self) -> list[str]:
+    """Each ``--global-batch`` row's splits compiled: each one's peak and time, which kind of time that is,
+    and what chose the row's."""
+    lines = []
+    for r in self.rows:
+      if not r.splits:
+        continue
+      each = [f"{s.batch} x {s.ga}: peak {gib(s.peak_bytes_per_device)} GiB"
+              + ("" if s.fits else " (does not fit)") + (f", {ms(s.step_s)} ms {s.time}" if s.step_s else "")
+              for s in r.splits]
+      by = next((s.time for s in r.splits if (s.batch, s.ga) == (r.batch, r.ga)), None)
+      lines += ["", f"{r.lever} ({r.step}): the global batch of {r.batch * (r.ga or 1)} sequences split as "
+                f"micro-batch x GA, each split compiled: {'; '.join(each)}; chosen: {r.batch} x {r.ga}"
+                + (f", by its {by} time" if by else "")]
     return lines
 
   def _closing_lines(self) -> list[str]:
@@ -83,7 +103,11 @@ class Plan:
     """The plan as plan.json holds it (:meth:`from_record` reads it back)."""
     rows = [row.to_json() for row in self.rows]
     asdict = lambda record: None if record is None else dataclasses.asdict(record)
-    calibration = {} if self.calibration is None else {"calibration": self.calibration.to_json()}
+    calibration: dict[str, Any] = {}
+    if self.calibration is not None:
+      calibration["calibration"] = self.calibration.to_json()
+    if self.calibrations:
+      calibration["calibrations"] = [c.to_json() for c in self.calibrations]
     return {"meta": self.meta.to_json(), "rows": rows, "recommendation": asdict(self.recommendation),
             "way_out": asdict(self.way_out), "next_steps": self.next_steps, **calibration}
 
@@ -93,7 +117,8 @@ class Plan:
     read = lambda key, kind: None if record.get(key) is None else kind.from_json(record[key])
     return cls([Row.from_json(row) for row in record["rows"]], PlanSettings.from_json(record["meta"]),
                list(record["next_steps"]), read("recommendation", Recommendation), read("way_out", WayOut),
-               read("calibration", Calibration))
+               read("calibration", Calibration),
+               tuple(map(Calibration.from_json, record.get("calibrations") or ())))
 
   def write(self, out_dir: str) -> list[str]:
     """Writes plan.json and plan.md into ``out_dir``, and with a search ``search.png``
@@ -104,6 +129,6 @@ class Plan:
       json.dump(self.to_record(), f, indent=1)
     with open(paths[1], "w") as f:
       f.write(markdown(self.meta.to_json(), self.rows, self.next_steps,
-                       [*self._calibration_lines(), *self._closing_lines()]))
+                       [*self._calibration_lines(), *self._split_lines(), *self._closing_lines()]))
     drawn = draw_search(self.rows, os.path.join(out_dir, "search.png"))
     return paths + ([drawn] if drawn else [])

@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = ["StepTime", "OpCount", "Collectives", "StateSplit", "HbmOom", "MaxTextConfig", "op_counts",
            "Figures", "Network", "PodNetworks", "Estimate", "Made", "Point", "Searched", "OffloadPoint",
-           "Offloaded", "Measured", "Row", "PER_LAYER", "AT_EDGE"]
+           "Offloaded", "Measured", "Split", "Row", "PER_LAYER", "AT_EDGE"]
 
 
 class _Record:
@@ -382,6 +382,20 @@ class Measured(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class Split(_Record):
+  """One split of ``--global-batch`` compiled: micro-batch x GA, whether it fits, its peak, its step's seconds
+  and which kind of time they are (``measured`` on this machine's chips, ``calibrated``, ``predicted``;
+  ``None`` where it has none)."""
+
+  batch: int
+  ga: int
+  fits: bool | None
+  peak_bytes_per_device: int | None
+  step_s: float | None
+  time: str | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Row(_Record):
   """One lever's step compiled for the target, as plan.json's row: what identifies the compile, then its
   records (:class:`Figures`, :class:`Made`; :class:`Searched`, :class:`Offloaded` and the :class:`Measured`
@@ -405,6 +419,7 @@ class Row(_Record):
   offloaded: Offloaded | None = None
   measured: tuple[Measured, ...] | None = None
   ga: int | None = _when_set()  # the row's own GA, where --global-batch chose it (else the plan's --ga)
+  splits: tuple[Split, ...] | None = _when_set()  # every split --global-batch compiled, in order
 
   def to_json(self) -> dict[str, Any]:
     """plan.json's row: every record's fields side by side (:class:`Made`'s notes where they are set, a
@@ -419,7 +434,8 @@ class Row(_Record):
       >>> row.figures.peak_bytes_per_device, row.made.depth, row.verdict, Row.from_json(row.to_json()) == row
       (5, 2, True, True)
     """
-    row = {k: getattr(self, k) for k in _OWN if k != "ga" or self.ga is not None}
+    row = {k: _json(value) for k in _OWN
+           if (value := getattr(self, k)) is not None or k not in ("ga", "splits")}
     for record in (self.figures, self.made, self.searched, self.offloaded):
       row.update({} if record is None else record.to_json())
     return row if self.measured is None else {**row, "measured": _json(self.measured)}

@@ -15,7 +15,7 @@ from nnx_zero1_plan.compiled import peak_source
 from nnx_zero1_plan.levers import LEVERS, saves_nothing
 from nnx_zero1_plan.maxtext import describe_maxtext, output_directory
 from nnx_zero1_plan.measure import RowCompiler, StepShape
-from nnx_zero1_plan.measured_plan import first_calibration, measured_rows, said_measured
+from nnx_zero1_plan.measured_plan import measured_rows, profiler, run_at, said_measured
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, micro_batch
 from nnx_zero1_plan.planned_model import (
   PlannedModel,
@@ -57,8 +57,10 @@ def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel,
   global batch's split, the share offloaded, or the largest micro-batch that fits)."""
   shape = StepShape(batch, request.seq_len, request.ga, request.optimizer)
   compiled = lambda **changed: compiler.row(name, step, model, dataclasses.replace(shape, **changed), policy)
-  if request.global_batch is not None:
-    return split_global_batch(lambda b, ga: compiled(batch=b, ga=ga), request.global_batch, model.batch_unit)
+  if request.global_batch is not None:  # with --measure the close splits run, the fastest measured chosen
+    run = (lambda row: run_at(compiler, model, request, row)) if compiler.programs is not None else None
+    return split_global_batch(lambda b, ga: compiled(batch=b, ga=ga), request.global_batch, model.batch_unit,
+                              run)
   if LEVERS[name].picks_offload:  # the fraction is searched at --batch, the micro-batch is not
     return offload_search(lambda f: compiled(offload_fraction=f), compiler.usable)
   row = compiled()
@@ -120,7 +122,8 @@ def _settings(request: ResolvedRequest, planned: PlannedModel, target: Target, r
   return PlanSettings(
       request, layers=layers, device_kind=target.device_kind, batch_default=batch_default,
       param_dtypes=sorted(planned.param_dtypes), compiler=compiler, jax=jax.__version__,
-      hbm_bytes=target.hbm_bytes, hbm_source=target.hbm_source, usable_bytes=usable, peak_source=peak_source(),
+      hbm_bytes=target.hbm_bytes, hbm_source=target.hbm_source, usable_bytes=usable,
+      peak_source=peak_source(),
       depth_extrapolated_from=extrapolated[0] if extrapolated else None, batch_unit=planned.batch_unit,
       domains=target.domains, activation_sharding=sharding_of(source, planned.axes))
 
@@ -141,7 +144,8 @@ def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedM
     return compiler.row(r.levers[0], step, model, StepShape(r.batch, r.seq_len, r.ga, r.optimizer))
 
   # The changes are tried on Zero-1 where it splits the state here, else on the baseline.
-  lever = "zero1" if "zero1" not in blocked and not saves_nothing("zero1", resolved.mesh_sizes) else "baseline"
+  splits = "zero1" not in blocked and not saves_nothing("zero1", resolved.mesh_sizes)
+  lever = "zero1" if splits else "baseline"
   changes = changes_to_try(resolved, lever=lever, batch_unit=planned.batch_unit, remat=planned.remat_hint,
                            named_axes=planned.named, host_memory=compiler.target.platform == "tpu")
   return find_way_out(changes, compile_changed, lambda c: command_line(c.request, steps=[step]),
@@ -200,19 +204,15 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
     blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
   planned = plans[policies[0]]  # the axes, the batch's unit and the hints are alike under every policy
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
+  # --measure calibrates each build on its own first fitting row where no calibration is given (a given one
+  # is the one the runs check), off a TPU nothing: a calibration is of the TPU compiler's cycles.
+  profile = (profiler(target, request, progress)
+             if measure and not calibrations and target.platform == "tpu" else None)
   compiler = RowCompiler(target, usable, progress, _compute_dtype(request, planned),
-                         programs={} if measure else None, calibrations=calibrations)
+                         programs={} if measure else None, calibrations=calibrations, profile=profile)
   rows = []
   todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]
   say(_compiles_planned(request, planned, len(todo)))
-  # --measure calibrates on its first run where no calibration is given, before the other rows compile, so
-  # that each is priced by it as it is compiled; a given one is the one the runs check.
-  if measure and not calibrations and "one" in request.steps:
-    row_of = lambda p, n: _lever_row(compiler, request, plans[p], n, "one", p, batch)  # noqa: E731
-    first = [(p, n) for p in policies for n in request.levers]
-    calibration = first_calibration(compiler, first, row_of, plans, request)
-    calibrations = () if calibration is None else (calibration,)
-    compiler = dataclasses.replace(compiler, calibrations=calibrations)
   started = time.perf_counter()
   for done, (policy, name, step) in enumerate(todo, 1):
     row = _lever_row(compiler, request, plans[policy], name, step, policy, batch)
@@ -229,4 +229,5 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   if measure:
     rows = measured_rows(compiler, plans, request, rows, recommended)
     recommended = recommended and said_measured(recommended, rows)
-  return Plan(rows, meta, hints, recommended, way_out, combined(*calibrations) if calibrations else None)
+  made = compiler.all_calibrations
+  return Plan(rows, meta, hints, recommended, way_out, combined(*made) if made else None, made)

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 
 from nnx_zero1_plan.inputs import PlanError
-from nnx_zero1_plan.row import Figures, Offloaded, OffloadPoint, Point, Row, Searched
+from nnx_zero1_plan.row import Figures, Measured, Offloaded, OffloadPoint, Point, Row, Searched, Split
 
 __all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPILES", "fits_in", "Probe",
            "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search",
@@ -285,18 +285,27 @@ def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = O
                              offloaded=Offloaded(fraction, tuple(tried), refused))
 
 
-def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, unit: int) -> Row:
+# Splits whose calibrated (or predicted) steps are this close to the fastest's are run where the chips are
+# (--measure), and the fastest measured is chosen: on the record calibrations across builds missed by 15%.
+CLOSE = 0.15
+
+
+def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, unit: int,
+                       run: Callable[[Row], Measured] | None = None) -> Row:
   """The row of ``global_batch`` sequences a step split into the micro-batch and GA that fit and train fastest
   (``--global-batch``): the micro-batches that divide it compiled largest first until one fits, then smaller
   ones while each trains faster (calibrated, else predicted); a step without a time stops at the largest.
+  With ``run`` (``--measure``), every split that fits within :data:`CLOSE` of the fastest is run and the
+  fastest measured chosen.
 
   Args:
     row_at: compiles a row at ``(micro-batch, GA)``.
     global_batch: sequences per optimizer step.
     unit: a micro-batch is a multiple of it.
+    run: runs a row's step on this machine's chips (None: nothing is run).
 
   Returns:
-    The chosen row, its ``ga`` set (the last compiled where none fits).
+    The chosen row, its ``ga`` set (the last compiled where none fits) and ``splits`` every split compiled.
 
   Raises:
     PlanError: no multiple of ``unit`` divides ``global_batch``.
@@ -307,27 +316,57 @@ def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, uni
     >>> f = lambda m, ga: Row("zero1", "one", "v5e:1x1", "TPU", {"data": 1}, "m", m,
     ...                       Figures(predicted_step_s=ga * (0.1 + 0.01 * m)), Made(), 9, 9, m <= 8)
     >>> row = split_global_batch(f, 32, 1)
-    >>> row.batch, row.ga
-    (8, 4)
+    >>> row.batch, row.ga, [(s.batch, s.ga, s.time) for s in row.splits][:3]
+    (8, 4, [(32, 1, 'predicted'), (16, 2, 'predicted'), (8, 4, 'predicted')])
+    >>> g = lambda m, ga: dataclasses.replace(f(m, ga), figures=Figures(predicted_step_s=1 + 0.01 * ga))
+    >>> ran = split_global_batch(g, 32, 1, run=lambda r: Measured(r.batch, 0.4 if r.batch == 4 else 0.5))
+    >>> ran.batch, ran.ga, [(s.batch, s.step_s, s.time) for s in ran.splits if s.time == "measured"]
+    (4, 8, [(8, 0.5, 'measured'), (4, 0.4, 'measured')])
   """
   candidates = [m for m in range(global_batch - global_batch % unit, 0, -unit) if global_batch % m == 0]
   if not candidates:
     raise PlanError(f"--global-batch {global_batch} is not a multiple of the batch axes' size, {unit}: no "
                     "micro-batch splits it")
-  best = last = None
+  tried: list[Row] = []
+  best = None
   for micro in candidates:
-    last = dataclasses.replace(row_at(micro, global_batch // micro), ga=global_batch // micro)
-    if best is not None and not (last.verdict and _faster(last, best)):
+    tried.append(dataclasses.replace(row_at(micro, global_batch // micro), ga=global_batch // micro))
+    if best is not None and not (tried[-1].verdict and _faster(tried[-1], best)):
       break
-    if last.verdict:
-      best = last
-  assert last is not None  # there was a candidate
-  return best or last
+    if tried[-1].verdict:
+      best = tried[-1]
+  if best is not None and run is not None:
+    tried = [dataclasses.replace(r, measured=(run(r),)) if _close(r, best) else r for r in tried]
+    seconds = lambda r: (r.measured or (Measured(r.batch, None),))[0].step_s  # noqa: E731
+    ran = [r for r in tried if seconds(r)]
+    best = min(ran, key=lambda r: seconds(r) or 0.0) if ran else best
+  chosen = best or tried[-1]
+  return dataclasses.replace(chosen, splits=tuple(_split(r) for r in tried))
+
+
+def _close(row: Row, best: Row) -> bool:
+  """Whether ``row`` fits and its step is within :data:`CLOSE` of ``best``'s, by the time both have (``best``
+  itself where neither has one)."""
+  a, b = _times(row, best)
+  return bool(row.verdict) and (row is best if a is None or b is None else a <= b * (1 + CLOSE))
+
+
+def _split(row: Row) -> Split:
+  """``row`` as one split tried, its time the best kind it has."""
+  f, ran = row.figures, row.measured[0].step_s if row.measured else None
+  step, kind = next(((t, k) for t, k in ((ran, "measured"), (f.calibrated_step_s, "calibrated"),
+                                         (f.predicted_step_s, "predicted")) if t), (None, None))
+  return Split(row.batch, row.ga or 1, row.verdict, f.peak_bytes_per_device, step, kind)
+
+
+def _times(row: Row, than: Row) -> tuple[float | None, float | None]:
+  """Both rows' calibrated steps where both have one, else their predicted."""
+  f, g = row.figures, than.figures
+  return ((f.calibrated_step_s, g.calibrated_step_s) if f.calibrated_step_s and g.calibrated_step_s
+          else (f.predicted_step_s, g.predicted_step_s))
 
 
 def _faster(row: Row, than: Row) -> bool:
   """Whether ``row``'s step is faster than ``than``'s, both by their calibrated time or by their predicted."""
-  f, g = row.figures, than.figures
-  a, b = ((f.calibrated_step_s, g.calibrated_step_s) if f.calibrated_step_s and g.calibrated_step_s
-          else (f.predicted_step_s, g.predicted_step_s))
+  a, b = _times(row, than)
   return a is not None and b is not None and a < b

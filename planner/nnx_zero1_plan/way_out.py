@@ -168,8 +168,8 @@ def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[s
       saving = f": saves {saved / 2**30:.2f} GiB of optimizer state per device (the layout rule)"
     steps.append(f"the lever {name}{saving}: {command_line(request, levers=[name])}")
   if idle:
-    steps.append(f"not offered: {', '.join(idle)} (each splits the optimizer state only over axes of size 1 on "
-                 "this mesh: they save nothing here)")
+    steps.append(f"not offered: {', '.join(idle)} (each splits the optimizer state only over axes of size 1 "
+                 "on this mesh: they save nothing here)")
   peak = lambda r: r.figures.peak_bytes_per_device or 0
   best = min((r for r in rows if peak(r)), key=peak, default=None)
   temp = 0 if best is None else best.figures.temp_bytes_per_device or 0

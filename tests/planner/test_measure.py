@@ -127,6 +127,39 @@ def test_measure_runs_the_programs_the_plan_compiled_each_compiled_once():
   assert "ran zero1 (one) at micro-batch 4: " in said[-1]
 
 
+def test_each_build_is_profiled_once_and_a_global_batch_runs_its_close_splits():
+  """With --measure the first fitting row of each build (its lever, with the accumulation loop or without) is
+  profiled as it is compiled, the rest priced by it; --global-batch runs the splits close to the fastest and
+  chooses the fastest measured, each split said with its kind of time. On two CPU devices, the profile a
+  stand-in for the TPU profiler (CPU programs have no cycles to calibrate)."""
+  from nnx_zero1_plan.calibration import Calibration, Run
+  from nnx_zero1_plan.run import _lever_row
+
+  request = PlanRequest("tests.support.planner_toys:tiny_lm", "v5e:2x1", seq_len=16, global_batch=8)
+  target = Target("v5e:2x1", "cpu", "v5e", tuple(jax.devices()[:2]), 2**34, "the test's")
+  planned = on_devices(describe_tunix_or_own(request, None), target)
+  profiled = []
+
+  def profile(lever, shape, program):
+    profiled.append((lever, shape.batch, shape.ga))
+    return Calibration("v5e", jax.__version__, None, (Run(lever, shape.batch, shape.ga, 16, 0.1, 0.1, 0.1, 0.0),),
+                       {})
+
+  compiler = RowCompiler(target, 2**34, None, "float32", programs={}, profile=profile)
+  for batch, ga, lever in ((4, 1, "zero1"), (2, 1, "zero1"), (2, 2, "zero1"), (2, 4, "zero1"), (2, 1, "baseline")):
+    assert compiler.row(lever, "one", planned, StepShape(batch, 16, ga, "adamw")).verdict
+  assert profiled == [("zero1", 4, 1), ("zero1", 2, 2), ("baseline", 2, 1)]
+  assert len(compiler.all_calibrations) == 3
+  row = _lever_row(compiler, request, planned, "zero1", "one", None, 2)
+  assert [(s.batch, s.ga) for s in row.splits][:2] == [(8, 1), (4, 2)] and all(s.fits for s in row.splits)
+  ran = [s for s in row.splits if s.time == "measured"]
+  assert ran and all(s.step_s > 0 for s in ran)
+  fastest = min(ran, key=lambda s: s.step_s)
+  assert (row.batch, row.ga) == (fastest.batch, fastest.ga) and row.measured[0].step_s == fastest.step_s
+  done, = measured_rows(compiler, {None: planned}, request, [row], None)
+  assert done.measured == row.measured  # not run again after the plan
+
+
 def test_the_step_runner_runs_a_compiled_step_on_cpu_devices():
   from nnx_zero1_plan import abstract_batch, model_source, placed_state, run_steps, step_jit
 

@@ -268,9 +268,9 @@ class _Compiled:
 
 
 def test_the_peak_is_the_compilers_own_on_jax_0_10_2_as_on_newer_jax():
-  """On jax 0.10.2 the peak is ``peak_memory_in_bytes``, not the sum (19.09 GiB, which refused the edge the chip
-  runs): within 0.1 GiB of the newer jax's ``total_allocation_bytes`` for the same program (15.72 GiB), and it
-  fits one v5e chip's usable memory where the sum did not."""
+  """On jax 0.10.2 the peak is ``peak_memory_in_bytes``, not the sum (19.09 GiB, which refused the edge the
+  chip runs): within 0.1 GiB of the newer jax's ``total_allocation_bytes`` for the same program (15.72 GiB),
+  and it fits one v5e chip's usable memory where the sum did not."""
   from nnx_zero1_plan.compiled import memory
   from nnx_zero1_plan.row import Figures
   from nnx_zero1_plan.search import fits_in
