@@ -10,6 +10,8 @@
 #   OUT=/tmp/device scripts/device_check.sh tpu 6    # (a calibration from one run, checked on three more)
 #   OUT=/tmp/device scripts/device_check.sh tpu 7    # (calibrated on a run built as the checked ones are)
 #   OUT=/tmp/device scripts/device_check.sh tpu 8    # (calibrated on two runs built as the checked ones are)
+#   OUT=/tmp/device scripts/device_check.sh tpu 9    # (the search's edge on the chip's own jax; a global batch)
+#   OUT=/tmp/device scripts/device_check.sh tpu 10   # (a global batch's splits, each build profiled)
 #
 # Each measurement writes its folder: the command, its stdout and stderr, its exit status and wall time;
 # versions.json says what ran. GPU: the compiler's figure against the allocator (two memory pools), each
@@ -117,6 +119,16 @@ elif [ "$PART" = 8 ]; then
       --seq-len $2 --levers baseline --steps one --measure --calibration "$two" \
       --out "$OUT/plan_calibrated_two_$1_$2/out"
   done
+elif [ "$PART" = 9 ]; then
+  # The planner as a user runs it on the chip's own jax: the scanned, rematerialised model searched to its
+  # largest micro-batch (the compiler's own peak on jax 0.10.2; the edge run and profiled, the next refused).
+  keep plan_search_scanned python -m nnx_zero1.plan --model "$D:build_scanned" --topology v5e:1x1 \
+    --levers baseline --steps one --search --measure --out "$OUT/plan_search_scanned/out"
+elif [ "$PART" = 10 ]; then
+  # A fixed global batch of 12 sequences: each split compiled largest first, each build (one program, the
+  # accumulation loop) profiled once, the splits close to the fastest run and the fastest measured chosen.
+  keep plan_global_batch python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --global-batch 12 \
+    --levers baseline --steps one --measure --out "$OUT/plan_global_batch/out"
 else
   # The planner where the chips are: it compiles for this machine's chip and runs each fitting row's step.
   keep plan_measure python -m nnx_zero1_plan --model "$D:build" --topology v5e:1x1 --batch 8 --seq-len 1024 \

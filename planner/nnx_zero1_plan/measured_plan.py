@@ -14,12 +14,12 @@ from nnx_zero1_plan import compilers
 from nnx_zero1_plan.calibrated_time import calibrate, read_program
 from nnx_zero1_plan.calibration import Calibration
 from nnx_zero1_plan.chips import CHIPS
-from nnx_zero1_plan.measure import RowCompiler, StepShape
+from nnx_zero1_plan.measure import RowCompiler, StepShape, calibrated
 from nnx_zero1_plan.on_chip import TIMED, WARMUP, Program, measured_batches, run_program
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.request import PlanRequest
-from nnx_zero1_plan.row import Measured, Row
+from nnx_zero1_plan.row import Figures, Measured, Row
 from nnx_zero1_plan.step_time import rates_for
 from nnx_zero1_plan.targets import Target
 
@@ -64,9 +64,31 @@ def measured_rows(compiler: RowCompiler, plans: Mapping[str | None, PlannedModel
     if recommended and _is_recommended(row, recommended) and recommended.micro_batch not in batches:
       batches.append(recommended.micro_batch)
     ran = {m.batch: m for m in row.measured or ()}
+    edge = row.searched.max_micro_batch if row.searched is not None else None
+    if edge in batches and edge not in ran and edge != row.batch and compiler.profile is not None:
+      ran[edge], row = _edge_profiled(compiler, plans[row.remat], request, row, edge)
     runs = [ran.get(b) or run_at(compiler, plans[row.remat], request, row, b) for b in batches]
     done.append(dataclasses.replace(row, measured=tuple(runs)) if runs else row)
   return done
+
+
+def _edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanRequest, row: Row,
+                   edge: int) -> tuple[Measured, Row]:
+  """A search's largest micro-batch, which the compiler may fuse anew, run and profiled too: its run, and the
+  row with the edge priced by its build's calibrations with this one among them."""
+  assert compiler.profile is not None and row.searched is not None and row.searched.at_max is not None
+  shape = StepShape(edge, request.seq_len, row.ga or request.ga, request.optimizer)
+  program = compiler.program(row.lever, model, shape)
+  made = None if program is None else compiler.profile(row.lever, shape, program)
+  if made is None or program is None:
+    return run_at(compiler, model, request, row, edge), row
+  compiler.profiled.append(made)
+  at_max = row.searched.at_max
+  figures = calibrated(Figures(predicted_step_s=at_max.predicted_step_s, step_time=row.figures.step_time),
+                       [(program.compiled.as_text(), 1)], compiler, row.lever, shape.ga)
+  at_max = dataclasses.replace(at_max, calibrated_step_s=figures.calibrated_step_s)
+  return (Measured(edge, made.runs[0].step_s),
+          dataclasses.replace(row, searched=dataclasses.replace(row.searched, at_max=at_max)))
 
 
 def run_at(compiler: RowCompiler, model: PlannedModel, request: PlanRequest, row: Row,
