@@ -142,11 +142,12 @@ def test_each_build_is_profiled_once_and_a_global_batch_runs_its_close_splits():
 
   def profile(lever, shape, program):
     profiled.append((lever, shape.batch, shape.ga))
-    return Calibration("v5e", jax.__version__, None, (Run(lever, shape.batch, shape.ga, 16, 0.1, 0.1, 0.1, 0.0),),
-                       {})
+    run = Run(lever, shape.batch, shape.ga, 16, 0.1, 0.1, 0.1, 0.0)
+    return Calibration("v5e", jax.__version__, None, (run,), {})
 
   compiler = RowCompiler(target, 2**34, None, "float32", programs={}, profile=profile)
-  for batch, ga, lever in ((4, 1, "zero1"), (2, 1, "zero1"), (2, 2, "zero1"), (2, 4, "zero1"), (2, 1, "baseline")):
+  builds = ((4, 1, "zero1"), (2, 1, "zero1"), (2, 2, "zero1"), (2, 4, "zero1"), (2, 1, "baseline"))
+  for batch, ga, lever in builds:
     assert compiler.row(lever, "one", planned, StepShape(batch, 16, ga, "adamw")).verdict
   assert profiled == [("zero1", 4, 1), ("zero1", 2, 2), ("baseline", 2, 1)]
   assert len(compiler.all_calibrations) == 3
