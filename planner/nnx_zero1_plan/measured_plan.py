@@ -23,7 +23,7 @@ from nnx_zero1_plan.row import Figures, Measured, Row
 from nnx_zero1_plan.step_time import rates_for
 from nnx_zero1_plan.targets import Target
 
-__all__ = ["profiler", "measured_rows", "run_at", "said_measured"]
+__all__ = ["profiler", "edge_profiled", "measured_rows", "run_at", "said_measured"]
 
 
 Profile = Callable[[str, StepShape, Program], Calibration | None]
@@ -37,7 +37,7 @@ def profiler(target: Target, request: PlanRequest, progress: Callable[[str], Non
 
   def profile(lever: str, shape: StepShape, program: Program) -> Calibration | None:
     at = f"{lever} (one) at micro-batch {shape.batch} x GA {shape.ga}"
-    say(f"profiling {at}, the first step of its build: {WARMUP} + {TIMED} steps, then a profile ...")
+    say(f"profiling {at}: {WARMUP} + {TIMED} steps, then a profile ...")
     run, ops = run_program(program, profile=True)
     if ops is None or run.step_s is None:
       say(f"profiled {at}: {run.error or 'no profile'}")
@@ -64,31 +64,32 @@ def measured_rows(compiler: RowCompiler, plans: Mapping[str | None, PlannedModel
     if recommended and _is_recommended(row, recommended) and recommended.micro_batch not in batches:
       batches.append(recommended.micro_batch)
     ran = {m.batch: m for m in row.measured or ()}
-    edge = row.searched.max_micro_batch if row.searched is not None else None
-    if edge in batches and edge not in ran and edge != row.batch and compiler.profile is not None:
-      ran[edge], row = _edge_profiled(compiler, plans[row.remat], request, row, edge)
     runs = [ran.get(b) or run_at(compiler, plans[row.remat], request, row, b) for b in batches]
     done.append(dataclasses.replace(row, measured=tuple(runs)) if runs else row)
   return done
 
 
-def _edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanRequest, row: Row,
-                   edge: int) -> tuple[Measured, Row]:
-  """A search's largest micro-batch, which the compiler may fuse anew, run and profiled too: its run, and the
-  row with the edge priced by its build's calibrations with this one among them."""
-  assert compiler.profile is not None and row.searched is not None and row.searched.at_max is not None
+def edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanRequest, row: Row) -> Row:
+  """``row`` with its search's largest micro-batch, which the compiler may fuse anew, run and profiled where
+  ``--measure`` profiles (its run kept in ``measured``), and that point priced by its build's calibrations
+  with its own among them; ``row`` as it is elsewhere."""
+  found = row.searched
+  edge = None if found is None else found.max_micro_batch
+  if compiler.profile is None or found is None or found.at_max is None or edge in (None, row.batch):
+    return row
+  assert edge is not None
   shape = StepShape(edge, request.seq_len, row.ga or request.ga, request.optimizer)
   program = compiler.program(row.lever, model, shape)
   made = None if program is None else compiler.profile(row.lever, shape, program)
   if made is None or program is None:
-    return run_at(compiler, model, request, row, edge), row
+    return row
   compiler.profiled.append(made)
-  at_max = row.searched.at_max
-  figures = calibrated(Figures(predicted_step_s=at_max.predicted_step_s, step_time=row.figures.step_time),
-                       [(program.compiled.as_text(), 1)], compiler, row.lever, shape.ga)
-  at_max = dataclasses.replace(at_max, calibrated_step_s=figures.calibrated_step_s)
-  return (Measured(edge, made.runs[0].step_s),
-          dataclasses.replace(row, searched=dataclasses.replace(row.searched, at_max=at_max)))
+  at = Figures(predicted_step_s=found.at_max.predicted_step_s, step_time=row.figures.step_time)
+  seconds = calibrated(at, [(program.compiled.as_text(), 1)], compiler, row.lever, shape.ga).calibrated_step_s
+  priced = lambda p: dataclasses.replace(p, calibrated_step_s=seconds) if p.batch == edge else p  # noqa: E731
+  searched = dataclasses.replace(found, at_max=priced(found.at_max), search=tuple(map(priced, found.search)))
+  return dataclasses.replace(row, searched=searched,
+                             measured=(*(row.measured or ()), Measured(edge, made.runs[0].step_s)))
 
 
 def run_at(compiler: RowCompiler, model: PlannedModel, request: PlanRequest, row: Row,

@@ -15,7 +15,7 @@ from nnx_zero1_plan.compiled import peak_source
 from nnx_zero1_plan.levers import LEVERS, saves_nothing
 from nnx_zero1_plan.maxtext import describe_maxtext, output_directory
 from nnx_zero1_plan.measure import RowCompiler, StepShape
-from nnx_zero1_plan.measured_plan import measured_rows, profiler, run_at, said_measured
+from nnx_zero1_plan.measured_plan import edge_profiled, measured_rows, profiler, run_at, said_measured
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, micro_batch
 from nnx_zero1_plan.planned_model import (
   PlannedModel,
@@ -66,8 +66,9 @@ def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel,
   row = compiled()
   if not request.search:
     return row
-  return dataclasses.replace(row, searched=search_row(row, lambda b: compiled(batch=b), model.batch_unit,
-                                                      compiler.usable))
+  row = dataclasses.replace(row, searched=search_row(row, lambda b: compiled(batch=b), model.batch_unit,
+                                                     compiler.usable))
+  return edge_profiled(compiler, model, request, row)  # with --measure: the edge run, priced with its run
 
 
 def _done(name: str, step: str, policy: str | None, topology: str, row: Row) -> str:
