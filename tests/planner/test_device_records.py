@@ -123,7 +123,7 @@ def test_the_v5e_constants_are_the_kept_microbenchmarks_medians():
 
 
 # Kept before the attention's base-dilated convolutions counted one tap per output: the planner on the chip
-# (run 3, commit d1dcf9c), whose MFU and roofline are the miscount this round fixed (its program is build at
+# (run 3, commit d1dcf9c), whose MFU and roofline are the miscount since fixed (its program is build at
 # 8, recounted above from run 1), and the MoE plan's experiment on its barriers, compiled by hand then.
 _BEFORE_THE_FLOP_FIX = {"docs/data/device_v5e/run3/plan_measure/out/plan.json",
                         "docs/data/device_v5e/run3/plan_v5e_2x2/out/plan.json",
