@@ -168,8 +168,8 @@ def test_where_a_page_names_the_planners_levers_they_are_its_own():
 
 
 def test_memory_levers_names_the_command_lines_levers_and_the_benchmarks_arms_as_arms():
-  """docs/memory_levers.md's lever table gives each lever's `--levers` name; every other lever-like name on the
-  page is one of the benchmark's arms, said to be one: in a table whose first column is the arm, or in a
+  """docs/memory_levers.md's lever table gives each lever's `--levers` name; every other lever-like name on
+  the page is one of the benchmark's arms, said to be one: in a table whose first column is the arm, or in a
   sentence that says "arm"."""
   from benchmarks.precision import ARMS as PRECISION_ARMS
   from benchmarks.settings import STEP_ARMS
@@ -190,7 +190,9 @@ def test_memory_levers_names_the_command_lines_levers_and_the_benchmarks_arms_as
     for unit in units:
       for span in _spans(unit):
         name = span.split(" ")[0]
-        if not re.fullmatch(r"(baseline|accum|zero[12][a-z0-9.-]*|offload[a-z0-9.-]*)", name) or name in LEVERS:
+        lever_like = re.fullmatch(r"(baseline|accum|zero[12][a-z0-9.-]*|offload[a-z0-9.-]*)", name)
+        if not lever_like or name in LEVERS:
           continue
         assert name in arms, f"memory_levers.md: `{name}` is neither a lever nor an arm: {unit!r}"
-        assert "arm" in (header.split("|")[1] if header else unit), f"`{name}` not said to be an arm: {unit!r}"
+        said = header.split("|")[1] if header else unit
+        assert "arm" in said, f"`{name}` not said to be an arm: {unit!r}"
