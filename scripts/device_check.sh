@@ -5,7 +5,7 @@
 #   OUT=/tmp/device scripts/device_check.sh tpu 1    # one TPU v5e chip, in three runs of under 10 minutes
 #   OUT=/tmp/device scripts/device_check.sh tpu 2    # (each program's start and compile on the chip takes
 #   OUT=/tmp/device scripts/device_check.sh tpu 3    # about a minute); commit $OUT/* under docs/data/device_v5e/
-#   OUT=/tmp/device scripts/device_check.sh tpu 4    # (a later session: the fused kinds, and two more cases)
+#   OUT=/tmp/device scripts/device_check.sh tpu 4    # (later: the fused kinds, and two more cases)
 #   OUT=/tmp/device scripts/device_check.sh tpu 5    # (the fused kinds again, on a step's activations too)
 #   OUT=/tmp/device scripts/device_check.sh tpu 6    # (a calibration from one run, checked on three more)
 #   OUT=/tmp/device scripts/device_check.sh tpu 7    # (calibrated on a run built as the checked ones are)

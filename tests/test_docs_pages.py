@@ -1,6 +1,7 @@
-"""The pages speak with one voice: every line that installs the planner is one of docs/planner.md's "Install"
-section's, no page says the planner needs Python >= 3.12 without saying it is for compile-only targets, the
-task pages (the README and docs/planner.md but its API table) speak the user's words, and the planner's
+"""The pages speak with one voice: every line that installs the planner is one of the README's install
+table's (docs/install.md shows the same table), no page says the planner needs Python >= 3.12 without saying
+it is for compile-only targets, the user pages speak a user's words (no word of how the project was built,
+no workshop word undefined), the planner's page keeps one path from the VM to a pod, and the planner's
 module has one name (``python -m nnx_zero1.plan``)."""
 
 import re
@@ -56,24 +57,47 @@ def sentences(text: str) -> list[str]:
   return units
 
 
-STORY = planner_installs(section(PLANNER.read_text(), "Install"))
+README = ROOT / "README.md"
+INSTALL_START, INSTALL_END = "<!-- install: start -->", "<!-- install: end -->"
 
 
-def test_the_install_section_says_what_runs_where():
-  assert {"python3 -m pip install flax==0.12.8 optax==0.2.8 tqdm",  # a TPU VM: beside its own jax
-          "export PYTHONPATH=$PYTHONPATH:$PWD:$PWD/planner",  # ... the project from the checkout
+def install_table() -> str:
+  """The README's install table, which docs/install.md includes whole."""
+  text = README.read_text()
+  return text[text.index(INSTALL_START):text.index(INSTALL_END)]
+
+
+STORY = planner_installs(install_table())
+
+
+def test_the_install_table_says_what_runs_where_and_why():
+  assert {"python3 -m pip install --target /tmp/site flax==0.12.8 optax==0.2.8 tqdm",  # a TPU VM
+          "export PYTHONPATH=$PYTHONPATH:/tmp/site:$PWD:$PWD/planner",  # ... the project from the checkout
           'pip install . "./planner[aot]"',  # compile-only targets, Python >= 3.12
-          "pip install --no-deps jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1"} <= set(STORY), STORY
-  said = " ".join(section(PLANNER.read_text(), "Install").split())
+          "pip install --no-deps jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1",
+          "pip install --no-deps maxtext==0.2.5"} <= set(STORY), STORY
+  rows = [line for line in install_table().splitlines() if line.startswith("| ")][1:]
+  assert [r.split("|")[1].strip().split(",")[0] for r in rows][:4] == [
+      "where you train (Python >= 3.11", "a TPU VM", "a machine without TPUs",
+      "NVIDIA targets: the same machine"]
+  assert all(len(r.strip().strip("|").split(" | ")) == 4 and r.split(" | ")[3].strip(" |") for r in rows)
+  said = " ".join(install_table().split())
   assert "Python 3.11" in said and "Python >= 3.12" in said and "compile-only" in said
-  # The lines that ran on the chip are where the section says they are.
-  assert "python3 -m pip install" in (ROOT / "docs/data/device_v5e/README.md").read_text()
+  # The table comes after the README's two set-up commands, and the docs site shows it, not a copy.
+  text = README.read_text()
+  assert text.index("## Set up") < text.index(INSTALL_START)
+  shown = (ROOT / "docs" / "install.md").read_text()
+  assert f":start-after: {INSTALL_START}" in shown and f":end-before: {INSTALL_END}" in shown
+  assert "pip install" not in shown
+  # The lines exactly as they ran on the chip are in the runs' own README, which points at the table.
+  kept = (ROOT / "docs/data/device_v5e/README.md").read_text()
+  assert "python3 -m pip install" in kept and "README.md#install" in kept
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_line_that_installs_the_planner_is_the_install_sections(page):
+def test_every_line_that_installs_the_planner_is_the_install_tables(page):
   for command in planner_installs(page.read_text()):
-    assert command in STORY, f"{page.name}: {command!r} is not a line of docs/planner.md's Install"
+    assert command in STORY, f"{page.name}: {command!r} is not a line of the README's install table"
 
 
 def _about_the_planner(page: Path) -> tuple[str, bool]:
@@ -113,3 +137,84 @@ def test_the_readme_opening_holds_for_a_bfloat16_model():
     opening = " ".join(page.read_text().split("\n\n")[1].split())
     assert "two float32 moments" not in opening
     assert "two moments per parameter, in the parameters' dtype" in opening, page.name
+
+
+# Pages a user reads: everything but the contributor pages, which may name CI lanes and run folders.
+CONTRIBUTOR_PAGES = {"contributing.md", "code_layout.md", "changelog.md"}
+USER_PAGES = [p for p in PAGES if p.name not in CONTRIBUTOR_PAGES]
+# Words of how the project was built: on no page, the contributor pages, CHANGELOG and runs' READMEs too.
+BUILDING_WORDS = (r"\blent\b", r"device tool", r"\bsessions?\b", r"(?-i:\bDESIGN\b)", r"planner's house",
+                  r"\b(this|that|last|next|earlier|later|first|second|third|fourth|fifth|sixth|seventh|eighth|"
+                  r"ninth|tenth|eleventh|twelfth) rounds?\b", r"\brounds of\b")
+# Words of the workshop a user planning a run need not know, on every user page (a page that defines one of
+# them where it first uses it may keep it: ALLOWED).
+WORKSHOP_WORDS = (r"\bthe walk\b", r"\bwalk(s|ed)?\b", r"class clocks", r"\bthe seed('s)?\b", r"\bseed's\b",
+                  r"\barms?\b", r"\bthe edge\b", r"\blane 2\b", r"(?<!_xla_)megascale", r"\bthe book('s)?\b",
+                  r"thin pick", r"\bkept (runs?|plans?|cases?)\b", r"\brun ?[1-9]\b(?!/)")
+# Where a page keeps a word, the definition it gives where the word first appears.
+ALLOWED = {
+    "accuracy.md": {r"\bthe walk\b": "**the walk**", r"\bwalk(s|ed)?\b": "**the walk**",
+                    r"\bthe seed('s)?\b": "**the seed**",
+                    r"\bseed's\b": "**the seed**", r"\barms?\b": "its **arms**"},
+    # The benchmark's own flag is --arms: an arm is one way to train, as its pages define.
+    "benchmarks.md": {r"\barms?\b": "**arm**"},
+    "benchmarks_aot.md": {r"\barms?\b": "[arm](benchmarks.md"},
+    "memory_levers.md": {r"\barms?\b": "[arms](benchmarks.md"},
+}
+
+
+def _prose(text: str) -> str:
+  """The page without its fenced code blocks and its inline code spans (commands, paths and names)."""
+  return re.sub(r"`[^`\n]+`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+
+
+def _found(pattern: str, text: str) -> str | None:
+  m = re.search(pattern, text, flags=re.I)
+  return None if m is None else text[max(0, m.start() - 60):m.end() + 40]
+
+
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "CHANGELOG.md", ROOT / "ARCHITECTURE.md",
+                                  *sorted((ROOT / "docs" / "data").glob("**/README.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_says_how_the_project_was_built(page):
+  text = page.read_text()
+  for pattern in BUILDING_WORDS:
+    assert _found(pattern, text) is None, f"{page.name}: {_found(pattern, text)!r}"
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_user_pages_speak_a_users_words(page):
+  text, allowed = _prose(page.read_text()), ALLOWED.get(page.name, {})
+  for pattern in WORKSHOP_WORDS:
+    if pattern in allowed:
+      assert allowed[pattern] in page.read_text(), f"{page.name} keeps {pattern!r} but does not define it"
+      continue
+    assert _found(pattern, text) is None, f"{page.name}: {_found(pattern, text)!r}"
+
+
+def test_the_planners_pages_stay_readable():
+  assert len(PLANNER.read_text().splitlines()) <= 600
+  assert len((ROOT / "docs" / "accuracy.md").read_text().splitlines()) <= 450
+
+
+def test_the_planners_page_has_one_path_from_the_vm_to_a_pod():
+  """On the first screen after the one-chip answer: --measure on the VM into a folder, then that folder given
+  with --calibration to a larger slice and to two slices, each at the same model and global batch."""
+  text = PLANNER.read_text()
+  path = section(text, "Quick path").split("### From the VM to a pod: one path\n", 1)[1].split("\n### ", 1)[0]
+  assert text.index("### From the VM to a pod") < text.index("### What the one-chip plan says")
+  block = re.search(r"```bash\n(.*?)```", path, flags=re.S)[1].replace("\\\n", " ")
+  steps = [" ".join(line.split()) for line in block.splitlines()
+           if line.startswith("python -m nnx_zero1.plan")]
+  assert len(steps) == 3, steps
+  first, *later = steps
+  assert "--topology v5e:1x1" in first and "--measure --out plan_v5e" in first
+  assert "--topology v5e:2x4" in later[0] and "--slices 2" in later[1]
+  for step in later:
+    assert "--calibration plan_v5e" in step
+  for flag in ("--model", "--global-batch"):
+    assert len({re.search(rf"{flag} (\S+)", s)[1] for s in steps}) == 1, flag
+  # Each step's printed output is quoted from a kept run, which says the same.
+  for kept in re.findall(r"`(docs/data/[^`]+/stdout\.txt)`", path):
+    out = (ROOT / kept).read_text()
+    assert "step ms (calib.)" in out, kept

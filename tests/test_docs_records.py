@@ -208,7 +208,7 @@ def test_the_slow_network_arithmetic_is_the_formula_and_the_kept_toy_plan_within
   assert int(body[-1][2].replace(",", "")) == (k - 1) / k * 4 * p / d
 
 
-# The seed's measured steps (issue 60; shared/DESIGN.md, eighth round): what the plan is checked against.
+# The seed's measured steps (issue 60): what the plan is checked against.
 _SEED_MEASURED_MS = {"baseline": 593.1, "deferred gradient all-reduce": 437.6, "Zero-1": 597.3,
                      "deferred + Zero-1": 437.5, "tensor parallel (tp 4)": 918.8}
 
@@ -250,15 +250,20 @@ def test_the_table_by_target_is_the_kept_measurements():
   its measured steps, their memory errors docs/accuracy.md's compiled and measured peaks, the H200's the
   allocator's 50 MiB that docs/benchmarks.md reports (the v5e row: tests/planner/test_device_records.py)."""
   body = {row[0]: row[1:] for row in table_under("docs/planner.md", "| target |")}
-  assert [t.split(" (")[0] for t in body] == ["one TPU v5e chip", "four TPU v6e chips", "one NVIDIA H200",
-                                              "H100 and other GPUs", "other TPU slices",
-                                              "a pod: several slices or GPU nodes"]
-  for target, (memory, time, kept) in body.items():
+  assert [t.split(" (")[0] for t in body] == ["one TPU v5e chip", "four TPU v6e chips", "other TPU slices",
+                                              "two or more TPU slices", "one NVIDIA H200",
+                                              "H100 and other GPUs, GPU nodes"]
+  for target, (memory, time, calibrated, kept) in body.items():
     for cell in (memory, time):
       assert re.match(r"exact|over|under|not measured|not predicted", cell), (target, cell)
+    assert re.match(r"within|not measured|-$", calibrated), (target, calibrated)
+    # A target never measured says which way its plan likely errs, and on what.
+    if not kept.strip("- "):
+      for cell in (time, calibrated):
+        assert cell in ("-", "not predicted") or "likely" in cell, (target, cell)
     for folder in re.findall(r"`(docs/data/[^`]+)`", kept):
       assert (ROOT / folder).is_dir(), folder
-  memory, time, _ = next(v for t, v in body.items() if t.startswith("four TPU v6e chips"))
+  memory, time, _, _ = next(v for t, v in body.items() if t.startswith("four TPU v6e chips"))
   kept = "docs/data/maxtext_qwen3_0p6b_v6e_seed"
   ratio = {}
   for plan, arm, lever in (("deferred", "deferred gradient all-reduce", "baseline"),
@@ -283,7 +288,7 @@ def test_the_table_by_target_is_the_kept_measurements():
   memory_under = [e.lstrip("-") for e in errors]
   assert (f"on four v6e chips through MaxText's engine the step came {time_under[0]} and {time_under[1]} "
           f"under, the memory {memory_under[0]} and {memory_under[1]} under") in readme
-  memory, time, _ = next(v for t, v in body.items() if t.startswith("one NVIDIA H200"))
+  memory, time, _, _ = next(v for t, v in body.items() if t.startswith("one NVIDIA H200"))
   gpu = " ".join((ROOT / "docs/benchmarks.md").read_text().split())
   assert memory.startswith("under by 50 MiB") and "a constant 50 MiB above them" in gpu
   assert time.startswith("not predicted")

@@ -107,7 +107,7 @@ _THIN = 0.01  # a pick leaving less than this share of the usable memory free is
 
 def thin_note(row: Row, micro: int) -> str | None:
   """Where a row at ``micro`` leaves less than 1% of the usable memory free, one sentence saying so (near its
-  limit the compiler lands within about 1.5% either side: DESIGN's sixth round); None otherwise.
+  limit a compiler lands within about 1.5% either side of it: docs/planner.md's search); None otherwise.
 
   Example::
 

@@ -29,7 +29,7 @@ from nnx_zero1_plan.calibrated_time import (
 from nnx_zero1_plan.calibration import CROSSING, Calibration, combined
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.step_time import program_time, rates_for
-from tests.planner.test_device_records import CASES, DOCS, KEPT, walked
+from tests.planner.test_device_records import CASES, DOCS, KEPT, docs_said, walked
 
 RATES = rates_for(CHIPS["v5e"])
 INDEX = range(len(CASES))
@@ -174,7 +174,7 @@ def test_one_run_within_five_percent_but_across_a_loop_the_scanned_model_or_the_
   assert misses and all(set(pair) & apart for pair in misses)
   alike = [abs(e) for pair, e in errors.items() if not set(pair) & apart]
   worst = max(errors, key=lambda pair: abs(errors[pair]))
-  said = " ".join(DOCS.read_text().split())
+  said = docs_said()
   assert (f"{len(errors) - len(misses)} of the {len(errors)} pairs are within 5%; every pair of the "
           f"{len(INDEX) - len(apart)} others within {max(alike):.1%}") in said
   assert f"the worst, {errors[worst]:+.1%} ({name(worst[1])} calibrated on {name(worst[0])})" in said
@@ -193,7 +193,7 @@ def test_two_runs_the_smallest_and_the_largest_micro_batch():
   errors = {j: error(cal, j) for j in others(two[0]) if j not in two}
   worst = max(errors, key=lambda j: abs(errors[j]))
   alike = [abs(e) for j, e in errors.items() if CASES[j]["ga"] == 1 and "scanned" not in CASES[j]["model"]]
-  said = " ".join(DOCS.read_text().split())
+  said = docs_said()
   assert (f"calibrated on both, the other steps of `build` without a loop are within {max(alike):.1%}, and "
           f"the worst is {errors[worst]:+.1%} ({name(worst)})") in said
   built_alike = [i for i in [two[0], *others(two[0])] if not built_apart(i)]
@@ -224,7 +224,7 @@ def test_instruction_kinds_read_the_fused_computation():
 def test_the_docs_say_why_those_three_miss():
   # Each case's priced instructions, chip over walk; the launch; the same fusion in GA 4's loop and out of
   # it; the matmuls with a reduction fused in at 4 to 13; the timed steps' spread.
-  said = " ".join(DOCS.read_text().split())
+  said = docs_said()
   priced = {i: sum(k.chip_s for k in calibration(i).kinds.values())
             / sum(k.walk_s for k in calibration(i).kinds.values()) for i in INDEX}
   plain = [r for i, r in priced.items() if CASES[i]["model"].endswith(":build") and CASES[i]["ga"] == 1
@@ -325,7 +325,7 @@ def test_the_kept_calibrated_plans_read_back_print_and_rank_by_their_calibrated_
 
 
 def test_the_docs_say_what_the_chip_measured_against_the_kept_calibration():
-  said = " ".join(DOCS.read_text().split())
+  said = docs_said()
   kept = ((RUN7, "plan_calibrate", "baseline", 13), (RUN7, "plan_calibrated", "zero1", 8),
           (RUN7, "plan_calibrated_ga4", "baseline", 4), (RUN8, "plan_calibrated_ga4_2", "baseline", 2),
           (RUN8, "plan_calibrated_ga4_6", "baseline", 6), (RUN8, "plan_calibrated_scanned_8", "baseline", 8),

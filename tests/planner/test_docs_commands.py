@@ -165,3 +165,34 @@ def test_where_a_page_names_the_planners_levers_they_are_its_own():
       after = sentence[sentence.index("planner"):]
       for span in _spans(after):
         assert not _LEVER_LIKE.fullmatch(span) or span in LEVERS, f"{page.name}: `{span}` in {sentence!r}"
+
+
+def test_memory_levers_names_the_command_lines_levers_and_the_benchmarks_arms_as_arms():
+  """docs/memory_levers.md's lever table gives each lever's `--levers` name; every other lever-like name on
+  the page is one of the benchmark's arms, said to be one: in a table whose first column is the arm, or in a
+  sentence that says "arm"."""
+  from benchmarks.precision import ARMS as PRECISION_ARMS
+  from benchmarks.settings import STEP_ARMS
+  from tests.support.docs_tables import table_under
+
+  page = ROOT / "docs" / "memory_levers.md"
+  named = [n for row in table_under("docs/memory_levers.md", "| lever | option | the planner's `--levers` |")
+           for n in re.findall(r"`([^`]+)`", row[2])]
+  assert named and set(named) <= set(LEVERS), named
+  arms = set(STEP_ARMS) | set(PRECISION_ARMS)
+  header = ""
+  for paragraph in re.split(r"\n\s*\n", re.sub(r"```.*?```", "", page.read_text(), flags=re.S)):
+    if paragraph.lstrip().startswith("|"):
+      lines = paragraph.strip().splitlines()
+      header, units = lines[0], lines[2:]
+    else:
+      header, units = "", re.split(r"(?<=[.!?])\s+", " ".join(paragraph.split()))
+    for unit in units:
+      for span in _spans(unit):
+        name = span.split(" ")[0]
+        lever_like = re.fullmatch(r"(baseline|accum|zero[12][a-z0-9.-]*|offload[a-z0-9.-]*)", name)
+        if not lever_like or name in LEVERS:
+          continue
+        assert name in arms, f"memory_levers.md: `{name}` is neither a lever nor an arm: {unit!r}"
+        said = header.split("|")[1] if header else unit
+        assert "arm" in said, f"`{name}` not said to be an arm: {unit!r}"

@@ -22,7 +22,7 @@ from tests.support.docs_tables import table_under
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KEPT = ROOT / "docs" / "data" / "maxtext_qwen3_0p6b_v6e_seed" / "programs"
-# The seed's measured steps (shared/DESIGN.md, eighth round; issue 74): tp=4 is 8 x fwd_bwd + update.
+# The seed's measured steps (issue 74): tp=4 is 8 x fwd_bwd + update.
 MEASURED_MS = {"tensor4": 8 * 97.4 + 139.6, "not_deferred_baseline": 593.1, "not_deferred_zero1": 597.3,
                "deferred_baseline": 437.6, "deferred_zero1": 437.5}
 # The docs' promise for each arm where it holds (issue 74): the arms that reduce in every micro-batch miss
