@@ -180,9 +180,10 @@ def test_one_run_within_five_percent_but_across_a_loop_the_scanned_model_or_the_
   assert f"the worst, {errors[worst]:+.1%} ({name(worst[1])} calibrated on {name(worst[0])})" in said
   readme = " ".join((DOCS.parents[1] / "README.md").read_text().split())
   assert f"the other steps of the model built alike came within {max(alike):.1%} of the chip" in readme
-  # The plan's own caveat under a step priced across its build says the same record.
-  assert (f"missed the chip by up to {math.ceil(abs(errors[worst]) * 100)}%, a step built as a run was "
-          f"within {max(alike):.1%}") in CROSSING
+  # The plan's own caveat under a step priced across its build says the same record (its worst crossing, a
+  # search's edge on the scanned model, is run 10's: tests/planner/test_device_records.py).
+  assert f"a step built as a run was within {max(alike):.1%}" in CROSSING
+  assert f"up to {math.ceil(abs(errors[worst]) * 100)}%" not in CROSSING  # the edge's is worse
   assert (f"those built differently (an accumulation loop the run lacked, a scan, the largest micro-batch) "
           f"up to {math.ceil(abs(errors[worst]) * 100)}%") in readme
 

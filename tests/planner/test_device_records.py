@@ -226,3 +226,32 @@ def test_the_fused_kinds_alone_run_at_the_class_clocks_and_the_docs_say_so():
   assert (f"estimated at {estimated_cycles(line):,} cycles (its tiling, `iteration_bounds` [1, 8, 1, 1, 32]) "
           f"and ran in {step_s * 1e6:.0f} us; alone, on the same shapes, it is estimated at {int(cycles):,} "
           f"and runs in {float(ns) / 1e3:.0f} us") in said
+
+
+def test_the_search_on_the_chips_own_jax_names_the_edge_the_chip_runs():
+  """Run 10: the planner on the VM's jax 0.10.2 searched the scanned, rematerialised model by the compiler's
+  ``peak_memory_in_bytes`` to 61, which the chip ran, its compiler refusing 62; the sum the planner took
+  before would have stopped below 50. The docs say so, with the edge priced from the smallest run's."""
+  plan = json.loads((KEPT / "run10" / "plan_search_scanned" / "out" / "plan.json").read_text())
+  assert plan["meta"]["peak_source"] == "the compiler's peak_memory_in_bytes"
+  assert plan["meta"]["jax"] == "0.10.2"
+  (row,) = plan["rows"]
+  points = {p["batch"]: p for p in row["search"]}
+  usable = row["usable_bytes"]
+  assert row["max_micro_batch"] == 61 and row["above"] == 62
+  assert "RESOURCE_EXHAUSTED" in row["refused_because"]
+  assert points[61]["peak_bytes_per_device"] <= usable < points[61]["formula_peak_bytes_per_device"]
+  by_sum = max(b for b, p in points.items() if p["fits"] and p["formula_peak_bytes_per_device"] <= usable)
+  # (the sum, the planner's peak on jax 0.10.2 before, fits 39 and not 50)
+  assert by_sum == 39 and points[50]["formula_peak_bytes_per_device"] > usable
+  ran = {m["batch"]: m["step_s"] for m in row["measured"]}
+  edge_error = points[61]["calibrated_step_s"] / ran[61] - 1
+  said = " ".join(DOCS.read_text().split())
+  assert (f"the chip ran 61 ({ran[61] * 1e3:,.1f} ms) and its compiler refused 62. Priced from the run at 8 "
+          f"alone, 61 read {edge_error:+.1%}") in said
+  gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+  assert (f"61 its largest micro-batch ({gib(points[61]['peak_bytes_per_device'])}, the compiler's "
+          f"`peak_memory_in_bytes`; the sum of arguments and temporaries, "
+          f"{gib(points[61]['formula_peak_bytes_per_device'])}") in said
+  from nnx_zero1_plan.calibration import CROSSING
+  assert f"missed the chip by up to {math.ceil(edge_error * 100)}%" in CROSSING
