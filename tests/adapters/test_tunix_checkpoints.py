@@ -19,6 +19,7 @@ in ``test_tunix_trainers.py`` (``test_grpo_actor_checkpoints_cross_both_ways``).
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -27,9 +28,9 @@ import qwix
 from flax import nnx
 
 from nnx_zero1 import Zero1Optimizer
-from nnx_zero1.adapters.tunix import Zero1PeftTrainer
+from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
 from tests.support.helpers import shardings
-from tests.support.tunix_toys import llama3, model_input, opt_state, peft_trainer, place, tunix_mesh
+from tests.support.tunix_toys import llama3, model_input, opt_state, peft_trainer, place, qwen3, tunix_mesh
 
 PeftTrainer = peft_trainer.PeftTrainer
 NAMES = ("data", "fsdp", "tp")
@@ -62,9 +63,25 @@ def llama(mesh, lora: bool) -> nnx.Module:
   return place(model, mesh)
 
 
-def run(cls, mesh, ckpt_dir, *, steps: int, lora: bool = False):
-  """A trainer of ``cls`` on ``mesh``: restores ``ckpt_dir``'s latest step (if any), trains to ``steps``."""
-  config = peft_trainer.TrainingConfig(
+def bf16_qwen3(mesh, lora: bool = False) -> nnx.Module:
+  """Tunix's Qwen3 with bfloat16 parameters (``master_dtype`` is for those), random weights, on ``mesh``."""
+  assert not lora
+  config = qwen3.ModelConfig(
+      num_layers=2, vocab_size=128, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16, num_kv_heads=2,
+      rope_theta=10_000, norm_eps=1e-6, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+  )
+  with nnx.use_eager_sharding(False):
+    return place(qwen3.Qwen3(config, rngs=nnx.Rngs(0)), mesh)
+
+
+def run(cls, mesh, ckpt_dir, *, steps: int, lora: bool = False, model=llama, **zero1_options):
+  """A trainer of ``cls`` on ``mesh``: restores ``ckpt_dir``'s latest step (if any), trains to ``steps``.
+
+  ``zero1_options`` (``zero1_state_dtype=``, ...) go in a ``Zero1TrainingConfig``, else Tunix's own config.
+  """
+  config_class = Zero1TrainingConfig if zero1_options else peft_trainer.TrainingConfig
+  config = config_class(
+      **zero1_options,
       eval_every_n_steps=1000,
       max_steps=steps,
       data_sharding_axis=("data",),
@@ -73,7 +90,7 @@ def run(cls, mesh, ckpt_dir, *, steps: int, lora: bool = False):
       pbar_description=None,
   )
   with mesh:
-    trainer = cls(llama(mesh, lora), optax.adamw(1e-2), config).with_gen_model_input_fn(model_input)
+    trainer = cls(model(mesh, lora), optax.adamw(1e-2), config).with_gen_model_input_fn(model_input)
     restored = {"step": trainer.train_steps, "params": flat(trainer.model), "state": flat(opt_state(trainer))}
     trainer.train(batches())
   assert trainer.train_steps == steps
@@ -98,7 +115,7 @@ def bytes_on_first_device(tree, mesh) -> int:
 
 def resume(written: str, tmp, reader: str, mesh, **kwargs):
   """``reader`` resumes a copy of the checkpoint root ``written`` and trains to step 4."""
-  copy = tmp / f"{reader}-{mesh.devices.size}"
+  copy = tmp / f"{reader}-{mesh.devices.size}-{len(kwargs)}"
   shutil.copytree(written, copy)
   return run(CLASSES[reader], mesh, copy, steps=4, **kwargs)
 
@@ -175,3 +192,50 @@ def test_a_lora_checkpoint_crosses_both_ways_and_continues_bit_identically(tmp_p
     assert_equal(restored["state"], flat(opt_state(written)))
     assert_equal(flat(nnx.state(trainer.model, nnx.LoRAParam)), expected[0])
     assert_equal(flat(opt_state(trainer)), expected[1])
+
+
+def test_bfloat16_state_checkpoints_cross_both_ways_cast_by_orbax(full, tmp_path):
+  """``zero1_state_dtype=jnp.bfloat16`` saves bfloat16 moments; Tunix's restore casts to the reader's dtype:
+  float32 -> bfloat16 rounded to nearest, bfloat16 -> float32 exactly. Both continue training."""
+  _, _, written = full
+  root, _, f32_state = written["PeftTrainer"]
+  narrow, restored = resume(root, tmp_path, "Zero1PeftTrainer", MESH8, zero1_state_dtype=jnp.bfloat16)
+  narrowed = {p: x if x.ndim == 0 else x.astype(jnp.bfloat16) for p, x in f32_state.items()}
+  assert_equal(restored["state"], narrowed)
+  assert {str(x.dtype) for p, x in flat(opt_state(narrow)).items() if "mu" in str(p) or "nu" in str(p)} == {
+      "bfloat16"}
+  bf16_root = tmp_path / "bf16-writer"
+  writer, _ = run(Zero1PeftTrainer, MESH8, bf16_root, steps=2, zero1_state_dtype=jnp.bfloat16)
+  bf16_state = flat(opt_state(writer))
+  wide, restored = resume(str(bf16_root), tmp_path, "PeftTrainer", MESH8)
+  widened = {p: x if x.ndim == 0 else x.astype(np.float32) for p, x in bf16_state.items()}
+  assert_equal(restored["state"], widened)
+  assert type(wide.optimizer) is nnx.Optimizer
+
+
+def test_master_weights_checkpoints_resume_into_master_weights_and_are_refused_elsewhere(tmp_path):
+  """``zero1_master_dtype=jnp.float32`` adds ``master_params`` to the saved optimizer state: a Zero-1 trainer
+  with the option resumes it exactly; Tunix's restore into a trainer without it (or the reverse) is refused by
+  orbax, the trees differ."""
+  masters = {"model": bf16_qwen3, "zero1_master_dtype": jnp.float32}
+  writer, _ = run(Zero1PeftTrainer, MESH8, tmp_path / "master", steps=2, **masters)
+  saved = flat(opt_state(writer))
+  assert any("master_params" in str(p) for p in saved)
+  trainer, restored = resume(str(tmp_path / "master"), tmp_path, "Zero1PeftTrainer", MESH8, **masters)
+  assert restored["step"] == 2
+  assert_equal(restored["state"], saved)
+  assert_equal(restored["params"], flat(writer.model))
+  reference, _ = run(Zero1PeftTrainer, MESH8, tmp_path / "reference", steps=4, **masters)
+  assert_equal(flat(trainer.model), flat(reference.model))  # continued as if never stopped
+  assert_equal(flat(opt_state(trainer)), flat(opt_state(reference)))
+  mismatch = "tree structures do not match(.|\n)*master_params"
+  config = peft_trainer.TrainingConfig(
+      eval_every_n_steps=1000,
+      data_sharding_axis=("data",),
+      checkpoint_root_directory=str(tmp_path / "master"),
+  )
+  with pytest.raises(ValueError, match=mismatch), MESH8:
+    PeftTrainer(bf16_qwen3(MESH8), optax.adamw(1e-2), config)
+  plain, _ = run(PeftTrainer, MESH8, tmp_path / "plain", steps=2, model=bf16_qwen3)
+  with pytest.raises(ValueError, match=mismatch):
+    resume(str(tmp_path / "plain"), tmp_path / "from-plain", "Zero1PeftTrainer", MESH8, **masters)
