@@ -12,10 +12,13 @@ the reference: each resumed run must match it bit for bit (adamw is elementwise,
 contract is bit-identity on a data-only mesh). At another data-parallel size (8 -> 4, a
 mesh over the first 4 devices) the two classes must match each other bit for bit, with
 Zero-1 holding a quarter of the moments per device. A LoRA run (qwix, as Tunix does it)
-saves only its LoRA factors and resumes the same way. GRPO's actor checkpoints are tested
-in ``test_tunix_trainers.py`` (``test_grpo_actor_checkpoints_cross_both_ways``).
+saves only its LoRA factors and resumes the same way. GRPO's actor (``RLCluster`` with
+``GRPOLearner``, the vanilla rollout engine, Tunix's test vocabulary as the tokenizer): one step
+written, resumed by the other class with the whole prompt set (Tunix's learner skips what the
+checkpoint has trained), one more step, bit-identical to a run that never stopped.
 """
 
+import dataclasses
 import shutil
 
 import jax
@@ -26,11 +29,24 @@ import orbax.checkpoint as ocp
 import pytest
 import qwix
 from flax import nnx
+from grain import python as grain
+from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl.grpo import grpo_learner
+from tunix.rl.rollout import base_rollout
 
 from nnx_zero1 import Zero1Optimizer
-from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig
+from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1RLCluster, Zero1TrainingConfig
 from tests.support.helpers import shardings
-from tests.support.tunix_toys import llama3, model_input, opt_state, peft_trainer, place, qwen3, tunix_mesh
+from tests.support.tunix_toys import (
+  llama3,
+  model_input,
+  opt_state,
+  peft_trainer,
+  place,
+  qwen3,
+  test_common,
+  tunix_mesh,
+)
 
 PeftTrainer = peft_trainer.PeftTrainer
 NAMES = ("data", "fsdp", "tp")
@@ -239,3 +255,54 @@ def test_master_weights_checkpoints_resume_into_master_weights_and_are_refused_e
   plain, _ = run(PeftTrainer, MESH8, tmp_path / "plain", steps=2, model=bf16_qwen3)
   with pytest.raises(ValueError, match=mismatch):
     resume(str(tmp_path / "plain"), tmp_path / "from-plain", "Zero1PeftTrainer", MESH8, **masters)
+
+
+PROMPTS = ["hello world", "My name", "hello there", "input string"] * 2  # 2 steps of 4 prompts
+
+
+def grpo(cls, ckpt_dir, *, steps: int):
+  """GRPO's actor trained to ``steps`` by ``cls`` (RLCluster or its swap), restoring ``ckpt_dir`` first."""
+  vocab = test_common.MockVocab()
+  config = dataclasses.replace(CONFIG, vocab_size=vocab.GetPieceSize())
+  roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
+  cluster_config = rl_cluster_lib.ClusterConfig(
+      role_to_mesh={role: MESH8 for role in roles},
+      rollout_engine="vanilla",
+      offload_to_cpu=False,
+      training_config=rl_cluster_lib.RLTrainingConfig(
+          actor_optimizer=optax.adamw(1e-2),
+          eval_every_n_steps=100,
+          max_steps=steps,
+          data_sharding_axis=("data",),
+          checkpoint_root_directory=str(ckpt_dir),
+          pbar_description=None,
+      ),
+      rollout_config=base_rollout.RolloutConfig(
+          max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=32
+      ),
+  )
+  with nnx.use_eager_sharding(False):
+    actor, reference = (place(llama3.Llama3(config, rngs=nnx.Rngs(0)), MESH8) for _ in range(2))
+  cluster = cls(actor=actor, reference=reference, tokenizer=vocab, cluster_config=cluster_config)
+  restored = cluster.actor_trainer.train_steps
+  reward = lambda prompts, completions, **kwargs: np.array([-len(c.split()) for c in completions], np.float32)
+  algo = grpo_learner.GRPOConfig(num_generations=2, num_iterations=1)
+  data = grain.MapDataset.source(PROMPTS).batch(4).map(lambda x: {"prompts": x, "answer": x})
+  grpo_learner.GRPOLearner(rl_cluster=cluster, reward_fns=reward, algo_config=algo).train(data, None)
+  assert cluster.actor_trainer.train_steps == steps
+  return cluster.actor_trainer, restored
+
+
+def test_grpo_actor_checkpoints_cross_both_ways_and_continue_bit_identically(tmp_path):
+  reference, _ = grpo(rl_cluster_lib.RLCluster, tmp_path / "reference", steps=2)
+  classes = {"RLCluster": rl_cluster_lib.RLCluster, "Zero1RLCluster": Zero1RLCluster}
+  for writer, reader in (("RLCluster", "Zero1RLCluster"), ("Zero1RLCluster", "RLCluster")):
+    written, _ = grpo(classes[writer], tmp_path / writer, steps=1)
+    assert not np.array_equal(*(np.asarray(t.model.lm_head.w[...]) for t in (written, reference)))
+    resumed, restored = grpo(classes[reader], tmp_path / writer, steps=2)
+    assert restored == 1
+    assert_equal(flat(resumed.model), flat(reference.model))
+    assert_equal(flat(opt_state(resumed)), flat(opt_state(reference)))
+    split = 8 if reader == "Zero1RLCluster" else 1  # the Zero-1 actor's moments: an eighth per device
+    params_bytes = bytes_on_first_device(nnx.state(resumed.model, nnx.Param), MESH8)
+    assert bytes_on_first_device(resumed.optimizer.opt_state[0].mu, MESH8) * split == params_bytes
