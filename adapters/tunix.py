@@ -1,7 +1,10 @@
 """Zero-1 for Tunix: every Tunix trainer, with its optimizer state split over the data axes.
 
-Change the class name and nothing else: same constructor, same training loop,
-same checkpoints on disk (they cross both ways with the Tunix class).
+Change the class name: same constructor, same training loop, same checkpoints on
+disk (they cross both ways with the Tunix class, unless ``zero1_state_dtype`` or
+``zero1_master_dtype`` changes what is saved). On a mesh with a ``data`` axis, Tunix's
+own ``data_sharding_axis`` (and the model's ``ShardingConfig``) must name it too:
+docs/tunix.md shows the whole change.
 
 =========================  ===============================================
 Tunix 0.1.7                nnx_zero1.adapters.tunix
