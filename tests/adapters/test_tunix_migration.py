@@ -3,6 +3,7 @@ lacks the data axis meets, and the ``zero1_*`` options reach ``Zero1RLCluster``'
 ``Zero1RLTrainingConfig`` (Tunix's ``RLTrainingConfig`` plus those options)."""
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -20,8 +21,9 @@ from nnx_zero1.adapters.tunix import (
   Zero1RLTrainingConfig,
   Zero1TrainingConfig,
 )
+from tests.support.docs_tables import table_under
 from tests.support.helpers import assert_trees_equal, pure
-from tests.support.tunix_toys import llama3, peft_trainer, place, test_common, toy, tunix_mesh
+from tests.support.tunix_toys import llama3, peft_trainer, place, qwen3, test_common, toy, tunix_mesh
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "tunix.md"
 
@@ -81,3 +83,41 @@ def test_zero1_rl_training_config_options_reach_the_actor():
   assert optimizer.data_axis == ("fsdp",)
   mu = nnx.state(optimizer.opt_state[0].mu)
   assert {x[...].dtype for _, x in nnx.to_flat_state(mu)} == {jnp.dtype(jnp.bfloat16)}
+
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _counts(name: str) -> tuple[int, int]:
+  """The parameters of Tunix's ``name`` configuration (abstract: nothing allocated) and of rank-16 LoRA
+  factors on its 7 projections (``lora_a`` ``(in, 16)``, ``lora_b`` ``(16, out)``, the einsum kernels'
+  head axes on their side)."""
+  family, cls = {"llama3p2_1b": (llama3, llama3.Llama3), "qwen3_1p7b": (qwen3, qwen3.Qwen3)}[name]
+  with nnx.use_eager_sharding(False):
+    model = nnx.eval_shape(lambda: cls(getattr(family.ModelConfig, name)(), rngs=nnx.Rngs(0)))
+  full = lora = 0
+  for path, x in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    assert any(size % 8 == 0 for size in x.shape), path  # Zero-1 at data 8 splits every leaf
+    full += math.prod(x.shape)
+    if any(m in str(path) for m in LORA_MODULES):
+      inputs = x.shape[0] * (x.shape[1] if "o_proj" in str(path) else 1)
+      lora += 16 * (inputs + math.prod(x.shape) // inputs)
+  return full, lora
+
+
+def test_the_savings_table_is_the_layout_rule_on_tunixs_configurations():
+  """docs/tunix.md's savings at data-parallel 8: two moments per trained parameter in its dtype, 1/8 with
+  Zero-1 (every leaf of these models divides by 8), GiB to two decimals; the counts in the first column."""
+  rows = table_under("docs/tunix.md", "| model (parameters) |")
+  assert len(rows) == 6
+  model = None
+  for first, training, dtype, plain, zero1, saved in rows:
+    model = re.search(r"`(\w+)`", first)[1] if first.startswith("`") else model
+    full, lora = _counts(model)
+    if "(" in first:
+      assert first == f"`{model}` ({full:,})"
+    count = lora if training.startswith("LoRA") else full
+    if training.startswith("LoRA"):
+      assert training == f"LoRA rank 16, 7 projections ({lora:,})"
+    state = 2 * count * (2 if dtype.startswith("bfloat16") else 4) / 2**30
+    assert [plain, zero1, saved] == [f"{state:.2f}", f"{state / 8:.2f}", f"{state * 7 / 8:.2f}"], first
