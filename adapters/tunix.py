@@ -1,7 +1,10 @@
 """Zero-1 for Tunix: every Tunix trainer, with its optimizer state split over the data axes.
 
-Change the class name and nothing else: same constructor, same training loop,
-same checkpoints on disk (they cross both ways with the Tunix class).
+Change the class name: same constructor, same training loop, same checkpoints on
+disk (they cross both ways with the Tunix class, unless ``zero1_state_dtype`` or
+``zero1_master_dtype`` changes what is saved). On a mesh with a ``data`` axis, Tunix's
+own ``data_sharding_axis`` (and the model's ``ShardingConfig``) must name it too:
+docs/tunix.md shows the whole change.
 
 =========================  ===============================================
 Tunix 0.1.7                nnx_zero1.adapters.tunix
@@ -39,7 +42,7 @@ from typing import Any
 
 try:
   from tunix.distillation.distillation_trainer import DistillationTrainer
-  from tunix.rl.rl_cluster import RLCluster, Role
+  from tunix.rl.rl_cluster import RLCluster, RLTrainingConfig, Role
   from tunix.sft.dpo.dpo_trainer import DPOTrainer
   from tunix.sft.peft_trainer import PeftTrainer, TrainingConfig
 except ModuleNotFoundError as e:
@@ -61,6 +64,7 @@ __all__ = [
     "Zero1ORPOTrainer",
     "Zero1PeftTrainer",
     "Zero1RLCluster",
+    "Zero1RLTrainingConfig",
     "Zero1TrainingConfig",
     "batch_axes",
 ]
@@ -71,7 +75,8 @@ class Zero1TrainingConfig(TrainingConfig):
   """Tunix's ``TrainingConfig`` plus the Zero-1 options; ``None`` keeps the trainer's default.
 
   Pass it wherever a Tunix trainer takes its ``training_config`` (for
-  ``Zero1RLCluster``, as ``cluster_config.training_config``).
+  ``Zero1RLCluster``, whose ``cluster_config.training_config`` is an ``RLTrainingConfig``:
+  :class:`Zero1RLTrainingConfig`).
 
   ``zero1_strict``, ``zero1_pin_gradients``, ``zero1_offload_state_to_host`` (``True`` or a
   fraction), ``zero1_state_dtype``, ``zero1_state_rounding``, ``zero1_master_dtype`` and
@@ -89,6 +94,34 @@ class Zero1TrainingConfig(TrainingConfig):
     >>> config = Zero1TrainingConfig(eval_every_n_steps=10, zero1_data_axis=("replica", "data"))
     >>> config.zero1_data_axis, config.zero1_strict
     (('replica', 'data'), None)
+  """
+
+  zero1_data_axis: DataAxis | None = None
+  zero1_strict: bool | None = None
+  zero1_pin_gradients: bool | None = None
+  zero1_offload_state_to_host: bool | float | None = None
+  zero1_state_dtype: Any = None
+  zero1_state_rounding: str | None = None
+  zero1_master_dtype: Any = None
+  zero1_params_across_dtype: Any = None
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Zero1RLTrainingConfig(RLTrainingConfig):
+  """Tunix's ``RLTrainingConfig`` plus the Zero-1 options of :class:`Zero1TrainingConfig`, by the same names.
+
+  ``Zero1RLCluster`` reads its options from ``cluster_config.training_config``, which
+  ``RLCluster`` needs to be an ``RLTrainingConfig`` (``actor_optimizer``, ...): pass this there.
+  The actor's and the critic's optimizers both take them.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax
+    >>> from nnx_zero1.adapters.tunix import Zero1RLTrainingConfig
+    >>> config = Zero1RLTrainingConfig(actor_optimizer=optax.adamw(1e-6), eval_every_n_steps=10,
+    ...                                zero1_state_dtype=jnp.bfloat16)
+    >>> config.zero1_state_dtype.__name__, config.zero1_data_axis
+    ('bfloat16', None)
   """
 
   zero1_data_axis: DataAxis | None = None
@@ -179,6 +212,29 @@ class _Zero1Tunix(ShardedOptimizerMixin):
       value = getattr(config, f"zero1_{name}", None)
       options[name] = options[name] if value is None else value
     return {**options, "data_axis": axis}
+
+  def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list:
+    """The meshes the optimizers will be built on, each checked for the data axes in Tunix's words."""
+    meshes = self._tunix_meshes(*args, **kwargs)
+    config = self._training_config(*args, **kwargs)
+    axes = data_axes(self.zero1_options(*args, **kwargs)["data_axis"])
+    for mesh in meshes:
+      missing = [a for a in axes if a not in mesh.axis_names]
+      if missing:
+        chosen = getattr(config, "zero1_data_axis", None) or self.zero1_data_axis
+        if chosen is None:
+          source = f"training_config.data_sharding_axis={config.data_sharding_axis!r}"
+          fix = "name this mesh's batch axes in data_sharding_axis (Tunix splits the batch over them)"
+        else:
+          source, fix = f"zero1_data_axis={chosen!r}", "set zero1_data_axis to axes of this mesh"
+        raise Zero1Error(
+            f"Zero-1 needs data axis {missing[0]!r} but the mesh has axes {tuple(mesh.axis_names)} "
+            f"(shape {dict(mesh.shape)}); the data axes come from {source}: give the mesh that axis, or {fix}"
+        )
+    return meshes
+
+  def _tunix_meshes(self, *args: Any, **kwargs: Any) -> list:
+    return super()._zero1_meshes(*args, **kwargs)  # the current mesh, if any
 
 
 class Zero1PeftTrainer(_Zero1Tunix, PeftTrainer):
@@ -300,7 +356,7 @@ class Zero1RLCluster(_Zero1Tunix, RLCluster):
   def _training_config(self, *args: Any, **kwargs: Any) -> TrainingConfig:
     return self._tunix_arguments(*args, **kwargs)["cluster_config"].training_config
 
-  def _zero1_meshes(self, *args: Any, **kwargs: Any) -> list:
+  def _tunix_meshes(self, *args: Any, **kwargs: Any) -> list:
     arguments = self._tunix_arguments(*args, **kwargs)
     role_to_mesh = arguments["cluster_config"].role_to_mesh
     roles = [Role.ACTOR] + ([Role.CRITIC] if arguments.get("critic") is not None else [])

@@ -1,45 +1,61 @@
-"""GRPO with Tunix on a tiny model, on 4 virtual CPU devices, with Zero-1 optimizer state.
+"""GRPO with Tunix's own Llama3 class at data-parallel 8, Zero-1 optimizer state for the actor.
 
-Tunix-style mesh ("fsdp", "tp") = (2, 2); Tunix splits the batch over "fsdp" (its
-default ``data_sharding_axis``), and so does Zero-1. The only change from a plain Tunix
-GRPO script is ``RLCluster`` -> ``Zero1RLCluster``. Runs in seconds:
+On 8 virtual CPU devices, a small configuration of ``tunix.models.llama3`` (random weights,
+nothing downloaded; the tokenizer is Tunix's small test vocabulary, so that no tokenizer is
+downloaded either). What a Tunix GRPO script changes (marked ``# Zero-1:`` / ``# data-parallel:``):
+
+- the mesh has a ``data`` axis: ``("data", "fsdp", "tp") = (8, 1, 1)``;
+- the model's ``ShardingConfig`` puts its activations' batch over ``("data", "fsdp")``;
+- the ``RLTrainingConfig`` says ``data_sharding_axis=(("data", "fsdp"),)``; it is a
+  ``Zero1RLTrainingConfig`` where ``zero1_*`` options are wanted (none here);
+- ``RLCluster`` -> ``Zero1RLCluster``; ``GRPOLearner`` is unchanged.
 
   python examples/tunix_grpo.py [--steps N] [--compare]
 
-``--compare`` also runs Tunix's own ``RLCluster`` and compares the trained actor.
+``--compare`` also runs Tunix's own ``RLCluster`` and compares the trained actor. Each step
+generates with the vanilla rollout engine and trains once: seconds per step on a CPU.
 """
 
 import os
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from grain import python as grain  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
+from tunix.models.llama3 import model as llama3  # noqa: E402
 from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
 from tunix.rl.grpo import grpo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
-from tunix.tests import test_common  # noqa: E402  (sets flax_always_shard_variable=False, as Tunix does)
+from tunix.tests import test_common  # noqa: E402  (MockVocab: a tokenizer with nothing to download)
 
 from nnx_zero1 import bytes_per_device, report  # noqa: E402
-from nnx_zero1.adapters.tunix import Zero1RLCluster  # noqa: E402
+from nnx_zero1.adapters.tunix import Zero1RLCluster, Zero1RLTrainingConfig  # noqa: E402
 
 PROMPTS = ["hello world", "My name", "hello there", "input string"]
+BATCH_AXES = ("data", "fsdp")  # data-parallel: the batch over both axes
 
 
-def toy_model(vocab, mesh: Mesh) -> nnx.Module:
-  """Tunix's one-layer ToyTransformer, each array placed on ``mesh`` as its metadata says."""
-  model = test_common.ToyTransformer(
-      test_common.ModelConfig(num_layers=1, vocab_size=vocab.GetPieceSize()), rngs=nnx.Rngs(0)
+def llama(vocab, mesh: Mesh) -> nnx.Module:
+  """Tunix's Llama3 class, 2 small layers, random weights, each array placed on ``mesh`` by its metadata."""
+  config = llama3.ModelConfig(
+      num_layers=2, vocab_size=vocab.GetPieceSize(), embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
+      num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6,
   )
+  shd = config.shd_config  # data-parallel: the activations' batch entry over both axes
+  shd = dataclasses.replace(
+      shd, act_btd=(BATCH_AXES, *shd.act_btd[1:]), act_btf=(BATCH_AXES, *shd.act_btf[1:]),
+      act_btnh=(BATCH_AXES, *shd.act_btnh[1:]),
+  )
+  model = llama3.Llama3(dataclasses.replace(config, shd_config=shd), rngs=nnx.Rngs(0))
   state = nnx.state(model)
-  specs = nnx.get_partition_spec(state)
-  nnx.update(model, jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)))
+  nnx.update(model, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
   return model
 
 
@@ -55,28 +71,34 @@ def train(cluster_class, mesh: Mesh, steps: int):
                                        rl_cluster_lib.Role.ROLLOUT)},
       rollout_engine="vanilla",
       offload_to_cpu=False,
-      training_config=rl_cluster_lib.RLTrainingConfig(
-          actor_optimizer=optax.adamw(1e-2), eval_every_n_steps=steps, max_steps=steps, pbar_description=None
+      training_config=Zero1RLTrainingConfig(  # Zero-1: or Tunix's RLTrainingConfig, with the same fields
+          actor_optimizer=optax.adamw(1e-2),
+          eval_every_n_steps=steps,
+          max_steps=steps,
+          data_sharding_axis=(BATCH_AXES,),  # data-parallel: each batch over ("data", "fsdp")
+          pbar_description=None,
       ),
       rollout_config=base_rollout.RolloutConfig(
           max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=32
       ),
   )
-  cluster = cluster_class(
-      actor=toy_model(vocab, mesh), reference=toy_model(vocab, mesh), tokenizer=vocab, cluster_config=config
+  cluster = cluster_class(  # Zero-1: Zero1RLCluster, was RLCluster
+      actor=llama(vocab, mesh), reference=llama(vocab, mesh), tokenizer=vocab, cluster_config=config
   )
   learner = grpo_learner.GRPOLearner(
       rl_cluster=cluster,
       reward_fns=shorter_is_better,
       algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=1),
   )
-  data = grain.MapDataset.source(PROMPTS * steps).batch(2).map(lambda x: {"prompts": x, "answer": x})
+  # 4 prompts x 2 generations: 8 sequences a step, one per data-parallel replica.
+  data = grain.MapDataset.source(PROMPTS * steps).batch(4).map(lambda x: {"prompts": x, "answer": x})
   learner.train(data, None)
   return cluster.actor_trainer
 
 
 def main(steps: int, compare: bool) -> None:
-  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+  # data-parallel: 8 replicas; Auto axes, as Tunix's meshes (jax.make_mesh's default is Explicit).
+  mesh = jax.make_mesh((8, 1, 1), ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
   actor = train(Zero1RLCluster, mesh, steps)
   print(f"trained {actor.train_steps} GRPO steps; actor optimizer: {type(actor.optimizer).__name__}")
   print(report(actor.optimizer))

@@ -328,9 +328,12 @@ def test_rl_cluster_refuses_a_role_mesh_without_the_data_axis_before_building_an
 def test_example_grpo_runs():
   script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tunix_grpo.py")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run([sys.executable, script, "--steps", "1"], env=env, capture_output=True, text=True,
-                       timeout=600)
+  out = subprocess.run([sys.executable, script, "--steps", "1", "--compare"], env=env, capture_output=True,
+                       text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "trained 1 GRPO steps; actor optimizer: Zero1Optimizer" in out.stdout
-  assert "sharded by its parameter's layout" in out.stdout  # FSDP's own split, kept
-  assert "nnx.Optimizer: 16,244 B; data axis fsdp = 2" in out.stdout
+  # Tunix's Llama3 at data-parallel 8: an eighth of the moments per device, the actor as RLCluster trains it.
+  assert "optimizer state per device: 76,868 B" in out.stdout
+  assert "nnx.Optimizer: 614,916 B; data axis dataxfsdp = 8" in out.stdout
+  assert "parameters bit-identical to RLCluster: True" in out.stdout
+  assert "optimizer bytes per device vs RLCluster: 0.125x" in out.stdout

@@ -19,7 +19,8 @@ from nnx_zero1._src.compat import jit_cache_size
 from nnx_zero1._src.specs import canonical_spec
 
 _always_shard = flax.config.flax_always_shard_variable
-from tunix.models.qwen3 import model as qwen3  # noqa: E402, F401 (for the tests: Tunix's real model class)
+from tunix.models.llama3 import model as llama3  # noqa: E402, F401 (for the tests: Tunix's real model classes)
+from tunix.models.qwen3 import model as qwen3  # noqa: E402, F401
 from tunix.sft import peft_trainer  # noqa: E402
 from tunix.tests import test_common  # noqa: E402
 
