@@ -95,8 +95,9 @@ def test_the_rings_are_the_compilers_own():
 
 def test_the_seed_readme_says_what_two_rings_for_the_unnamed_all_gathers_would_give(monkeypatch):
   """The seed plans' README: the walk keeps one ring where a program names none. Read as two rings, the
-  unnamed one-dimensional all-gathers would put deferred Zero-1 within 1% of the baseline and the tensor-parallel step
-  outside its 20%; and Zero-1's update walked at one ring is under what the chips measured (80.9 ms)."""
+  unnamed one-dimensional all-gathers would put deferred Zero-1 within 1% of the baseline and the
+  tensor-parallel step outside its 20%; and Zero-1's update walked at one ring is under what the chips
+  measured (80.9 ms)."""
   import nnx_zero1_plan.step_time as step_time
 
   one = {arm: walked(arm) for arm in ("deferred_baseline", "deferred_zero1")}
