@@ -70,8 +70,23 @@ __all__ = [
 ]
 
 
+@dataclasses.dataclass(kw_only=True)
+class _Zero1Fields:
+  """The Zero-1 options a Tunix config carries, one set for every config class (see
+  :class:`Zero1TrainingConfig`)."""
+
+  zero1_data_axis: DataAxis | None = None
+  zero1_strict: bool | None = None
+  zero1_pin_gradients: bool | None = None
+  zero1_offload_state_to_host: bool | float | None = None
+  zero1_state_dtype: Any = None
+  zero1_state_rounding: str | None = None
+  zero1_master_dtype: Any = None
+  zero1_params_across_dtype: Any = None
+
+
 @dataclasses.dataclass(slots=True, kw_only=True)
-class Zero1TrainingConfig(TrainingConfig):
+class Zero1TrainingConfig(TrainingConfig, _Zero1Fields):
   """Tunix's ``TrainingConfig`` plus the Zero-1 options; ``None`` keeps the trainer's default.
 
   Pass it wherever a Tunix trainer takes its ``training_config`` (for
@@ -96,18 +111,9 @@ class Zero1TrainingConfig(TrainingConfig):
     (('replica', 'data'), None)
   """
 
-  zero1_data_axis: DataAxis | None = None
-  zero1_strict: bool | None = None
-  zero1_pin_gradients: bool | None = None
-  zero1_offload_state_to_host: bool | float | None = None
-  zero1_state_dtype: Any = None
-  zero1_state_rounding: str | None = None
-  zero1_master_dtype: Any = None
-  zero1_params_across_dtype: Any = None
-
 
 @dataclasses.dataclass(slots=True, kw_only=True)
-class Zero1RLTrainingConfig(RLTrainingConfig):
+class Zero1RLTrainingConfig(RLTrainingConfig, _Zero1Fields):
   """Tunix's ``RLTrainingConfig`` plus the Zero-1 options of :class:`Zero1TrainingConfig`, by the same names.
 
   ``Zero1RLCluster`` reads its options from ``cluster_config.training_config``, which
@@ -124,14 +130,6 @@ class Zero1RLTrainingConfig(RLTrainingConfig):
     ('bfloat16', None)
   """
 
-  zero1_data_axis: DataAxis | None = None
-  zero1_strict: bool | None = None
-  zero1_pin_gradients: bool | None = None
-  zero1_offload_state_to_host: bool | float | None = None
-  zero1_state_dtype: Any = None
-  zero1_state_rounding: str | None = None
-  zero1_master_dtype: Any = None
-  zero1_params_across_dtype: Any = None
 
 
 def batch_axes(data_sharding_axis: Any) -> tuple[str, ...]:

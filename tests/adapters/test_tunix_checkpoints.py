@@ -32,12 +32,12 @@ from flax import nnx
 from grain import python as grain
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
-from tunix.rl.rollout import base_rollout
 
 from nnx_zero1 import Zero1Optimizer
 from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1RLCluster, Zero1TrainingConfig
 from tests.support.helpers import shardings
 from tests.support.tunix_toys import (
+  grpo_cluster_config,
   llama3,
   model_input,
   opt_state,
@@ -265,22 +265,8 @@ def grpo(cls, ckpt_dir, *, steps: int):
   vocab = test_common.MockVocab()
   config = dataclasses.replace(CONFIG, vocab_size=vocab.GetPieceSize())
   roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
-  cluster_config = rl_cluster_lib.ClusterConfig(
-      role_to_mesh={role: MESH8 for role in roles},
-      rollout_engine="vanilla",
-      offload_to_cpu=False,
-      training_config=rl_cluster_lib.RLTrainingConfig(
-          actor_optimizer=optax.adamw(1e-2),
-          eval_every_n_steps=100,
-          max_steps=steps,
-          data_sharding_axis=("data",),
-          checkpoint_root_directory=str(ckpt_dir),
-          pbar_description=None,
-      ),
-      rollout_config=base_rollout.RolloutConfig(
-          max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=32
-      ),
-  )
+  cluster_config = grpo_cluster_config(MESH8, roles, max_steps=steps, data_sharding_axis=("data",),
+                                       checkpoint_root_directory=str(ckpt_dir), pbar_description=None)
   with nnx.use_eager_sharding(False):
     actor, reference = (place(llama3.Llama3(config, rngs=nnx.Rngs(0)), MESH8) for _ in range(2))
   cluster = cls(actor=actor, reference=reference, tokenizer=vocab, cluster_config=cluster_config)

@@ -36,6 +36,7 @@ from tests.support.helpers import assert_trees_close, assert_trees_equal, pure, 
 from tests.support.tunix_toys import (
   cache_size,
   expected_zero1_bytes,
+  grpo_cluster_config,
   model_input,
   opt_state,
   place,
@@ -244,21 +245,8 @@ def rl_cluster(cls, *, critic: bool, ckpt_dir=None):
   actor, reference = toy(FT, vocab_size=size), toy(FT, vocab_size=size)
   roles = [Role.ACTOR, Role.REFERENCE, Role.ROLLOUT] + ([Role.CRITIC] if critic else [])
   value = place(rl_utils.create_critic_model(actor), FT) if critic else None
-  config = rl_cluster_lib.ClusterConfig(
-      role_to_mesh={role: FT for role in roles},
-      rollout_engine="vanilla",
-      offload_to_cpu=False,
-      training_config=rl_cluster_lib.RLTrainingConfig(
-          actor_optimizer=optax.adamw(1e-2),
-          critic_optimizer=optax.adamw(1e-2) if critic else None,
-          eval_every_n_steps=100,
-          max_steps=2,
-          checkpoint_root_directory=ckpt_dir,
-      ),
-      rollout_config=base_rollout.RolloutConfig(
-          max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=32
-      ),
-  )
+  config = grpo_cluster_config(FT, roles, critic_optimizer=optax.adamw(1e-2) if critic else None, max_steps=2,
+                               checkpoint_root_directory=ckpt_dir)
   return cls(actor=actor, critic=value, reference=reference, tokenizer=vocab, cluster_config=config)
 
 

@@ -7,10 +7,13 @@ flax's default; models are built inside ``nnx.use_eager_sharding(False)`` instea
 is scoped. Import Tunix's modules from here.
 """
 
+from typing import Any
+
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -87,3 +90,17 @@ def expected_zero1_bytes(plain_state, axes) -> int:
     shard = zero1_sharding(x.shape, x.sharding, axes).shard_shape(x.shape)
     total += int(np.prod(shard)) * x.dtype.itemsize
   return total
+
+
+def grpo_cluster_config(mesh: Mesh, roles: Any, **training: Any) -> Any:
+  """The tests' GRPO cluster: every role on ``mesh``, Tunix's vanilla rollout of a few tokens, and an
+  ``RLTrainingConfig`` of adamw at 1e-2 with ``training``'s settings (``max_steps``, a checkpoint...)."""
+  from tunix.rl import rl_cluster as rl_cluster_lib
+  from tunix.rl.rollout import base_rollout
+
+  return rl_cluster_lib.ClusterConfig(
+      role_to_mesh={role: mesh for role in roles}, rollout_engine="vanilla", offload_to_cpu=False,
+      training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.adamw(1e-2),
+                                                      eval_every_n_steps=100, **training),
+      rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=8,
+                                                kv_cache_size=32))
