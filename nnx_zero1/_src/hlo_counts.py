@@ -10,6 +10,7 @@ from collections.abc import Callable
 from nnx_zero1._src.hlo import (
   COLLECTIVES,
   INSTRUCTION,
+  call_graph,
   callees,
   collective_ops,
   computations,
@@ -43,7 +44,7 @@ def _count_transfers(lines: list[str], times: int, out: Counts) -> None:
 def per_call(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
   """``count`` over every computation, each weighted by how often it runs per call of the entry."""
   bodies, entry = computations(hlo)
-  runs = executions(bodies, entry)
+  runs = executions(call_graph(bodies), entry)
   out = {op: {"count": 0, "bytes": 0} for op in ops}
   for name, lines in bodies.items():
     count(lines, runs.get(name, 0), out)

@@ -35,6 +35,7 @@ from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.on_chip import Program
 from nnx_zero1_plan.planned_model import PlannedModel
+from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row, StateSplit
 from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.step_time import predict_step_time, rates_for
@@ -45,7 +46,7 @@ from nnx_zero1_plan.tunix_sharding import sharding_of
 __all__ = ["StepShape", "measured", "timed", "RowCompiler"]
 
 
-def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: StepShape,
+def timed(figures: Figures, programs: Sequence[tuple[str, ProgramRecord, int]], shape: StepShape,
           timing: RowCompiler | None, lever_name: str,
           scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
   """``figures`` with the predicted time (:func:`nnx_zero1_plan.predict_step_time`) of the ``programs`` one
@@ -60,19 +61,19 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
                            tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                            scheduled=scheduled)
   figures = dataclasses.replace(figures, **vars(time))
-  return calibrated(figures, [(hlo, times) for _, hlo, times in programs], timing, lever_name, shape.ga)
+  return calibrated(figures, [(record, times) for _, record, times in programs], timing, lever_name, shape.ga)
 
 
-def calibrated(figures: Figures, programs: Sequence[tuple[str, int]], timing: RowCompiler, lever: str,
-               ga: int) -> Figures:
-  """``figures`` with the calibrated time of ``programs`` (each program's text and the times a step runs it)
+def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], timing: RowCompiler,
+               lever: str, ga: int) -> Figures:
+  """``figures`` with the calibrated time of ``programs`` (each program's record and the times a step runs it)
   by ``timing``'s calibrations built as ``lever``'s step at ``ga`` is
   (:func:`~nnx_zero1_plan.calibration.for_step`); as they are where there are none, or no predicted time."""
   calibration = for_step(timing.all_calibrations, lever, ga)
   if calibration is None or figures.predicted_step_s is None or figures.step_time is None:
     return dataclasses.replace(figures, calibrated_step_s=None)
   rates = rates_for(CHIPS[timing.target.chip])
-  read = [(read_program(hlo, rates), times) for hlo, times in programs]
+  read = [(read_program(record, rates), times) for record, times in programs]
   return dataclasses.replace(figures, calibrated_step_s=calibrated_time(read, calibration)
                              + figures.step_time.slow_s)
 
@@ -139,8 +140,6 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
         compiled, seconds = program.compiled, program.compile_s
       elif step == "one":
         compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
-        if kept is not None:
-          kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape)
       else:
         grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
       scheduled = read()
@@ -150,17 +149,21 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     say(f"compiled {at}: refused in {seconds:.0f} s ({shortened(error, 160)})")
     return Figures(**state_figures, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
   domains = None if mesh is None else [domain_of(d) for d in mesh.devices.flat]  # in the mesh's order
-  if step == "one":
-    figures = row_figures(memory(compiled), collectives_of(compiled, domains))
+  if step == "one":  # each program's text read once, into the record every figure below is read from
+    programs = [("step", program.record if program else ProgramRecord.read(compiled.as_text()), 1)]
+    if kept is not None and program is None:
+      kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape,
+                          programs[0][1])
+    figures = row_figures(memory(compiled), collectives_of(programs[0][1], domains))
   else:
+    programs = [(name, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
+                                                                           ("update", update))]
     mem = split_memory(memory(grads), memory(update), state_figures["opt_state_bytes_per_device"])
-    both = summed_collectives([collectives_of(p, domains) for p in (grads, update)])
+    both = summed_collectives([collectives_of(record, domains) for _, record, _ in programs])
     figures = row_figures(mem, both, cost(update))
-  flops, flops_source = step_flops(compiled if step == "one" else grads)
+  flops, flops_source = step_flops(compiled if step == "one" else grads, programs[0][1])
   if program is None:
     say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
-  programs = ([("step", compiled.as_text(), 1)] if step == "one"
-              else [("gradients", grads.as_text(), 1), ("update", update.as_text(), 1)])
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
                                 compile_s=seconds)
   return timed(figures, programs, shape, timing, lever_name, scheduled)
@@ -262,7 +265,7 @@ class RowCompiler:
     if made is None or program is None:
       return figures
     self.profiled.append(made)
-    return calibrated(figures, [(program.compiled.as_text(), 1)], self, lever, shape.ga)
+    return calibrated(figures, [(program.record, 1)], self, lever, shape.ga)
 
   def _at_depths(self, lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any,
                  shape: StepShape) -> tuple[Figures, Made]:

@@ -42,7 +42,7 @@ def profiler(target: Target, request: PlanRequest, progress: Callable[[str], Non
     if ops is None or run.step_s is None:
       say(f"profiled {at}: {run.error or 'no profile'}")
       return None
-    priced = read_program(program.compiled.as_text(), rates_for(CHIPS[target.chip]))
+    priced = read_program(program.record, rates_for(CHIPS[target.chip]))
     calibration = calibrate(priced, ops, lever=lever, micro_batch=shape.batch, ga=shape.ga,
                             seq_len=request.seq_len, step_s=run.step_s, chip=target.chip, jax=jax.__version__,
                             libtpu=compilers.require_libtpu())
@@ -85,7 +85,7 @@ def edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanReque
     return row
   compiler.profiled.append(made)
   at = Figures(predicted_step_s=found.at_max.predicted_step_s, step_time=row.figures.step_time)
-  seconds = calibrated(at, [(program.compiled.as_text(), 1)], compiler, row.lever, shape.ga).calibrated_step_s
+  seconds = calibrated(at, [(program.record, 1)], compiler, row.lever, shape.ga).calibrated_step_s
   priced = lambda p: dataclasses.replace(p, calibrated_step_s=seconds) if p.batch == edge else p  # noqa: E731
   searched = dataclasses.replace(found, at_max=priced(found.at_max), search=tuple(map(priced, found.search)))
   return dataclasses.replace(row, searched=searched,
