@@ -218,7 +218,8 @@ def test_two_runs_the_smallest_and_the_largest_micro_batch():
 def test_instruction_kinds_read_the_fused_computation():
   cycles = 'backend_config={"estimated_cycles":"1"}'
   record = ProgramRecord.read("\n".join([
-      "%f (a: f32[8,8]) -> f32[8,8] {", "  ROOT %c = f32[8,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}", "}",
+      "%f (a: f32[8,8]) -> f32[8,8] {", "  ROOT %c = f32[8,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}",
+      "}",
       "%g (p: f32[8]) -> f32[8] {", "  ROOT %n = f32[8]{0} negate(%p)", "}",
       "ENTRY %main (p: f32[8,8]) -> f32[8] {", f"  %x = f32[8,8]{{1,0}} fusion(%p), calls=%f, {cycles}",
       f"  ROOT %y = f32[8]{{0}} fusion(%p), calls=%g, {cycles}", "}"]))
