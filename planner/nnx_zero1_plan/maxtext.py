@@ -21,7 +21,7 @@ from nnx_zero1_plan.row import Figures, MaxTextConfig
 from nnx_zero1_plan.targets import Target
 
 __all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "describe_maxtext",
-           "measure_maxtext"]
+           "compile_maxtext"]
 
 # Never named like a package: a folder named nnx_zero1_plan in the temp folder would shadow the planner (as an
 # empty namespace package) in any Python started there.
@@ -149,7 +149,7 @@ def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, b
   return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), "full")
 
 
-def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
+def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
                     defer: bool = True) -> tuple[Figures, list[tuple[str, ProgramRecord, int]]]:
   """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
 

@@ -14,12 +14,12 @@ from nnx_zero1_plan import compilers
 from nnx_zero1_plan.calibrated_time import calibrate, read_program
 from nnx_zero1_plan.calibration import Calibration
 from nnx_zero1_plan.chips import CHIPS
-from nnx_zero1_plan.measure import RowCompiler, StepShape, calibrated
 from nnx_zero1_plan.on_chip import TIMED, WARMUP, Program, measured_batches, run_program
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Measured, Row
+from nnx_zero1_plan.row_compiler import RowCompiler, StepShape, calibrated
 from nnx_zero1_plan.step_time import rates_for
 from nnx_zero1_plan.targets import Target
 
@@ -31,7 +31,7 @@ Profile = Callable[[str, StepShape, Program], Calibration | None]
 
 def profiler(target: Target, request: PlanRequest, progress: Callable[[str], None] | None) -> Profile:
   """``--measure``'s profile of a row's kept program on this process's chips, for a calibration of its build
-  (:attr:`~nnx_zero1_plan.measure.RowCompiler.profile`): a few steps run and profiled
+  (:attr:`~nnx_zero1_plan.row_compiler.RowCompiler.profile`): a few steps run and profiled
   (:func:`~nnx_zero1_plan.on_chip.run_program`), the calibration made of them; None where it did not run."""
   say = progress or (lambda line: None)
 

@@ -14,7 +14,7 @@ import jax
 
 import nnx_zero1._src.hlo as hlo
 from nnx_zero1.testing import collectives, loop_collectives, sent_bytes
-from nnx_zero1_plan import measure, program_record
+from nnx_zero1_plan import program_record, row_compiler
 from nnx_zero1_plan.calibration import Calibration, Run
 from nnx_zero1_plan.compiled import collectives_of
 from nnx_zero1_plan.hlo_flops import dot_flops
@@ -92,13 +92,13 @@ def test_a_calibrated_row_splits_its_program_once(monkeypatch):
                                 temp_size_in_bytes=8, peak_memory_in_bytes=24, host_argument_size_in_bytes=0)
   compiled = types.SimpleNamespace(as_text=as_text, memory_analysis=lambda: stats)
   computations = hlo.computations
-  monkeypatch.setattr(measure, "compile_step", lambda *args, **kwargs: (compiled, 1.0))
+  monkeypatch.setattr(row_compiler, "compile_step", lambda *args, **kwargs: (compiled, 1.0))
   monkeypatch.setattr(hlo, "computations", split)
   monkeypatch.setattr(program_record, "computations", split)
   request = PlanRequest("tests.support.planner_toys:tiny_lm", "v5e:1x1", batch=8, seq_len=16)
   target = Target("v5e:1x1", "tpu", "v5e", tuple(jax.devices()[:1]), 2**34, "the test's")
   calibration = Calibration("v5e", jax.__version__, None, (Run("zero1", 8, 1, 16, 0.1, 0.1, 0.1, 0.0),), {})
-  compiler = measure.RowCompiler(target, 2**34, None, "bfloat16", calibrations=(calibration,))
+  compiler = row_compiler.RowCompiler(target, 2**34, None, "bfloat16", calibrations=(calibration,))
   row = compiler.row("zero1", "one", on_devices(describe_tunix_or_own(request, None), target),
                      StepShape(8, 16, 1, "adamw"))
   assert row.figures.predicted_step_s and row.figures.calibrated_step_s and row.figures.flops_per_device

@@ -31,7 +31,7 @@ from nnx_zero1_plan.depth import NEAR, estimate_mark, extrapolate_row, near_the_
 from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
-from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
+from nnx_zero1_plan.maxtext import MaxTextModel, compile_maxtext
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.on_chip import Program
 from nnx_zero1_plan.planned_model import PlannedModel
@@ -43,12 +43,12 @@ from nnx_zero1_plan.steps import StepShape, compile_split, compile_step, lever_s
 from nnx_zero1_plan.targets import Target, domain_of
 from nnx_zero1_plan.tunix_sharding import sharding_of
 
-__all__ = ["StepShape", "measured", "timed", "RowCompiler"]
+__all__ = ["StepShape", "compiled_figures", "with_step_time", "RowCompiler"]
 
 
-def timed(figures: Figures, programs: Sequence[tuple[str, ProgramRecord, int]], shape: StepShape,
-          timing: RowCompiler | None, lever_name: str,
-          scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
+def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord, int]], shape: StepShape,
+                   timing: RowCompiler | None, lever_name: str,
+                   scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
   """``figures`` with the predicted time (:func:`nnx_zero1_plan.predict_step_time`) of the ``programs`` one
   step of ``lever_name`` runs on ``timing``'s target (``scheduled``: XLA's GPU scheduler's estimates), and the
   calibrated time too (:func:`calibrated`)."""
@@ -89,8 +89,9 @@ def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] |
     yield dump_options(folder), lambda: scheduled_seconds(folder)
 
 
-def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape, depth: int | None = None,
-             progress: Callable[[str], None] | None = None, timing: RowCompiler | None = None) -> Figures:
+def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape,
+                     depth: int | None = None, progress: Callable[[str], None] | None = None,
+                     timing: RowCompiler | None = None) -> Figures:
   """One compile of the lever's step at ``depth`` layers (None: the model's own).
 
   Args:
@@ -105,7 +106,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
 
   Returns:
     The row's :class:`~nnx_zero1_plan.row.Figures` (:func:`nnx_zero1_plan.compiled.row_figures`, the
-    optimizer state's bytes, the compile's seconds, the predicted step time: :func:`timed`), or the
+    optimizer state's bytes, the compile's seconds, the predicted step time: :func:`with_step_time`), or the
     compiler's refusal (``error``, ``hbm_oom``; the compiled figures None).
   """
   lever = with_offload(lever_name, shape.offload_fraction)
@@ -123,10 +124,10 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
   started = time.perf_counter()
   try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
     if isinstance(source, MaxTextModel):
-      figures, programs = measure_maxtext(lever_name, lever, source.overrides, source.defer)
+      figures, programs = compile_maxtext(lever_name, lever, source.overrides, source.defer)
       peak = (figures.peak_bytes_per_device or 0) / 2**30
       say(f"compiled {at} in {figures.compile_s or 0:.0f} s: peak {peak:.2f} GiB")
-      return timed(figures, programs, shape, timing, lever_name)
+      return with_step_time(figures, programs, shape, timing, lever_name)
     sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
     state = lever_state(lever, lambda: source.build(depth), shape.optimizer, mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
@@ -166,7 +167,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
                                 compile_s=seconds)
-  return timed(figures, programs, shape, timing, lever_name, scheduled)
+  return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
 
 
 def _program_key(lever: str, source: Any, shape: StepShape) -> tuple[str, int, StepShape]:
@@ -272,12 +273,12 @@ class RowCompiler:
     """The lever's figures compiled whole (no ``depths``), or at the two ``depths`` and extrapolated to the
     full depth (a refusal at either is the row's), and how they were made."""
     if not depths:
-      figures = measured(lever, step, source, mesh, shape, None, self.progress, self)
+      figures = compiled_figures(lever, step, source, mesh, shape, None, self.progress, self)
       config = figures.maxtext_config  # a MaxText row's layers, as its config chose them (it compiles whole)
       return figures, Made(depth=source.full_depth or (config.num_decoder_layers if config else None))
     d1, d2 = depths
-    r1 = measured(lever, step, source, mesh, shape, d1, self.progress, self)
-    r2 = measured(lever, step, source, mesh, shape, d2, self.progress, self) if not r1.error else r1
+    r1 = compiled_figures(lever, step, source, mesh, shape, d1, self.progress, self)
+    r2 = compiled_figures(lever, step, source, mesh, shape, d2, self.progress, self) if not r1.error else r1
     compile_s = (r1.compile_s or 0.0) + ((r2.compile_s or 0.0) if r2 is not r1 else 0.0)
     if r1.error or r2.error:
       refused = r1 if r1.error else r2
