@@ -24,8 +24,6 @@ from nnx_zero1_plan.calibration import Calibration, Run, summed_kinds
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.step_time import NOT_ESTIMATED, Rates, program_time
 
-__all__ = ["PricedProgram", "read_program", "calibrate", "calibrated_time"]
-
 
 @dataclasses.dataclass(frozen=True)
 class PricedProgram:

@@ -12,10 +12,6 @@ from nnx_zero1_plan.program_record import Counts, Instruction, ProgramRecord, co
 from nnx_zero1_plan.row import Collectives, Figures, HbmOom
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
-__all__ = ["PEAK_FIELDS", "peak_source", "memory", "split_memory", "cost", "step_flops", "hbm_oom",
-           "collectives_of", "across_per_step", "summed", "summed_collectives", "row_figures"]
-
-
 # The compiler's own peak, in the order jax grew them: jax 0.10.2 (the TPU VM's) has only
 # peak_memory_in_bytes, whose figure for a TPU program equals the newer total_allocation_bytes' within a few
 # MiB where the sum counts an argument a temporary reuses twice.

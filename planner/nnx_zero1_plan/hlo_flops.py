@@ -10,8 +10,6 @@ import re
 
 from nnx_zero1_plan.program_record import Instruction, ProgramRecord
 
-__all__ = ["dot_flops"]
-
 _DIMS = re.compile(r"^\(?[a-z]\w*\[(?P<dims>[\d,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 _WINDOW = re.compile(r"window=\{(?P<spec>[^}]*)\}")

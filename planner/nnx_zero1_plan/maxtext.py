@@ -20,9 +20,6 @@ from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, MaxTextConfig
 from nnx_zero1_plan.targets import Target
 
-__all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "describe_maxtext",
-           "compile_maxtext"]
-
 # Never named like a package: a folder named nnx_zero1_plan in the temp folder would shadow the planner (as an
 # empty namespace package) in any Python started there.
 OUTPUT_PREFIX = "maxtext_out_"

@@ -23,9 +23,6 @@ from nnx_zero1_plan.row_compiler import RowCompiler, StepShape, calibrated
 from nnx_zero1_plan.step_time import rates_for
 from nnx_zero1_plan.targets import Target
 
-__all__ = ["profiler", "edge_profiled", "measured_rows", "run_at", "said_measured"]
-
-
 Profile = Callable[[str, StepShape, Program], Calibration | None]
 
 

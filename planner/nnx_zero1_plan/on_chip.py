@@ -22,9 +22,6 @@ from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import Measured, Row
 from nnx_zero1_plan.steps import StepShape, placed_batch, placed_state, run_steps
 
-__all__ = ["WARMUP", "TIMED", "PROFILED", "Program", "measured_batches", "run_program", "device_ops",
-           "profiled"]
-
 WARMUP, TIMED = 2, 8  # steps run first (the allocator's growth, the program's load), then the steps counted
 PROFILED = 3  # steps profiled after them, for a calibration
 

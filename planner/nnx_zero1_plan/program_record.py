@@ -27,8 +27,6 @@ from nnx_zero1._src.companion import (
   ring_sent,
 )
 
-__all__ = ["CYCLE_CLASSES", "Call", "Collective", "Instruction", "ProgramRecord", "Counts", "counted"]
-
 Counts = dict[str, dict[str, int]]
 
 # The classes of work the walk times apart, each at the clock its own microbenchmark measured on the chip

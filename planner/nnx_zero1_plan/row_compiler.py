@@ -43,8 +43,6 @@ from nnx_zero1_plan.steps import StepShape, compile_split, compile_step, lever_s
 from nnx_zero1_plan.targets import Target, domain_of
 from nnx_zero1_plan.tunix_sharding import sharding_of
 
-__all__ = ["StepShape", "compiled_figures", "with_step_time", "RowCompiler"]
-
 
 def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord, int]], shape: StepShape,
                    timing: RowCompiler | None, lever_name: str,

@@ -34,8 +34,6 @@ from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable
 from nnx_zero1_plan.tunix_sharding import sharding_of
 from nnx_zero1_plan.way_out import Change, WayOut, changes_to_try, find_way_out, next_steps
 
-__all__ = ["make_plan"]
-
 
 def _micro_batch(request: PlanRequest, planned: PlannedModel | None,
                  target: Target) -> tuple[int, str | None]:

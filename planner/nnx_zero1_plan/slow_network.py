@@ -9,8 +9,6 @@ from collections.abc import Sequence
 from nnx_zero1._src.companion import COLLECTIVES, ring_sent, shape_bytes
 from nnx_zero1_plan.program_record import Counts, Instruction, ProgramRecord, counted
 
-__all__ = ["across_bytes", "dcn_bytes"]
-
 # A send to the megascale runtime (:func:`dcn_bytes`): its operand, and its transfer type.
 _MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z0-9]+\[[0-9,]*\])\S*, '
                              r'.*\bsend\(.*_xla_megascale_transfer_type="(?P<kind>\w+)"')

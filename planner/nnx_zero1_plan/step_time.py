@@ -16,10 +16,6 @@ from nnx_zero1_plan.networks import rings_of, slow_seconds, tpu_collective_time
 from nnx_zero1_plan.program_record import Collective, Instruction, ProgramRecord
 from nnx_zero1_plan.row import StepTime
 
-__all__ = ["Rates", "ProgramTime", "program_time", "NOT_ESTIMATED", "rates_for",
-           "predict_step_time", "PredictedTime", "cycle_class", "TPU_SOURCE", "GPU_SOURCE",
-           "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED", "HOST_UNTIMED"]
-
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
 
