@@ -27,11 +27,12 @@ from nnx_zero1._src.hlo import (
   partitions,
   shape_bytes,
 )
+from nnx_zero1._src.hlo_counts import Counts, by_op, in_loops
 from nnx_zero1._src.optimizer import mark_zero1_grads
 from nnx_zero1._src.report import memory_kind_of
 from nnx_zero1._src.specs import spec_axes
 from nnx_zero1._src.traffic import replica_groups, ring_sent
 
-__all__ = ["COLLECTIVES", "INSTRUCTION", "calls", "collective_of", "computations", "estimated_cycles",
-           "executions", "host_copy", "mark_zero1_grads", "memory_kind_of", "partitions", "replica_groups",
-           "ring_sent", "shape_bytes", "spec_axes"]
+__all__ = ["COLLECTIVES", "INSTRUCTION", "Counts", "by_op", "calls", "collective_of", "computations",
+           "estimated_cycles", "executions", "host_copy", "in_loops", "mark_zero1_grads", "memory_kind_of",
+           "partitions", "replica_groups", "ring_sent", "shape_bytes", "spec_axes"]

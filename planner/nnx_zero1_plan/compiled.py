@@ -7,8 +7,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from nnx_zero1._src.companion import Counts, by_op
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.program_record import Counts, Instruction, ProgramRecord, counted
+from nnx_zero1_plan.program_record import Instruction, ProgramRecord
 from nnx_zero1_plan.row import Collectives, Figures, HbmOom
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
 
@@ -166,9 +167,9 @@ def collectives_of(program: ProgramRecord, domain_of: Sequence[int] | None = Non
     return (i.collective.op, {"bytes": i.collective.sent(program.devices)}) if i.collective else None
 
   across = across_per_step(program, domain_of) if domain_of is not None and len(set(domain_of)) > 1 else None
-  return Collectives.from_json({"per_step": counted(program, result),
-                                "per_micro_batch": counted(program, result, one_trip=True),
-                                "sent_per_step": counted(program, sent), "across_per_step": across})
+  of, runs, trip = program.computations, program.runs, program.in_loops()
+  return Collectives.from_json({"per_step": by_op(of, runs, result), "sent_per_step": by_op(of, runs, sent),
+                                "per_micro_batch": by_op(of, trip, result), "across_per_step": across})
 
 
 def across_per_step(program: ProgramRecord, domain_of: Sequence[int]) -> Counts:

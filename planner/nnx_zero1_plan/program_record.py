@@ -2,9 +2,10 @@
 instruction's op, cycles, class and kind of work, the computations it runs and, for a collective, its bytes
 and device groups. What the planner says of a program is a small pure function of the record: the walk
 (:mod:`~nnx_zero1_plan.step_time`), the calibration (:mod:`~nnx_zero1_plan.calibrated_time`), the FLOPs
-(:mod:`~nnx_zero1_plan.hlo_flops`), the bytes on each network (:func:`counted`,
-:mod:`~nnx_zero1_plan.slow_network`). Each line is read by the optimizer's own reading of HLO
-(``nnx_zero1._src.hlo``), so the planner's figures and the optimizer's counts read one program alike."""
+(:mod:`~nnx_zero1_plan.hlo_flops`), the bytes on each network (:mod:`~nnx_zero1_plan.compiled`,
+:mod:`~nnx_zero1_plan.slow_network`, summed by op as the optimizer's counts are, ``by_op``). Each line is read
+by the optimizer's own reading of HLO (``nnx_zero1._src.hlo``), so the planner's figures and the optimizer's
+counts read one program alike."""
 
 from __future__ import annotations
 
@@ -22,12 +23,11 @@ from nnx_zero1._src.companion import (
   estimated_cycles,
   executions,
   host_copy,
+  in_loops,
   partitions,
   replica_groups,
   ring_sent,
 )
-
-Counts = dict[str, dict[str, int]]
 
 # The classes of work the walk times apart, each at the clock its own microbenchmark measured on the chip
 # (Compute.cycle_clocks): the TPU compiler's cycles are one cost model for the matrix units in either
@@ -143,6 +143,11 @@ class ProgramRecord:
     """``program`` itself, or its text read (:meth:`read`): what each reader takes."""
     return program if isinstance(program, ProgramRecord) else cls.read(program)
 
+  def in_loops(self) -> dict[str, int]:
+    """The computations inside while loops' bodies (and what they run), each once: one trip's weights."""
+    return in_loops({name: [(c.kind, c.computation) for i in body for c in i.calls]
+                     for name, body in self.computations.items()}, self.entry)
+
   def running(self) -> Iterator[tuple[Instruction, int]]:
     """Each instruction of a computation that runs, and the times it runs per call, in :attr:`runs`' order."""
     for name, times in self.runs.items():
@@ -204,55 +209,3 @@ def _kind(instruction: Instruction, work: str, read: Mapping[str, tuple[Instruct
   reduced = any(" reduce(" in line for line in inner)
   batched = any("lhs_dilate" in line for line in inner)
   return "matmul" + (" batched" if batched else "") + (" + reduce" if reduced else "")
-
-
-def _in_loops(program: ProgramRecord) -> dict[str, int]:
-  """The computations inside while loops' bodies (and what they run), each once: one trip's."""
-  inside: dict[str, int] = {}
-
-  def visit(name: str, in_loop: bool) -> None:
-    if in_loop:
-      if name in inside:
-        return
-      inside[name] = 1
-    for call in (c for i in program.computations.get(name, ()) for c in i.calls):
-      visit(call.computation, in_loop or call.kind == "body")
-
-  if program.entry is not None:
-    visit(program.entry, False)
-  return inside
-
-
-def counted(program: ProgramRecord, figures: Callable[[Instruction], tuple[str, Mapping[str, int]] | None],
-            ops: tuple[str, ...] = COLLECTIVES, *, one_trip: bool = False) -> Counts:
-  """Each instruction's ``figures`` (its op and the figures it adds, or None), counted and summed by op: every
-  run of it per call of the program, or with ``one_trip`` those inside while loops once each (one trip's).
-
-  Args:
-    program: the program's record.
-    figures: what one run of an instruction adds to its op's figures (``bytes`` always), or None.
-    ops: the ops counted even where none runs.
-    one_trip: count one trip of each loop (a micro-batch's), not every run.
-
-  Returns:
-    ``{op: {"count", "bytes", ...}}``, the ops in the text's order after ``ops``.
-
-  Example::
-
-    >>> record = ProgramRecord.read('''ENTRY %main (p: f32[8]) -> f32[8] {
-    ...   ROOT %ar = f32[8]{0} all-reduce(%p), to_apply=%add
-    ... }''')
-    >>> counted(record, lambda i: i.collective and (i.collective.op, {"bytes": i.collective.result_bytes}))
-    ... # doctest: +ELLIPSIS
-    {'all-reduce': {'count': 1, 'bytes': 32}, 'reduce-scatter': {'count': 0, 'bytes': 0}, ...}
-  """
-  weights = _in_loops(program) if one_trip else program.runs
-  out: Counts = {op: {"count": 0, "bytes": 0} for op in ops}
-  for name, body in program.computations.items():  # the text's order, as the optimizer's counts
-    times = weights.get(name, 0)
-    for op, adds in (found for i in (body if times else ()) if (found := figures(i))):
-      entry = out.setdefault(op, {"count": 0, "bytes": 0})
-      entry["count"] += times
-      for key, value in adds.items():
-        entry[key] = entry.get(key, 0) + times * value
-  return out

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from nnx_zero1._src.companion import COLLECTIVES, ring_sent, shape_bytes
-from nnx_zero1_plan.program_record import Counts, Instruction, ProgramRecord, counted
+from nnx_zero1._src.companion import COLLECTIVES, Counts, by_op, ring_sent, shape_bytes
+from nnx_zero1_plan.program_record import Instruction, ProgramRecord
 
 # A send to the megascale runtime (:func:`dcn_bytes`): its operand, and its transfer type.
 _MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z0-9]+\[[0-9,]*\])\S*, '
@@ -53,8 +53,9 @@ def across_bytes(program: ProgramRecord | str, domain_of: Sequence[int]) -> Coun
       return op, {"bytes": bytes_sent, "across_bytes": bytes_sent * n * (k - 1) // (k * (n - 1))}
     return op, {"bytes": bytes_sent, "across_bytes": bytes_sent * (k - 1) // (n - 1)}
 
+  record = ProgramRecord.of(program)
   return {op: {"count": c["count"], "bytes": c["bytes"], "across_bytes": c.get("across_bytes", 0)}
-          for op, c in counted(ProgramRecord.of(program), sent).items()}
+          for op, c in by_op(record.computations, record.runs, sent).items()}
 
 
 def _dcn_sent(op: str, operand: int, slices: int) -> int:
@@ -97,4 +98,5 @@ def dcn_bytes(program: ProgramRecord | str, slices: int) -> Counts:
     op = m["kind"].lower().replace("_", "-")  # ALL_REDUCE: all-reduce
     return op, {"bytes": _dcn_sent(op, shape_bytes(m["array"]), slices)}
 
-  return {op: c for op, c in counted(ProgramRecord.of(program), sent, ()).items() if c["count"]}
+  record = ProgramRecord.of(program)
+  return {op: c for op, c in by_op(record.computations, record.runs, sent, ()).items() if c["count"]}
