@@ -38,12 +38,11 @@ class PricedProgram:
 
 def read_program(program: ProgramRecord | str, rates: Rates) -> PricedProgram:
   """A program's record (or its text, read here) priced as :func:`~nnx_zero1_plan.step_time.program_time`
-  walks it: each computation as often as it runs, each priced instruction's cycles at the clock of its class
-  of work, with its kind (:class:`~nnx_zero1_plan.program_record.Instruction`)."""
+  walks it: each computation as often as it runs, each priced instruction at its class's clock, its kind."""
   record = ProgramRecord.of(program)
   priced: dict[str, tuple[str, float, int]] = {}
   overlapped = False
-  for i, runs in record.running():
+  for i, runs in ((i, runs) for name, runs in record.runs.items() for i in record.computations[name]):
     if i.op.endswith("-done") or i.op in ("while", "call", "conditional"):
       continue  # a transfer's end is the walk's wait; a callee's instructions are its own computation's
     if i.collective or i.host:

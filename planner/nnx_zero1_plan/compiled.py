@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_zero1._src.companion import Counts, by_op
+from nnx_zero1._src.companion import by_op, in_loops
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.program_record import Instruction, ProgramRecord
 from nnx_zero1_plan.row import Collectives, Figures, HbmOom
@@ -159,27 +159,25 @@ def collectives_of(program: ProgramRecord, domain_of: Sequence[int] | None = Non
   collective's results per step and per trip of its loops (as :func:`nnx_zero1.testing.collectives` and
   ``loop_collectives`` count them), the bytes one device sends by a ring over its groups (``sent_per_step``,
   as :func:`nnx_zero1.testing.sent_bytes`), and on a pod (``domain_of``: each device's slice or node, in the
-  mesh's order, over more than one) ``across_per_step`` (:func:`across_per_step`)."""
+  mesh's order, over more than one) ``across_per_step``: what one device sends between slices or nodes, a
+  multi-slice TPU program's sends to the megascale runtime (:func:`~nnx_zero1_plan.slow_network.dcn_bytes`),
+  a multi-node GPU program's collectives whose groups span nodes (``slow_network.across_bytes``)."""
   def result(i: Instruction) -> tuple[str, dict[str, int]] | None:
     return (i.collective.op, {"bytes": i.collective.result_bytes}) if i.collective else None
 
   def sent(i: Instruction) -> tuple[str, dict[str, int]] | None:
     return (i.collective.op, {"bytes": i.collective.sent(program.devices)}) if i.collective else None
 
-  across = across_per_step(program, domain_of) if domain_of is not None and len(set(domain_of)) > 1 else None
-  of, runs, trip = program.computations, program.runs, program.in_loops()
+  across = None
+  if domain_of is not None and len(set(domain_of)) > 1:
+    across = dcn_bytes(program, len(set(domain_of))) if "_xla_megascale_transfer_type" in program.text else {
+        op: {"count": c["count"], "bytes": c["across_bytes"]}
+        for op, c in across_bytes(program, domain_of).items() if c["across_bytes"]}
+  of, runs = program.computations, program.runs
+  trip = in_loops({n: [(c.kind, c.computation) for i in body for c in i.calls] for n, body in of.items()},
+                  program.entry)  # the computations inside loops, each once: one trip's
   return Collectives.from_json({"per_step": by_op(of, runs, result), "sent_per_step": by_op(of, runs, sent),
                                 "per_micro_batch": by_op(of, trip, result), "across_per_step": across})
-
-
-def across_per_step(program: ProgramRecord, domain_of: Sequence[int]) -> Counts:
-  """The bytes one device sends between slices or nodes per step, by collective: a multi-slice TPU program's
-  transfers to the megascale runtime (:func:`~nnx_zero1_plan.slow_network.dcn_bytes`), a multi-node GPU
-  program's collectives whose groups span nodes (:func:`~nnx_zero1_plan.slow_network.across_bytes`)."""
-  if "_xla_megascale_transfer_type" in program.text:
-    return dcn_bytes(program, len(set(domain_of)))
-  return {op: {"count": c["count"], "bytes": c["across_bytes"]}
-          for op, c in across_bytes(program, domain_of).items() if c["across_bytes"]}
 
 
 def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:

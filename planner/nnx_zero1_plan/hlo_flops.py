@@ -98,8 +98,7 @@ def dot_flops(program: ProgramRecord | str) -> int:
   """
   record = ProgramRecord.of(program)
   total = 0
-  for name, times in record.runs.items():
-    body = record.computations[name]
+  for body, times in ((record.computations[name], times) for name, times in record.runs.items()):
     shapes: dict[str, tuple[int, ...] | None] = {}
     for instruction in body if any(i.op in _MATMULS for i in body) else ():  # shapes only where a matmul is
       dims = _DIMS.match(instruction.shape)

@@ -1,17 +1,14 @@
-"""A compiled program read once (:class:`ProgramRecord`): its computations, how often each runs, and each
-instruction's op, cycles, class and kind of work, the computations it runs and, for a collective, its bytes
-and device groups. What the planner says of a program is a small pure function of the record: the walk
+"""A compiled program read once (:class:`ProgramRecord`), by the optimizer's own reading of HLO
+(``nnx_zero1._src.hlo``). What the planner says of a program is a small pure function of the record: the walk
 (:mod:`~nnx_zero1_plan.step_time`), the calibration (:mod:`~nnx_zero1_plan.calibrated_time`), the FLOPs
 (:mod:`~nnx_zero1_plan.hlo_flops`), the bytes on each network (:mod:`~nnx_zero1_plan.compiled`,
-:mod:`~nnx_zero1_plan.slow_network`, summed by op as the optimizer's counts are, ``by_op``). Each line is read
-by the optimizer's own reading of HLO (``nnx_zero1._src.hlo``), so the planner's figures and the optimizer's
-counts read one program alike."""
+:mod:`~nnx_zero1_plan.slow_network`: summed by op as the optimizer's own counts are)."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from nnx_zero1._src.companion import (
@@ -23,7 +20,6 @@ from nnx_zero1._src.companion import (
   estimated_cycles,
   executions,
   host_copy,
-  in_loops,
   partitions,
   replica_groups,
   ring_sent,
@@ -42,8 +38,7 @@ _FUSED = re.compile(r"\bcalls=%?(all-reduce-scatter[\w.\-]*)")
 
 
 class Call(NamedTuple):
-  """A computation an instruction runs: how (``body``, ``calls``, ``call``, ``branch``), which, and how many
-  times per run of the instruction (``nnx_zero1._src.hlo.calls``: the one rule)."""
+  """A computation an instruction runs: how, which, and its runs per run of it (``hlo.calls``' one rule)."""
 
   kind: str
   computation: str
@@ -70,10 +65,10 @@ class Collective(NamedTuple):
 
 
 class Instruction(NamedTuple):
-  """One instruction, read once: its name, op, result shape, operands and line; the TPU compiler's estimated
-  cycles (None: none); the computations it runs; its collective; which way it copies between host and
-  device memory (``to-host``, ``to-device``; None: no such copy); and, where it has cycles, its class of work
-  (:data:`CYCLE_CLASSES`, the walk's clock for it) and kind (what was fused into it, the calibration's)."""
+  """One instruction, read once: its name, op, result shape, operands, line, the TPU compiler's cycles (None:
+  none), the computations it runs, its collective, its copy's way between host and device memory (None: none)
+  and, with cycles, its class of work (:data:`CYCLE_CLASSES`, the walk's clock) and kind (the calibration's).
+  """
 
   name: str
   op: str
@@ -98,8 +93,7 @@ class ProgramRecord:
     devices: the devices it runs on (its ``num_partitions``; 1 where it names none).
     entry: the entry computation's name.
     computations: each computation's instructions, in the text's order.
-    runs: how many times each computation runs per call of the entry, in the order first reached
-      (``nnx_zero1._src.hlo.executions`` of the instructions' :class:`Call` s).
+    runs: how many times each computation runs per call of the entry (``hlo.executions`` of its calls).
 
   Example::
 
@@ -125,8 +119,7 @@ class ProgramRecord:
 
   @classmethod
   def read(cls, text: str) -> ProgramRecord:
-    """``text`` split into its computations once, each line read once (a line that is no instruction, none in
-    a compiled program, left out)."""
+    """``text`` split into computations once, each line read once (a line that is no instruction left out)."""
     bodies, entry = computations(text)
     read = {name: tuple(i for i in (_instruction(line, bodies) for line in lines) if i)
             for name, lines in bodies.items()}
@@ -142,17 +135,6 @@ class ProgramRecord:
   def of(cls, program: ProgramRecord | str) -> ProgramRecord:
     """``program`` itself, or its text read (:meth:`read`): what each reader takes."""
     return program if isinstance(program, ProgramRecord) else cls.read(program)
-
-  def in_loops(self) -> dict[str, int]:
-    """The computations inside while loops' bodies (and what they run), each once: one trip's weights."""
-    return in_loops({name: [(c.kind, c.computation) for i in body for c in i.calls]
-                     for name, body in self.computations.items()}, self.entry)
-
-  def running(self) -> Iterator[tuple[Instruction, int]]:
-    """Each instruction of a computation that runs, and the times it runs per call, in :attr:`runs`' order."""
-    for name, times in self.runs.items():
-      for instruction in self.computations[name]:
-        yield instruction, times
 
 
 def _instruction(line: str, bodies: dict[str, list[str]]) -> Instruction | None:
@@ -171,8 +153,7 @@ def _groups(line: str, bodies: dict[str, list[str]]) -> tuple[tuple[int, ...], .
   """A collective's groups as its line spells them, or for the TPU compiler's fused reduce-scatter (whose
   line names none) as the all-reduce inside it does; none where neither names any."""
   fused = _FUSED.search(line) if "replica_groups=" not in line else None
-  inner = bodies.get(fused[1], ()) if fused else ()
-  spelling = next((spelled for spelled in inner if "replica_groups=" in spelled), line)
+  spelling = next((s for s in bodies.get(fused[1], ()) if "replica_groups=" in s), line) if fused else line
   spelled = replica_groups(spelling, 0)  # of no devices: a line naming no groups reads as one empty group
   return () if spelled == [()] else tuple(spelled)
 
@@ -205,7 +186,5 @@ def _kind(instruction: Instruction, work: str, read: Mapping[str, tuple[Instruct
   base-dilated convolution) or not, with a reduction fused in (a layer norm's backward) or not."""
   if work == "vector":
     return "vector"
-  inner = [i.line for c in instruction.calls if c.kind == "calls" for i in read[c.computation]]
-  reduced = any(" reduce(" in line for line in inner)
-  batched = any("lhs_dilate" in line for line in inner)
-  return "matmul" + (" batched" if batched else "") + (" + reduce" if reduced else "")
+  inner = "\n".join(i.line for c in instruction.calls if c.kind == "calls" for i in read[c.computation])
+  return "matmul" + " batched" * ("lhs_dilate" in inner) + " + reduce" * (" reduce(" in inner)

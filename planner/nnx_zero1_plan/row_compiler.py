@@ -70,8 +70,7 @@ def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], 
   calibration = for_step(timing.all_calibrations, lever, ga)
   if calibration is None or figures.predicted_step_s is None or figures.step_time is None:
     return dataclasses.replace(figures, calibrated_step_s=None)
-  rates = rates_for(CHIPS[timing.target.chip])
-  read = [(read_program(record, rates), times) for record, times in programs]
+  read = [(read_program(record, rates_for(CHIPS[timing.target.chip])), times) for record, times in programs]
   return dataclasses.replace(figures, calibrated_step_s=calibrated_time(read, calibration)
                              + figures.step_time.slow_s)
 
@@ -149,11 +148,11 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
     return Figures(**state_figures, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
   domains = None if mesh is None else [domain_of(d) for d in mesh.devices.flat]  # in the mesh's order
   if step == "one":  # each program's text read once, into the record every figure below is read from
-    programs = [("step", program.record if program else ProgramRecord.read(compiled.as_text()), 1)]
+    record = program.record if program else ProgramRecord.read(compiled.as_text())
+    programs = [("step", record, 1)]
     if kept is not None and program is None:
-      kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape,
-                          programs[0][1])
-    figures = row_figures(memory(compiled), collectives_of(programs[0][1], domains))
+      kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape, record)
+    figures = row_figures(memory(compiled), collectives_of(record, domains))
   else:
     programs = [(name, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
                                                                            ("update", update))]

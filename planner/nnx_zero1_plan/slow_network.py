@@ -45,8 +45,7 @@ def across_bytes(program: ProgramRecord | str, domain_of: Sequence[int]) -> Coun
     if i.collective is None:
       return None
     groups, op, bytes_sent = i.collective.groups(devices), i.collective.op, i.collective.sent(devices)
-    n = len(groups[0])
-    if n < 2:
+    if (n := len(groups[0])) < 2:
       return op, {"bytes": bytes_sent}
     k = max(len({domain_of[d] for d in group}) for group in groups)  # the most domains a group spans
     if " all-to-all" in i.line:  # each device sends its n-th to every other: those in other domains cross

@@ -153,18 +153,15 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
       return 0.0 if i.op in _FREE else estimates.get(i.name)
     if i.cycles is None or rates.clock_hz is None:
       return 0.0
-    if i.cycles >= NOT_ESTIMATED:
-      return None
-    return i.cycles / (rates.class_clocks_hz or {}).get(i.work or "", rates.clock_hz)
+    return None if i.cycles >= NOT_ESTIMATED else i.cycles / (rates.class_clocks_hz or {}).get(i.work or "",
+                                                                                                rates.clock_hz)
 
   def network_seconds(c: Collective, line: str) -> float:
-    groups = c.groups(devices)
-    n, sent = len(groups[0]), c.sent(devices)
-    if n < 2:
+    groups, sent = c.groups(devices), c.sent(devices)
+    if len(groups[0]) < 2:
       return 0.0
-    if rates.collective_s is not None:
-      return rates.collective_s(c.op, sent, groups, rings_of(line), devices)
-    return sent / rates.network_bytes_per_s(n)
+    return (sent / rates.network_bytes_per_s(len(groups[0])) if rates.collective_s is None
+            else rates.collective_s(c.op, sent, groups, rings_of(line), devices))
 
   @functools.cache
   def walk(name: str) -> ProgramTime:
@@ -284,12 +281,11 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
   records = [(name, ProgramRecord.of(program), times) for name, program, times in programs]
   estimates = [_module_estimates(record, scheduled) for _, record, _ in records]
   # A TPU program carries the compiler's cycles in its text; a GPU program's come from its scheduler's dump.
-  if not all("estimated_cycles" in record.text or own for (_, record, _), own in zip(records, estimates,
-                                                                                    strict=True)):
+  if not all("estimated_cycles" in r.text or own for (_, r, _), own in zip(records, estimates, strict=True)):
     return PredictedTime(time_absent=NO_ESTIMATE if scheduled is None else NO_SCHEDULE)
   rates = rates_for(chip, coords)
   if rates.host_bytes_per_s is None and any(  # the step copies between host and device memory
-      i.host for _, record, _ in records for i, _ in record.running()):
+      i.host for _, record, _ in records for name in record.runs for i in record.computations[name]):
     return PredictedTime(time_absent=HOST_UNTIMED)
   walks = [(program_time(record, rates, devices, own), times)
            for (_, record, times), own in zip(records, estimates, strict=True)]
