@@ -78,7 +78,7 @@ def compile_arm(arm: str) -> None:
   from nnx_zero1_plan.chips import CHIPS
   from nnx_zero1_plan.hlo_flops import dot_flops
   from nnx_zero1_plan.levers import LEVERS
-  from nnx_zero1_plan.maxtext import config_overrides, measure_maxtext, mesh_axis_names, output_directory
+  from nnx_zero1_plan.maxtext import compile_maxtext, config_overrides, mesh_axis_names, output_directory
   from nnx_zero1_plan.step_time import program_time, rates_for
 
   axes, lever, defer = ARMS[arm]
@@ -87,12 +87,12 @@ def compile_arm(arm: str) -> None:
         "qwen3-0.6b", "v6e:2x2", 4, axes, batch=8, seq_len=1024, ga=8, optimizer="adamw", param_dtype=None,
         compute_dtype=None, remat="none", known_axes=mesh_axis_names(), output_dir=out,
         overrides={"scan_layers": "false", "shard_mode": "explicit"})
-    figures, programs = measure_maxtext(lever, LEVERS[lever], overrides, defer)
+    figures, programs = compile_maxtext(lever, LEVERS[lever], overrides, defer)
   folder = os.path.join(OUT, arm)
   os.makedirs(folder, exist_ok=True)
   rates = rates_for(CHIPS["v6e"])
-  for name, whole, _ in programs:
-    text = kept_text(whole)
+  for name, whole, _ in programs:  # each program's record (the whole text read once)
+    text = kept_text(whole.text)
     assert program_time(text, rates) == program_time(whole, rates), name
     assert dot_flops(text) == dot_flops(whole), name
     with gzip.open(os.path.join(folder, f"{name}.hlo.txt.gz"), "wt", compresslevel=9) as f:

@@ -2,19 +2,19 @@
 instruction is (a collective, a copy between host and device memory, its estimated cycles).
 
 Private: ``compiled.as_text()`` parsed with small pure functions, so what is counted
-(:mod:`nnx_zero1._src.hlo_counts`, :mod:`nnx_zero1._src.traffic`) and the planner's FLOP count and
-step-time walk read one program the same way.
+(:mod:`nnx_zero1._src.hlo_counts`, :mod:`nnx_zero1._src.traffic`) and the planner's record of a program
+(``nnx_zero1_plan.program_record``, whose every figure is read off it) read one program the same way.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 __all__ = [
     "COLLECTIVES", "COLLECTIVE_OPS", "INSTRUCTION", "shape_bytes", "result_bytes", "computations", "callees",
-    "chosen_branch", "condition_trip_count", "trip_count", "executions", "collective_of", "collective_ops",
-    "estimated_cycles", "host_copy", "partitions",
+    "chosen_branch", "condition_trip_count", "trip_count", "calls", "call_graph", "executions",
+    "collective_of", "collective_ops", "estimated_cycles", "host_copy", "partitions",
 ]
 
 # all-to-all: the int8 reduce-scatter across slices or nodes (across_dtype=jnp.int8) is one. Every count has
@@ -51,6 +51,8 @@ _CALLEE = re.compile(r"\b(body|calls)=%?([\w.\-]+)")
 _CALL = re.compile(r"\scall\(.*\bto_apply=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
                        r"false_computation=%?([\w.\-]+))")
+# What a line that runs a computation holds, at least (:func:`calls` reads only those).
+_CALLING = ("calls=", "body=", "call(", "_computation")
 _CYCLES = re.compile(r'"estimated_cycles":"?(\d+)')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
@@ -217,9 +219,32 @@ def trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
   return condition_trip_count(bodies.get(condition.group(1), [])) if condition else None
 
 
-def executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
-  """How many times each computation runs per call of the entry: a while body its trip count times, a
-  conditional's chosen branch (:func:`chosen_branch`) once, every other callee once per call of its caller.
+def calls(line: str, bodies: dict[str, list[str]]) -> list[tuple[str, str, int]]:
+  """(kind, computation, times it runs per run of the instruction) for each computation of ``bodies`` an
+  instruction runs (:func:`callees`): a while body its trip count times (once where it is not known), any
+  other once. The one rule of how often a computation runs; :func:`executions` compounds it.
+
+  Example::
+
+    >>> calls('%w = f32[8]{0} while(%a), body=%b, backend_config={"known_trip_count":{"n":"3"}}', {"b": []})
+    [('body', 'b', 3)]
+  """
+  if not any(word in line for word in _CALLING):
+    return []  # most instructions run no computation: none of the slower readings
+  trip = trip_count(line, bodies) if "body=" in line else None
+  return [(kind, callee, trip if kind == "body" and trip else 1) for kind, callee in callees(line, bodies)
+          if callee in bodies]
+
+
+def call_graph(bodies: dict[str, list[str]]) -> dict[str, list[tuple[str, int]]]:
+  """Each computation's calls in order, (callee, times per run of it): its instructions' :func:`calls`."""
+  return {name: [(callee, times) for line in lines for _, callee, times in calls(line, bodies)]
+          for name, lines in bodies.items()}
+
+
+def executions(graph: Mapping[str, Sequence[tuple[str, int]]], entry: str | None) -> dict[str, int]:
+  """How many times each computation runs per call of the entry, from each computation's calls (``graph``:
+  :func:`call_graph`, or a record's own), in the order they are first reached.
 
   Example::
 
@@ -229,18 +254,15 @@ def executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int
     ... ENTRY %main (a: f32[8]) -> f32[8] {
     ...   ROOT %w = f32[8]{0} while(%a), body=%body, backend_config={"known_trip_count":{"n":"3"}}
     ... }''')
-    >>> executions(bodies, entry)
+    >>> executions(call_graph(bodies), entry)
     {'main': 1, 'body': 3}
   """
   runs: dict[str, int] = {}
 
   def visit(name: str, times: int) -> None:
     runs[name] = runs.get(name, 0) + times
-    for line in bodies.get(name, ()):
-      trip = trip_count(line, bodies) if "body=" in line else None
-      for kind, callee in callees(line, bodies):
-        if callee in bodies:
-          visit(callee, times * (trip if kind == "body" and trip else 1))
+    for callee, per_run in graph.get(name, ()):
+      visit(callee, times * per_run)
 
   if entry is not None:
     visit(entry, 1)

@@ -5,12 +5,14 @@ tests assert (public as ``nnx_zero1.testing``), each computation weighted by how
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 from nnx_zero1._src.hlo import (
   COLLECTIVES,
   INSTRUCTION,
-  callees,
+  call_graph,
+  calls,
   collective_ops,
   computations,
   executions,
@@ -18,11 +20,12 @@ from nnx_zero1._src.hlo import (
   shape_bytes,
 )
 
-__all__ = ["TRANSFERS", "Counts", "per_call", "collectives", "loop_collectives", "host_transfers",
-           "loop_host_transfers"]
+__all__ = ["TRANSFERS", "Counts", "per_call", "in_loops", "by_op", "collectives", "loop_collectives",
+           "host_transfers", "loop_host_transfers"]
 
 TRANSFERS = ("to-device", "to-host")
 Counts = dict[str, dict[str, int]]
+T = TypeVar("T")
 
 
 def _count(lines: list[str], times: int, out: Counts) -> None:
@@ -43,30 +46,74 @@ def _count_transfers(lines: list[str], times: int, out: Counts) -> None:
 def per_call(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
   """``count`` over every computation, each weighted by how often it runs per call of the entry."""
   bodies, entry = computations(hlo)
-  runs = executions(bodies, entry)
+  runs = executions(call_graph(bodies), entry)
   out = {op: {"count": 0, "bytes": 0} for op in ops}
   for name, lines in bodies.items():
     count(lines, runs.get(name, 0), out)
   return out
 
 
-def _per_trip(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
-  """``count`` over the computations inside while-loop bodies (and what they call), each once."""
-  bodies, entry = computations(hlo)
-  inside: set[str] = set()
+def in_loops(graph: Mapping[str, Iterable[tuple[str, str]]], entry: str | None) -> dict[str, int]:
+  """The computations inside while loops' bodies (and what they run), each once (weight 1: one trip's), from
+  each computation's calls (``graph``: (kind, callee), :func:`nnx_zero1._src.hlo.calls`' kinds).
+
+  Example::
+
+    >>> in_loops({"main": [("body", "b"), ("calls", "f")], "b": [("calls", "g")]}, "main")
+    {'b': 1, 'g': 1}
+  """
+  inside: dict[str, int] = {}
 
   def visit(name: str, in_loop: bool) -> None:
     if in_loop:
       if name in inside:
         return
-      inside.add(name)
-    for line in bodies.get(name, ()):
-      for kind, callee in callees(line, bodies):
-        if callee in bodies:
-          visit(callee, in_loop or kind == "body")
+      inside[name] = 1
+    for kind, callee in graph.get(name, ()):
+      visit(callee, in_loop or kind == "body")
 
   if entry is not None:
     visit(entry, False)
+  return inside
+
+
+def by_op(computations: Mapping[str, Iterable[T]], weights: Mapping[str, int],
+          figures: Callable[[T], tuple[str, Mapping[str, int]] | None], ops: tuple[str, ...] = COLLECTIVES
+          ) -> Counts:
+  """Each item's ``figures`` (its op and what one run of it adds, ``bytes`` among them; None: not counted),
+  counted and summed by op, each computation's items ``weights[name]`` times (not at all where absent).
+
+  Args:
+    computations: each computation's items (a record's instructions), in the program's order.
+    weights: how often each computation counts (:func:`nnx_zero1._src.hlo.executions`, or :func:`in_loops`).
+    figures: what one run of an item adds to its op's figures, or None.
+    ops: the ops counted even where none runs.
+
+  Returns:
+    ``{op: {"count", "bytes", ...}}``, the ops in ``computations``' order after ``ops``.
+
+  Example::
+
+    >>> by_op({"main": [("all-reduce", 8), ("negate", 0)]}, {"main": 2},
+    ...       lambda i: (i[0], {"bytes": i[1]}) if i[1] else None, ())
+    {'all-reduce': {'count': 2, 'bytes': 16}}
+  """
+  out: Counts = {op: {"count": 0, "bytes": 0} for op in ops}
+  for name, items in computations.items():
+    times = weights.get(name, 0)
+    for op, adds in (found for item in (items if times else ()) if (found := figures(item))):
+      entry = out.setdefault(op, {"count": 0, "bytes": 0})
+      entry["count"] += times
+      for key, value in adds.items():
+        entry[key] = entry.get(key, 0) + times * value
+  return out
+
+
+def _per_trip(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
+  """``count`` over the computations inside while-loop bodies (and what they call), each once."""
+  bodies, entry = computations(hlo)
+  inside = in_loops({name: [(kind, callee) for line in lines for kind, callee, _ in calls(line, bodies)]
+                     for name, lines in bodies.items()}, entry)
   out = {op: {"count": 0, "bytes": 0} for op in ops}
   for name in inside:
     count(bodies[name], 1, out)

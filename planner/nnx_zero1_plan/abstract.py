@@ -14,9 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1._src.companion import memory_kind_of, spec_axes
 
-__all__ = ["AbstractState", "abstract_bytes_per_device", "bytes_by_memory_kind", "state_split",
-           "with_state_homes", "abstract_state", "describe_model"]
-
 
 def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
   return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize

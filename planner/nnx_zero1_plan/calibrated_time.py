@@ -1,7 +1,8 @@
-"""A program's step time calibrated on the chip: each instruction the cost model prices, read once with its
-kind of work (:func:`read_program`); a calibration made from one profiled run of it (:func:`calibrate`:
-each kind's seconds on the chip over the walk's, :func:`~nnx_zero1_plan.step_time.program_time`'s); any
-other program of that model walked with each kind at its ratio (:func:`calibrated_time`).
+"""A program's step time calibrated on the chip: each instruction the cost model prices, with its kind of
+work, off the program's record (:func:`read_program`); a calibration made from one profiled run of it
+(:func:`calibrate`: each kind's seconds on the chip over the walk's,
+:func:`~nnx_zero1_plan.step_time.program_time`'s); any other program of that model walked with each kind at
+its ratio (:func:`calibrated_time`).
 
 The TPU compiler prices a fusion by the tiling it chose in its program, so the walk parts from the chip by
 kind of work; a profile (:func:`nnx_zero1_plan.on_chip.device_ops`: each instruction's device nanoseconds
@@ -19,79 +20,37 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1._src.companion import (
-  COLLECTIVES,
-  INSTRUCTION,
-  callees,
-  collective_of,
-  computations,
-  estimated_cycles,
-  executions,
-  host_copy,
-)
 from nnx_zero1_plan.calibration import Calibration, Run, summed_kinds
-from nnx_zero1_plan.step_time import NOT_ESTIMATED, Rates, _line_class, program_time
-
-__all__ = ["instruction_kind", "PricedProgram", "read_program", "calibrate", "calibrated_time"]
-
-# What a line that runs beside the core holds: a collective's op, a host copy's start.
-_BESIDE = (*COLLECTIVES, "collective-permute", "copy-start")
-
-
-def instruction_kind(line: str, bodies: dict[str, list[str]]) -> str:
-  """What the compiler fused into one instruction: the vector unit's work, or a matmul, batched (attention's
-  base-dilated convolution) or not, with a reduction fused in (a layer norm's backward) or not.
-
-  Example::
-
-    >>> bodies = {"f": ["  %c = f32[8,8]{1,0} convolution(%a, %b), window={size=1 lhs_dilate=8}",
-    ...                 "  ROOT %r = f32[8]{0} reduce(%c, %z), dimensions={1}, to_apply=%add"]}
-    >>> instruction_kind("  %x = f32[8]{0} fusion(%p), calls=%f", bodies)
-    'matmul batched + reduce'
-  """
-  return _kind_and_class(line, bodies)[0]
-
-
-def _kind_and_class(line: str, bodies: dict[str, list[str]]) -> tuple[str, str]:
-  """An instruction's kind and its class of work (the walk's clock for it), read together."""
-  work = _line_class(line, bodies)
-  if work == "vector":
-    return "vector", work
-  inner = [i for kind, callee in callees(line, bodies) if kind == "calls" for i in bodies.get(callee, ())]
-  reduced = any(" reduce(" in i for i in inner)
-  batched = any("lhs_dilate" in i for i in inner)
-  return "matmul" + (" batched" if batched else "") + (" + reduce" if reduced else ""), work
+from nnx_zero1_plan.program_record import ProgramRecord
+from nnx_zero1_plan.step_time import NOT_ESTIMATED, Rates, program_time
 
 
 @dataclasses.dataclass(frozen=True)
 class PricedProgram:
-  """A compiled program read once: its text, its rates, each instruction the walk prices (name: kind, walked
+  """A compiled program priced: its record, its rates, each instruction the walk prices (name: kind, walked
   seconds per run, runs per call) and whether a collective or host copy runs beside the core."""
 
-  hlo: str
+  record: ProgramRecord
   rates: Rates
   priced: Mapping[str, tuple[str, float, int]]
   overlapped: bool
 
 
-def read_program(hlo: str, rates: Rates) -> PricedProgram:
-  """``compiled.as_text()`` read as :func:`~nnx_zero1_plan.step_time.program_time` walks it (each computation
-  as often as it runs: ``executions``), each priced instruction's cycles at the clock of its class of work."""
-  bodies, entry = computations(hlo)
+def read_program(program: ProgramRecord | str, rates: Rates) -> PricedProgram:
+  """A program's record (or its text, read here) priced as :func:`~nnx_zero1_plan.step_time.program_time`
+  walks it: each computation as often as it runs, each priced instruction at its class's clock, its kind."""
+  record = ProgramRecord.of(program)
   priced: dict[str, tuple[str, float, int]] = {}
   overlapped = False
-  for name, runs in executions(bodies, entry).items():
-    for line in bodies[name]:
-      cycles, m = estimated_cycles(line), INSTRUCTION.match(line)
-      if m is None or m["op"].endswith("-done") or m["op"] in ("while", "call", "conditional"):
-        continue  # a transfer's end is the walk's wait; a callee's instructions are its own computation's
-      if any(word in line for word in _BESIDE) and (  # the slower reading only where it may be one
-          collective_of(line) or m["op"] == "copy-start" and host_copy(m["shape"])):
-        overlapped = True
-      elif cycles is not None and cycles < NOT_ESTIMATED and rates.clock_hz is not None:
-        kind, work = _kind_and_class(line, bodies)
-        priced[m["name"]] = (kind, cycles / (rates.class_clocks_hz or {}).get(work, rates.clock_hz), runs)
-  return PricedProgram(hlo, rates, priced, overlapped)
+  for i, runs in ((i, runs) for name, runs in record.runs.items() for i in record.computations[name]):
+    if i.op.endswith("-done") or i.op in ("while", "call", "conditional"):
+      continue  # a transfer's end is the walk's wait; a callee's instructions are its own computation's
+    if i.collective or i.host:
+      overlapped = True
+    elif i.cycles is not None and i.cycles < NOT_ESTIMATED and rates.clock_hz is not None:
+      clock = (rates.class_clocks_hz or {}).get(i.work or "", rates.clock_hz)
+      priced[i.name] = (i.kind or "", i.cycles / clock, runs)
+  return PricedProgram(record, rates, priced, overlapped)
 
 
 def _walk(program: PricedProgram, calibration: Calibration) -> tuple[float, float]:
@@ -101,7 +60,7 @@ def _walk(program: PricedProgram, calibration: Calibration) -> tuple[float, floa
   if not program.overlapped:
     compute = sum(scaled[name] * runs for name, (_, _, runs) in program.priced.items())
     return compute, compute
-  walk = program_time(program.hlo, program.rates, estimates=scaled)
+  walk = program_time(program.record, program.rates, estimates=scaled)
   return walk.total_s, walk.compute_s or 0.0
 
 

@@ -14,10 +14,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import _Record
 
-__all__ = ["CROSSING", "KindTime", "Run", "Calibration", "built_otherwise", "combined", "for_step",
-           "summed_kinds", "read_calibrations"]
-
-
 # What a step priced across its build has missed by, on the runs kept on one v5e chip (docs/accuracy.md, "One
 # TPU v5e chip", held there by tests/planner/test_calibration.py): a plan says it under such a step. The
 # worst is a search's largest micro-batch priced from its smallest (61 from 8, run 10); of the others, 15%.

@@ -10,10 +10,6 @@ from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.networks import network_note
 from nnx_zero1_plan.row import Figures, Network, OpCount, Point, Row, StateSplit, op_counts
 
-__all__ = ["ms", "gib", "tokens", "HEADER", "POD_HEADER", "EDGE_HEADER", "MEASURED_HEADER", "MEASURED_TITLE",
-           "collective_cell", "network_cell", "dtype_cell", "accumulation_note", "time_cells", "split_words",
-           "is_pod", "header", "row_cells", "edge_cells", "measured_cells"]
-
 
 def ms(seconds: float | None) -> str:
   """Seconds as every table of the plan prints them: milliseconds (``-``: none)."""

@@ -18,8 +18,6 @@ from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.result import Plan
 
-__all__ = ["MARK", "Answer", "run_worker", "plan_in_child", "child_env", "say"]
-
 MARK = "nnx_zero1_plan.child:"  # starts every line of a child process's answers on its stdout
 _ERRORS = {"PlanError": PlanError, "AotUnavailable": compilers.AotUnavailable}
 

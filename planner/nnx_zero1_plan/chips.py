@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Links", "Compute", "GpuChip", "Chip", "CHIPS", "TPU_KINDS", "chip_of"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Links:

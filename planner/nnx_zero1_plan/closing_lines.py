@@ -7,8 +7,6 @@ from nnx_zero1_plan.cells import gib
 from nnx_zero1_plan.recommend import BY_CALIBRATED, BY_THROUGHPUT, Recommendation
 from nnx_zero1_plan.way_out import WayOut
 
-__all__ = ["limit_words", "recommendation_lines", "way_out_lines"]
-
 
 def limit_words(margin: float | None, hbm_bytes: int, usable_bytes: int) -> str:
   """How the usable memory was set, in words: the user's margin, or the backend's reserve.

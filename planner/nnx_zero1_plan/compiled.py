@@ -7,14 +7,11 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_zero1.testing import collectives, loop_collectives, sent_bytes
+from nnx_zero1._src.companion import by_op, in_loops
 from nnx_zero1_plan.hlo_flops import dot_flops
+from nnx_zero1_plan.program_record import Instruction, ProgramRecord
 from nnx_zero1_plan.row import Collectives, Figures, HbmOom
 from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
-
-__all__ = ["PEAK_FIELDS", "peak_source", "memory", "split_memory", "cost", "step_flops", "hbm_oom",
-           "collectives_of", "across_per_step", "summed", "summed_collectives", "row_figures"]
-
 
 # The compiler's own peak, in the order jax grew them: jax 0.10.2 (the TPU VM's) has only
 # peak_memory_in_bytes, whose figure for a TPU program equals the newer total_allocation_bytes' within a few
@@ -112,18 +109,19 @@ def cost(compiled: Any) -> dict[str, int | None]:
   return {"flops": value("flops"), "bytes_accessed": value("bytes accessed")}
 
 
-def step_flops(compiled: Any) -> tuple[int | None, str]:
+def step_flops(compiled: Any, program: ProgramRecord) -> tuple[int | None, str]:
   """A step program's flops on one device and where they come from: ``"hlo_dots"``, its matmuls counted from
-  the compiled HLO (:func:`nnx_zero1_plan.hlo_flops.dot_flops`, each loop's body times its trip count), or
-  where it holds none ``"cost_analysis"``, the compiler's (a loop's body counted once).
+  its record (:func:`nnx_zero1_plan.hlo_flops.dot_flops`, each loop's body times its trip count), or where it
+  holds none ``"cost_analysis"``, the compiler's (a loop's body counted once).
 
   Example::
 
     >>> import jax, jax.numpy as jnp
-    >>> step_flops(jax.jit(lambda a, b: a @ b).lower(jnp.ones((2, 3)), jnp.ones((3, 4))).compile())
+    >>> compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((2, 3)), jnp.ones((3, 4))).compile()
+    >>> step_flops(compiled, ProgramRecord.read(compiled.as_text()))
     (48, 'hlo_dots')
   """
-  counted = dot_flops(compiled.as_text())
+  counted = dot_flops(program)
   if counted:
     return counted, "hlo_dots"
   return cost(compiled)["flops"], "cost_analysis"
@@ -156,24 +154,30 @@ def hbm_oom(message: str) -> HbmOom | None:
   return HbmOom(int(float(need) * _UNITS[u1]), int(float(have) * _UNITS[u2]), m["what"] or "the program")
 
 
-def collectives_of(compiled: Any, domain_of: Sequence[int] | None = None) -> Collectives:
-  """A compiled step's :class:`~nnx_zero1_plan.row.Collectives` on one device (``sent_per_step``:
-  :func:`nnx_zero1.testing.sent_bytes`), and on a pod (``domain_of``: each device's slice or node, in the
-  mesh's order, over more than one) ``across_per_step`` (:func:`across_per_step`)."""
-  hlo = compiled.as_text() or ""
-  across = across_per_step(hlo, domain_of) if domain_of is not None and len(set(domain_of)) > 1 else None
-  return Collectives.from_json({"per_step": collectives(hlo), "per_micro_batch": loop_collectives(hlo),
-                                "sent_per_step": sent_bytes(hlo), "across_per_step": across})
+def collectives_of(program: ProgramRecord, domain_of: Sequence[int] | None = None) -> Collectives:
+  """A compiled step's :class:`~nnx_zero1_plan.row.Collectives` on one device, from its record: each
+  collective's results per step and per trip of its loops (as :func:`nnx_zero1.testing.collectives` and
+  ``loop_collectives`` count them), the bytes one device sends by a ring over its groups (``sent_per_step``,
+  as :func:`nnx_zero1.testing.sent_bytes`), and on a pod (``domain_of``: each device's slice or node, in the
+  mesh's order, over more than one) ``across_per_step``: what one device sends between slices or nodes, a
+  multi-slice TPU program's sends to the megascale runtime (:func:`~nnx_zero1_plan.slow_network.dcn_bytes`),
+  a multi-node GPU program's collectives whose groups span nodes (``slow_network.across_bytes``)."""
+  def result(i: Instruction) -> tuple[str, dict[str, int]] | None:
+    return (i.collective.op, {"bytes": i.collective.result_bytes}) if i.collective else None
 
+  def sent(i: Instruction) -> tuple[str, dict[str, int]] | None:
+    return (i.collective.op, {"bytes": i.collective.sent(program.devices)}) if i.collective else None
 
-def across_per_step(hlo: str, domain_of: Sequence[int]) -> dict[str, dict[str, int]]:
-  """The bytes one device sends between slices or nodes per step, by collective: a multi-slice TPU program's
-  transfers to the megascale runtime (:func:`~nnx_zero1_plan.slow_network.dcn_bytes`), a multi-node GPU
-  program's collectives whose groups span nodes (:func:`~nnx_zero1_plan.slow_network.across_bytes`)."""
-  if "_xla_megascale_transfer_type" in hlo:
-    return dcn_bytes(hlo, len(set(domain_of)))
-  return {op: {"count": c["count"], "bytes": c["across_bytes"]}
-          for op, c in across_bytes(hlo, domain_of).items() if c["across_bytes"]}
+  across = None
+  if domain_of is not None and len(set(domain_of)) > 1:
+    across = dcn_bytes(program, len(set(domain_of))) if "_xla_megascale_transfer_type" in program.text else {
+        op: {"count": c["count"], "bytes": c["across_bytes"]}
+        for op, c in across_bytes(program, domain_of).items() if c["across_bytes"]}
+  of, runs = program.computations, program.runs
+  trip = in_loops({n: [(c.kind, c.computation) for i in body for c in i.calls] for n, body in of.items()},
+                  program.entry)  # the computations inside loops, each once: one trip's
+  return Collectives.from_json({"per_step": by_op(of, runs, result), "sent_per_step": by_op(of, runs, sent),
+                                "per_micro_batch": by_op(of, trip, result), "across_per_step": across})
 
 
 def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:

@@ -10,11 +10,6 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import TextIO
 
-__all__ = ["LOCKFILE", "HOST_ACCELERATOR_TYPE", "ENV", "CALLERS_OWN", "AotUnavailable", "install_hint",
-           "gpu_install_hint", "require_libtpu", "require_cuda_plugin", "lockfile_holders",
-           "clear_stale_lockfile", "planning_environment", "prepare_planning_process", "prepare_environment",
-           "start_cpu_jax", "keep_jax_on_cpu", "compiler_messages_to"]
-
 LOCKFILE = "/tmp/libtpu_lockfile"
 
 # The TPU host libtpu is told it runs on, with one worker (TPU_WORKER_HOSTNAMES=localhost): without them it

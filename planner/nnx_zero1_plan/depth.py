@@ -13,9 +13,6 @@ from nnx_zero1_plan.row import Estimate
 
 _Record = TypeVar("_Record")
 
-__all__ = ["MEASURED_ERROR", "NEAR", "NEAR_LIMIT", "WHOLE_OVER_ESTIMATE_UP_TO", "estimate_mark",
-           "extrapolate", "extrapolate_row", "near_the_limit", "not_alike"]
-
 # What an estimate missed where the whole program was compiled too (TPU compiler, libtpu 0.0.50.1): the
 # whole program's peak over the estimate's, carried by every estimated row and quoted by the flags' help.
 WHOLE_OVER_ESTIMATE_UP_TO = 1.36

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from nnx_zero1_plan.chips import CHIPS, GpuChip
 
-__all__ = ["GPU_CHIPS", "JAX_GPU_POOL_FRACTION", "target_config"]
-
 # jax's GPU client takes XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the memory free when it starts: the
 # pool a GPU target is described to its compiler with, and --gpu-memory-fraction's default.
 JAX_GPU_POOL_FRACTION = 0.75

@@ -8,8 +8,6 @@ import glob
 import os
 import re
 
-__all__ = ["dump_options", "parse_schedule", "scheduled_seconds"]
-
 _MODULE = re.compile(r'^hlo_module \{\n  name: "(?P<name>[^"]+)"', re.M)
 _INSTRUCTION = re.compile(r'^      name: "(?P<name>[^"]+)"$|^      id: (?P<id>\d+)$', re.M)
 # A scheduled instruction; the text format leaves out a field that is zero (the first one's start).

@@ -8,14 +8,13 @@ from __future__ import annotations
 import math
 import re
 
-from nnx_zero1._src.companion import INSTRUCTION, computations, executions
-
-__all__ = ["dot_flops"]
+from nnx_zero1_plan.program_record import Instruction, ProgramRecord
 
 _DIMS = re.compile(r"^\(?[a-z]\w*\[(?P<dims>[\d,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 _WINDOW = re.compile(r"window=\{(?P<spec>[^}]*)\}")
 _LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->")
+_MATMULS = ("dot", "convolution")
 
 
 def _window(spec: str) -> list[tuple[int, int, int, tuple[int, int], int, int]]:
@@ -63,14 +62,14 @@ def _taps(n: int, k: int, stride: int, pad: tuple[int, int], base: int, window: 
   return real / outputs
 
 
-def _flops(instruction: re.Match[str], shapes: dict[str, tuple[int, ...] | None]) -> int:
+def _flops(instruction: Instruction, shapes: dict[str, tuple[int, ...] | None]) -> int:
   """One matmul's FLOPs: a ``dot`` (2 x result x contracted), or a ``convolution`` (the TPU compiler's form
   of a matmul after layout assignment: 2 x result x window x input features per group)."""
-  line, operands = instruction.string, [a.strip().lstrip("%") for a in instruction["args"].split(",")]
-  result, lhs = shapes[instruction["name"]], shapes.get(operands[0])
+  line, operands = instruction.line, [a.strip().lstrip("%") for a in instruction.args.split(",")]
+  result, lhs = shapes[instruction.name], shapes.get(operands[0])
   if result is None or lhs is None:
     return 0
-  if instruction["op"] == "dot":
+  if instruction.op == "dot":
     contracting = _CONTRACTING.search(line)
     if contracting is None:
       return 0
@@ -86,8 +85,9 @@ def _flops(instruction: re.Match[str], shapes: dict[str, tuple[int, ...] | None]
   return round(2 * math.prod(result) * taps * rhs[labels["rhs"].index("i")])
 
 
-def dot_flops(hlo: str) -> int:
-  """The FLOPs of every matmul in a compiled HLO module's text, each loop's body times its trip count.
+def dot_flops(program: ProgramRecord | str) -> int:
+  """The FLOPs of every matmul in a compiled program (its record, or its text read here), each computation
+  as often as it runs (a loop's body times its trip count).
 
   Example::
 
@@ -96,16 +96,13 @@ def dot_flops(hlo: str) -> int:
     >>> dot_flops(hlo)  # 2 x 8 x 4 x 16
     1024
   """
-  bodies, entry = computations(hlo)
+  record = ProgramRecord.of(program)
   total = 0
-  for name, times in executions(bodies, entry).items():  # each computation as often as it runs
+  for body, times in ((record.computations[name], times) for name, times in record.runs.items()):
     shapes: dict[str, tuple[int, ...] | None] = {}
-    for line in bodies[name]:
-      instruction = INSTRUCTION.match(line)
-      if instruction is None:
-        continue
-      dims = _DIMS.match(instruction["shape"])
-      shapes[instruction["name"]] = tuple(int(d) for d in dims["dims"].split(",") if d) if dims else None
-      if instruction["op"] in ("dot", "convolution"):
+    for instruction in body if any(i.op in _MATMULS for i in body) else ():  # shapes only where a matmul is
+      dims = _DIMS.match(instruction.shape)
+      shapes[instruction.name] = tuple(int(d) for d in dims["dims"].split(",") if d) if dims else None
+      if instruction.op in _MATMULS:
         total += times * _flops(instruction, shapes)
   return total

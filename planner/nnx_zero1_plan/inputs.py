@@ -6,9 +6,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-__all__ = ["shortened", "error_line", "PlanError", "ModelRef", "Topology", "parse_mesh", "parse_levers",
-           "parse_topology", "parse_model", "parse_overrides", "spelled_mesh", "ONE_SLICE"]
-
 ONE_SLICE = 1  # a TPU target is one slice unless --slices joins several (a pod)
 
 

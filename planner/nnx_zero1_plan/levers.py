@@ -11,9 +11,6 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
 
-__all__ = ["Lever", "LEVERS", "adds_memory", "engine_attributes", "lever_blocker", "memory_twin",
-           "narrowed_dtypes", "saves_nothing", "state_axes", "summed_over", "with_offload"]
-
 # The options that only narrow what crosses between slices or nodes: which record holds each.
 _NARROWING = {"across_dtype": "accumulate_options", "params_across_dtype": "optimizer_options"}
 

@@ -13,8 +13,6 @@ from nnx_zero1_plan.local_chips import LocalDevices, chips_may_be_here, not_the_
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.result import Plan
 
-__all__ = ["local_devices", "devices_for", "plan_here"]
-
 
 def local_devices() -> LocalDevices | None:
   """The devices jax sees on this machine, asked in a child process (this one keeps its own jax, and

@@ -13,8 +13,6 @@ from nnx_zero1_plan.chips import chip_of
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS
 from nnx_zero1_plan.inputs import ONE_SLICE, parse_topology
 
-__all__ = ["LocalDevices", "chips_may_be_here", "not_the_target"]
-
 
 @dataclasses.dataclass(frozen=True)
 class LocalDevices:

@@ -15,12 +15,10 @@ from nnx_zero1_plan.inputs import ONE_SLICE, PlanError
 from nnx_zero1_plan.levers import Lever, engine_attributes
 from nnx_zero1_plan.mesh_axes import mesh_axes
 from nnx_zero1_plan.planned_model import PlannedModel
+from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, MaxTextConfig
 from nnx_zero1_plan.targets import Target
-
-__all__ = ["MaxTextModel", "mesh_axis_names", "output_directory", "config_overrides", "describe_maxtext",
-           "measure_maxtext"]
 
 # Never named like a package: a folder named nnx_zero1_plan in the temp folder would shadow the planner (as an
 # empty namespace package) in any Python started there.
@@ -148,8 +146,8 @@ def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, b
   return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), "full")
 
 
-def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
-                    defer: bool = True) -> tuple[Figures, list[tuple[str, str, int]]]:
+def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
+                    defer: bool = True) -> tuple[Figures, list[tuple[str, ProgramRecord, int]]]:
   """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
 
   MaxText's engine defers the data-parallel all-reduce to ``update`` where it can (``shard_mode=explicit`` on
@@ -157,7 +155,7 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
 
   Returns:
     The row's figures (``maxtext_config`` says whether the all-reduce was deferred), and the programs one
-    step runs: ``(kernel, its compiled HLO, times per step)``, in order.
+    step runs: ``(kernel, its record, times per step)``, in order (each kernel's text read once).
 
   Raises:
     PlanError: a lever MaxText's engine has no form of.
@@ -203,7 +201,8 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
   grads = max((memory(kernels[name]) for name in set(runs)), key=lambda m: m["peak"])
   mem = split_memory(grads, memory(kernels["update"]), by_kind.get("device", 0))
   domains = [domain_of(d) for d in mesh.devices.flat]
-  counted = {name: collectives_of(kernels[name], domains) for name in (*set(runs), "update")}
+  records = {name: ProgramRecord.read(kernels[name].as_text()) for name in (*dict.fromkeys(runs), "update")}
+  counted = {name: collectives_of(records[name], domains) for name in (*set(runs), "update")}
   step = summed_collectives([counted[name] for name in (*runs, "update")])
   counts = dataclasses.replace(step, per_micro_batch=counted[runs[-1]].per_step)  # a gradient kernel's, whole
   chosen = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(MaxTextConfig)
@@ -214,5 +213,5 @@ def measure_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
       opt_state_bytes_by_dtype=bytes_by_dtype(nnx.state(engine.optimizer.opt_state)),
       param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)), compile_s=seconds,
       maxtext_config=MaxTextConfig.from_json({**chosen, "deferred_all_reduce": str(deferred)}))
-  programs = [(name, kernels[name].as_text(), runs.count(name)) for name in dict.fromkeys(runs)]
-  return figures, [*programs, ("update", kernels["update"].as_text(), 1)]
+  programs = [(name, records[name], runs.count(name)) for name in dict.fromkeys(runs)]
+  return figures, [*programs, ("update", records["update"], 1)]

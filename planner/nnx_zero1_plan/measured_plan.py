@@ -14,24 +14,21 @@ from nnx_zero1_plan import compilers
 from nnx_zero1_plan.calibrated_time import calibrate, read_program
 from nnx_zero1_plan.calibration import Calibration
 from nnx_zero1_plan.chips import CHIPS
-from nnx_zero1_plan.measure import RowCompiler, StepShape, calibrated
 from nnx_zero1_plan.on_chip import TIMED, WARMUP, Program, measured_batches, run_program
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Measured, Row
+from nnx_zero1_plan.row_compiler import RowCompiler, StepShape, calibrated
 from nnx_zero1_plan.step_time import rates_for
 from nnx_zero1_plan.targets import Target
-
-__all__ = ["profiler", "edge_profiled", "measured_rows", "run_at", "said_measured"]
-
 
 Profile = Callable[[str, StepShape, Program], Calibration | None]
 
 
 def profiler(target: Target, request: PlanRequest, progress: Callable[[str], None] | None) -> Profile:
   """``--measure``'s profile of a row's kept program on this process's chips, for a calibration of its build
-  (:attr:`~nnx_zero1_plan.measure.RowCompiler.profile`): a few steps run and profiled
+  (:attr:`~nnx_zero1_plan.row_compiler.RowCompiler.profile`): a few steps run and profiled
   (:func:`~nnx_zero1_plan.on_chip.run_program`), the calibration made of them; None where it did not run."""
   say = progress or (lambda line: None)
 
@@ -42,7 +39,7 @@ def profiler(target: Target, request: PlanRequest, progress: Callable[[str], Non
     if ops is None or run.step_s is None:
       say(f"profiled {at}: {run.error or 'no profile'}")
       return None
-    priced = read_program(program.compiled.as_text(), rates_for(CHIPS[target.chip]))
+    priced = read_program(program.record, rates_for(CHIPS[target.chip]))
     calibration = calibrate(priced, ops, lever=lever, micro_batch=shape.batch, ga=shape.ga,
                             seq_len=request.seq_len, step_s=run.step_s, chip=target.chip, jax=jax.__version__,
                             libtpu=compilers.require_libtpu())
@@ -85,7 +82,7 @@ def edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanReque
     return row
   compiler.profiled.append(made)
   at = Figures(predicted_step_s=found.at_max.predicted_step_s, step_time=row.figures.step_time)
-  seconds = calibrated(at, [(program.compiled.as_text(), 1)], compiler, row.lever, shape.ga).calibrated_step_s
+  seconds = calibrated(at, [(program.record, 1)], compiler, row.lever, shape.ga).calibrated_step_s
   priced = lambda p: dataclasses.replace(p, calibrated_step_s=seconds) if p.batch == edge else p  # noqa: E731
   searched = dataclasses.replace(found, at_max=priced(found.at_max), search=tuple(map(priced, found.search)))
   return dataclasses.replace(row, searched=searched,

@@ -8,9 +8,6 @@ from collections.abc import Iterable, Mapping
 
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
 
-__all__ = ["PLANNER_AXES", "SMALLEST_MICRO_BATCH", "mesh_axes", "check_replica", "batch_axes", "micro_batch",
-           "check_axis_names"]
-
 SMALLEST_MICRO_BATCH = 8  # --batch's default: the fewest sequences a default micro-batch holds
 
 # The axes a batch or the parameters split over without the model naming them (Zero-1's data axis,

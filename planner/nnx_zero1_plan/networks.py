@@ -13,9 +13,6 @@ from collections.abc import Callable, Sequence
 from nnx_zero1_plan.chips import CHIPS, Links
 from nnx_zero1_plan.row import Collectives, Network, PodNetworks, StepTime
 
-__all__ = ["HOP_S", "slice_shape", "on_a_cycle", "rings_of", "collective_seconds", "tpu_collective_time",
-           "network_per_step", "slow_seconds", "network_note"]
-
 # One ICI hop's own time, whatever it carries: "typically around 1us" (How to Scale Your Model,
 # jax-ml/scaling-book, sharding.md, "A note on ICI latency").
 HOP_S = 1e-6

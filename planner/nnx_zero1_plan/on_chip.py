@@ -18,11 +18,9 @@ from jax.sharding import Mesh
 from nnx_zero1_plan.abstract import AbstractState
 from nnx_zero1_plan.inputs import error_line
 from nnx_zero1_plan.levers import Lever
+from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import Measured, Row
 from nnx_zero1_plan.steps import StepShape, placed_batch, placed_state, run_steps
-
-__all__ = ["WARMUP", "TIMED", "PROFILED", "Program", "measured_batches", "run_program", "device_ops",
-           "profiled"]
 
 WARMUP, TIMED = 2, 8  # steps run first (the allocator's growth, the program's load), then the steps counted
 PROFILED = 3  # steps profiled after them, for a calibration
@@ -42,6 +40,7 @@ class Program:
     mesh: the devices' mesh.
     state: the abstract state it was compiled for (its shardings are the run's).
     shape: the micro-batch, sequence length, GA and optimizer it was compiled for.
+    record: its text, read once (what the plan's figures and calibrations are read from).
   """
 
   compiled: Any
@@ -51,6 +50,7 @@ class Program:
   mesh: Mesh
   state: AbstractState
   shape: StepShape
+  record: ProgramRecord
 
 
 def measured_batches(row: Row) -> tuple[int, ...]:

@@ -11,8 +11,6 @@ from nnx_zero1_plan import cells
 from nnx_zero1_plan.cells import gib, ms, tokens
 from nnx_zero1_plan.row import Row
 
-__all__ = ["markdown_table", "time_lines", "search_lines", "markdown"]
-
 _PARTS = ("lever", "step", "micro-batch", "step ms", "compute ms", "fast network ms (exposed)",
           "slow network ms", "host copies ms (exposed)", "roofline ms (lower bound)", "MFU", "tok/s/device",
           "programs per step")

@@ -21,8 +21,6 @@ from nnx_zero1_plan.request import PlanRequest
 if TYPE_CHECKING:  # a type only: the target is made, its compiler loaded, by targets.make_target
   from nnx_zero1_plan.targets import Target
 
-__all__ = ["PlannedModel", "describe_tunix_or_own", "on_devices", "batch_words", "refuse_blocked"]
-
 
 @dataclasses.dataclass(frozen=True)
 class PlannedModel:

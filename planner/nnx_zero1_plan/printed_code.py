@@ -9,8 +9,6 @@ from typing import Any
 from nnx_zero1_plan.levers import Lever, engine_attributes, state_axes, summed_over, with_offload
 from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, OPTIMIZER_CODE
 
-__all__ = ["mesh_code", "lever_code"]
-
 
 def _spelled(value: Any) -> str:
   """An option's value as code: a dtype's name (the levers hold them as strings) is ``jnp``'s."""

@@ -14,11 +14,6 @@ from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.row import Point, Row
 
-__all__ = ["ORDER", "BY_THROUGHPUT", "BY_CALIBRATED", "Recommendation", "by_throughput", "micro_batch_of",
-           "fitted_at", "figures_at", "splits_nothing", "row_sent_bytes", "row_across_bytes",
-           "host_bytes_of", "recommend", "recompute_note", "thin_note", "baseline_beats", "why_picked",
-           "plan_code"]
-
 ORDER: tuple[str, ...] = (
     "fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
     "fewest collective bytes sent per token (within 1%)",

@@ -19,8 +19,6 @@ from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.table import table
 from nnx_zero1_plan.way_out import WayOut
 
-__all__ = ["Plan"]
-
 
 @dataclasses.dataclass
 class Plan:

@@ -11,10 +11,6 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["StepTime", "OpCount", "Collectives", "StateSplit", "HbmOom", "MaxTextConfig", "op_counts",
-           "Figures", "Network", "PodNetworks", "Estimate", "Made", "Point", "Searched", "OffloadPoint",
-           "Offloaded", "Measured", "Split", "Row", "PER_LAYER", "AT_EDGE"]
-
 
 class _Record:
   """A frozen record of plan.json's, written field by field; each field that is a record (or a tuple or

@@ -14,7 +14,6 @@ from nnx_zero1_plan.calibration import combined, read_calibrations
 from nnx_zero1_plan.compiled import peak_source
 from nnx_zero1_plan.levers import LEVERS, saves_nothing
 from nnx_zero1_plan.maxtext import describe_maxtext, output_directory
-from nnx_zero1_plan.measure import RowCompiler, StepShape
 from nnx_zero1_plan.measured_plan import edge_profiled, measured_rows, profiler, run_at, said_measured
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, micro_batch
 from nnx_zero1_plan.planned_model import (
@@ -28,13 +27,12 @@ from nnx_zero1_plan.recommend import plan_code, recommend
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
+from nnx_zero1_plan.row_compiler import RowCompiler, StepShape
 from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row, split_global_batch
 from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
 from nnx_zero1_plan.tunix_sharding import sharding_of
 from nnx_zero1_plan.way_out import Change, WayOut, changes_to_try, find_way_out, next_steps
-
-__all__ = ["make_plan"]
 
 
 def _micro_batch(request: PlanRequest, planned: PlannedModel | None,

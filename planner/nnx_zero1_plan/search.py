@@ -12,10 +12,6 @@ from collections.abc import Callable
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import Figures, Measured, Offloaded, OffloadPoint, Point, Row, Searched, Split
 
-__all__ = ["BAND", "MAX_MICRO_BATCH", "MAX_COMPILES", "MAX_JUMP", "OFFLOAD_COMPILES", "fits_in", "Probe",
-           "Edge", "round_down", "line_limit", "find_edge", "next_fraction", "search_row", "offload_search",
-           "split_global_batch"]
-
 # Within this share of the usable memory a compile is at the limit, where the compilers' peaks stop rising
 # with the micro-batch (XLA's GPU scheduler lands within about 1.5% either side of it on h200:8).
 BAND = 0.03

@@ -8,8 +8,6 @@ from collections.abc import Sequence
 
 from nnx_zero1_plan.row import Row
 
-__all__ = ["draw_search"]
-
 
 def draw_search(rows: Sequence[Row], path: str) -> str | None:
   """Each searched lever's peak and predicted tokens per second against the micro-batch, as a PNG at

@@ -10,8 +10,6 @@ from nnx_zero1_plan.gpu_chips import JAX_GPU_POOL_FRACTION
 from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.request import STEPS, ResolvedRequest
 
-__all__ = ["PlanSettings", "ADDED_LATER"]
-
 # The keys a plan.json written by an older planner may lack; any other missing key is an error.
 ADDED_LATER = ("batch_default", "tunix_sharding", "gpus_per_node", "maxtext_deferral", "global_batch")
 

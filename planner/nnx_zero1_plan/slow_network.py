@@ -6,25 +6,15 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from nnx_zero1._src.companion import (
-  COLLECTIVES,
-  Counts,
-  per_call,
-  replica_groups,
-  ring_sent,
-  sent_counter,
-  shape_bytes,
-  with_fused_groups,
-)
-
-__all__ = ["across_bytes", "dcn_bytes"]
+from nnx_zero1._src.companion import COLLECTIVES, Counts, by_op, ring_sent, shape_bytes
+from nnx_zero1_plan.program_record import Instruction, ProgramRecord
 
 # A send to the megascale runtime (:func:`dcn_bytes`): its operand, and its transfer type.
 _MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z0-9]+\[[0-9,]*\])\S*, '
                              r'.*\bsend\(.*_xla_megascale_transfer_type="(?P<kind>\w+)"')
 
 
-def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
+def across_bytes(program: ProgramRecord | str, domain_of: Sequence[int]) -> Counts:
   """The bytes one device sends per collective (``nnx_zero1.testing.sent_bytes``), and of those the bytes
   that cross between domains (TPU slices, GPU nodes).
 
@@ -33,7 +23,7 @@ def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
   (k-1)/(n-1) of its bytes across: an estimate of the algorithm, from the groups the compiler chose.
 
   Args:
-    hlo: the text of a compiled kernel.
+    program: a compiled program's record, or its text (read here).
     domain_of: for each device of the program, in its partition order (the mesh's devices, flat), the
       domain it sits in (a TPU device's ``slice_index``, a GPU's node).
 
@@ -51,15 +41,20 @@ def across_bytes(hlo: str, domain_of: Sequence[int]) -> Counts:
   """
   devices = len(domain_of)
 
-  def across(line: str, n: int, sent: int) -> dict[str, int]:
-    k = max(len({domain_of[d] for d in group}) for group in replica_groups(line, devices))  # most spanned
-    if " all-to-all" in line:  # each device sends its n-th to every other: those in other domains cross
-      return {"across_bytes": sent * n * (k - 1) // (k * (n - 1))}
-    return {"across_bytes": sent * (k - 1) // (n - 1)}
+  def sent(i: Instruction) -> tuple[str, dict[str, int]] | None:
+    if i.collective is None:
+      return None
+    groups, op, bytes_sent = i.collective.groups(devices), i.collective.op, i.collective.sent(devices)
+    if (n := len(groups[0])) < 2:
+      return op, {"bytes": bytes_sent}
+    k = max(len({domain_of[d] for d in group}) for group in groups)  # the most domains a group spans
+    if " all-to-all" in i.line:  # each device sends its n-th to every other: those in other domains cross
+      return op, {"bytes": bytes_sent, "across_bytes": bytes_sent * n * (k - 1) // (k * (n - 1))}
+    return op, {"bytes": bytes_sent, "across_bytes": bytes_sent * (k - 1) // (n - 1)}
 
-  counted = per_call(with_fused_groups(hlo), sent_counter(devices, across), COLLECTIVES)
+  record = ProgramRecord.of(program)
   return {op: {"count": c["count"], "bytes": c["bytes"], "across_bytes": c.get("across_bytes", 0)}
-          for op, c in counted.items()}
+          for op, c in by_op(record.computations, record.runs, sent).items()}
 
 
 def _dcn_sent(op: str, operand: int, slices: int) -> int:
@@ -71,7 +66,7 @@ def _dcn_sent(op: str, operand: int, slices: int) -> int:
   return ring_sent(op, result, slices)
 
 
-def dcn_bytes(hlo: str, slices: int) -> Counts:
+def dcn_bytes(program: ProgramRecord | str, slices: int) -> Counts:
   """The bytes one device sends between TPU slices per call of a multi-slice program, per transfer type.
 
   The TPU compiler compiles a multi-slice program as one slice's program; each collective over the
@@ -80,7 +75,7 @@ def dcn_bytes(hlo: str, slices: int) -> Counts:
   one device hands over. Each is counted once (its ``recv`` is the same transfer), every loop trip too.
 
   Args:
-    hlo: the text of a compiled multi-slice TPU program.
+    program: a compiled multi-slice TPU program's record, or its text (read here).
     slices: the slices the program spans.
 
   Returns:
@@ -95,13 +90,12 @@ def dcn_bytes(hlo: str, slices: int) -> Counts:
     >>> dcn_bytes(hlo, 2)
     {'all-reduce': {'count': 1, 'bytes': 4096}}
   """
-  def count(lines: list[str], times: int, out: Counts) -> None:
-    for line in lines if times else ():
-      m = _MEGASCALE_SEND.match(line)
-      if m:
-        op = m["kind"].lower().replace("_", "-")  # ALL_REDUCE: all-reduce
-        entry = out.setdefault(op, {"count": 0, "bytes": 0})
-        entry["count"] += times
-        entry["bytes"] += times * _dcn_sent(op, shape_bytes(m["array"]), slices)
+  def sent(i: Instruction) -> tuple[str, dict[str, int]] | None:
+    m = _MEGASCALE_SEND.match(i.line) if "_xla_megascale_transfer_type" in i.line else None
+    if m is None:
+      return None
+    op = m["kind"].lower().replace("_", "-")  # ALL_REDUCE: all-reduce
+    return op, {"bytes": _dcn_sent(op, shape_bytes(m["array"]), slices)}
 
-  return {op: c for op, c in per_call(hlo, count, ()).items() if c["count"]}
+  record = ProgramRecord.of(program)
+  return {op: c for op, c in by_op(record.computations, record.runs, sent, ()).items() if c["count"]}

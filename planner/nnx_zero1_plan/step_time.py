@@ -7,33 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Callable, Mapping, Sequence
 
-from nnx_zero1._src.companion import (
-  INSTRUCTION,
-  callees,
-  collective_of,
-  computations,
-  estimated_cycles,
-  group_size,
-  host_copy,
-  host_transfers,
-  partitions,
-  replica_groups,
-  ring_sent,
-  shape_bytes,
-  trip_count,
-  with_fused_groups,
-)
+from nnx_zero1._src.companion import shape_bytes
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.networks import rings_of, slow_seconds, tpu_collective_time
+from nnx_zero1_plan.program_record import Collective, Instruction, ProgramRecord
 from nnx_zero1_plan.row import StepTime
-
-__all__ = ["Rates", "ProgramTime", "program_time", "NOT_ESTIMATED", "rates_for",
-           "predict_step_time", "PredictedTime", "cycle_class", "CYCLE_CLASSES", "TPU_SOURCE", "GPU_SOURCE",
-           "NO_ESTIMATE", "NO_SCHEDULE", "UNTUNED", "HOST_UNTIMED"]
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
@@ -53,8 +34,8 @@ class Rates:
       where ``collective_s`` is None (a GPU: its switch's rate whatever the group).
     host_bytes_per_s: the host link's rate each way (copies to and from host memory, each direction on its
       own lane); None where it was not measured (the copies are then counted, not timed).
-    class_clocks_hz: the clock each class of work (:data:`CYCLE_CLASSES`) runs the compiler's cycles at,
-      where a microbenchmark measured it on the chip; None: every cycle at ``clock_hz``.
+    class_clocks_hz: the clock each class of work (``program_record.CYCLE_CLASSES``) runs the compiler's
+      cycles at, where a microbenchmark measured it on the chip; None: every cycle at ``clock_hz``.
     collective_s: a collective's seconds on the links its groups use, from its kind, the ring bytes one
       device sends, its device groups, the rings the compiler runs it as and the program's devices (a TPU
       slice: :func:`nnx_zero1_plan.networks.tpu_collective_time`); None: ``network_bytes_per_s``.
@@ -135,12 +116,12 @@ class _Walk:
       self.exposed_host_s += stall
 
 
-def program_time(hlo: str, rates: Rates, devices: int | None = None,
+def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None = None,
                  estimates: Mapping[str, float] | None = None) -> ProgramTime:
   """A compiled program's time on one device: its schedule walked with the compiler's estimates.
 
   Args:
-    hlo: ``compiled.as_text()``.
+    program: the program's record, or ``compiled.as_text()`` (read here: :class:`ProgramRecord`).
     rates: the clock and the networks' and host link's rates.
     devices: the program's devices (its ``num_partitions`` where None).
     estimates: each instruction's estimated seconds by name, where the compiler gives them apart from the
@@ -163,56 +144,42 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
     >>> round(t.compute_s * 1e6, 3), round(t.collective_s * 1e6, 3), round(t.exposed_collective_s * 1e6, 3)
     (1.5, 1.0, 0.5)
   """
-  hlo = with_fused_groups(hlo)
-  bodies, entry = computations(hlo)
-  devices = devices or partitions(hlo)
+  record = ProgramRecord.of(program)
+  devices = devices or record.devices
 
-  def compute_seconds(m: re.Match[str], line: str) -> float | None:
+  def compute_seconds(i: Instruction) -> float | None:
     """One instruction's estimated seconds (0.0: nothing to count; None: the compiler did not estimate it)."""
     if estimates is not None:
-      return 0.0 if m["op"] in _FREE else estimates.get(m["name"])
-    cycles = estimated_cycles(line)
-    if cycles is None or rates.clock_hz is None:
+      return 0.0 if i.op in _FREE else estimates.get(i.name)
+    if i.cycles is None or rates.clock_hz is None:
       return 0.0
-    if cycles >= NOT_ESTIMATED:
-      return None
-    if rates.class_clocks_hz:
-      return cycles / rates.class_clocks_hz.get(_line_class(line, bodies), rates.clock_hz)
-    return cycles / rates.clock_hz
+    return None if i.cycles >= NOT_ESTIMATED else i.cycles / (rates.class_clocks_hz or {}).get(i.work or "",
+                                                                                                rates.clock_hz)
+
+  def network_seconds(c: Collective, line: str) -> float:
+    groups, sent = c.groups(devices), c.sent(devices)
+    if len(groups[0]) < 2:
+      return 0.0
+    return (sent / rates.network_bytes_per_s(len(groups[0])) if rates.collective_s is None
+            else rates.collective_s(c.op, sent, groups, rings_of(line), devices))
 
   @functools.cache
   def walk(name: str) -> ProgramTime:
     w = _Walk()
-    for line in bodies.get(name, ()):
-      m = INSTRUCTION.match(line)
-      if m is None:
-        continue
-      op, shape, args = m["op"], m["shape"], m["args"]
-      collective = collective_of(line)
-      if collective:
-        kind, result, start = collective
-        n = group_size(line, devices)
-        sent = ring_sent(kind, result, n)
-        if n < 2:
-          network_s = 0.0
-        elif rates.collective_s is not None:
-          groups = tuple(replica_groups(line, devices))
-          network_s = rates.collective_s(kind, sent, groups, rings_of(line), devices)
-        else:
-          network_s = sent / rates.network_bytes_per_s(n)
-        w.start(m["name"], network_s, "network")
-        if not start:
-          w.wait(m["name"])
-      elif op == "copy-start" and (way := host_copy(shape)):
+    for i in record.computations.get(name, ()):
+      if i.collective:
+        w.start(i.name, network_seconds(i.collective, i.line), "network")
+        if not i.collective.start:
+          w.wait(i.name)
+      elif i.op == "copy-start" and i.host:
         if rates.host_bytes_per_s is not None:
-          w.start(m["name"], shape_bytes(shape.split(", ")[0]) / rates.host_bytes_per_s, way)
-      elif op.endswith("-done"):
-        w.wait(args.split(",")[0].strip().lstrip("%"))
-      elif op in ("while", "call", "conditional"):  # the callee's walk, as many times as it runs
-        for kind, callee in callees(line, bodies):
-          if callee in bodies:
-            w.add(walk(callee), (trip_count(line, bodies) or 1) if kind == "body" else 1)
-      elif (seconds := compute_seconds(m, line)) is None:
+          w.start(i.name, shape_bytes(i.shape.split(", ")[0]) / rates.host_bytes_per_s, i.host)
+      elif i.op.endswith("-done"):
+        w.wait(i.args.split(",")[0].strip().lstrip("%"))
+      elif i.op in ("while", "call", "conditional"):  # the callee's walk, as many times as it runs
+        for call in i.calls:
+          w.add(walk(call.computation), call.times)
+      elif (seconds := compute_seconds(i)) is None:
         w.unestimated += 1
       else:
         w.total_s += seconds
@@ -225,32 +192,12 @@ def program_time(hlo: str, rates: Rates, devices: int | None = None,
                        host_s=w.host_s if rates.host_bytes_per_s else None, exposed_host_s=w.exposed_host_s,
                        unestimated=w.unestimated, collectives=w.collectives)
 
-  return walk(entry) if entry else ProgramTime(0.0, None, 0.0, 0.0, None, 0.0, 0, 0)
+  return walk(record.entry) if record.entry else ProgramTime(0.0, None, 0.0, 0.0, None, 0.0, 0, 0)
 
 
-# The classes of work the walk times apart, each at the clock its own microbenchmark measured on the chip
-# (Compute.cycle_clocks): the TPU compiler's cycles are one cost model for the matrix units in either
-# precision and the vector unit, and on a v5e the three run at different rates against it.
-CYCLE_CLASSES = ("matmul-bf16", "matmul-f32", "vector")
-_MATMUL = re.compile(r"=\s*(?P<dtype>[a-z]+\d*)\[[^=]*\s(?:convolution|dot)\(")
-
-
-def _line_class(line: str, bodies: dict[str, list[str]], depth: int = 0) -> str:
-  """One instruction's class of work: a matmul where it, or its fused computation, holds a convolution or dot
-  (float32 where its result is: the TPU writes and accumulates in the result's type); else ``vector``."""
-  matmul = _MATMUL.search(line)
-  if matmul:
-    return "matmul-f32" if matmul["dtype"] == "f32" else "matmul-bf16"
-  fused = [callee for kind, callee in callees(line, bodies) if kind == "calls"] if depth < 4 else []
-  for inner in (line for callee in fused for line in bodies.get(callee, ())):
-    found = _line_class(inner, bodies, depth + 1)
-    if found != "vector":
-      return found
-  return "vector"
-
-
-def cycle_class(hlo: str) -> set[str]:
-  """The classes of work (:data:`CYCLE_CLASSES`) of a compiled program's estimated instructions.
+def cycle_class(program: ProgramRecord | str) -> set[str]:
+  """The classes of work (:data:`~nnx_zero1_plan.program_record.CYCLE_CLASSES`) of a compiled program's
+  estimated instructions.
 
   Example::
 
@@ -258,9 +205,7 @@ def cycle_class(hlo: str) -> set[str]:
     ...   '  ROOT %f = f32[8]{0} fusion(%p), calls=%g, backend_config={"estimated_cycles":"12"}', "}"]))
     {'vector'}
   """
-  bodies, _ = computations(hlo)
-  return {_line_class(line, bodies) for body in bodies.values() for line in body
-          if estimated_cycles(line) is not None}
+  return {i.work for body in ProgramRecord.of(program).computations.values() for i in body if i.work}
 
 
 TPU_SOURCE = "the TPU compiler's estimated_cycles (classic cost model), walked in schedule order"
@@ -308,7 +253,7 @@ class PredictedTime:
   time_absent: str | None = None
 
 
-def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, devices: int,
+def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], chip: Chip, *, devices: int,
                       tokens_per_device: float, compute_dtype: str, slow_bytes: int = 0,
                       scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True,
                       coords: Sequence[tuple[int, ...]] | None = None) -> PredictedTime:
@@ -316,7 +261,8 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
   as one step runs it, and the slow network's bytes over its rate, exposed.
 
   Args:
-    programs: ``(name, hlo, times)`` for each program one step runs, in order.
+    programs: ``(name, record or text, times)`` for each program one step runs, in order (a text is read
+      here: :class:`~nnx_zero1_plan.program_record.ProgramRecord`).
     chip: the target's chip (its clock, rates and peak).
     devices: the devices the programs run on (a collective over all of them names no groups).
     tokens_per_device: the tokens one device trains on per step.
@@ -332,16 +278,17 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
   Returns:
     The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).
   """
-  estimates = [_module_estimates(hlo, scheduled) for _, hlo, _ in programs]
+  records = [(name, ProgramRecord.of(program), times) for name, program, times in programs]
+  estimates = [_module_estimates(record, scheduled) for _, record, _ in records]
   # A TPU program carries the compiler's cycles in its text; a GPU program's come from its scheduler's dump.
-  if not all("estimated_cycles" in hlo or own for (_, hlo, _), own in zip(programs, estimates, strict=True)):
+  if not all("estimated_cycles" in r.text or own for (_, r, _), own in zip(records, estimates, strict=True)):
     return PredictedTime(time_absent=NO_ESTIMATE if scheduled is None else NO_SCHEDULE)
   rates = rates_for(chip, coords)
   if rates.host_bytes_per_s is None and any(  # the step copies between host and device memory
-      c["count"] for _, hlo, _ in programs for c in host_transfers(hlo).values()):
+      i.host for _, record, _ in records for name in record.runs for i in record.computations[name]):
     return PredictedTime(time_absent=HOST_UNTIMED)
-  walks = [(program_time(hlo, rates, devices, own), times)
-           for (_, hlo, times), own in zip(programs, estimates, strict=True)]
+  walks = [(program_time(record, rates, devices, own), times)
+           for (_, record, times), own in zip(records, estimates, strict=True)]
   total = lambda part: sum(times * (getattr(t, part) or 0.0) for t, times in walks)  # noqa: E731
   slow_s = slow_seconds(slow_bytes, chip.links)
   # A GPU pod's program spans its nodes: the walk timed the bytes that cross them at NVLink's rate, and the
@@ -350,11 +297,11 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
   fast_s, fast_exposed_s = total("collective_s") - crossed, total("exposed_collective_s")
   crossed_exposed = min(crossed, fast_exposed_s)
   predicted = total("total_s") - crossed_exposed + slow_s
-  flops = sum(times * dot_flops(hlo) for _, hlo, times in programs)
+  flops = sum(times * dot_flops(record) for _, record, times in records)
   peak = chip.compute.peak_flops_per_s.get(compute_dtype, chip.compute.peak_flops_per_s["bfloat16"])
   parts = StepTime(
       source=TPU_SOURCE if scheduled is None else GPU_SOURCE,
-      programs=[name if times == 1 else f"{name} x{times}" for name, _, times in programs],
+      programs=[name if times == 1 else f"{name} x{times}" for name, _, times in records],
       compute_s=total("compute_s"), fast_network=chip.links.fast, fast_s=max(0.0, fast_s),
       fast_exposed_s=fast_exposed_s - crossed_exposed, slow_network=chip.links.slow if slow_bytes else None,
       slow_s=slow_s, host_s=total("host_s") if rates.host_bytes_per_s else None,
@@ -367,19 +314,13 @@ def predict_step_time(programs: Sequence[tuple[str, str, int]], chip: Chip, *, d
                        parts)
 
 
-_MODULE = re.compile(r"^HloModule (?P<name>[\w.\-]+)", re.M)
-
-
-def _module_estimates(hlo: str, scheduled: Mapping[str, Mapping[str, float]] | None
+def _module_estimates(record: ProgramRecord, scheduled: Mapping[str, Mapping[str, float]] | None
                       ) -> Mapping[str, float] | None:
   """A program's instructions' estimates from the GPU scheduler's dump, where most of its entry's costly
   instructions have one (None otherwise: a program partly unestimated has no time)."""
-  module = _MODULE.search(hlo)
-  own = (scheduled or {}).get(module["name"]) if module else None
-  bodies, entry = computations(hlo) if own else ({}, None)
-  if not own or entry is None:
+  own = (scheduled or {}).get(record.module) if record.module else None
+  if not own or record.entry is None:
     return None
-  lines = bodies[entry]
-  names = [m["name"] for line, m in zip(lines, map(INSTRUCTION.match, lines), strict=True)
-           if m and m["op"] not in _FREE and not collective_of(line) and not m["op"].endswith("-done")]
+  names = [i.name for i in record.computations[record.entry]
+           if i.op not in _FREE and not i.collective and not i.op.endswith("-done")]
   return own if not names or sum(n in own for n in names) >= len(names) / 2 else None

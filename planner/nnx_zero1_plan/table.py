@@ -10,8 +10,6 @@ from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.recommend import row_sent_bytes
 from nnx_zero1_plan.row import Row
 
-__all__ = ["COMPACT", "table"]
-
 
 def _aligned(header: Sequence[str], body: Sequence[Sequence[str]], left: Sequence[int]) -> str:
   widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]

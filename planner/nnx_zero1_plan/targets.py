@@ -11,9 +11,6 @@ from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION, target_co
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, Topology, parse_topology
 from nnx_zero1_plan.local_chips import LocalDevices, not_the_target
 
-__all__ = ["Target", "GPU_SCHEDULER_FRACTION", "CUDA_CONTEXT_BYTES", "DEFAULT_RESERVE_BYTES",
-           "gpu_pool_bytes", "usable_bytes", "local_target", "make_target", "require_compiler"]
-
 # XLA's GPU compiler schedules a program for the device memory it is told, deviceless for 80% of the target's
 # device_memory_size: a GPU is described with device_memory_size = pool / 0.8 (measured: docs/accuracy.md).
 GPU_SCHEDULER_FRACTION = 0.8

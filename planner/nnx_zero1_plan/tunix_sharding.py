@@ -13,9 +13,6 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
 
-__all__ = ["TUNIX_SHARDING", "DATA_AXES", "activation_fields", "activation_specs", "specs_for", "constrain",
-           "tunix_constraints", "sharding_of"]
-
 TUNIX_SHARDING = ("default", "none")  # --tunix-sharding's names; anything else is JSON of act_* fields
 DATA_AXES = ("replica", "data")  # what a Tunix user adds to the batch entry, in the batch's own order
 

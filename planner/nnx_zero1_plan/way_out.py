@@ -13,8 +13,6 @@ from nnx_zero1_plan.levers import adds_memory, memory_twin, saves_nothing
 from nnx_zero1_plan.request import ResolvedRequest, command_line
 from nnx_zero1_plan.row import Row
 
-__all__ = ["Change", "Tried", "WayOut", "changes_to_try", "find_way_out", "more_fsdp", "next_steps"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Change:

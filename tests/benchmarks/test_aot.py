@@ -479,14 +479,15 @@ compilers.prepare_environment(); compilers.start_cpu_jax()
 import numpy as np
 from jax.sharding import AxisType, Mesh
 from nnx_zero1_plan.models import model_source
-from nnx_zero1_plan.measure import StepShape, measured
+from nnx_zero1_plan.row_compiler import StepShape, compiled_figures
 from nnx_zero1_plan.targets import make_target
 
 devices = np.array(make_target("h100:8").devices).reshape(8, 1, 1)
 mesh = Mesh(devices, ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
 source = model_source("tunix:qwen3_8b", "bfloat16", "bfloat16")
 shape = StepShape(batch=8, seq_len=1024, ga=1, optimizer="adamw")
-rows = {lever: measured(lever, "one", source, mesh, shape, depth=1) for lever in ("baseline", "zero1")}
+rows = {lever: compiled_figures(lever, "one", source, mesh, shape, depth=1)
+        for lever in ("baseline", "zero1")}
 print("RESULT " + json.dumps({k: [r.argument_bytes_per_device, r.temp_bytes_per_device, r.error]
                               for k, r in rows.items()}), flush=True)
 """

@@ -23,11 +23,11 @@ from nnx_zero1_plan.calibrated_time import (
   PricedProgram,
   calibrate,
   calibrated_time,
-  instruction_kind,
   read_program,
 )
 from nnx_zero1_plan.calibration import CROSSING, Calibration, combined
 from nnx_zero1_plan.chips import CHIPS
+from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.step_time import program_time, rates_for
 from tests.planner.test_device_records import CASES, DOCS, KEPT, docs_said, walked
 
@@ -216,10 +216,14 @@ def test_two_runs_the_smallest_and_the_largest_micro_batch():
 
 
 def test_instruction_kinds_read_the_fused_computation():
-  bodies = {"f": ["  ROOT %c = f32[8,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}"],
-            "g": ["  ROOT %n = f32[8]{0} negate(%p)"]}
-  assert instruction_kind("  %x = f32[8,8]{1,0} fusion(%p), calls=%f", bodies) == "matmul"
-  assert instruction_kind("  %y = f32[8]{0} fusion(%p), calls=%g", bodies) == "vector"
+  cycles = 'backend_config={"estimated_cycles":"1"}'
+  record = ProgramRecord.read("\n".join([
+      "%f (a: f32[8,8]) -> f32[8,8] {", "  ROOT %c = f32[8,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}",
+      "}",
+      "%g (p: f32[8]) -> f32[8] {", "  ROOT %n = f32[8]{0} negate(%p)", "}",
+      "ENTRY %main (p: f32[8,8]) -> f32[8] {", f"  %x = f32[8,8]{{1,0}} fusion(%p), calls=%f, {cycles}",
+      f"  ROOT %y = f32[8]{{0}} fusion(%p), calls=%g, {cycles}", "}"]))
+  assert [i.kind for i in record.computations["main"]] == ["matmul", "vector"]
 
 
 def test_the_docs_say_why_those_three_miss():

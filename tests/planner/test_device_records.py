@@ -16,11 +16,11 @@ import statistics
 
 import pytest
 
-from nnx_zero1._src.companion import INSTRUCTION, computations, estimated_cycles
-from nnx_zero1_plan.calibrated_time import instruction_kind
+from nnx_zero1._src.companion import estimated_cycles
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.step_time import NOT_ESTIMATED, ProgramTime, _line_class, program_time, rates_for
+from nnx_zero1_plan.program_record import ProgramRecord
+from nnx_zero1_plan.step_time import NOT_ESTIMATED, ProgramTime, program_time, rates_for
 from tests.support.docs_tables import table_under
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -182,17 +182,16 @@ def test_the_docs_say_where_the_walk_misses_from_the_chips_profile():
   for batch in (8, 13):
     case = next(c for c in CASES if c["case"] == "build_baseline" and c["batch"] == batch)
     measured = profiled_seconds(case)
-    bodies, _ = computations(case["hlo"])
+    record = ProgramRecord.read(case["hlo"])
     clocks = CHIPS["v5e"].compute.class_clocks_hz
     kinds: dict[str, list[float]] = {}
-    for line in (line for body in bodies.values() for line in body):
-      cycles, m = estimated_cycles(line), INSTRUCTION.match(line)
-      if cycles is None or cycles >= NOT_ESTIMATED or m is None or m["name"] not in measured:
+    for i in (i for body in record.computations.values() for i in body):  # each instruction, its kind read
+      if i.cycles is None or i.cycles >= NOT_ESTIMATED or i.name not in measured or i.kind is None:
         continue
-      kind = kinds.setdefault(instruction_kind(line, bodies), [0, 0.0, 0.0])
+      kind = kinds.setdefault(i.kind, [0, 0.0, 0.0])
       kind[0] += 1
-      kind[1] += cycles / clocks[_line_class(line, bodies)]
-      kind[2] += measured[m["name"]]
+      kind[1] += i.cycles / clocks[i.work]
+      kind[2] += measured[i.name]
     ratios[batch] = {k: walked / run for k, (_, walked, run) in kinds.items()}
     n, walked, run = kinds["matmul + reduce"]
     assert (f"the {n} of them run {1e3 * run:.1f} ms where the walk reads {1e3 * walked:.1f} "

@@ -15,12 +15,12 @@ from nnx_zero1_plan import LEVERS, PlanError, PlanRequest, main, parse_args
 from nnx_zero1_plan import local as local_module
 from nnx_zero1_plan.local import devices_for
 from nnx_zero1_plan.local_chips import LocalDevices, not_the_target
-from nnx_zero1_plan.measure import RowCompiler, StepShape
 from nnx_zero1_plan.on_chip import measured_batches
 from nnx_zero1_plan.plan_md import markdown
 from nnx_zero1_plan.planned_model import describe_tunix_or_own, on_devices
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.row import Figures, Made, Measured, Point, Row, Searched
+from nnx_zero1_plan.row_compiler import RowCompiler, StepShape
 from nnx_zero1_plan.run import measured_rows
 from nnx_zero1_plan.table import table
 from nnx_zero1_plan.targets import Target

@@ -31,10 +31,11 @@ from nnx_zero1_plan.depth import NEAR, estimate_mark, extrapolate_row, near_the_
 from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
-from nnx_zero1_plan.maxtext import MaxTextModel, measure_maxtext
+from nnx_zero1_plan.maxtext import MaxTextModel, compile_maxtext
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.on_chip import Program
 from nnx_zero1_plan.planned_model import PlannedModel
+from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row, StateSplit
 from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.step_time import predict_step_time, rates_for
@@ -42,12 +43,10 @@ from nnx_zero1_plan.steps import StepShape, compile_split, compile_step, lever_s
 from nnx_zero1_plan.targets import Target, domain_of
 from nnx_zero1_plan.tunix_sharding import sharding_of
 
-__all__ = ["StepShape", "measured", "timed", "RowCompiler"]
 
-
-def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: StepShape,
-          timing: RowCompiler | None, lever_name: str,
-          scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
+def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord, int]], shape: StepShape,
+                   timing: RowCompiler | None, lever_name: str,
+                   scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
   """``figures`` with the predicted time (:func:`nnx_zero1_plan.predict_step_time`) of the ``programs`` one
   step of ``lever_name`` runs on ``timing``'s target (``scheduled``: XLA's GPU scheduler's estimates), and the
   calibrated time too (:func:`calibrated`)."""
@@ -60,19 +59,18 @@ def timed(figures: Figures, programs: Sequence[tuple[str, str, int]], shape: Ste
                            tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                            scheduled=scheduled)
   figures = dataclasses.replace(figures, **vars(time))
-  return calibrated(figures, [(hlo, times) for _, hlo, times in programs], timing, lever_name, shape.ga)
+  return calibrated(figures, [(record, times) for _, record, times in programs], timing, lever_name, shape.ga)
 
 
-def calibrated(figures: Figures, programs: Sequence[tuple[str, int]], timing: RowCompiler, lever: str,
-               ga: int) -> Figures:
-  """``figures`` with the calibrated time of ``programs`` (each program's text and the times a step runs it)
+def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], timing: RowCompiler,
+               lever: str, ga: int) -> Figures:
+  """``figures`` with the calibrated time of ``programs`` (each program's record and the times a step runs it)
   by ``timing``'s calibrations built as ``lever``'s step at ``ga`` is
   (:func:`~nnx_zero1_plan.calibration.for_step`); as they are where there are none, or no predicted time."""
   calibration = for_step(timing.all_calibrations, lever, ga)
   if calibration is None or figures.predicted_step_s is None or figures.step_time is None:
     return dataclasses.replace(figures, calibrated_step_s=None)
-  rates = rates_for(CHIPS[timing.target.chip])
-  read = [(read_program(hlo, rates), times) for hlo, times in programs]
+  read = [(read_program(record, rates_for(CHIPS[timing.target.chip])), times) for record, times in programs]
   return dataclasses.replace(figures, calibrated_step_s=calibrated_time(read, calibration)
                              + figures.step_time.slow_s)
 
@@ -88,8 +86,9 @@ def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] |
     yield dump_options(folder), lambda: scheduled_seconds(folder)
 
 
-def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape, depth: int | None = None,
-             progress: Callable[[str], None] | None = None, timing: RowCompiler | None = None) -> Figures:
+def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape,
+                     depth: int | None = None, progress: Callable[[str], None] | None = None,
+                     timing: RowCompiler | None = None) -> Figures:
   """One compile of the lever's step at ``depth`` layers (None: the model's own).
 
   Args:
@@ -104,7 +103,7 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
 
   Returns:
     The row's :class:`~nnx_zero1_plan.row.Figures` (:func:`nnx_zero1_plan.compiled.row_figures`, the
-    optimizer state's bytes, the compile's seconds, the predicted step time: :func:`timed`), or the
+    optimizer state's bytes, the compile's seconds, the predicted step time: :func:`with_step_time`), or the
     compiler's refusal (``error``, ``hbm_oom``; the compiled figures None).
   """
   lever = with_offload(lever_name, shape.offload_fraction)
@@ -122,10 +121,10 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
   started = time.perf_counter()
   try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
     if isinstance(source, MaxTextModel):
-      figures, programs = measure_maxtext(lever_name, lever, source.overrides, source.defer)
+      figures, programs = compile_maxtext(lever_name, lever, source.overrides, source.defer)
       peak = (figures.peak_bytes_per_device or 0) / 2**30
       say(f"compiled {at} in {figures.compile_s or 0:.0f} s: peak {peak:.2f} GiB")
-      return timed(figures, programs, shape, timing, lever_name)
+      return with_step_time(figures, programs, shape, timing, lever_name)
     sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
     state = lever_state(lever, lambda: source.build(depth), shape.optimizer, mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
@@ -139,8 +138,6 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
         compiled, seconds = program.compiled, program.compile_s
       elif step == "one":
         compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
-        if kept is not None:
-          kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape)
       else:
         grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
       scheduled = read()
@@ -150,20 +147,24 @@ def measured(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShap
     say(f"compiled {at}: refused in {seconds:.0f} s ({shortened(error, 160)})")
     return Figures(**state_figures, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
   domains = None if mesh is None else [domain_of(d) for d in mesh.devices.flat]  # in the mesh's order
-  if step == "one":
-    figures = row_figures(memory(compiled), collectives_of(compiled, domains))
+  if step == "one":  # each program's text read once, into the record every figure below is read from
+    record = program.record if program else ProgramRecord.read(compiled.as_text())
+    programs = [("step", record, 1)]
+    if kept is not None and program is None:
+      kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape, record)
+    figures = row_figures(memory(compiled), collectives_of(record, domains))
   else:
+    programs = [(name, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
+                                                                           ("update", update))]
     mem = split_memory(memory(grads), memory(update), state_figures["opt_state_bytes_per_device"])
-    both = summed_collectives([collectives_of(p, domains) for p in (grads, update)])
+    both = summed_collectives([collectives_of(record, domains) for _, record, _ in programs])
     figures = row_figures(mem, both, cost(update))
-  flops, flops_source = step_flops(compiled if step == "one" else grads)
+  flops, flops_source = step_flops(compiled if step == "one" else grads, programs[0][1])
   if program is None:
     say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
-  programs = ([("step", compiled.as_text(), 1)] if step == "one"
-              else [("gradients", grads.as_text(), 1), ("update", update.as_text(), 1)])
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
                                 compile_s=seconds)
-  return timed(figures, programs, shape, timing, lever_name, scheduled)
+  return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
 
 
 def _program_key(lever: str, source: Any, shape: StepShape) -> tuple[str, int, StepShape]:
@@ -262,19 +263,19 @@ class RowCompiler:
     if made is None or program is None:
       return figures
     self.profiled.append(made)
-    return calibrated(figures, [(program.compiled.as_text(), 1)], self, lever, shape.ga)
+    return calibrated(figures, [(program.record, 1)], self, lever, shape.ga)
 
   def _at_depths(self, lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any,
                  shape: StepShape) -> tuple[Figures, Made]:
     """The lever's figures compiled whole (no ``depths``), or at the two ``depths`` and extrapolated to the
     full depth (a refusal at either is the row's), and how they were made."""
     if not depths:
-      figures = measured(lever, step, source, mesh, shape, None, self.progress, self)
+      figures = compiled_figures(lever, step, source, mesh, shape, None, self.progress, self)
       config = figures.maxtext_config  # a MaxText row's layers, as its config chose them (it compiles whole)
       return figures, Made(depth=source.full_depth or (config.num_decoder_layers if config else None))
     d1, d2 = depths
-    r1 = measured(lever, step, source, mesh, shape, d1, self.progress, self)
-    r2 = measured(lever, step, source, mesh, shape, d2, self.progress, self) if not r1.error else r1
+    r1 = compiled_figures(lever, step, source, mesh, shape, d1, self.progress, self)
+    r2 = compiled_figures(lever, step, source, mesh, shape, d2, self.progress, self) if not r1.error else r1
     compile_s = (r1.compile_s or 0.0) + ((r2.compile_s or 0.0) if r2 is not r1 else 0.0)
     if r1.error or r2.error:
       refused = r1 if r1.error else r2
