@@ -6,8 +6,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-__all__ = ["shortened", "error_line", "PlanError", "ModelRef", "Topology", "parse_mesh", "parse_levers",
-           "parse_topology", "parse_model", "parse_overrides", "spelled_mesh", "ONE_SLICE"]
+__all__ = ["shortened", "error_line", "lora_refusal", "lora_modules", "LORA_MODULES", "LORA_ALPHA", "PlanError",
+           "ModelRef", "Topology", "parse_mesh", "parse_levers", "parse_topology", "parse_model", "parse_overrides", "spelled_mesh", "ONE_SLICE"]
 
 ONE_SLICE = 1  # a TPU target is one slice unless --slices joins several (a pod)
 
@@ -161,6 +161,39 @@ def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
       raise PlanError(f"{entry!r} is not a MaxText config override KEY=VALUE (e.g. remat_policy=minimal)")
     overrides[key] = value
   return overrides
+
+
+# --lora: the projections qwix's LoraProvider adapts in each Tunix family, as Tunix's own LoRA examples name
+# them (attention and MLP), and the alpha they pass (it scales the adapters' output and changes no bytes).
+_PROJECTIONS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+LORA_MODULES = {"qwen3": _PROJECTIONS, "qwen2": _PROJECTIONS, "llama3": _PROJECTIONS,
+                "gemma3": ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|.*down_proj"}
+LORA_ALPHA = 2.0
+
+
+def lora_modules(config: str) -> str:
+  """The ``module_path`` regex ``--lora`` adapts in the Tunix configuration ``config`` (its family's, by the
+  name's start; the Llama and Qwen projections for a name of none).
+
+  Example::
+
+    >>> lora_modules("qwen3_1p7b")[:22]
+    '.*q_proj|.*k_proj|.*v_'
+  """
+  family = max((f for f in LORA_MODULES if config.startswith(f)), key=len, default=None)
+  return LORA_MODULES[family] if family else _PROJECTIONS
+
+
+def lora_refusal(model: str) -> str:
+  """Why ``--lora`` does not apply to ``model`` (not a ``tunix:`` model), and how its own LoRA is planned.
+
+  Example::
+
+    >>> lora_refusal("my_pkg.models:build")[:62]
+    '--lora applies LoRA to tunix: models; my_pkg.models:build app'
+  """
+  return (f"--lora applies LoRA to tunix: models; {model} applies its own: call qwix.apply_lora_to_model in "
+          "your function, and the plan trains its nnx.LoRAParam s only, as Tunix's PeftTrainer does")
 
 
 def error_line(error: BaseException, limit: int = 300) -> str:

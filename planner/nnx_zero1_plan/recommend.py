@@ -1,5 +1,6 @@
 """The configuration a plan recommends, by a stated order: :data:`BY_THROUGHPUT` where every point that fits
-has a predicted time, else :data:`ORDER`, by memory; a Zero-1 lever that splits nothing is no candidate. By
+has a predicted time, else :data:`ORDER`, by memory; a Zero-1 lever that splits nothing, or saves little
+(:func:`saves_little`), is no candidate. By
 :data:`ORDER` a lever stands at a micro-batch where its own compile fitted, even above its edge, so no edge is
 weighed against a micro-batch the other lever was never compiled at."""
 
@@ -15,7 +16,7 @@ from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, c
 from nnx_zero1_plan.row import Point, Row
 
 __all__ = ["ORDER", "BY_THROUGHPUT", "BY_CALIBRATED", "Recommendation", "by_throughput", "micro_batch_of",
-           "fitted_at", "figures_at", "splits_nothing", "row_sent_bytes", "row_across_bytes",
+           "fitted_at", "figures_at", "splits_nothing", "saves_little", "row_sent_bytes", "row_across_bytes",
            "host_bytes_of", "recommend", "recompute_note", "thin_note", "baseline_beats", "why_picked",
            "plan_code"]
 
@@ -140,6 +141,42 @@ def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
   return abs(mine - theirs) <= 0.001 * theirs
 
 
+# A Zero-1 saving under this share of the baseline's peak is within the compiler's own scatter near its limit
+# (it lands within about 1.5% either side: docs/planner.md's search): it buys no micro-batch one can count on.
+_LITTLE = 0.015
+
+
+def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
+  """Where a Zero-1 row's optimizer state per device is smaller than the fitting baseline's by less than 1.5%
+  of the baseline's peak (LoRA's small state), one line saying so; None otherwise (a baseline that does not
+  fit, state in host memory, a row that :func:`splits_nothing`, or no baseline to compare).
+
+  Example::
+
+    >>> from nnx_zero1_plan.row import Figures, Made
+    >>> def row(lever, state):
+    ...   f = Figures(opt_state_bytes_per_device=state, peak_bytes_per_device=4 * 2**30)
+    ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 9, 8, True)
+    >>> rows = [row("baseline", 48 * 2**20), row("zero1", 6 * 2**20)]
+    >>> print(saves_little(rows[1], rows).replace(": ", ":\n", 1))
+    zero1 saves little here:
+    0.04 GiB of optimizer state per device, 1.0% of the baseline's 4.00 GiB peak (under 1.5%, the compiler's own scatter near its limit): nnx.Optimizer is as good
+  """
+  if row.lever == "baseline" or row.figures.host_state_bytes or splits_nothing(row, rows):
+    return None
+  base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
+  if base is None or not base.fits:
+    return None
+  mine, theirs = row.figures.opt_state_bytes_per_device, base.figures.opt_state_bytes_per_device
+  peak = base.figures.peak_bytes_per_device
+  if mine is None or theirs is None or not peak or theirs - mine >= _LITTLE * peak:
+    return None
+  saved = theirs - mine
+  return (f"{row.lever} saves little here: {saved / 2**30:.2f} GiB of optimizer state per device, "
+          f"{saved / peak:.1%} of the baseline's {peak / 2**30:.2f} GiB peak (under 1.5%, the compiler's own "
+          "scatter near its limit): nnx.Optimizer is as good")
+
+
 def row_sent_bytes(row: Row) -> int:
   """The collective bytes one device sends per step on every network together, one basis on every backend: on
   a pod :attr:`~nnx_zero1_plan.row.PodNetworks.bytes` (a TPU program's megascale transfers are not among its
@@ -260,7 +297,7 @@ def plan_code(request: PlanRequest, lever: str, offload_fraction: float | None =
   """
   return lever_code(lever, str(request.model_ref), offload_fraction, request.mesh_sizes, request.optimizer,
                     platform=request.platform, domains=request.domains,
-                    activation_sharding=activation_sharding)
+                    activation_sharding=activation_sharding, lora=request.lora)
 
 
 def _ms(seconds: float | None) -> str:
@@ -352,7 +389,8 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
     step = "split" if request.model_ref.kind == "maxtext" else DEFAULT_STEP
     step = step if step in shapes else (shapes[0] if shapes else step)
   same_step = [r for r in rows if r.step == step]
-  candidates = [r for r in same_step if not splits_nothing(r, same_step)]
+  little = {r.lever: why for r in same_step if (why := saves_little(r, same_step))}
+  candidates = [r for r in same_step if not splits_nothing(r, same_step) and r.lever not in little]
   edges = [micro_batch_of(r, r.batch) for r in candidates]
   if not any(edges):
     return None
@@ -375,8 +413,8 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
   unconfirmed = [f"{r.lever}'s edge is not confirmed ({r.searched.search_unfinished}): it fits at least "
                  f"{micro_batch_of(r, r.batch)}" for r in candidates
                  if r.searched is not None and r.searched.search_unfinished]
-  skipped = [f"{r.lever} holds the baseline's optimizer state per device (its layout splits nothing): "
-             "not a candidate" for r in same_step if r not in candidates]
+  skipped = [little.get(r.lever) or f"{r.lever} holds the baseline's optimizer state per device (its layout "
+             "splits nothing): not a candidate" for r in same_step if r not in candidates]
   offload = None if best.offloaded is None else best.offloaded.offload_fraction
   code = plan_code(request, best.lever, offload, activation_sharding)
   if best.ga is not None:  # --global-batch chose the split: the code says it, the command reproduces it
