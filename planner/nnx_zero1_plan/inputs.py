@@ -6,8 +6,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-__all__ = ["shortened", "error_line", "lora_refusal", "lora_modules", "LORA_MODULES", "LORA_ALPHA", "PlanError",
-           "ModelRef", "Topology", "parse_mesh", "parse_levers", "parse_topology", "parse_model", "parse_overrides", "spelled_mesh", "ONE_SLICE"]
+__all__ = ["shortened", "error_line", "lora_refusal", "lora_modules", "LORA_MODULES", "LORA_ALPHA",
+           "PlanError", "ModelRef", "Topology", "parse_mesh", "parse_levers", "parse_topology", "parse_model",
+           "parse_overrides", "spelled_mesh", "ONE_SLICE"]
 
 ONE_SLICE = 1  # a TPU target is one slice unless --slices joins several (a pod)
 
@@ -167,7 +168,8 @@ def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
 # them (attention and MLP), and the alpha they pass (it scales the adapters' output and changes no bytes).
 _PROJECTIONS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
 LORA_MODULES = {"qwen3": _PROJECTIONS, "qwen2": _PROJECTIONS, "llama3": _PROJECTIONS,
-                "gemma3": ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|.*down_proj"}
+                "gemma3": ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|"
+                          ".*down_proj"}
 LORA_ALPHA = 2.0
 
 

@@ -158,9 +158,11 @@ def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
     ...   f = Figures(opt_state_bytes_per_device=state, peak_bytes_per_device=4 * 2**30)
     ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 9, 8, True)
     >>> rows = [row("baseline", 48 * 2**20), row("zero1", 6 * 2**20)]
-    >>> print(saves_little(rows[1], rows).replace(": ", ":\n", 1))
+    >>> print(saves_little(rows[1], rows).replace(": ", ":\\n").replace(" (", "\\n("))
     zero1 saves little here:
-    0.04 GiB of optimizer state per device, 1.0% of the baseline's 4.00 GiB peak (under 1.5%, the compiler's own scatter near its limit): nnx.Optimizer is as good
+    0.04 GiB of optimizer state per device, 1.0% of the baseline's 4.00 GiB peak
+    (under 1.5%, the compiler's own scatter near its limit):
+    nnx.Optimizer is as good
   """
   if row.lever == "baseline" or row.figures.host_state_bytes or splits_nothing(row, rows):
     return None
@@ -389,7 +391,7 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
     step = "split" if request.model_ref.kind == "maxtext" else DEFAULT_STEP
     step = step if step in shapes else (shapes[0] if shapes else step)
   same_step = [r for r in rows if r.step == step]
-  little = {r.lever: why for r in same_step if (why := saves_little(r, same_step))}
+  little = {r.lever: note for r in same_step if (note := saves_little(r, same_step)) is not None}
   candidates = [r for r in same_step if not splits_nothing(r, same_step) and r.lever not in little]
   edges = [micro_batch_of(r, r.batch) for r in candidates]
   if not any(edges):

@@ -28,9 +28,9 @@ from nnx_zero1_plan.levers import Lever, state_axes, summed_over
 from nnx_zero1_plan.mesh_axes import batch_axes
 from nnx_zero1_plan.request import OPTIMIZER_MENU
 
-__all__ = ["StepShape", "OPTIMIZERS", "trained", "make_optimizer", "scan_value_and_grad", "abstract_batch", "step_jit",
-           "compile_step", "compile_split", "lever_state", "placed_state", "placed_batch", "StepRuns",
-           "run_steps"]
+__all__ = ["StepShape", "OPTIMIZERS", "trained", "make_optimizer", "scan_value_and_grad", "abstract_batch",
+           "step_jit", "compile_step", "compile_split", "lever_state", "placed_state", "placed_batch",
+           "StepRuns", "run_steps"]
 
 
 @dataclasses.dataclass(frozen=True)
