@@ -192,7 +192,7 @@ def lora_refusal(model: str) -> str:
   Example::
 
     >>> lora_refusal("my_pkg.models:build")[:62]
-    '--lora applies LoRA to tunix: models; my_pkg.models:build app'
+    '--lora applies LoRA to tunix: models; my_pkg.models:build appl'
   """
   return (f"--lora applies LoRA to tunix: models; {model} applies its own: call qwix.apply_lora_to_model in "
           "your function, and the plan trains its nnx.LoRAParam s only, as Tunix's PeftTrainer does")
