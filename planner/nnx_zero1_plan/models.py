@@ -26,9 +26,8 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.tunix_sharding import activation_fields, specs_for, tunix_constraints
 
-__all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "with_lora",
-           "model_source", "next_token_loss", "tunix_loss",
-           "where_to_find"]
+__all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "with_lora", "model_source", "next_token_loss",
+           "tunix_loss", "where_to_find"]
 
 # Tunix's model families: (module, class); a configuration's name starts with its family's.
 TUNIX_FAMILIES = {
@@ -37,6 +36,7 @@ TUNIX_FAMILIES = {
     "llama3": ("tunix.models.llama3.model", "Llama3"),
     "gemma3": ("tunix.models.gemma3.model", "Gemma3"),
 }
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:

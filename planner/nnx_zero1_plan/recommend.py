@@ -1,8 +1,8 @@
 """The configuration a plan recommends, by a stated order: :data:`BY_THROUGHPUT` where every point that fits
 has a predicted time, else :data:`ORDER`, by memory; a Zero-1 lever that splits nothing, or saves little
-(:func:`saves_little`), is no candidate. By
-:data:`ORDER` a lever stands at a micro-batch where its own compile fitted, even above its edge, so no edge is
-weighed against a micro-batch the other lever was never compiled at."""
+(:func:`saves_little`), is no candidate. By :data:`ORDER` a lever stands at a micro-batch where its own
+compile fitted, even above its edge, so no edge is weighed against a micro-batch the other lever was never
+compiled at."""
 
 from __future__ import annotations
 
@@ -149,7 +149,8 @@ _LITTLE = 0.015
 def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
   """Where a Zero-1 row's optimizer state per device is smaller than the fitting baseline's by less than 1.5%
   of the baseline's peak (LoRA's small state), one line saying so; None otherwise (a baseline that does not
-  fit, state in host memory, a row that :func:`splits_nothing`, or no baseline to compare).
+  fit, or a search that found the row a larger micro-batch: then the saving is what fits; state in host
+  memory; a row that :func:`splits_nothing`; no baseline to compare).
 
   Example::
 
@@ -167,7 +168,8 @@ def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
   if row.lever == "baseline" or row.figures.host_state_bytes or splits_nothing(row, rows):
     return None
   base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
-  if base is None or not base.fits:
+  edge = lambda r: micro_batch_of(r, r.batch) or 0
+  if base is None or not base.fits or edge(row) > edge(base):
     return None
   mine, theirs = row.figures.opt_state_bytes_per_device, base.figures.opt_state_bytes_per_device
   peak = base.figures.peak_bytes_per_device

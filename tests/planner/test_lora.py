@@ -15,7 +15,7 @@ from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.recommend import recommend, saves_little
 from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.settings import PlanSettings
-from tests.support.rows import G, make_row
+from tests.support.rows import G, make_row, searched
 
 HAS_TUNIX = importlib.util.find_spec("tunix") is not None and importlib.util.find_spec("qwix") is not None
 LORA_REQUEST = PlanRequest("tunix:llama3p2_1b", "v5e:2x4", mesh="data=8,fsdp=1", batch=16, lora=16,
@@ -112,3 +112,7 @@ def test_where_zero1_saves_little_the_plan_says_so_in_one_line_and_recommends_th
   assert saves_little(big[1], big) is None
   # Where the baseline does not fit, what Zero-1 saves is what fits: no note.
   assert saves_little(rows[1], [dataclasses.replace(rows[0], fits=False), rows[1]]) is None
+  # Where a search found Zero-1 a larger micro-batch than the baseline's, its saving is what fits: no note.
+  edged = [dataclasses.replace(row, searched=searched(edge)) for row, edge in zip(rows, (16, 24))]
+  assert saves_little(edged[1], edged) is None
+  assert saves_little(dataclasses.replace(edged[1], searched=searched(16)), edged) is not None
