@@ -84,7 +84,7 @@ def test_a_lora_plan_holds_the_adapters_moments_only_and_zero1_splits_them(monke
     compiled, _ = compile_step(LEVERS[name], state[4, name], lora.loss_fn, mesh, 4, 16, 1)
     assert compiled.memory_analysis().argument_size_in_bytes > 0
   tokens = np.ones((1, 2, 17), np.int32)
-  grads_of = lambda m, t: scan_value_and_grad(lora.loss_fn, m, t, nnx.LoRAParam)
+  grads_of = lambda m, t: scan_value_and_grad(lora.loss_fn, m, t, optimizer.wrt)  # as the step calls it
   _, grads = jax.eval_shape(grads_of, model, tokens)
   shapes = lambda tree: [x.shape for x in jax.tree.leaves(tree)]
   assert shapes(grads) == shapes(adapters)  # the adapters' gradients, none of the frozen weights'
