@@ -313,3 +313,36 @@ def test_the_prose_step_times_are_the_kept_plans():
                                                               "tunix_llama3p2_1b_v5e_2x4/none"))
   tunix = " ".join((ROOT / "docs/tunix.md").read_text().split())
   assert f"the step is predicted at {ms(constrained)} ms against {ms(free)}" in tunix
+
+
+def test_tunix_savings_at_the_users_mesh_are_the_kept_plans():
+  """docs/tunix.md's table of Tunix models on a v5e-8: each row's figures are its kept plan's (GiB to two
+  decimals, the state's share of the baseline's peak, the predicted steps in ms), its recommendation says
+  "saves little" exactly where the plan's note does, and its plan's command is in the block above it."""
+  doc = (ROOT / "docs" / "tunix.md").read_text()
+  rows = table_under("docs/tunix.md", "| model | mesh | training |")
+  assert {(r[0], r[2]) for r in rows} >= {("`llama3p2_1b`", "full fine-tuning"),
+                                          ("`llama3p2_1b`", "LoRA rank 16")}
+  gib = lambda n: f"{n / 2**30:.2f}"
+  for model, mesh, training, peak, peak_zero1, state, state_zero1, step, recommends, link in rows:
+    folder = ROOT / "docs" / re.search(r"\]\((.+)plan\.json\)", link)[1]
+    plan = json.loads((folder / "plan.json").read_text())
+    base, zero1 = (next(r for r in plan["rows"] if r["lever"] == lever) for lever in ("baseline", "zero1"))
+    assert plan["meta"]["model"] == f"tunix:{model.strip('`')}"
+    assert mesh == " x ".join(f"{a} {n}" for a, n in plan["meta"]["mesh"].items() if n > 1)
+    assert (plan["meta"].get("lora") == 16) == (training == "LoRA rank 16")
+    assert [peak, peak_zero1, state_zero1] == [gib(base["peak_bytes_per_device"]),
+                                               gib(zero1["peak_bytes_per_device"]),
+                                               gib(zero1["opt_state_bytes_per_device"])]
+    share = base["opt_state_bytes_per_device"] / base["peak_bytes_per_device"]
+    assert state == f"{gib(base['opt_state_bytes_per_device'])} ({share:.1%})"
+    assert step == f"{base['predicted_step_s'] * 1e3:.1f} / {zero1['predicted_step_s'] * 1e3:.1f}"
+    rec = plan["recommendation"]
+    little = any(n.startswith("zero1 saves little here") for n in rec["notes"])
+    assert recommends == ("`nnx.Optimizer`: Zero-1 saves little" if little
+                          else {"baseline": "`nnx.Optimizer`", "zero1": "Zero-1"}[rec["lever"]])
+    assert little == (training == "LoRA rank 16"), (model, mesh, training)
+    measured = next(p / "measured.json" for p in (folder, folder.parent) if (p / "measured.json").exists())
+    key = "plan.json" if measured.parent == folder else f"{folder.name}/plan.json"
+    command = json.loads(measured.read_text())["commands"][key].split(" --out ")[0]
+    assert f"\n{command}\n" in doc, command

@@ -68,6 +68,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--tunix-sharding", help="tunix: models' activation constraints, applied as on the chips: "
                  "default (Tunix's, the mesh's data axes in each batch entry), none (XLA's propagation), or "
                  "JSON of ShardingConfig act_* fields")
+  p.add_argument("--lora", type=int, metavar="RANK", help="tunix: models: plan a LoRA run of this rank "
+                 "(qwix's adapters on the attention and MLP projections, as Tunix's examples; only they "
+                 "trained, wrt=nnx.LoRAParam); default: full fine-tuning")
   p.add_argument("--maxtext-deferral", choices=("auto", "off"), help="maxtext: models: auto (default: "
                  "MaxText's engine defers the data-parallel all-reduce to update where it can) or off (every "
                  "micro-batch all-reduces its gradients)")

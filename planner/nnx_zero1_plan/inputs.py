@@ -160,6 +160,40 @@ def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
   return overrides
 
 
+# --lora: the projections qwix's LoraProvider adapts in each Tunix family, as Tunix's own LoRA examples name
+# them (attention and MLP), and the alpha they pass (it scales the adapters' output and changes no bytes).
+_PROJECTIONS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+LORA_MODULES = {"qwen3": _PROJECTIONS, "qwen2": _PROJECTIONS, "llama3": _PROJECTIONS,
+                "gemma3": ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|"
+                          ".*down_proj"}
+LORA_ALPHA = 2.0
+
+
+def lora_modules(config: str) -> str:
+  """The ``module_path`` regex ``--lora`` adapts in the Tunix configuration ``config`` (its family's, by the
+  name's start; the Llama and Qwen projections for a name of none).
+
+  Example::
+
+    >>> lora_modules("qwen3_1p7b")[:22]
+    '.*q_proj|.*k_proj|.*v_'
+  """
+  family = max((f for f in LORA_MODULES if config.startswith(f)), key=len, default=None)
+  return LORA_MODULES[family] if family else _PROJECTIONS
+
+
+def lora_refusal(model: str) -> str:
+  """Why ``--lora`` does not apply to ``model`` (not a ``tunix:`` model), and how its own LoRA is planned.
+
+  Example::
+
+    >>> lora_refusal("my_pkg.models:build")[:62]
+    '--lora applies LoRA to tunix: models; my_pkg.models:build appl'
+  """
+  return (f"--lora applies LoRA to tunix: models; {model} applies its own: call qwix.apply_lora_to_model in "
+          "your function, and the plan trains its nnx.LoRAParam s only, as Tunix's PeftTrainer does")
+
+
 def error_line(error: BaseException, limit: int = 300) -> str:
   """An exception as one line (its type, then its message's words), :func:`shortened` to ``limit``.
 

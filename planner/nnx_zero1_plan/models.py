@@ -15,11 +15,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nnx_zero1_plan.inputs import ModelRef, PlanError, parse_model, shortened
+from nnx_zero1_plan.inputs import (
+  LORA_ALPHA,
+  ModelRef,
+  PlanError,
+  lora_modules,
+  lora_refusal,
+  parse_model,
+  shortened,
+)
 from nnx_zero1_plan.tunix_sharding import activation_fields, specs_for, tunix_constraints
-
-__all__ = ["ModelSource", "TUNIX_FAMILIES", "cast_params", "model_source", "next_token_loss", "tunix_loss",
-           "where_to_find"]
 
 # Tunix's model families: (module, class); a configuration's name starts with its family's.
 TUNIX_FAMILIES = {
@@ -63,6 +68,31 @@ def tunix_loss(model: Any, tokens: jax.Array) -> jax.Array:
   return next_token_loss(logits, tokens)
 
 
+def with_lora(model: Any, rank: int, module_path: str, alpha: float = LORA_ALPHA) -> Any:
+  """``model`` with qwix's LoRA adapters (``nnx.LoRAParam`` s of ``rank``) on the modules ``module_path``
+  matches, applied as Tunix applies them (``qwix.apply_lora_to_model`` traced on the model's own sample input,
+  ``model.get_model_input()``): under ``nnx.eval_shape`` the adapters are shapes, their sharding the weights'.
+
+  Raises:
+    PlanError: qwix is not installed, or ``module_path`` matches none of the model's modules.
+
+  Example::
+
+    model = with_lora(Llama3(config, rngs=nnx.Rngs(0)), 16, lora_modules("llama3p2_1b"))
+  """
+  from flax import nnx
+
+  try:
+    import qwix
+  except ImportError as e:
+    raise PlanError(f"--lora applies qwix's LoRA, as Tunix does: pip install qwix ({e})") from e
+  provider = qwix.LoraProvider(module_path=module_path, rank=rank, alpha=alpha)
+  adapted = qwix.apply_lora_to_model(model, provider, **model.get_model_input(), rngs=nnx.Rngs(1))
+  if not any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(adapted)):
+    raise PlanError(f"--lora: qwix adapted none of {type(model).__name__}'s modules ({module_path})")
+  return adapted
+
+
 def _tunix_family(name: str) -> tuple[Any, Any]:
   family = max((f for f in TUNIX_FAMILIES if name.startswith(f)), key=len, default=None)
   if family is None:
@@ -81,7 +111,7 @@ def _tunix_family(name: str) -> tuple[Any, Any]:
 
 
 def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
-                  remat: str | None, tunix_sharding: str = "default") -> ModelSource:
+                  remat: str | None, tunix_sharding: str = "default", lora: int | None = None) -> ModelSource:
   module, cls = _tunix_family(name)
   make_config = getattr(module.ModelConfig, name, None)
   if make_config is None:
@@ -122,7 +152,9 @@ def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
     with nnx.use_eager_sharding(False):  # shardings stay metadata; the plan reads them from there
       model = cls(dataclasses.replace(config, num_layers=depth or config.num_layers, shd_config=shd_config),
                   rngs=nnx.Rngs(0))
-    return model if cast_to is None else cast_params(model, cast_to)
+    model = model if cast_to is None else cast_params(model, cast_to)
+    # After the cast: qwix gives each adapter its weight's dtype, as on a model loaded in that dtype.
+    return model if lora is None else with_lora(model, lora, lora_modules(name))
 
   # gemma3 calls tunix.utils.sharding_utils.shard; llama3, qwen2 and qwen3 their own module's shard.
   shard_modules = [m for m in (module, getattr(module, "sharding_utils", None)) if m is not None]
@@ -211,8 +243,10 @@ def _function_source(module_name: str, function_name: str) -> ModelSource:
 
 
 def model_source(model: str | ModelRef, param_dtype: str | None = None, compute_dtype: str | None = None,
-                 remat: str | None = None, tunix_sharding: str = "default") -> ModelSource:
-  """The :class:`ModelSource` ``--model`` names (as given, or parsed), with the flags of the same names.
+                 remat: str | None = None, tunix_sharding: str = "default",
+                 lora: int | None = None) -> ModelSource:
+  """The :class:`ModelSource` ``--model`` names (as given, or parsed), with the flags of the same names
+  (``lora``: ``--lora``'s rank, None for full fine-tuning).
 
   Raises:
     PlanError: an unknown family, configuration or function, or a flag the model cannot take.
@@ -223,7 +257,9 @@ def model_source(model: str | ModelRef, param_dtype: str | None = None, compute_
   """
   source, name = model if isinstance(model, ModelRef) else parse_model(model)
   if source == "tunix":
-    return _tunix_source(name, param_dtype, compute_dtype, remat, tunix_sharding)
+    return _tunix_source(name, param_dtype, compute_dtype, remat, tunix_sharding, lora)
+  if lora is not None:
+    raise PlanError(lora_refusal(str(model)))
   if tunix_sharding != "default":
     raise PlanError(f"--tunix-sharding applies to tunix: models; {model} constrains its own activations")
   if param_dtype or compute_dtype or remat:

@@ -65,7 +65,7 @@ def describe_tunix_or_own(request: PlanRequest, policy: str | None,
   """
   estimate = request.estimate if estimate is None else estimate
   source = model_source(request.model_ref, request.param_dtype, request.compute_dtype, policy,
-                        request.tunix_sharding)
+                        request.tunix_sharding, request.lora)
   # An estimate is for TPUs only: XLA's GPU compiler compiles a whole program in minutes, and schedules a
   # deep program's collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the line,
   # 7.95 whole).

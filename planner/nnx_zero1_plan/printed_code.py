@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_zero1_plan.inputs import LORA_ALPHA, lora_modules
 from nnx_zero1_plan.levers import Lever, engine_attributes, state_axes, summed_over, with_offload
 from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, OPTIMIZER_CODE
 
@@ -70,8 +71,24 @@ def _tuples(value: Any) -> Any:
   return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
+def lora_lines(model: str, rank: int) -> list[str]:
+  """The lines that apply ``--lora``'s adapters to ``model`` (a ``tunix:`` model) as the plan did: qwix's,
+  after ``model = ...``; Tunix's trainer then trains them only.
+
+  Example::
+
+    >>> print(lora_lines("tunix:llama3p2_1b", 16)[0])
+      # LoRA as planned: the trainer sees nnx.LoRAParam s and trains only them (wrt=nnx.LoRAParam)
+  """
+  provider = (f"qwix.LoraProvider(module_path={lora_modules(model.partition(':')[2])!r}, rank={rank}, "
+              f"alpha={LORA_ALPHA})")
+  return ["  # LoRA as planned: the trainer sees nnx.LoRAParam s and trains only them (wrt=nnx.LoRAParam)",
+          f"  model = qwix.apply_lora_to_model(model, {provider},",
+          "                                    **model.get_model_input(), rngs=nnx.Rngs(1))"]
+
+
 def _tunix_code(lever: Lever, options: list[str], mesh_lines: list[str], mesh: Mapping[str, int] | None,
-                tx: str, activation_sharding: Any) -> list[str]:
+                tx: str, activation_sharding: Any, lora: list[str]) -> list[str]:
   """Tunix's trainer on the plan's mesh: the batch over its data axes, Zero-1's options as the config's."""
   batch = tuple(a for a in ("replica", "data", "fsdp") if a in (mesh or {"data": 1}))
   config = [f"data_sharding_axis=({batch!r},)"]
@@ -81,7 +98,8 @@ def _tunix_code(lever: Lever, options: list[str], mesh_lines: list[str], mesh: M
   trainer = ("Zero1PeftTrainer", "Zero1TrainingConfig") if lever.zero1 else ("PeftTrainer", "TrainingConfig")
   imports = ("from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1TrainingConfig" if lever.zero1
              else "from tunix.sft.peft_trainer import PeftTrainer, TrainingConfig")
-  lines = ["import jax, jax.numpy as jnp, optax", imports, *mesh_lines]
+  lines = ["import jax, jax.numpy as jnp, optax" + (", qwix\nfrom flax import nnx" if lora else ""), imports,
+           *mesh_lines]
   if isinstance(activation_sharding, dict):
     specs = {k: _tuples(v) for k, v in activation_sharding.items()}
     lines += ["# the activations' sharding the plan compiled (ShardingConfig act_* fields, the data axes in "
@@ -90,14 +108,15 @@ def _tunix_code(lever: Lever, options: list[str], mesh_lines: list[str], mesh: M
               "shd_config=dataclasses.replace(config.shd_config, **activation_sharding)",
               f"activation_sharding = {specs!r}"]
   return lines + ["with mesh:  # Tunix reads its mesh from this context",
-                  "  model = ...  # your model, built here",
+                  "  model = ...  # your model, built here", *lora,
                   f"  trainer = {trainer[0]}(model, {tx}, {trainer[1]}(..., {', '.join(config)}))"
                   + rate_note(tx)]
 
 
 def lever_code(name: str, model: str, offload_fraction: float | None = None,
                mesh: Mapping[str, int] | None = None, optimizer: str = DEFAULT_OPTIMIZER, *,
-               platform: str = "tpu", domains: int = 1, activation_sharding: Any = None) -> str:
+               platform: str = "tpu", domains: int = 1, activation_sharding: Any = None,
+               lora: int | None = None) -> str:
   """The code that turns lever ``name`` on where ``model``'s users train, as they paste it, written from the
   lever table (a new lever needs no entry here).
 
@@ -110,6 +129,7 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     platform: ``"tpu"`` or ``"cuda"``: how a pod's mesh is built (:func:`mesh_code`).
     domains: the slices or nodes the plan spans.
     activation_sharding: a ``tunix:`` plan's activation specs (its meta's ``activation_sharding``).
+    lora: ``--lora``'s rank: the code applies the adapters and trains them only (None: full fine-tuning).
 
   Returns:
     Python source, newline-separated; ``model = ...`` is the user's own line. MaxText's is one sentence.
@@ -141,17 +161,19 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
                                                                       if spelled else "")
   mesh_lines = mesh_code(mesh, platform, domains)
   if model.startswith("tunix:"):
-    lines = _tunix_code(lever, options, mesh_lines, mesh, tx, activation_sharding)
+    adapters = [] if lora is None else lora_lines(model, lora)
+    lines = _tunix_code(lever, options, mesh_lines, mesh, tx, activation_sharding, adapters)
     if lever.deferred:  # Tunix's trainer accumulates with optax.MultiSteps, reduced every micro-batch
       lines[1] += "\nfrom nnx_zero1 import value_and_grad_accumulated"
       lines += ["  # this lever's gradients are value_and_grad_accumulated's, in your own nnx.jit step "
                 "(Tunix's trainer computes its own):", _accumulate_line(lever, mesh, "trainer.optimizer")]
     return "\n".join(lines)
   if not lever.zero1:
-    built = f"optimizer = nnx.Optimizer(model, {tx}, wrt=nnx.Param)"
+    built = f"optimizer = nnx.Optimizer(model, {tx}, wrt=nnx.{'Param' if lora is None else 'LoRAParam'})"
     imports = ["import jax, optax", "from flax import nnx"]
   else:
-    built = f"optimizer = Zero1Optimizer({', '.join(['model', tx, 'mesh', *options])})"
+    wrt = [] if lora is None else ["wrt=nnx.LoRAParam"]
+    built = f"optimizer = Zero1Optimizer({', '.join(['model', tx, 'mesh', *options, *wrt])})"
     imports = ["import jax, jax.numpy as jnp, optax", "from nnx_zero1 import Zero1Optimizer"]
   lines = [*imports, *mesh_lines, "with jax.set_mesh(mesh):",
            "  model = ...  # your model, built here: its parameters' sharding names the mesh's axes",

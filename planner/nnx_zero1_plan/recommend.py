@@ -1,7 +1,8 @@
 """The configuration a plan recommends, by a stated order: :data:`BY_THROUGHPUT` where every point that fits
-has a predicted time, else :data:`ORDER`, by memory; a Zero-1 lever that splits nothing is no candidate. By
-:data:`ORDER` a lever stands at a micro-batch where its own compile fitted, even above its edge, so no edge is
-weighed against a micro-batch the other lever was never compiled at."""
+has a predicted time, else :data:`ORDER`, by memory; a Zero-1 lever that splits nothing, or saves little
+(:func:`saves_little`), is no candidate. By :data:`ORDER` a lever stands at a micro-batch where its own
+compile fitted, even above its edge, so no edge is weighed against a micro-batch the other lever was never
+compiled at."""
 
 from __future__ import annotations
 
@@ -135,6 +136,46 @@ def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
   return abs(mine - theirs) <= 0.001 * theirs
 
 
+# A Zero-1 saving under this share of the baseline's peak is within the compiler's own scatter near its limit
+# (it lands within about 1.5% either side: docs/planner.md's search): it buys no micro-batch one can count on.
+_LITTLE = 0.015
+
+
+def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
+  """Where a Zero-1 row's optimizer state per device is smaller than the fitting baseline's by less than 1.5%
+  of the baseline's peak (LoRA's small state), one line saying so; None otherwise (a baseline that does not
+  fit, or a search that found the row a larger micro-batch: then the saving is what fits; state in host
+  memory; a row that :func:`splits_nothing`; no baseline to compare).
+
+  Example::
+
+    >>> from nnx_zero1_plan.row import Figures, Made
+    >>> def row(lever, state):
+    ...   f = Figures(opt_state_bytes_per_device=state, peak_bytes_per_device=4 * 2**30)
+    ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 9, 8, True)
+    >>> rows = [row("baseline", 48 * 2**20), row("zero1", 6 * 2**20)]
+    >>> print(saves_little(rows[1], rows).replace(": ", ":\\n").replace(" (", "\\n("))
+    zero1 saves little here:
+    0.04 GiB of optimizer state per device, 1.0% of the baseline's 4.00 GiB peak
+    (under 1.5%, the compiler's own scatter near its limit):
+    nnx.Optimizer is as good
+  """
+  if row.lever == "baseline" or row.figures.host_state_bytes or splits_nothing(row, rows):
+    return None
+  base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
+  edge = lambda r: micro_batch_of(r, r.batch) or 0
+  if base is None or not base.fits or edge(row) > edge(base):
+    return None
+  mine, theirs = row.figures.opt_state_bytes_per_device, base.figures.opt_state_bytes_per_device
+  peak = base.figures.peak_bytes_per_device
+  if mine is None or theirs is None or not peak or theirs - mine >= _LITTLE * peak:
+    return None
+  saved = theirs - mine
+  return (f"{row.lever} saves little here: {saved / 2**30:.2f} GiB of optimizer state per device, "
+          f"{saved / peak:.1%} of the baseline's {peak / 2**30:.2f} GiB peak (under 1.5%, the compiler's own "
+          "scatter near its limit): nnx.Optimizer is as good")
+
+
 def row_sent_bytes(row: Row) -> int:
   """The collective bytes one device sends per step on every network together, one basis on every backend: on
   a pod :attr:`~nnx_zero1_plan.row.PodNetworks.bytes` (a TPU program's megascale transfers are not among its
@@ -255,7 +296,7 @@ def plan_code(request: PlanRequest, lever: str, offload_fraction: float | None =
   """
   return lever_code(lever, str(request.model_ref), offload_fraction, request.mesh_sizes, request.optimizer,
                     platform=request.platform, domains=request.domains,
-                    activation_sharding=activation_sharding)
+                    activation_sharding=activation_sharding, lora=request.lora)
 
 
 def _ms(seconds: float | None) -> str:
@@ -347,7 +388,8 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
     step = "split" if request.model_ref.kind == "maxtext" else DEFAULT_STEP
     step = step if step in shapes else (shapes[0] if shapes else step)
   same_step = [r for r in rows if r.step == step]
-  candidates = [r for r in same_step if not splits_nothing(r, same_step)]
+  little = {r.lever: note for r in same_step if (note := saves_little(r, same_step)) is not None}
+  candidates = [r for r in same_step if not splits_nothing(r, same_step) and r.lever not in little]
   edges = [micro_batch_of(r, r.batch) for r in candidates]
   if not any(edges):
     return None
@@ -370,8 +412,8 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
   unconfirmed = [f"{r.lever}'s edge is not confirmed ({r.searched.search_unfinished}): it fits at least "
                  f"{micro_batch_of(r, r.batch)}" for r in candidates
                  if r.searched is not None and r.searched.search_unfinished]
-  skipped = [f"{r.lever} holds the baseline's optimizer state per device (its layout splits nothing): "
-             "not a candidate" for r in same_step if r not in candidates]
+  skipped = [little.get(r.lever) or f"{r.lever} holds the baseline's optimizer state per device (its layout "
+             "splits nothing): not a candidate" for r in same_step if r not in candidates]
   offload = None if best.offloaded is None else best.offloaded.offload_fraction
   code = plan_code(request, best.lever, offload, activation_sharding)
   if best.ga is not None:  # --global-batch chose the split: the code says it, the command reproduces it

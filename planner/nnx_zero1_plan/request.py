@@ -15,6 +15,7 @@ from nnx_zero1_plan.inputs import (
   ModelRef,
   PlanError,
   Topology,
+  lora_refusal,
   parse_levers,
   parse_mesh,
   parse_model,
@@ -23,9 +24,6 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, check_replica
-
-__all__ = ["DEFAULT_DEPTHS", "DEFAULT_OPTIMIZER", "DEFAULT_STEP", "OPTIMIZER_CODE", "OPTIMIZER_MENU", "STEPS",
-           "PlanRequest", "ResolvedRequest", "SETTING_DEFAULTS", "check_topology", "command_line"]
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for an estimate (``estimate=True``) of a deeper model
 
@@ -157,6 +155,9 @@ class PlanRequest:
       (:func:`nnx_zero1_plan.calibration.for_step`).
     global_batch: sequences per optimizer step: the plan splits it for each lever into the micro-batch and GA
       that fit and train fastest (its whole compiles, largest micro-batch first), each row at that split.
+    lora: a ``tunix:`` model's LoRA rank: qwix's adapters on its attention and MLP projections
+      (:data:`nnx_zero1_plan.models.LORA_MODULES`), and only they trained (``wrt=nnx.LoRAParam``); None:
+      full fine-tuning.
 
   Raises:
     PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one
@@ -194,6 +195,7 @@ class PlanRequest:
   maxtext_deferral: str = "auto"
   calibration: str | None = None
   global_batch: int | None = None
+  lora: int | None = None
   model_ref: ModelRef = dataclasses.field(init=False, repr=False, compare=False)
   topology_ref: Topology = dataclasses.field(init=False, repr=False, compare=False)
   mesh_sizes: Mapping[str, int] = dataclasses.field(init=False, repr=False, compare=False)
@@ -222,6 +224,10 @@ class PlanRequest:
                       "one of them")
     if self.tunix_sharding != "default" and kind != "tunix":
       raise PlanError(f"--tunix-sharding applies to tunix: models; {self.model} shards its own activations")
+    if self.lora is not None and self.lora < 1:
+      raise PlanError(f"--lora is the LoRA rank, >= 1; got {self.lora}")
+    if self.lora is not None and kind != "tunix":
+      raise PlanError(lora_refusal(self.model))
     if self.maxtext_deferral not in ("auto", "off"):
       raise PlanError(f"--maxtext-deferral is auto or off, got {self.maxtext_deferral!r}")
     if self.maxtext_deferral != "auto" and kind != "maxtext":
@@ -325,7 +331,7 @@ SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanRequest)
 
 # The flags a command prints after ``--steps``, in order, each where its field is not the request's default.
 _OPTIONAL_FLAGS = ("param_dtype", "compute_dtype", "remat", "optimizer", "slices", "estimate", "margin",
-                   "gpu_memory_fraction", "gpus_per_node", "tunix_sharding", "maxtext_deferral")
+                   "gpu_memory_fraction", "gpus_per_node", "tunix_sharding", "maxtext_deferral", "lora")
 
 
 def command_line(request: ResolvedRequest, **changes: Any) -> str:

@@ -11,7 +11,7 @@ from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.request import STEPS, ResolvedRequest
 
 # The keys a plan.json written by an older planner may lack; any other missing key is an error.
-ADDED_LATER = ("batch_default", "tunix_sharding", "gpus_per_node", "maxtext_deferral", "global_batch")
+ADDED_LATER = ("batch_default", "tunix_sharding", "gpus_per_node", "maxtext_deferral", "global_batch", "lora")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +115,6 @@ _KEYS = ("model", "layers", "topology", "device_kind", "mesh", "batch", "seq_len
          "jax", "hbm_bytes", "hbm_source", "usable_bytes", "peak_source", "gpu_memory_fraction",
          "depth_extrapolated_from", "estimate", "overrides", "search", "margin", "batch_unit", "slices",
          "domains", "activation_sharding", "tunix_sharding", "gpus_per_node", "maxtext_deferral",
-         "global_batch")
+         "global_batch", "lora")
 # The meta's keys that are the request's settings (the mesh, the steps and the GPU pool's share as written).
 _REQUEST = tuple(f.name for f in dataclasses.fields(ResolvedRequest) if f.init and f.name in _KEYS)

@@ -28,10 +28,6 @@ from nnx_zero1_plan.levers import Lever, state_axes, summed_over
 from nnx_zero1_plan.mesh_axes import batch_axes
 from nnx_zero1_plan.request import OPTIMIZER_MENU
 
-__all__ = ["StepShape", "OPTIMIZERS", "make_optimizer", "scan_value_and_grad", "abstract_batch", "step_jit",
-           "compile_step", "compile_split", "lever_state", "placed_state", "placed_batch", "StepRuns",
-           "run_steps"]
-
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
@@ -63,26 +59,42 @@ def _menu_transformation(name: str) -> Callable[..., optax.GradientTransformatio
 OPTIMIZERS = {name: _menu_transformation(name) for name in OPTIMIZER_MENU}
 
 
+def trained(model: Any) -> type[nnx.Param]:
+  """The variables a step trains: ``nnx.LoRAParam`` where the model has any (a LoRA run: the base weights
+  frozen), else every ``nnx.Param``, as Tunix's ``PeftTrainer`` decides (``tunix.sft.utils.is_lora_enabled``).
+
+  Example::
+
+    >>> trained(nnx.Linear(2, 1, rngs=nnx.Rngs(0))).__name__
+    'Param'
+  """
+  lora = any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model))
+  return nnx.LoRAParam if lora else nnx.Param
+
+
 def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation, mesh: Mesh | None,
                    data_axis: str | Sequence[str] = Zero1Options.data_axis) -> nnx.Optimizer:
-  """The lever's optimizer for ``model``: ``nnx.Optimizer``, or ``Zero1Optimizer`` built from a
-  :class:`~nnx_zero1.Zero1Options` record of ``data_axis`` and the lever's options.
+  """The lever's optimizer for ``model``'s :func:`trained` variables: ``nnx.Optimizer``, or ``Zero1Optimizer``
+  built from a :class:`~nnx_zero1.Zero1Options` record of ``data_axis`` and the lever's options.
 
   Example::
 
     optimizer = make_optimizer(LEVERS["zero1"], model, optax.adamw(1e-4), mesh)
   """
+  wrt = trained(model)
   if not lever.zero1:
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return nnx.Optimizer(model, tx, wrt=wrt)
   options = Zero1Options(**{"data_axis": data_axis, **lever.optimizer_options})
-  return Zero1Optimizer(model, tx, mesh, options=options)
+  return Zero1Optimizer(model, tx, mesh, options=options, wrt=wrt)
 
 
-def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any) -> tuple[jax.Array, Any]:
+def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any,
+                        wrt: Any = nnx.Param) -> tuple[jax.Array, Any]:
   """Mean loss and gradient over ``batches`` (dimension 0: micro-batches), one micro-batch at a time.
 
-  A ``lax.scan`` of ``jax.value_and_grad`` over the ``nnx.Param`` s: activations of one micro-batch at a
-  time; the reduction across replicas happens wherever XLA puts it.
+  A ``lax.scan`` of ``jax.value_and_grad`` over the ``wrt`` variables (the optimizer's: ``nnx.LoRAParam``
+  for a LoRA run, whose frozen weights stay constants): activations of one micro-batch at a time; the
+  reduction across replicas happens wherever XLA puts it.
 
   Example::
 
@@ -91,7 +103,7 @@ def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any) -> t
     >>> loss.shape, grads["kernel"].shape
     ((), (2, 1))
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax types split as variadic
+  graphdef, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]  # flax types split as variadic
   grad_fn = jax.value_and_grad(lambda p, batch: loss_fn(nnx.merge(graphdef, p, rest), batch))
 
   def micro(total, batch):
@@ -118,7 +130,7 @@ def _gradients(model: Any, optimizer: Any, lever: Lever, loss_fn: Callable, batc
     axes = summed_over(jax.sharding.get_abstract_mesh().axis_names, state_axes(lever))
     return value_and_grad_accumulated(loss_fn, model, batch, micro_batches=ga, optimizer=optimizer,
                                       data_axis=axes, **lever.accumulate_options)
-  return scan_value_and_grad(loss_fn, model, batch)
+  return scan_value_and_grad(loss_fn, model, batch, optimizer.wrt)
 
 
 def _built(lever: Lever, build_model: Callable[[], Any], optimizer: str, mesh: Mesh) -> tuple[Any, Any]:
