@@ -19,7 +19,7 @@ from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Measured, Row
-from nnx_zero1_plan.row_compiler import RowCompiler, StepShape, calibrated
+from nnx_zero1_plan.row_compiler import RowCompiler, StepShape
 from nnx_zero1_plan.step_time import rates_for
 from nnx_zero1_plan.targets import Target
 
@@ -76,13 +76,11 @@ def edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanReque
     return row
   assert edge is not None
   shape = StepShape(edge, request.seq_len, row.ga or request.ga, request.optimizer)
-  program = compiler.program(row.lever, model, shape)
-  made = None if program is None else compiler.profile(row.lever, shape, program)
-  if made is None or program is None:
-    return row
-  compiler.profiled.append(made)
   at = Figures(predicted_step_s=found.at_max.predicted_step_s, step_time=row.figures.step_time)
-  seconds = calibrated(at, [(program.record, 1)], compiler, row.lever, shape.ga).calibrated_step_s
+  done = compiler.priced_by_own_run(row.lever, model, shape, at)
+  if done is None:
+    return row
+  seconds, made = done[0].calibrated_step_s, done[1]
   priced = lambda p: dataclasses.replace(p, calibrated_step_s=seconds) if p.batch == edge else p  # noqa: E731
   searched = dataclasses.replace(found, at_max=priced(found.at_max), search=tuple(map(priced, found.search)))
   return dataclasses.replace(row, searched=searched,

@@ -254,16 +254,24 @@ class RowCompiler:
 
   def _profiled_if_new(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
                        figures: Figures) -> Figures:
-    """``figures``, and where this row is the first of its build with no calibration built as it is, its own
-    program profiled (:attr:`profile`) and the row priced by that run."""
-    calibration = for_step(self.all_calibrations, lever, shape.ga)
-    alike = calibration is not None and not built_otherwise(calibration, lever, shape.ga)
-    program = self.program(lever, model, shape) if self.profile and step == "one" and not alike else None
+    """``figures``, and where this row is the first of its build with no calibration built as it is, priced by
+    its own run (:meth:`priced_by_own_run`)."""
+    if step != "one" or any(not built_otherwise(c, lever, shape.ga) for c in self.all_calibrations):
+      return figures
+    done = self.priced_by_own_run(lever, model, shape, figures)
+    return figures if done is None else done[0]
+
+  def priced_by_own_run(self, lever: str, model: PlannedModel, shape: StepShape,
+                        figures: Figures) -> tuple[Figures, Calibration] | None:
+    """The kept program of ``lever`` at ``shape`` run and profiled (:attr:`profile`), its calibration kept in
+    :attr:`profiled`, and ``figures`` priced by its build's calibrations with it among them; None where
+    nothing ran (no ``--measure``, no kept program, or no profile)."""
+    program = self.program(lever, model, shape) if self.profile is not None else None
     made = None if program is None or self.profile is None else self.profile(lever, shape, program)
     if made is None or program is None:
-      return figures
+      return None
     self.profiled.append(made)
-    return calibrated(figures, [(program.record, 1)], self, lever, shape.ga)
+    return calibrated(figures, [(program.record, 1)], self, lever, shape.ga), made
 
   def _at_depths(self, lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any,
                  shape: StepShape) -> tuple[Figures, Made]:
