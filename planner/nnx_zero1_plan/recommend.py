@@ -123,12 +123,17 @@ def thin_note(row: Row, micro: int) -> str | None:
           "compiler lands within about 1.5% either side: a smaller micro-batch or --margin leaves room")
 
 
+def _baseline_of(row: Row, rows: Sequence[Row]) -> Row | None:
+  """The baseline row of ``row``'s step and remat policy among ``rows`` (None: not planned)."""
+  return next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
+
+
 def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
   """Whether a Zero-1 row holds the baseline's optimizer state per device (within 0.1%, none in host memory):
   its layout split nothing (a data axis of size 1, or no leaf that divides), the baseline by another name."""
   if row.lever == "baseline" or row.figures.host_state_bytes:
     return False
-  base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
+  base = _baseline_of(row, rows)
   mine = row.figures.opt_state_bytes_per_device
   theirs = None if base is None else base.figures.opt_state_bytes_per_device
   if mine is None or theirs is None:
@@ -162,7 +167,7 @@ def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
   """
   if row.lever == "baseline" or row.figures.host_state_bytes or splits_nothing(row, rows):
     return None
-  base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
+  base = _baseline_of(row, rows)
   edge = lambda r: micro_batch_of(r, r.batch) or 0
   if base is None or not base.fits or edge(row) > edge(base):
     return None
