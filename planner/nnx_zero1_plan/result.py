@@ -83,7 +83,7 @@ class Plan:
         continue
       each = [f"{s.batch} x {s.ga}: peak {gib(s.peak_bytes_per_device)} GiB"
               + ("" if s.fits else " (does not fit)") + (f", {ms(s.step_s)} ms {s.time}" if s.step_s else "")
-              for s in r.splits]
+              + (f" (calibrated {ms(s.calibrated_s)})" if s.calibrated_s else "") for s in r.splits]
       by = next((s.time for s in r.splits if (s.batch, s.ga) == (r.batch, r.ga)), None)
       lines += ["", f"{r.lever} ({r.step}): the global batch of {r.batch * (r.ga or 1)} sequences split as "
                 f"micro-batch x GA, each split compiled: {'; '.join(each)}; chosen: {r.batch} x {r.ga}"

@@ -381,7 +381,7 @@ class Measured(_Record):
 class Split(_Record):
   """One split of ``--global-batch`` compiled: micro-batch x GA, whether it fits, its peak, its step's seconds
   and which kind of time they are (``measured`` on this machine's chips, ``calibrated``, ``predicted``;
-  ``None`` where it has none)."""
+  ``None`` where it has none), and its calibrated seconds beside a measured time (``None`` without one)."""
 
   batch: int
   ga: int
@@ -389,6 +389,7 @@ class Split(_Record):
   peak_bytes_per_device: int | None
   step_s: float | None
   time: str | None
+  calibrated_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -352,7 +352,8 @@ def _split(row: Row) -> Split:
   f, ran = row.figures, row.measured[0].step_s if row.measured else None
   step, kind = next(((t, k) for t, k in ((ran, "measured"), (f.calibrated_step_s, "calibrated"),
                                          (f.predicted_step_s, "predicted")) if t), (None, None))
-  return Split(row.batch, row.ga or 1, row.verdict, f.peak_bytes_per_device, step, kind)
+  return Split(row.batch, row.ga or 1, row.verdict, f.peak_bytes_per_device, step, kind,
+               f.calibrated_step_s if kind == "measured" else None)
 
 
 def _times(row: Row, than: Row) -> tuple[float | None, float | None]:
