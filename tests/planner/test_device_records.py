@@ -246,8 +246,8 @@ def test_the_search_on_the_chips_own_jax_names_the_edge_the_chip_runs():
   ran = {m["batch"]: m["step_s"] for m in row["measured"]}
   edge_error = points[61]["calibrated_step_s"] / ran[61] - 1
   said = " ".join(DOCS.read_text().split())
-  assert f"the chip ran 61 ({ran[61] * 1e3:,.1f} ms), refused 62. From the run at 8 alone 61 read {edge_error:+.1%}" \
-      in said
+  assert (f"the chip ran 61 ({ran[61] * 1e3:,.1f} ms), refused 62. From the run at 8 alone 61 read "
+          f"{edge_error:+.1%}") in said
   gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
   assert (f"61 its largest micro-batch ({gib(points[61]['peak_bytes_per_device'])}, the compiler's "
           f"`peak_memory_in_bytes`; the sum of arguments and temporaries, "
