@@ -332,7 +332,8 @@ AT_EDGE = tuple(f.name for f in dataclasses.fields(Point))[2:]
 
 @dataclasses.dataclass(frozen=True)
 class Searched(Record):
-  """What the search for the largest micro-batch that fits found: :func:`nnx_zero1_plan.search.search_row`."""
+  """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.find_edge`):
+  the edge, the first compile above it and why it was refused, and each compile as a :class:`Point`."""
 
   max_micro_batch: int | None
   above: int | None
