@@ -327,7 +327,7 @@ class Point(Record):
 
 
 # The figures a search keeps for each micro-batch it compiled.
-AT_EDGE = tuple(f.name for f in dataclasses.fields(Point))[2:]
+AT_EDGE = _names(Point)[2:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,11 +435,11 @@ class Row(Record):
       >>> row.figures.peak_bytes_per_device, row.made.depth, row.verdict, Row.from_json(row.to_json()) == row
       (5, 2, True, True)
     """
-    row = {k: as_json(value) for k in _OWN
-           if (value := getattr(self, k)) is not None or k not in ("ga", "splits")}
-    for record in (self.figures, self.made, self.searched, self.offloaded):
-      row.update({} if record is None else record.to_json())
-    return row if self.measured is None else {**row, "measured": as_json(self.measured)}
+    nested = super().to_json()
+    row = {k: v for k, v in nested.items() if k not in _RECORDS}
+    for name in _RECORDS[:-1]:
+      row.update(nested[name] or {})
+    return row if self.measured is None else {**row, "measured": nested["measured"]}
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Row:
