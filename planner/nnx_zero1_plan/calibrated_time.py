@@ -91,7 +91,6 @@ def calibrate(program: PricedProgram, profile: Mapping[str, Any], *, lever: str,
   return dataclasses.replace(made, runs=(run,))
 
 
-
 def calibrated_time(programs: Sequence[tuple[PricedProgram, int]], calibration: Calibration) -> float:
   """One step's calibrated seconds on the chip: each program's calibrated walk (and its rest) as many times as
   the step runs it, and the step's launch once.

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 
 from nnx_zero1_plan.inputs import PlanError
-from nnx_zero1_plan.row import _Record
+from nnx_zero1_plan.row import Record
 
 # What a step priced across its build has missed by, on the runs kept on one v5e chip (docs/accuracy.md, "One
 # TPU v5e chip", held there by tests/planner/test_calibration.py): a plan says it under such a step. The
@@ -22,7 +22,7 @@ CROSSING = ("on the runs kept on one v5e chip such a step missed the chip by up 
 
 
 @dataclasses.dataclass(frozen=True)
-class KindTime(_Record):
+class KindTime(Record):
   """One kind's priced instructions in the profiled programs, every run counted: the walk's seconds, the
   chip's, and the ratio another program's instructions of that kind are priced at (chip over walk)."""
 
@@ -32,7 +32,7 @@ class KindTime(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Run(_Record):
+class Run(Record):
   """A profiled run a calibration came from: its plan row (lever, micro-batch, GA, sequence length), the
   step's measured wall seconds, the device's (the profile's programs), its calibrated walk's compute and the
   rest beyond it."""
@@ -54,7 +54,7 @@ class Run(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Calibration(_Record):
+class Calibration(Record):
   """A model's step time calibrated on one chip, kind by kind: the chip (the planner's chip table's name),
   the jax and libtpu versions it ran with, the runs it came from and each kind's seconds.
 

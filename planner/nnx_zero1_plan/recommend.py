@@ -13,7 +13,7 @@ from typing import Any
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line
-from nnx_zero1_plan.row import Point, Row
+from nnx_zero1_plan.row import Point, Record, Row
 
 ORDER: tuple[str, ...] = (
     "fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
@@ -30,7 +30,7 @@ _SAME_SPEED = 0.02  # predicted throughputs this close are a tie: the headroom d
 
 
 @dataclasses.dataclass(frozen=True)
-class Recommendation:
+class Recommendation(Record):
   """The configuration a plan recommends (plan.json's ``recommendation``).
 
   Attributes:
@@ -56,12 +56,6 @@ class Recommendation:
   baseline_beats: tuple[str, ...]
   why: tuple[str, ...]
   notes: tuple[str, ...]
-
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> Recommendation:
-    """The record plan.json's ``recommendation`` holds (:func:`dataclasses.asdict` writes it)."""
-    read: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
-    return cls(**read)
 
 
 def micro_batch_of(row: Row, batch: int) -> int | None:

@@ -12,9 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
-class _Record:
+class Record:
   """A frozen record of plan.json's, written field by field; each field that is a record (or a tuple or
-  mapping of them) is read into its type as the record is made: a record may be given plan.json's objects."""
+  mapping of them) is read into its type as the record is made: a record may be given plan.json's objects
+  (and a tuple field JSON's list). Each record plan.json holds is one: a row and the meta flatten theirs."""
 
   def __post_init__(self) -> None:
     for name, kind in _field_types(type(self)).items():
@@ -22,7 +23,7 @@ class _Record:
 
   def to_json(self) -> dict[str, Any]:
     """plan.json's object: every field by its name (one marked ``only_when_set`` only where it is set)."""
-    return {f.name: _json(value) for f in dataclasses.fields(self)  # type: ignore[arg-type]
+    return {f.name: as_json(value) for f in dataclasses.fields(self)  # type: ignore[arg-type]
             if (value := getattr(self, f.name)) is not None or not f.metadata.get("only_when_set")}
 
   @classmethod
@@ -37,29 +38,31 @@ _field_types: Callable[[type], dict[str, Any]] = functools.cache(typing.get_type
 
 def _read(kind: Any, value: Any) -> Any:
   """``value`` as plan.json holds it, read into the type ``kind``: a record from its object (by its
-  ``from_json``), a tuple's items and a mapping's values each; ``X | None`` as ``X``."""
+  ``from_json``), a tuple's items and a mapping's values each; ``X | Y`` as ``X`` where the value is one,
+  else as it is."""
   origin, args = typing.get_origin(kind), typing.get_args(kind)
   if value is None or kind is Any:
     return value
   if origin in (typing.Union, types.UnionType):
     return _read(args[0], value)
-  if isinstance(kind, type) and issubclass(kind, _Record):
+  if isinstance(kind, type) and issubclass(kind, Record):
     return kind.from_json(value) if isinstance(value, Mapping) else value
-  if origin is tuple:
+  if origin is tuple and isinstance(value, (tuple, list)):
     return tuple(_read(args[0], v) for v in value)
-  if origin is Mapping:
+  if origin is Mapping and isinstance(value, Mapping):
     return {k: _read(args[1], v) for k, v in value.items()}
   return value
 
 
-def _json(value: Any) -> Any:
-  """A value as plan.json writes it: a record by its ``to_json``, a sequence as a list."""
-  if isinstance(value, _Record):
+def as_json(value: Any) -> Any:
+  """A value as plan.json writes it: a record by its ``to_json``, a sequence as a list, a mapping's values
+  each; any other value as it is (one JSON has no type for is left for ``json.dump`` to refuse)."""
+  if isinstance(value, Record):
     return value.to_json()
   if isinstance(value, (tuple, list)):
-    return [_json(v) for v in value]
+    return [as_json(v) for v in value]
   if isinstance(value, Mapping):
-    return {k: _json(v) for k, v in value.items()}
+    return {k: as_json(v) for k, v in value.items()}
   return value
 
 
@@ -78,7 +81,7 @@ def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepTime(_Record):
+class StepTime(Record):
   """A step's predicted time on one device in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`)."""
 
   source: str
@@ -97,7 +100,7 @@ class StepTime(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class OpCount(_Record):
+class OpCount(Record):
   """One collective op kind's (or host transfer's) count and bytes on one device."""
 
   count: int
@@ -110,7 +113,7 @@ def op_counts(by_op: Mapping[str, Any] | None) -> dict[str, OpCount] | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Collectives(_Record):
+class Collectives(Record):
   """A step's collectives on one device, each ``{op kind: OpCount}``
   (:func:`nnx_zero1_plan.compiled.collectives_of`).
 
@@ -143,7 +146,7 @@ class Collectives(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class StateSplit(_Record):
+class StateSplit(Record):
   """The axes a lever splits the optimizer state over, and the share of its bytes split over each set of
   axes (``"none"``: not split)."""
 
@@ -152,7 +155,7 @@ class StateSplit(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class HbmOom(_Record):
+class HbmOom(Record):
   """The TPU compiler's "does not fit" refusal as numbers (None where its message gave none)."""
 
   required_bytes: int | None
@@ -161,7 +164,7 @@ class HbmOom(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class MaxTextConfig(_Record):
+class MaxTextConfig(Record):
   """What MaxText's defaults chose for a row (its config's values of these names).
 
   Example::
@@ -196,7 +199,7 @@ class MaxTextConfig(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Figures(_Record):
+class Figures(Record):
   """What the compiler said of one lever's step, per device (None where it refused the program)."""
 
   opt_state_bytes_per_device: int | None = _figure(per_layer=True)
@@ -241,7 +244,7 @@ PER_LAYER = _names(Figures, "per_layer")
 
 
 @dataclasses.dataclass(frozen=True)
-class Network(_Record):
+class Network(Record):
   """One network (``ICI``, ``DCN``, ``NVLink``, ``InfiniBand``), the bytes one device sends over it per
   step, and their time in ms at its public rate (an estimate; None: no public rate here for the chip)."""
 
@@ -251,7 +254,7 @@ class Network(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class PodNetworks(_Record):
+class PodNetworks(Record):
   """A pod's two networks per step (:func:`nnx_zero1_plan.networks.network_per_step`): the fast one inside a
   slice or node, the slow one between them, and where their rates come from."""
 
@@ -266,7 +269,7 @@ class PodNetworks(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Estimate(_Record):
+class Estimate(Record):
   """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.depth.estimate_mark`): how it was
   made, the figures it touches, and how far low such estimates were measured (the whole program's peak over
   the estimate's), where."""
@@ -278,7 +281,7 @@ class Estimate(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Made(_Record):
+class Made(Record):
   """How a row's figures were made: the depth always, each other note where it says something (not None)."""
 
   depth: int | None = None
@@ -292,7 +295,7 @@ class Made(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Point(_Record):
+class Point(Record):
   """One compile of a search: its micro-batch, whether it fits, and the :class:`Figures` a search keeps
   (:data:`AT_EDGE`, each named as its :class:`Figures` field).
 
@@ -324,12 +327,13 @@ class Point(_Record):
 
 
 # The figures a search keeps for each micro-batch it compiled.
-AT_EDGE = tuple(f.name for f in dataclasses.fields(Point))[2:]
+AT_EDGE = _names(Point)[2:]
 
 
 @dataclasses.dataclass(frozen=True)
-class Searched(_Record):
-  """What the search for the largest micro-batch that fits found: :func:`nnx_zero1_plan.search.search_row`."""
+class Searched(Record):
+  """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.find_edge`):
+  the edge, the first compile above it and why it was refused, and each compile as a :class:`Point`."""
 
   max_micro_batch: int | None
   above: int | None
@@ -343,7 +347,7 @@ class Searched(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class OffloadPoint(_Record):
+class OffloadPoint(Record):
   """One compile of the offload search: the share offloaded, its peak, seconds and whether it fits."""
 
   fraction: float
@@ -353,7 +357,7 @@ class OffloadPoint(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Offloaded(_Record):
+class Offloaded(Record):
   """What the search for the share of the optimizer state to offload found
   (:func:`nnx_zero1_plan.search.offload_search`)."""
 
@@ -363,7 +367,7 @@ class Offloaded(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Measured(_Record):
+class Measured(Record):
   """One step run on the local devices (``--measure``): a few steady steps of the compiled program."""
 
   batch: int
@@ -378,7 +382,7 @@ class Measured(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Split(_Record):
+class Split(Record):
   """One split of ``--global-batch`` compiled: micro-batch x GA, whether it fits, its peak, its step's seconds
   and which kind of time they are (``measured`` on this machine's chips, ``calibrated``, ``predicted``;
   ``None`` where it has none), and its calibrated seconds beside a measured time (``None`` without one)."""
@@ -393,7 +397,7 @@ class Split(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Row(_Record):
+class Row(Record):
   """One lever's step compiled for the target, as plan.json's row: what identifies the compile, then its
   records (:class:`Figures`, :class:`Made`; :class:`Searched`, :class:`Offloaded` and the :class:`Measured`
   runs where there were any)."""
@@ -431,11 +435,11 @@ class Row(_Record):
       >>> row.figures.peak_bytes_per_device, row.made.depth, row.verdict, Row.from_json(row.to_json()) == row
       (5, 2, True, True)
     """
-    row = {k: _json(value) for k in _OWN
-           if (value := getattr(self, k)) is not None or k not in ("ga", "splits")}
-    for record in (self.figures, self.made, self.searched, self.offloaded):
-      row.update({} if record is None else record.to_json())
-    return row if self.measured is None else {**row, "measured": _json(self.measured)}
+    nested = super().to_json()
+    row = {k: v for k, v in nested.items() if k not in _RECORDS}
+    for name in _RECORDS[:-1]:
+      row.update(nested[name] or {})
+    return row if self.measured is None else {**row, "measured": nested["measured"]}
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Row:

@@ -47,30 +47,6 @@ def fits_in(figures: Figures, usable: int) -> bool | None:
   return False if figures.hbm_oom else None if peak is None else peak <= usable
 
 
-@dataclasses.dataclass(frozen=True)
-class Probe:
-  """One compile at a global micro-batch (``batch``, in sequences): its peak bytes per device (None: the
-  compiler refused the program), whether it fits the usable memory, and the refusal in one line."""
-
-  batch: int
-  peak: int | None
-  fits: bool
-  error: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Edge:
-  """Where a lever stops fitting: :class:`~nnx_zero1_plan.row.Searched`'s fields as the search finds them
-  (``unfinished``: its ``search_unfinished``), and ``probes``, every compile in the order they ran."""
-
-  max_micro_batch: int | None
-  above: int | None
-  refused_because: str | None
-  probes: tuple[Probe, ...]
-  unfinished: str | None = None
-  fits_above: tuple[int, ...] = ()
-
-
 def round_down(batch: float, step: int) -> int:
   """``batch`` rounded down to a multiple of ``step``, at least ``step``.
 
@@ -82,34 +58,37 @@ def round_down(batch: float, step: int) -> int:
   return max(step, int(batch) // step * step)
 
 
-def line_limit(p1: Probe, p2: Probe, usable: int, step: int) -> int | None:
-  """The micro-batch at which the line through two compiles reaches ``usable`` (None: no rising line).
+def line_limit(p1: Point, p2: Point, usable: int, step: int) -> int | None:
+  """The micro-batch at which the line through two compiles' peaks reaches ``usable`` (None: no rising line).
 
   Example::
 
-    >>> line_limit(Probe(8, 10, True), Probe(16, 18, True), usable=50, step=4)
+    >>> line_limit(Point(8, True, peak_bytes_per_device=10), Point(16, True, peak_bytes_per_device=18),
+    ...            usable=50, step=4)
     48
   """
-  if p1.peak is None or p2.peak is None or p1.batch == p2.batch:
+  peak1, peak2 = p1.peak_bytes_per_device, p2.peak_bytes_per_device
+  if peak1 is None or peak2 is None or p1.batch == p2.batch:
     return None
-  slope = (p2.peak - p1.peak) / (p2.batch - p1.batch)
+  slope = (peak2 - peak1) / (p2.batch - p1.batch)
   if slope <= 0:
     return None
-  return round_down(p1.batch + (usable - p1.peak) / slope, step)
+  return round_down(p1.batch + (usable - peak1) / slope, step)
 
 
-def _why(probe: Probe, usable: int) -> str:
-  if probe.error:
-    return probe.error
-  peak = "?" if probe.peak is None else f"{probe.peak / 2**30:.2f}"
+def _why(point: Point, usable: int) -> str:
+  if point.error:
+    return point.error
+  peak = "?" if point.peak_bytes_per_device is None else f"{point.peak_bytes_per_device / 2**30:.2f}"
   return f"peak {peak} GiB > usable {usable / 2**30:.2f} GiB"
 
 
-def _line_guess(probes: dict[int, Probe], usable: int, step: int) -> int | None:
+def _line_guess(points: dict[int, Point], usable: int, step: int) -> int | None:
   """The line's limit through the largest compile that fits and one far below it (at most half its
   micro-batch, else the smallest): far apart, so that the compiler's noise of a few MiB between
   neighbouring micro-batches does not tilt the line."""
-  fitting = sorted((p for p in probes.values() if p.fits and p.peak is not None), key=lambda p: p.batch)
+  fitting = sorted((p for p in points.values() if p.fits and p.peak_bytes_per_device is not None),
+                   key=lambda p: p.batch)
   if len(fitting) < 2:
     return None
   top = fitting[-1]
@@ -117,47 +96,54 @@ def _line_guess(probes: dict[int, Probe], usable: int, step: int) -> int | None:
   return line_limit(far[-1], top, usable, step)
 
 
-def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start: int,
-              cap: int = MAX_MICRO_BATCH, max_compiles: int = MAX_COMPILES, band: float = BAND) -> Edge:
+def find_edge(measure: Callable[[int], Point], *, step: int, usable: int, start: int,
+              cap: int = MAX_MICRO_BATCH, max_compiles: int = MAX_COMPILES, band: float = BAND) -> Searched:
   """The largest multiple of ``step`` that fits below the first that does not, and that one.
 
   Args:
-    measure: compiles the step at a global micro-batch and says what it needs (a :class:`Probe`).
+    measure: compiles the step at a global micro-batch and says what it needs (a
+      :class:`~nnx_zero1_plan.row.Point`: whether it fits, its peak, the refusal).
     step: the micro-batch's unit: the batch axes' size (every device gets whole sequences).
     usable: bytes per device the step may use (the reserve taken off already).
     start: the first micro-batch to compile (the user's ``--batch``).
     cap: the largest micro-batch the search compiles (:data:`MAX_MICRO_BATCH`).
-    max_compiles: the compiles at most (:data:`MAX_COMPILES`), then the bracket so far (``unfinished`` set).
+    max_compiles: the compiles at most (:data:`MAX_COMPILES`), then the bracket so far (``search_unfinished``
+      set).
     band: within this share of ``usable`` a fitting compile vouches for no smaller micro-batch (:data:`BAND`).
 
   Returns:
-    An :class:`Edge`.
+    The :class:`~nnx_zero1_plan.row.Searched` record: the edge, and every compile in the order they ran.
 
   Example::
 
     >>> peak = lambda b: 2 + b  # GiB-like units: 2 of state, 1 per sequence
-    >>> edge = find_edge(lambda b: Probe(b, peak(b), peak(b) <= 50), step=4, usable=50, start=8)
-    >>> edge.max_micro_batch, edge.above, len(edge.probes)
+    >>> edge = find_edge(lambda b: Point(b, peak(b) <= 50, peak_bytes_per_device=peak(b)), step=4,
+    ...                  usable=50, start=8)
+    >>> edge.max_micro_batch, edge.above, len(edge.search)
     (48, 52, 5)
   """
   first = round_down(start, step)
-  probes = {first: measure(first)}  # each micro-batch compiled once: every branch below picks a new one
+  points = {first: measure(first)}  # each micro-batch compiled once: every branch below picks a new one
 
   def bracket() -> tuple[int | None, int | None]:
     """The smallest compile that does not fit, and the largest that fits below it."""
-    hi = min((b for b, p in probes.items() if not p.fits), default=None)
-    lo = max((b for b, p in probes.items() if p.fits and (hi is None or b < hi)), default=None)
+    hi = min((b for b, p in points.items() if not p.fits), default=None)
+    lo = max((b for b, p in points.items() if p.fits and (hi is None or b < hi)), default=None)
     return lo, hi
 
   def clear(batch: int) -> bool:
-    p = probes[batch]
-    return p.fits and p.peak is not None and p.peak <= usable * (1 - band)
+    p = points[batch]
+    return p.fits and p.peak_bytes_per_device is not None and p.peak_bytes_per_device <= usable * (1 - band)
 
-  def edge(unfinished: str | None = None) -> Edge:
+  def edge(unfinished: str | None = None) -> Searched:
     lo, hi = bracket()
-    because = None if hi is None else _why(probes[hi], usable)
-    above = tuple(sorted(b for b, p in probes.items() if p.fits and hi is not None and b > hi))
-    return Edge(lo, hi, because, tuple(probes.values()), unfinished, above)
+    ran = tuple(points.values())
+    return Searched(
+        max_micro_batch=lo, above=hi, refused_because=None if hi is None else _why(points[hi], usable),
+        search_unfinished=unfinished,
+        fits_above=tuple(sorted(b for b, p in points.items() if p.fits and hi is not None and b > hi)),
+        at_max=None if lo is None else points[lo], at_above=None if hi is None else points[hi], search=ran,
+        search_compile_s=round(sum(p.compile_s or 0.0 for p in ran), 1))
 
   def unconfirmed(lo: int) -> int | None:
     """The next micro-batch below ``lo`` to compile before ``lo`` vouches for the ones below it (every one
@@ -165,7 +151,7 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     batch = lo
     while not clear(batch) and batch - step >= step:
       batch -= step
-      if batch not in probes:
+      if batch not in points:
         return batch
     return None
 
@@ -175,7 +161,7 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
   while True:
     lo, hi = bracket()
     if lo is None:  # nothing fits yet: the smallest micro-batch, then bisection up from it
-      if step in probes:
+      if step in points:
         return edge()
       batch = step
     elif (below := unconfirmed(lo)) is not None:
@@ -183,7 +169,7 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     elif hi is None and not clear(lo):  # at the limit and nothing refused yet: one step at a time
       batch = lo + step
     elif hi is None:  # nothing refused yet: the line's guess, or galloping
-      guess = _line_guess(probes, usable, step)
+      guess = _line_guess(points, usable, step)
       if guess is None:  # no rising line yet (a fixed part dominates small micro-batches): double
         batch = 2 * lo
       elif guess >= lo + 2 * step:  # a nearly flat line overshoots wildly: at most MAX_JUMP times in one
@@ -194,7 +180,7 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
     elif hi - lo > step:
       # The line between the ends, kept one step inside them; bisection when the line moved the
       # same end twice running (it is bent there, and would creep).
-      guess = line_limit(probes[lo], probes[hi], usable, step)
+      guess = line_limit(points[lo], points[hi], usable, step)
       if guess is None or moved[-2:] in ([True, True], [False, False]):
         batch = round_down((lo + hi) // 2, step)
       else:
@@ -203,11 +189,11 @@ def find_edge(measure: Callable[[int], Probe], *, step: int, usable: int, start:
       return edge()
     if lo is not None and hi is None and batch > lo and (batch := min(batch, top)) <= lo:
       return edge()  # the cap fits
-    if len(probes) >= max_compiles:
+    if len(points) >= max_compiles:
       return edge(f"the search's {max_compiles} compiles ran out before the edge was confirmed")
-    probes[batch] = measure(batch)
+    points[batch] = measure(batch)
     if hi is not None:
-      moved.append(probes[batch].fits)
+      moved.append(points[batch].fits)
 
 
 def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.0) -> float | None:
@@ -229,22 +215,13 @@ def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.
 
 def search_row(first: Row, row_at: Callable[[int], Row], unit: int, usable: int) -> Searched:
   """The row's search for its largest micro-batch from ``first``, compiling the whole program at each
-  (``row_at``): an edge is the compiler's word, never an estimate's."""
-  rows = {first.batch: first}
+  (``row_at``; :func:`find_edge` compiles each micro-batch once): an edge is the compiler's word, never an
+  estimate's."""
+  def measure(batch: int) -> Point:
+    figures = (first if batch == first.batch else row_at(batch)).figures
+    return Point.of(batch, bool(fits_in(figures, usable)), figures)
 
-  def measure(batch: int) -> Probe:
-    if batch not in rows:
-      rows[batch] = row_at(batch)
-    figures = rows[batch].figures
-    return Probe(batch, figures.peak_bytes_per_device, bool(fits_in(figures, usable)), figures.error)
-
-  edge = find_edge(measure, step=unit, usable=usable, start=first.batch)
-  points = tuple(Point.of(p.batch, p.fits, rows[p.batch].figures) for p in edge.probes)
-  at = lambda batch: next((p for p in points if p.batch == batch), None)
-  return Searched(max_micro_batch=edge.max_micro_batch, above=edge.above,
-                  refused_because=edge.refused_because, search_unfinished=edge.unfinished,
-                  fits_above=edge.fits_above, at_max=at(edge.max_micro_batch), at_above=at(edge.above),
-                  search=points, search_compile_s=round(sum(p.compile_s or 0.0 for p in points), 1))
+  return find_edge(measure, step=unit, usable=usable, start=first.batch)
 
 
 def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = OFFLOAD_COMPILES) -> Row:

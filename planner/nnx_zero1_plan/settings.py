@@ -9,13 +9,14 @@ from typing import Any
 from nnx_zero1_plan.gpu_chips import JAX_GPU_POOL_FRACTION
 from nnx_zero1_plan.inputs import spelled_mesh
 from nnx_zero1_plan.request import STEPS, ResolvedRequest
+from nnx_zero1_plan.row import Record, as_json
 
 # The keys a plan.json written by an older planner may lack; any other missing key is an error.
 ADDED_LATER = ("batch_default", "tunix_sharding", "gpus_per_node", "maxtext_deferral", "global_batch", "lora")
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanSettings:
+class PlanSettings(Record):
   """plan.json's ``meta``: the request as planned, the model's depth and dtypes, the target's memory, the
   compilers.
 
@@ -58,35 +59,28 @@ class PlanSettings:
   layers: int | None
   device_kind: str
   batch_default: str | None
-  param_dtypes: Sequence[str]
+  # Any sequence, kept as a tuple: one read back from JSON's list is equal.
+  param_dtypes: tuple[str, ...] | Sequence[str]
   compiler: str
   jax: str
   hbm_bytes: int
   hbm_source: str
   usable_bytes: int
   peak_source: str
-  depth_extrapolated_from: Sequence[int] | None
+  depth_extrapolated_from: tuple[int, ...] | Sequence[int] | None
   batch_unit: int
   domains: int
   activation_sharding: Mapping[str, Any] | str | None
   absent: frozenset[str] = frozenset()
 
-  def __post_init__(self) -> None:
-    for name in ("param_dtypes", "depth_extrapolated_from"):  # JSON's lists as tuples: read back, equal
-      value = getattr(self, name)
-      if isinstance(value, list):
-        object.__setattr__(self, name, tuple(value))
-
   def to_json(self) -> dict[str, Any]:
-    """plan.json's ``meta``, in its order (tuples as lists, the keys in ``absent`` left out); a value JSON has
-    no type for is left as it is, for ``json.dump`` to refuse."""
+    """plan.json's ``meta``, in its order, each value as :func:`~nnx_zero1_plan.row.as_json` writes it (the
+    keys in ``absent`` left out)."""
     r = self.request
-    fields = {**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)},
-              **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+    fields = {**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)}, **vars(self),
               "model": str(r.model_ref), "mesh": dict(r.mesh_sizes), "steps": {s: STEPS[s] for s in r.steps},
               "gpu_memory_fraction": r.gpu_memory_fraction if r.platform == "cuda" else None}
-    listed = lambda value: list(value) if isinstance(value, tuple) else value
-    return {name: listed(fields[name]) for name in _KEYS if name not in self.absent}
+    return {name: as_json(fields[name]) for name in _KEYS if name not in self.absent}
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> PlanSettings:

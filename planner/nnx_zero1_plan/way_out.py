@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
 from nnx_zero1_plan.levers import adds_memory, memory_twin, saves_nothing
 from nnx_zero1_plan.request import ResolvedRequest, command_line
-from nnx_zero1_plan.row import Row
+from nnx_zero1_plan.row import Record, Row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +23,7 @@ class Change:
 
 
 @dataclasses.dataclass(frozen=True)
-class Tried:
+class Tried(Record):
   """One change compiled: what it was, its command, whether it fits, its peak, or the refusal; the one that
   fits, the code that trains with it (as a recommendation prints it)."""
 
@@ -37,17 +36,11 @@ class Tried:
 
 
 @dataclasses.dataclass(frozen=True)
-class WayOut:
+class WayOut(Record):
   """When nothing fits, the changes compiled (plan.json's ``way_out``) and the first that fits (or None)."""
 
   tried: tuple[Tried, ...]
   found: Tried | None
-
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> WayOut:
-    """The record plan.json's ``way_out`` holds (:func:`dataclasses.asdict` writes it)."""
-    found = fields["found"]
-    return cls(tuple(Tried(**t) for t in fields["tried"]), None if found is None else Tried(**found))
 
 
 def more_fsdp(mesh: Mapping[str, int]) -> dict[str, int] | None:

@@ -5,9 +5,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nnx_zero1_plan.inputs import PlanError
-from nnx_zero1_plan.search import MAX_COMPILES, Probe, find_edge, line_limit, round_down
+from nnx_zero1_plan.row import Point
+from nnx_zero1_plan.search import MAX_COMPILES, find_edge, line_limit, round_down
 
 GIB = 2**30
+
+
+def probe(batch, peak, fits, error=None):
+  """One compile as the search reads it: its peak (None: refused), whether it fits, the refusal."""
+  return Point(batch, fits, peak_bytes_per_device=peak, error=error)
 
 
 def by_peak(peak, usable, refuse_from=None):
@@ -17,9 +23,9 @@ def by_peak(peak, usable, refuse_from=None):
   def measure(batch):
     calls.append(batch)
     if refuse_from is not None and batch >= refuse_from:
-      return Probe(batch, None, False, f"RESOURCE_EXHAUSTED at {batch}")
+      return probe(batch, None, False, f"RESOURCE_EXHAUSTED at {batch}")
     p = peak(batch)
-    return Probe(batch, p, p <= usable)
+    return probe(batch, p, p <= usable)
 
   return measure, calls
 
@@ -37,7 +43,7 @@ def test_a_linear_peak_takes_the_two_compiles_of_the_line_the_two_at_the_edge_an
   assert edge.max_micro_batch == brute_force(peak, 15 * GIB, 4, 1 << 14) == 48
   assert edge.above == 52 and "peak 16.00 GiB > usable 15.00 GiB" == edge.refused_because
   assert calls == [8, 16, 48, 44, 52]  # 48 is within BAND of the limit: 44, clear of it, vouches below
-  assert edge.unfinished is None and edge.fits_above == ()
+  assert edge.search_unfinished is None and edge.fits_above == ()
 
 
 def test_a_line_that_bends_near_the_limit_is_bisected_to_the_same_edge():
@@ -79,8 +85,8 @@ def test_the_cap_ends_a_search_where_everything_fits():
 
 def test_the_line_and_rounding():
   assert round_down(7, 4) == 4 and round_down(1, 4) == 4
-  assert line_limit(Probe(8, 10, True), Probe(16, 10, True), 50, 4) is None  # flat: no prediction
-  assert line_limit(Probe(8, None, False, "x"), Probe(16, 18, True), 50, 4) is None
+  assert line_limit(probe(8, 10, True), probe(16, 10, True), 50, 4) is None  # flat: no prediction
+  assert line_limit(probe(8, None, False, "x"), probe(16, 18, True), 50, 4) is None
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)
@@ -116,7 +122,8 @@ def test_a_noisy_peak_ends_on_a_fitting_batch_below_a_refused_one():
   # A step is 1/8 GiB here: the BAND below the limit (1.2 GiB) holds ten of them, each compiled.
   edge = find_edge(measure, step=8, usable=40 * GIB, start=8, max_compiles=30)
   assert peak(edge.max_micro_batch) <= 40 * GIB < peak(edge.above) and edge.above == edge.max_micro_batch + 8
-  assert abs(edge.max_micro_batch - 38 * 64) <= 16 and len(calls) <= 24 and edge.unfinished is None, calls
+  assert abs(edge.max_micro_batch - 38 * 64) <= 16 and len(calls) <= 24, calls
+  assert edge.search_unfinished is None
   assert all(peak(b) <= 40 * GIB for b in range(edge.max_micro_batch, int(38 * 64 * 0.96), -8))
 
 
@@ -155,7 +162,7 @@ def test_a_saturating_non_monotonic_peak_gives_one_edge_from_any_start_at_the_de
   for start in (8, 48):
     measure, calls = by_peak(peak, usable)
     edge = find_edge(measure, step=8, usable=usable, start=start)  # the planner's budget, MAX_COMPILES
-    assert edge.unfinished is None and edge.above == edge.max_micro_batch + 8
+    assert edge.search_unfinished is None and edge.above == edge.max_micro_batch + 8
     # Every micro-batch compiled at or below the edge fits; the one above does not.
     assert all(peak(b) <= usable for b in calls if b <= edge.max_micro_batch) and peak(edge.above) > usable
     assert all(peak(b) <= usable for b in edge.fits_above)
@@ -167,7 +174,7 @@ def test_a_saturating_non_monotonic_peak_gives_one_edge_from_any_start_at_the_de
 
 def test_fits_above_names_the_compiles_that_fit_past_a_refusal():
   peaks = {8: 10, 16: 20, 24: 101, 32: 99, 40: 120}
-  measure = lambda b: Probe(b, peaks.get(b, 200), peaks.get(b, 200) <= 100)
+  measure = lambda b: probe(b, peaks.get(b, 200), peaks.get(b, 200) <= 100)
   edge = find_edge(measure, step=8, usable=100, start=32)
   assert (edge.max_micro_batch, edge.above) == (16, 24) and edge.fits_above == (32,)
 
@@ -176,7 +183,7 @@ def test_a_spent_budget_is_said():
   peak = lambda b: 3 * GIB + b * GIB // 4
   measure, calls = by_peak(peak, 15 * GIB)
   edge = find_edge(measure, step=4, usable=15 * GIB, start=8, max_compiles=3)
-  assert len(calls) == 3 and "3 compiles ran out" in edge.unfinished
+  assert len(calls) == 3 and "3 compiles ran out" in edge.search_unfinished
   assert edge.max_micro_batch is not None and peak(edge.max_micro_batch) <= 15 * GIB
 
 
@@ -189,7 +196,7 @@ def sharp_bend(b):
 def test_a_sharp_bend_is_found_at_the_default_budget(start):
   measure, calls = by_peak(sharp_bend, 60 * GIB)
   edge = find_edge(measure, step=8, usable=60 * GIB, start=start)  # the planner's budget, MAX_COMPILES
-  assert edge.unfinished is None, (edge.unfinished, calls)
+  assert edge.search_unfinished is None, (edge.search_unfinished, calls)
   assert (edge.max_micro_batch, edge.above) == (200, 208), calls
   assert len(calls) <= MAX_COMPILES
 
@@ -197,7 +204,7 @@ def test_a_sharp_bend_is_found_at_the_default_budget(start):
 def test_a_sharp_bend_a_smaller_budget_cannot_finish_is_said_and_not_wrong():
   measure, calls = by_peak(sharp_bend, 60 * GIB)
   edge = find_edge(measure, step=8, usable=60 * GIB, start=8, max_compiles=12)
-  assert len(calls) == 12 and "compiles ran out" in edge.unfinished
+  assert len(calls) == 12 and "compiles ran out" in edge.search_unfinished
   assert sharp_bend(edge.max_micro_batch) <= 60 * GIB and edge.max_micro_batch <= 200
 
 
