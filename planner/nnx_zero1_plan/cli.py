@@ -1,16 +1,18 @@
 """Will it fit? ``python -m nnx_zero1.plan``: a training step compiled for TPUs or NVIDIA GPUs, never run.
 
-The command line (the line above is ``--help``'s): its flags, their :class:`PlanRequest`, and :func:`main`.
+The command line (the line above is ``--help``'s): its flags (:data:`FLAGS`), their :class:`PlanRequest`, and
+:func:`main`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import tqdm
@@ -25,8 +27,103 @@ from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH
 from nnx_zero1_plan.request import DEFAULT_DEPTHS, SETTING_DEFAULTS, PlanRequest
 
 
+@dataclasses.dataclass(frozen=True)
+class Flag:
+  """One of the command line's flags, described once.
+
+  Attributes:
+    name: the flag, ``--seq-len`` for the :class:`PlanRequest` field ``seq_len``; or a positional's name.
+    words: what it sets and its default, in markdown: ``--help`` says them without the backticks, and
+      docs/planner.md's flag table as written, then what more the page adds (a test holds the two).
+    options: ``argparse``'s keywords beyond ``help`` (``type``, ``required``, ``action``, ...).
+    listed: names ``--help`` lists after the words (the page says what each is).
+  """
+
+  name: str
+  words: str
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  listed: Sequence[str] = ()
+
+  @property
+  def help(self) -> str:
+    """``--help``'s words: the markdown's backticks dropped, ``%`` escaped (argparse formats help with it)."""
+    words = self.words.replace("`", "").replace("%", "%%")
+    return f"{words}: {', '.join(self.listed)}" if self.listed else words
+
+
+# The flags in --help's order; each flag's default is its PlanRequest field's (parse_args sets them).
+FLAGS = (
+    Flag("--model", "`tunix:CONFIG`, a Tunix `ModelConfig` classmethod (`qwen3_0p6b`, `qwen3_8b`, "
+         "`llama3p1_8b`, `gemma3_4b_pt`, ...); `maxtext:MODEL_NAME`, a model of MaxText's `configs/models` "
+         "(`qwen3-0.6b`, `llama3.1-8b`, `default`, ...); or `package.module:function`", {"required": True}),
+    Flag("--topology", "a TPU slice libtpu knows (`v5e:2x4`, `v6e:2x2`, `v4:2x2x1`, `v5p:2x2x1`, ...), or "
+         "NVIDIA GPUs: `h100:8`, `h200:8`, `a100-80g:8`, `b200:8` (one node), and nodes x GPUs per node "
+         "(`h100:2x8`: two nodes of 8)", {"required": True}),
+    Flag("--slices", f"TPU slices of `--topology` joined over the data-center network (default {ONE_SLICE}); "
+         "the default mesh gains `replica` across them. GPU nodes are in the topology (`h100:8x8`; "
+         "`--slices` on a GPU target is answered with that spelling)", {"type": int}),
+    Flag("--gpus-per-node", "GPU nodes of other than the chip's 8 GPUs, said again: "
+         "`--topology h100:8x2 --gpus-per-node 2` plans 8 nodes of 2", {"type": int}),
+    Flag("--mesh", "axis sizes, `data=4,fsdp=2,tp=1`; an axis the model's annotations name but this omits "
+         "has size 1; default: every device on `data` (on a pod, `replica` across the slices or nodes and "
+         "`data` inside each)"),
+    Flag("--batch", "the global micro-batch in sequences (default: the smallest multiple of the batch axes' "
+         f"size of at least {SMALLEST_MICRO_BATCH}: 8 on up to 8 devices, 64 on `h100:8x8`; the plan states "
+         "it, `meta.batch_default`)", {"type": int}),
+    Flag("--global-batch", "sequences per optimizer step, as your recipe fixes it, instead of `--batch` and "
+         "`--ga`: the plan splits it for each lever into the micro-batch and GA that fit and train fastest",
+         {"type": int}),
+    Flag("--seq-len", "tokens per sequence (default 1024)", {"type": int}),
+    Flag("--ga", "micro-batches per optimizer step (default 1)", {"type": int}),
+    Flag("--param-dtype", "the parameters' dtype, e.g. `bfloat16` (`tunix:` models; MaxText's "
+         "`weight_dtype`)"),
+    Flag("--compute-dtype", "the activations' dtype (`tunix:` models; MaxText's `dtype`)"),
+    Flag("--remat", "the remat policy: Tunix's `none`, `block` or `decoder`, or MaxText's `remat_policy` "
+         "(`full`, `minimal`, ...); several, comma-separated, a row apiece (default: the model's own)"),
+    Flag("--optimizer", "`adamw` (default), `adam`, `lion`, `sgd` (momentum), `adafactor`"),
+    Flag("--levers", "comma-separated lever names (default `baseline,zero1`)", listed=tuple(LEVERS)),
+    Flag("--steps", "`one`, `split` or both (default `one,split`): each lever's step compiled as one program "
+         "(as Tunix and `nnx.jit` loops compile it) or as two (as MaxText's engine)"),
+    Flag("--estimate", "TPUs: compile deep `tunix:` and own models at "
+         f"{' and '.join(map(str, DEFAULT_DEPTHS))} layers and extrapolate per layer, instead of whole (the "
+         f"default): quicker, measured up to {WHOLE_OVER_ESTIMATE_UP_TO}x low, and deciding no fit. Not with "
+         "`--search`", {"action": "store_true"}),
+    Flag("--tunix-sharding", "`tunix:` models' activation sharding constraints, applied as on the chips: "
+         "`default` (Tunix's `ShardingConfig`), `none` (XLA's own propagation), or a JSON object of "
+         "`ShardingConfig` `act_*` fields"),
+    Flag("--lora", "`tunix:` models: plan a LoRA run of this rank, as Tunix trains one: qwix's adapters on "
+         "the attention and MLP projections, and only they trained (`wrt=nnx.LoRAParam`); default: full "
+         "fine-tuning", {"type": int, "metavar": "RANK"}),
+    Flag("--maxtext-deferral", "`maxtext:` models: `auto` (default: MaxText's engine defers the "
+         "data-parallel all-reduce to `update` where it can) or `off` (every micro-batch all-reduces its "
+         "gradients)", {"choices": ("auto", "off")}),
+    Flag("--search", "also find each lever's largest micro-batch that fits, a few compiles per lever, and "
+         "recommend by it: from `--batch` up, and where `--batch` does not fit, from the smallest "
+         "micro-batch (one sequence per device of the batch axes) up", {"action": "store_true"}),
+    Flag("--measure", "where this machine's devices are the target's chips: profile the first fitting row's "
+         "step there and time every row by it too, then run each fitting row's one-program step (with "
+         "`--search` each lever's largest micro-batch, and the recommended point) for 2 + 8 steps: the "
+         "median beside the predicted", {"action": "store_true"}),
+    Flag("--calibration", "a plan made with `--measure` for this model on the target's chip (its plan.json "
+         "or folder; several comma-separated): every row is also timed by the chip's own ratio to the cost "
+         "model, kind by kind, on any machine, for any slice or pod of that chip (another chip's is refused)",
+         {"metavar": "PATH"}),
+    Flag("--margin", "the share of the memory to leave free, for `fits`, the search and the recommendation "
+         "(default: the backend's reserve, what a run needs beyond the compiler's figure: TPU none, GPU "
+         "256 MiB)", {"type": float}),
+    Flag("--gpu-memory-fraction", "GPU targets: the `XLA_PYTHON_CLIENT_MEM_FRACTION` the run will use "
+         f"(default jax's {SETTING_DEFAULTS['gpu_memory_fraction']}); the compiler is told to plan for that "
+         "pool, and it is the usable memory", {"type": float}),
+    Flag("--out", "folder for `plan.json` and `plan.md` (default: none)"),
+    Flag("--traceback", "with a refusal, the whole traceback above its one line (where a model builder of "
+         "your own raised)", {"action": "store_true"}),
+    Flag("overrides", "MaxText config overrides, last, as on MaxText's own command line (`maxtext:` models "
+         "only), e.g. `remat_policy=minimal`", {"nargs": "*", "metavar": "KEY=VALUE"}),
+)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  """The command line's flags (the names are a contract).
+  """The command line's flags (:data:`FLAGS`; the names are a contract).
 
   Example::
 
@@ -34,66 +131,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ('baseline', 'zero1')
   """
   p = argparse.ArgumentParser(prog="python -m nnx_zero1.plan", description=__doc__.split("\n\n")[0])
-  p.add_argument("--model", required=True, help="tunix:CONFIG (e.g. tunix:qwen3_8b), maxtext:MODEL_NAME "
-                 "(e.g. maxtext:qwen3-0.6b) or package.module:function")
-  p.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v4:2x2x1, v5p:..., h100:8, h200:8, "
-                 "a100-80g:8, b200:8, h100:2x8 (nodes x GPUs)")
-  p.add_argument("--slices", type=int, help="TPU slices of --topology joined over the data-center network "
-                 f"(default {ONE_SLICE}); the default mesh gains replica across them (GPU nodes: h100:8x8)")
-  p.add_argument("--gpus-per-node", type=int, help="GPU nodes of other than the chip's standard 8 GPUs, said "
-                 "again: --topology h100:8x2 --gpus-per-node 2 (8 nodes of 2)")
-  p.add_argument("--mesh", help="axis sizes, e.g. data=4,fsdp=2 (default: every device on data; on a pod "
-                 "replica=SLICES_OR_NODES first, then data)")
-  p.add_argument("--batch", type=int, help="global micro-batch in sequences (default: the smallest multiple "
-                 f"of the batch axes' size of at least {SMALLEST_MICRO_BATCH})")
-  p.add_argument("--global-batch", type=int, help="sequences per optimizer step, as your recipe fixes it: "
-                 "the plan splits it for each lever into the micro-batch and GA that fit and train fastest "
-                 "(instead of --batch and --ga)")
-  p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024)")
-  p.add_argument("--ga", type=int, help="micro-batches per optimizer step (default 1)")
-  p.add_argument("--param-dtype", help="parameters' dtype, e.g. bfloat16 (tunix: and maxtext: models)")
-  p.add_argument("--compute-dtype", help="activations' dtype, e.g. bfloat16 (tunix: and maxtext: models)")
-  p.add_argument("--remat", help="remat policy: none, block, decoder (tunix: models); MaxText's remat_policy "
-                 "(maxtext: models: full, minimal, ...); several, comma-separated, plan each (default: the "
-                 "model's own)")
-  p.add_argument("--optimizer", help="adamw (default), adam, lion, sgd, adafactor")
-  p.add_argument("--levers", help=f"comma-separated, of: {', '.join(LEVERS)} (default baseline,zero1)")
-  p.add_argument("--steps", help="one (one program: gradients + update, as Tunix and nnx.jit loops compile "
-                 "it), split (two programs, as MaxText's engine); default both")
-  p.add_argument("--estimate", action="store_true", help=f"TPUs: compile deep models at {DEFAULT_DEPTHS} "
-                 "layers and extrapolate (quicker; every such figure marked an estimate, measured up to "
-                 f"{WHOLE_OVER_ESTIMATE_UP_TO}x low; decides no fit); default: whole programs")
+  for flag in FLAGS:
+    p.add_argument(flag.name, help=flag.help, **flag.options)
   # An old command line's flag, refused (request_of) with a line that says why rather than ignored.
   p.add_argument("--full-depth", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--tunix-sharding", help="tunix: models' activation constraints, applied as on the chips: "
-                 "default (Tunix's, the mesh's data axes in each batch entry), none (XLA's propagation), or "
-                 "JSON of ShardingConfig act_* fields")
-  p.add_argument("--lora", type=int, metavar="RANK", help="tunix: models: plan a LoRA run of this rank "
-                 "(qwix's adapters on the attention and MLP projections, as Tunix's examples; only they "
-                 "trained, wrt=nnx.LoRAParam); default: full fine-tuning")
-  p.add_argument("--maxtext-deferral", choices=("auto", "off"), help="maxtext: models: auto (default: "
-                 "MaxText's engine defers the data-parallel all-reduce to update where it can) or off (every "
-                 "micro-batch all-reduces its gradients)")
-  p.add_argument("--search", action="store_true", help="also find each lever's largest micro-batch that fits "
-                 "(from --batch up, a few compiles per lever), and recommend by it")
-  p.add_argument("--measure", action="store_true", help="where this machine's devices are the target's "
-                 "chips: profile the first fitting row's step there, time every row also by that "
-                 "calibration, and run each fitting row's one-program step (a search's largest, the "
-                 "recommended point) for 2 + 8 steps: the median beside the predicted")
-  p.add_argument("--calibration", metavar="PATH", help="a plan made with --measure on this model on the "
-                 "target's chip (its plan.json or folder; several comma-separated): each row is also timed "
-                 "by the chip's own ratio to the cost model, kind by kind, from the runs built as its step "
-                 "is (another chip is refused)")
-  p.add_argument("--margin", type=float, help="share of the memory to leave free (default: the backend's "
-                 "reserve, what a run needs beyond the compiler's figure: TPU none, GPU 256 MiB)")
-  p.add_argument("--gpu-memory-fraction", type=float, help="GPU targets: the XLA_PYTHON_CLIENT_MEM_FRACTION "
-                 f"the run will use (default jax's {SETTING_DEFAULTS['gpu_memory_fraction']}); the compiler "
-                 "plans for it")
-  p.add_argument("--out", default=None, help="folder for plan.json and plan.md (default: none)")
-  p.add_argument("--traceback", action="store_true", help="with a refusal (its one line), the whole "
-                 "traceback too: where a model builder of your own raised")
-  p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                 help="MaxText config overrides (maxtext: models), e.g. remat_policy=minimal")
   p.set_defaults(**SETTING_DEFAULTS)  # each flag's default is its PlanRequest field's
   return p.parse_args(argv)
 

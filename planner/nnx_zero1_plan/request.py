@@ -109,55 +109,15 @@ class PlanRequest:
   ``split`` only) and parses ``model``, ``topology`` and ``mesh`` once (``model_ref``, ``topology_ref``,
   ``mesh_sizes``, not arguments: what the planning process reads).
 
-  Attributes:
-    model: ``tunix:CONFIG``, ``maxtext:MODEL_NAME`` or ``package.module:function``.
-    topology: a TPU slice libtpu knows (``v5e:2x4``, ``v6e:2x2``, ``v4:2x2x1``) or NVIDIA GPUs
-      (``h100:8``, ``h200:8``, ``a100-80g:8``, ``b200:8``; ``h100:2x8`` for two nodes).
-    mesh: ``"data=4,fsdp=2"``; an axis the model names but this omits has size 1, and the
-      default is every device on ``data``. The sizes' product must be the device count.
-    batch: the global micro-batch, in sequences; by default (None) the smallest multiple of the batch axes'
-      size (``replica`` x ``data`` x ``fsdp``) of at least 8, stated in the plan's meta (``batch_default``).
-    seq_len: tokens per sequence.
-    ga: micro-batches per optimizer step.
-    param_dtype: the parameters' dtype (``tunix:`` models; MaxText's ``weight_dtype``).
-    compute_dtype: the activations' dtype (``tunix:`` models; MaxText's ``dtype``).
-    remat: the model's remat policy (``tunix:`` models: ``none``, ``block``, ``decoder``; MaxText's
-      ``remat_policy``); several, comma-separated, compile each lever under each (a row apiece, and
-      with ``search`` a largest micro-batch apiece).
-    optimizer: ``adamw``, ``adam``, ``lion``, ``sgd`` or ``adafactor``.
-    levers: names from :data:`nnx_zero1_plan.levers.LEVERS`, a list or one comma-separated string.
-    steps: ``one``, ``split`` (what each is: :data:`STEPS`; a split step's rows add the update program's
-      peak, flops and bytes accessed), or both.
-    overrides: MaxText config values (``maxtext:`` models), applied last: ``{"remat_policy": "minimal"}``.
-    search: for each lever and step, also find the largest micro-batch that fits, a multiple of the batch
-      axes' size from ``batch`` on (:func:`nnx_zero1_plan.search.find_edge`); each row gains what it found
-      (:class:`nnx_zero1_plan.row.Searched`).
-    margin: the share of the memory to leave free; by default (None) the backend's reserve
-      (:data:`nnx_zero1_plan.targets.DEFAULT_RESERVE_BYTES`). ``fits``, the search and the recommendation
-      use what is left.
-    gpu_memory_fraction: GPU targets: the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` the run will use (jax's
-      default 0.75); the compiler is told to plan for that pool, and it is the usable memory.
-    slices: TPU slices of ``topology`` joined over the data-center network (a pod); GPU nodes are in the
-      topology (``h100:8x8``). On several, the default mesh gains ``replica`` across them.
-    gpus_per_node: GPU targets written ``CHIP:NODESxGPUS`` whose nodes are not the chip's standard node of 8:
-      the GPUs each node has, said again, so ``h100:8x2`` is never a silent misspelling of ``h100:2x8``.
-    depths: the reduced depths a deep model is compiled at for an estimate (``estimate``).
-    estimate: for TPUs, compile a deep model at ``depths`` and extrapolate per layer instead of compiling it
-      whole (:mod:`nnx_zero1_plan.depth`): minutes instead of tens of minutes, figures measured low by up to
-      :data:`~nnx_zero1_plan.depth.WHOLE_OVER_ESTIMATE_UP_TO`, each marked an estimate, and no verdict.
-    tunix_sharding: a ``tunix:`` model's activation sharding constraints, as Tunix applies them on the chips:
-      ``default``, ``none`` or a JSON object of ``act_*`` fields (:mod:`nnx_zero1_plan.tunix_sharding`).
-    maxtext_deferral: a ``maxtext:`` model's data-parallel all-reduce: ``auto`` (MaxText's engine's own
-      choice: deferred to ``update``, once per step, under ``shard_mode=explicit`` on a pure data mesh) or
-      ``off`` (in every micro-batch, as its engine did before it deferred).
-    calibration: kept calibrations of this model on the target chip (a ``--measure`` plan.json or its folder,
-      several comma-separated), each row also timed by those built as its step is
-      (:func:`nnx_zero1_plan.calibration.for_step`).
-    global_batch: sequences per optimizer step: the plan splits it for each lever into the micro-batch and GA
-      that fit and train fastest (its whole compiles, largest micro-batch first), each row at that split.
-    lora: a ``tunix:`` model's LoRA rank: qwix's adapters on its attention and MLP projections
-      (:data:`nnx_zero1_plan.models.LORA_MODULES`), and only they trained (``wrt=nnx.LoRAParam``); None:
-      full fine-tuning.
+  Each field but ``depths`` is the command line's flag of its name (``seq_len``: ``--seq-len``; ``overrides``:
+  its ``KEY=VALUE`` words), described once, its default among the words, in :data:`nnx_zero1_plan.cli.FLAGS`.
+  From Python, ``levers`` and ``steps`` take a sequence of names too, and ``overrides`` a mapping; ``depths``
+  are the reduced depths an ``estimate`` compiles a deep model at. Where each is carried out: ``search``,
+  :func:`~nnx_zero1_plan.search.find_edge` (each row gains a :class:`~nnx_zero1_plan.row.Searched`);
+  ``estimate``, :mod:`~nnx_zero1_plan.depth`; ``tunix_sharding``, :mod:`~nnx_zero1_plan.tunix_sharding`;
+  ``calibration``, :func:`~nnx_zero1_plan.calibration.for_step`; ``lora``,
+  :data:`~nnx_zero1_plan.inputs.LORA_MODULES`; ``margin``'s default,
+  :data:`~nnx_zero1_plan.targets.DEFAULT_RESERVE_BYTES`.
 
   Raises:
     PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one

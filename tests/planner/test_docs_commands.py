@@ -141,6 +141,41 @@ def test_the_flag_table_is_the_command_lines_flags():
   assert named == _flags(), named ^ _flags()
 
 
+def flag_row(flags) -> str:
+  """docs/planner.md's flag table row of ``flags`` (one, or a few the page says together), as far as their
+  words go (``--help``'s): the page may go on after either cell's.
+
+  Example::
+
+    >>> from nnx_zero1_plan.cli import FLAGS
+    >>> print(flag_row([flag for flag in FLAGS if flag.name in ("--seq-len", "--ga")]))
+    | `--seq-len`, `--ga` | tokens per sequence (default 1024); micro-batches per optimizer step (default 1) |
+  """
+
+  def spelt(flag) -> str:  # ``--lora`` RANK, or a positional's ``KEY=VALUE ...``
+    metavar = flag.options.get("metavar")
+    if not flag.name.startswith("--"):
+      return f"`{metavar} ...`"
+    return f"`{flag.name}` {metavar}" if metavar else f"`{flag.name}`"
+
+  return f"| {', '.join(map(spelt, flags))} | {'; '.join(flag.words for flag in flags)} |"
+
+
+def test_each_flag_table_row_starts_with_its_flags_words():
+  """A row's cells start as :func:`flag_row` prints them from its flags' words, the page free to go on after
+  them; every flag has its row."""
+  from nnx_zero1_plan.cli import FLAGS
+  from tests.support.docs_tables import cells, table_under
+
+  rowed = []
+  for first, words in table_under("docs/planner.md", "| flag |"):
+    flags = [flag for flag in FLAGS if cells(flag_row([flag]))[0] in first]
+    start = flag_row(flags)
+    assert all(map(str.startswith, (first, words), cells(start))), f"the row should start: {start[:-2]}"
+    rowed += [flag.name for flag in flags]
+  assert sorted(rowed) == sorted(flag.name for flag in FLAGS)
+
+
 @pytest.mark.parametrize("page", PLANNER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_lever_and_flag_the_planners_pages_name_is_the_command_lines(page):
   """A lever is named as the planner names it (`zero2`, `offload`, never the bench's `zero2-accum`), a flag
