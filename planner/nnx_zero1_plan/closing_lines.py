@@ -19,7 +19,7 @@ def limit_words(margin: float | None, hbm_bytes: int, usable_bytes: int) -> str:
   if margin is not None:
     return f"a {margin:.0%} margin"
   reserve = hbm_bytes - usable_bytes
-  return f"the backend's {reserve / 2**30:.2f} GiB reserve" if reserve else "the compiler's own check"
+  return f"the backend's {gib(reserve)} GiB reserve" if reserve else "the compiler's own check"
 
 
 def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool = False,

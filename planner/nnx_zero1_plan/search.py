@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import Figures, Measured, Offloaded, OffloadPoint, Point, Row, Searched, Split
@@ -356,11 +356,21 @@ def _split(row: Row) -> Split:
                f.calibrated_step_s if kind == "measured" else None)
 
 
+def judged_by_calibrated(timed: Iterable[Figures | Point]) -> bool:
+  """Whether steps are compared by their times calibrated on the chip: where every one has one; else all by
+  the cost model's predicted times (:func:`step_time`), never one kind against the other."""
+  return all(t.calibrated_step_s for t in timed)
+
+
+def step_time(timed: Figures | Point, calibrated: bool) -> float | None:
+  """A step's calibrated time, or its predicted (:func:`judged_by_calibrated` says which)."""
+  return timed.calibrated_step_s if calibrated else timed.predicted_step_s
+
+
 def _times(row: Row, than: Row) -> tuple[float | None, float | None]:
-  """Both rows' calibrated steps where both have one, else their predicted."""
-  f, g = row.figures, than.figures
-  return ((f.calibrated_step_s, g.calibrated_step_s) if f.calibrated_step_s and g.calibrated_step_s
-          else (f.predicted_step_s, g.predicted_step_s))
+  """Both rows' steps, by one kind of time (:func:`judged_by_calibrated`)."""
+  calibrated = judged_by_calibrated((row.figures, than.figures))
+  return step_time(row.figures, calibrated), step_time(than.figures, calibrated)
 
 
 def _faster(row: Row, than: Row) -> bool:
