@@ -44,14 +44,12 @@ def chips_may_be_here(platform: str) -> bool:
 
 def not_the_target(local: LocalDevices | None, topology: str, parsed: Topology,
                    slices: int = ONE_SLICE) -> str | None:
-  """Why ``local`` are not ``topology``'s chips (platform, kind and count), in words; None where they are.
-  ``parsed`` is ``topology`` parsed once already (a :class:`~nnx_zero1_plan.request.PlanRequest`'s
-  ``topology_ref``); ``topology`` spells it in the words.
+  """Why ``local`` are not ``topology``'s chips (``parsed``: it parsed, a request's ``topology_ref``):
+  platform, kind and count, in words; None where they are.
 
   Example::
 
-    >>> from nnx_zero1_plan.request import check_topology
-    >>> v5e = check_topology("v5e:1x1")
+    >>> v5e = Topology("tpu", "v5e", (1, 1))
     >>> not_the_target(LocalDevices("tpu", "TPU v5 lite", 1), "v5e:1x1", v5e) is None
     True
     >>> not_the_target(LocalDevices("cpu", "cpu", 2), "v5e:1x1", v5e)

@@ -178,10 +178,9 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
     target = make_target("h100:2x8")   # 16 H100s on two nodes, deviceless
     target = make_target("v5e:2x4", slices=2)   # two 8-chip slices joined over the data-center network
   """
-  parsed = parsed or parse_topology(topology, GPU_CHIPS)
+  platform, chip, shape = parsed = parsed or parse_topology(topology, GPU_CHIPS)
   if local:
     return local_target(topology, parsed, slices)
-  platform, chip, shape = parsed
   if platform == "tpu":
     return Target(topology, platform, chip, _tpu_devices(topology, slices), _tpu_usable_bytes(topology),
                   "the TPU compiler's available HBM (its out-of-memory message)")
