@@ -15,7 +15,7 @@ from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.row import Point, Row
-from nnx_zero1_plan.search import judged_by_calibrated, step_time
+from nnx_zero1_plan.search import judged_by_calibrated
 
 ORDER: tuple[str, ...] = (
     "fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
@@ -323,7 +323,8 @@ def _throughput(point: Point, calibrated: bool) -> float:
 def _speed(row: Row, point: Point, calibrated: bool = False) -> str:
   """A point's time in words (``zero1 at 128: 412.0 ms, 318,000 tok/s per device``; on a pod, the slow
   network's share)."""
-  words = (f"{row.lever} at {point.batch}: {_ms(step_time(point, calibrated))}{' calibrated' * calibrated}, "
+  step_s = point.calibrated_step_s if calibrated else point.predicted_step_s
+  words = (f"{row.lever} at {point.batch}: {_ms(step_s)}{' calibrated' * calibrated}, "
            f"{_throughput(point, calibrated):,.0f} tok/s per device")
   t = row.figures.step_time
   if t is not None and t.slow_network and row.figures.predicted_step_s and point.batch == row.batch:

@@ -358,19 +358,15 @@ def _split(row: Row) -> Split:
 
 def judged_by_calibrated(timed: Iterable[Figures | Point]) -> bool:
   """Whether steps are compared by their times calibrated on the chip: where every one has one; else all by
-  the cost model's predicted times (:func:`step_time`), never one kind against the other."""
+  the cost model's predicted times, never one kind against the other."""
   return all(t.calibrated_step_s for t in timed)
-
-
-def step_time(timed: Figures | Point, calibrated: bool) -> float | None:
-  """A step's calibrated time, or its predicted (:func:`judged_by_calibrated` says which)."""
-  return timed.calibrated_step_s if calibrated else timed.predicted_step_s
 
 
 def _times(row: Row, than: Row) -> tuple[float | None, float | None]:
   """Both rows' steps, by one kind of time (:func:`judged_by_calibrated`)."""
-  calibrated = judged_by_calibrated((row.figures, than.figures))
-  return step_time(row.figures, calibrated), step_time(than.figures, calibrated)
+  f, g = row.figures, than.figures
+  return ((f.calibrated_step_s, g.calibrated_step_s) if judged_by_calibrated((f, g))
+          else (f.predicted_step_s, g.predicted_step_s))
 
 
 def _faster(row: Row, than: Row) -> bool:
