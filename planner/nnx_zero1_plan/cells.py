@@ -1,5 +1,6 @@
 """A plan's rows as cells, as the printed table and plan.md both show them: a value's format (bytes, ms,
-tokens), a collective's, a network's, the notes, and each table's header and cells."""
+tokens), a collective's, a network's, the notes, and each table's header and cells; whether a remat policy
+recomputes, as the closing lines, the recommendation and the way out read it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def gib(n: float | None, none: str = "-") -> str:
 def tokens(per_s: float | None) -> str:
   """Tokens per second as every table of the plan prints them (``-``: none)."""
   return "-" if per_s is None else f"{per_s:,.0f}"
+
+
+def remats(policy: str | None) -> bool:
+  """Whether a remat policy recomputes anything (``none``, or none given, does not)."""
+  return policy not in (None, "", "none")
 
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "args GiB", "temp GiB",

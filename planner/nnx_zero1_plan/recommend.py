@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.cells import gib, ms
+from nnx_zero1_plan.cells import gib, ms, remats
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line
@@ -77,9 +77,14 @@ def _points(row: Row) -> tuple[Point, ...]:
   return row.searched.search if row.searched is not None else ()
 
 
+def _fitting(rows: Sequence[Row]) -> list[tuple[Row, Point]]:
+  """Each row's points that fit, its own compile's and its search's, as ``(row, point)``."""
+  return [(r, p) for r in rows for p in (*_points(r), _own(r)) if p.fits]
+
+
 def fitted_at(row: Row) -> set[int]:
   """The micro-batches at which the row's own whole compiles fitted (its search's, and its own)."""
-  return {p.batch for p in _points(row) if p.fits} | ({row.batch} if row.fits else set())
+  return {p.batch for _, p in _fitting([row])}
 
 
 _RECOMPUTE = 0.05  # compute per sequence this much above the cheapest fitting point: the compiler recomputes
@@ -309,11 +314,6 @@ def _ms(seconds: float | None) -> str:
   return "?" if seconds is None else f"{ms(seconds)} ms"
 
 
-def _fitting(rows: Sequence[Row]) -> list[tuple[Row, Point]]:
-  """Each row's points that fit, its own compile's and its search's, as ``(row, point)``."""
-  return [(r, p) for r in rows for p in (*_points(r), _own(r)) if p.fits]
-
-
 def _throughput(point: Point, calibrated: bool) -> float:
   """A point's tokens per second per device, by its calibrated time or the cost model's."""
   tokens = point.tokens_per_s_per_device or 0.0
@@ -370,7 +370,7 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
 def _roomier(row: Row, point: Point) -> tuple[int, bool]:
   """Both orders' last words as a sort key: most headroom, then no remat (then the lighter lever, the rows'
   order, which ``min`` keeps)."""
-  return -(point.headroom_bytes_per_device or 0), row.remat not in (None, "none")
+  return -(point.headroom_bytes_per_device or 0), remats(row.remat)
 
 
 def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
