@@ -1,5 +1,6 @@
 """A plan's rows as cells, as the printed table and plan.md both show them: a value's format (bytes, ms,
-tokens), a collective's, a network's, the notes, and each table's header and cells."""
+tokens), a collective's, a network's, the notes, and each table's header and cells; whether a remat policy
+recomputes, as the closing lines, the recommendation and the way out read it."""
 
 from __future__ import annotations
 
@@ -16,14 +17,19 @@ def ms(seconds: float | None) -> str:
   return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
 
 
-def gib(n: float | None) -> str:
-  """Bytes as every table of the plan prints them: GiB (``-``: none)."""
-  return "-" if n is None else f"{n / 2**30:.2f}"
+def gib(n: float | None, none: str = "-") -> str:
+  """Bytes as every table and sentence of the plan prints them: GiB (``none`` where there are none)."""
+  return none if n is None else f"{n / 2**30:.2f}"
 
 
 def tokens(per_s: float | None) -> str:
   """Tokens per second as every table of the plan prints them (``-``: none)."""
   return "-" if per_s is None else f"{per_s:,.0f}"
+
+
+def remats(policy: str | None) -> bool:
+  """Whether a remat policy recomputes anything (``none``, or none given, does not)."""
+  return policy not in (None, "", "none")
 
 
 HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "args GiB", "temp GiB",
@@ -138,7 +144,7 @@ def accumulation_note(r: Row, rows: Sequence[Row]) -> str | None:
   if twin is None or mine is None or theirs is None or mine <= 1.01 * theirs:
     return None
   temp = (r.figures.temp_bytes_per_device or 0) - (twin.figures.temp_bytes_per_device or 0)
-  return (f"needs {(mine - theirs) / 2**30:.2f} GiB more than {twin.lever} at this micro-batch: its "
+  return (f"needs {gib(mine - theirs)} GiB more than {twin.lever} at this micro-batch: its "
           f"temporaries {temp / 2**30:+.2f} GiB (the gradients it reduces once per step, held across the "
           f"micro-batch loop: with one micro-batch, plan {twin.lever})")
 

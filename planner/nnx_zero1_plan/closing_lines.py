@@ -3,7 +3,7 @@ changes compiled to make room."""
 
 from __future__ import annotations
 
-from nnx_zero1_plan.cells import gib
+from nnx_zero1_plan.cells import gib, remats
 from nnx_zero1_plan.recommend import BY_CALIBRATED, BY_THROUGHPUT, Recommendation
 from nnx_zero1_plan.way_out import WayOut
 
@@ -19,7 +19,7 @@ def limit_words(margin: float | None, hbm_bytes: int, usable_bytes: int) -> str:
   if margin is not None:
     return f"a {margin:.0%} margin"
   reserve = hbm_bytes - usable_bytes
-  return f"the backend's {reserve / 2**30:.2f} GiB reserve" if reserve else "the compiler's own check"
+  return f"the backend's {gib(reserve)} GiB reserve" if reserve else "the compiler's own check"
 
 
 def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool = False,
@@ -56,14 +56,13 @@ def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool
               "whole programs and decides."]
     return []
   shape = {"one": "one program", "split": "two programs"}.get(rec.step, rec.step)
-  remat = f", remat {rec.remat}" if rec.remat not in (None, "none") else ""
+  remat = f", remat {rec.remat}" if remats(rec.remat) else ""
   which = "the largest that fits" if search else "fits"
   if rec.order in (BY_THROUGHPUT, BY_CALIBRATED):
     kind = "predicted" if rec.order == BY_THROUGHPUT else "calibrated"
     which = f"the most {kind} tokens per second of what fits"
-  code = [f"    {line}".rstrip() for line in rec.code.splitlines()]
   lines = ["", f"Recommended: {rec.lever} at micro-batch {rec.micro_batch} ({shape}{remat}), {which} "
-           f"with {limit}", "  code:", *code, f"  reproduce: {rec.cli}"]
+           f"with {limit}", *_code_and_command(rec.code, rec.cli)]
   lines += [f"  why: {line}" for line in rec.why]
   return lines + [f"  note: {line}" for line in (*rec.baseline_beats, *rec.notes)]
 
@@ -93,7 +92,11 @@ def way_out_lines(way_out: WayOut | None) -> list[str]:
            for t in way_out.tried if not t.fits]
   if found is None:
     return ["", "Nothing fits as asked, and no change compiled fits either:", *tried]
-  code = ["  code:", *(f"    {line}".rstrip() for line in (found.code or "").splitlines())]
-  code = code if len(code) > 1 else []
   return ["", f"Nothing fits as asked; compiled, the first change that fits: {found.what} (peak "
-          f"{gib(found.peak_bytes_per_device)} GiB)", *code, f"  reproduce: {found.command}", *tried]
+          f"{gib(found.peak_bytes_per_device)} GiB)", *_code_and_command(found.code, found.command), *tried]
+
+
+def _code_and_command(code: str | None, command: str) -> list[str]:
+  """A configuration's code, indented under ``code:`` (no such line without code), and its command."""
+  lines = [f"    {line}".rstrip() for line in (code or "").splitlines()]
+  return [*(["  code:"] if lines else []), *lines, f"  reproduce: {command}"]

@@ -39,7 +39,7 @@ def devices_for(request: PlanRequest, measure: bool = False) -> LocalDevices | N
     raise PlanError("--measure runs the planner's own step; a maxtext: model's runs in MaxText's engine "
                     "(time it with MaxText's train)")
   local = local_devices() if measure or chips_may_be_here(request.platform) else None
-  why = not_the_target(local, request.topology, request.slices)
+  why = not_the_target(local, request.topology, request.topology_ref, request.slices)
   if why and measure:
     raise PlanError(f"--measure runs each row's step on this machine's devices, which must be the target's: "
                     f"{why}")

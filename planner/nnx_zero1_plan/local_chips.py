@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nnx_zero1_plan.chips import chip_of
-from nnx_zero1_plan.gpu_chips import GPU_CHIPS
-from nnx_zero1_plan.inputs import ONE_SLICE, parse_topology
+from nnx_zero1_plan.inputs import ONE_SLICE, Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +42,20 @@ def chips_may_be_here(platform: str) -> bool:
   return any(glob.glob(p) for p in patterns)
 
 
-def not_the_target(local: LocalDevices | None, topology: str, slices: int = ONE_SLICE) -> str | None:
-  """Why ``local`` are not ``topology``'s chips (platform, kind and count), in words; None where they are.
+def not_the_target(local: LocalDevices | None, topology: str, parsed: Topology,
+                   slices: int = ONE_SLICE) -> str | None:
+  """Why ``local`` are not ``topology``'s chips (``parsed``: it parsed, a request's ``topology_ref``):
+  platform, kind and count, in words; None where they are.
 
   Example::
 
-    >>> not_the_target(LocalDevices("tpu", "TPU v5 lite", 1), "v5e:1x1") is None
+    >>> v5e = Topology("tpu", "v5e", (1, 1))
+    >>> not_the_target(LocalDevices("tpu", "TPU v5 lite", 1), "v5e:1x1", v5e) is None
     True
-    >>> not_the_target(LocalDevices("cpu", "cpu", 2), "v5e:1x1")
+    >>> not_the_target(LocalDevices("cpu", "cpu", 2), "v5e:1x1", v5e)
     "this machine's devices are 2 x 'cpu' (cpu), not v5e:1x1's 1 v5e"
   """
-  platform, chip, shape = parse_topology(topology, GPU_CHIPS)
+  platform, chip, shape = parsed
   want = math.prod(shape) * (slices if platform == "tpu" else 1)
   if local is None:
     return f"jax sees no {platform.upper()} devices on this machine, not {topology}'s {want} {chip}"

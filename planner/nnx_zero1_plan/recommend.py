@@ -10,10 +10,12 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nnx_zero1_plan.cells import gib, ms, remats
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.row import Point, Record, Row
+from nnx_zero1_plan.search import judged_by_calibrated
 
 ORDER: tuple[str, ...] = (
     "fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
@@ -69,9 +71,14 @@ def _points(row: Row) -> tuple[Point, ...]:
   return row.searched.search if row.searched is not None else ()
 
 
+def _fitting(rows: Sequence[Row]) -> list[tuple[Row, Point]]:
+  """Each row's points that fit, its own compile's and its search's, as ``(row, point)``."""
+  return [(r, p) for r in rows for p in (*_points(r), _own(r)) if p.fits]
+
+
 def fitted_at(row: Row) -> set[int]:
   """The micro-batches at which the row's own whole compiles fitted (its search's, and its own)."""
-  return {p.batch for p in _points(row) if p.fits} | ({row.batch} if row.fits else set())
+  return {p.batch for _, p in _fitting([row])}
 
 
 _RECOMPUTE = 0.05  # compute per sequence this much above the cheapest fitting point: the compiler recomputes
@@ -112,8 +119,8 @@ def thin_note(row: Row, micro: int) -> str | None:
   room, usable = figures_at(row, micro).headroom_bytes_per_device, row.usable_bytes
   if room is None or not usable or room >= _THIN * usable:
     return None
-  return (f"thin: {row.lever} at micro-batch {micro} leaves {room / 2**30:.2f} GiB of "
-          f"{usable / 2**30:.2f} GiB usable free ({room / usable:.2%}, under 1%); near its limit the "
+  return (f"thin: {row.lever} at micro-batch {micro} leaves {gib(room)} GiB of "
+          f"{gib(usable)} GiB usable free ({room / usable:.2%}, under 1%); near its limit the "
           "compiler lands within about 1.5% either side: a smaller micro-batch or --margin leaves room")
 
 
@@ -170,8 +177,8 @@ def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
   if mine is None or theirs is None or not peak or theirs - mine >= _LITTLE * peak:
     return None
   saved = theirs - mine
-  return (f"{row.lever} saves little here: {saved / 2**30:.2f} GiB of optimizer state per device, "
-          f"{saved / peak:.1%} of the baseline's {peak / 2**30:.2f} GiB peak (under 1.5%, the compiler's own "
+  return (f"{row.lever} saves little here: {gib(saved)} GiB of optimizer state per device, "
+          f"{saved / peak:.1%} of the baseline's {gib(peak)} GiB peak (under 1.5%, the compiler's own "
           "scatter near its limit): nnx.Optimizer is as good")
 
 
@@ -220,8 +227,8 @@ def baseline_beats(rows: Sequence[Row], batch: int) -> list[str]:
       continue
     temp = z.temp_bytes_per_device - b.temp_bytes_per_device
     args = (b.argument_bytes_per_device or 0) - (z.argument_bytes_per_device or 0)
-    saved = (f"more than the {args / 2**30:.2f} GiB its arguments save" if temp > args
-             else f"and its arguments save {args / 2**30:.2f} GiB")
+    saved = (f"more than the {gib(args)} GiB its arguments save" if temp > args
+             else f"and its arguments save {gib(args)} GiB")
     out.append(f"{beats} {r.lever}'s temporaries are {temp / 2**30:+.2f} GiB against the baseline's, {saved}")
   return out
 
@@ -258,8 +265,7 @@ def _differ(mine: int, theirs: int) -> bool:
 def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:
   """One sentence for each lever that fits the same micro-batch as the pick: the headroom each leaves there
   and the bytes each sends, and which of :data:`ORDER` decided."""
-  gib = lambda n: "?" if n is None else f"{n / 2**30:.2f}"
-  room = lambda row: gib(figures_at(row, micro).headroom_bytes_per_device)
+  room = lambda row: gib(figures_at(row, micro).headroom_bytes_per_device, none="?")
   out = []
   for rival in rivals:
     (my_across, their_across), (mine, theirs), (my_host, their_host) = (
@@ -299,12 +305,7 @@ def plan_code(request: PlanRequest, lever: str, offload_fraction: float | None =
 
 
 def _ms(seconds: float | None) -> str:
-  return "?" if seconds is None else f"{seconds * 1e3:,.1f} ms"
-
-
-def _calibrated(points: Sequence[tuple[Row, Point]]) -> bool:
-  """Whether every point has a time calibrated on the chip: then it ranks them, not the cost model's."""
-  return all(p.calibrated_step_s for _, p in points)
+  return "?" if seconds is None else f"{ms(seconds)} ms"
 
 
 def _throughput(point: Point, calibrated: bool) -> float:
@@ -343,10 +344,10 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
     zero1 at 8: 79.2 ms, 101 tok/s per device;
     baseline at 8: 80.0 ms, 100 tok/s per device: within 2%, zero1 for its headroom
   """
-  points = [(r, p) for r in rows for p in (*_points(r), _own(r)) if p.fits]
+  points = _fitting(rows)
   if not points or any(p.tokens_per_s_per_device is None for _, p in points):
     return None
-  calibrated = _calibrated(points)
+  calibrated = judged_by_calibrated(p for _, p in points)
   speed = lambda c: _throughput(c[1], calibrated)
   fastest = max(map(speed, points))
   near = lambda c: speed(c) >= fastest * (1 - _SAME_SPEED)
@@ -363,7 +364,7 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
 def _roomier(row: Row, point: Point) -> tuple[int, bool]:
   """Both orders' last words as a sort key: most headroom, then no remat (then the lighter lever, the rows'
   order, which ``min`` keeps)."""
-  return -(point.headroom_bytes_per_device or 0), row.remat not in (None, "none")
+  return -(point.headroom_bytes_per_device or 0), remats(row.remat)
 
 
 def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
@@ -395,8 +396,8 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
   fastest = by_throughput(candidates)
   if fastest is not None:
     best, at, why = fastest
-    fit = [(r, p) for r in candidates for p in (*_points(r), _own(r)) if p.fits]
-    micro, order = at.batch, BY_CALIBRATED if _calibrated(fit) else BY_THROUGHPUT
+    calibrated = judged_by_calibrated(p for _, p in _fitting(candidates))
+    micro, order = at.batch, BY_CALIBRATED if calibrated else BY_THROUGHPUT
   else:
     micro, order = max(m for m in edges if m), ORDER
     # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not; the

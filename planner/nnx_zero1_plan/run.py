@@ -220,7 +220,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
   resolved = request.resolved(planned.axes, batch)  # what the plan's meta says and its commands reproduce
   meta = _settings(resolved, planned, target, rows, batch_default, compiler_name, usable)
   hints = next_steps(rows, resolved, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
-                     batch_unit=planned.batch_unit)
+                     batch_unit=planned.batch_unit, named_axes=planned.named)
   way_out = None
   if rows and not request.estimate and not any(row.verdict for row in rows):
     way_out = _way_out(compiler, resolved, planned, meta, blocked, maxtext_out)

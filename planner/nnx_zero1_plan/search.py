@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import Figures, Measured, Offloaded, OffloadPoint, Point, Row, Searched, Split
@@ -333,10 +333,16 @@ def _split(row: Row) -> Split:
                f.calibrated_step_s if kind == "measured" else None)
 
 
+def judged_by_calibrated(timed: Iterable[Figures | Point]) -> bool:
+  """Whether steps are compared by their times calibrated on the chip: where every one has one; else all by
+  the cost model's predicted times, never one kind against the other."""
+  return all(t.calibrated_step_s for t in timed)
+
+
 def _times(row: Row, than: Row) -> tuple[float | None, float | None]:
-  """Both rows' calibrated steps where both have one, else their predicted."""
+  """Both rows' steps, by one kind of time (:func:`judged_by_calibrated`)."""
   f, g = row.figures, than.figures
-  return ((f.calibrated_step_s, g.calibrated_step_s) if f.calibrated_step_s and g.calibrated_step_s
+  return ((f.calibrated_step_s, g.calibrated_step_s) if judged_by_calibrated((f, g))
           else (f.predicted_step_s, g.predicted_step_s))
 
 

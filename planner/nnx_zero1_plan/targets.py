@@ -132,22 +132,23 @@ def _tpu_usable_bytes(topology: str) -> int:
   raise PlanError(f"the TPU compiler accepted a 1 TiB program for {topology}; cannot read its usable HBM")
 
 
-def local_target(topology: str, slices: int = ONE_SLICE) -> Target:
-  """``topology``'s chips where they are this process's own devices (``jax.devices()``): compiled for, and
-  run on, as they are; the memory a program may use is the allocator's ``bytes_limit`` on the first.
+def local_target(topology: str, parsed: Topology, slices: int = ONE_SLICE) -> Target:
+  """``topology``'s chips (``parsed``: it parsed) where they are this process's own devices
+  (``jax.devices()``): compiled for, and run on, as they are; the memory a program may use is the
+  allocator's ``bytes_limit`` on the first.
 
   Raises:
     PlanError: this process's devices are not the topology's chips (platform, kind or count).
 
   Example::
 
-    target = local_target("v5e:1x1")   # on a one-chip TPU v5e VM: 16,909,336,064 B usable
+    target = make_target("v5e:1x1", local=True)   # on a one-chip TPU v5e VM: 16,909,336,064 B usable
   """
   import jax
 
-  platform, chip, _ = parse_topology(topology, GPU_CHIPS)
+  platform, chip, _ = parsed
   devices = tuple(jax.devices())
-  why = not_the_target(LocalDevices.of(devices), topology, slices)
+  why = not_the_target(LocalDevices.of(devices), topology, parsed, slices)
   if why:
     raise PlanError(f"cannot compile for this machine's devices: {why}")
   limit = (devices[0].memory_stats() or {}).get("bytes_limit")
@@ -177,9 +178,9 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
     target = make_target("h100:2x8")   # 16 H100s on two nodes, deviceless
     target = make_target("v5e:2x4", slices=2)   # two 8-chip slices joined over the data-center network
   """
+  platform, chip, shape = parsed = parsed or parse_topology(topology, GPU_CHIPS)
   if local:
-    return local_target(topology, slices)
-  platform, chip, shape = parsed or parse_topology(topology, GPU_CHIPS)
+    return local_target(topology, parsed, slices)
   if platform == "tpu":
     return Target(topology, platform, chip, _tpu_devices(topology, slices), _tpu_usable_bytes(topology),
                   "the TPU compiler's available HBM (its out-of-memory message)")

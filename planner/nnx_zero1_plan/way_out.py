@@ -1,5 +1,6 @@
-"""When nothing fits: what to try next (:func:`next_steps`), and changes compiled in the order a user would
-try them until one fits (:func:`find_way_out`): a refused compile has no peak to reason from."""
+"""When nothing fits: the changes that may make room, lightest first (:func:`changes_to_try`), said as what to
+try next (:func:`next_steps`) and compiled until one fits (:func:`find_way_out`): a refused compile has no
+peak to reason from."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
+from nnx_zero1_plan.cells import gib, remats
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
 from nnx_zero1_plan.levers import adds_memory, memory_twin, saves_nothing
 from nnx_zero1_plan.request import ResolvedRequest, command_line
@@ -15,11 +17,12 @@ from nnx_zero1_plan.row import Record, Row
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-  """One change to the plan's settings that may make room: ``what`` it is in words, and the plan's resolved
-  ``request`` with it made."""
+  """One change to the plan's settings that may make room: ``what`` it is in words, the plan's resolved
+  ``request`` with it made, and its ``kind``: ``micro-batch``, ``remat``, ``fsdp`` or ``host memory``."""
 
   what: str
   request: ResolvedRequest
+  kind: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +91,14 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
     smaller = batch // times // batch_unit * batch_unit
     if smaller >= batch_unit and smaller * times == batch:
       out.append(Change(f"micro-batch {smaller}, {times}x the accumulation (the same tokens per step)",
-                        on(batch=smaller, ga=times * request.ga)))
-  if remat is not None and request.remat in (None, "none"):
-    out.append(Change(f"remat {remat}", on(remat=remat)))
+                        on(batch=smaller, ga=times * request.ga), "micro-batch"))
+  if remat is not None and not remats(request.remat):
+    out.append(Change(f"remat {remat}", on(remat=remat), "remat"))
   if "fsdp" in named_axes and (wider := more_fsdp(request.mesh_sizes)) is not None:
     out.append(Change(f"fsdp={wider['fsdp']} (data={wider['data']}): parameters and gradients split too",
-                      on(mesh=spelled_mesh(wider))))
+                      on(mesh=spelled_mesh(wider)), "fsdp"))
   if host_memory:
-    out.append(Change("the optimizer state in host memory", on(levers=("offload",))))
+    out.append(Change("the optimizer state in host memory", on(levers=("offload",)), "host memory"))
   return out
 
 
@@ -128,7 +131,8 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
 
 
 def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[str], *,
-               blocked: Mapping[str, str], remat: str | None, batch_unit: int) -> list[str]:
+               blocked: Mapping[str, str], remat: str | None, batch_unit: int,
+               named_axes: Sequence[str] = ()) -> list[str]:
   """What to try next, in order, when no row fits (empty when one does): each item ends with its command.
 
   Args:
@@ -136,8 +140,8 @@ def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[s
     request: the plan's request as resolved; each command is it with one change made.
     levers: every lever the planner knows, lightest first.
     blocked: the levers that cannot apply to this model, and why (never suggested).
-    remat: the remat policy to suggest when the plan used none (None: the model takes no ``--remat``).
-    batch_unit: the batch axes' size: a micro-batch is a multiple of it.
+    remat, batch_unit, named_axes: as :func:`changes_to_try` takes them; of its changes, the first of each
+      kind but the host memory's (a lever above) is suggested on the row that comes closest.
   """
   if not rows or any(r.verdict for r in rows):
     return []
@@ -156,7 +160,7 @@ def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[s
     saving = ""
     if name == "zero1" and base is not None:
       saved = (base.figures.opt_state_bytes_per_device or 0) * (1 - 1 / base.mesh.get("data", 1))
-      saving = f": saves {saved / 2**30:.2f} GiB of optimizer state per device (the layout rule)"
+      saving = f": saves {gib(saved)} GiB of optimizer state per device (the layout rule)"
     steps.append(f"the lever {name}{saving}: {command_line(request, levers=[name])}")
   if idle:
     steps.append(f"not offered: {', '.join(idle)} (each splits the optimizer state only over axes of size 1 "
@@ -164,19 +168,19 @@ def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[s
   peak = lambda r: r.figures.peak_bytes_per_device or 0
   best = min((r for r in rows if peak(r)), key=peak, default=None)
   temp = 0 if best is None else best.figures.temp_bytes_per_device or 0
+  changes: dict[str, str] = {}  # each kind's first change (the micro-batch halved), as its command
+  for change in changes_to_try(request, lever=best.lever if best is not None else rows[-1].lever,
+                               batch_unit=batch_unit, remat=remat, named_axes=named_axes, host_memory=False):
+    changes.setdefault(change.kind, command_line(change.request))
   if best is not None:
-    if (mesh := more_fsdp(request.mesh_sizes)) is not None:
-      steps.append(f"{best.lever} comes closest, {(peak(best) - best.hbm_bytes) / 2**30:.2f} GiB over; more "
-                   "fsdp splits parameters and gradients too: "
-                   f"{command_line(request, levers=[best.lever], mesh=spelled_mesh(mesh))}")
-    if remat is not None and not request.remat:
-      steps.append(f"remat (recomputes activations; the temp is {temp / 2**30:.2f} GiB): "
-                   f"{command_line(request, levers=[best.lever], remat=remat)}")
-  half = request.batch // 2 // batch_unit * batch_unit
-  if half >= batch_unit:
-    why = (f"activations shrink, up to ~{temp / 2 / 2**30:.2f} GiB" if best is not None
+    if "fsdp" in changes:
+      steps.append(f"{best.lever} comes closest, {gib(peak(best) - best.hbm_bytes)} GiB over; more fsdp "
+                   f"splits parameters and gradients too: {changes['fsdp']}")
+    if "remat" in changes:
+      steps.append(f"remat (recomputes activations; the temp is {gib(temp)} GiB): {changes['remat']}")
+  if "micro-batch" in changes:
+    why = (f"activations shrink, up to ~{gib(temp / 2)} GiB" if best is not None
            else "the compiler refused every program at this micro-batch")
-    lever = best.lever if best is not None else rows[-1].lever
     steps.append(f"half the micro-batch, twice the accumulation (the same tokens per step; {why}): "
-                 f"{command_line(request, levers=[lever], batch=half, ga=2 * request.ga)}")
+                 f"{changes['micro-batch']}")
   return steps

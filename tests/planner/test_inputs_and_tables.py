@@ -322,7 +322,8 @@ def test_the_table_and_what_to_try_next_when_nothing_fits():
   assert lines[3].split()[6:10] == ["~8.50", "~8.50", "~17.00", "~-"] and "~NO" in lines[3].split()
   request = PlanRequest("tunix:qwen3_8b", "v5e:2x4", steps="one").resolved({"data": 8, "fsdp": 1}, 32)
   blocked = {"zero1-master": "float32 already", "zero1-pod": "one slice"}
-  steps = next_steps(rows, request, list(LEVERS), blocked=blocked, remat="decoder", batch_unit=8)
+  steps = next_steps(rows, request, list(LEVERS), blocked=blocked, remat="decoder", batch_unit=8,
+                     named_axes=["fsdp"])
   at = "python -m nnx_zero1.plan --model tunix:qwen3_8b --topology v5e:2x4 --mesh data=8,fsdp=1 --batch"
   assert steps[0] == f"the lever zero1-accum: {at} 32 --seq-len 1024 --ga 1 --levers zero1-accum --steps one"
   assert not [s for s in steps if "zero1-master" in s]  # a lever that cannot apply is not offered

@@ -19,6 +19,7 @@ from nnx_zero1_plan.on_chip import measured_batches
 from nnx_zero1_plan.plan_md import markdown
 from nnx_zero1_plan.planned_model import describe_tunix_or_own, on_devices
 from nnx_zero1_plan.recommend import Recommendation
+from nnx_zero1_plan.request import check_topology
 from nnx_zero1_plan.row import Figures, Made, Measured, Point, Row, Searched
 from nnx_zero1_plan.row_compiler import RowCompiler, StepShape
 from nnx_zero1_plan.run import measured_rows
@@ -40,13 +41,14 @@ def test_the_flag_is_off_unless_asked():
 
 
 def test_local_devices_are_the_targets_only_by_platform_kind_and_count():
-  assert not_the_target(V5E, "v5e:1x1") is None
-  assert not_the_target(LocalDevices("tpu", "TPU v5 lite", 4), "v5e:2x2") is None
-  assert "1 x 'TPU v5 lite' (tpu), not v5e:2x2's 4 v5e" in not_the_target(V5E, "v5e:2x2")
-  assert "not v6e:1x1's 1 v6e" in not_the_target(V5E, "v6e:1x1")
-  assert "not v5e:1x1's 2 v5e" in not_the_target(LocalDevices("tpu", "TPU v5 lite", 1), "v5e:1x1", slices=2)
-  assert "2 x 'cpu' (cpu)" in not_the_target(LocalDevices("cpu", "cpu", 2), "v5e:1x1")
-  assert "jax sees no CUDA devices" in not_the_target(None, "h100:8")
+  why = lambda local, topology, slices=1: not_the_target(local, topology, check_topology(topology), slices)
+  assert why(V5E, "v5e:1x1") is None
+  assert why(LocalDevices("tpu", "TPU v5 lite", 4), "v5e:2x2") is None
+  assert "1 x 'TPU v5 lite' (tpu), not v5e:2x2's 4 v5e" in why(V5E, "v5e:2x2")
+  assert "not v6e:1x1's 1 v6e" in why(V5E, "v6e:1x1")
+  assert "not v5e:1x1's 2 v5e" in why(LocalDevices("tpu", "TPU v5 lite", 1), "v5e:1x1", slices=2)
+  assert "2 x 'cpu' (cpu)" in why(LocalDevices("cpu", "cpu", 2), "v5e:1x1")
+  assert "jax sees no CUDA devices" in why(None, "h100:8")
 
 
 def test_measure_is_refused_in_one_line_where_the_devices_are_not_the_targets(capsys):

@@ -310,8 +310,9 @@ def test_the_way_out_that_fits_comes_with_its_code_as_a_recommendation_does():
   from nnx_zero1_plan.way_out import Change, find_way_out
 
   asked = PlanRequest("my_pkg.models:build", "v5e:2x4", mesh="data=8", optimizer="lion", batch=16)
-  changes = [Change("micro-batch 8", dataclasses.replace(asked, levers="zero1", batch=8)),
-             Change("the optimizer state in host memory", dataclasses.replace(asked, levers="offload"))]
+  changes = [Change("micro-batch 8", dataclasses.replace(asked, levers="zero1", batch=8), "micro-batch"),
+             Change("the optimizer state in host memory", dataclasses.replace(asked, levers="offload"),
+                    "host memory")]
   fits = lambda c: make_row(c.request.levers[0], fits=c.request.levers == ("offload",),
                             peak_bytes_per_device=1)
   out = find_way_out(changes, fits, lambda c: "python -m nnx_zero1.plan ...",
