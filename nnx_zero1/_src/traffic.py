@@ -4,8 +4,8 @@ Counting a collective by its result (``hlo.collectives``) reads a reduce-scatter
 that moves the same data. Here each op counts what a ring sends from one device: an all-reduce 2(n-1)/n
 of its data, a reduce-scatter and an all-gather (n-1)/n, n the devices in its replica group (read off the
 collective's line in any of HLO's spellings: :func:`replica_groups`, :func:`group_size`). What of those
-bytes crosses a pod's slow network is the planner's accounting (``nnx_zero1_plan.slow_network``), built on
-:func:`sent_counter`.
+bytes crosses a pod's slow network is the planner's accounting
+(``nnx_zero1_plan.slow_network_bytes``), built on :func:`sent_counter`.
 """
 
 from __future__ import annotations

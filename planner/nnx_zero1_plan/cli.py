@@ -19,7 +19,7 @@ import tqdm
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.compilers import AotUnavailable
-from nnx_zero1_plan.depth import WHOLE_OVER_ESTIMATE_UP_TO
+from nnx_zero1_plan.estimate import WHOLE_OVER_ESTIMATE_UP_TO
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, parse_overrides
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.local import devices_for, plan_here

@@ -11,7 +11,7 @@ from nnx_zero1._src.companion import by_op, in_loops
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.program_record import Instruction, ProgramRecord
 from nnx_zero1_plan.row import Collectives, Figures, HbmOom
-from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
+from nnx_zero1_plan.slow_network_bytes import across_bytes, dcn_bytes
 
 # The compiler's own peak, in the order jax grew them: jax 0.10.2 (the TPU VM's) has only
 # peak_memory_in_bytes, whose figure for a TPU program equals the newer total_allocation_bytes' within a few
@@ -160,8 +160,9 @@ def collectives_of(program: ProgramRecord, domain_of: Sequence[int] | None = Non
   ``loop_collectives`` count them), the bytes one device sends by a ring over its groups (``sent_per_step``,
   as :func:`nnx_zero1.testing.sent_bytes`), and on a pod (``domain_of``: each device's slice or node, in the
   mesh's order, over more than one) ``across_per_step``: what one device sends between slices or nodes, a
-  multi-slice TPU program's sends to the megascale runtime (:func:`~nnx_zero1_plan.slow_network.dcn_bytes`),
-  a multi-node GPU program's collectives whose groups span nodes (``slow_network.across_bytes``)."""
+  multi-slice TPU program's sends to the megascale runtime
+  (:func:`~nnx_zero1_plan.slow_network_bytes.dcn_bytes`), a multi-node GPU program's collectives whose
+  groups span nodes (``slow_network_bytes.across_bytes``)."""
   def result(i: Instruction) -> tuple[str, dict[str, int]] | None:
     return (i.collective.op, {"bytes": i.collective.result_bytes}) if i.collective else None
 

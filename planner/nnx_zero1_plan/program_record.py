@@ -2,7 +2,7 @@
 (``nnx_zero1._src.hlo``). What the planner says of a program is a small pure function of the record: the walk
 (:mod:`~nnx_zero1_plan.step_time`), the calibration (:mod:`~nnx_zero1_plan.calibrated_time`), the FLOPs
 (:mod:`~nnx_zero1_plan.hlo_flops`), the bytes on each network (:mod:`~nnx_zero1_plan.compiled`,
-:mod:`~nnx_zero1_plan.slow_network`: summed by op as the optimizer's own counts are)."""
+:mod:`~nnx_zero1_plan.slow_network_bytes`: summed by op as the optimizer's own counts are)."""
 
 from __future__ import annotations
 

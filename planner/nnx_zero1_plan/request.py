@@ -114,7 +114,7 @@ class PlanRequest:
   From Python, ``levers`` and ``steps`` take a sequence of names too, and ``overrides`` a mapping; ``depths``
   are the reduced depths an ``estimate`` compiles a deep model at. Where each is carried out: ``search``,
   :func:`~nnx_zero1_plan.search.find_edge` (each row gains a :class:`~nnx_zero1_plan.row.Searched`);
-  ``estimate``, :mod:`~nnx_zero1_plan.depth`; ``tunix_sharding``, :mod:`~nnx_zero1_plan.tunix_sharding`;
+  ``estimate``, :mod:`~nnx_zero1_plan.estimate`; ``tunix_sharding``, :mod:`~nnx_zero1_plan.tunix_sharding`;
   ``calibration``, :func:`~nnx_zero1_plan.calibration.for_step`; ``lora``,
   :data:`~nnx_zero1_plan.inputs.LORA_MODULES`; ``margin``'s default,
   :data:`~nnx_zero1_plan.targets.DEFAULT_RESERVE_BYTES`.

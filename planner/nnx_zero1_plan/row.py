@@ -270,7 +270,7 @@ class PodNetworks(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Estimate(Record):
-  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.depth.estimate_mark`): how it was
+  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.estimate.estimate_mark`): how it was
   made, the figures it touches, and how far low such estimates were measured (the whole program's peak over
   the estimate's), where."""
 

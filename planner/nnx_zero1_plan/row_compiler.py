@@ -27,7 +27,7 @@ from nnx_zero1_plan.compiled import (
   step_flops,
   summed_collectives,
 )
-from nnx_zero1_plan.depth import NEAR, estimate_mark, extrapolate_row, near_the_limit, not_alike
+from nnx_zero1_plan.estimate import NEAR, estimate_mark, extrapolate_row, near_the_limit, not_alike
 from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload

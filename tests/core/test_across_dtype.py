@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1 import Zero1Error, Zero1Optimizer, value_and_grad_accumulated
 from nnx_zero1._src.stages import INT8_BLOCK
-from nnx_zero1_plan.slow_network import across_bytes
+from nnx_zero1_plan.slow_network_bytes import across_bytes
 from tests.support.accumulate import explicit_mesh
 from tests.support.helpers import assert_trees_equal
 

@@ -25,7 +25,7 @@ from nnx_zero1 import (
   zero1_optimizers,
 )
 from nnx_zero1._src.stages import INT8_BLOCK
-from nnx_zero1_plan.slow_network import across_bytes
+from nnx_zero1_plan.slow_network_bytes import across_bytes
 from tests.support.accumulate import explicit_mesh
 from tests.support.helpers import PlainTrainer, assert_trees_equal, assert_unchanged, snapshot
 

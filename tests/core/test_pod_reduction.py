@@ -10,9 +10,10 @@ reduces as the networks want it:
 - Zero-1 over ``("replica", "data")``: a reduce-scatter over ``data``, then one over ``replica``,
   where one reduce-scatter over both is an all-reduce inside each TPU slice.
 
-Bytes across are the planner's count, ``nnx_zero1_plan.slow_network.across_bytes`` (a group spanning k of
-the 2 domains sends (k-1)/(n-1) of its ring bytes across), inside the rest: what crosses a pod's slow
-network is the planner's accounting, one home for it, and lane 1 installs the planner with the optimizer.
+Bytes across are the planner's count, ``nnx_zero1_plan.slow_network_bytes.across_bytes``
+(a group spanning k of the 2 domains sends (k-1)/(n-1) of its ring bytes across), inside the rest: what
+crosses a pod's slow network is the planner's accounting, one home for it, and lane 1 installs the planner
+with the optimizer.
 """
 
 import jax
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_zero1 import Zero1Optimizer, bytes_per_device, value_and_grad_accumulated
 from nnx_zero1._src.stages import scatter_by_stages
 from nnx_zero1.testing import collectives, loop_collectives
-from nnx_zero1_plan.slow_network import across_bytes
+from nnx_zero1_plan.slow_network_bytes import across_bytes
 from tests.support.accumulate import VOCAB, token_batches
 from tests.support.helpers import Decoder, assert_trees_equal, lm_loss
 

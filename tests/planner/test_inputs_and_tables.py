@@ -13,7 +13,7 @@ import pytest
 
 from nnx_zero1.plan import main, parse_args
 from nnx_zero1_plan import compilers
-from nnx_zero1_plan.depth import extrapolate, extrapolate_row
+from nnx_zero1_plan.estimate import extrapolate, extrapolate_row
 from nnx_zero1_plan.inputs import (
   PlanError,
   parse_levers,
@@ -291,7 +291,7 @@ def test_extrapolation_is_the_line_through_two_depths():
 
 
 def test_depths_whose_temp_or_peak_fall_are_not_extrapolated():
-  from nnx_zero1_plan.depth import not_alike
+  from nnx_zero1_plan.estimate import not_alike
 
   g = 2**30
   assert not_alike(3 * g, 2 * g, 2, 4) == "the temp fell from 3.00 GiB at 2 layers to 2.00 GiB at 4"
@@ -308,7 +308,7 @@ def _row(lever, peak, **kw):
 
 
 def test_the_table_and_what_to_try_next_when_nothing_fits():
-  from nnx_zero1_plan.depth import estimate_mark
+  from nnx_zero1_plan.estimate import estimate_mark
 
   mark = estimate_mark(28, [2, 4], ["peak_bytes_per_device"])
   estimated = _row("zero1", 17 * 2**30, made=Made(depth=28, depth_extrapolated_from=[2, 4], estimate=mark,

@@ -42,7 +42,7 @@ def test_a_two_node_gpu_plan_names_the_bytes_that_cross_infiniband(tmp_path):
       state["baseline"])
   slow = rows["zero1-pod"]["network_per_step"]["slow"]
   # The bytes by hand, their time at the chip's InfiniBand rate (checked against the public figure in
-  # tests/planner/test_slow_network.py).
+  # tests/planner/test_slow_network_bytes.py).
   assert slow == {"network": "InfiniBand", "bytes": grads // 8,
                   "estimate_ms": round(1000 * grads / 8 / CHIPS["h100"].links.slow_bytes_per_s, 1)}
 
@@ -98,7 +98,7 @@ def test_a_two_slice_plan_names_the_bytes_that_cross_the_data_center_network(tmp
   assert state["zero1-pod"] * 2 == pytest.approx(state["zero1"], rel=0.01)
   assert result["recommendation"]["lever"] == "zero1"  # it fits as far, and sends less across slices
   # Each network's bytes per step and their time at v5e's rates (checked against the public figures in
-  # tests/planner/test_slow_network.py), an estimate; the table and plan.md name them.
+  # tests/planner/test_slow_network_bytes.py), an estimate; the table and plan.md name them.
   for name, row in rows.items():
     fast, slow = row["network_per_step"]["fast"], row["network_per_step"]["slow"]
     assert slow == {"network": "DCN", "bytes": sum(c["bytes"] for c in across[name].values()),

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from nnx_zero1_plan.depth import estimate_mark
+from nnx_zero1_plan.estimate import estimate_mark
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.recommend import ORDER, baseline_beats, recommend

@@ -1,5 +1,5 @@
-"""What crosses a pod's slow network (``nnx_zero1_plan.slow_network``), read off programs jax compiles here
-on eight virtual CPU devices standing for two slices or nodes of four; the TPU compiler's multi-slice
+"""What crosses a pod's slow network (``nnx_zero1_plan.slow_network_bytes``), read off programs jax compiles
+here on eight virtual CPU devices standing for two slices or nodes of four; the TPU compiler's multi-slice
 transfers are ``test_pod_plans.py``'s (lane 2)."""
 
 import re
@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zero1.testing import sent_bytes
 from nnx_zero1_plan.chips import CHIPS
-from nnx_zero1_plan.slow_network import across_bytes, dcn_bytes
+from nnx_zero1_plan.slow_network_bytes import across_bytes, dcn_bytes
 from tests.support.docs_tables import table_under
 
 
