@@ -129,3 +129,29 @@ def pytest_runtest_teardown(item, nextitem):
   # module-scoped fixtures, and clearing after every test would double the suite's time.
   if nextitem is None or nextitem.path != item.path:
     jax.clear_caches()
+
+
+# A test that hangs is ended by pytest-timeout, whose stack dump an xdist worker's end may not show. Each
+# worker also keeps, in .test-hangs/ at the root, the test it is running and, where that test outlives its
+# limit less a margin, every Python thread's stack (faulthandler writes it from its own thread, whatever the
+# main one is stuck in); .ci/run prints the stacks when the suite fails.
+_HANGS = ROOT / ".test-hangs"
+_BEFORE_THE_LIMIT_S = 20
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  import faulthandler
+
+  limit = float(item.config.getini("timeout") or 0)
+  if limit <= _BEFORE_THE_LIMIT_S:
+    return (yield)
+  _HANGS.mkdir(exist_ok=True)
+  with open(_HANGS / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.txt", "w") as record:
+    record.write(f"{item.nodeid}\n")
+    record.flush()
+    faulthandler.dump_traceback_later(limit - _BEFORE_THE_LIMIT_S, file=record)
+    try:
+      return (yield)
+    finally:
+      faulthandler.cancel_dump_traceback_later()
