@@ -36,6 +36,13 @@ if "--xla_cpu_multi_thread_eigen" not in _FLAGS:
 if "--xla_backend_optimization_level" not in _FLAGS:
   _FLAGS += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8").strip()
+# XLA's CPU client runs each device's part of a program on its own pool thread, and sizes that pool by the
+# host's cores, at least the device count: 8 threads on a 2-core host. Eager ops on arrays sharded over the
+# devices queue up to 32 programs per device; each queued part holds a pool thread while it waits for the
+# programs before it, so a program with a collective can wait for threads that wait for it: the suite's rare
+# hang (tests/core/test_virtual_devices.py queues such ops and hangs without this). A larger pool
+# (PJRT_NPROC, read when the backend starts; the test workers' children inherit it) leaves threads to spare.
+os.environ.setdefault("PJRT_NPROC", "32")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import atexit  # noqa: E402

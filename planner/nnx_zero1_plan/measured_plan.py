@@ -19,7 +19,7 @@ from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Measured, Row
-from nnx_zero1_plan.row_compiler import RowCompiler, StepShape
+from nnx_zero1_plan.row_compiler import RowCompiler, StepShape, calibrated
 from nnx_zero1_plan.step_time import rates_for
 from nnx_zero1_plan.targets import Target
 
@@ -68,8 +68,9 @@ def measured_rows(compiler: RowCompiler, plans: Mapping[str | None, PlannedModel
 
 def edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanRequest, row: Row) -> Row:
   """``row`` with its search's largest micro-batch, which the compiler may fuse anew, run and profiled where
-  ``--measure`` profiles (its run kept in ``measured``), and that point priced by its build's calibrations
-  with its own among them; ``row`` as it is elsewhere."""
+  ``--measure`` profiles (its run kept in ``measured``), and every point of the search whose program is kept
+  priced again by its build's calibrations, that run among them (the row's own and the points compiled
+  before it were priced without it); ``row`` as it is elsewhere."""
   found = row.searched
   edge = None if found is None else found.max_micro_batch
   if compiler.profile is None or found is None or found.at_max is None or edge in (None, row.batch):
@@ -81,9 +82,21 @@ def edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanReque
   if done is None:
     return row
   seconds, made = done[0].calibrated_step_s, done[1]
-  priced = lambda p: dataclasses.replace(p, calibrated_step_s=seconds) if p.batch == edge else p  # noqa: E731
+
+  def again(batch: int, figures: Figures) -> float | None:
+    if batch == edge:
+      return seconds
+    program = compiler.program(row.lever, model, dataclasses.replace(shape, batch=batch))
+    if program is None or figures.calibrated_step_s is None:
+      return figures.calibrated_step_s
+    return calibrated(figures, [(program.record, 1)], compiler, row.lever, shape.ga).calibrated_step_s
+
+  priced = lambda p: dataclasses.replace(  # noqa: E731
+      p, calibrated_step_s=again(p.batch, dataclasses.replace(at, predicted_step_s=p.predicted_step_s,
+                                                                  calibrated_step_s=p.calibrated_step_s)))
   searched = dataclasses.replace(found, at_max=priced(found.at_max), search=tuple(map(priced, found.search)))
-  return dataclasses.replace(row, searched=searched,
+  figures = dataclasses.replace(row.figures, calibrated_step_s=again(row.batch, row.figures))
+  return dataclasses.replace(row, figures=figures, searched=searched,
                              measured=(*(row.measured or ()), Measured(edge, made.runs[0].step_s)))
 
 

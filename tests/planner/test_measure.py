@@ -181,3 +181,43 @@ def test_the_step_runner_runs_a_compiled_step_on_cpu_devices():
   # A step that cannot run (here: a batch of another shape) is the runs' answer, not an exception.
   _, failed = run_steps(compiled, state, tokens[:, :2], warmup=0, timed=2)
   assert failed.step_s is None and failed.error
+
+
+def test_the_search_priced_again_with_its_largest_micro_batchs_run(monkeypatch):
+  """With --measure the search's largest micro-batch is run and profiled, and then every point of the search
+  whose program is kept, the row's own micro-batch included, is priced again by the build's calibrations with
+  that run among them (each was priced before it); a point with no kept program keeps its price."""
+  from nnx_zero1_plan import measured_plan
+  from nnx_zero1_plan.calibration import Calibration, Run
+
+  kept = {8, 16, 61}  # 39: its program not kept
+  repriced = []
+
+  class Compiler:
+    profile = object()
+
+    def priced_by_own_run(self, lever, model, shape, figures):
+      run = Run(lever, shape.batch, shape.ga, 16, 1.9, 1.9, 1.8, 0.1)
+      return dataclasses.replace(figures, calibrated_step_s=1.95), Calibration("v5e", "0", None, (run,), {})
+
+    def program(self, lever, model, shape):
+      return type("Program", (), {"record": shape.batch})() if shape.batch in kept else None
+
+  def again(figures, programs, compiler, lever, ga):
+    (record, times), = programs
+    repriced.append(record)
+    return dataclasses.replace(figures, calibrated_step_s=figures.predicted_step_s * 0.9)
+
+  monkeypatch.setattr(measured_plan, "calibrated", again)
+  point = lambda b: Point(b, True, predicted_step_s=b / 25, calibrated_step_s=b / 30)  # noqa: E731
+  search = tuple(map(point, (8, 16, 39, 61)))
+  found = Searched(61, 62, "RESOURCE_EXHAUSTED", None, (), search[-1], None, search, 1.0)
+  row = Row("baseline", "one", "v5e:1x1", "TPU v5 lite", {"data": 1}, "m", 8,
+            Figures(predicted_step_s=8 / 25, calibrated_step_s=8 / 30), Made(), 9, 9, True, searched=found)
+  request = PlanRequest("tests.support.planner_toys:tiny_lm", "v5e:1x1", seq_len=16, search=True)
+  done = measured_plan.edge_profiled(Compiler(), None, request, row)
+  prices = {p.batch: p.calibrated_step_s for p in done.searched.search}
+  assert prices == {8: pytest.approx(8 / 25 * 0.9), 16: pytest.approx(16 / 25 * 0.9), 39: 39 / 30, 61: 1.95}
+  assert done.searched.at_max.calibrated_step_s == 1.95 and sorted(repriced) == [8, 8, 16]
+  assert done.figures.calibrated_step_s == pytest.approx(8 / 25 * 0.9)
+  assert done.measured == (Measured(61, 1.9),)
