@@ -13,6 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   os.environ["XLA_FLAGS"] = flags.strip()
+os.environ.setdefault("PJRT_NPROC", "32")  # threads to spare for eight devices' parts (docs/limitations.md)
 
 DOCS = pathlib.Path(__file__).resolve().parent
 ROOT = DOCS.parent
