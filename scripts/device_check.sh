@@ -12,6 +12,7 @@
 #   OUT=/tmp/device scripts/device_check.sh tpu 8    # (calibrated on two runs built as the checked ones are)
 #   OUT=/tmp/device scripts/device_check.sh tpu 9    # (the search's edge on the chip's own jax; a global batch)
 #   OUT=/tmp/device scripts/device_check.sh tpu 10   # (a global batch's splits, each build profiled)
+#   OUT=/tmp/device scripts/device_check.sh tpu 11   # (another lever's update, profiled as its own build)
 #
 # Each measurement writes its folder: the command, its stdout and stderr, its exit status and wall time;
 # versions.json says what ran. GPU: the compiler's figure against the allocator (two memory pools), each
@@ -129,6 +130,11 @@ elif [ "$PART" = 10 ]; then
   # accumulation loop) profiled once, the splits close to the fastest run and the fastest measured chosen.
   keep plan_global_batch python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --global-batch 12 \
     --levers baseline --steps one --measure --out "$OUT/plan_global_batch/out"
+elif [ "$PART" = 11 ]; then
+  # Two levers at micro-batch 8, each lever's update a build of its own: each profiled as it is compiled and
+  # priced by its own run, then both run as the plan's rows.
+  keep plan_two_levers python -m nnx_zero1.plan --model "$D:build" --topology v5e:1x1 --batch 8 \
+    --levers baseline,zero1-bf16state --steps one --measure --out "$OUT/plan_two_levers/out"
 else
   # The planner where the chips are: it compiles for this machine's chip and runs each fitting row's step.
   keep plan_measure python -m nnx_zero1_plan --model "$D:build" --topology v5e:1x1 --batch 8 --seq-len 1024 \
