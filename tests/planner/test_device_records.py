@@ -281,3 +281,13 @@ def test_the_edge_priced_with_its_own_run_and_a_global_batchs_splits_are_the_chi
   assert {(r["micro_batch"], r["ga"]) for c in plan["calibrations"] for r in c["runs"]} == {(12, 1), (6, 2)}
   assert (f"ran the three splits within 25%, each within {math.ceil(worst * 1000) / 10}% of its calibrated "
           f"time, chose 6 x 2") in said
+
+
+def test_each_lever_is_priced_by_a_run_of_its_own_update():
+  """Run 13: two levers at 8, each its own build, each profiled as compiled and within 1% of its run."""
+  plan = json.loads((KEPT / "run13" / "plan_two_levers" / "out" / "plan.json").read_text())
+  assert {r["lever"] for c in plan["calibrations"] for r in c["runs"]} == {"baseline", "zero1-bf16state"}
+  for row in plan["rows"]:
+    (ran,) = row["measured"]
+    assert abs(row["calibrated_step_s"] / ran["step_s"] - 1) < 0.01, row["lever"]
+    assert row["predicted_step_s"] / ran["step_s"] - 1 > 0.1  # the cost model alone: +13% and +15%
