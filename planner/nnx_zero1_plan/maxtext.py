@@ -114,10 +114,29 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
   return {**config, **(overrides or {})}
 
 
-def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, batch: int,
+@dataclasses.dataclass(frozen=True)
+class MaxTextModels:
+  """``maxtext:`` models as a :class:`~nnx_zero1_plan.planned_model.ModelKind`: described by their config on
+  the target (:func:`describe_maxtext`), MaxText writing under ``output_dir`` (:func:`output_directory`)."""
+
+  output_dir: str
+
+  def described(self, request: PlanRequest, policy: str | None, estimate: bool | None = None) -> None:
+    return None  # the config needs the target's devices
+
+  def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
+                policy: str | None) -> PlannedModel:
+    return describe_maxtext(request, target, policy, self.output_dir)
+
+  def compute_dtype(self, request: PlanRequest, planned: PlannedModel) -> str:
+    return request.compute_dtype or (request.overrides or {}).get("dtype", "bfloat16")  # base.yml's dtype
+
+
+def describe_maxtext(request: PlanRequest, target: Target, policy: str | None,
                      output_dir: str) -> PlannedModel:
-  """A ``maxtext:`` model under the remat ``policy``: its config's overrides at each micro-batch, checked at
-  ``batch`` before any compile, MaxText writing under ``output_dir`` (:func:`output_directory`).
+  """A ``maxtext:`` model under the remat ``policy``: its config's overrides at each micro-batch (each checked
+  as it is made: the plan makes its micro-batch's before any compile), MaxText writing under ``output_dir``
+  (:func:`output_directory`).
 
   Raises:
     PlanError: a GPU target, MaxText missing, or what :func:`config_overrides` refuses.
@@ -141,7 +160,6 @@ def describe_maxtext(request: PlanRequest, target: Target, policy: str | None, b
                               overrides=request.overrides, slices=target.domains)
     return MaxTextModel(str(model), config, defer=request.maxtext_deferral == "auto")
 
-  source_at(batch)  # the settings checked before any compile
   weights = (request.overrides or {}).get("weight_dtype") or request.param_dtype or "float32"
   return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), "full")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -93,10 +93,50 @@ def on_devices(planned: PlannedModel, target: Target) -> PlannedModel:
   return dataclasses.replace(planned, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
 
 
+class ModelKind(Protocol):
+  """One kind of model a plan compiles, behind the calls a plan makes, so the plan never asks which kind it
+  has: your own or Tunix's NNX model (:data:`NNX_MODELS`), MaxText's engine
+  (:class:`nnx_zero1_plan.maxtext.MaxTextModels`)."""
+
+  def described(self, request: PlanRequest, policy: str | None,
+                estimate: bool | None = None) -> PlannedModel | None:
+    """The model described before the target is made, so a misspelt axis needs no compiler (None: a kind
+    described on the target only)."""
+
+  def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
+                policy: str | None) -> PlannedModel:
+    """The model on the target's devices: its mesh, the batch's unit and, per micro-batch, its source."""
+
+  def compute_dtype(self, request: PlanRequest, planned: PlannedModel) -> str:
+    """The dtype the step computes in, for the peak its MFU is measured against."""
+
+
+class _NnxModels:
+  """``tunix:`` and ``package.module:function`` models: described from one abstract build, then placed."""
+
+  def described(self, request: PlanRequest, policy: str | None,
+                estimate: bool | None = None) -> PlannedModel:
+    return describe_tunix_or_own(request, policy, estimate)
+
+  def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
+                policy: str | None) -> PlannedModel:
+    assert described is not None
+    return on_devices(described, target)
+
+  def compute_dtype(self, request: PlanRequest, planned: PlannedModel) -> str:
+    if request.compute_dtype:
+      return request.compute_dtype
+    return next(iter(planned.param_dtypes)) if len(planned.param_dtypes) == 1 else "float32"
+
+
+NNX_MODELS: ModelKind = _NnxModels()
+
+
 def batch_words(planned: PlannedModel) -> str:
-  """The batch axes, as the refusal and the default's sentence name them (``replica x data``)."""
+  """The batch axes, as the refusal and the default's sentence name them (``replica x data``; a model whose
+  engine builds its own mesh splits its batch over every device)."""
   mesh = planned.device_mesh
-  return " x ".join(batch_axes(mesh.axis_names)) if mesh is not None else "the devices"
+  return " x ".join(batch_axes(mesh.axis_names)) if mesh is not None else "every device"
 
 
 def refuse_blocked(names: Sequence[str], param_dtypes: Collection[str], model: str,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 
@@ -13,16 +13,10 @@ from nnx_zero1_plan import compilers
 from nnx_zero1_plan.calibration import combined, read_calibrations
 from nnx_zero1_plan.compiled import peak_source
 from nnx_zero1_plan.levers import LEVERS, saves_nothing
-from nnx_zero1_plan.maxtext import describe_maxtext, output_directory
+from nnx_zero1_plan.maxtext import MaxTextModels, output_directory
 from nnx_zero1_plan.measured_plan import edge_profiled, measured_rows, profiler, run_at, said_measured
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, micro_batch
-from nnx_zero1_plan.planned_model import (
-  PlannedModel,
-  batch_words,
-  describe_tunix_or_own,
-  on_devices,
-  refuse_blocked,
-)
+from nnx_zero1_plan.planned_model import NNX_MODELS, ModelKind, PlannedModel, batch_words, refuse_blocked
 from nnx_zero1_plan.recommend import plan_code, recommend
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.result import Plan
@@ -35,13 +29,11 @@ from nnx_zero1_plan.tunix_sharding import sharding_of
 from nnx_zero1_plan.way_out import Change, WayOut, changes_to_try, find_way_out, next_steps
 
 
-def _micro_batch(request: PlanRequest, planned: PlannedModel | None,
-                 target: Target) -> tuple[int, str | None]:
-  """The plan's micro-batch, and the sentence that states it when ``--batch`` was not given (``planned``
-  None: MaxText, which splits its batch over every device and checks it itself)."""
-  unit, over = ((len(target.devices), "every device") if planned is None
-                else (planned.batch_unit, batch_words(planned)))
-  batch = (request.batch if planned is None and request.batch is not None
+def _micro_batch(request: PlanRequest, planned: PlannedModel) -> tuple[int, str | None]:
+  """The plan's micro-batch, and the sentence that states it when ``--batch`` was not given (a model whose
+  engine builds its own mesh, MaxText's, splits a given batch over every device and checks it itself)."""
+  unit, over = planned.batch_unit, batch_words(planned)
+  batch = (request.batch if planned.device_mesh is None and request.batch is not None
            else micro_batch(request.batch, unit, over))
   stated = None if request.batch is not None else (
       f"--batch not given: micro-batch {batch}, the smallest of at least {SMALLEST_MICRO_BATCH} sequences "
@@ -82,16 +74,6 @@ def _done(name: str, step: str, policy: str | None, topology: str, row: Row) -> 
   return f"done: {name} ({step}{under}) for {topology}{found}"
 
 
-def _compute_dtype(request: PlanRequest, planned: PlannedModel) -> str:
-  """The dtype the step computes in, for the peak its MFU is measured against: ``--compute-dtype``, else a
-  MaxText config's ``dtype`` (bfloat16 by its base.yml), else the parameters' one dtype."""
-  if request.compute_dtype:
-    return request.compute_dtype
-  if request.model_ref.kind == "maxtext":
-    return (request.overrides or {}).get("dtype", "bfloat16")
-  return next(iter(planned.param_dtypes)) if len(planned.param_dtypes) == 1 else "float32"
-
-
 def _compiles_planned(request: PlanRequest, planned: PlannedModel, rows: int) -> str:
   """The progress line before the first compile: how many compiles the plan will make."""
   each = 2 if planned.reduced else 1  # an estimate compiles two reduced depths (and whole near the limit)
@@ -128,18 +110,15 @@ def _settings(request: ResolvedRequest, planned: PlannedModel, target: Target, r
 
 
 def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedModel, meta: PlanSettings,
-             blocked: Mapping[str, str], maxtext_out: str | None) -> WayOut:
+             blocked: Mapping[str, str], kind: ModelKind) -> WayOut:
   """When nothing fits: the changes that may make room, compiled lightest first until one fits."""
   step = resolved.steps[0]
 
   def compile_changed(change: Change) -> Row:
     r = change.request
     policy = r.policies[0]
-    if maxtext_out is not None:  # a maxtext: model (the change keeps the model)
-      model = describe_maxtext(r, compiler.target, policy, r.batch, maxtext_out)
-    else:
-      model = on_devices(describe_tunix_or_own(r, policy, estimate=False), compiler.target)
-      micro_batch(r.batch, model.batch_unit, batch_words(model))
+    model = kind.on_target(r, kind.described(r, policy, estimate=False), compiler.target, policy)
+    _micro_batch(r, model)
     return compiler.row(r.levers[0], step, model, StepShape(r.batch, r.seq_len, r.ga, r.optimizer))
 
   # The changes are tried on Zero-1 where it splits the state here, else on the baseline.
@@ -173,41 +152,54 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   """
   if not local:
     compilers.keep_jax_on_cpu()
-  # MaxText writes under its base_output_directory: a folder made for this plan and removed after it.
-  with output_directory() if request.model_ref.kind == "maxtext" else contextlib.nullcontext() as maxtext_out:
-    return _planned(request, progress, maxtext_out, local, measure)
+  with _model_kind(request) as kind:
+    return _planned(request, progress, kind, local, measure)
 
 
-def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxtext_out: str | None,
+@contextlib.contextmanager
+def _model_kind(request: PlanRequest) -> Iterator[ModelKind]:
+  """The request's kind of model, for the plan (MaxText's writes under its base_output_directory: a folder
+  made for this plan and removed after it)."""
+  if request.model_ref.kind != "maxtext":
+    yield NNX_MODELS
+    return
+  with output_directory() as folder:
+    yield MaxTextModels(folder)
+
+
+def _blocked(request: PlanRequest, planned: PlannedModel) -> dict[str, str]:
+  return refuse_blocked(request.levers, planned.param_dtypes, request.model, request.domains)
+
+
+def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind: ModelKind,
              local: bool = False, measure: bool = False) -> Plan:
-  """:func:`make_plan`'s plan, MaxText writing under ``maxtext_out`` (None: not a ``maxtext:`` model)."""
-  maxtext = maxtext_out is not None
+  """:func:`make_plan`'s plan of a model of ``kind``."""
   say = progress or (lambda line: None)
   policies = request.policies
   chip = request.topology_ref.chip
   calibrations = read_calibrations(request.calibration, chip) if request.calibration else ()
-  if not maxtext:  # described before the compiler is looked for: a misspelt axis needs none
-    plans = {p: describe_tunix_or_own(request, p) for p in policies}
-    blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
+  # Described before the compiler is looked for where the kind can be: a misspelt axis needs none.
+  described = {p: kind.described(request, p) for p in policies}
+  first = described[policies[0]]
+  blocked = _blocked(request, first) if first is not None else None
   compiler_name = require_compiler(request.platform)
   target = make_target(request.topology, request.gpu_memory_fraction, request.slices,
                        parsed=request.topology_ref, local=local)
-  if not maxtext:
-    plans = {p: on_devices(m, target) for p, m in plans.items()}
-  batch, batch_default = _micro_batch(request, None if maxtext else plans[policies[0]], target)
+  plans = {p: kind.on_target(request, m, target, p) for p, m in described.items()}
+  planned = plans[policies[0]]  # the axes, the batch's unit and the hints are alike under every policy
+  batch, batch_default = _micro_batch(request, planned)
   batch_default = None if request.global_batch else batch_default  # each row's is chosen, and said
   if batch_default:
     say(batch_default)
-  if maxtext_out is not None:  # maxtext: described by its config, which needs the target and the micro-batch
-    plans = {p: describe_maxtext(request, target, p, batch, maxtext_out) for p in policies}
-    blocked = refuse_blocked(request.levers, plans[policies[0]].param_dtypes, request.model, request.domains)
-  planned = plans[policies[0]]  # the axes, the batch's unit and the hints are alike under every policy
+  for model in plans.values():
+    model.source_at(batch)  # the settings checked at the plan's micro-batch before any compile
+  blocked = blocked if blocked is not None else _blocked(request, planned)
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
   # --measure calibrates each build on its own first fitting row where no calibration is given (a given one
   # is the one the runs check), off a TPU nothing: a calibration is of the TPU compiler's cycles.
   profile = (profiler(target, request, progress)
              if measure and not calibrations and target.platform == "tpu" else None)
-  compiler = RowCompiler(target, usable, progress, _compute_dtype(request, planned),
+  compiler = RowCompiler(target, usable, progress, kind.compute_dtype(request, planned),
                          programs={} if measure else None, calibrations=calibrations, profile=profile)
   rows = []
   todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]
@@ -223,7 +215,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, maxte
                      batch_unit=planned.batch_unit, named_axes=planned.named)
   way_out = None
   if rows and not request.estimate and not any(row.verdict for row in rows):
-    way_out = _way_out(compiler, resolved, planned, meta, blocked, maxtext_out)
+    way_out = _way_out(compiler, resolved, planned, meta, blocked, kind)
   recommended = recommend(rows, resolved, activation_sharding=meta.activation_sharding)
   if measure:
     rows = measured_rows(compiler, plans, request, rows, recommended)
