@@ -100,10 +100,11 @@ FLAGS = (
     Flag("--search", "also find each lever's largest micro-batch that fits, a few compiles per lever, and "
          "recommend by it: from `--batch` up, and where `--batch` does not fit, from the smallest "
          "micro-batch (one sequence per device of the batch axes) up", {"action": "store_true"}),
-    Flag("--measure", "where this machine's devices are the target's chips: profile the first fitting row's "
-         "step there and time every row by it too, then run each fitting row's one-program step (with "
-         "`--search` each lever's largest micro-batch, and the recommended point) for 2 + 8 steps: the "
-         "median beside the predicted", {"action": "store_true"}),
+    Flag("--measure", "where this machine's devices are the target's chips: profile the first fitting row of "
+         "each build there (a lever's update, with or without the accumulation loop; and a search's largest "
+         "micro-batch) and time every row by the runs built as it is, then run each fitting row's "
+         "one-program step (with `--search` each lever's largest micro-batch, and the recommended point) for "
+         "2 + 8 steps: the median beside the predicted", {"action": "store_true"}),
     Flag("--calibration", "a plan made with `--measure` for this model on the target's chip (its plan.json "
          "or folder; several comma-separated): every row is also timed by the chip's own ratio to the cost "
          "model, kind by kind, on any machine, for any slice or pod of that chip (another chip's is refused)",

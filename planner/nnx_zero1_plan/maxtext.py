@@ -220,7 +220,7 @@ def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
   mem = split_memory(grads, memory(kernels["update"]), by_kind.get("device", 0))
   domains = [domain_of(d) for d in mesh.devices.flat]
   records = {name: ProgramRecord.read(kernels[name].as_text()) for name in (*dict.fromkeys(runs), "update")}
-  counted = {name: collectives_of(records[name], domains) for name in (*set(runs), "update")}
+  counted = {name: collectives_of(record, domains) for name, record in records.items()}
   step = summed_collectives([counted[name] for name in (*runs, "update")])
   counts = dataclasses.replace(step, per_micro_batch=counted[runs[-1]].per_step)  # a gradient kernel's, whole
   chosen = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(MaxTextConfig)

@@ -18,7 +18,7 @@ from nnx_zero1_plan.on_chip import TIMED, WARMUP, Program, measured_batches, run
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.request import PlanRequest
-from nnx_zero1_plan.row import Figures, Measured, Row
+from nnx_zero1_plan.row import Figures, Measured, Point, Row
 from nnx_zero1_plan.row_compiler import RowCompiler, StepShape, calibrated
 from nnx_zero1_plan.step_time import rates_for
 from nnx_zero1_plan.targets import Target
@@ -83,19 +83,20 @@ def edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanReque
     return row
   seconds, made = done[0].calibrated_step_s, done[1]
 
-  def again(batch: int, figures: Figures) -> float | None:
-    if batch == edge:
+  def again(point: Point) -> float | None:
+    if point.batch == edge:
       return seconds
-    program = compiler.program(row.lever, model, dataclasses.replace(shape, batch=batch))
-    if program is None or figures.calibrated_step_s is None:
-      return figures.calibrated_step_s
+    program = compiler.program(row.lever, model, dataclasses.replace(shape, batch=point.batch))
+    if program is None or point.calibrated_step_s is None:
+      return point.calibrated_step_s
+    figures = dataclasses.replace(at, predicted_step_s=point.predicted_step_s)
     return calibrated(figures, [(program.record, 1)], compiler, row.lever, shape.ga).calibrated_step_s
 
-  priced = lambda p: dataclasses.replace(  # noqa: E731
-      p, calibrated_step_s=again(p.batch, dataclasses.replace(at, predicted_step_s=p.predicted_step_s,
-                                                                  calibrated_step_s=p.calibrated_step_s)))
+  prices = {p.batch: again(p) for p in found.search}  # the row's own micro-batch and the edge among them
+  priced = lambda p: dataclasses.replace(p, calibrated_step_s=prices.get(p.batch, p.calibrated_step_s))  # noqa: E731
   searched = dataclasses.replace(found, at_max=priced(found.at_max), search=tuple(map(priced, found.search)))
-  figures = dataclasses.replace(row.figures, calibrated_step_s=again(row.batch, row.figures))
+  figures = dataclasses.replace(row.figures,
+                                calibrated_step_s=prices.get(row.batch, row.figures.calibrated_step_s))
   return dataclasses.replace(row, figures=figures, searched=searched,
                              measured=(*(row.measured or ()), Measured(edge, made.runs[0].step_s)))
 

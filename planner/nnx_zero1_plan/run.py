@@ -180,8 +180,8 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
   calibrations = read_calibrations(request.calibration, chip) if request.calibration else ()
   # Described before the compiler is looked for where the kind can be: a misspelt axis needs none.
   described = {p: kind.described(request, p) for p in policies}
-  first = described[policies[0]]
-  blocked = _blocked(request, first) if first is not None else None
+  if (first := described[policies[0]]) is not None:
+    _blocked(request, first)  # a lever that cannot apply refused before the compiler is looked for too
   compiler_name = require_compiler(request.platform)
   target = make_target(request.topology, request.gpu_memory_fraction, request.slices,
                        parsed=request.topology_ref, local=local)
@@ -193,7 +193,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
     say(batch_default)
   for model in plans.values():
     model.source_at(batch)  # the settings checked at the plan's micro-batch before any compile
-  blocked = blocked if blocked is not None else _blocked(request, planned)
+  blocked = _blocked(request, planned)
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
   # --measure calibrates each build on its own first fitting row where no calibration is given (a given one
   # is the one the runs check), off a TPU nothing: a calibration is of the TPU compiler's cycles.

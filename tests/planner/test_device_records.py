@@ -17,9 +17,11 @@ import statistics
 import pytest
 
 from nnx_zero1._src.companion import estimated_cycles
+from nnx_zero1_plan.calibration import Calibration, read_calibrations
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.program_record import ProgramRecord
+from nnx_zero1_plan.row import Row
 from nnx_zero1_plan.step_time import NOT_ESTIMATED, ProgramTime, program_time, rates_for
 from tests.support.docs_tables import table_under
 
@@ -256,38 +258,43 @@ def test_the_search_on_the_chips_own_jax_names_the_edge_the_chip_runs():
   assert f"missed the chip by up to {math.ceil(edge_error * 100)}%" in CROSSING
 
 
+def _kept_plan(run: str, name: str) -> tuple[list[Row], tuple[Calibration, ...]]:
+  """A kept ``--measure`` plan's rows and the calibrations of its runs, as the planner reads them."""
+  path = KEPT / run / name / "out" / "plan.json"
+  rows = [Row.from_json(r) for r in json.loads(path.read_text())["rows"]]
+  return rows, read_calibrations(str(path), "v5e")
+
+
 def test_the_edge_priced_with_its_own_run_and_a_global_batchs_splits_are_the_chips():
   """Runs 11 and 12, with every build and the search's edge profiled while the plan is made: the edge of the
   scanned model within 2% of the chip (22.9% from the smallest run alone), each split of a global batch of 12
   within 1% of its calibrated time and the fastest measured chosen. The docs quote these plans."""
   said = " ".join(DOCS.read_text().split())
-  plan = json.loads((KEPT / "run12" / "plan_search_scanned" / "out" / "plan.json").read_text())
-  (row,) = plan["rows"]
-  assert row["max_micro_batch"] == 61 and row["above"] == 62
-  ran = {m["batch"]: m["step_s"] for m in row["measured"]}
-  edge = next(p for p in row["search"] if p["batch"] == 61)["calibrated_step_s"] / ran[61] - 1
-  small = row["calibrated_step_s"] / ran[8] - 1
+  (row,), made = _kept_plan("run12", "plan_search_scanned")
+  assert row.searched is not None and (row.searched.max_micro_batch, row.searched.above) == (61, 62)
+  ran = {m.batch: m.step_s for m in row.measured or ()}
+  edge = next(p for p in row.searched.search if p.batch == 61).calibrated_step_s / ran[61] - 1
+  small = row.figures.calibrated_step_s / ran[8] - 1
   assert abs(edge) < 0.05 and abs(small) < 0.05
   assert f"with 61 profiled too, as `--measure` does, {edge:+.1%} (8: {small:+.1%})" in said
-  assert {(r["micro_batch"], r["ga"]) for c in plan["calibrations"] for r in c["runs"]} == {(8, 1), (61, 1)}
+  assert {(r.micro_batch, r.ga) for c in made for r in c.runs} == {(8, 1), (61, 1)}
 
-  plan = json.loads((KEPT / "run11" / "plan_global_batch" / "out" / "plan.json").read_text())
-  (row,) = plan["rows"]
-  ran = [s for s in row["splits"] if s["time"] == "measured"]
-  worst = max(abs(s["calibrated_s"] / s["step_s"] - 1) for s in ran)
+  (row,), made = _kept_plan("run11", "plan_global_batch")
+  ran = [s for s in row.splits or () if s.time == "measured"]
+  worst = max(abs(s.calibrated_s / s.step_s - 1) for s in ran)
   assert len(ran) == 3 and worst < 0.01
-  fastest = min(ran, key=lambda s: s["step_s"])
-  assert (row["batch"], row["ga"]) == (fastest["batch"], fastest["ga"]) == (6, 2)
-  assert {(r["micro_batch"], r["ga"]) for c in plan["calibrations"] for r in c["runs"]} == {(12, 1), (6, 2)}
+  fastest = min(ran, key=lambda s: s.step_s)
+  assert (row.batch, row.ga) == (fastest.batch, fastest.ga) == (6, 2)
+  assert {(r.micro_batch, r.ga) for c in made for r in c.runs} == {(12, 1), (6, 2)}
   assert (f"ran the three splits within 25%, each within {math.ceil(worst * 1000) / 10}% of its calibrated "
           f"time, chose 6 x 2") in said
 
 
 def test_each_lever_is_priced_by_a_run_of_its_own_update():
   """Run 13: two levers at 8, each its own build, each profiled as compiled and within 1% of its run."""
-  plan = json.loads((KEPT / "run13" / "plan_two_levers" / "out" / "plan.json").read_text())
-  assert {r["lever"] for c in plan["calibrations"] for r in c["runs"]} == {"baseline", "zero1-bf16state"}
-  for row in plan["rows"]:
-    (ran,) = row["measured"]
-    assert abs(row["calibrated_step_s"] / ran["step_s"] - 1) < 0.01, row["lever"]
-    assert row["predicted_step_s"] / ran["step_s"] - 1 > 0.1  # the cost model alone: +13% and +15%
+  rows, made = _kept_plan("run13", "plan_two_levers")
+  assert {r.lever for c in made for r in c.runs} == {"baseline", "zero1-bf16state"}
+  for row in rows:
+    (ran,) = row.measured or ()
+    assert abs(row.figures.calibrated_step_s / ran.step_s - 1) < 0.01, row.lever
+    assert row.figures.predicted_step_s / ran.step_s - 1 > 0.1  # the cost model alone: +13% and +15%
