@@ -75,6 +75,9 @@ class _Zero1Fields:
   """The Zero-1 options a Tunix config carries, one set for every config class (see
   :class:`Zero1TrainingConfig`)."""
 
+  # No instance dict: each config class's own slots hold these fields, so a misspelt option is refused.
+  __slots__ = ()
+
   zero1_data_axis: DataAxis | None = None
   zero1_strict: bool | None = None
   zero1_pin_gradients: bool | None = None

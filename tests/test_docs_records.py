@@ -91,13 +91,17 @@ def _check_bytes(column: str, plain: str, row: dict, network: dict) -> None:
 MARKED = _marked_tables()
 
 
+
+def _measured_json(folder: Path) -> Path:
+  """The ``measured.json`` that says how the plan kept in ``folder`` was made: beside it, or one folder up."""
+  return next(p / "measured.json" for p in (folder, folder.parent) if (p / "measured.json").exists())
+
 def test_the_docs_mark_the_tables_of_the_kept_plans():
   sources = {s for _, source, _ in MARKED for s in source.split()}
   assert {"docs/data/decoder_7b_v5p_2slices/plan.json",
           "docs/data/tunix_llama3p1_70b_v5p_2slices/plan.json"} <= sources
   for plan in (ROOT / "docs" / "data").glob("*/**/plan.json"):
-    measured = json.loads(next(p for p in (plan.parent, plan.parent.parent)
-                               if (p / "measured.json").exists()).joinpath("measured.json").read_text())
+    measured = json.loads(_measured_json(plan.parent).read_text())
     assert measured.get("command") or measured.get("commands"), plan
     assert measured["versions"]["jax"], plan
 
@@ -342,7 +346,7 @@ def test_tunix_savings_at_the_users_mesh_are_the_kept_plans():
     assert recommends == ("`nnx.Optimizer`: Zero-1 saves little" if little
                           else {"baseline": "`nnx.Optimizer`", "zero1": "Zero-1"}[rec["lever"]])
     assert little == (training == "LoRA rank 16"), (model, mesh, training)
-    measured = next(p / "measured.json" for p in (folder, folder.parent) if (p / "measured.json").exists())
+    measured = _measured_json(folder)
     key = "plan.json" if measured.parent == folder else f"{folder.name}/plan.json"
     command = json.loads(measured.read_text())["commands"][key].split(" --out ")[0]
     assert f"\n{command}\n" in doc, command

@@ -5,7 +5,7 @@ that moves the same data. Here each op counts what a ring sends from one device:
 of its data, a reduce-scatter and an all-gather (n-1)/n, n the devices in its replica group (read off the
 collective's line in any of HLO's spellings: :func:`replica_groups`, :func:`group_size`). What of those
 bytes crosses a pod's slow network is the planner's accounting
-(``nnx_zero1_plan.slow_network_bytes``), built on :func:`sent_counter`.
+(``nnx_zero1_plan.slow_network_bytes``), on the same :func:`ring_sent`.
 """
 
 from __future__ import annotations
@@ -163,31 +163,21 @@ def with_fused_groups(hlo: str) -> str:
   return _FUSED_CALL.sub(lambda m: m[0] + (f", {inner[m[1]]}" if inner.get(m[1]) else ""), hlo)
 
 
-# More figures for one collective, from its line, its group size and the bytes one device sends for it.
-Extra = Callable[[str, int, int], dict[str, int]]
-
-
-def sent_counter(devices: int, extra: Extra | None = None) -> Callable[[list[str], int, Counts], None]:
+def sent_counter(devices: int) -> Callable[[list[str], int, Counts], None]:
   """A counter for ``hlo.per_call``: each collective's count and the bytes one device sends for it
-  (:func:`ring_sent`), and what ``extra(line, n, sent)`` adds, summed per op, every loop trip counted.
+  (:func:`ring_sent`), summed per op, every loop trip counted.
 
   Args:
     devices: the devices of the program, the group size of a collective over all of them.
-    extra: called for each collective whose groups hold more than one device; its figures are added to
-      the op's under their names.
 
   Returns:
     ``count(lines, times, out)``, adding to ``out`` in place.
   """
   def count(lines: list[str], times: int, out: Counts) -> None:
     for op, result, line in collective_ops(lines) if times else ():
-      n = group_size(line, devices)
-      sent = ring_sent(op, result, n)
       entry = out.setdefault(op, {"count": 0, "bytes": 0})
       entry["count"] += times
-      entry["bytes"] += times * sent
-      for name, value in (extra(line, n, sent) if extra is not None and n > 1 else {}).items():
-        out[op][name] = out[op].get(name, 0) + times * value
+      entry["bytes"] += times * ring_sent(op, result, group_size(line, devices))
 
   return count
 
@@ -217,6 +207,5 @@ def sent_bytes(hlo: str, devices: int | None = None) -> Counts:
     >>> sent["all-reduce"]["bytes"], sent["reduce-scatter"]["bytes"]
     (48, 24)
   """
-  counted = per_call(with_fused_groups(hlo), sent_counter(devices or partitions(hlo)), COLLECTIVES)
-  return {op: {"count": c["count"], "bytes": c["bytes"]} for op, c in counted.items()}
+  return per_call(with_fused_groups(hlo), sent_counter(devices or partitions(hlo)), COLLECTIVES)
 

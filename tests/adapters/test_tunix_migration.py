@@ -12,7 +12,6 @@ import optax
 import pytest
 from flax import nnx
 from tunix.rl import rl_cluster as rl_cluster_lib
-from tunix.rl.rollout import base_rollout
 
 from nnx_zero1 import Zero1Error
 from nnx_zero1.adapters.tunix import (
@@ -23,7 +22,16 @@ from nnx_zero1.adapters.tunix import (
 )
 from tests.support.docs_tables import table_under
 from tests.support.helpers import assert_trees_equal, pure
-from tests.support.tunix_toys import llama3, peft_trainer, place, qwen3, test_common, toy, tunix_mesh
+from tests.support.tunix_toys import (
+    grpo_cluster_config,
+    llama3,
+    peft_trainer,
+    place,
+    qwen3,
+    test_common,
+    toy,
+    tunix_mesh,
+)
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "tunix.md"
 
@@ -59,23 +67,17 @@ def test_the_rl_config_has_every_zero1_option_of_the_sft_config():
 
   assert options(Zero1RLTrainingConfig) == options(Zero1TrainingConfig)
   assert issubclass(Zero1RLTrainingConfig, rl_cluster_lib.RLTrainingConfig)
+  for config in (Zero1TrainingConfig(eval_every_n_steps=1),
+                 Zero1RLTrainingConfig(actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=1)):
+    with pytest.raises(AttributeError):  # a misspelt option is refused, not kept and ignored
+      config.zero1_strcit = True
 
 
 def test_zero1_rl_training_config_options_reach_the_actor():
   mesh = tunix_mesh((2, 2), ("fsdp", "tp"))
   vocab = test_common.MockVocab()
   roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
-  config = rl_cluster_lib.ClusterConfig(
-      role_to_mesh={role: mesh for role in roles},
-      rollout_engine="vanilla",
-      offload_to_cpu=False,
-      training_config=Zero1RLTrainingConfig(
-          actor_optimizer=optax.adamw(1e-3), eval_every_n_steps=10, zero1_state_dtype=jnp.bfloat16
-      ),
-      rollout_config=base_rollout.RolloutConfig(
-          max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=32
-      ),
-  )
+  config = grpo_cluster_config(mesh, roles, Zero1RLTrainingConfig, zero1_state_dtype=jnp.bfloat16)
   size = vocab.GetPieceSize()
   cluster = Zero1RLCluster(actor=toy(mesh, vocab_size=size), reference=toy(mesh, vocab_size=size),
                            tokenizer=vocab, cluster_config=config)

@@ -92,15 +92,16 @@ def expected_zero1_bytes(plain_state, axes) -> int:
   return total
 
 
-def grpo_cluster_config(mesh: Mesh, roles: Any, **training: Any) -> Any:
+def grpo_cluster_config(mesh: Mesh, roles: Any, config_cls: Any = None, **training: Any) -> Any:
   """The tests' GRPO cluster: every role on ``mesh``, Tunix's vanilla rollout of a few tokens, and an
-  ``RLTrainingConfig`` of adamw at 1e-2 with ``training``'s settings (``max_steps``, a checkpoint...)."""
+  ``RLTrainingConfig`` (or ``config_cls``, a subclass) of adamw at 1e-2 with ``training``'s settings
+  (``max_steps``, a checkpoint, ``zero1_*`` options...)."""
   from tunix.rl import rl_cluster as rl_cluster_lib
   from tunix.rl.rollout import base_rollout
 
+  config_cls = config_cls or rl_cluster_lib.RLTrainingConfig
   return rl_cluster_lib.ClusterConfig(
       role_to_mesh={role: mesh for role in roles}, rollout_engine="vanilla", offload_to_cpu=False,
-      training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.adamw(1e-2),
-                                                      eval_every_n_steps=100, **training),
+      training_config=config_cls(actor_optimizer=optax.adamw(1e-2), eval_every_n_steps=100, **training),
       rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=8,
                                                 kv_cache_size=32))
