@@ -26,9 +26,9 @@ from nnx_zero1._src.hlo_counts import (
     host_transfers,
     loop_collectives,
     loop_host_transfers,
+    sent_bytes,
 )
 from nnx_zero1._src.optimizer_cases import CASES, ELEMENTWISE_CONTRACT, FROZEN, OptimizerCase
-from nnx_zero1._src.traffic import sent_bytes
 
 __all__ = [
     "CASES",

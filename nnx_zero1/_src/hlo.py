@@ -1,20 +1,20 @@
 """One reading of a compiled program's HLO text: its computations, how often each runs, and what each
 instruction is (a collective, a copy between host and device memory, its estimated cycles).
 
-Private: ``compiled.as_text()`` parsed with small pure functions, so what is counted
-(:mod:`nnx_zero1._src.hlo_counts`, :mod:`nnx_zero1._src.traffic`) and the planner's record of a program
-(``nnx_zero1_plan.program_record``, whose every figure is read off it) read one program the same way.
+Private: ``compiled.as_text()`` parsed with small pure functions, from which one record of a program is
+read (:class:`nnx_zero1._src.hlo_record.HloRecord`): what is counted and what the planner figures are
+functions of that record.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "COLLECTIVES", "COLLECTIVE_OPS", "INSTRUCTION", "shape_bytes", "result_bytes", "computations", "callees",
-    "chosen_branch", "condition_trip_count", "trip_count", "calls", "call_graph", "executions",
-    "collective_of", "collective_ops", "estimated_cycles", "host_copy", "partitions",
+    "chosen_branch", "condition_trip_count", "trip_count", "calls", "executions", "collective_of",
+    "estimated_cycles", "host_copy", "partitions",
 ]
 
 # all-to-all: the int8 reduce-scatter across slices or nodes (across_dtype=jnp.int8) is one. Every count has
@@ -236,26 +236,15 @@ def calls(line: str, bodies: dict[str, list[str]]) -> list[tuple[str, str, int]]
           if callee in bodies]
 
 
-def call_graph(bodies: dict[str, list[str]]) -> dict[str, list[tuple[str, int]]]:
-  """Each computation's calls in order, (callee, times per run of it): its instructions' :func:`calls`."""
-  return {name: [(callee, times) for line in lines for _, callee, times in calls(line, bodies)]
-          for name, lines in bodies.items()}
-
-
 def executions(graph: Mapping[str, Sequence[tuple[str, int]]], entry: str | None) -> dict[str, int]:
   """How many times each computation runs per call of the entry, from each computation's calls (``graph``:
-  :func:`call_graph`, or a record's own), in the order they are first reached.
+(callee, times per run of it), :func:`calls`' ``computation`` and ``times``), in the order they are first
+reached.
 
   Example::
 
-    >>> bodies, entry = computations('''%body (p: f32[8]) -> f32[8] {
-    ...   ROOT %n = f32[8]{0} negate(%p)
-    ... }
-    ... ENTRY %main (a: f32[8]) -> f32[8] {
-    ...   ROOT %w = f32[8]{0} while(%a), body=%body, backend_config={"known_trip_count":{"n":"3"}}
-    ... }''')
-    >>> executions(call_graph(bodies), entry)
-    {'main': 1, 'body': 3}
+    >>> executions({"main": [("body", 3)], "body": [("f", 1)]}, "main")
+    {'main': 1, 'body': 3, 'f': 3}
   """
   runs: dict[str, int] = {}
 
@@ -289,14 +278,6 @@ def collective_of(line: str) -> tuple[str, int, bool] | None:
     return None
   start = bool(m.groupdict().get("start")) or "async-start(" in line
   return m["op"], result_bytes(m["shape"], m["op"], start), start
-
-
-def collective_ops(lines: list[str]) -> Iterator[tuple[str, int, str]]:
-  """(op, bytes of its result on one device, the line) for each collective among ``lines``."""
-  for line in lines:
-    found = collective_of(line)
-    if found:
-      yield found[0], found[1], line
 
 
 def estimated_cycles(line: str) -> int | None:

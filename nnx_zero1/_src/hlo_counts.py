@@ -1,6 +1,8 @@
-"""Collectives and host transfers counted per call of a compiled program: what the bench reports and the
-tests assert (public as ``nnx_zero1.testing``), each computation weighted by how often it runs
-(:func:`nnx_zero1._src.hlo.executions`).
+"""Collectives and host transfers counted per call of a compiled program, from its record
+(:class:`~nnx_zero1._src.hlo_record.HloRecord`): what the bench reports and the tests assert (public as
+``nnx_zero1.testing``), each computation weighted by how often it runs; and what each device sends by a ring
+(:func:`sent_bytes`: counting a collective by its result reads a reduce-scatter as 1/n of the all-reduce that
+moves the same data).
 """
 
 from __future__ import annotations
@@ -8,73 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
-from nnx_zero1._src.hlo import (
-  COLLECTIVES,
-  INSTRUCTION,
-  call_graph,
-  calls,
-  collective_ops,
-  computations,
-  executions,
-  host_copy,
-  shape_bytes,
-)
+from nnx_zero1._src.hlo import COLLECTIVES, shape_bytes
+from nnx_zero1._src.hlo_record import HloRecord, Instruction
 
-__all__ = ["TRANSFERS", "Counts", "per_call", "in_loops", "by_op", "collectives", "loop_collectives",
-           "host_transfers", "loop_host_transfers"]
+__all__ = ["TRANSFERS", "Counts", "by_op", "per_step", "per_trip", "sent_per_step", "collectives",
+           "loop_collectives", "host_transfers", "loop_host_transfers", "sent_bytes"]
 
 TRANSFERS = ("to-device", "to-host")
 Counts = dict[str, dict[str, int]]
 T = TypeVar("T")
-
-
-def _count(lines: list[str], times: int, out: Counts) -> None:
-  for op, nbytes, _ in collective_ops(lines) if times else ():
-    entry = out.setdefault(op, {"count": 0, "bytes": 0})
-    entry["count"] += times
-    entry["bytes"] += times * nbytes
-
-
-def _count_transfers(lines: list[str], times: int, out: Counts) -> None:
-  for m in map(INSTRUCTION.match, lines if times else ()):
-    way = host_copy(m["shape"]) if m and m["op"] == "copy-start" else None
-    if m and way:
-      out[way]["count"] += times
-      out[way]["bytes"] += times * shape_bytes(m["shape"].split(", ")[0])
-
-
-def per_call(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
-  """``count`` over every computation, each weighted by how often it runs per call of the entry."""
-  bodies, entry = computations(hlo)
-  runs = executions(call_graph(bodies), entry)
-  out = {op: {"count": 0, "bytes": 0} for op in ops}
-  for name, lines in bodies.items():
-    count(lines, runs.get(name, 0), out)
-  return out
-
-
-def in_loops(graph: Mapping[str, Iterable[tuple[str, str]]], entry: str | None) -> dict[str, int]:
-  """The computations inside while loops' bodies (and what they run), each once (weight 1: one trip's), from
-  each computation's calls (``graph``: (kind, callee), :func:`nnx_zero1._src.hlo.calls`' kinds).
-
-  Example::
-
-    >>> in_loops({"main": [("body", "b"), ("calls", "f")], "b": [("calls", "g")]}, "main")
-    {'b': 1, 'g': 1}
-  """
-  inside: dict[str, int] = {}
-
-  def visit(name: str, in_loop: bool) -> None:
-    if in_loop:
-      if name in inside:
-        return
-      inside[name] = 1
-    for kind, callee in graph.get(name, ()):
-      visit(callee, in_loop or kind == "body")
-
-  if entry is not None:
-    visit(entry, False)
-  return inside
 
 
 def by_op(computations: Mapping[str, Iterable[T]], weights: Mapping[str, int],
@@ -85,7 +29,7 @@ def by_op(computations: Mapping[str, Iterable[T]], weights: Mapping[str, int],
 
   Args:
     computations: each computation's items (a record's instructions), in the program's order.
-    weights: how often each computation counts (:func:`nnx_zero1._src.hlo.executions`, or :func:`in_loops`).
+    weights: how often each computation counts (a record's ``runs``, or its ``loop_bodies()``: one trip's).
     figures: what one run of an item adds to its op's figures, or None.
     ops: the ops counted even where none runs.
 
@@ -109,15 +53,33 @@ def by_op(computations: Mapping[str, Iterable[T]], weights: Mapping[str, int],
   return out
 
 
-def _per_trip(hlo: str, count: Callable[[list[str], int, Counts], None], ops: tuple[str, ...]) -> Counts:
-  """``count`` over the computations inside while-loop bodies (and what they call), each once."""
-  bodies, entry = computations(hlo)
-  inside = in_loops({name: [(kind, callee) for line in lines for kind, callee, _ in calls(line, bodies)]
-                     for name, lines in bodies.items()}, entry)
-  out = {op: {"count": 0, "bytes": 0} for op in ops}
-  for name in inside:
-    count(bodies[name], 1, out)
-  return out
+def _result(i: Instruction) -> tuple[str, dict[str, int]] | None:
+  return (i.collective.op, {"bytes": i.collective.result_bytes}) if i.collective else None
+
+
+def _transfer(i: Instruction) -> tuple[str, dict[str, int]] | None:
+  return (i.host, {"bytes": shape_bytes(i.shape.split(", ")[0])}) if i.host else None  # its destination's
+
+
+def per_step(record: HloRecord) -> Counts:
+  """Each collective's results on one device per call of a program (:func:`collectives`), from its record."""
+  return by_op(record.computations, record.runs, _result)
+
+
+def per_trip(record: HloRecord) -> Counts:
+  """Each collective's results on one device in one trip of each loop (:func:`loop_collectives`)."""
+  return by_op(record.computations, record.loop_bodies(), _result)
+
+
+def sent_per_step(record: HloRecord, devices: int | None = None) -> Counts:
+  """The bytes one device sends by a ring per call of a program, per collective (:func:`sent_bytes`), in a
+  program of ``devices`` (default: the record's)."""
+  devices = devices or record.devices
+
+  def sent(i: Instruction) -> tuple[str, dict[str, int]] | None:
+    return (i.collective.op, {"bytes": i.collective.sent(devices)}) if i.collective else None
+
+  return by_op(record.computations, record.runs, sent)
 
 
 def collectives(hlo: str) -> Counts:
@@ -146,7 +108,7 @@ def collectives(hlo: str) -> Counts:
     >>> collectives(hlo)["all-reduce"]
     {'count': 1, 'bytes': 32}
   """
-  return per_call(hlo, _count, COLLECTIVES)
+  return per_step(HloRecord.read(hlo))
 
 
 def loop_collectives(hlo: str) -> Counts:
@@ -175,7 +137,7 @@ def loop_collectives(hlo: str) -> Counts:
     >>> loop_collectives(hlo)["all-reduce"], loop_collectives(hlo)["all-gather"]
     ({'count': 1, 'bytes': 32}, {'count': 0, 'bytes': 0})
   """
-  return _per_trip(hlo, _count, COLLECTIVES)
+  return per_trip(HloRecord.read(hlo))
 
 
 def host_transfers(hlo: str) -> Counts:
@@ -201,7 +163,8 @@ def host_transfers(hlo: str) -> Counts:
     >>> host_transfers(hlo)["to-device"]
     {'count': 1, 'bytes': 32}
   """
-  return per_call(hlo, _count_transfers, TRANSFERS)
+  record = HloRecord.read(hlo)
+  return by_op(record.computations, record.runs, _transfer, TRANSFERS)
 
 
 def loop_host_transfers(hlo: str) -> Counts:
@@ -215,4 +178,34 @@ def loop_host_transfers(hlo: str) -> Counts:
     >>> loop_host_transfers(hlo)
     {'to-device': {'count': 0, 'bytes': 0}, 'to-host': {'count': 0, 'bytes': 0}}
   """
-  return _per_trip(hlo, _count_transfers, TRANSFERS)
+  record = HloRecord.read(hlo)
+  return by_op(record.computations, record.loop_bodies(), _transfer, TRANSFERS)
+
+
+def sent_bytes(hlo: str, devices: int | None = None) -> Counts:
+  """The bytes one device sends per call of a compiled kernel, per collective, on one basis for all three.
+
+  An all-reduce of some gradients sends what their reduce-scatter plus the all-gather of the results
+  sends.
+
+  Args:
+    hlo: the text of a compiled kernel, ``jitted.lower(...).compile().as_text()``.
+    devices: the devices of the program, the group size of a collective over all of them (default: the
+      module's ``num_partitions``, else 1).
+
+  Returns:
+    ``{op: {"count": int, "bytes": int}}`` for each op of :data:`~nnx_zero1.testing.COLLECTIVES`; bytes are
+    those one device sends, every loop trip counted.
+
+  Example::
+
+    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[2] {
+    ...   %ar = f32[8]{0} all-reduce(%p), replica_groups={}, to_apply=%add
+    ...   ROOT %rs = f32[2]{0} reduce-scatter(%p), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+    ... }'''
+    >>> sent = sent_bytes(hlo, 4)
+    >>> sent["all-reduce"]["bytes"], sent["reduce-scatter"]["bytes"]
+    (48, 24)
+  """
+  return sent_per_step(HloRecord.read(hlo), devices)
+

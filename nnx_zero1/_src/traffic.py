@@ -1,37 +1,26 @@
-"""What each device sends for a compiled program's collectives.
-
-Counting a collective by its result (``hlo.collectives``) reads a reduce-scatter as 1/n of the all-reduce
-that moves the same data. Here each op counts what a ring sends from one device: an all-reduce 2(n-1)/n
-of its data, a reduce-scatter and an all-gather (n-1)/n, n the devices in its replica group (read off the
-collective's line in any of HLO's spellings: :func:`replica_groups`, :func:`group_size`). What of those
-bytes crosses a pod's slow network is the planner's accounting
-(``nnx_zero1_plan.slow_network_bytes``), on the same :func:`ring_sent`.
+"""What one device sends for a collective: its device groups, read off its HLO line in any of HLO's spellings
+(:func:`replica_groups`), and a ring's bytes over a group (:func:`ring_sent`): an all-reduce 2(n-1)/n of its
+data, a reduce-scatter and an all-gather (n-1)/n. Summed per program by
+:func:`nnx_zero1._src.hlo_counts.sent_bytes`; what of it crosses a pod's slow network is the planner's
+accounting (``nnx_zero1_plan.slow_network_bytes``), on the same :func:`ring_sent`.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 
 import numpy as np
 
-from nnx_zero1._src.hlo import COLLECTIVES, collective_ops, computations, partitions
-from nnx_zero1._src.hlo_counts import Counts, per_call
-
-__all__ = ["replica_groups", "group_size", "ring_sent", "with_fused_groups", "sent_counter", "sent_bytes"]
+__all__ = ["replica_groups", "ring_sent"]
 
 _GROUP_LIST = re.compile(r"replica_groups=\{((?:\{[0-9, ]*\},?\s*)*)\}")
 _GROUP_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-_FIRST_GROUP = re.compile(r"replica_groups=\{\{([0-9, ]*)\}")
 # Over mesh axes, the mesh's positions optionally numbered by an iota of device ids
 # (``device_ids=([2,4]T(1,0))``: position p is device ``iota(2,4).T.flat[p]``) or by a list of them.
 _MESH_GROUP = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
                          r"(?:,\s*device_ids=(?:\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\)|\[([0-9,]+)\]))?"
                          r"\s*\{([^}]*)\}")
-# A collective's groups in any of the three spellings, whole.
-_GROUPS = re.compile("|".join(p.pattern for p in (_MESH_GROUP, _GROUP_IOTA, _GROUP_LIST)))
-_FUSED_CALL = re.compile(r"\bcalls=%?(all-reduce-scatter[\w.\-]*)")
 
 
 def _mesh_groups(line: str) -> list[tuple[int, ...]] | None:
@@ -100,27 +89,6 @@ def replica_groups(line: str, devices: int) -> list[tuple[int, ...]]:
   return [g for g in parsed if g] or [tuple(range(devices))]
 
 
-def group_size(line: str, devices: int) -> int:
-  """The devices in each group of a collective's HLO line (``devices`` where its groups are all of them).
-
-  Example::
-
-    >>> group_size("all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}", 8)
-    4
-    >>> group_size("all-reduce(%p), replica_groups=mesh['replica'=2,'data'=4] {'data'}", 8)
-    4
-  """
-  over_axes = _mesh_groups(line)
-  if over_axes is not None:
-    return len(over_axes[0])
-  iota = _GROUP_IOTA.search(line)
-  if iota:
-    return int(iota[2])
-  first = _FIRST_GROUP.search(line)
-  size = len([d for d in first[1].split(",") if d.strip()]) if first else 0
-  return size or devices
-
-
 def ring_sent(op: str, result: int, n: int) -> int:
   """Bytes one device sends by a ring for a collective whose result on it is ``result`` bytes, in groups
   of ``n`` (the data is n results for a reduce-scatter, one for an all-gather and an all-reduce).
@@ -138,74 +106,3 @@ def ring_sent(op: str, result: int, n: int) -> int:
     return result
   # An all-gather's or an all-to-all's result is the data: each device sends all but its own n-th of it.
   return result * (n - 1) * (2 if op == "all-reduce" else 1) // n
-
-
-def with_fused_groups(hlo: str) -> str:
-  """``hlo`` with each of the TPU compiler's fused reduce-scatters given its groups.
-
-  The fusion's line (``fusion(...), calls=%all-reduce-scatter``) names none: they are on the all-reduce
-  inside the computation it calls. Read off the fusion's line alone, a reduce-scatter over a slice's 16
-  chips would count as one over all of the program's devices.
-
-  Example::
-
-    >>> hlo = '''%all-reduce-scatter (p: f32[8]) -> f32[4] {
-    ...   %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add
-    ... }
-    ... ENTRY %main (q: f32[8]) -> f32[4] {
-    ...   ROOT %rs = f32[4]{0} fusion(%q), kind=kCustom, calls=%all-reduce-scatter
-    ... }'''
-    >>> with_fused_groups(hlo).splitlines()[-2].split(", ", 2)[2]
-    'calls=%all-reduce-scatter, replica_groups={{0,1},{2,3}}'
-  """
-  inner = {name: next((m[0] for m in map(_GROUPS.search, lines) if m), None)
-           for name, lines in computations(hlo)[0].items() if name.startswith("all-reduce-scatter")}
-  return _FUSED_CALL.sub(lambda m: m[0] + (f", {inner[m[1]]}" if inner.get(m[1]) else ""), hlo)
-
-
-def sent_counter(devices: int) -> Callable[[list[str], int, Counts], None]:
-  """A counter for ``hlo.per_call``: each collective's count and the bytes one device sends for it
-  (:func:`ring_sent`), summed per op, every loop trip counted.
-
-  Args:
-    devices: the devices of the program, the group size of a collective over all of them.
-
-  Returns:
-    ``count(lines, times, out)``, adding to ``out`` in place.
-  """
-  def count(lines: list[str], times: int, out: Counts) -> None:
-    for op, result, line in collective_ops(lines) if times else ():
-      entry = out.setdefault(op, {"count": 0, "bytes": 0})
-      entry["count"] += times
-      entry["bytes"] += times * ring_sent(op, result, group_size(line, devices))
-
-  return count
-
-
-def sent_bytes(hlo: str, devices: int | None = None) -> Counts:
-  """The bytes one device sends per call of a compiled kernel, per collective, on one basis for all three.
-
-  An all-reduce of some gradients sends what their reduce-scatter plus the all-gather of the results
-  sends.
-
-  Args:
-    hlo: the text of a compiled kernel, ``jitted.lower(...).compile().as_text()``.
-    devices: the devices of the program, the group size of a collective over all of them (default: the
-      module's ``num_partitions``, else 1).
-
-  Returns:
-    ``{op: {"count": int, "bytes": int}}`` for each op of :data:`~nnx_zero1.testing.COLLECTIVES`; bytes are
-    those one device sends, every loop trip counted.
-
-  Example::
-
-    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[2] {
-    ...   %ar = f32[8]{0} all-reduce(%p), replica_groups={}, to_apply=%add
-    ...   ROOT %rs = f32[2]{0} reduce-scatter(%p), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
-    ... }'''
-    >>> sent = sent_bytes(hlo, 4)
-    >>> sent["all-reduce"]["bytes"], sent["reduce-scatter"]["bytes"]
-    (48, 24)
-  """
-  return per_call(with_fused_groups(hlo), sent_counter(devices or partitions(hlo)), COLLECTIVES)
-

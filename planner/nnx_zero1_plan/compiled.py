@@ -7,9 +7,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_zero1._src.companion import by_op, in_loops
+from nnx_zero1._src.companion import per_step, per_trip, sent_per_step
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.program_record import Instruction, ProgramRecord
+from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import Collectives, Figures, HbmOom
 from nnx_zero1_plan.slow_network_bytes import across_bytes, dcn_bytes
 
@@ -163,22 +163,13 @@ def collectives_of(program: ProgramRecord, domain_of: Sequence[int] | None = Non
   multi-slice TPU program's sends to the megascale runtime
   (:func:`~nnx_zero1_plan.slow_network_bytes.dcn_bytes`), a multi-node GPU program's collectives whose
   groups span nodes (``slow_network_bytes.across_bytes``)."""
-  def result(i: Instruction) -> tuple[str, dict[str, int]] | None:
-    return (i.collective.op, {"bytes": i.collective.result_bytes}) if i.collective else None
-
-  def sent(i: Instruction) -> tuple[str, dict[str, int]] | None:
-    return (i.collective.op, {"bytes": i.collective.sent(program.devices)}) if i.collective else None
-
   across = None
   if domain_of is not None and len(set(domain_of)) > 1:
     across = dcn_bytes(program, len(set(domain_of))) if "_xla_megascale_transfer_type" in program.text else {
         op: {"count": c["count"], "bytes": c["across_bytes"]}
         for op, c in across_bytes(program, domain_of).items() if c["across_bytes"]}
-  of, runs = program.computations, program.runs
-  trip = in_loops({n: [(c.kind, c.computation) for i in body for c in i.calls] for n, body in of.items()},
-                  program.entry)  # the computations inside loops, each once: one trip's
-  return Collectives.from_json({"per_step": by_op(of, runs, result), "sent_per_step": by_op(of, runs, sent),
-                                "per_micro_batch": by_op(of, trip, result), "across_per_step": across})
+  return Collectives.from_json({"per_step": per_step(program), "sent_per_step": sent_per_step(program),
+                                "per_micro_batch": per_trip(program), "across_per_step": across})
 
 
 def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:

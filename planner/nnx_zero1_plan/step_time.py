@@ -9,11 +9,11 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
-from nnx_zero1._src.companion import shape_bytes
+from nnx_zero1._src.companion import Collective, Instruction, shape_bytes
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.networks import rings_of, slow_seconds, tpu_collective_time
-from nnx_zero1_plan.program_record import Collective, Instruction, ProgramRecord
+from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import StepTime
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).

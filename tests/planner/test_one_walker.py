@@ -13,8 +13,9 @@ import types
 import jax
 
 import nnx_zero1._src.hlo as hlo
+import nnx_zero1._src.hlo_record as hlo_record
 from nnx_zero1.testing import collectives, loop_collectives, sent_bytes
-from nnx_zero1_plan import program_record, row_compiler
+from nnx_zero1_plan import row_compiler
 from nnx_zero1_plan.calibration import Calibration, Run
 from nnx_zero1_plan.compiled import collectives_of
 from nnx_zero1_plan.hlo_flops import dot_flops
@@ -94,7 +95,7 @@ def test_a_calibrated_row_splits_its_program_once(monkeypatch):
   computations = hlo.computations
   monkeypatch.setattr(row_compiler, "compile_step", lambda *args, **kwargs: (compiled, 1.0))
   monkeypatch.setattr(hlo, "computations", split)
-  monkeypatch.setattr(program_record, "computations", split)
+  monkeypatch.setattr(hlo_record, "computations", split)
   request = PlanRequest("tests.support.planner_toys:tiny_lm", "v5e:1x1", batch=8, seq_len=16)
   target = Target("v5e:1x1", "tpu", "v5e", tuple(jax.devices()[:1]), 2**34, "the test's")
   calibration = Calibration("v5e", jax.__version__, None, (Run("zero1", 8, 1, 16, 0.1, 0.1, 0.1, 0.0),), {})
