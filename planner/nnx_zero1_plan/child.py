@@ -92,7 +92,7 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
     PlanError, AotUnavailable: as the planning process raised them.
     RuntimeError: the planning process failed otherwise (its last lines of output in the message).
   """
-  own = compilers.prepare_planning_process(os.environ)  # a stale libtpu lockfile removed too
+  own = compilers.planning_environment(os.environ)  # a stale libtpu lockfile removed too
   flags = [*(["--local"] if local else []), *(["--measure"] if measure else [])]
   answer = run_worker("plan", request.to_json(), child_env(os.environ if local else own), flags=flags,
                       progress=progress)

@@ -141,9 +141,10 @@ def clear_stale_lockfile(path: str = LOCKFILE) -> bool:
   return True
 
 
-def planning_environment(environ: Mapping[str, str]) -> dict[str, str]:
-  """A planning process's environment: ``environ`` under :data:`ENV`, but for the caller's own
-  :data:`CALLERS_OWN` values.
+def planning_environment(environ: Mapping[str, str], lockfile: str = LOCKFILE) -> dict[str, str]:
+  """A planning process's environment, before it loads a compiler: ``environ`` under :data:`ENV`, but for
+  the caller's own :data:`CALLERS_OWN` values; libtpu's ``lockfile`` is removed when stale (one a live
+  process holds, a trainer's perhaps, stays: libtpu loads beside it).
 
   Example::
 
@@ -151,41 +152,23 @@ def planning_environment(environ: Mapping[str, str]) -> dict[str, str]:
     >>> env["HOME"], env["JAX_PLATFORMS"], env["CUDA_VISIBLE_DEVICES"], env["TPU_MIN_LOG_LEVEL"]
     ('/root', 'cpu', '-1', '0')
   """
+  clear_stale_lockfile(lockfile)
   return {**environ, **ENV, **{key: environ[key] for key in CALLERS_OWN if key in environ}}
 
 
-def prepare_planning_process(environ: Mapping[str, str], lockfile: str = LOCKFILE) -> dict[str, str]:
-  """Prepares a planning process before it loads a compiler: returns its environment, ``environ`` made
-  :func:`planning_environment`, and removes libtpu's ``lockfile`` when stale (one a live process holds, a
-  trainer's perhaps, stays: libtpu loads beside it).
-
-  Example::
-
-    >>> prepare_planning_process({"HOME": "/root"}, "/nonexistent/libtpu_lockfile")["JAX_PLATFORMS"]
-    'cpu'
-  """
-  clear_stale_lockfile(lockfile)
-  return planning_environment(environ)
-
-
-def prepare_environment() -> None:
-  """Makes this process a planning process (:func:`prepare_planning_process`); call before jax starts.
-
-  Example::
-
-    prepare_environment()
-    import jax; jax.experimental.topologies.get_topology_desc("v6e:2x2", "tpu")
-  """
-  os.environ.update(prepare_planning_process(os.environ))
-
-
 def start_cpu_jax() -> None:
-  """Prepares this process for the compilers (:func:`prepare_environment`) and keeps jax on its CPU backend.
+  """Makes this process a planning process (:func:`planning_environment`) and keeps jax on its CPU backend;
+  call before jax starts.
 
   Raises:
     RuntimeError: a backend other than the CPU one has started in this process already.
+
+  Example::
+
+    start_cpu_jax()
+    jax.experimental.topologies.get_topology_desc("v6e:2x2", "tpu")
   """
-  prepare_environment()
+  os.environ.update(planning_environment(os.environ))
   keep_jax_on_cpu()
 
 

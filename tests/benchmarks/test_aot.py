@@ -175,7 +175,7 @@ def test_offloaded_state_leaves_device_memory_and_crosses_once_per_step(aot_run)
 
 _TWO_HOSTS = """
 from nnx_zero1_plan import compilers as libtpu
-libtpu.prepare_environment()
+libtpu.start_cpu_jax()
 from benchmarks.aot import abstract_arm, topology_mesh
 from benchmarks.settings import Settings
 mesh = topology_mesh("v6e:2x4", 8)
@@ -387,7 +387,7 @@ def test_maxtexts_ahead_of_time_engine_compiles_with_zero1():
 
 _ONE_PROGRAM_PEAK = """
 from nnx_zero1_plan import compilers as libtpu
-libtpu.prepare_environment()
+libtpu.start_cpu_jax()
 import json
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
@@ -475,7 +475,7 @@ def test_one_program_step_keeps_zero1s_whole_saving_at_the_peak():
 _GPU_ONE_PROGRAM = """
 import json
 from nnx_zero1_plan import compilers
-compilers.prepare_environment(); compilers.start_cpu_jax()
+compilers.start_cpu_jax()
 import numpy as np
 from jax.sharding import AxisType, Mesh
 from nnx_zero1_plan.models import model_source

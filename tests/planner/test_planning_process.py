@@ -1,5 +1,5 @@
 """The planning process is prepared one way, whether the command line runs it in its own process or
-``plan()`` starts it (``compilers.prepare_planning_process``): the planner's settings over the caller's,
+``plan()`` starts it (``compilers.planning_environment``): the planner's settings over the caller's,
 and libtpu's lockfile removed only when no live process holds it. No compile: nothing loads libtpu."""
 
 import json
@@ -17,11 +17,11 @@ def test_the_planners_settings_win_over_the_callers_but_for_the_callers_own():
   caller = {"HOME": "/home/me", "JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": "0,1",
             "ALLOW_MULTIPLE_LIBTPU_LOAD": "0", "TPU_ACCELERATOR_TYPE": "v5litepod-16",
             "TPU_MIN_LOG_LEVEL": "0"}
-  env = compilers.prepare_planning_process(caller, "/nonexistent/libtpu_lockfile")
+  env = compilers.planning_environment(caller, "/nonexistent/libtpu_lockfile")
   assert {key: env[key] for key in compilers.ENV.keys() - compilers.CALLERS_OWN} == {
       key: value for key, value in compilers.ENV.items() if key not in compilers.CALLERS_OWN}
   assert env["TPU_MIN_LOG_LEVEL"] == "0" and env["HOME"] == "/home/me"
-  assert compilers.prepare_planning_process({}, "/nonexistent/libtpu_lockfile") == compilers.ENV
+  assert compilers.planning_environment({}, "/nonexistent/libtpu_lockfile") == compilers.ENV
   assert caller["JAX_PLATFORMS"] == "cuda"  # the caller's mapping is left as it was
 
 
@@ -29,11 +29,11 @@ def test_a_lockfile_is_removed_only_when_stale(tmp_path):
   lockfile = tmp_path / "libtpu_lockfile"
   lockfile.write_text("")
   with open(lockfile):  # a live holder: another planner's libtpu, or the caller's own on a TPU machine
-    compilers.prepare_planning_process({}, str(lockfile))
+    compilers.planning_environment({}, str(lockfile))
     assert lockfile.exists()
-  compilers.prepare_planning_process({}, str(lockfile))  # no holder left: a killed process's leftover
+  compilers.planning_environment({}, str(lockfile))  # no holder left: a killed process's leftover
   assert not lockfile.exists()
-  compilers.prepare_planning_process({}, str(lockfile))  # none at all: nothing to do
+  compilers.planning_environment({}, str(lockfile))  # none at all: nothing to do
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def callers_values(monkeypatch):
 
 def test_the_command_line_prepares_its_own_process_the_same_way(callers_values):
   expected = compilers.planning_environment(dict(os.environ))
-  compilers.prepare_environment()
+  compilers.start_cpu_jax()
   assert dict(os.environ) == expected
   assert os.environ["CUDA_VISIBLE_DEVICES"] == "-1" and os.environ["TPU_MIN_LOG_LEVEL"] == "caller's"
 

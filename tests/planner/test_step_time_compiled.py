@@ -13,7 +13,7 @@ from tests.support.compiled_plans import HAS_LIBTPU, planner_env
 _TIMES = """
 import json
 from nnx_zero1_plan import compilers
-compilers.prepare_environment(); compilers.start_cpu_jax()
+compilers.start_cpu_jax()
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from nnx_zero1.testing import host_transfers, sent_bytes
