@@ -45,7 +45,7 @@ def kept_text(hlo: str) -> str:
   """The program's text as kept: every line the walk and the FLOP count read. Inside a fused computation
   (whose cost its fusion's line carries) only its matmuls, its all-reduces (a fused reduce-scatter's groups),
   the lines they read and its root; no line's ``metadata``. Checked to walk and count as the whole text."""
-  from nnx_zero1._src.companion import INSTRUCTION
+  from nnx_zero1._src.hlo import INSTRUCTION
   fused = set(_FUSED.findall(hlo))
   out, body, inside = [], [], False
 

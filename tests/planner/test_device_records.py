@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 
-from nnx_zero1._src.companion import estimated_cycles
+from nnx_zero1._src.hlo import estimated_cycles
 from nnx_zero1_plan.calibration import Calibration, read_calibrations
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.hlo_flops import dot_flops
