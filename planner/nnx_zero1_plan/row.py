@@ -37,9 +37,7 @@ _field_types: Callable[[type], dict[str, Any]] = functools.cache(typing.get_type
 
 
 def _read(kind: Any, value: Any) -> Any:
-  """``value`` as plan.json holds it, read into the type ``kind``: a record from its object (by its
-  ``from_json``), a tuple's items and a mapping's values each; ``X | Y`` as ``X`` where the value is one,
-  else as it is."""
+  """``value`` as plan.json holds it, read into the type ``kind`` (``X | Y`` as ``X``)."""
   origin, args = typing.get_origin(kind), typing.get_args(kind)
   if value is None or kind is Any:
     return value
@@ -138,6 +136,11 @@ class Collectives(Record):
   def across_bytes(self) -> int:
     """The bytes one device sends per step between slices or nodes (0 on one slice or node)."""
     return sum(c.bytes for c in (self.across_per_step or {}).values())
+
+  @classmethod
+  def from_json(cls, fields: Mapping[str, Any]) -> Collectives:
+    """The record :meth:`to_json` wrote (``per_step`` empty where it has none; other names not read)."""
+    return cls(**{name: fields[name] for name in _names(cls) if name in fields})
 
 
 @dataclasses.dataclass(frozen=True)
