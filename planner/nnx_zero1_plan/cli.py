@@ -216,9 +216,8 @@ def _compiler_log(out: str | None) -> str:
   if out:
     os.makedirs(out, exist_ok=True)
     return os.path.join(out, "compiler.log")
-  handle, path = tempfile.mkstemp(prefix="nnx_zero1_plan_compiler_", suffix=".log")
-  os.close(handle)
-  return path
+  with tempfile.NamedTemporaryFile(prefix="nnx_zero1_plan_compiler_", suffix=".log", delete=False) as f:
+    return f.name
 
 
 def _said_compiler_log(log: str, out: str | None, say: Callable[[str], None]) -> None:

@@ -102,8 +102,6 @@ def parse_topology(text: str, gpu_chips: Iterable[str]) -> Topology:
 
     >>> parse_topology("h100:2x8", ["h100"])
     Topology(platform='cuda', chip='h100', shape=(2, 8))
-    >>> parse_topology("v5e:2x4", ["h100"])
-    Topology(platform='tpu', chip='v5e', shape=(2, 4))
   """
   chips = tuple(gpu_chips)
   m = re.fullmatch(r"([\w\-]+):(\d+(?:x\d+)*)", text.strip())
@@ -130,8 +128,6 @@ def parse_model(text: str) -> ModelRef:
 
     >>> parse_model("tunix:qwen3_0p6b")
     ModelRef(kind='tunix', name='qwen3_0p6b')
-    >>> tuple(parse_model("my_pkg.models:build"))
-    ('my_pkg.models', 'build')
   """
   source, sep, name = text.strip().partition(":")
   if not sep or not source or not name:
@@ -160,26 +156,23 @@ def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
   return overrides
 
 
-# --lora: the projections qwix's LoraProvider adapts in each Tunix family, as Tunix's own LoRA examples name
-# them (attention and MLP), and the alpha they pass (it scales the adapters' output and changes no bytes).
+# --lora: the projections qwix's LoraProvider adapts, as Tunix's own LoRA examples name them (attention and
+# MLP; Llama's and Qwen's, and Gemma 3's einsums), and the alpha they pass (it scales the adapters' output and
+# changes no bytes).
 _PROJECTIONS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
-LORA_MODULES = {"qwen3": _PROJECTIONS, "qwen2": _PROJECTIONS, "llama3": _PROJECTIONS,
-                "gemma3": ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|"
-                          ".*down_proj"}
+_GEMMA3_EINSUMS = ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|.*down_proj"
 LORA_ALPHA = 2.0
 
 
 def lora_modules(config: str) -> str:
-  """The ``module_path`` regex ``--lora`` adapts in the Tunix configuration ``config`` (its family's, by the
-  name's start; the Llama and Qwen projections for a name of none).
+  """The ``module_path`` regex ``--lora`` adapts in the Tunix configuration ``config``.
 
   Example::
 
     >>> lora_modules("qwen3_1p7b")[:22]
     '.*q_proj|.*k_proj|.*v_'
   """
-  family = max((f for f in LORA_MODULES if config.startswith(f)), key=len, default=None)
-  return LORA_MODULES[family] if family else _PROJECTIONS
+  return _GEMMA3_EINSUMS if config.startswith("gemma3") else _PROJECTIONS
 
 
 def lora_refusal(model: str) -> str:

@@ -4,7 +4,7 @@ and the micro-batch they take, each refusal in one line."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
 
@@ -29,15 +29,12 @@ def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
 
     >>> mesh_axes({"data": 4, "fsdp": 2}, ["fsdp", "tp"], devices=8)
     {'data': 4, 'fsdp': 2, 'tp': 1}
-    >>> mesh_axes({}, ["fsdp"], devices=8)
-    {'data': 8, 'fsdp': 1}
     >>> mesh_axes({}, [], devices=16, domains=2)
     {'replica': 2, 'data': 8}
   """
   whole = {"replica": domains, "data": devices // domains} if domains > 1 else {"data": devices}
   axes = dict(sizes) if sizes else whole
-  axes.setdefault("data", 1)
-  for name in model_axes:
+  for name in ("data", *model_axes):
     axes.setdefault(name, 1)
   if math.prod(axes.values()) != devices:
     shape = spelled_mesh(axes)
@@ -58,7 +55,6 @@ def check_replica(axes: Mapping[str, int], domains: int, where: str = "slices or
 
   Example::
 
-    >>> check_replica({"replica": 2, "data": 8}, domains=2)
     >>> try:
     ...   check_replica({"data": 8, "replica": 2}, domains=2, where="nodes")
     ... except PlanError as e:
@@ -88,7 +84,7 @@ def check_replica(axes: Mapping[str, int], domains: int, where: str = "slices or
                   f"then does it cross them{suggestion}")
 
 
-def batch_axes(axis_names: Iterable[str]) -> tuple[str, ...]:
+def batch_axes(axis_names: Collection[str]) -> tuple[str, ...]:
   """The mesh axes a batch's rows are split over (``replica``, ``data``, ``fsdp``, those the mesh has): their
   sizes' product is a micro-batch's unit.
 
@@ -97,8 +93,7 @@ def batch_axes(axis_names: Iterable[str]) -> tuple[str, ...]:
     >>> batch_axes(("data", "fsdp", "tp"))
     ('data', 'fsdp')
   """
-  names = tuple(axis_names)
-  return tuple(a for a in ("replica", "data", "fsdp") if a in names)
+  return tuple(a for a in ("replica", "data", "fsdp") if a in axis_names)
 
 
 def micro_batch(batch: int | None, unit: int, over: str) -> int:
@@ -110,10 +105,8 @@ def micro_batch(batch: int | None, unit: int, over: str) -> int:
 
   Example::
 
-    >>> micro_batch(None, 4, "data"), micro_batch(None, 64, "replica x data"), micro_batch(None, 3, "data")
-    (8, 64, 9)
-    >>> micro_batch(16, 8, "data")
-    16
+    >>> micro_batch(None, 4, "data"), micro_batch(None, 64, "replica x data"), micro_batch(16, 8, "data")
+    (8, 64, 16)
   """
   if batch is None:
     return -(-SMALLEST_MICRO_BATCH // unit) * unit
@@ -131,7 +124,6 @@ def check_axis_names(sizes: Mapping[str, int], model_axes: Iterable[str]) -> Non
 
   Example::
 
-    >>> check_axis_names({"data": 4}, ["fsdp"])
     >>> try:
     ...   check_axis_names({"dta": 4}, ["fsdp", "tp"])
     ... except PlanError as e:

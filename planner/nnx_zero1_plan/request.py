@@ -60,12 +60,6 @@ def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | 
 
   Example::
 
-    >>> try:
-    ...   check_topology("h100:8x2")
-    ... except PlanError as e:
-    ...   print(str(e).replace(": did", ":\\ndid"))
-    h100:8x2 reads as 8 nodes of 2 GPUs, fewer than an H100 node's 8:
-    did you mean h100:2x8? For nodes of 2 GPUs, say --gpus-per-node 2
     >>> check_topology("h100:8x2", gpus_per_node=2).shape
     (8, 2)
   """
@@ -116,7 +110,7 @@ class PlanRequest:
   :func:`~nnx_zero1_plan.search.find_edge` (each row gains a :class:`~nnx_zero1_plan.row.Searched`);
   ``estimate``, :mod:`~nnx_zero1_plan.estimate`; ``tunix_sharding``, :mod:`~nnx_zero1_plan.tunix_sharding`;
   ``calibration``, :func:`~nnx_zero1_plan.calibration.for_step`; ``lora``,
-  :data:`~nnx_zero1_plan.inputs.LORA_MODULES`; ``margin``'s default,
+  :func:`~nnx_zero1_plan.inputs.lora_modules`; ``margin``'s default,
   :data:`~nnx_zero1_plan.targets.DEFAULT_RESERVE_BYTES`.
 
   Raises:
@@ -208,13 +202,12 @@ class PlanRequest:
       object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
 
   def _check_global_batch(self, kind: str, global_batch: int) -> None:
-    """Refuses what may not come with ``global_batch``: a plan splits it into the micro-batch and GA (a
-    resolved request holds those it chose)."""
+    """Refuses what may not come with ``global_batch``: a plan splits it into the micro-batch and GA."""
     if global_batch < 1:
       raise PlanError(f"--global-batch is sequences per optimizer step, >= 1; got {global_batch}")
     given = [flag for flag, on in (("--batch", self.batch is not None), ("--ga", self.ga != 1),
                                    ("--search", self.search), ("--estimate", self.estimate)) if on]
-    if given and type(self) is PlanRequest:
+    if given and type(self) is PlanRequest:  # a resolved request holds the micro-batch and GA a plan chose
       raise PlanError(f"--global-batch chooses the micro-batch and GA itself, from whole compiles: leave out "
                       f"{', '.join(given)}")
     if kind == "maxtext":

@@ -37,9 +37,7 @@ _field_types: Callable[[type], dict[str, Any]] = functools.cache(typing.get_type
 
 
 def _read(kind: Any, value: Any) -> Any:
-  """``value`` as plan.json holds it, read into the type ``kind``: a record from its object (by its
-  ``from_json``), a tuple's items and a mapping's values each; ``X | Y`` as ``X`` where the value is one,
-  else as it is."""
+  """``value`` as plan.json holds it, read into the type ``kind`` (``X | Y`` as ``X``)."""
   origin, args = typing.get_origin(kind), typing.get_args(kind)
   if value is None or kind is Any:
     return value
@@ -471,6 +469,5 @@ class Row(Record):
 
 
 _RECORDS = ("figures", "made", "searched", "offloaded", "measured")
-_OWN = tuple(f.name for f in dataclasses.fields(Row) if f.name not in _RECORDS)
-_KNOWN = frozenset((*_OWN, *_names(Figures), *_names(Made), *_names(Searched), *_names(Offloaded),
-                    "measured"))
+_KNOWN = frozenset(name for record in (Row, Figures, Made, Searched, Offloaded) for name in _names(record)
+                   if name not in _RECORDS[:-1])
