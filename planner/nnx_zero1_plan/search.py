@@ -288,10 +288,6 @@ def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, uni
     >>> row = split_global_batch(f, 32, 1)
     >>> row.batch, row.ga, [(s.batch, s.ga, s.time) for s in row.splits][:3]
     (8, 4, [(32, 1, 'predicted'), (16, 2, 'predicted'), (8, 4, 'predicted')])
-    >>> g = lambda m, ga: dataclasses.replace(f(m, ga), figures=Figures(predicted_step_s=1 + 0.01 * ga))
-    >>> ran = split_global_batch(g, 32, 1, run=lambda r: Measured(r.batch, 0.4 if r.batch == 4 else 0.5))
-    >>> ran.batch, ran.ga, [(s.batch, s.step_s, s.time) for s in ran.splits if s.time == "measured"]
-    (4, 8, [(8, 0.5, 'measured'), (4, 0.4, 'measured')])
   """
   candidates = [m for m in range(global_batch - global_batch % unit, 0, -unit) if global_batch % m == 0]
   if not candidates:
