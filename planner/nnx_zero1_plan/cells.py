@@ -156,9 +156,7 @@ def _verdict_note(r: Row) -> str:
 
 
 def _max_micro_batch(r: Row) -> str:
-  if r.searched is None:
-    return "-"
-  return "none" if r.searched.max_micro_batch is None else str(r.searched.max_micro_batch)
+  return "-" if r.searched is None else str(r.searched.max_micro_batch or "none")
 
 
 def _lever(r: Row) -> str:

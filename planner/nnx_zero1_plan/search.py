@@ -1,7 +1,6 @@
 """The largest micro-batch that fits, found with as few compiles as the arithmetic allows: a line through two
 compiles, galloping short of the edge, the line and bisection in turn once bracketed, and the edge below the
-first failure wherever the search started (why: docs/planner.md's "How far can I go?").
-"""
+first failure wherever the search started (why: docs/planner.md's "How far can I go?")."""
 
 from __future__ import annotations
 

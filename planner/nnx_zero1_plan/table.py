@@ -47,9 +47,8 @@ def table(rows: Sequence[Row], wide: bool = True) -> str:
   head, body = cells.row_cells(rows) if wide else _compact(rows)
   text = _aligned(head, body, (*(range(4) if wide else range(2)), len(head) - 1))
   if not wide and rows:
-    mesh = spelled_mesh(rows[0].mesh)
-    title = f"compiled for {rows[0].compiled_for}, mesh {mesh}; GiB per device (every column: plan.md)"
-    text = title + "\n" + text
+    text = (f"compiled for {rows[0].compiled_for}, mesh {spelled_mesh(rows[0].mesh)}; GiB per device "
+            f"(every column: plan.md)\n{text}")
   edges = cells.edge_cells(rows)
   if edges:
     text += "\n\nAt each lever's largest micro-batch (the compiler's figures):\n" + _aligned(
