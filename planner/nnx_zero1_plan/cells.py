@@ -11,6 +11,26 @@ from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.networks import network_note
 from nnx_zero1_plan.row import Figures, Network, OpCount, Point, Row, StateSplit, op_counts
 
+HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "args GiB", "temp GiB",
+          "peak GiB", "args+temp GiB", "usable GiB", "fits", "max micro-batch", "step ms (pred.)",
+          "tok/s/device", "MFU", "compile s", "collectives per step (count x MiB)", "per micro-batch",
+          "update GFLOP", "update GiB accessed", "note")
+# A plan timed by a calibration (--measure, --calibration) has its time beside the cost model's.
+CALIBRATED = "step ms (calib.)"
+# A pod's plan has two more columns, before the note: what one device sends per step over each network.
+POD_HEADER = ("inside slice/node per step, MiB (est.)", "over the slow network per step, MiB (est.)")
+_SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A",
+          "collective-permute": "CP", "to-device": "in", "to-host": "out"}
+_SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+EDGE_HEADER = ("lever", "step", "max micro-batch", "peak GiB", "headroom GiB", "temp GiB", "TFLOP",
+               "step ms (pred.)", "tok/s/device", "one step up", "its peak GiB / refusal", "compiles", "note")
+MEASURED_HEADER = ("lever", "step", "micro-batch", "step ms (pred.)", "step ms (measured)",
+                   "pred. vs measured", "peak GiB (compiler)", "held GiB (allocator)", "note")
+MEASURED_TITLE = ("Run on this machine's devices (--measure), the very program compiled: the median of the "
+                  "steady steps; the program's peak is the compiler's (the chip refuses a program over it), "
+                  "and the allocator's bytes_in_use after the steps is what it held: the state and what the "
+                  "runtime kept, not the program's temporaries")
+
 
 def ms(seconds: float | None) -> str:
   """Seconds as every table of the plan prints them: milliseconds (``-``: none)."""
@@ -32,19 +52,6 @@ def remats(policy: str | None) -> bool:
   return policy not in (None, "", "none")
 
 
-HEADER = ("lever", "step", "compiled for", "mesh", "opt GiB", "state dtype", "args GiB", "temp GiB",
-          "peak GiB", "args+temp GiB", "usable GiB", "fits", "max micro-batch", "step ms (pred.)",
-          "tok/s/device", "MFU", "compile s", "collectives per step (count x MiB)", "per micro-batch",
-          "update GFLOP", "update GiB accessed", "note")
-# A plan timed by a calibration (--measure, --calibration) has its time beside the cost model's.
-CALIBRATED = "step ms (calib.)"
-# A pod's plan has two more columns, before the note: what one device sends per step over each network.
-POD_HEADER = ("inside slice/node per step, MiB (est.)", "over the slow network per step, MiB (est.)")
-
-_SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A",
-          "collective-permute": "CP", "to-device": "in", "to-host": "out"}
-
-
 def collective_cell(c: Mapping[str, OpCount] | Mapping[str, Mapping[str, int]] | None) -> str:
   """Collectives or host transfers (also as the benchmarks keep them) as one cell, count x MiB per op.
 
@@ -58,9 +65,6 @@ def collective_cell(c: Mapping[str, OpCount] | Mapping[str, Mapping[str, int]] |
   return ", ".join(parts) or "-"
 
 
-_SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
-
-
 def dtype_cell(by_dtype: Mapping[str, int] | None) -> str:
   """The dtypes the optimizer state is stored in, the largest first (``-``: not known, a refused row).
 
@@ -71,21 +75,7 @@ def dtype_cell(by_dtype: Mapping[str, int] | None) -> str:
   """
   if not by_dtype:
     return "-"
-  order = sorted(by_dtype, key=lambda d: -by_dtype[d])
-  return "+".join(_SHORT_DTYPE.get(d, d) for d in order)
-
-
-def time_cells(step_s: float | None, tokens_per_s: float | None, mfu: float | None,
-               mark: str = "") -> tuple[str, str, str]:
-  """A predicted step's cells: its milliseconds, the tokens one device trains on per second, its MFU.
-
-  Example::
-
-    >>> time_cells(0.4375, 74898.3, 0.21)
-    ('437.5', '74,898', '21%')
-  """
-  return ("-" if step_s is None else mark + ms(step_s),
-          "-" if tokens_per_s is None else mark + tokens(tokens_per_s), "-" if mfu is None else f"{mfu:.0%}")
+  return "+".join(_SHORT_DTYPE.get(d, d) for d in sorted(by_dtype, key=by_dtype.__getitem__, reverse=True))
 
 
 def split_words(lever: str, split: StateSplit | None) -> str | None:
@@ -109,7 +99,7 @@ def split_words(lever: str, split: StateSplit | None) -> str | None:
   return ", ".join(words)
 
 
-def _note(r: Row, rows: Sequence[Row] = ()) -> str:
+def _note(r: Row, rows: Sequence[Row]) -> str:
   split = None if r.ga is None else f"micro-batch {r.batch} x GA {r.ga}"  # --global-batch's split
   notes = (split, split_words(r.lever, r.figures.state_split), _verdict_note(r), accumulation_note(r, rows),
            network_note(r.figures.step_time))
@@ -127,10 +117,8 @@ def accumulation_note(r: Row, rows: Sequence[Row]) -> str | None:
     ...   f = Figures(peak_bytes_per_device=peak * 2**30, temp_bytes_per_device=temp * 2**30)
     ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 1, 1, True)
     >>> rows = [row("zero1", 14.75, 4.5), row("zero1-accum", 19.0, 8.75)]
-    >>> print(accumulation_note(rows[1], rows).replace(": ", ":\\n"))
-    needs 4.25 GiB more than zero1 at this micro-batch:
-    its temporaries +4.25 GiB (the gradients it reduces once per step, held across the micro-batch loop:
-    with one micro-batch, plan zero1)
+    >>> accumulation_note(rows[1], rows).split(" (")[0]
+    'needs 4.25 GiB more than zero1 at this micro-batch: its temporaries +4.25 GiB'
   """
   lever = LEVERS.get(r.lever)
   if lever is None or not lever.deferred:
@@ -168,9 +156,7 @@ def _verdict_note(r: Row) -> str:
 
 
 def _max_micro_batch(r: Row) -> str:
-  if r.searched is None:
-    return "-"
-  return "none" if r.searched.max_micro_batch is None else str(r.searched.max_micro_batch)
+  return "-" if r.searched is None else str(r.searched.max_micro_batch or "none")
 
 
 def _lever(r: Row) -> str:
@@ -202,17 +188,13 @@ def is_calibrated(rows: Sequence[Row]) -> bool:
   return any(r.figures.calibrated_step_s is not None for r in rows)
 
 
-def header(rows: Sequence[Row]) -> tuple[str, ...]:
-  """:data:`HEADER`, with :data:`CALIBRATED` after the predicted time's cells where a row has a calibrated
-  time, and :data:`POD_HEADER` before the note where the rows are a pod's."""
-  at = HEADER.index("compile s")
-  head = HEADER[:at] + (CALIBRATED,) * is_calibrated(rows) + HEADER[at:]
-  return head[:-1] + POD_HEADER + head[-1:] if is_pod(rows) else head
-
-
-def row_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
-  """One tuple of strings per row, in :func:`header`'s order."""
+def row_cells(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+  """The rows' table: :data:`HEADER` (with :data:`CALIBRATED` after the predicted time's cells where a row has
+  a calibrated time, and :data:`POD_HEADER` before the note where the rows are a pod's), and one tuple of
+  strings per row."""
   pod, calibrated = is_pod(rows), is_calibrated(rows)
+  at = HEADER.index("compile s")
+  head = HEADER[:at] + (CALIBRATED,) * calibrated + HEADER[at:]
   out: list[tuple[str, ...]] = []
   for r in rows:
     f = r.figures
@@ -227,7 +209,9 @@ def row_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
         gib(f.opt_state_bytes_per_device), dtype_cell(f.opt_state_bytes_by_dtype),
         ex + gib(f.argument_bytes_per_device), ex + gib(f.temp_bytes_per_device),
         ex + gib(f.peak_bytes_per_device), ex + gib(f.formula_peak_bytes_per_device), gib(r.usable_bytes),
-        ex + fits, _max_micro_batch(r), *time_cells(f.predicted_step_s, f.tokens_per_s_per_device, f.mfu, ex),
+        ex + fits, _max_micro_batch(r), "-" if f.predicted_step_s is None else ex + ms(f.predicted_step_s),
+        "-" if f.tokens_per_s_per_device is None else ex + tokens(f.tokens_per_s_per_device),
+        "-" if f.mfu is None else f"{f.mfu:.0%}",
         *((ms(f.calibrated_step_s),) if calibrated else ()), f"{compile_s:.0f}",
         ex + collective_cell(f.collectives.per_step if f.collectives else None),
         ex + collective_cell(f.collectives.per_micro_batch if f.collectives else None),
@@ -235,11 +219,7 @@ def row_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
         *((ex + network_cell(n) for n in nets) if pod else ()),
         _note(r, rows),
     ))
-  return out
-
-
-EDGE_HEADER = ("lever", "step", "max micro-batch", "peak GiB", "headroom GiB", "temp GiB", "TFLOP",
-               "step ms (pred.)", "tok/s/device", "one step up", "its peak GiB / refusal", "compiles", "note")
+  return (head[:-1] + POD_HEADER + head[-1:] if pod else head), out
 
 
 def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
@@ -260,14 +240,6 @@ def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
                 ms(at.predicted_step_s), tokens(at.tokens_per_s_per_device), str(found.above or "-"),
                 refusal, str(len(found.search)), note))
   return out
-
-
-MEASURED_HEADER = ("lever", "step", "micro-batch", "step ms (pred.)", "step ms (measured)",
-                   "pred. vs measured", "peak GiB (compiler)", "held GiB (allocator)", "note")
-MEASURED_TITLE = ("Run on this machine's devices (--measure), the very program compiled: the median of the "
-                  "steady steps; the program's peak is the compiler's (the chip refuses a program over it), "
-                  "and the allocator's bytes_in_use after the steps is what it held: the state and what the "
-                  "runtime kept, not the program's temporaries")
 
 
 def measured_cells(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:

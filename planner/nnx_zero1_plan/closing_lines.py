@@ -38,16 +38,14 @@ def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool
 
   Example::
 
-    >>> rec = Recommendation("zero1", "one", 84, None, "mesh = ...\\noptimizer = Zero1Optimizer(...)",
-    ...                      "python -m nnx_zero1.plan ...", (), (), ("at micro-batch 84 zero1 leaves ...",),
-    ...                      ())
+    >>> rec = Recommendation("zero1", "one", 84, None, "optimizer = Zero1Optimizer(...)", "python -m ...",
+    ...                      (), (), ("at micro-batch 84 zero1 leaves ...",), ())
     >>> print("\\n".join(recommendation_lines(rec, "a 5% margin", search=True)))
     <BLANKLINE>
     Recommended: zero1 at micro-batch 84 (one program), the largest that fits with a 5% margin
       code:
-        mesh = ...
         optimizer = Zero1Optimizer(...)
-      reproduce: python -m nnx_zero1.plan ...
+      reproduce: python -m ...
       why: at micro-batch 84 zero1 leaves ...
   """
   if rec is None:
@@ -57,10 +55,9 @@ def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool
     return []
   shape = {"one": "one program", "split": "two programs"}.get(rec.step, rec.step)
   remat = f", remat {rec.remat}" if remats(rec.remat) else ""
-  which = "the largest that fits" if search else "fits"
-  if rec.order in (BY_THROUGHPUT, BY_CALIBRATED):
-    kind = "predicted" if rec.order == BY_THROUGHPUT else "calibrated"
-    which = f"the most {kind} tokens per second of what fits"
+  which = {BY_THROUGHPUT: "the most predicted tokens per second of what fits",
+           BY_CALIBRATED: "the most calibrated tokens per second of what fits"}.get(
+      rec.order, "the largest that fits" if search else "fits")
   lines = ["", f"Recommended: {rec.lever} at micro-batch {rec.micro_batch} ({shape}{remat}), {which} "
            f"with {limit}", *_code_and_command(rec.code, rec.cli)]
   lines += [f"  why: {line}" for line in rec.why]

@@ -14,6 +14,24 @@ from nnx_zero1_plan.row import Row
 _PARTS = ("lever", "step", "micro-batch", "step ms", "compute ms", "fast network ms (exposed)",
           "slow network ms", "host copies ms (exposed)", "roofline ms (lower bound)", "MFU", "tok/s/device",
           "programs per step")
+_NOTE = ("Compiled ahead of time on a machine without the chips; nothing ran. Per device: `opt` is the "
+         "optimizer state in device memory, `args` / `temp` the compiled step's argument and temporary bytes "
+         "(`memory_analysis()`), `peak` the compiler's own figure for what the program holds at once (the "
+         "settings' `peak_source`; the TPU compiler's temporaries overlap the arguments near the limit), "
+         "`args+temp` = args + output - donated + temp, for comparison; `usable` is the memory a program may "
+         "use on the chip (TPU: the compiler's available HBM; GPU: jax's memory pool, which the compiler is "
+         "told to plan for) less the reserve or margin; `fits`: the compiler accepted the program and peak "
+         "<= usable. Step `one` is one program (gradients, then update); `split` is two (gradients, then "
+         "update): its args add the optimizer state the gradient program leaves resident, its peak is the "
+         "larger program's, its collectives both programs'. The update program's flops and bytes accessed "
+         "are the compiler's cost analysis for one device (none on GPU; there a step's flops are its matmuls "
+         "counted from the compiled HLO). Collectives are read from the compiled HLO; those in the "
+         "micro-batch loop count once per trip (`per micro-batch`).")
+_POD_NOTE = (" On a pod, what one device sends per step inside its slice or node (ICI, NVLink) and over the "
+             "slow network between them (DCN, InfiniBand): a TPU program's collectives and its megascale "
+             "transfers; a GPU program's node-spanning collectives split by NCCL's hierarchical algorithm "
+             "(an estimate). The times are estimates: the bytes at the chip's public per-direction "
+             "bandwidth, no latency, no overlap.")
 
 
 def markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
@@ -80,30 +98,6 @@ def search_lines(rows: Sequence[Row]) -> list[str]:
   return ["", "## Each search's compiles", *markdown_table(head, body)]
 
 
-_NOTE = (
-    "Compiled ahead of time on a machine without the chips; nothing ran. Per device: `opt` is the "
-    "optimizer state in device memory, `args` / `temp` the compiled step's argument and temporary bytes "
-    "(`memory_analysis()`), `peak` the compiler's own figure for what the program holds at once "
-    "(the settings' `peak_source`; the TPU compiler's temporaries overlap the arguments near the limit), "
-    "`args+temp` = args + output - donated + temp, for comparison; `usable` is the memory a program may "
-    "use on the chip (TPU: the compiler's available HBM; GPU: jax's memory pool, which the compiler is told "
-    "to plan for) less the reserve or margin; `fits`: the compiler accepted the program and peak <= usable. "
-    "Step `one` is one program (gradients, then update); `split` is two (gradients, then update): its args "
-    "add the optimizer state the gradient program leaves resident, its peak is the larger program's, its "
-    "collectives both programs'. The update program's flops and bytes accessed are the compiler's cost "
-    "analysis for one device (none on GPU; there a step's flops are its matmuls counted from the compiled "
-    "HLO). Collectives are read from the compiled HLO; those in the "
-    "micro-batch loop count once per trip (`per micro-batch`)."
-)
-
-_POD_NOTE = (
-    " On a pod, what one device sends per step inside its slice or node (ICI, NVLink) and over the slow "
-    "network between them (DCN, InfiniBand): a TPU program's collectives and its megascale transfers; a GPU "
-    "program's node-spanning collectives split by NCCL's hierarchical algorithm (an estimate). The times are "
-    "estimates: the bytes at the chip's public per-direction bandwidth, no latency, no overlap."
-)
-
-
 def markdown(settings: Mapping[str, Any], rows: Sequence[Row], steps: Sequence[str],
              closing: Sequence[str] = ()) -> str:
   """plan.md: the settings, the table, the lines under it and what to try next.
@@ -122,7 +116,7 @@ def markdown(settings: Mapping[str, Any], rows: Sequence[Row], steps: Sequence[s
   lines = ["# Will it fit? nnx-zero1 plan, compiled ahead of time", ""]
   lines += [f"- {k}: {json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in settings.items()]
   if rows:
-    lines += markdown_table(cells.header(rows), cells.row_cells(rows))
+    lines += markdown_table(*cells.row_cells(rows))
     lines += ["", _NOTE + (_POD_NOTE if cells.is_pod(rows) else "")]
     edges = cells.edge_cells(rows)
     if edges:

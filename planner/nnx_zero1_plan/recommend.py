@@ -1,8 +1,6 @@
 """The configuration a plan recommends, by a stated order: :data:`BY_THROUGHPUT` where every point that fits
 has a predicted time, else :data:`ORDER`, by memory; a Zero-1 lever that splits nothing, or saves little
-(:func:`saves_little`), is no candidate. By :data:`ORDER` a lever stands at a micro-batch where its own
-compile fitted, even above its edge, so no edge is weighed against a micro-batch the other lever was never
-compiled at."""
+(:func:`saves_little`), is no candidate."""
 
 from __future__ import annotations
 
@@ -29,6 +27,11 @@ BY_THROUGHPUT: tuple[str, ...] = ("fits", "most predicted tokens per second per 
 BY_CALIBRATED: tuple[str, ...] = ("fits", "most tokens per second per device, timed as calibrated",
                                   *BY_THROUGHPUT[2:])
 _SAME_SPEED = 0.02  # predicted throughputs this close are a tie: the headroom decides
+_RECOMPUTE = 0.05  # compute per sequence this much above the cheapest fitting point: the compiler recomputes
+_THIN = 0.01  # a pick leaving less than this share of the usable memory free is marked thin
+# A Zero-1 saving under this share of the baseline's peak is within the compiler's own scatter near its limit
+# (it lands within about 1.5% either side: docs/planner.md's search): it buys no micro-batch one can count on.
+_LITTLE = 0.015
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +84,6 @@ def fitted_at(row: Row) -> set[int]:
   return {p.batch for _, p in _fitting([row])}
 
 
-_RECOMPUTE = 0.05  # compute per sequence this much above the cheapest fitting point: the compiler recomputes
-
-
 def recompute_note(row: Row, micro: int) -> str | None:
   """Where a row's compute per sequence at ``micro`` is over 5% above its cheapest fitting compile's (the
   compiler rematerialises to fit), one sentence saying so; None otherwise, or where no compile has flops."""
@@ -99,9 +99,6 @@ def recompute_note(row: Row, micro: int) -> str | None:
           "micro-batch trades memory for it")
 
 
-_THIN = 0.01  # a pick leaving less than this share of the usable memory free is marked thin
-
-
 def thin_note(row: Row, micro: int) -> str | None:
   """Where a row at ``micro`` leaves less than 1% of the usable memory free, one sentence saying so (near its
   limit a compiler lands within about 1.5% either side of it: docs/planner.md's search); None otherwise.
@@ -111,10 +108,8 @@ def thin_note(row: Row, micro: int) -> str | None:
     >>> from nnx_zero1_plan.row import Figures, Made
     >>> row = Row("zero1-pod", "one", "h100:2x8", "H100", {"data": 16}, "m:f", 128,
     ...           Figures(headroom_bytes_per_device=2**30 // 20), Made(depth=2), 81 * 2**30, 80 * 2**30, True)
-    >>> print(thin_note(row, 128).replace("; ", ";\\n").replace(": a", ":\\na"))
-    thin: zero1-pod at micro-batch 128 leaves 0.05 GiB of 80.00 GiB usable free (0.06%, under 1%);
-    near its limit the compiler lands within about 1.5% either side:
-    a smaller micro-batch or --margin leaves room
+    >>> thin_note(row, 128).split("; ")[0]
+    'thin: zero1-pod at micro-batch 128 leaves 0.05 GiB of 80.00 GiB usable free (0.06%, under 1%)'
   """
   room, usable = figures_at(row, micro).headroom_bytes_per_device, row.usable_bytes
   if room is None or not usable or room >= _THIN * usable:
@@ -124,34 +119,27 @@ def thin_note(row: Row, micro: int) -> str | None:
           "compiler lands within about 1.5% either side: a smaller micro-batch or --margin leaves room")
 
 
-def _baseline_of(row: Row, rows: Sequence[Row]) -> Row | None:
-  """The baseline row of ``row``'s step and remat policy among ``rows`` (None: not planned)."""
-  return next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
+def _states(row: Row, rows: Sequence[Row]) -> tuple[int, int, Row] | None:
+  """A Zero-1 row's optimizer state per device, its baseline's (the same step and remat policy) and that
+  baseline; None for a baseline, state in host memory, no baseline planned, or a state not known."""
+  base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
+  if row.lever == "baseline" or row.figures.host_state_bytes or base is None:
+    return None
+  mine, theirs = row.figures.opt_state_bytes_per_device, base.figures.opt_state_bytes_per_device
+  return None if mine is None or theirs is None else (mine, theirs, base)
 
 
 def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
   """Whether a Zero-1 row holds the baseline's optimizer state per device (within 0.1%, none in host memory):
   its layout split nothing (a data axis of size 1, or no leaf that divides), the baseline by another name."""
-  if row.lever == "baseline" or row.figures.host_state_bytes:
-    return False
-  base = _baseline_of(row, rows)
-  mine = row.figures.opt_state_bytes_per_device
-  theirs = None if base is None else base.figures.opt_state_bytes_per_device
-  if mine is None or theirs is None:
-    return False
-  return abs(mine - theirs) <= 0.001 * theirs
-
-
-# A Zero-1 saving under this share of the baseline's peak is within the compiler's own scatter near its limit
-# (it lands within about 1.5% either side: docs/planner.md's search): it buys no micro-batch one can count on.
-_LITTLE = 0.015
+  states = _states(row, rows)
+  return states is not None and abs(states[0] - states[1]) <= 0.001 * states[1]
 
 
 def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
   """Where a Zero-1 row's optimizer state per device is smaller than the fitting baseline's by less than 1.5%
-  of the baseline's peak (LoRA's small state), one line saying so; None otherwise (a baseline that does not
-  fit, or a search that found the row a larger micro-batch: then the saving is what fits; state in host
-  memory; a row that :func:`splits_nothing`; no baseline to compare).
+  of the baseline's peak (LoRA's small state), one line saying so; None otherwise (also where a search found
+  the row a larger micro-batch than the baseline's: then the saving is what fits).
 
   Example::
 
@@ -160,21 +148,16 @@ def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
     ...   f = Figures(opt_state_bytes_per_device=state, peak_bytes_per_device=4 * 2**30)
     ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 9, 8, True)
     >>> rows = [row("baseline", 48 * 2**20), row("zero1", 6 * 2**20)]
-    >>> print(saves_little(rows[1], rows).replace(": ", ":\\n").replace(" (", "\\n("))
-    zero1 saves little here:
-    0.04 GiB of optimizer state per device, 1.0% of the baseline's 4.00 GiB peak
-    (under 1.5%, the compiler's own scatter near its limit):
-    nnx.Optimizer is as good
+    >>> saves_little(rows[1], rows).split(" (")[0]
+    "zero1 saves little here: 0.04 GiB of optimizer state per device, 1.0% of the baseline's 4.00 GiB peak"
   """
-  if row.lever == "baseline" or row.figures.host_state_bytes or splits_nothing(row, rows):
+  states = _states(row, rows)
+  if states is None or splits_nothing(row, rows):
     return None
-  base = _baseline_of(row, rows)
+  mine, theirs, base = states
   edge = lambda r: micro_batch_of(r, r.batch) or 0
-  if base is None or not base.fits or edge(row) > edge(base):
-    return None
-  mine, theirs = row.figures.opt_state_bytes_per_device, base.figures.opt_state_bytes_per_device
   peak = base.figures.peak_bytes_per_device
-  if mine is None or theirs is None or not peak or theirs - mine >= _LITTLE * peak:
+  if not base.fits or edge(row) > edge(base) or not peak or theirs - mine >= _LITTLE * peak:
     return None
   saved = theirs - mine
   return (f"{row.lever} saves little here: {gib(saved)} GiB of optimizer state per device, "

@@ -13,7 +13,7 @@ from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.closing_lines import limit_words, recommendation_lines, way_out_lines
 from nnx_zero1_plan.plan_md import markdown
 from nnx_zero1_plan.recommend import Recommendation
-from nnx_zero1_plan.row import Row
+from nnx_zero1_plan.row import Row, as_json
 from nnx_zero1_plan.search_plot import draw_search
 from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.table import table
@@ -49,8 +49,7 @@ class Plan:
 
   def __str__(self) -> str:
     stated = [f"\n{self.meta.batch_default}"] if self.meta.batch_default else []
-    lines = [table(self.rows, wide=False), *stated, *self._calibration_lines(), *self._split_lines(),
-             *self._closing_lines()]
+    lines = [table(self.rows, wide=False), *stated, *self._lines_under()]
     if self.next_steps:
       steps = (f"  {i}. {s}" for i, s in enumerate(self.next_steps, 1))
       lines += ["", "Nothing fits. Try next, in order:", *steps]
@@ -90,24 +89,21 @@ class Plan:
                 + (f", by its {by} time" if by else "")]
     return lines
 
-  def _closing_lines(self) -> list[str]:
-    """The lines under the tables, printed and in plan.md: the recommendation's, then the way out's."""
+  def _lines_under(self) -> list[str]:
+    """The lines under the tables, printed and in plan.md: the calibration's, the global batch's splits, the
+    recommendation's, then the way out's."""
     m = self.meta
     limit = limit_words(m.request.margin, m.hbm_bytes, m.usable_bytes)
-    return [*recommendation_lines(self.recommendation, limit, search=m.request.search,
+    return [*self._calibration_lines(), *self._split_lines(),
+            *recommendation_lines(self.recommendation, limit, search=m.request.search,
                                   estimate=m.request.estimate), *way_out_lines(self.way_out)]
 
   def to_record(self) -> dict[str, Any]:
     """The plan as plan.json holds it (:meth:`from_record` reads it back)."""
-    rows = [row.to_json() for row in self.rows]
-    asdict = lambda record: None if record is None else dataclasses.asdict(record)
-    calibration: dict[str, Any] = {}
-    if self.calibration is not None:
-      calibration["calibration"] = self.calibration.to_json()
-    if self.calibrations:
-      calibration["calibrations"] = [c.to_json() for c in self.calibrations]
-    return {"meta": self.meta.to_json(), "rows": rows, "recommendation": asdict(self.recommendation),
-            "way_out": asdict(self.way_out), "next_steps": self.next_steps, **calibration}
+    calibrations = {"calibration": self.calibration, "calibrations": self.calibrations}
+    return as_json({"meta": self.meta, "rows": self.rows, "recommendation": self.recommendation,
+                    "way_out": self.way_out, "next_steps": self.next_steps,
+                    **{k: v for k, v in calibrations.items() if v}})
 
   @classmethod
   def from_record(cls, record: Mapping[str, Any]) -> Plan:
@@ -126,7 +122,6 @@ class Plan:
     with open(paths[0], "w") as f:
       json.dump(self.to_record(), f, indent=1)
     with open(paths[1], "w") as f:
-      f.write(markdown(self.meta.to_json(), self.rows, self.next_steps,
-                       [*self._calibration_lines(), *self._split_lines(), *self._closing_lines()]))
+      f.write(markdown(self.meta.to_json(), self.rows, self.next_steps, self._lines_under()))
     drawn = draw_search(self.rows, os.path.join(out_dir, "search.png"))
     return paths + ([drawn] if drawn else [])

@@ -1,7 +1,6 @@
 """The largest micro-batch that fits, found with as few compiles as the arithmetic allows: a line through two
 compiles, galloping short of the edge, the line and bisection in turn once bracketed, and the edge below the
-first failure wherever the search started (why: docs/planner.md's "How far can I go?").
-"""
+first failure wherever the search started (why: docs/planner.md's "How far can I go?")."""
 
 from __future__ import annotations
 
@@ -29,6 +28,9 @@ MAX_JUMP = 8
 # The compiles the offload-fraction search may take (:func:`offload_search`); what does not fit by then is
 # refused, saying so.
 OFFLOAD_COMPILES = 4
+# Splits whose calibrated (or predicted) steps are this close to the fastest's are run where the chips are
+# (--measure), and the fastest measured is chosen: on the record a step priced across builds missed by 23%.
+CLOSE = 0.25
 
 
 def fits_in(figures: Figures, usable: int) -> bool | None:
@@ -97,7 +99,7 @@ def _line_guess(points: dict[int, Point], usable: int, step: int) -> int | None:
 
 
 def find_edge(measure: Callable[[int], Point], *, step: int, usable: int, start: int,
-              cap: int = MAX_MICRO_BATCH, max_compiles: int = MAX_COMPILES, band: float = BAND) -> Searched:
+              cap: int = MAX_MICRO_BATCH, max_compiles: int = MAX_COMPILES) -> Searched:
   """The largest multiple of ``step`` that fits below the first that does not, and that one.
 
   Args:
@@ -109,7 +111,6 @@ def find_edge(measure: Callable[[int], Point], *, step: int, usable: int, start:
     cap: the largest micro-batch the search compiles (:data:`MAX_MICRO_BATCH`).
     max_compiles: the compiles at most (:data:`MAX_COMPILES`), then the bracket so far (``search_unfinished``
       set).
-    band: within this share of ``usable`` a fitting compile vouches for no smaller micro-batch (:data:`BAND`).
 
   Returns:
     The :class:`~nnx_zero1_plan.row.Searched` record: the edge, and every compile in the order they ran.
@@ -133,7 +134,7 @@ def find_edge(measure: Callable[[int], Point], *, step: int, usable: int, start:
 
   def clear(batch: int) -> bool:
     p = points[batch]
-    return p.fits and p.peak_bytes_per_device is not None and p.peak_bytes_per_device <= usable * (1 - band)
+    return p.fits and p.peak_bytes_per_device is not None and p.peak_bytes_per_device <= usable * (1 - BAND)
 
   def edge(unfinished: str | None = None) -> Searched:
     lo, hi = bracket()
@@ -224,9 +225,9 @@ def search_row(first: Row, row_at: Callable[[int], Row], unit: int, usable: int)
   return find_edge(measure, step=unit, usable=usable, start=first.batch)
 
 
-def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = OFFLOAD_COMPILES) -> Row:
+def offload_search(row_with: Callable[[float], Row], usable: int) -> Row:
   """The smallest share of the optimizer state to offload that fits (the ``offload-fraction`` lever), in
-  ``tries`` compiles at most, each guess by :func:`next_fraction` (how: docs/planner.md's
+  :data:`OFFLOAD_COMPILES` compiles at most, each guess by :func:`next_fraction` (how: docs/planner.md's
   ``offload-fraction``). The row is the last compile's, with its :class:`~nnx_zero1_plan.row.Offloaded`
   record and every compile's seconds."""
   fraction, row = 0.0, row_with(0.0)
@@ -248,19 +249,14 @@ def offload_search(row_with: Callable[[float], Row], usable: int, tries: int = O
       refused = (f"{(peak - usable) / 2**30:.2f} GiB over the usable memory with {fraction:.0%} offloaded, "
                  f"more than the {state * (1 - fraction) / 2**30:.2f} GiB of state still on device saves")
       break
-    if share == fraction or len(tried) == tries:
+    if share == fraction or len(tried) == OFFLOAD_COMPILES:
       break
     fraction, row = share, row_with(share)
   if not tried[-1].fits and refused is None:
-    refused = f"{tries} compiles did not find a fraction that fits"
+    refused = f"{OFFLOAD_COMPILES} compiles did not find a fraction that fits"
   compile_s = round(sum(t.compile_s for t in tried), 1)
   return dataclasses.replace(row, figures=dataclasses.replace(row.figures, compile_s=compile_s),
                              offloaded=Offloaded(fraction, tuple(tried), refused))
-
-
-# Splits whose calibrated (or predicted) steps are this close to the fastest's are run where the chips are
-# (--measure), and the fastest measured is chosen: on the record a step priced across builds missed by 23%.
-CLOSE = 0.25
 
 
 def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, unit: int,
@@ -291,10 +287,6 @@ def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, uni
     >>> row = split_global_batch(f, 32, 1)
     >>> row.batch, row.ga, [(s.batch, s.ga, s.time) for s in row.splits][:3]
     (8, 4, [(32, 1, 'predicted'), (16, 2, 'predicted'), (8, 4, 'predicted')])
-    >>> g = lambda m, ga: dataclasses.replace(f(m, ga), figures=Figures(predicted_step_s=1 + 0.01 * ga))
-    >>> ran = split_global_batch(g, 32, 1, run=lambda r: Measured(r.batch, 0.4 if r.batch == 4 else 0.5))
-    >>> ran.batch, ran.ga, [(s.batch, s.step_s, s.time) for s in ran.splits if s.time == "measured"]
-    (4, 8, [(8, 0.5, 'measured'), (4, 0.4, 'measured')])
   """
   candidates = [m for m in range(global_batch - global_batch % unit, 0, -unit) if global_batch % m == 0]
   if not candidates:

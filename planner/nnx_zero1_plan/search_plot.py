@@ -12,8 +12,8 @@ from nnx_zero1_plan.row import Row
 def draw_search(rows: Sequence[Row], path: str) -> str | None:
   """Each searched lever's peak and predicted tokens per second against the micro-batch, as a PNG at
   ``path``; None (nothing drawn) without a search, a time, or matplotlib."""
-  searched = [r for r in rows if r.searched is not None
-              and any(p.tokens_per_s_per_device for p in r.searched.search)]
+  searched = [(f"{r.lever} ({r.step})", sorted(r.searched.search, key=lambda p: p.batch)) for r in rows
+              if r.searched is not None and any(p.tokens_per_s_per_device for p in r.searched.search)]
   if not searched:
     return None
   try:
@@ -24,16 +24,13 @@ def draw_search(rows: Sequence[Row], path: str) -> str | None:
   except ImportError:
     return None
   fig, (memory, speed) = plt.subplots(1, 2, figsize=(11, 4))
-  for r in searched:
-    assert r.searched is not None
-    points = sorted(r.searched.search, key=lambda p: p.batch)
-    label = f"{r.lever} ({r.step})"
+  for label, points in searched:
     held = [p for p in points if p.peak_bytes_per_device]
     memory.plot([p.batch for p in held], [(p.peak_bytes_per_device or 0) / 2**30 for p in held], "o-",
                 label=label)
     timed = [p for p in points if p.tokens_per_s_per_device and p.fits]
     speed.plot([p.batch for p in timed], [p.tokens_per_s_per_device for p in timed], "o-", label=label)
-  memory.axhline(searched[0].usable_bytes / 2**30, color="grey", linestyle="--", label="usable")
+  memory.axhline(rows[0].usable_bytes / 2**30, color="grey", linestyle="--", label="usable")
   memory.set(xlabel="micro-batch", ylabel="peak GiB per device", title="memory (compiled)")
   speed.set(xlabel="micro-batch", ylabel="tokens/s per device", title="predicted throughput (fits only)")
   for axes in (memory, speed):

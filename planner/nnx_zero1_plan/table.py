@@ -25,30 +25,30 @@ COMPACT = ("lever", "step", "opt GiB", "state dtype", "args GiB", "temp GiB", "p
 
 
 def _compact(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-  """:data:`COMPACT`'s columns of :func:`cells` (a search's column only with a search, the pod's only on a
-  pod), with the collective bytes each device sends per step on every network together."""
-  full = cells.header(rows)
+  """:data:`COMPACT`'s columns of :func:`~nnx_zero1_plan.cells.row_cells` (a search's column only with a
+  search, the pod's only on a pod), with the collective bytes each device sends per step on every network
+  together."""
+  full, body = cells.row_cells(rows)
   keep = [c for c in COMPACT if c in full or c == "sent GiB per step"]
   if not any(r.searched is not None for r in rows):
     keep.remove("max micro-batch")
-  body = []
-  for r, row_cells in zip(rows, cells.row_cells(rows), strict=True):
+  compact = []
+  for r, row_cells in zip(rows, body, strict=True):
     by_name = dict(zip(full, row_cells, strict=True))
     by_name["sent GiB per step"] = ("~" if r.estimated else "") + cells.gib(row_sent_bytes(r) or None)
-    body.append(tuple(by_name[c] for c in keep))
+    compact.append(tuple(by_name[c] for c in keep))
   short = dict(zip(cells.POD_HEADER, ("inside, MiB (est.)", "across, MiB (est.)"), strict=True))
-  return tuple(short.get(c, c) for c in keep), body
+  return tuple(short.get(c, c) for c in keep), compact
 
 
 def table(rows: Sequence[Row], wide: bool = True) -> str:
   """The rows as an aligned text table (GiB per device): every column (plan.md's), or ``wide=False`` the
   terminal's (:data:`COMPACT`, under a line naming the target and the mesh)."""
-  head, body = (cells.header(rows), cells.row_cells(rows)) if wide else _compact(rows)
+  head, body = cells.row_cells(rows) if wide else _compact(rows)
   text = _aligned(head, body, (*(range(4) if wide else range(2)), len(head) - 1))
   if not wide and rows:
-    mesh = spelled_mesh(rows[0].mesh)
-    title = f"compiled for {rows[0].compiled_for}, mesh {mesh}; GiB per device (every column: plan.md)"
-    text = title + "\n" + text
+    text = (f"compiled for {rows[0].compiled_for}, mesh {spelled_mesh(rows[0].mesh)}; GiB per device "
+            f"(every column: plan.md)\n{text}")
   edges = cells.edge_cells(rows)
   if edges:
     text += "\n\nAt each lever's largest micro-batch (the compiler's figures):\n" + _aligned(

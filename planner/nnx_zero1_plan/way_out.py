@@ -46,21 +46,6 @@ class WayOut(Record):
   found: Tried | None
 
 
-def more_fsdp(mesh: Mapping[str, int]) -> dict[str, int] | None:
-  """``mesh`` on the same chips with ``data`` halved and ``fsdp`` doubled, so parameters and gradients split
-  over twice the devices (None where it has no ``fsdp`` axis or ``data`` does not halve).
-
-  Example::
-
-    >>> more_fsdp({"data": 4, "fsdp": 2}), more_fsdp({"data": 3, "fsdp": 1})
-    ({'data': 2, 'fsdp': 4}, None)
-  """
-  data = mesh.get("data", 1)
-  if "fsdp" not in mesh or data % 2:
-    return None
-  return {**mesh, "data": data // 2, "fsdp": 2 * mesh["fsdp"]}
-
-
 def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, remat: str | None,
                    named_axes: Sequence[str] = (), host_memory: bool = True) -> list[Change]:
   """The changes to compile when nothing fits, lightest first, each the request with one change made.
@@ -84,7 +69,7 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
      'micro-batch 4, 4x the accumulation (the same tokens per step)', 'remat block',
      'fsdp=4 (data=2): parameters and gradients split too', 'the optimizer state in host memory']
   """
-  batch = request.batch
+  batch, mesh = request.batch, request.mesh_sizes
   on = functools.partial(dataclasses.replace, request, levers=(lever,))
   out = []
   for times in (2, 4, 8):  # a smaller micro-batch, halved while it still splits over the batch axes
@@ -94,7 +79,9 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
                         on(batch=smaller, ga=times * request.ga), "micro-batch"))
   if remat is not None and not remats(request.remat):
     out.append(Change(f"remat {remat}", on(remat=remat), "remat"))
-  if "fsdp" in named_axes and (wider := more_fsdp(request.mesh_sizes)) is not None:
+  if "fsdp" in named_axes and "fsdp" in mesh and mesh.get("data", 1) % 2 == 0:
+    # The same chips with data halved and fsdp doubled: parameters and gradients over twice the devices.
+    wider = {**mesh, "data": mesh.get("data", 1) // 2, "fsdp": 2 * mesh["fsdp"]}
     out.append(Change(f"fsdp={wider['fsdp']} (data={wider['data']}): parameters and gradients split too",
                       on(mesh=spelled_mesh(wider)), "fsdp"))
   if host_memory:
@@ -103,7 +90,7 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
 
 
 def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], Row],
-                 command: Callable[[Change], str], code: Callable[[Change], str] | None = None) -> WayOut:
+                 command: Callable[[Change], str], code: Callable[[Change], str]) -> WayOut:
   """Compiles each change in order until one fits.
 
   Args:
@@ -123,8 +110,7 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
       fits, peak, error = bool(row.fits), row.figures.peak_bytes_per_device, row.figures.error
     except PlanError as e:
       fits, peak, error = False, None, str(e)
-    written = code(change) if fits and code is not None else None
-    tried.append(Tried(change.what, command(change), fits, peak, error, written))
+    tried.append(Tried(change.what, command(change), fits, peak, error, code(change) if fits else None))
     if fits:
       break
   return WayOut(tuple(tried), tried[-1] if tried and tried[-1].fits else None)
