@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from nnx_zero1._src.companion import shape_bytes
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.networks import rings_of, slow_seconds, tpu_collective_time
+from nnx_zero1_plan.networks import rings_of, tpu_collective_time
 from nnx_zero1_plan.program_record import Collective, Instruction, ProgramRecord
 from nnx_zero1_plan.row import StepTime
 
@@ -224,10 +224,10 @@ NO_ESTIMATE = ("the compiler gives no estimate of the program's compute (XLA's G
                "no cycles in the compiled program); not guessed from a peak rate")
 
 
-def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Rates:
+def rates_for(chip: Chip) -> Rates:
   """The rates a chip's programs are timed at: its clock, and its collectives' time on its fast network (a
-  TPU's on the links its group's rings use, :func:`nnx_zero1_plan.networks.tpu_collective_time`, ``coords``
-  as :func:`predict_step_time` takes them; a GPU's at its NVLink rate whatever the group: a switch).
+  TPU's on the links its group's rings use, :func:`nnx_zero1_plan.networks.tpu_collective_time`; a GPU's at
+  its NVLink rate whatever the group: a switch).
 
   Example::
 
@@ -238,7 +238,7 @@ def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Ra
   fast, link, compute = chip.links.fast_bytes_per_s, chip.links.link_bytes_per_s, chip.compute
   if link is not None:  # a TPU: a full ring's rate stands beside its collectives' own time
     return Rates(compute.clock_hz, lambda n: 2 * link, compute.host_bytes_per_s, compute.class_clocks_hz,
-                 tpu_collective_time(chip.links, compute.ports // 2, coords))
+                 tpu_collective_time(chip.links, compute.ports // 2))
   return Rates(compute.clock_hz, lambda n: fast, compute.host_bytes_per_s)
 
 
@@ -255,8 +255,8 @@ class PredictedTime:
 
 def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], chip: Chip, *, devices: int,
                       tokens_per_device: float, compute_dtype: str, slow_bytes: int = 0,
-                      scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True,
-                      coords: Sequence[tuple[int, ...]] | None = None) -> PredictedTime:
+                      scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True
+                      ) -> PredictedTime:
   """A step's predicted time on one device: its programs' walks (:func:`program_time`), each as many times
   as one step runs it, and the slow network's bytes over its rate, exposed.
 
@@ -272,8 +272,6 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
       (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None for a TPU program, which carries its own.
     deviceless: whether a GPU program was compiled without its GPU (its matmuls not autotuned: its time is
       not the tuned program's, and only its parts are kept); False on the GPU itself.
-    coords: each program device's place in a TPU slice, in the program's device order; None: the standard
-      slice of ``devices`` chips (:func:`nnx_zero1_plan.networks.slice_shape`).
 
   Returns:
     The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).
@@ -283,14 +281,14 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
   # A TPU program carries the compiler's cycles in its text; a GPU program's come from its scheduler's dump.
   if not all("estimated_cycles" in r.text or own for (_, r, _), own in zip(records, estimates, strict=True)):
     return PredictedTime(time_absent=NO_ESTIMATE if scheduled is None else NO_SCHEDULE)
-  rates = rates_for(chip, coords)
+  rates = rates_for(chip)
   if rates.host_bytes_per_s is None and any(  # the step copies between host and device memory
       i.host for _, record, _ in records for name in record.runs for i in record.computations[name]):
     return PredictedTime(time_absent=HOST_UNTIMED)
   walks = [(program_time(record, rates, devices, own), times)
            for (_, record, times), own in zip(records, estimates, strict=True)]
   total = lambda part: sum(times * (getattr(t, part) or 0.0) for t, times in walks)  # noqa: E731
-  slow_s = slow_seconds(slow_bytes, chip.links)
+  slow_s = slow_bytes / chip.links.slow_bytes_per_s
   # A GPU pod's program spans its nodes: the walk timed the bytes that cross them at NVLink's rate, and the
   # slow network's time counts them again at InfiniBand's; count them once, there.
   crossed = slow_bytes / rates.network_bytes_per_s(2) if not chip.compute.ports else 0.0
