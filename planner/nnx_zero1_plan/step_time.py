@@ -75,8 +75,8 @@ class ProgramTime:
 
 @dataclasses.dataclass
 class _Walk:
-  """A computation's walk in progress: its :class:`ProgramTime` so far (``total_s``: the core's time now),
-  when each lane is next free, and the transfers started and not yet waited for."""
+  """A walk in progress (a computation's, or a step's programs'): its :class:`ProgramTime` so far
+  (``total_s``: the core's time now), when each lane is next free, and the transfers not yet waited for."""
 
   total_s: float = 0.0
   compute_s: float = 0.0
@@ -90,7 +90,7 @@ class _Walk:
   pending: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
 
   def add(self, other: ProgramTime, times: int) -> None:
-    """A callee's whole walk, ``times`` over, run on the core (its own collectives inside it)."""
+    """A whole walk (a callee's, a step's program), ``times`` over, run on the core (its transfers inside)."""
     for part in dataclasses.fields(ProgramTime):
       setattr(self, part.name, getattr(self, part.name) + times * (getattr(other, part.name) or 0))
 
@@ -187,10 +187,9 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
     for pending in list(w.pending):  # a transfer nothing waited for still ends the program
       w.wait(pending)
     timed = rates.clock_hz is not None or estimates is not None
-    return ProgramTime(total_s=w.total_s, compute_s=w.compute_s if timed else None,
-                       collective_s=w.collective_s, exposed_collective_s=w.exposed_collective_s,
-                       host_s=w.host_s if rates.host_bytes_per_s else None, exposed_host_s=w.exposed_host_s,
-                       unestimated=w.unestimated, collectives=w.collectives)
+    return ProgramTime(w.total_s, w.compute_s if timed else None, w.collective_s, w.exposed_collective_s,
+                       w.host_s if rates.host_bytes_per_s else None, w.exposed_host_s, w.unestimated,
+                       w.collectives)
 
   return walk(record.entry) if record.entry else ProgramTime(0.0, None, 0.0, 0.0, None, 0.0, 0, 0)
 
@@ -285,25 +284,24 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
   if rates.host_bytes_per_s is None and any(  # the step copies between host and device memory
       i.host for _, record, _ in records for name in record.runs for i in record.computations[name]):
     return PredictedTime(time_absent=HOST_UNTIMED)
-  walks = [(program_time(record, rates, devices, own), times)
-           for (_, record, times), own in zip(records, estimates, strict=True)]
-  total = lambda part: sum(times * (getattr(t, part) or 0.0) for t, times in walks)  # noqa: E731
+  step = _Walk()
+  for (_, record, times), own in zip(records, estimates, strict=True):
+    step.add(program_time(record, rates, devices, own), times)
   slow_s = slow_bytes / chip.links.slow_bytes_per_s
   # A GPU pod's program spans its nodes: the walk timed the bytes that cross them at NVLink's rate, and the
   # slow network's time counts them again at InfiniBand's; count them once, there.
   crossed = slow_bytes / rates.network_bytes_per_s(2) if not chip.compute.ports else 0.0
-  fast_s, fast_exposed_s = total("collective_s") - crossed, total("exposed_collective_s")
-  crossed_exposed = min(crossed, fast_exposed_s)
-  predicted = total("total_s") - crossed_exposed + slow_s
+  crossed_exposed = min(crossed, step.exposed_collective_s)
+  predicted = step.total_s - crossed_exposed + slow_s
   flops = sum(times * dot_flops(record) for _, record, times in records)
   peak = chip.compute.peak_flops_per_s.get(compute_dtype, chip.compute.peak_flops_per_s["bfloat16"])
   parts = StepTime(
       source=TPU_SOURCE if scheduled is None else GPU_SOURCE,
       programs=[name if times == 1 else f"{name} x{times}" for name, _, times in records],
-      compute_s=total("compute_s"), fast_network=chip.links.fast, fast_s=max(0.0, fast_s),
-      fast_exposed_s=fast_exposed_s - crossed_exposed, slow_network=chip.links.slow if slow_bytes else None,
-      slow_s=slow_s, host_s=total("host_s") if rates.host_bytes_per_s else None,
-      host_exposed_s=total("exposed_host_s"), unestimated_ops=int(total("unestimated")),
+      compute_s=step.compute_s, fast_network=chip.links.fast, fast_s=max(0.0, step.collective_s - crossed),
+      fast_exposed_s=step.exposed_collective_s - crossed_exposed, slow_s=slow_s,
+      slow_network=chip.links.slow if slow_bytes else None, host_exposed_s=step.exposed_host_s,
+      host_s=step.host_s if rates.host_bytes_per_s else None, unestimated_ops=step.unestimated,
       clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
       roofline_s=flops / peak if flops else None)
   if scheduled is not None and deviceless:  # not the program that runs on the GPU: its parts, no time
