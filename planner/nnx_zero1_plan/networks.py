@@ -19,6 +19,8 @@ HOP_S = 1e-6
 _COLORS = re.compile(r"colors:(\d+)")
 
 Coords = tuple[int, ...]
+# A collective's seconds from (kind, ring bytes one device sends, device groups, rings, program's devices).
+CollectiveTime = Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float]
 
 
 def slice_shape(devices: int, dims: int) -> Coords:
@@ -65,8 +67,7 @@ def rings_of(line: str) -> int:
   return int(rings[1]) if rings else 1
 
 
-def tpu_collective_time(links: Links, dims: int
-                        ) -> Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float]:
+def tpu_collective_time(links: Links, dims: int) -> CollectiveTime:
   """One collective's time on a TPU slice, a cached function of ``(kind, sent, groups, rings, devices)``: the
   bytes one device ``sent`` at ``rings`` times the link's one-way rate on a cycle (:func:`on_a_cycle`), at one
   link's rate on a line, plus :data:`HOP_S` for each link a ring step crosses (one on a cycle, the line's

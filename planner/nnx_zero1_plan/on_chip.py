@@ -81,11 +81,10 @@ def run_program(program: Program, profile: bool = False) -> tuple[Measured, dict
     ``(run, ops)``: the :class:`~nnx_zero1_plan.row.Measured` run, and the profile (None: not asked, or the
     steps did not run).
   """
-  mesh = program.mesh
   shape = program.shape
   try:
-    _, state = placed_state(program.lever, program.build, shape.optimizer, mesh, program.state)
-    tokens = placed_batch(program.lever, mesh, shape.batch, shape.seq_len, shape.ga)
+    _, state = placed_state(program.lever, program.build, shape.optimizer, program.mesh, program.state)
+    tokens = placed_batch(program.lever, program.mesh, shape.batch, shape.seq_len, shape.ga)
   except (jax.errors.JaxRuntimeError, ValueError) as e:  # the state does not fit beside what is held
     return Measured(shape.batch, None, error=error_line(e)), None
   state, runs = run_steps(program.compiled, state, tokens, warmup=WARMUP, timed=TIMED)

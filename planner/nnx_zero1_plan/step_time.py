@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from nnx_zero1._src.companion import shape_bytes
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.networks import rings_of, tpu_collective_time
+from nnx_zero1_plan.networks import CollectiveTime, rings_of, tpu_collective_time
 from nnx_zero1_plan.program_record import Collective, Instruction, ProgramRecord
 from nnx_zero1_plan.row import StepTime
 
@@ -36,16 +36,15 @@ class Rates:
       own lane); None where it was not measured (the copies are then counted, not timed).
     class_clocks_hz: the clock each class of work (``program_record.CYCLE_CLASSES``) runs the compiler's
       cycles at, where a microbenchmark measured it on the chip; None: every cycle at ``clock_hz``.
-    collective_s: a collective's seconds on the links its groups use, from its kind, the ring bytes one
-      device sends, its device groups, the rings the compiler runs it as and the program's devices (a TPU
-      slice: :func:`nnx_zero1_plan.networks.tpu_collective_time`); None: ``network_bytes_per_s``.
+    collective_s: a collective's seconds on the links its groups use (a TPU slice's:
+      :func:`nnx_zero1_plan.networks.tpu_collective_time`); None: ``network_bytes_per_s``.
   """
 
   clock_hz: float | None
   network_bytes_per_s: Callable[[int], float]
   host_bytes_per_s: float | None = None
   class_clocks_hz: Mapping[str, float] | None = None
-  collective_s: Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float] | None = None
+  collective_s: CollectiveTime | None = None
 
 
 @dataclasses.dataclass(frozen=True)
