@@ -30,18 +30,10 @@ _NAME = re.compile(r"^%?([^\s=]+)")
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  """A row's compiled one-program step, kept for its run: what compiled it and what it was compiled for.
-
-  Attributes:
-    compiled: the compiled step (``(state, batch) -> (state, loss)``, the state donated).
-    compile_s: the compile's seconds.
-    lever: the lever whose step it is.
-    build: builds the model (the row's depth).
-    mesh: the devices' mesh.
-    state: the abstract state it was compiled for (its shardings are the run's).
-    shape: the micro-batch, sequence length, GA and optimizer it was compiled for.
-    record: its text, read once (what the plan's figures and calibrations are read from).
-  """
+  """A row's compiled one-program step, kept for its run: the compiled step (``(state, batch) -> (state,
+  loss)``, the state donated), the compile's seconds, its lever, what builds its model (at the row's depth),
+  the mesh, abstract state (its shardings are the run's) and shape it was compiled for, and its text read
+  once (what the plan's figures and calibrations are read from)."""
 
   compiled: Any
   compile_s: float
