@@ -121,7 +121,7 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
   inside = collectives.sent_bytes - (0 if platform == "tpu" else across)
   links = CHIPS[chip].links
   fast_ms = None if step_time is None else round(1000 * step_time.fast_s, 1)
-  slow = Network(links.slow, across, round(1000 * across / links.slow_bytes_per_s, 1))
+  slow = Network(links.slow, across, round(1000 * (across / links.slow_bytes_per_s), 1))
   return PodNetworks(Network(links.fast, inside, fast_ms), slow, links.source)
 
 
