@@ -1,17 +1,11 @@
 """A program's step time calibrated on the chip: each instruction the cost model prices, with its kind of
-work, off the program's record (:func:`read_program`); a calibration made from one profiled run of it
-(:func:`calibrate`: each kind's seconds on the chip over the walk's,
-:func:`~nnx_zero1_plan.step_time.program_time`'s); any other program of that model walked with each kind at
-its ratio (:func:`calibrated_time`).
-
-The TPU compiler prices a fusion by the tiling it chose in its program, so the walk parts from the chip by
-kind of work; a profile (:func:`nnx_zero1_plan.on_chip.device_ops`: each instruction's device nanoseconds
-per step) measures each priced instruction. A calibration carries two more figures of its run: the rest,
-the device's seconds beyond the calibrated walk (the gaps between instructions and those without cycles:
-on-chip async copies and slices), as a share of the calibrated compute, which it grows with; and the
-launch, the step's wall time beyond the device's, the host's fixed cost of a step of the model. Collectives
-and host copies are walked as before at the chip table's rates (one chip has none of the first; the host
-link's rate is the chip's own, ``benchmarks.chip_rates``), beside the calibrated compute.
+work (:func:`read_program`); a calibration made from one profiled run of it (:func:`calibrate`); any other
+program of that model walked with each kind at its ratio (:func:`calibrated_time`). The TPU compiler prices
+a fusion by the tiling it chose, so the walk parts from the chip by kind of work. A calibration carries two
+more figures of its run: the rest (the device's seconds beyond the calibrated walk: the gaps between
+instructions, those without cycles) as a share of the calibrated compute, and the launch (the step's wall
+time beyond the device's: the host's fixed cost). Collectives and host copies are walked at the chip table's
+rates, beside the calibrated compute.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ MEASURED_ERROR: dict[str, Any] = {
     ],
 }
 
-# Above this share of the usable memory an extrapolated (TPU) peak is checked by a whole compile: whole
-# programs kept more temp than the line said (MEASURED_ERROR), so a peak is trusted only well below it.
+# Above this share of the memory an extrapolated (TPU) peak is checked by a whole compile, where only it says:
+# whole programs kept more temp than the line said (MEASURED_ERROR), so a peak is trusted only well below it.
 NEAR_LIMIT = 0.5
 NEAR = "near the limit"  # why an estimated row was compiled whole after its reduced depths
 
@@ -72,18 +72,6 @@ def extrapolate_row(r1: _Record, r2: _Record, d1: int, d2: int, depth: int, keys
     return extrapolate(a, b, d1, d2, depth)
 
   return dataclasses.replace(r2, **{k: walk(getattr(r1, k), getattr(r2, k)) for k in keys})  # type: ignore[type-var]
-
-
-def near_the_limit(peak: int | None, usable: int) -> bool:
-  """Whether an extrapolated peak is above :data:`NEAR_LIMIT` of the usable memory, where only a whole
-  compile says.
-
-  Example::
-
-    >>> near_the_limit(20 * 2**30, 31 * 2**30), near_the_limit(10 * 2**30, 31 * 2**30)
-    (True, False)
-  """
-  return peak is not None and peak > NEAR_LIMIT * usable
 
 
 def not_alike(at_d1: int | None, at_d2: int | None, d1: int, d2: int, what: str = "temp") -> str | None:

@@ -23,10 +23,9 @@ from nnx_zero1_plan.row_compiler import RowCompiler, StepShape, calibrated
 from nnx_zero1_plan.step_time import rates_for
 from nnx_zero1_plan.targets import Target
 
-Profile = Callable[[str, StepShape, Program], Calibration | None]
 
-
-def profiler(target: Target, request: PlanRequest, progress: Callable[[str], None] | None) -> Profile:
+def profiler(target: Target, request: PlanRequest, progress: Callable[[str], None] | None
+             ) -> Callable[[str, StepShape, Program], Calibration | None]:
   """``--measure``'s profile of a row's kept program on this process's chips, for a calibration of its build
   (:attr:`~nnx_zero1_plan.row_compiler.RowCompiler.profile`): a few steps run and profiled
   (:func:`~nnx_zero1_plan.on_chip.run_program`), the calibration made of them; None where it did not run."""

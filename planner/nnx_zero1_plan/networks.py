@@ -19,6 +19,8 @@ HOP_S = 1e-6
 _COLORS = re.compile(r"colors:(\d+)")
 
 Coords = tuple[int, ...]
+# A collective's seconds from (kind, ring bytes one device sends, device groups, rings, program's devices).
+CollectiveTime = Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float]
 
 
 def slice_shape(devices: int, dims: int) -> Coords:
@@ -65,44 +67,28 @@ def rings_of(line: str) -> int:
   return int(rings[1]) if rings else 1
 
 
-def collective_seconds(kind: str, sent: int, groups: Sequence[Sequence[Coords]], rings: int, shape: Coords,
-                       links: Links) -> float:
-  """One collective's time on a TPU slice: the bytes one device ``sent`` at ``rings`` times the link's
-  one-way rate on a cycle (:func:`on_a_cycle`), at one link's rate on a line, plus :data:`HOP_S` for each link
-  a ring step crosses (one on a cycle, the line's length on a line) over ``n - 1`` steps (twice that for an
-  all-reduce, one for a collective-permute).
-
-  Example::
-
-    >>> from nnx_zero1_plan.chips import CHIPS
-    >>> square = [(0, 0), (1, 0), (0, 1), (1, 1)]  # a 4 MB all-gather's ring bytes, 3/4 of it, on one ring
-    >>> round(collective_seconds("all-gather", 3 * 10**6, [square], 1, (2, 2), CHIPS["v6e"].links) * 1e6, 1)
-    36.3
-  """
-  n, link = len(groups[0]), links.link_bytes_per_s
-  if n < 2 or link is None:
-    return 0.0
-  if kind == "collective-permute":
-    return sent / link + HOP_S
-  wraps = [links.wrap_every is not None and s % links.wrap_every == 0 for s in shape]
-  cycle = all(on_a_cycle(g, shape, wraps) for g in groups)
-  steps = (n - 1) * (2 if kind == "all-reduce" else 1)
-  return sent / (link * (rings if cycle else 1)) + steps * (1 if cycle else n - 1) * HOP_S
-
-
-def tpu_collective_time(links: Links, dims: int, coords: Sequence[Coords] | None = None
-                        ) -> Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float]:
-  """:func:`collective_seconds` as a cached function of ``(kind, sent, groups, rings, devices)``, each device
-  at ``coords`` (its place in the slice; None: the standard slice, first axis fastest as libtpu numbers)."""
+def tpu_collective_time(links: Links, dims: int) -> CollectiveTime:
+  """One collective's time on a TPU slice, a cached function of ``(kind, sent, groups, rings, devices)``: the
+  bytes one device ``sent`` at ``rings`` times the link's one-way rate on a cycle (:func:`on_a_cycle`), at one
+  link's rate on a line, plus :data:`HOP_S` for each link a ring step crosses (one on a cycle, the line's
+  length on a line) over ``n - 1`` steps (twice that for an all-reduce, one for a collective-permute). Each
+  device sits in the standard slice of ``devices`` (:func:`slice_shape`), first axis fastest as libtpu
+  numbers them."""
 
   @functools.cache
   def timed(kind: str, sent: int, groups: tuple[tuple[int, ...], ...], rings: int, devices: int) -> float:
-    slice_of = slice_shape(devices, dims)
-    places = list(coords or (tuple(i // math.prod(slice_of[:d]) % slice_of[d] for d in range(dims))
-                             for i in range(devices)))
-    shape = tuple(max(p[d] for p in places) + 1 for d in range(len(places[0])))
-    placed = [[places[i % len(places)] for i in g] for g in groups]  # a replica's ids past a slice's too
-    return collective_seconds(kind, sent, placed, rings, shape, links)
+    n, link = len(groups[0]), links.link_bytes_per_s
+    if n < 2 or link is None:
+      return 0.0
+    if kind == "collective-permute":
+      return sent / link + HOP_S
+    shape = slice_shape(devices, dims)
+    places = [tuple(i // math.prod(shape[:d]) % shape[d] for d in range(dims)) for i in range(devices)]
+    wraps = [links.wrap_every is not None and s % links.wrap_every == 0 for s in shape]
+    # A replica's ids run past a slice's: each at its place in its own slice.
+    cycle = all(on_a_cycle([places[i % devices] for i in g], shape, wraps) for g in groups)
+    steps = (n - 1) * (2 if kind == "all-reduce" else 1)
+    return sent / (link * (rings if cycle else 1)) + steps * (1 if cycle else n - 1) * HOP_S
 
   return timed
 
@@ -135,19 +121,8 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
   inside = collectives.sent_bytes - (0 if platform == "tpu" else across)
   links = CHIPS[chip].links
   fast_ms = None if step_time is None else round(1000 * step_time.fast_s, 1)
-  slow = Network(links.slow, across, round(1000 * slow_seconds(across, links), 1))
+  slow = Network(links.slow, across, round(1000 * (across / links.slow_bytes_per_s), 1))
   return PodNetworks(Network(links.fast, inside, fast_ms), slow, links.source)
-
-
-def slow_seconds(nbytes: int, links: Links) -> float:
-  """The slow network's time for ``nbytes`` one device sends between slices or nodes, at its rate, exposed.
-
-  Example::
-
-    >>> slow_seconds(10**9, CHIPS["h100"].links)
-    0.02
-  """
-  return nbytes / links.slow_bytes_per_s
 
 
 def network_note(step_time: StepTime | None) -> str | None:

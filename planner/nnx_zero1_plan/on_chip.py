@@ -30,18 +30,10 @@ _NAME = re.compile(r"^%?([^\s=]+)")
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  """A row's compiled one-program step, kept for its run: what compiled it and what it was compiled for.
-
-  Attributes:
-    compiled: the compiled step (``(state, batch) -> (state, loss)``, the state donated).
-    compile_s: the compile's seconds.
-    lever: the lever whose step it is.
-    build: builds the model (the row's depth).
-    mesh: the devices' mesh.
-    state: the abstract state it was compiled for (its shardings are the run's).
-    shape: the micro-batch, sequence length, GA and optimizer it was compiled for.
-    record: its text, read once (what the plan's figures and calibrations are read from).
-  """
+  """A row's compiled one-program step, kept for its run: the compiled step (``(state, batch) -> (state,
+  loss)``, the state donated), the compile's seconds, its lever, what builds its model (at the row's depth),
+  the mesh, abstract state (its shardings are the run's) and shape it was compiled for, and its text read
+  once (what the plan's figures and calibrations are read from)."""
 
   compiled: Any
   compile_s: float
@@ -81,11 +73,10 @@ def run_program(program: Program, profile: bool = False) -> tuple[Measured, dict
     ``(run, ops)``: the :class:`~nnx_zero1_plan.row.Measured` run, and the profile (None: not asked, or the
     steps did not run).
   """
-  mesh = program.mesh
   shape = program.shape
   try:
-    _, state = placed_state(program.lever, program.build, shape.optimizer, mesh, program.state)
-    tokens = placed_batch(program.lever, mesh, shape.batch, shape.seq_len, shape.ga)
+    _, state = placed_state(program.lever, program.build, shape.optimizer, program.mesh, program.state)
+    tokens = placed_batch(program.lever, program.mesh, shape.batch, shape.seq_len, shape.ga)
   except (jax.errors.JaxRuntimeError, ValueError) as e:  # the state does not fit beside what is held
     return Measured(shape.batch, None, error=error_line(e)), None
   state, runs = run_steps(program.compiled, state, tokens, warmup=WARMUP, timed=TIMED)

@@ -27,7 +27,7 @@ from nnx_zero1_plan.compiled import (
   step_flops,
   summed_collectives,
 )
-from nnx_zero1_plan.estimate import NEAR, estimate_mark, extrapolate_row, near_the_limit, not_alike
+from nnx_zero1_plan.estimate import NEAR, NEAR_LIMIT, estimate_mark, extrapolate_row, not_alike
 from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
@@ -224,8 +224,8 @@ class RowCompiler:
     target = self.target
     source = model.source_at(shape.batch)
     figures, made = self._at_depths(lever, step, source, model.reduced, model.device_mesh, shape)
-    if (made.depth_extrapolated_from and near_the_limit(figures.peak_bytes_per_device, target.hbm_bytes)
-        or made.not_alike):
+    near = (figures.peak_bytes_per_device or 0) > NEAR_LIMIT * target.hbm_bytes
+    if made.depth_extrapolated_from and near or made.not_alike:
       extrapolated, why = figures, made.not_alike or NEAR
       figures, made = self._at_depths(lever, step, source, None, model.device_mesh, shape)
       both = (figures.compile_s or 0.0) + (extrapolated.compile_s or 0.0)

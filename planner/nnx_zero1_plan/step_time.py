@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from nnx_zero1._src.companion import Collective, Instruction, shape_bytes
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.networks import rings_of, slow_seconds, tpu_collective_time
+from nnx_zero1_plan.networks import CollectiveTime, rings_of, tpu_collective_time
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import StepTime
 
@@ -36,16 +36,15 @@ class Rates:
       own lane); None where it was not measured (the copies are then counted, not timed).
     class_clocks_hz: the clock each class of work (``program_record.CYCLE_CLASSES``) runs the compiler's
       cycles at, where a microbenchmark measured it on the chip; None: every cycle at ``clock_hz``.
-    collective_s: a collective's seconds on the links its groups use, from its kind, the ring bytes one
-      device sends, its device groups, the rings the compiler runs it as and the program's devices (a TPU
-      slice: :func:`nnx_zero1_plan.networks.tpu_collective_time`); None: ``network_bytes_per_s``.
+    collective_s: a collective's seconds on the links its groups use (a TPU slice's:
+      :func:`nnx_zero1_plan.networks.tpu_collective_time`); None: ``network_bytes_per_s``.
   """
 
   clock_hz: float | None
   network_bytes_per_s: Callable[[int], float]
   host_bytes_per_s: float | None = None
   class_clocks_hz: Mapping[str, float] | None = None
-  collective_s: Callable[[str, int, tuple[tuple[int, ...], ...], int, int], float] | None = None
+  collective_s: CollectiveTime | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +74,8 @@ class ProgramTime:
 
 @dataclasses.dataclass
 class _Walk:
-  """A computation's walk in progress: its :class:`ProgramTime` so far (``total_s``: the core's time now),
-  when each lane is next free, and the transfers started and not yet waited for."""
+  """A walk in progress (a computation's, or a step's programs'): its :class:`ProgramTime` so far
+  (``total_s``: the core's time now), when each lane is next free, and the transfers not yet waited for."""
 
   total_s: float = 0.0
   compute_s: float = 0.0
@@ -90,7 +89,7 @@ class _Walk:
   pending: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
 
   def add(self, other: ProgramTime, times: int) -> None:
-    """A callee's whole walk, ``times`` over, run on the core (its own collectives inside it)."""
+    """A whole walk (a callee's, a step's program), ``times`` over, run on the core (its transfers inside)."""
     for part in dataclasses.fields(ProgramTime):
       setattr(self, part.name, getattr(self, part.name) + times * (getattr(other, part.name) or 0))
 
@@ -187,10 +186,9 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
     for pending in list(w.pending):  # a transfer nothing waited for still ends the program
       w.wait(pending)
     timed = rates.clock_hz is not None or estimates is not None
-    return ProgramTime(total_s=w.total_s, compute_s=w.compute_s if timed else None,
-                       collective_s=w.collective_s, exposed_collective_s=w.exposed_collective_s,
-                       host_s=w.host_s if rates.host_bytes_per_s else None, exposed_host_s=w.exposed_host_s,
-                       unestimated=w.unestimated, collectives=w.collectives)
+    return ProgramTime(w.total_s, w.compute_s if timed else None, w.collective_s, w.exposed_collective_s,
+                       w.host_s if rates.host_bytes_per_s else None, w.exposed_host_s, w.unestimated,
+                       w.collectives)
 
   return walk(record.entry) if record.entry else ProgramTime(0.0, None, 0.0, 0.0, None, 0.0, 0, 0)
 
@@ -224,10 +222,10 @@ NO_ESTIMATE = ("the compiler gives no estimate of the program's compute (XLA's G
                "no cycles in the compiled program); not guessed from a peak rate")
 
 
-def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Rates:
+def rates_for(chip: Chip) -> Rates:
   """The rates a chip's programs are timed at: its clock, and its collectives' time on its fast network (a
-  TPU's on the links its group's rings use, :func:`nnx_zero1_plan.networks.tpu_collective_time`, ``coords``
-  as :func:`predict_step_time` takes them; a GPU's at its NVLink rate whatever the group: a switch).
+  TPU's on the links its group's rings use, :func:`nnx_zero1_plan.networks.tpu_collective_time`; a GPU's at
+  its NVLink rate whatever the group: a switch).
 
   Example::
 
@@ -238,7 +236,7 @@ def rates_for(chip: Chip, coords: Sequence[tuple[int, ...]] | None = None) -> Ra
   fast, link, compute = chip.links.fast_bytes_per_s, chip.links.link_bytes_per_s, chip.compute
   if link is not None:  # a TPU: a full ring's rate stands beside its collectives' own time
     return Rates(compute.clock_hz, lambda n: 2 * link, compute.host_bytes_per_s, compute.class_clocks_hz,
-                 tpu_collective_time(chip.links, compute.ports // 2, coords))
+                 tpu_collective_time(chip.links, compute.ports // 2))
   return Rates(compute.clock_hz, lambda n: fast, compute.host_bytes_per_s)
 
 
@@ -255,8 +253,8 @@ class PredictedTime:
 
 def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], chip: Chip, *, devices: int,
                       tokens_per_device: float, compute_dtype: str, slow_bytes: int = 0,
-                      scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True,
-                      coords: Sequence[tuple[int, ...]] | None = None) -> PredictedTime:
+                      scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True
+                      ) -> PredictedTime:
   """A step's predicted time on one device: its programs' walks (:func:`program_time`), each as many times
   as one step runs it, and the slow network's bytes over its rate, exposed.
 
@@ -272,8 +270,6 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
       (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None for a TPU program, which carries its own.
     deviceless: whether a GPU program was compiled without its GPU (its matmuls not autotuned: its time is
       not the tuned program's, and only its parts are kept); False on the GPU itself.
-    coords: each program device's place in a TPU slice, in the program's device order; None: the standard
-      slice of ``devices`` chips (:func:`nnx_zero1_plan.networks.slice_shape`).
 
   Returns:
     The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).
@@ -283,29 +279,28 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
   # A TPU program carries the compiler's cycles in its text; a GPU program's come from its scheduler's dump.
   if not all("estimated_cycles" in r.text or own for (_, r, _), own in zip(records, estimates, strict=True)):
     return PredictedTime(time_absent=NO_ESTIMATE if scheduled is None else NO_SCHEDULE)
-  rates = rates_for(chip, coords)
+  rates = rates_for(chip)
   if rates.host_bytes_per_s is None and any(  # the step copies between host and device memory
       i.host for _, record, _ in records for name in record.runs for i in record.computations[name]):
     return PredictedTime(time_absent=HOST_UNTIMED)
-  walks = [(program_time(record, rates, devices, own), times)
-           for (_, record, times), own in zip(records, estimates, strict=True)]
-  total = lambda part: sum(times * (getattr(t, part) or 0.0) for t, times in walks)  # noqa: E731
-  slow_s = slow_seconds(slow_bytes, chip.links)
+  step = _Walk()
+  for (_, record, times), own in zip(records, estimates, strict=True):
+    step.add(program_time(record, rates, devices, own), times)
+  slow_s = slow_bytes / chip.links.slow_bytes_per_s
   # A GPU pod's program spans its nodes: the walk timed the bytes that cross them at NVLink's rate, and the
   # slow network's time counts them again at InfiniBand's; count them once, there.
   crossed = slow_bytes / rates.network_bytes_per_s(2) if not chip.compute.ports else 0.0
-  fast_s, fast_exposed_s = total("collective_s") - crossed, total("exposed_collective_s")
-  crossed_exposed = min(crossed, fast_exposed_s)
-  predicted = total("total_s") - crossed_exposed + slow_s
+  crossed_exposed = min(crossed, step.exposed_collective_s)
+  predicted = step.total_s - crossed_exposed + slow_s
   flops = sum(times * dot_flops(record) for _, record, times in records)
   peak = chip.compute.peak_flops_per_s.get(compute_dtype, chip.compute.peak_flops_per_s["bfloat16"])
   parts = StepTime(
       source=TPU_SOURCE if scheduled is None else GPU_SOURCE,
       programs=[name if times == 1 else f"{name} x{times}" for name, _, times in records],
-      compute_s=total("compute_s"), fast_network=chip.links.fast, fast_s=max(0.0, fast_s),
-      fast_exposed_s=fast_exposed_s - crossed_exposed, slow_network=chip.links.slow if slow_bytes else None,
-      slow_s=slow_s, host_s=total("host_s") if rates.host_bytes_per_s else None,
-      host_exposed_s=total("exposed_host_s"), unestimated_ops=int(total("unestimated")),
+      compute_s=step.compute_s, fast_network=chip.links.fast, fast_s=max(0.0, step.collective_s - crossed),
+      fast_exposed_s=step.exposed_collective_s - crossed_exposed, slow_s=slow_s,
+      slow_network=chip.links.slow if slow_bytes else None, host_exposed_s=step.exposed_host_s,
+      host_s=step.host_s if rates.host_bytes_per_s else None, unestimated_ops=step.unestimated,
       clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
       roofline_s=flops / peak if flops else None)
   if scheduled is not None and deviceless:  # not the program that runs on the GPU: its parts, no time
