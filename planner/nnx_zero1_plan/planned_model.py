@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -17,6 +17,7 @@ from nnx_zero1_plan.levers import LEVERS, lever_blocker
 from nnx_zero1_plan.mesh_axes import batch_axes, check_axis_names, mesh_axes
 from nnx_zero1_plan.models import model_source
 from nnx_zero1_plan.request import PlanRequest
+from nnx_zero1_plan.row import Figures
 
 if TYPE_CHECKING:  # a type only: the target is made, its compiler loaded, by targets.make_target
   from nnx_zero1_plan.targets import Target
@@ -30,13 +31,16 @@ class PlannedModel:
     source_at: global micro-batch -> the model's ``ModelSource`` (or ``MaxTextModel``: its config depends on
       the micro-batch).
     axes: every mesh axis and its size.
-    device_mesh: the mesh on the target's devices (None before :func:`on_devices`, and for MaxText, whose
-      engine builds its own).
+    device_mesh: the mesh on the target's devices (None before it is placed, and for MaxText, whose engine
+      builds its own).
     reduced: the depths compiled and extrapolated from (None: whole).
     batch_unit: a micro-batch is a multiple of the batch axes' size.
     param_dtypes: the parameters' dtypes.
     remat_hint: the remat policy "Try next" suggests (None: the model takes no ``--remat``).
     named: the mesh axes the model's variables name.
+    compiles: one compile of a lever's step, for a model whose engine compiles its own
+      (:func:`nnx_zero1_plan.maxtext.compiled_figures`; None: the planner's step,
+      :func:`nnx_zero1_plan.row_compiler.compiled_figures`).
   """
 
   source_at: Callable[[int], Any]
@@ -47,50 +51,7 @@ class PlannedModel:
   param_dtypes: frozenset[str]
   remat_hint: str | None
   named: tuple[str, ...] = ()
-
-
-def describe_tunix_or_own(request: PlanRequest, policy: str | None,
-                          estimate: bool | None = None) -> PlannedModel:
-  """A ``tunix:`` or ``package.module:function`` model under the remat ``policy``, described from one
-  abstract build (no compiler needed): the axes it names and its dtypes.
-
-  Args:
-    request: the plan's settings.
-    policy: the remat policy (None: the model's own).
-    estimate: compile reduced depths (default: the request's ``estimate``).
-
-  Raises:
-    PlanError: a ``--mesh`` axis the model does not name and the planner does not know, or what
-      :func:`nnx_zero1_plan.models.model_source` refuses.
-  """
-  estimate = request.estimate if estimate is None else estimate
-  source = model_source(request.model_ref, request.param_dtype, request.compute_dtype, policy,
-                        request.tunix_sharding, request.lora)
-  # An estimate is for TPUs only: XLA's GPU compiler compiles a whole program in minutes, and schedules a
-  # deep program's collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the line,
-  # 7.95 whole).
-  depths = request.depths
-  shallow = not source.full_depth or source.full_depth <= max(depths)
-  reduced = tuple(depths) if estimate and request.platform == "tpu" and not shallow else None
-  named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
-  check_axis_names(request.mesh_sizes, named)
-  remat_hint = "decoder" if request.model_ref.kind == "tunix" else None
-  return PlannedModel(lambda b: source, dict(request.mesh_sizes), None, reduced, 1, dtypes, remat_hint, named)
-
-
-def on_devices(planned: PlannedModel, target: Target) -> PlannedModel:
-  """``planned`` on the target's devices: every mesh axis sized (``replica`` across the slices or nodes), the
-  device mesh, the batch's unit.
-
-  Raises:
-    PlanError: the mesh does not match the device count, or ``replica`` does not cross the slices or nodes.
-  """
-  where = "slices" if target.platform == "tpu" else "nodes"
-  axes = mesh_axes(planned.axes, planned.named, len(target.devices), domains=target.domains, where=where)
-  device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
-                     axis_types=(AxisType.Auto,) * len(axes))
-  rows_over = math.prod(axes[a] for a in batch_axes(axes))
-  return dataclasses.replace(planned, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
+  compiles: Callable[..., Figures] | None = None
 
 
 class ModelKind(Protocol):
@@ -116,12 +77,43 @@ class _NnxModels:
 
   def described(self, request: PlanRequest, policy: str | None,
                 estimate: bool | None = None) -> PlannedModel:
-    return describe_tunix_or_own(request, policy, estimate)
+    """The model under the remat ``policy`` from one abstract build (no compiler needed): the axes it names
+    and its dtypes; ``estimate``: compile reduced depths (default: the request's).
+
+    Raises:
+      PlanError: a ``--mesh`` axis the model does not name and the planner does not know, or what
+        :func:`nnx_zero1_plan.models.model_source` refuses.
+    """
+    estimate = request.estimate if estimate is None else estimate
+    source = model_source(request.model_ref, request.param_dtype, request.compute_dtype, policy,
+                          request.tunix_sharding, request.lora)
+    # An estimate is for TPUs only: XLA's GPU compiler compiles a whole program in minutes, and schedules a
+    # deep program's collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the line,
+    # 7.95 whole).
+    depths = request.depths
+    shallow = not source.full_depth or source.full_depth <= max(depths)
+    reduced = tuple(depths) if estimate and request.platform == "tpu" and not shallow else None
+    named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
+    check_axis_names(request.mesh_sizes, named)
+    remat_hint = "decoder" if request.model_ref.kind == "tunix" else None
+    return PlannedModel(lambda b: source, dict(request.mesh_sizes), None, reduced, 1, dtypes, remat_hint,
+                        named)
 
   def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
                 policy: str | None) -> PlannedModel:
+    """Every mesh axis sized (``replica`` across the slices or nodes), the device mesh, the batch's unit.
+
+    Raises:
+      PlanError: the mesh does not match the device count, or ``replica`` does not cross the slices or nodes.
+    """
     assert described is not None
-    return on_devices(described, target)
+    where = "slices" if target.platform == "tpu" else "nodes"
+    axes = mesh_axes(described.axes, described.named, len(target.devices), domains=target.domains,
+                     where=where)
+    device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
+                       axis_types=(AxisType.Auto,) * len(axes))
+    rows_over = math.prod(axes[a] for a in batch_axes(axes))
+    return dataclasses.replace(described, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
 
   def compute_dtype(self, request: PlanRequest, planned: PlannedModel) -> str:
     if request.compute_dtype:
@@ -139,15 +131,14 @@ def batch_words(planned: PlannedModel) -> str:
   return " x ".join(batch_axes(mesh.axis_names)) if mesh is not None else "every device"
 
 
-def refuse_blocked(names: Sequence[str], param_dtypes: Collection[str], model: str,
-                   domains: int) -> dict[str, str]:
+def refuse_blocked(request: PlanRequest, planned: PlannedModel) -> dict[str, str]:
   """The levers that cannot apply to the model or the target, and why.
 
   Raises:
-    PlanError: one of ``names`` (the levers asked for) is among them.
+    PlanError: one of the levers the request asks for is among them.
   """
-  blocked = {n: why for n in LEVERS if (why := lever_blocker(n, param_dtypes, domains))}
-  for name in names:
+  blocked = {n: why for n in LEVERS if (why := lever_blocker(n, planned.param_dtypes, request.domains))}
+  for name in request.levers:
     if name in blocked:
-      raise PlanError(f"--levers {name} does not apply to {model}: {blocked[name]}")
+      raise PlanError(f"--levers {name} does not apply to {request.model}: {blocked[name]}")
   return blocked

@@ -167,10 +167,6 @@ def _model_kind(request: PlanRequest) -> Iterator[ModelKind]:
     yield MaxTextModels(folder)
 
 
-def _blocked(request: PlanRequest, planned: PlannedModel) -> dict[str, str]:
-  return refuse_blocked(request.levers, planned.param_dtypes, request.model, request.domains)
-
-
 def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind: ModelKind,
              local: bool = False, measure: bool = False) -> Plan:
   """:func:`make_plan`'s plan of a model of ``kind``."""
@@ -181,7 +177,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
   # Described before the compiler is looked for where the kind can be: a misspelt axis needs none.
   described = {p: kind.described(request, p) for p in policies}
   if (first := described[policies[0]]) is not None:
-    _blocked(request, first)  # a lever that cannot apply refused before the compiler is looked for too
+    refuse_blocked(request, first)  # a lever that cannot apply refused before the compiler is looked for too
   compiler_name = require_compiler(request.platform)
   target = make_target(request.topology, request.gpu_memory_fraction, request.slices,
                        parsed=request.topology_ref, local=local)
@@ -193,7 +189,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
     say(batch_default)
   for model in plans.values():
     model.source_at(batch)  # the settings checked at the plan's micro-batch before any compile
-  blocked = _blocked(request, planned)
+  blocked = refuse_blocked(request, planned)
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
   # --measure calibrates each build on its own first fitting row where no calibration is given (a given one
   # is the one the runs check), off a TPU nothing: a calibration is of the TPU compiler's cycles.
