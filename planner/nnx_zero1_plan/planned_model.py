@@ -25,32 +25,20 @@ if TYPE_CHECKING:  # a type only: the target is made, its compiler loaded, by ta
 
 @dataclasses.dataclass(frozen=True)
 class PlannedModel:
-  """What a plan compiles: the model at a micro-batch, its mesh, and what the checks and hints need.
+  """What a plan compiles: the model at a micro-batch, its mesh, and what the checks and hints need."""
 
-  Attributes:
-    source_at: global micro-batch -> the model's ``ModelSource`` (or ``MaxTextModel``: its config depends on
-      the micro-batch).
-    axes: every mesh axis and its size.
-    device_mesh: the mesh on the target's devices (None before it is placed, and for MaxText, whose engine
-      builds its own).
-    reduced: the depths compiled and extrapolated from (None: whole).
-    batch_unit: a micro-batch is a multiple of the batch axes' size.
-    param_dtypes: the parameters' dtypes.
-    remat_hint: the remat policy "Try next" suggests (None: the model takes no ``--remat``).
-    named: the mesh axes the model's variables name.
-    compiles: one compile of a lever's step, for a model whose engine compiles its own
-      (:func:`nnx_zero1_plan.maxtext.compiled_figures`; None: the planner's step,
-      :func:`nnx_zero1_plan.row_compiler.compiled_figures`).
-  """
-
+  # global micro-batch -> the model's ModelSource (or MaxTextModel: its config depends on the micro-batch)
   source_at: Callable[[int], Any]
-  axes: Mapping[str, int]
+  axes: Mapping[str, int]  # every mesh axis and its size
+  # the mesh on the target's devices (None before it is placed, and for MaxText, whose engine builds its own)
   device_mesh: Mesh | None
-  reduced: tuple[int, ...] | None
-  batch_unit: int
+  reduced: tuple[int, ...] | None  # the depths compiled and extrapolated from (None: whole)
+  batch_unit: int  # a micro-batch is a multiple of the batch axes' size
   param_dtypes: frozenset[str]
-  remat_hint: str | None
-  named: tuple[str, ...] = ()
+  remat_hint: str | None  # the remat policy "Try next" suggests (None: the model takes no --remat)
+  named: tuple[str, ...] = ()  # the mesh axes the model's variables name
+  # one compile of a lever's step where the model's engine compiles its own (maxtext.compiled_figures; None:
+  # the planner's step, row_compiler.compiled_figures)
   compiles: Callable[..., Figures] | None = None
 
 
@@ -122,13 +110,6 @@ class _NnxModels:
 
 
 NNX_MODELS: ModelKind = _NnxModels()
-
-
-def batch_words(planned: PlannedModel) -> str:
-  """The batch axes, as the refusal and the default's sentence name them (``replica x data``; a model whose
-  engine builds its own mesh splits its batch over every device)."""
-  mesh = planned.device_mesh
-  return " x ".join(batch_axes(mesh.axis_names)) if mesh is not None else "every device"
 
 
 def refuse_blocked(request: PlanRequest, planned: PlannedModel) -> dict[str, str]:

@@ -196,29 +196,19 @@ _ESTIMATED_TIME = "an estimate: its time extrapolated per layer, its parts and M
 
 @dataclasses.dataclass(frozen=True)
 class RowCompiler:
-  """What every row of a plan is compiled against: the target and the memory a step may use on it.
+  """What every row of a plan is compiled against: the target and the memory a step may use on it."""
 
-  Attributes:
-    target: the topology's devices and memory.
-    usable: bytes per device a step may use (the reserve or margin taken off already).
-    progress: called with one line as each compile starts and ends.
-    compute_dtype: the dtype the steps compute in (the peak their MFU is measured against).
-    programs: where each one-program step compiled whole is kept for its run, by lever, model and shape
-      (None: not kept; ``--measure`` keeps them).
-    calibrations: the chip's calibrations each row's time is also priced by, those built as its step is
-      (:func:`~nnx_zero1_plan.calibration.for_step`; none: the cost model's alone).
-    profile: with ``--measure`` and no calibration given, runs and profiles a row's kept program on this
-      process's chips for a calibration (None: nothing is run while planning). A fitting one-program row no
-      calibration was built as (its lever, with the accumulation loop or without) is profiled as it is
-      compiled, and priced by its own run; the calibrations so made are kept in ``profiled``.
-  """
-
-  target: Target
-  usable: int
-  progress: Callable[[str], None] | None = None
-  compute_dtype: str = "bfloat16"
+  target: Target  # the topology's devices and memory
+  usable: int  # bytes per device a step may use (the reserve or margin taken off already)
+  progress: Callable[[str], None] | None = None  # called with one line as each compile starts and ends
+  compute_dtype: str = "bfloat16"  # the dtype the steps compute in (the peak their MFU is measured against)
+  # each one-program step compiled whole, kept for its run (None: not kept; --measure keeps them)
   programs: dict[tuple[str, int, StepShape], Program] | None = None
+  # the chip's calibrations each row's time is also priced by, those built as its step is (for_step; none:
+  # the cost model's alone)
   calibrations: tuple[Calibration, ...] = ()
+  # with --measure and no calibration given: runs and profiles a row's kept program on this process's chips
+  # for a calibration (None: nothing is run while planning); the calibrations so made are kept in profiled
   profile: Callable[[str, StepShape, Program], Calibration | None] | None = None
   profiled: list[Calibration] = dataclasses.field(default_factory=list)
 

@@ -31,21 +31,13 @@ from nnx_zero1_plan.request import OPTIMIZER_MENU
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-  """What one compile of a step is for, besides the lever and the model.
+  """What one compile of a step is for, besides the lever and the model."""
 
-  Attributes:
-    batch: the global micro-batch, in sequences.
-    seq_len: tokens per sequence.
-    ga: micro-batches per optimizer step.
-    optimizer: the ``--optimizer`` name.
-    offload_fraction: the ``offload-fraction`` lever's share of the state in host memory.
-  """
-
-  batch: int
-  seq_len: int
-  ga: int
-  optimizer: str
-  offload_fraction: float = 0.0
+  batch: int  # the global micro-batch, in sequences
+  seq_len: int  # tokens per sequence
+  ga: int  # micro-batches per optimizer step
+  optimizer: str  # the --optimizer name
+  offload_fraction: float = 0.0  # the offload-fraction lever's share of the state in host memory
 
 
 def _menu_transformation(name: str) -> Callable[..., optax.GradientTransformation]:
