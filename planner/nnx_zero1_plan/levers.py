@@ -11,8 +11,8 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
 
-# The options that only narrow what crosses between slices or nodes: which record holds each.
-_NARROWING = {"across_dtype": "accumulate_options", "params_across_dtype": "optimizer_options"}
+# The options that only narrow what crosses between slices or nodes.
+_NARROWING = ("across_dtype", "params_across_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +165,8 @@ def narrowed_dtypes(lever: Lever) -> dict[str, str]:
     >>> narrowed_dtypes(LEVERS["zero1-pod-master-accum-int8across"])
     {'across_dtype': 'int8', 'params_across_dtype': 'int8'}
   """
-  options = {"accumulate_options": lever.accumulate_options, "optimizer_options": lever.optimizer_options}
-  return {name: options[record][name] for name, record in _NARROWING.items() if name in options[record]}
+  options = {**lever.accumulate_options, **lever.optimizer_options}
+  return {name: options[name] for name in _NARROWING if name in options}
 
 
 def memory_twin(name: str) -> str:

@@ -27,15 +27,8 @@ from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, MaxTextConfig
-from nnx_zero1_plan.row_compiler import (
-  COMPILER_REFUSALS,
-  RowCompiler,
-  StepShape,
-  compile_words,
-  compiled_line,
-  refused,
-  with_step_time,
-)
+from nnx_zero1_plan.row_compiler import COMPILER_REFUSALS, RowCompiler, compile_words, refused, with_step_time
+from nnx_zero1_plan.steps import StepShape
 from nnx_zero1_plan.targets import Target, domain_of
 
 # Never named like a package: a folder named nnx_zero1_plan in the temp folder would shadow the planner (as an
@@ -169,12 +162,11 @@ class MaxTextModels:
                                 overrides=request.overrides, slices=target.domains)
       return MaxTextModel(str(model), config, defer=request.maxtext_deferral == "auto")
 
-    weights = (request.overrides or {}).get("weight_dtype") or request.param_dtype or "float32"
-    return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), "full",
-                        compiles=compiled_figures)
-
-  def compute_dtype(self, request: PlanRequest, planned: PlannedModel) -> str:
-    return request.compute_dtype or (request.overrides or {}).get("dtype", "bfloat16")  # base.yml's dtype
+    overrides = request.overrides or {}
+    weights = overrides.get("weight_dtype") or request.param_dtype or "float32"
+    computes_in = request.compute_dtype or overrides.get("dtype", "bfloat16")  # base.yml's dtype
+    return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), computes_in,
+                        "full", compiles=compiled_figures)
 
 
 def compiled_figures(lever_name: str, step: str, source: MaxTextModel, mesh: None, shape: StepShape,
@@ -191,7 +183,8 @@ def compiled_figures(lever_name: str, step: str, source: MaxTextModel, mesh: Non
     figures, programs = compile_maxtext(lever_name, lever, source.overrides, source.defer)
   except COMPILER_REFUSALS as e:
     return refused(e, started, say, at)
-  say(compiled_line(at, figures))
+  peak = (figures.peak_bytes_per_device or 0) / 2**30
+  say(f"compiled {at} in {figures.compile_s or 0:.0f} s: peak {peak:.2f} GiB")
   return with_step_time(figures, programs, shape, timing, lever_name)
 
 

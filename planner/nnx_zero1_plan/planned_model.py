@@ -35,6 +35,7 @@ class PlannedModel:
   reduced: tuple[int, ...] | None  # the depths compiled and extrapolated from (None: whole)
   batch_unit: int  # a micro-batch is a multiple of the batch axes' size
   param_dtypes: frozenset[str]
+  compute_dtype: str  # what the step computes in: the peak its MFU is measured against
   remat_hint: str | None  # the remat policy "Try next" suggests (None: the model takes no --remat)
   named: tuple[str, ...] = ()  # the mesh axes the model's variables name
   # one compile of a lever's step where the model's engine compiles its own (maxtext.compiled_figures; None:
@@ -55,9 +56,6 @@ class ModelKind(Protocol):
   def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
                 policy: str | None) -> PlannedModel:
     """The model on the target's devices: its mesh, the batch's unit and, per micro-batch, its source."""
-
-  def compute_dtype(self, request: PlanRequest, planned: PlannedModel) -> str:
-    """The dtype the step computes in, for the peak its MFU is measured against."""
 
 
 class _NnxModels:
@@ -83,9 +81,10 @@ class _NnxModels:
     reduced = tuple(depths) if estimate and request.platform == "tpu" and not shallow else None
     named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
     check_axis_names(request.mesh_sizes, named)
+    computes_in = request.compute_dtype or (next(iter(dtypes)) if len(dtypes) == 1 else "float32")
     remat_hint = "decoder" if request.model_ref.kind == "tunix" else None
-    return PlannedModel(lambda b: source, dict(request.mesh_sizes), None, reduced, 1, dtypes, remat_hint,
-                        named)
+    return PlannedModel(lambda b: source, dict(request.mesh_sizes), None, reduced, 1, dtypes, computes_in,
+                        remat_hint, named)
 
   def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
                 policy: str | None) -> PlannedModel:
@@ -102,11 +101,6 @@ class _NnxModels:
                        axis_types=(AxisType.Auto,) * len(axes))
     rows_over = math.prod(axes[a] for a in batch_axes(axes))
     return dataclasses.replace(described, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
-
-  def compute_dtype(self, request: PlanRequest, planned: PlannedModel) -> str:
-    if request.compute_dtype:
-      return request.compute_dtype
-    return next(iter(planned.param_dtypes)) if len(planned.param_dtypes) == 1 else "float32"
 
 
 NNX_MODELS: ModelKind = _NnxModels()

@@ -152,10 +152,10 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
     both = summed_collectives([collectives_of(record, domains) for _, record, _ in programs])
     figures = row_figures(mem, both, cost(update))
   flops, flops_source = step_flops(compiled if step == "one" else grads, programs[0][1])
+  if program is None:
+    say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
                                 compile_s=seconds)
-  if program is None:
-    say(compiled_line(at, figures))
   return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
 
 
@@ -169,12 +169,6 @@ def compile_words(lever_name: str, step: str, shape: StepShape, depth: int | Non
   if with_offload(lever_name, shape.offload_fraction).picks_offload:
     at += f", {shape.offload_fraction:.0%} of the state offloaded"
   return at
-
-
-def compiled_line(at: str, figures: Figures) -> str:
-  """The progress line after the compile of ``at``: its seconds and peak."""
-  peak = (figures.peak_bytes_per_device or 0) / 2**30
-  return f"compiled {at} in {figures.compile_s or 0:.0f} s: peak {peak:.2f} GiB"
 
 
 def refused(e: Exception, started: float, say: Callable[[str], None], at: str,

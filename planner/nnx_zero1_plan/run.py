@@ -186,7 +186,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
   # is the one the runs check), off a TPU nothing: a calibration is of the TPU compiler's cycles.
   profile = (profiler(target, request, progress)
              if measure and not calibrations and target.platform == "tpu" else None)
-  compiler = RowCompiler(target, usable, progress, kind.compute_dtype(request, planned),
+  compiler = RowCompiler(target, usable, progress, planned.compute_dtype,
                          programs={} if measure else None, calibrations=calibrations, profile=profile)
   rows = []
   todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]

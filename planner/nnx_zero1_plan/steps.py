@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -64,10 +64,10 @@ def trained(model: Any) -> type[nnx.Param]:
   return nnx.LoRAParam if lora else nnx.Param
 
 
-def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation, mesh: Mesh | None,
-                   data_axis: str | Sequence[str] = Zero1Options.data_axis) -> nnx.Optimizer:
+def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation,
+                   mesh: Mesh | None) -> nnx.Optimizer:
   """The lever's optimizer for ``model``'s :func:`trained` variables: ``nnx.Optimizer``, or ``Zero1Optimizer``
-  built from a :class:`~nnx_zero1.Zero1Options` record of ``data_axis`` and the lever's options.
+  built from a :class:`~nnx_zero1.Zero1Options` record of the lever's options.
 
   Example::
 
@@ -76,8 +76,7 @@ def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation, m
   wrt = trained(model)
   if not lever.zero1:
     return nnx.Optimizer(model, tx, wrt=wrt)
-  options = Zero1Options(**{"data_axis": data_axis, **lever.optimizer_options})
-  return Zero1Optimizer(model, tx, mesh, options=options, wrt=wrt)
+  return Zero1Optimizer(model, tx, mesh, options=Zero1Options(**lever.optimizer_options), wrt=wrt)
 
 
 def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any,
