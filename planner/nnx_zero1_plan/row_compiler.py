@@ -9,7 +9,7 @@ import dataclasses
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
@@ -33,6 +33,7 @@ from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.on_chip import Program
+from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row, StateSplit
 from nnx_zero1_plan.search import fits_in
@@ -40,9 +41,6 @@ from nnx_zero1_plan.step_time import predict_step_time, rates_for
 from nnx_zero1_plan.steps import StepShape, compile_split, compile_step, lever_state
 from nnx_zero1_plan.targets import Target, domain_of
 from nnx_zero1_plan.tunix_sharding import sharding_of
-
-if TYPE_CHECKING:  # a type only: the planned model names this module's compiled_figures as its NNX compile
-  from nnx_zero1_plan.planned_model import PlannedModel
 
 
 def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord, int]], shape: StepShape,
