@@ -132,7 +132,7 @@ class MaxTextModels:
 
   output_dir: str
 
-  def described(self, request: PlanRequest, policy: str | None, estimate: bool | None = None) -> None:
+  def described(self, request: PlanRequest, policy: str | None) -> None:
     return None  # the config needs the target's devices
 
   def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,

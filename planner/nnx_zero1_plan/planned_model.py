@@ -48,8 +48,7 @@ class ModelKind(Protocol):
   has: your own or Tunix's NNX model (:data:`NNX_MODELS`), MaxText's engine
   (:class:`nnx_zero1_plan.maxtext.MaxTextModels`)."""
 
-  def described(self, request: PlanRequest, policy: str | None,
-                estimate: bool | None = None) -> PlannedModel | None:
+  def described(self, request: PlanRequest, policy: str | None) -> PlannedModel | None:
     """The model described before the target is made, so a misspelt axis needs no compiler (None: a kind
     described on the target only)."""
 
@@ -61,16 +60,14 @@ class ModelKind(Protocol):
 class _NnxModels:
   """``tunix:`` and ``package.module:function`` models: described from one abstract build, then placed."""
 
-  def described(self, request: PlanRequest, policy: str | None,
-                estimate: bool | None = None) -> PlannedModel:
+  def described(self, request: PlanRequest, policy: str | None) -> PlannedModel:
     """The model under the remat ``policy`` from one abstract build (no compiler needed): the axes it names
-    and its dtypes; ``estimate``: compile reduced depths (default: the request's).
+    and its dtypes.
 
     Raises:
       PlanError: a ``--mesh`` axis the model does not name and the planner does not know, or what
         :func:`nnx_zero1_plan.models.model_source` refuses.
     """
-    estimate = request.estimate if estimate is None else estimate
     source = model_source(request.model_ref, request.param_dtype, request.compute_dtype, policy,
                           request.tunix_sharding, request.lora)
     # An estimate is for TPUs only: XLA's GPU compiler compiles a whole program in minutes, and schedules a
@@ -78,7 +75,7 @@ class _NnxModels:
     # 7.95 whole).
     depths = request.depths
     shallow = not source.full_depth or source.full_depth <= max(depths)
-    reduced = tuple(depths) if estimate and request.platform == "tpu" and not shallow else None
+    reduced = tuple(depths) if request.estimate and request.platform == "tpu" and not shallow else None
     named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
     check_axis_names(request.mesh_sizes, named)
     computes_in = request.compute_dtype or (next(iter(dtypes)) if len(dtypes) == 1 else "float32")

@@ -117,7 +117,7 @@ def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedM
   def compile_changed(change: Change) -> Row:
     r = change.request
     policy = r.policies[0]
-    model = kind.on_target(r, kind.described(r, policy, estimate=False), compiler.target, policy)
+    model = kind.on_target(r, kind.described(r, policy), compiler.target, policy)  # whole: no --estimate
     _micro_batch(r, model)
     return compiler.row(r.levers[0], step, model, StepShape(r.batch, r.seq_len, r.ga, r.optimizer))
 
