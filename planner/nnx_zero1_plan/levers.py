@@ -11,16 +11,16 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
 
-# The options that only narrow what crosses between slices or nodes: which record holds each.
-_NARROWING = {"across_dtype": "accumulate_options", "params_across_dtype": "optimizer_options"}
+# The options that only narrow what crosses between slices or nodes.
+_NARROWING = ("across_dtype", "params_across_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
 class Lever:
   """One way to train: the optimizer's class and options, and how gradients accumulate."""
 
-  zero1: bool  # Zero1Optimizer over the data axis (else nnx.Optimizer)
-  deferred: bool  # value_and_grad_accumulated (else a lax.scan of nnx.value_and_grad)
+  zero1: bool = True  # Zero1Optimizer over the data axis (else nnx.Optimizer)
+  deferred: bool = False  # value_and_grad_accumulated (else a lax.scan of nnx.value_and_grad)
   optimizer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   accumulate_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   picks_offload: bool = False  # the plan picks offload_state_to_host's fraction (see run.py)
@@ -30,30 +30,28 @@ class Lever:
 # is for, and what each -across lever gives up, is docs/planner.md's --levers.
 _POD = {"data_axis": ("replica", "data")}
 LEVERS: dict[str, Lever] = {
-    "baseline": Lever(zero1=False, deferred=False),
-    "zero1": Lever(zero1=True, deferred=False),
-    "zero1-pod": Lever(zero1=True, deferred=False, optimizer_options=_POD),
-    "zero1-accum": Lever(zero1=True, deferred=True),
-    "zero1-pod-accum": Lever(zero1=True, deferred=True, optimizer_options=_POD),
-    "zero1-pod-master-accum": Lever(zero1=True, deferred=True,
-                                    optimizer_options={**_POD, "master_dtype": "float32"}),
-    "zero1-accum-bf16across": Lever(zero1=True, deferred=True,
-                                    accumulate_options={"across_dtype": "bfloat16"}),
-    "zero1-pod-accum-bf16across": Lever(zero1=True, deferred=True, optimizer_options=_POD,
+    "baseline": Lever(zero1=False),
+    "zero1": Lever(),
+    "zero1-pod": Lever(optimizer_options=_POD),
+    "zero1-accum": Lever(deferred=True),
+    "zero1-pod-accum": Lever(deferred=True, optimizer_options=_POD),
+    "zero1-pod-master-accum": Lever(deferred=True, optimizer_options={**_POD, "master_dtype": "float32"}),
+    "zero1-accum-bf16across": Lever(deferred=True, accumulate_options={"across_dtype": "bfloat16"}),
+    "zero1-pod-accum-bf16across": Lever(deferred=True, optimizer_options=_POD,
                                         accumulate_options={"across_dtype": "bfloat16"}),
-    "zero1-accum-int8across": Lever(zero1=True, deferred=True, accumulate_options={"across_dtype": "int8"}),
-    "zero1-pod-accum-int8across": Lever(zero1=True, deferred=True, optimizer_options=_POD,
+    "zero1-accum-int8across": Lever(deferred=True, accumulate_options={"across_dtype": "int8"}),
+    "zero1-pod-accum-int8across": Lever(deferred=True, optimizer_options=_POD,
                                         accumulate_options={"across_dtype": "int8"}),
     "zero1-pod-master-accum-int8across": Lever(
-        zero1=True, deferred=True, accumulate_options={"across_dtype": "int8"},
+        deferred=True, accumulate_options={"across_dtype": "int8"},
         optimizer_options={**_POD, "master_dtype": "float32", "params_across_dtype": "int8"}),
-    "zero2": Lever(zero1=True, deferred=True, accumulate_options={"shard_accumulator": True}),
-    "offload-fraction": Lever(zero1=True, deferred=False, picks_offload=True),
-    "offload": Lever(zero1=True, deferred=False, optimizer_options={"offload_state_to_host": True}),
-    "zero2-offload": Lever(zero1=True, deferred=True, optimizer_options={"offload_state_to_host": True},
+    "zero2": Lever(deferred=True, accumulate_options={"shard_accumulator": True}),
+    "offload-fraction": Lever(picks_offload=True),
+    "offload": Lever(optimizer_options={"offload_state_to_host": True}),
+    "zero2-offload": Lever(deferred=True, optimizer_options={"offload_state_to_host": True},
                            accumulate_options={"shard_accumulator": True}),
-    "zero1-bf16state": Lever(zero1=True, deferred=False, optimizer_options={"state_dtype": "bfloat16"}),
-    "zero1-master": Lever(zero1=True, deferred=False, optimizer_options={"master_dtype": "float32"}),
+    "zero1-bf16state": Lever(optimizer_options={"state_dtype": "bfloat16"}),
+    "zero1-master": Lever(optimizer_options={"master_dtype": "float32"}),
 }
 
 
@@ -167,8 +165,8 @@ def narrowed_dtypes(lever: Lever) -> dict[str, str]:
     >>> narrowed_dtypes(LEVERS["zero1-pod-master-accum-int8across"])
     {'across_dtype': 'int8', 'params_across_dtype': 'int8'}
   """
-  options = {"accumulate_options": lever.accumulate_options, "optimizer_options": lever.optimizer_options}
-  return {name: options[record][name] for name, record in _NARROWING.items() if name in options[record]}
+  options = {**lever.accumulate_options, **lever.optimizer_options}
+  return {name: options[name] for name in _NARROWING if name in options}
 
 
 def memory_twin(name: str) -> str:

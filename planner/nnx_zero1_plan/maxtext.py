@@ -9,16 +9,27 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
+from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, bytes_by_memory_kind
+from nnx_zero1_plan.compiled import (
+  collectives_of,
+  cost,
+  memory,
+  row_figures,
+  split_memory,
+  summed_collectives,
+)
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError
-from nnx_zero1_plan.levers import Lever, engine_attributes
+from nnx_zero1_plan.levers import Lever, engine_attributes, with_offload
 from nnx_zero1_plan.mesh_axes import mesh_axes
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, MaxTextConfig
-from nnx_zero1_plan.targets import Target
+from nnx_zero1_plan.row_compiler import COMPILER_REFUSALS, RowCompiler, compile_words, refused, with_step_time
+from nnx_zero1_plan.steps import StepShape
+from nnx_zero1_plan.targets import Target, domain_of
 
 # Never named like a package: a folder named nnx_zero1_plan in the temp folder would shadow the planner (as an
 # empty namespace package) in any Python started there.
@@ -117,51 +128,64 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
 @dataclasses.dataclass(frozen=True)
 class MaxTextModels:
   """``maxtext:`` models as a :class:`~nnx_zero1_plan.planned_model.ModelKind`: described by their config on
-  the target (:func:`describe_maxtext`), MaxText writing under ``output_dir`` (:func:`output_directory`)."""
+  the target, MaxText writing under ``output_dir`` (:func:`output_directory`)."""
 
   output_dir: str
 
-  def described(self, request: PlanRequest, policy: str | None, estimate: bool | None = None) -> None:
+  def described(self, request: PlanRequest, policy: str | None) -> None:
     return None  # the config needs the target's devices
 
   def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
                 policy: str | None) -> PlannedModel:
-    return describe_maxtext(request, target, policy, self.output_dir)
+    """The model under the remat ``policy``: its config's overrides at each micro-batch (each checked as it is
+    made: the plan makes its micro-batch's before any compile).
 
-  def compute_dtype(self, request: PlanRequest, planned: PlannedModel) -> str:
-    return request.compute_dtype or (request.overrides or {}).get("dtype", "bfloat16")  # base.yml's dtype
+    Raises:
+      PlanError: a GPU target, MaxText missing, or what :func:`config_overrides` refuses.
+    """
+    model = request.model_ref
+    if target.platform != "tpu":
+      raise PlanError(f"{model} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
+                      f"{request.topology} is a GPU target")
+    try:
+      known = mesh_axis_names()
+    except ImportError as e:
+      raise PlanError(f"{model} needs MaxText (Python >= 3.12), from a clone: pip install -r "
+                      f".ci/requirements-newest.txt && pip install --no-deps maxtext==0.2.5 ({e})") from e
+    axes = mesh_axes(request.mesh_sizes, (), len(target.devices) // target.domains)
+
+    def source_at(micro_batch: int) -> MaxTextModel:
+      config = config_overrides(model.name, request.topology, len(target.devices), axes, batch=micro_batch,
+                                seq_len=request.seq_len, ga=request.ga, optimizer=request.optimizer,
+                                param_dtype=request.param_dtype, compute_dtype=request.compute_dtype,
+                                remat=policy, known_axes=known, output_dir=self.output_dir,
+                                overrides=request.overrides, slices=target.domains)
+      return MaxTextModel(str(model), config, defer=request.maxtext_deferral == "auto")
+
+    overrides = request.overrides or {}
+    weights = overrides.get("weight_dtype") or request.param_dtype or "float32"
+    computes_in = request.compute_dtype or overrides.get("dtype", "bfloat16")  # base.yml's dtype
+    return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), computes_in,
+                        "full", compiles=compiled_figures)
 
 
-def describe_maxtext(request: PlanRequest, target: Target, policy: str | None,
-                     output_dir: str) -> PlannedModel:
-  """A ``maxtext:`` model under the remat ``policy``: its config's overrides at each micro-batch (each checked
-  as it is made: the plan makes its micro-batch's before any compile), MaxText writing under ``output_dir``
-  (:func:`output_directory`).
-
-  Raises:
-    PlanError: a GPU target, MaxText missing, or what :func:`config_overrides` refuses.
-  """
-  model = request.model_ref
-  if target.platform != "tpu":
-    raise PlanError(f"{model} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
-                    f"{request.topology} is a GPU target")
+def compiled_figures(lever_name: str, step: str, source: MaxTextModel, mesh: None, shape: StepShape,
+                     depth: int | None = None, progress: Callable[[str], None] | None = None,
+                     timing: RowCompiler | None = None) -> Figures:
+  """:func:`nnx_zero1_plan.row_compiler.compiled_figures` of a ``maxtext:`` model: its engine's split step,
+  compiled whole on the engine's own mesh (:func:`compile_maxtext`)."""
+  say = progress or (lambda line: None)
+  at = compile_words(lever_name, step, shape)
+  say(f"compiling {at} ...")
+  started = time.perf_counter()
   try:
-    known = mesh_axis_names()
-  except ImportError as e:
-    raise PlanError(f"{model} needs MaxText (Python >= 3.12), from a clone: pip install -r "
-                    f".ci/requirements-newest.txt && pip install --no-deps maxtext==0.2.5 ({e})") from e
-  axes = mesh_axes(request.mesh_sizes, (), len(target.devices) // target.domains)
-
-  def source_at(micro_batch: int) -> MaxTextModel:
-    config = config_overrides(model.name, request.topology, len(target.devices), axes, batch=micro_batch,
-                              seq_len=request.seq_len, ga=request.ga, optimizer=request.optimizer,
-                              param_dtype=request.param_dtype, compute_dtype=request.compute_dtype,
-                              remat=policy, known_axes=known, output_dir=output_dir,
-                              overrides=request.overrides, slices=target.domains)
-    return MaxTextModel(str(model), config, defer=request.maxtext_deferral == "auto")
-
-  weights = (request.overrides or {}).get("weight_dtype") or request.param_dtype or "float32"
-  return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), "full")
+    lever = with_offload(lever_name, shape.offload_fraction)
+    figures, programs = compile_maxtext(lever_name, lever, source.overrides, source.defer)
+  except COMPILER_REFUSALS as e:
+    return refused(e, started, say, at)
+  peak = (figures.peak_bytes_per_device or 0) / 2**30
+  say(f"compiled {at} in {figures.compile_s or 0:.0f} s: peak {peak:.2f} GiB")
+  return with_step_time(figures, programs, shape, timing, lever_name)
 
 
 def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
@@ -189,16 +213,6 @@ def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
   from maxtext.training_engine import maxtext_engine_compile as mec
 
   from nnx_zero1.adapters._compat import maxtext_reduction_not_deferred, unreduced_grad_shardings
-  from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, bytes_by_memory_kind
-  from nnx_zero1_plan.compiled import (
-    collectives_of,
-    cost,
-    memory,
-    row_figures,
-    split_memory,
-    summed_collectives,
-  )
-  from nnx_zero1_plan.targets import domain_of
 
   attributes = engine_attributes(lever_name, lever)
   base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")

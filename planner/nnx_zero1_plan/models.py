@@ -26,13 +26,9 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.tunix_sharding import activation_fields, specs_for, tunix_constraints
 
-# Tunix's model families: (module, class); a configuration's name starts with its family's.
-TUNIX_FAMILIES = {
-    "qwen3": ("tunix.models.qwen3.model", "Qwen3"),
-    "qwen2": ("tunix.models.qwen2.model", "Qwen2"),
-    "llama3": ("tunix.models.llama3.model", "Llama3"),
-    "gemma3": ("tunix.models.gemma3.model", "Gemma3"),
-}
+# Tunix's model families, each in tunix.models.FAMILY.model as its capitalised name; a configuration's name
+# starts with its family's.
+TUNIX_FAMILIES = ("qwen3", "qwen2", "llama3", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +98,12 @@ def _tunix_family(name: str) -> tuple[Any, Any]:
 
   always_shard = flax.config.flax_always_shard_variable
   try:
-    module = importlib.import_module(TUNIX_FAMILIES[family][0])
+    module = importlib.import_module(f"tunix.models.{family}.model")
   except ImportError as e:
     raise PlanError(f"tunix:{name} needs Tunix: pip install \".[tunix]\" ({e})") from e
   finally:  # Tunix's import turns flax's flag off for the whole process; the build scopes it instead
     flax.config.update("flax_always_shard_variable", always_shard)
-  return module, getattr(module, TUNIX_FAMILIES[family][1])
+  return module, getattr(module, family.capitalize())
 
 
 def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -17,6 +17,7 @@ from nnx_zero1_plan.levers import LEVERS, lever_blocker
 from nnx_zero1_plan.mesh_axes import batch_axes, check_axis_names, mesh_axes
 from nnx_zero1_plan.models import model_source
 from nnx_zero1_plan.request import PlanRequest
+from nnx_zero1_plan.row import Figures
 
 if TYPE_CHECKING:  # a type only: the target is made, its compiler loaded, by targets.make_target
   from nnx_zero1_plan.targets import Target
@@ -24,73 +25,22 @@ if TYPE_CHECKING:  # a type only: the target is made, its compiler loaded, by ta
 
 @dataclasses.dataclass(frozen=True)
 class PlannedModel:
-  """What a plan compiles: the model at a micro-batch, its mesh, and what the checks and hints need.
+  """What a plan compiles: the model at a micro-batch, its mesh, and what the checks and hints need."""
 
-  Attributes:
-    source_at: global micro-batch -> the model's ``ModelSource`` (or ``MaxTextModel``: its config depends on
-      the micro-batch).
-    axes: every mesh axis and its size.
-    device_mesh: the mesh on the target's devices (None before :func:`on_devices`, and for MaxText, whose
-      engine builds its own).
-    reduced: the depths compiled and extrapolated from (None: whole).
-    batch_unit: a micro-batch is a multiple of the batch axes' size.
-    param_dtypes: the parameters' dtypes.
-    remat_hint: the remat policy "Try next" suggests (None: the model takes no ``--remat``).
-    named: the mesh axes the model's variables name.
-  """
-
+  # global micro-batch -> the model's ModelSource (or MaxTextModel: its config depends on the micro-batch)
   source_at: Callable[[int], Any]
-  axes: Mapping[str, int]
+  axes: Mapping[str, int]  # every mesh axis and its size
+  # the mesh on the target's devices (None before it is placed, and for MaxText, whose engine builds its own)
   device_mesh: Mesh | None
-  reduced: tuple[int, ...] | None
-  batch_unit: int
+  reduced: tuple[int, ...] | None  # the depths compiled and extrapolated from (None: whole)
+  batch_unit: int  # a micro-batch is a multiple of the batch axes' size
   param_dtypes: frozenset[str]
-  remat_hint: str | None
-  named: tuple[str, ...] = ()
-
-
-def describe_tunix_or_own(request: PlanRequest, policy: str | None,
-                          estimate: bool | None = None) -> PlannedModel:
-  """A ``tunix:`` or ``package.module:function`` model under the remat ``policy``, described from one
-  abstract build (no compiler needed): the axes it names and its dtypes.
-
-  Args:
-    request: the plan's settings.
-    policy: the remat policy (None: the model's own).
-    estimate: compile reduced depths (default: the request's ``estimate``).
-
-  Raises:
-    PlanError: a ``--mesh`` axis the model does not name and the planner does not know, or what
-      :func:`nnx_zero1_plan.models.model_source` refuses.
-  """
-  estimate = request.estimate if estimate is None else estimate
-  source = model_source(request.model_ref, request.param_dtype, request.compute_dtype, policy,
-                        request.tunix_sharding, request.lora)
-  # An estimate is for TPUs only: XLA's GPU compiler compiles a whole program in minutes, and schedules a
-  # deep program's collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the line,
-  # 7.95 whole).
-  depths = request.depths
-  shallow = not source.full_depth or source.full_depth <= max(depths)
-  reduced = tuple(depths) if estimate and request.platform == "tpu" and not shallow else None
-  named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
-  check_axis_names(request.mesh_sizes, named)
-  remat_hint = "decoder" if request.model_ref.kind == "tunix" else None
-  return PlannedModel(lambda b: source, dict(request.mesh_sizes), None, reduced, 1, dtypes, remat_hint, named)
-
-
-def on_devices(planned: PlannedModel, target: Target) -> PlannedModel:
-  """``planned`` on the target's devices: every mesh axis sized (``replica`` across the slices or nodes), the
-  device mesh, the batch's unit.
-
-  Raises:
-    PlanError: the mesh does not match the device count, or ``replica`` does not cross the slices or nodes.
-  """
-  where = "slices" if target.platform == "tpu" else "nodes"
-  axes = mesh_axes(planned.axes, planned.named, len(target.devices), domains=target.domains, where=where)
-  device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
-                     axis_types=(AxisType.Auto,) * len(axes))
-  rows_over = math.prod(axes[a] for a in batch_axes(axes))
-  return dataclasses.replace(planned, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
+  compute_dtype: str  # what the step computes in: the peak its MFU is measured against
+  remat_hint: str | None  # the remat policy "Try next" suggests (None: the model takes no --remat)
+  named: tuple[str, ...] = ()  # the mesh axes the model's variables name
+  # one compile of a lever's step where the model's engine compiles its own (maxtext.compiled_figures; None:
+  # the planner's step, row_compiler.compiled_figures)
+  compiles: Callable[..., Figures] | None = None
 
 
 class ModelKind(Protocol):
@@ -98,8 +48,7 @@ class ModelKind(Protocol):
   has: your own or Tunix's NNX model (:data:`NNX_MODELS`), MaxText's engine
   (:class:`nnx_zero1_plan.maxtext.MaxTextModels`)."""
 
-  def described(self, request: PlanRequest, policy: str | None,
-                estimate: bool | None = None) -> PlannedModel | None:
+  def described(self, request: PlanRequest, policy: str | None) -> PlannedModel | None:
     """The model described before the target is made, so a misspelt axis needs no compiler (None: a kind
     described on the target only)."""
 
@@ -107,47 +56,61 @@ class ModelKind(Protocol):
                 policy: str | None) -> PlannedModel:
     """The model on the target's devices: its mesh, the batch's unit and, per micro-batch, its source."""
 
-  def compute_dtype(self, request: PlanRequest, planned: PlannedModel) -> str:
-    """The dtype the step computes in, for the peak its MFU is measured against."""
-
 
 class _NnxModels:
   """``tunix:`` and ``package.module:function`` models: described from one abstract build, then placed."""
 
-  def described(self, request: PlanRequest, policy: str | None,
-                estimate: bool | None = None) -> PlannedModel:
-    return describe_tunix_or_own(request, policy, estimate)
+  def described(self, request: PlanRequest, policy: str | None) -> PlannedModel:
+    """The model under the remat ``policy`` from one abstract build (no compiler needed): the axes it names
+    and its dtypes.
+
+    Raises:
+      PlanError: a ``--mesh`` axis the model does not name and the planner does not know, or what
+        :func:`nnx_zero1_plan.models.model_source` refuses.
+    """
+    source = model_source(request.model_ref, request.param_dtype, request.compute_dtype, policy,
+                          request.tunix_sharding, request.lora)
+    # An estimate is for TPUs only: XLA's GPU compiler compiles a whole program in minutes, and schedules a
+    # deep program's collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the line,
+    # 7.95 whole).
+    depths = request.depths
+    shallow = not source.full_depth or source.full_depth <= max(depths)
+    reduced = tuple(depths) if request.estimate and request.platform == "tpu" and not shallow else None
+    named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
+    check_axis_names(request.mesh_sizes, named)
+    computes_in = request.compute_dtype or (next(iter(dtypes)) if len(dtypes) == 1 else "float32")
+    remat_hint = "decoder" if request.model_ref.kind == "tunix" else None
+    return PlannedModel(lambda b: source, dict(request.mesh_sizes), None, reduced, 1, dtypes, computes_in,
+                        remat_hint, named)
 
   def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
                 policy: str | None) -> PlannedModel:
-    assert described is not None
-    return on_devices(described, target)
+    """Every mesh axis sized (``replica`` across the slices or nodes), the device mesh, the batch's unit.
 
-  def compute_dtype(self, request: PlanRequest, planned: PlannedModel) -> str:
-    if request.compute_dtype:
-      return request.compute_dtype
-    return next(iter(planned.param_dtypes)) if len(planned.param_dtypes) == 1 else "float32"
+    Raises:
+      PlanError: the mesh does not match the device count, or ``replica`` does not cross the slices or nodes.
+    """
+    assert described is not None
+    where = "slices" if target.platform == "tpu" else "nodes"
+    axes = mesh_axes(described.axes, described.named, len(target.devices), domains=target.domains,
+                     where=where)
+    device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
+                       axis_types=(AxisType.Auto,) * len(axes))
+    rows_over = math.prod(axes[a] for a in batch_axes(axes))
+    return dataclasses.replace(described, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
 
 
 NNX_MODELS: ModelKind = _NnxModels()
 
 
-def batch_words(planned: PlannedModel) -> str:
-  """The batch axes, as the refusal and the default's sentence name them (``replica x data``; a model whose
-  engine builds its own mesh splits its batch over every device)."""
-  mesh = planned.device_mesh
-  return " x ".join(batch_axes(mesh.axis_names)) if mesh is not None else "every device"
-
-
-def refuse_blocked(names: Sequence[str], param_dtypes: Collection[str], model: str,
-                   domains: int) -> dict[str, str]:
+def refuse_blocked(request: PlanRequest, planned: PlannedModel) -> dict[str, str]:
   """The levers that cannot apply to the model or the target, and why.
 
   Raises:
-    PlanError: one of ``names`` (the levers asked for) is among them.
+    PlanError: one of the levers the request asks for is among them.
   """
-  blocked = {n: why for n in LEVERS if (why := lever_blocker(n, param_dtypes, domains))}
-  for name in names:
+  blocked = {n: why for n in LEVERS if (why := lever_blocker(n, planned.param_dtypes, request.domains))}
+  for name in request.levers:
     if name in blocked:
-      raise PlanError(f"--levers {name} does not apply to {model}: {blocked[name]}")
+      raise PlanError(f"--levers {name} does not apply to {request.model}: {blocked[name]}")
   return blocked

@@ -31,7 +31,6 @@ from nnx_zero1_plan.estimate import NEAR, NEAR_LIMIT, estimate_mark, extrapolate
 from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
-from nnx_zero1_plan.maxtext import MaxTextModel, compile_maxtext
 from nnx_zero1_plan.networks import network_per_step
 from nnx_zero1_plan.on_chip import Program
 from nnx_zero1_plan.planned_model import PlannedModel
@@ -89,13 +88,14 @@ def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] |
 def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape,
                      depth: int | None = None, progress: Callable[[str], None] | None = None,
                      timing: RowCompiler | None = None) -> Figures:
-  """One compile of the lever's step at ``depth`` layers (None: the model's own).
+  """One compile of the lever's step at ``depth`` layers (None: the model's own), for a model the planner
+  builds (:attr:`~nnx_zero1_plan.planned_model.PlannedModel.compiles`: None).
 
   Args:
     lever_name: a name of the lever table.
     step: ``"one"`` (one program) or ``"split"`` (gradients, then update).
-    source: the model (a ``ModelSource``, or a ``MaxTextModel``: MaxText's engine compiles it).
-    mesh: the device mesh (None for MaxText).
+    source: the model's ``ModelSource``.
+    mesh: the device mesh.
     shape: the micro-batch and the step's other settings.
     depth: the layers to build the model with.
     progress: called with one line as the compile starts and ends.
@@ -108,9 +108,7 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
   """
   lever = with_offload(lever_name, shape.offload_fraction)
   say = progress or (lambda line: None)
-  at = f"{lever_name} ({step}) at micro-batch {shape.batch}" + (f", {depth} layers" if depth else "")
-  if lever.picks_offload:
-    at += f", {shape.offload_fraction:.0%} of the state offloaded"
+  at = compile_words(lever_name, step, shape, depth)
   # A one-program step compiled whole is kept for its run (--measure), and a second row of it reads it back.
   kept = timing.programs if timing is not None and step == "one" and depth is None else None
   key = _program_key(lever_name, source, shape)
@@ -120,11 +118,6 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
   state_figures: dict[str, Any] = {}
   started = time.perf_counter()
   try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
-    if isinstance(source, MaxTextModel):
-      figures, programs = compile_maxtext(lever_name, lever, source.overrides, source.defer)
-      peak = (figures.peak_bytes_per_device or 0) / 2**30
-      say(f"compiled {at} in {figures.compile_s or 0:.0f} s: peak {peak:.2f} GiB")
-      return with_step_time(figures, programs, shape, timing, lever_name)
     sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
     state = lever_state(lever, lambda: source.build(depth), shape.optimizer, mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
@@ -141,12 +134,9 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
       else:
         grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
       scheduled = read()
-  except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError) as e:
-    error = error_line(e, 400)
-    seconds = time.perf_counter() - started
-    say(f"compiled {at}: refused in {seconds:.0f} s ({shortened(error, 160)})")
-    return Figures(**state_figures, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
-  domains = None if mesh is None else [domain_of(d) for d in mesh.devices.flat]  # in the mesh's order
+  except COMPILER_REFUSALS as e:
+    return refused(e, started, say, at, **state_figures)
+  domains = [domain_of(d) for d in mesh.devices.flat]  # in the mesh's order
   if step == "one":  # each program's text read once, into the record every figure below is read from
     record = program.record if program else ProgramRecord.read(compiled.as_text())
     programs = [("step", record, 1)]
@@ -167,6 +157,27 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
   return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
 
 
+# Zero1Error (a ValueError) when the optimizer refuses the model; the rest, the compiler's refusals.
+COMPILER_REFUSALS = (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError)
+
+
+def compile_words(lever_name: str, step: str, shape: StepShape, depth: int | None = None) -> str:
+  """What a compile is of, as its progress lines say it."""
+  at = f"{lever_name} ({step}) at micro-batch {shape.batch}" + (f", {depth} layers" if depth else "")
+  if with_offload(lever_name, shape.offload_fraction).picks_offload:
+    at += f", {shape.offload_fraction:.0%} of the state offloaded"
+  return at
+
+
+def refused(e: Exception, started: float, say: Callable[[str], None], at: str,
+            **state_figures: Any) -> Figures:
+  """The compiler's refusal ``e`` of the compile of ``at`` begun at ``started``, said, as a row's figures."""
+  error = error_line(e, 400)
+  seconds = time.perf_counter() - started
+  say(f"compiled {at}: refused in {seconds:.0f} s ({shortened(error, 160)})")
+  return Figures(**state_figures, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
+
+
 def _program_key(lever: str, source: Any, shape: StepShape) -> tuple[str, int, StepShape]:
   """Where a kept program is found: its lever, its model (under one remat policy: one source) and shape."""
   return lever, id(source), shape
@@ -177,29 +188,19 @@ _ESTIMATED_TIME = "an estimate: its time extrapolated per layer, its parts and M
 
 @dataclasses.dataclass(frozen=True)
 class RowCompiler:
-  """What every row of a plan is compiled against: the target and the memory a step may use on it.
+  """What every row of a plan is compiled against: the target and the memory a step may use on it."""
 
-  Attributes:
-    target: the topology's devices and memory.
-    usable: bytes per device a step may use (the reserve or margin taken off already).
-    progress: called with one line as each compile starts and ends.
-    compute_dtype: the dtype the steps compute in (the peak their MFU is measured against).
-    programs: where each one-program step compiled whole is kept for its run, by lever, model and shape
-      (None: not kept; ``--measure`` keeps them).
-    calibrations: the chip's calibrations each row's time is also priced by, those built as its step is
-      (:func:`~nnx_zero1_plan.calibration.for_step`; none: the cost model's alone).
-    profile: with ``--measure`` and no calibration given, runs and profiles a row's kept program on this
-      process's chips for a calibration (None: nothing is run while planning). A fitting one-program row no
-      calibration was built as (its lever, with the accumulation loop or without) is profiled as it is
-      compiled, and priced by its own run; the calibrations so made are kept in ``profiled``.
-  """
-
-  target: Target
-  usable: int
-  progress: Callable[[str], None] | None = None
-  compute_dtype: str = "bfloat16"
+  target: Target  # the topology's devices and memory
+  usable: int  # bytes per device a step may use (the reserve or margin taken off already)
+  progress: Callable[[str], None] | None = None  # called with one line as each compile starts and ends
+  compute_dtype: str = "bfloat16"  # the dtype the steps compute in (the peak their MFU is measured against)
+  # each one-program step compiled whole, kept for its run (None: not kept; --measure keeps them)
   programs: dict[tuple[str, int, StepShape], Program] | None = None
+  # the chip's calibrations each row's time is also priced by, those built as its step is (for_step; none:
+  # the cost model's alone)
   calibrations: tuple[Calibration, ...] = ()
+  # with --measure and no calibration given: runs and profiles a row's kept program on this process's chips
+  # for a calibration (None: nothing is run while planning); the calibrations so made are kept in profiled
   profile: Callable[[str, StepShape, Program], Calibration | None] | None = None
   profiled: list[Calibration] = dataclasses.field(default_factory=list)
 
@@ -223,19 +224,22 @@ class RowCompiler:
     """
     target = self.target
     source = model.source_at(shape.batch)
-    figures, made = self._at_depths(lever, step, source, model.reduced, model.device_mesh, shape)
+    figures, made = self._at_depths(lever, step, model, source, model.reduced, shape)
     near = (figures.peak_bytes_per_device or 0) > NEAR_LIMIT * target.hbm_bytes
     if made.depth_extrapolated_from and near or made.not_alike:
       extrapolated, why = figures, made.not_alike or NEAR
-      figures, made = self._at_depths(lever, step, source, None, model.device_mesh, shape)
+      figures, made = self._at_depths(lever, step, model, source, None, shape)
       both = (figures.compile_s or 0.0) + (extrapolated.compile_s or 0.0)
       figures = dataclasses.replace(figures, compile_s=both)
       made = dataclasses.replace(made, extrapolated_peak_bytes_per_device=extrapolated.peak_bytes_per_device,
                                  compiled_whole_because=why)
     peak = figures.peak_bytes_per_device
     verdict = fits_in(figures, self.usable)
-    if verdict and not made.depth_extrapolated_from:
-      figures = self._profiled_if_new(lever, step, model, shape, figures)
+    if (verdict and not made.depth_extrapolated_from and step == "one"
+        and all(built_otherwise(c, lever, shape.ga) for c in self.all_calibrations)):
+      # the first row of its build with no calibration built as it is: priced by its own run
+      done = self.priced_by_own_run(lever, model, shape, figures)
+      figures = figures if done is None else done[0]
     figures = dataclasses.replace(figures,
                                   headroom_bytes_per_device=None if peak is None else self.usable - peak,
                                   compile_s=round(figures.compile_s or 0.0, 1))
@@ -252,15 +256,6 @@ class RowCompiler:
                hbm_bytes=target.hbm_bytes, usable_bytes=self.usable, fits=verdict,
                activation_sharding=sharding_of(source, model.axes), remat=remat)
 
-  def _profiled_if_new(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
-                       figures: Figures) -> Figures:
-    """``figures``, and where this row is the first of its build with no calibration built as it is, priced by
-    its own run (:meth:`priced_by_own_run`)."""
-    if step != "one" or any(not built_otherwise(c, lever, shape.ga) for c in self.all_calibrations):
-      return figures
-    done = self.priced_by_own_run(lever, model, shape, figures)
-    return figures if done is None else done[0]
-
   def priced_by_own_run(self, lever: str, model: PlannedModel, shape: StepShape,
                         figures: Figures) -> tuple[Figures, Calibration] | None:
     """The kept program of ``lever`` at ``shape`` run and profiled (:attr:`profile`), its calibration kept in
@@ -273,17 +268,21 @@ class RowCompiler:
     self.profiled.append(made)
     return calibrated(figures, [(program.record, 1)], self, lever, shape.ga), made
 
-  def _at_depths(self, lever: str, step: str, source: Any, depths: Sequence[int] | None, mesh: Any,
+  def _at_depths(self, lever: str, step: str, model: PlannedModel, source: Any, depths: Sequence[int] | None,
                  shape: StepShape) -> tuple[Figures, Made]:
     """The lever's figures compiled whole (no ``depths``), or at the two ``depths`` and extrapolated to the
     full depth (a refusal at either is the row's), and how they were made."""
+    def compiled(depth: int | None) -> Figures:
+      compile = model.compiles or compiled_figures
+      return compile(lever, step, source, model.device_mesh, shape, depth, self.progress, self)
+
     if not depths:
-      figures = compiled_figures(lever, step, source, mesh, shape, None, self.progress, self)
+      figures = compiled(None)
       config = figures.maxtext_config  # a MaxText row's layers, as its config chose them (it compiles whole)
       return figures, Made(depth=source.full_depth or (config.num_decoder_layers if config else None))
     d1, d2 = depths
-    r1 = compiled_figures(lever, step, source, mesh, shape, d1, self.progress, self)
-    r2 = compiled_figures(lever, step, source, mesh, shape, d2, self.progress, self) if not r1.error else r1
+    r1 = compiled(d1)
+    r2 = compiled(d2) if not r1.error else r1
     compile_s = (r1.compile_s or 0.0) + ((r2.compile_s or 0.0) if r2 is not r1 else 0.0)
     if r1.error or r2.error:
       refused = r1 if r1.error else r2

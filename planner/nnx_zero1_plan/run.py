@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
@@ -15,8 +14,8 @@ from nnx_zero1_plan.compiled import peak_source
 from nnx_zero1_plan.levers import LEVERS, saves_nothing
 from nnx_zero1_plan.maxtext import MaxTextModels, output_directory
 from nnx_zero1_plan.measured_plan import edge_profiled, measured_rows, profiler, run_at, said_measured
-from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, micro_batch
-from nnx_zero1_plan.planned_model import NNX_MODELS, ModelKind, PlannedModel, batch_words, refuse_blocked
+from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, batch_axes, micro_batch
+from nnx_zero1_plan.planned_model import NNX_MODELS, ModelKind, PlannedModel, refuse_blocked
 from nnx_zero1_plan.recommend import plan_code, recommend
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.result import Plan
@@ -32,8 +31,9 @@ from nnx_zero1_plan.way_out import Change, WayOut, changes_to_try, find_way_out,
 def _micro_batch(request: PlanRequest, planned: PlannedModel) -> tuple[int, str | None]:
   """The plan's micro-batch, and the sentence that states it when ``--batch`` was not given (a model whose
   engine builds its own mesh, MaxText's, splits a given batch over every device and checks it itself)."""
-  unit, over = planned.batch_unit, batch_words(planned)
-  batch = (request.batch if planned.device_mesh is None and request.batch is not None
+  mesh, unit = planned.device_mesh, planned.batch_unit
+  over = " x ".join(batch_axes(mesh.axis_names)) if mesh is not None else "every device"
+  batch = (request.batch if mesh is None and request.batch is not None
            else micro_batch(request.batch, unit, over))
   stated = None if request.batch is not None else (
       f"--batch not given: micro-batch {batch}, the smallest of at least {SMALLEST_MICRO_BATCH} sequences "
@@ -117,7 +117,7 @@ def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedM
   def compile_changed(change: Change) -> Row:
     r = change.request
     policy = r.policies[0]
-    model = kind.on_target(r, kind.described(r, policy, estimate=False), compiler.target, policy)
+    model = kind.on_target(r, kind.described(r, policy), compiler.target, policy)  # whole: no --estimate
     _micro_batch(r, model)
     return compiler.row(r.levers[0], step, model, StepShape(r.batch, r.seq_len, r.ga, r.optimizer))
 
@@ -152,23 +152,10 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   """
   if not local:
     compilers.keep_jax_on_cpu()
-  with _model_kind(request) as kind:
-    return _planned(request, progress, kind, local, measure)
-
-
-@contextlib.contextmanager
-def _model_kind(request: PlanRequest) -> Iterator[ModelKind]:
-  """The request's kind of model, for the plan (MaxText's writes under its base_output_directory: a folder
-  made for this plan and removed after it)."""
   if request.model_ref.kind != "maxtext":
-    yield NNX_MODELS
-    return
-  with output_directory() as folder:
-    yield MaxTextModels(folder)
-
-
-def _blocked(request: PlanRequest, planned: PlannedModel) -> dict[str, str]:
-  return refuse_blocked(request.levers, planned.param_dtypes, request.model, request.domains)
+    return _planned(request, progress, NNX_MODELS, local, measure)
+  with output_directory() as folder:  # MaxText writes under its base_output_directory: made for this plan
+    return _planned(request, progress, MaxTextModels(folder), local, measure)
 
 
 def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind: ModelKind,
@@ -181,7 +168,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
   # Described before the compiler is looked for where the kind can be: a misspelt axis needs none.
   described = {p: kind.described(request, p) for p in policies}
   if (first := described[policies[0]]) is not None:
-    _blocked(request, first)  # a lever that cannot apply refused before the compiler is looked for too
+    refuse_blocked(request, first)  # a lever that cannot apply refused before the compiler is looked for too
   compiler_name = require_compiler(request.platform)
   target = make_target(request.topology, request.gpu_memory_fraction, request.slices,
                        parsed=request.topology_ref, local=local)
@@ -193,13 +180,13 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
     say(batch_default)
   for model in plans.values():
     model.source_at(batch)  # the settings checked at the plan's micro-batch before any compile
-  blocked = _blocked(request, planned)
+  blocked = refuse_blocked(request, planned)
   usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
   # --measure calibrates each build on its own first fitting row where no calibration is given (a given one
   # is the one the runs check), off a TPU nothing: a calibration is of the TPU compiler's cycles.
   profile = (profiler(target, request, progress)
              if measure and not calibrations and target.platform == "tpu" else None)
-  compiler = RowCompiler(target, usable, progress, kind.compute_dtype(request, planned),
+  compiler = RowCompiler(target, usable, progress, planned.compute_dtype,
                          programs={} if measure else None, calibrations=calibrations, profile=profile)
   rows = []
   todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -31,21 +31,13 @@ from nnx_zero1_plan.request import OPTIMIZER_MENU
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-  """What one compile of a step is for, besides the lever and the model.
+  """What one compile of a step is for, besides the lever and the model."""
 
-  Attributes:
-    batch: the global micro-batch, in sequences.
-    seq_len: tokens per sequence.
-    ga: micro-batches per optimizer step.
-    optimizer: the ``--optimizer`` name.
-    offload_fraction: the ``offload-fraction`` lever's share of the state in host memory.
-  """
-
-  batch: int
-  seq_len: int
-  ga: int
-  optimizer: str
-  offload_fraction: float = 0.0
+  batch: int  # the global micro-batch, in sequences
+  seq_len: int  # tokens per sequence
+  ga: int  # micro-batches per optimizer step
+  optimizer: str  # the --optimizer name
+  offload_fraction: float = 0.0  # the offload-fraction lever's share of the state in host memory
 
 
 def _menu_transformation(name: str) -> Callable[..., optax.GradientTransformation]:
@@ -72,10 +64,10 @@ def trained(model: Any) -> type[nnx.Param]:
   return nnx.LoRAParam if lora else nnx.Param
 
 
-def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation, mesh: Mesh | None,
-                   data_axis: str | Sequence[str] = Zero1Options.data_axis) -> nnx.Optimizer:
+def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation,
+                   mesh: Mesh | None) -> nnx.Optimizer:
   """The lever's optimizer for ``model``'s :func:`trained` variables: ``nnx.Optimizer``, or ``Zero1Optimizer``
-  built from a :class:`~nnx_zero1.Zero1Options` record of ``data_axis`` and the lever's options.
+  built from a :class:`~nnx_zero1.Zero1Options` record of the lever's options.
 
   Example::
 
@@ -84,8 +76,7 @@ def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation, m
   wrt = trained(model)
   if not lever.zero1:
     return nnx.Optimizer(model, tx, wrt=wrt)
-  options = Zero1Options(**{"data_axis": data_axis, **lever.optimizer_options})
-  return Zero1Optimizer(model, tx, mesh, options=options, wrt=wrt)
+  return Zero1Optimizer(model, tx, mesh, options=Zero1Options(**lever.optimizer_options), wrt=wrt)
 
 
 def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any,

@@ -17,7 +17,7 @@ from nnx_zero1_plan.local import devices_for
 from nnx_zero1_plan.local_chips import LocalDevices, not_the_target
 from nnx_zero1_plan.on_chip import measured_batches
 from nnx_zero1_plan.plan_md import markdown
-from nnx_zero1_plan.planned_model import describe_tunix_or_own, on_devices
+from nnx_zero1_plan.planned_model import NNX_MODELS
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.request import check_topology
 from nnx_zero1_plan.row import Figures, Made, Measured, Point, Row, Searched
@@ -112,7 +112,7 @@ def test_measure_runs_the_programs_the_plan_compiled_each_compiled_once():
   # program), then run as it was compiled; the recommended point, never compiled, said so rather than run.
   request = PlanRequest("tests.support.planner_toys:tiny_lm", "v5e:2x1", batch=4, seq_len=16)
   target = Target("v5e:2x1", "cpu", "v5e", tuple(jax.devices()[:2]), 2**34, "the test's")
-  planned = on_devices(describe_tunix_or_own(request, None), target)
+  planned = NNX_MODELS.on_target(request, NNX_MODELS.described(request, None), target, None)
   said = []
   compiler = RowCompiler(target, 2**34, said.append, "float32", programs={})
   shape = StepShape(4, 16, 1, "adamw")
@@ -139,7 +139,7 @@ def test_each_build_is_profiled_once_and_a_global_batch_runs_its_close_splits():
 
   request = PlanRequest("tests.support.planner_toys:tiny_lm", "v5e:2x1", seq_len=16, global_batch=8)
   target = Target("v5e:2x1", "cpu", "v5e", tuple(jax.devices()[:2]), 2**34, "the test's")
-  planned = on_devices(describe_tunix_or_own(request, None), target)
+  planned = NNX_MODELS.on_target(request, NNX_MODELS.described(request, None), target, None)
   profiled = []
 
   def profile(lever, shape, program):

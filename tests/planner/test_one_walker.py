@@ -19,7 +19,7 @@ from nnx_zero1_plan import row_compiler
 from nnx_zero1_plan.calibration import Calibration, Run
 from nnx_zero1_plan.compiled import collectives_of
 from nnx_zero1_plan.hlo_flops import dot_flops
-from nnx_zero1_plan.planned_model import describe_tunix_or_own, on_devices
+from nnx_zero1_plan.planned_model import NNX_MODELS
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.step_time import Rates, program_time
@@ -100,7 +100,7 @@ def test_a_calibrated_row_splits_its_program_once(monkeypatch):
   target = Target("v5e:1x1", "tpu", "v5e", tuple(jax.devices()[:1]), 2**34, "the test's")
   calibration = Calibration("v5e", jax.__version__, None, (Run("zero1", 8, 1, 16, 0.1, 0.1, 0.1, 0.0),), {})
   compiler = row_compiler.RowCompiler(target, 2**34, None, "bfloat16", calibrations=(calibration,))
-  row = compiler.row("zero1", "one", on_devices(describe_tunix_or_own(request, None), target),
-                     StepShape(8, 16, 1, "adamw"))
+  planned = NNX_MODELS.on_target(request, NNX_MODELS.described(request, None), target, None)
+  row = compiler.row("zero1", "one", planned, StepShape(8, 16, 1, "adamw"))
   assert row.figures.predicted_step_s and row.figures.calibrated_step_s and row.figures.flops_per_device
   assert read == {"as_text": 1, "split": 1}

@@ -70,7 +70,7 @@ def _lowered_constraints(model: str, option: str, mesh: Mesh, lever: str = "base
 def test_a_tunix_models_step_carries_its_constraints_on_cpu_devices_too():
   """Tunix's ``shard`` applies nothing on a CPU; the planner's trace applies the ShardingConfig's specs on
   the mesh, with data in the batch entries, and leaves Tunix's ``shard`` as it was afterwards."""
-  from nnx_zero1_plan.models import TUNIX_FAMILIES, model_source
+  from nnx_zero1_plan.models import model_source
 
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tp"),
               axis_types=(AxisType.Auto,) * 3)
@@ -78,7 +78,7 @@ def test_a_tunix_models_step_carries_its_constraints_on_cpu_devices_too():
   # Per layer: the attention's q, k, v and output, and the embedding's output, each in the gradient too.
   assert len(applied) >= 5 and all('{"data", "fsdp"}' in line for line in applied), applied[:3]
   assert _lowered_constraints("tunix:llama3p2_1b", "none", mesh) == []
-  tunix_llama3 = importlib.import_module(TUNIX_FAMILIES["llama3"][0])
+  tunix_llama3 = importlib.import_module("tunix.models.llama3.model")
   assert tunix_llama3.shard.__module__ == tunix_llama3.__name__  # Tunix's own again
   source = model_source("tunix:llama3p2_1b")
   assert source.activation_sharding is not None
