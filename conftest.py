@@ -20,11 +20,9 @@ if "--xla_cpu_max_isa" not in _FLAGS:
 for _flag in ("--xla_cpu_collective_timeout_seconds", "--xla_cpu_collective_call_terminate_timeout_seconds"):
   if _flag not in _FLAGS:
     _FLAGS += f" {_flag}=1200"
-# A multi-device program's collective can still wedge XLA's multi-threaded Eigen pool, the intra-op
-# pool every virtual device's ops share: a test then hangs past its limit and its worker is ended
-# (seen at random tests under two workers on two cores, alone on the machine). Single-threaded Eigen
-# avoids the wedge (a bisection of the same hang elsewhere: PyAutoLabs/PyAutoFit#1528) and costs these
-# small programs nothing on two cores.
+# Single-threaded Eigen: the intra-op pool every virtual device's ops share is one contender less for
+# the host's two cores (it made the suite's rare hang rarer, not gone; the hang's cause is the client's
+# pool, PJRT_NPROC below) and costs these small programs nothing on two cores.
 if "--xla_cpu_multi_thread_eigen" not in _FLAGS:
   _FLAGS += " --xla_cpu_multi_thread_eigen=false"
 # LLVM's optimisation of each compiled program is most of the suite's time, and the suite

@@ -148,7 +148,8 @@ def planning_environment(environ: Mapping[str, str], lockfile: str = LOCKFILE) -
 
   Example::
 
-    >>> env = planning_environment({"HOME": "/root", "JAX_PLATFORMS": "cuda", "TPU_MIN_LOG_LEVEL": "0"})
+    >>> env = planning_environment({"HOME": "/root", "JAX_PLATFORMS": "cuda", "TPU_MIN_LOG_LEVEL": "0"},
+    ...                            "/nonexistent/libtpu_lockfile")
     >>> env["HOME"], env["JAX_PLATFORMS"], env["CUDA_VISIBLE_DEVICES"], env["TPU_MIN_LOG_LEVEL"]
     ('/root', 'cpu', '-1', '0')
   """

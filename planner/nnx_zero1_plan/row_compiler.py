@@ -117,7 +117,7 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
     say(f"compiling {at} ...")
   state_figures: dict[str, Any] = {}
   started = time.perf_counter()
-  try:  # Zero1Error (a ValueError) when the optimizer refuses the model, the compiler's refusals
+  try:
     sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
     state = lever_state(lever, lambda: source.build(depth), shape.optimizer, mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
@@ -261,9 +261,10 @@ class RowCompiler:
     """The kept program of ``lever`` at ``shape`` run and profiled (:attr:`profile`), its calibration kept in
     :attr:`profiled`, and ``figures`` priced by its build's calibrations with it among them; None where
     nothing ran (no ``--measure``, no kept program, or no profile)."""
-    program = self.program(lever, model, shape) if self.profile is not None else None
-    made = None if program is None or self.profile is None else self.profile(lever, shape, program)
-    if made is None or program is None:
+    if self.profile is None or (program := self.program(lever, model, shape)) is None:
+      return None
+    made = self.profile(lever, shape, program)
+    if made is None:
       return None
     self.profiled.append(made)
     return calibrated(figures, [(program.record, 1)], self, lever, shape.ga), made
