@@ -25,6 +25,28 @@ class ModelRef(NamedTuple):
     return f"{self.kind}:{self.name}"
 
 
+class Backend(NamedTuple):
+  """What a plan reads of a platform where TPUs and GPUs differ, each fact named for what it decides."""
+
+  domain: str  # what the slow network joins: "slices" (TPU: --slices of one) or "nodes" (GPU: in the shape)
+  device_files: tuple[str, ...]  # its chips' device files, where a machine has them
+  reserve_bytes: int  # kept back from the compiler's memory figure unless --margin says otherwise
+  compiles_on_chips: bool  # on a machine with its chips, the plan compiles for them rather than deviceless
+  prices_in_cycles: bool  # time from the compiler's cost model, which a run calibrates (else its schedule)
+  estimates_shallow: bool  # --estimate compiles a deep model at reduced depths
+  host_memory: bool  # its compiler places arrays in host memory: offloading is a way out
+  pool_fraction: bool  # its run's memory pool is --gpu-memory-fraction of the device's
+
+
+# TPU: libtpu refuses a program whose whole footprint exceeds the HBM it names, so nothing is reserved.
+# GPU: an H200's allocator peaked 50 MiB above the compiler's figure (docs/accuracy.md); 256 MiB leaves room
+# for NCCL's and cuBLAS's buffers on several. XLA's GPU compiler compiles a whole program in minutes and
+# schedules a deep program's collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the
+# line, 7.95 whole), so a GPU estimate compiles whole.
+BACKENDS = {"tpu": Backend("slices", ("/dev/accel*", "/dev/vfio/[0-9]*"), 0, True, True, True, True, False),
+            "cuda": Backend("nodes", ("/dev/nvidia[0-9]*",), 256 * 2**20, False, False, False, False, True)}
+
+
 class Topology(NamedTuple):
   """``--topology`` parsed: ``platform`` (``"tpu"`` or ``"cuda"``), ``chip`` as the planner names it
   (``"v5e"``, ``"h100"``), and ``shape``, a TPU slice's as libtpu names it or GPUs' (nodes, GPUs per node)."""
@@ -41,7 +63,12 @@ class Topology(NamedTuple):
       >>> Topology("cuda", "h100", (2, 8)).domains(), Topology("tpu", "v5p", (2, 2, 1)).domains(slices=2)
       (2, 2)
     """
-    return slices if self.platform == "tpu" else self.shape[0]
+    return slices if self.backend.domain == "slices" else self.shape[0]
+
+  @property
+  def backend(self) -> Backend:
+    """What a plan reads of the platform (:data:`BACKENDS`)."""
+    return BACKENDS[self.platform]
 
 
 def parse_mesh(text: str | None) -> dict[str, int]:

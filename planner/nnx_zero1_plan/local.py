@@ -38,7 +38,7 @@ def devices_for(request: PlanRequest, measure: bool = False) -> LocalDevices | N
   if measure and request.model_ref.kind == "maxtext":
     raise PlanError("--measure runs the planner's own step; a maxtext: model's runs in MaxText's engine "
                     "(time it with MaxText's train)")
-  local = local_devices() if measure or chips_may_be_here(request.platform) else None
+  local = local_devices() if measure or chips_may_be_here(request.backend) else None
   why = not_the_target(local, request.topology, request.topology_ref, request.slices)
   if why and measure:
     raise PlanError(f"--measure runs each row's step on this machine's devices, which must be the target's: "
@@ -51,4 +51,4 @@ def plan_here(request: PlanRequest, progress: Callable[[str], None] | None = Non
   """The plan made where the target's chips are this machine's (:func:`devices_for`): a TPU's compiled for
   them (a GPU's deviceless, as anywhere, unless ``measure``) and, with ``measure``, the rows' programs run on
   them as they were compiled (:mod:`nnx_zero1_plan.on_chip`)."""
-  return plan_in_child(request, progress, local=request.platform == "tpu" or measure, measure=measure)
+  return plan_in_child(request, progress, local=request.backend.compiles_on_chips or measure, measure=measure)

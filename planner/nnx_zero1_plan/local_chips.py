@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nnx_zero1_plan.chips import chip_of
-from nnx_zero1_plan.inputs import ONE_SLICE, Topology
+from nnx_zero1_plan.inputs import ONE_SLICE, Backend, Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,18 +28,16 @@ class LocalDevices:
     return cls("cuda" if platform == "gpu" else platform, devices[0].device_kind, len(devices))
 
 
-def chips_may_be_here(platform: str) -> bool:
-  """Whether this machine has the device files of ``platform``'s chips (a TPU VM's ``/dev/accel*`` or
+def chips_may_be_here(backend: Backend) -> bool:
+  """Whether this machine has the device files of ``backend``'s chips (a TPU VM's ``/dev/accel*`` or
   ``/dev/vfio/*``, a GPU's ``/dev/nvidia*``): only then is jax asked, as starting its TPU backend where
   there is no TPU takes time.
 
   Example::
 
-    >>> chips_may_be_here("cpu")
-    False
+    chips_may_be_here(BACKENDS["tpu"])   # True on a TPU VM
   """
-  patterns = {"tpu": ("/dev/accel*", "/dev/vfio/[0-9]*"), "cuda": ("/dev/nvidia[0-9]*",)}.get(platform, ())
-  return any(glob.glob(p) for p in patterns)
+  return any(glob.glob(p) for p in backend.device_files)
 
 
 def not_the_target(local: LocalDevices | None, topology: str, parsed: Topology,
@@ -56,7 +54,7 @@ def not_the_target(local: LocalDevices | None, topology: str, parsed: Topology,
     "this machine's devices are 2 x 'cpu' (cpu), not v5e:1x1's 1 v5e"
   """
   platform, chip, shape = parsed
-  want = math.prod(shape) * (slices if platform == "tpu" else 1)
+  want = math.prod(shape) * (slices if parsed.backend.domain == "slices" else 1)
   if local is None:
     return f"jax sees no {platform.upper()} devices on this machine, not {topology}'s {want} {chip}"
   if local.platform == platform and chip_of(local.device_kind) == chip and local.count == want:

@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from nnx_zero1_plan.chips import CHIPS, Links
+from nnx_zero1_plan.inputs import Backend
 from nnx_zero1_plan.row import Collectives, Network, PodNetworks, StepTime
 
 # One ICI hop's own time, whatever it carries: "typically around 1us" (How to Scale Your Model,
@@ -93,7 +94,7 @@ def tpu_collective_time(links: Links, dims: int) -> CollectiveTime:
   return timed
 
 
-def network_per_step(collectives: Collectives, chip: str, platform: str, step_time: StepTime | None = None
+def network_per_step(collectives: Collectives, chip: str, backend: Backend, step_time: StepTime | None = None
                      ) -> PodNetworks:
   """The bytes one device sends per step over each network of a pod, and the time each takes: the step
   time's own (:func:`nnx_zero1_plan.predict_step_time`), so a row's table and its step time say one time.
@@ -101,9 +102,9 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
   Args:
     collectives: a row's ``collectives`` (:func:`nnx_zero1_plan.compiled.collectives_of` on a pod).
     chip: the topology's chip (``v5p``, ``h100``).
-    platform: ``"tpu"`` or ``"cuda"``. A multi-slice TPU program's collectives stay inside its slice
-      (what crosses is its megascale transfers); a GPU program's node-spanning collectives send part of
-      their bytes over InfiniBand and the rest over NVLink.
+    backend: the platform's facts. A program over slices keeps its collectives inside each slice (what
+      crosses is its megascale transfers); a program over nodes sends part of its node-spanning
+      collectives' bytes over InfiniBand and the rest over NVLink.
     step_time: the row's predicted step's parts (None where the compiler gave no estimate: no fast time).
 
   Returns:
@@ -111,14 +112,15 @@ def network_per_step(collectives: Collectives, chip: str, platform: str, step_ti
 
   Example::
 
+    >>> from nnx_zero1_plan.inputs import BACKENDS
     >>> ar = lambda n: {"all-reduce": {"count": 1, "bytes": n}}
     >>> c = Collectives.from_json({"per_step": {}, "sent_per_step": ar(9 * 10**9),
     ...                            "across_per_step": ar(10**9)})
-    >>> network_per_step(c, "h100", "cuda").slow
+    >>> network_per_step(c, "h100", BACKENDS["cuda"]).slow
     Network(network='InfiniBand', bytes=1000000000, estimate_ms=20.0)
   """
   across = collectives.across_bytes
-  inside = collectives.sent_bytes - (0 if platform == "tpu" else across)
+  inside = collectives.sent_bytes - (0 if backend.domain == "slices" else across)
   links = CHIPS[chip].links
   fast_ms = None if step_time is None else round(1000 * step_time.fast_s, 1)
   slow = Network(links.slow, across, round(1000 * (across / links.slow_bytes_per_s), 1))

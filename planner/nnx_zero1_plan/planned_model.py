@@ -70,12 +70,9 @@ class _NnxModels:
     """
     source = model_source(request.model_ref, request.param_dtype, request.compute_dtype, policy,
                           request.tunix_sharding, request.lora)
-    # An estimate is for TPUs only: XLA's GPU compiler compiles a whole program in minutes, and schedules a
-    # deep program's collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the line,
-    # 7.95 whole).
     depths = request.depths
-    shallow = not source.full_depth or source.full_depth <= max(depths)
-    reduced = tuple(depths) if request.estimate and request.platform == "tpu" and not shallow else None
+    cut = request.estimate and request.backend.estimates_shallow and (source.full_depth or 0) > max(depths)
+    reduced = tuple(depths) if cut else None
     named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
     check_axis_names(request.mesh_sizes, named)
     computes_in = request.compute_dtype or (next(iter(dtypes)) if len(dtypes) == 1 else "float32")
@@ -91,9 +88,8 @@ class _NnxModels:
       PlanError: the mesh does not match the device count, or ``replica`` does not cross the slices or nodes.
     """
     assert described is not None
-    where = "slices" if target.platform == "tpu" else "nodes"
     axes = mesh_axes(described.axes, described.named, len(target.devices), domains=target.domains,
-                     where=where)
+                     where=target.backend.domain)
     device_mesh = Mesh(np.array(target.devices).reshape(tuple(axes.values())), tuple(axes),
                        axis_types=(AxisType.Auto,) * len(axes))
     rows_over = math.prod(axes[a] for a in batch_axes(axes))

@@ -12,6 +12,7 @@ from typing import Any
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION
 from nnx_zero1_plan.inputs import (
   ONE_SLICE,
+  Backend,
   ModelRef,
   PlanError,
   Topology,
@@ -67,7 +68,7 @@ def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | 
   if slices < 1:
     raise PlanError(f"--slices {slices}: the number of TPU slices joined over the data-center network, 1 or "
                     "more (1, the default, is one slice)")
-  if platform != "tpu":
+  if parsed.backend.domain == "nodes":
     nodes, per_node = shape
     if slices > 1:
       nodes_meant = slices * nodes
@@ -111,7 +112,7 @@ class PlanRequest:
   ``estimate``, :mod:`~nnx_zero1_plan.estimate`; ``tunix_sharding``, :mod:`~nnx_zero1_plan.tunix_sharding`;
   ``calibration``, :func:`~nnx_zero1_plan.calibration.for_step`; ``lora``,
   :func:`~nnx_zero1_plan.inputs.lora_modules`; ``margin``'s default,
-  :data:`~nnx_zero1_plan.targets.DEFAULT_RESERVE_BYTES`.
+  the platform's reserve (:data:`~nnx_zero1_plan.inputs.BACKENDS`).
 
   Raises:
     PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one
@@ -161,7 +162,7 @@ class PlanRequest:
     object.__setattr__(self, "topology_ref", topology_ref)  # frozen: what the checks below read
     sizes = parse_mesh(self.mesh)
     if sizes and kind != "maxtext":  # MaxText's --mesh is one slice's ici_* axes, no replica among them
-      check_replica(sizes, self.domains, where="slices" if self.platform == "tpu" else "nodes")
+      check_replica(sizes, self.domains, where=self.backend.domain)
     steps = parse_levers(self.steps, STEPS, what="step")
     if self.optimizer not in OPTIMIZER_CODE:
       raise PlanError(f"unknown optimizer {self.optimizer!r}; optimizers: {', '.join(OPTIMIZER_CODE)}")
@@ -222,6 +223,11 @@ class PlanRequest:
   def platform(self) -> str:
     """``"tpu"`` or ``"cuda"``, from the topology."""
     return self.topology_ref.platform
+
+  @property
+  def backend(self) -> Backend:
+    """What a plan reads of the platform (:data:`~nnx_zero1_plan.inputs.BACKENDS`)."""
+    return self.topology_ref.backend
 
   @property
   def domains(self) -> int:
@@ -314,8 +320,9 @@ def command_line(request: ResolvedRequest, **changes: Any) -> str:
            f"--ga {r.ga}", f"--levers {','.join(r.levers)}", f"--steps {','.join(r.steps)}"]
   for name in _OPTIONAL_FLAGS:
     value = getattr(r, name)
-    # The GPU pool's share says nothing of a TPU plan.
-    if value in (SETTING_DEFAULTS[name], "") or (name == "gpu_memory_fraction" and r.platform != "cuda"):
+    # The pool's share says nothing of a plan for a platform that has none.
+    unsaid = name == "gpu_memory_fraction" and not r.backend.pool_fraction
+    if value in (SETTING_DEFAULTS[name], "") or unsaid:
       continue
     flag = f"--{name.replace('_', '-')}"
     words.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")

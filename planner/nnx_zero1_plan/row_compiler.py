@@ -78,7 +78,7 @@ def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], 
 def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] | None, Callable[[], Any]]]:
   """For a GPU target, the compiler options that dump its scheduler's estimates into a folder removed after,
   and a reader of them; elsewhere no options, nothing read."""
-  if timing is None or timing.target.platform != "cuda":
+  if timing is None or timing.target.backend.prices_in_cycles:
     yield None, lambda: None
     return
   with tempfile.TemporaryDirectory(prefix="nnx_zero1_plan_schedule_", ignore_cleanup_errors=True) as folder:
@@ -249,7 +249,7 @@ class RowCompiler:
       made = dataclasses.replace(made, estimate=mark, fits_estimate=verdict)
       verdict = None
     if target.domains > 1 and figures.collectives:
-      networks = network_per_step(figures.collectives, target.chip, target.platform, figures.step_time)
+      networks = network_per_step(figures.collectives, target.chip, target.backend, figures.step_time)
       made = dataclasses.replace(made, network_per_step=networks)
     return Row(lever=lever, step=step, compiled_for=target.name, device_kind=target.device_kind,
                mesh=model.axes, model=source.name, batch=shape.batch, figures=figures, made=made,

@@ -125,7 +125,7 @@ def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedM
   splits = "zero1" not in blocked and not saves_nothing("zero1", resolved.mesh_sizes)
   lever = "zero1" if splits else "baseline"
   changes = changes_to_try(resolved, lever=lever, batch_unit=planned.batch_unit, remat=planned.remat_hint,
-                           named_axes=planned.named, host_memory=compiler.target.platform == "tpu")
+                           named_axes=planned.named, host_memory=compiler.target.backend.host_memory)
   return find_way_out(changes, compile_changed, lambda c: command_line(c.request, steps=[step]),
                       lambda c: plan_code(c.request, c.request.levers[0],
                                           activation_sharding=meta.activation_sharding))
@@ -181,11 +181,11 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
   for model in plans.values():
     model.source_at(batch)  # the settings checked at the plan's micro-batch before any compile
   blocked = refuse_blocked(request, planned)
-  usable = usable_bytes(target.hbm_bytes, target.platform, request.margin)
+  usable = usable_bytes(target.hbm_bytes, target.backend, request.margin)
   # --measure calibrates each build on its own first fitting row where no calibration is given (a given one
-  # is the one the runs check), off a TPU nothing: a calibration is of the TPU compiler's cycles.
+  # is the one the runs check), where the compiler prices in cycles: a calibration is of those.
   profile = (profiler(target, request, progress)
-             if measure and not calibrations and target.platform == "tpu" else None)
+             if measure and not calibrations and target.backend.prices_in_cycles else None)
   compiler = RowCompiler(target, usable, progress, planned.compute_dtype,
                          programs={} if measure else None, calibrations=calibrations, profile=profile)
   rows = []

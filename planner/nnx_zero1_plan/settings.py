@@ -79,7 +79,7 @@ class PlanSettings(Record):
     r = self.request
     fields = {**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)}, **vars(self),
               "model": str(r.model_ref), "mesh": dict(r.mesh_sizes), "steps": {s: STEPS[s] for s in r.steps},
-              "gpu_memory_fraction": r.gpu_memory_fraction if r.platform == "cuda" else None}
+              "gpu_memory_fraction": r.gpu_memory_fraction if r.backend.pool_fraction else None}
     return {name: as_json(fields[name]) for name in _KEYS if name not in self.absent}
 
   @classmethod

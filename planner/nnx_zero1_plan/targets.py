@@ -8,7 +8,7 @@ from typing import Any
 
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION, target_config
-from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, Topology, parse_topology
+from nnx_zero1_plan.inputs import BACKENDS, ONE_SLICE, Backend, PlanError, Topology, parse_topology
 from nnx_zero1_plan.local_chips import LocalDevices, not_the_target
 
 # XLA's GPU compiler schedules a program for the device memory it is told, deviceless for 80% of the target's
@@ -17,10 +17,6 @@ GPU_SCHEDULER_FRACTION = 0.8
 # What the CUDA context holds before jax's pool (an H200 with jax 0.11.2: 150,754,820,096 B total, pool
 # 112,583,507,968 B at JAX_GPU_POOL_FRACTION 0.75).
 CUDA_CONTEXT_BYTES = 643_476_139
-# What the run needs beyond the compiler's figure, per device, by default. TPU: nothing (its compiler refuses
-# a program whose whole footprint exceeds the HBM it names). GPU: an H200's allocator peaked 50 MiB above the
-# compiler's figure (docs/accuracy.md); 256 MiB leaves room for NCCL's and cuBLAS's buffers on several.
-DEFAULT_RESERVE_BYTES = {"tpu": 0, "cuda": 256 * 2**20}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +37,11 @@ class Target:
     return self.devices[0].device_kind
 
   @property
+  def backend(self) -> Backend:
+    """What a plan reads of the platform (:data:`~nnx_zero1_plan.inputs.BACKENDS`)."""
+    return BACKENDS[self.platform]
+
+  @property
   def domains(self) -> int:
     """The slices (TPU) or nodes (GPU) the devices sit in, joined by the slow network."""
     return len({domain_of(d) for d in self.devices})
@@ -52,18 +53,20 @@ def domain_of(device: Any) -> int:
   return getattr(device, "slice_index", 0) if device.platform == "tpu" else device.process_index
 
 
-def usable_bytes(hbm_bytes: int, platform: str, margin: float | None = None) -> int:
+def usable_bytes(hbm_bytes: int, backend: Backend, margin: float | None = None) -> int:
   """What a step may use per device: ``hbm_bytes`` less the margin (a share), or by default less the
-  backend's reserve (:data:`DEFAULT_RESERVE_BYTES`).
+  ``backend``'s reserve.
 
   Example::
 
-    >>> usable_bytes(1000, "tpu"), usable_bytes(1000, "tpu", margin=0.05), usable_bytes(2**30, "cuda")
-    (1000, 950, 805306368)
+    >>> usable_bytes(1000, BACKENDS["tpu"]), usable_bytes(1000, BACKENDS["tpu"], margin=0.05)
+    (1000, 950)
+    >>> usable_bytes(2**30, BACKENDS["cuda"])
+    805306368
   """
   if margin is not None:
     return int(hbm_bytes * (1 - margin))
-  return hbm_bytes - DEFAULT_RESERVE_BYTES.get(platform, 0)
+  return hbm_bytes - backend.reserve_bytes
 
 
 def require_compiler(platform: str) -> str:

@@ -111,7 +111,7 @@ def test_measure_runs_the_programs_the_plan_compiled_each_compiled_once():
   # The plan's own path on two CPU devices: the row compiled once (a second row of it reads the kept
   # program), then run as it was compiled; the recommended point, never compiled, said so rather than run.
   request = PlanRequest("tests.support.planner_toys:tiny_lm", "v5e:2x1", batch=4, seq_len=16)
-  target = Target("v5e:2x1", "cpu", "v5e", tuple(jax.devices()[:2]), 2**34, "the test's")
+  target = Target("v5e:2x1", "tpu", "v5e", tuple(jax.devices()[:2]), 2**34, "the test's")
   planned = NNX_MODELS.on_target(request, NNX_MODELS.described(request, None), target, None)
   said = []
   compiler = RowCompiler(target, 2**34, said.append, "float32", programs={})
@@ -138,7 +138,7 @@ def test_each_build_is_profiled_once_and_a_global_batch_runs_its_close_splits():
   from nnx_zero1_plan.run import _lever_row
 
   request = PlanRequest("tests.support.planner_toys:tiny_lm", "v5e:2x1", seq_len=16, global_batch=8)
-  target = Target("v5e:2x1", "cpu", "v5e", tuple(jax.devices()[:2]), 2**34, "the test's")
+  target = Target("v5e:2x1", "tpu", "v5e", tuple(jax.devices()[:2]), 2**34, "the test's")
   planned = NNX_MODELS.on_target(request, NNX_MODELS.described(request, None), target, None)
   profiled = []
 
