@@ -4,7 +4,8 @@ ARCHITECTURE.md's planner table is the map; these tests read it and every planne
 those inside functions too) and fail where the code and the map part: a pure module that reaches jax or a
 module of another kind, a module the map leaves out, ``run`` imported by anything but the entry points, a
 private name of the optimizer imported from anywhere but the module made for the planner, a benchmark that
-imports a planner name ``__all__`` does not declare. No compiler needed (lane 1).
+imports a planner name ``__all__`` does not declare, a platform's name compared where the platform's record
+(``inputs.Backend``) names the fact. No compiler needed (lane 1).
 """
 
 from __future__ import annotations
@@ -245,3 +246,17 @@ def test_the_benchmarks_use_the_planners_public_names_only_each_documented():
         for alias in node.names:
           assert alias.name in nnx_zero1_plan.__all__, f"benchmarks/{path.name} imports {alias.name}"
           assert f"`{alias.name}" in section, f"{alias.name} is not in docs/planner.md's Your own loop"
+
+
+# Where a platform's name is still compared: the module that makes each platform's target, the one that names
+# jax's own devices, MaxText's engine (TPU slices only) and the code printed for each platform's mesh.
+NAMES_PLATFORMS = {"targets", "local_chips", "maxtext", "printed_code"}
+
+
+def test_a_plan_reads_what_differs_by_platform_from_its_backend_not_by_the_platforms_name():
+  named = {module: [ast.unparse(node) for node in ast.walk(ast.parse((PLANNER / f"{module}.py").read_text()))
+                    if isinstance(node, ast.Compare)
+                    and any(isinstance(c, ast.Constant) and c.value in ("tpu", "cuda", "gpu")
+                            for c in (node.left, *node.comparators))]
+           for module in sorted(set(_module_names()) - NAMES_PLATFORMS)}
+  assert not any(named.values()), {m: c for m, c in named.items() if c}  # read a fact of inputs.Backend
