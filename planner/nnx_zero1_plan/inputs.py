@@ -191,6 +191,16 @@ _GEMMA3_EINSUMS = ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_
 LORA_ALPHA = 2.0
 
 
+# Tunix's model families, each in tunix.models.FAMILY.model as its capitalised name; a configuration's name
+# starts with its family's.
+TUNIX_FAMILIES = ("qwen3", "qwen2", "llama3", "gemma3")
+
+
+def tunix_family(config: str) -> str | None:
+  """The family of Tunix's configuration named ``config`` (None: none of :data:`TUNIX_FAMILIES`)."""
+  return max((f for f in TUNIX_FAMILIES if config.startswith(f)), key=len, default=None)
+
+
 def lora_modules(config: str) -> str:
   """The ``module_path`` regex ``--lora`` adapts in the Tunix configuration ``config``.
 
@@ -199,7 +209,7 @@ def lora_modules(config: str) -> str:
     >>> lora_modules("qwen3_1p7b")[:22]
     '.*q_proj|.*k_proj|.*v_'
   """
-  return _GEMMA3_EINSUMS if config.startswith("gemma3") else _PROJECTIONS
+  return _GEMMA3_EINSUMS if tunix_family(config) == "gemma3" else _PROJECTIONS
 
 
 def lora_refusal(model: str) -> str:

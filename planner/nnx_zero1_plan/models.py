@@ -17,18 +17,16 @@ import optax
 
 from nnx_zero1_plan.inputs import (
   LORA_ALPHA,
+  TUNIX_FAMILIES,
   ModelRef,
   PlanError,
   lora_modules,
   lora_refusal,
   parse_model,
   shortened,
+  tunix_family,
 )
 from nnx_zero1_plan.tunix_sharding import activation_fields, specs_for, tunix_constraints
-
-# Tunix's model families, each in tunix.models.FAMILY.model as its capitalised name; a configuration's name
-# starts with its family's.
-TUNIX_FAMILIES = ("qwen3", "qwen2", "llama3", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +88,7 @@ def with_lora(model: Any, rank: int, module_path: str, alpha: float = LORA_ALPHA
 
 
 def _tunix_family(name: str) -> tuple[Any, Any]:
-  family = max((f for f in TUNIX_FAMILIES if name.startswith(f)), key=len, default=None)
+  family = tunix_family(name)
   if family is None:
     raise PlanError(f"unknown model tunix:{name}; Tunix families: {', '.join(TUNIX_FAMILIES)} "
                     f"(e.g. tunix:qwen3_8b, tunix:llama3p1_8b, tunix:gemma3_4b_pt)")
