@@ -43,8 +43,14 @@ class Backend(NamedTuple):
 # for NCCL's and cuBLAS's buffers on several. XLA's GPU compiler compiles a whole program in minutes and
 # schedules a deep program's collectives unlike a shallow one's (Zero-1's temp on qwen3_8b: 2.70 GiB by the
 # line, 7.95 whole), so a GPU estimate compiles whole.
-BACKENDS = {"tpu": Backend("slices", ("/dev/accel*", "/dev/vfio/[0-9]*"), 0, True, True, True, True, False),
-            "cuda": Backend("nodes", ("/dev/nvidia[0-9]*",), 256 * 2**20, False, False, False, False, True)}
+BACKENDS = {
+    "tpu": Backend(domain="slices", device_files=("/dev/accel*", "/dev/vfio/[0-9]*"), reserve_bytes=0,
+                   compiles_on_chips=True, prices_in_cycles=True, estimates_shallow=True,
+                   host_memory=True, pool_fraction=False),
+    "cuda": Backend(domain="nodes", device_files=("/dev/nvidia[0-9]*",), reserve_bytes=256 * 2**20,
+                    compiles_on_chips=False, prices_in_cycles=False, estimates_shallow=False,
+                    host_memory=False, pool_fraction=True),
+}
 
 
 class Topology(NamedTuple):
