@@ -160,3 +160,5 @@ def pytest_runtest_protocol(item, nextitem):
       return (yield)
     finally:
       faulthandler.cancel_dump_traceback_later()
+      record.seek(0)  # it ended: a dump of its stack, written late in a long run, names no hang
+      record.truncate()

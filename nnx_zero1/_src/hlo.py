@@ -12,9 +12,9 @@ import re
 from collections.abc import Mapping, Sequence
 
 __all__ = [
-    "COLLECTIVES", "COLLECTIVE_OPS", "INSTRUCTION", "shape_bytes", "result_bytes", "computations", "callees",
-    "chosen_branch", "condition_trip_count", "trip_count", "calls", "executions", "collective_of",
-    "estimated_cycles", "host_copy", "partitions",
+    "COLLECTIVES", "COLLECTIVE_OPS", "FUSED_REDUCE_SCATTER_CALL", "INSTRUCTION", "shape_bytes",
+    "result_bytes", "computations", "callees", "chosen_branch", "condition_trip_count", "trip_count", "calls",
+    "executions", "collective_of", "estimated_cycles", "host_copy", "partitions",
 ]
 
 # all-to-all: the int8 reduce-scatter across slices or nodes (across_dtype=jnp.int8) is one. Every count has
@@ -41,9 +41,12 @@ _ASYNC = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\sasync-sta
 # The TPU compiler emits a reduce-scatter as a fusion calling a computation named all-reduce-scatter*
 # (an all-reduce and a slice fused into one collective, "SingleInputAllReduceScatterFusion"); its
 # result is the scattered slice.
+FUSED_REDUCE_SCATTER_CALL = re.compile(r"\bcalls=%?(all-reduce-scatter[\w.\-]*)")
 _FUSED_REDUCE_SCATTER = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\sfusion\(.*\bcalls=%?all-reduce-scatter[\w.\-]*"
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\sfusion\(.*" + FUSED_REDUCE_SCATTER_CALL.pattern
 )
+# What a collective's line holds, at least: its op's name, or a generic async start.
+_COLLECTIVE_WORDS = (*COLLECTIVE_OPS, "async-start(")
 # The TPU compiler marks host memory as memory space 5 in a layout ("{1,0:T(8,128)S(5)}").
 _HOST_SPACE = "S(5)}"
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
@@ -238,8 +241,8 @@ def calls(line: str, bodies: dict[str, list[str]]) -> list[tuple[str, str, int]]
 
 def executions(graph: Mapping[str, Sequence[tuple[str, int]]], entry: str | None) -> dict[str, int]:
   """How many times each computation runs per call of the entry, from each computation's calls (``graph``:
-(callee, times per run of it), :func:`calls`' ``computation`` and ``times``), in the order they are first
-reached.
+  (callee, times per run of it), :func:`calls`' ``computation`` and ``times``), in the order they are first
+  reached.
 
   Example::
 
@@ -270,6 +273,8 @@ def collective_of(line: str) -> tuple[str, int, bool] | None:
     >>> collective_of("%cp = f32[4]{0} collective-permute(%p), source_target_pairs={{0,1},{1,0}}")
     ('collective-permute', 16, False)
   """
+  if not any(word in line for word in _COLLECTIVE_WORDS):  # most lines: no pattern need be tried
+    return None
   fused = _FUSED_REDUCE_SCATTER.match(line)
   if fused:
     return "reduce-scatter", shape_bytes(fused["shape"]), False

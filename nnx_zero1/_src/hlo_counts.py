@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
-from nnx_zero1._src.hlo import COLLECTIVES, shape_bytes
+from nnx_zero1._src.hlo import COLLECTIVES
 from nnx_zero1._src.hlo_record import HloRecord, Instruction
 
 __all__ = ["TRANSFERS", "Counts", "by_op", "per_step", "per_trip", "sent_per_step", "collectives",
@@ -58,7 +58,7 @@ def _result(i: Instruction) -> tuple[str, dict[str, int]] | None:
 
 
 def _transfer(i: Instruction) -> tuple[str, dict[str, int]] | None:
-  return (i.host, {"bytes": shape_bytes(i.shape.split(", ")[0])}) if i.host else None  # its destination's
+  return (i.host, {"bytes": i.host_bytes}) if i.host else None
 
 
 def per_step(record: HloRecord) -> Counts:

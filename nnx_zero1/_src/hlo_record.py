@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import NamedTuple, Self
 
 from nnx_zero1._src.hlo import (
-  COLLECTIVE_OPS,
+  FUSED_REDUCE_SCATTER_CALL,
   INSTRUCTION,
   calls,
   collective_of,
@@ -20,14 +20,11 @@ from nnx_zero1._src.hlo import (
   executions,
   host_copy,
   partitions,
+  shape_bytes,
 )
 from nnx_zero1._src.traffic import replica_groups, ring_sent
 
 _MODULE = re.compile(r"^HloModule (?P<name>[\w.\-]+)", re.M)
-# What a collective's line holds, at least: its op's name, or a generic async start (collective_of).
-_COLLECTIVE_WORDS = (*COLLECTIVE_OPS, "async-start(")
-# The TPU compiler's fused reduce-scatter calls a computation whose all-reduce names its groups.
-_FUSED = re.compile(r"\bcalls=%?(all-reduce-scatter[\w.\-]*)")
 
 
 class Call(NamedTuple):
@@ -75,6 +72,11 @@ class Instruction(NamedTuple):
   host: str | None
   work: str | None = None
   kind: str | None = None
+
+  @property
+  def host_bytes(self) -> int:
+    """A copy's bytes at its destination (its result's first array), one device's."""
+    return shape_bytes(self.shape.split(", ")[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +156,7 @@ def _instruction(line: str, bodies: dict[str, list[str]]) -> Instruction | None:
   m = INSTRUCTION.match(line)
   if m is None:
     return None
-  found = collective_of(line) if any(word in line for word in _COLLECTIVE_WORDS) else None
+  found = collective_of(line)
   collective = None if found is None else Collective(*found, _groups(line, bodies))
   return Instruction(m["name"], m["op"], m["shape"], m["args"], line, estimated_cycles(line),
                      tuple(Call(*c) for c in calls(line, bodies)), collective,
@@ -164,7 +166,7 @@ def _instruction(line: str, bodies: dict[str, list[str]]) -> Instruction | None:
 def _groups(line: str, bodies: dict[str, list[str]]) -> tuple[tuple[int, ...], ...]:
   """A collective's groups as its line spells them, or for the TPU compiler's fused reduce-scatter (whose
   line names none) as the all-reduce inside it does; none where neither names any."""
-  fused = _FUSED.search(line) if "replica_groups=" not in line else None
+  # The TPU compiler's fused reduce-scatter calls a computation whose all-reduce names its groups.
+  fused = FUSED_REDUCE_SCATTER_CALL.search(line) if "replica_groups=" not in line else None
   spelling = next((s for s in bodies.get(fused[1], ()) if "replica_groups=" in s), line) if fused else line
-  spelled = replica_groups(spelling, 0)  # of no devices: a line naming no groups reads as one empty group
-  return () if spelled == [()] else tuple(spelled)
+  return tuple(replica_groups(spelling))

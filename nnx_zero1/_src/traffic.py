@@ -55,21 +55,21 @@ def _mesh_groups(line: str) -> list[tuple[int, ...]] | None:
   return [tuple(g) for g in groups.values()]
 
 
-def replica_groups(line: str, devices: int) -> list[tuple[int, ...]]:
+def replica_groups(line: str) -> list[tuple[int, ...]]:
   """The device groups of a collective's HLO line, in any of HLO's spellings (listed, iota, over mesh
-  axes; all ``devices``, one group, where it names none).
+  axes; none where it names none: all the program's devices).
 
   Example::
 
-    >>> replica_groups("all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add", 4)
+    >>> replica_groups("all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add")
     [(0, 1), (2, 3)]
-    >>> replica_groups("all-gather(%p), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}", 4)
+    >>> replica_groups("all-gather(%p), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}")
     [(0, 2), (1, 3)]
-    >>> replica_groups("all-reduce(%p), replica_groups={}, to_apply=%add", 2)
-    [(0, 1)]
-    >>> replica_groups("all-reduce(%p), replica_groups=mesh['replica'=2,'data'=4] {'data':(1)2}", 8)
+    >>> replica_groups("all-reduce(%p), replica_groups={}, to_apply=%add")
+    []
+    >>> replica_groups("all-reduce(%p), replica_groups=mesh['replica'=2,'data'=4] {'data':(1)2}")
     [(0, 2), (1, 3), (4, 6), (5, 7)]
-    >>> replica_groups("all-gather(%p), replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}", 8)
+    >>> replica_groups("all-gather(%p), replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}")
     [(0, 1, 2, 3), (4, 5, 6, 7)]
   """
   over_axes = _mesh_groups(line)
@@ -86,7 +86,7 @@ def replica_groups(line: str, devices: int) -> list[tuple[int, ...]]:
   listed = _GROUP_LIST.search(line)
   groups = re.findall(r"\{([0-9, ]*)\}", listed[1]) if listed else []
   parsed = [tuple(int(d) for d in g.split(",") if d.strip()) for g in groups]
-  return [g for g in parsed if g] or [tuple(range(devices))]
+  return [g for g in parsed if g]
 
 
 def ring_sent(op: str, result: int, n: int) -> int:

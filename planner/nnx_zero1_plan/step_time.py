@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
-from nnx_zero1._src.companion import Collective, Instruction, shape_bytes
+from nnx_zero1._src.companion import Collective, Instruction
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.networks import CollectiveTime, rings_of, tpu_collective_time
@@ -170,9 +170,9 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
         w.start(i.name, network_seconds(i.collective, i.line), "network")
         if not i.collective.start:
           w.wait(i.name)
-      elif i.op == "copy-start" and i.host:
+      elif i.host:
         if rates.host_bytes_per_s is not None:
-          w.start(i.name, shape_bytes(i.shape.split(", ")[0]) / rates.host_bytes_per_s, i.host)
+          w.start(i.name, i.host_bytes / rates.host_bytes_per_s, i.host)
       elif i.op.endswith("-done"):
         w.wait(i.args.split(",")[0].strip().lstrip("%"))
       elif i.op in ("while", "call", "conditional"):  # the callee's walk, as many times as it runs
