@@ -20,7 +20,7 @@ import tqdm
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.compilers import AotUnavailable
 from nnx_zero1_plan.estimate import WHOLE_OVER_ESTIMATE_UP_TO
-from nnx_zero1_plan.inputs import ONE_SLICE, PlanError, parse_overrides
+from nnx_zero1_plan.inputs import BACKENDS, ONE_SLICE, PlanError, parse_overrides
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.local import devices_for, plan_here
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH
@@ -73,17 +73,20 @@ FLAGS = (
     Flag("--global-batch", "sequences per optimizer step, as your recipe fixes it, instead of `--batch` and "
          "`--ga`: the plan splits it for each lever into the micro-batch and GA that fit and train fastest",
          {"type": int}),
-    Flag("--seq-len", "tokens per sequence (default 1024)", {"type": int}),
-    Flag("--ga", "micro-batches per optimizer step (default 1)", {"type": int}),
+    Flag("--seq-len", f"tokens per sequence (default {SETTING_DEFAULTS['seq_len']})", {"type": int}),
+    Flag("--ga", f"micro-batches per optimizer step (default {SETTING_DEFAULTS['ga']})", {"type": int}),
     Flag("--param-dtype", "the parameters' dtype, e.g. `bfloat16` (`tunix:` models; MaxText's "
          "`weight_dtype`)"),
     Flag("--compute-dtype", "the activations' dtype (`tunix:` models; MaxText's `dtype`)"),
     Flag("--remat", "the remat policy: Tunix's `none`, `block` or `decoder`, or MaxText's `remat_policy` "
          "(`full`, `minimal`, ...); several, comma-separated, a row apiece (default: the model's own)"),
-    Flag("--optimizer", "`adamw` (default), `adam`, `lion`, `sgd` (momentum), `adafactor`"),
-    Flag("--levers", "comma-separated lever names (default `baseline,zero1`)", listed=tuple(LEVERS)),
-    Flag("--steps", "`one`, `split` or both (default `one,split`): each lever's step compiled as one program "
-         "(as Tunix and `nnx.jit` loops compile it) or as two (as MaxText's engine)"),
+    Flag("--optimizer", f"`{SETTING_DEFAULTS['optimizer']}` (default), `adam`, `lion`, `sgd` (momentum), "
+         "`adafactor`"),
+    Flag("--levers", f"comma-separated lever names (default `{','.join(SETTING_DEFAULTS['levers'])}`)",
+         listed=tuple(LEVERS)),
+    Flag("--steps", f"`one`, `split` or both (default `{','.join(SETTING_DEFAULTS['steps'])}`): each lever's "
+         "step compiled as one program (as Tunix and `nnx.jit` loops compile it) or as two (as MaxText's "
+         "engine)"),
     Flag("--estimate", "TPUs: compile deep `tunix:` and own models at "
          f"{' and '.join(map(str, DEFAULT_DEPTHS))} layers and extrapolate per layer, instead of whole (the "
          f"default): quicker, measured up to {WHOLE_OVER_ESTIMATE_UP_TO}x low, and deciding no fit. Not with "
@@ -94,9 +97,9 @@ FLAGS = (
     Flag("--lora", "`tunix:` models: plan a LoRA run of this rank, as Tunix trains one: qwix's adapters on "
          "the attention and MLP projections, and only they trained (`wrt=nnx.LoRAParam`); default: full "
          "fine-tuning", {"type": int, "metavar": "RANK"}),
-    Flag("--maxtext-deferral", "`maxtext:` models: `auto` (default: MaxText's engine defers the "
-         "data-parallel all-reduce to `update` where it can) or `off` (every micro-batch all-reduces its "
-         "gradients)", {"choices": ("auto", "off")}),
+    Flag("--maxtext-deferral", f"`maxtext:` models: `{SETTING_DEFAULTS['maxtext_deferral']}` (default: "
+         "MaxText's engine defers the data-parallel all-reduce to `update` where it can) or `off` (every "
+         "micro-batch all-reduces its gradients)", {"choices": ("auto", "off")}),
     Flag("--search", "also find each lever's largest micro-batch that fits, a few compiles per lever, and "
          "recommend by it: from `--batch` up, and where `--batch` does not fit, from the smallest "
          "micro-batch (one sequence per device of the batch axes) up", {"action": "store_true"}),
@@ -111,7 +114,7 @@ FLAGS = (
          {"metavar": "PATH"}),
     Flag("--margin", "the share of the memory to leave free, for `fits`, the search and the recommendation "
          "(default: the backend's reserve, what a run needs beyond the compiler's figure: TPU none, GPU "
-         "256 MiB)", {"type": float}),
+         f"{BACKENDS['cuda'].reserve_bytes // 2**20} MiB)", {"type": float}),
     Flag("--gpu-memory-fraction", "GPU targets: the `XLA_PYTHON_CLIENT_MEM_FRACTION` the run will use "
          f"(default jax's {SETTING_DEFAULTS['gpu_memory_fraction']}); the compiler is told to plan for that "
          "pool, and it is the usable memory", {"type": float}),

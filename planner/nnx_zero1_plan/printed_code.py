@@ -8,6 +8,7 @@ from typing import Any
 
 from nnx_zero1_plan.inputs import LORA_ALPHA, lora_modules
 from nnx_zero1_plan.levers import Lever, engine_attributes, state_axes, summed_over, with_offload
+from nnx_zero1_plan.mesh_axes import batch_axes
 from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, OPTIMIZER_CODE
 
 
@@ -90,7 +91,7 @@ def lora_lines(model: str, rank: int) -> list[str]:
 def _tunix_code(lever: Lever, options: list[str], mesh_lines: list[str], mesh: Mapping[str, int] | None,
                 tx: str, activation_sharding: Any, lora: list[str]) -> list[str]:
   """Tunix's trainer on the plan's mesh: the batch over its data axes, Zero-1's options as the config's."""
-  batch = tuple(a for a in ("replica", "data", "fsdp") if a in (mesh or {"data": 1}))
+  batch = batch_axes(mesh or {"data": 1})
   config = [f"data_sharding_axis=({batch!r},)"]
   if lever.zero1:
     named = "data_axis" in lever.optimizer_options

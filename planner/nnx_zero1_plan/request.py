@@ -64,7 +64,8 @@ def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | 
     >>> check_topology("h100:8x2", gpus_per_node=2).shape
     (8, 2)
   """
-  parsed = platform, chip, shape = parse_topology(topology, GPU_CHIPS)
+  parsed = parse_topology(topology, GPU_CHIPS)
+  chip, shape = parsed.chip, parsed.shape
   if slices < 1:
     raise PlanError(f"--slices {slices}: the number of TPU slices joined over the data-center network, 1 or "
                     "more (1, the default, is one slice)")
@@ -326,5 +327,5 @@ def command_line(request: ResolvedRequest, **changes: Any) -> str:
       continue
     flag = f"--{name.replace('_', '-')}"
     words.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
-  words += [f"{k}={v}" for k, v in (r.overrides or {}).items()]
+  words += [shlex.quote(f"{k}={v}") for k, v in (r.overrides or {}).items()]
   return " ".join(words)

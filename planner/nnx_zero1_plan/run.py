@@ -167,8 +167,9 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
   calibrations = read_calibrations(request.calibration, chip) if request.calibration else ()
   # Described before the compiler is looked for where the kind can be: a misspelt axis needs none.
   described = {p: kind.described(request, p) for p in policies}
-  if (first := described[policies[0]]) is not None:
-    refuse_blocked(request, first)  # a lever that cannot apply refused before the compiler is looked for too
+  first = described[policies[0]]
+  # A lever that cannot apply is refused before the compiler is looked for where the kind is described so far.
+  blocked = None if first is None else refuse_blocked(request, first)
   compiler_name = require_compiler(request.platform)
   target = make_target(request.topology, request.gpu_memory_fraction, request.slices,
                        parsed=request.topology_ref, local=local)
@@ -180,7 +181,8 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
     say(batch_default)
   for model in plans.values():
     model.source_at(batch)  # the settings checked at the plan's micro-batch before any compile
-  blocked = refuse_blocked(request, planned)
+  if blocked is None:  # a kind described on the target only (MaxText's)
+    blocked = refuse_blocked(request, planned)
   usable = usable_bytes(target.hbm_bytes, target.backend, request.margin)
   # --measure calibrates each build on its own first fitting row where no calibration is given (a given one
   # is the one the runs check), where the compiler prices in cycles: a calibration is of those.

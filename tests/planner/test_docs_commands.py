@@ -17,8 +17,8 @@ import pytest
 
 from nnx_zero1.plan import parse_args
 from nnx_zero1_plan import LEVERS, request_of
-from nnx_zero1_plan.inputs import PlanError, parse_mesh, parse_model, parse_topology
-from nnx_zero1_plan.mesh_axes import mesh_axes, micro_batch
+from nnx_zero1_plan.inputs import PlanError, parse_topology
+from nnx_zero1_plan.mesh_axes import batch_axes, mesh_axes, micro_batch
 from tests.support.compiled_plans import HAS_GPU_COMPILER, TOYS, planner_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -88,13 +88,12 @@ def test_each_documented_command_parses_into_a_plan_of_its_topology(where, comma
   device count: the mesh (``replica`` across the slices or nodes) and the micro-batch split over it."""
   request = request_of(parse_args(_pasted(command)))
   devices = _devices(request.topology, request.slices)
-  if parse_model(request.model)[0] == "maxtext":  # --mesh names one slice's ici_* axes; the batch is global
+  if request.model_ref.kind == "maxtext":  # --mesh names one slice's ici_* axes; the batch is global
     assert request.batch is None or request.batch % devices == 0, (where, command)
     return
-  where_word = "slices" if request.platform == "tpu" else "nodes"
   try:
-    axes = mesh_axes(parse_mesh(request.mesh), [], devices, domains=request.domains, where=where_word)
-    unit = math.prod(axes[a] for a in ("replica", "data", "fsdp") if a in axes)
+    axes = mesh_axes(request.mesh_sizes, [], devices, domains=request.domains, where=request.backend.domain)
+    unit = math.prod(axes[a] for a in batch_axes(axes))
     micro_batch(request.batch, unit, "the batch axes")
   except PlanError as e:
     pytest.fail(f"{where}: {command}: {e}")

@@ -233,7 +233,8 @@ def test_traceback_shows_where_a_builder_raised_above_its_one_line(capsys):
 def test_the_default_micro_batch_splits_over_the_whole_pod_and_replica_crosses_it():
   from nnx_zero1_plan.mesh_axes import check_replica, micro_batch
 
-  assert [micro_batch(None, unit, "data") for unit in (1, 4, 8, 12, 64)] == [8, 8, 8, 12, 64]
+  # At least 8 sequences, rounded up to a multiple of the unit (3 -> 9).
+  assert [micro_batch(None, unit, "data") for unit in (1, 3, 4, 8, 12, 64)] == [8, 9, 8, 8, 12, 64]
   assert micro_batch(16, 8, "data") == 16
   with pytest.raises(PlanError, match=re.escape("--batch 8 does not split over the batch axes (replica x "
                                                 "data = 64 devices): give a multiple of 64, or leave --batch "
@@ -420,6 +421,12 @@ def test_the_reproduce_command_carries_every_setting_that_changes_the_plan():
   assert "--gpus-per-node 4" in line and "--tunix-sharding" in line
   request = request_of(parse_args(shlex.split(line)[3:]))  # what it reproduces is what was planned
   assert request == planned
+  # A MaxText override's value with a space or a bracket is quoted, so the shell hands it over whole.
+  maxtext = PlanRequest("maxtext:qwen3-0.6b", "v5e:2x4", mesh="data=8", batch=8, steps="split",
+                        overrides={"run_name": "my run", "remat_policy": "minimal"})
+  line = command_line(maxtext)
+  assert line.endswith(" 'run_name=my run' remat_policy=minimal")
+  assert request_of(parse_args(shlex.split(line)[3:])) == maxtext
 
 
 def test_a_pods_table_has_each_networks_bytes_and_time_before_the_note():
