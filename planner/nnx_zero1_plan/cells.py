@@ -47,11 +47,6 @@ def tokens(per_s: float | None) -> str:
   return "-" if per_s is None else f"{per_s:,.0f}"
 
 
-def remats(policy: str | None) -> bool:
-  """Whether a remat policy recomputes anything (``none``, or none given, does not)."""
-  return policy not in (None, "", "none")
-
-
 def collective_cell(c: Mapping[str, OpCount] | Mapping[str, Mapping[str, int]] | None) -> str:
   """Collectives or host transfers (also as the benchmarks keep them) as one cell, count x MiB per op.
 
@@ -117,8 +112,10 @@ def accumulation_note(r: Row, rows: Sequence[Row]) -> str | None:
     ...   f = Figures(peak_bytes_per_device=peak * 2**30, temp_bytes_per_device=temp * 2**30)
     ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 1, 1, True)
     >>> rows = [row("zero1", 14.75, 4.5), row("zero1-accum", 19.0, 8.75)]
-    >>> accumulation_note(rows[1], rows).split(" (")[0]
-    'needs 4.25 GiB more than zero1 at this micro-batch: its temporaries +4.25 GiB'
+    >>> print(accumulation_note(rows[1], rows).replace(": ", ":\\n"))
+    needs 4.25 GiB more than zero1 at this micro-batch:
+    its temporaries +4.25 GiB (the gradients it reduces once per step, held across the micro-batch loop:
+    with one micro-batch, plan zero1)
   """
   lever = LEVERS.get(r.lever)
   if lever is None or not lever.deferred:

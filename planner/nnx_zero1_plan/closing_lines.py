@@ -3,8 +3,9 @@ changes compiled to make room."""
 
 from __future__ import annotations
 
-from nnx_zero1_plan.cells import gib, remats
+from nnx_zero1_plan.cells import gib
 from nnx_zero1_plan.recommend import BY_CALIBRATED, BY_THROUGHPUT, Recommendation
+from nnx_zero1_plan.request import remats
 from nnx_zero1_plan.way_out import WayOut
 
 

@@ -167,6 +167,7 @@ def start_cpu_jax() -> None:
   Example::
 
     start_cpu_jax()
+    import jax.experimental.topologies
     jax.experimental.topologies.get_topology_desc("v6e:2x2", "tpu")
   """
   os.environ.update(planning_environment(os.environ))

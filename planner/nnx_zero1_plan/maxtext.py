@@ -27,7 +27,14 @@ from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, MaxTextConfig
-from nnx_zero1_plan.row_compiler import COMPILER_REFUSALS, RowCompiler, compile_words, refused, with_step_time
+from nnx_zero1_plan.row_compiler import (
+  COMPILER_REFUSALS,
+  RowCompiler,
+  compile_words,
+  compiled_line,
+  refused,
+  with_step_time,
+)
 from nnx_zero1_plan.steps import StepShape
 from nnx_zero1_plan.targets import Target, domain_of
 
@@ -183,8 +190,7 @@ def compiled_figures(lever_name: str, step: str, source: MaxTextModel, mesh: Non
     figures, programs = compile_maxtext(lever_name, lever, source.overrides, source.defer)
   except COMPILER_REFUSALS as e:
     return refused(e, started, say, at)
-  peak = (figures.peak_bytes_per_device or 0) / 2**30
-  say(f"compiled {at} in {figures.compile_s or 0:.0f} s: peak {peak:.2f} GiB")
+  say(compiled_line(at, figures.compile_s or 0, figures))
   return with_step_time(figures, programs, shape, timing, lever_name)
 
 

@@ -13,19 +13,19 @@ import jax
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.calibrated_time import calibrate, read_program
 from nnx_zero1_plan.calibration import Calibration
+from nnx_zero1_plan.cells import ms
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.on_chip import TIMED, WARMUP, Program, measured_batches, run_program
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.recommend import Recommendation
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Measured, Point, Row
-from nnx_zero1_plan.row_compiler import RowCompiler, StepShape, calibrated
+from nnx_zero1_plan.row_compiler import Profile, RowCompiler, StepShape, calibrated
 from nnx_zero1_plan.step_time import rates_for
 from nnx_zero1_plan.targets import Target
 
 
-def profiler(target: Target, request: PlanRequest, progress: Callable[[str], None] | None
-             ) -> Callable[[str, StepShape, Program], Calibration | None]:
+def profiler(target: Target, progress: Callable[[str], None] | None) -> Profile:
   """``--measure``'s profile of a row's kept program on this process's chips, for a calibration of its build
   (:attr:`~nnx_zero1_plan.row_compiler.RowCompiler.profile`): a few steps run and profiled
   (:func:`~nnx_zero1_plan.on_chip.run_program`), the calibration made of them; None where it did not run."""
@@ -40,9 +40,9 @@ def profiler(target: Target, request: PlanRequest, progress: Callable[[str], Non
       return None
     priced = read_program(program.record, rates_for(CHIPS[target.chip]))
     calibration = calibrate(priced, ops, lever=lever, micro_batch=shape.batch, ga=shape.ga,
-                            seq_len=request.seq_len, step_s=run.step_s, chip=target.chip, jax=jax.__version__,
+                            seq_len=shape.seq_len, step_s=run.step_s, chip=target.chip, jax=jax.__version__,
                             libtpu=compilers.require_libtpu())
-    say(f"calibrated on {at}: {run.step_s * 1e3:,.1f} ms measured")
+    say(f"calibrated on {at}: {ms(run.step_s)} ms measured")
     return calibration
 
   return profile
@@ -114,7 +114,7 @@ def run_at(compiler: RowCompiler, model: PlannedModel, request: PlanRequest, row
   at = f"{row.lever} ({row.step}) at micro-batch {batch}" + (f" x GA {shape.ga}" if shape.ga > 1 else "")
   say(f"running {at}: {WARMUP} + {TIMED} steps ...")
   run, _ = run_program(program)
-  say(f"ran {at}: {run.error or f'{(run.step_s or 0.0) * 1e3:,.1f} ms, the median of {TIMED}'}")
+  say(f"ran {at}: {run.error or f'{ms(run.step_s or 0.0)} ms, the median of {TIMED}'}")
   return run
 
 
@@ -128,5 +128,5 @@ def said_measured(recommended: Recommendation, rows: Sequence[Row]) -> Recommend
                   for m in r.measured or () if m.batch == recommended.micro_batch and m.step_s), None)
   if seconds is None:
     return recommended
-  note = f"measured on this machine's chips: {seconds * 1e3:,.1f} ms a step (the median of {TIMED})"
+  note = f"measured on this machine's chips: {ms(seconds)} ms a step (the median of {TIMED})"
   return dataclasses.replace(recommended, notes=(*recommended.notes, note))

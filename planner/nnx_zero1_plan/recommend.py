@@ -8,10 +8,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.cells import gib, ms, remats
+from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
-from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line
+from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line, remats
 from nnx_zero1_plan.row import Point, Record, Row
 from nnx_zero1_plan.search import judged_by_calibrated
 
@@ -108,8 +108,10 @@ def thin_note(row: Row, micro: int) -> str | None:
     >>> from nnx_zero1_plan.row import Figures, Made
     >>> row = Row("zero1-pod", "one", "h100:2x8", "H100", {"data": 16}, "m:f", 128,
     ...           Figures(headroom_bytes_per_device=2**30 // 20), Made(depth=2), 81 * 2**30, 80 * 2**30, True)
-    >>> thin_note(row, 128).split("; ")[0]
-    'thin: zero1-pod at micro-batch 128 leaves 0.05 GiB of 80.00 GiB usable free (0.06%, under 1%)'
+    >>> print(thin_note(row, 128).replace("; ", ";\\n").replace(": a", ":\\na"))
+    thin: zero1-pod at micro-batch 128 leaves 0.05 GiB of 80.00 GiB usable free (0.06%, under 1%);
+    near its limit the compiler lands within about 1.5% either side:
+    a smaller micro-batch or --margin leaves room
   """
   room, usable = figures_at(row, micro).headroom_bytes_per_device, row.usable_bytes
   if room is None or not usable or room >= _THIN * usable:
@@ -153,8 +155,11 @@ def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
     ...   f = Figures(opt_state_bytes_per_device=state, peak_bytes_per_device=4 * 2**30)
     ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 9, 8, True)
     >>> rows = [row("baseline", 48 * 2**20), row("zero1", 6 * 2**20)]
-    >>> saves_little(rows[1], rows).split(" (")[0]
-    "zero1 saves little here: 0.04 GiB of optimizer state per device, 1.0% of the baseline's 4.00 GiB peak"
+    >>> print(saves_little(rows[1], rows).replace(": ", ":\\n").replace(" (", "\\n("))
+    zero1 saves little here:
+    0.04 GiB of optimizer state per device, 1.0% of the baseline's 4.00 GiB peak
+    (under 1.5%, the compiler's own scatter near its limit):
+    nnx.Optimizer is as good
   """
   states = _states(row, rows)
   if states is None or _alike(*states[:2]):  # split nothing (splits_nothing): the baseline by another name
@@ -302,7 +307,7 @@ def _throughput(point: Point, calibrated: bool) -> float:
   return tokens * (point.predicted_step_s or 0.0) / (point.calibrated_step_s or 1.0) if calibrated else tokens
 
 
-def _speed(row: Row, point: Point, calibrated: bool = False) -> str:
+def _speed(row: Row, point: Point, calibrated: bool) -> str:
   """A point's time in words (``zero1 at 128: 412.0 ms, 318,000 tok/s per device``; on a pod, the slow
   network's share)."""
   step_s = point.calibrated_step_s if calibrated else point.predicted_step_s
@@ -314,10 +319,11 @@ def _speed(row: Row, point: Point, calibrated: bool = False) -> str:
   return words
 
 
-def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
+def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str, ...]] | None:
   """The (lever, micro-batch) with the most predicted tokens per second per device among the points that fit
-  (each row's own compile and its search's), by :data:`BY_THROUGHPUT`, and why, naming each other lever's
-  fastest point; None where a fitting point has no predicted time (the order is then :data:`ORDER`).
+  (each row's own compile and its search's), by :data:`BY_THROUGHPUT`, why, naming each other lever's
+  fastest point, and the order it ranked by (:data:`BY_CALIBRATED` where every point has a calibrated time);
+  None where a fitting point has no predicted time (the order is then :data:`ORDER`).
 
   Example::
 
@@ -325,7 +331,7 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
     >>> def row(lever, tok, room):
     ...   f = Figures(predicted_step_s=8 / tok, tokens_per_s_per_device=tok, headroom_bytes_per_device=room)
     ...   return Row(lever, "one", "v6e:2x2", "TPU", {"data": 4}, "m", 8, f, Made(depth=2), 9, 8, True)
-    >>> best, at, why = by_throughput([row("baseline", 100.0, 1), row("zero1", 101.0, 5)])
+    >>> best, at, why, order = by_throughput([row("baseline", 100.0, 1), row("zero1", 101.0, 5)])
     >>> best.lever, at.batch
     ('zero1', 8)
     >>> print(why[0].replace("; ", ";\\n"))
@@ -346,7 +352,7 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str]] | None:
     reason = (f"within 2%, {best.lever} for its headroom" if near(theirs)
               else f"{best.lever} for its throughput")
     why.append(f"{_speed(best, at, calibrated)}; {_speed(*theirs, calibrated)}: {reason}")
-  return best, at, why
+  return best, at, why, BY_CALIBRATED if calibrated else BY_THROUGHPUT
 
 
 def _roomier(row: Row, point: Point) -> tuple[int, bool]:
@@ -383,9 +389,8 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
     return None
   fastest = by_throughput(candidates)
   if fastest is not None:
-    best, at, why = fastest
-    calibrated = judged_by_calibrated(p for _, p in _fitting(candidates))
-    micro, order = at.batch, BY_CALIBRATED if calibrated else BY_THROUGHPUT
+    best, at, why, order = fastest
+    micro = at.batch
   else:
     micro, order = max(m for m in edges if m), ORDER
     # Every lever whose own compile fitted at the best micro-batch stands there, above its edge or not; the

@@ -284,6 +284,11 @@ class ResolvedRequest(PlanRequest):
   batch: int = 0
 
 
+def remats(policy: str | None) -> bool:
+  """Whether a remat policy recomputes anything (``none``, or none given, does not)."""
+  return policy not in (None, "", "none")
+
+
 # Each setting's default, as :class:`PlanRequest` declares it (the command line's flags take theirs here).
 SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanRequest)
                     if f.init and f.default is not dataclasses.MISSING}

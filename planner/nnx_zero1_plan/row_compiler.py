@@ -151,7 +151,7 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
     figures = row_figures(mem, both, cost(update))
   flops, flops_source = step_flops(compiled if step == "one" else grads, programs[0][1])
   if program is None:
-    say(f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB")
+    say(compiled_line(at, seconds, figures))
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
                                 compile_s=seconds)
   return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
@@ -169,6 +169,11 @@ def compile_words(lever_name: str, step: str, shape: StepShape, depth: int | Non
   return at
 
 
+def compiled_line(at: str, seconds: float, figures: Figures) -> str:
+  """The progress line of the compile of ``at`` the compiler accepted in ``seconds``."""
+  return f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB"
+
+
 def refused(e: Exception, started: float, say: Callable[[str], None], at: str,
             **state_figures: Any) -> Figures:
   """The compiler's refusal ``e`` of the compile of ``at`` begun at ``started``, said, as a row's figures."""
@@ -184,6 +189,9 @@ def _program_key(lever: str, source: Any, shape: StepShape) -> tuple[str, int, S
 
 
 _ESTIMATED_TIME = "an estimate: its time extrapolated per layer, its parts and MFU not"
+# A kept program of a lever at a shape run and profiled on this process's chips, for its build's calibration
+# (None: it did not run).
+Profile = Callable[[str, StepShape, Program], Calibration | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +209,7 @@ class RowCompiler:
   calibrations: tuple[Calibration, ...] = ()
   # with --measure and no calibration given: runs and profiles a row's kept program on this process's chips
   # for a calibration (None: nothing is run while planning); the calibrations so made are kept in profiled
-  profile: Callable[[str, StepShape, Program], Calibration | None] | None = None
+  profile: Profile | None = None
   profiled: list[Calibration] = dataclasses.field(default_factory=list)
 
   @property

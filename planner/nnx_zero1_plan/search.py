@@ -8,6 +8,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 
+from nnx_zero1_plan.cells import gib
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import Figures, Measured, Offloaded, OffloadPoint, Point, Row, Searched, Split
 
@@ -81,8 +82,7 @@ def line_limit(p1: Point, p2: Point, usable: int, step: int) -> int | None:
 def _why(point: Point, usable: int) -> str:
   if point.error:
     return point.error
-  peak = "?" if point.peak_bytes_per_device is None else f"{point.peak_bytes_per_device / 2**30:.2f}"
-  return f"peak {peak} GiB > usable {usable / 2**30:.2f} GiB"
+  return f"peak {gib(point.peak_bytes_per_device, none='?')} GiB > usable {gib(usable)} GiB"
 
 
 def _line_guess(points: dict[int, Point], usable: int, step: int) -> int | None:
@@ -246,8 +246,8 @@ def offload_search(row_with: Callable[[float], Row], usable: int) -> Row:
         (last.peak_bytes_per_device - peak) / (fraction - last.fraction))
     share = next_fraction(peak, usable, int(slope) if 0 < slope < state else state, fraction)
     if share is None:
-      refused = (f"{(peak - usable) / 2**30:.2f} GiB over the usable memory with {fraction:.0%} offloaded, "
-                 f"more than the {state * (1 - fraction) / 2**30:.2f} GiB of state still on device saves")
+      refused = (f"{gib(peak - usable)} GiB over the usable memory with {fraction:.0%} offloaded, more "
+                 f"than the {gib(state * (1 - fraction))} GiB of state still on device saves")
       break
     if share == fraction or len(tried) == OFFLOAD_COMPILES:
       break
@@ -287,6 +287,10 @@ def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, uni
     >>> row = split_global_batch(f, 32, 1)
     >>> row.batch, row.ga, [(s.batch, s.ga, s.time) for s in row.splits][:3]
     (8, 4, [(32, 1, 'predicted'), (16, 2, 'predicted'), (8, 4, 'predicted')])
+    >>> g = lambda m, ga: dataclasses.replace(f(m, ga), figures=Figures(predicted_step_s=1 + 0.01 * ga))
+    >>> ran = split_global_batch(g, 32, 1, run=lambda r: Measured(r.batch, 0.4 if r.batch == 4 else 0.5))
+    >>> ran.batch, ran.ga, [(s.batch, s.step_s, s.time) for s in ran.splits if s.time == "measured"]
+    (4, 8, [(8, 0.5, 'measured'), (4, 0.4, 'measured')])
   """
   candidates = [m for m in range(global_batch - global_batch % unit, 0, -unit) if global_batch % m == 0]
   if not candidates:

@@ -8,10 +8,10 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
-from nnx_zero1_plan.cells import gib, remats
+from nnx_zero1_plan.cells import gib
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
 from nnx_zero1_plan.levers import adds_memory, memory_twin, saves_nothing
-from nnx_zero1_plan.request import ResolvedRequest, command_line
+from nnx_zero1_plan.request import ResolvedRequest, command_line, remats
 from nnx_zero1_plan.row import Record, Row
 
 

@@ -234,8 +234,8 @@ def test_the_recommendation_is_the_most_tokens_per_second_not_the_largest_micro_
 
 
 def test_within_two_percent_the_headroom_decides_and_an_untimed_plan_keeps_the_memory_order():
-  best, at, why = by_throughput([_row("baseline", 8, 1000.0, 5), _row("zero1", 8, 985.0, 9)])
-  assert best.lever == "zero1" and "within 2%" in why[0]
+  best, at, why, order = by_throughput([_row("baseline", 8, 1000.0, 5), _row("zero1", 8, 985.0, 9)])
+  assert best.lever == "zero1" and "within 2%" in why[0] and order == BY_THROUGHPUT
   untimed = [_row("baseline", 8, None, 5), _row("zero1", 8, None, 9)]
   assert by_throughput(untimed) is None and recommend(untimed, _REQUEST).order == ORDER
 
