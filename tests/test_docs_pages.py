@@ -71,8 +71,10 @@ STORY = planner_installs(install_table())
 
 
 def test_the_install_table_says_what_runs_where_and_why():
-  assert {"python3 -m pip install --target /tmp/site flax==0.12.8 optax==0.2.8 tqdm",  # a TPU VM
-          "export PYTHONPATH=$PYTHONPATH:/tmp/site:$PWD:$PWD/planner",  # ... the project from the checkout
+  # A TPU VM: --prefix, which keeps the VM's own jax (--target would bring one of its own), and the project
+  # from the checkout.
+  assert {"python3 -m pip install --prefix /tmp/site flax==0.12.8 optax==0.2.8 tqdm",
+          "export PYTHONPATH=$PYTHONPATH:/tmp/site/lib/python3.11/site-packages:$PWD:$PWD/planner",
           'pip install . "./planner[aot]"',  # compile-only targets, Python >= 3.12
           "pip install --no-deps jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1",
           "pip install --no-deps maxtext==0.2.5"} <= set(STORY), STORY
@@ -83,6 +85,7 @@ def test_the_install_table_says_what_runs_where_and_why():
   assert all(len(r.strip().strip("|").split(" | ")) == 4 and r.split(" | ")[3].strip(" |") for r in rows)
   said = " ".join(install_table().split())
   assert "Python 3.11" in said and "Python >= 3.12" in said and "compile-only" in said
+  assert "python3" in said and "not `--target`" in said and "docs/data/device_v5e/run14/install/" in said
   # The table comes after the README's two set-up commands, and the docs site shows it, not a copy.
   text = README.read_text()
   assert text.index("## Set up") < text.index(INSTALL_START)
