@@ -265,7 +265,7 @@ SAMPLED_PAGES = [ROOT / "README.md", ROOT / "planner" / "README.md", PLANNER, RO
 def _flags(command: str) -> dict[str, str]:
   """A planner command's flags and values (a switch's value ""), without the folder it wrote to or the path it
   read a calibration from (the kept run's were its machine's) and whether it said python or python3."""
-  words = [w for w in command.split() if w != "\\"]
+  words = command.split()
   assert re.fullmatch(r"python3?", words[0]) and words[1:3] == ["-m", "nnx_zero1.plan"], command
   flags: dict[str, str] = {}
   for i, word in enumerate(words[3:], start=3):
@@ -291,9 +291,9 @@ def test_every_sample_of_the_planners_output_is_its_commands_as_kept():
     for m in _SAMPLE.finditer(text):
       found += 1
       folder = ROOT / m["kept"]
-      command = m["command"].strip().splitlines()
-      shown = " ".join(line for line in command if not line.startswith("#"))
-      assert _flags(shown) == _flags((folder / "command").read_text()), (page.name, m["kept"])
+      lines = m["command"].replace("\\\n", " ").splitlines()  # a block of several commands: one of them
+      shown = [_flags(line) for line in lines if line.strip() and not line.startswith("#")]
+      assert _flags((folder / "command").read_text()) in shown, (page.name, m["kept"])
       printed = [line.split() for line in (folder / "stdout.txt").read_text().splitlines()]
       for line in m["sample"].splitlines():
         words = line.split()
