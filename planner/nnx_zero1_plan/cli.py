@@ -71,8 +71,9 @@ FLAGS = (
          f"size of at least {SMALLEST_MICRO_BATCH}: 8 on up to 8 devices, 64 on `h100:8x8`; the plan states "
          "it, `meta.batch_default`)", {"type": int}),
     Flag("--global-batch", "sequences per optimizer step, as your recipe fixes it, instead of `--batch` and "
-         "`--ga`: the plan splits it for each lever into the micro-batch and GA that fit and train fastest",
-         {"type": int}),
+         "`--ga`: the plan splits it for each lever into the micro-batch and GA that fit and train fastest. "
+         "Refused with `--batch`, `--ga`, `--search` or `--estimate`, a `maxtext:` model, or the "
+         "`offload-fraction` lever", {"type": int}),
     Flag("--seq-len", f"tokens per sequence (default {SETTING_DEFAULTS['seq_len']})", {"type": int}),
     Flag("--ga", f"micro-batches per optimizer step (default {SETTING_DEFAULTS['ga']})", {"type": int}),
     Flag("--param-dtype", "the parameters' dtype, e.g. `bfloat16` (`tunix:` models; MaxText's "
@@ -102,12 +103,14 @@ FLAGS = (
          "micro-batch all-reduces its gradients)", {"choices": ("auto", "off")}),
     Flag("--search", "also find each lever's largest micro-batch that fits, a few compiles per lever, and "
          "recommend by it: from `--batch` up, and where `--batch` does not fit, from the smallest "
-         "micro-batch (one sequence per device of the batch axes) up", {"action": "store_true"}),
+         "micro-batch (one sequence per device of the batch axes) up. Refused with `--estimate` or "
+         "`--global-batch`", {"action": "store_true"}),
     Flag("--measure", "where this machine's devices are the target's chips: profile the first fitting row of "
          "each build there (a lever's update, with or without the accumulation loop; and a search's largest "
          "micro-batch) and time every row by the runs built as it is, then run each fitting row's "
          "one-program step (with `--search` each lever's largest micro-batch, and the recommended point) for "
-         "2 + 8 steps: the median beside the predicted", {"action": "store_true"}),
+         "2 steps, then 8 timed: their median beside the predicted, and the allocator's `bytes_in_use` after "
+         "them (`held GiB`: the state, not the program's temporaries)", {"action": "store_true"}),
     Flag("--calibration", "a plan made with `--measure` for this model on the target's chip (its plan.json "
          "or folder; several comma-separated): every row is also timed by the chip's own ratio to the cost "
          "model, kind by kind, on any machine, for any slice or pod of that chip (another chip's is refused)",
