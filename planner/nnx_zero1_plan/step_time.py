@@ -14,7 +14,7 @@ from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.networks import CollectiveTime, rings_of, tpu_collective_time
 from nnx_zero1_plan.program_record import ProgramRecord
-from nnx_zero1_plan.row import StepTime
+from nnx_zero1_plan.row import GPU_SOURCE, TPU_SOURCE, StepTime
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
@@ -206,10 +206,6 @@ def cycle_class(program: ProgramRecord | str) -> set[str]:
   return {i.work for body in ProgramRecord.of(program).computations.values() for i in body if i.work}
 
 
-TPU_SOURCE = "the TPU compiler's estimated_cycles (classic cost model), walked in schedule order"
-GPU_SOURCE = ("XLA's GPU cost model: its latency-hiding scheduler's estimate of each instruction (dumped "
-              "with xla_dump_latency_hiding_schedule; a bfloat16 matmul with a float32 result priced as the "
-              "same matmul with a bfloat16 result, nnx_zero1_plan.gpu_matmuls), walked in schedule order")
 NO_SCHEDULE = ("XLA's GPU scheduler dumped no estimates for one of the step's programs (on jax 0.12.0.1 it "
                "writes none for a program without collectives to schedule, and only the loop bodies of a "
                "program with loops): no time rather than a part of one")
