@@ -4,9 +4,10 @@
 32,000, an untied head, float32: 266.9M parameters. ``build_1b``: the same blocks at 1.21B parameters in
 bfloat16 (24 layers, d_model 2048, grouped-query attention with 16 query and 4 key/value heads, SwiGLU
 5632). ``build_7b``: the same blocks at 7.24B parameters in bfloat16, Llama-style (32 layers, d_model 4096,
-grouped-query attention 32/8, SwiGLU 14336). The planner calls them under ``nnx.eval_shape`` (no weights
-are made), at their default depth (and at reduced depths for ``--estimate``), and scores the logits
-against the next tokens::
+grouped-query attention 32/8, SwiGLU 14336). ``build_llama2_7b``: Llama 2 7B's shape, 6.74B parameters in
+bfloat16 (32 layers, d_model 4096, 32 heads, SwiGLU 11008). The planner calls them under ``nnx.eval_shape``
+(no weights are made), at their default depth (and at reduced depths for ``--estimate``), and scores the
+logits against the next tokens::
 
   python -m nnx_zero1.plan --model examples.planner_decoder:build --topology h100:4 --steps one --search
   python -m nnx_zero1.plan --model examples.planner_decoder:build_1b --topology h200:8 --steps one \
@@ -96,6 +97,12 @@ def build_1b(num_layers: int = 24) -> Decoder:
 def build_7b(num_layers: int = 32) -> Decoder:
   """The 7.24B bfloat16 Llama-style decoder at ``num_layers`` (default: the full depth)."""
   return Decoder(num_layers, width=4096, heads=32, kv_heads=8, hidden=14336, dtype=jnp.bfloat16,
+                 rngs=nnx.Rngs(0))
+
+
+def build_llama2_7b(num_layers: int = 32) -> Decoder:
+  """Llama 2 7B's shape, 6.74B bfloat16 parameters, at ``num_layers`` (default: the full depth)."""
+  return Decoder(num_layers, width=4096, heads=32, kv_heads=32, hidden=11008, dtype=jnp.bfloat16,
                  rngs=nnx.Rngs(0))
 
 

@@ -295,7 +295,7 @@ def test_the_table_by_target_is_the_kept_measurements():
   memory, time, _, _ = next(v for t, v in body.items() if t.startswith("one NVIDIA H200"))
   gpu = " ".join((ROOT / "docs/benchmarks.md").read_text().split())
   assert memory.startswith("under by 50 MiB") and "a constant 50 MiB above them" in gpu
-  assert time.startswith("not predicted")
+  assert time.startswith("not measured: XLA's GPU cost model")
 
 
 def test_the_prose_step_times_are_the_kept_plans():

@@ -13,7 +13,7 @@ from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.closing_lines import limit_words, recommendation_lines, way_out_lines
 from nnx_zero1_plan.plan_md import markdown
 from nnx_zero1_plan.recommend import Recommendation
-from nnx_zero1_plan.row import Row, as_json
+from nnx_zero1_plan.row import GPU_SOURCE, Row, as_json
 from nnx_zero1_plan.search_plot import draw_search
 from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.table import table
@@ -73,6 +73,13 @@ class Plan:
                    f"the runs had none or the reverse), so priced by all of them: {steps}; {CROSSING}")
     return lines
 
+  def _gpu_time_lines(self) -> list[str]:
+    """What a GPU row's predicted time rests on."""
+    if not any(r.figures.step_time and r.figures.step_time.source == GPU_SOURCE for r in self.rows):
+      return []
+    return ["", "step ms (pred.) on NVIDIA GPUs: XLA's GPU cost model on the compiled program, its matmuls "
+            "priced from tables XLA measured on the GPU; never checked on a GPU (docs/accuracy.md)"]
+
   def _split_lines(self) -> list[str]:
     """Each ``--global-batch`` row's splits compiled: each one's peak and time, which kind of time that is,
     and what chose the row's."""
@@ -94,7 +101,7 @@ class Plan:
     recommendation's, then the way out's."""
     m = self.meta
     limit = limit_words(m.request.margin, m.hbm_bytes, m.usable_bytes)
-    return [*self._calibration_lines(), *self._split_lines(),
+    return [*self._gpu_time_lines(), *self._calibration_lines(), *self._split_lines(),
             *recommendation_lines(self.recommendation, limit, search=m.request.search,
                                   estimate=m.request.estimate), *way_out_lines(self.way_out)]
 

@@ -78,6 +78,12 @@ def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
   return tuple(f.name for f in dataclasses.fields(record) if flag is None or f.metadata.get(flag))
 
 
+# What a step's time rests on (StepTime.source), for each kind of target.
+TPU_SOURCE = "the TPU compiler's estimated_cycles (classic cost model), walked in schedule order"
+GPU_SOURCE = ("XLA's GPU cost model: its latency-hiding scheduler's estimate of each instruction (dumped "
+              "with xla_dump_latency_hiding_schedule; a bfloat16 matmul with a float32 result priced as the "
+              "same matmul with a bfloat16 result, nnx_zero1_plan.gpu_matmuls), walked in schedule order")
+
 @dataclasses.dataclass(frozen=True)
 class StepTime(Record):
   """A step's predicted time on one device in parts, in seconds (:func:`nnx_zero1_plan.predict_step_time`)."""

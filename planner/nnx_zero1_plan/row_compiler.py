@@ -28,6 +28,7 @@ from nnx_zero1_plan.compiled import (
   summed_collectives,
 )
 from nnx_zero1_plan.estimate import NEAR, NEAR_LIMIT, estimate_mark, extrapolate_row, not_alike
+from nnx_zero1_plan.gpu_matmuls import tensor_core_priced
 from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
@@ -54,6 +55,8 @@ def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord
   target = timing.target
   slow = figures.collectives.across_bytes if figures.collectives else 0  # between slices or nodes; 0 on one
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
+  if scheduled is not None:
+    scheduled = tensor_core_priced(scheduled, [record for _, record, _ in programs], target.devices)
   time = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
                            tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                            scheduled=scheduled)

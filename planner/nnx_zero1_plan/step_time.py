@@ -1,7 +1,7 @@
 """A compiled program's time on one device, from the compiler's own cost model, walked in schedule order: the
 core advances by each instruction's estimate, collectives and host copies run on their own lanes beside it and
 the core stalls at a ``-done`` only for what is left (docs/planner.md's "How fast"). A step without a time
-says why (:data:`UNTUNED`, :data:`NO_ESTIMATE`, ...): nothing here guesses compute from a peak rate."""
+says why (:data:`NO_ESTIMATE`, :data:`HOST_UNTIMED`, ...): nothing here guesses compute from a peak rate."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.networks import CollectiveTime, rings_of, tpu_collective_time
 from nnx_zero1_plan.program_record import ProgramRecord
-from nnx_zero1_plan.row import StepTime
+from nnx_zero1_plan.row import GPU_SOURCE, TPU_SOURCE, StepTime
 
 # The compiler's estimate for an instruction it did not estimate (INT64_MAX).
 NOT_ESTIMATED = 2**63 - 1
@@ -206,13 +206,6 @@ def cycle_class(program: ProgramRecord | str) -> set[str]:
   return {i.work for body in ProgramRecord.of(program).computations.values() for i in body if i.work}
 
 
-TPU_SOURCE = "the TPU compiler's estimated_cycles (classic cost model), walked in schedule order"
-GPU_SOURCE = ("XLA's GPU latency-hiding scheduler's estimate of each instruction (its own cost model, "
-              "dumped with xla_dump_latency_hiding_schedule), walked in schedule order")
-UNTUNED = ("XLA's GPU compiler without a GPU does not autotune its matmuls: they keep default tiles (16x8 "
-           "with 2 warps), which its scheduler estimates far below the chip's peak (Tunix's qwen3_0p6b on 8 "
-           "H100s: 591 matmul fusions at 33 TFLOP/s together, 3% of the bfloat16 peak); that estimate is "
-           "kept in step_time as an upper bound, not taken for the step's time")
 NO_SCHEDULE = ("XLA's GPU scheduler dumped no estimates for one of the step's programs (on jax 0.12.0.1 it "
                "writes none for a program without collectives to schedule, and only the loop bodies of a "
                "program with loops): no time rather than a part of one")
@@ -253,8 +246,7 @@ class PredictedTime:
 
 def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], chip: Chip, *, devices: int,
                       tokens_per_device: float, compute_dtype: str, slow_bytes: int = 0,
-                      scheduled: Mapping[str, Mapping[str, float]] | None = None, deviceless: bool = True
-                      ) -> PredictedTime:
+                      scheduled: Mapping[str, Mapping[str, float]] | None = None) -> PredictedTime:
   """A step's predicted time on one device: its programs' walks (:func:`program_time`), each as many times
   as one step runs it, and the slow network's bytes over its rate, exposed.
 
@@ -268,8 +260,6 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
     slow_bytes: the bytes one device sends per step between slices or nodes.
     scheduled: XLA's GPU scheduler's estimates, ``{module: {instruction: seconds}}``
       (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None for a TPU program, which carries its own.
-    deviceless: whether a GPU program was compiled without its GPU (its matmuls not autotuned: its time is
-      not the tuned program's, and only its parts are kept); False on the GPU itself.
 
   Returns:
     The row's time figures (:class:`PredictedTime`; ``time_absent`` says why where there is no time).
@@ -303,8 +293,6 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
       host_s=step.host_s if rates.host_bytes_per_s else None, unestimated_ops=step.unestimated,
       clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
       roofline_s=flops / peak if flops else None)
-  if scheduled is not None and deviceless:  # not the program that runs on the GPU: its parts, no time
-    return PredictedTime(step_time=parts, time_absent=UNTUNED)
   return PredictedTime(predicted, tokens_per_device / predicted, flops / predicted / peak if flops else None,
                        parts)
 

@@ -122,19 +122,61 @@ def test_gpu_plan_saves_what_the_layout_rule_predicts(tmp_path):
     assert rows[lever, "one"]["flops_per_device"] == rows[lever, "split"]["flops_per_device"] == (
         3 * 2 * 64 * 512 * 512 * 7)
   assert result["rows"][0]["device_kind"] == "NVIDIA H100 80GB HBM3"
-  # A GPU row's compute: XLA's GPU scheduler's own estimates, present and positive where it scheduled the
-  # program (one with collectives), kept as the parts of an untuned program and no predicted time; the
-  # baseline's split update has none to schedule, and says so.
+  # A GPU row's time: XLA's GPU scheduler's own estimates where it scheduled the program (one with
+  # collectives); the baseline's split update has none to schedule, and says so.
   for r in result["rows"]:
-    assert r["predicted_step_s"] is None and r["tokens_per_s_per_device"] is None
     if (r["lever"], r["step"]) == ("baseline", "split"):
       assert "dumped no estimates" in r["time_absent"] and r["step_time"] is None
+      assert r["predicted_step_s"] is None
     else:
-      assert r["step_time"]["compute_s"] > 0 and "does not autotune" in r["time_absent"], r["lever"]
-      assert r["step_time"]["source"].startswith("XLA's GPU latency-hiding scheduler")
+      assert r["predicted_step_s"] >= r["step_time"]["compute_s"] > 0 and r["time_absent"] is None, r["lever"]
+      assert r["step_time"]["source"].startswith("XLA's GPU cost model")
   # jax's GPU pool at its default 0.75 of what the CUDA context leaves, less the GPU's 256 MiB reserve
   assert result["meta"]["hbm_bytes"] == int(0.75 * (84_929_347_584 - 643_476_139))
   assert result["meta"]["usable_bytes"] == result["meta"]["hbm_bytes"] - 256 * 2**20
+
+
+_MATMULS = """
+import json, tempfile
+from nnx_zero1_plan import compilers
+compilers.start_cpu_jax()
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from nnx_zero1_plan.gpu_matmuls import bfloat16_result_seconds, float32_result_matmuls, tensor_core_priced
+from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
+from nnx_zero1_plan.program_record import ProgramRecord
+from nnx_zero1_plan.targets import make_target
+
+devices = make_target("h100:8").devices
+mesh = Mesh(np.array(devices), ("data",))
+a = jax.ShapeDtypeStruct((8, 2048, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+b = jax.ShapeDtypeStruct((8, 1024, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+step = lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y, preferred_element_type=jnp.float32).sum()
+with tempfile.TemporaryDirectory() as folder:
+  record = ProgramRecord.read(jax.jit(step).lower(a, b).compile(dump_options(folder)).as_text())
+  scheduled = scheduled_seconds(folder)
+(name, matmul), = float32_result_matmuls(record).items()
+priced = tensor_core_priced(scheduled, [record], devices)
+print("RESULT " + json.dumps({"matmul": matmul, "scheduled": scheduled[record.module][name],
+                              "priced": priced[record.module][name],
+                              "bf16": bfloat16_result_seconds(matmul, tuple(devices))}))
+"""
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs XLA's GPU compiler (CI lane 2)")
+def test_a_bfloat16_matmul_with_a_float32_result_is_priced_as_the_tensor_cores_run_it():
+  proc = subprocess.run([sys.executable, "-c", _MATMULS], env=planner_env(), capture_output=True, text=True,
+                        timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+  got = json.loads(line[len("RESULT "):])
+  # One GPU's share of the einsum (its batch of one squeezed away by the compiler).
+  assert got["matmul"] == [[2048, 1024], [1024, 2048], [[[1], [0]], [[], []]]]
+  flops = 2 * 2048 * 1024 * 2048
+  # XLA's tables have no bf16 x bf16 -> f32 entry: the scheduler prices it far below a tensor core's rate,
+  # and the same matmul with a bf16 result at one; that price replaces the other.
+  assert flops / got["scheduled"] < 50e12 < 200e12 < flops / got["bf16"]
+  assert got["priced"] == got["bf16"]
 
 
 _ACCOUNTING = """
@@ -356,11 +398,14 @@ def test_a_search_on_8_h100_finds_the_edge_and_recommends_by_it(tmp_path):
     assert all(p["fits"] for b, p in probes.items() if b <= edge)  # the edge lies below the first failure
     # Near the edge the compiler's peaks wobble by MiB; across the search they rise with the batch.
     assert probes[8]["peak_bytes_per_device"] < probes[edge]["peak_bytes_per_device"]
-  # No GPU point has a predicted time (its matmuls untuned without a GPU): the memory order recommends.
-  assert all(p.get("predicted_step_s") is None for p in rows["zero1"]["search"])
+  # Every GPU point has a predicted time (XLA's GPU cost model): the recommendation is among the fastest
+  # points that fit, per token.
+  fitting = [p for p in rows["zero1"]["search"] if p["fits"]]
+  assert all(p["predicted_step_s"] > 0 for p in fitting)
   best = result["recommendation"]
-  assert best["order"][1] == "largest micro-batch"
-  assert best["lever"] == "zero1" and best["micro_batch"] == rows["zero1"]["max_micro_batch"]
+  fastest = max(p["tokens_per_s_per_device"] for p in fitting)
+  chosen = next(p for p in fitting if p["batch"] == best["micro_batch"])
+  assert best["lever"] == "zero1" and chosen["tokens_per_s_per_device"] >= 0.95 * fastest
   assert best["cli"].startswith(f"python -m nnx_zero1.plan --model {TOYS}:tiny_lm --topology h100")
   assert f"--batch {best['micro_batch']} " in best["cli"] and best["lever"] in rows
 

@@ -12,7 +12,6 @@ from nnx_zero1_plan.row import Figures, Made, Point, Row
 from nnx_zero1_plan.step_time import (
   NO_ESTIMATE,
   NO_SCHEDULE,
-  UNTUNED,
   Rates,
   predict_step_time,
   program_time,
@@ -127,14 +126,13 @@ def test_a_program_without_cycles_has_no_time_not_a_guess():
   assert unscheduled.time_absent == NO_SCHEDULE
 
 
-def test_a_gpu_program_compiled_without_its_gpu_keeps_its_parts_but_predicts_no_time():
+def test_a_gpu_program_is_timed_by_its_schedulers_estimates():
   program = _module(["  %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
-  args = dict(devices=4, tokens_per_device=8, compute_dtype="bfloat16", scheduled={"jit_f": {"r": 1e-3}})
-  untuned = predict_step_time([("step", program, 1)], CHIPS["h100"], **args)
-  assert untuned.predicted_step_s is None and untuned.time_absent == UNTUNED
-  assert untuned.step_time.compute_s == pytest.approx(1e-3)
-  on_the_gpu = predict_step_time([("step", program, 1)], CHIPS["h100"], **args, deviceless=False)
-  assert on_the_gpu.predicted_step_s == pytest.approx(1e-3) and on_the_gpu.time_absent is None
+  timed = predict_step_time([("step", program, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
+                            compute_dtype="bfloat16", scheduled={"jit_f": {"r": 1e-3}})
+  assert timed.predicted_step_s == pytest.approx(1e-3) and timed.time_absent is None
+  assert timed.step_time.compute_s == pytest.approx(1e-3)
+  assert timed.tokens_per_s_per_device == pytest.approx(8e3)
 
 
 def _row_groups(size: int, rows: int) -> tuple[tuple[int, ...], ...]:
