@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
-from nnx_zero1._src.companion import Collective, Instruction
+from nnx_zero1._src.companion import Instruction
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.networks import CollectiveTime, rings_of, tpu_collective_time
@@ -115,6 +115,16 @@ class _Walk:
       self.exposed_host_s += stall
 
 
+def network_seconds(i: Instruction, rates: Rates, devices: int) -> float:
+  """A collective instruction's seconds on the network, at ``rates``, in a program of ``devices``."""
+  c = i.collective
+  if c is None or len(c.groups(devices)[0]) < 2:
+    return 0.0
+  groups, sent = c.groups(devices), c.sent(devices)
+  return (sent / rates.network_bytes_per_s(len(groups[0])) if rates.collective_s is None
+          else rates.collective_s(c.op, sent, groups, rings_of(i.line), devices))
+
+
 def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None = None,
                  estimates: Mapping[str, float] | None = None) -> ProgramTime:
   """A compiled program's time on one device: its schedule walked with the compiler's estimates.
@@ -155,19 +165,12 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
     return None if i.cycles >= NOT_ESTIMATED else i.cycles / (rates.class_clocks_hz or {}).get(i.work or "",
                                                                                                 rates.clock_hz)
 
-  def network_seconds(c: Collective, line: str) -> float:
-    groups, sent = c.groups(devices), c.sent(devices)
-    if len(groups[0]) < 2:
-      return 0.0
-    return (sent / rates.network_bytes_per_s(len(groups[0])) if rates.collective_s is None
-            else rates.collective_s(c.op, sent, groups, rings_of(line), devices))
-
   @functools.cache
   def walk(name: str) -> ProgramTime:
     w = _Walk()
     for i in record.computations.get(name, ()):
       if i.collective:
-        w.start(i.name, network_seconds(i.collective, i.line), "network")
+        w.start(i.name, network_seconds(i, rates, devices), "network")
         if not i.collective.start:
           w.wait(i.name)
       elif i.host:
