@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.bands import SAME_SPEED, differ_in, parts_of, told_apart
+from nnx_zero1_plan.bands import SAME_SPEED, differ_in, kind_bytes, parts_of, told_apart
 from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
@@ -23,8 +23,8 @@ ORDER: tuple[str, ...] = (
     "most headroom at that micro-batch", "no remat", "the lighter lever")
 _SAME_BYTES = 0.01  # collective bytes this close are a tie: the headroom decides
 BY_THROUGHPUT: tuple[str, ...] = ("fits", "most predicted tokens per second per device",
-                                  "equal to it within what the plan can tell (within 2%, or each part of the "
-                                  "step within its band): most headroom", "no remat", "the lighter lever")
+                                  "equal to it within what the plan can tell (within 2%, or each part within "
+                                  "its band): most headroom", "no remat", "the lighter lever")
 # Where every point that fits has a time calibrated on the chip (--measure, --calibration), that time ranks.
 BY_CALIBRATED: tuple[str, ...] = ("fits", "most tokens per second per device, timed as calibrated",
                                   *BY_THROUGHPUT[2:])
@@ -320,17 +320,15 @@ def _speed(row: Row, point: Point, calibrated: bool) -> str:
   return words
 
 
-def _per_token(point: Point, calibrated: bool) -> dict[str, float]:
-  """A point's time by source (:func:`~nnx_zero1_plan.bands.parts_of`) per token one device trains."""
-  tokens = (point.tokens_per_s_per_device or 0.0) * (point.predicted_step_s or 0.0) or 1.0
-  return {k: v / tokens for k, v in (parts_of(point, calibrated) or {}).items()}
+def _parts(c: tuple[Row, Point], calibrated: bool) -> dict[str, float]:
+  """A point's time by source (:func:`~nnx_zero1_plan.bands.parts_of`), its collectives' kinds its row's."""
+  return parts_of(c[1], calibrated, kind_bytes(c[0].figures.collectives)) or {}
 
 
-def _equal(best: tuple[Row, Point], rival: tuple[Row, Point], calibrated: bool) -> str:
-  """Why two points are equal within what the plan can tell: the parts they differ in, and their bands."""
-  names = (best[0].lever, rival[0].lever)
-  mine, theirs = (parts_of(c[1], calibrated) or {} for c in (best, rival))
-  return f"equal within what the plan can tell: they differ in {differ_in(mine, theirs, names)}"
+def _per_token(c: tuple[Row, Point], calibrated: bool) -> dict[str, float]:
+  """A point's time by source per token one device trains."""
+  tokens = (c[1].tokens_per_s_per_device or 0.0) * (c[1].predicted_step_s or 0.0) or 1.0
+  return {k: v / tokens for k, v in _parts(c, calibrated).items()}
 
 
 def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str, ...]] | None:
@@ -360,19 +358,18 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str
   calibrated = judged_by_calibrated(p for _, p in points)
   speed = lambda c: _throughput(c[1], calibrated)
   fastest = max(points, key=speed)
-  told = lambda c, d: told_apart(_per_token(c[1], calibrated), _per_token(d[1], calibrated))
+  told = lambda c, d: told_apart(_per_token(c, calibrated), _per_token(d, calibrated))
   best, at = min((c for c in points if told(c, fastest) is None), key=lambda c: _roomier(*c))
   why = []
   for rival in dict.fromkeys(r.lever for r, _ in points if r.lever != best.lever):
     theirs = max((c for c in points if c[0].lever == rival), key=speed)
-    slower = 1 - speed(theirs) / speed((best, at))
-    if abs(slower) <= SAME_SPEED:
+    if abs(1 - speed(theirs) / speed((best, at))) <= SAME_SPEED:
       reason = f"within 2%, {best.lever} for its headroom"
     elif told((best, at), theirs) is None:
-      reason = f"{_equal((best, at), theirs, calibrated)}: {best.lever} for its headroom"
+      parts = differ_in(_parts((best, at), calibrated), _parts(theirs, calibrated), (best.lever, rival))
+      reason = f"equal within what the plan can tell: they differ in {parts}: {best.lever} for its headroom"
     else:
-      reason = (f"{best.lever} for its throughput ({rival} {slower:.1%} slower, more than the bands of the "
-                "parts they differ in allow)")
+      reason = f"{best.lever} for its throughput"
     why.append(f"{_speed(best, at, calibrated)}; {_speed(*theirs, calibrated)}: {reason}")
   return best, at, why, BY_CALIBRATED if calibrated else BY_THROUGHPUT
 
