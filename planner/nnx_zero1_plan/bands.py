@@ -77,11 +77,11 @@ def kind_bytes(collectives: Collectives | None) -> dict[str, int]:
   return {k: b for k, b in sent.items() if b > 0}
 
 
-def parts_of(t: Figures | Point, calibrated: bool, kinds: Mapping[str, int] | None = None
+def parts_of(t: Figures | Point, calibrated: bool, kinds: Mapping[str, float] | None = None
              ) -> dict[str, float] | None:
-  """A step's time by the source of each part (seconds): its exposed collectives on the slice (kind by kind,
-  in the shares of ``kinds``' bytes: :func:`kind_bytes`), host copies and slow network, and the compute the
-  rest of it; None where the step has no such time.
+  """A step's time by the source of each part (seconds): its exposed collectives on the slice (kind by kind:
+  as the walk kept them, else in the shares of ``kinds``' bytes, :func:`kind_bytes`), host copies and slow
+  network, and the compute the rest of it; None where the step has no such time.
 
   Example::
 
@@ -100,6 +100,7 @@ def parts_of(t: Figures | Point, calibrated: bool, kinds: Mapping[str, int] | No
   if st is None:
     return {COMPUTE_CALIBRATED if calibrated else COMPUTE: total}
   slice_s = (t.calibrated_collective_s if own else st.fast_exposed_s) or 0.0
+  kinds = st.fast_exposed_by_kind or kinds  # the walk's own, where the row kept it
   named, every = SLICE_CALIBRATED if own else SLICE, sum((kinds or {}).values())
   by_kind = ({f"{named}: {k}": slice_s * b / every for k, b in (kinds or {}).items()} if every
              else {named: slice_s})

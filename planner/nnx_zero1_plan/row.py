@@ -95,6 +95,7 @@ class StepTime(Record):
   unestimated_ops: int
   clock_ghz: float | None
   roofline_s: float | None
+  fast_exposed_by_kind: Mapping[str, float] | None = _when_set()  # fast_exposed_s, kind by kind
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,9 +28,11 @@ from nnx_zero1_plan.calibration import Calibration, combined
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.recommend import BY_CALIBRATED, by_throughput, saves_little, splits_nothing
 from nnx_zero1_plan.result import Plan
+from nnx_zero1_plan.row import Figures
 from nnx_zero1_plan.step_time import rates_for
 from tests.planner.test_device_records import CASES, walked
 from tests.planner.test_step_time_seed import MEASURED_MS, programs
+from tests.planner.test_step_time_seed import walked as seed_walk
 from tests.support.docs_tables import table_under
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -191,3 +193,21 @@ ENTRY %main (p: f32[1024]) -> f32[1024] {
   made = calibrate(priced, profile, lever="zero1", micro_batch=8, ga=1, seq_len=8, step_s=0.0, chip="v6e",
                    jax="0.0", libtpu=None, topology="v6e:2x2")
   assert made.collectives is not None and made.collectives["all-gather"].ratio == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("plan", ["deferred", "not_deferred"])
+def test_the_walk_keeps_each_kinds_exposed_collectives_and_the_seeds_pair_ties_by_them(plan):
+  """A plan made now keeps its exposed collectives kind by kind (the walk's own, not a share of the bytes):
+  on the seed's programs, reduce-scatters and all-gathers where Zero-1 defers, one more all-gather where
+  every micro-batch all-reduces; the pair is equal within what the plan can tell by them too."""
+  parts = {}
+  for lever in ("baseline", "zero1"):
+    t = seed_walk(f"{plan}_{lever}")
+    st = t.step_time
+    assert st is not None and st.fast_exposed_by_kind is not None
+    assert sum(st.fast_exposed_by_kind.values()) == pytest.approx(st.fast_exposed_s, abs=1e-6)
+    figures = Figures(predicted_step_s=t.predicted_step_s, step_time=st)
+    parts[lever] = parts_of(figures, calibrated=False)
+  assert told_apart(parts["baseline"], parts["zero1"]) is None
+  zero1, baseline = (p[f"{SLICE}: all-reduce"] for p in (parts["zero1"], parts["baseline"]))
+  assert (zero1 == pytest.approx(baseline, rel=0.01)) == (plan == "not_deferred")
