@@ -369,8 +369,9 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str
       parts = differ_in(_parts((best, at), calibrated), _parts(theirs, calibrated), (best.lever, rival))
       reason = f"equal within what the plan can tell: they differ in {parts}: {best.lever} for its headroom"
     else:  # told apart: by how much, the bands of the parts they differ in notwithstanding
-      reason = (f"{best.lever} for its throughput, {speed((best, at)) / speed(theirs) - 1:.1%} more tokens per "
-                "second, more than the bands of the parts they differ in allow")
+      more = speed((best, at)) / speed(theirs) - 1
+      reason = (f"{best.lever} for its throughput, {more:.1%} more tokens per second, more than the bands of "
+                "the parts they differ in allow")
     why.append(f"{_speed(best, at, calibrated)}; {_speed(*theirs, calibrated)}: {reason}")
   return best, at, why, BY_CALIBRATED if calibrated else BY_THROUGHPUT
 
