@@ -7,6 +7,7 @@ chip's)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -29,10 +30,9 @@ from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.recommend import BY_CALIBRATED, by_throughput, saves_little, splits_nothing
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Figures
-from nnx_zero1_plan.step_time import rates_for
-from tests.planner.test_device_records import CASES, walked
+from nnx_zero1_plan.step_time import predict_step_time, rates_for
+from tests.planner.test_device_records import CASES
 from tests.planner.test_step_time_seed import MEASURED_MS, programs
-from tests.planner.test_step_time_seed import walked as seed_walk
 from tests.support.docs_tables import table_under
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -48,7 +48,9 @@ def _row(plan: Plan, lever: str):
 
 
 def test_the_cost_models_band_is_the_v5e_record():
-  errors = [walked(c).total_s * 1e3 / c["step_ms"] - 1 for c in CASES]
+  # The v5e table's errors (tests/planner/test_device_records.py holds them to the walk of each kept run).
+  errors = [float(r[6].rstrip("%")) / 100 for r in table_under("docs/accuracy.md", "| model (`examples")]
+  assert len(errors) == len(CASES)
   assert (round(min(errors), 3), round(max(errors), 3)) == (BANDS[COMPUTE].low, BANDS[COMPUTE].high)
 
 
@@ -123,10 +125,16 @@ def _profile(priced, chip: dict[str, float]):
   return {"ops": ops, "modules": {"step": [sum(ns for ns, _ in ops.values()), 1]}}
 
 
+@functools.cache
+def _read(arm: str) -> list:
+  """The arm's programs, each read and priced once for every test here: ``(priced, times, name)``."""
+  return [(read_program(text, rates_for(CHIPS["v6e"])), times, name) for name, text, times in programs(arm)]
+
+
 def _calibrated(arm: str, chip: dict[str, float]) -> tuple[Calibration, list]:
   """The arm's programs each priced and calibrated from a profile of its own (as --measure does each build),
   combined: each kind of collective's chip seconds over the walk's."""
-  read = [(read_program(text, rates_for(CHIPS["v6e"])), times) for _, text, times in programs(arm)]
+  read = [(p, times) for p, times, _ in _read(arm)]
   made = [calibrate(p, _profile(p, chip), lever=arm, micro_batch=8, ga=8, seq_len=1024, step_s=0.0,
                     chip="v6e", jax="0.0", libtpu=None, topology="v6e:2x2") for p, _ in read]
   return combined(*made), read
@@ -195,22 +203,24 @@ ENTRY %main (p: f32[1024]) -> f32[1024] {
   assert made.collectives is not None and made.collectives["all-gather"].ratio == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("plan", ["deferred", "not_deferred"])
-def test_the_walk_keeps_each_kinds_exposed_collectives_and_the_seeds_pair_ties_by_them(plan):
+def test_the_walk_keeps_each_kinds_exposed_collectives_and_the_seeds_pair_ties_by_them():
   """A plan made now keeps its exposed collectives kind by kind (the walk's own, not a share of the bytes):
-  on the seed's programs, reduce-scatters and all-gathers where Zero-1 defers, one more all-gather where
-  every micro-batch all-reduces; the pair is equal within what the plan can tell by them too."""
+  on the seed's deferred programs, the baseline's all-reduces against Zero-1's reduce-scatters and
+  all-gathers; the pair is equal within what the plan can tell by them too."""
+  plan = "deferred"
   parts = {}
   for lever in ("baseline", "zero1"):
-    t = seed_walk(f"{plan}_{lever}")
+    read = [(name, p.record, times) for p, times, name in _read(f"{plan}_{lever}")]
+    t = predict_step_time(read, CHIPS["v6e"], devices=4, tokens_per_device=8 * 1024 * 8 / 4,
+                          compute_dtype="bfloat16")
     st = t.step_time
     assert st is not None and st.fast_exposed_by_kind is not None
     assert sum(st.fast_exposed_by_kind.values()) == pytest.approx(st.fast_exposed_s, abs=1e-6)
     figures = Figures(predicted_step_s=t.predicted_step_s, step_time=st)
     parts[lever] = parts_of(figures, calibrated=False)
   assert told_apart(parts["baseline"], parts["zero1"]) is None
-  zero1, baseline = (p[f"{SLICE}: all-reduce"] for p in (parts["zero1"], parts["baseline"]))
-  assert (zero1 == pytest.approx(baseline, rel=0.01)) == (plan == "not_deferred")
+  kinds = lambda lever: {k.split(": ")[1] for k in parts[lever] if k.startswith(SLICE + ":")}  # noqa: E731
+  assert {"reduce-scatter", "all-gather"} <= kinds("zero1") and "all-reduce" in kinds("baseline")
 
 
 def test_the_models_own_pair_ratio_on_the_seed_stays_visible():
