@@ -1,6 +1,6 @@
 """How far each part of a predicted step holds, in one table (:data:`BANDS`, each band from the measurements
-docs/accuracy.md keeps), and the one rule that ranks two steps by time (:func:`told_apart`): only where no
-error those bands allow brings them within 2% or turns their difference around; otherwise they are equal
+docs/accuracy.md keeps), and the one rule that ranks two steps by time (:func:`told_apart`): only where they
+are more than 2% apart and no error those bands allow turns their difference around; otherwise they are equal
 within what the plan can tell, and the plan names the part in doubt (:func:`differ_in`)."""
 
 from __future__ import annotations
