@@ -16,7 +16,7 @@ from typing import Any
 
 from nnx_zero1_plan.calibration import Calibration, Run, summed_kinds
 from nnx_zero1_plan.program_record import ProgramRecord
-from nnx_zero1_plan.step_time import NOT_ESTIMATED, Rates, program_time
+from nnx_zero1_plan.step_time import NOT_ESTIMATED, Rates, network_seconds, program_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,9 @@ class PricedProgram:
   rates: Rates
   priced: Mapping[str, tuple[str, float, int]]
   overlapped: bool
+  # Each collective as priced (name: kind, walked seconds per run, runs per call), and an async one's -done.
+  collectives: Mapping[str, tuple[str, float, int]] = dataclasses.field(default_factory=dict)
+  dones: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def read_program(program: ProgramRecord | str, rates: Rates) -> PricedProgram:
@@ -35,32 +38,54 @@ def read_program(program: ProgramRecord | str, rates: Rates) -> PricedProgram:
   walks it: each computation as often as it runs, each priced instruction at its class's clock, its kind."""
   record = ProgramRecord.of(program)
   priced: dict[str, tuple[str, float, int]] = {}
+  collectives: dict[str, tuple[str, float, int]] = {}
+  dones: dict[str, str] = {}
   overlapped = False
   for i, runs in ((i, runs) for name, runs in record.runs.items() for i in record.computations[name]):
+    if i.op.endswith("-done"):
+      dones[i.args.split(",")[0].strip().lstrip("%")] = i.name
     if i.op.endswith("-done") or i.op in ("while", "call", "conditional"):
       continue  # a transfer's end is the walk's wait; a callee's instructions are its own computation's
+    if i.collective and (seconds := network_seconds(i, rates, record.devices)):
+      collectives[i.name] = (i.collective.op, seconds, runs)
     if i.collective or i.host:
       overlapped = True
     elif i.cycles is not None and i.cycles < NOT_ESTIMATED and rates.clock_hz is not None:
       clock = (rates.class_clocks_hz or {}).get(i.work or "", rates.clock_hz)
       priced[i.name] = (i.kind or "", i.cycles / clock, runs)
-  return PricedProgram(record, rates, priced, overlapped)
+  return PricedProgram(record, rates, priced, overlapped, collectives, dones)
 
 
-def _walk(program: PricedProgram, calibration: Calibration) -> tuple[float, float]:
-  """(total, compute) seconds of one call of the program walked with each priced instruction at its kind's
-  ratio; with nothing beside the core, the walk is the sum (the same figure, without walking)."""
+def _walk(program: PricedProgram, calibration: Calibration, topology: str | None = None
+          ) -> tuple[float, float, float]:
+  """(total, compute, exposed collectives) seconds of one call of the program walked with each priced
+  instruction at its kind's ratio, and each collective at its kind's where ``topology`` is the slice the
+  calibration timed them on; with nothing beside the core, the walk is the sum (without walking)."""
   scaled = {name: seconds * calibration.ratio(kind) for name, (kind, seconds, _) in program.priced.items()}
   if not program.overlapped:
     compute = sum(scaled[name] * runs for name, (_, _, runs) in program.priced.items())
-    return compute, compute
-  walk = program_time(program.record, program.rates, estimates=scaled)
-  return walk.total_s, walk.compute_s or 0.0
+    return compute, compute, 0.0
+  own, timed = program.rates, calibration.collectives_on(topology or "")
+  ratio = lambda kind: timed[kind].ratio if kind in timed else 1.0
+  rates = dataclasses.replace(own, collective_s=lambda kind, *at: network_seconds_at(own, kind, *at)
+                              * ratio(kind)) if timed else own
+  walk = program_time(program.record, rates, estimates=scaled)
+  return walk.total_s, walk.compute_s or 0.0, walk.exposed_collective_s
+
+
+def network_seconds_at(rates: Rates, kind: str, sent: int, groups: tuple[tuple[int, ...], ...], rings: int,
+                       devices: int) -> float:
+  """A collective's seconds at ``rates`` (its own time on the links, else the network's rate)."""
+  if rates.collective_s is not None:
+    return rates.collective_s(kind, sent, groups, rings, devices)
+  return sent / rates.network_bytes_per_s(len(groups[0]))
 
 
 def calibrate(program: PricedProgram, profile: Mapping[str, Any], *, lever: str, micro_batch: int, ga: int,
-              seq_len: int, step_s: float, chip: str, jax: str, libtpu: str | None) -> Calibration:
-  """A calibration from one run: each kind's chip seconds over the walk's, the rest and the launch.
+              seq_len: int, step_s: float, chip: str, jax: str, libtpu: str | None,
+              topology: str | None = None) -> Calibration:
+  """A calibration from one run: each kind's chip seconds over the walk's, the rest and the launch; on a
+  slice of more than one chip, each kind of collective's too.
 
   Args:
     program: the profiled program (:func:`read_program`).
@@ -69,25 +94,34 @@ def calibrate(program: PricedProgram, profile: Mapping[str, Any], *, lever: str,
     lever, micro_batch, ga, seq_len: the plan row it ran.
     step_s: the step's measured wall seconds (a median of steady steps).
     chip, jax, libtpu: the chip table's name and the versions it ran with.
+    topology: the slice it ran on (the plan's ``--topology``); its collectives are timed where it has any.
 
   Returns:
     The :class:`Calibration`. Each instruction is compared per run (the profile's nanoseconds over its
     count, times the walk's runs: a loop's trips are the walk's on both sides); one the profile never saw
-    is left out of its kind, and its walked seconds out of the rest.
+    is left out of its kind, and its walked seconds out of the rest. A collective's chip seconds are its
+    instruction's, and an async one's ``-done`` with its start (what the core spent on it: one overlapped
+    reads short, as it costs the step little).
   """
   ops = profile["ops"]
-  kinds = summed_kinds((kind, seconds * runs, ops[name][0] / 1e9 / ops[name][1] * runs)
-                  for name, (kind, seconds, runs) in program.priced.items() if ops.get(name, (0, 0))[1])
+  per_run = lambda name, runs: ops[name][0] / 1e9 / ops[name][1] * runs if ops.get(name, (0, 0))[1] else 0.0
+  kinds = summed_kinds((kind, seconds * runs, per_run(name, runs))
+                       for name, (kind, seconds, runs) in program.priced.items() if per_run(name, runs))
+  collectives = summed_kinds(
+      (kind, seconds * runs, per_run(name, runs) + per_run(program.dones.get(name, ""), runs))
+      for name, (kind, seconds, runs) in program.collectives.items() if per_run(name, runs))
   device_s = sum(ns for ns, _ in profile["modules"].values()) / 1e9
-  made = Calibration(chip, jax, libtpu, (), kinds)
-  total_s, compute_s = _walk(program, made)
+  made = Calibration(chip, jax, libtpu, (), kinds, collectives or None, topology if collectives else None)
+  total_s, compute_s, _ = _walk(program, made, topology)
   run = Run(lever, micro_batch, ga, seq_len, step_s, device_s, compute_s, device_s - total_s)
   return dataclasses.replace(made, runs=(run,))
 
 
-def calibrated_time(programs: Sequence[tuple[PricedProgram, int]], calibration: Calibration) -> float:
-  """One step's calibrated seconds on the chip: each program's calibrated walk (and its rest) as many times as
-  the step runs it, and the step's launch once.
+def calibrated_step(programs: Sequence[tuple[PricedProgram, int]], calibration: Calibration,
+                    topology: str | None = None) -> tuple[float, float]:
+  """One step's calibrated seconds on the chip (each program's calibrated walk and its rest as many times as
+  the step runs it, and the step's launch once), and the collectives' exposed part of it (each kind at its
+  ratio where ``topology`` is the slice the calibration timed them on).
 
   Example::
 
@@ -99,11 +133,17 @@ def calibrated_time(programs: Sequence[tuple[PricedProgram, int]], calibration: 
     >>> profile = {"ops": {"f": [500.0, 1]}, "modules": {"jit_step": [600.0, 1]}}
     >>> c = calibrate(program, profile, lever="baseline", micro_batch=8, ga=1, seq_len=1024, step_s=2e-6,
     ...               chip="v5e", jax="0.10.2", libtpu=None)
-    >>> c.ratio("vector"), round(calibrated_time([(program, 1)], c) * 1e6, 6)
+    >>> c.ratio("vector"), round(calibrated_step([(program, 1)], c)[0] * 1e6, 6)
     (0.5, 2.0)
   """
-  total = 0.0
+  total = exposed = 0.0
   for program, times in programs:
-    walk_s, compute_s = _walk(program, calibration)
+    walk_s, compute_s, collective_s = _walk(program, calibration, topology)
     total += times * (walk_s + calibration.rest_share * compute_s)
-  return total + calibration.launch_s
+    exposed += times * collective_s
+  return total + calibration.launch_s, exposed
+
+
+def calibrated_time(programs: Sequence[tuple[PricedProgram, int]], calibration: Calibration) -> float:
+  """One step's calibrated seconds on one chip (:func:`calibrated_step`)."""
+  return calibrated_step(programs, calibration)[0]

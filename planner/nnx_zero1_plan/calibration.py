@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from nnx_zero1_plan.inputs import PlanError
-from nnx_zero1_plan.row import Record
+from nnx_zero1_plan.row import Record, _when_set
 
 # What a step priced across its build has missed by, on the runs kept on one v5e chip (docs/accuracy.md, "One
 # TPU v5e chip", held there by tests/planner/test_calibration.py): a plan says it under such a step. The
@@ -73,10 +73,18 @@ class Calibration(Record):
   libtpu: str | None
   runs: tuple[Run, ...]
   kinds: Mapping[str, KindTime]
+  # Each kind of collective (all-reduce, reduce-scatter, ...) timed on the slice the runs were on, and that
+  # slice (the plan's topology): only a plan for that slice is priced by them.
+  collectives: Mapping[str, KindTime] | None = _when_set()
+  slice: str | None = _when_set()
 
   def ratio(self, kind: str) -> float:
     """A kind's ratio; 1.0 (the walk as it is) for a kind the profiled programs did not run."""
     return self.kinds[kind].ratio if kind in self.kinds else 1.0
+
+  def collectives_on(self, topology: str) -> Mapping[str, KindTime]:
+    """The collectives' kinds timed on ``topology`` (none where the runs were on another slice)."""
+    return (self.collectives or {}) if self.slice == topology else {}
 
   @property
   def rest_share(self) -> float:
@@ -93,6 +101,9 @@ class Calibration(Record):
     runs = [f"{r.lever} at micro-batch {r.micro_batch} x GA {r.ga}, seq {r.seq_len}" for r in self.runs]
     plural = "s" * (len(runs) > 1)
     words = f"calibrated on one {self.chip} chip from {len(runs)} run{plural} ({'; '.join(runs)})"
+    if self.collectives:
+      ratios = ", ".join(f"{k} {t.ratio:.2f}x" for k, t in self.collectives.items())
+      words += f"; each kind of collective timed on this {self.slice} against the walk ({ratios})"
     if (jax, libtpu) != (self.jax, self.libtpu):
       words += f"; it ran jax {self.jax}, libtpu {self.libtpu}, this plan jax {jax}, libtpu {libtpu}"
     return words
@@ -108,8 +119,14 @@ def combined(*calibrations: Calibration) -> Calibration:
   if any((c.chip, c.jax, c.libtpu) != (first.chip, first.jax, first.libtpu) for c in calibrations):
     raise PlanError("calibrations of other chips or versions do not combine: "
                     + ", ".join(sorted({f"{c.chip} (jax {c.jax}, libtpu {c.libtpu})" for c in calibrations})))
+  def summed(kinds: Callable[[Calibration], Mapping[str, KindTime]]) -> dict[str, KindTime]:
+    return summed_kinds((k, t.walk_s, t.chip_s) for c in calibrations for k, t in kinds(c).items())
+
+  # Collectives timed on one slice combine; on several, none is the plan's.
+  slices = {c.slice for c in calibrations if c.collectives}
+  on = next(iter(slices)) if len(slices) == 1 else None
   return Calibration(first.chip, first.jax, first.libtpu, tuple(r for c in calibrations for r in c.runs),
-                     summed_kinds((k, t.walk_s, t.chip_s) for c in calibrations for k, t in c.kinds.items()))
+                     summed(lambda c: c.kinds), summed(lambda c: c.collectives_on(on or "")) or None, on)
 
 
 def summed_kinds(parts: Iterable[tuple[str, float, float]]) -> dict[str, KindTime]:

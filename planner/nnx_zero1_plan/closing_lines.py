@@ -56,9 +56,10 @@ def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool
     return []
   shape = {"one": "one program", "split": "two programs"}.get(rec.step, rec.step)
   remat = f", remat {rec.remat}" if remats(rec.remat) else ""
-  which = {BY_THROUGHPUT: "the most predicted tokens per second of what fits",
-           BY_CALIBRATED: "the most calibrated tokens per second of what fits"}.get(
-      rec.order, "the largest that fits" if search else "fits")
+  # (the order's second word names what ranked: a kept plan's later words may be an older release's)
+  which = {BY_THROUGHPUT[1]: "the most predicted tokens per second of what fits",
+           BY_CALIBRATED[1]: "the most calibrated tokens per second of what fits"}.get(
+      rec.order[1] if len(rec.order) > 1 else "", "the largest that fits" if search else "fits")
   lines = ["", f"Recommended: {rec.lever} at micro-batch {rec.micro_batch} ({shape}{remat}), {which} "
            f"with {limit}", *_code_and_command(rec.code, rec.cli)]
   lines += [f"  why: {line}" for line in rec.why]

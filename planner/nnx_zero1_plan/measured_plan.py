@@ -41,7 +41,7 @@ def profiler(target: Target, progress: Callable[[str], None] | None) -> Profile:
     priced = read_program(program.record, rates_for(CHIPS[target.chip]))
     calibration = calibrate(priced, ops, lever=lever, micro_batch=shape.batch, ga=shape.ga,
                             seq_len=shape.seq_len, step_s=run.step_s, chip=target.chip, jax=jax.__version__,
-                            libtpu=compilers.require_libtpu())
+                            libtpu=compilers.require_libtpu(), topology=target.name)
     say(f"calibrated on {at}: {ms(run.step_s)} ms measured")
     return calibration
 
@@ -80,22 +80,24 @@ def edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanReque
   done = compiler.priced_by_own_run(row.lever, model, shape, at)
   if done is None:
     return row
-  seconds, made = done[0].calibrated_step_s, done[1]
+  made = done[1]
+  own = lambda f: (f.calibrated_step_s, f.calibrated_collective_s)  # noqa: E731
 
-  def again(point: Point) -> float | None:
+  def again(point: Point) -> tuple[float | None, float | None]:
     if point.batch == edge:
-      return seconds
+      return own(done[0])
     program = compiler.program(row.lever, model, dataclasses.replace(shape, batch=point.batch))
     if program is None or point.calibrated_step_s is None:
-      return point.calibrated_step_s
+      return own(point)
     figures = dataclasses.replace(at, predicted_step_s=point.predicted_step_s)
-    return calibrated(figures, [(program.record, 1)], compiler, row.lever, shape.ga).calibrated_step_s
+    return own(calibrated(figures, [(program.record, 1)], compiler, row.lever, shape.ga))
 
   prices = {p.batch: again(p) for p in found.search}  # the row's own micro-batch and the edge among them
-  priced = lambda p: dataclasses.replace(p, calibrated_step_s=prices.get(p.batch, p.calibrated_step_s))  # noqa: E731
-  searched = dataclasses.replace(found, at_max=priced(found.at_max), search=tuple(map(priced, found.search)))
-  figures = dataclasses.replace(row.figures,
-                                calibrated_step_s=prices.get(row.batch, row.figures.calibrated_step_s))
+  priced = lambda p, batch: dataclasses.replace(  # noqa: E731
+      p, **dict(zip(("calibrated_step_s", "calibrated_collective_s"), prices.get(batch, own(p)))))
+  searched = dataclasses.replace(found, at_max=priced(found.at_max, found.at_max.batch),
+                                 search=tuple(priced(p, p.batch) for p in found.search))
+  figures = priced(row.figures, row.batch)
   return dataclasses.replace(row, figures=figures, searched=searched,
                              measured=(*(row.measured or ()), Measured(edge, made.runs[0].step_s)))
 

@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nnx_zero1_plan.bands import SAME_SPEED, differ_in, kind_bytes, parts_of, told_apart
 from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
@@ -22,11 +23,11 @@ ORDER: tuple[str, ...] = (
     "most headroom at that micro-batch", "no remat", "the lighter lever")
 _SAME_BYTES = 0.01  # collective bytes this close are a tie: the headroom decides
 BY_THROUGHPUT: tuple[str, ...] = ("fits", "most predicted tokens per second per device",
-                                  "within 2% of it: most headroom", "no remat", "the lighter lever")
+                                  "equal to it within what the plan can tell (within 2%, or each part within "
+                                  "its band): most headroom", "no remat", "the lighter lever")
 # Where every point that fits has a time calibrated on the chip (--measure, --calibration), that time ranks.
 BY_CALIBRATED: tuple[str, ...] = ("fits", "most tokens per second per device, timed as calibrated",
                                   *BY_THROUGHPUT[2:])
-_SAME_SPEED = 0.02  # predicted throughputs this close are a tie: the headroom decides
 _RECOMPUTE = 0.05  # compute per sequence this much above the cheapest fitting point: the compiler recomputes
 _THIN = 0.01  # a pick leaving less than this share of the usable memory free is marked thin
 # A Zero-1 saving under this share of the baseline's peak is within the compiler's own scatter near its limit
@@ -319,11 +320,24 @@ def _speed(row: Row, point: Point, calibrated: bool) -> str:
   return words
 
 
+def _parts(c: tuple[Row, Point], calibrated: bool) -> dict[str, float]:
+  """A point's time by source (:func:`~nnx_zero1_plan.bands.parts_of`), its collectives' kinds its row's."""
+  return parts_of(c[1], calibrated, kind_bytes(c[0].figures.collectives)) or {}
+
+
+def _per_token(c: tuple[Row, Point], calibrated: bool) -> dict[str, float]:
+  """A point's time by source per token one device trains."""
+  tokens = (c[1].tokens_per_s_per_device or 0.0) * (c[1].predicted_step_s or 0.0) or 1.0
+  return {k: v / tokens for k, v in _parts(c, calibrated).items()}
+
+
 def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str, ...]] | None:
   """The (lever, micro-batch) with the most predicted tokens per second per device among the points that fit
-  (each row's own compile and its search's), by :data:`BY_THROUGHPUT`, why, naming each other lever's
-  fastest point, and the order it ranked by (:data:`BY_CALIBRATED` where every point has a calibrated time);
-  None where a fitting point has no predicted time (the order is then :data:`ORDER`).
+  (each row's own compile and its search's), by :data:`BY_THROUGHPUT`: among the points the fastest is not
+  told apart from (:func:`~nnx_zero1_plan.bands.told_apart`, each part of the step within its band), the
+  most headroom. Why names each other lever's fastest point, and the order it ranked by
+  (:data:`BY_CALIBRATED` where every point has a calibrated time); None where a fitting point has no
+  predicted time (the order is then :data:`ORDER`).
 
   Example::
 
@@ -343,14 +357,21 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str
     return None
   calibrated = judged_by_calibrated(p for _, p in points)
   speed = lambda c: _throughput(c[1], calibrated)
-  fastest = max(map(speed, points))
-  near = lambda c: speed(c) >= fastest * (1 - _SAME_SPEED)
-  best, at = min(filter(near, points), key=lambda c: _roomier(*c))
+  fastest = max(points, key=speed)
+  told = lambda c, d: told_apart(_per_token(c, calibrated), _per_token(d, calibrated))
+  best, at = min((c for c in points if told(c, fastest) is None), key=lambda c: _roomier(*c))
   why = []
   for rival in dict.fromkeys(r.lever for r, _ in points if r.lever != best.lever):
     theirs = max((c for c in points if c[0].lever == rival), key=speed)
-    reason = (f"within 2%, {best.lever} for its headroom" if near(theirs)
-              else f"{best.lever} for its throughput")
+    if abs(1 - speed(theirs) / speed((best, at))) <= SAME_SPEED:
+      reason = f"within 2%, {best.lever} for its headroom"
+    elif told((best, at), theirs) is None:
+      parts = differ_in(_parts((best, at), calibrated), _parts(theirs, calibrated), (best.lever, rival))
+      reason = f"equal within what the plan can tell: they differ in {parts}: {best.lever} for its headroom"
+    else:  # told apart: by how much, the bands of the parts they differ in notwithstanding
+      more = speed((best, at)) / speed(theirs) - 1
+      reason = (f"{best.lever} for its throughput, {more:.1%} more tokens per second, more than the bands of "
+                "the parts they differ in allow")
     why.append(f"{_speed(best, at, calibrated)}; {_speed(*theirs, calibrated)}: {reason}")
   return best, at, why, BY_CALIBRATED if calibrated else BY_THROUGHPUT
 

@@ -61,9 +61,12 @@ class Plan:
       return []
     m = self.meta
     libtpu = m.compiler.split()[-1] if m.compiler.startswith("libtpu") else None
+    timed = self.calibration.collectives_on(m.request.topology)
+    networks = ("each kind of collective at this slice's own ratio, the slow network priced as the cost "
+                "model prices it" if timed else "the networks (which one chip never ran) priced as the cost "
+                "model prices them")
     lines = ["", f"step ms (calib.): {self.calibration.said(m.jax, libtpu)}; each kind of work at the "
-             "chip's own ratio to the cost model, the networks (which one chip never ran) priced as the cost "
-             "model prices them"]
+             f"chip's own ratio to the cost model, {networks}"]
     kinds = self.calibrations or (self.calibration,)
     apart = sorted({(r.lever, r.ga or m.request.ga) for r in self.rows if r.figures.calibrated_step_s
                     and all(built_otherwise(c, r.lever, r.ga or m.request.ga) for c in kinds)})

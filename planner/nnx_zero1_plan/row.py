@@ -101,6 +101,7 @@ class StepTime(Record):
   unestimated_ops: int
   clock_ghz: float | None
   roofline_s: float | None
+  fast_exposed_by_kind: Mapping[str, float] | None = _when_set()  # fast_exposed_s, kind by kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +237,8 @@ class Figures(Record):
   step_time: StepTime | None = _figure()
   time_absent: str | None = _figure()
   calibrated_step_s: float | None = _when_set()
+  # The calibrated step's exposed collectives, where --measure timed each kind of them on this slice.
+  calibrated_collective_s: float | None = _when_set()
 
   @property
   def host_state_bytes(self) -> int:
@@ -323,6 +326,8 @@ class Point(Record):
   tokens_per_s_per_device: float | None = _when_set()
   mfu: float | None = _when_set()
   calibrated_step_s: float | None = _when_set()
+  calibrated_collective_s: float | None = _when_set()
+  step_time: StepTime | None = _when_set()
 
   @classmethod
   def of(cls, batch: int, fits: bool, figures: Figures) -> Point:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, state_split
-from nnx_zero1_plan.calibrated_time import calibrated_time, read_program
+from nnx_zero1_plan.calibrated_time import calibrated_step, read_program
 from nnx_zero1_plan.calibration import Calibration, built_otherwise, for_step
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.compiled import (
@@ -71,10 +71,12 @@ def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], 
   (:func:`~nnx_zero1_plan.calibration.for_step`); as they are where there are none, or no predicted time."""
   calibration = for_step(timing.all_calibrations, lever, ga)
   if calibration is None or figures.predicted_step_s is None or figures.step_time is None:
-    return dataclasses.replace(figures, calibrated_step_s=None)
+    return dataclasses.replace(figures, calibrated_step_s=None, calibrated_collective_s=None)
   read = [(read_program(record, rates_for(CHIPS[timing.target.chip])), times) for record, times in programs]
-  return dataclasses.replace(figures, calibrated_step_s=calibrated_time(read, calibration)
-                             + figures.step_time.slow_s)
+  step_s, collective_s = calibrated_step(read, calibration, timing.target.name)
+  timed = bool(calibration.collectives_on(timing.target.name))
+  return dataclasses.replace(figures, calibrated_step_s=step_s + figures.step_time.slow_s,
+                             calibrated_collective_s=collective_s if timed else None)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 
+from nnx_zero1_plan.bands import kind_bytes, parts_of, told_apart
 from nnx_zero1_plan.cells import gib
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import Figures, Measured, Offloaded, OffloadPoint, Point, Row, Searched, Split
@@ -343,6 +344,8 @@ def _times(row: Row, than: Row) -> tuple[float | None, float | None]:
 
 
 def _faster(row: Row, than: Row) -> bool:
-  """Whether ``row``'s step is faster than ``than``'s, both by their calibrated time or by their predicted."""
-  a, b = _times(row, than)
-  return a is not None and b is not None and a < b
+  """Whether ``row``'s step is faster than ``than``'s, both by their calibrated time or by their predicted,
+  by more than the bands of the parts they differ in allow (:func:`~nnx_zero1_plan.bands.told_apart`)."""
+  calibrated = judged_by_calibrated((row.figures, than.figures))
+  a, b = (parts_of(r.figures, calibrated, kind_bytes(r.figures.collectives)) for r in (row, than))
+  return a is not None and b is not None and told_apart(a, b) == -1

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
-from nnx_zero1._src.companion import Collective, Instruction
+from nnx_zero1._src.companion import Instruction
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.networks import CollectiveTime, rings_of, tpu_collective_time
@@ -60,6 +60,7 @@ class ProgramTime:
     exposed_host_s: the part of them the core waited for.
     unestimated: instructions whose estimate was the compiler's "not estimated", counted as zero.
     collectives: collectives run (every loop trip counted).
+    exposed_by_kind: the exposed collective seconds, by kind of collective.
   """
 
   total_s: float
@@ -70,6 +71,7 @@ class ProgramTime:
   exposed_host_s: float
   unestimated: int
   collectives: int
+  exposed_by_kind: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -86,18 +88,22 @@ class _Walk:
   unestimated: int = 0
   collectives: int = 0
   free: dict[str, float] = dataclasses.field(default_factory=dict)
-  pending: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
+  pending: dict[str, tuple[float, str, str]] = dataclasses.field(default_factory=dict)
+  exposed_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def add(self, other: ProgramTime, times: int) -> None:
     """A whole walk (a callee's, a step's program), ``times`` over, run on the core (its transfers inside)."""
     for part in dataclasses.fields(ProgramTime):
-      setattr(self, part.name, getattr(self, part.name) + times * (getattr(other, part.name) or 0))
+      if part.name != "exposed_by_kind":
+        setattr(self, part.name, getattr(self, part.name) + times * (getattr(other, part.name) or 0))
+    for kind, seconds in other.exposed_by_kind.items():
+      self.exposed_by_kind[kind] = self.exposed_by_kind.get(kind, 0.0) + times * seconds
 
-  def start(self, name: str, seconds: float, on: str) -> None:
+  def start(self, name: str, seconds: float, on: str, kind: str = "") -> None:
     """An async transfer of ``seconds`` started now on ``on`` (the network, or one way of the host link)."""
     end = max(self.total_s, self.free.get(on, 0.0)) + seconds
     self.free[on] = end
-    self.pending[name] = (end, on)
+    self.pending[name] = (end, on, kind)
     if on == "network":
       self.collective_s += seconds
       self.collectives += 1
@@ -106,13 +112,25 @@ class _Walk:
 
   def wait(self, name: str) -> None:
     """The core waits for a started transfer to end."""
-    end, on = self.pending.pop(name, (self.total_s, "network"))
+    end, on, kind = self.pending.pop(name, (self.total_s, "network", ""))
     stall = max(0.0, end - self.total_s)
     self.total_s += stall
     if on == "network":
       self.exposed_collective_s += stall
+      if stall:
+        self.exposed_by_kind[kind] = self.exposed_by_kind.get(kind, 0.0) + stall
     else:
       self.exposed_host_s += stall
+
+
+def network_seconds(i: Instruction, rates: Rates, devices: int) -> float:
+  """A collective instruction's seconds on the network, at ``rates``, in a program of ``devices``."""
+  c = i.collective
+  if c is None or len(c.groups(devices)[0]) < 2:
+    return 0.0
+  groups, sent = c.groups(devices), c.sent(devices)
+  return (sent / rates.network_bytes_per_s(len(groups[0])) if rates.collective_s is None
+          else rates.collective_s(c.op, sent, groups, rings_of(i.line), devices))
 
 
 def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None = None,
@@ -155,19 +173,12 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
     return None if i.cycles >= NOT_ESTIMATED else i.cycles / (rates.class_clocks_hz or {}).get(i.work or "",
                                                                                                 rates.clock_hz)
 
-  def network_seconds(c: Collective, line: str) -> float:
-    groups, sent = c.groups(devices), c.sent(devices)
-    if len(groups[0]) < 2:
-      return 0.0
-    return (sent / rates.network_bytes_per_s(len(groups[0])) if rates.collective_s is None
-            else rates.collective_s(c.op, sent, groups, rings_of(line), devices))
-
   @functools.cache
   def walk(name: str) -> ProgramTime:
     w = _Walk()
     for i in record.computations.get(name, ()):
       if i.collective:
-        w.start(i.name, network_seconds(i.collective, i.line), "network")
+        w.start(i.name, network_seconds(i, rates, devices), "network", i.collective.op)
         if not i.collective.start:
           w.wait(i.name)
       elif i.host:
@@ -188,7 +199,7 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
     timed = rates.clock_hz is not None or estimates is not None
     return ProgramTime(w.total_s, w.compute_s if timed else None, w.collective_s, w.exposed_collective_s,
                        w.host_s if rates.host_bytes_per_s else None, w.exposed_host_s, w.unestimated,
-                       w.collectives)
+                       w.collectives, dict(w.exposed_by_kind))
 
   return walk(record.entry) if record.entry else ProgramTime(0.0, None, 0.0, 0.0, None, 0.0, 0, 0)
 
@@ -292,9 +303,17 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
       slow_network=chip.links.slow if slow_bytes else None, host_exposed_s=step.exposed_host_s,
       host_s=step.host_s if rates.host_bytes_per_s else None, unestimated_ops=step.unestimated,
       clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
-      roofline_s=flops / peak if flops else None)
+      roofline_s=flops / peak if flops else None,
+      fast_exposed_by_kind=_by_kind(step.exposed_by_kind, step.exposed_collective_s - crossed_exposed))
   return PredictedTime(predicted, tokens_per_device / predicted, flops / predicted / peak if flops else None,
                        parts)
+
+
+def _by_kind(exposed: Mapping[str, float], fast_s: float) -> dict[str, float] | None:
+  """The exposed collectives kind by kind, scaled to ``fast_s`` (a GPU pod's crossing bytes counted on the
+  slow network); None where none is exposed."""
+  total = sum(exposed.values())
+  return {k: round(v * fast_s / total, 9) for k, v in sorted(exposed.items()) if v} if total else None
 
 
 def _module_estimates(record: ProgramRecord, scheduled: Mapping[str, Mapping[str, float]] | None
