@@ -59,8 +59,8 @@ BANDS: Mapping[str, Band] = {
                              SAME_SPEED / 2),
     COMPUTE: Band(0.021, 0.185, "as 13 steps came on one v5e chip, always over", SAME_SPEED / 2),
     # XLA's speed-of-light estimator prices each instruction at its best: never over, by design.
-    COMPUTE_GPU: Band(None, 0.0, "its speed-of-light estimator, never checked on a GPU; Llama 2 7B's shape on "
-                      "8 H100s came within 0.1% of a published step of another program"),
+    COMPUTE_GPU: Band(None, 0.0, "its speed-of-light estimator, never checked on a GPU; Llama 2 7B's shape "
+                      "on 8 H100s came within 0.1% of a published step of another program"),
     HOST: Band(-0.021, 0.021, "as the offload step came at the host link measured on the v5e"),
     SLICE: Band(TENSOR_UNDER, PAIR_OVER, "which no chip has measured; on the one slice measured (v6e:2x2), "
                 "Zero-1 and the baseline took the same step"),
