@@ -13,6 +13,7 @@ from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.layout import Reason
 from nnx_zero1._src.layout_plan import Zero1Plan
 from nnx_zero1._src.mesh import mesh_of
+from nnx_zero1._src.placement import off_mesh
 
 __all__ = [
     "check_params", "check_model", "check_grads", "check_state", "check_strict", "first_mismatch",
@@ -34,8 +35,32 @@ def _check_devices(tree: Any, mesh: Mesh, what: str, fix: str) -> None:
       )
 
 
+# How to put a model built outside any mesh onto one, each parameter keeping its declared spec.
+PLACE_MODEL = ("build the model under jax.set_mesh(mesh), or place it on the mesh first: nnx.update(model, "
+               "jax.device_put(nnx.state(model), nnx.get_named_sharding(nnx.state(model), mesh)))")
+
+
+def _check_on_mesh(params: Any, mesh: Mesh) -> None:
+  """Refuses a concrete parameter left on one device of a mesh with more devices.
+
+  jit would choose its placement in the step while the optimizer state is laid out
+  on the mesh, and the step would no longer be the one ``nnx.Optimizer`` runs on a
+  placed model. Placing it here instead would move the user's model behind their back.
+  """
+  mesh_devices = set(mesh.devices.flat)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if off_mesh(leaf) and set(leaf.sharding.device_set) != mesh_devices:
+      device = next(iter(leaf.sharding.device_set))
+      raise Zero1Error(
+          f"parameter {jax.tree_util.keystr(path)} is on one device ({device}), not on the mesh "
+          f"({describe_mesh(mesh)}): jit would place it in the step as it likes, and the step would not "
+          f"be nnx.Optimizer's on a placed model; {PLACE_MODEL}"
+      )
+
+
 def check_params(params: Any, wrt, mesh: Mesh) -> None:
-  """Refuses a ``wrt`` that selects nothing and parameters on devices outside the mesh."""
+  """Refuses a ``wrt`` that selects nothing, parameters on devices outside the mesh and parameters
+  left on one of its devices."""
   leaves = jax.tree.leaves(params)
   if not leaves:
     raise Zero1Error(
@@ -43,6 +68,7 @@ def check_params(params: Any, wrt, mesh: Mesh) -> None:
         f"state to shard; {describe_mesh(mesh)}"
     )
   _check_devices(params, mesh, "parameter", "place the model on the mesh first")
+  _check_on_mesh(params, mesh)
 
 
 def check_model(params: Any, plan: Zero1Plan) -> None:
@@ -56,6 +82,7 @@ def check_model(params: Any, plan: Zero1Plan) -> None:
         f"{describe_mesh(plan.mesh)}"
     )
   _check_devices(params, plan.mesh, "parameter", "place the model on the mesh first")
+  _check_on_mesh(params, plan.mesh)
 
 
 def first_mismatch(

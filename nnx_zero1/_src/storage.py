@@ -81,7 +81,8 @@ def storage_plan(plan: Zero1Plan, options: Zero1Options, params: Any) -> Zero1Pl
       if value is not None:
         raise Zero1Error(
             f"{name}={value} needs a mesh: the model is on one device ({plan.mesh.devices.flat[0]}) and "
-            "no mesh is set (data-parallel size 1); pass mesh= or call it under jax.set_mesh(mesh)"
+            "no mesh is set (data-parallel size 1); build the model and the optimizer under "
+            "jax.set_mesh(mesh)"
         )
     return plan
   plan = _narrowed_plan(plan, options.state_dtype, options.state_rounding)
