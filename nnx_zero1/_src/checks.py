@@ -35,6 +35,8 @@ def _check_devices(tree: Any, mesh: Mesh, what: str, fix: str) -> None:
       )
 
 
+# What gradients update() takes.
+_GRADS = "pass the gradients nnx.grad takes of the parameters the optimizer was built for (its wrt)"
 # How to put a model built outside any mesh onto one, each parameter keeping its declared spec.
 PLACE_MODEL = ("build the model under jax.set_mesh(mesh), or place it on the mesh first: nnx.update(model, "
                "jax.device_put(nnx.state(model), nnx.get_named_sharding(nnx.state(model), mesh)))")
@@ -65,7 +67,8 @@ def check_params(params: Any, wrt, mesh: Mesh) -> None:
   if not leaves:
     raise Zero1Error(
         f"wrt={wrt!r} selects no parameters of the model, so there is no optimizer "
-        f"state to shard; {describe_mesh(mesh)}"
+        f"state to shard; pass wrt= a filter that selects the variables to train (nnx.Param by default); "
+        f"{describe_mesh(mesh)}"
     )
   _check_devices(params, mesh, "parameter", "place the model on the mesh first")
   _check_on_mesh(params, mesh)
@@ -78,8 +81,8 @@ def check_model(params: Any, plan: Zero1Plan) -> None:
   if treedef != plan.param_treedef or shapes != plan.param_shapes:
     raise Zero1Error(
         "update() got a model whose parameters differ from the ones this Zero1Optimizer "
-        f"was built for ({len(leaves)} leaves vs {len(plan.param_shapes)}); "
-        f"{describe_mesh(plan.mesh)}"
+        f"was built for ({len(leaves)} leaves vs {len(plan.param_shapes)}); pass that model, or build an "
+        f"optimizer for this one; {describe_mesh(plan.mesh)}"
     )
   _check_devices(params, plan.mesh, "parameter", "place the model on the mesh first")
   _check_on_mesh(params, plan.mesh)
@@ -116,14 +119,14 @@ def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
   if g_def != plan.param_treedef:
     raise Zero1Error(
         "gradients do not match the parameters: tree "
-        f"{g_def} is not {plan.param_treedef}; {describe_mesh(plan.mesh)}"
+        f"{g_def} is not {plan.param_treedef}; {_GRADS}; {describe_mesh(plan.mesh)}"
     )
   mismatch = first_mismatch(params, g_leaves, dtype=False)
   if mismatch is not None:
     path, p, g = mismatch
     raise Zero1Error(
         f"gradient for {path} is {g.dtype}{list(g.shape)} but the "
-        f"parameter is {p.dtype}{list(p.shape)}; {describe_mesh(plan.mesh)}"
+        f"parameter is {p.dtype}{list(p.shape)}; {_GRADS}; {describe_mesh(plan.mesh)}"
     )
   _check_devices(grads, plan.mesh, "gradient", "compute the gradients on the mesh")
 
@@ -161,5 +164,6 @@ def check_strict(plan: Zero1Plan) -> None:
     names = ", ".join(f"{leaf.path} {leaf.dtype}{list(leaf.shape)} ({leaf.reason})" for leaf in left)
     raise Zero1Error(
         f"strict=True, but these optimizer leaves cannot be split over "
-        f"{plan.data_axis}: {names}; {describe_mesh(plan.mesh)}"
+        f"{plan.data_axis}: {names}; drop strict=True to keep them whole (report() lists them), or choose a "
+        f"data-parallel size that divides them; {describe_mesh(plan.mesh)}"
     )

@@ -136,7 +136,7 @@ def _checked_master_dtype(master_dtype: np.dtype | None, params: Any, mesh: Any,
     if np.dtype(x.dtype).itemsize > master_dtype.itemsize:
       raise Zero1Error(
           f"master_dtype={master_dtype} is narrower than parameter {name} ({x.dtype}): the masters would "
-          f"lose precision; {describe_mesh(mesh)}"
+          f"lose precision; pass one at least as wide (jnp.float32); {describe_mesh(mesh)}"
       )
   if not rounded_gather and all(np.dtype(x.dtype) == master_dtype for _, x in flat):
     raise Zero1Error(

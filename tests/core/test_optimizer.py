@@ -257,7 +257,8 @@ def test_built_under_nnx_eval_shape_on_an_auto_mesh_plans_from_sharding_metadata
 
 
 def test_zero1_plan_is_read_only():
-  opt = Zero1Optimizer(MLP(nnx.Rngs(0)), optax.adam(1e-3), MESH)
+  with jax.set_mesh(MESH):
+    opt = Zero1Optimizer(MLP(nnx.Rngs(0)), optax.adam(1e-3))
   with pytest.raises(AttributeError):
     opt.zero1_plan = opt.zero1_plan  # type: ignore[misc]
 
