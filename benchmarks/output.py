@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.legend import legend, loss_diff_cell
 from benchmarks.verdict import INCONCLUSIVE, estimate_ratio, judge, judge_all, overall
 from nnx_zero1_plan import collective_cell
 
@@ -48,43 +49,9 @@ def _cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
         f"{r['opt_state_bytes_per_device'] / ideal:.3f}", _mib(r["peak_bytes_per_device"]),
         f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.3f}", f"{r.get('step_ms_min', 0):.1f}",
         f"{r['compile_s']:.1f}",
-        collective_cell(r["collectives"]), _loss_diff_cell(r),
+        collective_cell(r["collectives"]), loss_diff_cell(r),
     ))
   return out
-
-
-# Arms that sum the gradients in the order the first arm (baseline) does: their loss diff must be 0.
-_BASELINE_ORDER = ("baseline", "zero1")
-SUM_ORDER = "(sum order)"
-
-
-def _loss_diff_cell(row: dict) -> str:
-  """The loss difference, labelled where it comes from another summation order, not from Zero-1."""
-  cell = f"{row['loss_diff']:.3g}"
-  return cell if row["loss_diff"] == 0 or row["arm"] in _BASELINE_ORDER else f"{cell} {SUM_ORDER}"
-
-
-def legend(rows: Sequence[dict]) -> list[str]:
-  """What the table's columns mean, in a few lines printed under it.
-
-  Example::
-
-    >>> legend([{"arm": "zero1", "loss_diff": 0.0}])[0].startswith("opt MiB/dev")
-    True
-  """
-  lines = [
-      "opt MiB/dev: optimizer state one device holds; x ideal: that / (baseline's / dp), 1.000 = 1/dp",
-      "peak MiB/dev: the compiled step's arguments + outputs - donated + temporaries on one device",
-      "step ms: median step; x plain: / baseline's at the same dp and ga; min ms: fastest step",
-      "collectives: count x MiB per device per step (AR all-reduce, RS reduce-scatter, AG all-gather); "
-      "AR 1x 0.000 is one all-reduce of scalars (the loss), no gradients",
-      "loss diff: |final loss - baseline's|; 0 is bit-identical",
-  ]
-  if any(_loss_diff_cell(r).endswith(SUM_ORDER) for r in rows):
-    lines[-1] += (f"; {SUM_ORDER}: the arm adds the micro-batches before the replicas, another order than "
-                  "baseline's, so the last bits may differ; not a broken bit-identity (checked against accum "
-                  "in the goals below)")
-  return lines
 
 
 def _aligned(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
