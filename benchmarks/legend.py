@@ -41,7 +41,7 @@ def legend(rows: Sequence[dict]) -> list[str]:
       "loss diff: |final loss - baseline's|; 0 is bit-identical",
   ]
   if any(loss_diff_cell(r).endswith(SUM_ORDER) for r in rows):
-    lines[-1] += (f"; {SUM_ORDER}: the arm adds the micro-batches before the replicas, another order than "
-                  "baseline's, so the last bits may differ; not a broken bit-identity (checked against accum "
-                  "in the goals below)")
+    lines.append(f"{SUM_ORDER}: the arm adds the micro-batches before the replicas, another order than "
+                 "baseline's, so its last bits may differ: not a broken bit-identity (that is checked "
+                 "against accum in the goals below)")
   return lines

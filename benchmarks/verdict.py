@@ -141,13 +141,18 @@ def overall(goals: Sequence[str]) -> str:
     >>> overall(["memory <= 1.02: 1.000 -> met", "(no goal) step time: 1.1"])
     'verdict: every goal met (1 goal)'
     >>> overall(["memory <= 1.02: 1.000 -> met", "step <= 1.05 (median): 1.1 -> inconclusive (noise ±5%)"])
-    'verdict: 1 of 2 goals not met: step <= 1.05 (inconclusive)'
+    'verdict: 1 of 2 goals not met: step <= 1.05 (inconclusive: noise ±5%)'
   """
   judged = [(g.split(": ")[0].split(" (")[0], g.rsplit(" -> ", 1)[1] if " -> " in g else "not measured")
             for g in goals if not g.startswith("(no goal)")]
-  short = lambda verdict: verdict.split(" (")[0]
-  left = [f"{name} ({short(v)})" for name, v in judged if v != "met"]
+  left = [f"{name} ({_short(v)})" for name, v in judged if v != "met"]
   plural = "s" if len(judged) != 1 else ""
   if not left:
     return f"verdict: every goal met ({len(judged)} goal{plural})"
   return f"verdict: {len(left)} of {len(judged)} goal{plural} not met: " + "; ".join(left)
+
+
+def _short(verdict: str) -> str:
+  """A goal's verdict with its reason in a few words: ``inconclusive: machine busy``, ``missed``."""
+  word, _, reason = verdict.partition(" (")
+  return f"{word}: {reason.split(':')[0].split(';')[0].rstrip(')')}" if reason else word

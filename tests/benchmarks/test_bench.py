@@ -98,7 +98,7 @@ def test_the_output_labels_other_summation_orders_says_what_inconclusive_means_a
   rows = [row("baseline", 0.0, base), row("zero1", 0.0, noisy), row("accum", 4.77e-07, base)]
   printed = output.table(rows).splitlines()
   assert printed[-1].endswith("4.77e-07 (sum order)") and printed[-2].endswith(" 0")
-  said = "(sum order): the arm adds the micro-batches before the replicas"
+  said = "(sum order): the arm adds the micro-batches before the replicas, another order than baseline's"
   assert any(said in line for line in output.legend(rows))
   assert not any("(sum order)" in ln for ln in output.legend(rows[:2]))  # said only where printed
   lines = output.goals_text(rows)
@@ -106,7 +106,7 @@ def test_the_output_labels_other_summation_orders_says_what_inconclusive_means_a
   assert "-> inconclusive (noise ±" in step
   assert verdict.INCONCLUSIVE in lines  # what it means, in the output itself
   assert lines[-1].startswith("verdict: 1 of 3 goals not met: step time Zero-1/plain <= 1.05 at GA=8 "
-                              "(inconclusive)"), lines[-1]
+                              "(inconclusive: noise ±"), lines[-1]
   quiet = output.goals_text([row("baseline", 0.0, base), row("zero1", 0.0, [t * 1.01 for t in base])])
   assert quiet[-1] == "verdict: every goal met (3 goals)" and verdict.INCONCLUSIVE not in quiet
 
