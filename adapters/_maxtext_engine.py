@@ -200,7 +200,8 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
       # Before MaxText builds anything: a refused engine never exists.
       refusal = _accumulator_refusal(config, _mesh_argument(training_config, args, kwargs))
       if refusal is not None:
-        raise Zero1Error(f"SHARD_ACCUMULATOR=True (ZeRO-2): {refusal}")
+        raise Zero1Error(f"SHARD_ACCUMULATOR=True (ZeRO-2): {refusal}; set SHARD_ACCUMULATOR=False (Zero-1 "
+                         "alone), or see docs/maxtext.md for the settings under which MaxText defers it")
     super().__init__(config, *args, **kwargs)
 
   def _build_optimizer(self, tx: Any) -> Zero1Optimizer:
@@ -208,7 +209,8 @@ class Zero1MaxTextTrainingEngine(_maxtext_engine.MaxTextTrainingEngine):
     if self.SHARD_ACCUMULATOR and (blocker := _zero2_blocker(model, mesh)) is not None:
       raise Zero1Error(
           f"SHARD_ACCUMULATOR=True (ZeRO-2) needs each replica's whole gradients, but {blocker}: MaxText "
-          f"reduces the gradient of a parameter split over 'data' in every micro-batch; {describe_mesh(mesh)}"
+          f"reduces the gradient of a parameter split over 'data' in every micro-batch; set "
+          f"SHARD_ACCUMULATOR=False (Zero-1 alone); {describe_mesh(mesh)}"
       )
     return Zero1Optimizer(model, tx, mesh, wrt=nnx.Param, options=self._zero1_options())
 
@@ -296,7 +298,8 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
     if not isinstance(optimizer, Zero1Optimizer):
       raise Zero1Error(
           f"Zero1AbstractMaxTextEngine: MaxText's _trace_train_state built a {type(optimizer).__name__}, "
-          "not an nnx.Optimizer that zero1_optimizers could route to Zero1Optimizer."
+          "not an nnx.Optimizer that zero1_optimizers could route to Zero1Optimizer; use the maxtext version "
+          "docs/maxtext.md names, or report it as a bug of nnx-zero1 with this message."
       )
     plan = optimizer.zero1_plan
     traced_state = nnx.as_pure(nnx.state(optimizer.opt_state))
@@ -310,7 +313,8 @@ class Zero1AbstractMaxTextEngine(Zero1MaxTextTrainingEngine, _maxtext_engine_com
     if len(leaves) != len(plan.state_leaves) or not all(same):
       raise Zero1Error(
           "Zero1AbstractMaxTextEngine: the traced optimizer state is not on the Zero-1 layout of the "
-          f"parameters (mesh axes {dict(self._mesh.shape)})."
+          f"parameters (mesh axes {dict(self._mesh.shape)}); report it as a bug of nnx-zero1 with this "
+          "message."
       )
     if self.OFFLOAD_STATE_TO_HOST:
       # MaxText re-homes each traced aval on the real mesh by its spec alone, which drops the

@@ -270,11 +270,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.mesh} mesh, {meta['devices']} {device.platform} devices ({device.device_kind}) "
         f"on {meta['host_cpus']} host CPUs; {meta['wall_s']} s")
   print(output.table(rows))
-  print("\n".join(output.targets(rows)))
+  print("\n".join(output.legend(rows)))
+  *goals, verdict = output.goals_text(rows)
+  print("\n" + "\n".join(goals))
   if shape_rows:
     print("\nOptimizer bytes Zero-1 leaves replicated on real LLM shapes (adamw, float32):")
     print(output.shapes_table(shape_rows))
   print("wrote " + ", ".join(paths))
+  print(verdict)  # the last line: every goal met, or which were not
   return 0
 
 

@@ -7,12 +7,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.verdict import estimate_ratio, judge, judge_all
+from benchmarks.legend import legend, loss_diff_cell
+from benchmarks.verdict import INCONCLUSIVE, estimate_ratio, judge, judge_all, overall
 from nnx_zero1_plan import collective_cell
 
 __all__ = [
-    "collective_cell", "table", "shapes_table", "targets", "markdown", "write_all", "plot_series",
-    "plot_memory", "save_figure", "write_files",
+    "collective_cell", "table", "legend", "shapes_table", "targets", "goals_text", "markdown", "write_all",
+    "plot_series", "plot_memory", "save_figure", "write_files",
 ]
 
 # The goals the bench reports. The timed one is judged from paired per-step ratios and only on a
@@ -48,7 +49,7 @@ def _cells(rows: Sequence[dict]) -> list[tuple[str, ...]]:
         f"{r['opt_state_bytes_per_device'] / ideal:.3f}", _mib(r["peak_bytes_per_device"]),
         f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.3f}", f"{r.get('step_ms_min', 0):.1f}",
         f"{r['compile_s']:.1f}",
-        collective_cell(r["collectives"]), f"{r['loss_diff']:.3g}",
+        collective_cell(r["collectives"]), loss_diff_cell(r),
     ))
   return out
 
@@ -122,6 +123,22 @@ def targets(rows: Sequence[dict]) -> list[str]:
       _step_goal(rows, "zero1", "Zero-1/plain"),
       "final-loss difference == 0: " + _verdict(diff, bool(diff) and max(diff) == 0, "g"),
   ] + _accum_lines(rows) + _engine_line(rows) + _lever_lines(rows)
+
+
+def goals_text(rows: Sequence[dict]) -> list[str]:
+  """The goals as printed: a heading, each goal, what "inconclusive" means where one is, the verdict.
+
+  Example::
+
+    >>> goals_text([])[-1]
+    'verdict: 3 of 3 goals not met: Zero-1 optimizer bytes/device <= 1.02 x plain/dp (not measured); \
+step time Zero-1/plain <= 1.05 at GA=8 (not measured); final-loss difference == 0 (not measured)'
+  """
+  goals = targets(rows)
+  lines = ["goals (measured -> met, missed or inconclusive; '(no goal)' lines are figures):", *goals]
+  if any("inconclusive (noise" in g for g in goals):
+    lines.append(INCONCLUSIVE)
+  return lines + [overall(goals)]
 
 
 ALL_REDUCE_SCALARS = 1024  # bytes: what "only scalars" allows per step
@@ -272,7 +289,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["## Plain `nnx.Optimizer` vs `Zero1Optimizer`", "", _ARMS, "",
               _markdown_table(_HEADER, _cells(result["rows"]))]
     lines += ["", _COLUMNS]
-  lines += ["", "## Goals", ""] + [f"- {t}" for t in targets(result["rows"])]
+  goals = targets(result["rows"])
+  lines += ["", "## Goals", ""] + [f"- {t}" for t in goals] + ["", overall(goals)]
   if result.get("shapes"):
     lines += ["", "## Optimizer bytes Zero-1 leaves replicated on real LLM shapes (adamw)", "",
               _markdown_table(_SHAPES_HEADER, _shape_cells(result["shapes"]))]

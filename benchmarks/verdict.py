@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MIN_STEPS", "RatioEstimate", "estimate_ratio", "judge", "judge_all"]
+__all__ = ["INCONCLUSIVE", "MIN_STEPS", "RatioEstimate", "estimate_ratio", "judge", "judge_all", "overall"]
 
 MIN_STEPS = 5  # fewer paired steps than this give no interval worth the name
 _RESAMPLES = 2000
@@ -120,3 +120,39 @@ def judge_all(verdicts: Sequence[str]) -> str:
     return "missed"
   pending = [v for v in verdicts if v != "met"]
   return pending[0] if pending else "met"
+
+
+# What "inconclusive" means, said in the bench's own output.
+INCONCLUSIVE = (
+    "inconclusive: the 95% interval of the paired per-step time ratios lies on both sides of the goal "
+    "(noise ±x% is half its width), so this machine's timing noise cannot tell met from missed; a quieter "
+    "machine or more --steps can. Memory, collectives and bit-identity never depend on timing."
+)
+
+
+def overall(goals: Sequence[str]) -> str:
+  """One line for the bench's goal lines: every goal met, or which were not and how.
+
+  A goal line reads ``NAME (...): MEASURED -> VERDICT``; lines that start ``(no goal)`` are
+  figures, not goals.
+
+  Example::
+
+    >>> overall(["memory <= 1.02: 1.000 -> met", "(no goal) step time: 1.1"])
+    'verdict: every goal met (1 goal)'
+    >>> overall(["memory <= 1.02: 1.000 -> met", "step <= 1.05 (median): 1.1 -> inconclusive (noise ±5%)"])
+    'verdict: 1 of 2 goals not met: step <= 1.05 (inconclusive: noise ±5%)'
+  """
+  judged = [(g.split(": ")[0].split(" (")[0], g.rsplit(" -> ", 1)[1] if " -> " in g else "not measured")
+            for g in goals if not g.startswith("(no goal)")]
+  left = [f"{name} ({_short(v)})" for name, v in judged if v != "met"]
+  plural = "s" if len(judged) != 1 else ""
+  if not left:
+    return f"verdict: every goal met ({len(judged)} goal{plural})"
+  return f"verdict: {len(left)} of {len(judged)} goal{plural} not met: " + "; ".join(left)
+
+
+def _short(verdict: str) -> str:
+  """A goal's verdict with its reason in a few words: ``inconclusive: machine busy``, ``missed``."""
+  word, _, reason = verdict.partition(" (")
+  return f"{word}: {reason.split(':')[0].split(';')[0].rstrip(')')}" if reason else word

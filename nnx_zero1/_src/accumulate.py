@@ -177,7 +177,7 @@ def value_and_grad_accumulated(
   n = data_axis_size(mesh, axes)
   if zero1 is not None and not set(zero1.data_axis) <= set(axes):
     raise Zero1Error(f"data_axis={axes} does not include the axes the Zero1Optimizer splits its state over, "
-                     f"{zero1.data_axis}; {describe_mesh(mesh)}")
+                     f"{zero1.data_axis}; pass data_axis= with them, or leave it out; {describe_mesh(mesh)}")
   _check_micro_batches(batch, micro_batches, n, mesh)
   across = across_for(across_dtype, axes, mesh, [x.dtype for x in jax.tree.leaves(pure_params)])
   one_device = zero1 is not None and zero1.zero1_plan.single_device
@@ -195,11 +195,11 @@ def value_and_grad_accumulated(
   if across.dtype is not None and (blocker is not None or not defer_reduction):
     why = blocker if blocker is not None else "defer_reduction=False asks for XLA's reduction"
     raise Zero1Error(f"across_dtype={across.dtype.name} narrows the library's own reduction across "
-                     f"{sorted(across.axes)}, but {why}; {describe_mesh(mesh)}")
+                     f"{sorted(across.axes)}, but {why}; leave across_dtype out; {describe_mesh(mesh)}")
   if shard_accumulator:
     if blocker is not None:
       raise Zero1Error(f"shard_accumulator=True needs each replica's whole gradients, but {blocker}; "
-                       f"{describe_mesh(mesh)}")
+                       f"leave shard_accumulator out; {describe_mesh(mesh)}")
     loss, grads = _scatter_every_micro_batch(*args, homes, targets, across)
     return loss, mark_zero1_grads(_as_state(params, grads))
   if not deferral.defer(blocker, requested=defer_reduction, strict=strict, mesh=mesh,
@@ -239,17 +239,19 @@ def _plain_mesh(params: Any, batch: Any) -> Any:
 
 def _check_micro_batches(batch: Any, micro_batches: int, n: int, mesh) -> None:
   if not isinstance(micro_batches, int) or micro_batches < 1:
-    raise Zero1Error(f"micro_batches must be a positive int, got {micro_batches!r}")
+    raise Zero1Error(f"micro_batches must be a positive int, got {micro_batches!r}; pass e.g. "
+                     "micro_batches=8")
   leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
-    raise Zero1Error("the batch has no arrays")
+    raise Zero1Error("the batch has no arrays; pass a pytree of arrays whose dimension 0 is the batch")
   for path, x in leaves:
     rows = jnp.shape(x)[0] if jnp.ndim(x) else None
     if rows is None or rows % (n * micro_batches):
       raise Zero1Error(
           f"batch leaf {jax.tree_util.keystr(path)} of shape {tuple(jnp.shape(x))} does not split into "
           f"{n} replicas x {micro_batches} micro-batches of equal rows (dimension 0 must divide by "
-          f"{n * micro_batches}); {describe_mesh(mesh)}"
+          f"{n * micro_batches}); pass a batch whose rows divide by it, or fewer micro_batches; "
+          f"{describe_mesh(mesh)}"
       )
 
 

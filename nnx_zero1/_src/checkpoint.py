@@ -22,6 +22,10 @@ from nnx_zero1._src.storage import master_shardings
 
 __all__ = ["abstract_arrays", "abstract_state", "key_names", "restore_into", "restore_target"]
 
+# What a restore that does not fit needs: a checkpoint of the same build.
+_SAME_BUILD = ("restore a checkpoint saved from the same model and optimizer (the same tx and wrt, and the "
+               "same state_dtype and master_dtype: docs/checkpoints.md)")
+
 
 def key_names(path: tuple) -> tuple:
   """A pytree key path as plain names and indices, the same for pure and ``nnx.State`` trees.
@@ -135,7 +139,8 @@ def abstract_state(obj: Any) -> nnx.State:
   flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
   unmatched = set(targets) - {key_names(path) for path, _ in flat}
   if unmatched:  # the plan and the state disagree: never fall back to the live layout silently
-    raise Zero1Error(f"optimizer state has no leaf at {sorted(map(str, unmatched))[:3]}{_mesh_words(obj)}")
+    raise Zero1Error(f"optimizer state has no leaf at {sorted(map(str, unmatched))[:3]}; build the optimizer "
+                     f"again for this model and restore into the new one{_mesh_words(obj)}")
   return jax.tree_util.tree_map_with_path(target, state, is_leaf=is_variable)
 
 
@@ -174,14 +179,15 @@ def restore_into(obj: Any, restored: Any) -> None:
     missing = sorted(map(str, set(t_paths) - set(r_paths)))[:3]
     extra = sorted(map(str, set(r_paths) - set(t_paths)))[:3]
     raise Zero1Error(
-        f"restored state does not match {type(obj).__name__}: missing {missing}, unexpected {extra}{axes}"
+        f"restored state does not match {type(obj).__name__}: missing {missing}, unexpected {extra}; "
+        f"{_SAME_BUILD}{axes}"
     )
   mismatch = first_mismatch(nnx.as_pure(target), r_leaves)
   if mismatch is not None:
     path, t, r = mismatch
     raise Zero1Error(
         f"restored {path} is {r.dtype}{list(r.shape)} but "
-        f"{type(obj).__name__} has {t.dtype}{list(t.shape)}{axes}"
+        f"{type(obj).__name__} has {t.dtype}{list(t.shape)}; {_SAME_BUILD}{axes}"
     )
   placed = [
       r if getattr(r, "sharding", None) == t.sharding else jax.device_put(r, t.sharding)

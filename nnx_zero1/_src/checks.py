@@ -13,6 +13,7 @@ from nnx_zero1._src.errors import Zero1Error, describe_mesh
 from nnx_zero1._src.layout import Reason
 from nnx_zero1._src.layout_plan import Zero1Plan
 from nnx_zero1._src.mesh import mesh_of
+from nnx_zero1._src.placement import off_mesh
 
 __all__ = [
     "check_params", "check_model", "check_grads", "check_state", "check_strict", "first_mismatch",
@@ -34,15 +35,43 @@ def _check_devices(tree: Any, mesh: Mesh, what: str, fix: str) -> None:
       )
 
 
+# What gradients update() takes.
+_GRADS = "pass the gradients nnx.grad takes of the parameters the optimizer was built for (its wrt)"
+# How to put a model built outside any mesh onto one, each parameter keeping its declared spec.
+PLACE_MODEL = ("build the model under jax.set_mesh(mesh), or place it on the mesh first: nnx.update(model, "
+               "jax.device_put(nnx.state(model), nnx.get_named_sharding(nnx.state(model), mesh)))")
+
+
+def _check_on_mesh(params: Any, mesh: Mesh) -> None:
+  """Refuses a concrete parameter left on one device of a mesh with more devices.
+
+  jit would choose its placement in the step while the optimizer state is laid out
+  on the mesh, and the step would no longer be the one ``nnx.Optimizer`` runs on a
+  placed model. Placing it here instead would move the user's model behind their back.
+  """
+  mesh_devices = set(mesh.devices.flat)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if off_mesh(leaf) and set(leaf.sharding.device_set) != mesh_devices:
+      device = next(iter(leaf.sharding.device_set))
+      raise Zero1Error(
+          f"parameter {jax.tree_util.keystr(path)} is on one device ({device}), not on the mesh "
+          f"({describe_mesh(mesh)}): jit would place it in the step as it likes, and the step would not "
+          f"be nnx.Optimizer's on a placed model; {PLACE_MODEL}"
+      )
+
+
 def check_params(params: Any, wrt, mesh: Mesh) -> None:
-  """Refuses a ``wrt`` that selects nothing and parameters on devices outside the mesh."""
+  """Refuses a ``wrt`` that selects nothing, parameters on devices outside the mesh and parameters
+  left on one of its devices."""
   leaves = jax.tree.leaves(params)
   if not leaves:
     raise Zero1Error(
         f"wrt={wrt!r} selects no parameters of the model, so there is no optimizer "
-        f"state to shard; {describe_mesh(mesh)}"
+        f"state to shard; pass wrt= a filter that selects the variables to train (nnx.Param by default); "
+        f"{describe_mesh(mesh)}"
     )
   _check_devices(params, mesh, "parameter", "place the model on the mesh first")
+  _check_on_mesh(params, mesh)
 
 
 def check_model(params: Any, plan: Zero1Plan) -> None:
@@ -52,10 +81,11 @@ def check_model(params: Any, plan: Zero1Plan) -> None:
   if treedef != plan.param_treedef or shapes != plan.param_shapes:
     raise Zero1Error(
         "update() got a model whose parameters differ from the ones this Zero1Optimizer "
-        f"was built for ({len(leaves)} leaves vs {len(plan.param_shapes)}); "
-        f"{describe_mesh(plan.mesh)}"
+        f"was built for ({len(leaves)} leaves vs {len(plan.param_shapes)}); pass that model, or build an "
+        f"optimizer for this one; {describe_mesh(plan.mesh)}"
     )
   _check_devices(params, plan.mesh, "parameter", "place the model on the mesh first")
+  _check_on_mesh(params, plan.mesh)
 
 
 def first_mismatch(
@@ -89,14 +119,14 @@ def check_grads(grads: Any, params: Any, plan: Zero1Plan) -> None:
   if g_def != plan.param_treedef:
     raise Zero1Error(
         "gradients do not match the parameters: tree "
-        f"{g_def} is not {plan.param_treedef}; {describe_mesh(plan.mesh)}"
+        f"{g_def} is not {plan.param_treedef}; {_GRADS}; {describe_mesh(plan.mesh)}"
     )
   mismatch = first_mismatch(params, g_leaves, dtype=False)
   if mismatch is not None:
     path, p, g = mismatch
     raise Zero1Error(
         f"gradient for {path} is {g.dtype}{list(g.shape)} but the "
-        f"parameter is {p.dtype}{list(p.shape)}; {describe_mesh(plan.mesh)}"
+        f"parameter is {p.dtype}{list(p.shape)}; {_GRADS}; {describe_mesh(plan.mesh)}"
     )
   _check_devices(grads, plan.mesh, "gradient", "compute the gradients on the mesh")
 
@@ -134,5 +164,6 @@ def check_strict(plan: Zero1Plan) -> None:
     names = ", ".join(f"{leaf.path} {leaf.dtype}{list(leaf.shape)} ({leaf.reason})" for leaf in left)
     raise Zero1Error(
         f"strict=True, but these optimizer leaves cannot be split over "
-        f"{plan.data_axis}: {names}; {describe_mesh(plan.mesh)}"
+        f"{plan.data_axis}: {names}; drop strict=True to keep them whole (report() lists them), or choose a "
+        f"data-parallel size that divides them; {describe_mesh(plan.mesh)}"
     )

@@ -4,7 +4,6 @@ inside one jit each, so no full-size copy of the moments ever exists."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ from jax.sharding import NamedSharding
 
 from nnx_zero1._src.checks import check_params, check_strict
 from nnx_zero1._src.compat import Filter, to_opt_state
-from nnx_zero1._src.errors import Zero1Error, Zero1Warning
+from nnx_zero1._src.errors import Zero1Error, Zero1Warning, warn_at_user_line
 from nnx_zero1._src.gather import gathered_plan
 from nnx_zero1._src.layout_plan import (
     Zero1Plan,
@@ -65,8 +64,8 @@ def build_plan(
     if options.strict:
       raise Zero1Error(
           f"strict=True, but the model is on one device ({device}) and no mesh is set: "
-          "data-parallel size 1, so Zero-1 would split nothing; pass mesh= or call it under "
-          "jax.set_mesh(mesh)"
+          "data-parallel size 1, so Zero-1 would split nothing; build the model and the optimizer "
+          "under jax.set_mesh(mesh)"
       )
   check_data_axes_on_mesh(mesh, axes)
   check_params(params, wrt, mesh)
@@ -101,12 +100,12 @@ def _device_of(params: Any) -> jax.Device:
 def _warn_one_device(device: jax.Device) -> None:
   """Data-parallel size 1 is legal, but with more devices visible it is most likely a forgotten mesh."""
   if jax.device_count() > 1:
-    warnings.warn(
+    warn_at_user_line(
         f"Zero1Optimizer: no mesh is set and the model is on one device ({device}) while "
-        f"{jax.device_count()} are visible: data-parallel size 1, nothing is split. Pass mesh= or build "
-        "the model and optimizer under jax.set_mesh(mesh) (strict=True makes this an error).",
+        f"{jax.device_count()} are visible: data-parallel size 1, nothing is split. Build the model and "
+        "the optimizer under jax.set_mesh(mesh) (strict=True makes this an error; "
+        "warnings.simplefilter('ignore', nnx_zero1.Zero1Warning) silences it where one device is meant).",
         Zero1Warning,
-        stacklevel=5,
     )
 
 

@@ -52,7 +52,8 @@ def batch_sharding(shape: Sequence[int], sharding: Any, mesh: Mesh, axes: tuple[
   entries = [entry_axes(e) for e in padded_entries(spec, len(shape))]
   if not set(axes) & set(spec_axes(spec)):
     if not shape:
-      raise Zero1Error(f"a batch leaf must have a batch dimension, got a scalar; {describe_mesh(mesh)}")
+      raise Zero1Error(f"a batch leaf must have a batch dimension, got a scalar; pass scalars to loss_fn "
+                       f"some other way (close over them); {describe_mesh(mesh)}")
     entries[0] = entries[0] + tuple(axes)
   # The canonical spelling, so equal layouts share a kernel.
   return NamedSharding(mesh, canonical_spec(entries))
@@ -208,7 +209,8 @@ def defer(
   if blocker is None:
     return True
   if strict:
-    raise Zero1Error(f"strict: cannot defer the gradient reduction: {blocker}; {describe_mesh(mesh)}")
+    raise Zero1Error(f"strict: cannot defer the gradient reduction: {blocker}; drop strict=True to reduce "
+                     f"every micro-batch instead (docs/custom_loops.md); {describe_mesh(mesh)}")
   if log is not None:
     log.info("%s: cannot defer the gradient reduction (%s); reducing every micro-batch", who, blocker)
   return False

@@ -132,5 +132,5 @@ def _gathers(ndim: int, home: Any, zero1: Any, plan: Zero1Plan) -> Scatter:
     return scatter_of(home.spec, zero1.spec, ndim, plan.data_axis)
   except Zero1Error:
     raise Zero1Error(f"params_across_dtype gathers each parameter from its Zero-1 layout {zero1.spec} back "
-                     f"to its own, here {home.spec}, which is not that layout less some data axes; "
-                     f"{describe_mesh(plan.mesh)}") from None
+                     f"to its own, here {home.spec}, which is not that layout less some data axes; leave "
+                     f"params_across_dtype out for this model; {describe_mesh(plan.mesh)}") from None

@@ -146,7 +146,8 @@ def zero1_layout(
   axes = data_axes(data_axis)
   check_data_axes_on_mesh(mesh, axes)
   if len(spec_entries(sharding.spec)) > len(shape):
-    raise Zero1Error(f"sharding spec {sharding.spec} has more entries than shape {tuple(shape)}")
+    raise Zero1Error(f"sharding spec {sharding.spec} has more entries than shape {tuple(shape)}; pass one "
+                     "entry per dimension at most")
   # With a tuple data axis, a spec may use some of them (FSDP over one): add only the others.
   missing = tuple(a for a in axes if a not in spec_axes(sharding.spec))
   if not missing:

@@ -142,8 +142,10 @@ def _refuse_unmapped(tx, leaf_plans, mesh, data_axis) -> None:
         f"none of the optimizer state of {name} can be tied to a parameter "
         f"(neither optax.tree_utils.tree_map_params nor matching by tree position and shape "
         f"finds a parameter-shaped leaf among "
-        f"{', '.join(r.path for r in tensors[:4])}), so Zero-1 would split nothing; "
-        f"{describe_mesh(mesh)}"
+        f"{', '.join(r.path for r in tensors[:4])}), so Zero-1 would split nothing; use the transformation "
+        f"without the wrapper that reshapes its state (optax.adamw(...), not "
+        f"optax.flatten(optax.adamw(...)): an elementwise update is the same leaf by leaf), or nnx.Optimizer "
+        f"for it; {describe_mesh(mesh)}"
     )
 
 
@@ -220,7 +222,9 @@ def param_layouts(
     except Zero1Error as e:
       raise Zero1Error(
           f"parameter {jax.tree_util.keystr(path)} declares optimizer_sharding {spec}, which Zero-1 over "
-          f"{data_axes(data_axis)} cannot honour: {e}; {describe_mesh(sharding.mesh)}"
+          f"{data_axes(data_axis)} cannot honour: {e}; declare the parameter's own axes first and data axes "
+          f"after them, or leave optimizer_sharding out (the layout rule then applies); "
+          f"{describe_mesh(sharding.mesh)}"
       ) from None
   return tuple(out)
 

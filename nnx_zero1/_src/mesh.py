@@ -192,7 +192,8 @@ def resolve_mesh(mesh: Mesh | None = None, arrays: Any = None, *, traced_ok: boo
   """
   if mesh is not None:
     if not isinstance(mesh, Mesh):
-      raise Zero1Error(f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}")
+      raise Zero1Error(f"mesh must be a jax.sharding.Mesh with devices, got {type(mesh).__name__}; pass "
+                       "one from jax.make_mesh(...)")
     return mesh
   current = current_mesh()
   if current is not None:

@@ -113,7 +113,8 @@ class ShardedOptimizerMixin:
     if not built:
       raise Zero1Error(
           f"{type(self).__name__}.__init__ built no nnx.Optimizer in this thread, so there was "
-          f"nothing to make Zero-1 (data axis {options.data_axis})"
+          f"nothing to make Zero-1 (data axis {options.data_axis}); build the optimizer in __init__, or use "
+          f"Zero1Optimizer directly (docs/custom_loops.md)"
       )
 
   def zero1_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

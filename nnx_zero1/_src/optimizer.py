@@ -101,9 +101,11 @@ class Zero1Optimizer(nnx.Optimizer[M]):
     tx: any optax transformation.
     mesh: the device mesh; defaults to the one set by ``jax.set_mesh`` (or a
       legacy ``with mesh:`` block), else the mesh the parameters' ``NamedSharding``
-      names. With neither and the model on one device, the data-parallel size is
-      1: nothing is split and the optimizer behaves exactly as ``nnx.Optimizer``
-      (``report`` says so).
+      names. The parameters must be on it already (built under ``jax.set_mesh``, or
+      placed by their named sharding); one left on one device of a larger mesh is
+      refused. With no mesh at all and the model on one device, the data-parallel
+      size is 1: nothing is split and the optimizer behaves exactly as
+      ``nnx.Optimizer`` (``report`` says so).
     wrt: which variables to optimise, as for ``nnx.Optimizer``.
     data_axis: the mesh axis (or tuple of axes) that data parallelism runs over.
     graph: passed through as for ``nnx.Optimizer``.
@@ -151,7 +153,8 @@ class Zero1Optimizer(nnx.Optimizer[M]):
 
   Raises:
     Zero1Error: before any state exists, when the mesh lacks the data axes,
-      ``wrt`` selects no parameter, a parameter lives off the mesh, optax's state
+      ``wrt`` selects no parameter, a parameter lives off the mesh (on other devices, or
+      left on one device of it), optax's state
       cannot be tied to any parameter, ``strict`` finds a leaf that cannot be split,
       or ``offload_state_to_host`` finds no mesh or a device without host memory;
       a ``state_dtype`` that is not floating; a ``master_dtype`` that is not

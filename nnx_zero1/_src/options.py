@@ -134,13 +134,13 @@ def as_dtype(option: str, value: Any, example: str) -> np.dtype:
 def _state_dtype(state_dtype: Any, rounding: str) -> np.dtype | None:
   """The storage dtype asked for: None, or a floating dtype that ``rounding`` can narrow to."""
   if rounding not in ROUNDINGS:
-    raise Zero1Error(f"state_rounding={rounding!r} is not one of {ROUNDINGS}")
+    raise Zero1Error(f"state_rounding={rounding!r} is not one of {ROUNDINGS}; pass one of them")
   if state_dtype is None:
     return None
   dtype = as_dtype("state_dtype", state_dtype, "jnp.bfloat16")
   if not jnp.issubdtype(dtype, jnp.floating):
     raise Zero1Error(
-        f"state_dtype={dtype} is not a floating dtype: optimizer moments need one (e.g. jnp.bfloat16)"
+        f"state_dtype={dtype} is not a floating dtype: optimizer moments need one; pass e.g. jnp.bfloat16"
     )
   if rounding == "stochastic" and dtype != jnp.bfloat16:
     raise Zero1Error(
@@ -189,5 +189,6 @@ def _params_across_dtype(dtype: Any, master_dtype: np.dtype | None, axes: tuple[
   if len(axes) < 2:
     raise Zero1Error(f"params_across_dtype={dtype} narrows the parameters' all-gather over the slow data "
                      f"axes (every one but the last listed, data_axis=(\"replica\", \"data\")); the state is "
-                     f"split over {axes} only, so nothing crosses between slices or nodes")
+                     f"split over {axes} only, so nothing crosses between slices or nodes; leave "
+                     "params_across_dtype out")
   return dtype

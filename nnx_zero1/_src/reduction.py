@@ -188,7 +188,8 @@ def scatter_of(param_spec: P, target_spec: P, ndim: int, axes: tuple[str, ...]) 
     if new == old:
       continue
     if new[: len(old)] != old or not set(new[len(old):]) <= set(axes):
-      raise Zero1Error(f"cannot reduce-scatter {param_spec} onto {target_spec} over {axes}")
+      raise Zero1Error(f"cannot reduce-scatter {param_spec} onto {target_spec} over {axes}: the layout "
+                       "rule never asks this; report it as a bug of nnx-zero1 with this message")
     out.append((dim, new[len(old):]))
   return tuple(out)
 

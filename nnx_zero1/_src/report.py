@@ -212,7 +212,8 @@ def report(opt) -> Zero1Report:
   """
   plan = getattr(opt, "zero1_plan", None)
   if plan is None:
-    raise Zero1Error(f"report() needs a Zero1Optimizer, got {type(opt).__name__}")
+    raise Zero1Error(f"report() needs a Zero1Optimizer, got {type(opt).__name__}; build the optimizer "
+                     "with Zero1Optimizer (or under nnx_zero1.zero1_optimizers())")
   leaves = jax.tree.leaves(nnx.as_pure(opt.opt_state))
   rows = []
   for leaf, row in zip(leaves, plan.state_leaves, strict=True):

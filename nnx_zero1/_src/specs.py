@@ -203,9 +203,10 @@ def data_axes(data_axis: DataAxis | None, default: DataAxis = "data") -> tuple[s
   data_axis = default if data_axis is None else data_axis
   axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
   if not axes or not all(isinstance(a, str) for a in axes):
-    raise Zero1Error(f"data_axis must be a mesh axis name or a tuple of names, got {data_axis!r}")
+    raise Zero1Error(f"data_axis must be a mesh axis name or a tuple of names, got {data_axis!r}; pass "
+                     "e.g. data_axis=\"data\" or (\"replica\", \"data\")")
   if len(set(axes)) != len(axes):
-    raise Zero1Error(f"data_axis {data_axis!r} names an axis twice")
+    raise Zero1Error(f"data_axis {data_axis!r} names an axis twice; list each axis once")
   return axes
 
 

@@ -349,8 +349,8 @@ def across_for(dtype: Any, axes: tuple[str, ...], mesh: Any, grad_dtypes: list) 
   except TypeError:
     dtype = None
   if dtype is None or not (jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.int8):
-    raise Zero1Error("across_dtype must be a floating dtype such as jnp.bfloat16, or jnp.int8 "
-                     f"(block-scaled); {describe_mesh(mesh)}")
+    raise Zero1Error("across_dtype must be a floating dtype or jnp.int8 (block-scaled); pass e.g. "
+                     f"across_dtype=jnp.bfloat16; {describe_mesh(mesh)}")
   integer = sorted({jnp.dtype(g).name for g in grad_dtypes if not jnp.issubdtype(g, jnp.inexact)})
   if integer:
     raise Zero1Error(
@@ -361,7 +361,7 @@ def across_for(dtype: Any, axes: tuple[str, ...], mesh: Any, grad_dtypes: list) 
     raise Zero1Error(
         f"across_dtype={dtype.name} narrows the reduction over the slow axes of a data axis over several "
         f"mesh axes, the slow one first (data_axis=(\"replica\", \"data\")); the gradients are summed "
-        f"over {axes} only; {describe_mesh(mesh)}")
+        f"over {axes} only; leave across_dtype out; {describe_mesh(mesh)}")
   if not any(jnp.dtype(g).itemsize > dtype.itemsize for g in grad_dtypes):
     # A lever that sends the bytes it would send without it: refused, as state_dtype is on bf16 state.
     raise Zero1Error(

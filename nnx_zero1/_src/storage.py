@@ -81,7 +81,8 @@ def storage_plan(plan: Zero1Plan, options: Zero1Options, params: Any) -> Zero1Pl
       if value is not None:
         raise Zero1Error(
             f"{name}={value} needs a mesh: the model is on one device ({plan.mesh.devices.flat[0]}) and "
-            "no mesh is set (data-parallel size 1); pass mesh= or call it under jax.set_mesh(mesh)"
+            "no mesh is set (data-parallel size 1); build the model and the optimizer under "
+            "jax.set_mesh(mesh)"
         )
     return plan
   plan = _narrowed_plan(plan, options.state_dtype, options.state_rounding)
@@ -135,7 +136,7 @@ def _checked_master_dtype(master_dtype: np.dtype | None, params: Any, mesh: Any,
     if np.dtype(x.dtype).itemsize > master_dtype.itemsize:
       raise Zero1Error(
           f"master_dtype={master_dtype} is narrower than parameter {name} ({x.dtype}): the masters would "
-          f"lose precision; {describe_mesh(mesh)}"
+          f"lose precision; pass one at least as wide (jnp.float32); {describe_mesh(mesh)}"
       )
   if not rounded_gather and all(np.dtype(x.dtype) == master_dtype for _, x in flat):
     raise Zero1Error(

@@ -44,6 +44,12 @@ def test_cli_writes_table_json_md_png_and_meets_memory_and_loss_goals(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "rerunning" not in proc.stderr  # devices came from jax_num_cpu_devices, in-process
   assert "zero1" in proc.stdout and "x ideal" in proc.stdout
+  # It reads alone: a legend under the table, the goals under a heading, one verdict as the last line.
+  assert "x ideal: that / (baseline's / dp)" in proc.stdout and "AR 1x 0.000 is one all-reduce" in proc.stdout
+  assert "goals (measured -> met, missed or inconclusive" in proc.stdout
+  last = proc.stdout.strip().splitlines()[-1]
+  assert last.startswith("verdict: "), last
+  assert "final-loss difference == 0" not in last  # bit-identical: that goal is met, so not named
   result = json.loads((tmp_path / "bench.json").read_text())
   assert result["meta"]["devices"] == 4
   assert result["meta"]["cpu_async_dispatch"] is False  # the thread-pool deadlock setting, as in the tests
@@ -78,6 +84,31 @@ def test_step_goal_is_met_missed_or_inconclusive_from_paired_steps():
   assert verdict.judge_all(["met", "missed", "inconclusive (noise ±1.0%)"]) == "missed"
   with pytest.raises(ValueError, match="paired"):
     verdict.estimate_ratio([1.0], [1.0, 2.0])
+
+
+def test_the_output_labels_other_summation_orders_says_what_inconclusive_means_and_ends_in_one_verdict():
+  row = lambda arm, diff, times: {
+      "arm": arm, "dp": 2, "ga": output.STEP_RATIO_GA,
+      "opt_state_bytes_per_device": 100 if "zero1" in arm else 200,
+      "peak_bytes_per_device": 2**20, "step_ms": 20.0, "step_times_ms": times, "compile_s": 1.0,
+      "loss_diff": diff, "collectives": {"all-reduce": {"count": 1, "bytes": 8}},
+  }
+  base = [10.0, 30.0, 11.0, 29.0, 10.5, 31.0]
+  noisy = [10.0 * 1.05, 30.0 * 0.98, 11.0 * 1.12, 29.0 * 1.0, 10.5 * 1.09, 31.0 * 1.03]
+  rows = [row("baseline", 0.0, base), row("zero1", 0.0, noisy), row("accum", 4.77e-07, base)]
+  printed = output.table(rows).splitlines()
+  assert printed[-1].endswith("4.77e-07 (sum order)") and printed[-2].endswith(" 0")
+  said = "(sum order): the arm adds the micro-batches before the replicas, another order than baseline's"
+  assert any(said in line for line in output.legend(rows))
+  assert not any("(sum order)" in ln for ln in output.legend(rows[:2]))  # said only where printed
+  lines = output.goals_text(rows)
+  step = [ln for ln in lines if ln.startswith("step time Zero-1/plain")][0]
+  assert "-> inconclusive (noise ±" in step
+  assert verdict.INCONCLUSIVE in lines  # what it means, in the output itself
+  assert lines[-1].startswith("verdict: 1 of 3 goals not met: step time Zero-1/plain <= 1.05 at GA=8 "
+                              "(inconclusive: noise ±"), lines[-1]
+  quiet = output.goals_text([row("baseline", 0.0, base), row("zero1", 0.0, [t * 1.01 for t in base])])
+  assert quiet[-1] == "verdict: every goal met (3 goals)" and verdict.INCONCLUSIVE not in quiet
 
 
 def test_goals_judge_step_time_from_the_interval_and_accum_by_bit_identity():

@@ -182,11 +182,14 @@ def test_one_slice_rounds_nothing(across):
     assert_trees_equal(grads_of(model, opt, batch), grads_of(model, opt, batch, across=across))
 
 
+NOT_A_DTYPE = r"must be a floating dtype or jnp.int8 \(block-scaled\); pass e.g. across_dtype=jnp.bfloat16"
+
+
 @pytest.mark.parametrize("call, match", [
     (dict(data_axis="data"), "summed over \\('data',\\) only"),
     (dict(data_axis="data", across_dtype=jnp.int8), "summed over \\('data',\\) only"),
-    (dict(across_dtype=jnp.int16), "must be a floating dtype such as jnp.bfloat16, or jnp.int8"),
-    (dict(across_dtype=jnp.uint8), "must be a floating dtype such as jnp.bfloat16, or jnp.int8"),
+    (dict(across_dtype=jnp.int16), NOT_A_DTYPE),
+    (dict(across_dtype=jnp.uint8), NOT_A_DTYPE),
     (dict(across_dtype="not a dtype"), "must be a floating dtype"),
     (dict(defer_reduction=False), "defer_reduction=False"),
     (dict(defer_reduction=False, across_dtype=jnp.int8), "across_dtype=int8 .* defer_reduction=False"),

@@ -20,6 +20,7 @@ from tests.support.helpers import (
   assert_unchanged,
   batches,
   loss_fn,
+  names_a_fix,
   snapshot,
   train_step,
 )
@@ -49,12 +50,13 @@ def built():
 
 
 def refused(call, *words, objs):
-  """Runs ``call``, expects a Zero1Error whose message has every word; checks ``objs`` unchanged."""
+  """Runs ``call``, expects a Zero1Error whose message has every word and a fix; checks ``objs`` unchanged."""
   before = snapshot(*objs)
   with pytest.raises(Zero1Error) as info:
     call()
   for word in words:
     assert re.search(re.escape(word), str(info.value)), (word, str(info.value))
+  assert names_a_fix(str(info.value)), str(info.value)
   assert_unchanged(before, *objs)
   return str(info.value)
 

@@ -246,7 +246,7 @@ def test_bad_master_dtype_is_refused_before_anything_changes(dtype, model_dtype,
 def test_an_integer_parameter_is_refused():
   mesh = mesh_of()
   model = bf16_mlp(mesh)
-  model.l3.bias = nnx.Param(jnp.zeros((3,), jnp.int32))
+  model.l3.bias = nnx.Param(jax.device_put(jnp.zeros((3,), jnp.int32), NamedSharding(mesh, P())))
   with pytest.raises(Zero1Error, match=r"\['l3'\]\['bias'\] is int32, not floating"):
     Zero1Optimizer(model, optax.sgd(LR), mesh, master_dtype=F32)
 

@@ -59,8 +59,8 @@ def module_globals_come_back():
 
 
 def test_routes_nnx_optimizer_to_zero1_with_the_same_arguments():
-  m = model()
   with jax.set_mesh(MESH):
+    m = model()
     trainer = Zero1Trainer(m, optax.adam(1e-2), wrt=nnx.Param)
   opt = trainer.optimizer
   assert isinstance(opt, Zero1Optimizer) and opt.mesh == MESH and opt.data_axis == ("data",)

@@ -22,7 +22,7 @@ from nnx_zero1 import (
 )
 from nnx_zero1._src.options import levers_of
 from nnx_zero1.adapters.maxtext import Zero1EngineMixin
-from tests.support.helpers import PlainTrainer
+from tests.support.helpers import PlainTrainer, placed
 
 MESH = jax.make_mesh((8,), ("data",))
 
@@ -97,7 +97,7 @@ def test_the_levers_are_the_records_memory_options_read_off_any_naming():
 
 
 def _bf16_model():
-  return nnx.Linear(16, 16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  return placed(nnx.Linear(16, 16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), MESH)
 
 
 class _Zero1Trainer(ShardedOptimizerMixin, PlainTrainer):
@@ -176,7 +176,7 @@ REFUSED = {"data_axis": ((), "data_axis must be a mesh axis name"),
 
 
 def _enter(entry, **option):
-  model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+  model = placed(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), MESH)
   if entry is zero1_optimizers:
     with zero1_optimizers(MESH, **option):
       pass
@@ -197,11 +197,12 @@ def test_every_constructor_passes_each_of_its_options_on_into_the_record(entry, 
 @pytest.mark.parametrize("entry", [Zero1Optimizer, Zero1ModelAndOptimizer])
 def test_one_record_passes_whole_and_never_beside_a_keyword_option(entry):
   options = Zero1Options(strict=True, pin_gradients=False, state_dtype=jnp.bfloat16, state_rounding="nearest")
-  opt = entry(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), optax.adam(1e-3), MESH, options=options)
+  linear = lambda: placed(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), MESH)
+  opt = entry(linear(), optax.adam(1e-3), MESH, options=options)
   assert (opt.strict, opt.pin_gradients, opt.zero1_plan.state_rounding) == (True, False, "nearest")
   assert opt.opt_state[0].mu["kernel"][...].dtype == jnp.bfloat16
   with pytest.raises(TypeError, match="pin_gradients, strict given beside options="):
-    entry(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), optax.adam(1e-3), MESH, options=options, strict=True,
+    entry(linear(), optax.adam(1e-3), MESH, options=options, strict=True,
           pin_gradients=False)
 
 
@@ -214,7 +215,7 @@ def test_the_mixins_and_the_engines_read_every_option_by_the_records_names():
 
 def test_one_record_passes_to_every_entry_point_as_keywords():
   options = Zero1Options(strict=True, pin_gradients=False, state_dtype=jnp.bfloat16, state_rounding="nearest")
-  model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+  model = placed(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), MESH)
   built = [Zero1Optimizer(model, optax.adam(1e-3), MESH, **options.keywords()),
            Zero1ModelAndOptimizer(model, optax.adam(1e-3), MESH, **options.keywords())]
   with zero1_optimizers(MESH, **options.keywords()):

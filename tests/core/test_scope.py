@@ -18,7 +18,8 @@ MESH = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
 
 
 def model():
-  return nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+  with jax.set_mesh(MESH):  # on the mesh the scopes name
+    return nnx.Linear(8, 16, rngs=nnx.Rngs(0))
 
 
 def plain(m):
@@ -144,6 +145,6 @@ def test_bad_requests_are_refused_at_entry():
 
 
 def test_a_construction_that_cannot_apply_raises_inside_the_scope():
-  m = model()
+  m = nnx.Linear(8, 16, rngs=nnx.Rngs(0))  # one device, no mesh
   with zero1_optimizers(strict=True), pytest.raises(Zero1Error, match="one device"):
     plain(m)

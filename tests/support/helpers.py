@@ -3,6 +3,7 @@ that runs the plain ``nnx.Optimizer`` and ``Zero1Optimizer`` the same way."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import jax
@@ -163,6 +164,13 @@ def shardings(tree):
   return [x.sharding for x in jax.tree.leaves(nnx.as_pure(tree))]
 
 
+def placed(model, mesh):
+  """``model`` with every parameter on ``mesh`` by its named sharding, as Zero-1 asks of a model built
+  outside ``jax.set_mesh``."""
+  nnx.update(model, jax.device_put(nnx.state(model), nnx.get_named_sharding(nnx.state(model), mesh)))
+  return model
+
+
 def snapshot(*objs):
   """Values and shardings of every array of some modules / optimizers, to check nothing changed."""
   return [(np.asarray(x), x.sharding) for obj in objs for x in jax.tree.leaves(nnx.as_pure(nnx.state(obj)))]
@@ -239,3 +247,15 @@ def maxtext_process_settings_put_back():
   if "maxtext" in sys.modules:
     _MAXTEXT_SETTINGS[:] = [_process_settings()]
   _apply_process_settings(saved)
+
+
+# A refusal's fix: a clause that starts with what to do (what to pass, what to use instead, where the
+# docs say it), after the problem is named.
+_FIX = re.compile(
+    r"(?:^|[;:.(,]\s*|\bor\s+|\bthen\s+)(?:e\.g\.\s+)?(?:pass|use|set|leave|drop|call|place|build|restore|"
+    r"put|give|declare|compute|keep|list|install|see|choose|report it)\b", re.IGNORECASE)
+
+
+def names_a_fix(message: str) -> bool:
+  """Whether a ``Zero1Error`` message says what to do: a clause that starts with a fix's verb."""
+  return _FIX.search(message) is not None
