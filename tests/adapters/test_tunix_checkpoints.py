@@ -37,6 +37,7 @@ from nnx_zero1 import Zero1Optimizer
 from nnx_zero1.adapters.tunix import Zero1PeftTrainer, Zero1RLCluster, Zero1TrainingConfig
 from tests.support.helpers import shardings
 from tests.support.tunix_toys import (
+  data_parallel,
   grpo_cluster_config,
   llama3,
   model_input,
@@ -52,10 +53,10 @@ PeftTrainer = peft_trainer.PeftTrainer
 NAMES = ("data", "fsdp", "tp")
 MESH8 = tunix_mesh((8, 1, 1), NAMES)
 MESH4 = tunix_mesh((4, 1, 1), NAMES)  # the first 4 of the 8 devices
-CONFIG = llama3.ModelConfig(
+CONFIG = data_parallel(llama3.ModelConfig(
     num_layers=2, vocab_size=128, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
     num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6,
-)
+))
 PROJECTIONS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
 CLASSES = {"PeftTrainer": PeftTrainer, "Zero1PeftTrainer": Zero1PeftTrainer}
 
@@ -82,10 +83,10 @@ def llama(mesh, lora: bool) -> nnx.Module:
 def bf16_qwen3(mesh, lora: bool = False) -> nnx.Module:
   """Tunix's Qwen3 with bfloat16 parameters (``master_dtype`` is for those), random weights, on ``mesh``."""
   assert not lora
-  config = qwen3.ModelConfig(
+  config = data_parallel(qwen3.ModelConfig(
       num_layers=2, vocab_size=128, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16, num_kv_heads=2,
       rope_theta=10_000, norm_eps=1e-6, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-  )
+  ))
   with nnx.use_eager_sharding(False):
     return place(qwen3.Qwen3(config, rngs=nnx.Rngs(0)), mesh)
 
