@@ -20,8 +20,9 @@ from nnx_zero1._src.errors import Zero1Error, describe_mesh
 __all__ = ["DATA_PARALLEL_AXES", "batch_axis_names", "check_activations_follow_the_batch",
            "check_batch_over_data_axes"]
 
-# The mesh axes whose only use is data parallelism: Zero-1's default data axis, and a pod's replicas.
-DATA_PARALLEL_AXES = ("replica", "data")
+# The mesh axes that split the batch wherever they are: a pod's replicas, Zero-1's default data axis, and
+# FSDP's axis (FSDP is data parallelism with the weights split too; Tunix's own default batch axis).
+DATA_PARALLEL_AXES = ("replica", "data", "fsdp")
 # The ShardingConfig fields whose first entry is the activations' batch (Tunix's llama3, qwen3, gemma...).
 ACTIVATION_FIELDS = ("act_btd", "act_btf", "act_btnh")
 

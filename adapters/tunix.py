@@ -287,8 +287,8 @@ class Zero1PeftTrainer(_Zero1Tunix, PeftTrainer):
     **kwargs: the rest of ``PeftTrainer``'s keyword arguments, unchanged.
 
   Raises:
-    Zero1Error: the current mesh lacks the data axes, or has a ``data`` (or
-      ``replica``) axis of size > 1 that ``data_sharding_axis`` leaves out, or
+    Zero1Error: the current mesh lacks the data axes, or has a ``data``,
+      ``replica`` or ``fsdp`` axis of size > 1 that ``data_sharding_axis`` leaves out, or
       a model's ``ShardingConfig`` leaves a batch axis out of its activations'
       batch (all checked before the Tunix constructor runs); the model is on
       several devices with no mesh; or (``zero1_strict``) a leaf cannot be split.
@@ -319,8 +319,8 @@ class Zero1DPOTrainer(_Zero1Tunix, DPOTrainer):
     **kwargs: ``DPOTrainer``'s keyword arguments, unchanged.
 
   Raises:
-    Zero1Error: the current mesh lacks the data axes, or has a ``data`` (or
-      ``replica``) axis of size > 1 that ``data_sharding_axis`` leaves out, or
+    Zero1Error: the current mesh lacks the data axes, or has a ``data``,
+      ``replica`` or ``fsdp`` axis of size > 1 that ``data_sharding_axis`` leaves out, or
       a model's ``ShardingConfig`` leaves a batch axis out of its activations'
       batch (all checked before the Tunix constructor runs); the model is on
       several devices with no mesh; or (``zero1_strict``) a leaf cannot be split.
@@ -348,8 +348,8 @@ class Zero1DistillationTrainer(_Zero1Tunix, DistillationTrainer):
     **kwargs: ``DistillationTrainer``'s keyword arguments, unchanged.
 
   Raises:
-    Zero1Error: the current mesh lacks the data axes, or has a ``data`` (or
-      ``replica``) axis of size > 1 that ``data_sharding_axis`` leaves out, or
+    Zero1Error: the current mesh lacks the data axes, or has a ``data``,
+      ``replica`` or ``fsdp`` axis of size > 1 that ``data_sharding_axis`` leaves out, or
       a model's ``ShardingConfig`` leaves a batch axis out of its activations'
       batch (all checked before the Tunix constructor runs); the model is on
       several devices with no mesh; or (``zero1_strict``) a leaf cannot be split.
@@ -380,8 +380,8 @@ class Zero1RLCluster(_Zero1Tunix, RLCluster):
 
   Raises:
     Zero1Error: the actor's (or critic's) mesh lacks the data axes of
-      ``cluster_config.training_config``, or has a ``data`` (or ``replica``) axis
-      of size > 1 that its ``data_sharding_axis`` leaves out, or the actor's (or
+      ``cluster_config.training_config``, or has a ``data``, ``replica`` or ``fsdp``
+      axis of size > 1 that its ``data_sharding_axis`` leaves out, or the actor's (or
       critic's) ``ShardingConfig`` leaves a batch axis out of its activations'
       batch (all checked before the Tunix constructor runs); or an optimizer
       cannot be made Zero-1.

@@ -103,10 +103,13 @@ def test_tunix_default_data_sharding_axis_on_a_data_mesh_is_refused(kind, tmp_pa
   assert message.endswith("set data_sharding_axis=(('data', 'fsdp'),)")
 
 
-def test_a_batch_over_data_only_is_fine_and_over_fsdp_only_is_refused_on_data_x_fsdp(tmp_path):
+def test_on_data_x_fsdp_the_batch_over_either_axis_alone_is_refused_and_over_both_builds(tmp_path):
   model = tunix_model(DATA4_FSDP2, fixed=True)
   assert_refused("peft", DATA4_FSDP2, model, tmp_path, r"axis 'data' \(size 4\)",
                  data_sharding_axis=("fsdp",))
+  message = assert_refused("peft", DATA4_FSDP2, model, tmp_path, r"axis 'fsdp' \(size 2\)",
+                           data_sharding_axis=("data",))
+  assert message.endswith("set data_sharding_axis=(('data', 'fsdp'),)")
   trainer = build("peft", DATA4_FSDP2, model, data_sharding_axis=BOTH)
   assert optimizer_of(trainer).data_axis == ("data", "fsdp")
 
