@@ -2,9 +2,11 @@
 
 Change the class name: same constructor, same training loop, same checkpoints on
 disk (they cross both ways with the Tunix class, unless ``zero1_state_dtype`` or
-``zero1_master_dtype`` changes what is saved). On a mesh with a ``data`` axis, Tunix's
-own ``data_sharding_axis`` (and the model's ``ShardingConfig``) must name it too:
-docs/tunix.md shows the whole change.
+``zero1_master_dtype`` changes what is saved). That is the whole change on Tunix's own
+``("fsdp", "tp")`` mesh. On a mesh with a ``data`` axis, Tunix's ``data_sharding_axis`` and
+the model's ``ShardingConfig`` must name it too (Tunix's defaults name ``fsdp`` only, and
+would train without splitting the batch over ``data``): each class refuses them with a
+``Zero1Error`` that gives the setting. docs/tunix.md shows the whole change.
 
 =========================  ===============================================
 Tunix 0.1.7                nnx_zero1.adapters.tunix
@@ -54,9 +56,20 @@ except ModuleNotFoundError as e:
       name=e.name,
   ) from None
 
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
 from nnx_zero1._src.errors import Zero1Error
+from nnx_zero1._src.mesh import current_mesh, mesh_of
 from nnx_zero1._src.mixin import ShardedOptimizerMixin
 from nnx_zero1._src.specs import DataAxis, data_axes
+
+from ._tunix_batch import (
+  batch_axis_names,
+  check_activations_follow_the_batch,
+  check_batch_over_data_axes,
+)
 
 __all__ = [
     "Zero1DPOTrainer",
@@ -157,14 +170,17 @@ def batch_axes(data_sharding_axis: Any) -> tuple[str, ...]:
     >>> batch_axes(("fsdp",)), batch_axes((("data", "fsdp"),)), batch_axes(("data", None))
     (('fsdp',), ('data', 'fsdp'), ('data',))
   """
-  entries = (data_sharding_axis,) if isinstance(data_sharding_axis, str) else tuple(data_sharding_axis or ())
-  names = [a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else tuple(e))]
+  names = batch_axis_names(data_sharding_axis)
   if not names:
     raise Zero1Error(
         f"training_config.data_sharding_axis={data_sharding_axis!r} names no mesh axis, so there is "
         "no data axis to split the optimizer state over; set zero1_data_axis"
     )
-  return data_axes(tuple(dict.fromkeys(names)))
+  return data_axes(names)
+
+
+# The constructor arguments of Tunix's trainers that are models computing on the training batch.
+_MODEL_ARGUMENTS = ("model", "ref_model", "student_model", "teacher_model")
 
 
 class _Zero1Tunix(ShardedOptimizerMixin):
@@ -232,10 +248,24 @@ class _Zero1Tunix(ShardedOptimizerMixin):
             f"Zero-1 needs data axis {missing[0]!r} but the mesh has axes {tuple(mesh.axis_names)} "
             f"(shape {dict(mesh.shape)}); the data axes come from {source}: give the mesh that axis, or {fix}"
         )
+    for mesh, models in self._trained_models(*args, **kwargs):
+      check_batch_over_data_axes(mesh, config.data_sharding_axis)
+      for model in models:
+        check_activations_follow_the_batch(model, mesh, config.data_sharding_axis)
     return meshes
 
   def _tunix_meshes(self, *args: Any, **kwargs: Any) -> list:
     return super()._zero1_meshes(*args, **kwargs)  # the current mesh, if any
+
+  def _trained_models(self, *args: Any, **kwargs: Any) -> list[tuple[Mesh, list]]:
+    """Each mesh the trainer splits its batch over, with the models that compute on that batch: the
+    current mesh, else the one the models' arrays are placed on (none: nothing to check)."""
+    arguments = self._tunix_arguments(*args, **kwargs)
+    models = [arguments[name] for name in _MODEL_ARGUMENTS if arguments.get(name) is not None]
+    modules = [m for m in models if isinstance(m, nnx.Module)]
+    placed = {mesh_of(x) for m in modules for x in jax.tree.leaves(nnx.as_pure(nnx.state(m)))} - {None}
+    mesh = current_mesh() or (placed.pop() if len(placed) == 1 else None)
+    return [] if not isinstance(mesh, Mesh) else [(mesh, models)]
 
 
 class Zero1PeftTrainer(_Zero1Tunix, PeftTrainer):
@@ -257,9 +287,11 @@ class Zero1PeftTrainer(_Zero1Tunix, PeftTrainer):
     **kwargs: the rest of ``PeftTrainer``'s keyword arguments, unchanged.
 
   Raises:
-    Zero1Error: the current mesh lacks the data axes (checked before the Tunix
-      constructor runs), the model is on several devices with no mesh, or
-      (``zero1_strict``) a leaf cannot be split.
+    Zero1Error: the current mesh lacks the data axes, or has a ``data``,
+      ``replica`` or ``fsdp`` axis of size > 1 that ``data_sharding_axis`` leaves out, or
+      a model's ``ShardingConfig`` leaves a batch axis out of its activations'
+      batch (all checked before the Tunix constructor runs); the model is on
+      several devices with no mesh; or (``zero1_strict``) a leaf cannot be split.
 
   Example::
 
@@ -287,9 +319,11 @@ class Zero1DPOTrainer(_Zero1Tunix, DPOTrainer):
     **kwargs: ``DPOTrainer``'s keyword arguments, unchanged.
 
   Raises:
-    Zero1Error: the current mesh lacks the data axes (checked before the Tunix
-      constructor runs), the model is on several devices with no mesh, or
-      (``zero1_strict``) a leaf cannot be split.
+    Zero1Error: the current mesh lacks the data axes, or has a ``data``,
+      ``replica`` or ``fsdp`` axis of size > 1 that ``data_sharding_axis`` leaves out, or
+      a model's ``ShardingConfig`` leaves a batch axis out of its activations'
+      batch (all checked before the Tunix constructor runs); the model is on
+      several devices with no mesh; or (``zero1_strict``) a leaf cannot be split.
 
   Example::
 
@@ -314,9 +348,11 @@ class Zero1DistillationTrainer(_Zero1Tunix, DistillationTrainer):
     **kwargs: ``DistillationTrainer``'s keyword arguments, unchanged.
 
   Raises:
-    Zero1Error: the current mesh lacks the data axes (checked before the Tunix
-      constructor runs), the model is on several devices with no mesh, or
-      (``zero1_strict``) a leaf cannot be split.
+    Zero1Error: the current mesh lacks the data axes, or has a ``data``,
+      ``replica`` or ``fsdp`` axis of size > 1 that ``data_sharding_axis`` leaves out, or
+      a model's ``ShardingConfig`` leaves a batch axis out of its activations'
+      batch (all checked before the Tunix constructor runs); the model is on
+      several devices with no mesh; or (``zero1_strict``) a leaf cannot be split.
 
   Example::
 
@@ -344,7 +380,11 @@ class Zero1RLCluster(_Zero1Tunix, RLCluster):
 
   Raises:
     Zero1Error: the actor's (or critic's) mesh lacks the data axes of
-      ``cluster_config.training_config``, or an optimizer cannot be made Zero-1.
+      ``cluster_config.training_config``, or has a ``data``, ``replica`` or ``fsdp``
+      axis of size > 1 that its ``data_sharding_axis`` leaves out, or the actor's (or
+      critic's) ``ShardingConfig`` leaves a batch axis out of its activations'
+      batch (all checked before the Tunix constructor runs); or an optimizer
+      cannot be made Zero-1.
 
   Example::
 
@@ -362,3 +402,10 @@ class Zero1RLCluster(_Zero1Tunix, RLCluster):
     role_to_mesh = arguments["cluster_config"].role_to_mesh
     roles = [Role.ACTOR] + ([Role.CRITIC] if arguments.get("critic") is not None else [])
     return [role_to_mesh[r] for r in roles if r in role_to_mesh and not role_to_mesh[r].empty]
+
+  def _trained_models(self, *args: Any, **kwargs: Any) -> list[tuple[Mesh, list]]:
+    arguments = self._tunix_arguments(*args, **kwargs)
+    role_to_mesh = arguments["cluster_config"].role_to_mesh
+    trained = ((Role.ACTOR, arguments.get("actor")), (Role.CRITIC, arguments.get("critic")))
+    return [(role_to_mesh[role], [model]) for role, model in trained
+            if model is not None and role in role_to_mesh and not role_to_mesh[role].empty]

@@ -1,8 +1,9 @@
 """GRPO with Tunix's own Llama3 class at data-parallel 8, Zero-1 optimizer state for the actor.
 
 On 8 virtual CPU devices, a small configuration of ``tunix.models.llama3`` (random weights,
-nothing downloaded; the tokenizer is Tunix's small test vocabulary, so that no tokenizer is
-downloaded either). What a Tunix GRPO script changes (marked ``# Zero-1:`` / ``# data-parallel:``):
+nothing downloaded; the tokenizer is a small word list of its own, so that no tokenizer is
+downloaded either: on chips, your model's tokenizer). What a Tunix GRPO script changes (marked
+``# Zero-1:`` / ``# data-parallel:``):
 
 - the mesh has a ``data`` axis: ``("data", "fsdp", "tp") = (8, 1, 1)``;
 - the model's ``ShardingConfig`` puts its activations' batch over ``("data", "fsdp")``;
@@ -33,7 +34,6 @@ from tunix.models.llama3 import model as llama3  # noqa: E402
 from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
 from tunix.rl.grpo import grpo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
-from tunix.tests import test_common  # noqa: E402  (MockVocab: a tokenizer with nothing to download)
 
 from nnx_zero1 import bytes_per_device, report  # noqa: E402
 from nnx_zero1.adapters.tunix import Zero1RLCluster, Zero1RLTrainingConfig  # noqa: E402
@@ -42,10 +42,39 @@ PROMPTS = ["hello world", "My name", "hello there", "input string"]
 BATCH_AXES = ("data", "fsdp")  # data-parallel: the batch over both axes
 
 
-def llama(vocab, mesh: Mesh) -> nnx.Module:
+class WordTokenizer:
+  """A tokenizer of whole words from a fixed list (ids 0-2: padding, start, end), what Tunix's rollout
+  asks of one: ``encode``, ``decode``, ``bos_id``, ``eos_id``, ``pad_id``."""
+
+  WORDS = ("<pad>", "<s>", "</s>", "hello", "world", "there", "My", "name", "is", "input", "string", "the",
+           "a", "short", "long", "answer", "yes", "no", "one", "two", "three", "!")
+
+  def __init__(self):
+    self.ids = {word: i for i, word in enumerate(self.WORDS)}
+
+  def __len__(self) -> int:
+    return len(self.WORDS)
+
+  def encode(self, text: str, **kwargs) -> list[int]:
+    return [self.ids[w] for w in text.split() if w in self.ids]
+
+  def decode(self, ids, **kwargs) -> str:
+    return " ".join(self.WORDS[int(i)] for i in ids)
+
+  def pad_id(self) -> int:
+    return 0
+
+  def bos_id(self) -> int:
+    return 1
+
+  def eos_id(self) -> int:
+    return 2
+
+
+def llama(vocab_size: int, mesh: Mesh) -> nnx.Module:
   """Tunix's Llama3 class, 2 small layers, random weights, each array placed on ``mesh`` by its metadata."""
   config = llama3.ModelConfig(
-      num_layers=2, vocab_size=vocab.GetPieceSize(), embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
+      num_layers=2, vocab_size=vocab_size, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
       num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6,
   )
   shd = config.shd_config  # data-parallel: the activations' batch entry over both axes
@@ -65,12 +94,11 @@ def shorter_is_better(prompts, completions, **kwargs):
 
 
 def train(cluster_class, mesh: Mesh, steps: int):
-  vocab = test_common.MockVocab()
+  tokenizer = WordTokenizer()
   config = rl_cluster_lib.ClusterConfig(
       role_to_mesh={r: mesh for r in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
                                        rl_cluster_lib.Role.ROLLOUT)},
       rollout_engine="vanilla",
-      offload_to_cpu=False,
       training_config=Zero1RLTrainingConfig(  # Zero-1: or Tunix's RLTrainingConfig, with the same fields
           actor_optimizer=optax.adamw(1e-2),
           eval_every_n_steps=steps,
@@ -83,16 +111,17 @@ def train(cluster_class, mesh: Mesh, steps: int):
       ),
   )
   cluster = cluster_class(  # Zero-1: Zero1RLCluster, was RLCluster
-      actor=llama(vocab, mesh), reference=llama(vocab, mesh), tokenizer=vocab, cluster_config=config
+      actor=llama(len(tokenizer), mesh), reference=llama(len(tokenizer), mesh), tokenizer=tokenizer,
+      cluster_config=config,
   )
   learner = grpo_learner.GRPOLearner(
       rl_cluster=cluster,
       reward_fns=shorter_is_better,
-      algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=1),
+      algo_config=grpo_learner.GRPOConfig(num_generations=2),
   )
   # 4 prompts x 2 generations: 8 sequences a step, one per data-parallel replica.
-  data = grain.MapDataset.source(PROMPTS * steps).batch(4).map(lambda x: {"prompts": x, "answer": x})
-  learner.train(data, None)
+  train_ds = grain.MapDataset.source(PROMPTS * steps).batch(4).map(lambda x: {"prompts": x, "answer": x})
+  learner.train(train_ds)
   return cluster.actor_trainer
 
 

@@ -14,7 +14,7 @@ Tunix user changes to train data-parallel with Zero-1 (each marked ``# Zero-1:``
 
   python examples/tunix_lora_sft.py [--model llama3|qwen3] [--full] [--steps N] [--grad-accum K] [--tiny]
 
-LoRA (qwix, on the 7 projections, as Tunix does it) unless ``--full``. ``--tiny`` (or
+LoRA (qwix, rank 16 on the 7 projections, as Tunix does it) unless ``--full``. ``--tiny`` (or
 NNX_ZERO1_TINY=1) runs 2 layers for 3 steps, for CI.
 """
 
@@ -64,9 +64,11 @@ def build_model(family: str, num_layers: int, width: int, lora: bool, mesh) -> n
   """Tunix's model class with random weights, LoRA'd by qwix if asked, every array placed on ``mesh``."""
   module, config = model_config(family, num_layers, width)
   model_class = {"llama3": "Llama3", "qwen3": "Qwen3"}[family]
-  model = getattr(module, model_class)(config, rngs=nnx.Rngs(0))  # or your checkpoint's weights
+  # Your checkpoint's weights instead, read into this config and placed on the mesh by Tunix's loader:
+  # model = params.create_model_from_safe_tensors(model_dir, config, mesh)  (tunix.models.<family>.params)
+  model = getattr(module, model_class)(config, rngs=nnx.Rngs(0))
   if lora:
-    provider = qwix.LoraProvider(module_path=LORA_MODULES, rank=8, alpha=2.0)
+    provider = qwix.LoraProvider(module_path=LORA_MODULES, rank=16, alpha=2.0)
     model = qwix.apply_lora_to_model(model, provider, **model.get_model_input(), rngs=nnx.Rngs(1))
   state = nnx.state(model)
   nnx.update(model, jax.device_put(state, nnx.get_named_sharding(state, mesh)))

@@ -18,6 +18,7 @@ from jax.sharding import AxisType
 from nnx_zero1 import Zero1Optimizer
 from nnx_zero1.adapters.tunix import Zero1PeftTrainer
 from tests.support.tunix_toys import (  # Tunix imported with flax's flag put back
+  data_parallel,
   model_input,
   peft_trainer,
   place,
@@ -25,10 +26,10 @@ from tests.support.tunix_toys import (  # Tunix imported with flax's flag put ba
 )
 
 MESH = jax.make_mesh((4, 1, 2), ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
-CONFIG = qwen3.ModelConfig(
+CONFIG = data_parallel(qwen3.ModelConfig(
     num_layers=2, vocab_size=128, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
     num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6,
-)
+))
 PROJECTIONS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
 STEPS = 3
 

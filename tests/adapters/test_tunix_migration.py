@@ -2,6 +2,7 @@
 lacks the data axis meets, and the ``zero1_*`` options reach ``Zero1RLCluster``'s actor through
 ``Zero1RLTrainingConfig`` (Tunix's ``RLTrainingConfig`` plus those options)."""
 
+import ast
 import dataclasses
 import math
 import re
@@ -23,6 +24,7 @@ from nnx_zero1.adapters.tunix import (
 from tests.support.docs_tables import table_under
 from tests.support.helpers import assert_trees_equal, pure
 from tests.support.tunix_toys import (
+    data_parallel,
     grpo_cluster_config,
     llama3,
     peft_trainer,
@@ -42,24 +44,41 @@ def quoted_errors() -> list[str]:
   return [line for block in blocks for line in block.splitlines() if "Zero1Error: " in line]
 
 
-def test_the_quoted_zero1_error_is_what_a_tunix_user_with_an_fsdp_only_mesh_meets():
-  """``data_sharding_axis=("data",)`` on Tunix's fsdp-only mesh, Tunix's Llama3 class: refused before the
-  trainer touches the model, with the message the page quotes, word for word."""
-  mesh = tunix_mesh((8, 1), ("fsdp", "tp"))
+def _met(mesh, config, data_sharding_axis) -> str:
+  """The Zero1Error a Tunix user meets building ``Zero1PeftTrainer`` on Tunix's ``Llama3`` of ``config`` under
+  ``mesh``, shown as a traceback ends with it; the model is left as it was."""
+  with nnx.use_eager_sharding(False):
+    model = place(llama3.Llama3(config, rngs=nnx.Rngs(0)), mesh)
+  before = pure(model)
+  training_config = peft_trainer.TrainingConfig(eval_every_n_steps=100, data_sharding_axis=data_sharding_axis)
+  with mesh, pytest.raises(Zero1Error) as raised:
+    Zero1PeftTrainer(model, optax.adamw(1e-5), training_config)
+  assert_trees_equal(model, before)
+  return f"{type(raised.value).__module__}.{type(raised.value).__name__}: {raised.value}"
+
+
+def test_the_quoted_zero1_errors_are_what_a_tunix_user_meets():
+  """The page's three quotes, word for word and in its order: Tunix's default ``data_sharding_axis`` and
+  Tunix's default ``ShardingConfig`` on the data-parallel mesh; ``("data",)`` on Tunix's fsdp-only mesh."""
   config = llama3.ModelConfig(
       num_layers=1, vocab_size=64, embed_dim=32, hidden_dim=64, num_heads=2, head_dim=16, num_kv_heads=1,
       rope_theta=10_000, norm_eps=1e-6,
   )
-  with nnx.use_eager_sharding(False):
-    model = place(llama3.Llama3(config, rngs=nnx.Rngs(0)), mesh)
-  before = pure(model)
-  training_config = peft_trainer.TrainingConfig(eval_every_n_steps=100, data_sharding_axis=("data",))
-  with mesh, pytest.raises(Zero1Error) as raised:
-    Zero1PeftTrainer(model, optax.adamw(1e-5), training_config)
-  shown = f"{type(raised.value).__module__}.{type(raised.value).__name__}: {raised.value}"
-  assert shown.startswith("nnx_zero1.Zero1Error: ")  # the public name, as a traceback prints it
-  assert [line.split("Zero1Error: ", 1)[1] for line in quoted_errors()] == [str(raised.value)]
-  assert_trees_equal(model, before)
+  data8 = tunix_mesh((8, 1, 1), ("data", "fsdp", "tp"))
+  assert quoted_errors() == [
+      _met(data8, data_parallel(config), ("fsdp",)),
+      _met(data8, config, (("data", "fsdp"),)),
+      _met(tunix_mesh((8, 1), ("fsdp", "tp")), config, ("data",)),
+  ]
+
+
+def test_no_example_imports_a_hosts_test_package():
+  for script in (PAGE.parents[1] / "examples").glob("*.py"):
+    imported = {alias.name for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module for node in ast.walk(ast.parse(script.read_text()))
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {m for m in imported if ".tests" in m or m.startswith("tests")}, script.name
 
 
 def test_the_rl_config_has_every_zero1_option_of_the_sft_config():

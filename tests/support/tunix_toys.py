@@ -7,6 +7,7 @@ flax's default; models are built inside ``nnx.use_eager_sharding(False)`` instea
 is scoped. Import Tunix's modules from here.
 """
 
+import dataclasses
 from typing import Any
 
 import flax
@@ -34,6 +35,14 @@ def tunix_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
   """A mesh as Tunix's tests build one: ``jax.sharding.Mesh`` (Auto axes) over the first devices."""
   n = int(np.prod(shape))
   return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
+def data_parallel(config: Any, batch: tuple[str, ...] = ("data", "fsdp")) -> Any:
+  """Tunix's model ``config`` with its activations' batch entry (``act_btd``, ``act_btf``, ``act_btnh``)
+  over ``batch``: what a mesh with a ``data`` axis needs (docs/tunix.md)."""
+  shd = config.shd_config
+  fields = {f: (batch, *getattr(shd, f)[1:]) for f in ("act_btd", "act_btf", "act_btnh")}
+  return dataclasses.replace(config, shd_config=dataclasses.replace(shd, **fields))
 
 
 def place(model: nnx.Module, mesh: Mesh | None) -> nnx.Module:
