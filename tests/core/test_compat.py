@@ -43,7 +43,8 @@ def test_to_opt_state_is_what_nnx_optimizer_builds():
 
 def test_optimizer_sharding_is_the_metadata_nnx_optimizer_places_its_state_by():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  with jax.set_mesh(mesh):
+  # Eager sharding as flax defaults it: MaxText's engine, run earlier in the same process, turns it off.
+  with jax.set_mesh(mesh), nnx.use_eager_sharding(True):
     model = nnx.Linear(16, 8, kernel_metadata={"optimizer_sharding": (None, "data")}, rngs=nnx.Rngs(0))
     mu = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param).opt_state[0].mu["kernel"]
   declared = _compat.optimizer_sharding_of(model.kernel)
