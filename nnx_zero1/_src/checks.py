@@ -60,6 +60,12 @@ def _check_on_mesh(params: Any, mesh: Mesh) -> None:
       )
 
 
+def _check_placed(params: Any, mesh: Mesh) -> None:
+  """Refuses parameters on devices outside the mesh, and parameters left on one of its devices."""
+  _check_devices(params, mesh, "parameter", "place the model on the mesh first")
+  _check_on_mesh(params, mesh)
+
+
 def check_params(params: Any, wrt, mesh: Mesh) -> None:
   """Refuses a ``wrt`` that selects nothing, parameters on devices outside the mesh and parameters
   left on one of its devices."""
@@ -70,8 +76,7 @@ def check_params(params: Any, wrt, mesh: Mesh) -> None:
         f"state to shard; pass wrt= a filter that selects the variables to train (nnx.Param by default); "
         f"{describe_mesh(mesh)}"
     )
-  _check_devices(params, mesh, "parameter", "place the model on the mesh first")
-  _check_on_mesh(params, mesh)
+  _check_placed(params, mesh)
 
 
 def check_model(params: Any, plan: Zero1Plan) -> None:
@@ -84,8 +89,7 @@ def check_model(params: Any, plan: Zero1Plan) -> None:
         f"was built for ({len(leaves)} leaves vs {len(plan.param_shapes)}); pass that model, or build an "
         f"optimizer for this one; {describe_mesh(plan.mesh)}"
     )
-  _check_devices(params, plan.mesh, "parameter", "place the model on the mesh first")
-  _check_on_mesh(params, plan.mesh)
+  _check_placed(params, plan.mesh)
 
 
 def first_mismatch(
