@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_zero1._src.errors import Zero1Error, describe_mesh
+from nnx_zero1._src.mesh import current_mesh, mesh_of
 
-__all__ = ["DATA_PARALLEL_AXES", "batch_axis_names", "check_activations_follow_the_batch",
-           "check_batch_over_data_axes"]
+__all__ = ["DATA_PARALLEL_AXES", "batch_axis_names", "batch_mesh", "check_activations_follow_the_batch",
+           "check_batch_over_data_axes", "check_trained_batch"]
 
 # The mesh axes that split the batch wherever they are: a pod's replicas, Zero-1's default data axis, and
 # FSDP's axis (FSDP is data parallelism with the weights split too; Tunix's own default batch axis).
@@ -127,3 +129,20 @@ def check_activations_follow_the_batch(model: Any, mesh: Mesh, data_sharding_axi
           f"shd_config=dataclasses.replace(shd, act_btd=({batch!r}, *shd.act_btd[1:]), "
           f"act_btf=({batch!r}, *shd.act_btf[1:]), act_btnh=({batch!r}, *shd.act_btnh[1:]))"
       )
+
+
+def batch_mesh(models: list[Any]) -> Mesh | None:
+  """The mesh a trainer splits its batch over: the current one, else the one the models' arrays are placed
+  on (None: neither, or several)."""
+  modules = [m for m in models if isinstance(m, nnx.Module)]
+  placed = {mesh_of(x) for m in modules for x in jax.tree.leaves(nnx.as_pure(nnx.state(m)))} - {None}
+  mesh = current_mesh() or (placed.pop() if len(placed) == 1 else None)
+  return mesh if isinstance(mesh, Mesh) else None
+
+
+def check_trained_batch(trained: list[tuple[Mesh, list[Any]]], data_sharding_axis: Any) -> None:
+  """Both refusals, for each mesh and the models that compute on its batch."""
+  for mesh, models in trained:
+    check_batch_over_data_axes(mesh, data_sharding_axis)
+    for model in models:
+      check_activations_follow_the_batch(model, mesh, data_sharding_axis)

@@ -56,20 +56,13 @@ except ModuleNotFoundError as e:
       name=e.name,
   ) from None
 
-import jax
-from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_zero1._src.errors import Zero1Error
-from nnx_zero1._src.mesh import current_mesh, mesh_of
 from nnx_zero1._src.mixin import ShardedOptimizerMixin
 from nnx_zero1._src.specs import DataAxis, data_axes
 
-from ._tunix_batch import (
-  batch_axis_names,
-  check_activations_follow_the_batch,
-  check_batch_over_data_axes,
-)
+from ._tunix_batch import batch_axis_names, batch_mesh, check_trained_batch
 
 __all__ = [
     "Zero1DPOTrainer",
@@ -248,10 +241,7 @@ class _Zero1Tunix(ShardedOptimizerMixin):
             f"Zero-1 needs data axis {missing[0]!r} but the mesh has axes {tuple(mesh.axis_names)} "
             f"(shape {dict(mesh.shape)}); the data axes come from {source}: give the mesh that axis, or {fix}"
         )
-    for mesh, models in self._trained_models(*args, **kwargs):
-      check_batch_over_data_axes(mesh, config.data_sharding_axis)
-      for model in models:
-        check_activations_follow_the_batch(model, mesh, config.data_sharding_axis)
+    check_trained_batch(self._trained_models(*args, **kwargs), config.data_sharding_axis)
     return meshes
 
   def _tunix_meshes(self, *args: Any, **kwargs: Any) -> list:
@@ -262,10 +252,8 @@ class _Zero1Tunix(ShardedOptimizerMixin):
     current mesh, else the one the models' arrays are placed on (none: nothing to check)."""
     arguments = self._tunix_arguments(*args, **kwargs)
     models = [arguments[name] for name in _MODEL_ARGUMENTS if arguments.get(name) is not None]
-    modules = [m for m in models if isinstance(m, nnx.Module)]
-    placed = {mesh_of(x) for m in modules for x in jax.tree.leaves(nnx.as_pure(nnx.state(m)))} - {None}
-    mesh = current_mesh() or (placed.pop() if len(placed) == 1 else None)
-    return [] if not isinstance(mesh, Mesh) else [(mesh, models)]
+    mesh = batch_mesh(models)
+    return [] if mesh is None else [(mesh, models)]
 
 
 class Zero1PeftTrainer(_Zero1Tunix, PeftTrainer):
