@@ -17,6 +17,12 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnx_zero1_plan.gpu_schedule import dumped_schedule
 from nnx_zero1_plan.program_record import ProgramRecord
 
 # (lhs shape, rhs shape, ((lhs contracting, rhs contracting), (lhs batch, rhs batch)))
@@ -72,24 +78,15 @@ def bfloat16_result_seconds(matmul: Matmul, devices: tuple[Any, ...]) -> float:
   """XLA's GPU cost model's seconds for ``matmul`` with a bfloat16 result on ``devices``' GPU: the costliest
   instruction of a program that does it on each device (with a small all-reduce, since the scheduler dumps no
   estimates for a program without a collective)."""
-  import tempfile
-
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-  from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
-
   mesh = Mesh(np.array(devices), ("d",))
   lhs, rhs, numbers = matmul
   whole = NamedSharding(mesh, PartitionSpec())
   args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=whole) for shape in (lhs, rhs)]
   tiny = jax.ShapeDtypeStruct((len(devices),), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("d")))
   probe = lambda a, b, t: (jax.lax.dot_general(a, b, numbers, preferred_element_type=jnp.bfloat16), t.sum())
-  with tempfile.TemporaryDirectory(prefix="nnx_zero1_plan_matmul_", ignore_cleanup_errors=True) as folder:
-    jax.jit(probe).lower(*args, tiny).compile(dump_options(folder))
-    return max(s for module in scheduled_seconds(folder).values() for s in module.values())
+  with dumped_schedule() as (options, read):
+    jax.jit(probe).lower(*args, tiny).compile(options)
+    return max(s for module in read().values() for s in module.values())
 
 
 def tensor_core_priced(scheduled: Mapping[str, Mapping[str, float]], records: Sequence[ProgramRecord],

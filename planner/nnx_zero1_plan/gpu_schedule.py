@@ -4,9 +4,12 @@ instruction's start and end in cycles. Pure, but for reading those files."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
+import tempfile
+from collections.abc import Callable, Iterator
 
 _MODULE = re.compile(r'^hlo_module \{\n  name: "(?P<name>[^"]+)"', re.M)
 _INSTRUCTION = re.compile(r'^      name: "(?P<name>[^"]+)"$|^      id: (?P<id>\d+)$', re.M)
@@ -25,6 +28,14 @@ def dump_options(directory: str) -> dict[str, str | bool]:
     True
   """
   return {"xla_dump_to": directory, "xla_dump_latency_hiding_schedule": True}
+
+
+@contextlib.contextmanager
+def dumped_schedule() -> Iterator[tuple[dict[str, str | bool], Callable[[], dict[str, dict[str, float]]]]]:
+  """The compiler options that dump a compile's schedule into a folder removed after, and its reader
+  (:func:`scheduled_seconds`)."""
+  with tempfile.TemporaryDirectory(prefix="nnx_zero1_plan_schedule_", ignore_cleanup_errors=True) as folder:
+    yield dump_options(folder), lambda: scheduled_seconds(folder)
 
 
 def parse_schedule(text: str) -> tuple[str | None, dict[str, float]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -29,7 +28,7 @@ from nnx_zero1_plan.compiled import (
 )
 from nnx_zero1_plan.estimate import NEAR, NEAR_LIMIT, estimate_mark, extrapolate_row, not_alike
 from nnx_zero1_plan.gpu_matmuls import tensor_core_priced
-from nnx_zero1_plan.gpu_schedule import dump_options, scheduled_seconds
+from nnx_zero1_plan.gpu_schedule import dumped_schedule
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
 from nnx_zero1_plan.networks import network_per_step
@@ -86,8 +85,8 @@ def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] |
   if timing is None or timing.target.backend.prices_in_cycles:
     yield None, lambda: None
     return
-  with tempfile.TemporaryDirectory(prefix="nnx_zero1_plan_schedule_", ignore_cleanup_errors=True) as folder:
-    yield dump_options(folder), lambda: scheduled_seconds(folder)
+  with dumped_schedule() as (options, read):
+    yield options, read
 
 
 def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape,
