@@ -2,9 +2,9 @@
 
 ``render OUT`` writes, for each plan.json kept under docs/data, what today's code prints (``stdout.txt``),
 writes (``plan.json``, ``plan.md``) and recommends again from its rows, into ``OUT/<its folder>``.
-``compile OUT`` runs a few small plans with the real compilers (TPU, GPU, a global batch, a search, a pod, a
-MaxText and a Tunix model) into ``OUT/<name>``, compile seconds left out. Run both before and after the
-change and compare the folders with ``diff -r``.
+``compile OUT [NAME ...]`` runs a few small plans with the real compilers (TPU, GPU, a global batch, a search,
+a pod, a way out, a MaxText and a Tunix model) into ``OUT/<name>``, compile seconds left out. Run both before
+and after the change and compare the folders with ``diff -r``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,20 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOY = "tests.support.planner_toys:tiny_lm"
-BF16 = ["--model", TOY + "_bf16", "--param-dtype", "bfloat16", "--compute-dtype", "bfloat16"]
+BF16 = ["--model", TOY + "_bf16"]
 SMALL = ["--batch", "8", "--seq-len", "16"]
+
+
+def _maxtext_toy() -> list[str]:
+  try:
+    from tests.support.maxtext_toys import TINY
+  except ImportError:  # without MaxText
+    return []
+  mesh = ("model_name", "run_name", "per_device_batch_size", "max_target_length", "ici_data_parallelism",
+          "ici_fsdp_parallelism", "opt_type", "base_output_directory")
+  return [f"{k}={v}" for k, v in TINY.items() if k not in mesh]
+
+
 COMPILES = {
     "tpu": ["--model", TOY, "--topology", "v6e:2x2", "--steps", "one,split"],
     "tpu_estimate": ["--model", TOY, "--topology", "v6e:2x2", "--steps", "one", "--estimate"],
@@ -31,9 +43,10 @@ COMPILES = {
     "gpu_one": [*BF16, "--topology", "h200:1", "--steps", "one"],
     "gpu_search": ["--model", TOY, "--topology", "h100:8", "--steps", "one", "--search", "--margin", "0.999"],
     "way_out": ["--model", TOY, "--topology", "h100:8", "--batch", "64", "--seq-len", "256", "--steps", "one",
-                "--hbm-gib", "0.05"],
+                "--margin", "0.9989"],
     "pod": ["--model", TOY, "--topology", "v5e:2x4", "--slices", "2", "--steps", "one"],
-    "maxtext": ["--model", "maxtext:default", "--topology", "v6e:2x2", *SMALL, "--steps", "one"],
+    "maxtext": ["--model", "maxtext:default", "--topology", "v6e:2x2", *SMALL, "--ga", "2", "--levers",
+                "baseline,zero1,offload", *_maxtext_toy()],
     "tunix": ["--model", "tunix:qwen3_0p6b", "--topology", "v5e:2x4", *SMALL, "--steps", "one",
               "--param-dtype", "bfloat16", "--compute-dtype", "bfloat16"],
 }
@@ -66,6 +79,8 @@ def compile_plans(out: pathlib.Path, names: list[str]) -> None:
     run = subprocess.run([sys.executable, "-m", "nnx_zero1.plan", *COMPILES[name], "--out", str(folder)],
                          cwd=ROOT, env=env, capture_output=True, text=True)
     (folder / "stdout.txt").write_text(f"exit {run.returncode}\n{run.stdout}")
+    if run.returncode:
+      (folder / "stderr_tail.txt").write_text("\n".join(run.stderr.splitlines()[-3:]))
     for written in ("plan.json", "plan.md"):
       path = folder / written
       if path.exists():
@@ -75,4 +90,7 @@ def compile_plans(out: pathlib.Path, names: list[str]) -> None:
 
 if __name__ == "__main__":
   what, where, *only = sys.argv[1:]
-  (render if what == "render" else lambda out: compile_plans(out, only))(pathlib.Path(where))
+  if what == "render":
+    render(pathlib.Path(where))
+  else:
+    compile_plans(pathlib.Path(where), only)
