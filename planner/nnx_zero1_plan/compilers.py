@@ -55,29 +55,27 @@ def gpu_install_hint(jax_version: str) -> str:
           "(Python >= 3.12)")
 
 
-def require_cuda_plugin() -> str:
-  """The CUDA plugin's version; raises naming the install command when it is missing.
+# Each compiler by its package: its module, what it compiles for, and its install line.
+_COMPILERS = {
+    "libtpu": ("libtpu", "TPUs needs the TPU compiler (libtpu)", install_hint),
+    "jax-cuda13-plugin": ("jax_cuda13_plugin", "NVIDIA GPUs needs XLA's GPU compiler", gpu_install_hint)}
 
-  Raises:
-    AotUnavailable: XLA's GPU compiler (``jax-cuda13-plugin``) is not installed in this environment.
-  """
+
+def require(package: str) -> str:
+  """The version of the compiler ``package`` (one of ``_COMPILERS``); :class:`AotUnavailable`, naming the
+  install command, where it is not installed."""
   # jax's version from its metadata: this module runs in the caller's process too, which never imports jax.
-  if importlib.util.find_spec("jax_cuda13_plugin") is None:
-    raise AotUnavailable(f"compiling for NVIDIA GPUs needs XLA's GPU compiler, which is not installed: "
-                         f"{gpu_install_hint(importlib.metadata.version('jax'))}")
-  return importlib.metadata.version("jax-cuda13-plugin")
+  module, what, hint = _COMPILERS[package]
+  if importlib.util.find_spec(module) is None:
+    raise AotUnavailable(f"compiling for {what}, which is not installed: "
+                         f"{hint(importlib.metadata.version('jax'))}")
+  return importlib.metadata.version(package)
 
 
 def require_libtpu() -> str:
-  """libtpu's version (``'0.0.50.1'`` with jax 0.12.0.1); raises naming the install command when missing.
-
-  Raises:
-    AotUnavailable: libtpu is not installed in this environment.
-  """
-  if importlib.util.find_spec("libtpu") is None:
-    raise AotUnavailable(f"compiling for TPUs needs the TPU compiler (libtpu), which is not installed: "
-                         f"{install_hint(importlib.metadata.version('jax'))}")
-  return importlib.metadata.version("libtpu")
+  """libtpu's version (``'0.0.50.1'`` with jax 0.12.0.1); :class:`AotUnavailable`, naming the install
+  command, where it is not installed."""
+  return require("libtpu")
 
 
 def _has_open(pid: str, path: str) -> bool:

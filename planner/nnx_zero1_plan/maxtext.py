@@ -10,16 +10,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, bytes_by_memory_kind
-from nnx_zero1_plan.compiled import (
-  collectives_of,
-  cost,
-  memory,
-  row_figures,
-  split_memory,
-  summed_collectives,
-)
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError
 from nnx_zero1_plan.levers import Lever, engine_attributes, with_offload
 from nnx_zero1_plan.mesh_axes import mesh_axes
@@ -32,11 +25,12 @@ from nnx_zero1_plan.row_compiler import (
   RowCompiler,
   compile_words,
   compiled_line,
+  read_compile,
   refused,
   with_step_time,
 )
 from nnx_zero1_plan.steps import StepShape
-from nnx_zero1_plan.targets import Target, domain_of
+from nnx_zero1_plan.targets import Target
 
 # Never named like a package: a folder named nnx_zero1_plan in the temp folder would shadow the planner (as an
 # empty namespace package) in any Python started there.
@@ -151,7 +145,7 @@ class MaxTextModels:
       PlanError: a GPU target, MaxText missing, or what :func:`config_overrides` refuses.
     """
     model = request.model_ref
-    if target.platform != "tpu":
+    if not target.backend.maxtext_engine:
       raise PlanError(f"{model} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
                       f"{request.topology} is a GPU target")
     try:
@@ -180,35 +174,34 @@ def compiled_figures(lever_name: str, step: str, source: MaxTextModel, mesh: Non
                      depth: int | None = None, progress: Callable[[str], None] | None = None,
                      timing: RowCompiler | None = None) -> Figures:
   """:func:`nnx_zero1_plan.row_compiler.compiled_figures` of a ``maxtext:`` model: its engine's split step,
-  compiled whole on the engine's own mesh (:func:`compile_maxtext`)."""
+  compiled whole on the engine's own mesh (:func:`compile_maxtext`), read as every kind's
+  (:func:`~nnx_zero1_plan.row_compiler.read_compile`)."""
   say = progress or (lambda line: None)
   at = compile_words(lever_name, step, shape)
   say(f"compiling {at} ...")
   started = time.perf_counter()
   try:
     lever = with_offload(lever_name, shape.offload_fraction)
-    figures, programs = compile_maxtext(lever_name, lever, source.overrides, source.defer)
+    known, programs, on, resident = compile_maxtext(lever_name, lever, source.overrides, source.defer)
   except COMPILER_REFUSALS as e:
     return refused(e, started, say, at)
+  figures = read_compile(programs, known, on, timing, resident, micro_batch=programs[-2][0])
   say(compiled_line(at, figures.compile_s or 0, figures))
-  return with_step_time(figures, programs, shape, timing, lever_name)
+  return with_step_time(figures, [(n, r, t) for n, _, r, t in programs], shape, timing, lever_name)
 
 
-def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
-                    defer: bool = True) -> tuple[Figures, list[tuple[str, ProgramRecord, int]]]:
-  """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
-
-  MaxText's engine defers the data-parallel all-reduce to ``update`` where it can (``shard_mode=explicit`` on
-  a pure data mesh); ``defer=False`` compiles it reducing in every micro-batch.
-
-  Returns:
-    The row's figures (``maxtext_config`` says whether the all-reduce was deferred), and the programs one
-    step runs: ``(kernel, its record, times per step)``, in order (each kernel's text read once).
+def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str], defer: bool = True
+                    ) -> tuple[Figures, list[tuple[str, Any, ProgramRecord, int]], Any, int]:
+  """One lever's MaxText engine compiled for the config ``overrides`` make, reducing in every micro-batch
+  where ``defer`` is False (else where MaxText's engine can, it defers the data-parallel all-reduce to
+  ``update``): the figures only the engine knows (its state's bytes, the compile's seconds, its config,
+  whether it deferred), the programs one step runs in order (``(kernel, executable, record, runs per
+  step)``, each kernel's text read once), the engine's mesh and the optimizer state's device bytes.
 
   Raises:
     PlanError: a lever MaxText's engine has no form of.
-    ValueError: MaxText's config or Zero-1 refusing the settings (the plan records it on the row).
-    jax.errors.JaxRuntimeError: the compiler refusing a kernel (the plan records it on the row).
+    ValueError, jax.errors.JaxRuntimeError: MaxText's config, Zero-1 or the compiler refusing (the plan
+      records it on the row).
   """
   # First: the adapter supplies the Tunix types MaxText's engine modules import where Tunix is absent.
   from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine  # isort: skip
@@ -232,24 +225,19 @@ def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
     kernels = engine.compile_kernels(mec.get_shaped_micro_batch(config))
   deferred = unreduced_grad_shardings(engine) is not None
   seconds = time.perf_counter() - start
-  by_kind = bytes_by_memory_kind(nnx.state(engine.optimizer.opt_state))
+  state = nnx.state(engine.optimizer.opt_state)
+  by_kind = bytes_by_memory_kind(state)
   model = engine._model  # where maxtext 0.2.5's engine keeps it (the version the planner supports)
   ga = int(config.gradient_accumulation_steps)
   runs = ["fwd_bwd"] + ["fwd_bwd_accum"] * (ga - 1)  # the gradient kernels one step runs, in order
-  grads = max((memory(kernels[name]) for name in set(runs)), key=lambda m: m["peak"])
-  mem = split_memory(grads, memory(kernels["update"]), by_kind.get("device", 0))
-  domains = [domain_of(d) for d in mesh.devices.flat]
-  records = {name: ProgramRecord.read(kernels[name].as_text()) for name in (*dict.fromkeys(runs), "update")}
-  counted = {name: collectives_of(record, domains) for name, record in records.items()}
-  step = summed_collectives([counted[name] for name in (*runs, "update")])
-  counts = dataclasses.replace(step, per_micro_batch=counted[runs[-1]].per_step)  # a gradient kernel's, whole
   chosen = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(MaxTextConfig)
             if f.name != "deferred_all_reduce"}  # what MaxText's defaults chose, recorded on a row
-  figures = dataclasses.replace(
-      row_figures(mem, counts, cost(kernels["update"])), opt_state_bytes_per_device=by_kind.get("device", 0),
-      opt_state_bytes_by_memory_kind=by_kind,
-      opt_state_bytes_by_dtype=bytes_by_dtype(nnx.state(engine.optimizer.opt_state)),
-      param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)), compile_s=seconds,
-      maxtext_config=MaxTextConfig.from_json({**chosen, "deferred_all_reduce": str(deferred)}))
-  programs = [(name, records[name], runs.count(name)) for name in dict.fromkeys(runs)]
-  return figures, [*programs, ("update", records["update"], 1)]
+  known = Figures(opt_state_bytes_per_device=by_kind.get("device", 0),
+                  opt_state_bytes_by_memory_kind=by_kind, opt_state_bytes_by_dtype=bytes_by_dtype(state),
+                  param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)),
+                  compile_s=seconds,
+                  maxtext_config=MaxTextConfig.from_json({**chosen, "deferred_all_reduce": str(deferred)}))
+  times = {**{name: runs.count(name) for name in runs}, "update": 1}
+  programs = [(name, kernels[name], ProgramRecord.read(kernels[name].as_text()), n)
+              for name, n in times.items()]
+  return known, programs, mesh, by_kind.get("device", 0)

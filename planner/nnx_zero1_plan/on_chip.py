@@ -16,6 +16,7 @@ import jax
 from jax.sharding import Mesh
 
 from nnx_zero1_plan.abstract import AbstractState
+from nnx_zero1_plan.calibration import Calibration
 from nnx_zero1_plan.inputs import error_line
 from nnx_zero1_plan.levers import Lever
 from nnx_zero1_plan.program_record import ProgramRecord
@@ -43,6 +44,16 @@ class Program:
   state: AbstractState
   shape: StepShape
   record: ProgramRecord
+
+
+class Kept:
+  """What a plan keeps as it compiles for ``--measure``, added to as its rows compile: each one-program step
+  compiled whole (by lever, model and shape: its run, and a second row of it, read it back) and the
+  calibrations its runs made."""
+
+  def __init__(self) -> None:
+    self.programs: dict[tuple[str, int, StepShape], Program] = {}
+    self.profiled: list[Calibration] = []
 
 
 def measured_batches(row: Row) -> tuple[int, ...]:

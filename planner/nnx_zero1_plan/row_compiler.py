@@ -16,39 +16,29 @@ from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, s
 from nnx_zero1_plan.calibrated_time import calibrated_step, read_program
 from nnx_zero1_plan.calibration import Calibration, built_otherwise, for_step
 from nnx_zero1_plan.chips import CHIPS
-from nnx_zero1_plan.compiled import (
-  collectives_of,
-  cost,
-  hbm_oom,
-  memory,
-  row_figures,
-  split_memory,
-  step_flops,
-  summed_collectives,
-)
+from nnx_zero1_plan.compiled import collectives_of, hbm_oom, step_figures, step_flops
 from nnx_zero1_plan.estimate import NEAR, NEAR_LIMIT, estimate_mark, extrapolate_row, not_alike
 from nnx_zero1_plan.gpu_matmuls import tensor_core_priced
 from nnx_zero1_plan.gpu_schedule import dumped_schedule
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
 from nnx_zero1_plan.networks import network_per_step
-from nnx_zero1_plan.on_chip import Program
+from nnx_zero1_plan.on_chip import Kept, Program
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row, StateSplit
 from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.step_time import predict_step_time, rates_for
 from nnx_zero1_plan.steps import StepShape, compile_split, compile_step, lever_state
-from nnx_zero1_plan.targets import Target, domain_of
+from nnx_zero1_plan.targets import Target
 from nnx_zero1_plan.tunix_sharding import sharding_of
 
 
 def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord, int]], shape: StepShape,
                    timing: RowCompiler | None, lever_name: str,
                    scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
-  """``figures`` with the predicted time (:func:`nnx_zero1_plan.predict_step_time`) of the ``programs`` one
-  step of ``lever_name`` runs on ``timing``'s target (``scheduled``: XLA's GPU scheduler's estimates), and the
-  calibrated time too (:func:`calibrated`)."""
+  """``figures`` with the predicted time of the ``programs`` one step of ``lever_name`` runs on ``timing``'s
+  target (``scheduled``: XLA's GPU scheduler's estimates), and the calibrated time (:func:`calibrated`)."""
   if timing is None:
     return figures
   target = timing.target
@@ -65,9 +55,9 @@ def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord
 
 def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], timing: RowCompiler,
                lever: str, ga: int) -> Figures:
-  """``figures`` with the calibrated time of ``programs`` (each program's record and the times a step runs it)
-  by ``timing``'s calibrations built as ``lever``'s step at ``ga`` is
-  (:func:`~nnx_zero1_plan.calibration.for_step`); as they are where there are none, or no predicted time."""
+  """``figures`` with the calibrated time of ``programs`` (each program's record and the runs a step makes of
+  it) by ``timing``'s calibrations built as ``lever``'s step at ``ga`` is; as they are where there are none,
+  or no predicted time."""
   calibration = for_step(timing.all_calibrations, lever, ga)
   if calibration is None or figures.predicted_step_s is None or figures.step_time is None:
     return dataclasses.replace(figures, calibrated_step_s=None, calibrated_collective_s=None)
@@ -80,8 +70,8 @@ def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], 
 
 @contextlib.contextmanager
 def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] | None, Callable[[], Any]]]:
-  """For a GPU target, the compiler options that dump its scheduler's estimates into a folder removed after,
-  and a reader of them; elsewhere no options, nothing read."""
+  """For a target priced by its scheduler, the compiler options that dump its estimates into a folder removed
+  after, and a reader of them; elsewhere no options, nothing read."""
   if timing is None or timing.target.backend.prices_in_cycles:
     yield None, lambda: None
     return
@@ -89,34 +79,38 @@ def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] |
     yield options, read
 
 
+def read_compile(programs: Sequence[tuple[str, Any, ProgramRecord, int]], known: Figures, mesh: Any,
+                 timing: RowCompiler | None, resident: int = 0, micro_batch: str | None = None) -> Figures:
+  """The figures of a compiled step, for every kind of model: the ``programs`` one step runs, in order (each
+  ``(name, executable, record, runs a step makes of it)``), read by
+  :func:`~nnx_zero1_plan.compiled.step_figures` on ``mesh``'s slices or nodes, with the figures the kind
+  ``known`` (its state's, the compile's seconds); ``micro_batch`` names the program that runs once per
+  micro-batch, whose collectives are one micro-batch's (None: a loop's trip's)."""
+  target = timing.target if timing is not None else None
+  domains = [target.domain_of(d) for d in mesh.devices.flat] if target else None  # in the mesh's order
+  backend = target.backend if target else None
+  counted = {name: collectives_of(record, domains, backend) for name, _, record, _ in programs}
+  figures = step_figures([(compiled, counted[name], n) for name, compiled, _, n in programs], resident)
+  if micro_batch is not None and figures.collectives is not None:
+    collectives = dataclasses.replace(figures.collectives, per_micro_batch=counted[micro_batch].per_step)
+    figures = dataclasses.replace(figures, collectives=collectives)
+  return dataclasses.replace(figures, **{k: v for k, v in vars(known).items() if v is not None})
+
+
 def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape,
                      depth: int | None = None, progress: Callable[[str], None] | None = None,
                      timing: RowCompiler | None = None) -> Figures:
-  """One compile of the lever's step at ``depth`` layers (None: the model's own), for a model the planner
-  builds (:attr:`~nnx_zero1_plan.planned_model.PlannedModel.compiles`: None).
-
-  Args:
-    lever_name: a name of the lever table.
-    step: ``"one"`` (one program) or ``"split"`` (gradients, then update).
-    source: the model's ``ModelSource``.
-    mesh: the device mesh.
-    shape: the micro-batch and the step's other settings.
-    depth: the layers to build the model with.
-    progress: called with one line as the compile starts and ends.
-    timing: the target and compute dtype the step's time is reckoned against (None: not timed).
-
-  Returns:
-    The row's :class:`~nnx_zero1_plan.row.Figures` (:func:`nnx_zero1_plan.compiled.row_figures`, the
-    optimizer state's bytes, the compile's seconds, the predicted step time: :func:`with_step_time`), or the
-    compiler's refusal (``error``, ``hbm_oom``; the compiled figures None).
-  """
+  """One compile of the lever's ``step`` (``"one"`` program or ``"split"``: gradients, then update) at
+  ``depth`` layers (None: the model's own), for a model the planner builds: the row's
+  :class:`~nnx_zero1_plan.row.Figures`, timed against ``timing``'s target (None: not timed), or the compiler's
+  refusal (``error``, ``hbm_oom``; the compiled figures None)."""
   lever = with_offload(lever_name, shape.offload_fraction)
   say = progress or (lambda line: None)
   at = compile_words(lever_name, step, shape, depth)
   # A one-program step compiled whole is kept for its run (--measure), and a second row of it reads it back.
-  kept = timing.programs if timing is not None and step == "one" and depth is None else None
+  kept = timing.kept if timing is not None and step == "one" and depth is None else None
   key = _program_key(lever_name, source, shape)
-  program = None if kept is None else kept.get(key)
+  program = None if kept is None else kept.programs.get(key)
   if program is None:
     say(f"compiling {at} ...")
   state_figures: dict[str, Any] = {}
@@ -140,25 +134,22 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
       scheduled = read()
   except COMPILER_REFUSALS as e:
     return refused(e, started, say, at, **state_figures)
-  domains = [domain_of(d) for d in mesh.devices.flat]  # in the mesh's order
-  if step == "one":  # each program's text read once, into the record every figure below is read from
+  # each program's text read once, into the record every figure is read from
+  if step == "one":
     record = program.record if program else ProgramRecord.read(compiled.as_text())
-    programs = [("step", record, 1)]
+    programs = [("step", compiled, record, 1)]
     if kept is not None and program is None:
-      kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape, record)
-    figures = row_figures(memory(compiled), collectives_of(record, domains))
+      kept.programs[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape,
+                                   record)
   else:
-    programs = [(name, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
-                                                                           ("update", update))]
-    mem = split_memory(memory(grads), memory(update), state_figures["opt_state_bytes_per_device"])
-    both = summed_collectives([collectives_of(record, domains) for _, record, _ in programs])
-    figures = row_figures(mem, both, cost(update))
-  flops, flops_source = step_flops(compiled if step == "one" else grads, programs[0][1])
+    programs = [(name, p, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
+                                                                              ("update", update))]
+  flops, flops_source = step_flops(programs[0][1], programs[0][2])
+  known = Figures(**state_figures, flops_per_device=flops, flops_source=flops_source, compile_s=seconds)
+  figures = read_compile(programs, known, mesh, timing, state_figures["opt_state_bytes_per_device"])
   if program is None:
     say(compiled_line(at, seconds, figures))
-  figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
-                                compile_s=seconds)
-  return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
+  return with_step_time(figures, [(n, r, t) for n, _, r, t in programs], shape, timing, lever_name, scheduled)
 
 
 # Zero1Error (a ValueError) when the optimizer refuses the model; the rest, the compiler's refusals.
@@ -200,40 +191,35 @@ Profile = Callable[[str, StepShape, Program], Calibration | None]
 
 @dataclasses.dataclass(frozen=True)
 class RowCompiler:
-  """What every row of a plan is compiled against: the target and the memory a step may use on it."""
+  """What every row of a plan is compiled against: the target, the bytes per device a step may use on it
+  (the reserve or margin taken off), the dtype the steps compute in (their MFU's peak), the calibrations each
+  row is also priced by (those built as its step is: ``for_step``), and with ``--measure`` the store its
+  programs and their runs' calibrations are kept in (``kept``) and the run that profiles a row's kept program
+  for a calibration (``profile``)."""
 
-  target: Target  # the topology's devices and memory
-  usable: int  # bytes per device a step may use (the reserve or margin taken off already)
+  target: Target
+  usable: int
   progress: Callable[[str], None] | None = None  # called with one line as each compile starts and ends
-  compute_dtype: str = "bfloat16"  # the dtype the steps compute in (the peak their MFU is measured against)
-  # each one-program step compiled whole, kept for its run (None: not kept; --measure keeps them)
-  programs: dict[tuple[str, int, StepShape], Program] | None = None
-  # the chip's calibrations each row's time is also priced by, those built as its step is (for_step; none:
-  # the cost model's alone)
+  compute_dtype: str = "bfloat16"
+  kept: Kept | None = None
   calibrations: tuple[Calibration, ...] = ()
-  # with --measure and no calibration given: runs and profiles a row's kept program on this process's chips
-  # for a calibration (None: nothing is run while planning); the calibrations so made are kept in profiled
   profile: Profile | None = None
-  profiled: list[Calibration] = dataclasses.field(default_factory=list)
 
   @property
   def all_calibrations(self) -> tuple[Calibration, ...]:
     """The calibrations given and those this plan's runs made."""
-    return (*self.calibrations, *self.profiled)
+    return (*self.calibrations, *(self.kept.profiled if self.kept else ()))
 
   def program(self, lever: str, model: PlannedModel, shape: StepShape) -> Program | None:
     """The kept program of ``lever``'s one-program step at ``shape`` (None: not compiled, or not kept)."""
-    return (self.programs or {}).get(_program_key(lever, model.source_at(shape.batch), shape))
+    key = _program_key(lever, model.source_at(shape.batch), shape)
+    return self.kept.programs.get(key) if self.kept else None
 
   def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
           remat: str | None = None) -> Row:
-    """One lever's row at ``shape``'s micro-batch (an estimate's depths: ``model.reduced``).
-
-    Returns:
-      The :class:`~nnx_zero1_plan.row.Row`, its ``fits`` the one verdict
-      (:func:`nnx_zero1_plan.search.fits_in`: the compiler accepted the whole program and its peak is within
-      ``usable``); an estimate's is None and ``made.fits_estimate`` says what the line says.
-    """
+    """One lever's row at ``shape``'s micro-batch (an estimate's depths: ``model.reduced``), its ``fits`` the
+    one verdict (:func:`nnx_zero1_plan.search.fits_in`); an estimate's is None and ``made.fits_estimate`` says
+    what the line says."""
     target = self.target
     source = model.source_at(shape.batch)
     figures, made = self._at_depths(lever, step, model, source, model.reduced, shape)
@@ -270,15 +256,15 @@ class RowCompiler:
 
   def priced_by_own_run(self, lever: str, model: PlannedModel, shape: StepShape,
                         figures: Figures) -> tuple[Figures, Calibration] | None:
-    """The kept program of ``lever`` at ``shape`` run and profiled (:attr:`profile`), its calibration kept in
-    :attr:`profiled`, and ``figures`` priced by its build's calibrations with it among them; None where
-    nothing ran (no ``--measure``, no kept program, or no profile)."""
-    if self.profile is None or (program := self.program(lever, model, shape)) is None:
+    """The kept program of ``lever`` at ``shape`` run and profiled (:attr:`profile`), its calibration kept,
+    and ``figures`` priced by its build's calibrations with it among them; None where nothing ran (no
+    ``--measure``, no kept program, or no profile)."""
+    if self.profile is None or self.kept is None or (program := self.program(lever, model, shape)) is None:
       return None
     made = self.profile(lever, shape, program)
     if made is None:
       return None
-    self.profiled.append(made)
+    self.kept.profiled.append(made)
     return calibrated(figures, [(program.record, 1)], self, lever, shape.ga), made
 
   def _at_depths(self, lever: str, step: str, model: PlannedModel, source: Any, depths: Sequence[int] | None,
