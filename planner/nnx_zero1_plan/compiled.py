@@ -62,15 +62,7 @@ def _memory_stats() -> Any:
 def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -> dict[str, int]:
   """Per-device bytes of a step compiled as two programs (:func:`memory` of each), as one step's: the
   optimizer state's device bytes (``resident``; 0 when offloaded) stay while the gradient program runs, and
-  ``peak`` is the larger of the two programs'.
-
-  Example::
-
-    >>> g = {"argument": 10, "output": 4, "alias": 0, "temp": 50, "peak": 64, "formula_peak": 64}
-    >>> u = {"argument": 16, "output": 12, "alias": 12, "temp": 3, "peak": 19, "formula_peak": 19}
-    >>> split_memory(g, u, 2)["peak"]
-    66
-  """
+  ``peak`` is the larger of the two programs'."""
   return {"argument": grads["argument"] + resident, "output": grads["output"], "alias": 0,
           "temp": grads["temp"], "peak": max(grads["peak"] + resident, update["peak"]),
           "formula_peak": max(grads["formula_peak"] + resident, update["formula_peak"]),
@@ -113,9 +105,6 @@ def hbm_oom(message: str) -> HbmOom | None:
 
   Example::
 
-    >>> hbm_oom("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
-    ...         "required for HLO temporaries (52.59G) exceeds available HBM (31.24G). HLO module: jit")
-    HbmOom(required_bytes=56468082524, available_bytes=33543694581, required_for='HLO temporaries')
     >>> hbm_oom("Used 2.00T of 15.48G hbm. Exceeded hbm capacity by 1.98T.").available_bytes
     16621523435
   """

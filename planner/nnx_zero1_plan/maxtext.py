@@ -48,16 +48,7 @@ class MaxTextModel:
 
 @contextlib.contextmanager
 def output_directory() -> Iterator[str]:
-  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it after.
-
-  Example::
-
-    >>> with output_directory() as out:
-    ...   os.path.basename(out).startswith(OUTPUT_PREFIX), os.path.isdir(out)
-    (True, True)
-    >>> os.path.exists(out)
-    False
-  """
+  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it after."""
   folder = tempfile.mkdtemp(prefix=OUTPUT_PREFIX)
   try:
     yield folder
@@ -81,22 +72,12 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
                      compute_dtype: str | None, remat: str | None, known_axes: Iterable[str],
                      output_dir: str, overrides: Mapping[str, str] | None = None,
                      slices: int = ONE_SLICE) -> dict[str, str]:
-  """MaxText's config for a plan: its ``key=value`` overrides of ``base.yml``, the user's last.
+  """MaxText's config for a plan: its ``key=value`` overrides of ``base.yml``, the user's last; a
+  :class:`PlanError` for an axis MaxText's mesh has not, an optimizer it does not name alike, or a batch that
+  does not split over the devices.
 
   A mesh axis ``A=n`` is ``ici_A_parallelism=n``; every other axis is 1 (MaxText's ``ici_fsdp_parallelism``
   default, -1, would take the devices left). On several slices ``dcn_data_parallelism`` is their number.
-
-  Raises:
-    PlanError: an axis MaxText's mesh has not, an optimizer it does not name alike, or a batch that
-      does not split over the devices.
-
-  Example::
-
-    >>> o = config_overrides("qwen3-0.6b", "v6e:2x2", 4, {"data": 4}, batch=8, seq_len=1024, ga=8,
-    ...                      optimizer="adamw", param_dtype=None, compute_dtype=None, remat=None,
-    ...                      known_axes=("data", "fsdp", "tensor"), output_dir="/tmp/maxtext_out_1")
-    >>> o["per_device_batch_size"], o["ici_data_parallelism"], o["ici_fsdp_parallelism"]
-    ('2', '4', '1')
   """
   known = tuple(known_axes)
   unknown = [a for a in axes if a not in known]
@@ -139,11 +120,8 @@ class MaxTextModels:
   def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
                 policy: str | None) -> PlannedModel:
     """The model under the remat ``policy``: its config's overrides at each micro-batch (each checked as it is
-    made: the plan makes its micro-batch's before any compile).
-
-    Raises:
-      PlanError: a GPU target, MaxText missing, or what :func:`config_overrides` refuses.
-    """
+    made: the plan makes its micro-batch's before any compile); a :class:`PlanError` for a target MaxText's
+    engine does not compile for, or MaxText missing."""
     model = request.model_ref
     if not target.backend.maxtext_engine:
       raise PlanError(f"{model} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
@@ -196,13 +174,8 @@ def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
   where ``defer`` is False (else where MaxText's engine can, it defers the data-parallel all-reduce to
   ``update``): the figures only the engine knows (its state's bytes, the compile's seconds, its config,
   whether it deferred), the programs one step runs in order (``(kernel, executable, record, runs per
-  step)``, each kernel's text read once), the engine's mesh and the optimizer state's device bytes.
-
-  Raises:
-    PlanError: a lever MaxText's engine has no form of.
-    ValueError, jax.errors.JaxRuntimeError: MaxText's config, Zero-1 or the compiler refusing (the plan
-      records it on the row).
-  """
+  step)``, each kernel's text read once), the engine's mesh and the optimizer state's device bytes. MaxText's
+  config, Zero-1 or the compiler refusing raise (the plan records it on the row)."""
   # First: the adapter supplies the Tunix types MaxText's engine modules import where Tunix is absent.
   from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine  # isort: skip
   import maxtext
