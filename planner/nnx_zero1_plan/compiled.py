@@ -12,7 +12,7 @@ from nnx_zero1._src.companion import per_step, per_trip, sent_per_step
 from nnx_zero1_plan.hlo_flops import dot_flops
 from nnx_zero1_plan.inputs import Backend
 from nnx_zero1_plan.program_record import ProgramRecord
-from nnx_zero1_plan.row import Collectives, Figures, HbmOom, OpCount
+from nnx_zero1_plan.row import Collectives, Figures, HbmOom, OpCount, op_counts
 from nnx_zero1_plan.slow_network_bytes import across_bytes, dcn_bytes
 
 # The compiler's own peak, in the order jax grew them: jax 0.10.2 (the TPU VM's) has only
@@ -140,9 +140,8 @@ def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]
     >>> summed([{"all-gather": {"count": 1, "bytes": 8}}, {"all-gather": {"count": 2, "bytes": 4}}])
     {'all-gather': {'count': 3, 'bytes': 12}}
   """
-  ops = dict.fromkeys(op for c in counts for op in c)
-  keys = {op: dict.fromkeys(k for c in counts for k in c.get(op, {})) for op in ops}
-  return {op: {k: sum(c.get(op, {}).get(k, 0) for c in counts) for k in keys[op]} for op in ops}
+  added = _step_counts([(op_counts(c) or {}, 1) for c in counts])
+  return {op: dataclasses.asdict(c) for op, c in added.items()}
 
 
 def _step_counts(programs: Sequence[tuple[Mapping[str, OpCount], int]]) -> dict[str, OpCount]:
