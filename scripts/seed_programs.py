@@ -87,7 +87,7 @@ def compile_arm(arm: str) -> None:
         "qwen3-0.6b", "v6e:2x2", 4, axes, batch=8, seq_len=1024, ga=8, optimizer="adamw", param_dtype=None,
         compute_dtype=None, remat="none", known_axes=mesh_axis_names(), output_dir=out,
         overrides={"scan_layers": "false", "shard_mode": "explicit"})
-    figures, programs, _, _ = compile_maxtext(lever, LEVERS[lever], overrides, defer)
+    programs, _, figures, _ = compile_maxtext(lever, LEVERS[lever], overrides, defer)
   folder = os.path.join(OUT, arm)
   os.makedirs(folder, exist_ok=True)
   rates = rates_for(CHIPS["v6e"])

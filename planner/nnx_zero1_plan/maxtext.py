@@ -10,7 +10,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
 
 from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, bytes_by_memory_kind
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError
@@ -20,15 +19,7 @@ from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, MaxTextConfig
-from nnx_zero1_plan.row_compiler import (
-  COMPILER_REFUSALS,
-  RowCompiler,
-  compile_words,
-  compiled_line,
-  read_compile,
-  refused,
-  with_step_time,
-)
+from nnx_zero1_plan.row_compiler import Compiled, RowCompiler, compile_and_read, compile_words
 from nnx_zero1_plan.steps import StepShape
 from nnx_zero1_plan.targets import Target
 
@@ -152,30 +143,21 @@ def compiled_figures(lever_name: str, step: str, source: MaxTextModel, mesh: Non
                      depth: int | None = None, progress: Callable[[str], None] | None = None,
                      timing: RowCompiler | None = None) -> Figures:
   """:func:`nnx_zero1_plan.row_compiler.compiled_figures` of a ``maxtext:`` model: its engine's split step,
-  compiled whole on the engine's own mesh (:func:`compile_maxtext`), read as every kind's
-  (:func:`~nnx_zero1_plan.row_compiler.read_compile`)."""
-  say = progress or (lambda line: None)
+  compiled whole on the engine's own mesh (:func:`compile_maxtext`), by every kind's path
+  (:func:`~nnx_zero1_plan.row_compiler.compile_and_read`)."""
+  lever = with_offload(lever_name, shape.offload_fraction)
+  compile = lambda options: compile_maxtext(lever_name, lever, source.overrides, source.defer)  # noqa: E731
   at = compile_words(lever_name, step, shape)
-  say(f"compiling {at} ...")
-  started = time.perf_counter()
-  try:
-    lever = with_offload(lever_name, shape.offload_fraction)
-    known, programs, on, resident = compile_maxtext(lever_name, lever, source.overrides, source.defer)
-  except COMPILER_REFUSALS as e:
-    return refused(e, started, say, at)
-  figures = read_compile(programs, known, on, timing, resident, micro_batch=programs[-2][0])
-  say(compiled_line(at, figures.compile_s or 0, figures))
-  return with_step_time(figures, [(n, r, t) for n, _, r, t in programs], shape, timing, lever_name)
+  return compile_and_read(compile, at, lever_name, shape, progress, timing)
 
 
 def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str], defer: bool = True
-                    ) -> tuple[Figures, list[tuple[str, Any, ProgramRecord, int]], Any, int]:
+                    ) -> Compiled:
   """One lever's MaxText engine compiled for the config ``overrides`` make, reducing in every micro-batch
   where ``defer`` is False (else where MaxText's engine can, it defers the data-parallel all-reduce to
-  ``update``): the figures only the engine knows (its state's bytes, the compile's seconds, its config,
-  whether it deferred), the programs one step runs in order (``(kernel, executable, record, runs per
-  step)``, each kernel's text read once), the engine's mesh and the optimizer state's device bytes. MaxText's
-  config, Zero-1 or the compiler refusing raise (the plan records it on the row)."""
+  ``update``): the kernels one step runs, in order (each kernel's text read once), on the engine's mesh, and
+  the figures only the engine knows (its state's bytes, the compile's seconds, its config, whether it
+  deferred). MaxText's config, Zero-1 or the compiler refusing raise (the plan records it on the row)."""
   # First: the adapter supplies the Tunix types MaxText's engine modules import where Tunix is absent.
   from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine  # isort: skip
   import maxtext
@@ -213,4 +195,4 @@ def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
   times = {**{name: runs.count(name) for name in runs}, "update": 1}
   programs = [(name, kernels[name], ProgramRecord.read(kernels[name].as_text()), n)
               for name, n in times.items()]
-  return known, programs, mesh, by_kind.get("device", 0)
+  return Compiled(programs, mesh, known, micro_batch=runs[-1])  # a gradient kernel is one micro-batch

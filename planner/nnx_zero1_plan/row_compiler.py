@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -79,22 +79,56 @@ def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] |
     yield options, read
 
 
-def read_compile(programs: Sequence[tuple[str, Any, ProgramRecord, int]], known: Figures, mesh: Any,
-                 timing: RowCompiler | None, resident: int = 0, micro_batch: str | None = None) -> Figures:
-  """The figures of a compiled step, for every kind of model: the ``programs`` one step runs, in order (each
-  ``(name, executable, record, runs a step makes of it)``), read by
-  :func:`~nnx_zero1_plan.compiled.step_figures` on ``mesh``'s slices or nodes, with the figures the kind
-  ``known`` (its state's, the compile's seconds); ``micro_batch`` names the program that runs once per
-  micro-batch, whose collectives are one micro-batch's (None: a loop's trip's)."""
+class Compiled(NamedTuple):
+  """A lever's step as its model's kind compiled it: the programs one step runs, in order (each ``(name,
+  executable, record, runs a step makes of it)``), the mesh they run on, the figures only the kind knows
+  (its state's, the compile's seconds), and the program that runs once per micro-batch, whose collectives are
+  one micro-batch's (None: a loop's trip's)."""
+
+  programs: Sequence[tuple[str, Any, ProgramRecord, int]]
+  mesh: Any
+  known: Figures
+  micro_batch: str | None = None
+
+
+def read_compile(step: Compiled, timing: RowCompiler | None) -> Figures:
+  """The figures of a compiled step, for every kind of model, read by
+  :func:`~nnx_zero1_plan.compiled.step_figures` on its mesh's slices or nodes, with the figures its kind
+  knows."""
   target = timing.target if timing is not None else None
-  domains = [target.domain_of(d) for d in mesh.devices.flat] if target else None  # in the mesh's order
+  domains = [target.domain_of(d) for d in step.mesh.devices.flat] if target else None  # in the mesh's order
   backend = target.backend if target else None
-  counted = {name: collectives_of(record, domains, backend) for name, _, record, _ in programs}
-  figures = step_figures([(compiled, counted[name], n) for name, compiled, _, n in programs], resident)
-  if micro_batch is not None and figures.collectives is not None:
-    collectives = dataclasses.replace(figures.collectives, per_micro_batch=counted[micro_batch].per_step)
+  counted = {name: collectives_of(record, domains, backend) for name, _, record, _ in step.programs}
+  resident = step.known.opt_state_bytes_per_device or 0
+  figures = step_figures([(compiled, counted[name], n) for name, compiled, _, n in step.programs], resident)
+  if step.micro_batch is not None and figures.collectives is not None:
+    collectives = dataclasses.replace(figures.collectives, per_micro_batch=counted[step.micro_batch].per_step)
     figures = dataclasses.replace(figures, collectives=collectives)
-  return dataclasses.replace(figures, **{k: v for k, v in vars(known).items() if v is not None})
+  return dataclasses.replace(figures, **{k: v for k, v in vars(step.known).items() if v is not None})
+
+
+def compile_and_read(compile: Callable[[dict[str, Any] | None], Compiled], at: str, lever_name: str,
+                     shape: StepShape, progress: Callable[[str], None] | None, timing: RowCompiler | None,
+                     known: Callable[[], Figures] = Figures, said: bool = True) -> Figures:
+  """The one path from a kind's compile of a lever's step (``compile``, given the compiler's options) to the
+  row's figures: its progress lines (none where ``said`` is False: a kept program, compiled already), the
+  compiler's refusal as a row with the figures ``known`` before it, the step's figures read
+  (:func:`read_compile`), timed and calibrated against ``timing``'s target (:func:`with_step_time`)."""
+  say = progress or (lambda line: None)
+  if said:
+    say(f"compiling {at} ...")
+  started = time.perf_counter()
+  try:
+    with _gpu_schedule(timing) as (options, read):
+      step = compile(options)
+      scheduled = read()
+  except COMPILER_REFUSALS as e:
+    return refused(e, started, say, at, known())
+  figures = read_compile(step, timing)
+  if said:
+    say(compiled_line(at, figures.compile_s or 0.0, figures))
+  programs = [(name, record, times) for name, _, record, times in step.programs]
+  return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
 
 
 def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape,
@@ -105,51 +139,41 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
   :class:`~nnx_zero1_plan.row.Figures`, timed against ``timing``'s target (None: not timed), or the compiler's
   refusal (``error``, ``hbm_oom``; the compiled figures None)."""
   lever = with_offload(lever_name, shape.offload_fraction)
-  say = progress or (lambda line: None)
-  at = compile_words(lever_name, step, shape, depth)
   # A one-program step compiled whole is kept for its run (--measure), and a second row of it reads it back.
   kept = timing.kept if timing is not None and step == "one" and depth is None else None
   key = _program_key(lever_name, source, shape)
   program = None if kept is None else kept.programs.get(key)
-  if program is None:
-    say(f"compiling {at} ...")
-  state_figures: dict[str, Any] = {}
-  started = time.perf_counter()
-  try:
-    sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
+  state_figures: dict[str, Any] = {}  # what a refusal still says
+
+  def compile(options: dict[str, Any] | None) -> Compiled:
     state = lever_state(lever, lambda: source.build(depth), shape.optimizer, mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
-    state_figures = {
+    state_figures.update({
         "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
         "opt_state_bytes_by_dtype": bytes_by_dtype(state.state[1]),
         "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
-        "state_split": StateSplit(list(state_axes(lever)), state_split(state.state[1], state_axes(lever)))}
-    with _gpu_schedule(timing) as (options, read):
-      if program is not None:  # compiled already, for its run (--measure): not again
-        compiled, seconds = program.compiled, program.compile_s
-      elif step == "one":
-        compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
-      else:
-        grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
-      scheduled = read()
-  except COMPILER_REFUSALS as e:
-    return refused(e, started, say, at, **state_figures)
-  # each program's text read once, into the record every figure is read from
-  if step == "one":
-    record = program.record if program else ProgramRecord.read(compiled.as_text())
-    programs = [("step", compiled, record, 1)]
-    if kept is not None and program is None:
-      kept.programs[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape,
-                                   record)
-  else:
-    programs = [(name, p, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
-                                                                              ("update", update))]
-  flops, flops_source = step_flops(programs[0][1], programs[0][2])
-  known = Figures(**state_figures, flops_per_device=flops, flops_source=flops_source, compile_s=seconds)
-  figures = read_compile(programs, known, mesh, timing, state_figures["opt_state_bytes_per_device"])
-  if program is None:
-    say(compiled_line(at, seconds, figures))
-  return with_step_time(figures, [(n, r, t) for n, _, r, t in programs], shape, timing, lever_name, scheduled)
+        "state_split": StateSplit(list(state_axes(lever)), state_split(state.state[1], state_axes(lever)))})
+    sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
+    if program is not None:  # compiled already, for its run (--measure): not again
+      programs = [("step", program.compiled, program.record, 1)]
+      seconds = program.compile_s
+    elif step == "one":  # each program's text read once, into the record every figure is read from
+      compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
+      programs = [("step", compiled, ProgramRecord.read(compiled.as_text()), 1)]
+      if kept is not None:
+        kept.programs[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape,
+                                     programs[0][2])
+    else:
+      grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
+      programs = [(name, p, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
+                                                                                ("update", update))]
+    flops, flops_source = step_flops(programs[0][1], programs[0][2])
+    known = Figures(**state_figures, flops_per_device=flops, flops_source=flops_source, compile_s=seconds)
+    return Compiled(programs, mesh, known)
+
+  at = compile_words(lever_name, step, shape, depth)
+  return compile_and_read(compile, at, lever_name, shape, progress, timing, lambda: Figures(**state_figures),
+                          said=program is None)
 
 
 # Zero1Error (a ValueError) when the optimizer refuses the model; the rest, the compiler's refusals.
@@ -169,13 +193,13 @@ def compiled_line(at: str, seconds: float, figures: Figures) -> str:
   return f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB"
 
 
-def refused(e: Exception, started: float, say: Callable[[str], None], at: str,
-            **state_figures: Any) -> Figures:
-  """The compiler's refusal ``e`` of the compile of ``at`` begun at ``started``, said, as a row's figures."""
+def refused(e: Exception, started: float, say: Callable[[str], None], at: str, known: Figures) -> Figures:
+  """The compiler's refusal ``e`` of the compile of ``at`` begun at ``started``, said, as a row's figures:
+  those ``known`` before it, the error and its seconds."""
   error = error_line(e, 400)
   seconds = time.perf_counter() - started
   say(f"compiled {at}: refused in {seconds:.0f} s ({shortened(error, 160)})")
-  return Figures(**state_figures, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
+  return dataclasses.replace(known, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
 
 
 def _program_key(lever: str, source: Any, shape: StepShape) -> tuple[str, int, StepShape]:
