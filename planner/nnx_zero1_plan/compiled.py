@@ -1,4 +1,5 @@
-"""What a compiled step says about itself: per-device memory, the TPU compiler's refusals, collectives."""
+"""What a compiled step says about itself: per-device memory, the TPU compiler's refusals, collectives, read
+into a row's figures once for every kind of model (:func:`step_figures`)."""
 
 from __future__ import annotations
 

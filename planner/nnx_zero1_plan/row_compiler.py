@@ -1,6 +1,7 @@
 """One row of a plan: a lever's step compiled whole at one micro-batch; for an estimate (``--estimate``), at
 two reduced depths and extrapolated per layer, and whole anyway where the line comes near the limit or the two
-depths disagree. The compiler's refusal is a row too (its figures None)."""
+depths disagree. The compiler's refusal is a row too (its figures None). Every kind of model's compile comes
+to its figures by one path (:func:`compile_and_read`)."""
 
 from __future__ import annotations
 
