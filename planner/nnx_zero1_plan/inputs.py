@@ -36,6 +36,11 @@ class Backend(NamedTuple):
   estimates_shallow: bool  # --estimate compiles a deep model at reduced depths
   host_memory: bool  # its compiler places arrays in host memory: offloading is a way out
   pool_fraction: bool  # its run's memory pool is --gpu-memory-fraction of the device's
+  ring_links: bool  # its collectives run as rings on the chip's own links (else through a switch)
+  crosses_in_program: bool  # a program spans the domains, its collectives crossing (else megascale transfers)
+  domain_index: str  # the device attribute that says which domain a device sits in
+  compiler: str  # the package that compiles for it
+  maxtext_engine: bool  # MaxText's ahead-of-time engine compiles for it
 
 
 # TPU: libtpu refuses a program whose whole footprint exceeds the HBM it names, so nothing is reserved.
@@ -46,10 +51,12 @@ class Backend(NamedTuple):
 BACKENDS = {
     "tpu": Backend(domain="slices", device_files=("/dev/accel*", "/dev/vfio/[0-9]*"), reserve_bytes=0,
                    compiles_on_chips=True, prices_in_cycles=True, estimates_shallow=True,
-                   host_memory=True, pool_fraction=False),
+                   host_memory=True, pool_fraction=False, ring_links=True, crosses_in_program=False,
+                   domain_index="slice_index", compiler="libtpu", maxtext_engine=True),
     "cuda": Backend(domain="nodes", device_files=("/dev/nvidia[0-9]*",), reserve_bytes=256 * 2**20,
                     compiles_on_chips=False, prices_in_cycles=False, estimates_shallow=False,
-                    host_memory=False, pool_fraction=True),
+                    host_memory=False, pool_fraction=True, ring_links=False, crosses_in_program=True,
+                    domain_index="process_index", compiler="jax-cuda13-plugin", maxtext_engine=False),
 }
 
 

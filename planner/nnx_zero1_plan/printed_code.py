@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nnx_zero1_plan.inputs import LORA_ALPHA, lora_modules
+from nnx_zero1_plan.inputs import BACKENDS, LORA_ALPHA, Backend, lora_modules
 from nnx_zero1_plan.levers import Lever, engine_attributes, state_axes, summed_over, with_offload
 from nnx_zero1_plan.mesh_axes import batch_axes
 from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, OPTIMIZER_CODE
@@ -17,7 +17,8 @@ def _spelled(value: Any) -> str:
   return f"jnp.{value}" if isinstance(value, str) else repr(value)
 
 
-def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: int = 1) -> list[str]:
+def mesh_code(mesh: Mapping[str, int] | None, backend: Backend = BACKENDS["tpu"], domains: int = 1
+              ) -> list[str]:
   """The lines that build the mesh a plan compiled from ``devices = jax.devices()``, ``replica`` outermost,
   across the slices or nodes, every axis Auto.
 
@@ -27,7 +28,7 @@ def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: in
 
   Args:
     mesh: the plan's axes and sizes, ``replica`` first on a pod (None: one ``data`` axis of size 1).
-    platform: ``"tpu"`` or ``"cuda"``.
+    backend: the platform's facts (slices or nodes).
     domains: the slices or nodes the devices sit in.
 
   Returns:
@@ -35,7 +36,7 @@ def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: in
 
   Example::
 
-    >>> print("\\n".join(mesh_code({"replica": 2, "data": 4}, "tpu", domains=2)[3:]))
+    >>> print("\\n".join(mesh_code({"replica": 2, "data": 4}, domains=2)[3:]))
     devices = jax.devices()
     # replica across the 2 slices (the data-center network), the other axes inside each slice
     mesh = Mesh(mesh_utils.create_hybrid_device_mesh((1, 4), (2, 1), devices, allow_split_physical_axes=True),
@@ -45,7 +46,7 @@ def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: in
   names, sizes = repr(tuple(axes)), repr(tuple(axes.values()))
   types = "(AxisType.Auto,)" + (f" * {len(axes)}" if len(axes) > 1 else "")
   pod = domains > 1 and axes.get("replica") == domains
-  if pod and platform == "tpu":
+  if pod and backend.domain == "slices":
     inside = tuple(1 if k == "replica" else v for k, v in axes.items())
     across = tuple(domains if k == "replica" else 1 for k in axes)
     return ["from jax.experimental import mesh_utils", "from jax.sharding import AxisType, Mesh", "",
@@ -116,7 +117,7 @@ def _tunix_code(lever: Lever, options: list[str], mesh_lines: list[str], mesh: M
 
 def lever_code(name: str, model: str, offload_fraction: float | None = None,
                mesh: Mapping[str, int] | None = None, optimizer: str = DEFAULT_OPTIMIZER, *,
-               platform: str = "tpu", domains: int = 1, activation_sharding: Any = None,
+               backend: Backend = BACKENDS["tpu"], domains: int = 1, activation_sharding: Any = None,
                lora: int | None = None) -> str:
   """The code that turns lever ``name`` on where ``model``'s users train, as they paste it, written from the
   lever table (a new lever needs no entry here).
@@ -127,7 +128,7 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     offload_fraction: the share of the state the plan offloads (``offload-fraction``).
     mesh: the plan's axes and sizes.
     optimizer: the plan's ``--optimizer``.
-    platform: ``"tpu"`` or ``"cuda"``: how a pod's mesh is built (:func:`mesh_code`).
+    backend: the platform's facts: how a pod's mesh is built (:func:`mesh_code`).
     domains: the slices or nodes the plan spans.
     activation_sharding: a ``tunix:`` plan's activation specs (its meta's ``activation_sharding``).
     lora: ``--lora``'s rank: the code applies the adapters and trains them only (None: full fine-tuning).
@@ -160,7 +161,7 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     spelled = "; ".join(f"{k} = {_spelled(v)}" for k, v in attributes.items())
     return "Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext)" + (f" subclassed with {spelled}"
                                                                       if spelled else "")
-  mesh_lines = mesh_code(mesh, platform, domains)
+  mesh_lines = mesh_code(mesh, backend, domains)
   if model.startswith("tunix:"):
     adapters = [] if lora is None else lora_lines(model, lora)
     lines = _tunix_code(lever, options, mesh_lines, mesh, tx, activation_sharding, adapters)

@@ -294,7 +294,7 @@ def plan_code(request: PlanRequest, lever: str, offload_fraction: float | None =
     Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16
   """
   return lever_code(lever, str(request.model_ref), offload_fraction, request.mesh_sizes, request.optimizer,
-                    platform=request.platform, domains=request.domains,
+                    backend=request.backend, domains=request.domains,
                     activation_sharding=activation_sharding, lora=request.lora)
 
 

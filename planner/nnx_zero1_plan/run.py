@@ -20,7 +20,7 @@ from nnx_zero1_plan.recommend import plan_code, recommend
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
-from nnx_zero1_plan.row_compiler import RowCompiler, StepShape
+from nnx_zero1_plan.row_compiler import Kept, RowCompiler, StepShape
 from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row, split_global_batch
 from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
@@ -48,7 +48,7 @@ def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel,
   shape = StepShape(batch, request.seq_len, request.ga, request.optimizer)
   compiled = lambda **changed: compiler.row(name, step, model, dataclasses.replace(shape, **changed), policy)
   if request.global_batch is not None:  # with --measure the close splits run, the fastest measured chosen
-    run = (lambda row: run_at(compiler, model, request, row)) if compiler.programs is not None else None
+    run = (lambda row: run_at(compiler, model, request, row)) if compiler.kept is not None else None
     return split_global_batch(lambda b, ga: compiled(batch=b, ga=ga), request.global_batch, model.batch_unit,
                               run)
   if LEVERS[name].picks_offload:  # the fraction is searched at --batch, the micro-batch is not
@@ -170,7 +170,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
   first = described[policies[0]]
   # A lever that cannot apply is refused before the compiler is looked for where the kind is described so far.
   blocked = None if first is None else refuse_blocked(request, first)
-  compiler_name = require_compiler(request.platform)
+  compiler_name = require_compiler(request.backend)
   target = make_target(request.topology, request.gpu_memory_fraction, request.slices,
                        parsed=request.topology_ref, local=local)
   plans = {p: kind.on_target(request, m, target, p) for p, m in described.items()}
@@ -189,7 +189,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
   profile = (profiler(target, progress)
              if measure and not calibrations and target.backend.prices_in_cycles else None)
   compiler = RowCompiler(target, usable, progress, planned.compute_dtype,
-                         programs={} if measure else None, calibrations=calibrations, profile=profile)
+                         kept=Kept() if measure else None, calibrations=calibrations, profile=profile)
   rows = []
   todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]
   say(_compiles_planned(request, planned, len(todo)))

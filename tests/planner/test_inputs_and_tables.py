@@ -266,7 +266,7 @@ def test_without_the_compiler_the_planner_says_what_to_install(monkeypatch):
   with pytest.raises(compilers.AotUnavailable, match=re.escape('pip install "./planner[aot]"')):
     compilers.require_libtpu()
   with pytest.raises(compilers.AotUnavailable, match="pip install --no-deps jax-cuda13-plugin=="):
-    compilers.require_cuda_plugin()
+    compilers.require("jax-cuda13-plugin")
   assert "nnx-zero1[" not in compilers.install_hint("0.12.0.1")  # not on the package index
 
 

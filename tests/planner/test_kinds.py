@@ -248,9 +248,8 @@ def test_the_benchmarks_use_the_planners_public_names_only_each_documented():
           assert f"`{alias.name}" in section, f"{alias.name} is not in docs/planner.md's Your own loop"
 
 
-# Where a platform's name is still compared: the module that makes each platform's target, the one that names
-# jax's own devices, MaxText's engine (TPU slices only) and the code printed for each platform's mesh.
-NAMES_PLATFORMS = {"targets", "local_chips", "maxtext", "printed_code"}
+# Where a platform's name is still compared: the one module that names jax's own devices as a topology does.
+NAMES_PLATFORMS = {"local_chips"}
 
 
 def test_a_plan_reads_what_differs_by_platform_from_its_backend_not_by_the_platforms_name():
