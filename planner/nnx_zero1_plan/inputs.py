@@ -13,16 +13,61 @@ class PlanError(ValueError):
   """An input the planner cannot plan for; the message names it and what is accepted."""
 
 
+class ModelKind(NamedTuple):
+  """What a plan reads of a kind of model where kinds differ, each fact named for what it decides."""
+
+  name: str  # the kind's builder's key (models.py), for the kinds the planner builds
+  engine: bool  # an engine (MaxText's) compiles and runs its own step, on its own mesh of one slice's axes
+  trainer: bool  # its users train it with Tunix's trainers: the printed code is theirs
+  steps: tuple[str, ...]  # the step shapes it compiles, the one recommended first
+  takes: frozenset[str]  # which of the settings only some kinds take (KIND_SETTINGS) it takes
+  remat_hint: str | None  # the remat policy "Try next" suggests (None: it takes no --remat)
+
+
+# ``--model``'s part before the colon: each kind; any other is a package.module of the user's own function.
+MODEL_KINDS = {
+    "tunix": ModelKind("tunix", engine=False, trainer=True, steps=("one", "split"),
+                       takes=frozenset({"tunix_sharding", "lora", "dtypes"}), remat_hint="decoder"),
+    "maxtext": ModelKind("maxtext", engine=True, trainer=False, steps=("split",),
+                         takes=frozenset({"maxtext_deferral", "overrides", "dtypes"}), remat_hint="full"),
+}
+FUNCTION = ModelKind("function", engine=False, trainer=False, steps=("one", "split"), takes=frozenset(),
+                     remat_hint=None)
+
+# Each setting only some kinds take, and its refusal where the model's kind does not.
+KIND_SETTINGS = {
+    "tunix_sharding": "--tunix-sharding applies to tunix: models; {model} shards its own activations",
+    "lora": "--lora applies LoRA to tunix: models; {model} applies its own: call qwix.apply_lora_to_model in "
+            "your function, and the plan trains its nnx.LoRAParam s only, as Tunix's PeftTrainer does",
+    "maxtext_deferral": "--maxtext-deferral applies to maxtext: models; {model} is not MaxText's engine",
+    "overrides": "config overrides (key=value) apply to maxtext: models; {model} takes its settings from the "
+                 "flags",
+    "dtypes": "--param-dtype, --compute-dtype and --remat apply to tunix: models; {model} builds its own "
+              "(set them in your function)",
+}
+
+
 class ModelRef(NamedTuple):
-  """``--model`` parsed: its ``kind`` (``"tunix"``, ``"maxtext"``, or the user's module) and its ``name``
+  """``--model`` parsed: its ``source`` (``"tunix"``, ``"maxtext"``, or the user's module) and its ``name``
   there (Tunix's ``ModelConfig`` classmethod, MaxText's model name, or the user's function)."""
 
-  kind: str
+  source: str
   name: str
 
   def __str__(self) -> str:
     """As ``--model`` spells it: ``tunix:qwen3_8b``."""
-    return f"{self.kind}:{self.name}"
+    return f"{self.source}:{self.name}"
+
+  @property
+  def kind(self) -> ModelKind:
+    """What the plan reads of the model's kind (:data:`MODEL_KINDS`)."""
+    return MODEL_KINDS.get(self.source, FUNCTION)
+
+  def check_settings(self, given: Iterable[str]) -> None:
+    """Refuses the first of the ``given`` settings (:data:`KIND_SETTINGS`) the model's kind does not take."""
+    for setting in given:
+      if setting not in self.kind.takes:
+        raise PlanError(KIND_SETTINGS[setting].format(model=self))
 
 
 class Backend(NamedTuple):
@@ -160,7 +205,7 @@ def parse_model(text: str) -> ModelRef:
   Example::
 
     >>> parse_model("tunix:qwen3_0p6b")
-    ModelRef(kind='tunix', name='qwen3_0p6b')
+    ModelRef(source='tunix', name='qwen3_0p6b')
   """
   source, sep, name = text.strip().partition(":")
   if not sep or not source or not name:
@@ -216,18 +261,6 @@ def lora_modules(config: str) -> str:
     '.*q_proj|.*k_proj|.*v_'
   """
   return _GEMMA3_EINSUMS if tunix_family(config) == "gemma3" else _PROJECTIONS
-
-
-def lora_refusal(model: str) -> str:
-  """Why ``--lora`` does not apply to ``model`` (not a ``tunix:`` model), and how its own LoRA is planned.
-
-  Example::
-
-    >>> lora_refusal("my_pkg.models:build")[:62]
-    '--lora applies LoRA to tunix: models; my_pkg.models:build appl'
-  """
-  return (f"--lora applies LoRA to tunix: models; {model} applies its own: call qwix.apply_lora_to_model in "
-          "your function, and the plan trains its nnx.LoRAParam s only, as Tunix's PeftTrainer does")
 
 
 def error_line(error: BaseException, limit: int = 300) -> str:

@@ -35,7 +35,7 @@ def devices_for(request: PlanRequest, measure: bool = False) -> LocalDevices | N
     PlanError: ``measure`` (``--measure``) and the devices are not the target's, or a ``maxtext:`` model
       (its steps run in MaxText's engine, not the planner's).
   """
-  if measure and request.model_ref.kind == "maxtext":
+  if measure and request.model_ref.kind.engine:
     raise PlanError("--measure runs the planner's own step; a maxtext: model's runs in MaxText's engine "
                     "(time it with MaxText's train)")
   local = local_devices() if measure or chips_may_be_here(request.backend) else None

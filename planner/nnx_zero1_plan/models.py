@@ -21,7 +21,6 @@ from nnx_zero1_plan.inputs import (
   ModelRef,
   PlanError,
   lora_modules,
-  lora_refusal,
   parse_model,
   shortened,
   tunix_family,
@@ -37,18 +36,12 @@ class ModelSource:
   build: Callable[[int | None], Any]  # depth (None: full) -> nnx.Module; called under nnx.eval_shape
   full_depth: int | None  # layers at full depth; None: depth cannot be reduced
   loss_fn: Callable[[Any, jax.Array], jax.Array]
-  # mesh axes -> the activation specs applied (``tunix_sharding.sharding_of``); None: not a tunix: model
+  # mesh axes -> the activation specs applied, or "none"; None: not a tunix: model
   activation_sharding: Callable[[Iterable[str]], dict[str, tuple] | str] | None = None
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """Mean cross-entropy of ``logits`` (for ``tokens[:, :-1]``) against ``tokens[:, 1:]``.
-
-  Example::
-
-    >>> float(next_token_loss(jnp.zeros((1, 2, 4)), jnp.zeros((1, 3), jnp.int32)))  # log(4)
-    1.3862943649291992
-  """
+  """Mean cross-entropy of ``logits`` (for ``tokens[:, :-1]``) against ``tokens[:, 1:]``."""
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
 
@@ -69,10 +62,6 @@ def with_lora(model: Any, rank: int, module_path: str, alpha: float = LORA_ALPHA
 
   Raises:
     PlanError: qwix is not installed, or ``module_path`` matches none of the model's modules.
-
-  Example::
-
-    model = with_lora(Llama3(config, rngs=nnx.Rngs(0)), 16, lora_modules("llama3p2_1b"))
   """
   from flax import nnx
 
@@ -104,8 +93,9 @@ def _tunix_family(name: str) -> tuple[Any, Any]:
   return module, getattr(module, family.capitalize())
 
 
-def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
-                  remat: str | None, tunix_sharding: str = "default", lora: int | None = None) -> ModelSource:
+def _tunix_source(ref: ModelRef, param_dtype: str | None, compute_dtype: str | None, remat: str | None,
+                  tunix_sharding: str, lora: int | None) -> ModelSource:
+  name = ref.name
   module, cls = _tunix_family(name)
   make_config = getattr(module.ModelConfig, name, None)
   if make_config is None:
@@ -162,14 +152,7 @@ def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
 
 
 def cast_params(model: Any, dtype: Any) -> Any:
-  """``model`` with every floating ``nnx.Param`` cast to ``dtype`` (its metadata kept).
-
-  Example::
-
-    >>> from flax import nnx
-    >>> cast_params(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.bfloat16).kernel.dtype
-    dtype(bfloat16)
-  """
+  """``model`` with every floating ``nnx.Param`` cast to ``dtype`` (its metadata kept)."""
   from flax import nnx
 
   params = nnx.state(model, nnx.Param)
@@ -207,7 +190,9 @@ def where_to_find(module_name: str, error: ImportError, here: str | None = None)
           f"PYTHONPATH{where}")
 
 
-def _function_source(module_name: str, function_name: str) -> ModelSource:
+def _function_source(ref: ModelRef, *settings: Any) -> ModelSource:
+  """The user's own function's model (``settings``: those its kind takes, none)."""
+  module_name, function_name = ref
   try:
     function = getattr(importlib.import_module(module_name), function_name)
   except ImportError as e:
@@ -239,8 +224,8 @@ def _function_source(module_name: str, function_name: str) -> ModelSource:
 def model_source(model: str | ModelRef, param_dtype: str | None = None, compute_dtype: str | None = None,
                  remat: str | None = None, tunix_sharding: str = "default",
                  lora: int | None = None) -> ModelSource:
-  """The :class:`ModelSource` ``--model`` names (as given, or parsed), with the flags of the same names
-  (``lora``: ``--lora``'s rank, None for full fine-tuning).
+  """The :class:`ModelSource` ``--model`` names, with the flags of the same names (``lora``: ``--lora``'s
+  rank, None for full fine-tuning).
 
   Raises:
     PlanError: an unknown family, configuration or function, or a flag the model cannot take.
@@ -249,14 +234,16 @@ def model_source(model: str | ModelRef, param_dtype: str | None = None, compute_
 
     source = model_source("tunix:qwen3_0p6b", param_dtype="bfloat16", compute_dtype="bfloat16")
   """
-  source, name = model if isinstance(model, ModelRef) else parse_model(model)
-  if source == "tunix":
-    return _tunix_source(name, param_dtype, compute_dtype, remat, tunix_sharding, lora)
-  if lora is not None:
-    raise PlanError(lora_refusal(str(model)))
-  if tunix_sharding != "default":
-    raise PlanError(f"--tunix-sharding applies to tunix: models; {model} constrains its own activations")
-  if param_dtype or compute_dtype or remat:
-    raise PlanError(f"--param-dtype, --compute-dtype and --remat apply to tunix: models; {model} builds its "
-                    "own (set them in your function)")
-  return _function_source(source, name)
+  ref = model if isinstance(model, ModelRef) else parse_model(model)
+  ref.check_settings(name for name, given in (
+      ("tunix_sharding", tunix_sharding != "default"), ("lora", lora is not None),
+      ("dtypes", bool(param_dtype or compute_dtype or remat))) if given)
+  source = _SOURCES.get(ref.kind.name)
+  if source is None:
+    raise PlanError(f"{ref} is MaxText's engine, which builds its own model: plan it with plan() or the "
+                    "command line")
+  return source(ref, param_dtype, compute_dtype, remat, tunix_sharding, lora)
+
+
+# The kinds whose models the planner builds (MODEL_KINDS), by name; an engine builds its own.
+_SOURCES: dict[str, Callable[..., ModelSource]] = {"tunix": _tunix_source, "function": _function_source}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -41,12 +41,19 @@ class PlannedModel:
   # one compile of a lever's step where the model's engine compiles its own (maxtext.compiled_figures; None:
   # the planner's step, row_compiler.compiled_figures)
   compiles: Callable[..., Figures] | None = None
+  # mesh axes -> the activation constraints a tunix: model applies (ModelSource.activation_sharding)
+  constraints: Callable[[Iterable[str]], dict[str, tuple] | str] | None = None
+
+  @property
+  def activation_sharding(self) -> dict[str, tuple] | str | None:
+    """What a row and plan.json's meta say of the activation constraints on the mesh: the specs applied,
+    ``"none"``, or None for a model that is not ``tunix:``."""
+    return None if self.constraints is None else self.constraints(self.axes)
 
 
-class ModelKind(Protocol):
-  """One kind of model a plan compiles, behind the calls a plan makes, so the plan never asks which kind it
-  has: your own or Tunix's NNX model (:data:`NNX_MODELS`), MaxText's engine
-  (:class:`nnx_zero1_plan.maxtext.MaxTextModels`)."""
+class ModelPlanner(Protocol):
+  """How a plan builds the model of one kind (:class:`~nnx_zero1_plan.inputs.ModelKind`): your own or Tunix's
+  NNX model (:data:`NNX_MODELS`), MaxText's engine (:class:`nnx_zero1_plan.maxtext.MaxTextModels`)."""
 
   def described(self, request: PlanRequest, policy: str | None) -> PlannedModel | None:
     """The model described before the target is made, so a misspelt axis needs no compiler (None: a kind
@@ -61,8 +68,7 @@ class _NnxModels:
   """``tunix:`` and ``package.module:function`` models: described from one abstract build, then placed."""
 
   def described(self, request: PlanRequest, policy: str | None) -> PlannedModel:
-    """The model under the remat ``policy`` from one abstract build (no compiler needed): the axes it names
-    and its dtypes.
+    """The model under the remat ``policy`` from one abstract build (no compiler needed).
 
     Raises:
       PlanError: a ``--mesh`` axis the model does not name and the planner does not know, or what
@@ -76,9 +82,8 @@ class _NnxModels:
     named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
     check_axis_names(request.mesh_sizes, named)
     computes_in = request.compute_dtype or (next(iter(dtypes)) if len(dtypes) == 1 else "float32")
-    remat_hint = "decoder" if request.model_ref.kind == "tunix" else None
     return PlannedModel(lambda b: source, dict(request.mesh_sizes), None, reduced, 1, dtypes, computes_in,
-                        remat_hint, named)
+                        request.model_ref.kind.remat_hint, named, constraints=source.activation_sharding)
 
   def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
                 policy: str | None) -> PlannedModel:
@@ -96,7 +101,7 @@ class _NnxModels:
     return dataclasses.replace(described, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
 
 
-NNX_MODELS: ModelKind = _NnxModels()
+NNX_MODELS: ModelPlanner = _NnxModels()
 
 
 def refuse_blocked(request: PlanRequest, planned: PlannedModel) -> dict[str, str]:

@@ -15,7 +15,7 @@ from nnx_zero1_plan.levers import LEVERS, saves_nothing
 from nnx_zero1_plan.maxtext import MaxTextModels, output_directory
 from nnx_zero1_plan.measured_plan import edge_profiled, measured_rows, profiler, run_at, said_measured
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, batch_axes, micro_batch
-from nnx_zero1_plan.planned_model import NNX_MODELS, ModelKind, PlannedModel, refuse_blocked
+from nnx_zero1_plan.planned_model import NNX_MODELS, ModelPlanner, PlannedModel, refuse_blocked
 from nnx_zero1_plan.recommend import plan_code, recommend
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.result import Plan
@@ -24,7 +24,6 @@ from nnx_zero1_plan.row_compiler import RowCompiler, StepShape
 from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row, split_global_batch
 from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
-from nnx_zero1_plan.tunix_sharding import sharding_of
 from nnx_zero1_plan.way_out import Change, WayOut, changes_to_try, find_way_out, next_steps
 
 
@@ -106,11 +105,11 @@ def _settings(request: ResolvedRequest, planned: PlannedModel, target: Target, r
       hbm_bytes=target.hbm_bytes, hbm_source=target.hbm_source, usable_bytes=usable,
       peak_source=peak_source(),
       depth_extrapolated_from=extrapolated[0] if extrapolated else None, batch_unit=planned.batch_unit,
-      domains=target.domains, activation_sharding=sharding_of(source, planned.axes))
+      domains=target.domains, activation_sharding=planned.activation_sharding)
 
 
 def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedModel, meta: PlanSettings,
-             blocked: Mapping[str, str], kind: ModelKind) -> WayOut:
+             blocked: Mapping[str, str], kind: ModelPlanner) -> WayOut:
   """When nothing fits: the changes that may make room, compiled lightest first until one fits."""
   step = resolved.steps[0]
 
@@ -152,13 +151,13 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   """
   if not local:
     compilers.keep_jax_on_cpu()
-  if request.model_ref.kind != "maxtext":
+  if not request.model_ref.kind.engine:
     return _planned(request, progress, NNX_MODELS, local, measure)
   with output_directory() as folder:  # MaxText writes under its base_output_directory: made for this plan
     return _planned(request, progress, MaxTextModels(folder), local, measure)
 
 
-def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind: ModelKind,
+def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind: ModelPlanner,
              local: bool = False, measure: bool = False) -> Plan:
   """:func:`make_plan`'s plan of a model of ``kind``."""
   say = progress or (lambda line: None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
@@ -143,9 +143,3 @@ def tunix_constraints(modules: Iterable[Any]) -> Iterator[None]:
     for module, shard in saved:
       module.shard = shard
 
-
-def sharding_of(source: Any, axes: Iterable[str]) -> dict[str, tuple] | str | None:
-  """What a row and plan.json's meta say of the model's activation constraints on a mesh with ``axes``:
-  the specs applied, ``"none"``, or None for a model that is not ``tunix:``."""
-  describe: Callable[[Iterable[str]], Any] | None = getattr(source, "activation_sharding", None)
-  return None if describe is None else describe(axes)

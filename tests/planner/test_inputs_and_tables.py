@@ -380,7 +380,7 @@ def test_on_one_data_parallel_device_a_lever_that_only_splits_is_not_offered_and
 def test_the_request_is_checked_once_normalised_and_crosses_as_json():
   from nnx_zero1_plan import PlanRequest
 
-  request = PlanRequest(f"{TOYS}:tiny_lm", "v6e:2x2", levers="baseline, zero1", steps=["one"],
+  request = PlanRequest("tunix:qwen3_0p6b", "v6e:2x2", levers="baseline, zero1", steps=["one"],
                         remat="none,block", overrides=None, search=True, margin=0.0)
   assert request.levers == ("baseline", "zero1") and request.steps == ("one",)
   assert request.policies == ("none", "block") and request.platform == "tpu"
@@ -389,7 +389,7 @@ def test_the_request_is_checked_once_normalised_and_crosses_as_json():
   refused = [({"batch": 0}, "--batch, --seq-len and --ga must be >= 1"), ({"margin": 1.0}, "--margin is the"),
              ({"gpu_memory_fraction": 0}, "in \\(0, 1\\]"), ({"optimizer": "adamx"}, "unknown optimizer"),
              ({"levers": "zero3"}, "unknown lever zero3"), ({"overrides": {"a": "b"}}, "apply to maxtext:"),
-             ({"topology": "h999:8"}, "unknown topology")]
+             ({"topology": "h999:8"}, "unknown topology"), ({"remat": "block"}, "builds its own")]
   for bad, words in refused:
     with pytest.raises(PlanError, match=words):
       PlanRequest(**{"model": f"{TOYS}:tiny_lm", "topology": "v6e:2x2", **bad})
