@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 ONE_SLICE = 1  # a TPU target is one slice unless --slices joins several (a pod)
 
@@ -16,7 +16,7 @@ class PlanError(ValueError):
 class ModelKind(NamedTuple):
   """What a plan reads of a kind of model where kinds differ, each fact named for what it decides."""
 
-  name: str  # the kind's builder's key (models.py), for the kinds the planner builds
+  name: str  # the key of the kind's builder (models.py), for the kinds the planner builds
   engine: bool  # an engine (MaxText's) compiles and runs its own step, on its own mesh of one slice's axes
   trainer: bool  # its users train it with Tunix's trainers: the printed code is theirs
   steps: tuple[str, ...]  # the step shapes it compiles, the one recommended first
@@ -24,26 +24,31 @@ class ModelKind(NamedTuple):
   remat_hint: str | None  # the remat policy "Try next" suggests (None: it takes no --remat)
 
 
+_DTYPES = frozenset({"param_dtype", "compute_dtype", "remat"})
 # ``--model``'s part before the colon: each kind; any other is a package.module of the user's own function.
 MODEL_KINDS = {
     "tunix": ModelKind("tunix", engine=False, trainer=True, steps=("one", "split"),
-                       takes=frozenset({"tunix_sharding", "lora", "dtypes"}), remat_hint="decoder"),
+                       takes=_DTYPES | {"tunix_sharding", "lora"}, remat_hint="decoder"),
     "maxtext": ModelKind("maxtext", engine=True, trainer=False, steps=("split",),
-                         takes=frozenset({"maxtext_deferral", "overrides", "dtypes"}), remat_hint="full"),
+                         takes=_DTYPES | {"maxtext_deferral", "overrides"}, remat_hint="full"),
 }
 FUNCTION = ModelKind("function", engine=False, trainer=False, steps=("one", "split"), takes=frozenset(),
                      remat_hint=None)
 
-# Each setting only some kinds take, and its refusal where the model's kind does not.
+_OWN_DTYPES = ("--param-dtype, --compute-dtype and --remat apply to tunix: models; {model} builds its own "
+               "(set them in your function)")
+# Each setting only some kinds take: its value when not given, and its refusal where a kind does not.
 KIND_SETTINGS = {
-    "tunix_sharding": "--tunix-sharding applies to tunix: models; {model} shards its own activations",
-    "lora": "--lora applies LoRA to tunix: models; {model} applies its own: call qwix.apply_lora_to_model in "
-            "your function, and the plan trains its nnx.LoRAParam s only, as Tunix's PeftTrainer does",
-    "maxtext_deferral": "--maxtext-deferral applies to maxtext: models; {model} is not MaxText's engine",
-    "overrides": "config overrides (key=value) apply to maxtext: models; {model} takes its settings from the "
-                 "flags",
-    "dtypes": "--param-dtype, --compute-dtype and --remat apply to tunix: models; {model} builds its own "
-              "(set them in your function)",
+    "tunix_sharding": ("default", "--tunix-sharding applies to tunix: models; {model} shards its own "
+                                  "activations"),
+    "lora": (None, "--lora applies LoRA to tunix: models; {model} applies its own: call "
+                   "qwix.apply_lora_to_model in your function, and the plan trains its nnx.LoRAParam s only, "
+                   "as Tunix's PeftTrainer does"),
+    "maxtext_deferral": ("auto", "--maxtext-deferral applies to maxtext: models; {model} is not MaxText's "
+                                 "engine"),
+    "overrides": (None, "config overrides (key=value) apply to maxtext: models; {model} takes its settings "
+                        "from the flags"),
+    "param_dtype": (None, _OWN_DTYPES), "compute_dtype": (None, _OWN_DTYPES), "remat": (None, _OWN_DTYPES),
 }
 
 
@@ -63,11 +68,12 @@ class ModelRef(NamedTuple):
     """What the plan reads of the model's kind (:data:`MODEL_KINDS`)."""
     return MODEL_KINDS.get(self.source, FUNCTION)
 
-  def check_settings(self, given: Iterable[str]) -> None:
-    """Refuses the first of the ``given`` settings (:data:`KIND_SETTINGS`) the model's kind does not take."""
-    for setting in given:
-      if setting not in self.kind.takes:
-        raise PlanError(KIND_SETTINGS[setting].format(model=self))
+  def check_settings(self, **settings: Any) -> None:
+    """Refuses the first of ``settings`` (:data:`KIND_SETTINGS`) given that the model's kind does not take."""
+    for name, value in settings.items():
+      unset, refusal = KIND_SETTINGS[name]
+      if value not in (None, unset, {}) and name not in self.kind.takes:
+        raise PlanError(refusal.format(model=self))
 
 
 class Backend(NamedTuple):

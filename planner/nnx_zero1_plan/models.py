@@ -170,14 +170,7 @@ def _raised(what: str, e: Exception) -> PlanError:
 
 def where_to_find(module_name: str, error: ImportError, here: str | None = None) -> str:
   """What to do about a model module Python cannot find: the folder that holds it (under ``here``, two levels
-  deep at most) to put on ``PYTHONPATH``. Empty when what is missing is one of the module's imports.
-
-  Example::
-
-    >>> missing = ModuleNotFoundError("No module named 'my_pkg'", name="my_pkg")
-    >>> print(where_to_find("my_pkg.models", missing, "/nowhere"))
-    ; the planner imports my_pkg by name: put the folder that holds my_pkg/ (or my_pkg.py) on PYTHONPATH
-  """
+  deep at most) to put on ``PYTHONPATH``. Empty when what is missing is one of the module's imports."""
   top = module_name.split(".")[0]
   if not isinstance(error, ModuleNotFoundError) or error.name != top:
     return ""
@@ -235,9 +228,8 @@ def model_source(model: str | ModelRef, param_dtype: str | None = None, compute_
     source = model_source("tunix:qwen3_0p6b", param_dtype="bfloat16", compute_dtype="bfloat16")
   """
   ref = model if isinstance(model, ModelRef) else parse_model(model)
-  ref.check_settings(name for name, given in (
-      ("tunix_sharding", tunix_sharding != "default"), ("lora", lora is not None),
-      ("dtypes", bool(param_dtype or compute_dtype or remat))) if given)
+  ref.check_settings(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
+                     tunix_sharding=tunix_sharding, lora=lora)
   source = _SOURCES.get(ref.kind.name)
   if source is None:
     raise PlanError(f"{ref} is MaxText's engine, which builds its own model: plan it with plan() or the "

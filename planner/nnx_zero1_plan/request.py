@@ -11,6 +11,7 @@ from typing import Any
 
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION
 from nnx_zero1_plan.inputs import (
+  KIND_SETTINGS,
   ONE_SLICE,
   Backend,
   ModelKind,
@@ -181,10 +182,7 @@ class PlanRequest:
       raise PlanError(f"--lora is the LoRA rank, >= 1; got {self.lora}")
     if self.maxtext_deferral not in ("auto", "off"):
       raise PlanError(f"--maxtext-deferral is auto or off, got {self.maxtext_deferral!r}")
-    model_ref.check_settings(name for name, given in (
-        ("tunix_sharding", self.tunix_sharding != "default"), ("lora", self.lora is not None),
-        ("maxtext_deferral", self.maxtext_deferral != "auto"), ("overrides", bool(self.overrides)),
-        ("dtypes", bool(self.param_dtype or self.compute_dtype or self.remat))) if given)
+    model_ref.check_settings(**{name: getattr(self, name) for name in KIND_SETTINGS})
     if self.global_batch is not None:
       self._check_global_batch(kind, self.global_batch)
     steps = tuple(s for s in steps if s in kind.steps)

@@ -136,13 +136,9 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   jax's CPU backend and expects prepared for the compilers (the command line's, after
   :func:`nnx_zero1_plan.compilers.start_cpu_jax`, or the planning process :func:`nnx_zero1_plan.plan` starts).
 
-  Args:
-    request: the plan's settings, checked.
-    progress: called with one line as each compile starts and ends, and after each lever.
-    local: compile for this process's own devices, the target's chips
-      (:func:`nnx_zero1_plan.targets.local_target`), jax left on them.
-    measure: with ``local``, run each fitting row's program there as it was compiled, the first profiled for
-      a calibration every row is also priced by (``--measure``: :mod:`nnx_zero1_plan.measured_plan`).
+  ``progress`` is called with one line as each compile starts and ends, and after each lever. ``local``
+  compiles for this process's own devices, the target's chips, jax left on them; with it ``measure`` runs
+  each fitting row's program there as it was compiled (``--measure``: :mod:`nnx_zero1_plan.measured_plan`).
 
   Raises:
     PlanError: what only the model or the compiler can tell (an axis the model does not name, a lever

@@ -45,21 +45,14 @@ def _menu_transformation(name: str) -> Callable[..., optax.GradientTransformatio
   return lambda learning_rate=float(rate), **options: getattr(optax, name)(learning_rate, **fixed, **options)
 
 
-# The --optimizer menu as transformations, the planner's and the benchmarks' one: each takes the learning
-# rate (and optax's options), by default request.OPTIMIZER_MENU's, at which it is the code the recommendation
-# prints (request.OPTIMIZER_CODE, written from the same table).
+# The --optimizer menu as transformations, the planner's and the benchmarks': each takes the learning rate
+# (and optax's options), by default the menu's, at which it is the code the recommendation prints.
 OPTIMIZERS = {name: _menu_transformation(name) for name in OPTIMIZER_MENU}
 
 
 def trained(model: Any) -> type[nnx.Param]:
-  """The variables a step trains: ``nnx.LoRAParam`` where the model has any (a LoRA run: the base weights
-  frozen), else every ``nnx.Param``, as Tunix's ``PeftTrainer`` decides (``tunix.sft.utils.is_lora_enabled``).
-
-  Example::
-
-    >>> trained(nnx.Linear(2, 1, rngs=nnx.Rngs(0))).__name__
-    'Param'
-  """
+  """The variables a step trains: ``nnx.LoRAParam`` where the model has any (a LoRA run), else every
+  ``nnx.Param``, as Tunix's ``PeftTrainer`` decides (``tunix.sft.utils.is_lora_enabled``)."""
   lora = any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model))
   return nnx.LoRAParam if lora else nnx.Param
 
@@ -81,19 +74,9 @@ def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation,
 
 def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any,
                         wrt: Any = nnx.Param) -> tuple[jax.Array, Any]:
-  """Mean loss and gradient over ``batches`` (dimension 0: micro-batches), one micro-batch at a time.
-
-  A ``lax.scan`` of ``jax.value_and_grad`` over the ``wrt`` variables (the optimizer's: ``nnx.LoRAParam``
-  for a LoRA run, whose frozen weights stay constants): activations of one micro-batch at a time; the
-  reduction across replicas happens wherever XLA puts it.
-
-  Example::
-
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> loss, grads = scan_value_and_grad(lambda m, x: m(x).mean(), model, jnp.ones((3, 4, 2)))
-    >>> loss.shape, grads["kernel"].shape
-    ((), (2, 1))
-  """
+  """Mean loss and gradient over ``batches`` (dimension 0: micro-batches): a ``lax.scan`` of
+  ``jax.value_and_grad`` over the ``wrt`` variables (a LoRA run's frozen weights stay constants), the
+  reduction across replicas wherever XLA puts it."""
   graphdef, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]  # flax types split as variadic
   grad_fn = jax.value_and_grad(lambda p, batch: loss_fn(nnx.merge(graphdef, p, rest), batch))
 
@@ -209,15 +192,9 @@ def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: M
 
 def placed_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, mesh: Mesh,
                  abstract: AbstractState | None = None) -> tuple[AbstractState, Any]:
-  """The lever's model and optimizer built for real and placed on the mesh's devices, as a run starts.
-
-  Args:
-    lever, build_model, optimizer, mesh: as :func:`lever_state` takes them.
-    abstract: the state a step was compiled for (:func:`lever_state`'s; None: made here).
-
-  Returns:
-    ``(abstract, state)``: the :class:`~nnx_zero1_plan.abstract.AbstractState` (the graph and shardings
-    :func:`step_jit` takes) and the state's arrays on those shardings.
+  """The lever's model and optimizer built for real and placed on the mesh's devices, as a run starts:
+  ``(abstract, state)``, the :class:`~nnx_zero1_plan.abstract.AbstractState` a step was compiled for
+  (``abstract``, or :func:`lever_state`'s) and the state's arrays on its shardings.
 
   Example::
 
@@ -238,40 +215,25 @@ def placed_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) ->
 
 @dataclasses.dataclass(frozen=True)
 class StepRuns:
-  """What :func:`run_steps` measured.
+  """What :func:`run_steps` measured. ``held_bytes`` is the allocator's ``bytes_in_use`` on the first device
+  after the steps: the state and what the runtime kept, not the program's temporaries (a TPU's are outside it:
+  the program's peak is the compiler's figure, which the chip enforces); None where the backend has none."""
 
-  Attributes:
-    step_s: the median of the timed steps, in seconds (None: none ran).
-    times_s: every step's seconds, the warm-up steps first.
-    held_bytes: the allocator's ``bytes_in_use`` on the first device after the steps: the state and what
-      the runtime kept, not the program's temporaries (a TPU's are outside it: the program's peak is the
-      compiler's figure, which the chip enforces); None where the backend does not report it (a CPU).
-    loss: the last step's loss (None: none ran).
-    error: why the steps stopped, in one line (None: every step ran).
-  """
-
-  step_s: float | None
-  times_s: tuple[float, ...]
+  step_s: float | None  # the median of the timed steps, in seconds (None: none ran)
+  times_s: tuple[float, ...]  # every step's seconds, the warm-up steps first
   held_bytes: int | None
-  loss: float | None
-  error: str | None
+  loss: float | None  # the last step's loss (None: none ran)
+  error: str | None  # why the steps stopped, in one line (None: every step ran)
 
 
 def run_steps(compiled: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch: Any, *, warmup: int = 2,
               timed: int = 8) -> tuple[Any, StepRuns]:
-  """Runs a compiled step ``warmup + timed`` times on its devices and times each to its loss being ready.
+  """Runs a compiled step (:func:`step_jit`'s, the state donated) ``warmup + timed`` times on its devices and
+  times each to its loss being ready; returns the state after the last step that ran, and :class:`StepRuns`.
 
   The warm-up steps carry the allocator's growth and the program's first load, so only the ``timed`` ones
   count, by their median. An error (the allocator's out-of-memory) stops the steps and is kept in one line,
   not raised: a measurement says what ran.
-
-  Args:
-    compiled: ``(state, batch) -> (state, loss)``, the state donated (:func:`step_jit`, compiled).
-    state, batch: its first state and one step's batch, on the devices.
-    warmup, timed: the steps run first, not counted, and the steps counted.
-
-  Returns:
-    ``(state, runs)``: the state after the last step that ran, and :class:`StepRuns`.
 
   Example::
 
