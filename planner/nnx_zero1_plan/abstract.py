@@ -29,16 +29,7 @@ def _totals(tree: Any, key: Callable[[Any], str | None], size: Callable[[Any], i
 
 
 def abstract_bytes_per_device(tree: Any) -> int:
-  """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct``s (every device alike).
-
-  Example::
-
-    >>> import jax.numpy as jnp
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> s = jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, jax.P("data")))
-    >>> abstract_bytes_per_device({"m": s})
-    32
-  """
+  """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct``s (every device alike)."""
   shard = lambda x: x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
   return sum(_bytes(shard(x), x.dtype) for x in jax.tree.leaves(tree))
 
@@ -106,12 +97,7 @@ class AbstractState:
 
 def abstract_state(build: Callable[[], tuple[Any, Any]], mesh: Mesh) -> AbstractState:
   """``build() -> (model, optimizer)`` traced on ``mesh``; each leaf's sharding from its metadata, replicated
-  where it names none (optax's scalar count).
-
-  Example::
-
-    state = abstract_state(lambda: (model := make(), Zero1Optimizer(model, tx, mesh)), mesh)
-  """
+  where it names none (optax's scalar count)."""
   with jax.set_mesh(mesh):
     model, optimizer = nnx.eval_shape(build)
   graphdef, state = nnx.split((model, optimizer))

@@ -173,7 +173,7 @@ class MaxTextModels:
     weights = overrides.get("weight_dtype") or request.param_dtype or "float32"
     computes_in = request.compute_dtype or overrides.get("dtype", "bfloat16")  # base.yml's dtype
     return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), computes_in,
-                        model.kind.remat_hint, compiles=compiled_figures)
+                        compiles=compiled_figures)
 
 
 def compiled_figures(lever_name: str, step: str, source: MaxTextModel, mesh: None, shape: StepShape,

@@ -57,12 +57,8 @@ def tunix_loss(model: Any, tokens: jax.Array) -> jax.Array:
 
 def with_lora(model: Any, rank: int, module_path: str, alpha: float = LORA_ALPHA) -> Any:
   """``model`` with qwix's LoRA adapters (``nnx.LoRAParam`` s of ``rank``) on the modules ``module_path``
-  matches, applied as Tunix applies them (``qwix.apply_lora_to_model`` traced on the model's own sample input,
-  ``model.get_model_input()``): under ``nnx.eval_shape`` the adapters are shapes, their sharding the weights'.
-
-  Raises:
-    PlanError: qwix is not installed, or ``module_path`` matches none of the model's modules.
-  """
+  matches, applied as Tunix applies them (``qwix.apply_lora_to_model`` on the model's own sample input): under
+  ``nnx.eval_shape`` the adapters are shapes, their sharding the weights'."""
   from flax import nnx
 
   try:
@@ -218,10 +214,7 @@ def model_source(model: str | ModelRef, param_dtype: str | None = None, compute_
                  remat: str | None = None, tunix_sharding: str = "default",
                  lora: int | None = None) -> ModelSource:
   """The :class:`ModelSource` ``--model`` names, with the flags of the same names (``lora``: ``--lora``'s
-  rank, None for full fine-tuning).
-
-  Raises:
-    PlanError: an unknown family, configuration or function, or a flag the model cannot take.
+  rank, None for full fine-tuning); an unknown model, or a flag it cannot take, refused.
 
   Example::
 

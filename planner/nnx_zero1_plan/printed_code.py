@@ -23,16 +23,7 @@ def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: in
 
   One slice or node: ``jax.make_mesh``, which refuses devices of several slices. TPU slices:
   ``mesh_utils.create_hybrid_device_mesh``. GPU nodes: the devices ordered node by node, then shaped (XLA
-  numbers a GPU cluster's hosts as slices, a compile-only topology's nodes by ``process_index``).
-
-  Example::
-
-    >>> print("\\n".join(mesh_code({"replica": 2, "data": 4}, "tpu", domains=2)[3:]))
-    devices = jax.devices()
-    # replica across the 2 slices (the data-center network), the other axes inside each slice
-    mesh = Mesh(mesh_utils.create_hybrid_device_mesh((1, 4), (2, 1), devices, allow_split_physical_axes=True),
-                ('replica', 'data'), axis_types=(AxisType.Auto,) * 2)
-  """
+  numbers a GPU cluster's hosts as slices, a compile-only topology's nodes by ``process_index``)."""
   axes = dict(mesh or {"data": 1})
   names, sizes = repr(tuple(axes)), repr(tuple(axes.values()))
   types = "(AxisType.Auto,)" + (f" * {len(axes)}" if len(axes) > 1 else "")
@@ -106,23 +97,7 @@ def lever_code(name: str, model: ModelRef, offload_fraction: float | None = None
   """The code that turns lever ``name`` on where ``model``'s users train, as they paste it, written from the
   lever table (a new lever needs no entry here): Python source whose ``model = ...`` is the user's own line,
   or for an engine one sentence. The other arguments are the plan's (``offload_fraction``: the share of the
-  state it offloads; ``activation_sharding``: a ``tunix:`` plan's specs; ``lora``: ``--lora``'s rank).
-
-  Example::
-
-    >>> code = lever_code("offload", ModelRef("my_pkg.models", "build"), mesh={"data": 4})
-    >>> print(code)  # doctest: +NORMALIZE_WHITESPACE
-    import jax, jax.numpy as jnp, optax
-    from nnx_zero1 import Zero1Optimizer
-    from jax.sharding import AxisType
-    <BLANKLINE>
-    devices = jax.devices()
-    mesh = jax.make_mesh((4,), ('data',), (AxisType.Auto,), devices=devices)
-    with jax.set_mesh(mesh):
-      model = ...  # your model, built here: its parameters' sharding names the mesh's axes
-      optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)
-        # 1e-5: your learning rate (or an optax schedule)
-  """
+  state it offloads; ``activation_sharding``: a ``tunix:`` plan's specs; ``lora``: ``--lora``'s rank)."""
   tx = OPTIMIZER_CODE[optimizer]
   lever = with_offload(name, offload_fraction)
   options = [f"{k}={_spelled(v)}" for k, v in lever.optimizer_options.items()]

@@ -123,7 +123,8 @@ def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedM
   # The changes are tried on Zero-1 where it splits the state here, else on the baseline.
   splits = "zero1" not in blocked and not saves_nothing("zero1", resolved.mesh_sizes)
   lever = "zero1" if splits else "baseline"
-  changes = changes_to_try(resolved, lever=lever, batch_unit=planned.batch_unit, remat=planned.remat_hint,
+  remat = resolved.model_ref.kind.remat_hint
+  changes = changes_to_try(resolved, lever=lever, batch_unit=planned.batch_unit, remat=remat,
                            named_axes=planned.named, host_memory=compiler.target.backend.host_memory)
   return find_way_out(changes, compile_changed, lambda c: command_line(c.request, steps=[step]),
                       lambda c: plan_code(c.request, c.request.levers[0],
@@ -141,8 +142,7 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   each fitting row's program there as it was compiled (``--measure``: :mod:`nnx_zero1_plan.measured_plan`).
 
   Raises:
-    PlanError: what only the model or the compiler can tell (an axis the model does not name, a lever
-      that cannot apply, a topology libtpu does not know).
+    PlanError: what only the model or the compiler can tell (e.g. an axis the model does not name).
     AotUnavailable: the target's compiler is not installed.
   """
   if not local:
@@ -195,7 +195,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
     say(_done(name, step, policy, request.topology, row) + _left(done, len(todo), started))
   resolved = request.resolved(planned.axes, batch)  # what the plan's meta says and its commands reproduce
   meta = _settings(resolved, planned, target, rows, batch_default, compiler_name, usable)
-  hints = next_steps(rows, resolved, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
+  hints = next_steps(rows, resolved, list(LEVERS), blocked=blocked, remat=request.model_ref.kind.remat_hint,
                      batch_unit=planned.batch_unit, named_axes=planned.named)
   way_out = None
   if rows and not request.estimate and not any(row.verdict for row in rows):

@@ -141,11 +141,8 @@ def step_jit(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever
 def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int, seq_len: int,
                  ga: int, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, float]:
   """Compiles the lever's one-program step for the mesh's devices (``compiler_options``: the compiler's, e.g.
-  what makes XLA's GPU compiler write its schedule); returns (compiled, seconds).
-
-  Raises:
-    jax.errors.JaxRuntimeError: the compiler refused the program (e.g. it does not fit).
-  """
+  what makes XLA's GPU compiler write its schedule); returns (compiled, seconds). The compiler's refusal
+  (e.g. the program does not fit) is jax's ``JaxRuntimeError``."""
   tokens = abstract_batch(lever, mesh, batch, seq_len, ga)
   step = step_jit(state.graphdef, state.shardings, tokens.sharding, lever, loss_fn, ga)
   start = time.perf_counter()
@@ -158,11 +155,7 @@ def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: M
                   ga: int, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, Any, float]:
   """Compiles the lever's step as two programs (:func:`compile_step`'s options for both); returns (gradient
   program, update program, seconds). The update program takes the gradients as the first leaves them (its
-  output shardings), as a loop calling one after the other passes them.
-
-  Raises:
-    jax.errors.JaxRuntimeError: the compiler refused a program (e.g. it does not fit).
-  """
+  output shardings), as a loop calling one after the other passes them."""
   graphdef, tokens = state.graphdef, abstract_batch(lever, mesh, batch, seq_len, ga)
 
   def grads(state, batch):
@@ -194,12 +187,7 @@ def placed_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, m
                  abstract: AbstractState | None = None) -> tuple[AbstractState, Any]:
   """The lever's model and optimizer built for real and placed on the mesh's devices, as a run starts:
   ``(abstract, state)``, the :class:`~nnx_zero1_plan.abstract.AbstractState` a step was compiled for
-  (``abstract``, or :func:`lever_state`'s) and the state's arrays on its shardings.
-
-  Example::
-
-    abstract, state = placed_state(LEVERS["zero1"], lambda: source.build(None), "adamw", mesh)
-  """
+  (``abstract``, or :func:`lever_state`'s) and the state's arrays on its shardings."""
   abstract = abstract or lever_state(lever, build_model, optimizer, mesh)
   with jax.set_mesh(mesh):
     state = nnx.state(_built(lever, build_model, optimizer, mesh))
@@ -233,14 +221,7 @@ def run_steps(compiled: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch
 
   The warm-up steps carry the allocator's growth and the program's first load, so only the ``timed`` ones
   count, by their median. An error (the allocator's out-of-memory) stops the steps and is kept in one line,
-  not raised: a measurement says what ran.
-
-  Example::
-
-    compiled = step_jit(abstract.graphdef, abstract.shardings, tokens.sharding, lever, loss_fn, 1).lower(
-        state, tokens).compile()
-    state, runs = run_steps(compiled, state, tokens)   # runs.step_s: the median of 8 steady steps
-  """
+  not raised: a measurement says what ran."""
   times: list[float] = []
   loss, error = None, None
   try:

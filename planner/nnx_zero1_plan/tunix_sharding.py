@@ -1,7 +1,5 @@
-"""Tunix's activation constraints, applied while tracing: Tunix's ``shard(x, shd_config.act_*)`` constrains
-only in a process whose first device is not a CPU, under the legacy ``with mesh:`` (google-tunix 0.1.7, e.g.
-``tunix/models/llama3/model.py``), and the planner's process runs jax's CPU backend: without this module it
-compiles XLA's own propagation, not the program Tunix compiles on the chips."""
+"""Tunix's activation constraints, applied while tracing: Tunix's ``shard`` constrains only where the first
+device is not a CPU (google-tunix 0.1.7), and the planner traces on jax's CPU backend."""
 
 from __future__ import annotations
 
