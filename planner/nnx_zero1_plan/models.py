@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import os
 import pathlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -91,12 +90,11 @@ def _tunix_family(name: str) -> tuple[Any, Any]:
 
 def _tunix_source(ref: ModelRef, param_dtype: str | None, compute_dtype: str | None, remat: str | None,
                   tunix_sharding: str, lora: int | None) -> ModelSource:
-  name = ref.name
-  module, cls = _tunix_family(name)
-  make_config = getattr(module.ModelConfig, name, None)
+  module, cls = _tunix_family(ref.name)
+  make_config = getattr(module.ModelConfig, ref.name, None)
   if make_config is None:
     known = sorted(n for n, v in vars(module.ModelConfig).items() if isinstance(v, classmethod))
-    raise PlanError(f"unknown model tunix:{name}; {module.__name__}.ModelConfig has {', '.join(known)}")
+    raise PlanError(f"unknown model {ref}; {module.__name__}.ModelConfig has {', '.join(known)}")
   config = make_config()
   changes: dict[str, Any] = {}
   for field, value in (("param_dtype", param_dtype), ("dtype", compute_dtype)):
@@ -107,12 +105,12 @@ def _tunix_source(ref: ModelRef, param_dtype: str | None, compute_dtype: str | N
   cast_to = None if param_dtype is None or hasattr(config, "param_dtype") else jnp.dtype(param_dtype)
   computes_in = changes.get("param_dtype", cast_to)
   if compute_dtype is not None and not hasattr(config, "dtype") and jnp.dtype(compute_dtype) != computes_in:
-    raise PlanError(f"tunix:{name} computes in its parameters' dtype (its ModelConfig has no dtype): give "
+    raise PlanError(f"{ref} computes in its parameters' dtype (its ModelConfig has no dtype): give "
                     f"--param-dtype {compute_dtype}, or leave --compute-dtype out")
   if remat is not None:
     options = [m.name.lower() for m in module.RematConfig]
     if remat.lower() not in options:
-      raise PlanError(f"--remat {remat!r} is not one of tunix:{name}'s {', '.join(options)}")
+      raise PlanError(f"--remat {remat!r} is not one of {ref}'s {', '.join(options)}")
     changes["remat_config"] = module.RematConfig[remat.upper()]
   config = dataclasses.replace(config, **changes)
   defaults = activation_fields(config.shd_config)
@@ -134,7 +132,7 @@ def _tunix_source(ref: ModelRef, param_dtype: str | None, compute_dtype: str | N
                   rngs=nnx.Rngs(0))
     model = model if cast_to is None else cast_params(model, cast_to)
     # After the cast: qwix gives each adapter its weight's dtype, as on a model loaded in that dtype.
-    return model if lora is None else with_lora(model, lora, lora_modules(name))
+    return model if lora is None else with_lora(model, lora, lora_modules(ref.name))
 
   # gemma3 calls tunix.utils.sharding_utils.shard; llama3, qwen2 and qwen3 their own module's shard.
   shard_modules = [m for m in (module, getattr(module, "sharding_utils", None)) if m is not None]
@@ -143,7 +141,7 @@ def _tunix_source(ref: ModelRef, param_dtype: str | None, compute_dtype: str | N
     with tunix_constraints(shard_modules):
       return tunix_loss(model, tokens)
 
-  return ModelSource(f"tunix:{name}", build, config.num_layers,
+  return ModelSource(str(ref), build, config.num_layers,
                      tunix_loss if tunix_sharding == "none" else constrained_loss, described)
 
 
@@ -164,13 +162,13 @@ def _raised(what: str, e: Exception) -> PlanError:
                    " (--traceback shows where)")
 
 
-def where_to_find(module_name: str, error: ImportError, here: str | None = None) -> str:
-  """What to do about a model module Python cannot find: the folder that holds it (under ``here``, two levels
-  deep at most) to put on ``PYTHONPATH``. Empty when what is missing is one of the module's imports."""
+def _where_to_find(module_name: str, error: ImportError) -> str:
+  """What to do about a model module Python cannot find: the folder that holds it (here, two levels deep at
+  most) to put on ``PYTHONPATH``. Empty when what is missing is one of the module's imports."""
   top = module_name.split(".")[0]
   if not isinstance(error, ModuleNotFoundError) or error.name != top:
     return ""
-  root = pathlib.Path(here or os.getcwd())
+  root = pathlib.Path.cwd()
   patterns = (f"{top}.py", f"{top}/__init__.py", f"*/{top}.py", f"*/{top}/__init__.py", f"*/*/{top}.py")
   found = sorted({str(c.parent) for pattern in patterns for c in root.glob(pattern)})
   folder = found[0].removesuffix(f"/{top}") if found else None
@@ -181,15 +179,14 @@ def where_to_find(module_name: str, error: ImportError, here: str | None = None)
 
 def _function_source(ref: ModelRef, *settings: Any) -> ModelSource:
   """The user's own function's model (``settings``: those its kind takes, none)."""
-  module_name, function_name = ref
   try:
-    function = getattr(importlib.import_module(module_name), function_name)
+    function = getattr(importlib.import_module(ref.source), ref.name)
   except ImportError as e:
-    raise PlanError(f"unknown model {module_name}:{function_name}: {e}{where_to_find(module_name, e)}") from e
+    raise PlanError(f"unknown model {ref}: {e}{_where_to_find(ref.source, e)}") from e
   except AttributeError as e:
-    raise PlanError(f"unknown model {module_name}:{function_name}: {e}") from e
+    raise PlanError(f"unknown model {ref}: {e}") from e
   except Exception as e:  # the module's own code, run on import
-    raise _raised(f"importing {module_name}", e) from e
+    raise _raised(f"importing {ref.source}", e) from e
   depth_parameter = inspect.signature(function).parameters.get("num_layers")
   full_depth = getattr(depth_parameter, "default", None)
   full_depth = full_depth if isinstance(full_depth, int) else None
@@ -199,7 +196,7 @@ def _function_source(ref: ModelRef, *settings: Any) -> ModelSource:
     try:
       built = function(num_layers=depth) if depth is not None else function()
     except Exception as e:  # the user's builder: one line naming it, not the planner's traceback around it
-      raise _raised(f"the model builder {module_name}:{function_name}", e) from e
+      raise _raised(f"the model builder {ref}", e) from e
     model, *rest = built if isinstance(built, tuple) else (built,)
     loss[:] = rest[:1]
     return model
@@ -207,19 +204,14 @@ def _function_source(ref: ModelRef, *settings: Any) -> ModelSource:
   def loss_fn(model: Any, tokens: jax.Array) -> jax.Array:
     return loss[0](model, tokens) if loss else next_token_loss(model(tokens[:, :-1]), tokens)
 
-  return ModelSource(f"{module_name}:{function_name}", build, full_depth, loss_fn)
+  return ModelSource(str(ref), build, full_depth, loss_fn)
 
 
 def model_source(model: str | ModelRef, param_dtype: str | None = None, compute_dtype: str | None = None,
                  remat: str | None = None, tunix_sharding: str = "default",
                  lora: int | None = None) -> ModelSource:
   """The :class:`ModelSource` ``--model`` names, with the flags of the same names (``lora``: ``--lora``'s
-  rank, None for full fine-tuning); an unknown model, or a flag it cannot take, refused.
-
-  Example::
-
-    source = model_source("tunix:qwen3_0p6b", param_dtype="bfloat16", compute_dtype="bfloat16")
-  """
+  rank, None for full fine-tuning); an unknown model, or a flag it cannot take, refused."""
   ref = model if isinstance(model, ModelRef) else parse_model(model)
   ref.check_settings(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
                      tunix_sharding=tunix_sharding, lora=lora)

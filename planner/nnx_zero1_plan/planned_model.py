@@ -37,16 +37,14 @@ class PlannedModel:
   param_dtypes: frozenset[str]
   compute_dtype: str  # what the step computes in: the peak its MFU is measured against
   named: tuple[str, ...] = ()  # the mesh axes the model's variables name
-  # one compile of a lever's step where the model's engine compiles its own (maxtext.compiled_figures; None:
-  # the planner's step, row_compiler.compiled_figures)
+  # one compile of a lever's step where the model's engine compiles its own (None: the planner's step)
   compiles: Callable[..., Figures] | None = None
   # mesh axes -> the activation constraints a tunix: model applies (ModelSource.activation_sharding)
   constraints: Callable[[Iterable[str]], dict[str, tuple] | str] | None = None
 
   @property
   def activation_sharding(self) -> dict[str, tuple] | str | None:
-    """What a row and plan.json's meta say of the activation constraints on the mesh: the specs applied,
-    ``"none"``, or None for a model that is not ``tunix:``."""
+    """The activation constraints on the mesh, as a row and the meta say them (None: not ``tunix:``)."""
     return None if self.constraints is None else self.constraints(self.axes)
 
 

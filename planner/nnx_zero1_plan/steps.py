@@ -60,12 +60,7 @@ def trained(model: Any) -> type[nnx.Param]:
 def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation,
                    mesh: Mesh | None) -> nnx.Optimizer:
   """The lever's optimizer for ``model``'s :func:`trained` variables: ``nnx.Optimizer``, or ``Zero1Optimizer``
-  built from a :class:`~nnx_zero1.Zero1Options` record of the lever's options.
-
-  Example::
-
-    optimizer = make_optimizer(LEVERS["zero1"], model, optax.adamw(1e-4), mesh)
-  """
+  built from a :class:`~nnx_zero1.Zero1Options` record of the lever's options."""
   wrt = trained(model)
   if not lever.zero1:
     return nnx.Optimizer(model, tx, wrt=wrt)
@@ -119,13 +114,8 @@ def lever_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, me
 
 def step_jit(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever: Lever, loss_fn: Callable,
              ga: int) -> Any:
-  """The one-program step, jitted: the state donated and kept on ``shardings``, the loss replicated.
-
-  Example::
-
-    step = step_jit(graphdef, shardings, NamedSharding(mesh, P(None, "data")), LEVERS["zero1"], loss_fn, 8)
-    state, loss = step(state, batch)
-  """
+  """The one-program step, jitted, ``(state, batch) -> (state, loss)``: the state donated and kept on
+  ``shardings``, the loss replicated."""
 
   def step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)

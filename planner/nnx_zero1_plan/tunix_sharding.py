@@ -20,8 +20,7 @@ def _axes(entry: Any) -> tuple[str, ...]:
 
 
 def _entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
-  # nnx_zero1._src.specs.axes_entry, written here: that module imports jax, and the caller's process
-  # (plan(), which never imports jax) imports this one.
+  # as nnx_zero1._src.specs.axes_entry, which this module would import jax for
   return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
