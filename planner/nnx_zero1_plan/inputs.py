@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 ONE_SLICE = 1  # a TPU target is one slice unless --slices joins several (a pod)
 
@@ -13,16 +13,67 @@ class PlanError(ValueError):
   """An input the planner cannot plan for; the message names it and what is accepted."""
 
 
+class ModelKind(NamedTuple):
+  """What a plan reads of a kind of model where kinds differ, each fact named for what it decides."""
+
+  name: str  # the key of the kind's builder (models.py), for the kinds the planner builds
+  engine: bool  # an engine (MaxText's) compiles and runs its own step, on its own mesh of one slice's axes
+  trainer: bool  # its users train it with Tunix's trainers: the printed code is theirs
+  steps: tuple[str, ...]  # the step shapes it compiles, the one recommended first
+  takes: frozenset[str]  # which of the settings only some kinds take (KIND_SETTINGS) it takes
+  remat_hint: str | None  # the remat policy "Try next" suggests (None: it takes no --remat)
+
+
+_DTYPES = frozenset({"param_dtype", "compute_dtype", "remat"})
+# ``--model``'s part before the colon: each kind; any other is a package.module of the user's own function.
+MODEL_KINDS = {
+    "tunix": ModelKind("tunix", engine=False, trainer=True, steps=("one", "split"),
+                       takes=_DTYPES | {"tunix_sharding", "lora"}, remat_hint="decoder"),
+    "maxtext": ModelKind("maxtext", engine=True, trainer=False, steps=("split",),
+                         takes=_DTYPES | {"maxtext_deferral", "overrides"}, remat_hint="full"),
+}
+FUNCTION = ModelKind("function", engine=False, trainer=False, steps=("one", "split"), takes=frozenset(),
+                     remat_hint=None)
+
+_OWN_DTYPES = ("--param-dtype, --compute-dtype and --remat apply to tunix: models; {model} builds its own "
+               "(set them in your function)")
+# Each setting only some kinds take: its value when not given, and its refusal where a kind does not.
+KIND_SETTINGS = {
+    "tunix_sharding": ("default", "--tunix-sharding applies to tunix: models; {model} shards its own "
+                                  "activations"),
+    "lora": (None, "--lora applies LoRA to tunix: models; {model} applies its own: call "
+                   "qwix.apply_lora_to_model in your function, and the plan trains its nnx.LoRAParam s only, "
+                   "as Tunix's PeftTrainer does"),
+    "maxtext_deferral": ("auto", "--maxtext-deferral applies to maxtext: models; {model} is not MaxText's "
+                                 "engine"),
+    "overrides": (None, "config overrides (key=value) apply to maxtext: models; {model} takes its settings "
+                        "from the flags"),
+    "param_dtype": (None, _OWN_DTYPES), "compute_dtype": (None, _OWN_DTYPES), "remat": (None, _OWN_DTYPES),
+}
+
+
 class ModelRef(NamedTuple):
-  """``--model`` parsed: its ``kind`` (``"tunix"``, ``"maxtext"``, or the user's module) and its ``name``
+  """``--model`` parsed: its ``source`` (``"tunix"``, ``"maxtext"``, or the user's module) and its ``name``
   there (Tunix's ``ModelConfig`` classmethod, MaxText's model name, or the user's function)."""
 
-  kind: str
+  source: str
   name: str
 
   def __str__(self) -> str:
     """As ``--model`` spells it: ``tunix:qwen3_8b``."""
-    return f"{self.kind}:{self.name}"
+    return f"{self.source}:{self.name}"
+
+  @property
+  def kind(self) -> ModelKind:
+    """What the plan reads of the model's kind (:data:`MODEL_KINDS`)."""
+    return MODEL_KINDS.get(self.source, FUNCTION)
+
+  def check_settings(self, **settings: Any) -> None:
+    """Refuses the first of ``settings`` (:data:`KIND_SETTINGS`) given that the model's kind does not take."""
+    for name, value in settings.items():
+      unset, refusal = KIND_SETTINGS[name]
+      if value not in (None, unset, {}) and name not in self.kind.takes:
+        raise PlanError(refusal.format(model=self))
 
 
 class Backend(NamedTuple):
@@ -167,7 +218,7 @@ def parse_model(text: str) -> ModelRef:
   Example::
 
     >>> parse_model("tunix:qwen3_0p6b")
-    ModelRef(kind='tunix', name='qwen3_0p6b')
+    ModelRef(source='tunix', name='qwen3_0p6b')
   """
   source, sep, name = text.strip().partition(":")
   if not sep or not source or not name:
@@ -223,18 +274,6 @@ def lora_modules(config: str) -> str:
     '.*q_proj|.*k_proj|.*v_'
   """
   return _GEMMA3_EINSUMS if tunix_family(config) == "gemma3" else _PROJECTIONS
-
-
-def lora_refusal(model: str) -> str:
-  """Why ``--lora`` does not apply to ``model`` (not a ``tunix:`` model), and how its own LoRA is planned.
-
-  Example::
-
-    >>> lora_refusal("my_pkg.models:build")[:62]
-    '--lora applies LoRA to tunix: models; my_pkg.models:build appl'
-  """
-  return (f"--lora applies LoRA to tunix: models; {model} applies its own: call qwix.apply_lora_to_model in "
-          "your function, and the plan trains its nnx.LoRAParam s only, as Tunix's PeftTrainer does")
 
 
 def error_line(error: BaseException, limit: int = 300) -> str:

@@ -26,7 +26,7 @@ def devices_for(request: PlanRequest, measure: bool = False) -> LocalDevices | N
   """This machine's devices where they are the request's target's chips (jax asked with ``measure``, or where
   their device files are); None where they are not. :class:`PlanError` for ``--measure`` where they are
   not, or of a ``maxtext:`` model (its steps run in MaxText's engine)."""
-  if measure and request.model_ref.kind == "maxtext":
+  if measure and request.model_ref.kind.engine:
     raise PlanError("--measure runs the planner's own step; a maxtext: model's runs in MaxText's engine "
                     "(time it with MaxText's train)")
   local = local_devices() if measure or chips_may_be_here(request.backend) else None

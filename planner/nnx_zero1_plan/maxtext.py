@@ -100,8 +100,8 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
 
 @dataclasses.dataclass(frozen=True)
 class MaxTextModels:
-  """``maxtext:`` models as a :class:`~nnx_zero1_plan.planned_model.ModelKind`: described by their config on
-  the target, MaxText writing under ``output_dir`` (:func:`output_directory`)."""
+  """``maxtext:`` models as a :class:`~nnx_zero1_plan.planned_model.ModelPlanner`: described by their config
+  on the target, MaxText writing under ``output_dir`` (:func:`output_directory`)."""
 
   output_dir: str
 
@@ -136,7 +136,7 @@ class MaxTextModels:
     weights = overrides.get("weight_dtype") or request.param_dtype or "float32"
     computes_in = request.compute_dtype or overrides.get("dtype", "bfloat16")  # base.yml's dtype
     return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), computes_in,
-                        "full", compiles=compiled_figures)
+                        compiles=compiled_figures)
 
 
 def compiled_figures(lever_name: str, step: str, source: MaxTextModel, mesh: None, shape: StepShape,

@@ -12,7 +12,7 @@ from nnx_zero1_plan.bands import SAME_SPEED, differ_in, kind_bytes, parts_of, to
 from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
-from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line, remats
+from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line, remats
 from nnx_zero1_plan.row import Point, Record, Row
 from nnx_zero1_plan.search import judged_by_calibrated
 
@@ -293,7 +293,7 @@ def plan_code(request: PlanRequest, lever: str, offload_fraction: float | None =
     >>> print(plan_code(request, "zero1-bf16state"))
     Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16
   """
-  return lever_code(lever, str(request.model_ref), offload_fraction, request.mesh_sizes, request.optimizer,
+  return lever_code(lever, request.model_ref, offload_fraction, request.mesh_sizes, request.optimizer,
                     backend=request.backend, domains=request.domains,
                     activation_sharding=activation_sharding, lora=request.lora)
 
@@ -392,15 +392,15 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
       reserve or the margin taken off).
     request: the plan's request as resolved (its mesh and micro-batch set).
     activation_sharding: a ``tunix:`` model's activation specs, for its printed code.
-    step: the step shape to choose among (default: ``split`` for MaxText's engine, else ``one`` where
-      there are such rows).
+    step: the step shape to choose among (default: the first its model's kind compiles, where there are
+      such rows).
 
   Returns:
     The :class:`Recommendation`, or None when no row fits.
   """
   if step is None:
     shapes = [r.step for r in rows]
-    step = "split" if request.model_ref.kind == "maxtext" else DEFAULT_STEP
+    step = request.model_ref.kind.steps[0]
     step = step if step in shapes else (shapes[0] if shapes else step)
   same_step = [r for r in rows if r.step == step]
   little = {r.lever: note for r in same_step if (note := saves_little(r, same_step)) is not None}

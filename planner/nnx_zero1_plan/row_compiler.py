@@ -32,7 +32,6 @@ from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.step_time import predict_step_time, rates_for
 from nnx_zero1_plan.steps import StepShape, compile_split, compile_step, lever_state
 from nnx_zero1_plan.targets import Target
-from nnx_zero1_plan.tunix_sharding import sharding_of
 
 
 def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord, int]], shape: StepShape,
@@ -277,7 +276,7 @@ class RowCompiler:
     return Row(lever=lever, step=step, compiled_for=target.name, device_kind=target.device_kind,
                mesh=model.axes, model=source.name, batch=shape.batch, figures=figures, made=made,
                hbm_bytes=target.hbm_bytes, usable_bytes=self.usable, fits=verdict,
-               activation_sharding=sharding_of(source, model.axes), remat=remat)
+               activation_sharding=model.activation_sharding, remat=remat)
 
   def priced_by_own_run(self, lever: str, model: PlannedModel, shape: StepShape,
                         figures: Figures) -> tuple[Figures, Calibration] | None:

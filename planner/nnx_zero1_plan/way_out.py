@@ -62,7 +62,7 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
   Example::
 
     >>> from nnx_zero1_plan.request import PlanRequest
-    >>> request = PlanRequest("m.models:build", "h100:8").resolved({"data": 4, "fsdp": 2}, 16)
+    >>> request = PlanRequest("tunix:qwen3_8b", "h100:8").resolved({"data": 4, "fsdp": 2}, 16)
     >>> [c.what for c in changes_to_try(request, lever="zero1", batch_unit=4, remat="block",
     ...                                 named_axes=["fsdp"])]  # doctest: +NORMALIZE_WHITESPACE
     ['micro-batch 8, 2x the accumulation (the same tokens per step)',

@@ -16,7 +16,7 @@ from nnx_zero1_plan import compilers
 compilers.start_cpu_jax()
 import jax
 from flax import nnx
-from nnx_zero1_plan.inputs import parse_mesh
+from nnx_zero1_plan.inputs import parse_mesh, parse_model
 from nnx_zero1_plan.mesh_axes import mesh_axes
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.targets import make_target
@@ -31,7 +31,8 @@ def printed(topology, slices, mesh, levers):
 
 
 def built(lever, axes, target):
-  code = lever_code(lever, "my_pkg.models:build", mesh=axes, backend=target.backend, domains=target.domains)
+  code = lever_code(lever, parse_model("my_pkg.models:build"), mesh=axes, backend=target.backend,
+                    domains=target.domains)
   assert code.count("devices = jax.devices()") == 1 and code.count("model = ...") == 1, code
   prelude, body = code.replace("devices = jax.devices()", "devices = list(compile_only)").split(
       "with jax.set_mesh(mesh):\\n")
