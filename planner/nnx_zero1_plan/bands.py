@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from nnx_zero1_plan.row import GPU_SOURCE, Collectives, Figures, Point
 
@@ -81,6 +81,17 @@ def kind_bytes(collectives: Collectives | None) -> dict[str, int]:
   return {k: b for k, b in sent.items() if b > 0}
 
 
+def judged_by_calibrated(timed: Iterable[Figures | Point]) -> bool:
+  """Whether steps are compared by their times calibrated on the chip: where every one has one; else all by
+  the cost model's predicted times, never one kind against the other."""
+  return all(t.calibrated_step_s for t in timed)
+
+
+def step_s(t: Figures | Point, calibrated: bool) -> float | None:
+  """A step's seconds by the kind of time steps are compared by (:func:`judged_by_calibrated`)."""
+  return t.calibrated_step_s if calibrated else t.predicted_step_s
+
+
 def parts_of(t: Figures | Point, calibrated: bool, kinds: Mapping[str, float] | None = None
              ) -> dict[str, float] | None:
   """A step's time by the source of each part (seconds): its exposed collectives on the slice (kind by kind:
@@ -97,7 +108,7 @@ def parts_of(t: Figures | Point, calibrated: bool, kinds: Mapping[str, float] | 
     {'compute from the cost model': 0.3, 'collectives on the slice: all-gather': 0.005, \
 'collectives on the slice: reduce-scatter': 0.015}
   """
-  total = t.calibrated_step_s if calibrated else t.predicted_step_s
+  total = step_s(t, calibrated)
   if total is None:
     return None
   st, own = t.step_time, calibrated and t.calibrated_collective_s is not None

@@ -1,7 +1,6 @@
-"""Each network's time, in one place: a collective's inside a TPU slice on the links its group's rings use,
-and a pod's two networks per step (ICI or NVLink inside a slice or node, DCN or InfiniBand between). The
-model, from public figures never measured on a slice: docs/planner.md ("How fast", Collectives).
-"""
+"""Every network's time, in one place: a collective's on a chip's fast network (a TPU slice's links its
+group's rings use, a GPU node's switch), and the bytes a pod sends between its slices or nodes on the slow
+one. The model, from public figures never measured on a slice: docs/planner.md ("How fast", Collectives)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 
-from nnx_zero1_plan.chips import CHIPS, Links
+from nnx_zero1_plan.chips import CHIPS, Chip, Links
 from nnx_zero1_plan.inputs import Backend
 from nnx_zero1_plan.row import Collectives, Network, PodNetworks, StepTime
 
@@ -46,8 +45,6 @@ def on_a_cycle(members: Sequence[Coords], shape: Coords, wraps: Sequence[bool]) 
 
   Example::
 
-    >>> on_a_cycle([(0, 0), (1, 0), (0, 1), (1, 1)], (2, 2), (False, False))
-    True
     >>> on_a_cycle([(0,), (1,), (2,), (3,)], (4,), (False,)), on_a_cycle([(0,), (1,)], (16,), (True,))
     (False, False)
   """
@@ -57,29 +54,38 @@ def on_a_cycle(members: Sequence[Coords], shape: Coords, wraps: Sequence[bool]) 
 
 
 def rings_of(line: str) -> int:
-  """The rings the TPU compiler runs a collective as, from its ``backend_config`` (one where it names none).
-
-  Example::
-
-    >>> rings_of('all-reduce(%p), backend_config={"debug":"UniDirection1DRingStrategy{colors:2 phases:1}"}')
-    2
-  """
+  """The rings the TPU compiler runs a collective as, by its ``backend_config`` (one where it names none)."""
   rings = _COLORS.search(line)
   return int(rings[1]) if rings else 1
 
 
-def tpu_collective_time(links: Links, dims: int) -> CollectiveTime:
-  """One collective's time on a TPU slice, a cached function of ``(kind, sent, groups, rings, devices)``: the
-  bytes one device ``sent`` at ``rings`` times the link's one-way rate on a cycle (:func:`on_a_cycle`), at one
-  link's rate on a line, plus :data:`HOP_S` for each link a ring step crosses (one on a cycle, the line's
-  length on a line) over ``n - 1`` steps (twice that for an all-reduce, one for a collective-permute). Each
-  device sits in the standard slice of ``devices`` (:func:`slice_shape`), first axis fastest as libtpu
-  numbers them."""
+def at_rate(bytes_per_s: float) -> CollectiveTime:
+  """A collective's time at one rate whatever its group (a GPU's switch)."""
+  return lambda kind, sent, groups, rings, devices: sent / bytes_per_s
+
+
+def collective_time(chip: Chip) -> CollectiveTime:
+  """A collective's seconds on ``chip``'s fast network: a GPU's at its NVLink rate whatever the group (a
+  switch); a TPU's on a slice, cached: the bytes one device sends at ``rings`` times the link's one-way rate
+  on a cycle (:func:`on_a_cycle`), at one link's rate on a line, plus :data:`HOP_S` for each link a ring step
+  crosses (one on a cycle, the line's length on a line) over ``n - 1`` steps (twice that for an all-reduce,
+  one for a collective-permute). Each device sits in the standard slice of ``devices`` (:func:`slice_shape`),
+  first axis fastest as libtpu numbers them.
+
+  Example::
+
+    >>> round(collective_time(CHIPS["v6e"])("all-gather", 3 * 10**6, ((0, 1, 2, 3),), 1, 4) * 1e6, 1)
+    36.3
+  """
+  links, dims = chip.links, chip.compute.ports // 2
+  link = links.link_bytes_per_s
+  if link is None:
+    return at_rate(links.fast_bytes_per_s)
 
   @functools.cache
   def timed(kind: str, sent: int, groups: tuple[tuple[int, ...], ...], rings: int, devices: int) -> float:
-    n, link = len(groups[0]), links.link_bytes_per_s
-    if n < 2 or link is None:
+    n = len(groups[0])
+    if n < 2:
       return 0.0
     if kind == "collective-permute":
       return sent / link + HOP_S
@@ -94,21 +100,24 @@ def tpu_collective_time(links: Links, dims: int) -> CollectiveTime:
   return timed
 
 
+def slow_seconds(links: Links, sent: int) -> float:
+  """The seconds ``sent`` bytes take between slices or nodes: the slow network's public rate, no latency."""
+  return sent / links.slow_bytes_per_s
+
+
+def crossed_seconds(chip: Chip, sent: int) -> float:
+  """The seconds a step's walk gave the ``sent`` bytes that cross a GPU pod's nodes (its program spans them:
+  at NVLink's rate), to count them once, on the slow network; none on a TPU pod, whose programs keep their
+  collectives inside each slice."""
+  return 0.0 if chip.links.link_bytes_per_s is not None else sent / chip.links.fast_bytes_per_s
+
+
 def network_per_step(collectives: Collectives, chip: str, backend: Backend, step_time: StepTime | None = None
                      ) -> PodNetworks:
-  """The bytes one device sends per step over each network of a pod, and the time each takes: the step
-  time's own (:func:`nnx_zero1_plan.predict_step_time`), so a row's table and its step time say one time.
-
-  Args:
-    collectives: a row's ``collectives`` (:func:`nnx_zero1_plan.compiled.collectives_of` on a pod).
-    chip: the topology's chip (``v5p``, ``h100``).
-    backend: the platform's facts. A program over slices keeps its collectives inside each slice (what
-      crosses is its megascale transfers); a program over nodes sends part of its node-spanning
-      collectives' bytes over InfiniBand and the rest over NVLink.
-    step_time: the row's predicted step's parts (None where the compiler gave no estimate: no fast time).
-
-  Returns:
-    The :class:`~nnx_zero1_plan.row.PodNetworks`: each network's name, bytes and ``estimate_ms``.
+  """The bytes one device sends per step over each network of a pod (a program over nodes sends part of its
+  node-spanning collectives' bytes over InfiniBand and the rest over NVLink; one over slices keeps its
+  collectives inside each), and the time each takes: the fast one's is the step time's own, so a row's
+  table and its step time say one time (None where there is none).
 
   Example::
 
@@ -123,21 +132,12 @@ def network_per_step(collectives: Collectives, chip: str, backend: Backend, step
   inside = collectives.sent_bytes - (0 if backend.domain == "slices" else across)
   links = CHIPS[chip].links
   fast_ms = None if step_time is None else round(1000 * step_time.fast_s, 1)
-  slow = Network(links.slow, across, round(1000 * (across / links.slow_bytes_per_s), 1))
+  slow = Network(links.slow, across, round(1000 * slow_seconds(links, across), 1))
   return PodNetworks(Network(links.fast, inside, fast_ms), slow, links.source)
 
 
 def network_note(step_time: StepTime | None) -> str | None:
-  """A row's note where most of its predicted step waits on the networks: what that time rests on.
-
-  Example::
-
-    >>> t = StepTime("", [], compute_s=0.3, fast_network="ICI", fast_s=0.5, fast_exposed_s=0.5,
-    ...              slow_network=None, slow_s=0.0, host_s=None, host_exposed_s=0.0, unestimated_ops=0,
-    ...              clock_ghz=None, roofline_s=None)
-    >>> network_note(t)
-    'mostly network (62%): public link rates and the topology, never measured on a slice'
-  """
+  """A row's note where most of its predicted step waits on the networks: what that time rests on."""
   if step_time is None:
     return None
   network = step_time.fast_exposed_s + step_time.slow_s

@@ -8,13 +8,20 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnx_zero1_plan.bands import SAME_SPEED, differ_in, kind_bytes, parts_of, told_apart
+from nnx_zero1_plan.bands import (
+  SAME_SPEED,
+  differ_in,
+  judged_by_calibrated,
+  kind_bytes,
+  parts_of,
+  step_s,
+  told_apart,
+)
 from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line, remats
 from nnx_zero1_plan.row import Point, Record, Row
-from nnx_zero1_plan.search import judged_by_calibrated
 
 ORDER: tuple[str, ...] = (
     "fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
@@ -305,14 +312,13 @@ def _ms(seconds: float | None) -> str:
 def _throughput(point: Point, calibrated: bool) -> float:
   """A point's tokens per second per device, by its calibrated time or the cost model's."""
   tokens = point.tokens_per_s_per_device or 0.0
-  return tokens * (point.predicted_step_s or 0.0) / (point.calibrated_step_s or 1.0) if calibrated else tokens
+  return tokens * (point.predicted_step_s or 0.0) / (step_s(point, True) or 1.0) if calibrated else tokens
 
 
 def _speed(row: Row, point: Point, calibrated: bool) -> str:
   """A point's time in words (``zero1 at 128: 412.0 ms, 318,000 tok/s per device``; on a pod, the slow
   network's share)."""
-  step_s = point.calibrated_step_s if calibrated else point.predicted_step_s
-  words = (f"{row.lever} at {point.batch}: {_ms(step_s)}{' calibrated' * calibrated}, "
+  words = (f"{row.lever} at {point.batch}: {_ms(step_s(point, calibrated))}{' calibrated' * calibrated}, "
            f"{_throughput(point, calibrated):,.0f} tok/s per device")
   t = row.figures.step_time
   if t is not None and t.slow_network and row.figures.predicted_step_s and point.batch == row.batch:

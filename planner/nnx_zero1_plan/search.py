@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from nnx_zero1_plan.bands import kind_bytes, parts_of, told_apart
+from nnx_zero1_plan.bands import judged_by_calibrated, kind_bytes, parts_of, step_s, told_apart
 from nnx_zero1_plan.cells import gib
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import Figures, Measured, Offloaded, OffloadPoint, Point, Row, Searched, Split
@@ -317,7 +317,8 @@ def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, uni
 def _close(row: Row, best: Row) -> bool:
   """Whether ``row`` fits and its step is within :data:`CLOSE` of ``best``'s, by the time both have (``best``
   itself where neither has one)."""
-  a, b = _times(row, best)
+  calibrated = judged_by_calibrated((row.figures, best.figures))
+  a, b = step_s(row.figures, calibrated), step_s(best.figures, calibrated)
   return bool(row.verdict) and (row is best if a is None or b is None else a <= b * (1 + CLOSE))
 
 
@@ -328,19 +329,6 @@ def _split(row: Row) -> Split:
                                          (f.predicted_step_s, "predicted")) if t), (None, None))
   return Split(row.batch, row.ga or 1, row.verdict, f.peak_bytes_per_device, step, kind,
                f.calibrated_step_s if kind == "measured" else None)
-
-
-def judged_by_calibrated(timed: Iterable[Figures | Point]) -> bool:
-  """Whether steps are compared by their times calibrated on the chip: where every one has one; else all by
-  the cost model's predicted times, never one kind against the other."""
-  return all(t.calibrated_step_s for t in timed)
-
-
-def _times(row: Row, than: Row) -> tuple[float | None, float | None]:
-  """Both rows' steps, by one kind of time (:func:`judged_by_calibrated`)."""
-  f, g = row.figures, than.figures
-  return ((f.calibrated_step_s, g.calibrated_step_s) if judged_by_calibrated((f, g))
-          else (f.predicted_step_s, g.predicted_step_s))
 
 
 def _faster(row: Row, than: Row) -> bool:

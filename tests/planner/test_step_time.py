@@ -6,6 +6,7 @@ import pytest
 
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.gpu_schedule import parse_schedule
+from nnx_zero1_plan.networks import at_rate
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, ORDER, by_throughput, recommend
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Made, Point, Row
@@ -36,7 +37,7 @@ def _module(entry: list[str], *others: str, partitions: int = 4) -> str:
 
 
 def _rates(host: float | None = None) -> Rates:
-  return Rates(CLOCK, lambda n: RING, host)
+  return Rates(CLOCK, at_rate(RING), host)
 
 
 def test_compute_is_the_cycles_over_the_clock():
@@ -117,7 +118,7 @@ def test_the_compilers_not_estimated_counts_zero_and_is_counted():
 
 def test_a_program_without_cycles_has_no_time_not_a_guess():
   plain = _module(["  ROOT %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
-  assert program_time(plain, Rates(None, lambda n: RING)).compute_s is None
+  assert program_time(plain, Rates(None, at_rate(RING))).compute_s is None
   figures = predict_step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
                               compute_dtype="bfloat16")
   assert figures.predicted_step_s is None and figures.time_absent == NO_ESTIMATE
@@ -167,8 +168,9 @@ def test_a_collective_on_an_unwrapped_axis_comes_near_the_books_measured_one():
 
 def test_a_gpu_sends_at_its_switchs_rate_whatever_the_group():
   h100, v6e = CHIPS["h100"], CHIPS["v6e"]
-  assert rates_for(h100).collective_s is None
-  assert rates_for(h100).network_bytes_per_s(8) == h100.links.fast_bytes_per_s
+  for group in ((0, 1), tuple(range(8))):
+    sent = rates_for(h100).collective_s("all-gather", 10**9, (group,), 1, 8)
+    assert sent == 10**9 / h100.links.fast_bytes_per_s
   assert rates_for(v6e).clock_hz == v6e.compute.peak_flops_per_s["bfloat16"] / v6e.compute.mxu_flops_per_cycle
 
 
@@ -204,7 +206,7 @@ def test_the_gpu_schedule_reads_each_instructions_estimate_a_zero_start_left_out
   assert name == "jit_g" and seconds == {"first": 20e-6, "second": 30e-6}
   walked = program_time(_module(["  %first = f32[256]{0} fusion(%p), kind=kLoop, calls=%c",
                                  "  %second = f32[256]{0} fusion(%first), kind=kLoop, calls=%c"]),
-                        Rates(None, lambda n: RING), estimates=seconds)
+                        Rates(None, at_rate(RING)), estimates=seconds)
   assert walked.compute_s == pytest.approx(50e-6)
 
 
