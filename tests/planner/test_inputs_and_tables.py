@@ -429,6 +429,25 @@ def test_the_reproduce_command_carries_every_setting_that_changes_the_plan():
   assert request_of(parse_args(shlex.split(line)[3:])) == maxtext
 
 
+def test_a_rows_note_says_what_its_layout_splits_and_what_an_accum_lever_holds_more():
+  from nnx_zero1_plan.cells import accumulation_note, split_words
+  from nnx_zero1_plan.row import StateSplit
+
+  assert (split_words("zero1-pod", StateSplit(["replica", "data"], {"data": 0.998, "none": 0.002}))
+          == "splits 0% of the state over replica,data, 99.8% over data only")
+  assert split_words("zero1", StateSplit(["data"], {"data": 0.999, "none": 0.001})) is None
+
+  def row(lever, peak, temp):
+    f = Figures(peak_bytes_per_device=peak * 2**30, temp_bytes_per_device=temp * 2**30)
+    return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 1, 1, True)
+
+  rows = [row("zero1", 14.75, 4.5), row("zero1-accum", 19.0, 8.75)]
+  assert accumulation_note(rows[1], rows) == (
+      "needs 4.25 GiB more than zero1 at this micro-batch: its temporaries +4.25 GiB (the gradients it "
+      "reduces once per step, held across the micro-batch loop: with one micro-batch, plan zero1)")
+  assert accumulation_note(rows[0], rows) is None
+
+
 def test_a_pods_table_has_each_networks_bytes_and_time_before_the_note():
   """A pod's rows (``network_per_step``) add two columns before the note, in plan.md's table and the
   terminal's: each network's name, MiB per step and its estimated time; other plans have neither."""
