@@ -27,7 +27,7 @@ from nnx_zero1_plan.maxtext import config_overrides
 from nnx_zero1_plan.mesh_axes import mesh_axes
 from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
-from nnx_zero1_plan.row import Figures, Made, Row
+from nnx_zero1_plan.row import Figures, Made, OpCount, Row
 from nnx_zero1_plan.settings import ADDED_LATER, PlanSettings
 from nnx_zero1_plan.table import table
 from nnx_zero1_plan.way_out import next_steps
@@ -287,6 +287,9 @@ def test_extrapolation_is_the_line_through_two_depths():
   names = ("temp_bytes_per_device", "peak_bytes_per_device", "collectives")
   r = extrapolate_row(r1, r2, 2, 4, 8, names)
   assert r == Figures(temp_bytes_per_device=22, peak_bytes_per_device=None, collectives={"x": 7})
+  ar = lambda n: Figures(collectives={"per_step": {"all-reduce": {"count": n, "bytes": 10 * n}}})  # noqa: E731
+  counted = extrapolate_row(ar(3), ar(5), 1, 2, 4, ("collectives",)).collectives  # records, field by field
+  assert counted.per_step == {"all-reduce": OpCount(count=9, bytes=90)}
   with pytest.raises(ValueError):
     extrapolate(1, 2, 4, 2, 8)
 
