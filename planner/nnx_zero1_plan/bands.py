@@ -96,18 +96,7 @@ def parts_of(t: Figures | Point, calibrated: bool, kinds: Mapping[str, float] | 
              ) -> dict[str, float] | None:
   """A step's time by the source of each part (seconds): its exposed collectives on the slice (kind by kind:
   as the walk kept them, else in the shares of ``kinds``' bytes, :func:`kind_bytes`), host copies and slow
-  network, and the compute the rest of it; None where the step has no such time.
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import StepTime
-    >>> t = StepTime("", [], compute_s=0.3, fast_network="ICI", fast_s=0.05, fast_exposed_s=0.02,
-    ...              slow_network=None, slow_s=0.0, host_s=None, host_exposed_s=0.0, unestimated_ops=0,
-    ...              clock_ghz=None, roofline_s=None)
-    >>> parts_of(Figures(predicted_step_s=0.32, step_time=t), False, {"all-gather": 1, "reduce-scatter": 3})
-    {'compute from the cost model': 0.3, 'collectives on the slice: all-gather': 0.005, \
-'collectives on the slice: reduce-scatter': 0.015}
-  """
+  network, and the compute the rest of it; None where the step has no such time."""
   total = step_s(t, calibrated)
   if total is None:
     return None
@@ -174,16 +163,7 @@ def told_apart(a: Mapping[str, float], b: Mapping[str, float]) -> int | None:
 def differ_in(a: Mapping[str, float], b: Mapping[str, float], names: tuple[str, str]) -> str:
   """The parts that leave two steps' order in doubt, ms a step each, with the band and what it rests on: each
   source (its kinds together) that, were it exactly as planned, would have them told apart; every source
-  they differ in where no one source would.
-
-  Example::
-
-    >>> zero1 = {COMPUTE: 0.15, SLICE + ": reduce-scatter": 0.054, SLICE + ": all-gather": 0.054}
-    >>> baseline = {COMPUTE: 0.156, SLICE + ": all-reduce": 0.0585}
-    >>> print(differ_in(zero1, baseline, ("zero1", "baseline")))
-    collectives on the slice (zero1 108.0 ms, baseline 58.5; the plan -19.0% to +102.0% of the chips there), \
-which no chip has measured; on the one slice measured (v6e:2x2), Zero-1 and the baseline took the same step
-  """
+  they differ in where no one source would."""
   source = lambda part: part.split(": ")[0]
   ranges = _ranges(a, b)
   sources = list(dict.fromkeys(map(source, ranges)))

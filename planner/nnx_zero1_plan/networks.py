@@ -70,13 +70,7 @@ def collective_time(chip: Chip) -> CollectiveTime:
   on a cycle (:func:`on_a_cycle`), at one link's rate on a line, plus :data:`HOP_S` for each link a ring step
   crosses (one on a cycle, the line's length on a line) over ``n - 1`` steps (twice that for an all-reduce,
   one for a collective-permute). Each device sits in the standard slice of ``devices`` (:func:`slice_shape`),
-  first axis fastest as libtpu numbers them.
-
-  Example::
-
-    >>> round(collective_time(CHIPS["v6e"])("all-gather", 3 * 10**6, ((0, 1, 2, 3),), 1, 4) * 1e6, 1)
-    36.3
-  """
+  first axis fastest as libtpu numbers them."""
   links, dims = chip.links, chip.compute.ports // 2
   link = links.link_bytes_per_s
   if link is None:
@@ -117,17 +111,7 @@ def network_per_step(collectives: Collectives, chip: str, backend: Backend, step
   """The bytes one device sends per step over each network of a pod (a program over nodes sends part of its
   node-spanning collectives' bytes over InfiniBand and the rest over NVLink; one over slices keeps its
   collectives inside each), and the time each takes: the fast one's is the step time's own, so a row's
-  table and its step time say one time (None where there is none).
-
-  Example::
-
-    >>> from nnx_zero1_plan.inputs import BACKENDS
-    >>> ar = lambda n: {"all-reduce": {"count": 1, "bytes": n}}
-    >>> c = Collectives.from_json({"per_step": {}, "sent_per_step": ar(9 * 10**9),
-    ...                            "across_per_step": ar(10**9)})
-    >>> network_per_step(c, "h100", BACKENDS["cuda"]).slow
-    Network(network='InfiniBand', bytes=1000000000, estimate_ms=20.0)
-  """
+  table and its step time say one time (None where there is none)."""
   across = collectives.across_bytes
   inside = collectives.sent_bytes - (0 if backend.domain == "slices" else across)
   links = CHIPS[chip].links

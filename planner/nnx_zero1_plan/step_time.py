@@ -46,28 +46,18 @@ class Rates:
 
 @dataclasses.dataclass
 class ProgramTime:
-  """One program's time on one device, and its parts (seconds).
-
-  Attributes:
-    total_s: the walk's end: compute and every stall, in schedule order.
-    compute_s: the core's estimated work (None where the compiler gives no cycles).
-    collective_s: every collective's time on the network, overlapped or not.
-    exposed_collective_s: the part of it the core waited for.
-    host_s: the copies to and from host memory (None: not timed, no host rate).
-    exposed_host_s: the part of them the core waited for.
-    unestimated: instructions whose estimate was the compiler's "not estimated", counted as zero.
-    collectives: collectives run (every loop trip counted).
-    exposed_by_kind: the exposed collective seconds, by kind of collective.
-  """
+  """One program's time on one device, and its parts (seconds): the walk's end (compute and every stall, in
+  schedule order), the core's estimated work, the collectives' and host copies' time, overlapped or not, and
+  the part of each the core waited for (kind by kind for the collectives)."""
 
   total_s: float = 0.0
-  compute_s: float | None = 0.0
+  compute_s: float | None = 0.0  # None where the compiler gives no cycles
   collective_s: float = 0.0
   exposed_collective_s: float = 0.0
-  host_s: float | None = 0.0
+  host_s: float | None = 0.0  # None: not timed (no host rate)
   exposed_host_s: float = 0.0
-  unestimated: int = 0
-  collectives: int = 0
+  unestimated: int = 0  # instructions the compiler did not estimate, counted as zero
+  collectives: int = 0  # every loop trip counted
   exposed_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -134,14 +124,10 @@ def cycle_seconds(i: Instruction, rates: Rates) -> float | None:
 
 def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None = None,
                  estimates: Mapping[str, float] | None = None) -> ProgramTime:
-  """A compiled program's time on one call on one device: its schedule walked with the compiler's estimates.
-
-  Args:
-    program: the program's record, or ``compiled.as_text()`` (read here: :class:`ProgramRecord`).
-    devices: the program's devices (its ``num_partitions`` where None).
-    estimates: each instruction's estimated seconds by name, where the compiler gives them apart from the
-      program (XLA's GPU scheduler: :func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None: the
-      cycles in the program (the TPU compiler's) at ``rates``.
+  """A compiled program's (its record, or ``compiled.as_text()``) time on one call on one device, over
+  ``devices`` (its ``num_partitions`` where None): its schedule walked with the compiler's estimates, each
+  instruction's by name where the compiler gives them apart from the program (XLA's GPU scheduler:
+  :func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`), else the program's cycles at ``rates``.
 
   Example::
 
@@ -230,17 +216,11 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
                       figures: Figures | None = None) -> Figures:
   """``figures`` with a step's predicted time on one device (``time_absent`` says why where there is none):
   its programs' walks (:func:`program_time`), each as many times as one step runs it, and the slow network's
-  bytes over its rate, exposed.
-
-  Args:
-    programs: ``(name, record or text, times)`` for each program one step runs, in order.
-    devices: the devices the programs run on (a collective over all of them names no groups).
-    tokens_per_device: the tokens one device trains on per step.
-    compute_dtype: the dtype the step computes in (``bfloat16``, ``float32``), for the MFU's peak.
-    slow_bytes: the bytes one device sends per step between slices or nodes.
-    scheduled: XLA's GPU scheduler's estimates, ``{module: {instruction: seconds}}``
-      (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`); None for a TPU program, which carries its own.
-  """
+  bytes over its rate, exposed. ``programs``: ``(name, record or text, times)`` for each program one step
+  runs, in order; ``compute_dtype`` gives the MFU's peak; ``slow_bytes``: what one device sends per step
+  between slices or nodes; ``scheduled``: XLA's GPU scheduler's estimates, ``{module: {instruction:
+  seconds}}`` (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`; None for a TPU program, which
+  carries its own)."""
   figures = Figures() if figures is None else figures
   records = [(name, ProgramRecord.of(program), times) for name, program, times in programs]
   estimates = [_module_estimates(record, scheduled) for _, record, _ in records]
