@@ -47,13 +47,7 @@ def tokens(per_s: float | None) -> str:
 
 
 def collective_cell(c: Mapping[str, OpCount] | Mapping[str, Mapping[str, int]] | None) -> str:
-  """Collectives or host transfers (also as the benchmarks keep them) as one cell, count x MiB per op.
-
-  Example::
-
-    >>> collective_cell({"all-reduce": {"count": 2, "bytes": 2**20}, "all-gather": {"count": 0, "bytes": 0}})
-    'AR 2x 1.000'
-  """
+  """Collectives or host transfers (also as the benchmarks keep them) as one cell, count x MiB per op."""
   counts = op_counts(c) or {}
   parts = [f"{_SHORT[k]} {v.count}x {v.bytes / 2**20:.3f}" for k, v in counts.items() if v.count]
   return ", ".join(parts) or "-"

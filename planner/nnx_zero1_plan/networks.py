@@ -25,13 +25,7 @@ CollectiveTime = Callable[[str, int, tuple[tuple[int, ...], ...], int, int], flo
 
 def slice_shape(devices: int, dims: int) -> Coords:
   """The chip's standard slice of ``devices`` chips on ``dims`` axes, as the slices are named (the smallest
-  axis doubles first, the last on a tie); a line where no such slice has that many.
-
-  Example::
-
-    >>> slice_shape(4, 2), slice_shape(8, 2), slice_shape(3, 2)
-    ((2, 2), (2, 4), (3, 1))
-  """
+  axis doubles first, the last on a tie); a line where no such slice has that many."""
   shape = [1] * dims
   while math.prod(shape) < devices:
     smallest = min(shape)
@@ -41,13 +35,7 @@ def slice_shape(devices: int, dims: int) -> Coords:
 
 def on_a_cycle(members: Sequence[Coords], shape: Coords, wraps: Sequence[bool]) -> bool:
   """Whether a group's chips close a cycle of single links: it spans two axes or more (a 2x2, a 2x4), or the
-  whole of one axis that wraps; otherwise it is a line, and a ring's way back runs over its own links.
-
-  Example::
-
-    >>> on_a_cycle([(0,), (1,), (2,), (3,)], (4,), (False,)), on_a_cycle([(0,), (1,)], (16,), (True,))
-    (False, False)
-  """
+  whole of one axis that wraps; otherwise it is a line, and a ring's way back runs over its own links."""
   spanned = [d for d in range(len(shape)) if len({m[d] for m in members}) > 1]
   whole_axis = len(spanned) == 1 and wraps[spanned[0]] and len(members) == shape[spanned[0]] > 2
   return len(spanned) > 1 or whole_axis

@@ -83,16 +83,7 @@ def find_edge(measure: Callable[[int], Point], *, step: int, usable: int, start:
   the first that does not, and that one, from ``start`` (the user's ``--batch``): the
   :class:`~nnx_zero1_plan.row.Searched` record, with every compile (``measure``: a
   :class:`~nnx_zero1_plan.row.Point` at a micro-batch) in the order they ran; after ``max_compiles``, the
-  bracket so far (``search_unfinished`` set).
-
-  Example::
-
-    >>> peak = lambda b: 2 + b  # GiB-like units: 2 of state, 1 per sequence
-    >>> edge = find_edge(lambda b: Point(b, peak(b) <= 50, peak_bytes_per_device=peak(b)), step=4,
-    ...                  usable=50, start=8)
-    >>> edge.max_micro_batch, edge.above, len(edge.search)
-    (48, 52, 5)
-  """
+  bracket so far (``search_unfinished`` set)."""
   first = round_down(start, step)
   points = {first: measure(first)}  # each micro-batch compiled once: every branch below picks a new one
 

@@ -183,14 +183,7 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
 
 def cycle_class(program: ProgramRecord | str) -> set[str]:
   """The classes of work (:data:`~nnx_zero1_plan.program_record.CYCLE_CLASSES`) of a compiled program's
-  estimated instructions.
-
-  Example::
-
-    >>> cycle_class("\\n".join(["ENTRY %main (p: f32[8]) -> f32[8] {",
-    ...   '  ROOT %f = f32[8]{0} fusion(%p), calls=%g, backend_config={"estimated_cycles":"12"}', "}"]))
-    {'vector'}
-  """
+  estimated instructions."""
   return {i.work for body in ProgramRecord.of(program).computations.values() for i in body if i.work}
 
 

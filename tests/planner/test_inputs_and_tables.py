@@ -547,6 +547,8 @@ def test_every_collective_the_one_reader_counts_has_a_table_cell():
   kinds = (*COLLECTIVE_OPS, "to-host", "to-device")
   cell = collective_cell({op: {"count": 1, "bytes": 2**20} for op in kinds})
   assert cell == "AR 1x 1.000, RS 1x 1.000, AG 1x 1.000, A2A 1x 1.000, CP 1x 1.000, out 1x 1.000, in 1x 1.000"
+  assert collective_cell({"all-reduce": {"count": 2, "bytes": 2**20}, "all-gather": {"count": 0, "bytes": 0}}
+                         ) == "AR 2x 1.000"  # a kind that never ran is left out
 
 
 def test_docs_say_what_every_field_of_a_plan_json_row_holds():

@@ -6,7 +6,7 @@ import pytest
 
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.gpu_schedule import parse_schedule
-from nnx_zero1_plan.networks import at_rate
+from nnx_zero1_plan.networks import at_rate, on_a_cycle, slice_shape
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, ORDER, by_throughput, recommend
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Made, Point, Row
@@ -14,6 +14,7 @@ from nnx_zero1_plan.step_time import (
   NO_ESTIMATE,
   NO_SCHEDULE,
   Rates,
+  cycle_class,
   predict_step_time,
   program_time,
   rates_for,
@@ -38,6 +39,10 @@ def _module(entry: list[str], *others: str, partitions: int = 4) -> str:
 
 def _rates(host: float | None = None) -> Rates:
   return Rates(CLOCK, at_rate(RING), host)
+
+
+def test_a_programs_classes_of_work_are_its_estimated_instructions():
+  assert cycle_class(_module([_fusion("a", 12), "  ROOT %r = f32[256]{0} negate(%a)"])) == {"vector"}
 
 
 def test_compute_is_the_cycles_over_the_clock():
@@ -155,6 +160,14 @@ def test_a_tpu_collective_runs_on_the_links_its_groups_rings_use():
   column = ((0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15))
   assert v5e("all-gather", sent, column, 2, 16) == pytest.approx(sent / 4.5e10 + 3 * 3e-6)
   assert v5e("all-gather", sent, _row_groups(16, 16), 2, 256) == pytest.approx(sent / 9e10 + 15e-6)
+
+
+def test_a_slice_is_named_smallest_axis_first_and_a_group_is_a_cycle_across_axes_or_round_a_wrapped_one():
+  assert (slice_shape(4, 2), slice_shape(8, 2), slice_shape(3, 2)) == ((2, 2), (2, 4), (3, 1))
+  assert on_a_cycle([(0, 0), (1, 0), (0, 1), (1, 1)], (2, 2), (False, False))
+  assert not on_a_cycle([(0,), (1,), (2,), (3,)], (4,), (False,))  # a line: no wraparound
+  assert not on_a_cycle([(0,), (1,)], (16,), (True,))  # part of a wrapped axis
+  assert on_a_cycle([(i,) for i in range(16)], (16,), (True,))
 
 
 def test_a_collective_on_an_unwrapped_axis_comes_near_the_books_measured_one():
