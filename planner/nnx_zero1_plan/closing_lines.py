@@ -10,13 +10,7 @@ from nnx_zero1_plan.way_out import WayOut
 
 
 def limit_words(margin: float | None, hbm_bytes: int, usable_bytes: int) -> str:
-  """How the usable memory was set, in words: the user's margin, or the backend's reserve.
-
-  Example::
-
-    >>> limit_words(None, 2**34, 2**34 - 2**28), limit_words(0.05, 2**34, 2**34)
-    ("the backend's 0.25 GiB reserve", 'a 5% margin')
-  """
+  """How the usable memory was set, in words: the user's margin, or the backend's reserve."""
   if margin is not None:
     return f"a {margin:.0%} margin"
   reserve = hbm_bytes - usable_bytes
