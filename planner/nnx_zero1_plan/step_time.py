@@ -77,10 +77,6 @@ class _Walk(ProgramTime):
     for kind, seconds in other.exposed_by_kind.items():
       self.exposed_by_kind[kind] = self.exposed_by_kind.get(kind, 0.0) + times * seconds
 
-  def compute(self, seconds: float) -> None:
-    self.total_s += seconds
-    self.compute_s = (self.compute_s or 0.0) + seconds
-
   def start(self, name: str, seconds: float, on: str, kind: str = "") -> None:
     """An async transfer of ``seconds`` started now on ``on`` (the network, or one way of the host link)."""
     end = max(self.total_s, self.free.get(on, 0.0)) + seconds
@@ -147,10 +143,10 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
   devices = devices or record.devices
   timed = rates.clock_hz is not None or estimates is not None
 
-  def compute_seconds(i: Instruction) -> float | None:
-    if estimates is not None:
-      return 0.0 if i.op in _FREE else estimates.get(i.name)
-    return cycle_seconds(i, rates)
+  def scheduled(i: Instruction) -> float | None:
+    return 0.0 if i.op in _FREE else (estimates or {}).get(i.name)
+
+  compute_seconds = functools.partial(cycle_seconds, rates=rates) if estimates is None else scheduled
 
   @functools.cache
   def walk(name: str) -> ProgramTime:
@@ -171,7 +167,8 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
       elif (seconds := compute_seconds(i)) is None:
         w.unestimated += 1
       else:
-        w.compute(seconds)
+        w.total_s += seconds
+        w.compute_s = (w.compute_s or 0.0) + seconds
     for pending in list(w.pending):  # a transfer nothing waited for still ends the program
       w.wait(pending)
     parts = {f.name: getattr(w, f.name) for f in dataclasses.fields(ProgramTime)}
