@@ -35,7 +35,7 @@ _ON_FIRST_USE = {name: module for module, names in {
     "on_chip": ("profiled", "device_ops"),
     "abstract": ("AbstractState", "with_state_homes", "abstract_bytes_per_device", "bytes_by_memory_kind"),
     "compiled": ("memory", "split_memory", "summed", "hbm_oom"),
-    "step_time": ("predict_step_time", "PredictedTime", "program_time", "Rates", "cycle_class"),
+    "step_time": ("predict_step_time", "program_time", "Rates", "cycle_class"),
     "gpu_schedule": ("dump_options", "scheduled_seconds"),
     "models": ("model_source",),
 }.items() for name in names}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from nnx_zero1_plan.row import GPU_SOURCE, Collectives, Figures, Point
 
@@ -81,23 +81,23 @@ def kind_bytes(collectives: Collectives | None) -> dict[str, int]:
   return {k: b for k, b in sent.items() if b > 0}
 
 
+def judged_by_calibrated(timed: Iterable[Figures | Point]) -> bool:
+  """Whether steps are compared by their times calibrated on the chip: where every one has one; else all by
+  the cost model's predicted times, never one kind against the other."""
+  return all(t.calibrated_step_s for t in timed)
+
+
+def step_s(t: Figures | Point, calibrated: bool) -> float | None:
+  """A step's seconds by the kind of time steps are compared by (:func:`judged_by_calibrated`)."""
+  return t.calibrated_step_s if calibrated else t.predicted_step_s
+
+
 def parts_of(t: Figures | Point, calibrated: bool, kinds: Mapping[str, float] | None = None
              ) -> dict[str, float] | None:
   """A step's time by the source of each part (seconds): its exposed collectives on the slice (kind by kind:
   as the walk kept them, else in the shares of ``kinds``' bytes, :func:`kind_bytes`), host copies and slow
-  network, and the compute the rest of it; None where the step has no such time.
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import StepTime
-    >>> t = StepTime("", [], compute_s=0.3, fast_network="ICI", fast_s=0.05, fast_exposed_s=0.02,
-    ...              slow_network=None, slow_s=0.0, host_s=None, host_exposed_s=0.0, unestimated_ops=0,
-    ...              clock_ghz=None, roofline_s=None)
-    >>> parts_of(Figures(predicted_step_s=0.32, step_time=t), False, {"all-gather": 1, "reduce-scatter": 3})
-    {'compute from the cost model': 0.3, 'collectives on the slice: all-gather': 0.005, \
-'collectives on the slice: reduce-scatter': 0.015}
-  """
-  total = t.calibrated_step_s if calibrated else t.predicted_step_s
+  network, and the compute the rest of it; None where the step has no such time."""
+  total = step_s(t, calibrated)
   if total is None:
     return None
   st, own = t.step_time, calibrated and t.calibrated_collective_s is not None
@@ -145,9 +145,6 @@ def told_apart(a: Mapping[str, float], b: Mapping[str, float]) -> int | None:
 
   Example::
 
-    >>> rs, ag, ar = (f"{SLICE}: {k}" for k in ("reduce-scatter", "all-gather", "all-reduce"))
-    >>> told_apart({COMPUTE: 0.388, ar: 0.021}, {COMPUTE: 0.38, rs: 0.021, ag: 0.021}) is None  # the seed's
-    True
     >>> told_apart({COMPUTE: 0.3, SLOW: 0.1}, {COMPUTE: 0.3, SLOW: 0.15})  # 1.5x the bytes between slices
     -1
     >>> told_apart({COMPUTE: 0.3}, {COMPUTE: 0.305}) is None  # within what programs built alike move by
@@ -163,16 +160,7 @@ def told_apart(a: Mapping[str, float], b: Mapping[str, float]) -> int | None:
 def differ_in(a: Mapping[str, float], b: Mapping[str, float], names: tuple[str, str]) -> str:
   """The parts that leave two steps' order in doubt, ms a step each, with the band and what it rests on: each
   source (its kinds together) that, were it exactly as planned, would have them told apart; every source
-  they differ in where no one source would.
-
-  Example::
-
-    >>> zero1 = {COMPUTE: 0.15, SLICE + ": reduce-scatter": 0.054, SLICE + ": all-gather": 0.054}
-    >>> baseline = {COMPUTE: 0.156, SLICE + ": all-reduce": 0.0585}
-    >>> print(differ_in(zero1, baseline, ("zero1", "baseline")))
-    collectives on the slice (zero1 108.0 ms, baseline 58.5; the plan -19.0% to +102.0% of the chips there), \
-which no chip has measured; on the one slice measured (v6e:2x2), Zero-1 and the baseline took the same step
-  """
+  they differ in where no one source would."""
   source = lambda part: part.split(": ")[0]
   ranges = _ranges(a, b)
   sources = list(dict.fromkeys(map(source, ranges)))

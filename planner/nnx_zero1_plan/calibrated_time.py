@@ -1,12 +1,7 @@
-"""A program's step time calibrated on the chip: each instruction the cost model prices, with its kind of
-work (:func:`read_program`); a calibration made from one profiled run of it (:func:`calibrate`); any other
-program of that model walked with each kind at its ratio (:func:`calibrated_time`). The TPU compiler prices
-a fusion by the tiling it chose, so the walk parts from the chip by kind of work. A calibration carries two
-more figures of its run: the rest (the device's seconds beyond the calibrated walk: the gaps between
-instructions, those without cycles) as a share of the calibrated compute, and the launch (the step's wall
-time beyond the device's: the host's fixed cost). Collectives and host copies are walked at the chip table's
-rates, beside the calibrated compute.
-"""
+"""A program's step time calibrated on the chip: its priced instructions read once with their kind of work
+(:func:`read_program`), a calibration made from one profiled run (:func:`calibrate`), and any program of that
+model walked with each kind at its ratio, plus the run's rest and launch (:func:`calibrated_step`).
+Collectives and host copies are walked at the chip table's rates beside it (docs/accuracy.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ from typing import Any
 
 from nnx_zero1_plan.calibration import Calibration, Run, summed_kinds
 from nnx_zero1_plan.program_record import ProgramRecord
-from nnx_zero1_plan.step_time import NOT_ESTIMATED, Rates, network_seconds, program_time
+from nnx_zero1_plan.step_time import Rates, collective_seconds, cycle_seconds, program_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +41,12 @@ def read_program(program: ProgramRecord | str, rates: Rates) -> PricedProgram:
       dones[i.args.split(",")[0].strip().lstrip("%")] = i.name
     if i.op.endswith("-done") or i.op in ("while", "call", "conditional"):
       continue  # a transfer's end is the walk's wait; a callee's instructions are its own computation's
-    if i.collective and (seconds := network_seconds(i, rates, record.devices)):
+    if i.collective and (seconds := collective_seconds(i, rates, record.devices)):
       collectives[i.name] = (i.collective.op, seconds, runs)
     if i.collective or i.host:
       overlapped = True
-    elif i.cycles is not None and i.cycles < NOT_ESTIMATED and rates.clock_hz is not None:
-      clock = (rates.class_clocks_hz or {}).get(i.work or "", rates.clock_hz)
-      priced[i.name] = (i.kind or "", i.cycles / clock, runs)
+    elif i.cycles is not None and rates.clock_hz and (walked := cycle_seconds(i, rates)) is not None:
+      priced[i.name] = (i.kind or "", walked, runs)
   return PricedProgram(record, rates, priced, overlapped, collectives, dones)
 
 
@@ -67,41 +61,21 @@ def _walk(program: PricedProgram, calibration: Calibration, topology: str | None
     return compute, compute, 0.0
   own, timed = program.rates, calibration.collectives_on(topology or "")
   ratio = lambda kind: timed[kind].ratio if kind in timed else 1.0
-  rates = dataclasses.replace(own, collective_s=lambda kind, *at: network_seconds_at(own, kind, *at)
-                              * ratio(kind)) if timed else own
+  rates = dataclasses.replace(own, collective_s=lambda kind, *at: own.collective_s(kind, *at) * ratio(kind)
+                              ) if timed else own
   walk = program_time(program.record, rates, estimates=scaled)
   return walk.total_s, walk.compute_s or 0.0, walk.exposed_collective_s
-
-
-def network_seconds_at(rates: Rates, kind: str, sent: int, groups: tuple[tuple[int, ...], ...], rings: int,
-                       devices: int) -> float:
-  """A collective's seconds at ``rates`` (its own time on the links, else the network's rate)."""
-  if rates.collective_s is not None:
-    return rates.collective_s(kind, sent, groups, rings, devices)
-  return sent / rates.network_bytes_per_s(len(groups[0]))
 
 
 def calibrate(program: PricedProgram, profile: Mapping[str, Any], *, lever: str, micro_batch: int, ga: int,
               seq_len: int, step_s: float, chip: str, jax: str, libtpu: str | None,
               topology: str | None = None) -> Calibration:
-  """A calibration from one run: each kind's chip seconds over the walk's, the rest and the launch; on a
-  slice of more than one chip, each kind of collective's too.
-
-  Args:
-    program: the profiled program (:func:`read_program`).
-    profile: ``{"ops": {name: [ns, count]}, "modules": {name: [ns, count]}}`` per step, of the step's runs
-      alone (:func:`nnx_zero1_plan.on_chip.device_ops`).
-    lever, micro_batch, ga, seq_len: the plan row it ran.
-    step_s: the step's measured wall seconds (a median of steady steps).
-    chip, jax, libtpu: the chip table's name and the versions it ran with.
-    topology: the slice it ran on (the plan's ``--topology``); its collectives are timed where it has any.
-
-  Returns:
-    The :class:`Calibration`. Each instruction is compared per run (the profile's nanoseconds over its
-    count, times the walk's runs: a loop's trips are the walk's on both sides); one the profile never saw
-    is left out of its kind, and its walked seconds out of the rest. A collective's chip seconds are its
-    instruction's, and an async one's ``-done`` with its start (what the core spent on it: one overlapped
-    reads short, as it costs the step little).
+  """A calibration from one run of ``program`` (the plan row ``lever``, ``micro_batch``, ``ga``,
+  ``seq_len``): each kind's chip seconds over the walk's, the rest and the launch; on a slice of more than one
+  chip (``topology``), each kind of collective's too. Each instruction is compared per run (the ``profile``'s
+  nanoseconds over its count, :func:`nnx_zero1_plan.on_chip.device_ops`); one the profile never saw is left
+  out. A collective's chip seconds are its instruction's and an async one's ``-done`` (what the core spent on
+  it: one overlapped reads short, as it costs the step little). ``step_s`` is the step's measured wall time.
   """
   ops = profile["ops"]
   per_run = lambda name, runs: ops[name][0] / 1e9 / ops[name][1] * runs if ops.get(name, (0, 0))[1] else 0.0
@@ -121,21 +95,7 @@ def calibrated_step(programs: Sequence[tuple[PricedProgram, int]], calibration: 
                     topology: str | None = None) -> tuple[float, float]:
   """One step's calibrated seconds on the chip (each program's calibrated walk and its rest as many times as
   the step runs it, and the step's launch once), and the collectives' exposed part of it (each kind at its
-  ratio where ``topology`` is the slice the calibration timed them on).
-
-  Example::
-
-    >>> from nnx_zero1_plan.step_time import Rates
-    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
-    ...   ROOT %f = f32[8]{0} fusion(%p), calls=%g, backend_config={"estimated_cycles":"1000"}
-    ... }'''
-    >>> program = read_program(hlo, Rates(clock_hz=1e9, network_bytes_per_s=lambda n: 1e9))
-    >>> profile = {"ops": {"f": [500.0, 1]}, "modules": {"jit_step": [600.0, 1]}}
-    >>> c = calibrate(program, profile, lever="baseline", micro_batch=8, ga=1, seq_len=1024, step_s=2e-6,
-    ...               chip="v5e", jax="0.10.2", libtpu=None)
-    >>> c.ratio("vector"), round(calibrated_step([(program, 1)], c)[0] * 1e6, 6)
-    (0.5, 2.0)
-  """
+  ratio where ``topology`` is the slice the calibration timed them on)."""
   total = exposed = 0.0
   for program, times in programs:
     walk_s, compute_s, collective_s = _walk(program, calibration, topology)
@@ -143,7 +103,3 @@ def calibrated_step(programs: Sequence[tuple[PricedProgram, int]], calibration: 
     exposed += times * collective_s
   return total + calibration.launch_s, exposed
 
-
-def calibrated_time(programs: Sequence[tuple[PricedProgram, int]], calibration: Calibration) -> float:
-  """One step's calibrated seconds on one chip (:func:`calibrated_step`)."""
-  return calibrated_step(programs, calibration)[0]

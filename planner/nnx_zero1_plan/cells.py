@@ -1,6 +1,5 @@
 """A plan's rows as cells, as the printed table and plan.md both show them: a value's format (bytes, ms,
-tokens), a collective's, a network's, the notes, and each table's header and cells; whether a remat policy
-recomputes, as the closing lines, the recommendation and the way out read it."""
+tokens), a collective's, a network's, the notes, and each table's header and cells."""
 
 from __future__ import annotations
 
@@ -48,26 +47,14 @@ def tokens(per_s: float | None) -> str:
 
 
 def collective_cell(c: Mapping[str, OpCount] | Mapping[str, Mapping[str, int]] | None) -> str:
-  """Collectives or host transfers (also as the benchmarks keep them) as one cell, count x MiB per op.
-
-  Example::
-
-    >>> collective_cell({"all-reduce": {"count": 2, "bytes": 2**20}, "all-gather": {"count": 0, "bytes": 0}})
-    'AR 2x 1.000'
-  """
+  """Collectives or host transfers (also as the benchmarks keep them) as one cell, count x MiB per op."""
   counts = op_counts(c) or {}
   parts = [f"{_SHORT[k]} {v.count}x {v.bytes / 2**20:.3f}" for k, v in counts.items() if v.count]
   return ", ".join(parts) or "-"
 
 
 def dtype_cell(by_dtype: Mapping[str, int] | None) -> str:
-  """The dtypes the optimizer state is stored in, the largest first (``-``: not known, a refused row).
-
-  Example::
-
-    >>> dtype_cell({"bfloat16": 8, "float32": 64}), dtype_cell(None)
-    ('f32+bf16', '-')
-  """
+  """The dtypes the optimizer state is stored in, the largest first (``-``: not known, a refused row)."""
   if not by_dtype:
     return "-"
   return "+".join(_SHORT_DTYPE.get(d, d) for d in sorted(by_dtype, key=by_dtype.__getitem__, reverse=True))
@@ -76,13 +63,6 @@ def dtype_cell(by_dtype: Mapping[str, int] | None) -> str:
 def split_words(lever: str, split: StateSplit | None) -> str | None:
   """The share of the state's bytes a Zero-1 lever's layout splits over each set of axes (``split``: its
   row's ``state_split``); None where it splits the whole state over every axis it names, and for the baseline.
-
-  Example::
-
-    >>> split_words("zero1-pod", StateSplit(["replica", "data"], {"data": 0.998, "none": 0.002}))
-    'splits 0% of the state over replica,data, 99.8% over data only'
-    >>> split_words("zero1", StateSplit(["data"], {"data": 0.999, "none": 0.001})) is None
-    True
   """
   if split is None or lever == "baseline":
     return None
@@ -103,20 +83,7 @@ def _note(r: Row, rows: Sequence[Row]) -> str:
 
 def accumulation_note(r: Row, rows: Sequence[Row]) -> str | None:
   """How much more a ``-accum`` lever holds than its twin (the same layout, gradients from
-  ``nnx.value_and_grad``) at the same micro-batch, and why; None where it holds no more (1%), or no twin.
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Figures, Made
-    >>> def row(lever, peak, temp):
-    ...   f = Figures(peak_bytes_per_device=peak * 2**30, temp_bytes_per_device=temp * 2**30)
-    ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 1, 1, True)
-    >>> rows = [row("zero1", 14.75, 4.5), row("zero1-accum", 19.0, 8.75)]
-    >>> print(accumulation_note(rows[1], rows).replace(": ", ":\\n"))
-    needs 4.25 GiB more than zero1 at this micro-batch:
-    its temporaries +4.25 GiB (the gradients it reduces once per step, held across the micro-batch loop:
-    with one micro-batch, plan zero1)
-  """
+  ``nnx.value_and_grad``) at the same micro-batch, and why; None where it holds no more (1%), or no twin."""
   lever = LEVERS.get(r.lever)
   if lever is None or not lever.deferred:
     return None
@@ -164,13 +131,7 @@ def _lever(r: Row) -> str:
 
 
 def network_cell(network: Network | None) -> str:
-  """One network's bytes per step (MiB) and the time they take at its public bandwidth, an estimate.
-
-  Example::
-
-    >>> network_cell(Network("DCN", 1102404096, 176.4))
-    'DCN 1,051.3 (~176.4 ms)'
-  """
+  """One network's bytes per step (MiB) and the time they take at its public bandwidth, an estimate."""
   if network is None:
     return "-"
   ms = "" if network.estimate_ms is None else f" (~{network.estimate_ms:,.1f} ms)"
@@ -242,15 +203,6 @@ def edge_cells(rows: Sequence[Row]) -> list[tuple[str, ...]]:
 def measured_cells(rows: Sequence[Row]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
   """Each run of ``--measure`` beside the plan's prediction at its micro-batch (its row's or search's compile
   there): :data:`MEASURED_HEADER` (with the calibrated time and its error where there is one), and the cells.
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Figures, Made, Measured
-    >>> f = Figures(peak_bytes_per_device=15 * 2**30, predicted_step_s=0.2348)
-    >>> row = Row("zero1", "one", "v5e:1x1", "TPU", {"data": 1}, "m", 8, f, Made(depth=2), 1, 1, True,
-    ...           measured=(Measured(8, 0.191, 3 * 2**30),))
-    >>> measured_cells([row])[1]
-    [('zero1', 'one', '8', '234.8', '191.0', '+23%', '15.00', '3.00', '')]
   """
   calibrated = is_calibrated(rows)
   error = lambda t, m, places: "-" if not (t and m) else f"{t / m - 1:+.{places}%}"  # noqa: E731

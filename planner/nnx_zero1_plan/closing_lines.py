@@ -10,13 +10,7 @@ from nnx_zero1_plan.way_out import WayOut
 
 
 def limit_words(margin: float | None, hbm_bytes: int, usable_bytes: int) -> str:
-  """How the usable memory was set, in words: the user's margin, or the backend's reserve.
-
-  Example::
-
-    >>> limit_words(None, 2**34, 2**34 - 2**28), limit_words(0.05, 2**34, 2**34)
-    ("the backend's 0.25 GiB reserve", 'a 5% margin')
-  """
+  """How the usable memory was set, in words: the user's margin, or the backend's reserve."""
   if margin is not None:
     return f"a {margin:.0%} margin"
   reserve = hbm_bytes - usable_bytes
@@ -26,16 +20,9 @@ def limit_words(margin: float | None, hbm_bytes: int, usable_bytes: int) -> str:
 def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool = False,
                          estimate: bool = False) -> list[str]:
   """The recommendation under the table: the configuration, its code, its command, why it beat the levers
-  that fit as far, and where the baseline beats a Zero-1 lever, why.
-
-  Args:
-    rec: the plan's recommendation (None: nothing fits, or the plan is an estimate).
-    limit: how the usable memory was set (:func:`limit_words`).
-    search: whether the plan searched for each lever's largest micro-batch.
-    estimate: whether the plan is an estimate (which recommends nothing).
-
-  Returns:
-    The lines, the first one blank (none where nothing fits and the plan is no estimate).
+  that fit as far, and where the baseline beats a Zero-1 lever, why; the first line blank, none where
+  nothing fits (``rec`` None) and the plan is no ``estimate`` (which recommends nothing). ``limit``: how the
+  usable memory was set (:func:`limit_words`).
 
   Example::
 
@@ -68,22 +55,7 @@ def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool
 
 def way_out_lines(way_out: WayOut | None) -> list[str]:
   """When nothing fits, what was compiled to make room: the first change that fits, with its code and its
-  command, and the changes before it that did not.
-
-  Example::
-
-    >>> from nnx_zero1_plan.way_out import Tried
-    >>> found = Tried("remat block", "python -m nnx_zero1.plan ...", True, 2**33, None,
-    ...               "optimizer = Zero1Optimizer(...)")
-    >>> out = WayOut((Tried("half the micro-batch", "...", False, None, "RESOURCE_EXHAUSTED"), found), found)
-    >>> print("\\n".join(way_out_lines(out)))
-    <BLANKLINE>
-    Nothing fits as asked; compiled, the first change that fits: remat block (peak 8.00 GiB)
-      code:
-        optimizer = Zero1Optimizer(...)
-      reproduce: python -m nnx_zero1.plan ...
-      tried first: half the micro-batch: RESOURCE_EXHAUSTED
-  """
+  command, and the changes before it that did not."""
   if not way_out:
     return []
   found = way_out.found

@@ -33,13 +33,7 @@ NEAR = "near the limit"  # why an estimated row was compiled whole after its red
 
 
 def extrapolate(at_d1: float, at_d2: float, d1: int, d2: int, depth: int) -> int:
-  """The figure at ``depth`` layers, on the line through (d1, at_d1) and (d2, at_d2), rounded.
-
-  Example::
-
-    >>> extrapolate(110, 120, 1, 2, 28)   # 100 fixed + 10 per layer
-    380
-  """
+  """The figure at ``depth`` layers, on the line through (d1, at_d1) and (d2, at_d2), rounded."""
   if d2 <= d1:
     raise ValueError(f"extrapolation needs two depths d1 < d2, got {d1} and {d2}")
   per_layer = (at_d2 - at_d1) / (d2 - d1)
@@ -48,18 +42,7 @@ def extrapolate(at_d1: float, at_d2: float, d1: int, d2: int, depth: int) -> int
 
 def extrapolate_row(r1: _Record, r2: _Record, d1: int, d2: int, depth: int, keys: Sequence[str]) -> _Record:
   """Record ``r2`` (a frozen dataclass: a row's figures) with each of ``keys`` (numbers, or records or dicts
-  of numbers, nested) extrapolated to ``depth``; None in either record (a refused compile) stays None.
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Figures
-    >>> ar = lambda n: {"per_step": {"all-reduce": {"count": n, "bytes": 10 * n}}}
-    >>> r1 = Figures(temp_bytes_per_device=10, collectives=ar(3))
-    >>> r2 = Figures(temp_bytes_per_device=12, collectives=ar(5))
-    >>> r = extrapolate_row(r1, r2, 1, 2, 4, ("temp_bytes_per_device", "collectives"))
-    >>> r.temp_bytes_per_device, r.collectives.per_step
-    (16, {'all-reduce': OpCount(count=9, bytes=90)})
-  """
+  of numbers, nested) extrapolated to ``depth``; None in either record (a refused compile) stays None."""
 
   def walk(a: Any, b: Any) -> Any:
     if a is None or b is None:
@@ -82,13 +65,6 @@ def not_alike(at_d1: int | None, at_d2: int | None, d1: int, d2: int, what: str 
   Measured: Tunix's gemma3_4b_pt on v6e:2x4 needed less temp at 4 layers than at 2, and its line ran to a
   negative temp at 34; llama3p1_70b under Zero-1 across two v5p slices peaked at 37.65 GiB at 2 layers and
   37.26 at 4, a line to 22.24 GiB at 80 where its arguments and temp alone were 86.90.
-
-  Example::
-
-    >>> not_alike(3 * 2**30, 2 * 2**30, 2, 4)
-    'the temp fell from 3.00 GiB at 2 layers to 2.00 GiB at 4'
-    >>> not_alike(2 * 2**30, 3 * 2**30, 2, 4) is None
-    True
   """
   if at_d1 is None or at_d2 is None or at_d2 >= at_d1:
     return None
@@ -98,13 +74,6 @@ def not_alike(at_d1: int | None, at_d2: int | None, d1: int, d2: int, what: str 
 
 def estimate_mark(depth: int, extrapolated_from: Sequence[int], figures: Sequence[str]) -> Estimate:
   """What marks an extrapolated row as an estimate in plan.json: how it was made, the figures it touches,
-  and the error such estimates were measured to have (:data:`MEASURED_ERROR`).
-
-  Example::
-
-    >>> mark = estimate_mark(32, [2, 4], ["temp_bytes_per_device"])
-    >>> mark.method, mark.figures, mark.whole_peak_over_estimate_up_to
-    ('extrapolated to 32 layers from 2/4', ['temp_bytes_per_device'], 1.36)
-  """
+  and the error such estimates were measured to have (:data:`MEASURED_ERROR`)."""
   d1, d2 = extrapolated_from
   return Estimate(f"extrapolated to {depth} layers from {d1}/{d2}", list(figures), **MEASURED_ERROR)

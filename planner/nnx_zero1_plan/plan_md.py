@@ -53,13 +53,7 @@ def _parts(r: Row) -> tuple[str, ...]:
 
 def time_lines(rows: Sequence[Row]) -> list[str]:
   """plan.md's section on the predicted step time: one line per timed row with every part, and why a row
-  has none.
-
-  Example::
-
-    >>> time_lines([])
-    []
-  """
+  has none."""
   timed = [r for r in rows if r.figures.step_time is not None]
   absent = sorted({r.figures.time_absent for r in rows if r.figures.time_absent})
   if not timed and not absent:
@@ -82,13 +76,7 @@ def time_lines(rows: Sequence[Row]) -> list[str]:
 
 def search_lines(rows: Sequence[Row]) -> list[str]:
   """plan.md's table of every point each search compiled: micro-batch, verdict, peak, predicted step and
-  tokens per second per device, in micro-batch order.
-
-  Example::
-
-    >>> search_lines([])
-    []
-  """
+  tokens per second per device, in micro-batch order."""
   if not any(r.searched is not None for r in rows):
     return []
   head = ("lever", "step", "micro-batch", "fits", "peak GiB", "step ms (pred.)", "tok/s/device")
@@ -100,19 +88,8 @@ def search_lines(rows: Sequence[Row]) -> list[str]:
 
 def markdown(settings: Mapping[str, Any], rows: Sequence[Row], steps: Sequence[str],
              closing: Sequence[str] = ()) -> str:
-  """plan.md: the settings, the table, the lines under it and what to try next.
-
-  Args:
-    settings: plan.json's ``meta``, listed key by key.
-    rows: the plan's rows.
-    steps: what to try next when nothing fits (empty otherwise).
-    closing: the lines under the tables (:mod:`nnx_zero1_plan.closing_lines`').
-
-  Example::
-
-    >>> markdown({"model": "m"}, [], []).splitlines()[:3]
-    ['# Will it fit? nnx-zero1 plan, compiled ahead of time', '', '- model: m']
-  """
+  """plan.md: the ``settings`` (plan.json's ``meta``, key by key), the table, the ``closing`` lines under it
+  (:mod:`nnx_zero1_plan.closing_lines`') and what to try next where nothing fits (``steps``)."""
   lines = ["# Will it fit? nnx-zero1 plan, compiled ahead of time", ""]
   lines += [f"- {k}: {json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in settings.items()]
   if rows:

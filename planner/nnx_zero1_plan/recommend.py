@@ -8,13 +8,13 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nnx_zero1_plan import bands
 from nnx_zero1_plan.bands import SAME_SPEED, differ_in, kind_bytes, parts_of, told_apart
 from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line, remats
 from nnx_zero1_plan.row import Point, Record, Row
-from nnx_zero1_plan.search import judged_by_calibrated
 
 ORDER: tuple[str, ...] = (
     "fits", "largest micro-batch", "fewest bytes sent over the slow network per token (pods; within 1%)",
@@ -311,9 +311,8 @@ def _throughput(point: Point, calibrated: bool) -> float:
 def _speed(row: Row, point: Point, calibrated: bool) -> str:
   """A point's time in words (``zero1 at 128: 412.0 ms, 318,000 tok/s per device``; on a pod, the slow
   network's share)."""
-  step_s = point.calibrated_step_s if calibrated else point.predicted_step_s
-  words = (f"{row.lever} at {point.batch}: {_ms(step_s)}{' calibrated' * calibrated}, "
-           f"{_throughput(point, calibrated):,.0f} tok/s per device")
+  words = (f"{row.lever} at {point.batch}: {_ms(bands.step_s(point, calibrated))}"
+           f"{' calibrated' * calibrated}, {_throughput(point, calibrated):,.0f} tok/s per device")
   t = row.figures.step_time
   if t is not None and t.slow_network and row.figures.predicted_step_s and point.batch == row.batch:
     words += f" ({t.slow_network} {_ms(t.slow_s)} of it, {t.slow_s / row.figures.predicted_step_s:.0%})"
@@ -355,7 +354,7 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str
   points = _fitting(rows)
   if not points or any(p.tokens_per_s_per_device is None for _, p in points):
     return None
-  calibrated = judged_by_calibrated(p for _, p in points)
+  calibrated = bands.judged_by_calibrated(p for _, p in points)
   speed = lambda c: _throughput(c[1], calibrated)
   fastest = max(points, key=speed)
   told = lambda c, d: told_apart(_per_token(c, calibrated), _per_token(d, calibrated))

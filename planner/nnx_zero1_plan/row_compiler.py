@@ -46,10 +46,9 @@ def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
   if scheduled is not None:
     scheduled = tensor_core_priced(scheduled, [record for _, record, _ in programs], target.devices)
-  time = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
-                           tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
-                           scheduled=scheduled)
-  figures = dataclasses.replace(figures, **vars(time))
+  figures = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
+                              tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
+                              scheduled=scheduled, figures=figures)
   return calibrated(figures, [(record, times) for _, record, times in programs], timing, lever_name, shape.ga)
 
 

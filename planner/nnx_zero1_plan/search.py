@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from nnx_zero1_plan.bands import kind_bytes, parts_of, told_apart
+from nnx_zero1_plan.bands import judged_by_calibrated, kind_bytes, parts_of, step_s, told_apart
 from nnx_zero1_plan.cells import gib
 from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.row import Figures, Measured, Offloaded, OffloadPoint, Point, Row, Searched, Split
@@ -37,40 +37,18 @@ CLOSE = 0.25
 
 def fits_in(figures: Figures, usable: int) -> bool | None:
   """Whether a compile's figures fit, the one verdict: False where the compiler refused the program for
-  memory, else its peak within ``usable``; None where there are no figures (a refusal for another reason).
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import HbmOom
-    >>> fits_in(Figures(peak_bytes_per_device=10), 12), fits_in(Figures(hbm_oom=HbmOom(16, 12, "temp")), 12)
-    (True, False)
-    >>> fits_in(Figures(error="TypeError: ..."), 12) is None
-    True
-  """
+  memory, else its peak within ``usable``; None where there are no figures (a refusal for another reason)."""
   peak = figures.peak_bytes_per_device
   return False if figures.hbm_oom else None if peak is None else peak <= usable
 
 
 def round_down(batch: float, step: int) -> int:
-  """``batch`` rounded down to a multiple of ``step``, at least ``step``.
-
-  Example::
-
-    >>> round_down(43.9, 4), round_down(2, 4)
-    (40, 4)
-  """
+  """``batch`` rounded down to a multiple of ``step``, at least ``step``."""
   return max(step, int(batch) // step * step)
 
 
 def line_limit(p1: Point, p2: Point, usable: int, step: int) -> int | None:
-  """The micro-batch at which the line through two compiles' peaks reaches ``usable`` (None: no rising line).
-
-  Example::
-
-    >>> line_limit(Point(8, True, peak_bytes_per_device=10), Point(16, True, peak_bytes_per_device=18),
-    ...            usable=50, step=4)
-    48
-  """
+  """The micro-batch at which the line through two compiles' peaks reaches ``usable`` (None: none rises)."""
   peak1, peak2 = p1.peak_bytes_per_device, p2.peak_bytes_per_device
   if peak1 is None or peak2 is None or p1.batch == p2.batch:
     return None
@@ -101,29 +79,11 @@ def _line_guess(points: dict[int, Point], usable: int, step: int) -> int | None:
 
 def find_edge(measure: Callable[[int], Point], *, step: int, usable: int, start: int,
               cap: int = MAX_MICRO_BATCH, max_compiles: int = MAX_COMPILES) -> Searched:
-  """The largest multiple of ``step`` that fits below the first that does not, and that one.
-
-  Args:
-    measure: compiles the step at a global micro-batch and says what it needs (a
-      :class:`~nnx_zero1_plan.row.Point`: whether it fits, its peak, the refusal).
-    step: the micro-batch's unit: the batch axes' size (every device gets whole sequences).
-    usable: bytes per device the step may use (the reserve taken off already).
-    start: the first micro-batch to compile (the user's ``--batch``).
-    cap: the largest micro-batch the search compiles (:data:`MAX_MICRO_BATCH`).
-    max_compiles: the compiles at most (:data:`MAX_COMPILES`), then the bracket so far (``search_unfinished``
-      set).
-
-  Returns:
-    The :class:`~nnx_zero1_plan.row.Searched` record: the edge, and every compile in the order they ran.
-
-  Example::
-
-    >>> peak = lambda b: 2 + b  # GiB-like units: 2 of state, 1 per sequence
-    >>> edge = find_edge(lambda b: Point(b, peak(b) <= 50, peak_bytes_per_device=peak(b)), step=4,
-    ...                  usable=50, start=8)
-    >>> edge.max_micro_batch, edge.above, len(edge.search)
-    (48, 52, 5)
-  """
+  """The largest multiple of ``step`` (the batch axes' size) that fits in ``usable`` bytes per device below
+  the first that does not, and that one, from ``start`` (the user's ``--batch``): the
+  :class:`~nnx_zero1_plan.row.Searched` record, with every compile (``measure``: a
+  :class:`~nnx_zero1_plan.row.Point` at a micro-batch) in the order they ran; after ``max_compiles``, the
+  bracket so far (``search_unfinished`` set)."""
   first = round_down(start, step)
   points = {first: measure(first)}  # each micro-batch compiled once: every branch below picks a new one
 
@@ -201,13 +161,7 @@ def find_edge(measure: Callable[[int], Point], *, step: int, usable: int, start:
 def next_fraction(peak: int, usable: int, state_bytes: int, fraction: float = 0.0) -> float | None:
   """The share of the optimizer state to offload next, where the step's peak with ``fraction`` offloaded is
   ``peak``: ``fraction`` when it fits, else plus the bytes over ``usable`` as a share of ``state_bytes`` (what
-  the whole state saves), rounded up to a hundredth; None when that is more than the whole state.
-
-  Example::
-
-    >>> next_fraction(peak=110, usable=100, state_bytes=40), next_fraction(150, 100, 40)
-    (0.25, None)
-  """
+  the whole state saves), rounded up to a hundredth; None when that is more than the whole state."""
   if peak <= usable:
     return fraction
   share = fraction + (peak - usable) / max(state_bytes, 1)
@@ -265,33 +219,10 @@ def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, uni
   """The row of ``global_batch`` sequences a step split into the micro-batch and GA that fit and train fastest
   (``--global-batch``): the micro-batches that divide it compiled largest first until one fits, then smaller
   ones while each trains faster (calibrated, else predicted); a step without a time stops at the largest.
-  With ``run`` (``--measure``), every split that fits within :data:`CLOSE` of the fastest is run and the
-  fastest measured chosen.
-
-  Args:
-    row_at: compiles a row at ``(micro-batch, GA)``.
-    global_batch: sequences per optimizer step.
-    unit: a micro-batch is a multiple of it.
-    run: runs a row's step on this machine's chips (None: nothing is run).
-
-  Returns:
-    The chosen row, its ``ga`` set (the last compiled where none fits) and ``splits`` every split compiled.
-
-  Raises:
-    PlanError: no multiple of ``unit`` divides ``global_batch``.
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Made
-    >>> f = lambda m, ga: Row("zero1", "one", "v5e:1x1", "TPU", {"data": 1}, "m", m,
-    ...                       Figures(predicted_step_s=ga * (0.1 + 0.01 * m)), Made(), 9, 9, m <= 8)
-    >>> row = split_global_batch(f, 32, 1)
-    >>> row.batch, row.ga, [(s.batch, s.ga, s.time) for s in row.splits][:3]
-    (8, 4, [(32, 1, 'predicted'), (16, 2, 'predicted'), (8, 4, 'predicted')])
-    >>> g = lambda m, ga: dataclasses.replace(f(m, ga), figures=Figures(predicted_step_s=1 + 0.01 * ga))
-    >>> ran = split_global_batch(g, 32, 1, run=lambda r: Measured(r.batch, 0.4 if r.batch == 4 else 0.5))
-    >>> ran.batch, ran.ga, [(s.batch, s.step_s, s.time) for s in ran.splits if s.time == "measured"]
-    (4, 8, [(8, 0.5, 'measured'), (4, 0.4, 'measured')])
+  With ``run`` (``--measure``: a row's step run on this machine's chips), every split that fits within
+  :data:`CLOSE` of the fastest is run and the fastest measured chosen. The row chosen has its ``ga`` set (the
+  last compiled where none fits) and ``splits`` every split compiled (``row_at``: a row compiled at
+  ``(micro-batch, GA)``); a PlanError where no multiple of ``unit`` divides ``global_batch``.
   """
   candidates = [m for m in range(global_batch - global_batch % unit, 0, -unit) if global_batch % m == 0]
   if not candidates:
@@ -317,7 +248,8 @@ def split_global_batch(row_at: Callable[[int, int], Row], global_batch: int, uni
 def _close(row: Row, best: Row) -> bool:
   """Whether ``row`` fits and its step is within :data:`CLOSE` of ``best``'s, by the time both have (``best``
   itself where neither has one)."""
-  a, b = _times(row, best)
+  calibrated = judged_by_calibrated((row.figures, best.figures))
+  a, b = step_s(row.figures, calibrated), step_s(best.figures, calibrated)
   return bool(row.verdict) and (row is best if a is None or b is None else a <= b * (1 + CLOSE))
 
 
@@ -328,19 +260,6 @@ def _split(row: Row) -> Split:
                                          (f.predicted_step_s, "predicted")) if t), (None, None))
   return Split(row.batch, row.ga or 1, row.verdict, f.peak_bytes_per_device, step, kind,
                f.calibrated_step_s if kind == "measured" else None)
-
-
-def judged_by_calibrated(timed: Iterable[Figures | Point]) -> bool:
-  """Whether steps are compared by their times calibrated on the chip: where every one has one; else all by
-  the cost model's predicted times, never one kind against the other."""
-  return all(t.calibrated_step_s for t in timed)
-
-
-def _times(row: Row, than: Row) -> tuple[float | None, float | None]:
-  """Both rows' steps, by one kind of time (:func:`judged_by_calibrated`)."""
-  f, g = row.figures, than.figures
-  return ((f.calibrated_step_s, g.calibrated_step_s) if judged_by_calibrated((f, g))
-          else (f.predicted_step_s, g.predicted_step_s))
 
 
 def _faster(row: Row, than: Row) -> bool:

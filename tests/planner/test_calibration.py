@@ -22,7 +22,7 @@ import pytest
 from nnx_zero1_plan.calibrated_time import (
   PricedProgram,
   calibrate,
-  calibrated_time,
+  calibrated_step,
   read_program,
 )
 from nnx_zero1_plan.calibration import CROSSING, Calibration, combined
@@ -64,7 +64,7 @@ def calibration(i: int) -> Calibration:
 
 def error(calibrated: Calibration, i: int) -> float:
   """The calibrated time of case ``i`` over its measured step, less one."""
-  return calibrated_time([(program(i), 1)], calibrated) / (CASES[i]["step_ms"] / 1e3) - 1
+  return calibrated_step([(program(i), 1)], calibrated)[0] / (CASES[i]["step_ms"] / 1e3) - 1
 
 
 def at(case: str, batch: int) -> int:
@@ -114,7 +114,7 @@ def table_line(i: int) -> str:
 def test_a_calibration_gives_its_own_run_back():
   # The rest and the launch are what the calibrated walk misses of that very run: its own step, exactly.
   for i in INDEX:
-    assert math.isclose(calibrated_time([(program(i), 1)], calibration(i)), CASES[i]["step_ms"] / 1e3,
+    assert math.isclose(calibrated_step([(program(i), 1)], calibration(i))[0], CASES[i]["step_ms"] / 1e3,
                         rel_tol=1e-9), name(i)
 
 
@@ -124,7 +124,7 @@ def test_a_program_with_nothing_beside_the_core_is_summed_as_the_walk_would_walk
   cal = calibration(next(j for j in INDEX if program(j).overlapped))
   scaled = {n: s * cal.ratio(kind) for n, (kind, s, _) in program(i).priced.items()}
   walk = program_time(CASES[i]["hlo"], RATES, estimates=scaled)
-  summed = calibrated_time([(program(i), 1)], cal) - cal.launch_s
+  summed = calibrated_step([(program(i), 1)], cal)[0] - cal.launch_s
   assert math.isclose(summed, walk.total_s * (1 + cal.rest_share), rel_tol=1e-9)
 
 

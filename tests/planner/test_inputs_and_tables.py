@@ -27,7 +27,7 @@ from nnx_zero1_plan.maxtext import config_overrides
 from nnx_zero1_plan.mesh_axes import mesh_axes
 from nnx_zero1_plan.request import PlanRequest, command_line
 from nnx_zero1_plan.result import Plan
-from nnx_zero1_plan.row import Figures, Made, Row
+from nnx_zero1_plan.row import Figures, Made, OpCount, Row
 from nnx_zero1_plan.settings import ADDED_LATER, PlanSettings
 from nnx_zero1_plan.table import table
 from nnx_zero1_plan.way_out import next_steps
@@ -310,6 +310,9 @@ def test_extrapolation_is_the_line_through_two_depths():
   names = ("temp_bytes_per_device", "peak_bytes_per_device", "collectives")
   r = extrapolate_row(r1, r2, 2, 4, 8, names)
   assert r == Figures(temp_bytes_per_device=22, peak_bytes_per_device=None, collectives={"x": 7})
+  ar = lambda n: Figures(collectives={"per_step": {"all-reduce": {"count": n, "bytes": 10 * n}}})  # noqa: E731
+  counted = extrapolate_row(ar(3), ar(5), 1, 2, 4, ("collectives",)).collectives  # records, field by field
+  assert counted.per_step == {"all-reduce": OpCount(count=9, bytes=90)}
   with pytest.raises(ValueError):
     extrapolate(1, 2, 4, 2, 8)
 
@@ -452,6 +455,25 @@ def test_the_reproduce_command_carries_every_setting_that_changes_the_plan():
   assert request_of(parse_args(shlex.split(line)[3:])) == maxtext
 
 
+def test_a_rows_note_says_what_its_layout_splits_and_what_an_accum_lever_holds_more():
+  from nnx_zero1_plan.cells import accumulation_note, split_words
+  from nnx_zero1_plan.row import StateSplit
+
+  assert (split_words("zero1-pod", StateSplit(["replica", "data"], {"data": 0.998, "none": 0.002}))
+          == "splits 0% of the state over replica,data, 99.8% over data only")
+  assert split_words("zero1", StateSplit(["data"], {"data": 0.999, "none": 0.001})) is None
+
+  def row(lever, peak, temp):
+    f = Figures(peak_bytes_per_device=peak * 2**30, temp_bytes_per_device=temp * 2**30)
+    return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 1, 1, True)
+
+  rows = [row("zero1", 14.75, 4.5), row("zero1-accum", 19.0, 8.75)]
+  assert accumulation_note(rows[1], rows) == (
+      "needs 4.25 GiB more than zero1 at this micro-batch: its temporaries +4.25 GiB (the gradients it "
+      "reduces once per step, held across the micro-batch loop: with one micro-batch, plan zero1)")
+  assert accumulation_note(rows[0], rows) is None
+
+
 def test_a_pods_table_has_each_networks_bytes_and_time_before_the_note():
   """A pod's rows (``network_per_step``) add two columns before the note, in plan.md's table and the
   terminal's: each network's name, MiB per step and its estimated time; other plans have neither."""
@@ -548,6 +570,8 @@ def test_every_collective_the_one_reader_counts_has_a_table_cell():
   kinds = (*COLLECTIVE_OPS, "to-host", "to-device")
   cell = collective_cell({op: {"count": 1, "bytes": 2**20} for op in kinds})
   assert cell == "AR 1x 1.000, RS 1x 1.000, AG 1x 1.000, A2A 1x 1.000, CP 1x 1.000, out 1x 1.000, in 1x 1.000"
+  assert collective_cell({"all-reduce": {"count": 2, "bytes": 2**20}, "all-gather": {"count": 0, "bytes": 0}}
+                         ) == "AR 2x 1.000"  # a kind that never ran is left out
 
 
 def test_docs_say_what_every_field_of_a_plan_json_row_holds():

@@ -19,6 +19,7 @@ from nnx_zero1_plan import row_compiler
 from nnx_zero1_plan.calibration import Calibration, Run
 from nnx_zero1_plan.compiled import collectives_of
 from nnx_zero1_plan.hlo_flops import dot_flops
+from nnx_zero1_plan.networks import at_rate
 from nnx_zero1_plan.planned_model import NNX_MODELS
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.request import PlanRequest
@@ -60,7 +61,7 @@ def test_the_record_runs_the_call_and_the_heavier_branch_once():
   record = ProgramRecord.read(HLO)
   assert record.runs == {"main": 1, "callee": 1, "heavy": 1}  # the light branch never
   assert dot_flops(record) == 2 * MATMUL
-  walk = program_time(record, Rates(clock_hz=1e9, network_bytes_per_s=lambda n: 1e9))
+  walk = program_time(record, Rates(clock_hz=1e9, collective_s=at_rate(1e9)))
   assert round(walk.compute_s * 1e9) == 500 + 1000  # the call's cycles and the heavier branch's, not 10
 
 
@@ -72,7 +73,7 @@ def test_the_records_collectives_are_the_optimizers_counts():
   assert counted["per_step"]["all-gather"] == {"count": 1, "bytes": 32 * 8 * 4}
   assert counted["per_step"]["collective-permute"] == {"count": 1, "bytes": 8 * 8 * 4}
   # The walk's network time at one byte a second is the bytes one device sends.
-  walk = program_time(record, Rates(clock_hz=1e9, network_bytes_per_s=lambda n: 1.0))
+  walk = program_time(record, Rates(clock_hz=1e9, collective_s=at_rate(1.0)))
   assert walk.collectives == 2 and round(walk.collective_s) == 3 * 8 * 8 * 4 + 8 * 8 * 4
 
 

@@ -229,6 +229,14 @@ def test_an_estimate_is_never_recommended():
   assert "without --estimate" in recommendation_lines(None, "a 5% margin", estimate=True)[1]
 
 
+def test_the_usable_memory_is_said_by_the_users_margin_or_the_backends_reserve():
+  from nnx_zero1_plan.closing_lines import limit_words
+
+  assert limit_words(None, 2**34, 2**34 - 2**28) == "the backend's 0.25 GiB reserve"
+  assert limit_words(0.05, 2**34, 2**34) == "a 5% margin"
+  assert limit_words(None, 2**34, 2**34) == "the compiler's own check"
+
+
 def test_at_one_micro_batch_and_equal_collectives_fewer_bytes_over_the_host_link_win_over_headroom():
   # offload moves the whole state to host memory and back every step; the fraction that fits, a third.
   rows = [_row("offload-fraction", collective=100, headroom_bytes_per_device=0, offload_fraction=0.29,

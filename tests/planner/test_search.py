@@ -239,6 +239,27 @@ def test_a_global_batch_is_split_largest_first_then_smaller_while_faster():
     split_global_batch(lambda m, ga: _split_row(m, ga, True, 1.0), 6, 4)
 
 
+def test_splits_close_to_the_fastest_are_run_and_the_fastest_measured_chosen():
+  from nnx_zero1_plan.row import Measured
+  from nnx_zero1_plan.search import split_global_batch
+
+  row_at = lambda m, ga: _split_row(m, ga, m <= 8, 1 + 0.01 * ga)  # noqa: E731
+  ran = split_global_batch(row_at, 32, 1, run=lambda r: Measured(r.batch, 0.4 if r.batch == 4 else 0.5))
+  assert (ran.batch, ran.ga) == (4, 8)
+  assert [(s.batch, s.step_s, s.time) for s in ran.splits] == [
+      (32, 1.01, "predicted"), (16, 1.02, "predicted"), (8, 0.5, "measured"), (4, 0.4, "measured")]
+
+
+def test_a_refusal_for_memory_does_not_fit_and_one_for_another_reason_has_no_verdict():
+  from nnx_zero1_plan.row import Figures, HbmOom
+  from nnx_zero1_plan.search import fits_in
+
+  assert fits_in(Figures(peak_bytes_per_device=10), 12)
+  assert fits_in(Figures(peak_bytes_per_device=13), 12) is False
+  assert fits_in(Figures(hbm_oom=HbmOom(16, 12, "temp")), 12) is False
+  assert fits_in(Figures(error="TypeError: ..."), 12) is None
+
+
 @pytest.mark.parametrize("settings, words", [
     ({"batch": 8}, "leave out --batch"), ({"ga": 4}, "leave out --ga"),
     ({"search": True}, "leave out --search"),

@@ -6,6 +6,7 @@ import pytest
 
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.gpu_schedule import parse_schedule
+from nnx_zero1_plan.networks import at_rate, on_a_cycle, slice_shape
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, ORDER, by_throughput, recommend
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Made, Point, Row
@@ -13,6 +14,7 @@ from nnx_zero1_plan.step_time import (
   NO_ESTIMATE,
   NO_SCHEDULE,
   Rates,
+  cycle_class,
   predict_step_time,
   program_time,
   rates_for,
@@ -36,7 +38,11 @@ def _module(entry: list[str], *others: str, partitions: int = 4) -> str:
 
 
 def _rates(host: float | None = None) -> Rates:
-  return Rates(CLOCK, lambda n: RING, host)
+  return Rates(CLOCK, at_rate(RING), host)
+
+
+def test_a_programs_classes_of_work_are_its_estimated_instructions():
+  assert cycle_class(_module([_fusion("a", 12), "  ROOT %r = f32[256]{0} negate(%a)"])) == {"vector"}
 
 
 def test_compute_is_the_cycles_over_the_clock():
@@ -117,7 +123,7 @@ def test_the_compilers_not_estimated_counts_zero_and_is_counted():
 
 def test_a_program_without_cycles_has_no_time_not_a_guess():
   plain = _module(["  ROOT %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
-  assert program_time(plain, Rates(None, lambda n: RING)).compute_s is None
+  assert program_time(plain, Rates(None, at_rate(RING))).compute_s is None
   figures = predict_step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
                               compute_dtype="bfloat16")
   assert figures.predicted_step_s is None and figures.time_absent == NO_ESTIMATE
@@ -156,6 +162,14 @@ def test_a_tpu_collective_runs_on_the_links_its_groups_rings_use():
   assert v5e("all-gather", sent, _row_groups(16, 16), 2, 256) == pytest.approx(sent / 9e10 + 15e-6)
 
 
+def test_a_slice_is_named_smallest_axis_first_and_a_group_is_a_cycle_across_axes_or_round_a_wrapped_one():
+  assert (slice_shape(4, 2), slice_shape(8, 2), slice_shape(3, 2)) == ((2, 2), (2, 4), (3, 1))
+  assert on_a_cycle([(0, 0), (1, 0), (0, 1), (1, 1)], (2, 2), (False, False))
+  assert not on_a_cycle([(0,), (1,), (2,), (3,)], (4,), (False,))  # a line: no wraparound
+  assert not on_a_cycle([(0,), (1,)], (16,), (True,))  # part of a wrapped axis
+  assert on_a_cycle([(i,) for i in range(16)], (16,), (True,))
+
+
 def test_a_collective_on_an_unwrapped_axis_comes_near_the_books_measured_one():
   """How to Scale Your Model (sharding.md) profiles a 34 MB all-gather over an unwrapped axis of 4 on a v5e
   at 680 us (its bidirectional ring says 377 us, its no-wrap model 560): the model, fitted to nothing here,
@@ -167,8 +181,9 @@ def test_a_collective_on_an_unwrapped_axis_comes_near_the_books_measured_one():
 
 def test_a_gpu_sends_at_its_switchs_rate_whatever_the_group():
   h100, v6e = CHIPS["h100"], CHIPS["v6e"]
-  assert rates_for(h100).collective_s is None
-  assert rates_for(h100).network_bytes_per_s(8) == h100.links.fast_bytes_per_s
+  for group in ((0, 1), tuple(range(8))):
+    sent = rates_for(h100).collective_s("all-gather", 10**9, (group,), 1, 8)
+    assert sent == 10**9 / h100.links.fast_bytes_per_s
   assert rates_for(v6e).clock_hz == v6e.compute.peak_flops_per_s["bfloat16"] / v6e.compute.mxu_flops_per_cycle
 
 
@@ -204,7 +219,7 @@ def test_the_gpu_schedule_reads_each_instructions_estimate_a_zero_start_left_out
   assert name == "jit_g" and seconds == {"first": 20e-6, "second": 30e-6}
   walked = program_time(_module(["  %first = f32[256]{0} fusion(%p), kind=kLoop, calls=%c",
                                  "  %second = f32[256]{0} fusion(%first), kind=kLoop, calls=%c"]),
-                        Rates(None, lambda n: RING), estimates=seconds)
+                        Rates(None, at_rate(RING)), estimates=seconds)
   assert walked.compute_s == pytest.approx(50e-6)
 
 

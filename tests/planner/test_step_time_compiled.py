@@ -11,7 +11,7 @@ import pytest
 from tests.support.compiled_plans import HAS_LIBTPU, planner_env
 
 _TIMES = """
-import json
+import dataclasses, json
 from nnx_zero1_plan import compilers
 compilers.start_cpu_jax()
 import jax, jax.numpy as jnp, numpy as np
@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from nnx_zero1.testing import host_transfers, sent_bytes
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.networks import rings_of
-from nnx_zero1_plan.step_time import Rates, program_time, rates_for
+from nnx_zero1_plan.step_time import program_time, rates_for
 from nnx_zero1_plan.targets import make_target
 
 mesh = Mesh(np.array(make_target("v6e:2x2").devices), ("data",), axis_types=(AxisType.Explicit,))
@@ -39,7 +39,7 @@ reduced = reduce.lower(spec((4 * 2**20,), P("data"), jnp.float32)).compile().as_
 to_device = jax.jit(lambda s: jax.device_put(s, NamedSharding(mesh, P(), memory_kind="device")) * 2)
 offloaded = to_device.lower(spec((2048, 2048), P(), jnp.float32, "pinned_host")).compile().as_text()
 walk = program_time(reduced, rates)
-host = program_time(offloaded, Rates(rates.clock_hz, rates.network_bytes_per_s, 1e9))
+host = program_time(offloaded, dataclasses.replace(rates, host_bytes_per_s=1e9))
 print("RESULT " + json.dumps({
     "compute": {n: program_time(layers(n), rates).compute_s for n in (4, 8)},
     "collective_s": walk.collective_s, "exposed_s": walk.exposed_collective_s,

@@ -17,7 +17,8 @@ import pytest
 
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.networks import network_note, rings_of
-from nnx_zero1_plan.step_time import PredictedTime, predict_step_time
+from nnx_zero1_plan.row import Figures
+from nnx_zero1_plan.step_time import predict_step_time
 from tests.support.docs_tables import table_under
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ MEASURED_MS = {"tensor4": 8 * 97.4 + 139.6, "not_deferred_baseline": 593.1, "not
 # The docs' promise for each arm where it holds (issue 74): the arms that reduce in every micro-batch miss
 # it, and the docs say why.
 WITHIN = {"tensor4": 0.20, "deferred_baseline": 0.10, "deferred_zero1": 0.10}
-_WALKS: dict[str, PredictedTime] = {}
+_WALKS: dict[str, Figures] = {}
 
 
 def programs(arm: str) -> list[tuple[str, str, int]]:
@@ -38,7 +39,7 @@ def programs(arm: str) -> list[tuple[str, str, int]]:
           for name, times in runs]
 
 
-def walked(arm: str) -> PredictedTime:
+def walked(arm: str) -> Figures:
   """Today's prediction of an arm's step from its kept programs, walked once for every test."""
   if arm not in _WALKS:
     _WALKS[arm] = predict_step_time(programs(arm), CHIPS["v6e"], devices=4,
