@@ -29,6 +29,7 @@ from nnx_zero1_plan.compiled import (
 from nnx_zero1_plan.estimate import NEAR, NEAR_LIMIT, estimate_mark, extrapolate_row, not_alike
 from nnx_zero1_plan.gpu_matmuls import tensor_core_priced
 from nnx_zero1_plan.gpu_schedule import dumped_schedule
+from nnx_zero1_plan.gpu_twin import compile_twin, needs_twin, twin_devices
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
 from nnx_zero1_plan.networks import network_per_step
@@ -55,7 +56,8 @@ def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord
   slow = figures.collectives.across_bytes if figures.collectives else 0  # between slices or nodes; 0 on one
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
   if scheduled is not None:
-    scheduled = tensor_core_priced(scheduled, [record for _, record, _ in programs], target.devices)
+    probed_on = twin_devices(target.chip, target.hbm_bytes) if needs_twin(target) else target.devices
+    scheduled = tensor_core_priced(scheduled, [record for _, record, _ in programs], probed_on)
   time = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
                            tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                            scheduled=scheduled)
@@ -158,6 +160,11 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
     say(compiled_line(at, seconds, figures))
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
                                 compile_s=seconds)
+  if step == "one" and timing is not None and needs_twin(timing.target):  # timed by its twin (gpu_twin)
+    with contextlib.suppress(*COMPILER_REFUSALS):  # refused: no estimates, and the row says so
+      twin, scheduled = compile_twin(lever, lambda: source.build(depth), source.loss_fn, mesh, shape,
+                                     timing.target)
+      programs = [("step", twin, 1)]
   return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
 
 
