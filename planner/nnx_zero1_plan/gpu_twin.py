@@ -4,16 +4,16 @@ replicated over a mesh axis of size 2 that nothing shards, so each GPU does exac
 
 XLA's GPU scheduler prices instructions only in a computation that holds an asynchronous collective (its
 latency-hiding scheduler passes over the others), so for a program on one GPU it writes no estimates. The
-twin's fusions and matmuls are the one GPU's, shape for shape (docs/accuracy.md); they are timed with the
-4-byte all-reduces left out. The twin's memory figures are never used.
+twin's kernels are the one GPU's, shape for shape (docs/accuracy.md): their estimates are given to the one
+GPU's program kernel for kernel (:func:`as_scheduled`), which is walked, run and calibrated as itself. The
+twin's memory figures are never used.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -21,14 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from nnx_zero1._src.companion import Instruction
 from nnx_zero1_plan.gpu_schedule import dumped_schedule
 from nnx_zero1_plan.levers import Lever
 from nnx_zero1_plan.program_record import ProgramRecord
+from nnx_zero1_plan.step_time import FREE
 from nnx_zero1_plan.steps import StepShape, abstract_batch, lever_state, step_jit
 from nnx_zero1_plan.targets import Target, gpu_devices
 
 TWIN_AXIS = "twin"
-_DIMENSIONS = re.compile(r"\[\d")
+_LAYOUT = re.compile(r"\{[^}]*\}")
 
 
 def needs_twin(target: Target) -> bool:
@@ -50,8 +52,8 @@ def twin_mesh(mesh: Mesh, target: Target) -> Mesh:
 
 def compile_twin(lever: Lever, build: Callable[[], Any], loss_fn: Callable, mesh: Mesh, shape: StepShape,
                  target: Target) -> tuple[ProgramRecord, dict[str, dict[str, float]]]:
-  """The one-program step's twin for ``mesh`` (one GPU of ``target``) compiled: its record, with its 4-byte
-  all-reduces left out (:func:`without_twin_collective`), and its scheduler's estimates."""
+  """The one-program step's twin for ``mesh`` (one GPU of ``target``) compiled: its record and its scheduler's
+  estimates (:func:`~nnx_zero1_plan.gpu_schedule.scheduled_seconds`)."""
   twin = twin_mesh(mesh, target)
   state = lever_state(lever, build, shape.optimizer, twin)
   tokens = abstract_batch(lever, twin, shape.batch, shape.seq_len, shape.ga)
@@ -65,7 +67,7 @@ def compile_twin(lever: Lever, build: Callable[[], Any], loss_fn: Callable, mesh
 
   with dumped_schedule() as (options, read), jax.set_mesh(twin):
     compiled: Any = jax.jit(twin_step, donate_argnums=0).lower(state.state, tokens).compile(options)
-    return without_twin_collective(ProgramRecord.read(compiled.as_text())), read()
+    return ProgramRecord.read(compiled.as_text()), read()
 
 
 def _twin_all_reduce(x: jax.Array) -> jax.Array:
@@ -76,16 +78,46 @@ def _twin_all_reduce(x: jax.Array) -> jax.Array:
   return 0.0 * summed(x.astype(jnp.float32))
 
 
-def without_twin_collective(record: ProgramRecord) -> ProgramRecord:
-  """``record`` without the twin's all-reduces of a scalar and the instructions that wait for them.
+def as_scheduled(one: ProgramRecord, twin: ProgramRecord, scheduled: Mapping[str, Mapping[str, float]]
+                 ) -> dict[str, dict[str, float]]:
+  """The twin's estimates (``scheduled``) given to the one GPU's program ``one``, kernel for kernel:
+  ``{one's module: {instruction: seconds}}``. Kernels pair by op, result and fused work, then those left by op
+  and first result (a kernel of ``one`` may also write a copy of a weight that its order needs); any other is
+  left unestimated."""
+  own = dict(scheduled.get(twin.module or "", {}))
+  priced: dict[str, float] = {}
+  for key in (_kernel, _loosely):
+    waiting: dict[Any, list[str]] = {}
+    for i in _kernels(twin):
+      if i.name in own:
+        waiting.setdefault(key(twin, i), []).append(i.name)
+    for i in _kernels(one):
+      if i.name not in priced and waiting.get(k := key(one, i)):
+        priced[i.name] = own.pop(waiting[k].pop(0))
+  return {one.module or "": priced}
 
-  Raises:
-    ValueError: ``record`` has another collective (it is not a one-GPU step's twin).
-  """
-  collectives = {i.name: i.shape for body in record.computations.values() for i in body if i.collective}
-  if any(_DIMENSIONS.search(shape) for shape in collectives.values()):
-    raise ValueError("a one-GPU step's twin holds no collective but its own all-reduces of a scalar")
-  waits = lambda i: i.op.endswith("-done") and i.args.split(",")[0].strip().lstrip("%") in collectives
-  kept = {name: tuple(i for i in body if i.name not in collectives and not waits(i))
-          for name, body in record.computations.items()}
-  return dataclasses.replace(record, computations=kept)
+
+def _kernels(record: ProgramRecord) -> Iterator[Instruction]:
+  """The instructions a step runs one by one: the entry's and its loops' and calls', but their own."""
+  def walk(name: str) -> Iterator[Instruction]:
+    for i in record.computations.get(name, ()):
+      if i.op in ("while", "call", "conditional"):
+        for call in i.calls:
+          yield from walk(call.computation)
+      elif i.op not in FREE and not i.collective and not i.op.endswith("-done"):
+        yield i
+
+  return walk(record.entry or "")
+
+
+def _shape(shape: str) -> str:
+  return _LAYOUT.sub("", shape)
+
+
+def _kernel(record: ProgramRecord, i: Instruction) -> tuple[str, ...]:
+  fused = (j for c in i.calls if c.kind == "calls" for j in record.computations[c.computation])
+  return (i.op, _shape(i.shape), *(f"{j.op} {_shape(j.shape)}" for j in fused))
+
+
+def _loosely(record: ProgramRecord, i: Instruction) -> tuple[str, str]:
+  return i.op, _shape(i.shape).lstrip("(").split(", ")[0].rstrip(")")

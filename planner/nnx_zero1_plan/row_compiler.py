@@ -29,7 +29,7 @@ from nnx_zero1_plan.compiled import (
 from nnx_zero1_plan.estimate import NEAR, NEAR_LIMIT, estimate_mark, extrapolate_row, not_alike
 from nnx_zero1_plan.gpu_matmuls import tensor_core_priced
 from nnx_zero1_plan.gpu_schedule import dumped_schedule
-from nnx_zero1_plan.gpu_twin import compile_twin, needs_twin, twin_devices
+from nnx_zero1_plan.gpu_twin import as_scheduled, compile_twin, needs_twin, twin_devices
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
 from nnx_zero1_plan.networks import network_per_step
@@ -162,9 +162,8 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
                                 compile_s=seconds)
   if step == "one" and timing is not None and needs_twin(timing.target):  # timed by its twin (gpu_twin)
     with contextlib.suppress(*COMPILER_REFUSALS):  # refused: no estimates, and the row says so
-      twin, scheduled = compile_twin(lever, lambda: source.build(depth), source.loss_fn, mesh, shape,
-                                     timing.target)
-      programs = [("step", twin, 1)]
+      scheduled = as_scheduled(programs[0][1], *compile_twin(lever, lambda: source.build(depth),
+                                                             source.loss_fn, mesh, shape, timing.target))
   return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
 
 

@@ -20,7 +20,7 @@ from nnx_zero1_plan.row import GPU_SOURCE, TPU_SOURCE, StepTime
 NOT_ESTIMATED = 2**63 - 1
 
 # What costs nothing and is not scheduled on its own: XLA's GPU scheduler gives these no estimate.
-_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
+FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
                    "replica-id", "opt-barrier", "after-all", "add-dependency"})
 
 
@@ -167,7 +167,7 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
   def compute_seconds(i: Instruction) -> float | None:
     """One instruction's estimated seconds (0.0: nothing to count; None: the compiler did not estimate it)."""
     if estimates is not None:
-      return 0.0 if i.op in _FREE else estimates.get(i.name)
+      return 0.0 if i.op in FREE else estimates.get(i.name)
     if i.cycles is None or rates.clock_hz is None:
       return 0.0
     return None if i.cycles >= NOT_ESTIMATED else i.cycles / (rates.class_clocks_hz or {}).get(i.work or "",
@@ -324,5 +324,5 @@ def _module_estimates(record: ProgramRecord, scheduled: Mapping[str, Mapping[str
   if not own or record.entry is None:
     return None
   names = [i.name for i in record.computations[record.entry]
-           if i.op not in _FREE and not i.collective and not i.op.endswith("-done")]
+           if i.op not in FREE and not i.collective and not i.op.endswith("-done")]
   return own if not names or sum(n in own for n in names) >= len(names) / 2 else None
