@@ -48,21 +48,30 @@ def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord
                    timing: RowCompiler | None, lever_name: str,
                    scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
   """``figures`` with the predicted time (:func:`nnx_zero1_plan.predict_step_time`) of the ``programs`` one
-  step of ``lever_name`` runs on ``timing``'s target (``scheduled``: XLA's GPU scheduler's estimates), and the
-  calibrated time too (:func:`calibrated`)."""
+  step of ``lever_name`` runs on ``timing``'s target (``scheduled``: XLA's GPU scheduler's estimates, which
+  :func:`gpu_estimates` put on the records), and the calibrated time too (:func:`calibrated`)."""
   if timing is None:
     return figures
   target = timing.target
   slow = figures.collectives.across_bytes if figures.collectives else 0  # between slices or nodes; 0 on one
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
-  if scheduled is not None:
-    probed_on = twin_devices(target.chip, target.hbm_bytes) if needs_twin(target) else target.devices
-    scheduled = tensor_core_priced(scheduled, [record for _, record, _ in programs], probed_on)
   time = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
                            tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                            scheduled=scheduled)
   figures = dataclasses.replace(figures, **vars(time))
   return calibrated(figures, [(record, times) for _, record, times in programs], timing, lever_name, shape.ga)
+
+
+def gpu_estimates(programs: Sequence[tuple[str, ProgramRecord, int]],
+                  scheduled: Mapping[str, Mapping[str, float]], target: Target
+                  ) -> tuple[list[tuple[str, ProgramRecord, int]], dict[str, dict[str, float]]]:
+  """``programs`` with XLA's GPU scheduler's estimates (``scheduled``) on their records, each bfloat16 matmul
+  with a float32 result priced as the tensor cores run it (:func:`~nnx_zero1_plan.gpu_matmuls.
+  tensor_core_priced`), and those estimates."""
+  probed_on = twin_devices(target.chip, target.hbm_bytes) if needs_twin(target) else target.devices
+  priced = tensor_core_priced(scheduled, [record for _, record, _ in programs], probed_on)
+  return ([(name, dataclasses.replace(record, estimates=priced.get(record.module or "")), times)
+           for name, record, times in programs], priced)
 
 
 def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], timing: RowCompiler,
@@ -146,8 +155,6 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
   if step == "one":  # each program's text read once, into the record every figure below is read from
     record = program.record if program else ProgramRecord.read(compiled.as_text())
     programs = [("step", record, 1)]
-    if kept is not None and program is None:
-      kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape, record)
     figures = row_figures(memory(compiled), collectives_of(record, domains))
   else:
     programs = [(name, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
@@ -160,10 +167,17 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
     say(compiled_line(at, seconds, figures))
   figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
                                 compile_s=seconds)
-  if step == "one" and timing is not None and needs_twin(timing.target):  # timed by its twin (gpu_twin)
-    with contextlib.suppress(*COMPILER_REFUSALS):  # refused: no estimates, and the row says so
-      scheduled = as_scheduled(programs[0][1], *compile_twin(lever, lambda: source.build(depth),
-                                                             source.loss_fn, mesh, shape, timing.target))
+  if program is not None and program.record.estimates is not None:  # a GPU's, kept with its estimates
+    scheduled = {program.record.module or "": program.record.estimates}
+  elif scheduled is not None and timing is not None:  # a GPU's: its scheduler's estimates
+    if step == "one" and needs_twin(timing.target):  # timed by its twin (gpu_twin)
+      with contextlib.suppress(*COMPILER_REFUSALS):  # refused: no estimates, and the row says so
+        scheduled = as_scheduled(programs[0][1], *compile_twin(lever, lambda: source.build(depth),
+                                                               source.loss_fn, mesh, shape, timing.target))
+    programs, scheduled = gpu_estimates(programs, scheduled, timing.target)
+  if kept is not None and program is None:
+    kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape,
+                        programs[0][1])
   return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
 
 

@@ -12,9 +12,14 @@ from nnx_zero1_plan.program_record import ProgramRecord
 from tests.support.compiled_plans import HAS_GPU_COMPILER, planner_env
 
 _TWIN = """
-import collections, json, re
+import collections, json, pathlib, re, tempfile
 from nnx_zero1_plan import compilers
 compilers.start_cpu_jax()
+from jax.profiler import ProfileData
+from nnx_zero1_plan.calibrated_time import calibrate, calibrated_step, read_program
+from nnx_zero1_plan.chips import CHIPS
+from nnx_zero1_plan.on_chip import device_ops
+from nnx_zero1_plan.step_time import rates_for
 import numpy as np
 from jax.sharding import AxisType, Mesh
 from nnx_zero1_plan.gpu_twin import as_scheduled, compile_twin
@@ -23,6 +28,7 @@ from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.models import model_source
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.request import PlanRequest
+from nnx_zero1_plan.row_compiler import gpu_estimates
 from nnx_zero1_plan.run import make_plan
 from nnx_zero1_plan.steps import StepShape, compile_step, lever_state
 from nnx_zero1_plan.targets import make_target
@@ -49,11 +55,38 @@ def kernels(record, priced=None):  # each kernel a step launches by op and first
   return out
 
 given = as_scheduled(one, twin, scheduled)[one.module]
+
+# A GPU's profile of two runs of the one GPU's step, built on its own instructions (each kernel as long as the
+# plan prices it, times 1.25 for a matmul and 0.8 for the rest, a microsecond between kernels), calibrated.
+(_, timed, _), = gpu_estimates([("step", one, 1)], {one.module: given}, target)[0]  # as the plan reads it
+priced = read_program(timed, rates_for(CHIPS["h200"]))
+speed = lambda kind: 1.25 if kind.startswith("matmul") else 0.8
+events, at = [], 0
+for trip in [t for _ in range(2) for t in range(2)]:  # two runs, each two trips of the micro-batches' loop
+  for name, (kind, seconds, runs) in priced.priced.items():
+    if trip < runs:
+      ps = round(seconds * speed(kind) * 1e12)
+      events.append(f'events {{ metadata_id: 1 offset_ps: {at} duration_ps: {ps} stats {{ metadata_id: 1 '
+                    f'str_value: "{name}" }} stats {{ metadata_id: 2 str_value: "{one.module}" }} }}')
+      at += ps + 10**6
+xspace = ProfileData.text_proto_to_serialized_xspace(
+    'planes { id: 1 name: "/device:GPU:0" lines { id: 1 name: "Stream #13(Compute)" timestamp_ns: 0 '
+    + " ".join(events) + ' } event_metadata { key: 1 value { id: 1 name: "kernel" } } stat_metadata { key: 1 '
+    'value { id: 1 name: "hlo_op" } } stat_metadata { key: 2 value { id: 2 name: "hlo_module" } } }')
+with tempfile.TemporaryDirectory() as folder:
+  pathlib.Path(folder, "t.xplane.pb").write_bytes(xspace)
+  ops = device_ops(str(pathlib.Path(folder, "t.xplane.pb")), 2)
+device_s = sum(ns for ns, _ in ops["modules"].values()) / 1e9
+calibration = calibrate(priced, ops, lever="baseline", micro_batch=8, ga=2, seq_len=64,
+                        step_s=device_s + 1e-3, chip="h200", jax="0.12.0.1", libtpu=None, topology="h200:1")
 print("RESULT " + json.dumps({
     "row": plan.rows[0].to_json(), "only_one": kernels(one) - kernels(twin),
     "only_twin": kernels(twin) - kernels(one), "flops": [dot_flops(one), dot_flops(twin)],
     "unpriced": kernels(twin, scheduled[twin.module]),
-    "given": kernels(one, given), "seconds": [sum(given.values()), sum(scheduled[twin.module].values())]}))
+    "given": kernels(one, given), "seconds": [sum(given.values()), sum(scheduled[twin.module].values())],
+    "ratios": {k: t.ratio for k, t in calibration.kinds.items()}, "step_s": device_s + 1e-3,
+    "calibrated_s": calibrated_step([(priced, 1)], calibration)[0], "walk_s": sum(
+        seconds * runs for _, seconds, runs in priced.priced.values())}))
 """
 
 
@@ -79,6 +112,11 @@ def test_one_gpu_step_is_timed_by_a_twin_that_does_its_work():
   parts = row["step_time"]
   assert parts["source"].startswith("XLA's GPU cost model") and parts["fast_s"] == 0
   assert row["predicted_step_s"] == pytest.approx(parts["compute_s"])
+  # --measure's calibration from a GPU's profile (kernels keyed by their instruction): each kind at its
+  # speed, and the profiled step priced by it again is the step measured (the millisecond of launch too).
+  assert got["ratios"] == {"matmul": pytest.approx(1.25, rel=1e-3), "vector": pytest.approx(0.8, rel=1e-3)}
+  assert got["calibrated_s"] == pytest.approx(got["step_s"], rel=1e-6)
+  assert got["walk_s"] == pytest.approx(row["predicted_step_s"], rel=1e-6)
 
 
 def _program(name: str, fusion: str, result: str) -> ProgramRecord:
