@@ -136,3 +136,9 @@ class ScannedDecoder(nnx.Module):
 def build_scanned(num_layers: int = 12) -> ScannedDecoder:
   """``build``'s 266.9M float32 decoder, its layers scanned and rematerialised (default: the full depth)."""
   return ScannedDecoder(num_layers, rngs=nnx.Rngs(0))
+
+
+def build_1b_scanned(num_layers: int = 24) -> ScannedDecoder:
+  """``build_1b``'s 1.21B bfloat16 decoder, its layers scanned and rematerialised (default: full depth)."""
+  return ScannedDecoder(num_layers, width=2048, heads=16, kv_heads=4, hidden=5632, dtype=jnp.bfloat16,
+                        rngs=nnx.Rngs(0))

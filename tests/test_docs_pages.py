@@ -226,8 +226,9 @@ def test_the_user_pages_speak_a_users_words(page):
 
 def test_the_planners_pages_stay_readable():
   assert len(PLANNER.read_text().splitlines()) <= 600
-  # accuracy.md also says once how a step is timed and how far a calibration holds, which the others link to.
-  assert len((ROOT / "docs" / "accuracy.md").read_text().splitlines()) <= 465
+  # accuracy.md also says once how a step is timed and how far a calibration holds, which the others link to,
+  # and what a GPU time is, on one GPU too.
+  assert len((ROOT / "docs" / "accuracy.md").read_text().splitlines()) <= 475
 
 
 def test_the_planners_page_has_one_path_from_the_vm_to_a_pod():

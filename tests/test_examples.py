@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from examples.planner_decoder import Decoder, build, build_1b, build_7b
+from examples.planner_decoder import Decoder, build, build_1b, build_1b_scanned, build_7b
 from examples.planner_moe import Experts, route
 from examples.planner_moe import build as build_moe
 
@@ -18,6 +18,7 @@ def _params(builder) -> int:
 def test_the_models_have_the_sizes_the_docs_say():
   sizes = [round(_params(b) / 1e9, 2) for b in (build, build_1b, build_7b, build_moe)]
   assert sizes == [0.27, 1.21, 7.24, 4.73]
+  assert _params(build_1b_scanned) == _params(build_1b)  # the same decoder, its layers stacked
   block = nnx.state(nnx.eval_shape(build_moe).blocks[0], nnx.Param)
   assert block["mlp"]["gate_up"].shape == (8, 2048, 11264) and block["mlp"]["down"].shape == (8, 5632, 2048)
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.calibration import Calibration, Run, summed_kinds
-from nnx_zero1_plan.program_record import ProgramRecord
+from nnx_zero1_plan.program_record import ProgramRecord, kind_of
 from nnx_zero1_plan.step_time import Rates, collective_seconds, cycle_seconds, program_time
 
 
@@ -30,12 +30,14 @@ class PricedProgram:
 
 def read_program(program: ProgramRecord | str, rates: Rates) -> PricedProgram:
   """A program's record (or its text, read here) priced as :func:`~nnx_zero1_plan.step_time.program_time`
-  walks it: each computation as often as it runs, each priced instruction at its class's clock, its kind."""
+  walks it: each computation as often as it runs, each priced instruction at its class's clock (a GPU's at
+  its scheduler's estimate), its kind."""
   record = ProgramRecord.of(program)
   priced: dict[str, tuple[str, float, int]] = {}
   collectives: dict[str, tuple[str, float, int]] = {}
   dones: dict[str, str] = {}
   overlapped = False
+  kind = kind_of(record)
   for i, runs in ((i, runs) for name, runs in record.runs.items() for i in record.computations[name]):
     if i.op.endswith("-done"):
       dones[i.args.split(",")[0].strip().lstrip("%")] = i.name
@@ -45,6 +47,9 @@ def read_program(program: ProgramRecord | str, rates: Rates) -> PricedProgram:
       collectives[i.name] = (i.collective.op, seconds, runs)
     if i.collective or i.host:
       overlapped = True
+    elif record.estimates is not None:  # a GPU's: XLA's scheduler's seconds
+      if i.name in record.estimates:
+        priced[i.name] = (kind(i), record.estimates[i.name], runs)
     elif i.cycles is not None and rates.clock_hz and (walked := cycle_seconds(i, rates)) is not None:
       priced[i.name] = (i.kind or "", walked, runs)
   return PricedProgram(record, rates, priced, overlapped, collectives, dones)

@@ -40,7 +40,8 @@ def profiler(target: Target, progress: Callable[[str], None] | None) -> Profile:
     priced = read_program(program.record, rates_for(CHIPS[target.chip]))
     calibration = calibrate(priced, ops, lever=lever, micro_batch=shape.batch, ga=shape.ga,
                             seq_len=shape.seq_len, step_s=run.step_s, chip=target.chip, jax=jax.__version__,
-                            libtpu=compilers.require_libtpu(), topology=target.name)
+                            libtpu=compilers.require_libtpu() if target.backend.prices_in_cycles else None,
+                            topology=target.name)
     say(f"calibrated on {at}: {ms(run.step_s)} ms measured")
     return calibration
 

@@ -91,12 +91,15 @@ def run_program(program: Program, profile: bool = False) -> tuple[Measured, dict
 def device_ops(xplane: str, runs: int) -> dict[str, Any]:
   """Each instruction's time on the first device per run, from a profile (``jax.profiler.trace``'s
   ``*.xplane.pb``): ``{"ops": {name: [ns, count]}, "modules": {name: [ns, count]}}``, each summed over the
-  profile and divided by ``runs``."""
+  profile and divided by ``runs``. A TPU names its ops' and modules' events; a GPU's kernels carry their
+  instruction and module (:func:`gpu_device_ops`)."""
   from jax.profiler import ProfileData
 
   found: dict[str, dict[str, list[float]]] = {"ops": {}, "modules": {}}
   data = ProfileData.from_file(xplane)
   plane = next((p for p in data.planes if p.name.startswith("/device:") and p.name.endswith(":0")), None)
+  if plane is not None and plane.name.startswith("/device:GPU"):
+    return gpu_device_ops(plane, runs)
   for line in plane.lines if plane is not None else ():
     key = {"XLA Ops": "ops", "XLA Modules": "modules"}.get(line.name)
     into = found[key] if key else {}
@@ -105,6 +108,37 @@ def device_ops(xplane: str, runs: int) -> dict[str, Any]:
       ns, count = into.setdefault(name, [0.0, 0])
       into[name] = [ns + event.duration_ns / runs, count + 1 / runs]
   return found
+
+
+def gpu_device_ops(plane: Any, runs: int) -> dict[str, Any]:
+  """:func:`device_ops` of a GPU's plane: each kernel's ``hlo_op`` and ``hlo_module`` stats name its
+  instruction and program; kernels of one instruction in a row are one run of it, and a module's time is the
+  time its kernels kept the GPU busy."""
+  ops: dict[str, list[float]] = {}
+  busy: dict[str, list[tuple[int, int]]] = {}
+  last = None
+  events = sorted((e for line in plane.lines for e in line.events), key=lambda e: e.start_ns)
+  for event in events:
+    stats = dict(event.stats)
+    op, module = str(stats.get("hlo_op", "")), str(stats.get("hlo_module", ""))
+    if not op:
+      continue
+    ns, count = ops.setdefault(op, [0.0, 0])
+    ops[op] = [ns + event.duration_ns / runs, count + (op != last) / runs]
+    last = op
+    busy.setdefault(module, []).append((event.start_ns, event.end_ns))
+  modules = {module: [_covered_ns(spans) / runs, 1] for module, spans in busy.items()}
+  return {"ops": ops, "modules": modules}
+
+
+def _covered_ns(spans: list[tuple[int, int]]) -> float:
+  """The nanoseconds the (start, end) ``spans``, in order of start, cover together."""
+  covered, reach = 0.0, None
+  for start, end in spans:
+    reach = start if reach is None else max(reach, start)
+    covered += max(0, end - reach)
+    reach = max(reach, end)
+  return covered
 
 
 def profiled(call: Callable[[], Any], runs: int) -> dict[str, Any]:

@@ -26,6 +26,10 @@ class ProgramRecord(HloRecord):
   each instruction with cycles given its class of work (:data:`CYCLE_CLASSES`, the walk's clock) and kind
   (the calibration's)."""
 
+  # Each instruction's estimated seconds by name, where the compiler gives them apart from the program (XLA's
+  # GPU scheduler: gpu_schedule.scheduled_seconds); None: its cycles are in the text (the TPU compiler's).
+  estimates: Mapping[str, float] | None = None
+
   @classmethod
   def read(cls, text: str) -> ProgramRecord:
     """``text`` read once (:meth:`HloRecord.read`), each instruction with cycles graded."""
@@ -40,6 +44,13 @@ class ProgramRecord(HloRecord):
   def of(cls, program: ProgramRecord | str) -> ProgramRecord:
     """``program`` itself, or its text read (:meth:`read`): what each reader takes."""
     return program if isinstance(program, ProgramRecord) else cls.read(program)
+
+
+def kind_of(record: ProgramRecord) -> Callable[[Instruction], str]:
+  """The kind of work (as :meth:`ProgramRecord.read` grades an instruction with cycles) of any instruction of
+  ``record``: a cuBLAS call is a matmul."""
+  work = _work_of(record.computations)
+  return lambda i: "matmul" if "__cublas" in i.line else _kind(i, work(i), record.computations)
 
 
 def _work_of(read: Mapping[str, tuple[Instruction, ...]]) -> Callable[[Instruction], str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -21,6 +22,7 @@ from nnx_zero1_plan.compiled import collectives_of, hbm_oom, step_figures, step_
 from nnx_zero1_plan.estimate import NEAR, NEAR_LIMIT, estimate_mark, extrapolate_row, not_alike
 from nnx_zero1_plan.gpu_matmuls import tensor_core_priced
 from nnx_zero1_plan.gpu_schedule import dumped_schedule
+from nnx_zero1_plan.gpu_twin import as_scheduled, compile_twin, needs_twin, twin_devices
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
 from nnx_zero1_plan.networks import network_per_step
@@ -38,18 +40,29 @@ def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord
                    timing: RowCompiler | None, lever_name: str,
                    scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
   """``figures`` with the predicted time of the ``programs`` one step of ``lever_name`` runs on ``timing``'s
-  target (``scheduled``: XLA's GPU scheduler's estimates), and the calibrated time (:func:`calibrated`)."""
+  target (``scheduled``: XLA's GPU scheduler's estimates, which :func:`gpu_estimates` put on the records), and
+  the calibrated time (:func:`calibrated`)."""
   if timing is None:
     return figures
   target = timing.target
   slow = figures.collectives.across_bytes if figures.collectives else 0  # between slices or nodes; 0 on one
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
-  if scheduled is not None:
-    scheduled = tensor_core_priced(scheduled, [record for _, record, _ in programs], target.devices)
   figures = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
                               tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                               scheduled=scheduled, figures=figures)
   return calibrated(figures, [(record, times) for _, record, times in programs], timing, lever_name, shape.ga)
+
+
+def gpu_estimates(programs: Sequence[tuple[str, ProgramRecord, int]],
+                  scheduled: Mapping[str, Mapping[str, float]], target: Target
+                  ) -> tuple[list[tuple[str, ProgramRecord, int]], dict[str, dict[str, float]]]:
+  """``programs`` with XLA's GPU scheduler's estimates (``scheduled``) on their records, each bfloat16 matmul
+  with a float32 result priced as the tensor cores run it (:func:`~nnx_zero1_plan.gpu_matmuls.
+  tensor_core_priced`), and those estimates."""
+  probed_on = twin_devices(target.chip, target.hbm_bytes) if needs_twin(target) else target.devices
+  priced = tensor_core_priced(scheduled, [record for _, record, _ in programs], probed_on)
+  return ([(name, dataclasses.replace(record, estimates=priced.get(record.module or "")), times)
+           for name, record, times in programs], priced)
 
 
 def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], timing: RowCompiler,
@@ -82,12 +95,15 @@ class Compiled(NamedTuple):
   """A lever's step as its model's kind compiled it: the programs one step runs, in order (each ``(name,
   executable, record, runs a step makes of it)``), the mesh they run on, the figures only the kind knows
   (its state's, the compile's seconds), and the program that runs once per micro-batch, whose collectives are
-  one micro-batch's (None: a loop's trip's)."""
+  one micro-batch's (None: a loop's trip's); a one-GPU step's twin, compiled on demand (:mod:`gpu_twin`), and
+  what keeps its program, given its record as timed."""
 
   programs: Sequence[tuple[str, Any, ProgramRecord, int]]
   mesh: Any
   known: Figures
   micro_batch: str | None = None
+  twin: Callable[[], tuple[ProgramRecord, dict[str, dict[str, float]]]] | None = None
+  keep: Callable[[ProgramRecord], None] | None = None
 
 
 def read_compile(step: Compiled, timing: RowCompiler | None) -> Figures:
@@ -127,6 +143,16 @@ def compile_and_read(compile: Callable[[dict[str, Any] | None], Compiled], at: s
   if said:
     say(compiled_line(at, figures.compile_s or 0.0, figures))
   programs = [(name, record, times) for name, _, record, times in step.programs]
+  kept_estimates = programs[0][1].estimates
+  if kept_estimates is not None:  # a GPU's program kept with its estimates
+    scheduled = {programs[0][1].module or "": kept_estimates}
+  elif scheduled is not None and timing is not None:  # a GPU's: its scheduler's estimates
+    if step.twin is not None and needs_twin(timing.target):  # timed by its twin
+      with contextlib.suppress(*COMPILER_REFUSALS):  # refused: no estimates, and the row says so
+        scheduled = as_scheduled(programs[0][1], *step.twin())
+    programs, scheduled = gpu_estimates(programs, scheduled, timing.target)
+  if step.keep is not None:
+    step.keep(programs[0][1])
   return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
 
 
@@ -153,22 +179,29 @@ def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: 
         "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
         "state_split": StateSplit(list(state_axes(lever)), state_split(state.state[1], state_axes(lever)))})
     sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
+    twin: Callable[[], tuple[ProgramRecord, dict[str, dict[str, float]]]] | None = None
+    keep: Callable[[ProgramRecord], None] | None = None
     if program is not None:  # compiled already, for its run (--measure): not again
       programs = [("step", program.compiled, program.record, 1)]
       seconds = program.compile_s
     elif step == "one":  # each program's text read once, into the record every figure is read from
       compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
       programs = [("step", compiled, ProgramRecord.read(compiled.as_text()), 1)]
+      if timing is not None:
+        twin = functools.partial(compile_twin, lever, lambda: source.build(depth), source.loss_fn, mesh,
+                                 shape, timing.target)
       if kept is not None:
-        kept.programs[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape,
-                                     programs[0][2])
+        made = (compiled, seconds, lever, lambda: source.build(None), mesh, state, shape)
+
+        def keep(record: ProgramRecord) -> None:
+          kept.programs[key] = Program(*made, record)
     else:
       grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
       programs = [(name, p, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
                                                                                 ("update", update))]
     flops, flops_source = step_flops(programs[0][1], programs[0][2])
     known = Figures(**state_figures, flops_per_device=flops, flops_source=flops_source, compile_s=seconds)
-    return Compiled(programs, mesh, known)
+    return Compiled(programs, mesh, known, twin=twin, keep=keep)
 
   at = compile_words(lever_name, step, shape, depth)
   return compile_and_read(compile, at, lever_name, shape, progress, timing, lambda: Figures(**state_figures),

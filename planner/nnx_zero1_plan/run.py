@@ -180,9 +180,8 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
     blocked = refuse_blocked(request, planned)
   usable = usable_bytes(target.hbm_bytes, target.backend, request.margin)
   # --measure calibrates each build on its own first fitting row where no calibration is given (a given one
-  # is the one the runs check), where the compiler prices in cycles: a calibration is of those.
-  profile = (profiler(target, progress)
-             if measure and not calibrations and target.backend.prices_in_cycles else None)
+  # is the one the runs check).
+  profile = profiler(target, progress) if measure and not calibrations else None
   compiler = RowCompiler(target, usable, progress, planned.compute_dtype,
                          kept=Kept() if measure else None, calibrations=calibrations, profile=profile)
   rows = []

@@ -26,7 +26,7 @@ from nnx_zero1_plan.row import GPU_SOURCE, TPU_SOURCE, Figures, StepTime
 NOT_ESTIMATED = 2**63 - 1
 
 # What costs nothing and is not scheduled on its own: XLA's GPU scheduler gives these no estimate.
-_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
+FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
                    "replica-id", "opt-barrier", "after-all", "add-dependency"})
 
 
@@ -144,7 +144,7 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
   timed = rates.clock_hz is not None or estimates is not None
 
   def scheduled(i: Instruction) -> float | None:
-    return 0.0 if i.op in _FREE else (estimates or {}).get(i.name)
+    return 0.0 if i.op in FREE else (estimates or {}).get(i.name)
 
   compute_seconds = functools.partial(cycle_seconds, rates=rates) if estimates is None else scheduled
 
@@ -259,5 +259,5 @@ def _module_estimates(record: ProgramRecord, scheduled: Mapping[str, Mapping[str
   if not own or record.entry is None:
     return None
   names = [i.name for i in record.computations[record.entry]
-           if i.op not in _FREE and not i.collective and not i.op.endswith("-done")]
+           if i.op not in FREE and not i.collective and not i.op.endswith("-done")]
   return own if not names or sum(n in own for n in names) >= len(names) / 2 else None

@@ -75,7 +75,8 @@ def _tpu_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, ...]:
     raise PlanError(f"libtpu does not know topology {topology!r}: {str(e).splitlines()[0]}") from e
 
 
-def _gpu_devices(chip: str, nodes: int, per_node: int, pool: int) -> tuple[Any, ...]:
+def gpu_devices(chip: str, nodes: int, per_node: int, pool: int) -> tuple[Any, ...]:
+  """``nodes`` x ``per_node`` deviceless ``chip`` GPUs, described to the compiler with the memory ``pool``."""
   from jax.experimental import topologies
 
   described = dataclasses.replace(GPU_CHIPS[chip], memory_bytes=int(pool / GPU_SCHEDULER_FRACTION))
@@ -157,4 +158,4 @@ def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTIO
             f"the {GPU_CHIPS[chip].memory_bytes:,} B device memory less the CUDA context; the compiler "
             f"schedules for it")
   nodes, per_node = shape
-  return Target(topology, platform, chip, _gpu_devices(chip, nodes, per_node, pool), pool, source)
+  return Target(topology, platform, chip, gpu_devices(chip, nodes, per_node, pool), pool, source)
