@@ -9,31 +9,112 @@ import functools
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 
 class Record:
-  """A frozen record of plan.json's, written field by field; each field that is a record (or a tuple or
-  mapping of them) is read into its type as the record is made: a record may be given plan.json's objects
-  (and a tuple field JSON's list). Each record plan.json holds is one: a row and the meta flatten theirs."""
+  """A frozen record of plan.json's, written and read by these two methods alone: each field by its name, in
+  order; a field holding a record (or a tuple or mapping of them) read into its type as the record is made.
+  A field's metadata (:func:`_how`) may write it only where set, its record's fields side by side with the
+  record's own (``flat``), after another key or last, by a function of the record, or read an older name."""
+
+  spelled: ClassVar[bool] = False  # every field written as its str(), read back by its type
 
   def __post_init__(self) -> None:
     for name, kind in _field_types(type(self)).items():
       object.__setattr__(self, name, _read(kind, getattr(self, name)))
 
   def to_json(self) -> dict[str, Any]:
-    """plan.json's object: every field by its name (one marked ``only_when_set`` only where it is set)."""
-    return {f.name: as_json(value) for f in dataclasses.fields(self)  # type: ignore[arg-type]
-            if (value := getattr(self, f.name)) is not None or not f.metadata.get("only_when_set")}
+    """plan.json's object (the keys an older plan.json lacked, in ``absent``, left out again)."""
+    own: dict[str, Any] = {}
+    flat: dict[str, Any] = {}
+    last: dict[str, Any] = {}
+    record: Any = type(self)  # (a class is hashable, which mypy does not see)
+    absent: frozenset[str] = getattr(self, "absent", frozenset())
+    for f in _fields(record):
+      how, value = f.metadata, getattr(self, f.name)
+      if (value is None and how.get("only_when_set")) or f.name in absent:
+        continue
+      written: Any = how["write"](self) if "write" in how else str(value) if self.spelled else as_json(value)
+      if how.get("flat") is not None:
+        flat.update({k: v for k, v in (written or {}).items() if k not in (*absent, *how["flat"])})
+      else:
+        (last if how.get("last") else own)[f.name] = written
+    keys = [*own, *flat, *last]
+    for f in _fields(record):
+      if f.metadata.get("after") and f.name in keys:
+        keys.remove(f.name)
+        keys.insert(keys.index(f.metadata["after"]) + 1, f.name)
+    return {k: {**own, **flat, **last}[k] for k in keys}
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Any:
-    """The record :meth:`to_json` wrote."""
-    return cls(**fields)
+    """The record :meth:`to_json` wrote.
+
+    Raises:
+      KeyError: a key no field has (a plan.json of another planner's); in a record that keeps ``absent``,
+        one missing that is not marked ``later``.
+    """
+    record: Any = cls
+    renamed = {f.metadata["formerly"]: f.name for f in _fields(record) if "formerly" in f.metadata}
+    given = {renamed.get(k, k): v for k, v in fields.items()}
+    unknown, missing = set(given) - _keys(record), _keys(record, "later", absent=True) - set(given)
+    if unknown or (missing and "absent" in _names(cls)):
+      raise KeyError(f"plan.json's object has keys no field has: {sorted(unknown)}, or lacks: "
+                     f"{sorted(missing)}")
+    made: dict[str, Any] = {}
+    for f in _fields(record):
+      kind = _record_of(_field_types(cls)[f.name])
+      if f.metadata.get("flat") is not None:
+        picked = {k: v for k, v in given.items() if k in _keys(kind)}
+        optional = f.default is None
+        made[f.name] = kind.from_json(picked) if picked or not optional else None
+      elif f.name in given:
+        made[f.name] = f.metadata["read"](given[f.name]) if "read" in f.metadata else given[f.name]
+    if "absent" in _names(cls):
+      made["absent"] = frozenset(_keys(record, "later") - set(given))
+    return cls(**made)
+
+
+def _how(default: Any = None, **how: Any) -> Any:
+  """A field (``default``, None unless given) and how plan.json holds it: ``only_when_set`` (not None),
+  ``flat`` (its record's keys in the record's own but those named), ``after`` (a key), ``last``,
+  ``write`` (a function of the record) and ``read`` (of the value written), ``formerly`` (an older name),
+  ``later`` (a key an older plan.json may lack)."""
+  return dataclasses.field(default=default, metadata=how)
+
+
+def _when_set() -> Any:
+  """A field (None by default) that plan.json carries only where it says something (not None)."""
+  return _how(only_when_set=True)
 
 
 # Each record's fields' types, read once (the annotations are strings until read).
 _field_types: Callable[[type], dict[str, Any]] = functools.cache(typing.get_type_hints)
+
+
+@functools.cache
+def _fields(record: type) -> tuple[dataclasses.Field, ...]:
+  """A record's fields plan.json holds: those it is made from (not those made from them)."""
+  return tuple(f for f in dataclasses.fields(record) if f.init)
+
+
+@functools.cache
+def _keys(record: type, flag: str | None = None, absent: bool = False) -> frozenset[str]:
+  """The keys a record's object may hold (a flat record's among them); with ``flag``, those of the fields
+  marked so (``absent``: not marked so)."""
+  keys: set[str] = set()
+  for f in _fields(record):
+    if f.metadata.get("flat") is not None:
+      keys |= _keys(_record_of(_field_types(record)[f.name]), flag, absent) - set(f.metadata["flat"])
+    elif f.name != "absent" and (flag is None or bool(f.metadata.get(flag)) != absent):
+      keys.add(f.name)
+  return frozenset(keys)
+
+
+def _record_of(kind: Any) -> Any:
+  """``X`` of ``X | None``."""
+  return typing.get_args(kind)[0] if typing.get_origin(kind) in (typing.Union, types.UnionType) else kind
 
 
 def _read(kind: Any, value: Any) -> Any:
@@ -45,10 +126,12 @@ def _read(kind: Any, value: Any) -> Any:
     return _read(args[0], value)
   if isinstance(kind, type) and issubclass(kind, Record):
     return kind.from_json(value) if isinstance(value, Mapping) else value
-  if origin is tuple and isinstance(value, (tuple, list)):
-    return tuple(_read(args[0], v) for v in value)
+  if origin in (tuple, list) and isinstance(value, (tuple, list)):
+    return origin(_read(args[0], v) for v in value)
   if origin is Mapping and isinstance(value, Mapping):
     return {k: _read(args[1], v) for k, v in value.items()}
+  if kind in (int, bool) and isinstance(value, str):  # a spelled record's
+    return int(value) if kind is int else value == "True"
   return value
 
 
@@ -67,11 +150,6 @@ def as_json(value: Any) -> Any:
 def _figure(*, per_layer: bool = False) -> Any:
   """A :class:`Figures` field (None by default), and whether an estimate extrapolates it per layer."""
   return dataclasses.field(default=None, metadata={"per_layer": per_layer})
-
-
-def _when_set() -> Any:
-  """A field (None by default) that plan.json carries only where it says something (not None)."""
-  return dataclasses.field(default=None, metadata={"only_when_set": True})
 
 
 def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
@@ -144,11 +222,6 @@ class Collectives(Record):
     """The bytes one device sends per step between slices or nodes (0 on one slice or node)."""
     return sum(c.bytes for c in (self.across_per_step or {}).values())
 
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> Collectives:
-    """The record :meth:`to_json` wrote (``per_step`` empty where it has none; other names not read)."""
-    return cls(**{name: fields[name] for name in _names(cls) if name in fields})
-
 
 @dataclasses.dataclass(frozen=True)
 class StateSplit(Record):
@@ -170,7 +243,7 @@ class HbmOom(Record):
 
 @dataclasses.dataclass(frozen=True)
 class MaxTextConfig(Record):
-  """What MaxText's defaults chose for a row (its config's values of these names).
+  """What MaxText's defaults chose for a row (its config's values of these names, each written as its str()).
 
   Example::
 
@@ -179,6 +252,8 @@ class MaxTextConfig(Record):
     >>> config.to_json()["num_decoder_layers"], MaxTextConfig.from_json(config.to_json()) == config
     ('28', True)
   """
+
+  spelled = True
 
   model_name: str
   shard_mode: str
@@ -191,16 +266,6 @@ class MaxTextConfig(Record):
   gradient_accumulation_steps: int
   global_batch_size_to_train_on: int
   deferred_all_reduce: bool
-
-  def to_json(self) -> dict[str, str]:
-    """plan.json's ``maxtext_config``: each value as the config's ``str()``."""
-    return {name: str(value) for name, value in vars(self).items()}
-
-  @classmethod
-  def from_json(cls, fields: Mapping[str, str]) -> MaxTextConfig:
-    """The record :meth:`to_json` wrote (or the config's values): each field's type read from its string."""
-    typed: dict[type, Callable[[str], Any]] = {int: int, bool: lambda v: v in (True, "True"), str: str}
-    return cls(**{k: typed[_field_types(cls)[k]](v) for k, v in fields.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,13 +446,8 @@ class Measured(Record):
 
   batch: int
   step_s: float | None
-  held_bytes: int | None = None
+  held_bytes: int | None = _how(formerly="peak_bytes")  # what it held (an older plan's name)
   error: str | None = None
-
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> Measured:
-    """The run :meth:`to_json` wrote (an older plan's ``peak_bytes`` as ``held_bytes``: what it held)."""
-    return cls(**{("held_bytes" if k == "peak_bytes" else k): v for k, v in fields.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,54 +478,18 @@ class Row(Record):
   mesh: Mapping[str, int]
   model: str
   batch: int
-  figures: Figures
-  made: Made
+  figures: Figures = dataclasses.field(metadata={"flat": ()})  # its fields side by side with the row's own
+  made: Made = dataclasses.field(metadata={"flat": ()})
   hbm_bytes: int
   usable_bytes: int
   fits: bool | None
   activation_sharding: Any = None
   remat: str | None = None
-  searched: Searched | None = None
-  offloaded: Offloaded | None = None
-  measured: tuple[Measured, ...] | None = None
+  searched: Searched | None = _how(flat=())
+  offloaded: Offloaded | None = _how(flat=())
+  measured: tuple[Measured, ...] | None = _how(only_when_set=True, last=True)
   ga: int | None = _when_set()  # the row's own GA, where --global-batch chose it (else the plan's --ga)
   splits: tuple[Split, ...] | None = _when_set()  # every split --global-batch compiled, in order
-
-  def to_json(self) -> dict[str, Any]:
-    """plan.json's row: every record's fields side by side (:class:`Made`'s notes where they are set, a
-    search's where there was one).
-
-    Example::
-
-      >>> row = Row.from_json({"lever": "zero1", "step": "one", "compiled_for": "h100:8", "device_kind": "H",
-      ...                      "mesh": {"data": 8}, "model": "m:f", "batch": 8, "peak_bytes_per_device": 5,
-      ...                      "depth": 2, "activation_sharding": None, "hbm_bytes": 9, "usable_bytes": 8,
-      ...                      "fits": True, "remat": None})
-      >>> row.figures.peak_bytes_per_device, row.made.depth, row.verdict, Row.from_json(row.to_json()) == row
-      (5, 2, True, True)
-    """
-    nested = super().to_json()
-    row = {k: v for k, v in nested.items() if k not in _RECORDS}
-    for name in _RECORDS[:-1]:
-      row.update(nested[name] or {})
-    return row if self.measured is None else {**row, "measured": nested["measured"]}
-
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> Row:
-    """The row :meth:`to_json` wrote (or a row's fields as the plan compiles them), each in its record.
-
-    Raises:
-      KeyError: a field no record has (a plan.json written by another version of the planner).
-      TypeError: a field the row or a search's record needs is missing.
-    """
-    unknown = set(fields) - _KNOWN
-    if unknown:
-      raise KeyError(f"plan.json's row has fields no record here has: {sorted(unknown)}")
-    pick = lambda record: {k: fields[k] for k in _names(record) if k in fields}
-    records: dict[str, Any] = {"figures": pick(Figures), "made": pick(Made),
-                               "searched": pick(Searched) if "max_micro_batch" in fields else None,
-                               "offloaded": pick(Offloaded) if "offload_fraction" in fields else None}
-    return cls(**pick(cls), **records)
 
   @property
   def estimated(self) -> bool:
@@ -478,7 +502,3 @@ class Row(Record):
     ``fits`` is None: it decides nothing) what its line says; None where a refusal left no figures."""
     return self.made.fits_estimate if self.estimated else self.fits
 
-
-_RECORDS = ("figures", "made", "searched", "offloaded", "measured")
-_KNOWN = frozenset(name for record in (Row, Figures, Made, Searched, Offloaded) for name in _names(record)
-                   if name not in _RECORDS[:-1])

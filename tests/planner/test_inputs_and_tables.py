@@ -282,11 +282,12 @@ def test_the_command_without_its_compiler_exits_2_with_the_install_line(monkeypa
 def test_extrapolation_is_the_line_through_two_depths():
   assert extrapolate(110, 120, 1, 2, 28) == 380
   assert extrapolate(100, 140, 2, 4, 6) == 180
-  r1 = Figures(temp_bytes_per_device=10, collectives={"x": 1})
-  r2 = Figures(temp_bytes_per_device=14, peak_bytes_per_device=3, collectives={"x": 3})
+  ag = lambda count, n: {"per_step": {"all-gather": {"count": count, "bytes": n}}}
+  r1 = Figures(temp_bytes_per_device=10, collectives=ag(1, 10))
+  r2 = Figures(temp_bytes_per_device=14, peak_bytes_per_device=3, collectives=ag(3, 14))
   names = ("temp_bytes_per_device", "peak_bytes_per_device", "collectives")
   r = extrapolate_row(r1, r2, 2, 4, 8, names)
-  assert r == Figures(temp_bytes_per_device=22, peak_bytes_per_device=None, collectives={"x": 7})
+  assert r == Figures(temp_bytes_per_device=22, peak_bytes_per_device=None, collectives=ag(7, 22))
   with pytest.raises(ValueError):
     extrapolate(1, 2, 4, 2, 8)
 
@@ -530,13 +531,14 @@ def test_every_collective_the_one_reader_counts_has_a_table_cell():
 def test_docs_say_what_every_field_of_a_plan_json_row_holds():
   # docs/planner.md's "What a row says" is where each field of a row is explained (the records point there):
   # every field a row writes has its line, and every name there is a field.
-  from nnx_zero1_plan.row import _KNOWN
+  from nnx_zero1_plan.row import Row, _keys
   from tests.support.docs_tables import table_under
 
+  known = _keys(Row)
   named = {name for fields, _ in table_under("docs/planner.md", "| field |")
            for name in re.findall(r"`(\w+)`", fields)}
-  assert named <= _KNOWN, sorted(named - _KNOWN)
-  assert _KNOWN <= named, sorted(_KNOWN - named)
+  assert named <= known, sorted(named - known)
+  assert known <= named, sorted(known - named)
 
 
 def test_docs_say_what_every_part_of_a_step_time_holds():
