@@ -98,7 +98,7 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
                       progress=progress)
   result = answer.message
   if result is not None and "plan" in result:
-    return Plan.from_record(result["plan"])
+    return Plan.from_json(result["plan"])
   if result is not None and result["error"]["type"] in _ERRORS:
     raise _ERRORS[result["error"]["type"]](result["error"]["message"])
   why = result["error"]["traceback"] if result is not None else "\n".join(answer.other)

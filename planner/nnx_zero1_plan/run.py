@@ -210,4 +210,4 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
     rows = measured_rows(compiler, plans, request, rows, recommended)
     recommended = recommended and said_measured(recommended, rows)
   made = compiler.all_calibrations
-  return Plan(rows, meta, hints, recommended, way_out, combined(*made) if made else None, made)
+  return Plan(meta, rows, recommended, way_out, hints, combined(*made) if made else None, made or None)

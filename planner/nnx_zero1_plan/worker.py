@@ -30,7 +30,7 @@ def plan(flags: Sequence[str]) -> int:
   except Exception as e:  # every failure goes back to the caller, who raises it
     say({"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}})
     return 1
-  say({"plan": result.to_record()})
+  say({"plan": result.to_json()})
   return 0
 
 

@@ -40,7 +40,7 @@ SEED = ROOT / "docs" / "data" / "maxtext_qwen3_0p6b_v6e_seed"
 
 
 def _kept(path: pathlib.Path) -> Plan:
-  return Plan.from_record(json.loads(path.read_text()))
+  return Plan.from_json(json.loads(path.read_text()))
 
 
 def _row(plan: Plan, lever: str):

@@ -457,7 +457,7 @@ def test_every_kept_plans_rows_read_into_typed_records_and_write_back_the_same_f
   notes = {f.name for f in dataclasses.fields(Made) if f.metadata.get("only_when_set")}
   for path in kept:
     record = json.loads(path.read_text())
-    for row, written in zip(Plan.from_record(record).rows, record["rows"], strict=True):
+    for row, written in zip(Plan.from_json(record).rows, record["rows"], strict=True):
       # A run measured before its memory figure was named for what it holds wrote it as peak_bytes.
       written = {**written, "measured": [{("held_bytes" if k == "peak_bytes" else k): v for k, v in m.items()}
                                          for m in written["measured"]]} if "measured" in written else written
@@ -509,9 +509,9 @@ def test_plan_json_is_written_from_typed_values_and_an_unexpected_value_raises(t
   # parameters' dtypes as the model holds them, a set) is a TypeError, never a string in plan.json.
   kept = sorted((Path(__file__).resolve().parents[2] / "docs" / "data").glob("**/plan.json"))[0]
   record = json.loads(kept.read_text())
-  plan = Plan.from_record(record)
+  plan = Plan.from_json(record)
   plan.write(str(tmp_path / "again"))
-  assert Plan.from_record(json.loads((tmp_path / "again" / "plan.json").read_text())) == plan
+  assert Plan.from_json(json.loads((tmp_path / "again" / "plan.json").read_text())) == plan
   with pytest.raises(TypeError, match="frozenset"):
     untyped = dataclasses.replace(plan.meta, param_dtypes=frozenset({"bfloat16"}))
     dataclasses.replace(plan, meta=untyped).write(str(tmp_path / "untyped"))
