@@ -4,7 +4,6 @@ that crosses into the planning process."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, check_replica
+from nnx_zero1_plan.row import Record
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for an estimate (``estimate=True``) of a deeper model
 
@@ -97,23 +97,31 @@ def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | 
   return parsed
 
 
-@dataclasses.dataclass(frozen=True)
-class PlanRequest:
-  """One plan's settings: what :func:`nnx_zero1_plan.plan` and the command line's flags take.
+def _setting(default: Any, command: str | None = "set", **how: Any) -> Any:
+  """A setting: its default, and how the printed command says it (``always``; ``set``: where it is not the
+  default; None: never) and plan.json holds it (:func:`~nnx_zero1_plan.row._how`)."""
+  return dataclasses.field(default=default, metadata={"command": command, **how})
 
-  Building the record normalises ``levers`` and ``steps`` to tuples of names (a ``maxtext:`` model keeps
-  ``split`` only) and parses ``model``, ``topology`` and ``mesh`` once (``model_ref``, ``topology_ref``,
-  ``mesh_sizes``, not arguments: what the planning process reads).
+
+# How plan.json holds the mesh (its sizes), the steps (with what each is) and the GPU pool's share (None on a
+# platform with no pool).
+_MESH: Any = {"write": lambda r: dict(r.mesh_sizes), "read": lambda v: spelled_mesh(v) or None}
+_STEPS: Any = {"write": lambda r: {s: STEPS[s] for s in r.steps}, "read": tuple}
+_POOL: Any = {"write": lambda r: r.gpu_memory_fraction if r.backend.pool_fraction else None,
+              "read": lambda v: v or JAX_GPU_POOL_FRACTION}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest(Record):
+  """One plan's settings: what :func:`nnx_zero1_plan.plan` and the command line's flags take, described once
+  here, in plan.json's order (the printed command says them in it too).
 
   Each field but ``depths`` is the command line's flag of its name (``seq_len``: ``--seq-len``; ``overrides``:
-  its ``KEY=VALUE`` words), described once, its default among the words, in :data:`nnx_zero1_plan.cli.FLAGS`.
-  From Python, ``levers`` and ``steps`` take a sequence of names too, and ``overrides`` a mapping; ``depths``
-  are the reduced depths an ``estimate`` compiles a deep model at. Where each is carried out: ``search``,
-  :func:`~nnx_zero1_plan.search.find_edge` (each row gains a :class:`~nnx_zero1_plan.row.Searched`);
-  ``estimate``, :mod:`~nnx_zero1_plan.estimate`; ``tunix_sharding``, :mod:`~nnx_zero1_plan.tunix_sharding`;
-  ``calibration``, :func:`~nnx_zero1_plan.calibration.for_step`; ``lora``,
-  :func:`~nnx_zero1_plan.inputs.lora_modules`; ``margin``'s default,
-  the platform's reserve (:data:`~nnx_zero1_plan.inputs.BACKENDS`).
+  its ``KEY=VALUE`` words), whose words are :data:`nnx_zero1_plan.cli.FLAGS`'. From Python, ``levers`` and
+  ``steps`` take a sequence of names too, and ``overrides`` a mapping; ``depths`` are the reduced depths an
+  ``estimate`` compiles a deep model at. Building the record checks every setting, normalises ``levers`` and
+  ``steps`` to tuples of names (a ``maxtext:`` model keeps ``split`` only) and parses ``model``, ``topology``
+  and ``mesh`` once (``model_ref``, ``topology_ref``, ``mesh_sizes``: what the planning process reads).
 
   Raises:
     PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one
@@ -127,31 +135,31 @@ class PlanRequest:
     (('zero1',), ('one', 'split'), 'cuda')
   """
 
-  model: str
-  topology: str
-  mesh: str | None = None
-  batch: int | None = None
-  seq_len: int = 1024
-  ga: int = 1
-  param_dtype: str | None = None
-  compute_dtype: str | None = None
-  remat: str | None = None
-  optimizer: str = DEFAULT_OPTIMIZER
-  levers: str | Sequence[str] = ("baseline", "zero1")
-  steps: str | Sequence[str] = ("one", "split")
-  overrides: Mapping[str, str] | None = None
-  search: bool = False
-  margin: float | None = None
-  gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION
-  slices: int = ONE_SLICE
-  depths: Sequence[int] = DEFAULT_DEPTHS
-  estimate: bool = False
-  tunix_sharding: str = "default"
-  gpus_per_node: int | None = None
-  maxtext_deferral: str = "auto"
-  calibration: str | None = None
-  global_batch: int | None = None
-  lora: int | None = None
+  model: str = dataclasses.field(metadata={"command": "always"})
+  topology: str = dataclasses.field(metadata={"command": "always"})
+  mesh: str | None = _setting(None, "always", **_MESH)
+  batch: int | None = _setting(None, "always")
+  seq_len: int = _setting(1024, "always")
+  ga: int = _setting(1, "always")
+  optimizer: str = _setting(DEFAULT_OPTIMIZER)
+  param_dtype: str | None = _setting(None)
+  compute_dtype: str | None = _setting(None)
+  remat: str | None = _setting(None)
+  levers: str | Sequence[str] = _setting(("baseline", "zero1"), "always")
+  steps: str | Sequence[str] = _setting(("one", "split"), "always", **_STEPS)
+  gpu_memory_fraction: float = _setting(JAX_GPU_POOL_FRACTION, **_POOL)
+  estimate: bool = _setting(False)
+  overrides: Mapping[str, str] | None = _setting(None, "words")
+  search: bool = _setting(False, None)
+  margin: float | None = _setting(None)
+  slices: int = _setting(ONE_SLICE)
+  tunix_sharding: str = _setting("default", later=True)
+  gpus_per_node: int | None = _setting(None, later=True)
+  maxtext_deferral: str = _setting("auto", later=True)
+  global_batch: int | None = _setting(None, None, later=True)
+  lora: int | None = _setting(None, later=True)
+  depths: Sequence[int] = _setting(DEFAULT_DEPTHS, None)
+  calibration: str | None = _setting(None, None)
   model_ref: ModelRef = dataclasses.field(init=False, repr=False, compare=False)
   topology_ref: Topology = dataclasses.field(init=False, repr=False, compare=False)
   mesh_sizes: Mapping[str, int] = dataclasses.field(init=False, repr=False, compare=False)
@@ -191,19 +199,20 @@ class PlanRequest:
     if self.overrides and kind != "maxtext":
       raise PlanError(f"config overrides (key=value) apply to maxtext: models; {self.model} takes its "
                       "settings from the flags")
+    levers = parse_levers(self.levers, LEVERS)
     if self.global_batch is not None:
-      self._check_global_batch(kind, self.global_batch)
+      self._check_global_batch(kind, self.global_batch, levers)
     if kind == "maxtext":
       steps = tuple(s for s in steps if s == "split")
       if not steps:
         raise PlanError(f"{self.model} compiles as MaxText's engine runs it, as two programs: --steps split")
-    normal = {"levers": parse_levers(self.levers, LEVERS), "steps": steps,
+    normal = {"levers": levers, "steps": steps,
               "overrides": dict(self.overrides) if self.overrides else None,
               "depths": tuple(self.depths), "model_ref": model_ref, "mesh_sizes": sizes}
     for name, value in normal.items():
       object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
 
-  def _check_global_batch(self, kind: str, global_batch: int) -> None:
+  def _check_global_batch(self, kind: str, global_batch: int, levers: Sequence[str]) -> None:
     """Refuses what may not come with ``global_batch``: a plan splits it into the micro-batch and GA."""
     if global_batch < 1:
       raise PlanError(f"--global-batch is sequences per optimizer step, >= 1; got {global_batch}")
@@ -215,7 +224,7 @@ class PlanRequest:
     if kind == "maxtext":
       raise PlanError("--global-batch plans the planner's own step; a maxtext: model sets its micro-batch "
                       "and GA in its config (per_device_batch_size, gradient_accumulation_steps)")
-    searching = [n for n in parse_levers(self.levers, LEVERS) if LEVERS[n].picks_offload]
+    searching = [n for n in levers if LEVERS[n].picks_offload]
     if searching:
       raise PlanError(f"--global-batch with --levers {searching[0]}: that lever searches its share of the "
                       "state at one micro-batch; plan it with --batch")
@@ -253,22 +262,6 @@ class PlanRequest:
     model = str(self.model_ref)
     return ResolvedRequest(**{**asked, "model": model, "mesh": spelled_mesh(mesh), "batch": batch})
 
-  def to_json(self) -> str:
-    """The record as JSON, for the planning process (:meth:`from_json` reads it back).
-
-    Example::
-
-      >>> request = PlanRequest("tunix:qwen3_0p6b", "v6e:2x2", search=True)
-      >>> PlanRequest.from_json(request.to_json()) == request
-      True
-    """
-    return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
-
-  @classmethod
-  def from_json(cls, text: str) -> PlanRequest:
-    """The record :meth:`to_json` wrote."""
-    return cls(**json.loads(text))
-
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedRequest(PlanRequest):
@@ -280,8 +273,8 @@ class ResolvedRequest(PlanRequest):
     batch: the global micro-batch the plan compiled.
   """
 
-  mesh: str = ""
-  batch: int = 0
+  mesh: str = _setting("", "always", **_MESH)
+  batch: int = _setting(0, "always")
 
 
 def remats(policy: str | None) -> bool:
@@ -294,14 +287,10 @@ SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanRequest)
                     if f.init and f.default is not dataclasses.MISSING}
 
 
-# The flags a command prints after ``--steps``, in order, each where its field is not the request's default.
-_OPTIONAL_FLAGS = ("param_dtype", "compute_dtype", "remat", "optimizer", "slices", "estimate", "margin",
-                   "gpu_memory_fraction", "gpus_per_node", "tunix_sharding", "maxtext_deferral", "lora")
-
-
 def command_line(request: ResolvedRequest, **changes: Any) -> str:
   """The planner's command for ``request`` with ``changes`` made (``dataclasses.replace``: each checked as the
-  request was): the inverse of parsing, a setting at its default left out, the mesh and micro-batch spelt out.
+  request was): the inverse of parsing, each setting the command always says, then each other not at its
+  default (nor one plan.json says nothing of here), then the overrides.
 
   Raises:
     PlanError: a change the request refuses.
@@ -309,28 +298,19 @@ def command_line(request: ResolvedRequest, **changes: Any) -> str:
   Example::
 
     >>> request = PlanRequest("tunix:qwen3_8b", "v5e:2x4", steps="one").resolved({"data": 8}, 8)
-    >>> print(*command_line(request, levers="zero1", batch=16).split(" --"), sep="\\n  --")
-    python -m nnx_zero1.plan
-      --model tunix:qwen3_8b
-      --topology v5e:2x4
-      --mesh data=8
-      --batch 16
-      --seq-len 1024
-      --ga 1
-      --levers zero1
-      --steps one
+    >>> command_line(request, levers="zero1", batch=16, lora=4)[24:]
+    '--model tunix:qwen3_8b --topology v5e:2x4 --mesh data=8 --batch 16 --seq-len 1024 --ga 1 --levers zero1 \
+--steps one --lora 4'
   """
   r = dataclasses.replace(request, **changes)
-  words = ["python -m nnx_zero1.plan", f"--model {r.model_ref}", f"--topology {r.topology}",
-           f"--mesh {spelled_mesh(r.mesh_sizes)}", f"--batch {r.batch}", f"--seq-len {r.seq_len}",
-           f"--ga {r.ga}", f"--levers {','.join(r.levers)}", f"--steps {','.join(r.steps)}"]
-  for name in _OPTIONAL_FLAGS:
-    value = getattr(r, name)
-    # The pool's share says nothing of a plan for a platform that has none.
-    unsaid = name == "gpu_memory_fraction" and not r.backend.pool_fraction
-    if value in (SETTING_DEFAULTS[name], "") or unsaid:
-      continue
-    flag = f"--{name.replace('_', '-')}"
-    words.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
-  words += [shlex.quote(f"{k}={v}") for k, v in (r.overrides or {}).items()]
-  return " ".join(words)
+  spelled = {"model": r.model_ref, "mesh": spelled_mesh(r.mesh_sizes), "levers": ",".join(r.levers),
+             "steps": ",".join(r.steps)}
+  always, given = ["python -m nnx_zero1.plan"], []
+  for f in dataclasses.fields(r):
+    value, how, flag = getattr(r, f.name), f.metadata, f"--{f.name.replace('_', '-')}"
+    if how.get("command") == "always":
+      always.append(f"{flag} {spelled.get(f.name, value)}")
+    elif how.get("command") == "set" and value not in (f.default, "") and (
+        "write" not in how or how["write"](r) is not None):
+      given.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
+  return " ".join([*always, *given, *(shlex.quote(f"{k}={v}") for k, v in (r.overrides or {}).items())])

@@ -21,8 +21,8 @@ class Record:
   spelled: ClassVar[bool] = False  # every field written as its str(), read back by its type
 
   def __post_init__(self) -> None:
-    for name, kind in _field_types(type(self)).items():
-      object.__setattr__(self, name, _read(kind, getattr(self, name)))
+    for f in dataclasses.fields(self):  # type: ignore[arg-type]
+      object.__setattr__(self, f.name, _read(_field_types(type(self))[f.name], getattr(self, f.name)))
 
   def to_json(self) -> dict[str, Any]:
     """plan.json's object (the keys an older plan.json lacked, in ``absent``, left out again)."""
@@ -33,7 +33,7 @@ class Record:
     absent: frozenset[str] = getattr(self, "absent", frozenset())
     for f in _fields(record):
       how, value = f.metadata, getattr(self, f.name)
-      if (value is None and how.get("only_when_set")) or f.name in absent:
+      if (value is None and how.get("only_when_set")) or f.name in (*absent, "absent"):
         continue
       written: Any = how["write"](self) if "write" in how else str(value) if self.spelled else as_json(value)
       if how.get("flat") is not None:

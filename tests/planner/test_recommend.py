@@ -122,12 +122,12 @@ def test_the_command_line_reproduces_the_settings_that_matter():
   cli = command_line(request, levers=["zero1"], steps=["split"], batch=32, remat="block")
   assert cli.startswith("python -m nnx_zero1.plan --model maxtext:qwen3-0.6b --topology v6e:2x2 "
                         "--mesh data=4 --batch 32")
-  assert cli.endswith("--levers zero1 --steps split --param-dtype bfloat16 --remat block --optimizer lion "
+  assert cli.endswith("--levers zero1 --steps split --optimizer lion --param-dtype bfloat16 --remat block "
                       "scan_layers=false")
   # The margin and the GPU pool are part of what a row was compiled and judged against (the pool on GPUs).
   cli = command_line(dataclasses.replace(REQUEST, margin=0.0, gpu_memory_fraction=0.9), levers=["zero1"],
                      steps=["one"])
-  assert "--margin 0.0 --gpu-memory-fraction 0.9" in cli
+  assert "--gpu-memory-fraction 0.9 --margin 0.0" in cli
   assert "--gpu-memory-fraction" not in command_line(dataclasses.replace(request, gpu_memory_fraction=0.9))
   # A change is made on the request, so it is checked as the request was: no command the planner refuses.
   with pytest.raises(PlanError, match="--steps split"):
