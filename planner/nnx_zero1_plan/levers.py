@@ -10,6 +10,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
+from nnx_zero1_plan.row import StateSplit
 
 # The options that only narrow what crosses between slices or nodes.
 _NARROWING = ("across_dtype", "params_across_dtype")
@@ -136,25 +137,24 @@ def adds_memory(name: str) -> str | None:
   return None if dtype is None else f"{dtype} master copies of the parameters (split over the data axes)"
 
 
-def saves_nothing(name: str, mesh: Mapping[str, int]) -> str | None:
-  """Why lever ``name`` makes no room on ``mesh`` (None: it may): its only saving is the split of the state
-  over its axes (no share in host memory, no narrower dtype), and those axes come to one device.
+def splits_nothing(name: str, mesh: Mapping[str, int], split: StateSplit | None = None) -> bool:
+  """Whether lever ``name`` leaves each device the whole optimizer state on ``mesh``, where splitting it is
+  its only saving (no share in host memory, no narrower dtype): its axes come to one device, or its compiled
+  layout (``split``, a row's) split none of the state over axes larger than one device.
 
   Example::
 
-    >>> saves_nothing("zero2", {"data": 1, "fsdp": 8})
-    'splits the optimizer state over data, of size 1 on this mesh'
-    >>> saves_nothing("zero1", {"data": 4}), saves_nothing("offload", {"data": 1})
-    (None, None)
+    >>> splits_nothing("zero2", {"data": 1, "fsdp": 8}), splits_nothing("offload", {"data": 1})
+    (True, False)
   """
-  lever = LEVERS[name]
-  if not lever.zero1 or lever.picks_offload or {"offload_state_to_host", "state_dtype"} & set(
-      lever.optimizer_options):
-    return None
-  axes = state_axes(lever)
-  if math.prod(mesh.get(axis, 1) for axis in axes) > 1:
-    return None
-  return f"splits the optimizer state over {' x '.join(axes)}, of size 1 on this mesh"
+  lever = LEVERS.get(name)
+  saves_otherwise = {"offload_state_to_host", "state_dtype"} & set(lever.optimizer_options if lever else ())
+  if lever is None or not lever.zero1 or lever.picks_offload or saves_otherwise:
+    return False
+  devices = lambda axes: math.prod(mesh.get(axis, 1) for axis in axes)
+  if split is None:
+    return devices(state_axes(lever)) == 1
+  return sum(v for k, v in split.share.items() if k != "none" and devices(k.split(",")) > 1) < 0.001
 
 
 def narrowed_dtypes(lever: Lever) -> dict[str, str]:

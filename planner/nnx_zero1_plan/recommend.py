@@ -10,7 +10,7 @@ from typing import Any
 
 from nnx_zero1_plan.bands import SAME_SPEED, differ_in, kind_bytes, parts_of, told_apart
 from nnx_zero1_plan.cells import gib, ms
-from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
+from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes, splits_nothing
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line, remats
 from nnx_zero1_plan.row import Point, Record, Row
@@ -125,23 +125,23 @@ def thin_note(row: Row, micro: int) -> str | None:
 def _states(row: Row, rows: Sequence[Row]) -> tuple[int, int, Row] | None:
   """A Zero-1 row's optimizer state per device, its baseline's (the same step and remat policy) and that
   baseline; None for a baseline, state in host memory, no baseline planned, or a state not known."""
-  base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
+  base = _baseline(row, rows)
   if row.lever == "baseline" or row.figures.host_state_bytes or base is None:
     return None
   mine, theirs = row.figures.opt_state_bytes_per_device, base.figures.opt_state_bytes_per_device
   return None if mine is None or theirs is None else (mine, theirs, base)
 
 
-def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
-  """Whether a Zero-1 row holds the baseline's optimizer state per device (within 0.1%, none in host memory):
-  its layout split nothing (a data axis of size 1, or no leaf that divides), the baseline by another name."""
-  states = _states(row, rows)
-  return states is not None and _alike(*states[:2])
+def _baseline(row: Row, rows: Sequence[Row]) -> Row | None:
+  """The baseline of the row's step and remat policy, where the plan has one."""
+  return next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
 
 
-def _alike(mine: int, theirs: int) -> bool:
-  """Whether two optimizer states per device are the same bytes, within 0.1%."""
-  return abs(mine - theirs) <= 0.001 * theirs
+def baseline_by_another_name(row: Row, rows: Sequence[Row]) -> bool:
+  """Whether a Zero-1 row's layout split nothing (:func:`~nnx_zero1_plan.levers.splits_nothing`), none of
+  its state in host memory, beside a baseline planned with it: the baseline by another name, no candidate."""
+  return (_baseline(row, rows) is not None and not row.figures.host_state_bytes
+          and splits_nothing(row.lever, row.mesh, row.figures.state_split))
 
 
 def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
@@ -163,7 +163,7 @@ def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
     nnx.Optimizer is as good
   """
   states = _states(row, rows)
-  if states is None or _alike(*states[:2]):  # split nothing (splits_nothing): the baseline by another name
+  if states is None or baseline_by_another_name(row, rows):
     return None
   mine, theirs, base = states
   edge = lambda r: micro_batch_of(r, r.batch) or 0
@@ -404,7 +404,7 @@ def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
     step = step if step in shapes else (shapes[0] if shapes else step)
   same_step = [r for r in rows if r.step == step]
   little = {r.lever: note for r in same_step if (note := saves_little(r, same_step)) is not None}
-  candidates = [r for r in same_step if not splits_nothing(r, same_step) and r.lever not in little]
+  candidates = [r for r in same_step if not baseline_by_another_name(r, same_step) and r.lever not in little]
   edges = [micro_batch_of(r, r.batch) for r in candidates]
   if not any(edges):
     return None

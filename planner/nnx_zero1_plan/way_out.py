@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from nnx_zero1_plan.cells import gib
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
-from nnx_zero1_plan.levers import adds_memory, memory_twin, saves_nothing
+from nnx_zero1_plan.levers import adds_memory, memory_twin, splits_nothing
 from nnx_zero1_plan.request import ResolvedRequest, command_line, remats
 from nnx_zero1_plan.row import Record, Row
 
@@ -140,7 +140,7 @@ def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[s
     # nor one whose split covers one device here.
     if memory_twin(name) in tried or name in blocked or adds_memory(name):
       continue
-    if saves_nothing(name, request.mesh_sizes):
+    if splits_nothing(name, request.mesh_sizes):
       idle += [name] if memory_twin(name) == name else []  # a narrowing twin is its plain lever's, said once
       continue
     saving = ""

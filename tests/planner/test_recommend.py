@@ -9,7 +9,7 @@ from nnx_zero1_plan.inputs import PlanError
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.recommend import ORDER, baseline_beats, recommend
 from nnx_zero1_plan.request import PlanRequest, command_line
-from nnx_zero1_plan.row import Made, Offloaded, Point
+from nnx_zero1_plan.row import Made, Offloaded, Point, StateSplit
 from tests.support.rows import G, make_row, searched
 
 # The plan's request as resolved: its mesh and micro-batch set, as the recommendation reads it.
@@ -201,9 +201,10 @@ def test_on_a_non_monotonic_bend_a_lever_stands_where_its_own_compile_fitted():
 
 
 def test_a_zero1_lever_holding_the_baseline_s_state_is_never_recommended():
-  # Three v5p slices, no leaf divisible by replica x data: zero1-pod held the baseline's state per chip.
+  # No leaf divisible by the state's axes: zero1-pod's layout split nothing, the baseline's state per chip.
   base = _row("baseline", opt_state_bytes_per_device=27 * G, collective=10, headroom_bytes_per_device=G)
-  pod = _row("zero1-pod", opt_state_bytes_per_device=27 * G, collective=1, headroom_bytes_per_device=G)
+  pod = _row("zero1-pod", opt_state_bytes_per_device=27 * G, collective=1, headroom_bytes_per_device=G,
+             state_split=StateSplit(["replica", "data"], {"none": 1.0}))
   zero1 = _row("zero1", opt_state_bytes_per_device=7 * G, fits=False)
   best = recommend([base, pod, zero1], REQUEST)
   assert best.lever == "baseline"
