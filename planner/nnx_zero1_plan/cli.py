@@ -151,11 +151,6 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
 
   Raises:
     PlanError: what :class:`PlanRequest` refuses, a malformed MaxText override, or ``--full-depth``.
-
-  Example::
-
-    >>> request_of(parse_args(["--model", "m:f", "--topology", "h100:2x8"])).domains
-    2
   """
   if getattr(args, "full_depth", False):
     raise PlanError("--full-depth: whole programs are the default; leave the flag out (--estimate asks for "

@@ -62,13 +62,7 @@ class Topology(NamedTuple):
   shape: tuple[int, ...]
 
   def domains(self, slices: int = ONE_SLICE) -> int:
-    """The slices (TPU: ``slices`` of this one) or nodes (GPU: the shape's first number) the target spans.
-
-    Example::
-
-      >>> Topology("cuda", "h100", (2, 8)).domains(), Topology("tpu", "v5p", (2, 2, 1)).domains(slices=2)
-      (2, 2)
-    """
+    """The slices (TPU: ``slices`` of this one) or nodes (GPU: the shape's first number) the target spans."""
     return slices if self.backend.domain == "slices" else self.shape[0]
 
   @property
@@ -82,11 +76,6 @@ def parse_mesh(text: str | None) -> dict[str, int]:
 
   Raises:
     PlanError: an entry is not ``name=size`` with a positive size, or an axis repeats.
-
-  Example::
-
-    >>> parse_mesh("data=4,fsdp=2")
-    {'data': 4, 'fsdp': 2}
   """
   sizes: dict[str, int] = {}
   for entry in filter(None, (text or "").replace(" ", "").split(",")):
@@ -110,11 +99,6 @@ def parse_levers(text: str | Sequence[str], known: Iterable[str], what: str = "l
 
   Raises:
     PlanError: a name is not known, or none is given.
-
-  Example::
-
-    >>> parse_levers("baseline,zero1", ["baseline", "zero1", "zero2"])
-    ('baseline', 'zero1')
   """
   names = tuple(filter(None, text.replace(" ", "").split(","))) if isinstance(text, str) else tuple(text)
   known = tuple(known)
@@ -130,11 +114,6 @@ def parse_topology(text: str, gpu_chips: Iterable[str]) -> Topology:
 
   Raises:
     PlanError: not ``CHIP:SHAPE``, or a GPU chip or shape the planner does not know.
-
-  Example::
-
-    >>> parse_topology("h100:2x8", ["h100"])
-    Topology(platform='cuda', chip='h100', shape=(2, 8))
   """
   chips = tuple(gpu_chips)
   m = re.fullmatch(r"([\w\-]+):(\d+(?:x\d+)*)", text.strip())
@@ -156,11 +135,6 @@ def parse_model(text: str) -> ModelRef:
 
   Raises:
     PlanError: not ``SOURCE:NAME``.
-
-  Example::
-
-    >>> parse_model("tunix:qwen3_0p6b")
-    ModelRef(kind='tunix', name='qwen3_0p6b')
   """
   source, sep, name = text.strip().partition(":")
   if not sep or not source or not name:
@@ -174,11 +148,6 @@ def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
 
   Raises:
     PlanError: an entry is not ``key=value``.
-
-  Example::
-
-    >>> parse_overrides(["base_num_decoder_layers=4", "remat_policy=minimal"])
-    {'base_num_decoder_layers': '4', 'remat_policy': 'minimal'}
   """
   overrides = {}
   for entry in entries:
@@ -208,47 +177,23 @@ def tunix_family(config: str) -> str | None:
 
 
 def lora_modules(config: str) -> str:
-  """The ``module_path`` regex ``--lora`` adapts in the Tunix configuration ``config``.
-
-  Example::
-
-    >>> lora_modules("qwen3_1p7b")[:22]
-    '.*q_proj|.*k_proj|.*v_'
-  """
+  """The ``module_path`` regex ``--lora`` adapts in the Tunix configuration ``config``."""
   return _GEMMA3_EINSUMS if tunix_family(config) == "gemma3" else _PROJECTIONS
 
 
 def lora_refusal(model: str) -> str:
-  """Why ``--lora`` does not apply to ``model`` (not a ``tunix:`` model), and how its own LoRA is planned.
-
-  Example::
-
-    >>> lora_refusal("my_pkg.models:build")[:62]
-    '--lora applies LoRA to tunix: models; my_pkg.models:build appl'
-  """
+  """Why ``--lora`` does not apply to ``model`` (not a ``tunix:`` model), and how its own LoRA is planned."""
   return (f"--lora applies LoRA to tunix: models; {model} applies its own: call qwix.apply_lora_to_model in "
           "your function, and the plan trains its nnx.LoRAParam s only, as Tunix's PeftTrainer does")
 
 
 def error_line(error: BaseException, limit: int = 300) -> str:
-  """An exception as one line (its type, then its message's words), :func:`shortened` to ``limit``.
-
-  Example::
-
-    >>> error_line(ValueError("no   room"))
-    'ValueError: no room'
-  """
+  """An exception as one line (its type, then its message's words), :func:`shortened` to ``limit``."""
   return shortened(f"{type(error).__name__}: {' '.join(str(error).split())}", limit)
 
 
 def shortened(text: str, limit: int) -> str:
-  """``text`` cut to at most ``limit`` characters at a word's end, with an ellipsis where it was cut.
-
-  Example::
-
-    >>> shortened("RESOURCE_EXHAUSTED: HLO temporaries exceed HBM", 30)
-    'RESOURCE_EXHAUSTED: HLO ...'
-  """
+  """``text`` cut to at most ``limit`` characters at a word's end, with an ellipsis where it was cut."""
   if len(text) <= limit:
     return text
   return text[:limit - 4].rsplit(" ", 1)[0] + " ..."

@@ -102,18 +102,7 @@ def recompute_note(row: Row, micro: int) -> str | None:
 
 def thin_note(row: Row, micro: int) -> str | None:
   """Where a row at ``micro`` leaves less than 1% of the usable memory free, one sentence saying so (near its
-  limit a compiler lands within about 1.5% either side of it: docs/planner.md's search); None otherwise.
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Figures, Made
-    >>> row = Row("zero1-pod", "one", "h100:2x8", "H100", {"data": 16}, "m:f", 128,
-    ...           Figures(headroom_bytes_per_device=2**30 // 20), Made(depth=2), 81 * 2**30, 80 * 2**30, True)
-    >>> print(thin_note(row, 128).replace("; ", ";\\n").replace(": a", ":\\na"))
-    thin: zero1-pod at micro-batch 128 leaves 0.05 GiB of 80.00 GiB usable free (0.06%, under 1%);
-    near its limit the compiler lands within about 1.5% either side:
-    a smaller micro-batch or --margin leaves room
-  """
+  limit a compiler lands within about 1.5% either side of it: docs/planner.md's search); None otherwise."""
   room, usable = figures_at(row, micro).headroom_bytes_per_device, row.usable_bytes
   if room is None or not usable or room >= _THIN * usable:
     return None
@@ -147,21 +136,7 @@ def baseline_by_another_name(row: Row, rows: Sequence[Row]) -> bool:
 def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
   """Where a Zero-1 row's optimizer state per device is smaller than the fitting baseline's by less than 1.5%
   of the baseline's peak (LoRA's small state), one line saying so; None otherwise (also where a search found
-  the row a larger micro-batch than the baseline's: then the saving is what fits).
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Figures, Made
-    >>> def row(lever, state):
-    ...   f = Figures(opt_state_bytes_per_device=state, peak_bytes_per_device=4 * 2**30)
-    ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 9, 8, True)
-    >>> rows = [row("baseline", 48 * 2**20), row("zero1", 6 * 2**20)]
-    >>> print(saves_little(rows[1], rows).replace(": ", ":\\n").replace(" (", "\\n("))
-    zero1 saves little here:
-    0.04 GiB of optimizer state per device, 1.0% of the baseline's 4.00 GiB peak
-    (under 1.5%, the compiler's own scatter near its limit):
-    nnx.Optimizer is as good
-  """
+  the row a larger micro-batch than the baseline's: then the saving is what fits)."""
   states = _states(row, rows)
   if states is None or baseline_by_another_name(row, rows):
     return None
@@ -233,13 +208,7 @@ def host_bytes_of(row: Row) -> int:
 
 
 def narrowed_note(lever: str) -> str | None:
-  """What a lever that narrows a hop between slices or nodes gives up (None: nothing).
-
-  Example::
-
-    >>> narrowed_note("zero1"), narrowed_note("zero1-accum-bf16across")[:44]
-    (None, 'zero1-accum-bf16across is not bit-identical:')
-  """
+  """What a lever that narrows a hop between slices or nodes gives up (None: nothing)."""
   narrowed = narrowed_dtypes(LEVERS[lever]) if lever in LEVERS else {}
   if not narrowed:
     return None
@@ -285,14 +254,7 @@ def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:
 def plan_code(request: PlanRequest, lever: str, offload_fraction: float | None = None,
               activation_sharding: Mapping[str, Any] | str | None = None) -> str:
   """The code that trains as ``request`` (resolved: its mesh sized) planned ``lever`` (:func:`lever_code`):
-  its model, mesh, optimizer and target; a recommendation's and a way out's.
-
-  Example::
-
-    >>> request = PlanRequest("maxtext:qwen3-0.6b", "v6e:2x2", mesh="data=4")
-    >>> print(plan_code(request, "zero1-bf16state"))
-    Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16
-  """
+  its model, mesh, optimizer and target; a recommendation's and a way out's."""
   return lever_code(lever, str(request.model_ref), offload_fraction, request.mesh_sizes, request.optimizer,
                     platform=request.platform, domains=request.domains,
                     activation_sharding=activation_sharding, lora=request.lora)
@@ -337,21 +299,7 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str
   told apart from (:func:`~nnx_zero1_plan.bands.told_apart`, each part of the step within its band), the
   most headroom. Why names each other lever's fastest point, and the order it ranked by
   (:data:`BY_CALIBRATED` where every point has a calibrated time); None where a fitting point has no
-  predicted time (the order is then :data:`ORDER`).
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Figures, Made
-    >>> def row(lever, tok, room):
-    ...   f = Figures(predicted_step_s=8 / tok, tokens_per_s_per_device=tok, headroom_bytes_per_device=room)
-    ...   return Row(lever, "one", "v6e:2x2", "TPU", {"data": 4}, "m", 8, f, Made(depth=2), 9, 8, True)
-    >>> best, at, why, order = by_throughput([row("baseline", 100.0, 1), row("zero1", 101.0, 5)])
-    >>> best.lever, at.batch
-    ('zero1', 8)
-    >>> print(why[0].replace("; ", ";\\n"))
-    zero1 at 8: 79.2 ms, 101 tok/s per device;
-    baseline at 8: 80.0 ms, 100 tok/s per device: within 2%, zero1 for its headroom
-  """
+  predicted time (the order is then :data:`ORDER`)."""
   points = _fitting(rows)
   if not points or any(p.tokens_per_s_per_device is None for _, p in points):
     return None

@@ -58,11 +58,6 @@ def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | 
     PlanError: an unknown topology; ``slices`` below 1, or above 1 for GPUs (their nodes are in the
       topology); GPU nodes spelt with other than the chip's standard node of GPUs, unless ``gpus_per_node``
       says it again; ``gpus_per_node`` that does not match the topology, or on a TPU.
-
-  Example::
-
-    >>> check_topology("h100:8x2", gpus_per_node=2).shape
-    (8, 2)
   """
   parsed = parse_topology(topology, GPU_CHIPS)
   chip, shape = parsed.chip, parsed.shape
@@ -251,13 +246,7 @@ class PlanRequest(Record):
 
   def resolved(self, mesh: Mapping[str, int], batch: int) -> ResolvedRequest:
     """The request as a plan resolved it: every mesh axis sized, the micro-batch set and the model as
-    ``--model`` spells it.
-
-    Example::
-
-      >>> PlanRequest("tunix:qwen3_0p6b", "h100:8").resolved({"data": 8, "fsdp": 1}, 8).mesh
-      'data=8,fsdp=1'
-    """
+    ``--model`` spells it."""
     asked = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
     model = str(self.model_ref)
     return ResolvedRequest(**{**asked, "model": model, "mesh": spelled_mesh(mesh), "batch": batch})
@@ -294,13 +283,6 @@ def command_line(request: ResolvedRequest, **changes: Any) -> str:
 
   Raises:
     PlanError: a change the request refuses.
-
-  Example::
-
-    >>> request = PlanRequest("tunix:qwen3_8b", "v5e:2x4", steps="one").resolved({"data": 8}, 8)
-    >>> command_line(request, levers="zero1", batch=16, lora=4)[24:]
-    '--model tunix:qwen3_8b --topology v5e:2x4 --mesh data=8 --batch 16 --seq-len 1024 --ga 1 --levers zero1 \
---steps one --lora 4'
   """
   r = dataclasses.replace(request, **changes)
   spelled = {"model": r.model_ref, "mesh": spelled_mesh(r.mesh_sizes), "levers": ",".join(r.levers),

@@ -198,14 +198,7 @@ def op_counts(by_op: Mapping[str, Any] | None) -> dict[str, OpCount] | None:
 @dataclasses.dataclass(frozen=True)
 class Collectives(Record):
   """A step's collectives on one device, each ``{op kind: OpCount}``
-  (:func:`nnx_zero1_plan.compiled.collectives_of`).
-
-  Example::
-
-    >>> c = Collectives.from_json({"per_step": {"all-reduce": {"count": 2, "bytes": 6}}})
-    >>> c.per_step["all-reduce"].count, c.sent_bytes, c.across_bytes, c.to_json()["per_step"]
-    (2, 6, 0, {'all-reduce': {'count': 2, 'bytes': 6}})
-  """
+  (:func:`nnx_zero1_plan.compiled.collectives_of`)."""
 
   per_step: Mapping[str, OpCount] = dataclasses.field(default_factory=dict)
   per_micro_batch: Mapping[str, OpCount] | None = _when_set()
@@ -244,13 +237,6 @@ class HbmOom(Record):
 @dataclasses.dataclass(frozen=True)
 class MaxTextConfig(Record):
   """What MaxText's defaults chose for a row (its config's values of these names, each written as its str()).
-
-  Example::
-
-    >>> config = MaxTextConfig("qwen3-0.6b", "ShardMode.EXPLICIT", "None", False, "bfloat16", "float32",
-    ...                        "OptimizerType.ADAMW", 28, 8, 64, True)
-    >>> config.to_json()["num_decoder_layers"], MaxTextConfig.from_json(config.to_json()) == config
-    ('28', True)
   """
 
   spelled = True
@@ -369,13 +355,7 @@ class Made(Record):
 @dataclasses.dataclass(frozen=True)
 class Point(Record):
   """One compile of a search: its micro-batch, whether it fits, and the :class:`Figures` a search keeps
-  (:data:`AT_EDGE`, each named as its :class:`Figures` field).
-
-  Example::
-
-    >>> Point.of(48, True, Figures(peak_bytes_per_device=9, compile_s=2.0)).peak_bytes_per_device
-    9
-  """
+  (:data:`AT_EDGE`, each named as its :class:`Figures` field)."""
 
   batch: int
   fits: bool

@@ -58,16 +58,6 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
     named_axes: the mesh axes the model's variables name (``fsdp`` must be one for a larger fsdp).
     host_memory: whether the target's compile-only devices have host memory to offload to (TPUs; XLA's GPU
       compiler offers none without a GPU).
-
-  Example::
-
-    >>> from nnx_zero1_plan.request import PlanRequest
-    >>> request = PlanRequest("m.models:build", "h100:8").resolved({"data": 4, "fsdp": 2}, 16)
-    >>> [c.what for c in changes_to_try(request, lever="zero1", batch_unit=4, remat="block",
-    ...                                 named_axes=["fsdp"])]  # doctest: +NORMALIZE_WHITESPACE
-    ['micro-batch 8, 2x the accumulation (the same tokens per step)',
-     'micro-batch 4, 4x the accumulation (the same tokens per step)', 'remat block',
-     'fsdp=4 (data=2): parameters and gradients split too', 'the optimizer state in host memory']
   """
   batch, mesh = request.batch, request.mesh_sizes
   on = functools.partial(dataclasses.replace, request, levers=(lever,))
