@@ -37,20 +37,10 @@ _LITTLE = 0.015
 
 @dataclasses.dataclass(frozen=True)
 class Recommendation(Record):
-  """The configuration a plan recommends (plan.json's ``recommendation``).
-
-  Attributes:
-    lever: the lever to run.
-    step: its step shape (``one`` or ``split``).
-    micro_batch: the micro-batch it fits (its search's edge where there was one).
-    remat: the remat policy its row compiled under (None: the model's own).
-    code: the code that builds it (:func:`nnx_zero1_plan.printed_code.lever_code`).
-    cli: the planner's command that reproduces it.
-    order: :data:`ORDER`, the order it was picked by.
-    baseline_beats: where ``nnx.Optimizer`` fits more than a Zero-1 lever, why (:func:`baseline_beats`).
-    why: why it beat each lever that fits as far (:func:`why_picked`).
-    notes: edges not confirmed, levers left out for splitting nothing, recompute, a narrowed hop.
-  """
+  """The configuration a plan recommends (plan.json's ``recommendation``): the lever, step shape, micro-batch
+  (its search's edge where there was one) and remat policy to run, the code that builds it and the command
+  that reproduces it, the order it was picked by and why (:func:`baseline_beats`, :func:`why_picked`), and
+  notes: edges not confirmed, levers left out for splitting nothing, recompute, a narrowed hop."""
 
   lever: str
   step: str
@@ -333,19 +323,9 @@ def _roomier(row: Row, point: Point) -> tuple[int, bool]:
 def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
               activation_sharding: Mapping[str, Any] | str | None = None,
               step: str | None = None) -> Recommendation | None:
-  """The configuration to run, by :data:`ORDER`, among the rows of one step shape.
-
-  Args:
-    rows: the plan's rows (a searched row stands at its edge); ``fits`` is within the usable memory (the
-      reserve or the margin taken off).
-    request: the plan's request as resolved (its mesh and micro-batch set).
-    activation_sharding: a ``tunix:`` model's activation specs, for its printed code.
-    step: the step shape to choose among (default: ``split`` for MaxText's engine, else ``one`` where
-      there are such rows).
-
-  Returns:
-    The :class:`Recommendation`, or None when no row fits.
-  """
+  """The configuration to run among the rows of one ``step`` shape (by default ``split`` for MaxText's
+  engine, else ``one`` where there are such rows), by :data:`BY_THROUGHPUT` or :data:`ORDER` (a searched row
+  stands at its edge); None when no row fits. ``activation_sharding``: a ``tunix:`` model's, for its code."""
   if step is None:
     shapes = [r.step for r in rows]
     step = "split" if request.model_ref.kind == "maxtext" else DEFAULT_STEP
