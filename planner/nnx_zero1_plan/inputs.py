@@ -1,4 +1,5 @@
-"""The planner's inputs, parsed and checked: pure functions of strings, no compiler needed."""
+"""The planner's inputs, parsed and checked: pure functions of strings, no compiler needed, each refusing what
+it cannot read with a :class:`PlanError` that names it and what is accepted."""
 
 from __future__ import annotations
 
@@ -72,11 +73,7 @@ class Topology(NamedTuple):
 
 
 def parse_mesh(text: str | None) -> dict[str, int]:
-  """``--mesh data=4,fsdp=2`` as ``{"data": 4, "fsdp": 2}`` (empty for None or "").
-
-  Raises:
-    PlanError: an entry is not ``name=size`` with a positive size, or an axis repeats.
-  """
+  """``--mesh data=4,fsdp=2`` as ``{"data": 4, "fsdp": 2}`` (empty for None or "")."""
   sizes: dict[str, int] = {}
   for entry in filter(None, (text or "").replace(" ", "").split(",")):
     m = re.fullmatch(r"([A-Za-z_]\w*)=(\d+)", entry)
@@ -95,11 +92,7 @@ def spelled_mesh(axes: Mapping[str, int]) -> str:
 
 def parse_levers(text: str | Sequence[str], known: Iterable[str], what: str = "lever") -> tuple[str, ...]:
   """``--levers baseline,zero1`` (or ``--steps one,split``: ``what="step"``) as a tuple, each checked
-  against ``known``.
-
-  Raises:
-    PlanError: a name is not known, or none is given.
-  """
+  against ``known``."""
   names = tuple(filter(None, text.replace(" ", "").split(","))) if isinstance(text, str) else tuple(text)
   known = tuple(known)
   unknown = [n for n in names if n not in known]
@@ -110,11 +103,7 @@ def parse_levers(text: str | Sequence[str], known: Iterable[str], what: str = "l
 
 def parse_topology(text: str, gpu_chips: Iterable[str]) -> Topology:
   """A topology as a :class:`Topology`: ``v6e:2x2`` is a TPU slice (libtpu checks it), ``h100:8`` /
-  ``h100:2x8`` GPUs.
-
-  Raises:
-    PlanError: not ``CHIP:SHAPE``, or a GPU chip or shape the planner does not know.
-  """
+  ``h100:2x8`` GPUs."""
   chips = tuple(gpu_chips)
   m = re.fullmatch(r"([\w\-]+):(\d+(?:x\d+)*)", text.strip())
   hint = (f"TPU slices as libtpu names them (v5e:2x4, v6e:2x2, v4:2x2x1, v5p:2x2x1) or GPUs "
@@ -131,11 +120,7 @@ def parse_topology(text: str, gpu_chips: Iterable[str]) -> Topology:
 
 def parse_model(text: str) -> ModelRef:
   """``--model`` as a :class:`ModelRef`: ``tunix:qwen3_8b``, ``maxtext:qwen3-0.6b`` or
-  ``package.module:function``.
-
-  Raises:
-    PlanError: not ``SOURCE:NAME``.
-  """
+  ``package.module:function``."""
   source, sep, name = text.strip().partition(":")
   if not sep or not source or not name:
     raise PlanError(f"unknown model {text!r}; give tunix:CONFIG (e.g. tunix:qwen3_8b), maxtext:MODEL_NAME "
@@ -144,11 +129,7 @@ def parse_model(text: str) -> ModelRef:
 
 
 def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
-  """MaxText config overrides, ``key=value`` as on MaxText's own command line, as a dict.
-
-  Raises:
-    PlanError: an entry is not ``key=value``.
-  """
+  """MaxText config overrides, ``key=value`` as on MaxText's own command line, as a dict."""
   overrides = {}
   for entry in entries:
     key, sep, value = entry.partition("=")

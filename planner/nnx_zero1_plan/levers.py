@@ -144,11 +144,7 @@ def with_offload(name: str, fraction: float | None) -> Lever:
 
 
 def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
-  """The class attributes of ``Zero1AbstractMaxTextEngine`` that make it ``lever`` (None: MaxText's own).
-
-  Raises:
-    PlanError: a lever of this library's own gradient accumulation (MaxText's engine accumulates its own).
-  """
+  """The class attributes of ``Zero1AbstractMaxTextEngine`` that make it ``lever`` (None: MaxText's own)."""
   if not lever.zero1:
     return None
   if "data_axis" in lever.optimizer_options:

@@ -1,5 +1,5 @@
 """What a plan is asked for: one frozen record, checked without a compiler (a misspelt flag costs nothing),
-that crosses into the planning process."""
+that crosses into the planning process, and the command that asks for it again."""
 
 from __future__ import annotations
 
@@ -51,14 +51,9 @@ OPTIMIZER_CODE = {name: f"optax.{name}({', '.join([rate, *(f'{k}={v}' for k, v i
 
 
 def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | None = None) -> Topology:
-  """``topology`` parsed (a :class:`~nnx_zero1_plan.inputs.Topology`), checked with ``slices`` and
-  ``gpus_per_node``.
-
-  Raises:
-    PlanError: an unknown topology; ``slices`` below 1, or above 1 for GPUs (their nodes are in the
-      topology); GPU nodes spelt with other than the chip's standard node of GPUs, unless ``gpus_per_node``
-      says it again; ``gpus_per_node`` that does not match the topology, or on a TPU.
-  """
+  """``topology`` parsed and checked with ``slices`` and ``gpus_per_node``; a ``PlanError`` for an unknown
+  one, ``slices`` below 1 or over GPU nodes, GPU nodes spelt unlike the chip's node unless ``gpus_per_node``
+  says it again, or ``gpus_per_node`` that does not match or is for a TPU."""
   parsed = parse_topology(topology, GPU_CHIPS)
   chip, shape = parsed.chip, parsed.shape
   if slices < 1:
@@ -108,20 +103,14 @@ _POOL: Any = {"write": lambda r: r.gpu_memory_fraction if r.backend.pool_fractio
 
 @dataclasses.dataclass(frozen=True)
 class PlanRequest(Record):
-  """One plan's settings: what :func:`nnx_zero1_plan.plan` and the command line's flags take, described once
-  here, in plan.json's order (the printed command says them in it too).
+  """One plan's settings, described once: what :func:`nnx_zero1_plan.plan` and the command line take, in
+  plan.json's order, each with how the printed command and plan.json hold it. Each field but ``depths`` (the
+  reduced depths an ``estimate`` compiles at) is the flag of its name (``seq_len``: ``--seq-len``;
+  ``overrides``: its ``KEY=VALUE`` words), whose words are :data:`nnx_zero1_plan.cli.FLAGS`'.
 
-  Each field but ``depths`` is the command line's flag of its name (``seq_len``: ``--seq-len``; ``overrides``:
-  its ``KEY=VALUE`` words), whose words are :data:`nnx_zero1_plan.cli.FLAGS`'. From Python, ``levers`` and
-  ``steps`` take a sequence of names too, and ``overrides`` a mapping; ``depths`` are the reduced depths an
-  ``estimate`` compiles a deep model at. Building the record checks every setting, normalises ``levers`` and
-  ``steps`` to tuples of names (a ``maxtext:`` model keeps ``split`` only) and parses ``model``, ``topology``
-  and ``mesh`` once (``model_ref``, ``topology_ref``, ``mesh_sizes``: what the planning process reads).
-
-  Raises:
-    PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one
-      :func:`~nnx_zero1_plan.mesh_axes.check_replica` refuses; what :func:`check_topology` refuses; a setting
-      out of its range; a setting for another kind of model; a ``maxtext:`` model without ``split``.
+  Building it checks every setting (a ``PlanError`` says what it refuses), normalises ``levers`` and ``steps``
+  to tuples of names (a ``maxtext:`` model keeps ``split`` only) and parses ``model``, ``topology`` and
+  ``mesh`` once (``model_ref``, ``topology_ref``, ``mesh_sizes``: what the planning process reads).
 
   Example::
 
@@ -254,13 +243,8 @@ class PlanRequest(Record):
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedRequest(PlanRequest):
-  """A request as a plan resolved it (:meth:`PlanRequest.resolved`), checked as :class:`PlanRequest` is: what
-  the plan's commands reproduce, its settings hold and its way out changes.
-
-  Attributes:
-    mesh: every mesh axis and its size, as ``--mesh`` spells them.
-    batch: the global micro-batch the plan compiled.
-  """
+  """A request as a plan resolved it (:meth:`PlanRequest.resolved`): every mesh axis sized and the global
+  micro-batch set; what the plan's commands reproduce, its settings hold and its way out changes."""
 
   mesh: str = _setting("", "always", **_MESH)
   batch: int = _setting(0, "always")
@@ -279,11 +263,7 @@ SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanRequest)
 def command_line(request: ResolvedRequest, **changes: Any) -> str:
   """The planner's command for ``request`` with ``changes`` made (``dataclasses.replace``: each checked as the
   request was): the inverse of parsing, each setting the command always says, then each other not at its
-  default (nor one plan.json says nothing of here), then the overrides.
-
-  Raises:
-    PlanError: a change the request refuses.
-  """
+  default (nor one plan.json says nothing of here), then the overrides."""
   r = dataclasses.replace(request, **changes)
   spelled = {"model": r.model_ref, "mesh": spelled_mesh(r.mesh_sizes), "levers": ",".join(r.levers),
              "steps": ",".join(r.steps)}
