@@ -284,12 +284,10 @@ def _per_token(c: tuple[Row, Point], calibrated: bool) -> dict[str, float]:
 
 
 def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str, ...]] | None:
-  """The (lever, micro-batch) with the most predicted tokens per second per device among the points that fit
-  (each row's own compile and its search's), by :data:`BY_THROUGHPUT`: among the points the fastest is not
-  told apart from (:func:`~nnx_zero1_plan.bands.told_apart`, each part of the step within its band), the
-  most headroom. Why names each other lever's fastest point, and the order it ranked by
-  (:data:`BY_CALIBRATED` where every point has a calibrated time); None where a fitting point has no
-  predicted time (the order is then :data:`ORDER`)."""
+  """The (lever, micro-batch) by :data:`BY_THROUGHPUT` (:data:`BY_CALIBRATED` where every point has a
+  calibrated time) among the points that fit: of those the fastest is not told apart from (each part of the
+  step within its band), the most headroom; why, against each other lever's fastest point; and the order.
+  None where a fitting point has no predicted time (the order is then :data:`ORDER`)."""
   points = _fitting(rows)
   if not points or any(p.tokens_per_s_per_device is None for _, p in points):
     return None
@@ -315,8 +313,8 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str
 
 
 def _roomier(row: Row, point: Point) -> tuple[int, bool]:
-  """Both orders' last words as a sort key: most headroom, then no remat (then the lighter lever, the rows'
-  order, which ``min`` keeps)."""
+  """Both orders' last words as a sort key: most headroom, no remat (the lighter lever: ``min`` keeps the
+  rows' order)."""
   return -(point.headroom_bytes_per_device or 0), remats(row.remat)
 
 

@@ -1,6 +1,6 @@
-"""One lever's row of a plan: typed frozen records whose fields are plan.json's names, written side by side by
-:meth:`Row.to_json` and put back by :meth:`Row.from_json`, so a new figure is one field here. What each field
-holds: docs/planner.md's "What a row says"."""
+"""One lever's row of a plan: typed frozen records whose fields are plan.json's names, and the one mechanism
+that writes and reads every record plan.json holds (:class:`Record`), so a new figure is one field here. What
+each field holds: docs/planner.md's "What a row says"."""
 
 from __future__ import annotations
 
@@ -49,12 +49,8 @@ class Record:
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Any:
-    """The record :meth:`to_json` wrote.
-
-    Raises:
-      KeyError: a key no field has (a plan.json of another planner's); in a record that keeps ``absent``,
-        one missing that is not marked ``later``.
-    """
+    """The record :meth:`to_json` wrote; a KeyError for a key no field has (another planner's plan.json)
+    or, in a record that keeps ``absent``, for one missing that is not marked ``later``."""
     record: Any = cls
     renamed = {f.metadata["formerly"]: f.name for f in _fields(record) if "formerly" in f.metadata}
     given = {renamed.get(k, k): v for k, v in fields.items()}
@@ -153,6 +149,7 @@ def _figure(*, per_layer: bool = False) -> Any:
 
 
 def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
+  """A record's field names (those marked ``flag``)."""
   return tuple(f.name for f in dataclasses.fields(record) if flag is None or f.metadata.get(flag))
 
 
@@ -236,8 +233,7 @@ class HbmOom(Record):
 
 @dataclasses.dataclass(frozen=True)
 class MaxTextConfig(Record):
-  """What MaxText's defaults chose for a row (its config's values of these names, each written as its str()).
-  """
+  """What MaxText's defaults chose for a row: its config's values of these names, written as their str()."""
 
   spelled = True
 
@@ -328,9 +324,8 @@ class PodNetworks(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Estimate(Record):
-  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.estimate.estimate_mark`): how it was
-  made, the figures it touches, and how far low such estimates were measured (the whole program's peak over
-  the estimate's), where."""
+  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.estimate.estimate_mark`): how, the
+  figures it touches, how far low such estimates were measured (whole peak over estimate's), where."""
 
   method: str
   figures: Sequence[str]
@@ -354,8 +349,7 @@ class Made(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Point(Record):
-  """One compile of a search: its micro-batch, whether it fits, and the :class:`Figures` a search keeps
-  (:data:`AT_EDGE`, each named as its :class:`Figures` field)."""
+  """One compile of a search: its micro-batch, whether it fits, and the :class:`Figures` a search keeps."""
 
   batch: int
   fits: bool
@@ -433,8 +427,7 @@ class Measured(Record):
 @dataclasses.dataclass(frozen=True)
 class Split(Record):
   """One split of ``--global-batch`` compiled: micro-batch x GA, whether it fits, its peak, its step's seconds
-  and which kind of time they are (``measured`` on this machine's chips, ``calibrated``, ``predicted``;
-  ``None`` where it has none), and its calibrated seconds beside a measured time (``None`` without one)."""
+  and their ``time`` (``measured``, ``calibrated``, ``predicted``), and calibrated seconds beside measured."""
 
   batch: int
   ga: int
@@ -448,8 +441,7 @@ class Split(Record):
 @dataclasses.dataclass(frozen=True)
 class Row(Record):
   """One lever's step compiled for the target, as plan.json's row: what identifies the compile, then its
-  records (:class:`Figures`, :class:`Made`; :class:`Searched`, :class:`Offloaded` and the :class:`Measured`
-  runs where there were any)."""
+  records' fields side by side, and the ``--measure`` runs last."""
 
   lever: str
   step: str
