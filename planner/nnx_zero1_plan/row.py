@@ -76,7 +76,7 @@ def _how(default: Any = None, **how: Any) -> Any:
   """A field (``default``, None unless given) and how plan.json holds it: ``only_when_set`` (not None),
   ``flat`` (its record's keys in the record's own but those named), ``after`` (a key), ``last``,
   ``write`` (a function of the record) and ``read`` (of the value written), ``formerly`` (an older name),
-  ``later`` (a key an older plan.json may lack)."""
+  ``later`` (a key an older plan.json may lack); ``per_layer``: a figure an estimate extrapolates."""
   return dataclasses.field(default=default, metadata=how)
 
 
@@ -141,11 +141,6 @@ def as_json(value: Any) -> Any:
   if isinstance(value, Mapping):
     return {k: as_json(v) for k, v in value.items()}
   return value
-
-
-def _figure(*, per_layer: bool = False) -> Any:
-  """A :class:`Figures` field (None by default), and whether an estimate extrapolates it per layer."""
-  return dataclasses.field(default=None, metadata={"per_layer": per_layer})
 
 
 def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
@@ -254,35 +249,35 @@ class MaxTextConfig(Record):
 class Figures(Record):
   """What the compiler said of one lever's step, per device (None where it refused the program)."""
 
-  opt_state_bytes_per_device: int | None = _figure(per_layer=True)
-  opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _figure(per_layer=True)
-  opt_state_bytes_by_dtype: Mapping[str, int] | None = _figure(per_layer=True)
-  param_bytes_per_device: int | None = _figure(per_layer=True)
-  state_split: StateSplit | None = _figure()
-  argument_bytes_per_device: int | None = _figure(per_layer=True)
-  output_bytes_per_device: int | None = _figure(per_layer=True)
-  alias_bytes_per_device: int | None = _figure(per_layer=True)
-  temp_bytes_per_device: int | None = _figure(per_layer=True)
-  peak_bytes_per_device: int | None = _figure(per_layer=True)
-  formula_peak_bytes_per_device: int | None = _figure(per_layer=True)
-  host_argument_bytes_per_device: int | None = _figure(per_layer=True)
-  flops_per_device: int | None = _figure(per_layer=True)
-  flops_source: str | None = _figure()
-  collectives: Collectives | None = _figure(per_layer=True)
-  update_peak_bytes_per_device: int | None = _figure(per_layer=True)
-  update_temp_bytes_per_device: int | None = _figure(per_layer=True)
-  update_flops_per_device: int | None = _figure(per_layer=True)
-  update_bytes_accessed_per_device: int | None = _figure(per_layer=True)
-  headroom_bytes_per_device: int | None = _figure()
-  error: str | None = _figure()
-  hbm_oom: HbmOom | None = _figure()
-  compile_s: float | None = _figure()
-  maxtext_config: MaxTextConfig | None = _figure()
-  predicted_step_s: float | None = _figure(per_layer=True)
-  tokens_per_s_per_device: float | None = _figure()
-  mfu: float | None = _figure()
-  step_time: StepTime | None = _figure()
-  time_absent: str | None = _figure()
+  opt_state_bytes_per_device: int | None = _how(per_layer=True)
+  opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _how(per_layer=True)
+  opt_state_bytes_by_dtype: Mapping[str, int] | None = _how(per_layer=True)
+  param_bytes_per_device: int | None = _how(per_layer=True)
+  state_split: StateSplit | None = _how()
+  argument_bytes_per_device: int | None = _how(per_layer=True)
+  output_bytes_per_device: int | None = _how(per_layer=True)
+  alias_bytes_per_device: int | None = _how(per_layer=True)
+  temp_bytes_per_device: int | None = _how(per_layer=True)
+  peak_bytes_per_device: int | None = _how(per_layer=True)
+  formula_peak_bytes_per_device: int | None = _how(per_layer=True)
+  host_argument_bytes_per_device: int | None = _how(per_layer=True)
+  flops_per_device: int | None = _how(per_layer=True)
+  flops_source: str | None = _how()
+  collectives: Collectives | None = _how(per_layer=True)
+  update_peak_bytes_per_device: int | None = _how(per_layer=True)
+  update_temp_bytes_per_device: int | None = _how(per_layer=True)
+  update_flops_per_device: int | None = _how(per_layer=True)
+  update_bytes_accessed_per_device: int | None = _how(per_layer=True)
+  headroom_bytes_per_device: int | None = _how()
+  error: str | None = _how()
+  hbm_oom: HbmOom | None = _how()
+  compile_s: float | None = _how()
+  maxtext_config: MaxTextConfig | None = _how()
+  predicted_step_s: float | None = _how(per_layer=True)
+  tokens_per_s_per_device: float | None = _how()
+  mfu: float | None = _how()
+  step_time: StepTime | None = _how()
+  time_absent: str | None = _how()
   calibrated_step_s: float | None = _when_set()
   # The calibrated step's exposed collectives, where --measure timed each kind of them on this slice.
   calibrated_collective_s: float | None = _when_set()
