@@ -1,8 +1,4 @@
-"""Will it fit? ``python -m nnx_zero1.plan``: a training step compiled for TPUs or NVIDIA GPUs, never run.
-
-The command line (the line above is ``--help``'s): its flags (:data:`FLAGS`), their :class:`PlanRequest`, and
-:func:`main`.
-"""
+"""Will it fit? ``python -m nnx_zero1.plan``: a training step compiled for TPUs or NVIDIA GPUs, never run."""
 
 from __future__ import annotations
 

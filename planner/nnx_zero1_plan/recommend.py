@@ -1,6 +1,5 @@
-"""The configuration a plan recommends, by a stated order: :data:`BY_THROUGHPUT` where every point that fits
-has a predicted time, else :data:`ORDER`, by memory; a Zero-1 lever that splits nothing, or saves little
-(:func:`saves_little`), is no candidate."""
+"""The configuration a plan recommends, by a stated order (:data:`BY_THROUGHPUT`, else :data:`ORDER`); a
+Zero-1 lever that splits nothing, or saves little (:func:`saves_little`), is no candidate."""
 
 from __future__ import annotations
 
@@ -142,9 +141,8 @@ def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
 
 
 def row_sent_bytes(row: Row) -> int:
-  """The collective bytes one device sends per step on every network together, one basis on every backend: on
-  a pod :attr:`~nnx_zero1_plan.row.PodNetworks.bytes` (a TPU program's megascale transfers are not among its
-  collectives), elsewhere :attr:`~nnx_zero1_plan.row.Collectives.sent_bytes`."""
+  """The collective bytes one device sends per step on every network together, one basis on every backend (a
+  pod's networks': a TPU program's megascale transfers are not among its collectives)."""
   if row.made.network_per_step is not None:
     return row.made.network_per_step.bytes
   return 0 if row.figures.collectives is None else row.figures.collectives.sent_bytes

@@ -37,8 +37,7 @@ DEFAULT_STEP = "one"  # the step recommended where a plan has its rows (MaxText'
 DEFAULT_OPTIMIZER = "adamw"
 
 # --optimizer: optax's transformation of each name, at a typical fine-tuning rate (the rate changes no bytes),
-# with its fixed options: the one table behind the code the recommendation prints (OPTIMIZER_CODE) and the
-# transformation the step compiles (steps.OPTIMIZERS builds each from it).
+# with its fixed options: the one table behind the printed code and the step (steps.OPTIMIZERS).
 OPTIMIZER_MENU: dict[str, tuple[str, dict[str, float]]] = {
     "adamw": ("1e-5", {}),
     "adam": ("1e-5", {}),

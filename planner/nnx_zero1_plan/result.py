@@ -21,18 +21,10 @@ from nnx_zero1_plan.way_out import WayOut
 @dataclasses.dataclass
 class Plan(Record):
   """What each lever needs per device on the target, as plan.json holds it; ``str()`` is the printed table.
-
-  Attributes:
-    meta: the settings as planned, the target's memory and the compilers.
-    rows: one :class:`~nnx_zero1_plan.row.Row` per lever, step and remat policy.
-    recommendation: the configuration to run, or None when no row fits with the margin.
-    way_out: when no row fits, the changes compiled to make room and the first that fits.
-    next_steps: what to try next, in order, when no row fits (empty otherwise).
-    calibration: the chip's calibration each row is also timed by (``--measure``'s runs, or
-      ``--calibration``), all its runs combined; None: the cost model's time alone.
-    calibrations: its runs' calibrations each apart, by which each row was timed (those built as it is:
-      :func:`~nnx_zero1_plan.calibration.for_step`); None where a plan kept only the combined one.
-  """
+  A row per lever, step and remat policy; the recommendation, or when no row fits the way out and what to try
+  next; the chip's ``calibration`` each row is also timed by (``--measure``'s runs or ``--calibration``, all
+  combined; None: the cost model's time alone), and its runs' ``calibrations`` each apart
+  (:func:`~nnx_zero1_plan.calibration.for_step`; None where a plan kept only the combined one)."""
 
   meta: PlanSettings
   rows: list[Row]

@@ -14,61 +14,66 @@ from typing import Any, ClassVar
 
 class Record:
   """A frozen record of plan.json's, written and read by these two methods alone: each field by its name, in
-  order; a field holding a record (or a tuple or mapping of them) read into its type as the record is made.
-  A field's metadata (:func:`_how`) may write it only where set, its record's fields side by side with the
-  record's own (``flat``), after another key or last, by a function of the record, or read an older name."""
+  order, as its metadata says (:func:`_how`); a field holding a record (or a tuple or mapping of them) read
+  into its type as the record is made."""
 
   spelled: ClassVar[bool] = False  # every field written as its str(), read back by its type
 
   def __post_init__(self) -> None:
-    for f in dataclasses.fields(self):  # type: ignore[arg-type]
-      object.__setattr__(self, f.name, _read(_field_types(type(self))[f.name], getattr(self, f.name)))
+    record: Any = type(self)  # (a class is hashable, which mypy does not see)
+    for f, kind in _fields(record):
+      object.__setattr__(self, f.name, _read(kind, getattr(self, f.name)))
 
   def to_json(self) -> dict[str, Any]:
     """plan.json's object (the keys an older plan.json lacked, in ``absent``, left out again)."""
     own: dict[str, Any] = {}
     flat: dict[str, Any] = {}
     last: dict[str, Any] = {}
-    record: Any = type(self)  # (a class is hashable, which mypy does not see)
+    record: Any = type(self)
     absent: frozenset[str] = getattr(self, "absent", frozenset())
-    for f in _fields(record):
-      how, value = f.metadata, getattr(self, f.name)
-      if (value is None and how.get("only_when_set")) or f.name in (*absent, "absent"):
+    for name, when_set, write, leaving, at_last in _writing(record):
+      value = getattr(self, name)
+      if (value is None and when_set) or name in absent:
         continue
-      written: Any = how["write"](self) if "write" in how else str(value) if self.spelled else as_json(value)
-      if how.get("flat") is not None:
-        flat.update({k: v for k, v in (written or {}).items() if k not in (*absent, *how["flat"])})
+      written: Any = write(self) if write else str(value) if self.spelled else as_json(value)
+      if leaving is not None:
+        flat.update((k, v) for k, v in (written or {}).items() if k not in absent and k not in leaving)
       else:
-        (last if how.get("last") else own)[f.name] = written
-    keys = [*own, *flat, *last]
-    for f in _fields(record):
-      if f.metadata.get("after") and f.name in keys:
+        (last if at_last else own)[name] = written
+    written = {**own, **flat, **last}
+    if not any("after" in f.metadata for f, _ in _fields(record)):
+      return written
+    keys = list(written)
+    for f, _ in _fields(record):
+      if "after" in f.metadata and f.name in written:
         keys.remove(f.name)
         keys.insert(keys.index(f.metadata["after"]) + 1, f.name)
-    return {k: {**own, **flat, **last}[k] for k in keys}
+    return {k: written[k] for k in keys}
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Any:
     """The record :meth:`to_json` wrote; a KeyError for a key no field has (another planner's plan.json)
     or, in a record that keeps ``absent``, for one missing that is not marked ``later``."""
     record: Any = cls
-    renamed = {f.metadata["formerly"]: f.name for f in _fields(record) if "formerly" in f.metadata}
-    given = {renamed.get(k, k): v for k, v in fields.items()}
-    unknown, missing = set(given) - _keys(record), _keys(record, "later", absent=True) - set(given)
-    if unknown or (missing and "absent" in _names(cls)):
+    renamed = _renamed(record)
+    given = {renamed.get(k, k): v for k, v in fields.items()} if renamed else dict(fields)
+    keeps_absent = "absent" in _names(record)
+    unknown = given.keys() - _keys(record)
+    missing = _keys(record, "later", absent=True) - given.keys() if keeps_absent else set()
+    if unknown or missing:
       raise KeyError(f"plan.json's object has keys no field has: {sorted(unknown)}, or lacks: "
                      f"{sorted(missing)}")
+    if not keeps_absent and not any("flat" in f.metadata or "read" in f.metadata for f, _ in _fields(record)):
+      return cls(**given)
     made: dict[str, Any] = {}
-    for f in _fields(record):
-      kind = _record_of(_field_types(cls)[f.name])
-      if f.metadata.get("flat") is not None:
+    for f, kind in _fields(record):
+      if "flat" in f.metadata:
         picked = {k: v for k, v in given.items() if k in _keys(kind)}
-        optional = f.default is None
-        made[f.name] = kind.from_json(picked) if picked or not optional else None
+        made[f.name] = kind.from_json(picked) if picked or f.default is not None else None
       elif f.name in given:
         made[f.name] = f.metadata["read"](given[f.name]) if "read" in f.metadata else given[f.name]
-    if "absent" in _names(cls):
-      made["absent"] = frozenset(_keys(record, "later") - set(given))
+    if keeps_absent:
+      made["absent"] = frozenset(_keys(record, "later") - given.keys())
     return cls(**made)
 
 
@@ -90,9 +95,24 @@ _field_types: Callable[[type], dict[str, Any]] = functools.cache(typing.get_type
 
 
 @functools.cache
-def _fields(record: type) -> tuple[dataclasses.Field, ...]:
-  """A record's fields plan.json holds: those it is made from (not those made from them)."""
-  return tuple(f for f in dataclasses.fields(record) if f.init)
+def _fields(record: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
+  """A record's fields plan.json holds (those it is made from, not those made from them), each with its type
+  (``X`` of ``X | None``)."""
+  return tuple((f, _record_of(_field_types(record)[f.name])) for f in dataclasses.fields(record)
+               if f.init and f.name != "absent")
+
+
+@functools.cache
+def _writing(record: type) -> tuple[tuple[str, bool, Any, Any, bool], ...]:
+  """How each field is written: its name, only where set, by which function, flat (but which keys), last."""
+  return tuple((f.name, bool(f.metadata.get("only_when_set")), f.metadata.get("write"),
+                f.metadata.get("flat"), bool(f.metadata.get("last"))) for f, _ in _fields(record))
+
+
+@functools.cache
+def _renamed(record: type) -> dict[str, str]:
+  """Each older name of a record's fields, and the field's."""
+  return {f.metadata["formerly"]: f.name for f, _ in _fields(record) if "formerly" in f.metadata}
 
 
 @functools.cache
@@ -100,10 +120,10 @@ def _keys(record: type, flag: str | None = None, absent: bool = False) -> frozen
   """The keys a record's object may hold (a flat record's among them); with ``flag``, those of the fields
   marked so (``absent``: not marked so)."""
   keys: set[str] = set()
-  for f in _fields(record):
-    if f.metadata.get("flat") is not None:
-      keys |= _keys(_record_of(_field_types(record)[f.name]), flag, absent) - set(f.metadata["flat"])
-    elif f.name != "absent" and (flag is None or bool(f.metadata.get(flag)) != absent):
+  for f, kind in _fields(record):
+    if "flat" in f.metadata:
+      keys |= _keys(kind, flag, absent) - set(f.metadata["flat"])
+    elif flag is None or bool(f.metadata.get(flag)) != absent:
       keys.add(f.name)
   return frozenset(keys)
 
@@ -115,12 +135,12 @@ def _record_of(kind: Any) -> Any:
 
 def _read(kind: Any, value: Any) -> Any:
   """``value`` as plan.json holds it, read into the type ``kind`` (``X | Y`` as ``X``)."""
-  origin, args = typing.get_origin(kind), typing.get_args(kind)
   if value is None or kind is Any:
     return value
+  origin, args, is_record = _kind(kind)
   if origin in (typing.Union, types.UnionType):
     return _read(args[0], value)
-  if isinstance(kind, type) and issubclass(kind, Record):
+  if is_record:
     return kind.from_json(value) if isinstance(value, Mapping) else value
   if origin in (tuple, list) and isinstance(value, (tuple, list)):
     return origin(_read(args[0], v) for v in value)
@@ -129,6 +149,12 @@ def _read(kind: Any, value: Any) -> Any:
   if kind in (int, bool) and isinstance(value, str):  # a spelled record's
     return int(value) if kind is int else value == "True"
   return value
+
+
+@functools.cache
+def _kind(kind: Any) -> tuple[Any, tuple[Any, ...], bool]:
+  """A type's origin and arguments, and whether it is a record's."""
+  return typing.get_origin(kind), typing.get_args(kind), isinstance(kind, type) and issubclass(kind, Record)
 
 
 def as_json(value: Any) -> Any:
@@ -143,6 +169,7 @@ def as_json(value: Any) -> Any:
   return value
 
 
+@functools.cache
 def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
   """A record's field names (those marked ``flag``)."""
   return tuple(f.name for f in dataclasses.fields(record) if flag is None or f.metadata.get(flag))

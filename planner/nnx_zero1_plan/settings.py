@@ -24,18 +24,12 @@ class PlanSettings(Record):
   Attributes:
     request: the request as the plan resolved it (plan.json has neither its ``depths`` nor ``calibration``).
     layers: the model's depth (a MaxText model's from the config its rows compiled; None where unknown).
-    device_kind: jax's name for the chip.
     batch_default: the sentence that states the default micro-batch, where ``--batch`` was not given.
-    param_dtypes: the parameters' dtypes, as the model holds them, sorted.
-    hbm_bytes: the memory a program may use per device, as the compiler reports it.
-    usable_bytes: ``hbm_bytes`` less the reserve or the margin.
-    peak_source: where a row's peak comes from (:func:`nnx_zero1_plan.compiled.peak_source`).
+    hbm_bytes: the memory a program may use per device, as the compiler reports it; ``usable_bytes`` less
+      the reserve or the margin.
     depth_extrapolated_from: the reduced depths an estimate's first row was compiled at (None: whole).
-    batch_unit: the batch axes' size; a micro-batch is a multiple of it.
-    domains: the slices or nodes the target's devices sit in.
     activation_sharding: a ``tunix:`` model's activation specs (``"none"`` without them; None otherwise).
-    absent: the keys marked ``later`` an older plan.json lacks, which :meth:`to_json` leaves out too
-      (empty for a new plan; the request holds their defaults).
+    absent: the keys marked ``later`` an older plan.json lacks, which :meth:`to_json` leaves out too.
   """
 
   request: ResolvedRequest = dataclasses.field(metadata={"flat": ("depths", "calibration")})

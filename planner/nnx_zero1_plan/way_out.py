@@ -16,8 +16,7 @@ from nnx_zero1_plan.row import Record, Row
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-  """One change to the plan's settings that may make room: ``what`` it is in words, the plan's resolved
-  ``request`` with it made, and its ``kind``: ``micro-batch``, ``remat``, ``fsdp`` or ``host memory``."""
+  """One change that may make room: in words, the resolved request with it made, and its kind."""
 
   what: str
   request: ResolvedRequest
@@ -26,8 +25,7 @@ class Change:
 
 @dataclasses.dataclass(frozen=True)
 class Tried(Record):
-  """One change compiled: what it was, its command, whether it fits, its peak, or the refusal; the one that
-  fits, the code that trains with it (as a recommendation prints it)."""
+  """One change compiled: what, its command, whether it fits, its peak or refusal, and the code that fits."""
 
   what: str
   command: str
