@@ -87,11 +87,11 @@ def compile_arm(arm: str) -> None:
         "qwen3-0.6b", "v6e:2x2", 4, axes, batch=8, seq_len=1024, ga=8, optimizer="adamw", param_dtype=None,
         compute_dtype=None, remat="none", known_axes=mesh_axis_names(), output_dir=out,
         overrides={"scan_layers": "false", "shard_mode": "explicit"})
-    figures, programs = compile_maxtext(lever, LEVERS[lever], overrides, defer)
+    programs, _, figures, _ = compile_maxtext(lever, LEVERS[lever], overrides, defer)
   folder = os.path.join(OUT, arm)
   os.makedirs(folder, exist_ok=True)
   rates = rates_for(CHIPS["v6e"])
-  for name, whole, _ in programs:  # each program's record (the whole text read once)
+  for name, _, whole, _ in programs:  # each program's record (the whole text read once)
     text = kept_text(whole.text)
     assert program_time(text, rates) == program_time(whole, rates), name
     assert dot_flops(text) == dot_flops(whole), name
@@ -100,7 +100,7 @@ def compile_arm(arm: str) -> None:
   with open(os.path.join(folder, "runs.json"), "w") as f:
     json.dump({"mesh": axes, "lever": lever, "maxtext_deferral": "auto" if defer else "off",
                "deferred_all_reduce": figures.maxtext_config.deferred_all_reduce if figures.maxtext_config
-               else None, "runs": [[name, times] for name, _, times in programs],
+               else None, "runs": [[name, times] for name, _, _, times in programs],
                "compile_s": round(figures.compile_s or 0, 1)}, f, indent=1)
   print(f"{arm}: wrote {folder} in {figures.compile_s:.0f} s", flush=True)
 

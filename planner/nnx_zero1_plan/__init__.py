@@ -76,7 +76,7 @@ def compile_only_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, .
   from nnx_zero1_plan.targets import make_target, require_compiler
 
   parsed = parse_topology(topology, GPU_CHIPS)
-  require_compiler(parsed[0])
+  require_compiler(parsed.backend)
   start_cpu_jax()
   return make_target(topology, slices=slices, parsed=parsed).devices
 

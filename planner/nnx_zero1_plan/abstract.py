@@ -29,16 +29,7 @@ def _totals(tree: Any, key: Callable[[Any], str | None], size: Callable[[Any], i
 
 
 def abstract_bytes_per_device(tree: Any) -> int:
-  """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct``s (every device alike).
-
-  Example::
-
-    >>> import jax.numpy as jnp
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> s = jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, jax.P("data")))
-    >>> abstract_bytes_per_device({"m": s})
-    32
-  """
+  """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct``s (every device alike)."""
   shard = lambda x: x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
   return sum(_bytes(shard(x), x.dtype) for x in jax.tree.leaves(tree))
 
@@ -50,34 +41,13 @@ def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
 
 def bytes_by_dtype(tree: Any) -> dict[str, int]:
   """Per-device bytes of a tree of sharded ``ShapeDtypeStruct``s by dtype, its arrays only (a step count is
-  not a moment): what the table says the optimizer state is stored in.
-
-  Example::
-
-    >>> import jax.numpy as jnp
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> leaf = lambda dtype: jax.ShapeDtypeStruct((4, 4), dtype, sharding=NamedSharding(mesh, P()))
-    >>> bytes_by_dtype({"mu": leaf(jnp.bfloat16), "nu": leaf(jnp.float32), "count": jnp.zeros((), jnp.int32)})
-    {'bfloat16': 32, 'float32': 64}
-  """
+  not a moment): what the table says the optimizer state is stored in."""
   return _totals(tree, lambda x: str(x.dtype) if getattr(x, "ndim", 0) else None, abstract_bytes_per_device)
 
 
 def state_split(tree: Any, data_axes: tuple[str, ...]) -> dict[str, float]:
   """The share of a state's bytes split over each combination of ``data_axes`` (``"none"``: not split over
-  any of them), from the ``ShapeDtypeStruct``s' shardings: what a plan's row says its layout splits.
-
-  Example::
-
-    >>> import jax.numpy as jnp
-    >>> mesh = jax.make_mesh((1, 1), ("replica", "data"))
-    >>> on = lambda spec: NamedSharding(mesh, P(*spec))
-    >>> tree = {"mu": jax.ShapeDtypeStruct((12, 4), jnp.float32, sharding=on(("data",))),
-    ...         "nu": jax.ShapeDtypeStruct((12, 4), jnp.float32, sharding=on((("replica", "data"),))),
-    ...         "count": jax.ShapeDtypeStruct((), jnp.int32, sharding=on(()))}
-    >>> {k: round(v, 3) for k, v in state_split(tree, ("replica", "data")).items()}
-    {'data': 0.495, 'none': 0.01, 'replica,data': 0.495}
-  """
+  any of them), from the ``ShapeDtypeStruct``s' shardings: what a plan's row says its layout splits."""
   def over(x: Any) -> str:
     named = spec_axes(x.sharding.spec) if isinstance(x.sharding, NamedSharding) else ()
     return ",".join(a for a in data_axes if a in named) or "none"
@@ -100,13 +70,7 @@ def with_state_homes(shardings: Any, optimizer: Any) -> Any:
 
 def describe_model(build: Callable[[], Any]) -> tuple[tuple[str, ...], frozenset[str]]:
   """The mesh axes a model's variables are annotated with, and its floating parameters' dtypes, from one
-  abstract build with no mesh.
-
-  Example::
-
-    >>> describe_model(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-    ((), frozenset({'float32'}))
-  """
+  abstract build with no mesh."""
   with nnx.use_eager_sharding(False):
     model = nnx.eval_shape(build)
   specs = jax.tree.leaves(nnx.get_partition_spec(nnx.state(model)), is_leaf=lambda x: isinstance(x, P))
@@ -133,12 +97,7 @@ class AbstractState:
 
 def abstract_state(build: Callable[[], tuple[Any, Any]], mesh: Mesh) -> AbstractState:
   """``build() -> (model, optimizer)`` traced on ``mesh``; each leaf's sharding from its metadata, replicated
-  where it names none (optax's scalar count).
-
-  Example::
-
-    state = abstract_state(lambda: (model := make(), Zero1Optimizer(model, tx, mesh)), mesh)
-  """
+  where it names none (optax's scalar count)."""
   with jax.set_mesh(mesh):
     model, optimizer = nnx.eval_shape(build)
   graphdef, state = nnx.split((model, optimizer))

@@ -33,19 +33,8 @@ class Answer:
 
 def run_worker(verb: str, job: str | None, env: Mapping[str, str], *, flags: Sequence[str] = (),
                progress: Callable[[str], None] | None = None, timeout: float | None = None) -> Answer:
-  """Runs ``python -m nnx_zero1_plan.worker VERB FLAGS`` with ``job`` on its stdin and reads its answers.
-
-  Args:
-    verb: the worker's job (``plan``, ``probe``).
-    job: the text written to its stdin (None: nothing).
-    env: its environment.
-    flags: its further arguments.
-    progress: called with each ``{"progress": line}`` answer as it comes.
-    timeout: seconds after which it is killed (None: none).
-
-  Returns:
-    The :class:`Answer`: the last answer that is not progress.
-  """
+  """Runs ``python -m nnx_zero1_plan.worker VERB FLAGS`` with ``job`` on its stdin (killed after ``timeout``
+  seconds), each ``{"progress": line}`` answer to ``progress`` as it comes; the last other answer."""
   command = [sys.executable, "-m", "nnx_zero1_plan.worker", verb, *flags]
   other: list[str] = []
   message = None
@@ -76,22 +65,11 @@ def run_worker(verb: str, job: str | None, env: Mapping[str, str], *, flags: Seq
 
 def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None = None,
                   local: bool = False, measure: bool = False) -> Plan:
-  """Runs ``request`` in a planning process; this process's environment, files and jax are left alone.
-
-  Args:
-    request: the plan's settings.
-    progress: called with each progress line as the planning process reports it.
-    local: compile for this machine's own devices, the target's chips (the planning process keeps the
-      caller's environment, its chips visible: :func:`nnx_zero1_plan.targets.local_target`).
-    measure: with ``local``, run the rows' compiled programs there too (``--measure``).
-
-  Returns:
-    The :class:`Plan`, as the command line would print and write it.
-
-  Raises:
-    PlanError, AotUnavailable: as the planning process raised them.
-    RuntimeError: the planning process failed otherwise (its last lines of output in the message).
-  """
+  """The :class:`Plan` of ``request``, made in a planning process (this process's environment, files and jax
+  left alone): with ``local``, for this machine's own devices, the target's chips (the planning process
+  keeps the caller's environment, its chips visible), and with ``measure`` the rows' programs run there too.
+  Its ``PlanError`` or ``AotUnavailable`` is raised here; any other failure as a ``RuntimeError`` with its
+  last lines of output."""
   own = compilers.planning_environment(os.environ)  # a stale libtpu lockfile removed too
   flags = [*(["--local"] if local else []), *(["--measure"] if measure else [])]
   answer = run_worker("plan", json.dumps(request.to_json()), child_env(os.environ if local else own),

@@ -1,16 +1,19 @@
-"""What a compiled step says about itself: per-device memory, the TPU compiler's refusals, collectives."""
+"""What a compiled step says about itself: per-device memory, the TPU compiler's refusals, collectives, read
+into a row's figures once for every kind of model (:func:`step_figures`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnx_zero1._src.companion import per_step, per_trip, sent_per_step
 from nnx_zero1_plan.hlo_flops import dot_flops
+from nnx_zero1_plan.inputs import Backend
 from nnx_zero1_plan.program_record import ProgramRecord
-from nnx_zero1_plan.row import Collectives, Figures, HbmOom
+from nnx_zero1_plan.row import Collectives, Figures, HbmOom, OpCount, op_counts
 from nnx_zero1_plan.slow_network_bytes import across_bytes, dcn_bytes
 
 # The compiler's own peak, in the order jax grew them: jax 0.10.2 (the TPU VM's) has only
@@ -22,17 +25,11 @@ PEAK_FIELDS = ("total_allocation_bytes", "peak_memory_in_bytes")
 def memory(compiled: Any) -> dict[str, int]:
   """Per-device argument, output, temp and peak bytes of a compiled kernel (device memory).
 
-  ``peak`` is the compiler's own figure for everything the program holds at once: the first of
+  ``peak`` is the compiler's own figure for everything the program holds at once, the first of
   :data:`PEAK_FIELDS` the installed jax reports (the TPU compiler's temporaries overlap the arguments near the
-  limit, so its figure is below the sum). ``formula_peak`` is that sum, argument + output - aliased (donated)
-  + temp, the peak only where the compiler reports neither. ``xla_peak`` is ``peak_memory_in_bytes`` (0
-  where absent).
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp
-    >>> memory(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile())["argument"]
-    16
+  limit, so its figure is below the sum); ``formula_peak`` the sum, argument + output - aliased (donated) +
+  temp; ``xla_peak`` ``peak_memory_in_bytes`` (0 where absent); ``host_argument`` the arguments in host memory
+  (an offloaded optimizer state), which the device figures leave out.
   """
   stats = compiled.memory_analysis()
   sizes = {name: int(getattr(stats, f"{name}_size_in_bytes"))
@@ -41,20 +38,13 @@ def memory(compiled: Any) -> dict[str, int]:
   sizes["peak"] = next((v for v in (int(getattr(stats, f, 0) or 0) for f in PEAK_FIELDS) if v),
                        sizes["formula_peak"])
   sizes["xla_peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
-  # Arguments in host memory (an offloaded optimizer state), which the device figures leave out.
   sizes["host_argument"] = int(getattr(stats, "host_argument_size_in_bytes", 0) or 0)
   return sizes
 
 
 def peak_source() -> str:
-  """Where a row's peak comes from with the installed jax: the first of :data:`PEAK_FIELDS` its memory
-  analysis has, else the sum (plan.json's ``meta.peak_source``).
-
-  Example::
-
-    >>> peak_source().startswith("the compiler's ")
-    True
-  """
+  """Where a row's peak comes from with the installed jax (plan.json's ``meta.peak_source``): the first of
+  :data:`PEAK_FIELDS` its memory analysis has, else the sum."""
   stats = _memory_stats()
   field = next((f for f in PEAK_FIELDS if hasattr(stats, f)), None)
   return (f"the compiler's {field}" if field else
@@ -71,18 +61,9 @@ def _memory_stats() -> Any:
 
 
 def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -> dict[str, int]:
-  """Per-device bytes of a step compiled as two programs (:func:`memory` of each), as one step's.
-
-  The optimizer state stays in device memory while the gradient program runs without reading it, so its
-  device bytes (``resident``; 0 when offloaded) are added there; ``peak`` is the larger of the two programs'.
-
-  Example::
-
-    >>> g = {"argument": 10, "output": 4, "alias": 0, "temp": 50, "peak": 64, "formula_peak": 64}
-    >>> u = {"argument": 16, "output": 12, "alias": 12, "temp": 3, "peak": 19, "formula_peak": 19}
-    >>> split_memory(g, u, 2)["peak"], split_memory(g, u, 2)["argument"]
-    (66, 12)
-  """
+  """Per-device bytes of a step compiled as two programs (:func:`memory` of each), as one step's: the
+  optimizer state's device bytes (``resident``; 0 when offloaded) stay while the gradient program runs, and
+  ``peak`` is the larger of the two programs'."""
   return {"argument": grads["argument"] + resident, "output": grads["output"], "alias": 0,
           "temp": grads["temp"], "peak": max(grads["peak"] + resident, update["peak"]),
           "formula_peak": max(grads["formula_peak"] + resident, update["formula_peak"]),
@@ -92,14 +73,7 @@ def split_memory(grads: dict[str, int], update: dict[str, int], resident: int) -
 
 def cost(compiled: Any) -> dict[str, int | None]:
   """One device's ``flops`` and ``bytes_accessed`` by the compiler's cost analysis (None where it has none:
-  XLA's GPU compiler). A loop's body counts once, so these describe programs without one (an update).
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp
-    >>> cost(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile())["flops"]
-    4
-  """
+  XLA's GPU compiler). A loop's body counts once, so these describe programs without one (an update)."""
   analysis = compiled.cost_analysis()
   if isinstance(analysis, list | tuple):
     analysis = analysis[0] if analysis else None
@@ -111,16 +85,8 @@ def cost(compiled: Any) -> dict[str, int | None]:
 
 def step_flops(compiled: Any, program: ProgramRecord) -> tuple[int | None, str]:
   """A step program's flops on one device and where they come from: ``"hlo_dots"``, its matmuls counted from
-  its record (:func:`nnx_zero1_plan.hlo_flops.dot_flops`, each loop's body times its trip count), or where it
-  holds none ``"cost_analysis"``, the compiler's (a loop's body counted once).
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp
-    >>> compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((2, 3)), jnp.ones((3, 4))).compile()
-    >>> step_flops(compiled, ProgramRecord.read(compiled.as_text()))
-    (48, 'hlo_dots')
-  """
+  its record (each loop's body times its trip count), or where it holds none ``"cost_analysis"``, the
+  compiler's (a loop's body counted once)."""
   counted = dot_flops(program)
   if counted:
     return counted, "hlo_dots"
@@ -140,9 +106,6 @@ def hbm_oom(message: str) -> HbmOom | None:
 
   Example::
 
-    >>> hbm_oom("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
-    ...         "required for HLO temporaries (52.59G) exceeds available HBM (31.24G). HLO module: jit")
-    HbmOom(required_bytes=56468082524, available_bytes=33543694581, required_for='HLO temporaries')
     >>> hbm_oom("Used 2.00T of 15.48G hbm. Exceeded hbm capacity by 1.98T.").available_bytes
     16621523435
   """
@@ -154,20 +117,18 @@ def hbm_oom(message: str) -> HbmOom | None:
   return HbmOom(int(float(need) * _UNITS[u1]), int(float(have) * _UNITS[u2]), m["what"] or "the program")
 
 
-def collectives_of(program: ProgramRecord, domain_of: Sequence[int] | None = None) -> Collectives:
-  """A compiled step's :class:`~nnx_zero1_plan.row.Collectives` on one device, from its record: each
-  collective's results per step and per trip of its loops (as :func:`nnx_zero1.testing.collectives` and
-  ``loop_collectives`` count them), the bytes one device sends by a ring over its groups (``sent_per_step``,
-  as :func:`nnx_zero1.testing.sent_bytes`), and on a pod (``domain_of``: each device's slice or node, in the
-  mesh's order, over more than one) ``across_per_step``: what one device sends between slices or nodes, a
-  multi-slice TPU program's sends to the megascale runtime
-  (:func:`~nnx_zero1_plan.slow_network_bytes.dcn_bytes`), a multi-node GPU program's collectives whose
-  groups span nodes (``slow_network_bytes.across_bytes``)."""
+def collectives_of(program: ProgramRecord, domain_of: Sequence[int] | None = None,
+                   backend: Backend | None = None) -> Collectives:
+  """A compiled program's :class:`~nnx_zero1_plan.row.Collectives` on one device, read from its record: each
+  collective's results per step and per trip of its loops, the bytes one device sends by a ring over its
+  groups, and on a pod (``domain_of``: each device's slice or node, in the mesh's order, over more than one)
+  what one device sends between them: a program spanning them (``backend.crosses_in_program``), its
+  collectives' share across (:func:`~nnx_zero1_plan.slow_network_bytes.across_bytes`); a slice's, its sends to
+  the megascale runtime (:func:`~nnx_zero1_plan.slow_network_bytes.dcn_bytes`)."""
   across = None
-  if domain_of is not None and len(set(domain_of)) > 1:
-    across = dcn_bytes(program, len(set(domain_of))) if "_xla_megascale_transfer_type" in program.text else {
-        op: {"count": c["count"], "bytes": c["across_bytes"]}
-        for op, c in across_bytes(program, domain_of).items() if c["across_bytes"]}
+  if domain_of is not None and backend is not None and len(set(domain_of)) > 1:
+    across = {op: OpCount(c["count"], c["across_bytes"]) for op, c in across_bytes(program, domain_of).items()
+              if c["across_bytes"]} if backend.crosses_in_program else dcn_bytes(program, len(set(domain_of)))
   return Collectives.from_json({"per_step": per_step(program), "sent_per_step": sent_per_step(program),
                                 "per_micro_batch": per_trip(program), "across_per_step": across})
 
@@ -180,35 +141,36 @@ def summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]
     >>> summed([{"all-gather": {"count": 1, "bytes": 8}}, {"all-gather": {"count": 2, "bytes": 4}}])
     {'all-gather': {'count': 3, 'bytes': 12}}
   """
-  ops = dict.fromkeys(op for c in counts for op in c)
-  keys = {op: dict.fromkeys(k for c in counts for k in c.get(op, {})) for op in ops}
-  return {op: {k: sum(c.get(op, {}).get(k, 0) for c in counts) for k in keys[op]} for op in ops}
+  added = _step_counts([(op_counts(c) or {}, 1) for c in counts])
+  return {op: dataclasses.asdict(c) for op, c in added.items()}
 
 
-def summed_collectives(programs: Sequence[Collectives]) -> Collectives:
-  """Several programs' :func:`collectives_of`, one step's: each count (``per_step``, ``sent_per_step``,
-  ...) added up over the programs, in the order one step runs them (a program run twice, twice)."""
-  counts = [p.to_json() for p in programs]
-  return Collectives.from_json({when: summed([c[when] for c in counts]) for when in counts[0]})
+def _step_counts(programs: Sequence[tuple[Mapping[str, OpCount], int]]) -> dict[str, OpCount]:
+  """Each program's counts times the runs one step makes of it, added up op by op (in the order ops first
+  appear)."""
+  ops = dict.fromkeys(op for counts, _ in programs for op in counts)
+  return {op: OpCount(sum(times * c[op].count for c, times in programs if op in c),
+                      sum(times * c[op].bytes for c, times in programs if op in c)) for op in ops}
 
 
-def row_figures(mem: dict[str, int], collectives: Collectives | None,
-                update_cost: dict[str, int | None] | None = None) -> Figures:
-  """A plan row's figures of a compiled step: its :func:`memory` (or :func:`split_memory`), its collectives
-  and, for a split step, the update program's peak, temp and :func:`cost` (``None`` for one program).
+def step_figures(programs: Sequence[tuple[Any, Collectives, int]], resident: int = 0) -> Figures:
+  """The figures of one step's compiled programs, each ``(executable, its collectives, the runs one step
+  makes of it)`` in order: one program's memory and collectives; a split step's (the update last) memory
+  by :func:`split_memory` (the gradient programs' largest peak), its collectives added up over the runs, and
+  the update's :func:`cost`. Each memory figure is a :class:`~nnx_zero1_plan.row.Figures` field named by
+  :func:`memory`'s own name."""
+  *grads, (update, _, _) = programs
+  mem = memory(update) if not grads else split_memory(
+      max((memory(compiled) for compiled, _, _ in grads), key=lambda m: m["peak"]), memory(update), resident)
+  first = programs[0][1]
+  collectives = first if not grads else Collectives.from_json({
+      when: None if getattr(first, when) is None else _step_counts(
+          [(getattr(c, when) or {}, times) for _, c, times in programs]) for when in _COUNTED})
+  spent = cost(update) if grads else {}
+  memory_fields = {f"{name}_bytes_per_device": v for name, v in mem.items() if name != "xla_peak"}
+  return Figures.from_json({**memory_fields, "collectives": collectives,
+                            "update_flops_per_device": spent.get("flops"),
+                            "update_bytes_accessed_per_device": spent.get("bytes_accessed")})
 
-  Example::
 
-    >>> m = {"argument": 10, "output": 4, "alias": 4, "temp": 50, "peak": 60, "host_argument": 0}
-    >>> row_figures(m, None).peak_bytes_per_device, row_figures(m, None).update_flops_per_device
-    (60, None)
-  """
-  spent = update_cost or {}
-  return Figures(
-      argument_bytes_per_device=mem["argument"], output_bytes_per_device=mem["output"],
-      alias_bytes_per_device=mem["alias"], temp_bytes_per_device=mem["temp"],
-      peak_bytes_per_device=mem["peak"], formula_peak_bytes_per_device=mem.get("formula_peak"),
-      host_argument_bytes_per_device=mem["host_argument"], collectives=collectives,
-      update_peak_bytes_per_device=mem.get("update_peak"),
-      update_temp_bytes_per_device=mem.get("update_temp"), update_flops_per_device=spent.get("flops"),
-      update_bytes_accessed_per_device=spent.get("bytes_accessed"))
+_COUNTED = tuple(f.name for f in dataclasses.fields(Collectives))

@@ -33,55 +33,40 @@ class AotUnavailable(RuntimeError):
 
 
 def install_hint(jax_version: str) -> str:
-  """What to install for ahead-of-time TPU compiles next to this jax.
-
-  Example::
-
-    >>> install_hint("0.12.0.1")
-    'pip install "./planner[aot]" (or: pip install "jax[tpu]==0.12.0.1"; Python >= 3.12)'
-  """
+  """What to install for ahead-of-time TPU compiles next to this jax."""
   return f'pip install "./planner[aot]" (or: pip install "jax[tpu]=={jax_version}"; Python >= 3.12)'
 
 
 def gpu_install_hint(jax_version: str) -> str:
-  """What to install for deviceless NVIDIA GPU compiles next to this jax.
-
-  Example::
-
-    >>> gpu_install_hint("0.12.0.1")
-    'pip install --no-deps jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 (Python >= 3.12)'
-  """
+  """What to install for deviceless NVIDIA GPU compiles next to this jax."""
   return (f"pip install --no-deps jax-cuda13-plugin=={jax_version} jax-cuda13-pjrt=={jax_version} "
           "(Python >= 3.12)")
 
 
-def require_cuda_plugin() -> str:
-  """The CUDA plugin's version; raises naming the install command when it is missing.
+# Each compiler by its package: its module, what it compiles for, and its install line.
+_COMPILERS = {
+    "libtpu": ("libtpu", "TPUs needs the TPU compiler (libtpu)", install_hint),
+    "jax-cuda13-plugin": ("jax_cuda13_plugin", "NVIDIA GPUs needs XLA's GPU compiler", gpu_install_hint)}
 
-  Raises:
-    AotUnavailable: XLA's GPU compiler (``jax-cuda13-plugin``) is not installed in this environment.
-  """
+
+def require(package: str) -> str:
+  """The version of the compiler ``package`` (one of ``_COMPILERS``); :class:`AotUnavailable`, naming the
+  install command, where it is not installed."""
   # jax's version from its metadata: this module runs in the caller's process too, which never imports jax.
-  if importlib.util.find_spec("jax_cuda13_plugin") is None:
-    raise AotUnavailable(f"compiling for NVIDIA GPUs needs XLA's GPU compiler, which is not installed: "
-                         f"{gpu_install_hint(importlib.metadata.version('jax'))}")
-  return importlib.metadata.version("jax-cuda13-plugin")
+  module, what, hint = _COMPILERS[package]
+  if importlib.util.find_spec(module) is None:
+    raise AotUnavailable(f"compiling for {what}, which is not installed: "
+                         f"{hint(importlib.metadata.version('jax'))}")
+  return importlib.metadata.version(package)
 
 
 def require_libtpu() -> str:
-  """libtpu's version (``'0.0.50.1'`` with jax 0.12.0.1); raises naming the install command when missing.
-
-  Raises:
-    AotUnavailable: libtpu is not installed in this environment.
-  """
-  if importlib.util.find_spec("libtpu") is None:
-    raise AotUnavailable(f"compiling for TPUs needs the TPU compiler (libtpu), which is not installed: "
-                         f"{install_hint(importlib.metadata.version('jax'))}")
-  return importlib.metadata.version("libtpu")
+  """libtpu's version (``'0.0.50.1'`` with jax 0.12.0.1); :class:`AotUnavailable`, naming the install
+  command, where it is not installed."""
+  return require("libtpu")
 
 
 def _has_open(pid: str, path: str) -> bool:
-  """Whether a process has ``path`` open (False when it is gone or not ours to read)."""
   fd_dir = f"/proc/{pid}/fd"
   with contextlib.suppress(OSError):
     for name in os.listdir(fd_dir):
@@ -104,13 +89,7 @@ def _locking_pids(inode: int) -> list[int]:
 
 
 def lockfile_holders(path: str = LOCKFILE) -> list[int]:
-  """Live processes that have ``path`` open or locked (empty when none, or no such file).
-
-  Example::
-
-    >>> lockfile_holders("/nonexistent/libtpu_lockfile")
-    []
-  """
+  """Live processes that have ``path`` open or locked (empty when none, or no such file)."""
   try:
     inode = os.stat(path).st_ino
   except FileNotFoundError:
@@ -122,16 +101,8 @@ def lockfile_holders(path: str = LOCKFILE) -> list[int]:
 
 
 def clear_stale_lockfile(path: str = LOCKFILE) -> bool:
-  """Removes libtpu's lockfile when no live process holds it; True when one was removed.
-
-  A process killed while libtpu was loaded leaves the file behind, and the next process that loads libtpu
-  aborts ("Internal error when accessing libtpu multi-process lockfile").
-
-  Example::
-
-    >>> clear_stale_lockfile("/nonexistent/libtpu_lockfile")
-    False
-  """
+  """Removes libtpu's lockfile when no live process holds it; True when one was removed. A process killed
+  while libtpu was loaded leaves the file behind, and the next process that loads libtpu aborts."""
   if not os.path.exists(path) or lockfile_holders(path):
     return False
   try:
@@ -144,30 +115,18 @@ def clear_stale_lockfile(path: str = LOCKFILE) -> bool:
 def planning_environment(environ: Mapping[str, str], lockfile: str = LOCKFILE) -> dict[str, str]:
   """A planning process's environment, before it loads a compiler: ``environ`` under :data:`ENV`, but for
   the caller's own :data:`CALLERS_OWN` values; libtpu's ``lockfile`` is removed when stale (one a live
-  process holds, a trainer's perhaps, stays: libtpu loads beside it).
-
-  Example::
-
-    >>> env = planning_environment({"HOME": "/root", "JAX_PLATFORMS": "cuda", "TPU_MIN_LOG_LEVEL": "0"},
-    ...                            "/nonexistent/libtpu_lockfile")
-    >>> env["HOME"], env["JAX_PLATFORMS"], env["CUDA_VISIBLE_DEVICES"], env["TPU_MIN_LOG_LEVEL"]
-    ('/root', 'cpu', '-1', '0')
-  """
+  process holds, a trainer's perhaps, stays: libtpu loads beside it)."""
   clear_stale_lockfile(lockfile)
   return {**environ, **ENV, **{key: environ[key] for key in CALLERS_OWN if key in environ}}
 
 
 def start_cpu_jax() -> None:
   """Makes this process a planning process (:func:`planning_environment`) and keeps jax on its CPU backend;
-  call before jax starts.
-
-  Raises:
-    RuntimeError: a backend other than the CPU one has started in this process already.
+  call before jax starts (a ``RuntimeError`` where another backend has started already).
 
   Example::
 
     start_cpu_jax()
-    import jax.experimental.topologies
     jax.experimental.topologies.get_topology_desc("v6e:2x2", "tpu")
   """
   os.environ.update(planning_environment(os.environ))
@@ -175,11 +134,8 @@ def start_cpu_jax() -> None:
 
 
 def keep_jax_on_cpu() -> None:
-  """Keeps jax on its CPU backend (nothing runs; the TPU and GPU compilers only compile).
-
-  Raises:
-    RuntimeError: a backend other than the CPU one has started in this process already.
-  """
+  """Keeps jax on its CPU backend (nothing runs; the compilers only compile); a ``RuntimeError`` where another
+  backend has started already."""
   import jax
 
   try:
@@ -191,17 +147,9 @@ def keep_jax_on_cpu() -> None:
 
 @contextlib.contextmanager
 def compiler_messages_to(path: str) -> Iterator[TextIO]:
-  """The compilers' own messages into the file at ``path`` for the block, not onto the terminal.
-
-  XLA's compilers log through C++ onto file descriptor 2 (a GPU compile's "Can't reduce memory use below
-  ... by rematerialization" warning, libtpu's notices), which no Python setting reaches: for the block that
-  descriptor is the file, and the stream yielded writes to the terminal's stderr, for the planner's own lines.
-
-  Example::
-
-    with compiler_messages_to("plan_out/compiler.log") as terminal:
-      print("nnx_zero1.plan: compiling ...", file=terminal)
-  """
+  """The compilers' own messages into the file at ``path`` for the block, not onto the terminal: XLA's
+  compilers log through C++ onto file descriptor 2, which no Python setting reaches, so for the block that
+  descriptor is the file, and the stream yielded writes to the terminal's stderr, for the planner's lines."""
   sys.stderr.flush()
   terminal = os.dup(2)
   try:

@@ -14,13 +14,7 @@ GPU_CHIPS: dict[str, GpuChip] = {name: chip.gpu for name, chip in CHIPS.items() 
 
 def target_config(chip: GpuChip) -> str:
   """``chip`` (one of :data:`GPU_CHIPS`) as XLA's ``GpuTargetConfig`` text proto (CUDA 13 runtime, cuDNN 9.7),
-  for ``get_topology_desc(platform="cuda", target_config=...)``.
-
-  Example::
-
-    >>> 'device_description_str: "NVIDIA H100 80GB HBM3"' in target_config(GPU_CHIPS["h100"])
-    True
-  """
+  for ``get_topology_desc(platform="cuda", target_config=...)``."""
   major, minor = chip.compute_capability
   info = (f"threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 "
           f"shared_memory_per_core: {chip.shared_memory_per_core} threads_per_core_limit: 2048 "

@@ -19,15 +19,7 @@ _MATMULS = ("dot", "convolution")
 
 def _window(spec: str) -> list[tuple[int, int, int, tuple[int, int], int, int]]:
   """A convolution's window, per spatial dimension: (dimension, size, stride, (low, high) padding, input
-  dilation, window dilation).
-
-  Example::
-
-    >>> _window("size=1x16 pad=0_0x15_15 rhs_reversal=0x1")
-    [(0, 1, 1, (0, 0), 1, 1), (1, 16, 1, (15, 15), 1, 1)]
-    >>> _window("size=8x16 stride=7x15 lhs_dilate=8x16")[1]
-    (1, 16, 15, (0, 0), 16, 1)
-  """
+  dilation, window dilation)."""
   fields = dict(f.split("=", 1) for f in spec.split() if "=" in f)
   if "size" not in fields:
     return []
@@ -43,13 +35,7 @@ def _window(spec: str) -> list[tuple[int, int, int, tuple[int, int], int, int]]:
 def _taps(n: int, k: int, stride: int, pad: tuple[int, int], base: int, window: int) -> float:
   """The window's taps per output that land on the input, not on its padding or the holes a base (input)
   dilation puts between its elements: the TPU compiler writes a batched matmul as a base-dilated
-  convolution whose window reads one real element per output (``size=8 stride=7 lhs_dilate=8``).
-
-  Example::
-
-    >>> _taps(8, 8, 7, (0, 0), 8, 1), _taps(4, 3, 1, (1, 1), 1, 1)
-    (1.0, 2.5)
-  """
+  convolution whose window reads one real element per output (``size=8 stride=7 lhs_dilate=8``)."""
   extent = (n - 1) * base + 1
   outputs = (extent + pad[0] + pad[1] - (k - 1) * window - 1) // stride + 1
   if outputs < 1:
@@ -87,15 +73,7 @@ def _flops(instruction: Instruction, shapes: dict[str, tuple[int, ...] | None]) 
 
 def dot_flops(program: ProgramRecord | str) -> int:
   """The FLOPs of every matmul in a compiled program (its record, or its text read here), each computation
-  as often as it runs (a loop's body times its trip count).
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp
-    >>> hlo = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 16)), jnp.ones((16, 4))).compile().as_text()
-    >>> dot_flops(hlo)  # 2 x 8 x 4 x 16
-    1024
-  """
+  as often as it runs (a loop's body times its trip count)."""
   record = ProgramRecord.of(program)
   total = 0
   for body, times in ((record.computations[name], times) for name, times in record.runs.items()):

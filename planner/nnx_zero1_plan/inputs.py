@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 ONE_SLICE = 1  # a TPU target is one slice unless --slices joins several (a pod)
 
@@ -14,16 +14,67 @@ class PlanError(ValueError):
   """An input the planner cannot plan for; the message names it and what is accepted."""
 
 
+class ModelKind(NamedTuple):
+  """What a plan reads of a kind of model where kinds differ, each fact named for what it decides."""
+
+  name: str  # the key of the kind's builder (models.py), for the kinds the planner builds
+  engine: bool  # an engine (MaxText's) compiles and runs its own step, on its own mesh of one slice's axes
+  trainer: bool  # its users train it with Tunix's trainers: the printed code is theirs
+  steps: tuple[str, ...]  # the step shapes it compiles, the one recommended first
+  takes: frozenset[str]  # which of the settings only some kinds take (KIND_SETTINGS) it takes
+  remat_hint: str | None  # the remat policy "Try next" suggests (None: it takes no --remat)
+
+
+_DTYPES = frozenset({"param_dtype", "compute_dtype", "remat"})
+# ``--model``'s part before the colon: each kind; any other is a package.module of the user's own function.
+MODEL_KINDS = {
+    "tunix": ModelKind("tunix", engine=False, trainer=True, steps=("one", "split"),
+                       takes=_DTYPES | {"tunix_sharding", "lora"}, remat_hint="decoder"),
+    "maxtext": ModelKind("maxtext", engine=True, trainer=False, steps=("split",),
+                         takes=_DTYPES | {"maxtext_deferral", "overrides"}, remat_hint="full"),
+}
+FUNCTION = ModelKind("function", engine=False, trainer=False, steps=("one", "split"), takes=frozenset(),
+                     remat_hint=None)
+
+_OWN_DTYPES = ("--param-dtype, --compute-dtype and --remat apply to tunix: models; {model} builds its own "
+               "(set them in your function)")
+# Each setting only some kinds take: its value when not given, and its refusal where a kind does not.
+KIND_SETTINGS = {
+    "tunix_sharding": ("default", "--tunix-sharding applies to tunix: models; {model} shards its own "
+                                  "activations"),
+    "lora": (None, "--lora applies LoRA to tunix: models; {model} applies its own: call "
+                   "qwix.apply_lora_to_model in your function, and the plan trains its nnx.LoRAParam s only, "
+                   "as Tunix's PeftTrainer does"),
+    "maxtext_deferral": ("auto", "--maxtext-deferral applies to maxtext: models; {model} is not MaxText's "
+                                 "engine"),
+    "overrides": (None, "config overrides (key=value) apply to maxtext: models; {model} takes its settings "
+                        "from the flags"),
+    "param_dtype": (None, _OWN_DTYPES), "compute_dtype": (None, _OWN_DTYPES), "remat": (None, _OWN_DTYPES),
+}
+
+
 class ModelRef(NamedTuple):
-  """``--model`` parsed: its ``kind`` (``"tunix"``, ``"maxtext"``, or the user's module) and its ``name``
+  """``--model`` parsed: its ``source`` (``"tunix"``, ``"maxtext"``, or the user's module) and its ``name``
   there (Tunix's ``ModelConfig`` classmethod, MaxText's model name, or the user's function)."""
 
-  kind: str
+  source: str
   name: str
 
   def __str__(self) -> str:
     """As ``--model`` spells it: ``tunix:qwen3_8b``."""
-    return f"{self.kind}:{self.name}"
+    return f"{self.source}:{self.name}"
+
+  @property
+  def kind(self) -> ModelKind:
+    """What the plan reads of the model's kind (:data:`MODEL_KINDS`)."""
+    return MODEL_KINDS.get(self.source, FUNCTION)
+
+  def check_settings(self, **settings: Any) -> None:
+    """Refuses the first of ``settings`` (:data:`KIND_SETTINGS`) given that the model's kind does not take."""
+    for name, value in settings.items():
+      unset, refusal = KIND_SETTINGS[name]
+      if value not in (None, unset, {}) and name not in self.kind.takes:
+        raise PlanError(refusal.format(model=self))
 
 
 class Backend(NamedTuple):
@@ -37,6 +88,11 @@ class Backend(NamedTuple):
   estimates_shallow: bool  # --estimate compiles a deep model at reduced depths
   host_memory: bool  # its compiler places arrays in host memory: offloading is a way out
   pool_fraction: bool  # its run's memory pool is --gpu-memory-fraction of the device's
+  ring_links: bool  # its collectives run as rings on the chip's own links (else through a switch)
+  crosses_in_program: bool  # a program spans the domains, its collectives crossing (else megascale transfers)
+  domain_index: str  # the device attribute that says which domain a device sits in
+  compiler: str  # the package that compiles for it
+  maxtext_engine: bool  # MaxText's ahead-of-time engine compiles for it
 
 
 # TPU: libtpu refuses a program whose whole footprint exceeds the HBM it names, so nothing is reserved.
@@ -47,10 +103,12 @@ class Backend(NamedTuple):
 BACKENDS = {
     "tpu": Backend(domain="slices", device_files=("/dev/accel*", "/dev/vfio/[0-9]*"), reserve_bytes=0,
                    compiles_on_chips=True, prices_in_cycles=True, estimates_shallow=True,
-                   host_memory=True, pool_fraction=False),
+                   host_memory=True, pool_fraction=False, ring_links=True, crosses_in_program=False,
+                   domain_index="slice_index", compiler="libtpu", maxtext_engine=True),
     "cuda": Backend(domain="nodes", device_files=("/dev/nvidia[0-9]*",), reserve_bytes=256 * 2**20,
                     compiles_on_chips=False, prices_in_cycles=False, estimates_shallow=False,
-                    host_memory=False, pool_fraction=True),
+                    host_memory=False, pool_fraction=True, ring_links=False, crosses_in_program=True,
+                    domain_index="process_index", compiler="jax-cuda13-plugin", maxtext_engine=False),
 }
 
 
@@ -160,12 +218,6 @@ def tunix_family(config: str) -> str | None:
 def lora_modules(config: str) -> str:
   """The ``module_path`` regex ``--lora`` adapts in the Tunix configuration ``config``."""
   return _GEMMA3_EINSUMS if tunix_family(config) == "gemma3" else _PROJECTIONS
-
-
-def lora_refusal(model: str) -> str:
-  """Why ``--lora`` does not apply to ``model`` (not a ``tunix:`` model), and how its own LoRA is planned."""
-  return (f"--lora applies LoRA to tunix: models; {model} applies its own: call qwix.apply_lora_to_model in "
-          "your function, and the plan trains its nnx.LoRAParam s only, as Tunix's PeftTrainer does")
 
 
 def error_line(error: BaseException, limit: int = 300) -> str:

@@ -16,12 +16,7 @@ from nnx_zero1_plan.result import Plan
 
 def local_devices() -> LocalDevices | None:
   """The devices jax sees on this machine, asked in a child process (this one keeps its own jax, and
-  leaves the chips free); None where the child could not say.
-
-  Example::
-
-    local_devices()   # LocalDevices(platform='tpu', device_kind='TPU v5 lite', count=1) on a one-chip v5e
-  """
+  leaves the chips free); None where the child could not say."""
   compilers.clear_stale_lockfile()  # a killed run's lockfile would stop the next process that opens the TPU
   answer = run_worker("probe", None, child_env(os.environ), timeout=180)
   return None if answer.message is None else LocalDevices(**answer.message)
@@ -29,13 +24,9 @@ def local_devices() -> LocalDevices | None:
 
 def devices_for(request: PlanRequest, measure: bool = False) -> LocalDevices | None:
   """This machine's devices where they are the request's target's chips (jax asked with ``measure``, or where
-  their device files are: :func:`~nnx_zero1_plan.local_chips.chips_may_be_here`); None where they are not.
-
-  Raises:
-    PlanError: ``measure`` (``--measure``) and the devices are not the target's, or a ``maxtext:`` model
-      (its steps run in MaxText's engine, not the planner's).
-  """
-  if measure and request.model_ref.kind == "maxtext":
+  their device files are); None where they are not. :class:`PlanError` for ``--measure`` where they are
+  not, or of a ``maxtext:`` model (its steps run in MaxText's engine)."""
+  if measure and request.model_ref.kind.engine:
     raise PlanError("--measure runs the planner's own step; a maxtext: model's runs in MaxText's engine "
                     "(time it with MaxText's train)")
   local = local_devices() if measure or chips_may_be_here(request.backend) else None

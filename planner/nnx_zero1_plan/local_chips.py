@@ -29,30 +29,15 @@ class LocalDevices:
 
 
 def chips_may_be_here(backend: Backend) -> bool:
-  """Whether this machine has the device files of ``backend``'s chips (a TPU VM's ``/dev/accel*`` or
-  ``/dev/vfio/*``, a GPU's ``/dev/nvidia*``): only then is jax asked, as starting its TPU backend where
-  there is no TPU takes time.
-
-  Example::
-
-    chips_may_be_here(BACKENDS["tpu"])   # True on a TPU VM
-  """
+  """Whether this machine has the device files of ``backend``'s chips: only then is jax asked, as starting its
+  TPU backend where there is no TPU takes time."""
   return any(glob.glob(p) for p in backend.device_files)
 
 
 def not_the_target(local: LocalDevices | None, topology: str, parsed: Topology,
                    slices: int = ONE_SLICE) -> str | None:
   """Why ``local`` are not ``topology``'s chips (``parsed``: it parsed, a request's ``topology_ref``):
-  platform, kind and count, in words; None where they are.
-
-  Example::
-
-    >>> v5e = Topology("tpu", "v5e", (1, 1))
-    >>> not_the_target(LocalDevices("tpu", "TPU v5 lite", 1), "v5e:1x1", v5e) is None
-    True
-    >>> not_the_target(LocalDevices("cpu", "cpu", 2), "v5e:1x1", v5e)
-    "this machine's devices are 2 x 'cpu' (cpu), not v5e:1x1's 1 v5e"
-  """
+  platform, kind and count, in words; None where they are."""
   platform, chip, shape = parsed
   want = math.prod(shape) * (slices if parsed.backend.domain == "slices" else 1)
   if local is None:

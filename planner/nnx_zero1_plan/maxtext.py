@@ -12,14 +12,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, bytes_by_memory_kind
-from nnx_zero1_plan.compiled import (
-  collectives_of,
-  cost,
-  memory,
-  row_figures,
-  split_memory,
-  summed_collectives,
-)
 from nnx_zero1_plan.inputs import ONE_SLICE, PlanError
 from nnx_zero1_plan.levers import Lever, engine_attributes, with_offload
 from nnx_zero1_plan.mesh_axes import mesh_axes
@@ -27,16 +19,9 @@ from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, MaxTextConfig
-from nnx_zero1_plan.row_compiler import (
-  COMPILER_REFUSALS,
-  RowCompiler,
-  compile_words,
-  compiled_line,
-  refused,
-  with_step_time,
-)
+from nnx_zero1_plan.row_compiler import Compiled, RowCompiler, compile_and_read, compile_words
 from nnx_zero1_plan.steps import StepShape
-from nnx_zero1_plan.targets import Target, domain_of
+from nnx_zero1_plan.targets import Target
 
 # Never named like a package: a folder named nnx_zero1_plan in the temp folder would shadow the planner (as an
 # empty namespace package) in any Python started there.
@@ -54,16 +39,7 @@ class MaxTextModel:
 
 @contextlib.contextmanager
 def output_directory() -> Iterator[str]:
-  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it after.
-
-  Example::
-
-    >>> with output_directory() as out:
-    ...   os.path.basename(out).startswith(OUTPUT_PREFIX), os.path.isdir(out)
-    (True, True)
-    >>> os.path.exists(out)
-    False
-  """
+  """A fresh folder for MaxText's ``base_output_directory``, removed with what MaxText wrote in it after."""
   folder = tempfile.mkdtemp(prefix=OUTPUT_PREFIX)
   try:
     yield folder
@@ -87,22 +63,12 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
                      compute_dtype: str | None, remat: str | None, known_axes: Iterable[str],
                      output_dir: str, overrides: Mapping[str, str] | None = None,
                      slices: int = ONE_SLICE) -> dict[str, str]:
-  """MaxText's config for a plan: its ``key=value`` overrides of ``base.yml``, the user's last.
+  """MaxText's config for a plan: its ``key=value`` overrides of ``base.yml``, the user's last; a
+  :class:`PlanError` for an axis MaxText's mesh has not, an optimizer it does not name alike, or a batch that
+  does not split over the devices.
 
   A mesh axis ``A=n`` is ``ici_A_parallelism=n``; every other axis is 1 (MaxText's ``ici_fsdp_parallelism``
   default, -1, would take the devices left). On several slices ``dcn_data_parallelism`` is their number.
-
-  Raises:
-    PlanError: an axis MaxText's mesh has not, an optimizer it does not name alike, or a batch that
-      does not split over the devices.
-
-  Example::
-
-    >>> o = config_overrides("qwen3-0.6b", "v6e:2x2", 4, {"data": 4}, batch=8, seq_len=1024, ga=8,
-    ...                      optimizer="adamw", param_dtype=None, compute_dtype=None, remat=None,
-    ...                      known_axes=("data", "fsdp", "tensor"), output_dir="/tmp/maxtext_out_1")
-    >>> o["per_device_batch_size"], o["ici_data_parallelism"], o["ici_fsdp_parallelism"]
-    ('2', '4', '1')
   """
   known = tuple(known_axes)
   unknown = [a for a in axes if a not in known]
@@ -134,8 +100,8 @@ def config_overrides(model_name: str, topology: str, devices: int, axes: Mapping
 
 @dataclasses.dataclass(frozen=True)
 class MaxTextModels:
-  """``maxtext:`` models as a :class:`~nnx_zero1_plan.planned_model.ModelKind`: described by their config on
-  the target, MaxText writing under ``output_dir`` (:func:`output_directory`)."""
+  """``maxtext:`` models as a :class:`~nnx_zero1_plan.planned_model.ModelPlanner`: described by their config
+  on the target, MaxText writing under ``output_dir`` (:func:`output_directory`)."""
 
   output_dir: str
 
@@ -145,13 +111,10 @@ class MaxTextModels:
   def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
                 policy: str | None) -> PlannedModel:
     """The model under the remat ``policy``: its config's overrides at each micro-batch (each checked as it is
-    made: the plan makes its micro-batch's before any compile).
-
-    Raises:
-      PlanError: a GPU target, MaxText missing, or what :func:`config_overrides` refuses.
-    """
+    made: the plan makes its micro-batch's before any compile); a :class:`PlanError` for a target MaxText's
+    engine does not compile for, or MaxText missing."""
     model = request.model_ref
-    if target.platform != "tpu":
+    if not target.backend.maxtext_engine:
       raise PlanError(f"{model} compiles through MaxText's ahead-of-time engine, for TPU slices only; "
                       f"{request.topology} is a GPU target")
     try:
@@ -173,43 +136,28 @@ class MaxTextModels:
     weights = overrides.get("weight_dtype") or request.param_dtype or "float32"
     computes_in = request.compute_dtype or overrides.get("dtype", "bfloat16")  # base.yml's dtype
     return PlannedModel(source_at, axes, None, None, len(target.devices), frozenset({weights}), computes_in,
-                        "full", compiles=compiled_figures)
+                        compiles=compiled_figures)
 
 
 def compiled_figures(lever_name: str, step: str, source: MaxTextModel, mesh: None, shape: StepShape,
                      depth: int | None = None, progress: Callable[[str], None] | None = None,
                      timing: RowCompiler | None = None) -> Figures:
   """:func:`nnx_zero1_plan.row_compiler.compiled_figures` of a ``maxtext:`` model: its engine's split step,
-  compiled whole on the engine's own mesh (:func:`compile_maxtext`)."""
-  say = progress or (lambda line: None)
+  compiled whole on the engine's own mesh (:func:`compile_maxtext`), by every kind's path
+  (:func:`~nnx_zero1_plan.row_compiler.compile_and_read`)."""
+  lever = with_offload(lever_name, shape.offload_fraction)
+  compile = lambda options: compile_maxtext(lever_name, lever, source.overrides, source.defer)  # noqa: E731
   at = compile_words(lever_name, step, shape)
-  say(f"compiling {at} ...")
-  started = time.perf_counter()
-  try:
-    lever = with_offload(lever_name, shape.offload_fraction)
-    figures, programs = compile_maxtext(lever_name, lever, source.overrides, source.defer)
-  except COMPILER_REFUSALS as e:
-    return refused(e, started, say, at)
-  say(compiled_line(at, figures.compile_s or 0, figures))
-  return with_step_time(figures, programs, shape, timing, lever_name)
+  return compile_and_read(compile, at, lever_name, shape, progress, timing)
 
 
-def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
-                    defer: bool = True) -> tuple[Figures, list[tuple[str, ProgramRecord, int]]]:
-  """One lever's MaxText engine compiled for the config ``overrides`` make: the split step's row figures.
-
-  MaxText's engine defers the data-parallel all-reduce to ``update`` where it can (``shard_mode=explicit`` on
-  a pure data mesh); ``defer=False`` compiles it reducing in every micro-batch.
-
-  Returns:
-    The row's figures (``maxtext_config`` says whether the all-reduce was deferred), and the programs one
-    step runs: ``(kernel, its record, times per step)``, in order (each kernel's text read once).
-
-  Raises:
-    PlanError: a lever MaxText's engine has no form of.
-    ValueError: MaxText's config or Zero-1 refusing the settings (the plan records it on the row).
-    jax.errors.JaxRuntimeError: the compiler refusing a kernel (the plan records it on the row).
-  """
+def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str], defer: bool = True
+                    ) -> Compiled:
+  """One lever's MaxText engine compiled for the config ``overrides`` make, reducing in every micro-batch
+  where ``defer`` is False (else where MaxText's engine can, it defers the data-parallel all-reduce to
+  ``update``): the kernels one step runs, in order (each kernel's text read once), on the engine's mesh, and
+  the figures only the engine knows (its state's bytes, the compile's seconds, its config, whether it
+  deferred). MaxText's config, Zero-1 or the compiler refusing raise (the plan records it on the row)."""
   # First: the adapter supplies the Tunix types MaxText's engine modules import where Tunix is absent.
   from nnx_zero1.adapters.maxtext import Zero1AbstractMaxTextEngine  # isort: skip
   import maxtext
@@ -232,24 +180,19 @@ def compile_maxtext(lever_name: str, lever: Lever, overrides: Mapping[str, str],
     kernels = engine.compile_kernels(mec.get_shaped_micro_batch(config))
   deferred = unreduced_grad_shardings(engine) is not None
   seconds = time.perf_counter() - start
-  by_kind = bytes_by_memory_kind(nnx.state(engine.optimizer.opt_state))
+  state = nnx.state(engine.optimizer.opt_state)
+  by_kind = bytes_by_memory_kind(state)
   model = engine._model  # where maxtext 0.2.5's engine keeps it (the version the planner supports)
   ga = int(config.gradient_accumulation_steps)
   runs = ["fwd_bwd"] + ["fwd_bwd_accum"] * (ga - 1)  # the gradient kernels one step runs, in order
-  grads = max((memory(kernels[name]) for name in set(runs)), key=lambda m: m["peak"])
-  mem = split_memory(grads, memory(kernels["update"]), by_kind.get("device", 0))
-  domains = [domain_of(d) for d in mesh.devices.flat]
-  records = {name: ProgramRecord.read(kernels[name].as_text()) for name in (*dict.fromkeys(runs), "update")}
-  counted = {name: collectives_of(record, domains) for name, record in records.items()}
-  step = summed_collectives([counted[name] for name in (*runs, "update")])
-  counts = dataclasses.replace(step, per_micro_batch=counted[runs[-1]].per_step)  # a gradient kernel's, whole
   chosen = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(MaxTextConfig)
             if f.name != "deferred_all_reduce"}  # what MaxText's defaults chose, recorded on a row
-  figures = dataclasses.replace(
-      row_figures(mem, counts, cost(kernels["update"])), opt_state_bytes_per_device=by_kind.get("device", 0),
-      opt_state_bytes_by_memory_kind=by_kind,
-      opt_state_bytes_by_dtype=bytes_by_dtype(nnx.state(engine.optimizer.opt_state)),
-      param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)), compile_s=seconds,
-      maxtext_config=MaxTextConfig.from_json({**chosen, "deferred_all_reduce": str(deferred)}))
-  programs = [(name, records[name], runs.count(name)) for name in dict.fromkeys(runs)]
-  return figures, [*programs, ("update", records["update"], 1)]
+  known = Figures(opt_state_bytes_per_device=by_kind.get("device", 0),
+                  opt_state_bytes_by_memory_kind=by_kind, opt_state_bytes_by_dtype=bytes_by_dtype(state),
+                  param_bytes_per_device=abstract_bytes_per_device(nnx.state(model, nnx.Param)),
+                  compile_s=seconds,
+                  maxtext_config=MaxTextConfig.from_json({**chosen, "deferred_all_reduce": str(deferred)}))
+  times = {**{name: runs.count(name) for name in runs}, "update": 1}
+  programs = [(name, kernels[name], ProgramRecord.read(kernels[name].as_text()), n)
+              for name, n in times.items()]
+  return Compiled(programs, mesh, known, micro_batch=runs[-1])  # a gradient kernel is one micro-batch

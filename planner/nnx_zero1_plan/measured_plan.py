@@ -1,7 +1,6 @@
 """``--measure``'s part of a plan, where the target's chips are this process's: the first fitting row of each
-build (its lever, with the accumulation loop or without) run and profiled as it is compiled, for the
-calibration the rows built as it is are priced by, and after the plan each fitting row's programs (and the
-recommended point) run as they were compiled."""
+build run and profiled as it is compiled, for the calibration the rows built as it is are priced by, and
+after the plan each fitting row's programs (and the recommended point) run as they were compiled."""
 
 from __future__ import annotations
 
@@ -26,9 +25,9 @@ from nnx_zero1_plan.targets import Target
 
 
 def profiler(target: Target, progress: Callable[[str], None] | None) -> Profile:
-  """``--measure``'s profile of a row's kept program on this process's chips, for a calibration of its build
-  (:attr:`~nnx_zero1_plan.row_compiler.RowCompiler.profile`): a few steps run and profiled
-  (:func:`~nnx_zero1_plan.on_chip.run_program`), the calibration made of them; None where it did not run."""
+  """``--measure``'s profile of a row's kept program on this process's chips
+  (:attr:`~nnx_zero1_plan.row_compiler.RowCompiler.profile`): a few steps run and profiled, the calibration
+  of its build made of them; None where it did not run."""
   say = progress or (lambda line: None)
 
   def profile(lever: str, shape: StepShape, program: Program) -> Calibration | None:
@@ -52,8 +51,7 @@ def measured_rows(compiler: RowCompiler, plans: Mapping[str | None, PlannedModel
                   rows: Sequence[Row], recommended: Recommendation | None) -> list[Row]:
   """``rows`` with their runs on this process's chips: each row's kept program at each of its
   :func:`~nnx_zero1_plan.on_chip.measured_batches` and, for the recommended row, the recommended
-  micro-batch, run as it was compiled (a batch the row ran already, as a split of ``--global-batch``, is not
-  run again)."""
+  micro-batch (a batch the row ran already, as a split of ``--global-batch``, not again)."""
   done = []
   for row in rows:
     batches = list(measured_batches(row))
@@ -68,8 +66,7 @@ def measured_rows(compiler: RowCompiler, plans: Mapping[str | None, PlannedModel
 def edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanRequest, row: Row) -> Row:
   """``row`` with its search's largest micro-batch, which the compiler may fuse anew, run and profiled where
   ``--measure`` profiles (its run kept in ``measured``), and every point of the search whose program is kept
-  priced again by its build's calibrations, that run among them (the row's own and the points compiled
-  before it were priced without it); ``row`` as it is elsewhere."""
+  priced again by its build's calibrations, that run among them; ``row`` as it is elsewhere."""
   found = row.searched
   edge = None if found is None else found.max_micro_batch
   if compiler.profile is None or found is None or found.at_max is None or edge in (None, row.batch):
@@ -104,8 +101,7 @@ def edge_profiled(compiler: RowCompiler, model: PlannedModel, request: PlanReque
 
 def run_at(compiler: RowCompiler, model: PlannedModel, request: PlanRequest, row: Row,
            batch: int | None = None) -> Measured:
-  """``row``'s kept program at ``batch`` (None: the row's own), run on this process's chips as it was compiled
-  (:func:`~nnx_zero1_plan.on_chip.run_program`)."""
+  """``row``'s kept program at ``batch`` (None: the row's own), run on this process's chips as compiled."""
   say: Callable[[str], None] = compiler.progress or (lambda line: None)
   batch = row.batch if batch is None else batch
   fraction = row.offloaded.offload_fraction if row.offloaded else 0.0

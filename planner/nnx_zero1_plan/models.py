@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import os
 import pathlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,7 +20,6 @@ from nnx_zero1_plan.inputs import (
   ModelRef,
   PlanError,
   lora_modules,
-  lora_refusal,
   parse_model,
   shortened,
   tunix_family,
@@ -37,18 +35,12 @@ class ModelSource:
   build: Callable[[int | None], Any]  # depth (None: full) -> nnx.Module; called under nnx.eval_shape
   full_depth: int | None  # layers at full depth; None: depth cannot be reduced
   loss_fn: Callable[[Any, jax.Array], jax.Array]
-  # mesh axes -> the activation specs applied (``tunix_sharding.sharding_of``); None: not a tunix: model
+  # mesh axes -> the activation specs applied, or "none"; None: not a tunix: model
   activation_sharding: Callable[[Iterable[str]], dict[str, tuple] | str] | None = None
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """Mean cross-entropy of ``logits`` (for ``tokens[:, :-1]``) against ``tokens[:, 1:]``.
-
-  Example::
-
-    >>> float(next_token_loss(jnp.zeros((1, 2, 4)), jnp.zeros((1, 3), jnp.int32)))  # log(4)
-    1.3862943649291992
-  """
+  """Mean cross-entropy of ``logits`` (for ``tokens[:, :-1]``) against ``tokens[:, 1:]``."""
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
 
@@ -64,16 +56,8 @@ def tunix_loss(model: Any, tokens: jax.Array) -> jax.Array:
 
 def with_lora(model: Any, rank: int, module_path: str, alpha: float = LORA_ALPHA) -> Any:
   """``model`` with qwix's LoRA adapters (``nnx.LoRAParam`` s of ``rank``) on the modules ``module_path``
-  matches, applied as Tunix applies them (``qwix.apply_lora_to_model`` traced on the model's own sample input,
-  ``model.get_model_input()``): under ``nnx.eval_shape`` the adapters are shapes, their sharding the weights'.
-
-  Raises:
-    PlanError: qwix is not installed, or ``module_path`` matches none of the model's modules.
-
-  Example::
-
-    model = with_lora(Llama3(config, rngs=nnx.Rngs(0)), 16, lora_modules("llama3p2_1b"))
-  """
+  matches, applied as Tunix applies them (``qwix.apply_lora_to_model`` on the model's own sample input): under
+  ``nnx.eval_shape`` the adapters are shapes, their sharding the weights'."""
   from flax import nnx
 
   try:
@@ -104,13 +88,13 @@ def _tunix_family(name: str) -> tuple[Any, Any]:
   return module, getattr(module, family.capitalize())
 
 
-def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
-                  remat: str | None, tunix_sharding: str = "default", lora: int | None = None) -> ModelSource:
-  module, cls = _tunix_family(name)
-  make_config = getattr(module.ModelConfig, name, None)
+def _tunix_source(ref: ModelRef, param_dtype: str | None, compute_dtype: str | None, remat: str | None,
+                  tunix_sharding: str, lora: int | None) -> ModelSource:
+  module, cls = _tunix_family(ref.name)
+  make_config = getattr(module.ModelConfig, ref.name, None)
   if make_config is None:
     known = sorted(n for n, v in vars(module.ModelConfig).items() if isinstance(v, classmethod))
-    raise PlanError(f"unknown model tunix:{name}; {module.__name__}.ModelConfig has {', '.join(known)}")
+    raise PlanError(f"unknown model {ref}; {module.__name__}.ModelConfig has {', '.join(known)}")
   config = make_config()
   changes: dict[str, Any] = {}
   for field, value in (("param_dtype", param_dtype), ("dtype", compute_dtype)):
@@ -121,12 +105,12 @@ def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
   cast_to = None if param_dtype is None or hasattr(config, "param_dtype") else jnp.dtype(param_dtype)
   computes_in = changes.get("param_dtype", cast_to)
   if compute_dtype is not None and not hasattr(config, "dtype") and jnp.dtype(compute_dtype) != computes_in:
-    raise PlanError(f"tunix:{name} computes in its parameters' dtype (its ModelConfig has no dtype): give "
+    raise PlanError(f"{ref} computes in its parameters' dtype (its ModelConfig has no dtype): give "
                     f"--param-dtype {compute_dtype}, or leave --compute-dtype out")
   if remat is not None:
     options = [m.name.lower() for m in module.RematConfig]
     if remat.lower() not in options:
-      raise PlanError(f"--remat {remat!r} is not one of tunix:{name}'s {', '.join(options)}")
+      raise PlanError(f"--remat {remat!r} is not one of {ref}'s {', '.join(options)}")
     changes["remat_config"] = module.RematConfig[remat.upper()]
   config = dataclasses.replace(config, **changes)
   defaults = activation_fields(config.shd_config)
@@ -148,7 +132,7 @@ def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
                   rngs=nnx.Rngs(0))
     model = model if cast_to is None else cast_params(model, cast_to)
     # After the cast: qwix gives each adapter its weight's dtype, as on a model loaded in that dtype.
-    return model if lora is None else with_lora(model, lora, lora_modules(name))
+    return model if lora is None else with_lora(model, lora, lora_modules(ref.name))
 
   # gemma3 calls tunix.utils.sharding_utils.shard; llama3, qwen2 and qwen3 their own module's shard.
   shard_modules = [m for m in (module, getattr(module, "sharding_utils", None)) if m is not None]
@@ -157,19 +141,12 @@ def _tunix_source(name: str, param_dtype: str | None, compute_dtype: str | None,
     with tunix_constraints(shard_modules):
       return tunix_loss(model, tokens)
 
-  return ModelSource(f"tunix:{name}", build, config.num_layers,
+  return ModelSource(str(ref), build, config.num_layers,
                      tunix_loss if tunix_sharding == "none" else constrained_loss, described)
 
 
 def cast_params(model: Any, dtype: Any) -> Any:
-  """``model`` with every floating ``nnx.Param`` cast to ``dtype`` (its metadata kept).
-
-  Example::
-
-    >>> from flax import nnx
-    >>> cast_params(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.bfloat16).kernel.dtype
-    dtype(bfloat16)
-  """
+  """``model`` with every floating ``nnx.Param`` cast to ``dtype`` (its metadata kept)."""
   from flax import nnx
 
   params = nnx.state(model, nnx.Param)
@@ -185,20 +162,13 @@ def _raised(what: str, e: Exception) -> PlanError:
                    " (--traceback shows where)")
 
 
-def where_to_find(module_name: str, error: ImportError, here: str | None = None) -> str:
-  """What to do about a model module Python cannot find: the folder that holds it (under ``here``, two levels
-  deep at most) to put on ``PYTHONPATH``. Empty when what is missing is one of the module's imports.
-
-  Example::
-
-    >>> missing = ModuleNotFoundError("No module named 'my_pkg'", name="my_pkg")
-    >>> print(where_to_find("my_pkg.models", missing, "/nowhere"))
-    ; the planner imports my_pkg by name: put the folder that holds my_pkg/ (or my_pkg.py) on PYTHONPATH
-  """
+def _where_to_find(module_name: str, error: ImportError) -> str:
+  """What to do about a model module Python cannot find: the folder that holds it (here, two levels deep at
+  most) to put on ``PYTHONPATH``. Empty when what is missing is one of the module's imports."""
   top = module_name.split(".")[0]
   if not isinstance(error, ModuleNotFoundError) or error.name != top:
     return ""
-  root = pathlib.Path(here or os.getcwd())
+  root = pathlib.Path.cwd()
   patterns = (f"{top}.py", f"{top}/__init__.py", f"*/{top}.py", f"*/{top}/__init__.py", f"*/*/{top}.py")
   found = sorted({str(c.parent) for pattern in patterns for c in root.glob(pattern)})
   folder = found[0].removesuffix(f"/{top}") if found else None
@@ -207,15 +177,16 @@ def where_to_find(module_name: str, error: ImportError, here: str | None = None)
           f"PYTHONPATH{where}")
 
 
-def _function_source(module_name: str, function_name: str) -> ModelSource:
+def _function_source(ref: ModelRef, *settings: Any) -> ModelSource:
+  """The user's own function's model (``settings``: those its kind takes, none)."""
   try:
-    function = getattr(importlib.import_module(module_name), function_name)
+    function = getattr(importlib.import_module(ref.source), ref.name)
   except ImportError as e:
-    raise PlanError(f"unknown model {module_name}:{function_name}: {e}{where_to_find(module_name, e)}") from e
+    raise PlanError(f"unknown model {ref}: {e}{_where_to_find(ref.source, e)}") from e
   except AttributeError as e:
-    raise PlanError(f"unknown model {module_name}:{function_name}: {e}") from e
+    raise PlanError(f"unknown model {ref}: {e}") from e
   except Exception as e:  # the module's own code, run on import
-    raise _raised(f"importing {module_name}", e) from e
+    raise _raised(f"importing {ref.source}", e) from e
   depth_parameter = inspect.signature(function).parameters.get("num_layers")
   full_depth = getattr(depth_parameter, "default", None)
   full_depth = full_depth if isinstance(full_depth, int) else None
@@ -225,7 +196,7 @@ def _function_source(module_name: str, function_name: str) -> ModelSource:
     try:
       built = function(num_layers=depth) if depth is not None else function()
     except Exception as e:  # the user's builder: one line naming it, not the planner's traceback around it
-      raise _raised(f"the model builder {module_name}:{function_name}", e) from e
+      raise _raised(f"the model builder {ref}", e) from e
     model, *rest = built if isinstance(built, tuple) else (built,)
     loss[:] = rest[:1]
     return model
@@ -233,30 +204,23 @@ def _function_source(module_name: str, function_name: str) -> ModelSource:
   def loss_fn(model: Any, tokens: jax.Array) -> jax.Array:
     return loss[0](model, tokens) if loss else next_token_loss(model(tokens[:, :-1]), tokens)
 
-  return ModelSource(f"{module_name}:{function_name}", build, full_depth, loss_fn)
+  return ModelSource(str(ref), build, full_depth, loss_fn)
 
 
 def model_source(model: str | ModelRef, param_dtype: str | None = None, compute_dtype: str | None = None,
                  remat: str | None = None, tunix_sharding: str = "default",
                  lora: int | None = None) -> ModelSource:
-  """The :class:`ModelSource` ``--model`` names (as given, or parsed), with the flags of the same names
-  (``lora``: ``--lora``'s rank, None for full fine-tuning).
+  """The :class:`ModelSource` ``--model`` names, with the flags of the same names (``lora``: ``--lora``'s
+  rank, None for full fine-tuning); an unknown model, or a flag it cannot take, refused."""
+  ref = model if isinstance(model, ModelRef) else parse_model(model)
+  ref.check_settings(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
+                     tunix_sharding=tunix_sharding, lora=lora)
+  source = _SOURCES.get(ref.kind.name)
+  if source is None:
+    raise PlanError(f"{ref} is MaxText's engine, which builds its own model: plan it with plan() or the "
+                    "command line")
+  return source(ref, param_dtype, compute_dtype, remat, tunix_sharding, lora)
 
-  Raises:
-    PlanError: an unknown family, configuration or function, or a flag the model cannot take.
 
-  Example::
-
-    source = model_source("tunix:qwen3_0p6b", param_dtype="bfloat16", compute_dtype="bfloat16")
-  """
-  source, name = model if isinstance(model, ModelRef) else parse_model(model)
-  if source == "tunix":
-    return _tunix_source(name, param_dtype, compute_dtype, remat, tunix_sharding, lora)
-  if lora is not None:
-    raise PlanError(lora_refusal(str(model)))
-  if tunix_sharding != "default":
-    raise PlanError(f"--tunix-sharding applies to tunix: models; {model} constrains its own activations")
-  if param_dtype or compute_dtype or remat:
-    raise PlanError(f"--param-dtype, --compute-dtype and --remat apply to tunix: models; {model} builds its "
-                    "own (set them in your function)")
-  return _function_source(source, name)
+# The kinds whose models the planner builds (MODEL_KINDS), by name; an engine builds its own.
+_SOURCES: dict[str, Callable[..., ModelSource]] = {"tunix": _tunix_source, "function": _function_source}

@@ -120,7 +120,7 @@ def network_per_step(collectives: Collectives, chip: str, backend: Backend, step
     Network(network='InfiniBand', bytes=1000000000, estimate_ms=20.0)
   """
   across = collectives.across_bytes
-  inside = collectives.sent_bytes - (0 if backend.domain == "slices" else across)
+  inside = collectives.sent_bytes - (across if backend.crosses_in_program else 0)
   links = CHIPS[chip].links
   fast_ms = None if step_time is None else round(1000 * step_time.fast_s, 1)
   slow = Network(links.slow, across, round(1000 * (across / links.slow_bytes_per_s), 1))

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import Mesh
 
 from nnx_zero1_plan.abstract import AbstractState
+from nnx_zero1_plan.calibration import Calibration
 from nnx_zero1_plan.inputs import error_line
 from nnx_zero1_plan.levers import Lever
 from nnx_zero1_plan.program_record import ProgramRecord
@@ -30,10 +31,9 @@ _NAME = re.compile(r"^%?([^\s=]+)")
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  """A row's compiled one-program step, kept for its run: the compiled step (``(state, batch) -> (state,
-  loss)``, the state donated), the compile's seconds, its lever, what builds its model (at the row's depth),
-  the mesh, abstract state (its shardings are the run's) and shape it was compiled for, and its text read
-  once (what the plan's figures and calibrations are read from)."""
+  """A row's compiled one-program step (``(state, batch) -> (state, loss)``, the state donated), kept for its
+  run with what it was compiled for and its text read once (what its figures and calibrations are read
+  from)."""
 
   compiled: Any
   compile_s: float
@@ -45,18 +45,19 @@ class Program:
   record: ProgramRecord
 
 
+class Kept:
+  """What a plan keeps as it compiles for ``--measure``, added to as its rows compile: each one-program step
+  compiled whole (by lever, model and shape: its run, and a second row of it, read it back) and the
+  calibrations its runs made."""
+
+  def __init__(self) -> None:
+    self.programs: dict[tuple[str, int, StepShape], Program] = {}
+    self.profiled: list[Calibration] = []
+
+
 def measured_batches(row: Row) -> tuple[int, ...]:
   """The micro-batches ``--measure`` runs a row at: its own where it fits, and the largest a search found
-  (none for a two-program step, which the planner's runner does not run, or an estimate).
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Figures, Made
-    >>> row = Row("zero1", "one", "v5e:1x1", "TPU v5 lite", {"data": 1}, "m:f", 8, Figures(), Made(), 9, 9,
-    ...           True)
-    >>> measured_batches(row), measured_batches(dataclasses.replace(row, step="split"))
-    ((8,), ())
-  """
+  (none for a two-program step, which the planner's runner does not run, or an estimate)."""
   if row.step != "one" or row.estimated:
     return ()
   batches = [row.batch] if row.verdict else []
@@ -66,13 +67,8 @@ def measured_batches(row: Row) -> tuple[int, ...]:
 
 def run_program(program: Program, profile: bool = False) -> tuple[Measured, dict[str, Any] | None]:
   """``program`` run on the devices it was compiled for: ``WARMUP + TIMED`` steps, the median of the timed
-  ones; with ``profile``, :data:`PROFILED` more under the profiler (:func:`profiled`). A refusal (the
-  allocator's, placing the state or running) is the answer, not raised.
-
-  Returns:
-    ``(run, ops)``: the :class:`~nnx_zero1_plan.row.Measured` run, and the profile (None: not asked, or the
-    steps did not run).
-  """
+  ones, and with ``profile`` :data:`PROFILED` more under the profiler (None: not asked, or the steps did not
+  run). A refusal (the allocator's, placing the state or running) is the answer, not raised."""
   shape = program.shape
   try:
     _, state = placed_state(program.lever, program.build, shape.optimizer, program.mesh, program.state)

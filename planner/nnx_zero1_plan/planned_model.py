@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -36,17 +36,21 @@ class PlannedModel:
   batch_unit: int  # a micro-batch is a multiple of the batch axes' size
   param_dtypes: frozenset[str]
   compute_dtype: str  # what the step computes in: the peak its MFU is measured against
-  remat_hint: str | None  # the remat policy "Try next" suggests (None: the model takes no --remat)
   named: tuple[str, ...] = ()  # the mesh axes the model's variables name
-  # one compile of a lever's step where the model's engine compiles its own (maxtext.compiled_figures; None:
-  # the planner's step, row_compiler.compiled_figures)
+  # one compile of a lever's step where the model's engine compiles its own (None: the planner's step)
   compiles: Callable[..., Figures] | None = None
+  # mesh axes -> the activation constraints a tunix: model applies (ModelSource.activation_sharding)
+  constraints: Callable[[Iterable[str]], dict[str, tuple] | str] | None = None
+
+  @property
+  def activation_sharding(self) -> dict[str, tuple] | str | None:
+    """The activation constraints on the mesh, as a row and the meta say them (None: not ``tunix:``)."""
+    return None if self.constraints is None else self.constraints(self.axes)
 
 
-class ModelKind(Protocol):
-  """One kind of model a plan compiles, behind the calls a plan makes, so the plan never asks which kind it
-  has: your own or Tunix's NNX model (:data:`NNX_MODELS`), MaxText's engine
-  (:class:`nnx_zero1_plan.maxtext.MaxTextModels`)."""
+class ModelPlanner(Protocol):
+  """How a plan builds the model of one kind (:class:`~nnx_zero1_plan.inputs.ModelKind`): your own or Tunix's
+  NNX model (:data:`NNX_MODELS`), MaxText's engine (:class:`nnx_zero1_plan.maxtext.MaxTextModels`)."""
 
   def described(self, request: PlanRequest, policy: str | None) -> PlannedModel | None:
     """The model described before the target is made, so a misspelt axis needs no compiler (None: a kind
@@ -61,13 +65,8 @@ class _NnxModels:
   """``tunix:`` and ``package.module:function`` models: described from one abstract build, then placed."""
 
   def described(self, request: PlanRequest, policy: str | None) -> PlannedModel:
-    """The model under the remat ``policy`` from one abstract build (no compiler needed): the axes it names
-    and its dtypes.
-
-    Raises:
-      PlanError: a ``--mesh`` axis the model does not name and the planner does not know, or what
-        :func:`nnx_zero1_plan.models.model_source` refuses.
-    """
+    """The model under the remat ``policy`` from one abstract build (no compiler needed); a ``--mesh`` axis
+    the model does not name and the planner does not know is refused here."""
     source = model_source(request.model_ref, request.param_dtype, request.compute_dtype, policy,
                           request.tunix_sharding, request.lora)
     depths = request.depths
@@ -76,17 +75,13 @@ class _NnxModels:
     named, dtypes = describe_model(lambda: source.build(reduced[0] if reduced else None))
     check_axis_names(request.mesh_sizes, named)
     computes_in = request.compute_dtype or (next(iter(dtypes)) if len(dtypes) == 1 else "float32")
-    remat_hint = "decoder" if request.model_ref.kind == "tunix" else None
     return PlannedModel(lambda b: source, dict(request.mesh_sizes), None, reduced, 1, dtypes, computes_in,
-                        remat_hint, named)
+                        named, constraints=source.activation_sharding)
 
   def on_target(self, request: PlanRequest, described: PlannedModel | None, target: Target,
                 policy: str | None) -> PlannedModel:
-    """Every mesh axis sized (``replica`` across the slices or nodes), the device mesh, the batch's unit.
-
-    Raises:
-      PlanError: the mesh does not match the device count, or ``replica`` does not cross the slices or nodes.
-    """
+    """Every mesh axis sized (``replica`` across the slices or nodes), the device mesh, the batch's unit;
+    a mesh that does not match the device count, or a ``replica`` that does not cross them, refused."""
     assert described is not None
     axes = mesh_axes(described.axes, described.named, len(target.devices), domains=target.domains,
                      where=target.backend.domain)
@@ -96,15 +91,11 @@ class _NnxModels:
     return dataclasses.replace(described, axes=axes, device_mesh=device_mesh, batch_unit=rows_over)
 
 
-NNX_MODELS: ModelKind = _NnxModels()
+NNX_MODELS: ModelPlanner = _NnxModels()
 
 
 def refuse_blocked(request: PlanRequest, planned: PlannedModel) -> dict[str, str]:
-  """The levers that cannot apply to the model or the target, and why.
-
-  Raises:
-    PlanError: one of the levers the request asks for is among them.
-  """
+  """The levers that cannot apply to the model or the target, and why; one the request asks for is refused."""
   blocked = {n: why for n in LEVERS if (why := lever_blocker(n, planned.param_dtypes, request.domains))}
   for name in request.levers:
     if name in blocked:

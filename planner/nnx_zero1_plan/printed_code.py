@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nnx_zero1_plan.inputs import LORA_ALPHA, lora_modules
+from nnx_zero1_plan.inputs import BACKENDS, LORA_ALPHA, Backend, ModelRef, lora_modules
 from nnx_zero1_plan.levers import Lever, engine_attributes, state_axes, summed_over, with_offload
 from nnx_zero1_plan.mesh_axes import batch_axes
 from nnx_zero1_plan.request import DEFAULT_OPTIMIZER, OPTIMIZER_CODE
@@ -17,35 +17,19 @@ def _spelled(value: Any) -> str:
   return f"jnp.{value}" if isinstance(value, str) else repr(value)
 
 
-def mesh_code(mesh: Mapping[str, int] | None, platform: str = "tpu", domains: int = 1) -> list[str]:
-  """The lines that build the mesh a plan compiled from ``devices = jax.devices()``, ``replica`` outermost,
-  across the slices or nodes, every axis Auto.
+def mesh_code(mesh: Mapping[str, int] | None, backend: Backend = BACKENDS["tpu"], domains: int = 1
+              ) -> list[str]:
+  """The lines that build the mesh a plan compiled (None: one ``data`` axis of size 1), ``replica`` outermost
+  across the ``domains`` slices or nodes, every axis Auto: the imports, a blank line, then ``mesh = ...``.
 
   One slice or node: ``jax.make_mesh``, which refuses devices of several slices. TPU slices:
   ``mesh_utils.create_hybrid_device_mesh``. GPU nodes: the devices ordered node by node, then shaped (XLA
-  numbers a GPU cluster's hosts as slices, a compile-only topology's nodes by ``process_index``).
-
-  Args:
-    mesh: the plan's axes and sizes, ``replica`` first on a pod (None: one ``data`` axis of size 1).
-    platform: ``"tpu"`` or ``"cuda"``.
-    domains: the slices or nodes the devices sit in.
-
-  Returns:
-    Python lines (the imports they need first, then a blank line), ending with ``mesh = ...``.
-
-  Example::
-
-    >>> print("\\n".join(mesh_code({"replica": 2, "data": 4}, "tpu", domains=2)[3:]))
-    devices = jax.devices()
-    # replica across the 2 slices (the data-center network), the other axes inside each slice
-    mesh = Mesh(mesh_utils.create_hybrid_device_mesh((1, 4), (2, 1), devices, allow_split_physical_axes=True),
-                ('replica', 'data'), axis_types=(AxisType.Auto,) * 2)
-  """
+  numbers a GPU cluster's hosts as slices, a compile-only topology's nodes by ``process_index``)."""
   axes = dict(mesh or {"data": 1})
   names, sizes = repr(tuple(axes)), repr(tuple(axes.values()))
   types = "(AxisType.Auto,)" + (f" * {len(axes)}" if len(axes) > 1 else "")
   pod = domains > 1 and axes.get("replica") == domains
-  if pod and platform == "tpu":
+  if pod and backend.domain == "slices":
     inside = tuple(1 if k == "replica" else v for k, v in axes.items())
     across = tuple(domains if k == "replica" else 1 for k in axes)
     return ["from jax.experimental import mesh_utils", "from jax.sharding import AxisType, Mesh", "",
@@ -72,16 +56,9 @@ def _tuples(value: Any) -> Any:
   return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
-def lora_lines(model: str, rank: int) -> list[str]:
-  """The lines that apply ``--lora``'s adapters to ``model`` (a ``tunix:`` model) as the plan did: qwix's,
-  after ``model = ...``; Tunix's trainer then trains them only.
-
-  Example::
-
-    >>> print(lora_lines("tunix:llama3p2_1b", 16)[0])
-      # LoRA as planned: the trainer sees nnx.LoRAParam s and trains only them (wrt=nnx.LoRAParam)
-  """
-  provider = (f"qwix.LoraProvider(module_path={lora_modules(model.partition(':')[2])!r}, rank={rank}, "
+def _lora_lines(model: ModelRef, rank: int) -> list[str]:
+  """The lines that apply ``--lora``'s adapters to a ``tunix:`` model as planned, after ``model = ...``."""
+  provider = (f"qwix.LoraProvider(module_path={lora_modules(model.name)!r}, rank={rank}, "
               f"alpha={LORA_ALPHA})")
   return ["  # LoRA as planned: the trainer sees nnx.LoRAParam s and trains only them (wrt=nnx.LoRAParam)",
           f"  model = qwix.apply_lora_to_model(model, {provider},",
@@ -111,58 +88,30 @@ def _tunix_code(lever: Lever, options: list[str], mesh_lines: list[str], mesh: M
   return lines + ["with mesh:  # Tunix reads its mesh from this context",
                   "  model = ...  # your model, built here", *lora,
                   f"  trainer = {trainer[0]}(model, {tx}, {trainer[1]}(..., {', '.join(config)}))"
-                  + rate_note(tx)]
+                  + _rate_note(tx)]
 
 
-def lever_code(name: str, model: str, offload_fraction: float | None = None,
+def lever_code(name: str, model: ModelRef, offload_fraction: float | None = None,
                mesh: Mapping[str, int] | None = None, optimizer: str = DEFAULT_OPTIMIZER, *,
-               platform: str = "tpu", domains: int = 1, activation_sharding: Any = None,
+               backend: Backend = BACKENDS["tpu"], domains: int = 1, activation_sharding: Any = None,
                lora: int | None = None) -> str:
   """The code that turns lever ``name`` on where ``model``'s users train, as they paste it, written from the
-  lever table (a new lever needs no entry here).
-
-  Args:
-    name: the lever.
-    model: the plan's ``--model``.
-    offload_fraction: the share of the state the plan offloads (``offload-fraction``).
-    mesh: the plan's axes and sizes.
-    optimizer: the plan's ``--optimizer``.
-    platform: ``"tpu"`` or ``"cuda"``: how a pod's mesh is built (:func:`mesh_code`).
-    domains: the slices or nodes the plan spans.
-    activation_sharding: a ``tunix:`` plan's activation specs (its meta's ``activation_sharding``).
-    lora: ``--lora``'s rank: the code applies the adapters and trains them only (None: full fine-tuning).
-
-  Returns:
-    Python source, newline-separated; ``model = ...`` is the user's own line. MaxText's is one sentence.
-
-  Example::
-
-    >>> code = lever_code("offload", "my_pkg.models:build", mesh={"data": 4})
-    >>> print(code)  # doctest: +NORMALIZE_WHITESPACE
-    import jax, jax.numpy as jnp, optax
-    from nnx_zero1 import Zero1Optimizer
-    from jax.sharding import AxisType
-    <BLANKLINE>
-    devices = jax.devices()
-    mesh = jax.make_mesh((4,), ('data',), (AxisType.Auto,), devices=devices)
-    with jax.set_mesh(mesh):
-      model = ...  # your model, built here: its parameters' sharding names the mesh's axes
-      optimizer = Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=True)
-        # 1e-5: your learning rate (or an optax schedule)
-  """
+  lever table (a new lever needs no entry here): Python source whose ``model = ...`` is the user's own line,
+  or for an engine one sentence. The other arguments are the plan's (``offload_fraction``: the share of the
+  state it offloads; ``activation_sharding``: a ``tunix:`` plan's specs; ``lora``: ``--lora``'s rank)."""
   tx = OPTIMIZER_CODE[optimizer]
   lever = with_offload(name, offload_fraction)
   options = [f"{k}={_spelled(v)}" for k, v in lever.optimizer_options.items()]
-  if model.startswith("maxtext:"):
+  if model.kind.engine:
     attributes = engine_attributes(name, lever)
     if attributes is None:
       return "MaxText's own MaxTextTrainingEngine"
     spelled = "; ".join(f"{k} = {_spelled(v)}" for k, v in attributes.items())
     return "Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext)" + (f" subclassed with {spelled}"
                                                                       if spelled else "")
-  mesh_lines = mesh_code(mesh, platform, domains)
-  if model.startswith("tunix:"):
-    adapters = [] if lora is None else lora_lines(model, lora)
+  mesh_lines = mesh_code(mesh, backend, domains)
+  if model.kind.trainer:
+    adapters = [] if lora is None else _lora_lines(model, lora)
     lines = _tunix_code(lever, options, mesh_lines, mesh, tx, activation_sharding, adapters)
     if lever.deferred:  # Tunix's trainer accumulates with optax.MultiSteps, reduced every micro-batch
       lines[1] += "\nfrom nnx_zero1 import value_and_grad_accumulated"
@@ -178,21 +127,15 @@ def lever_code(name: str, model: str, offload_fraction: float | None = None,
     imports = ["import jax, jax.numpy as jnp, optax", "from nnx_zero1 import Zero1Optimizer"]
   lines = [*imports, *mesh_lines, "with jax.set_mesh(mesh):",
            "  model = ...  # your model, built here: its parameters' sharding names the mesh's axes",
-           f"  {built}{rate_note(tx)}"]
+           f"  {built}{_rate_note(tx)}"]
   if lever.deferred:
     lines[1] += ", value_and_grad_accumulated"
     lines.append(_accumulate_line(lever, mesh, "optimizer"))
   return "\n".join(lines)
 
 
-def rate_note(tx: str) -> str:
-  """The comment that says where the learning rate goes in ``tx``, an optax call whose first argument it is.
-
-  Example::
-
-    >>> rate_note("optax.sgd(1e-3, momentum=0.9)")
-    '  # 1e-3: your learning rate (or an optax schedule)'
-  """
+def _rate_note(tx: str) -> str:
+  """The comment that says where the learning rate goes in ``tx``, an optax call (its first argument)."""
   rate = tx[tx.index("(") + 1:].split(",")[0].removesuffix(")")
   return f"  # {rate}: your learning rate (or an optax schedule)"
 

@@ -24,22 +24,7 @@ _MATMUL = re.compile(r"=\s*(?P<dtype>[a-z]+\d*)\[[^=]*\s(?:convolution|dot)\(")
 class ProgramRecord(HloRecord):
   """A compiled program's text read once (its attributes :class:`~nnx_zero1._src.hlo_record.HloRecord`'s),
   each instruction with cycles given its class of work (:data:`CYCLE_CLASSES`, the walk's clock) and kind
-  (the calibration's).
-
-  Example::
-
-    >>> record = ProgramRecord.read('''HloModule m, num_partitions=2
-    ... %g (p: f32[8,8]) -> f32[8,8] {
-    ...   ROOT %d = f32[8,8]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-    ... }
-    ... ENTRY %main (p: f32[8,8]) -> f32[8,8] {
-    ...   %f = f32[8,8]{1,0} fusion(%p), calls=%g, backend_config={"estimated_cycles":"12"}
-    ...   ROOT %ar = f32[8,8]{1,0} all-reduce(%f), replica_groups={}, to_apply=%add
-    ... }''')
-    >>> f, ar = record.computations["main"]
-    >>> record.runs, f.work, f.kind, ar.collective.groups(record.devices)
-    ({'main': 1, 'g': 1}, 'matmul-f32', 'matmul', ((0, 1),))
-  """
+  (the calibration's)."""
 
   @classmethod
   def read(cls, text: str) -> ProgramRecord:

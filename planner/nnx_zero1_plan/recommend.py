@@ -11,7 +11,7 @@ from nnx_zero1_plan.bands import SAME_SPEED, differ_in, kind_bytes, parts_of, to
 from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes, splits_nothing
 from nnx_zero1_plan.printed_code import lever_code
-from nnx_zero1_plan.request import DEFAULT_STEP, PlanRequest, ResolvedRequest, command_line, remats
+from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line, remats
 from nnx_zero1_plan.row import Point, Record, Row
 from nnx_zero1_plan.search import judged_by_calibrated
 
@@ -243,8 +243,8 @@ def plan_code(request: PlanRequest, lever: str, offload_fraction: float | None =
               activation_sharding: Mapping[str, Any] | str | None = None) -> str:
   """The code that trains as ``request`` (resolved: its mesh sized) planned ``lever`` (:func:`lever_code`):
   its model, mesh, optimizer and target; a recommendation's and a way out's."""
-  return lever_code(lever, str(request.model_ref), offload_fraction, request.mesh_sizes, request.optimizer,
-                    platform=request.platform, domains=request.domains,
+  return lever_code(lever, request.model_ref, offload_fraction, request.mesh_sizes, request.optimizer,
+                    backend=request.backend, domains=request.domains,
                     activation_sharding=activation_sharding, lora=request.lora)
 
 
@@ -319,12 +319,12 @@ def _roomier(row: Row, point: Point) -> tuple[int, bool]:
 def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
               activation_sharding: Mapping[str, Any] | str | None = None,
               step: str | None = None) -> Recommendation | None:
-  """The configuration to run among the rows of one ``step`` shape (by default ``split`` for MaxText's
-  engine, else ``one`` where there are such rows), by :data:`BY_THROUGHPUT` or :data:`ORDER` (a searched row
-  stands at its edge); None when no row fits. ``activation_sharding``: a ``tunix:`` model's, for its code."""
+  """The configuration to run among the rows of one ``step`` shape (by default the first its model's kind
+  compiles, where there are such rows), by :data:`BY_THROUGHPUT` or :data:`ORDER` (a searched row stands at
+  its edge); None when no row fits. ``activation_sharding``: a ``tunix:`` model's, for its code."""
   if step is None:
     shapes = [r.step for r in rows]
-    step = "split" if request.model_ref.kind == "maxtext" else DEFAULT_STEP
+    step = request.model_ref.kind.steps[0]
     step = step if step in shapes else (shapes[0] if shapes else step)
   same_step = [r for r in rows if r.step == step]
   little = {r.lever: note for r in same_step if (note := saves_little(r, same_step)) is not None}

@@ -10,12 +10,13 @@ from typing import Any
 
 from nnx_zero1_plan.gpu_chips import GPU_CHIPS, JAX_GPU_POOL_FRACTION
 from nnx_zero1_plan.inputs import (
+  KIND_SETTINGS,
   ONE_SLICE,
   Backend,
+  ModelKind,
   ModelRef,
   PlanError,
   Topology,
-  lora_refusal,
   parse_levers,
   parse_mesh,
   parse_model,
@@ -33,7 +34,6 @@ STEPS = {
     "one": "one program: gradients, then optimizer.update, the state donated (Tunix, nnx.jit loops)",
     "split": "two programs: gradients; then optimizer.update, the state donated (MaxText's engine)",
 }
-DEFAULT_STEP = "one"  # the step recommended where a plan has its rows (MaxText's engine has ``split`` only)
 DEFAULT_OPTIMIZER = "adamw"
 
 # --optimizer: optax's transformation of each name, at a typical fine-tuning rate (the rate changes no bytes),
@@ -153,7 +153,7 @@ class PlanRequest(Record):
     topology_ref = check_topology(self.topology, self.slices, self.gpus_per_node)
     object.__setattr__(self, "topology_ref", topology_ref)  # frozen: what the checks below read
     sizes = parse_mesh(self.mesh)
-    if sizes and kind != "maxtext":  # MaxText's --mesh is one slice's ici_* axes, no replica among them
+    if sizes and not kind.engine:  # an engine's --mesh is one slice's axes (MaxText's ici_*), no replica
       check_replica(sizes, self.domains, where=self.backend.domain)
     steps = parse_levers(self.steps, STEPS, what="step")
     if self.optimizer not in OPTIMIZER_CODE:
@@ -169,33 +169,24 @@ class PlanRequest(Record):
     if self.estimate and self.search:
       raise PlanError("--search finds an edge from whole compiles, and --estimate decides no edge: leave out "
                       "one of them")
-    if self.tunix_sharding != "default" and kind != "tunix":
-      raise PlanError(f"--tunix-sharding applies to tunix: models; {self.model} shards its own activations")
     if self.lora is not None and self.lora < 1:
       raise PlanError(f"--lora is the LoRA rank, >= 1; got {self.lora}")
-    if self.lora is not None and kind != "tunix":
-      raise PlanError(lora_refusal(self.model))
     if self.maxtext_deferral not in ("auto", "off"):
       raise PlanError(f"--maxtext-deferral is auto or off, got {self.maxtext_deferral!r}")
-    if self.maxtext_deferral != "auto" and kind != "maxtext":
-      raise PlanError(f"--maxtext-deferral applies to maxtext: models; {self.model} is not MaxText's engine")
-    if self.overrides and kind != "maxtext":
-      raise PlanError(f"config overrides (key=value) apply to maxtext: models; {self.model} takes its "
-                      "settings from the flags")
+    model_ref.check_settings(**{name: getattr(self, name) for name in KIND_SETTINGS})
     levers = parse_levers(self.levers, LEVERS)
     if self.global_batch is not None:
       self._check_global_batch(kind, self.global_batch, levers)
-    if kind == "maxtext":
-      steps = tuple(s for s in steps if s == "split")
-      if not steps:
-        raise PlanError(f"{self.model} compiles as MaxText's engine runs it, as two programs: --steps split")
+    steps = tuple(s for s in steps if s in kind.steps)
+    if not steps:
+      raise PlanError(f"{self.model} compiles as MaxText's engine runs it, as two programs: --steps split")
     normal = {"levers": levers, "steps": steps,
               "overrides": dict(self.overrides) if self.overrides else None,
               "depths": tuple(self.depths), "model_ref": model_ref, "mesh_sizes": sizes}
     for name, value in normal.items():
       object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
 
-  def _check_global_batch(self, kind: str, global_batch: int, levers: Sequence[str]) -> None:
+  def _check_global_batch(self, kind: ModelKind, global_batch: int, levers: Sequence[str]) -> None:
     """Refuses what may not come with ``global_batch``: a plan splits it into the micro-batch and GA."""
     if global_batch < 1:
       raise PlanError(f"--global-batch is sequences per optimizer step, >= 1; got {global_batch}")
@@ -204,7 +195,7 @@ class PlanRequest(Record):
     if given and type(self) is PlanRequest:  # a resolved request holds the micro-batch and GA a plan chose
       raise PlanError(f"--global-batch chooses the micro-batch and GA itself, from whole compiles: leave out "
                       f"{', '.join(given)}")
-    if kind == "maxtext":
+    if kind.engine:
       raise PlanError("--global-batch plans the planner's own step; a maxtext: model sets its micro-batch "
                       "and GA in its config (per_device_batch_size, gradient_accumulation_steps)")
     searching = [n for n in levers if LEVERS[n].picks_offload]

@@ -1,6 +1,7 @@
 """One row of a plan: a lever's step compiled whole at one micro-batch; for an estimate (``--estimate``), at
 two reduced depths and extrapolated per layer, and whole anyway where the line comes near the limit or the two
-depths disagree. The compiler's refusal is a row too (its figures None)."""
+depths disagree. The compiler's refusal is a row too (its figures None). Every kind of model's compile comes
+to its figures by one path (:func:`compile_and_read`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -16,39 +17,28 @@ from nnx_zero1_plan.abstract import abstract_bytes_per_device, bytes_by_dtype, s
 from nnx_zero1_plan.calibrated_time import calibrated_step, read_program
 from nnx_zero1_plan.calibration import Calibration, built_otherwise, for_step
 from nnx_zero1_plan.chips import CHIPS
-from nnx_zero1_plan.compiled import (
-  collectives_of,
-  cost,
-  hbm_oom,
-  memory,
-  row_figures,
-  split_memory,
-  step_flops,
-  summed_collectives,
-)
+from nnx_zero1_plan.compiled import collectives_of, hbm_oom, step_figures, step_flops
 from nnx_zero1_plan.estimate import NEAR, NEAR_LIMIT, estimate_mark, extrapolate_row, not_alike
 from nnx_zero1_plan.gpu_matmuls import tensor_core_priced
 from nnx_zero1_plan.gpu_schedule import dumped_schedule
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
 from nnx_zero1_plan.networks import network_per_step
-from nnx_zero1_plan.on_chip import Program
+from nnx_zero1_plan.on_chip import Kept, Program
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import PER_LAYER, Figures, Made, Row, StateSplit
 from nnx_zero1_plan.search import fits_in
 from nnx_zero1_plan.step_time import predict_step_time, rates_for
 from nnx_zero1_plan.steps import StepShape, compile_split, compile_step, lever_state
-from nnx_zero1_plan.targets import Target, domain_of
-from nnx_zero1_plan.tunix_sharding import sharding_of
+from nnx_zero1_plan.targets import Target
 
 
 def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord, int]], shape: StepShape,
                    timing: RowCompiler | None, lever_name: str,
                    scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
-  """``figures`` with the predicted time (:func:`nnx_zero1_plan.predict_step_time`) of the ``programs`` one
-  step of ``lever_name`` runs on ``timing``'s target (``scheduled``: XLA's GPU scheduler's estimates), and the
-  calibrated time too (:func:`calibrated`)."""
+  """``figures`` with the predicted time of the ``programs`` one step of ``lever_name`` runs on ``timing``'s
+  target (``scheduled``: XLA's GPU scheduler's estimates), and the calibrated time (:func:`calibrated`)."""
   if timing is None:
     return figures
   target = timing.target
@@ -65,9 +55,9 @@ def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord
 
 def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], timing: RowCompiler,
                lever: str, ga: int) -> Figures:
-  """``figures`` with the calibrated time of ``programs`` (each program's record and the times a step runs it)
-  by ``timing``'s calibrations built as ``lever``'s step at ``ga`` is
-  (:func:`~nnx_zero1_plan.calibration.for_step`); as they are where there are none, or no predicted time."""
+  """``figures`` with the calibrated time of ``programs`` (each program's record and the runs a step makes of
+  it) by ``timing``'s calibrations built as ``lever``'s step at ``ga`` is; as they are where there are none,
+  or no predicted time."""
   calibration = for_step(timing.all_calibrations, lever, ga)
   if calibration is None or figures.predicted_step_s is None or figures.step_time is None:
     return dataclasses.replace(figures, calibrated_step_s=None, calibrated_collective_s=None)
@@ -80,8 +70,8 @@ def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], 
 
 @contextlib.contextmanager
 def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] | None, Callable[[], Any]]]:
-  """For a GPU target, the compiler options that dump its scheduler's estimates into a folder removed after,
-  and a reader of them; elsewhere no options, nothing read."""
+  """For a target priced by its scheduler, the compiler options that dump its estimates into a folder removed
+  after, and a reader of them; elsewhere no options, nothing read."""
   if timing is None or timing.target.backend.prices_in_cycles:
     yield None, lambda: None
     return
@@ -89,76 +79,101 @@ def _gpu_schedule(timing: RowCompiler | None) -> Iterator[tuple[dict[str, Any] |
     yield options, read
 
 
+class Compiled(NamedTuple):
+  """A lever's step as its model's kind compiled it: the programs one step runs, in order (each ``(name,
+  executable, record, runs a step makes of it)``), the mesh they run on, the figures only the kind knows
+  (its state's, the compile's seconds), and the program that runs once per micro-batch, whose collectives are
+  one micro-batch's (None: a loop's trip's)."""
+
+  programs: Sequence[tuple[str, Any, ProgramRecord, int]]
+  mesh: Any
+  known: Figures
+  micro_batch: str | None = None
+
+
+def read_compile(step: Compiled, timing: RowCompiler | None) -> Figures:
+  """The figures of a compiled step, for every kind of model, read by
+  :func:`~nnx_zero1_plan.compiled.step_figures` on its mesh's slices or nodes, with the figures its kind
+  knows."""
+  target = timing.target if timing is not None else None
+  domains = [target.domain_of(d) for d in step.mesh.devices.flat] if target else None  # in the mesh's order
+  backend = target.backend if target else None
+  counted = {name: collectives_of(record, domains, backend) for name, _, record, _ in step.programs}
+  resident = step.known.opt_state_bytes_per_device or 0
+  figures = step_figures([(compiled, counted[name], n) for name, compiled, _, n in step.programs], resident)
+  if step.micro_batch is not None and figures.collectives is not None:
+    collectives = dataclasses.replace(figures.collectives, per_micro_batch=counted[step.micro_batch].per_step)
+    figures = dataclasses.replace(figures, collectives=collectives)
+  return dataclasses.replace(figures, **{k: v for k, v in vars(step.known).items() if v is not None})
+
+
+def compile_and_read(compile: Callable[[dict[str, Any] | None], Compiled], at: str, lever_name: str,
+                     shape: StepShape, progress: Callable[[str], None] | None, timing: RowCompiler | None,
+                     known: Callable[[], Figures] = Figures, said: bool = True) -> Figures:
+  """The one path from a kind's compile of a lever's step (``compile``, given the compiler's options) to the
+  row's figures: its progress lines (none where ``said`` is False: a kept program, compiled already), the
+  compiler's refusal as a row with the figures ``known`` before it, the step's figures read
+  (:func:`read_compile`), timed and calibrated against ``timing``'s target (:func:`with_step_time`)."""
+  say = progress or (lambda line: None)
+  if said:
+    say(f"compiling {at} ...")
+  started = time.perf_counter()
+  try:
+    with _gpu_schedule(timing) as (options, read):
+      step = compile(options)
+      scheduled = read()
+  except COMPILER_REFUSALS as e:
+    return refused(e, started, say, at, known())
+  figures = read_compile(step, timing)
+  if said:
+    say(compiled_line(at, figures.compile_s or 0.0, figures))
+  programs = [(name, record, times) for name, _, record, times in step.programs]
+  return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
+
+
 def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape,
                      depth: int | None = None, progress: Callable[[str], None] | None = None,
                      timing: RowCompiler | None = None) -> Figures:
-  """One compile of the lever's step at ``depth`` layers (None: the model's own), for a model the planner
-  builds (:attr:`~nnx_zero1_plan.planned_model.PlannedModel.compiles`: None).
-
-  Args:
-    lever_name: a name of the lever table.
-    step: ``"one"`` (one program) or ``"split"`` (gradients, then update).
-    source: the model's ``ModelSource``.
-    mesh: the device mesh.
-    shape: the micro-batch and the step's other settings.
-    depth: the layers to build the model with.
-    progress: called with one line as the compile starts and ends.
-    timing: the target and compute dtype the step's time is reckoned against (None: not timed).
-
-  Returns:
-    The row's :class:`~nnx_zero1_plan.row.Figures` (:func:`nnx_zero1_plan.compiled.row_figures`, the
-    optimizer state's bytes, the compile's seconds, the predicted step time: :func:`with_step_time`), or the
-    compiler's refusal (``error``, ``hbm_oom``; the compiled figures None).
-  """
+  """One compile of the lever's ``step`` (``"one"`` program or ``"split"``: gradients, then update) at
+  ``depth`` layers (None: the model's own), for a model the planner builds: the row's
+  :class:`~nnx_zero1_plan.row.Figures`, timed against ``timing``'s target (None: not timed), or the compiler's
+  refusal (``error``, ``hbm_oom``; the compiled figures None)."""
   lever = with_offload(lever_name, shape.offload_fraction)
-  say = progress or (lambda line: None)
-  at = compile_words(lever_name, step, shape, depth)
   # A one-program step compiled whole is kept for its run (--measure), and a second row of it reads it back.
-  kept = timing.programs if timing is not None and step == "one" and depth is None else None
+  kept = timing.kept if timing is not None and step == "one" and depth is None else None
   key = _program_key(lever_name, source, shape)
-  program = None if kept is None else kept.get(key)
-  if program is None:
-    say(f"compiling {at} ...")
-  state_figures: dict[str, Any] = {}
-  started = time.perf_counter()
-  try:
-    sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
+  program = None if kept is None else kept.programs.get(key)
+  state_figures: dict[str, Any] = {}  # what a refusal still says
+
+  def compile(options: dict[str, Any] | None) -> Compiled:
     state = lever_state(lever, lambda: source.build(depth), shape.optimizer, mesh)
     by_kind = state.opt_state_bytes_by_memory_kind
-    state_figures = {
+    state_figures.update({
         "opt_state_bytes_per_device": by_kind.get("device", 0), "opt_state_bytes_by_memory_kind": by_kind,
         "opt_state_bytes_by_dtype": bytes_by_dtype(state.state[1]),
         "param_bytes_per_device": abstract_bytes_per_device(state.state[0]),
-        "state_split": StateSplit(list(state_axes(lever)), state_split(state.state[1], state_axes(lever)))}
-    with _gpu_schedule(timing) as (options, read):
-      if program is not None:  # compiled already, for its run (--measure): not again
-        compiled, seconds = program.compiled, program.compile_s
-      elif step == "one":
-        compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
-      else:
-        grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
-      scheduled = read()
-  except COMPILER_REFUSALS as e:
-    return refused(e, started, say, at, **state_figures)
-  domains = [domain_of(d) for d in mesh.devices.flat]  # in the mesh's order
-  if step == "one":  # each program's text read once, into the record every figure below is read from
-    record = program.record if program else ProgramRecord.read(compiled.as_text())
-    programs = [("step", record, 1)]
-    if kept is not None and program is None:
-      kept[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape, record)
-    figures = row_figures(memory(compiled), collectives_of(record, domains))
-  else:
-    programs = [(name, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
-                                                                           ("update", update))]
-    mem = split_memory(memory(grads), memory(update), state_figures["opt_state_bytes_per_device"])
-    both = summed_collectives([collectives_of(record, domains) for _, record, _ in programs])
-    figures = row_figures(mem, both, cost(update))
-  flops, flops_source = step_flops(compiled if step == "one" else grads, programs[0][1])
-  if program is None:
-    say(compiled_line(at, seconds, figures))
-  figures = dataclasses.replace(figures, **state_figures, flops_per_device=flops, flops_source=flops_source,
-                                compile_s=seconds)
-  return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
+        "state_split": StateSplit(list(state_axes(lever)), state_split(state.state[1], state_axes(lever)))})
+    sizes = (source.loss_fn, mesh, shape.batch, shape.seq_len, shape.ga)
+    if program is not None:  # compiled already, for its run (--measure): not again
+      programs = [("step", program.compiled, program.record, 1)]
+      seconds = program.compile_s
+    elif step == "one":  # each program's text read once, into the record every figure is read from
+      compiled, seconds = compile_step(lever, state, *sizes, compiler_options=options)
+      programs = [("step", compiled, ProgramRecord.read(compiled.as_text()), 1)]
+      if kept is not None:
+        kept.programs[key] = Program(compiled, seconds, lever, lambda: source.build(None), mesh, state, shape,
+                                     programs[0][2])
+    else:
+      grads, update, seconds = compile_split(lever, state, *sizes, compiler_options=options)
+      programs = [(name, p, ProgramRecord.read(p.as_text()), 1) for name, p in (("gradients", grads),
+                                                                                ("update", update))]
+    flops, flops_source = step_flops(programs[0][1], programs[0][2])
+    known = Figures(**state_figures, flops_per_device=flops, flops_source=flops_source, compile_s=seconds)
+    return Compiled(programs, mesh, known)
+
+  at = compile_words(lever_name, step, shape, depth)
+  return compile_and_read(compile, at, lever_name, shape, progress, timing, lambda: Figures(**state_figures),
+                          said=program is None)
 
 
 # Zero1Error (a ValueError) when the optimizer refuses the model; the rest, the compiler's refusals.
@@ -178,13 +193,13 @@ def compiled_line(at: str, seconds: float, figures: Figures) -> str:
   return f"compiled {at} in {seconds:.0f} s: peak {(figures.peak_bytes_per_device or 0) / 2**30:.2f} GiB"
 
 
-def refused(e: Exception, started: float, say: Callable[[str], None], at: str,
-            **state_figures: Any) -> Figures:
-  """The compiler's refusal ``e`` of the compile of ``at`` begun at ``started``, said, as a row's figures."""
+def refused(e: Exception, started: float, say: Callable[[str], None], at: str, known: Figures) -> Figures:
+  """The compiler's refusal ``e`` of the compile of ``at`` begun at ``started``, said, as a row's figures:
+  those ``known`` before it, the error and its seconds."""
   error = error_line(e, 400)
   seconds = time.perf_counter() - started
   say(f"compiled {at}: refused in {seconds:.0f} s ({shortened(error, 160)})")
-  return Figures(**state_figures, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
+  return dataclasses.replace(known, error=error, hbm_oom=hbm_oom(str(e)), compile_s=seconds)
 
 
 def _program_key(lever: str, source: Any, shape: StepShape) -> tuple[str, int, StepShape]:
@@ -200,40 +215,35 @@ Profile = Callable[[str, StepShape, Program], Calibration | None]
 
 @dataclasses.dataclass(frozen=True)
 class RowCompiler:
-  """What every row of a plan is compiled against: the target and the memory a step may use on it."""
+  """What every row of a plan is compiled against: the target, the bytes per device a step may use on it
+  (the reserve or margin taken off), the dtype the steps compute in (their MFU's peak), the calibrations each
+  row is also priced by (those built as its step is: ``for_step``), and with ``--measure`` the store its
+  programs and their runs' calibrations are kept in (``kept``) and the run that profiles a row's kept program
+  for a calibration (``profile``)."""
 
-  target: Target  # the topology's devices and memory
-  usable: int  # bytes per device a step may use (the reserve or margin taken off already)
+  target: Target
+  usable: int
   progress: Callable[[str], None] | None = None  # called with one line as each compile starts and ends
-  compute_dtype: str = "bfloat16"  # the dtype the steps compute in (the peak their MFU is measured against)
-  # each one-program step compiled whole, kept for its run (None: not kept; --measure keeps them)
-  programs: dict[tuple[str, int, StepShape], Program] | None = None
-  # the chip's calibrations each row's time is also priced by, those built as its step is (for_step; none:
-  # the cost model's alone)
+  compute_dtype: str = "bfloat16"
+  kept: Kept | None = None
   calibrations: tuple[Calibration, ...] = ()
-  # with --measure and no calibration given: runs and profiles a row's kept program on this process's chips
-  # for a calibration (None: nothing is run while planning); the calibrations so made are kept in profiled
   profile: Profile | None = None
-  profiled: list[Calibration] = dataclasses.field(default_factory=list)
 
   @property
   def all_calibrations(self) -> tuple[Calibration, ...]:
     """The calibrations given and those this plan's runs made."""
-    return (*self.calibrations, *self.profiled)
+    return (*self.calibrations, *(self.kept.profiled if self.kept else ()))
 
   def program(self, lever: str, model: PlannedModel, shape: StepShape) -> Program | None:
     """The kept program of ``lever``'s one-program step at ``shape`` (None: not compiled, or not kept)."""
-    return (self.programs or {}).get(_program_key(lever, model.source_at(shape.batch), shape))
+    key = _program_key(lever, model.source_at(shape.batch), shape)
+    return self.kept.programs.get(key) if self.kept else None
 
   def row(self, lever: str, step: str, model: PlannedModel, shape: StepShape,
           remat: str | None = None) -> Row:
-    """One lever's row at ``shape``'s micro-batch (an estimate's depths: ``model.reduced``).
-
-    Returns:
-      The :class:`~nnx_zero1_plan.row.Row`, its ``fits`` the one verdict
-      (:func:`nnx_zero1_plan.search.fits_in`: the compiler accepted the whole program and its peak is within
-      ``usable``); an estimate's is None and ``made.fits_estimate`` says what the line says.
-    """
+    """One lever's row at ``shape``'s micro-batch (an estimate's depths: ``model.reduced``), its ``fits`` the
+    one verdict (:func:`nnx_zero1_plan.search.fits_in`); an estimate's is None and ``made.fits_estimate`` says
+    what the line says."""
     target = self.target
     source = model.source_at(shape.batch)
     figures, made = self._at_depths(lever, step, model, source, model.reduced, shape)
@@ -266,19 +276,19 @@ class RowCompiler:
     return Row(lever=lever, step=step, compiled_for=target.name, device_kind=target.device_kind,
                mesh=model.axes, model=source.name, batch=shape.batch, figures=figures, made=made,
                hbm_bytes=target.hbm_bytes, usable_bytes=self.usable, fits=verdict,
-               activation_sharding=sharding_of(source, model.axes), remat=remat)
+               activation_sharding=model.activation_sharding, remat=remat)
 
   def priced_by_own_run(self, lever: str, model: PlannedModel, shape: StepShape,
                         figures: Figures) -> tuple[Figures, Calibration] | None:
-    """The kept program of ``lever`` at ``shape`` run and profiled (:attr:`profile`), its calibration kept in
-    :attr:`profiled`, and ``figures`` priced by its build's calibrations with it among them; None where
-    nothing ran (no ``--measure``, no kept program, or no profile)."""
-    if self.profile is None or (program := self.program(lever, model, shape)) is None:
+    """The kept program of ``lever`` at ``shape`` run and profiled (:attr:`profile`), its calibration kept,
+    and ``figures`` priced by its build's calibrations with it among them; None where nothing ran (no
+    ``--measure``, no kept program, or no profile)."""
+    if self.profile is None or self.kept is None or (program := self.program(lever, model, shape)) is None:
       return None
     made = self.profile(lever, shape, program)
     if made is None:
       return None
-    self.profiled.append(made)
+    self.kept.profiled.append(made)
     return calibrated(figures, [(program.record, 1)], self, lever, shape.ga), made
 
   def _at_depths(self, lever: str, step: str, model: PlannedModel, source: Any, depths: Sequence[int] | None,

@@ -15,16 +15,15 @@ from nnx_zero1_plan.levers import LEVERS, splits_nothing
 from nnx_zero1_plan.maxtext import MaxTextModels, output_directory
 from nnx_zero1_plan.measured_plan import edge_profiled, measured_rows, profiler, run_at, said_measured
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, batch_axes, micro_batch
-from nnx_zero1_plan.planned_model import NNX_MODELS, ModelKind, PlannedModel, refuse_blocked
+from nnx_zero1_plan.planned_model import NNX_MODELS, ModelPlanner, PlannedModel, refuse_blocked
 from nnx_zero1_plan.recommend import plan_code, recommend
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Row
-from nnx_zero1_plan.row_compiler import RowCompiler, StepShape
+from nnx_zero1_plan.row_compiler import Kept, RowCompiler, StepShape
 from nnx_zero1_plan.search import MAX_COMPILES, offload_search, search_row, split_global_batch
 from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.targets import Target, make_target, require_compiler, usable_bytes
-from nnx_zero1_plan.tunix_sharding import sharding_of
 from nnx_zero1_plan.way_out import Change, WayOut, changes_to_try, find_way_out, next_steps
 
 
@@ -48,7 +47,7 @@ def _lever_row(compiler: RowCompiler, request: PlanRequest, model: PlannedModel,
   shape = StepShape(batch, request.seq_len, request.ga, request.optimizer)
   compiled = lambda **changed: compiler.row(name, step, model, dataclasses.replace(shape, **changed), policy)
   if request.global_batch is not None:  # with --measure the close splits run, the fastest measured chosen
-    run = (lambda row: run_at(compiler, model, request, row)) if compiler.programs is not None else None
+    run = (lambda row: run_at(compiler, model, request, row)) if compiler.kept is not None else None
     return split_global_batch(lambda b, ga: compiled(batch=b, ga=ga), request.global_batch, model.batch_unit,
                               run)
   if LEVERS[name].picks_offload:  # the fraction is searched at --batch, the micro-batch is not
@@ -106,11 +105,11 @@ def _settings(request: ResolvedRequest, planned: PlannedModel, target: Target, r
       hbm_bytes=target.hbm_bytes, hbm_source=target.hbm_source, usable_bytes=usable,
       peak_source=peak_source(),
       depth_extrapolated_from=extrapolated[0] if extrapolated else None, batch_unit=planned.batch_unit,
-      domains=target.domains, activation_sharding=sharding_of(source, planned.axes))
+      domains=target.domains, activation_sharding=planned.activation_sharding)
 
 
 def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedModel, meta: PlanSettings,
-             blocked: Mapping[str, str], kind: ModelKind) -> WayOut:
+             blocked: Mapping[str, str], kind: ModelPlanner) -> WayOut:
   """When nothing fits: the changes that may make room, compiled lightest first until one fits."""
   step = resolved.steps[0]
 
@@ -124,7 +123,8 @@ def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedM
   # The changes are tried on Zero-1 where it splits the state here, else on the baseline.
   splits = "zero1" not in blocked and not splits_nothing("zero1", resolved.mesh_sizes)
   lever = "zero1" if splits else "baseline"
-  changes = changes_to_try(resolved, lever=lever, batch_unit=planned.batch_unit, remat=planned.remat_hint,
+  remat = resolved.model_ref.kind.remat_hint
+  changes = changes_to_try(resolved, lever=lever, batch_unit=planned.batch_unit, remat=remat,
                            named_axes=planned.named, host_memory=compiler.target.backend.host_memory)
   return find_way_out(changes, compile_changed, lambda c: command_line(c.request, steps=[step]),
                       lambda c: plan_code(c.request, c.request.levers[0],
@@ -137,28 +137,23 @@ def make_plan(request: PlanRequest, progress: Callable[[str], None] | None = Non
   jax's CPU backend and expects prepared for the compilers (the command line's, after
   :func:`nnx_zero1_plan.compilers.start_cpu_jax`, or the planning process :func:`nnx_zero1_plan.plan` starts).
 
-  Args:
-    request: the plan's settings, checked.
-    progress: called with one line as each compile starts and ends, and after each lever.
-    local: compile for this process's own devices, the target's chips
-      (:func:`nnx_zero1_plan.targets.local_target`), jax left on them.
-    measure: with ``local``, run each fitting row's program there as it was compiled, the first profiled for
-      a calibration every row is also priced by (``--measure``: :mod:`nnx_zero1_plan.measured_plan`).
+  ``progress`` is called with one line as each compile starts and ends, and after each lever. ``local``
+  compiles for this process's own devices, the target's chips, jax left on them; with it ``measure`` runs
+  each fitting row's program there as it was compiled (``--measure``: :mod:`nnx_zero1_plan.measured_plan`).
 
   Raises:
-    PlanError: what only the model or the compiler can tell (an axis the model does not name, a lever
-      that cannot apply, a topology libtpu does not know).
+    PlanError: what only the model or the compiler can tell (e.g. an axis the model does not name).
     AotUnavailable: the target's compiler is not installed.
   """
   if not local:
     compilers.keep_jax_on_cpu()
-  if request.model_ref.kind != "maxtext":
+  if not request.model_ref.kind.engine:
     return _planned(request, progress, NNX_MODELS, local, measure)
   with output_directory() as folder:  # MaxText writes under its base_output_directory: made for this plan
     return _planned(request, progress, MaxTextModels(folder), local, measure)
 
 
-def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind: ModelKind,
+def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind: ModelPlanner,
              local: bool = False, measure: bool = False) -> Plan:
   """:func:`make_plan`'s plan of a model of ``kind``."""
   say = progress or (lambda line: None)
@@ -170,7 +165,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
   first = described[policies[0]]
   # A lever that cannot apply is refused before the compiler is looked for where the kind is described so far.
   blocked = None if first is None else refuse_blocked(request, first)
-  compiler_name = require_compiler(request.platform)
+  compiler_name = require_compiler(request.backend)
   target = make_target(request.topology, request.gpu_memory_fraction, request.slices,
                        parsed=request.topology_ref, local=local)
   plans = {p: kind.on_target(request, m, target, p) for p, m in described.items()}
@@ -189,7 +184,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
   profile = (profiler(target, progress)
              if measure and not calibrations and target.backend.prices_in_cycles else None)
   compiler = RowCompiler(target, usable, progress, planned.compute_dtype,
-                         programs={} if measure else None, calibrations=calibrations, profile=profile)
+                         kept=Kept() if measure else None, calibrations=calibrations, profile=profile)
   rows = []
   todo = [(p, n, s) for p in policies for n in request.levers for s in request.steps]
   say(_compiles_planned(request, planned, len(todo)))
@@ -200,7 +195,7 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
     say(_done(name, step, policy, request.topology, row) + _left(done, len(todo), started))
   resolved = request.resolved(planned.axes, batch)  # what the plan's meta says and its commands reproduce
   meta = _settings(resolved, planned, target, rows, batch_default, compiler_name, usable)
-  hints = next_steps(rows, resolved, list(LEVERS), blocked=blocked, remat=planned.remat_hint,
+  hints = next_steps(rows, resolved, list(LEVERS), blocked=blocked, remat=request.model_ref.kind.remat_hint,
                      batch_unit=planned.batch_unit, named_axes=planned.named)
   way_out = None
   if rows and not request.estimate and not any(row.verdict for row in rows):

@@ -15,29 +15,13 @@ _MEGASCALE_SEND = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((?P<array>[a-z
 
 
 def across_bytes(program: ProgramRecord | str, domain_of: Sequence[int]) -> Counts:
-  """The bytes one device sends per collective (``nnx_zero1.testing.sent_bytes``), and of those the bytes
-  that cross between domains (TPU slices, GPU nodes).
+  """``{op: {"count", "bytes", "across_bytes"}}`` per call, every loop trip counted: the bytes one device
+  sends per collective (``nnx_zero1.testing.sent_bytes``), and of those the bytes that cross between domains
+  (``domain_of``: each device's, in the program's partition order).
 
   A group within one domain sends nothing across; a group of n devices spanning k domains, reduced
   hierarchically (within each domain, then across domains among peers, then within again), sends
   (k-1)/(n-1) of its bytes across: an estimate of the algorithm, from the groups the compiler chose.
-
-  Args:
-    program: a compiled program's record, or its text (read here).
-    domain_of: for each device of the program, in its partition order (the mesh's devices, flat), the
-      domain it sits in (a TPU device's ``slice_index``, a GPU's node).
-
-  Returns:
-    ``{op: {"count", "bytes", "across_bytes"}}`` per op, per call, every loop trip counted.
-
-  Example::
-
-    >>> hlo = '''ENTRY %main (p: f32[8]) -> f32[8] {
-    ...   %in = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add
-    ...   ROOT %out = f32[8]{0} all-reduce(%in), replica_groups={{0,2},{1,3}}, to_apply=%add
-    ... }'''
-    >>> across_bytes(hlo, [0, 0, 1, 1])["all-reduce"]  # the second pair spans the two domains
-    {'count': 2, 'bytes': 64, 'across_bytes': 32}
   """
   devices = len(domain_of)
 
@@ -67,28 +51,12 @@ def _dcn_sent(op: str, operand: int, slices: int) -> int:
 
 
 def dcn_bytes(program: ProgramRecord | str, slices: int) -> Counts:
-  """The bytes one device sends between TPU slices per call of a multi-slice program, per transfer type.
+  """``{op: {"count", "bytes"}}`` by transfer type: the bytes one device sends between TPU slices per call of
+  a program over ``slices``, by a ring among them.
 
   The TPU compiler compiles a multi-slice program as one slice's program; each collective over the
-  slices becomes a send to the megascale runtime (after the within-slice part: a gradient all-reduce is
-  reduce-scattered inside the slice, all-reduced across slices, gathered inside again), its operand what
-  one device hands over. Each is counted once (its ``recv`` is the same transfer), every loop trip too.
-
-  Args:
-    program: a compiled multi-slice TPU program's record, or its text (read here).
-    slices: the slices the program spans.
-
-  Returns:
-    ``{op: {"count": int, "bytes": int}}`` by transfer type (``all-reduce``, ``all-gather``, ...), bytes
-    those one device sends over the data-center network by a ring among the slices.
-
-  Example::
-
-    >>> hlo = \'\'\'ENTRY %main (p: f32[8]) -> f32[8] {
-    ...   %s = (f32[1024], token[]) send(%p), frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
-    ... }\'\'\'
-    >>> dcn_bytes(hlo, 2)
-    {'all-reduce': {'count': 1, 'bytes': 4096}}
+  slices becomes a send to the megascale runtime (after the within-slice part), its operand what one device
+  hands over. Each is counted once (its ``recv`` is the same transfer), every loop trip too.
   """
   def sent(i: Instruction) -> tuple[str, dict[str, int]] | None:
     m = _MEGASCALE_SEND.match(i.line) if "_xla_megascale_transfer_type" in i.line else None

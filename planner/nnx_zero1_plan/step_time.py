@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from nnx_zero1._src.companion import Instruction
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
+from nnx_zero1_plan.inputs import BACKENDS
 from nnx_zero1_plan.networks import CollectiveTime, rings_of, tpu_collective_time
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import GPU_SOURCE, TPU_SOURCE, StepTime
@@ -238,8 +239,9 @@ def rates_for(chip: Chip) -> Rates:
     36.3
   """
   fast, link, compute = chip.links.fast_bytes_per_s, chip.links.link_bytes_per_s, chip.compute
-  if link is not None:  # a TPU: a full ring's rate stands beside its collectives' own time
-    return Rates(compute.clock_hz, lambda n: 2 * link, compute.host_bytes_per_s, compute.class_clocks_hz,
+  if BACKENDS[chip.platform].ring_links:  # a full ring's rate stands beside its collectives' own time
+    ring = 2 * (link or 0.0)  # every such chip of the table has its link's rate
+    return Rates(compute.clock_hz, lambda n: ring, compute.host_bytes_per_s, compute.class_clocks_hz,
                  tpu_collective_time(chip.links, compute.ports // 2))
   return Rates(compute.clock_hz, lambda n: fast, compute.host_bytes_per_s)
 
@@ -290,7 +292,8 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
   slow_s = slow_bytes / chip.links.slow_bytes_per_s
   # A GPU pod's program spans its nodes: the walk timed the bytes that cross them at NVLink's rate, and the
   # slow network's time counts them again at InfiniBand's; count them once, there.
-  crossed = slow_bytes / rates.network_bytes_per_s(2) if not chip.compute.ports else 0.0
+  crossing = BACKENDS[chip.platform].crosses_in_program
+  crossed = slow_bytes / rates.network_bytes_per_s(2) if crossing else 0.0
   crossed_exposed = min(crossed, step.exposed_collective_s)
   predicted = step.total_s - crossed_exposed + slow_s
   flops = sum(times * dot_flops(record) for _, record, times in records)

@@ -45,21 +45,14 @@ def _menu_transformation(name: str) -> Callable[..., optax.GradientTransformatio
   return lambda learning_rate=float(rate), **options: getattr(optax, name)(learning_rate, **fixed, **options)
 
 
-# The --optimizer menu as transformations, the planner's and the benchmarks' one: each takes the learning
-# rate (and optax's options), by default request.OPTIMIZER_MENU's, at which it is the code the recommendation
-# prints (request.OPTIMIZER_CODE, written from the same table).
+# The --optimizer menu as transformations, the planner's and the benchmarks': each takes the learning rate
+# (and optax's options), by default the menu's, at which it is the code the recommendation prints.
 OPTIMIZERS = {name: _menu_transformation(name) for name in OPTIMIZER_MENU}
 
 
 def trained(model: Any) -> type[nnx.Param]:
-  """The variables a step trains: ``nnx.LoRAParam`` where the model has any (a LoRA run: the base weights
-  frozen), else every ``nnx.Param``, as Tunix's ``PeftTrainer`` decides (``tunix.sft.utils.is_lora_enabled``).
-
-  Example::
-
-    >>> trained(nnx.Linear(2, 1, rngs=nnx.Rngs(0))).__name__
-    'Param'
-  """
+  """The variables a step trains: ``nnx.LoRAParam`` where the model has any (a LoRA run), else every
+  ``nnx.Param``, as Tunix's ``PeftTrainer`` decides (``tunix.sft.utils.is_lora_enabled``)."""
   lora = any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model))
   return nnx.LoRAParam if lora else nnx.Param
 
@@ -67,12 +60,7 @@ def trained(model: Any) -> type[nnx.Param]:
 def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation,
                    mesh: Mesh | None) -> nnx.Optimizer:
   """The lever's optimizer for ``model``'s :func:`trained` variables: ``nnx.Optimizer``, or ``Zero1Optimizer``
-  built from a :class:`~nnx_zero1.Zero1Options` record of the lever's options.
-
-  Example::
-
-    optimizer = make_optimizer(LEVERS["zero1"], model, optax.adamw(1e-4), mesh)
-  """
+  built from a :class:`~nnx_zero1.Zero1Options` record of the lever's options."""
   wrt = trained(model)
   if not lever.zero1:
     return nnx.Optimizer(model, tx, wrt=wrt)
@@ -81,19 +69,9 @@ def make_optimizer(lever: Lever, model: Any, tx: optax.GradientTransformation,
 
 def scan_value_and_grad(loss_fn: Callable, model: nnx.Module, batches: Any,
                         wrt: Any = nnx.Param) -> tuple[jax.Array, Any]:
-  """Mean loss and gradient over ``batches`` (dimension 0: micro-batches), one micro-batch at a time.
-
-  A ``lax.scan`` of ``jax.value_and_grad`` over the ``wrt`` variables (the optimizer's: ``nnx.LoRAParam``
-  for a LoRA run, whose frozen weights stay constants): activations of one micro-batch at a time; the
-  reduction across replicas happens wherever XLA puts it.
-
-  Example::
-
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> loss, grads = scan_value_and_grad(lambda m, x: m(x).mean(), model, jnp.ones((3, 4, 2)))
-    >>> loss.shape, grads["kernel"].shape
-    ((), (2, 1))
-  """
+  """Mean loss and gradient over ``batches`` (dimension 0: micro-batches): a ``lax.scan`` of
+  ``jax.value_and_grad`` over the ``wrt`` variables (a LoRA run's frozen weights stay constants), the
+  reduction across replicas wherever XLA puts it."""
   graphdef, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]  # flax types split as variadic
   grad_fn = jax.value_and_grad(lambda p, batch: loss_fn(nnx.merge(graphdef, p, rest), batch))
 
@@ -136,13 +114,8 @@ def lever_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, me
 
 def step_jit(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever: Lever, loss_fn: Callable,
              ga: int) -> Any:
-  """The one-program step, jitted: the state donated and kept on ``shardings``, the loss replicated.
-
-  Example::
-
-    step = step_jit(graphdef, shardings, NamedSharding(mesh, P(None, "data")), LEVERS["zero1"], loss_fn, 8)
-    state, loss = step(state, batch)
-  """
+  """The one-program step, jitted, ``(state, batch) -> (state, loss)``: the state donated and kept on
+  ``shardings``, the loss replicated."""
 
   def step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
@@ -158,11 +131,8 @@ def step_jit(graphdef: Any, shardings: Any, batch_sharding: NamedSharding, lever
 def compile_step(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: Mesh, batch: int, seq_len: int,
                  ga: int, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, float]:
   """Compiles the lever's one-program step for the mesh's devices (``compiler_options``: the compiler's, e.g.
-  what makes XLA's GPU compiler write its schedule); returns (compiled, seconds).
-
-  Raises:
-    jax.errors.JaxRuntimeError: the compiler refused the program (e.g. it does not fit).
-  """
+  what makes XLA's GPU compiler write its schedule); returns (compiled, seconds). The compiler's refusal
+  (e.g. the program does not fit) is jax's ``JaxRuntimeError``."""
   tokens = abstract_batch(lever, mesh, batch, seq_len, ga)
   step = step_jit(state.graphdef, state.shardings, tokens.sharding, lever, loss_fn, ga)
   start = time.perf_counter()
@@ -175,11 +145,7 @@ def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: M
                   ga: int, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, Any, float]:
   """Compiles the lever's step as two programs (:func:`compile_step`'s options for both); returns (gradient
   program, update program, seconds). The update program takes the gradients as the first leaves them (its
-  output shardings), as a loop calling one after the other passes them.
-
-  Raises:
-    jax.errors.JaxRuntimeError: the compiler refused a program (e.g. it does not fit).
-  """
+  output shardings), as a loop calling one after the other passes them."""
   graphdef, tokens = state.graphdef, abstract_batch(lever, mesh, batch, seq_len, ga)
 
   def grads(state, batch):
@@ -209,20 +175,9 @@ def compile_split(lever: Lever, state: AbstractState, loss_fn: Callable, mesh: M
 
 def placed_state(lever: Lever, build_model: Callable[[], Any], optimizer: str, mesh: Mesh,
                  abstract: AbstractState | None = None) -> tuple[AbstractState, Any]:
-  """The lever's model and optimizer built for real and placed on the mesh's devices, as a run starts.
-
-  Args:
-    lever, build_model, optimizer, mesh: as :func:`lever_state` takes them.
-    abstract: the state a step was compiled for (:func:`lever_state`'s; None: made here).
-
-  Returns:
-    ``(abstract, state)``: the :class:`~nnx_zero1_plan.abstract.AbstractState` (the graph and shardings
-    :func:`step_jit` takes) and the state's arrays on those shardings.
-
-  Example::
-
-    abstract, state = placed_state(LEVERS["zero1"], lambda: source.build(None), "adamw", mesh)
-  """
+  """The lever's model and optimizer built for real and placed on the mesh's devices, as a run starts:
+  ``(abstract, state)``, the :class:`~nnx_zero1_plan.abstract.AbstractState` a step was compiled for
+  (``abstract``, or :func:`lever_state`'s) and the state's arrays on its shardings."""
   abstract = abstract or lever_state(lever, build_model, optimizer, mesh)
   with jax.set_mesh(mesh):
     state = nnx.state(_built(lever, build_model, optimizer, mesh))
@@ -238,47 +193,25 @@ def placed_batch(lever: Lever, mesh: Mesh, batch: int, seq_len: int, ga: int) ->
 
 @dataclasses.dataclass(frozen=True)
 class StepRuns:
-  """What :func:`run_steps` measured.
+  """What :func:`run_steps` measured. ``held_bytes`` is the allocator's ``bytes_in_use`` on the first device
+  after the steps: the state and what the runtime kept, not the program's temporaries (a TPU's are outside it:
+  the program's peak is the compiler's figure, which the chip enforces); None where the backend has none."""
 
-  Attributes:
-    step_s: the median of the timed steps, in seconds (None: none ran).
-    times_s: every step's seconds, the warm-up steps first.
-    held_bytes: the allocator's ``bytes_in_use`` on the first device after the steps: the state and what
-      the runtime kept, not the program's temporaries (a TPU's are outside it: the program's peak is the
-      compiler's figure, which the chip enforces); None where the backend does not report it (a CPU).
-    loss: the last step's loss (None: none ran).
-    error: why the steps stopped, in one line (None: every step ran).
-  """
-
-  step_s: float | None
-  times_s: tuple[float, ...]
+  step_s: float | None  # the median of the timed steps, in seconds (None: none ran)
+  times_s: tuple[float, ...]  # every step's seconds, the warm-up steps first
   held_bytes: int | None
-  loss: float | None
-  error: str | None
+  loss: float | None  # the last step's loss (None: none ran)
+  error: str | None  # why the steps stopped, in one line (None: every step ran)
 
 
 def run_steps(compiled: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch: Any, *, warmup: int = 2,
               timed: int = 8) -> tuple[Any, StepRuns]:
-  """Runs a compiled step ``warmup + timed`` times on its devices and times each to its loss being ready.
+  """Runs a compiled step (:func:`step_jit`'s, the state donated) ``warmup + timed`` times on its devices and
+  times each to its loss being ready; returns the state after the last step that ran, and :class:`StepRuns`.
 
   The warm-up steps carry the allocator's growth and the program's first load, so only the ``timed`` ones
   count, by their median. An error (the allocator's out-of-memory) stops the steps and is kept in one line,
-  not raised: a measurement says what ran.
-
-  Args:
-    compiled: ``(state, batch) -> (state, loss)``, the state donated (:func:`step_jit`, compiled).
-    state, batch: its first state and one step's batch, on the devices.
-    warmup, timed: the steps run first, not counted, and the steps counted.
-
-  Returns:
-    ``(state, runs)``: the state after the last step that ran, and :class:`StepRuns`.
-
-  Example::
-
-    compiled = step_jit(abstract.graphdef, abstract.shardings, tokens.sharding, lever, loss_fn, 1).lower(
-        state, tokens).compile()
-    state, runs = run_steps(compiled, state, tokens)   # runs.step_s: the median of 8 steady steps
-  """
+  not raised: a measurement says what ran."""
   times: list[float] = []
   loss, error = None, None
   try:

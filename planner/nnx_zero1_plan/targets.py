@@ -44,40 +44,25 @@ class Target:
   @property
   def domains(self) -> int:
     """The slices (TPU) or nodes (GPU) the devices sit in, joined by the slow network."""
-    return len({domain_of(d) for d in self.devices})
+    return len({self.domain_of(d) for d in self.devices})
 
-
-def domain_of(device: Any) -> int:
-  """The slice (a TPU's ``slice_index``; a GPU's is 0 on every node) or node (a GPU's process) ``device`` sits
-  in."""
-  return getattr(device, "slice_index", 0) if device.platform == "tpu" else device.process_index
+  def domain_of(self, device: Any) -> int:
+    """The slice or node ``device`` sits in (:attr:`~nnx_zero1_plan.inputs.Backend.domain_index`)."""
+    return getattr(device, self.backend.domain_index, 0)
 
 
 def usable_bytes(hbm_bytes: int, backend: Backend, margin: float | None = None) -> int:
   """What a step may use per device: ``hbm_bytes`` less the margin (a share), or by default less the
-  ``backend``'s reserve.
-
-  Example::
-
-    >>> usable_bytes(1000, BACKENDS["tpu"]), usable_bytes(1000, BACKENDS["tpu"], margin=0.05)
-    (1000, 950)
-    >>> usable_bytes(2**30, BACKENDS["cuda"])
-    805306368
-  """
+  ``backend``'s reserve."""
   if margin is not None:
     return int(hbm_bytes * (1 - margin))
   return hbm_bytes - backend.reserve_bytes
 
 
-def require_compiler(platform: str) -> str:
-  """The compiler's name and version for ``platform`` (``"tpu"`` or ``"cuda"``).
-
-  Raises:
-    compilers.AotUnavailable: its compiler is not installed (the message names the install command).
-  """
-  if platform == "tpu":
-    return f"libtpu {compilers.require_libtpu()}"
-  return f"jax-cuda13-plugin {compilers.require_cuda_plugin()}"
+def require_compiler(backend: Backend) -> str:
+  """The name and version of ``backend``'s compiler; :class:`~nnx_zero1_plan.compilers.AotUnavailable`, naming
+  the install command, where it is not installed."""
+  return f"{backend.compiler} {compilers.require(backend.compiler)}"
 
 
 def _tpu_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, ...]:
@@ -100,13 +85,8 @@ def _gpu_devices(chip: str, nodes: int, per_node: int, pool: int) -> tuple[Any, 
 
 
 def gpu_pool_bytes(chip: str, fraction: float = JAX_GPU_POOL_FRACTION) -> int:
-  """jax's GPU memory pool on ``chip`` at ``XLA_PYTHON_CLIENT_MEM_FRACTION=fraction``: what a program may use.
-
-  Example::
-
-    >>> gpu_pool_bytes("h200")  # 112,583,507,968 B measured on an H200
-    112583507967
-  """
+  """jax's GPU memory pool on ``chip`` at ``XLA_PYTHON_CLIENT_MEM_FRACTION=fraction``: what a program may use
+  (on an H200, 112,583,507,968 B measured)."""
   return int(fraction * (GPU_CHIPS[chip].memory_bytes - CUDA_CONTEXT_BYTES))
 
 
@@ -137,16 +117,8 @@ def _tpu_usable_bytes(topology: str) -> int:
 
 def local_target(topology: str, parsed: Topology, slices: int = ONE_SLICE) -> Target:
   """``topology``'s chips (``parsed``: it parsed) where they are this process's own devices
-  (``jax.devices()``): compiled for, and run on, as they are; the memory a program may use is the
-  allocator's ``bytes_limit`` on the first.
-
-  Raises:
-    PlanError: this process's devices are not the topology's chips (platform, kind or count).
-
-  Example::
-
-    target = make_target("v5e:1x1", local=True)   # on a one-chip TPU v5e VM: 16,909,336,064 B usable
-  """
+  (``jax.devices()``), compiled for and run on as they are; the memory a program may use is the allocator's
+  ``bytes_limit`` on the first. :class:`PlanError` where they are not the topology's chips."""
   import jax
 
   platform, chip, _ = parsed
@@ -163,28 +135,21 @@ def local_target(topology: str, parsed: Topology, slices: int = ONE_SLICE) -> Ta
 
 def make_target(topology: str, gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION, slices: int = ONE_SLICE, *,
                 parsed: Topology | None = None, local: bool = False) -> Target:
-  """The target ``topology`` names, its devices and usable memory per device (the compiler loaded).
+  """The target ``topology`` names (``v5e:2x4``, ``h100:2x8``), its devices and usable memory per device, the
+  compiler loaded; :class:`PlanError` where the planner or libtpu does not know it.
 
-  Args:
-    topology: a TPU slice (``v5e:2x4``) or NVIDIA GPUs (``h100:8``, ``h100:2x8``).
-    gpu_memory_fraction: on GPUs, the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` the run will use: the pool's share
-      of the device memory, which the compiler plans for (the planning process's own setting is not read).
-    slices: TPU slices of ``topology`` joined over the data-center network (libtpu's ``num_slices``).
-    parsed: ``topology`` parsed already (a :class:`~nnx_zero1_plan.request.PlanRequest`'s ``topology_ref``).
-    local: the chips are this process's own devices (:func:`local_target`), not a compile-only topology.
-
-  Raises:
-    PlanError: the topology is unknown (to the planner, or to libtpu).
+  ``gpu_memory_fraction`` is the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` a GPU run will use, the pool the compiler
+  plans for; ``slices``, TPU slices joined over the data-center network; ``local``, the chips are this
+  process's own devices (:func:`local_target`).
 
   Example::
 
-    target = make_target("h100:2x8")   # 16 H100s on two nodes, deviceless
     target = make_target("v5e:2x4", slices=2)   # two 8-chip slices joined over the data-center network
   """
   platform, chip, shape = parsed = parsed or parse_topology(topology, GPU_CHIPS)
   if local:
     return local_target(topology, parsed, slices)
-  if platform == "tpu":
+  if not parsed.backend.pool_fraction:  # the memory a program may use is the compiler's own figure
     return Target(topology, platform, chip, _tpu_devices(topology, slices), _tpu_usable_bytes(topology),
                   "the TPU compiler's available HBM (its out-of-memory message)")
   pool = gpu_pool_bytes(chip, gpu_memory_fraction)

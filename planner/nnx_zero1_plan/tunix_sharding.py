@@ -1,14 +1,12 @@
-"""Tunix's activation constraints, applied while tracing: Tunix's ``shard(x, shd_config.act_*)`` constrains
-only in a process whose first device is not a CPU, under the legacy ``with mesh:`` (google-tunix 0.1.7, e.g.
-``tunix/models/llama3/model.py``), and the planner's process runs jax's CPU backend: without this module it
-compiles XLA's own propagation, not the program Tunix compiles on the chips."""
+"""Tunix's activation constraints, applied while tracing: Tunix's ``shard`` constrains only where the first
+device is not a CPU (google-tunix 0.1.7), and the planner traces on jax's CPU backend."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
@@ -22,8 +20,7 @@ def _axes(entry: Any) -> tuple[str, ...]:
 
 
 def _entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
-  # nnx_zero1._src.specs.axes_entry, written here: that module imports jax, and the caller's process
-  # (plan(), which never imports jax) imports this one.
+  # as nnx_zero1._src.specs.axes_entry, which this module would import jax for
   return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
@@ -35,24 +32,10 @@ def activation_fields(shd_config: Any) -> dict[str, tuple]:
 
 def activation_specs(specs: Mapping[str, Sequence[Any]], axes: Iterable[str],
                      add_data_axes: bool = True) -> dict[str, tuple]:
-  """Tunix activation specs as they apply on a mesh with ``axes``.
-
-  Args:
-    specs: ``ShardingConfig`` field -> spec (entry 0 is the batch's).
-    axes: the mesh's axis names.
-    add_data_axes: put the mesh's data axes (:data:`DATA_AXES`) in front of each batch entry: without
-      them each data replica computes its ``fsdp`` group's whole batch.
-
-  Returns:
-    The specs, every axis the mesh lacks dropped.
-
-  Example::
-
-    >>> activation_specs({"act_btd": ("fsdp", None, "tp")}, ("data", "fsdp", "tp"))
-    {'act_btd': (('data', 'fsdp'), None, 'tp')}
-    >>> activation_specs({"act_btd": ("fsdp", "sp", "tp")}, ("fsdp",))
-    {'act_btd': ('fsdp', None, None)}
-  """
+  """Tunix activation ``specs`` (``ShardingConfig`` field -> spec, entry 0 the batch's) as they apply on a
+  mesh with ``axes``: every axis the mesh lacks dropped and, with ``add_data_axes``, the mesh's data axes
+  (:data:`DATA_AXES`) put in front of each batch entry (without them each data replica computes its ``fsdp``
+  group's whole batch)."""
   on_mesh = tuple(axes)
   result = {}
   for field, spec in specs.items():
@@ -83,20 +66,11 @@ def _given(option: str, known: Iterable[str]) -> dict[str, tuple]:
 
 
 def specs_for(defaults: Mapping[str, tuple], option: str, axes: Iterable[str]) -> dict[str, tuple] | None:
-  """The activation specs ``--tunix-sharding`` applies on a mesh with ``axes`` (None for ``none``).
-
-  Args:
-    defaults: the model's ``ShardingConfig`` ``act_*`` fields (:func:`activation_fields`).
-    option: ``default``, ``none`` or a JSON object of ``act_*`` fields.
-    axes: the mesh's axis names.
+  """The activation specs ``--tunix-sharding`` (``option``: ``default``, ``none`` or a JSON object of
+  ``act_*`` fields) applies on a mesh with ``axes``, over the model's own (``defaults``); None for ``none``.
 
   Raises:
     PlanError: an option neither name nor such a JSON object, or a field the model does not have.
-
-  Example::
-
-    >>> specs_for({"act_btd": ("fsdp", None, "tp")}, '{"act_btd": ["fsdp", null, null]}', ("data", "fsdp"))
-    {'act_btd': ('fsdp', None, None)}
   """
   if option == "none":
     return None
@@ -128,11 +102,6 @@ def tunix_constraints(modules: Iterable[Any]) -> Iterator[None]:
   Making Tunix's check for a CPU see a TPU would mean changing jax's backend or jax itself, for the whole
   process; swapping Tunix's one-line function for one that does what its last line does touches Tunix
   only, and only while the model is traced (the planner traces in one thread).
-
-  Example::
-
-    with tunix_constraints([tunix.models.llama3.model]):
-      logits, _ = model(tokens, positions, None, mask)   # traced: the activations constrained
   """
   saved = [(m, m.shard) for m in modules if callable(getattr(m, "shard", None))]
   for module, _ in saved:
@@ -143,9 +112,3 @@ def tunix_constraints(modules: Iterable[Any]) -> Iterator[None]:
     for module, shard in saved:
       module.shard = shard
 
-
-def sharding_of(source: Any, axes: Iterable[str]) -> dict[str, tuple] | str | None:
-  """What a row and plan.json's meta say of the model's activation constraints on a mesh with ``axes``:
-  the specs applied, ``"none"``, or None for a model that is not ``tunix:``."""
-  describe: Callable[[Iterable[str]], Any] | None = getattr(source, "activation_sharding", None)
-  return None if describe is None else describe(axes)

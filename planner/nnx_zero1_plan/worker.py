@@ -1,10 +1,7 @@
-"""The planner's child processes, one entry point: ``python -m nnx_zero1_plan.worker VERB``, started by
-:func:`nnx_zero1_plan.child.run_worker` (nothing imports this module).
-
-- ``plan [--local] [--measure]``: the planning process (:func:`plan`). ``--local``: the target's chips are
-  this machine's, compiled for as they are; ``--measure``: the rows' programs run there too, as compiled.
-- ``probe``: the devices jax sees here (:class:`nnx_zero1_plan.local_chips.LocalDevices`).
-"""
+"""The planner's child processes, one entry point that nothing imports, started by
+:func:`nnx_zero1_plan.child.run_worker`: ``python -m nnx_zero1_plan.worker plan [--local] [--measure]``, the
+planning process (``--local``: for this machine's chips; ``--measure``: the rows' programs run there), or
+``probe``, the devices jax sees here."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def test_each_documented_command_parses_into_a_plan_of_its_topology(where, comma
   device count: the mesh (``replica`` across the slices or nodes) and the micro-batch split over it."""
   request = request_of(parse_args(_pasted(command)))
   devices = _devices(request.topology, request.slices)
-  if request.model_ref.kind == "maxtext":  # --mesh names one slice's ici_* axes; the batch is global
+  if request.model_ref.kind.engine:  # --mesh names one slice's ici_* axes; the batch is global
     assert request.batch is None or request.batch % devices == 0, (where, command)
     return
   try:

@@ -69,6 +69,29 @@ def test_topologies_levers_and_models_parse_or_are_refused_in_one_line():
   with pytest.raises(PlanError, match="unknown model"):
     parse_model("qwen3_8b")
   assert parse_model("maxtext:qwen3-0.6b") == ("maxtext", "qwen3-0.6b")
+  # What a plan asks of a model's kind, read from one table (a module of the user's own is the function kind).
+  maxtext, tunix, own = (parse_model(m).kind for m in ("maxtext:qwen3-0.6b", "tunix:qwen3_8b", "m:f"))
+  assert maxtext.engine and maxtext.steps == ("split",) and not tunix.engine and tunix.trainer
+  assert own.steps == ("one", "split") and not own.takes and own.remat_hint is None
+
+
+def test_a_states_bytes_by_dtype_and_by_the_data_axes_it_splits_over():
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from nnx_zero1_plan.abstract import bytes_by_dtype, describe_model, state_split
+
+  mesh = jax.make_mesh((1, 1), ("replica", "data"))
+  leaf = lambda dtype, *spec: jax.ShapeDtypeStruct((12, 4), dtype, sharding=NamedSharding(mesh, P(*spec)))
+  tree = {"mu": leaf(jnp.bfloat16, "data"), "nu": leaf(jnp.float32, ("replica", "data")),
+          "count": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))}
+  assert bytes_by_dtype(tree) == {"bfloat16": 96, "float32": 192}  # the arrays: the step count left out
+  assert {k: round(v, 3) for k, v in state_split(tree, ("replica", "data")).items()} == {
+      "data": 0.329, "none": 0.014, "replica,data": 0.658}
+  assert describe_model(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0))) == ((), frozenset({"float32"}))
 
 
 def test_a_maxtext_plan_writes_in_a_folder_of_its_own_named_unlike_a_package_and_leaves_nothing(
@@ -266,7 +289,7 @@ def test_without_the_compiler_the_planner_says_what_to_install(monkeypatch):
   with pytest.raises(compilers.AotUnavailable, match=re.escape('pip install "./planner[aot]"')):
     compilers.require_libtpu()
   with pytest.raises(compilers.AotUnavailable, match="pip install --no-deps jax-cuda13-plugin=="):
-    compilers.require_cuda_plugin()
+    compilers.require("jax-cuda13-plugin")
   assert "nnx-zero1[" not in compilers.install_hint("0.12.0.1")  # not on the package index
 
 
@@ -381,7 +404,7 @@ def test_on_one_data_parallel_device_a_lever_that_only_splits_is_not_offered_and
 def test_the_request_is_checked_once_normalised_and_crosses_as_json():
   from nnx_zero1_plan import PlanRequest
 
-  request = PlanRequest(f"{TOYS}:tiny_lm", "v6e:2x2", levers="baseline, zero1", steps=["one"],
+  request = PlanRequest("tunix:qwen3_0p6b", "v6e:2x2", levers="baseline, zero1", steps=["one"],
                         remat="none,block", overrides=None, search=True, margin=0.0)
   assert request.levers == ("baseline", "zero1") and request.steps == ("one",)
   assert request.policies == ("none", "block") and request.platform == "tpu"
@@ -390,7 +413,7 @@ def test_the_request_is_checked_once_normalised_and_crosses_as_json():
   refused = [({"batch": 0}, "--batch, --seq-len and --ga must be >= 1"), ({"margin": 1.0}, "--margin is the"),
              ({"gpu_memory_fraction": 0}, "in \\(0, 1\\]"), ({"optimizer": "adamx"}, "unknown optimizer"),
              ({"levers": "zero3"}, "unknown lever zero3"), ({"overrides": {"a": "b"}}, "apply to maxtext:"),
-             ({"topology": "h999:8"}, "unknown topology")]
+             ({"topology": "h999:8"}, "unknown topology"), ({"remat": "block"}, "builds its own")]
   for bad, words in refused:
     with pytest.raises(PlanError, match=words):
       PlanRequest(**{"model": f"{TOYS}:tiny_lm", "topology": "v6e:2x2", **bad})

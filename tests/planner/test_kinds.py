@@ -5,7 +5,8 @@ those inside functions too) and fail where the code and the map part: a pure mod
 module of another kind, a module the map leaves out, ``run`` imported by anything but the entry points, a
 private name of the optimizer imported from anywhere but the module made for the planner, a benchmark that
 imports a planner name ``__all__`` does not declare, a platform's name compared where the platform's record
-(``inputs.Backend``) names the fact. No compiler needed (lane 1).
+(``inputs.Backend``) names the fact, a model kind's name where its record (``inputs.ModelKind``) does. No
+compiler needed (lane 1).
 """
 
 from __future__ import annotations
@@ -248,9 +249,8 @@ def test_the_benchmarks_use_the_planners_public_names_only_each_documented():
           assert f"`{alias.name}" in section, f"{alias.name} is not in docs/planner.md's Your own loop"
 
 
-# Where a platform's name is still compared: the module that makes each platform's target, the one that names
-# jax's own devices, MaxText's engine (TPU slices only) and the code printed for each platform's mesh.
-NAMES_PLATFORMS = {"targets", "local_chips", "maxtext", "printed_code"}
+# Where a platform's name is still compared: the one module that names jax's own devices as a topology does.
+NAMES_PLATFORMS = {"local_chips"}
 
 
 def test_a_plan_reads_what_differs_by_platform_from_its_backend_not_by_the_platforms_name():
@@ -260,3 +260,18 @@ def test_a_plan_reads_what_differs_by_platform_from_its_backend_not_by_the_platf
                             for c in (node.left, *node.comparators))]
            for module in sorted(set(_module_names()) - NAMES_PLATFORMS)}
   assert not any(named.values()), {m: c for m, c in named.items() if c}  # read a fact of inputs.Backend
+
+
+def test_a_plan_reads_what_differs_by_model_kind_from_its_kind_not_by_the_kinds_name():
+  kinds = ("tunix", "maxtext", "tunix:", "maxtext:")
+  is_kind = lambda node: isinstance(node, ast.Constant) and node.value in kinds
+
+  def asks_the_name(node: ast.AST) -> bool:
+    if isinstance(node, ast.Compare):
+      return any(map(is_kind, (node.left, *node.comparators)))
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith") and any(map(is_kind, node.args)))
+
+  named = {module: [ast.unparse(node) for node in ast.walk(ast.parse((PLANNER / f"{module}.py").read_text()))
+                    if asks_the_name(node)] for module in _module_names()}
+  assert not any(named.values()), {m: c for m, c in named.items() if c}  # read a fact of inputs.ModelKind

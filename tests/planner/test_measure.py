@@ -15,7 +15,7 @@ from nnx_zero1_plan import LEVERS, PlanError, PlanRequest, main, parse_args
 from nnx_zero1_plan import local as local_module
 from nnx_zero1_plan.local import devices_for
 from nnx_zero1_plan.local_chips import LocalDevices, not_the_target
-from nnx_zero1_plan.on_chip import measured_batches
+from nnx_zero1_plan.on_chip import Kept, measured_batches
 from nnx_zero1_plan.plan_md import markdown
 from nnx_zero1_plan.planned_model import NNX_MODELS
 from nnx_zero1_plan.recommend import Recommendation
@@ -114,7 +114,7 @@ def test_measure_runs_the_programs_the_plan_compiled_each_compiled_once():
   target = Target("v5e:2x1", "tpu", "v5e", tuple(jax.devices()[:2]), 2**34, "the test's")
   planned = NNX_MODELS.on_target(request, NNX_MODELS.described(request, None), target, None)
   said = []
-  compiler = RowCompiler(target, 2**34, said.append, "float32", programs={})
+  compiler = RowCompiler(target, 2**34, said.append, "float32", kept=Kept())
   shape = StepShape(4, 16, 1, "adamw")
   row = compiler.row("zero1", "one", planned, shape)
   again = compiler.row("zero1", "one", planned, shape)
@@ -147,7 +147,7 @@ def test_each_build_is_profiled_once_and_a_global_batch_runs_its_close_splits():
     run = Run(lever, shape.batch, shape.ga, 16, 0.1, 0.1, 0.1, 0.0)
     return Calibration("v5e", jax.__version__, None, (run,), {})
 
-  compiler = RowCompiler(target, 2**34, None, "float32", programs={}, profile=profile)
+  compiler = RowCompiler(target, 2**34, None, "float32", kept=Kept(), profile=profile)
   builds = ((4, 1, "zero1"), (2, 1, "zero1"), (2, 2, "zero1"), (2, 4, "zero1"), (2, 1, "baseline"))
   for batch, ga, lever in builds:
     assert compiler.row(lever, "one", planned, StepShape(batch, 16, ga, "adamw")).verdict

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from nnx_zero1_plan.inputs import parse_model
 from nnx_zero1_plan.levers import with_offload
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.row import Figures
@@ -79,11 +80,11 @@ def test_next_fraction_rounds_up_to_a_hundredth_and_refuses_more_than_the_state(
 
 def test_the_lever_code_writes_the_picked_fraction_in_each_home():
   assert with_offload("offload-fraction", 0.0).optimizer_options == {"offload_state_to_host": False}
-  assert lever_code("offload-fraction", "my.models:build", 0.37).endswith(
+  assert lever_code("offload-fraction", parse_model("my.models:build"), 0.37).endswith(
       "Zero1Optimizer(model, optax.adamw(1e-5), mesh, offload_state_to_host=0.37)"
       "  # 1e-5: your learning rate (or an optax schedule)")
-  assert lever_code("offload-fraction", "tunix:qwen3_0p6b", 0.5).endswith(
+  assert lever_code("offload-fraction", parse_model("tunix:qwen3_0p6b"), 0.5).endswith(
       "zero1_data_axis='data', zero1_offload_state_to_host=0.5))"
       "  # 1e-5: your learning rate (or an optax schedule)")
-  assert lever_code("offload-fraction", "maxtext:qwen3-0.6b", 0.25).endswith(
+  assert lever_code("offload-fraction", parse_model("maxtext:qwen3-0.6b"), 0.25).endswith(
       "subclassed with OFFLOAD_STATE_TO_HOST = 0.25")

@@ -16,22 +16,23 @@ from nnx_zero1_plan import compilers
 compilers.start_cpu_jax()
 import jax
 from flax import nnx
-from nnx_zero1_plan.inputs import parse_mesh
+from nnx_zero1_plan.inputs import parse_mesh, parse_model
 from nnx_zero1_plan.mesh_axes import mesh_axes
 from nnx_zero1_plan.printed_code import lever_code
-from nnx_zero1_plan.targets import domain_of, make_target
+from nnx_zero1_plan.targets import make_target
 from tests.support.planner_toys import tiny_lm
 
 def printed(topology, slices, mesh, levers):
   target = make_target(topology, slices=slices)
-  where = "slices" if target.platform == "tpu" else "nodes"
+  where = target.backend.domain
   axes = mesh_axes(parse_mesh(mesh), [], len(target.devices), domains=target.domains, where=where)
   return {"axes": axes, "domains": target.domains,
           "levers": {lever: built(lever, axes, target) for lever in levers}}
 
 
 def built(lever, axes, target):
-  code = lever_code(lever, "my_pkg.models:build", mesh=axes, platform=target.platform, domains=target.domains)
+  code = lever_code(lever, parse_model("my_pkg.models:build"), mesh=axes, backend=target.backend,
+                    domains=target.domains)
   assert code.count("devices = jax.devices()") == 1 and code.count("model = ...") == 1, code
   prelude, body = code.replace("devices = jax.devices()", "devices = list(compile_only)").split(
       "with jax.set_mesh(mesh):\\n")
@@ -52,7 +53,7 @@ def built(lever, axes, target):
       "names": list(mesh_built.axis_names), "shape": list(mesh_built.devices.shape),
       "types": sorted({str(t) for t in mesh_built.axis_types}),
       # each replica's devices: the slices or nodes they sit in
-      "domains": [sorted({domain_of(d) for d in mesh_built.devices[r].flat})
+      "domains": [sorted({target.domain_of(d) for d in mesh_built.devices[r].flat})
                   for r in range(mesh_built.devices.shape[0])] if "replica" in axes else None,
       "devices": sorted(d.id for d in mesh_built.devices.flat) == sorted(d.id for d in target.devices),
       "optimizer": type(optimizer).__name__,
