@@ -1,6 +1,5 @@
-"""One lever's row of a plan: typed frozen records whose fields are plan.json's names, and the one mechanism
-that writes and reads every record plan.json holds (:class:`Record`), so a new figure is one field here. What
-each field holds: docs/planner.md's "What a row says"."""
+"""One lever's row of a plan, typed frozen records named as plan.json names them (a new figure is one field
+here; docs/planner.md's "What a row says"), and the one mechanism that writes and reads them all: Record."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ from typing import Any, ClassVar
 
 
 class Record:
-  """A frozen record of plan.json's, written and read by these two methods alone: each field by its name, in
-  order, as its metadata says (:func:`_how`); a field holding a record (or a tuple or mapping of them) read
-  into its type as the record is made."""
+  """A frozen record of plan.json's, written and read by these two methods alone, each field as its metadata
+  says (:func:`_how`); a field holding records is read into their type as the record is made."""
 
   spelled: ClassVar[bool] = False  # every field written as its str(), read back by its type
 
@@ -41,8 +39,6 @@ class Record:
       else:
         (last if at_last else own)[name] = written
     written = {**own, **flat, **last}
-    if not any("after" in f.metadata for f, _ in _fields(record)):
-      return written
     keys = list(written)
     for f, _ in _fields(record):
       if "after" in f.metadata and f.name in written:
@@ -52,8 +48,7 @@ class Record:
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Any:
-    """The record :meth:`to_json` wrote; a KeyError for a key no field has (another planner's plan.json)
-    or, in a record that keeps ``absent``, for one missing that is not marked ``later``."""
+    """The record :meth:`to_json` wrote; a KeyError for a key no field has, or one missing not ``later``."""
     record: Any = cls
     renamed = _renamed(record)
     given = {renamed.get(k, k): v for k, v in fields.items()} if renamed else dict(fields)
@@ -78,10 +73,9 @@ class Record:
 
 
 def _how(default: Any = None, **how: Any) -> Any:
-  """A field (``default``, None unless given) and how plan.json holds it: ``only_when_set`` (not None),
-  ``flat`` (its record's keys in the record's own but those named), ``after`` (a key), ``last``,
-  ``write`` (a function of the record) and ``read`` (of the value written), ``formerly`` (an older name),
-  ``later`` (a key an older plan.json may lack); ``per_layer``: a figure an estimate extrapolates."""
+  """A field and how plan.json holds it: ``only_when_set`` (not None), ``flat`` (its record's keys among the
+  record's, but those named), ``after`` a key, ``last``, ``write`` / ``read`` by a function, ``formerly`` (an
+  older name), ``later`` (an older plan.json may lack it), ``per_layer`` (an estimate extrapolates it)."""
   return dataclasses.field(default=default, metadata=how)
 
 
@@ -96,8 +90,7 @@ _field_types: Callable[[type], dict[str, Any]] = functools.cache(typing.get_type
 
 @functools.cache
 def _fields(record: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
-  """A record's fields plan.json holds (those it is made from, not those made from them), each with its type
-  (``X`` of ``X | None``)."""
+  """A record's fields plan.json holds (those it is made from), each with its type (``X`` of ``X | None``)."""
   return tuple((f, _record_of(_field_types(record)[f.name])) for f in dataclasses.fields(record)
                if f.init and f.name != "absent")
 
@@ -117,8 +110,7 @@ def _renamed(record: type) -> dict[str, str]:
 
 @functools.cache
 def _keys(record: type, flag: str | None = None, absent: bool = False) -> frozenset[str]:
-  """The keys a record's object may hold (a flat record's among them); with ``flag``, those of the fields
-  marked so (``absent``: not marked so)."""
+  """The keys a record's object may hold; with ``flag``, those of fields marked so (``absent``: not so)."""
   keys: set[str] = set()
   for f, kind in _fields(record):
     if "flat" in f.metadata:
@@ -158,8 +150,7 @@ def _kind(kind: Any) -> tuple[Any, tuple[Any, ...], bool]:
 
 
 def as_json(value: Any) -> Any:
-  """A value as plan.json writes it: a record by its ``to_json``, a sequence as a list, a mapping's values
-  each; any other value as it is (one JSON has no type for is left for ``json.dump`` to refuse)."""
+  """A value as plan.json writes it (one JSON has no type for is left for ``json.dump`` to refuse)."""
   if isinstance(value, Record):
     return value.to_json()
   if isinstance(value, (tuple, list)):
@@ -216,8 +207,7 @@ def op_counts(by_op: Mapping[str, Any] | None) -> dict[str, OpCount] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Collectives(Record):
-  """A step's collectives on one device, each ``{op kind: OpCount}``
-  (:func:`nnx_zero1_plan.compiled.collectives_of`)."""
+  """A step's collectives on one device, each ``{op kind: OpCount}`` (``compiled.collectives_of``)."""
 
   per_step: Mapping[str, OpCount] = dataclasses.field(default_factory=dict)
   per_micro_batch: Mapping[str, OpCount] | None = _when_set()
@@ -237,8 +227,7 @@ class Collectives(Record):
 
 @dataclasses.dataclass(frozen=True)
 class StateSplit(Record):
-  """The axes a lever splits the optimizer state over, and the share of its bytes split over each set of
-  axes (``"none"``: not split)."""
+  """The axes a lever splits the state over, and the share of its bytes over each set (or ``"none"``)."""
 
   axes: Sequence[str]
   share: Mapping[str, float]
@@ -321,8 +310,7 @@ PER_LAYER = _names(Figures, "per_layer")
 
 @dataclasses.dataclass(frozen=True)
 class Network(Record):
-  """One network (``ICI``, ``DCN``, ``NVLink``, ``InfiniBand``), the bytes one device sends over it per
-  step, and their time in ms at its public rate (an estimate; None: no public rate here for the chip)."""
+  """One network, the bytes one device sends over it per step, and their ms at its public rate (or None)."""
 
   network: str
   bytes: int
@@ -331,8 +319,7 @@ class Network(Record):
 
 @dataclasses.dataclass(frozen=True)
 class PodNetworks(Record):
-  """A pod's two networks per step (:func:`nnx_zero1_plan.networks.network_per_step`): the fast one inside a
-  slice or node, the slow one between them, and where their rates come from."""
+  """A pod's two networks per step, inside a slice or node and between them, and whence their rates."""
 
   fast: Network
   slow: Network
@@ -346,8 +333,7 @@ class PodNetworks(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Estimate(Record):
-  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.estimate.estimate_mark`): how, the
-  figures it touches, how far low such estimates were measured (whole peak over estimate's), where."""
+  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.estimate.estimate_mark`)."""
 
   method: str
   figures: Sequence[str]
@@ -402,8 +388,7 @@ AT_EDGE = _names(Point)[2:]
 
 @dataclasses.dataclass(frozen=True)
 class Searched(Record):
-  """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.find_edge`):
-  the edge, the first compile above it and why it was refused, and each compile as a :class:`Point`."""
+  """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.find_edge`)."""
 
   max_micro_batch: int | None
   above: int | None
@@ -428,8 +413,7 @@ class OffloadPoint(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Offloaded(Record):
-  """What the search for the share of the optimizer state to offload found
-  (:func:`nnx_zero1_plan.search.offload_search`)."""
+  """What the search for the share of the state to offload found (``search.offload_search``)."""
 
   offload_fraction: float
   offload_search: tuple[OffloadPoint, ...]
@@ -448,8 +432,7 @@ class Measured(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Split(Record):
-  """One split of ``--global-batch`` compiled: micro-batch x GA, whether it fits, its peak, its step's seconds
-  and their ``time`` (``measured``, ``calibrated``, ``predicted``), and calibrated seconds beside measured."""
+  """One split of ``--global-batch`` compiled: micro-batch x GA, its verdict, peak, seconds and their kind."""
 
   batch: int
   ga: int
@@ -462,8 +445,7 @@ class Split(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Row(Record):
-  """One lever's step compiled for the target, as plan.json's row: what identifies the compile, then its
-  records' fields side by side, and the ``--measure`` runs last."""
+  """One lever's step compiled for the target, as plan.json's row (its records' fields side by side)."""
 
   lever: str
   step: str
