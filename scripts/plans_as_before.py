@@ -64,11 +64,11 @@ def _render_one(kept: pathlib.Path, folder: pathlib.Path) -> None:
   from nnx_zero1_plan.result import Plan
 
   folder.mkdir(parents=True, exist_ok=True)
-  plan = Plan.from_record(json.loads(kept.read_text()))
+  plan = Plan.from_json(json.loads(kept.read_text()))
   again = recommend(plan.rows, plan.meta.request, activation_sharding=plan.meta.activation_sharding,
                     step=plan.recommendation.step if plan.recommendation else None)
   (folder / "stdout.txt").write_text(str(plan))
-  (folder / "plan.json").write_text(json.dumps(plan.to_record(), indent=1))
+  (folder / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
   md = markdown(plan.meta.to_json(), plan.rows, plan.next_steps, plan._lines_under())
   (folder / "plan.md").write_text(md)
   (folder / "recommended.txt").write_text(str(dataclasses.replace(plan, recommendation=again)))

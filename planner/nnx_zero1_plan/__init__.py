@@ -47,14 +47,7 @@ __all__ = ["Plan", "Row", "PlanSettings", "PlanError", "PlanRequest", "AotUnavai
 
 
 def __getattr__(name: str) -> Any:
-  """A name of the compiled steps' API, imported from its module when first asked for.
-
-  Example::
-
-    >>> from nnx_zero1_plan import make_optimizer   # imports jax here, not with the package
-    >>> make_optimizer.__module__
-    'nnx_zero1_plan.steps'
-  """
+  """A name of the compiled steps' API, imported from its module when first asked for."""
   module = _ON_FIRST_USE.get(name)
   if module is None:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -62,18 +55,12 @@ def __getattr__(name: str) -> Any:
 
 
 def compile_only_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, ...]:
-  """``topology``'s chips, which compile but never run: a plan's printed code, its ``jax.devices()`` made
+  """``topology``'s chips (as ``--topology`` and ``--slices`` name them), which compile but never run, in
+  the order the printed code's mesh lays them out: a plan's printed code, its ``jax.devices()`` made
   ``compile_only_devices(...)``, compiles to the figures the plan gave.
 
   Makes this process a planning process (jax on its CPU backend, the compilers' environment set): call it
   before jax starts any other backend.
-
-  Args:
-    topology: a TPU slice (``v5e:2x4``) or NVIDIA GPUs (``h100:8``, ``h100:2x8``), as ``--topology``.
-    slices: TPU slices of ``topology`` joined over the data-center network, as ``--slices``.
-
-  Returns:
-    The devices, in the order the printed code's mesh lays them out.
 
   Raises:
     PlanError: an unknown topology.
@@ -96,22 +83,14 @@ def compile_only_devices(topology: str, slices: int = ONE_SLICE) -> tuple[Any, .
 
 def plan(model: str | PlanRequest, topology: str | None = None, *,
          progress: Callable[[str], None] | None = None, **settings: Any) -> Plan:
-  """Compiles each lever's training step for ``topology`` and says what it needs per device.
+  """Compiles each lever's training step for ``topology`` and says what it needs per device: the
+  :class:`Plan` (``str()`` is the table). ``model`` and ``topology`` are :class:`PlanRequest`'s, ``settings``
+  its other fields by name, or ``model`` a whole :class:`PlanRequest`; ``progress`` is called with a line
+  as each compile starts and ends.
 
   The compiles run in a planning process of its own: the caller's process (a notebook's, a trainer's)
   keeps its environment, its devices and its jax backends, and no file is written unless the caller
   writes the plan (:meth:`Plan.write`).
-
-  Args:
-    model: ``tunix:CONFIG``, ``maxtext:MODEL_NAME`` or ``package.module:function``; or a whole
-      :class:`PlanRequest` (then nothing else but ``progress``).
-    topology: the target, as :class:`PlanRequest` takes it.
-    progress: called with one line as each compile starts and ends, and after each lever.
-    **settings: the other fields of :class:`PlanRequest` by name (``batch``, ``search``, ``margin``, ...).
-
-  Returns:
-    The :class:`Plan`: its rows, its settings as planned (``result.meta.request.batch``), the
-    recommendation and what to try next; ``str()`` is the table.
 
   Raises:
     PlanError: an unknown model, topology, lever, optimizer or mesh axis, a mesh that does not match,

@@ -72,11 +72,11 @@ def plan_in_child(request: PlanRequest, progress: Callable[[str], None] | None =
   last lines of output."""
   own = compilers.planning_environment(os.environ)  # a stale libtpu lockfile removed too
   flags = [*(["--local"] if local else []), *(["--measure"] if measure else [])]
-  answer = run_worker("plan", request.to_json(), child_env(os.environ if local else own), flags=flags,
-                      progress=progress)
+  answer = run_worker("plan", json.dumps(request.to_json()), child_env(os.environ if local else own),
+                      flags=flags, progress=progress)
   result = answer.message
   if result is not None and "plan" in result:
-    return Plan.from_record(result["plan"])
+    return Plan.from_json(result["plan"])
   if result is not None and result["error"]["type"] in _ERRORS:
     raise _ERRORS[result["error"]["type"]](result["error"]["message"])
   why = result["error"]["traceback"] if result is not None else "\n".join(answer.other)

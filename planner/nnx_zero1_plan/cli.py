@@ -1,8 +1,4 @@
-"""Will it fit? ``python -m nnx_zero1.plan``: a training step compiled for TPUs or NVIDIA GPUs, never run.
-
-The command line (the line above is ``--help``'s): its flags (:data:`FLAGS`), their :class:`PlanRequest`, and
-:func:`main`.
-"""
+"""Will it fit? ``python -m nnx_zero1.plan``: a training step compiled for TPUs or NVIDIA GPUs, never run."""
 
 from __future__ import annotations
 
@@ -29,15 +25,9 @@ from nnx_zero1_plan.request import DEFAULT_DEPTHS, SETTING_DEFAULTS, PlanRequest
 
 @dataclasses.dataclass(frozen=True)
 class Flag:
-  """One of the command line's flags, described once.
-
-  Attributes:
-    name: the flag, ``--seq-len`` for the :class:`PlanRequest` field ``seq_len``; or a positional's name.
-    words: what it sets and its default, in markdown: ``--help`` says them without the backticks, and
-      docs/planner.md's flag table as written, then what more the page adds (a test holds the two).
-    options: ``argparse``'s keywords beyond ``help`` (``type``, ``required``, ``action``, ...).
-    listed: names ``--help`` lists after the words (the page says what each is).
-  """
+  """One of the command line's flags (``--seq-len`` sets the :class:`PlanRequest` field ``seq_len``): its
+  words in markdown (``--help`` says them without the backticks, docs/planner.md's flag table as written),
+  ``argparse``'s other keywords, and the names ``--help`` lists after the words."""
 
   name: str
   words: str
@@ -147,16 +137,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def request_of(args: argparse.Namespace) -> PlanRequest:
-  """The :class:`PlanRequest` the command line's flags (:func:`parse_args`) ask for, checked.
-
-  Raises:
-    PlanError: what :class:`PlanRequest` refuses, a malformed MaxText override, or ``--full-depth``.
-
-  Example::
-
-    >>> request_of(parse_args(["--model", "m:f", "--topology", "h100:2x8"])).domains
-    2
-  """
+  """The :class:`PlanRequest` the command line's flags (:func:`parse_args`) ask for, checked: a
+  ``PlanError`` for what it refuses, a malformed MaxText override, or ``--full-depth``."""
   if getattr(args, "full_depth", False):
     raise PlanError("--full-depth: whole programs are the default; leave the flag out (--estimate asks for "
                     "reduced depths instead)")
@@ -166,12 +148,7 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command line; returns 0, or 2 with one line on stderr for input it cannot plan (with
-  ``--traceback``, the traceback above it).
-
-  Example::
-
-    main(["--model", "tunix:qwen3_0p6b", "--topology", "h100:8", "--out", "plan_out"])
-  """
+  ``--traceback``, the traceback above it)."""
   args = parse_args(argv)
   stream: list[Any] = [sys.stderr]  # where the planner's own lines go: the terminal's stderr
   bar: Any = None

@@ -1,4 +1,5 @@
-"""The planner's inputs, parsed and checked: pure functions of strings, no compiler needed."""
+"""The planner's inputs, parsed and checked: pure functions of strings, no compiler needed, each refusing what
+it cannot read with a :class:`PlanError` that names it and what is accepted."""
 
 from __future__ import annotations
 
@@ -120,13 +121,7 @@ class Topology(NamedTuple):
   shape: tuple[int, ...]
 
   def domains(self, slices: int = ONE_SLICE) -> int:
-    """The slices (TPU: ``slices`` of this one) or nodes (GPU: the shape's first number) the target spans.
-
-    Example::
-
-      >>> Topology("cuda", "h100", (2, 8)).domains(), Topology("tpu", "v5p", (2, 2, 1)).domains(slices=2)
-      (2, 2)
-    """
+    """The slices (TPU: ``slices`` of this one) or nodes (GPU: the shape's first number) the target spans."""
     return slices if self.backend.domain == "slices" else self.shape[0]
 
   @property
@@ -136,16 +131,7 @@ class Topology(NamedTuple):
 
 
 def parse_mesh(text: str | None) -> dict[str, int]:
-  """``--mesh data=4,fsdp=2`` as ``{"data": 4, "fsdp": 2}`` (empty for None or "").
-
-  Raises:
-    PlanError: an entry is not ``name=size`` with a positive size, or an axis repeats.
-
-  Example::
-
-    >>> parse_mesh("data=4,fsdp=2")
-    {'data': 4, 'fsdp': 2}
-  """
+  """``--mesh data=4,fsdp=2`` as ``{"data": 4, "fsdp": 2}`` (empty for None or "")."""
   sizes: dict[str, int] = {}
   for entry in filter(None, (text or "").replace(" ", "").split(",")):
     m = re.fullmatch(r"([A-Za-z_]\w*)=(\d+)", entry)
@@ -164,16 +150,7 @@ def spelled_mesh(axes: Mapping[str, int]) -> str:
 
 def parse_levers(text: str | Sequence[str], known: Iterable[str], what: str = "lever") -> tuple[str, ...]:
   """``--levers baseline,zero1`` (or ``--steps one,split``: ``what="step"``) as a tuple, each checked
-  against ``known``.
-
-  Raises:
-    PlanError: a name is not known, or none is given.
-
-  Example::
-
-    >>> parse_levers("baseline,zero1", ["baseline", "zero1", "zero2"])
-    ('baseline', 'zero1')
-  """
+  against ``known``."""
   names = tuple(filter(None, text.replace(" ", "").split(","))) if isinstance(text, str) else tuple(text)
   known = tuple(known)
   unknown = [n for n in names if n not in known]
@@ -184,16 +161,7 @@ def parse_levers(text: str | Sequence[str], known: Iterable[str], what: str = "l
 
 def parse_topology(text: str, gpu_chips: Iterable[str]) -> Topology:
   """A topology as a :class:`Topology`: ``v6e:2x2`` is a TPU slice (libtpu checks it), ``h100:8`` /
-  ``h100:2x8`` GPUs.
-
-  Raises:
-    PlanError: not ``CHIP:SHAPE``, or a GPU chip or shape the planner does not know.
-
-  Example::
-
-    >>> parse_topology("h100:2x8", ["h100"])
-    Topology(platform='cuda', chip='h100', shape=(2, 8))
-  """
+  ``h100:2x8`` GPUs."""
   chips = tuple(gpu_chips)
   m = re.fullmatch(r"([\w\-]+):(\d+(?:x\d+)*)", text.strip())
   hint = (f"TPU slices as libtpu names them (v5e:2x4, v6e:2x2, v4:2x2x1, v5p:2x2x1) or GPUs "
@@ -210,16 +178,7 @@ def parse_topology(text: str, gpu_chips: Iterable[str]) -> Topology:
 
 def parse_model(text: str) -> ModelRef:
   """``--model`` as a :class:`ModelRef`: ``tunix:qwen3_8b``, ``maxtext:qwen3-0.6b`` or
-  ``package.module:function``.
-
-  Raises:
-    PlanError: not ``SOURCE:NAME``.
-
-  Example::
-
-    >>> parse_model("tunix:qwen3_0p6b")
-    ModelRef(source='tunix', name='qwen3_0p6b')
-  """
+  ``package.module:function``."""
   source, sep, name = text.strip().partition(":")
   if not sep or not source or not name:
     raise PlanError(f"unknown model {text!r}; give tunix:CONFIG (e.g. tunix:qwen3_8b), maxtext:MODEL_NAME "
@@ -228,16 +187,7 @@ def parse_model(text: str) -> ModelRef:
 
 
 def parse_overrides(entries: Sequence[str]) -> dict[str, str]:
-  """MaxText config overrides, ``key=value`` as on MaxText's own command line, as a dict.
-
-  Raises:
-    PlanError: an entry is not ``key=value``.
-
-  Example::
-
-    >>> parse_overrides(["base_num_decoder_layers=4", "remat_policy=minimal"])
-    {'base_num_decoder_layers': '4', 'remat_policy': 'minimal'}
-  """
+  """MaxText config overrides, ``key=value`` as on MaxText's own command line, as a dict."""
   overrides = {}
   for entry in entries:
     key, sep, value = entry.partition("=")
@@ -266,35 +216,17 @@ def tunix_family(config: str) -> str | None:
 
 
 def lora_modules(config: str) -> str:
-  """The ``module_path`` regex ``--lora`` adapts in the Tunix configuration ``config``.
-
-  Example::
-
-    >>> lora_modules("qwen3_1p7b")[:22]
-    '.*q_proj|.*k_proj|.*v_'
-  """
+  """The ``module_path`` regex ``--lora`` adapts in the Tunix configuration ``config``."""
   return _GEMMA3_EINSUMS if tunix_family(config) == "gemma3" else _PROJECTIONS
 
 
 def error_line(error: BaseException, limit: int = 300) -> str:
-  """An exception as one line (its type, then its message's words), :func:`shortened` to ``limit``.
-
-  Example::
-
-    >>> error_line(ValueError("no   room"))
-    'ValueError: no room'
-  """
+  """An exception as one line (its type, then its message's words), :func:`shortened` to ``limit``."""
   return shortened(f"{type(error).__name__}: {' '.join(str(error).split())}", limit)
 
 
 def shortened(text: str, limit: int) -> str:
-  """``text`` cut to at most ``limit`` characters at a word's end, with an ellipsis where it was cut.
-
-  Example::
-
-    >>> shortened("RESOURCE_EXHAUSTED: HLO temporaries exceed HBM", 30)
-    'RESOURCE_EXHAUSTED: HLO ...'
-  """
+  """``text`` cut to at most ``limit`` characters at a word's end, with an ellipsis where it was cut."""
   if len(text) <= limit:
     return text
   return text[:limit - 4].rsplit(" ", 1)[0] + " ..."

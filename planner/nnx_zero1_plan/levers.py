@@ -10,6 +10,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from nnx_zero1_plan.inputs import PlanError
+from nnx_zero1_plan.row import StateSplit
 
 # The options that only narrow what crosses between slices or nodes.
 _NARROWING = ("across_dtype", "params_across_dtype")
@@ -56,26 +57,14 @@ LEVERS: dict[str, Lever] = {
 
 
 def state_axes(lever: Lever) -> tuple[str, ...]:
-  """The mesh axes a lever splits the optimizer state over (the baseline: ``data``, where it splits none).
-
-  Example::
-
-    >>> state_axes(LEVERS["zero1-pod"]), state_axes(LEVERS["baseline"])
-    (('replica', 'data'), ('data',))
-  """
+  """The mesh axes a lever splits the optimizer state over (the baseline: ``data``, where it splits none)."""
   axes = lever.optimizer_options.get("data_axis", "data")
   return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def summed_over(mesh_axes: Sequence[str], state_axes: tuple[str, ...]) -> tuple[str, ...]:
   """The axes a deferred lever sums its gradients over: the state's, and ``replica`` first where the mesh
-  has it (a pod's batch is split over it too, so a state split over ``data`` alone is all-reduced over it).
-
-  Example::
-
-    >>> summed_over(("replica", "data"), ("data",)), summed_over(("data",), ("data",))
-    (('replica', 'data'), ('data',))
-  """
+  has it (a pod's batch is split over it too, so a state split over ``data`` alone is all-reduced over it)."""
   if "replica" in mesh_axes and "replica" not in state_axes:
     return ("replica", *state_axes)
   return state_axes
@@ -83,21 +72,7 @@ def summed_over(mesh_axes: Sequence[str], state_axes: tuple[str, ...]) -> tuple[
 
 def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) -> str | None:
   """Why lever ``name`` cannot change anything for parameters of ``param_dtypes`` on a target of ``domains``
-  slices or nodes (None: it applies).
-
-  Example::
-
-    >>> lever_blocker("zero1-master", {"float32"})
-    'zero1-master keeps float32 copies of narrower parameters; these are float32 already'
-    >>> lever_blocker("zero1-bf16state", {"bfloat16"}) is None, lever_blocker("zero1", {"float32"}) is None
-    (False, True)
-    >>> lever_blocker("zero1-accum-bf16across", {"float32"}, domains=2) is None
-    True
-    >>> lever_blocker("zero1-accum-int8across", {"bfloat16"}, domains=2) is None
-    True
-    >>> lever_blocker("zero1-pod-master-accum-int8across", {"float32"}, domains=2) is None
-    True
-  """
+  slices or nodes (None: it applies)."""
   lever, dtypes = LEVERS[name], ", ".join(sorted(param_dtypes))
   one = "this target is one (--slices, h100:8x8)"
   if narrowed_dtypes(lever) and domains < 2:
@@ -119,65 +94,36 @@ def lever_blocker(name: str, param_dtypes: Collection[str], domains: int = 1) ->
 
 
 def adds_memory(name: str) -> str | None:
-  """What lever ``name`` adds to a device's memory over ``zero1`` (None: nothing).
-
-  Example::
-
-    >>> adds_memory("zero1-master")
-    'float32 master copies of the parameters (split over the data axes)'
-    >>> adds_memory("offload") is None
-    True
-    >>> adds_memory("baseline")
-    'the whole optimizer state on every device (nothing split)'
-  """
+  """What lever ``name`` adds to a device's memory over ``zero1`` (None: nothing)."""
   if not LEVERS[name].zero1:
     return "the whole optimizer state on every device (nothing split)"
   dtype = LEVERS[name].optimizer_options.get("master_dtype")
   return None if dtype is None else f"{dtype} master copies of the parameters (split over the data axes)"
 
 
-def saves_nothing(name: str, mesh: Mapping[str, int]) -> str | None:
-  """Why lever ``name`` makes no room on ``mesh`` (None: it may): its only saving is the split of the state
-  over its axes (no share in host memory, no narrower dtype), and those axes come to one device.
-
-  Example::
-
-    >>> saves_nothing("zero2", {"data": 1, "fsdp": 8})
-    'splits the optimizer state over data, of size 1 on this mesh'
-    >>> saves_nothing("zero1", {"data": 4}), saves_nothing("offload", {"data": 1})
-    (None, None)
-  """
-  lever = LEVERS[name]
-  if not lever.zero1 or lever.picks_offload or {"offload_state_to_host", "state_dtype"} & set(
-      lever.optimizer_options):
-    return None
-  axes = state_axes(lever)
-  if math.prod(mesh.get(axis, 1) for axis in axes) > 1:
-    return None
-  return f"splits the optimizer state over {' x '.join(axes)}, of size 1 on this mesh"
+def splits_nothing(name: str, mesh: Mapping[str, int], split: StateSplit | None = None) -> bool:
+  """Whether lever ``name`` leaves each device the whole optimizer state on ``mesh``, where splitting it is
+  its only saving (no share in host memory, no narrower dtype): its axes come to one device, or its compiled
+  layout (``split``, a row's) split none of the state over axes larger than one device."""
+  lever = LEVERS.get(name)
+  saves_otherwise = {"offload_state_to_host", "state_dtype"} & set(lever.optimizer_options if lever else ())
+  if lever is None or not lever.zero1 or lever.picks_offload or saves_otherwise:
+    return False
+  devices = lambda axes: math.prod(mesh.get(axis, 1) for axis in axes)
+  if split is None:
+    return devices(state_axes(lever)) == 1
+  return sum(v for k, v in split.share.items() if k != "none" and devices(k.split(",")) > 1) < 0.001
 
 
 def narrowed_dtypes(lever: Lever) -> dict[str, str]:
-  """The options of ``lever`` that narrow what crosses between slices or nodes, and their dtypes.
-
-  Example::
-
-    >>> narrowed_dtypes(LEVERS["zero1-pod-master-accum-int8across"])
-    {'across_dtype': 'int8', 'params_across_dtype': 'int8'}
-  """
+  """The options of ``lever`` that narrow what crosses between slices or nodes, and their dtypes."""
   options = {**lever.accumulate_options, **lever.optimizer_options}
   return {name: options[name] for name in _NARROWING if name in options}
 
 
 def memory_twin(name: str) -> str:
   """The lever that holds in device memory what lever ``name`` holds: ``name`` itself, or for a lever that
-  only narrows what crosses the slow network (:func:`narrowed_dtypes`), the lever without that.
-
-  Example::
-
-    >>> memory_twin("zero1-pod-accum-int8across"), memory_twin("zero1-pod-master-accum-int8across")
-    ('zero1-pod-accum', 'zero1-pod-master-accum')
-  """
+  only narrows what crosses the slow network (:func:`narrowed_dtypes`), the lever without that."""
   lever = LEVERS[name]
   if not narrowed_dtypes(lever):
     return name
@@ -189,13 +135,7 @@ def memory_twin(name: str) -> str:
 
 def with_offload(name: str, fraction: float | None) -> Lever:
   """The lever ``name``, with ``fraction`` of its optimizer state in host memory where it picks the share
-  (0 or None: none); any other lever as it is.
-
-  Example::
-
-    >>> with_offload("offload-fraction", 0.25).optimizer_options
-    {'offload_state_to_host': 0.25}
-  """
+  (0 or None: none); any other lever as it is."""
   lever = LEVERS[name]
   if not lever.picks_offload:
     return lever
@@ -204,16 +144,7 @@ def with_offload(name: str, fraction: float | None) -> Lever:
 
 
 def engine_attributes(lever_name: str, lever: Lever) -> dict[str, Any] | None:
-  """The class attributes of ``Zero1AbstractMaxTextEngine`` that make it ``lever`` (None: MaxText's own).
-
-  Raises:
-    PlanError: a lever of this library's own gradient accumulation (MaxText's engine accumulates its own).
-
-  Example::
-
-    >>> engine_attributes("zero2-offload", LEVERS["zero2-offload"])
-    {'OFFLOAD_STATE_TO_HOST': True, 'SHARD_ACCUMULATOR': True}
-  """
+  """The class attributes of ``Zero1AbstractMaxTextEngine`` that make it ``lever`` (None: MaxText's own)."""
   if not lever.zero1:
     return None
   if "data_axis" in lever.optimizer_options:

@@ -19,19 +19,7 @@ def mesh_axes(sizes: Mapping[str, int], model_axes: Iterable[str], devices: int,
               where: str = "slices or nodes") -> dict[str, int]:
   """Every mesh axis and its size: ``sizes``, then the model's axes it omits at size 1. With no sizes,
   ``data`` takes every device; on a pod of ``domains`` slices or nodes, ``replica`` crosses them and ``data``
-  takes each one's devices.
-
-  Raises:
-    PlanError: the sizes' product is not the topology's device count, or ``replica`` does not cross the
-      slices or nodes (:func:`check_replica`).
-
-  Example::
-
-    >>> mesh_axes({"data": 4, "fsdp": 2}, ["fsdp", "tp"], devices=8)
-    {'data': 4, 'fsdp': 2, 'tp': 1}
-    >>> mesh_axes({}, [], devices=16, domains=2)
-    {'replica': 2, 'data': 8}
-  """
+  takes each one's devices."""
   whole = {"replica": domains, "data": devices // domains} if domains > 1 else {"data": devices}
   axes = dict(sizes) if sizes else whole
   for name in ("data", *model_axes):
@@ -47,21 +35,7 @@ def check_replica(axes: Mapping[str, int], domains: int, where: str = "slices or
   """Refuses a mesh whose ``replica`` axis does not run across the ``domains`` slices or nodes, one each.
 
   The devices are laid out slice (or node) by slice in the mesh's order, so only an outermost ``replica``
-  crosses them; another axis there would split the batch and the state across the slow network unsaid.
-
-  Raises:
-    PlanError: ``replica`` is not the outermost axis of the ``domains``' size (on one slice or node: is larger
-      than 1); the message gives the mesh that would be.
-
-  Example::
-
-    >>> try:
-    ...   check_replica({"data": 8, "replica": 2}, domains=2, where="nodes")
-    ... except PlanError as e:
-    ...   print(str(e).replace("; ", ";\\n"))
-    --mesh data=8,replica=2: on 2 nodes, replica must be the outermost axis, its size the number of nodes;
-    the devices are laid out in the mesh's order, so only then does it cross them: --mesh replica=2,data=8
-  """
+  crosses them; another axis there would split the batch and the state across the slow network unsaid."""
   replica = axes.get("replica", 1)
   if domains < 2:
     if replica > 1:
@@ -86,27 +60,13 @@ def check_replica(axes: Mapping[str, int], domains: int, where: str = "slices or
 
 def batch_axes(axis_names: Collection[str]) -> tuple[str, ...]:
   """The mesh axes a batch's rows are split over (``replica``, ``data``, ``fsdp``, those the mesh has): their
-  sizes' product is a micro-batch's unit.
-
-  Example::
-
-    >>> batch_axes(("data", "fsdp", "tp"))
-    ('data', 'fsdp')
-  """
+  sizes' product is a micro-batch's unit."""
   return tuple(a for a in ("replica", "data", "fsdp") if a in axis_names)
 
 
 def micro_batch(batch: int | None, unit: int, over: str) -> int:
   """The plan's global micro-batch: ``--batch``, checked to split over the batch axes (``unit`` devices), or
   by default (None) the smallest multiple of ``unit`` of at least :data:`SMALLEST_MICRO_BATCH` (8) sequences.
-
-  Raises:
-    PlanError: ``batch`` is not a multiple of ``unit``.
-
-  Example::
-
-    >>> micro_batch(None, 4, "data"), micro_batch(None, 64, "replica x data"), micro_batch(16, 8, "data")
-    (8, 64, 16)
   """
   if batch is None:
     return -(-SMALLEST_MICRO_BATCH // unit) * unit
@@ -117,19 +77,7 @@ def micro_batch(batch: int | None, unit: int, over: str) -> int:
 
 
 def check_axis_names(sizes: Mapping[str, int], model_axes: Iterable[str]) -> None:
-  """Refuses a ``--mesh`` axis the model does not name and the planner does not know (a misspelling).
-
-  Raises:
-    PlanError: naming the axis and the axes that would be understood.
-
-  Example::
-
-    >>> try:
-    ...   check_axis_names({"dta": 4}, ["fsdp", "tp"])
-    ... except PlanError as e:
-    ...   print(e)
-    unknown --mesh axis dta; axes the model names or the planner splits over: replica, data, fsdp, tp
-  """
+  """Refuses a ``--mesh`` axis the model does not name and the planner does not know (a misspelling)."""
   known = tuple(dict.fromkeys([*PLANNER_AXES, *model_axes]))
   unknown = [a for a in sizes if a not in known]
   if unknown:

@@ -1,6 +1,5 @@
-"""The configuration a plan recommends, by a stated order: :data:`BY_THROUGHPUT` where every point that fits
-has a predicted time, else :data:`ORDER`, by memory; a Zero-1 lever that splits nothing, or saves little
-(:func:`saves_little`), is no candidate."""
+"""The configuration a plan recommends, by a stated order (:data:`BY_THROUGHPUT`, else :data:`ORDER`); a
+Zero-1 lever that splits nothing, or saves little (:func:`saves_little`), is no candidate."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Any
 from nnx_zero1_plan import bands
 from nnx_zero1_plan.bands import SAME_SPEED, differ_in, kind_bytes, parts_of, told_apart
 from nnx_zero1_plan.cells import gib, ms
-from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes
+from nnx_zero1_plan.levers import LEVERS, narrowed_dtypes, splits_nothing
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.request import PlanRequest, ResolvedRequest, command_line, remats
 from nnx_zero1_plan.row import Point, Record, Row
@@ -37,20 +36,10 @@ _LITTLE = 0.015
 
 @dataclasses.dataclass(frozen=True)
 class Recommendation(Record):
-  """The configuration a plan recommends (plan.json's ``recommendation``).
-
-  Attributes:
-    lever: the lever to run.
-    step: its step shape (``one`` or ``split``).
-    micro_batch: the micro-batch it fits (its search's edge where there was one).
-    remat: the remat policy its row compiled under (None: the model's own).
-    code: the code that builds it (:func:`nnx_zero1_plan.printed_code.lever_code`).
-    cli: the planner's command that reproduces it.
-    order: :data:`ORDER`, the order it was picked by.
-    baseline_beats: where ``nnx.Optimizer`` fits more than a Zero-1 lever, why (:func:`baseline_beats`).
-    why: why it beat each lever that fits as far (:func:`why_picked`).
-    notes: edges not confirmed, levers left out for splitting nothing, recompute, a narrowed hop.
-  """
+  """The configuration a plan recommends (plan.json's ``recommendation``): the lever, step shape, micro-batch
+  (its search's edge where there was one) and remat policy to run, the code that builds it and the command
+  that reproduces it, the order it was picked by and why (:func:`baseline_beats`, :func:`why_picked`), and
+  notes: edges not confirmed, levers left out for splitting nothing, recompute, a narrowed hop."""
 
   lever: str
   step: str
@@ -102,18 +91,7 @@ def recompute_note(row: Row, micro: int) -> str | None:
 
 def thin_note(row: Row, micro: int) -> str | None:
   """Where a row at ``micro`` leaves less than 1% of the usable memory free, one sentence saying so (near its
-  limit a compiler lands within about 1.5% either side of it: docs/planner.md's search); None otherwise.
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Figures, Made
-    >>> row = Row("zero1-pod", "one", "h100:2x8", "H100", {"data": 16}, "m:f", 128,
-    ...           Figures(headroom_bytes_per_device=2**30 // 20), Made(depth=2), 81 * 2**30, 80 * 2**30, True)
-    >>> print(thin_note(row, 128).replace("; ", ";\\n").replace(": a", ":\\na"))
-    thin: zero1-pod at micro-batch 128 leaves 0.05 GiB of 80.00 GiB usable free (0.06%, under 1%);
-    near its limit the compiler lands within about 1.5% either side:
-    a smaller micro-batch or --margin leaves room
-  """
+  limit a compiler lands within about 1.5% either side of it: docs/planner.md's search); None otherwise."""
   room, usable = figures_at(row, micro).headroom_bytes_per_device, row.usable_bytes
   if room is None or not usable or room >= _THIN * usable:
     return None
@@ -125,45 +103,31 @@ def thin_note(row: Row, micro: int) -> str | None:
 def _states(row: Row, rows: Sequence[Row]) -> tuple[int, int, Row] | None:
   """A Zero-1 row's optimizer state per device, its baseline's (the same step and remat policy) and that
   baseline; None for a baseline, state in host memory, no baseline planned, or a state not known."""
-  base = next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
+  base = _baseline(row, rows)
   if row.lever == "baseline" or row.figures.host_state_bytes or base is None:
     return None
   mine, theirs = row.figures.opt_state_bytes_per_device, base.figures.opt_state_bytes_per_device
   return None if mine is None or theirs is None else (mine, theirs, base)
 
 
-def splits_nothing(row: Row, rows: Sequence[Row]) -> bool:
-  """Whether a Zero-1 row holds the baseline's optimizer state per device (within 0.1%, none in host memory):
-  its layout split nothing (a data axis of size 1, or no leaf that divides), the baseline by another name."""
-  states = _states(row, rows)
-  return states is not None and _alike(*states[:2])
+def _baseline(row: Row, rows: Sequence[Row]) -> Row | None:
+  """The baseline of the row's step and remat policy, where the plan has one."""
+  return next((r for r in rows if r.lever == "baseline" and (r.step, r.remat) == (row.step, row.remat)), None)
 
 
-def _alike(mine: int, theirs: int) -> bool:
-  """Whether two optimizer states per device are the same bytes, within 0.1%."""
-  return abs(mine - theirs) <= 0.001 * theirs
+def baseline_by_another_name(row: Row, rows: Sequence[Row]) -> bool:
+  """Whether a Zero-1 row's layout split nothing (:func:`~nnx_zero1_plan.levers.splits_nothing`), none of
+  its state in host memory, beside a baseline planned with it: the baseline by another name, no candidate."""
+  return (_baseline(row, rows) is not None and not row.figures.host_state_bytes
+          and splits_nothing(row.lever, row.mesh, row.figures.state_split))
 
 
 def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
   """Where a Zero-1 row's optimizer state per device is smaller than the fitting baseline's by less than 1.5%
   of the baseline's peak (LoRA's small state), one line saying so; None otherwise (also where a search found
-  the row a larger micro-batch than the baseline's: then the saving is what fits).
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Figures, Made
-    >>> def row(lever, state):
-    ...   f = Figures(opt_state_bytes_per_device=state, peak_bytes_per_device=4 * 2**30)
-    ...   return Row(lever, "one", "v5e:2x4", "TPU", {"data": 8}, "m", 16, f, Made(depth=2), 9, 8, True)
-    >>> rows = [row("baseline", 48 * 2**20), row("zero1", 6 * 2**20)]
-    >>> print(saves_little(rows[1], rows).replace(": ", ":\\n").replace(" (", "\\n("))
-    zero1 saves little here:
-    0.04 GiB of optimizer state per device, 1.0% of the baseline's 4.00 GiB peak
-    (under 1.5%, the compiler's own scatter near its limit):
-    nnx.Optimizer is as good
-  """
+  the row a larger micro-batch than the baseline's: then the saving is what fits)."""
   states = _states(row, rows)
-  if states is None or _alike(*states[:2]):  # split nothing (splits_nothing): the baseline by another name
+  if states is None or baseline_by_another_name(row, rows):
     return None
   mine, theirs, base = states
   edge = lambda r: micro_batch_of(r, r.batch) or 0
@@ -177,9 +141,8 @@ def saves_little(row: Row, rows: Sequence[Row]) -> str | None:
 
 
 def row_sent_bytes(row: Row) -> int:
-  """The collective bytes one device sends per step on every network together, one basis on every backend: on
-  a pod :attr:`~nnx_zero1_plan.row.PodNetworks.bytes` (a TPU program's megascale transfers are not among its
-  collectives), elsewhere :attr:`~nnx_zero1_plan.row.Collectives.sent_bytes`."""
+  """The collective bytes one device sends per step on every network together, one basis on every backend (a
+  pod's networks': a TPU program's megascale transfers are not among its collectives)."""
   if row.made.network_per_step is not None:
     return row.made.network_per_step.bytes
   return 0 if row.figures.collectives is None else row.figures.collectives.sent_bytes
@@ -233,13 +196,7 @@ def host_bytes_of(row: Row) -> int:
 
 
 def narrowed_note(lever: str) -> str | None:
-  """What a lever that narrows a hop between slices or nodes gives up (None: nothing).
-
-  Example::
-
-    >>> narrowed_note("zero1"), narrowed_note("zero1-accum-bf16across")[:44]
-    (None, 'zero1-accum-bf16across is not bit-identical:')
-  """
+  """What a lever that narrows a hop between slices or nodes gives up (None: nothing)."""
   narrowed = narrowed_dtypes(LEVERS[lever]) if lever in LEVERS else {}
   if not narrowed:
     return None
@@ -285,14 +242,7 @@ def why_picked(best: Row, rivals: Sequence[Row], micro: int) -> list[str]:
 def plan_code(request: PlanRequest, lever: str, offload_fraction: float | None = None,
               activation_sharding: Mapping[str, Any] | str | None = None) -> str:
   """The code that trains as ``request`` (resolved: its mesh sized) planned ``lever`` (:func:`lever_code`):
-  its model, mesh, optimizer and target; a recommendation's and a way out's.
-
-  Example::
-
-    >>> request = PlanRequest("maxtext:qwen3-0.6b", "v6e:2x2", mesh="data=4")
-    >>> print(plan_code(request, "zero1-bf16state"))
-    Zero1MaxTextTrainingEngine (nnx_zero1.adapters.maxtext) subclassed with STATE_DTYPE = jnp.bfloat16
-  """
+  its model, mesh, optimizer and target; a recommendation's and a way out's."""
   return lever_code(lever, request.model_ref, offload_fraction, request.mesh_sizes, request.optimizer,
                     backend=request.backend, domains=request.domains,
                     activation_sharding=activation_sharding, lora=request.lora)
@@ -331,26 +281,10 @@ def _per_token(c: tuple[Row, Point], calibrated: bool) -> dict[str, float]:
 
 
 def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str, ...]] | None:
-  """The (lever, micro-batch) with the most predicted tokens per second per device among the points that fit
-  (each row's own compile and its search's), by :data:`BY_THROUGHPUT`: among the points the fastest is not
-  told apart from (:func:`~nnx_zero1_plan.bands.told_apart`, each part of the step within its band), the
-  most headroom. Why names each other lever's fastest point, and the order it ranked by
-  (:data:`BY_CALIBRATED` where every point has a calibrated time); None where a fitting point has no
-  predicted time (the order is then :data:`ORDER`).
-
-  Example::
-
-    >>> from nnx_zero1_plan.row import Figures, Made
-    >>> def row(lever, tok, room):
-    ...   f = Figures(predicted_step_s=8 / tok, tokens_per_s_per_device=tok, headroom_bytes_per_device=room)
-    ...   return Row(lever, "one", "v6e:2x2", "TPU", {"data": 4}, "m", 8, f, Made(depth=2), 9, 8, True)
-    >>> best, at, why, order = by_throughput([row("baseline", 100.0, 1), row("zero1", 101.0, 5)])
-    >>> best.lever, at.batch
-    ('zero1', 8)
-    >>> print(why[0].replace("; ", ";\\n"))
-    zero1 at 8: 79.2 ms, 101 tok/s per device;
-    baseline at 8: 80.0 ms, 100 tok/s per device: within 2%, zero1 for its headroom
-  """
+  """The (lever, micro-batch) by :data:`BY_THROUGHPUT` (:data:`BY_CALIBRATED` where every point has a
+  calibrated time) among the points that fit: of those the fastest is not told apart from (each part of the
+  step within its band), the most headroom; why, against each other lever's fastest point; and the order.
+  None where a fitting point has no predicted time (the order is then :data:`ORDER`)."""
   points = _fitting(rows)
   if not points or any(p.tokens_per_s_per_device is None for _, p in points):
     return None
@@ -376,34 +310,24 @@ def by_throughput(rows: Sequence[Row]) -> tuple[Row, Point, list[str], tuple[str
 
 
 def _roomier(row: Row, point: Point) -> tuple[int, bool]:
-  """Both orders' last words as a sort key: most headroom, then no remat (then the lighter lever, the rows'
-  order, which ``min`` keeps)."""
+  """Both orders' last words as a sort key: most headroom, no remat (the lighter lever: ``min`` keeps the
+  rows' order)."""
   return -(point.headroom_bytes_per_device or 0), remats(row.remat)
 
 
 def recommend(rows: Sequence[Row], request: ResolvedRequest, *,
               activation_sharding: Mapping[str, Any] | str | None = None,
               step: str | None = None) -> Recommendation | None:
-  """The configuration to run, by :data:`ORDER`, among the rows of one step shape.
-
-  Args:
-    rows: the plan's rows (a searched row stands at its edge); ``fits`` is within the usable memory (the
-      reserve or the margin taken off).
-    request: the plan's request as resolved (its mesh and micro-batch set).
-    activation_sharding: a ``tunix:`` model's activation specs, for its printed code.
-    step: the step shape to choose among (default: the first its model's kind compiles, where there are
-      such rows).
-
-  Returns:
-    The :class:`Recommendation`, or None when no row fits.
-  """
+  """The configuration to run among the rows of one ``step`` shape (by default the first its model's kind
+  compiles, where there are such rows), by :data:`BY_THROUGHPUT` or :data:`ORDER` (a searched row stands at
+  its edge); None when no row fits. ``activation_sharding``: a ``tunix:`` model's, for its code."""
   if step is None:
     shapes = [r.step for r in rows]
     step = request.model_ref.kind.steps[0]
     step = step if step in shapes else (shapes[0] if shapes else step)
   same_step = [r for r in rows if r.step == step]
   little = {r.lever: note for r in same_step if (note := saves_little(r, same_step)) is not None}
-  candidates = [r for r in same_step if not splits_nothing(r, same_step) and r.lever not in little]
+  candidates = [r for r in same_step if not baseline_by_another_name(r, same_step) and r.lever not in little]
   edges = [micro_batch_of(r, r.batch) for r in candidates]
   if not any(edges):
     return None

@@ -1,10 +1,9 @@
 """What a plan is asked for: one frozen record, checked without a compiler (a misspelt flag costs nothing),
-that crosses into the planning process."""
+that crosses into the planning process, and the command that asks for it again."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,6 +25,7 @@ from nnx_zero1_plan.inputs import (
 )
 from nnx_zero1_plan.levers import LEVERS
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, check_replica
+from nnx_zero1_plan.row import Record
 
 DEFAULT_DEPTHS = (2, 4)  # reduced depths compiled for an estimate (``estimate=True``) of a deeper model
 
@@ -37,8 +37,7 @@ STEPS = {
 DEFAULT_OPTIMIZER = "adamw"
 
 # --optimizer: optax's transformation of each name, at a typical fine-tuning rate (the rate changes no bytes),
-# with its fixed options: the one table behind the code the recommendation prints (OPTIMIZER_CODE) and the
-# transformation the step compiles (steps.OPTIMIZERS builds each from it).
+# with its fixed options: the one table behind the printed code and the step (steps.OPTIMIZERS).
 OPTIMIZER_MENU: dict[str, tuple[str, dict[str, float]]] = {
     "adamw": ("1e-5", {}),
     "adam": ("1e-5", {}),
@@ -51,19 +50,9 @@ OPTIMIZER_CODE = {name: f"optax.{name}({', '.join([rate, *(f'{k}={v}' for k, v i
 
 
 def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | None = None) -> Topology:
-  """``topology`` parsed (a :class:`~nnx_zero1_plan.inputs.Topology`), checked with ``slices`` and
-  ``gpus_per_node``.
-
-  Raises:
-    PlanError: an unknown topology; ``slices`` below 1, or above 1 for GPUs (their nodes are in the
-      topology); GPU nodes spelt with other than the chip's standard node of GPUs, unless ``gpus_per_node``
-      says it again; ``gpus_per_node`` that does not match the topology, or on a TPU.
-
-  Example::
-
-    >>> check_topology("h100:8x2", gpus_per_node=2).shape
-    (8, 2)
-  """
+  """``topology`` parsed and checked with ``slices`` and ``gpus_per_node``; a ``PlanError`` for an unknown
+  one, ``slices`` below 1 or over GPU nodes, GPU nodes spelt unlike the chip's node unless ``gpus_per_node``
+  says it again, or ``gpus_per_node`` that does not match or is for a TPU."""
   parsed = parse_topology(topology, GPU_CHIPS)
   chip, shape = parsed.chip, parsed.shape
   if slices < 1:
@@ -97,28 +86,30 @@ def check_topology(topology: str, slices: int = ONE_SLICE, gpus_per_node: int | 
   return parsed
 
 
+def _setting(default: Any, command: str | None = "set", **how: Any) -> Any:
+  """A setting: its default, and how the printed command says it (``always``; ``set``: where it is not the
+  default; None: never) and plan.json holds it (:func:`~nnx_zero1_plan.row._how`)."""
+  return dataclasses.field(default=default, metadata={"command": command, **how})
+
+
+# How plan.json holds the mesh (its sizes), the steps (with what each is) and the GPU pool's share (None on a
+# platform with no pool).
+_MESH: Any = {"write": lambda r: dict(r.mesh_sizes), "read": lambda v: spelled_mesh(v) or None}
+_STEPS: Any = {"write": lambda r: {s: STEPS[s] for s in r.steps}, "read": tuple}
+_POOL: Any = {"write": lambda r: r.gpu_memory_fraction if r.backend.pool_fraction else None,
+              "read": lambda v: v or JAX_GPU_POOL_FRACTION}
+
+
 @dataclasses.dataclass(frozen=True)
-class PlanRequest:
-  """One plan's settings: what :func:`nnx_zero1_plan.plan` and the command line's flags take.
+class PlanRequest(Record):
+  """One plan's settings, described once: what :func:`nnx_zero1_plan.plan` and the command line take, in
+  plan.json's order, each with how the printed command and plan.json hold it. Each field but ``depths`` (the
+  reduced depths an ``estimate`` compiles at) is the flag of its name (``seq_len``: ``--seq-len``;
+  ``overrides``: its ``KEY=VALUE`` words), whose words are :data:`nnx_zero1_plan.cli.FLAGS`'.
 
-  Building the record normalises ``levers`` and ``steps`` to tuples of names (a ``maxtext:`` model keeps
-  ``split`` only) and parses ``model``, ``topology`` and ``mesh`` once (``model_ref``, ``topology_ref``,
-  ``mesh_sizes``, not arguments: what the planning process reads).
-
-  Each field but ``depths`` is the command line's flag of its name (``seq_len``: ``--seq-len``; ``overrides``:
-  its ``KEY=VALUE`` words), described once, its default among the words, in :data:`nnx_zero1_plan.cli.FLAGS`.
-  From Python, ``levers`` and ``steps`` take a sequence of names too, and ``overrides`` a mapping; ``depths``
-  are the reduced depths an ``estimate`` compiles a deep model at. Where each is carried out: ``search``,
-  :func:`~nnx_zero1_plan.search.find_edge` (each row gains a :class:`~nnx_zero1_plan.row.Searched`);
-  ``estimate``, :mod:`~nnx_zero1_plan.estimate`; ``tunix_sharding``, :mod:`~nnx_zero1_plan.tunix_sharding`;
-  ``calibration``, :func:`~nnx_zero1_plan.calibration.for_step`; ``lora``,
-  :func:`~nnx_zero1_plan.inputs.lora_modules`; ``margin``'s default,
-  the platform's reserve (:data:`~nnx_zero1_plan.inputs.BACKENDS`).
-
-  Raises:
-    PlanError: an unknown model kind, topology, lever, step or optimizer; a malformed mesh, or one
-      :func:`~nnx_zero1_plan.mesh_axes.check_replica` refuses; what :func:`check_topology` refuses; a setting
-      out of its range; a setting for another kind of model; a ``maxtext:`` model without ``split``.
+  Building it checks every setting (a ``PlanError`` says what it refuses), normalises ``levers`` and ``steps``
+  to tuples of names (a ``maxtext:`` model keeps ``split`` only) and parses ``model``, ``topology`` and
+  ``mesh`` once (``model_ref``, ``topology_ref``, ``mesh_sizes``: what the planning process reads).
 
   Example::
 
@@ -127,31 +118,31 @@ class PlanRequest:
     (('zero1',), ('one', 'split'), 'cuda')
   """
 
-  model: str
-  topology: str
-  mesh: str | None = None
-  batch: int | None = None
-  seq_len: int = 1024
-  ga: int = 1
-  param_dtype: str | None = None
-  compute_dtype: str | None = None
-  remat: str | None = None
-  optimizer: str = DEFAULT_OPTIMIZER
-  levers: str | Sequence[str] = ("baseline", "zero1")
-  steps: str | Sequence[str] = ("one", "split")
-  overrides: Mapping[str, str] | None = None
-  search: bool = False
-  margin: float | None = None
-  gpu_memory_fraction: float = JAX_GPU_POOL_FRACTION
-  slices: int = ONE_SLICE
-  depths: Sequence[int] = DEFAULT_DEPTHS
-  estimate: bool = False
-  tunix_sharding: str = "default"
-  gpus_per_node: int | None = None
-  maxtext_deferral: str = "auto"
-  calibration: str | None = None
-  global_batch: int | None = None
-  lora: int | None = None
+  model: str = dataclasses.field(metadata={"command": "always"})
+  topology: str = dataclasses.field(metadata={"command": "always"})
+  mesh: str | None = _setting(None, "always", **_MESH)
+  batch: int | None = _setting(None, "always")
+  seq_len: int = _setting(1024, "always")
+  ga: int = _setting(1, "always")
+  optimizer: str = _setting(DEFAULT_OPTIMIZER)
+  param_dtype: str | None = _setting(None)
+  compute_dtype: str | None = _setting(None)
+  remat: str | None = _setting(None)
+  levers: str | Sequence[str] = _setting(("baseline", "zero1"), "always")
+  steps: str | Sequence[str] = _setting(("one", "split"), "always", **_STEPS)
+  gpu_memory_fraction: float = _setting(JAX_GPU_POOL_FRACTION, **_POOL)
+  estimate: bool = _setting(False)
+  overrides: Mapping[str, str] | None = _setting(None, "words")
+  search: bool = _setting(False, None)
+  margin: float | None = _setting(None)
+  slices: int = _setting(ONE_SLICE)
+  tunix_sharding: str = _setting("default", later=True)
+  gpus_per_node: int | None = _setting(None, later=True)
+  maxtext_deferral: str = _setting("auto", later=True)
+  global_batch: int | None = _setting(None, None, later=True)
+  lora: int | None = _setting(None, later=True)
+  depths: Sequence[int] = _setting(DEFAULT_DEPTHS, None)
+  calibration: str | None = _setting(None, None)
   model_ref: ModelRef = dataclasses.field(init=False, repr=False, compare=False)
   topology_ref: Topology = dataclasses.field(init=False, repr=False, compare=False)
   mesh_sizes: Mapping[str, int] = dataclasses.field(init=False, repr=False, compare=False)
@@ -183,18 +174,19 @@ class PlanRequest:
     if self.maxtext_deferral not in ("auto", "off"):
       raise PlanError(f"--maxtext-deferral is auto or off, got {self.maxtext_deferral!r}")
     model_ref.check_settings(**{name: getattr(self, name) for name in KIND_SETTINGS})
+    levers = parse_levers(self.levers, LEVERS)
     if self.global_batch is not None:
-      self._check_global_batch(kind, self.global_batch)
+      self._check_global_batch(kind, self.global_batch, levers)
     steps = tuple(s for s in steps if s in kind.steps)
     if not steps:
       raise PlanError(f"{self.model} compiles as MaxText's engine runs it, as two programs: --steps split")
-    normal = {"levers": parse_levers(self.levers, LEVERS), "steps": steps,
+    normal = {"levers": levers, "steps": steps,
               "overrides": dict(self.overrides) if self.overrides else None,
               "depths": tuple(self.depths), "model_ref": model_ref, "mesh_sizes": sizes}
     for name, value in normal.items():
       object.__setattr__(self, name, value)  # frozen: the checked values replace the given ones
 
-  def _check_global_batch(self, kind: ModelKind, global_batch: int) -> None:
+  def _check_global_batch(self, kind: ModelKind, global_batch: int, levers: Sequence[str]) -> None:
     """Refuses what may not come with ``global_batch``: a plan splits it into the micro-batch and GA."""
     if global_batch < 1:
       raise PlanError(f"--global-batch is sequences per optimizer step, >= 1; got {global_batch}")
@@ -206,7 +198,7 @@ class PlanRequest:
     if kind.engine:
       raise PlanError("--global-batch plans the planner's own step; a maxtext: model sets its micro-batch "
                       "and GA in its config (per_device_batch_size, gradient_accumulation_steps)")
-    searching = [n for n in parse_levers(self.levers, LEVERS) if LEVERS[n].picks_offload]
+    searching = [n for n in levers if LEVERS[n].picks_offload]
     if searching:
       raise PlanError(f"--global-batch with --levers {searching[0]}: that lever searches its share of the "
                       "state at one micro-batch; plan it with --batch")
@@ -233,46 +225,19 @@ class PlanRequest:
 
   def resolved(self, mesh: Mapping[str, int], batch: int) -> ResolvedRequest:
     """The request as a plan resolved it: every mesh axis sized, the micro-batch set and the model as
-    ``--model`` spells it.
-
-    Example::
-
-      >>> PlanRequest("tunix:qwen3_0p6b", "h100:8").resolved({"data": 8, "fsdp": 1}, 8).mesh
-      'data=8,fsdp=1'
-    """
+    ``--model`` spells it."""
     asked = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
     model = str(self.model_ref)
     return ResolvedRequest(**{**asked, "model": model, "mesh": spelled_mesh(mesh), "batch": batch})
 
-  def to_json(self) -> str:
-    """The record as JSON, for the planning process (:meth:`from_json` reads it back).
-
-    Example::
-
-      >>> request = PlanRequest("tunix:qwen3_0p6b", "v6e:2x2", search=True)
-      >>> PlanRequest.from_json(request.to_json()) == request
-      True
-    """
-    return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
-
-  @classmethod
-  def from_json(cls, text: str) -> PlanRequest:
-    """The record :meth:`to_json` wrote."""
-    return cls(**json.loads(text))
-
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedRequest(PlanRequest):
-  """A request as a plan resolved it (:meth:`PlanRequest.resolved`), checked as :class:`PlanRequest` is: what
-  the plan's commands reproduce, its settings hold and its way out changes.
+  """A request as a plan resolved it (:meth:`PlanRequest.resolved`): every mesh axis sized and the global
+  micro-batch set; what the plan's commands reproduce, its settings hold and its way out changes."""
 
-  Attributes:
-    mesh: every mesh axis and its size, as ``--mesh`` spells them.
-    batch: the global micro-batch the plan compiled.
-  """
-
-  mesh: str = ""
-  batch: int = 0
+  mesh: str = _setting("", "always", **_MESH)
+  batch: int = _setting(0, "always")
 
 
 def remats(policy: str | None) -> bool:
@@ -285,43 +250,19 @@ SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanRequest)
                     if f.init and f.default is not dataclasses.MISSING}
 
 
-# The flags a command prints after ``--steps``, in order, each where its field is not the request's default.
-_OPTIONAL_FLAGS = ("param_dtype", "compute_dtype", "remat", "optimizer", "slices", "estimate", "margin",
-                   "gpu_memory_fraction", "gpus_per_node", "tunix_sharding", "maxtext_deferral", "lora")
-
-
 def command_line(request: ResolvedRequest, **changes: Any) -> str:
   """The planner's command for ``request`` with ``changes`` made (``dataclasses.replace``: each checked as the
-  request was): the inverse of parsing, a setting at its default left out, the mesh and micro-batch spelt out.
-
-  Raises:
-    PlanError: a change the request refuses.
-
-  Example::
-
-    >>> request = PlanRequest("tunix:qwen3_8b", "v5e:2x4", steps="one").resolved({"data": 8}, 8)
-    >>> print(*command_line(request, levers="zero1", batch=16).split(" --"), sep="\\n  --")
-    python -m nnx_zero1.plan
-      --model tunix:qwen3_8b
-      --topology v5e:2x4
-      --mesh data=8
-      --batch 16
-      --seq-len 1024
-      --ga 1
-      --levers zero1
-      --steps one
-  """
+  request was): the inverse of parsing, each setting the command always says, then each other not at its
+  default (nor one plan.json says nothing of here), then the overrides."""
   r = dataclasses.replace(request, **changes)
-  words = ["python -m nnx_zero1.plan", f"--model {r.model_ref}", f"--topology {r.topology}",
-           f"--mesh {spelled_mesh(r.mesh_sizes)}", f"--batch {r.batch}", f"--seq-len {r.seq_len}",
-           f"--ga {r.ga}", f"--levers {','.join(r.levers)}", f"--steps {','.join(r.steps)}"]
-  for name in _OPTIONAL_FLAGS:
-    value = getattr(r, name)
-    # The pool's share says nothing of a plan for a platform that has none.
-    unsaid = name == "gpu_memory_fraction" and not r.backend.pool_fraction
-    if value in (SETTING_DEFAULTS[name], "") or unsaid:
-      continue
-    flag = f"--{name.replace('_', '-')}"
-    words.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
-  words += [shlex.quote(f"{k}={v}") for k, v in (r.overrides or {}).items()]
-  return " ".join(words)
+  spelled = {"model": r.model_ref, "mesh": spelled_mesh(r.mesh_sizes), "levers": ",".join(r.levers),
+             "steps": ",".join(r.steps)}
+  always, given = ["python -m nnx_zero1.plan"], []
+  for f in dataclasses.fields(r):
+    value, how, flag = getattr(r, f.name), f.metadata, f"--{f.name.replace('_', '-')}"
+    if how.get("command") == "always":
+      always.append(f"{flag} {spelled.get(f.name, value)}")
+    elif how.get("command") == "set" and value not in (f.default, "") and (
+        "write" not in how or how["write"](r) is not None):
+      given.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
+  return " ".join([*always, *given, *(shlex.quote(f"{k}={v}") for k, v in (r.overrides or {}).items())])

@@ -5,15 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
-from typing import Any
 
 from nnx_zero1_plan.calibration import CROSSING, Calibration, built_otherwise
 from nnx_zero1_plan.cells import gib, ms
 from nnx_zero1_plan.closing_lines import limit_words, recommendation_lines, way_out_lines
 from nnx_zero1_plan.plan_md import markdown
 from nnx_zero1_plan.recommend import Recommendation
-from nnx_zero1_plan.row import GPU_SOURCE, Row, as_json
+from nnx_zero1_plan.row import GPU_SOURCE, Record, Row, _when_set
 from nnx_zero1_plan.search_plot import draw_search
 from nnx_zero1_plan.settings import PlanSettings
 from nnx_zero1_plan.table import table
@@ -21,31 +19,20 @@ from nnx_zero1_plan.way_out import WayOut
 
 
 @dataclasses.dataclass
-class Plan:
-  """What each lever needs per device on the target; ``str()`` is the printed table.
+class Plan(Record):
+  """What each lever needs per device on the target, as plan.json holds it; ``str()`` is the printed table.
+  A row per lever, step and remat policy; the recommendation, or when no row fits the way out and what to try
+  next; the chip's ``calibration`` each row is also timed by (``--measure``'s runs or ``--calibration``, all
+  combined; None: the cost model's time alone), and its runs' ``calibrations`` each apart
+  (:func:`~nnx_zero1_plan.calibration.for_step`; None where a plan kept only the combined one)."""
 
-  Attributes:
-    rows: one :class:`~nnx_zero1_plan.row.Row` per lever, step and remat policy (plan.json's rows:
-      ``row.verdict``, ``row.figures.peak_bytes_per_device``).
-    meta: the settings as planned, the target's memory and the compilers (plan.json's ``meta``).
-    next_steps: what to try next, in order, when no row fits (empty otherwise).
-    recommendation: the configuration to run (a :class:`~nnx_zero1_plan.recommend.Recommendation`), or None
-      when no row fits with the margin.
-    way_out: when no row fits, the changes compiled to make room and the first that fits
-      (:func:`nnx_zero1_plan.way_out.find_way_out`); None otherwise.
-    calibration: the chip's calibration each row is also timed by (``--measure``'s runs, or
-      ``--calibration``), all its runs combined; None: the cost model's time alone.
-    calibrations: its runs' calibrations each apart, by which each row was timed (those built as it is:
-      :func:`~nnx_zero1_plan.calibration.for_step`); empty where a plan kept only the combined one.
-  """
-
-  rows: list[Row]
   meta: PlanSettings
+  rows: list[Row]
+  recommendation: Recommendation | None
+  way_out: WayOut | None
   next_steps: list[str]
-  recommendation: Recommendation | None = None
-  way_out: WayOut | None = None
-  calibration: Calibration | None = None
-  calibrations: tuple[Calibration, ...] = ()
+  calibration: Calibration | None = _when_set()
+  calibrations: tuple[Calibration, ...] | None = _when_set()
 
   def __str__(self) -> str:
     stated = [f"\n{self.meta.batch_default}"] if self.meta.batch_default else []
@@ -108,29 +95,13 @@ class Plan:
             *recommendation_lines(self.recommendation, limit, search=m.request.search,
                                   estimate=m.request.estimate), *way_out_lines(self.way_out)]
 
-  def to_record(self) -> dict[str, Any]:
-    """The plan as plan.json holds it (:meth:`from_record` reads it back)."""
-    calibrations = {"calibration": self.calibration, "calibrations": self.calibrations}
-    return as_json({"meta": self.meta, "rows": self.rows, "recommendation": self.recommendation,
-                    "way_out": self.way_out, "next_steps": self.next_steps,
-                    **{k: v for k, v in calibrations.items() if v}})
-
-  @classmethod
-  def from_record(cls, record: Mapping[str, Any]) -> Plan:
-    """The plan :meth:`to_record` wrote (plan.json's object, or the planning process's answer)."""
-    read = lambda key, kind: None if record.get(key) is None else kind.from_json(record[key])
-    return cls([Row.from_json(row) for row in record["rows"]], PlanSettings.from_json(record["meta"]),
-               list(record["next_steps"]), read("recommendation", Recommendation), read("way_out", WayOut),
-               read("calibration", Calibration),
-               tuple(map(Calibration.from_json, record.get("calibrations") or ())))
-
   def write(self, out_dir: str) -> list[str]:
     """Writes plan.json and plan.md into ``out_dir``, and with a search ``search.png``
     (:func:`~nnx_zero1_plan.search_plot.draw_search`); returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "plan.md")]
     with open(paths[0], "w") as f:
-      json.dump(self.to_record(), f, indent=1)
+      json.dump(self.to_json(), f, indent=1)
     with open(paths[1], "w") as f:
       f.write(markdown(self.meta.to_json(), self.rows, self.next_steps, self._lines_under()))
     drawn = draw_search(self.rows, os.path.join(out_dir, "search.png"))

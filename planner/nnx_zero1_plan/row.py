@@ -1,6 +1,5 @@
-"""One lever's row of a plan: typed frozen records whose fields are plan.json's names, written side by side by
-:meth:`Row.to_json` and put back by :meth:`Row.from_json`, so a new figure is one field here. What each field
-holds: docs/planner.md's "What a row says"."""
+"""One lever's row of a plan, typed frozen records named as plan.json names them (a new figure is one field
+here; docs/planner.md's "What a row says"), and the one mechanism that writes and reads them all: Record."""
 
 from __future__ import annotations
 
@@ -9,52 +8,149 @@ import functools
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 
 class Record:
-  """A frozen record of plan.json's, written field by field; each field that is a record (or a tuple or
-  mapping of them) is read into its type as the record is made: a record may be given plan.json's objects
-  (and a tuple field JSON's list). Each record plan.json holds is one: a row and the meta flatten theirs."""
+  """A frozen record of plan.json's, written and read by these two methods alone, each field as its metadata
+  says (:func:`_how`); a field holding records is read into their type as the record is made."""
+
+  spelled: ClassVar[bool] = False  # every field written as its str(), read back by its type
 
   def __post_init__(self) -> None:
-    for name, kind in _field_types(type(self)).items():
-      object.__setattr__(self, name, _read(kind, getattr(self, name)))
+    record: Any = type(self)  # (a class is hashable, which mypy does not see)
+    for f, kind in _fields(record):
+      object.__setattr__(self, f.name, _read(kind, getattr(self, f.name)))
 
   def to_json(self) -> dict[str, Any]:
-    """plan.json's object: every field by its name (one marked ``only_when_set`` only where it is set)."""
-    return {f.name: as_json(value) for f in dataclasses.fields(self)  # type: ignore[arg-type]
-            if (value := getattr(self, f.name)) is not None or not f.metadata.get("only_when_set")}
+    """plan.json's object (the keys an older plan.json lacked, in ``absent``, left out again)."""
+    own: dict[str, Any] = {}
+    flat: dict[str, Any] = {}
+    last: dict[str, Any] = {}
+    record: Any = type(self)
+    absent: frozenset[str] = getattr(self, "absent", frozenset())
+    for name, when_set, write, leaving, at_last in _writing(record):
+      value = getattr(self, name)
+      if (value is None and when_set) or name in absent:
+        continue
+      written: Any = write(self) if write else str(value) if self.spelled else as_json(value)
+      if leaving is not None:
+        flat.update((k, v) for k, v in (written or {}).items() if k not in absent and k not in leaving)
+      else:
+        (last if at_last else own)[name] = written
+    written = {**own, **flat, **last}
+    keys = list(written)
+    for f, _ in _fields(record):
+      if "after" in f.metadata and f.name in written:
+        keys.remove(f.name)
+        keys.insert(keys.index(f.metadata["after"]) + 1, f.name)
+    return {k: written[k] for k in keys}
 
   @classmethod
   def from_json(cls, fields: Mapping[str, Any]) -> Any:
-    """The record :meth:`to_json` wrote."""
-    return cls(**fields)
+    """The record :meth:`to_json` wrote; a KeyError for a key no field has, or one missing not ``later``."""
+    record: Any = cls
+    renamed = _renamed(record)
+    given = {renamed.get(k, k): v for k, v in fields.items()} if renamed else dict(fields)
+    keeps_absent = "absent" in _names(record)
+    unknown = given.keys() - _keys(record)
+    missing = _keys(record, "later", absent=True) - given.keys() if keeps_absent else set()
+    if unknown or missing:
+      raise KeyError(f"plan.json's object has keys no field has: {sorted(unknown)}, or lacks: "
+                     f"{sorted(missing)}")
+    if not keeps_absent and not any("flat" in f.metadata or "read" in f.metadata for f, _ in _fields(record)):
+      return cls(**given)
+    made: dict[str, Any] = {}
+    for f, kind in _fields(record):
+      if "flat" in f.metadata:
+        picked = {k: v for k, v in given.items() if k in _keys(kind)}
+        made[f.name] = kind.from_json(picked) if picked or f.default is not None else None
+      elif f.name in given:
+        made[f.name] = f.metadata["read"](given[f.name]) if "read" in f.metadata else given[f.name]
+    if keeps_absent:
+      made["absent"] = frozenset(_keys(record, "later") - given.keys())
+    return cls(**made)
+
+
+def _how(default: Any = None, **how: Any) -> Any:
+  """A field and how plan.json holds it: ``only_when_set`` (not None), ``flat`` (its record's keys among the
+  record's, but those named), ``after`` a key, ``last``, ``write`` / ``read`` by a function, ``formerly`` (an
+  older name), ``later`` (an older plan.json may lack it), ``per_layer`` (an estimate extrapolates it)."""
+  return dataclasses.field(default=default, metadata=how)
+
+
+def _when_set() -> Any:
+  """A field (None by default) that plan.json carries only where it says something (not None)."""
+  return _how(only_when_set=True)
 
 
 # Each record's fields' types, read once (the annotations are strings until read).
 _field_types: Callable[[type], dict[str, Any]] = functools.cache(typing.get_type_hints)
 
 
+@functools.cache
+def _fields(record: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
+  """A record's fields plan.json holds (those it is made from), each with its type (``X`` of ``X | None``)."""
+  return tuple((f, _record_of(_field_types(record)[f.name])) for f in dataclasses.fields(record)
+               if f.init and f.name != "absent")
+
+
+@functools.cache
+def _writing(record: type) -> tuple[tuple[str, bool, Any, Any, bool], ...]:
+  """How each field is written: its name, only where set, by which function, flat (but which keys), last."""
+  return tuple((f.name, bool(f.metadata.get("only_when_set")), f.metadata.get("write"),
+                f.metadata.get("flat"), bool(f.metadata.get("last"))) for f, _ in _fields(record))
+
+
+@functools.cache
+def _renamed(record: type) -> dict[str, str]:
+  """Each older name of a record's fields, and the field's."""
+  return {f.metadata["formerly"]: f.name for f, _ in _fields(record) if "formerly" in f.metadata}
+
+
+@functools.cache
+def _keys(record: type, flag: str | None = None, absent: bool = False) -> frozenset[str]:
+  """The keys a record's object may hold; with ``flag``, those of fields marked so (``absent``: not so)."""
+  keys: set[str] = set()
+  for f, kind in _fields(record):
+    if "flat" in f.metadata:
+      keys |= _keys(kind, flag, absent) - set(f.metadata["flat"])
+    elif flag is None or bool(f.metadata.get(flag)) != absent:
+      keys.add(f.name)
+  return frozenset(keys)
+
+
+def _record_of(kind: Any) -> Any:
+  """``X`` of ``X | None``."""
+  return typing.get_args(kind)[0] if typing.get_origin(kind) in (typing.Union, types.UnionType) else kind
+
+
 def _read(kind: Any, value: Any) -> Any:
   """``value`` as plan.json holds it, read into the type ``kind`` (``X | Y`` as ``X``)."""
-  origin, args = typing.get_origin(kind), typing.get_args(kind)
   if value is None or kind is Any:
     return value
+  origin, args, is_record = _kind(kind)
   if origin in (typing.Union, types.UnionType):
     return _read(args[0], value)
-  if isinstance(kind, type) and issubclass(kind, Record):
+  if is_record:
     return kind.from_json(value) if isinstance(value, Mapping) else value
-  if origin is tuple and isinstance(value, (tuple, list)):
-    return tuple(_read(args[0], v) for v in value)
+  if origin in (tuple, list) and isinstance(value, (tuple, list)):
+    return origin(_read(args[0], v) for v in value)
   if origin is Mapping and isinstance(value, Mapping):
     return {k: _read(args[1], v) for k, v in value.items()}
+  if kind in (int, bool) and isinstance(value, str):  # a spelled record's
+    return int(value) if kind is int else value == "True"
   return value
 
 
+@functools.cache
+def _kind(kind: Any) -> tuple[Any, tuple[Any, ...], bool]:
+  """A type's origin and arguments, and whether it is a record's."""
+  return typing.get_origin(kind), typing.get_args(kind), isinstance(kind, type) and issubclass(kind, Record)
+
+
 def as_json(value: Any) -> Any:
-  """A value as plan.json writes it: a record by its ``to_json``, a sequence as a list, a mapping's values
-  each; any other value as it is (one JSON has no type for is left for ``json.dump`` to refuse)."""
+  """A value as plan.json writes it (one JSON has no type for is left for ``json.dump`` to refuse)."""
   if isinstance(value, Record):
     return value.to_json()
   if isinstance(value, (tuple, list)):
@@ -64,17 +160,9 @@ def as_json(value: Any) -> Any:
   return value
 
 
-def _figure(*, per_layer: bool = False) -> Any:
-  """A :class:`Figures` field (None by default), and whether an estimate extrapolates it per layer."""
-  return dataclasses.field(default=None, metadata={"per_layer": per_layer})
-
-
-def _when_set() -> Any:
-  """A field (None by default) that plan.json carries only where it says something (not None)."""
-  return dataclasses.field(default=None, metadata={"only_when_set": True})
-
-
+@functools.cache
 def _names(record: type, flag: str | None = None) -> tuple[str, ...]:
+  """A record's field names (those marked ``flag``)."""
   return tuple(f.name for f in dataclasses.fields(record) if flag is None or f.metadata.get(flag))
 
 
@@ -119,15 +207,7 @@ def op_counts(by_op: Mapping[str, Any] | None) -> dict[str, OpCount] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Collectives(Record):
-  """A step's collectives on one device, each ``{op kind: OpCount}``
-  (:func:`nnx_zero1_plan.compiled.collectives_of`).
-
-  Example::
-
-    >>> c = Collectives.from_json({"per_step": {"all-reduce": {"count": 2, "bytes": 6}}})
-    >>> c.per_step["all-reduce"].count, c.sent_bytes, c.across_bytes, c.to_json()["per_step"]
-    (2, 6, 0, {'all-reduce': {'count': 2, 'bytes': 6}})
-  """
+  """A step's collectives on one device, each ``{op kind: OpCount}`` (``compiled.collectives_of``)."""
 
   per_step: Mapping[str, OpCount] = dataclasses.field(default_factory=dict)
   per_micro_batch: Mapping[str, OpCount] | None = _when_set()
@@ -144,16 +224,10 @@ class Collectives(Record):
     """The bytes one device sends per step between slices or nodes (0 on one slice or node)."""
     return sum(c.bytes for c in (self.across_per_step or {}).values())
 
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> Collectives:
-    """The record :meth:`to_json` wrote (``per_step`` empty where it has none; other names not read)."""
-    return cls(**{name: fields[name] for name in _names(cls) if name in fields})
-
 
 @dataclasses.dataclass(frozen=True)
 class StateSplit(Record):
-  """The axes a lever splits the optimizer state over, and the share of its bytes split over each set of
-  axes (``"none"``: not split)."""
+  """The axes a lever splits the state over, and the share of its bytes over each set (or ``"none"``)."""
 
   axes: Sequence[str]
   share: Mapping[str, float]
@@ -170,15 +244,9 @@ class HbmOom(Record):
 
 @dataclasses.dataclass(frozen=True)
 class MaxTextConfig(Record):
-  """What MaxText's defaults chose for a row (its config's values of these names).
+  """What MaxText's defaults chose for a row: its config's values of these names, written as their str()."""
 
-  Example::
-
-    >>> config = MaxTextConfig("qwen3-0.6b", "ShardMode.EXPLICIT", "None", False, "bfloat16", "float32",
-    ...                        "OptimizerType.ADAMW", 28, 8, 64, True)
-    >>> config.to_json()["num_decoder_layers"], MaxTextConfig.from_json(config.to_json()) == config
-    ('28', True)
-  """
+  spelled = True
 
   model_name: str
   shard_mode: str
@@ -192,50 +260,40 @@ class MaxTextConfig(Record):
   global_batch_size_to_train_on: int
   deferred_all_reduce: bool
 
-  def to_json(self) -> dict[str, str]:
-    """plan.json's ``maxtext_config``: each value as the config's ``str()``."""
-    return {name: str(value) for name, value in vars(self).items()}
-
-  @classmethod
-  def from_json(cls, fields: Mapping[str, str]) -> MaxTextConfig:
-    """The record :meth:`to_json` wrote (or the config's values): each field's type read from its string."""
-    typed: dict[type, Callable[[str], Any]] = {int: int, bool: lambda v: v in (True, "True"), str: str}
-    return cls(**{k: typed[_field_types(cls)[k]](v) for k, v in fields.items()})
-
 
 @dataclasses.dataclass(frozen=True)
 class Figures(Record):
   """What the compiler said of one lever's step, per device (None where it refused the program)."""
 
-  opt_state_bytes_per_device: int | None = _figure(per_layer=True)
-  opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _figure(per_layer=True)
-  opt_state_bytes_by_dtype: Mapping[str, int] | None = _figure(per_layer=True)
-  param_bytes_per_device: int | None = _figure(per_layer=True)
-  state_split: StateSplit | None = _figure()
-  argument_bytes_per_device: int | None = _figure(per_layer=True)
-  output_bytes_per_device: int | None = _figure(per_layer=True)
-  alias_bytes_per_device: int | None = _figure(per_layer=True)
-  temp_bytes_per_device: int | None = _figure(per_layer=True)
-  peak_bytes_per_device: int | None = _figure(per_layer=True)
-  formula_peak_bytes_per_device: int | None = _figure(per_layer=True)
-  host_argument_bytes_per_device: int | None = _figure(per_layer=True)
-  flops_per_device: int | None = _figure(per_layer=True)
-  flops_source: str | None = _figure()
-  collectives: Collectives | None = _figure(per_layer=True)
-  update_peak_bytes_per_device: int | None = _figure(per_layer=True)
-  update_temp_bytes_per_device: int | None = _figure(per_layer=True)
-  update_flops_per_device: int | None = _figure(per_layer=True)
-  update_bytes_accessed_per_device: int | None = _figure(per_layer=True)
-  headroom_bytes_per_device: int | None = _figure()
-  error: str | None = _figure()
-  hbm_oom: HbmOom | None = _figure()
-  compile_s: float | None = _figure()
-  maxtext_config: MaxTextConfig | None = _figure()
-  predicted_step_s: float | None = _figure(per_layer=True)
-  tokens_per_s_per_device: float | None = _figure()
-  mfu: float | None = _figure()
-  step_time: StepTime | None = _figure()
-  time_absent: str | None = _figure()
+  opt_state_bytes_per_device: int | None = _how(per_layer=True)
+  opt_state_bytes_by_memory_kind: Mapping[str, int] | None = _how(per_layer=True)
+  opt_state_bytes_by_dtype: Mapping[str, int] | None = _how(per_layer=True)
+  param_bytes_per_device: int | None = _how(per_layer=True)
+  state_split: StateSplit | None = _how()
+  argument_bytes_per_device: int | None = _how(per_layer=True)
+  output_bytes_per_device: int | None = _how(per_layer=True)
+  alias_bytes_per_device: int | None = _how(per_layer=True)
+  temp_bytes_per_device: int | None = _how(per_layer=True)
+  peak_bytes_per_device: int | None = _how(per_layer=True)
+  formula_peak_bytes_per_device: int | None = _how(per_layer=True)
+  host_argument_bytes_per_device: int | None = _how(per_layer=True)
+  flops_per_device: int | None = _how(per_layer=True)
+  flops_source: str | None = _how()
+  collectives: Collectives | None = _how(per_layer=True)
+  update_peak_bytes_per_device: int | None = _how(per_layer=True)
+  update_temp_bytes_per_device: int | None = _how(per_layer=True)
+  update_flops_per_device: int | None = _how(per_layer=True)
+  update_bytes_accessed_per_device: int | None = _how(per_layer=True)
+  headroom_bytes_per_device: int | None = _how()
+  error: str | None = _how()
+  hbm_oom: HbmOom | None = _how()
+  compile_s: float | None = _how()
+  maxtext_config: MaxTextConfig | None = _how()
+  predicted_step_s: float | None = _how(per_layer=True)
+  tokens_per_s_per_device: float | None = _how()
+  mfu: float | None = _how()
+  step_time: StepTime | None = _how()
+  time_absent: str | None = _how()
   calibrated_step_s: float | None = _when_set()
   # The calibrated step's exposed collectives, where --measure timed each kind of them on this slice.
   calibrated_collective_s: float | None = _when_set()
@@ -252,8 +310,7 @@ PER_LAYER = _names(Figures, "per_layer")
 
 @dataclasses.dataclass(frozen=True)
 class Network(Record):
-  """One network (``ICI``, ``DCN``, ``NVLink``, ``InfiniBand``), the bytes one device sends over it per
-  step, and their time in ms at its public rate (an estimate; None: no public rate here for the chip)."""
+  """One network, the bytes one device sends over it per step, and their ms at its public rate (or None)."""
 
   network: str
   bytes: int
@@ -262,8 +319,7 @@ class Network(Record):
 
 @dataclasses.dataclass(frozen=True)
 class PodNetworks(Record):
-  """A pod's two networks per step (:func:`nnx_zero1_plan.networks.network_per_step`): the fast one inside a
-  slice or node, the slow one between them, and where their rates come from."""
+  """A pod's two networks per step, inside a slice or node and between them, and whence their rates."""
 
   fast: Network
   slow: Network
@@ -277,9 +333,7 @@ class PodNetworks(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Estimate(Record):
-  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.estimate.estimate_mark`): how it was
-  made, the figures it touches, and how far low such estimates were measured (the whole program's peak over
-  the estimate's), where."""
+  """What marks an extrapolated row as an estimate (:func:`nnx_zero1_plan.estimate.estimate_mark`)."""
 
   method: str
   figures: Sequence[str]
@@ -303,14 +357,7 @@ class Made(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Point(Record):
-  """One compile of a search: its micro-batch, whether it fits, and the :class:`Figures` a search keeps
-  (:data:`AT_EDGE`, each named as its :class:`Figures` field).
-
-  Example::
-
-    >>> Point.of(48, True, Figures(peak_bytes_per_device=9, compile_s=2.0)).peak_bytes_per_device
-    9
-  """
+  """One compile of a search: its micro-batch, whether it fits, and the :class:`Figures` a search keeps."""
 
   batch: int
   fits: bool
@@ -341,8 +388,7 @@ AT_EDGE = _names(Point)[2:]
 
 @dataclasses.dataclass(frozen=True)
 class Searched(Record):
-  """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.find_edge`):
-  the edge, the first compile above it and why it was refused, and each compile as a :class:`Point`."""
+  """What the search for the largest micro-batch that fits found (:func:`nnx_zero1_plan.search.find_edge`)."""
 
   max_micro_batch: int | None
   above: int | None
@@ -367,8 +413,7 @@ class OffloadPoint(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Offloaded(Record):
-  """What the search for the share of the optimizer state to offload found
-  (:func:`nnx_zero1_plan.search.offload_search`)."""
+  """What the search for the share of the state to offload found (``search.offload_search``)."""
 
   offload_fraction: float
   offload_search: tuple[OffloadPoint, ...]
@@ -381,20 +426,13 @@ class Measured(Record):
 
   batch: int
   step_s: float | None
-  held_bytes: int | None = None
+  held_bytes: int | None = _how(formerly="peak_bytes")  # what it held (an older plan's name)
   error: str | None = None
-
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> Measured:
-    """The run :meth:`to_json` wrote (an older plan's ``peak_bytes`` as ``held_bytes``: what it held)."""
-    return cls(**{("held_bytes" if k == "peak_bytes" else k): v for k, v in fields.items()})
 
 
 @dataclasses.dataclass(frozen=True)
 class Split(Record):
-  """One split of ``--global-batch`` compiled: micro-batch x GA, whether it fits, its peak, its step's seconds
-  and which kind of time they are (``measured`` on this machine's chips, ``calibrated``, ``predicted``;
-  ``None`` where it has none), and its calibrated seconds beside a measured time (``None`` without one)."""
+  """One split of ``--global-batch`` compiled: micro-batch x GA, its verdict, peak, seconds and their kind."""
 
   batch: int
   ga: int
@@ -407,9 +445,7 @@ class Split(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Row(Record):
-  """One lever's step compiled for the target, as plan.json's row: what identifies the compile, then its
-  records (:class:`Figures`, :class:`Made`; :class:`Searched`, :class:`Offloaded` and the :class:`Measured`
-  runs where there were any)."""
+  """One lever's step compiled for the target, as plan.json's row (its records' fields side by side)."""
 
   lever: str
   step: str
@@ -418,54 +454,18 @@ class Row(Record):
   mesh: Mapping[str, int]
   model: str
   batch: int
-  figures: Figures
-  made: Made
+  figures: Figures = dataclasses.field(metadata={"flat": ()})  # its fields side by side with the row's own
+  made: Made = dataclasses.field(metadata={"flat": ()})
   hbm_bytes: int
   usable_bytes: int
   fits: bool | None
   activation_sharding: Any = None
   remat: str | None = None
-  searched: Searched | None = None
-  offloaded: Offloaded | None = None
-  measured: tuple[Measured, ...] | None = None
+  searched: Searched | None = _how(flat=())
+  offloaded: Offloaded | None = _how(flat=())
+  measured: tuple[Measured, ...] | None = _how(only_when_set=True, last=True)
   ga: int | None = _when_set()  # the row's own GA, where --global-batch chose it (else the plan's --ga)
   splits: tuple[Split, ...] | None = _when_set()  # every split --global-batch compiled, in order
-
-  def to_json(self) -> dict[str, Any]:
-    """plan.json's row: every record's fields side by side (:class:`Made`'s notes where they are set, a
-    search's where there was one).
-
-    Example::
-
-      >>> row = Row.from_json({"lever": "zero1", "step": "one", "compiled_for": "h100:8", "device_kind": "H",
-      ...                      "mesh": {"data": 8}, "model": "m:f", "batch": 8, "peak_bytes_per_device": 5,
-      ...                      "depth": 2, "activation_sharding": None, "hbm_bytes": 9, "usable_bytes": 8,
-      ...                      "fits": True, "remat": None})
-      >>> row.figures.peak_bytes_per_device, row.made.depth, row.verdict, Row.from_json(row.to_json()) == row
-      (5, 2, True, True)
-    """
-    nested = super().to_json()
-    row = {k: v for k, v in nested.items() if k not in _RECORDS}
-    for name in _RECORDS[:-1]:
-      row.update(nested[name] or {})
-    return row if self.measured is None else {**row, "measured": nested["measured"]}
-
-  @classmethod
-  def from_json(cls, fields: Mapping[str, Any]) -> Row:
-    """The row :meth:`to_json` wrote (or a row's fields as the plan compiles them), each in its record.
-
-    Raises:
-      KeyError: a field no record has (a plan.json written by another version of the planner).
-      TypeError: a field the row or a search's record needs is missing.
-    """
-    unknown = set(fields) - _KNOWN
-    if unknown:
-      raise KeyError(f"plan.json's row has fields no record here has: {sorted(unknown)}")
-    pick = lambda record: {k: fields[k] for k in _names(record) if k in fields}
-    records: dict[str, Any] = {"figures": pick(Figures), "made": pick(Made),
-                               "searched": pick(Searched) if "max_micro_batch" in fields else None,
-                               "offloaded": pick(Offloaded) if "offload_fraction" in fields else None}
-    return cls(**pick(cls), **records)
 
   @property
   def estimated(self) -> bool:
@@ -478,7 +478,3 @@ class Row(Record):
     ``fits`` is None: it decides nothing) what its line says; None where a refusal left no figures."""
     return self.made.fits_estimate if self.estimated else self.fits
 
-
-_RECORDS = ("figures", "made", "searched", "offloaded", "measured")
-_KNOWN = frozenset(name for record in (Row, Figures, Made, Searched, Offloaded) for name in _names(record)
-                   if name not in _RECORDS[:-1])

@@ -11,7 +11,7 @@ import jax
 from nnx_zero1_plan import compilers
 from nnx_zero1_plan.calibration import combined, read_calibrations
 from nnx_zero1_plan.compiled import peak_source
-from nnx_zero1_plan.levers import LEVERS, saves_nothing
+from nnx_zero1_plan.levers import LEVERS, splits_nothing
 from nnx_zero1_plan.maxtext import MaxTextModels, output_directory
 from nnx_zero1_plan.measured_plan import edge_profiled, measured_rows, profiler, run_at, said_measured
 from nnx_zero1_plan.mesh_axes import SMALLEST_MICRO_BATCH, batch_axes, micro_batch
@@ -121,7 +121,7 @@ def _way_out(compiler: RowCompiler, resolved: ResolvedRequest, planned: PlannedM
     return compiler.row(r.levers[0], step, model, StepShape(r.batch, r.seq_len, r.ga, r.optimizer))
 
   # The changes are tried on Zero-1 where it splits the state here, else on the baseline.
-  splits = "zero1" not in blocked and not saves_nothing("zero1", resolved.mesh_sizes)
+  splits = "zero1" not in blocked and not splits_nothing("zero1", resolved.mesh_sizes)
   lever = "zero1" if splits else "baseline"
   remat = resolved.model_ref.kind.remat_hint
   changes = changes_to_try(resolved, lever=lever, batch_unit=planned.batch_unit, remat=remat,
@@ -204,4 +204,4 @@ def _planned(request: PlanRequest, progress: Callable[[str], None] | None, kind:
     rows = measured_rows(compiler, plans, request, rows, recommended)
     recommended = recommended and said_measured(recommended, rows)
   made = compiler.all_calibrations
-  return Plan(rows, meta, hints, recommended, way_out, combined(*made) if made else None, made)
+  return Plan(meta, rows, recommended, way_out, hints, combined(*made) if made else None, made or None)

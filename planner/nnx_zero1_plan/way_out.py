@@ -1,6 +1,5 @@
-"""When nothing fits: the changes that may make room, lightest first (:func:`changes_to_try`), said as what to
-try next (:func:`next_steps`) and compiled until one fits (:func:`find_way_out`): a refused compile has no
-peak to reason from."""
+"""When nothing fits: the changes that may make room, lightest first, said as what to try next and compiled
+until one fits (a refused compile has no peak to reason from)."""
 
 from __future__ import annotations
 
@@ -10,15 +9,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 from nnx_zero1_plan.cells import gib
 from nnx_zero1_plan.inputs import PlanError, spelled_mesh
-from nnx_zero1_plan.levers import adds_memory, memory_twin, saves_nothing
+from nnx_zero1_plan.levers import adds_memory, memory_twin, splits_nothing
 from nnx_zero1_plan.request import ResolvedRequest, command_line, remats
 from nnx_zero1_plan.row import Record, Row
 
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-  """One change to the plan's settings that may make room: ``what`` it is in words, the plan's resolved
-  ``request`` with it made, and its ``kind``: ``micro-batch``, ``remat``, ``fsdp`` or ``host memory``."""
+  """One change that may make room: in words, the resolved request with it made, and its kind."""
 
   what: str
   request: ResolvedRequest
@@ -27,8 +25,7 @@ class Change:
 
 @dataclasses.dataclass(frozen=True)
 class Tried(Record):
-  """One change compiled: what it was, its command, whether it fits, its peak, or the refusal; the one that
-  fits, the code that trains with it (as a recommendation prints it)."""
+  """One change compiled: what, its command, whether it fits, its peak or refusal, and the code that fits."""
 
   what: str
   command: str
@@ -48,27 +45,9 @@ class WayOut(Record):
 
 def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, remat: str | None,
                    named_axes: Sequence[str] = (), host_memory: bool = True) -> list[Change]:
-  """The changes to compile when nothing fits, lightest first, each the request with one change made.
-
-  Args:
-    request: the plan's request as resolved (its mesh and micro-batch set).
-    lever: the lever to try them on (the lightest Zero-1 lever that applies, else the baseline).
-    batch_unit: the batch axes' size: a micro-batch is a multiple of it.
-    remat: the remat policy the model takes (None: it takes none).
-    named_axes: the mesh axes the model's variables name (``fsdp`` must be one for a larger fsdp).
-    host_memory: whether the target's compile-only devices have host memory to offload to (TPUs; XLA's GPU
-      compiler offers none without a GPU).
-
-  Example::
-
-    >>> from nnx_zero1_plan.request import PlanRequest
-    >>> request = PlanRequest("tunix:qwen3_8b", "h100:8").resolved({"data": 4, "fsdp": 2}, 16)
-    >>> [c.what for c in changes_to_try(request, lever="zero1", batch_unit=4, remat="block",
-    ...                                 named_axes=["fsdp"])]  # doctest: +NORMALIZE_WHITESPACE
-    ['micro-batch 8, 2x the accumulation (the same tokens per step)',
-     'micro-batch 4, 4x the accumulation (the same tokens per step)', 'remat block',
-     'fsdp=4 (data=2): parameters and gradients split too', 'the optimizer state in host memory']
-  """
+  """The changes to compile when nothing fits, lightest first, each the resolved request with one change made
+  on ``lever``: a smaller micro-batch (a multiple of ``batch_unit``), the model's ``remat`` policy, more fsdp
+  (where the model names it), the state in host memory (where the target's compiler offers it)."""
   batch, mesh = request.batch, request.mesh_sizes
   on = functools.partial(dataclasses.replace, request, levers=(lever,))
   out = []
@@ -91,18 +70,9 @@ def changes_to_try(request: ResolvedRequest, *, lever: str, batch_unit: int, rem
 
 def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], Row],
                  command: Callable[[Change], str], code: Callable[[Change], str]) -> WayOut:
-  """Compiles each change in order until one fits.
-
-  Args:
-    changes: from :func:`changes_to_try`.
-    compile_changed: compiles the step with a change made: its row; or raises ``PlanError`` where the change
-      cannot be planned (a micro-batch that does not split).
-    command: the planner's command for a change.
-    code: the code that trains with a change made (its lever's, as a recommendation prints it).
-
-  Returns:
-    The :class:`WayOut`: every change tried, and the first that fits (None: none did), with its code.
-  """
+  """Compiles each change in order until one fits (``compile_changed`` gives its row, or raises ``PlanError``
+  where it cannot be planned): every change tried, with its ``command``, and the first that fits with its
+  ``code``."""
   tried = []
   for change in changes:
     try:
@@ -119,16 +89,9 @@ def find_way_out(changes: Sequence[Change], compile_changed: Callable[[Change], 
 def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[str], *,
                blocked: Mapping[str, str], remat: str | None, batch_unit: int,
                named_axes: Sequence[str] = ()) -> list[str]:
-  """What to try next, in order, when no row fits (empty when one does): each item ends with its command.
-
-  Args:
-    rows: the plan's rows.
-    request: the plan's request as resolved; each command is it with one change made.
-    levers: every lever the planner knows, lightest first.
-    blocked: the levers that cannot apply to this model, and why (never suggested).
-    remat, batch_unit, named_axes: as :func:`changes_to_try` takes them; of its changes, the first of each
-      kind but the host memory's (a lever above) is suggested on the row that comes closest.
-  """
+  """What to try next, in order, when no row fits (empty when one does), each ending with its command: the
+  ``levers`` that may make room (not those ``blocked`` for this model), then of :func:`changes_to_try`'s the
+  first of each kind but the host memory's (a lever above), on the row that comes closest."""
   if not rows or any(r.verdict for r in rows):
     return []
   steps = []
@@ -140,7 +103,7 @@ def next_steps(rows: Sequence[Row], request: ResolvedRequest, levers: Sequence[s
     # nor one whose split covers one device here.
     if memory_twin(name) in tried or name in blocked or adds_memory(name):
       continue
-    if saves_nothing(name, request.mesh_sizes):
+    if splits_nothing(name, request.mesh_sizes):
       idle += [name] if memory_twin(name) == name else []  # a narrowing twin is its plain lever's, said once
       continue
     saving = ""

@@ -6,6 +6,7 @@ planning process (``--local``: for this machine's chips; ``--measure``: the rows
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import traceback
 from collections.abc import Sequence
@@ -21,13 +22,13 @@ from nnx_zero1_plan.run import make_plan
 def plan(flags: Sequence[str]) -> int:
   """The planning process: the request from stdin, the progress and the plan (or the error) to stdout."""
   try:
-    request = PlanRequest.from_json(sys.stdin.read())
+    request = PlanRequest.from_json(json.loads(sys.stdin.read()))
     result = make_plan(request, progress=lambda line: say({"progress": line}), local="--local" in flags,
                        measure="--measure" in flags)
   except Exception as e:  # every failure goes back to the caller, who raises it
     say({"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}})
     return 1
-  say({"plan": result.to_record()})
+  say({"plan": result.to_json()})
   return 0
 
 

@@ -27,7 +27,7 @@ from nnx_zero1_plan.bands import (
 from nnx_zero1_plan.calibrated_time import calibrate, calibrated_step, read_program
 from nnx_zero1_plan.calibration import Calibration, combined
 from nnx_zero1_plan.chips import CHIPS
-from nnx_zero1_plan.recommend import BY_CALIBRATED, by_throughput, saves_little, splits_nothing
+from nnx_zero1_plan.recommend import BY_CALIBRATED, baseline_by_another_name, by_throughput, saves_little
 from nnx_zero1_plan.result import Plan
 from nnx_zero1_plan.row import Figures
 from nnx_zero1_plan.step_time import predict_step_time, rates_for
@@ -40,7 +40,7 @@ SEED = ROOT / "docs" / "data" / "maxtext_qwen3_0p6b_v6e_seed"
 
 
 def _kept(path: pathlib.Path) -> Plan:
-  return Plan.from_record(json.loads(path.read_text()))
+  return Plan.from_json(json.loads(path.read_text()))
 
 
 def _row(plan: Plan, lever: str):
@@ -90,7 +90,7 @@ def test_no_kept_plan_on_a_slice_prefers_the_baseline_by_a_time_no_chip_measured
   picked = plan.recommendation
   assert picked is not None
   rows = [r for r in plan.rows if r.step == picked.step]
-  candidates = [r for r in rows if not splits_nothing(r, rows) and saves_little(r, rows) is None]
+  candidates = [r for r in rows if not baseline_by_another_name(r, rows) and saves_little(r, rows) is None]
   ranked = by_throughput(candidates)
   if ranked is None:
     return

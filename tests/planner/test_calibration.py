@@ -318,8 +318,8 @@ def test_the_kept_calibrated_plans_read_back_print_and_rank_by_their_calibrated_
 
   for case in ("plan_calibrate", "plan_calibrated", "plan_calibrated_ga4"):
     record = _kept_plan(case)
-    plan = Plan.from_record(record)
-    assert json.dumps(plan.to_record()) == json.dumps(record), case  # byte for byte
+    plan = Plan.from_json(record)
+    assert json.dumps(plan.to_json()) == json.dumps(record), case  # byte for byte
     said = str(plan)
     assert "step ms (calib.)" in said and "calib. vs measured" in said, case
     assert "calibrated on one v5e chip from 1 run (baseline at micro-batch 4 x GA 1, seq 1024)" in said

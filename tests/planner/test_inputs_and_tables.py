@@ -305,11 +305,12 @@ def test_the_command_without_its_compiler_exits_2_with_the_install_line(monkeypa
 def test_extrapolation_is_the_line_through_two_depths():
   assert extrapolate(110, 120, 1, 2, 28) == 380
   assert extrapolate(100, 140, 2, 4, 6) == 180
-  r1 = Figures(temp_bytes_per_device=10, collectives={"x": 1})
-  r2 = Figures(temp_bytes_per_device=14, peak_bytes_per_device=3, collectives={"x": 3})
+  ag = lambda count, n: {"per_step": {"all-gather": {"count": count, "bytes": n}}}
+  r1 = Figures(temp_bytes_per_device=10, collectives=ag(1, 10))
+  r2 = Figures(temp_bytes_per_device=14, peak_bytes_per_device=3, collectives=ag(3, 14))
   names = ("temp_bytes_per_device", "peak_bytes_per_device", "collectives")
   r = extrapolate_row(r1, r2, 2, 4, 8, names)
-  assert r == Figures(temp_bytes_per_device=22, peak_bytes_per_device=None, collectives={"x": 7})
+  assert r == Figures(temp_bytes_per_device=22, peak_bytes_per_device=None, collectives=ag(7, 22))
   ar = lambda n: Figures(collectives={"per_step": {"all-reduce": {"count": n, "bytes": 10 * n}}})  # noqa: E731
   counted = extrapolate_row(ar(3), ar(5), 1, 2, 4, ("collectives",)).collectives  # records, field by field
   assert counted.per_step == {"all-reduce": OpCount(count=9, bytes=90)}
@@ -501,7 +502,7 @@ def test_every_kept_plans_rows_read_into_typed_records_and_write_back_the_same_f
   notes = {f.name for f in dataclasses.fields(Made) if f.metadata.get("only_when_set")}
   for path in kept:
     record = json.loads(path.read_text())
-    for row, written in zip(Plan.from_record(record).rows, record["rows"], strict=True):
+    for row, written in zip(Plan.from_json(record).rows, record["rows"], strict=True):
       # A run measured before its memory figure was named for what it holds wrote it as peak_bytes.
       written = {**written, "measured": [{("held_bytes" if k == "peak_bytes" else k): v for k, v in m.items()}
                                          for m in written["measured"]]} if "measured" in written else written
@@ -553,9 +554,9 @@ def test_plan_json_is_written_from_typed_values_and_an_unexpected_value_raises(t
   # parameters' dtypes as the model holds them, a set) is a TypeError, never a string in plan.json.
   kept = sorted((Path(__file__).resolve().parents[2] / "docs" / "data").glob("**/plan.json"))[0]
   record = json.loads(kept.read_text())
-  plan = Plan.from_record(record)
+  plan = Plan.from_json(record)
   plan.write(str(tmp_path / "again"))
-  assert Plan.from_record(json.loads((tmp_path / "again" / "plan.json").read_text())) == plan
+  assert Plan.from_json(json.loads((tmp_path / "again" / "plan.json").read_text())) == plan
   with pytest.raises(TypeError, match="frozenset"):
     untyped = dataclasses.replace(plan.meta, param_dtypes=frozenset({"bfloat16"}))
     dataclasses.replace(plan, meta=untyped).write(str(tmp_path / "untyped"))
@@ -577,13 +578,14 @@ def test_every_collective_the_one_reader_counts_has_a_table_cell():
 def test_docs_say_what_every_field_of_a_plan_json_row_holds():
   # docs/planner.md's "What a row says" is where each field of a row is explained (the records point there):
   # every field a row writes has its line, and every name there is a field.
-  from nnx_zero1_plan.row import _KNOWN
+  from nnx_zero1_plan.row import Row, _keys
   from tests.support.docs_tables import table_under
 
+  known = _keys(Row)
   named = {name for fields, _ in table_under("docs/planner.md", "| field |")
            for name in re.findall(r"`(\w+)`", fields)}
-  assert named <= _KNOWN, sorted(named - _KNOWN)
-  assert _KNOWN <= named, sorted(_KNOWN - named)
+  assert named <= known, sorted(named - known)
+  assert known <= named, sorted(known - named)
 
 
 def test_docs_say_what_every_part_of_a_step_time_holds():

@@ -9,7 +9,7 @@ from nnx_zero1_plan.inputs import PlanError, parse_model
 from nnx_zero1_plan.printed_code import lever_code
 from nnx_zero1_plan.recommend import ORDER, baseline_beats, recommend
 from nnx_zero1_plan.request import PlanRequest, command_line
-from nnx_zero1_plan.row import Made, Offloaded, Point
+from nnx_zero1_plan.row import Made, Offloaded, Point, StateSplit
 from tests.support.rows import G, make_row, searched
 
 # The plan's request as resolved: its mesh and micro-batch set, as the recommendation reads it.
@@ -122,12 +122,12 @@ def test_the_command_line_reproduces_the_settings_that_matter():
   cli = command_line(request, levers=["zero1"], steps=["split"], batch=32, remat="block")
   assert cli.startswith("python -m nnx_zero1.plan --model maxtext:qwen3-0.6b --topology v6e:2x2 "
                         "--mesh data=4 --batch 32")
-  assert cli.endswith("--levers zero1 --steps split --param-dtype bfloat16 --remat block --optimizer lion "
+  assert cli.endswith("--levers zero1 --steps split --optimizer lion --param-dtype bfloat16 --remat block "
                       "scan_layers=false")
   # The margin and the GPU pool are part of what a row was compiled and judged against (the pool on GPUs).
   cli = command_line(dataclasses.replace(REQUEST, margin=0.0, gpu_memory_fraction=0.9), levers=["zero1"],
                      steps=["one"])
-  assert "--margin 0.0 --gpu-memory-fraction 0.9" in cli
+  assert "--gpu-memory-fraction 0.9 --margin 0.0" in cli
   assert "--gpu-memory-fraction" not in command_line(dataclasses.replace(request, gpu_memory_fraction=0.9))
   # A change is made on the request, so it is checked as the request was: no command the planner refuses.
   with pytest.raises(PlanError, match="--steps split"):
@@ -206,9 +206,10 @@ def test_on_a_non_monotonic_bend_a_lever_stands_where_its_own_compile_fitted():
 
 
 def test_a_zero1_lever_holding_the_baseline_s_state_is_never_recommended():
-  # Three v5p slices, no leaf divisible by replica x data: zero1-pod held the baseline's state per chip.
+  # No leaf divisible by the state's axes: zero1-pod's layout split nothing, the baseline's state per chip.
   base = _row("baseline", opt_state_bytes_per_device=27 * G, collective=10, headroom_bytes_per_device=G)
-  pod = _row("zero1-pod", opt_state_bytes_per_device=27 * G, collective=1, headroom_bytes_per_device=G)
+  pod = _row("zero1-pod", opt_state_bytes_per_device=27 * G, collective=1, headroom_bytes_per_device=G,
+             state_split=StateSplit(["replica", "data"], {"none": 1.0}))
   zero1 = _row("zero1", opt_state_bytes_per_device=7 * G, fits=False)
   best = recommend([base, pod, zero1], REQUEST)
   assert best.lever == "baseline"
