@@ -141,15 +141,7 @@ def difference(a: Mapping[str, float], b: Mapping[str, float]) -> tuple[float, f
 def told_apart(a: Mapping[str, float], b: Mapping[str, float]) -> int | None:
   """Which of two steps is faster, by parts of one basis (seconds a step, or a token): -1 ``a``, 1 ``b``;
   None where they are within :data:`SAME_SPEED`, or some error the bands of their parts allow turns their
-  difference around: equal within what the plan can tell.
-
-  Example::
-
-    >>> told_apart({COMPUTE: 0.3, SLOW: 0.1}, {COMPUTE: 0.3, SLOW: 0.15})  # 1.5x the bytes between slices
-    -1
-    >>> told_apart({COMPUTE: 0.3}, {COMPUTE: 0.305}) is None  # within what programs built alike move by
-    True
-  """
+  difference around: equal within what the plan can tell."""
   ta, tb = sum(a.values()), sum(b.values())
   if abs(ta - tb) <= SAME_SPEED * min(ta, tb):
     return None

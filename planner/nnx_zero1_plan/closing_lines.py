@@ -22,20 +22,7 @@ def recommendation_lines(rec: Recommendation | None, limit: str, *, search: bool
   """The recommendation under the table: the configuration, its code, its command, why it beat the levers
   that fit as far, and where the baseline beats a Zero-1 lever, why; the first line blank, none where
   nothing fits (``rec`` None) and the plan is no ``estimate`` (which recommends nothing). ``limit``: how the
-  usable memory was set (:func:`limit_words`).
-
-  Example::
-
-    >>> rec = Recommendation("zero1", "one", 84, None, "optimizer = Zero1Optimizer(...)", "python -m ...",
-    ...                      (), (), ("at micro-batch 84 zero1 leaves ...",), ())
-    >>> print("\\n".join(recommendation_lines(rec, "a 5% margin", search=True)))
-    <BLANKLINE>
-    Recommended: zero1 at micro-batch 84 (one program), the largest that fits with a 5% margin
-      code:
-        optimizer = Zero1Optimizer(...)
-      reproduce: python -m ...
-      why: at micro-batch 84 zero1 leaves ...
-  """
+  usable memory was set (:func:`limit_words`)."""
   if rec is None:
     if estimate:
       return ["", "Nothing is recommended from an estimate: the same command without --estimate compiles the "

@@ -42,22 +42,7 @@ def _shape(text: str) -> tuple[str, tuple[int, ...]]:
 
 
 def float32_result_matmuls(record: ProgramRecord) -> dict[str, Matmul]:
-  """Each instruction of ``record`` that fuses a bfloat16 matmul with a float32 result, by name: its matmul.
-
-  Example::
-
-    >>> record = ProgramRecord.read('''HloModule m
-    ... %g (a: bf16[64,32], b: bf16[32,16]) -> f32[64,16] {
-    ...   %a = bf16[64,32]{1,0} parameter(0)
-    ...   %b = bf16[32,16]{1,0} parameter(1)
-    ...   ROOT %d = f32[64,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-    ... }
-    ... ENTRY %main (a: bf16[64,32], b: bf16[32,16]) -> f32[64,16] {
-    ...   ROOT %f = f32[64,16]{1,0} fusion(%a, %b), kind=kCustom, calls=%g
-    ... }''')
-    >>> float32_result_matmuls(record)
-    {'f': ((64, 32), (32, 16), (((1,), (0,)), ((), ())))}
-  """
+  """Each instruction of ``record`` fusing a bfloat16 matmul with a float32 result, by name: its matmul."""
   found: dict[str, Matmul] = {}
   for body in record.computations.values():
     for instruction in body:

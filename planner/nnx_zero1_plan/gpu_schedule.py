@@ -20,13 +20,7 @@ _PER_MICROSECOND = re.compile(r"cycles_per_microsecond: (?P<n>[\d.]+)")
 
 
 def dump_options(directory: str) -> dict[str, str | bool]:
-  """The compiler options that write a compile's schedule into ``directory``.
-
-  Example::
-
-    >>> dump_options("/tmp/x")["xla_dump_latency_hiding_schedule"]
-    True
-  """
+  """The compiler options that write a compile's schedule into ``directory``."""
   return {"xla_dump_to": directory, "xla_dump_latency_hiding_schedule": True}
 
 
@@ -39,29 +33,7 @@ def dumped_schedule() -> Iterator[tuple[dict[str, str | bool], Callable[[], dict
 
 
 def parse_schedule(text: str) -> tuple[str | None, dict[str, float]]:
-  """One ``*.schedule.txt``: its module's name, and each scheduled instruction's estimated seconds by name.
-
-  Example::
-
-    >>> text = '''hlo_module {
-    ...   name: "jit_f"
-    ...   computations {
-    ...     instructions {
-    ...       name: "gemm"
-    ...       id: 7
-    ...     }
-    ...   }
-    ... }
-    ... computation_schedules {
-    ...   instructions {
-    ...     id: 7
-    ...     end_timestamp_cycles: 45.5
-    ...   }
-    ...   cycles_per_microsecond: 1
-    ... }'''
-    >>> parse_schedule(text)
-    ('jit_f', {'gemm': 4.55e-05})
-  """
+  """One ``*.schedule.txt``: its module's name, and each scheduled instruction's estimated seconds by name."""
   module = _MODULE.search(text)
   names: dict[str, str] = {}
   current = None

@@ -25,7 +25,7 @@ from nnx_zero1._src.companion import Instruction
 from nnx_zero1_plan.gpu_schedule import dumped_schedule
 from nnx_zero1_plan.levers import Lever
 from nnx_zero1_plan.program_record import ProgramRecord
-from nnx_zero1_plan.step_time import FREE
+from nnx_zero1_plan.step_time import launches_kernel
 from nnx_zero1_plan.steps import StepShape, abstract_batch, lever_state, step_jit
 from nnx_zero1_plan.targets import Target, gpu_devices
 
@@ -104,7 +104,7 @@ def _kernels(record: ProgramRecord) -> Iterator[Instruction]:
       if i.op in ("while", "call", "conditional"):
         for call in i.calls:
           yield from walk(call.computation)
-      elif i.op not in FREE and not i.collective and not i.op.endswith("-done"):
+      elif launches_kernel(i):
         yield i
 
   return walk(record.entry or "")

@@ -26,7 +26,7 @@ from nnx_zero1_plan.row import GPU_SOURCE, TPU_SOURCE, Figures, StepTime
 NOT_ESTIMATED = 2**63 - 1
 
 # What costs nothing and is not scheduled on its own: XLA's GPU scheduler gives these no estimate.
-FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
+_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
                    "replica-id", "opt-barrier", "after-all", "add-dependency"})
 
 
@@ -123,28 +123,13 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
   """A compiled program's (its record, or ``compiled.as_text()``) time on one call on one device, over
   ``devices`` (its ``num_partitions`` where None): its schedule walked with the compiler's estimates, each
   instruction's by name where the compiler gives them apart from the program (XLA's GPU scheduler:
-  :func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`), else the program's cycles at ``rates``.
-
-  Example::
-
-    >>> from nnx_zero1_plan.networks import at_rate
-    >>> hlo = '''HloModule m, num_partitions=4
-    ... ENTRY %main (p: f32[1024]) -> f32[1024] {
-    ...   %f = f32[1024]{0} fusion(%p), kind=kLoop, calls=%g, backend_config={"estimated_cycles":"1000"}
-    ...   %ar = f32[1024]{0} all-reduce-start(%f), replica_groups={{0,1,2,3}}, to_apply=%add
-    ...   %h = f32[1024]{0} fusion(%p), kind=kLoop, calls=%g, backend_config={"estimated_cycles":"500"}
-    ...   ROOT %d = f32[1024]{0} all-reduce-done(%ar)
-    ... }'''
-    >>> t = program_time(hlo, Rates(clock_hz=1e9, collective_s=at_rate(6144 / 1e-6)))
-    >>> round(t.compute_s * 1e6, 3), round(t.collective_s * 1e6, 3), round(t.exposed_collective_s * 1e6, 3)
-    (1.5, 1.0, 0.5)
-  """
+  :func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`), else the program's cycles at ``rates``."""
   record = ProgramRecord.of(program)
   devices = devices or record.devices
   timed = rates.clock_hz is not None or estimates is not None
 
   def scheduled(i: Instruction) -> float | None:
-    return 0.0 if i.op in FREE else (estimates or {}).get(i.name)
+    return 0.0 if i.op in _FREE else (estimates or {}).get(i.name)
 
   compute_seconds = functools.partial(cycle_seconds, rates=rates) if estimates is None else scheduled
 
@@ -251,6 +236,11 @@ def _by_kind(exposed: Mapping[str, float], fast_s: float) -> dict[str, float] | 
   return {k: round(v * fast_s / total, 9) for k, v in sorted(exposed.items()) if v} if total else None
 
 
+def launches_kernel(i: Instruction) -> bool:
+  """Whether an instruction runs as a kernel of its own: not free, not a collective nor a transfer's end."""
+  return i.op not in _FREE and not i.collective and not i.op.endswith("-done")
+
+
 def _module_estimates(record: ProgramRecord, scheduled: Mapping[str, Mapping[str, float]] | None
                       ) -> Mapping[str, float] | None:
   """A program's instructions' estimates from the GPU scheduler's dump, where most of its entry's costly
@@ -258,6 +248,5 @@ def _module_estimates(record: ProgramRecord, scheduled: Mapping[str, Mapping[str
   own = (scheduled or {}).get(record.module) if record.module else None
   if not own or record.entry is None:
     return None
-  names = [i.name for i in record.computations[record.entry]
-           if i.op not in FREE and not i.collective and not i.op.endswith("-done")]
+  names = [i.name for i in record.computations[record.entry] if launches_kernel(i)]
   return own if not names or sum(n in own for n in names) >= len(names) / 2 else None
