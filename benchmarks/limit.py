@@ -21,6 +21,7 @@ time on the device, by name, which is what a prediction is checked against.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -60,6 +61,7 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
   from nnx_zero1_plan import (
     CHIPS,
     LEVERS,
+    ProgramRecord,
     chip_of,
     compile_step,
     dump_options,
@@ -102,10 +104,11 @@ def measure(model: str, lever_name: str, batch: int, seq_len: int, optimizer: st
       f.write(hlo)
   chip = chip_of(device.device_kind)
   if chip is not None:
-    tpu = CHIPS[chip].gpu is None
-    predicted = predict_step_time([("step", hlo, 1)], CHIPS[chip], devices=len(devices),
-                          tokens_per_device=ga * batch * seq_len / len(devices), compute_dtype="bfloat16",
-                          scheduled=None if tpu else scheduled, deviceless=False)
+    record = ProgramRecord.read(hlo)
+    record = dataclasses.replace(record, estimates=(scheduled or {}).get(record.module or ""))
+    tokens = ga * batch * seq_len / len(devices)
+    predicted = predict_step_time([("step", record, 1)], CHIPS[chip], devices=len(devices),
+                                  tokens_per_device=tokens, compute_dtype="bfloat16")
     row["predicted_ms"] = None if predicted.predicted_step_s is None else round(
         1000 * predicted.predicted_step_s, 2)
     row["time_absent"] = predicted.time_absent

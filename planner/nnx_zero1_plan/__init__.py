@@ -37,6 +37,7 @@ _ON_FIRST_USE = {name: module for module, names in {
     "compiled": ("memory", "split_memory", "summed", "hbm_oom"),
     "step_time": ("predict_step_time", "program_time", "Rates", "cycle_class"),
     "gpu_schedule": ("dump_options", "scheduled_seconds"),
+    "program_record": ("ProgramRecord",),
     "models": ("model_source",),
 }.items() for name in names}
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from nnx_zero1_plan.calibration import Calibration, Run, summed_kinds
 from nnx_zero1_plan.program_record import ProgramRecord, kind_of
-from nnx_zero1_plan.step_time import Rates, collective_seconds, cycle_seconds, program_time
+from nnx_zero1_plan.step_time import Rates, collective_seconds, compute_seconds, program_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ def read_program(program: ProgramRecord | str, rates: Rates) -> PricedProgram:
   collectives: dict[str, tuple[str, float, int]] = {}
   dones: dict[str, str] = {}
   overlapped = False
-  kind = kind_of(record)
+  kind, estimates = kind_of(record), record.estimates
   for i, runs in ((i, runs) for name, runs in record.runs.items() for i in record.computations[name]):
     if i.op.endswith("-done"):
       dones[i.args.split(",")[0].strip().lstrip("%")] = i.name
@@ -47,11 +47,9 @@ def read_program(program: ProgramRecord | str, rates: Rates) -> PricedProgram:
       collectives[i.name] = (i.collective.op, seconds, runs)
     if i.collective or i.host:
       overlapped = True
-    elif record.estimates is not None:  # a GPU's: XLA's scheduler's seconds
-      if i.name in record.estimates:
-        priced[i.name] = (kind(i), record.estimates[i.name], runs)
-    elif i.cycles is not None and rates.clock_hz and (walked := cycle_seconds(i, rates)) is not None:
-      priced[i.name] = (i.kind or "", walked, runs)
+    elif (i.name in estimates if estimates is not None else i.cycles is not None and rates.clock_hz) and (
+        walked := compute_seconds(i, rates, estimates)) is not None:
+      priced[i.name] = (i.kind or kind(i), walked, runs)
   return PricedProgram(record, rates, priced, overlapped, collectives, dones)
 
 

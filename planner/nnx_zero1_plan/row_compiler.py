@@ -37,11 +37,10 @@ from nnx_zero1_plan.targets import Target
 
 
 def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord, int]], shape: StepShape,
-                   timing: RowCompiler | None, lever_name: str,
-                   scheduled: Mapping[str, Mapping[str, float]] | None = None) -> Figures:
+                   timing: RowCompiler | None, lever_name: str) -> Figures:
   """``figures`` with the predicted time of the ``programs`` one step of ``lever_name`` runs on ``timing``'s
-  target (``scheduled``: XLA's GPU scheduler's estimates, which :func:`gpu_estimates` put on the records), and
-  the calibrated time (:func:`calibrated`)."""
+  target (a GPU's records with its scheduler's estimates: :func:`gpu_estimates`), and the calibrated time
+  (:func:`calibrated`)."""
   if timing is None:
     return figures
   target = timing.target
@@ -49,20 +48,20 @@ def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
   figures = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
                               tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
-                              scheduled=scheduled, figures=figures)
+                              figures=figures)
   return calibrated(figures, [(record, times) for _, record, times in programs], timing, lever_name, shape.ga)
 
 
 def gpu_estimates(programs: Sequence[tuple[str, ProgramRecord, int]],
                   scheduled: Mapping[str, Mapping[str, float]], target: Target
-                  ) -> tuple[list[tuple[str, ProgramRecord, int]], dict[str, dict[str, float]]]:
+                  ) -> list[tuple[str, ProgramRecord, int]]:
   """``programs`` with XLA's GPU scheduler's estimates (``scheduled``) on their records, each bfloat16 matmul
   with a float32 result priced as the tensor cores run it (:func:`~nnx_zero1_plan.gpu_matmuls.
-  tensor_core_priced`), and those estimates."""
+  tensor_core_priced`)."""
   probed_on = twin_devices(target.chip, target.hbm_bytes) if needs_twin(target) else target.devices
   priced = tensor_core_priced(scheduled, [record for _, record, _ in programs], probed_on)
-  return ([(name, dataclasses.replace(record, estimates=priced.get(record.module or "")), times)
-           for name, record, times in programs], priced)
+  return [(name, dataclasses.replace(record, estimates=priced.get(record.module or "")), times)
+          for name, record, times in programs]
 
 
 def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], timing: RowCompiler,
@@ -143,17 +142,15 @@ def compile_and_read(compile: Callable[[dict[str, Any] | None], Compiled], at: s
   if said:
     say(compiled_line(at, figures.compile_s or 0.0, figures))
   programs = [(name, record, times) for name, _, record, times in step.programs]
-  kept_estimates = programs[0][1].estimates
-  if kept_estimates is not None:  # a GPU's program kept with its estimates
-    scheduled = {programs[0][1].module or "": kept_estimates}
-  elif scheduled is not None and timing is not None:  # a GPU's: its scheduler's estimates
+  # A GPU's: its scheduler's estimates put on the records, unless a kept program carries them already.
+  if scheduled is not None and timing is not None and programs[0][1].estimates is None:
     if step.twin is not None and needs_twin(timing.target):  # timed by its twin
       with contextlib.suppress(*COMPILER_REFUSALS):  # refused: no estimates, and the row says so
         scheduled = as_scheduled(programs[0][1], *step.twin())
-    programs, scheduled = gpu_estimates(programs, scheduled, timing.target)
+    programs = gpu_estimates(programs, scheduled, timing.target)
   if step.keep is not None:
     step.keep(programs[0][1])
-  return with_step_time(figures, programs, shape, timing, lever_name, scheduled)
+  return with_step_time(figures, programs, shape, timing, lever_name)
 
 
 def compiled_figures(lever_name: str, step: str, source: Any, mesh: Any, shape: StepShape,

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from nnx_zero1._src.companion import Instruction
 from nnx_zero1_plan.chips import Chip
 from nnx_zero1_plan.hlo_flops import dot_flops
+from nnx_zero1_plan.inputs import BACKENDS
 from nnx_zero1_plan.networks import (
   CollectiveTime,
   collective_time,
@@ -109,9 +110,13 @@ def collective_seconds(i: Instruction, rates: Rates, devices: int) -> float:
   return rates.collective_s(c.op, c.sent(devices), groups, rings_of(i.line), devices)
 
 
-def cycle_seconds(i: Instruction, rates: Rates) -> float | None:
-  """An instruction's cycles at its class's clock: 0.0 where it has none (or there is no clock), None where
-  the compiler did not estimate it."""
+def compute_seconds(i: Instruction, rates: Rates, estimates: Mapping[str, float] | None = None
+                    ) -> float | None:
+  """An instruction's seconds: its estimate by name where XLA's GPU scheduler priced the program
+  (``estimates``; 0.0 for what costs nothing), else its cycles at its class's clock (0.0 where it has none, or
+  there is no clock); None where the compiler did not estimate it."""
+  if estimates is not None:
+    return 0.0 if i.op in _FREE else estimates.get(i.name)
   if i.cycles is None or rates.clock_hz is None:
     return 0.0
   return None if i.cycles >= NOT_ESTIMATED else i.cycles / (rates.class_clocks_hz or {}).get(i.work or "",
@@ -121,17 +126,13 @@ def cycle_seconds(i: Instruction, rates: Rates) -> float | None:
 def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None = None,
                  estimates: Mapping[str, float] | None = None) -> ProgramTime:
   """A compiled program's (its record, or ``compiled.as_text()``) time on one call on one device, over
-  ``devices`` (its ``num_partitions`` where None): its schedule walked with the compiler's estimates, each
-  instruction's by name where the compiler gives them apart from the program (XLA's GPU scheduler:
-  :func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`), else the program's cycles at ``rates``."""
+  ``devices`` (its ``num_partitions`` where None): its schedule walked with the compiler's estimates
+  (:func:`compute_seconds`: ``estimates`` by name where given, else the record's own from XLA's GPU scheduler,
+  else its cycles at ``rates``)."""
   record = ProgramRecord.of(program)
   devices = devices or record.devices
+  estimates = record.estimates if estimates is None else estimates
   timed = rates.clock_hz is not None or estimates is not None
-
-  def scheduled(i: Instruction) -> float | None:
-    return 0.0 if i.op in _FREE else (estimates or {}).get(i.name)
-
-  compute_seconds = functools.partial(cycle_seconds, rates=rates) if estimates is None else scheduled
 
   @functools.cache
   def walk(name: str) -> ProgramTime:
@@ -149,7 +150,7 @@ def program_time(program: ProgramRecord | str, rates: Rates, devices: int | None
       elif i.op in ("while", "call", "conditional"):  # the callee's walk, as many times as it runs
         for call in i.calls:
           w.add(walk(call.computation), call.times)
-      elif (seconds := compute_seconds(i)) is None:
+      elif (seconds := compute_seconds(i, rates, estimates)) is None:
         w.unestimated += 1
       else:
         w.total_s += seconds
@@ -187,28 +188,26 @@ def rates_for(chip: Chip) -> Rates:
 
 def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], chip: Chip, *, devices: int,
                       tokens_per_device: float, compute_dtype: str, slow_bytes: int = 0,
-                      scheduled: Mapping[str, Mapping[str, float]] | None = None,
                       figures: Figures | None = None) -> Figures:
   """``figures`` with a step's predicted time on one device (``time_absent`` says why where there is none):
   its programs' walks (:func:`program_time`), each as many times as one step runs it, and the slow network's
   bytes over its rate, exposed. ``programs``: ``(name, record or text, times)`` for each program one step
   runs, in order; ``compute_dtype`` gives the MFU's peak; ``slow_bytes``: what one device sends per step
-  between slices or nodes; ``scheduled``: XLA's GPU scheduler's estimates, ``{module: {instruction:
-  seconds}}`` (:func:`nnx_zero1_plan.gpu_schedule.scheduled_seconds`; None for a TPU program, which
-  carries its own)."""
+  between slices or nodes. A GPU program's record carries its scheduler's estimates
+  (``ProgramRecord.estimates``)."""
   figures = Figures() if figures is None else figures
   records = [(name, ProgramRecord.of(program), times) for name, program, times in programs]
-  estimates = [_module_estimates(record, scheduled) for _, record, _ in records]
+  in_cycles = BACKENDS[chip.platform].prices_in_cycles
   # A TPU program carries the compiler's cycles in its text; a GPU program's come from its scheduler's dump.
-  if not all("estimated_cycles" in r.text or own for (_, r, _), own in zip(records, estimates, strict=True)):
-    return dataclasses.replace(figures, time_absent=NO_ESTIMATE if scheduled is None else NO_SCHEDULE)
+  if not all("estimated_cycles" in r.text if in_cycles else _estimated(r) for _, r, _ in records):
+    return dataclasses.replace(figures, time_absent=NO_ESTIMATE if in_cycles else NO_SCHEDULE)
   rates = rates_for(chip)
   if rates.host_bytes_per_s is None and any(  # the step copies between host and device memory
       i.host for _, record, _ in records for name in record.runs for i in record.computations[name]):
     return dataclasses.replace(figures, time_absent=HOST_UNTIMED)
   step = _Walk()
-  for (_, record, times), own in zip(records, estimates, strict=True):
-    step.add(program_time(record, rates, devices, own), times)
+  for _, record, times in records:
+    step.add(program_time(record, rates, devices), times)
   slow_s, crossed = slow_seconds(chip.links, slow_bytes), crossed_seconds(chip, slow_bytes)
   crossed_exposed = min(crossed, step.exposed_collective_s)
   fast_exposed = step.exposed_collective_s - crossed_exposed
@@ -216,7 +215,7 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
   flops = sum(times * dot_flops(record) for _, record, times in records)
   peak = chip.compute.peak_flops_per_s.get(compute_dtype, chip.compute.peak_flops_per_s["bfloat16"])
   parts = StepTime(
-      source=TPU_SOURCE if scheduled is None else GPU_SOURCE,
+      source=TPU_SOURCE if in_cycles else GPU_SOURCE,
       programs=[name if times == 1 else f"{name} x{times}" for name, _, times in records],
       compute_s=step.compute_s or 0.0, fast_network=chip.links.fast,
       fast_s=max(0.0, step.collective_s - crossed), fast_exposed_s=fast_exposed,
@@ -241,12 +240,11 @@ def launches_kernel(i: Instruction) -> bool:
   return i.op not in _FREE and not i.collective and not i.op.endswith("-done")
 
 
-def _module_estimates(record: ProgramRecord, scheduled: Mapping[str, Mapping[str, float]] | None
-                      ) -> Mapping[str, float] | None:
-  """A program's instructions' estimates from the GPU scheduler's dump, where most of its entry's costly
-  instructions have one (None otherwise: a program partly unestimated has no time)."""
-  own = (scheduled or {}).get(record.module) if record.module else None
+def _estimated(record: ProgramRecord) -> bool:
+  """Whether most of a GPU program's entry's kernels have the scheduler's estimate (a program partly
+  unestimated has no time)."""
+  own = record.estimates
   if not own or record.entry is None:
-    return None
+    return False
   names = [i.name for i in record.computations[record.entry] if launches_kernel(i)]
-  return own if not names or sum(n in own for n in names) >= len(names) / 2 else None
+  return not names or sum(n in own for n in names) >= len(names) / 2

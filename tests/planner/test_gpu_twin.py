@@ -58,7 +58,7 @@ given = as_scheduled(one, twin, scheduled)[one.module]
 
 # A GPU's profile of two runs of the one GPU's step, built on its own instructions (each kernel as long as the
 # plan prices it, times 1.25 for a matmul and 0.8 for the rest, a microsecond between kernels), calibrated.
-(_, timed, _), = gpu_estimates([("step", one, 1)], {one.module: given}, target)[0]  # as the plan reads it
+(_, timed, _), = gpu_estimates([("step", one, 1)], {one.module: given}, target)  # as the plan reads it
 priced = read_program(timed, rates_for(CHIPS["h200"]))
 speed = lambda kind: 1.25 if kind.startswith("matmul") else 0.8
 events, at = [], 0

@@ -2,11 +2,14 @@
 throughput) on hand-written compiled programs: each figure computed here by hand from the HLO's bytes, the
 cycles and the chip table's rates, never restated. Pure: no compiler (lane 2 times real compiles)."""
 
+import dataclasses
+
 import pytest
 
 from nnx_zero1_plan.chips import CHIPS
 from nnx_zero1_plan.gpu_schedule import parse_schedule
 from nnx_zero1_plan.networks import at_rate, on_a_cycle, slice_shape
+from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.recommend import BY_THROUGHPUT, ORDER, by_throughput, recommend
 from nnx_zero1_plan.request import PlanRequest
 from nnx_zero1_plan.row import Figures, Made, Point, Row
@@ -124,18 +127,19 @@ def test_the_compilers_not_estimated_counts_zero_and_is_counted():
 def test_a_program_without_cycles_has_no_time_not_a_guess():
   plain = _module(["  ROOT %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
   assert program_time(plain, Rates(None, at_rate(RING))).compute_s is None
-  figures = predict_step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
+  figures = predict_step_time([("step", plain, 1)], CHIPS["v5e"], devices=4, tokens_per_device=8,
                               compute_dtype="bfloat16")
   assert figures.predicted_step_s is None and figures.time_absent == NO_ESTIMATE
   unscheduled = predict_step_time([("step", plain, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
-                                  compute_dtype="bfloat16", scheduled={"jit_other": {"r": 1e-3}})
+                                  compute_dtype="bfloat16")  # a GPU's, without its scheduler's estimates
   assert unscheduled.time_absent == NO_SCHEDULE
 
 
 def test_a_gpu_program_is_timed_by_its_schedulers_estimates():
   program = _module(["  %r = f32[256]{0} fusion(%p), kind=kLoop, calls=%c"])
-  timed = predict_step_time([("step", program, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
-                            compute_dtype="bfloat16", scheduled={"jit_f": {"r": 1e-3}})
+  estimated = dataclasses.replace(ProgramRecord.read(program), estimates={"r": 1e-3})
+  timed = predict_step_time([("step", estimated, 1)], CHIPS["h100"], devices=4, tokens_per_device=8,
+                            compute_dtype="bfloat16")
   assert timed.predicted_step_s == pytest.approx(1e-3) and timed.time_absent is None
   assert timed.step_time.compute_s == pytest.approx(1e-3)
   assert timed.tokens_per_s_per_device == pytest.approx(8e3)
