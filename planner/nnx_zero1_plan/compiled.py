@@ -102,13 +102,7 @@ _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def hbm_oom(message: str) -> HbmOom | None:
-  """The TPU compiler's "does not fit" refusal as numbers (in any of its wordings); None for other errors.
-
-  Example::
-
-    >>> hbm_oom("Used 2.00T of 15.48G hbm. Exceeded hbm capacity by 1.98T.").available_bytes
-    16621523435
-  """
+  """The TPU compiler's "does not fit" refusal as numbers (in any of its wordings); None for other errors."""
   m = _OOM.search(message)
   if m is None:
     return HbmOom(None, None, message[:300]) if "CompileTimeHbmOom" in message else None

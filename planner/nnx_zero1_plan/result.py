@@ -18,7 +18,7 @@ from nnx_zero1_plan.table import table
 from nnx_zero1_plan.way_out import WayOut
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Plan(Record):
   """What each lever needs per device on the target, as plan.json holds it; ``str()`` is the printed table.
   A row per lever, step and remat policy; the recommendation, or when no row fits the way out and what to try
