@@ -94,6 +94,16 @@ def crossed_seconds(chip: Chip, sent: int) -> float:
   return sent / chip.links.fast_bytes_per_s if BACKENDS[chip.platform].crosses_in_program else 0.0
 
 
+def over_the_slow_network(walk_s: float, exposed_s: float, chip: Chip, sent: int
+                          ) -> tuple[float, float, float]:
+  """A step's seconds from its walk (``walk_s``, ``exposed_s`` of it waiting on collectives) and the ``sent``
+  bytes one device sends between slices or nodes, the slow network's seconds added and the wait a GPU pod's
+  walk gave the crossing bytes taken off (counted once, there); with the slow seconds and that wait."""
+  slow_s = slow_seconds(chip.links, sent)
+  crossed = min(crossed_seconds(chip, sent), exposed_s)
+  return walk_s - crossed + slow_s, slow_s, crossed
+
+
 def network_per_step(collectives: Collectives, chip: str, backend: Backend, step_time: StepTime | None = None
                      ) -> PodNetworks:
   """The bytes one device sends per step over each network of a pod (a program over nodes sends part of its

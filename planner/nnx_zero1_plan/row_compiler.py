@@ -25,7 +25,7 @@ from nnx_zero1_plan.gpu_schedule import dumped_schedule
 from nnx_zero1_plan.gpu_twin import as_scheduled, compile_twin, needs_twin, twin_devices
 from nnx_zero1_plan.inputs import error_line, shortened
 from nnx_zero1_plan.levers import state_axes, with_offload
-from nnx_zero1_plan.networks import network_per_step
+from nnx_zero1_plan.networks import network_per_step, over_the_slow_network
 from nnx_zero1_plan.on_chip import Kept, Program
 from nnx_zero1_plan.planned_model import PlannedModel
 from nnx_zero1_plan.program_record import ProgramRecord
@@ -44,12 +44,17 @@ def with_step_time(figures: Figures, programs: Sequence[tuple[str, ProgramRecord
   if timing is None:
     return figures
   target = timing.target
-  slow = figures.collectives.across_bytes if figures.collectives else 0  # between slices or nodes; 0 on one
+  slow = _across(figures)
   tokens = shape.batch * shape.seq_len * shape.ga / len(target.devices)
   figures = predict_step_time(programs, CHIPS[target.chip], devices=len(target.devices),
                               tokens_per_device=tokens, compute_dtype=timing.compute_dtype, slow_bytes=slow,
                               figures=figures)
   return calibrated(figures, [(record, times) for _, record, times in programs], timing, lever_name, shape.ga)
+
+
+def _across(figures: Figures) -> int:
+  """The bytes one device sends per step between slices or nodes (0 on one)."""
+  return figures.collectives.across_bytes if figures.collectives else 0
 
 
 def gpu_estimates(programs: Sequence[tuple[str, ProgramRecord, int]],
@@ -75,7 +80,8 @@ def calibrated(figures: Figures, programs: Sequence[tuple[ProgramRecord, int]], 
   read = [(read_program(record, rates_for(CHIPS[timing.target.chip])), times) for record, times in programs]
   step_s, collective_s = calibrated_step(read, calibration, timing.target.name)
   timed = bool(calibration.collectives_on(timing.target.name))
-  return dataclasses.replace(figures, calibrated_step_s=step_s + figures.step_time.slow_s,
+  step_s = over_the_slow_network(step_s, collective_s, CHIPS[timing.target.chip], _across(figures))[0]
+  return dataclasses.replace(figures, calibrated_step_s=step_s,
                              calibrated_collective_s=collective_s if timed else None)
 
 

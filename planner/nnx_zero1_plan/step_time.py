@@ -17,8 +17,8 @@ from nnx_zero1_plan.networks import (
   CollectiveTime,
   collective_time,
   crossed_seconds,
+  over_the_slow_network,
   rings_of,
-  slow_seconds,
 )
 from nnx_zero1_plan.program_record import ProgramRecord
 from nnx_zero1_plan.row import GPU_SOURCE, TPU_SOURCE, Figures, StepTime
@@ -208,17 +208,16 @@ def predict_step_time(programs: Sequence[tuple[str, ProgramRecord | str, int]], 
   step = _Walk()
   for _, record, times in records:
     step.add(program_time(record, rates, devices), times)
-  slow_s, crossed = slow_seconds(chip.links, slow_bytes), crossed_seconds(chip, slow_bytes)
-  crossed_exposed = min(crossed, step.exposed_collective_s)
+  predicted, slow_s, crossed_exposed = over_the_slow_network(step.total_s, step.exposed_collective_s, chip,
+                                                             slow_bytes)
   fast_exposed = step.exposed_collective_s - crossed_exposed
-  predicted = step.total_s - crossed_exposed + slow_s
   flops = sum(times * dot_flops(record) for _, record, times in records)
   peak = chip.compute.peak_flops_per_s.get(compute_dtype, chip.compute.peak_flops_per_s["bfloat16"])
   parts = StepTime(
       source=TPU_SOURCE if in_cycles else GPU_SOURCE,
       programs=[name if times == 1 else f"{name} x{times}" for name, _, times in records],
       compute_s=step.compute_s or 0.0, fast_network=chip.links.fast,
-      fast_s=max(0.0, step.collective_s - crossed), fast_exposed_s=fast_exposed,
+      fast_s=max(0.0, step.collective_s - crossed_seconds(chip, slow_bytes)), fast_exposed_s=fast_exposed,
       slow_s=slow_s, slow_network=chip.links.slow if slow_bytes else None, host_exposed_s=step.exposed_host_s,
       host_s=step.host_s if rates.host_bytes_per_s else None, unestimated_ops=step.unestimated,
       clock_ghz=None if rates.clock_hz is None else round(rates.clock_hz / 1e9, 4),
